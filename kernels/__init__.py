@@ -1,0 +1,1 @@
+"""Bare Triton kernels of triton_reshard (launchers live in ``triton_reshard/``)."""

@@ -1,0 +1,318 @@
+"""Execute: buffers, transport, kernels.
+
+A :class:`Resharder` runs one :class:`~triton_reshard.plan.Plan` on one rank. Per step it packs the strided
+source slices into one contiguous send buffer per peer, exchanges all buffers with one
+``torch.distributed.batch_isend_irecv`` call, and scatters each receive buffer into the destination views.
+Staging buffers are allocated once and reused; every wait has a timeout; before any byte moves all ranks
+check they run the same plan and that every rank's input is valid.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .plan import Plan, RankStep, Transfer
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+class ReshardError(RuntimeError):
+    """A reshard could not run (ranks disagree, a peer rejected its input)."""
+
+
+class ReshardTimeoutError(ReshardError, TimeoutError):
+    """A peer did not arrive within the timeout. The process group is unusable afterwards: destroy it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """What one ``run()`` did on this rank."""
+
+    rank: int
+    steps: int
+    sent_bytes: int
+    recv_bytes: int
+    local_bytes: int
+    staging_bytes: int
+    seconds: float
+
+
+def _slices(off, size):
+    return tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))
+
+
+def _to_timedelta(timeout) -> timedelta:
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return timedelta(seconds=float(timeout))
+    raise TypeError(f"timeout must be a timedelta or a positive number of seconds, got {timeout!r}")
+
+
+class Resharder:
+    """Runs ``plan`` on this rank. Call :meth:`run` on every rank of ``group`` (default: the world).
+
+    ``bucket_bytes`` bounds this rank's staging memory (send + receive buffers) whatever the model size;
+    a tensor larger than a bucket is split across steps. ``timeout`` (seconds or timedelta) bounds every
+    wait. ``backend`` forces the copy backend (``"torch"`` or ``"triton"``; default by device / the
+    ``TRITON_RESHARD_BACKEND`` variable).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        backend: str | None = None,
+    ) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"Resharder needs a Plan, got {type(plan).__name__}")
+        self.plan = plan
+        self.group = group
+        self.bucket_bytes = int(bucket_bytes)
+        self.timeout = _to_timedelta(timeout)
+        self.backend = backend
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size())
+            )
+        else:
+            self.rank, self.group_ranks = 0, (0,)
+        missing = sorted(set(plan.ranks) - set(self.group_ranks))
+        if missing:
+            raise ValueError(
+                f"rank {self.rank}: the plan uses ranks {missing} that are not in the process group "
+                f"{list(self.group_ranks)}"
+            )
+        self.schedule = plan.schedule(self.bucket_bytes)
+        self.steps, self.send_area_bytes, self.recv_area_bytes = self.schedule.for_rank(self.rank)
+        self._src_specs = plan.src.local_specs(self.rank)
+        self._dst_specs = plan.dst.local_specs(self.rank)
+        self._local = tuple(t for t in plan.local_copies if t.dst_rank == self.rank)
+        self._send_area: torch.Tensor | None = None
+        self._recv_area: torch.Tensor | None = None
+        self._bound_sig: tuple | None = None
+        self._bound: tuple | None = None
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def _check_side(self, side: str, tensors: Mapping[str, torch.Tensor], specs) -> torch.device | None:
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"rank {self.rank}: {side} tensors must be a dict name -> Tensor, got {type(tensors).__name__}")
+        unknown = sorted(set(tensors) - set(specs))
+        missing = sorted(set(specs) - set(tensors))
+        if missing:
+            raise ValueError(f"rank {self.rank}: {side} tensor {missing[0]!r} is missing (expected {sorted(specs)})")
+        if unknown:
+            raise ValueError(f"rank {self.rank}: unknown {side} tensor {unknown[0]!r} (expected {sorted(specs)})")
+        device = None
+        for name, spec in specs.items():
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"rank {self.rank}: {side} tensor {name!r} is a {type(t).__name__}, not a Tensor")
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(
+                    f"rank {self.rank}: {side} tensor {name!r} has shape {tuple(t.shape)}, the layout says {spec.shape}"
+                )
+            if t.dtype != spec.dtype:
+                raise ValueError(
+                    f"rank {self.rank}: {side} tensor {name!r} has dtype {t.dtype}, the layout says {spec.dtype}"
+                )
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(
+                    f"rank {self.rank}: {side} tensor {name!r} is on {t.device}, other tensors are on {device}"
+                )
+        return device
+
+    def _check_inputs(self, src_tensors, dst_tensors) -> torch.device:
+        sdev = self._check_side("source", src_tensors, self._src_specs)
+        ddev = self._check_side("destination", dst_tensors, self._dst_specs)
+        if sdev is not None and ddev is not None and sdev != ddev:
+            raise ValueError(f"rank {self.rank}: source tensors are on {sdev}, destination tensors on {ddev}")
+        device = sdev or ddev or self._comm_device()
+        if self._uses_wire() and self._is_nccl() and device.type != "cuda":
+            raise ValueError(f"rank {self.rank}: NCCL needs CUDA tensors, got tensors on {device}")
+        return device
+
+    # -- transport helpers --------------------------------------------------------------------------
+
+    def _uses_wire(self) -> bool:
+        return len(self.group_ranks) > 1 and dist.is_initialized()
+
+    def _is_nccl(self) -> bool:
+        return dist.is_initialized() and dist.get_backend(self.group) == "nccl"
+
+    def _comm_device(self) -> torch.device:
+        if self._is_nccl():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _wait(self, works, what: str, peers) -> None:
+        for w in works:
+            try:
+                ok = w.wait(timeout=self.timeout)
+            except RuntimeError as e:
+                msg = str(e)
+                if "imed out" in msg or "timeout" in msg.lower() or "Connection closed" in msg:
+                    raise ReshardTimeoutError(
+                        f"rank {self.rank}: {what} with peers {sorted(peers)} did not complete within "
+                        f"{self.timeout.total_seconds():g}s ({msg.splitlines()[0] if msg else 'timeout'}); "
+                        f"the process group is unusable now: destroy it"
+                    ) from e
+                raise
+            if ok is False:
+                raise ReshardTimeoutError(
+                    f"rank {self.rank}: {what} with peers {sorted(peers)} did not complete within "
+                    f"{self.timeout.total_seconds():g}s; the process group is unusable now: destroy it"
+                )
+
+    def _handshake(self, error: Exception | None) -> None:
+        """All ranks: same plan digest? everyone's input valid? Raises on every rank otherwise."""
+        if not self._uses_wire():
+            if error is not None:
+                raise error
+            return
+        dev = self._comm_device()
+        d = int(self.plan.digest, 16)
+        mine = torch.tensor(
+            [d >> 32, d & 0xFFFFFFFF, self.bucket_bytes, 0 if error is None else 1], dtype=torch.int64, device=dev
+        )
+        out = [torch.empty_like(mine) for _ in self.group_ranks]
+        work = dist.all_gather(out, mine, group=self.group, async_op=True)
+        self._wait([work], "the plan handshake", self.group_ranks)
+        rows = [o.tolist() for o in out]
+        if error is not None:
+            raise error
+        digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(self.group_ranks, rows, strict=True)}
+        if len(set(digests.values())) > 1 or len({row[2] for row in rows}) > 1:
+            raise ReshardError(
+                f"rank {self.rank}: ranks run different plans (plan digest by rank: {digests}; bucket_bytes by "
+                f"rank: {[row[2] for row in rows]}); nothing was moved"
+            )
+        bad = [r for r, row in zip(self.group_ranks, rows, strict=True) if row[3]]
+        if bad:
+            raise ReshardError(
+                f"rank {self.rank}: rank(s) {bad} rejected their input (see the error on those ranks); "
+                f"nothing was moved"
+            )
+
+    # -- binding views --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _signature(tensors: Mapping[str, torch.Tensor]) -> tuple:
+        return tuple(
+            (n, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for n, t in sorted(tensors.items())
+        )
+
+    def _bind(self, src_tensors, dst_tensors, device: torch.device):
+        sig = (self._signature(src_tensors), self._signature(dst_tensors))
+        if sig == self._bound_sig:
+            return self._bound
+        if self._send_area is None or self._send_area.device != device:
+            self._send_area = torch.empty(self.send_area_bytes, dtype=torch.uint8, device=device)
+            self._recv_area = torch.empty(self.recv_area_bytes, dtype=torch.uint8, device=device)
+        transfers = self.plan.transfers
+
+        def src_view(t: Transfer, off, size):
+            base = src_tensors[t.src_local]
+            extra = base.dim() - len(size)
+            o = t.src_offsets[:extra] + tuple(a + b for a, b in zip(t.src_offsets[extra:], off, strict=True))
+            return base[_slices(o, (1,) * extra + tuple(size))].reshape(size)
+
+        def dst_view(t: Transfer, off, size):
+            base = dst_tensors[t.dst_local]
+            extra = base.dim() - len(size)
+            o = t.dst_offsets[:extra] + tuple(a + b for a, b in zip(t.dst_offsets[extra:], off, strict=True))
+            return base[_slices(o, (1,) * extra + tuple(size))].reshape(size)
+
+        def buf_view(area, at, chunk, t: Transfer):
+            n = math.prod(chunk.sizes)
+            start = at + chunk.buffer_offset
+            return area[start:start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
+
+        local = [
+            (src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes)) for t in self._local
+        ]
+        packs, unpacks, ops_per_step = [], [], []
+        for step in self.steps:
+            pk, up = [], []
+            for _peer, at, m in step.sends:
+                for c in m.chunks:
+                    t = transfers[c.transfer]
+                    pk.append((src_view(t, c.offsets, c.sizes), buf_view(self._send_area, at, c, t)))
+            for _peer, at, m in step.recvs:
+                for c in m.chunks:
+                    t = transfers[c.transfer]
+                    up.append((buf_view(self._recv_area, at, c, t), dst_view(t, c.offsets, c.sizes)))
+            packs.append(pk)
+            unpacks.append(up)
+            ops_per_step.append(
+                ([(peer, self._send_area[at:at + m.nbytes]) for peer, at, m in step.sends],
+                 [(peer, self._recv_area[at:at + m.nbytes]) for peer, at, m in step.recvs])
+            )
+        self._bound_sig = sig
+        self._bound = (local, packs, unpacks, ops_per_step)
+        return self._bound
+
+    # -- run ------------------------------------------------------------------------------------------
+
+    def run(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> RunReport:
+        """Reshard: read ``src_tensors`` (this rank's source local tensors), write ``dst_tensors`` in place.
+
+        Pass an empty dict for a side this rank has no part in. Raises before any byte moves if any rank's
+        input is invalid or ranks run different plans; raises :class:`ReshardTimeoutError` if a peer does
+        not arrive within the timeout.
+        """
+        t0 = time.perf_counter()
+        error: Exception | None = None
+        device = None
+        try:
+            device = self._check_inputs(src_tensors, dst_tensors)
+        except (ValueError, TypeError) as e:
+            error = e
+        self._handshake(error)
+        backend = ops.resolve_backend(device, self.backend)
+        local, packs, unpacks, wire = self._bind(src_tensors, dst_tensors, device)
+        key = (id(self), hash(self._bound_sig))
+        with torch.no_grad():
+            ops.copy_views(local, backend, key=(key, "local"))
+            sent = recvd = 0
+            for i, (rank_step, pk, up, (sends, recvs)) in enumerate(zip(self.steps, packs, unpacks, wire, strict=True)):
+                if not sends and not recvs:
+                    continue
+                ops.copy_views(pk, backend, key=(key, "pack", i))
+                self._exchange(i, rank_step, sends, recvs)
+                ops.copy_views(up, backend, key=(key, "unpack", i))
+                sent += sum(b.numel() for _, b in sends)
+                recvd += sum(b.numel() for _, b in recvs)
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return RunReport(
+            rank=self.rank,
+            steps=len(self.steps),
+            sent_bytes=sent,
+            recv_bytes=recvd,
+            local_bytes=sum(t.nbytes for t in self._local),
+            staging_bytes=self.send_area_bytes + self.recv_area_bytes,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _exchange(self, i: int, rank_step: RankStep, sends, recvs) -> None:
+        p2p = [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
+        p2p += [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
+        works = dist.batch_isend_irecv(p2p)
+        peers = {p for p, _ in sends} | {p for p, _ in recvs}
+        self._wait(works, f"step {i + 1}/{len(self.steps)}", peers)

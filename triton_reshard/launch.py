@@ -1,0 +1,125 @@
+"""Spawn a small world of processes on this machine (gloo on CPU, NCCL when there are enough GPUs).
+
+Used by the demo, the benchmarks and the multi-process tests. Every process group gets a timeout, the
+parent waits with a deadline and kills stragglers, and ``destroy_process_group`` runs in ``finally``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend(world_size: int) -> str:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def _worker(rank, world_size, port, backend, pg_timeout, fn, args, queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        try:
+            result = fn(rank, world_size, *args)
+            queue.put((rank, True, result))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # report every failure to the parent, with its traceback
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class WorldError(RuntimeError):
+    """One or more ranks of a spawned world failed; ``errors`` maps rank -> traceback text."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        first = min(errors)
+        super().__init__(f"ranks {sorted(errors)} failed; rank {first}:\n{errors[first]}")
+
+
+def run_world(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str | None = None,
+    timeout: float = 300.0,
+    pg_timeout: float = 120.0,
+    allow_errors: bool = False,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return the results by rank.
+
+    ``fn`` must be importable (a module-level function). If a rank raises, :class:`WorldError` is raised
+    (or, with ``allow_errors=True``, the error text is returned in that rank's slot and the other results are
+    kept). If the world does not finish within ``timeout`` seconds its processes are killed and
+    ``TimeoutError`` is raised.
+    """
+    backend = backend or default_backend(world_size)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, pg_timeout, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, object]] = {}
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"world of {world_size} did not finish within {timeout:g}s; ranks done: {sorted(results)}"
+                )
+            try:
+                rank, ok, val = queue.get(timeout=min(left, 1.0))
+                results[rank] = (ok, val)
+            except _q.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead:
+                    # give a just-finished rank a moment to flush its message, then report it as lost
+                    time.sleep(0.5)
+                    while not queue.empty():
+                        rank, ok, val = queue.get()
+                        results[rank] = (ok, val)
+                    for r in dead:
+                        if r not in results:
+                            results[r] = (False, f"process exited with code {procs[r].exitcode} without a result")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    errors = {r: v for r, (ok, v) in results.items() if not ok}
+    if errors and not allow_errors:
+        raise WorldError(errors)
+    return [results[r][1] for r in range(world_size)]

@@ -1,0 +1,537 @@
+"""Layout: what is where.
+
+A :class:`Layout` describes, for a set of named *logical* tensors (global shape, dtype), which ranks hold
+which *box* of each one and where that box sits inside which *local* tensor on that rank. Everything is a
+box: TP/PP/EP/DP sharding, fused QKV or gate_up, interleaved GQA groups and padded vocabularies are all just
+lists of :class:`Fragment` s. Special cases belong in layout builders (``from_placements``, presets), never
+in the planner or the kernels.
+
+Layouts are immutable, validated on construction and hashable, so plans can be cached on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Placements (torch DTensor's meaning)
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Split tensor dim ``dim`` over one mesh dim, ``torch.chunk`` style (uneven, trailing shards may be empty)."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim) needs an int, got {self.dim!r}")
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Every rank along the mesh dim holds the full extent."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+Placement = Shard | Replicate
+
+
+def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
+    """``(offset, size)`` of piece ``index`` when ``torch.chunk`` splits ``length`` into ``parts``.
+
+    torch.chunk uses pieces of ``ceil(length / parts)``; the trailing pieces may be smaller or empty (DTensor
+    pads the missing ones with empty shards, so every index is valid).
+    """
+    if parts <= 0:
+        raise ValueError(f"cannot split into {parts} parts")
+    step = -(-length // parts) if length else 0
+    start = min(index * step, length)
+    return start, max(0, min(step, length - start))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Value types
+# --------------------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_dtype(dtype: object, what: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise TypeError(f"{what}: expected a torch.dtype, got {dtype!r}")
+
+
+def _as_shape(shape: object, what: str) -> tuple[int, ...]:
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in shape
+    ):
+        raise TypeError(f"{what}: expected a tuple of ints, got {shape!r}")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{what}: negative size in {tuple(shape)}")
+    return tuple(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A logical tensor: its global shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"tensor name must be a non-empty str, got {self.name!r}")
+        object.__setattr__(self, "shape", _as_shape(self.shape, f"tensor {self.name!r} shape"))
+        object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSpec:
+    """A local tensor on one rank: the tensor ``run()``/``refit()`` expects under ``name`` on ``rank``."""
+
+    rank: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", _as_shape(self.shape, f"local tensor {self.name!r} on rank {self.rank}"))
+        object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"local tensor {self.name!r} on rank {self.rank}"))
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """A box of logical tensor ``tensor`` held on ``rank`` inside local tensor ``local``.
+
+    ``offsets``/``sizes`` give the box in the logical tensor (one entry per logical dim).
+    ``local_offsets`` gives where it starts in the local tensor; the local tensor may have *more* dims than
+    the logical one (e.g. a stacked expert tensor ``[E, rows, cols]`` holding one expert's ``[rows, cols]``):
+    the extra leading dims are indexed by ``local_offsets`` with size 1. ``local_offsets`` defaults to zeros
+    of the logical rank; ``local`` defaults to the logical tensor's name.
+    """
+
+    tensor: str
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local: str = ""
+    local_offsets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise TypeError(f"fragment of {self.tensor!r}: rank must be an int >= 0, got {self.rank!r}")
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if not self.local:
+            object.__setattr__(self, "local", self.tensor)
+        lo = tuple(int(o) for o in self.local_offsets) or (0,) * len(self.offsets)
+        object.__setattr__(self, "local_offsets", lo)
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(
+                f"fragment of tensor {self.tensor!r} on rank {self.rank}: offsets {self.offsets} and sizes "
+                f"{self.sizes} differ in length"
+            )
+        if len(lo) < len(self.sizes):
+            raise ValueError(
+                f"fragment of tensor {self.tensor!r} on rank {self.rank}: local_offsets {lo} has fewer dims "
+                f"than the box {self.sizes}"
+            )
+        if any(o < 0 for o in self.offsets + lo) or any(s < 0 for s in self.sizes):
+            raise ValueError(
+                f"fragment of tensor {self.tensor!r} on rank {self.rank}: negative offset or size "
+                f"(offsets={self.offsets}, sizes={self.sizes}, local_offsets={lo})"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def local_sizes(self) -> tuple[int, ...]:
+        """The box's sizes in the local tensor's dims (extra leading dims have size 1)."""
+        return (1,) * (len(self.local_offsets) - len(self.sizes)) + self.sizes
+
+    def local_box(self, offsets: Sequence[int], sizes: Sequence[int]) -> Box:
+        """Map a sub-box of this fragment (in logical coordinates) to local-tensor coordinates."""
+        extra = len(self.local_offsets) - len(self.sizes)
+        loc = self.local_offsets[:extra] + tuple(
+            lo + (o - fo) for lo, o, fo in zip(self.local_offsets[extra:], offsets, self.offsets, strict=True)
+        )
+        return loc, (1,) * extra + tuple(sizes)
+
+
+def _boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size, strict=True))
+
+
+def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
+    """Return the first pair of overlapping boxes (sweep over dim 0), or None. Empty boxes never overlap."""
+    items = sorted((b for b in boxes if all(s > 0 for s in b[1])), key=lambda b: b[0])
+    active: list[tuple[tuple[int, ...], tuple[int, ...], object]] = []
+    for off, size, tag in items:
+        if not off:  # 0-d
+            if active:
+                return active[0][2], tag
+            active.append((off, size, tag))
+            continue
+        active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+        for a in active:
+            if _boxes_overlap(a[0], a[1], off, size):
+                return a[2], tag
+        active.append((off, size, tag))
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Which ranks hold which box of which logical tensor, and where inside which local tensor.
+
+    Build with :meth:`from_placements` (DTensor-style mesh + placements), :meth:`from_fragments` (any
+    layout), or combine layouts with :meth:`merge` / ``|``. Validated on construction: fragments inside
+    their logical tensor and their local tensor, no two fragments sharing local memory, local tensor dtype
+    equal to the logical dtype.
+    """
+
+    tensors: tuple[TensorSpec, ...]
+    fragments: tuple[Fragment, ...]
+    locals: tuple[LocalSpec, ...]
+    _key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tensors = tuple(sorted(self.tensors, key=lambda t: t.name))
+        frags = tuple(sorted(self.fragments, key=lambda f: (f.tensor, f.rank, f.local, f.offsets, f.local_offsets)))
+        locs = tuple(sorted(self.locals, key=lambda s: (s.rank, s.name)))
+        object.__setattr__(self, "tensors", tensors)
+        object.__setattr__(self, "fragments", frags)
+        object.__setattr__(self, "locals", locs)
+        self._validate()
+        object.__setattr__(
+            self,
+            "_key",
+            (
+                tuple((t.name, t.shape, _dtype_name(t.dtype)) for t in tensors),
+                tuple((f.tensor, f.rank, f.offsets, f.sizes, f.local, f.local_offsets) for f in frags),
+                tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
+            ),
+        )
+
+    # -- value semantics ------------------------------------------------------------------------------
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and (self is other or self._key == other._key)
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self._key).encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout({len(self.tensors)} tensors, {len(self.fragments)} fragments, "
+            f"{len(self.locals)} local tensors on ranks {list(self.ranks)}, digest={self.digest})"
+        )
+
+    # -- validation ---------------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        specs: dict[str, TensorSpec] = {}
+        for t in self.tensors:
+            if t.name in specs:
+                raise ValueError(f"tensor {t.name!r} is declared twice")
+            specs[t.name] = t
+        locs: dict[tuple[int, str], LocalSpec] = {}
+        for s in self.locals:
+            if (s.rank, s.name) in locs:
+                raise ValueError(f"local tensor {s.name!r} on rank {s.rank} is declared twice")
+            locs[(s.rank, s.name)] = s
+        per_local: dict[tuple[int, str], list] = defaultdict(list)
+        for f in self.fragments:
+            spec = specs.get(f.tensor)
+            where = f"tensor {f.tensor!r} on rank {f.rank}"
+            if spec is None:
+                raise ValueError(f"fragment of unknown {where}")
+            if len(f.offsets) != len(spec.shape):
+                raise ValueError(f"fragment of {where}: box has {len(f.offsets)} dims, tensor has {len(spec.shape)}")
+            for d, (o, s, n) in enumerate(zip(f.offsets, f.sizes, spec.shape, strict=True)):
+                if o + s > n:
+                    raise ValueError(
+                        f"fragment of {where} is out of bounds in dim {d}: [{o}, {o + s}) outside [0, {n})"
+                    )
+            loc = locs.get((f.rank, f.local))
+            if loc is None:
+                raise ValueError(f"fragment of {where} names local tensor {f.local!r}, which rank {f.rank} lacks")
+            if len(loc.shape) != len(f.local_offsets):
+                raise ValueError(
+                    f"fragment of {where}: local_offsets {f.local_offsets} do not match the {len(loc.shape)}-D "
+                    f"local tensor {f.local!r} {loc.shape}"
+                )
+            for d, (o, s, n) in enumerate(zip(f.local_offsets, f.local_sizes, loc.shape, strict=True)):
+                if o + s > n:
+                    raise ValueError(
+                        f"fragment of {where} is out of bounds of local tensor {f.local!r} {loc.shape} in dim "
+                        f"{d}: [{o}, {o + s}) outside [0, {n})"
+                    )
+            if loc.dtype != spec.dtype:
+                raise ValueError(
+                    f"fragment of {where}: local tensor {f.local!r} is {_dtype_name(loc.dtype)}, the tensor is "
+                    f"{_dtype_name(spec.dtype)}"
+                )
+            per_local[(f.rank, f.local)].append(f)
+        for (rank, local), frs in per_local.items():
+            if len(frs) < 2:
+                continue
+            hit = _find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
+            if hit is not None:
+                a, b = hit
+                raise ValueError(
+                    f"overlapping fragments on rank {rank} in local tensor {local!r}: tensor {a.tensor!r} box "
+                    f"{a.offsets}+{a.sizes} and tensor {b.tensor!r} box {b.offsets}+{b.sizes} share local memory"
+                )
+
+    # -- constructors -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_fragments(
+        cls,
+        tensors: Mapping[str, tuple[Sequence[int], torch.dtype]] | Iterable[TensorSpec],
+        fragments: Iterable[Fragment],
+        local_shapes: Mapping[tuple[int, str], Sequence[int]] | None = None,
+    ) -> Layout:
+        """Any layout, from fragments.
+
+        ``tensors``: ``{name: (global_shape, dtype)}`` or TensorSpecs. ``local_shapes``: ``{(rank, local_name):
+        shape}`` for local tensors larger than what their fragments cover (e.g. padded vocab); local tensors
+        not listed get the smallest shape that holds their fragments. A local tensor's dtype is the dtype of
+        the logical tensors it holds.
+        """
+        if isinstance(tensors, Mapping):
+            specs = [TensorSpec(n, tuple(s), d) for n, (s, d) in tensors.items()]
+        else:
+            specs = list(tensors)
+        by_name = {s.name: s for s in specs}
+        frags = list(fragments)
+        extent: dict[tuple[int, str], list[int]] = {}
+        dtypes: dict[tuple[int, str], torch.dtype] = {}
+        for f in frags:
+            key = (f.rank, f.local)
+            spec = by_name.get(f.tensor)
+            if spec is None:
+                raise ValueError(f"fragment of unknown tensor {f.tensor!r} on rank {f.rank}")
+            ends = [o + s for o, s in zip(f.local_offsets, f.local_sizes, strict=True)]
+            prev = extent.get(key)
+            if prev is None:
+                extent[key] = ends
+            elif len(prev) != len(ends):
+                raise ValueError(
+                    f"local tensor {f.local!r} on rank {f.rank}: fragments disagree on its number of dims"
+                )
+            else:
+                extent[key] = [max(a, b) for a, b in zip(prev, ends, strict=True)]
+            if key in dtypes and dtypes[key] != spec.dtype:
+                raise ValueError(
+                    f"local tensor {f.local!r} on rank {f.rank} would hold tensors of dtypes "
+                    f"{_dtype_name(dtypes[key])} and {_dtype_name(spec.dtype)} (tensor {f.tensor!r})"
+                )
+            dtypes[key] = spec.dtype
+        shapes = {k: tuple(v) for k, v in extent.items()}
+        for key, shape in (local_shapes or {}).items():
+            shapes[tuple(key)] = tuple(shape)
+            if key not in dtypes:
+                raise ValueError(f"local tensor {key[1]!r} on rank {key[0]} has a shape but holds no fragment")
+        locs = [LocalSpec(r, n, shapes[(r, n)], dtypes[(r, n)]) for (r, n) in shapes]
+        return cls(tuple(specs), tuple(frags), tuple(locs))
+
+    @classmethod
+    def from_placements(
+        cls,
+        shapes: Mapping[str, Sequence[int]],
+        mesh,
+        placements: Mapping[str, Sequence[Placement]] | Sequence[Placement],
+        dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
+    ) -> Layout:
+        """DTensor-style: ``mesh`` is a nested list (or int tensor) of global ranks; ``placements[name]`` has
+        one Placement per mesh dim (a single sequence applies to every tensor). Each rank of the mesh holds
+        one local tensor per logical tensor, named like it, shaped like its shard (possibly empty).
+        Several mesh dims sharding one tensor dim nest left to right, as DTensor does by default.
+        """
+        mesh_t = torch.as_tensor(mesh)
+        if mesh_t.dtype.is_floating_point or mesh_t.dtype == torch.bool or mesh_t.numel() == 0:
+            raise TypeError(f"mesh must be a non-empty nested list or tensor of integer ranks, got {mesh!r}")
+        if mesh_t.dim() == 0:
+            mesh_t = mesh_t.reshape(1)
+        ranks = mesh_t.flatten().tolist()
+        if len(set(ranks)) != len(ranks) or min(ranks) < 0:
+            raise ValueError(f"mesh must list distinct ranks >= 0, got {mesh_t.tolist()}")
+        coords = list(zip(*[t.flatten().tolist() for t in torch.meshgrid(
+            *[torch.arange(n) for n in mesh_t.shape], indexing="ij")], strict=True))
+        specs, frags, locs = [], [], []
+        for name, shape in shapes.items():
+            shape = _as_shape(tuple(shape), f"tensor {name!r} shape")
+            dt = dtype[name] if isinstance(dtype, Mapping) else dtype
+            spec = TensorSpec(name, shape, dt)
+            specs.append(spec)
+            pl = placements[name] if isinstance(placements, Mapping) else placements
+            if isinstance(placements, Mapping) and name not in placements:
+                raise ValueError(f"tensor {name!r} has no placements")
+            pl = tuple(pl)
+            if len(pl) != mesh_t.dim():
+                raise ValueError(
+                    f"tensor {name!r}: {len(pl)} placements for a {mesh_t.dim()}-D mesh {tuple(mesh_t.shape)}"
+                )
+            for p in pl:
+                if not isinstance(p, (Shard, Replicate)):
+                    raise TypeError(f"tensor {name!r}: unsupported placement {p!r} (Shard or Replicate only)")
+                if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
+                    raise ValueError(f"tensor {name!r} of shape {shape}: {p!r} is out of range")
+            for rank, coord in zip(ranks, coords, strict=True):
+                off, size = [0] * len(shape), list(shape)
+                for mdim, p in enumerate(pl):
+                    if isinstance(p, Shard):
+                        d = p.dim % len(shape)
+                        o, s = chunk_range(size[d], mesh_t.shape[mdim], coord[mdim])
+                        off[d] += o
+                        size[d] = s
+                locs.append(LocalSpec(rank, name, tuple(size), spec.dtype))
+                if all(size):
+                    frags.append(Fragment(name, rank, tuple(off), tuple(size)))
+        return cls(tuple(specs), tuple(frags), tuple(locs))
+
+    def merge(self, *others: Layout) -> Layout:
+        """Union of layouts (e.g. one per pipeline stage). Tensors and local tensors declared in several must agree."""
+        specs = {t.name: t for t in self.tensors}
+        locs = {(s.rank, s.name): s for s in self.locals}
+        frags = list(self.fragments)
+        for other in others:
+            for t in other.tensors:
+                if t.name in specs and specs[t.name] != t:
+                    raise ValueError(
+                        f"cannot merge layouts: tensor {t.name!r} is {specs[t.name].shape} "
+                        f"{_dtype_name(specs[t.name].dtype)} in one and {t.shape} {_dtype_name(t.dtype)} in another"
+                    )
+                specs[t.name] = t
+            for s in other.locals:
+                key = (s.rank, s.name)
+                if key in locs and locs[key] != s:
+                    raise ValueError(
+                        f"cannot merge layouts: local tensor {s.name!r} on rank {s.rank} is {locs[key].shape} in "
+                        f"one and {s.shape} in another"
+                    )
+                locs[key] = s
+            frags.extend(other.fragments)
+        return Layout(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
+
+    def __or__(self, other: Layout) -> Layout:
+        return self.merge(other)
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    @cached_property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({s.rank for s in self.locals}))
+
+    @cached_property
+    def specs(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.tensors}
+
+    @cached_property
+    def _locals_by_rank(self) -> dict[int, dict[str, LocalSpec]]:
+        out: dict[int, dict[str, LocalSpec]] = defaultdict(dict)
+        for s in self.locals:
+            out[s.rank][s.name] = s
+        return dict(out)
+
+    @cached_property
+    def fragments_by_tensor(self) -> dict[str, tuple[Fragment, ...]]:
+        out: dict[str, list[Fragment]] = defaultdict(list)
+        for f in self.fragments:
+            out[f.tensor].append(f)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def local_specs(self, rank: int) -> dict[str, LocalSpec]:
+        """The local tensors ``rank`` holds (name -> LocalSpec); empty if the rank has no part."""
+        return dict(self._locals_by_rank.get(rank, {}))
+
+    def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of the local tensors ``rank`` holds."""
+        return {n: s.shape for n, s in self.local_specs(rank).items()}
+
+    def allocate(self, rank: int, device: torch.device | str = "cpu", fill: float | None = None) -> dict[str, torch.Tensor]:
+        """Fresh local tensors for ``rank`` (uninitialised, or filled with ``fill``)."""
+        out = {}
+        for n, s in self.local_specs(rank).items():
+            t = torch.empty(s.shape, dtype=s.dtype, device=device)
+            if fill is not None:
+                t.fill_(fill)
+            out[n] = t
+        return out
+
+    def shard(self, global_tensors: Mapping[str, torch.Tensor], rank: int, device=None) -> dict[str, torch.Tensor]:
+        """Build ``rank``'s local tensors by slicing full tensors (for demos, tests and checks).
+
+        Parts of a local tensor no fragment covers (padding) are zero.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for n, s in self.local_specs(rank).items():
+            out[n] = torch.zeros(s.shape, dtype=s.dtype, device=device)
+        for f in self.fragments:
+            if f.rank != rank or not f.numel:
+                continue
+            src = global_tensors[f.tensor][tuple(slice(o, o + s) for o, s in zip(f.offsets, f.sizes, strict=True))]
+            loff, lsz = f.local_box(f.offsets, f.sizes)
+            view = out[f.local][tuple(slice(o, o + s) for o, s in zip(loff, lsz, strict=True))]
+            view.copy_(src.reshape(lsz))
+        return out
+
+    def nbytes(self, rank: int | None = None) -> int:
+        """Bytes of the local tensors of ``rank`` (or of every rank)."""
+        return sum(
+            math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size()
+            for s in self.locals
+            if rank is None or s.rank == rank
+        )
+
+    def restrict(self, names: Iterable[str]) -> Layout:
+        """The same layout limited to some logical tensors (local tensors holding none of them are dropped)."""
+        keep = set(names)
+        frags = tuple(f for f in self.fragments if f.tensor in keep)
+        used = {(f.rank, f.local) for f in frags}
+        locs = tuple(
+            s for s in self.locals if (s.rank, s.name) in used or (s.name in keep and (s.rank, s.name) not in used)
+        )
+        return Layout(tuple(t for t in self.tensors if t.name in keep), frags, locs)
