@@ -44,6 +44,10 @@ class RunReport:
     local_bytes: int
     staging_bytes: int
     seconds: float
+    pack_seconds: float = 0.0  # time in pack copies (host-side; on CUDA: launch time only)
+    wire_seconds: float = 0.0  # time from posting a step's sends/receives until they completed
+    unpack_seconds: float = 0.0
+    local_seconds: float = 0.0
 
 
 def _slices(off, size):
@@ -287,15 +291,25 @@ class Resharder:
         backend = ops.resolve_backend(device, self.backend)
         local, packs, unpacks, wire = self._bind(src_tensors, dst_tensors, device)
         key = (id(self), hash(self._bound_sig))
+        clock = time.perf_counter
+        t_pack = t_wire = t_unpack = 0.0
         with torch.no_grad():
+            t = clock()
             ops.copy_views(local, backend, key=(key, "local"))
+            t_local = clock() - t
             sent = recvd = 0
             for i, (rank_step, pk, up, (sends, recvs)) in enumerate(zip(self.steps, packs, unpacks, wire, strict=True)):
                 if not sends and not recvs:
                     continue
+                t0_ = clock()
                 ops.copy_views(pk, backend, key=(key, "pack", i))
+                t1_ = clock()
                 self._exchange(i, rank_step, sends, recvs)
+                t2_ = clock()
                 ops.copy_views(up, backend, key=(key, "unpack", i))
+                t_pack += t1_ - t0_
+                t_wire += t2_ - t1_
+                t_unpack += clock() - t2_
                 sent += sum(b.numel() for _, b in sends)
                 recvd += sum(b.numel() for _, b in recvs)
         if device is not None and device.type == "cuda":
@@ -308,6 +322,10 @@ class Resharder:
             local_bytes=sum(t.nbytes for t in self._local),
             staging_bytes=self.send_area_bytes + self.recv_area_bytes,
             seconds=time.perf_counter() - t0,
+            pack_seconds=t_pack,
+            wire_seconds=t_wire,
+            unpack_seconds=t_unpack,
+            local_seconds=t_local,
         )
 
     def _exchange(self, i: int, rank_step: RankStep, sends, recvs) -> None:

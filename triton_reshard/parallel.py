@@ -1,0 +1,117 @@
+"""DTensor-style TP/PP/DP layouts of a Llama-shaped model on Hugging Face tensor names.
+
+A light builder for demos, benchmarks and tests: column-parallel weights (q/k/v, gate/up, embedding and
+lm_head over the vocab) are ``Shard(0)`` over TP, row-parallel ones (o_proj, down_proj) ``Shard(1)``, norms
+replicated; pipeline stages own contiguous layer ranges (embedding on the first, norm and lm_head on the
+last), each stage its own ``[dp, tp]`` mesh; DP replicas hold full copies. Framework-exact formats (fused
+QKV, padded vocab, Megatron/vLLM names) live in ``triton_reshard.presets``.
+
+Ranks are numbered tp fastest, then dp, then pp (``rank = offset + (pp_idx * dp + dp_idx) * tp + tp_idx``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Layout, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    offset: int = 0  # first global rank
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @classmethod
+    def parse(cls, text: str) -> Parallelism:
+        """``"tp=4,pp=2"``, ``"tp=2,dp=4,offset=8"`` (missing sizes are 1)."""
+        vals: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, val = part.partition("=")
+            if not sep or key not in ("tp", "pp", "dp", "offset"):
+                raise ValueError(f"cannot parse parallelism {text!r}: expected e.g. 'tp=4,pp=2,dp=1,offset=0'")
+            try:
+                vals[key] = int(val)
+            except ValueError:
+                raise ValueError(f"cannot parse parallelism {text!r}: {val!r} is not an integer") from None
+        p = cls(**vals)
+        if min(p.tp, p.pp, p.dp) < 1 or p.offset < 0:
+            raise ValueError(f"parallelism {text!r}: sizes must be >= 1 and offset >= 0")
+        return p
+
+    def __str__(self) -> str:
+        s = f"tp{self.tp}"
+        if self.pp > 1:
+            s += f"xpp{self.pp}"
+        if self.dp > 1:
+            s += f"xdp{self.dp}"
+        return s + (f"@{self.offset}" if self.offset else "")
+
+
+def llama_tensors(
+    hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied: bool = False
+) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    """Logical tensors of a Llama-style model: name -> (shape, kind, layer) with kind in col/row/rep and
+    layer -1 for the embedding, ``layers`` for the final norm and lm_head."""
+    hd = hidden // heads
+    out: dict[str, tuple[tuple[int, ...], str, int]] = {"model.embed_tokens.weight": ((vocab, hidden), "col", -1)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = ((hidden,), "rep", i)
+        out[p + "self_attn.q_proj.weight"] = ((heads * hd, hidden), "col", i)
+        out[p + "self_attn.k_proj.weight"] = ((kv_heads * hd, hidden), "col", i)
+        out[p + "self_attn.v_proj.weight"] = ((kv_heads * hd, hidden), "col", i)
+        out[p + "self_attn.o_proj.weight"] = ((hidden, heads * hd), "row", i)
+        out[p + "post_attention_layernorm.weight"] = ((hidden,), "rep", i)
+        out[p + "mlp.gate_proj.weight"] = ((intermediate, hidden), "col", i)
+        out[p + "mlp.up_proj.weight"] = ((intermediate, hidden), "col", i)
+        out[p + "mlp.down_proj.weight"] = ((hidden, intermediate), "row", i)
+    out["model.norm.weight"] = ((hidden,), "rep", layers)
+    if not tied:
+        out["lm_head.weight"] = ((vocab, hidden), "col", layers)
+    return out
+
+
+def llama_for_bytes(target_bytes: int, dtype: torch.dtype = torch.float32, hidden: int = 1024) -> dict:
+    """Llama-3-like proportions (GQA 4:1, intermediate 3.5x, vocab 32000) with layers chosen to reach the size."""
+    heads, kv, inter, vocab = hidden // 64, max(1, hidden // 256), int(hidden * 3.5) // 64 * 64, 32000
+    isz = torch.empty((), dtype=dtype).element_size()
+    per_layer = (2 * hidden * hidden + 2 * kv * 64 * hidden + 3 * inter * hidden + 2 * hidden) * isz
+    fixed = 2 * vocab * hidden * isz
+    layers = max(1, round((target_bytes - fixed) / per_layer))
+    return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab)
+
+
+def parallel_layout(
+    tensors: dict[str, tuple[tuple[int, ...], str, int]],
+    par: Parallelism,
+    num_layers: int,
+    dtype: torch.dtype = torch.float32,
+) -> Layout:
+    """The layout of ``tensors`` (from :func:`llama_tensors`) under ``par``: one merged Layout over all stages."""
+    if num_layers < par.pp:
+        raise ValueError(f"cannot split {num_layers} layers over pp={par.pp} stages")
+    bounds = [round(s * num_layers / par.pp) for s in range(par.pp + 1)]
+    stages = []
+    for s in range(par.pp):
+        base = par.offset + s * par.dp * par.tp
+        mesh = [[base + d * par.tp + t for t in range(par.tp)] for d in range(par.dp)]
+        shapes, placements = {}, {}
+        for name, (shape, kind, layer) in tensors.items():
+            stage = 0 if layer < 0 else par.pp - 1 if layer >= num_layers else next(
+                k for k in range(par.pp) if bounds[k] <= layer < bounds[k + 1]
+            )
+            if stage != s:
+                continue
+            shapes[name] = shape
+            tp_pl = Shard(0) if kind == "col" else Shard(1) if kind == "row" else Replicate()
+            placements[name] = [Replicate(), tp_pl]
+        stages.append(Layout.from_placements(shapes, mesh, placements, dtype=dtype))
+    return stages[0].merge(*stages[1:])
