@@ -68,7 +68,9 @@ class Resharder:
     ``bucket_bytes`` bounds this rank's staging memory (send + receive buffers) whatever the model size;
     a tensor larger than a bucket is split across steps. ``timeout`` (seconds or timedelta) bounds every
     wait. ``backend`` forces the copy backend (``"torch"`` or ``"triton"``; default by device / the
-    ``TRITON_RESHARD_BACKEND`` variable).
+    ``TRITON_RESHARD_BACKEND`` variable). ``overlap=True`` splits the bucket into two staging slots
+    and packs step k+1 (and posts it) while step k is on the wire; staging memory stays within
+    ``bucket_bytes`` either way.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Resharder:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         backend: str | None = None,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan, got {type(plan).__name__}")
@@ -86,6 +89,8 @@ class Resharder:
         self.bucket_bytes = int(bucket_bytes)
         self.timeout = _to_timedelta(timeout)
         self.backend = backend
+        self.overlap = bool(overlap)
+        self.slots = 2 if self.overlap else 1
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
             self.group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
@@ -99,8 +104,13 @@ class Resharder:
                 f"rank {self.rank}: the plan uses ranks {missing} that are not in the process group "
                 f"{list(self.group_ranks)}"
             )
-        self.schedule = plan.schedule(self.bucket_bytes)
-        self.steps, self.send_area_bytes, self.recv_area_bytes = self.schedule.for_rank(self.rank)
+        self.schedule = plan.schedule(self.bucket_bytes // self.slots)
+        steps, send_slot, recv_slot = self.schedule.for_rank(self.rank)
+        # only the steps this rank takes part in; step i of those uses staging slot i % slots
+        self.steps = tuple((i, st) for i, st in enumerate(steps) if st.sends or st.recvs)
+        self._slot_bytes = (send_slot, recv_slot)
+        self.send_area_bytes = send_slot * min(self.slots, len(self.steps))
+        self.recv_area_bytes = recv_slot * min(self.slots, len(self.steps))
         self._src_specs = plan.src.local_specs(self.rank)
         self._dst_specs = plan.dst.local_specs(self.rank)
         self._local = tuple(t for t in plan.local_copies if t.dst_rank == self.rank)
@@ -251,8 +261,14 @@ class Resharder:
             (src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes)) for t in self._local
         ]
         packs, unpacks, ops_per_step = [], [], []
-        for step in self.steps:
+        for pos, (_i, step) in enumerate(self.steps):
             pk, up = [], []
+            s_base = (pos % self.slots) * self._slot_bytes[0]
+            r_base = (pos % self.slots) * self._slot_bytes[1]
+            step = RankStep(
+                tuple((peer, at + s_base, m) for peer, at, m in step.sends),
+                tuple((peer, at + r_base, m) for peer, at, m in step.recvs),
+            )
             for _peer, at, m in step.sends:
                 for c in m.chunks:
                     t = transfers[c.transfer]
@@ -298,20 +314,24 @@ class Resharder:
             ops.copy_views(local, backend, key=(key, "local"))
             t_local = clock() - t
             sent = recvd = 0
-            for i, (rank_step, pk, up, (sends, recvs)) in enumerate(zip(self.steps, packs, unpacks, wire, strict=True)):
-                if not sends and not recvs:
-                    continue
+            pending: tuple | None = None  # (position, works, peers) of the step on the wire
+            for pos, ((i, _st), pk, _up, (sends, recvs)) in enumerate(
+                zip(self.steps, packs, unpacks, wire, strict=True)
+            ):
+                if pending is not None and self.slots == 1:
+                    t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
+                    pending = None
                 t0_ = clock()
                 ops.copy_views(pk, backend, key=(key, "pack", i))
-                t1_ = clock()
-                self._exchange(i, rank_step, sends, recvs)
-                t2_ = clock()
-                ops.copy_views(up, backend, key=(key, "unpack", i))
-                t_pack += t1_ - t0_
-                t_wire += t2_ - t1_
-                t_unpack += clock() - t2_
+                t_pack += clock() - t0_
+                works = self._post(sends, recvs)
+                if pending is not None:  # step pos-1 was on the wire while we packed and posted step pos
+                    t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
+                pending = (pos, works, {p for p, _ in sends} | {p for p, _ in recvs})
                 sent += sum(b.numel() for _, b in sends)
                 recvd += sum(b.numel() for _, b in recvs)
+            if pending is not None:
+                t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
         if device is not None and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         return RunReport(
@@ -328,9 +348,15 @@ class Resharder:
             local_seconds=t_local,
         )
 
-    def _exchange(self, i: int, rank_step: RankStep, sends, recvs) -> None:
+    def _post(self, sends, recvs) -> list:
         p2p = [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
         p2p += [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
-        works = dist.batch_isend_irecv(p2p)
-        peers = {p for p, _ in sends} | {p for p, _ in recvs}
-        self._wait(works, f"step {i + 1}/{len(self.steps)}", peers)
+        return dist.batch_isend_irecv(p2p)  # never called with an empty list: steps without ops are dropped
+
+    def _finish(self, pending, unpacks, key, backend, t_wire, t_unpack):
+        pos, works, peers = pending
+        t0 = time.perf_counter()
+        self._wait(works, f"step {pos + 1}/{len(self.steps)}", peers)
+        t1 = time.perf_counter()
+        ops.copy_views(unpacks[pos], backend, key=(key, "unpack", self.steps[pos][0]))
+        return t_wire + (t1 - t0), t_unpack + (time.perf_counter() - t1)
