@@ -79,14 +79,18 @@ def llama_tensors(
     return out
 
 
-def llama_for_bytes(target_bytes: int, dtype: torch.dtype = torch.float32, hidden: int = 1024) -> dict:
-    """Llama-3-like proportions (GQA 4:1, intermediate 3.5x, vocab 32000) with layers chosen to reach the size."""
-    heads, kv, inter, vocab = hidden // 64, max(1, hidden // 256), int(hidden * 3.5) // 64 * 64, 32000
+def llama_for_bytes(target_bytes: int, dtype: torch.dtype = torch.float32, hidden: int | None = None) -> dict:
+    """Llama-3-like proportions (head dim 64, GQA 4:1, intermediate 3.5x, vocab 32000) with the layer count
+    chosen to reach ``target_bytes``; by default the largest hidden size (up to 4096) that gives >= 4 layers."""
     isz = torch.empty((), dtype=dtype).element_size()
-    per_layer = (2 * hidden * hidden + 2 * kv * 64 * hidden + 3 * inter * hidden + 2 * hidden) * isz
-    fixed = 2 * vocab * hidden * isz
-    layers = max(1, round((target_bytes - fixed) / per_layer))
-    return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab)
+    choices = [hidden] if hidden else [4096, 2048, 1024, 512, 256, 128, 64]
+    for h in choices:
+        heads, kv, inter, vocab = max(1, h // 64), max(1, h // 256), max(64, int(h * 3.5) // 64 * 64), 32000
+        per_layer = (2 * h * h + 2 * kv * 64 * h + 3 * inter * h + 2 * h) * isz
+        layers = max(1, round((target_bytes - 2 * vocab * h * isz) / per_layer))
+        if layers >= 4 or h == choices[-1]:
+            return dict(hidden=h, layers=layers, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab)
+    raise AssertionError("unreachable")
 
 
 def parallel_layout(

@@ -1,0 +1,255 @@
+"""End-to-end refit benchmark: the reshard collective against the alternatives, side by side in one run.
+
+For each case (a pair of layouts of a Llama-shaped model on one spawned world) it times, with the same
+tensors and the same ranks:
+- ``reshard``: ``Resharder.run`` (overlap off), and ``reshard+overlap`` (two staging slots);
+- ``allgather``: the all-gather-then-slice baseline (``triton_reshard.baselines``);
+- ``wire-limit``: the same per-peer messages of the same schedule as one plain isend/irecv each, no pack or
+  unpack — what the transport alone costs;
+- ``dtensor``: ``DTensor.redistribute`` where the two layouts live on one mesh (the ``fsdp-tp`` case).
+Wall time is the slowest rank's (barrier before and after), median over repeats. Every method's destination
+tensors are poisoned first and checked bit-exactly afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .baselines import allgather_refit
+from .demo import _expected, _make_src, _peak_rss, _peak_rss_reset, _poison, _rss, _verify
+from .execute import Resharder
+from .launch import run_world
+from .layout import Layout, Replicate, Shard
+from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
+from .plan import plan_reshard
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    src: str  # Parallelism text, or "fsdp-tp" (see _layouts)
+    dst: str
+    world: int
+
+
+CASES = {
+    "colocated": Case("colocated tp4xpp2 -> tp2xdp4", "tp=4,pp=2", "tp=2,dp=4", 8),
+    "disaggregated": Case("disaggregated tp2xpp2 (0-3) -> tp2xdp2 (4-7)", "tp=2,pp=2", "tp=2,dp=2,offset=4", 8),
+    "fsdp-tp": Case("fsdp2(dp2)xtp4 -> dp2xtp4 (one mesh)", "fsdp-tp", "dp-tp", 8),
+}
+
+
+def _layouts(case: Case, size_bytes: int, dtype: torch.dtype):
+    cfg = llama_for_bytes(size_bytes, dtype)
+    tensors = llama_tensors(**cfg)
+    if case.src == "fsdp-tp":
+        mesh = [[0, 1, 2, 3], [4, 5, 6, 7]]
+        shapes = {n: s for n, (s, _k, _l) in tensors.items()}
+        tp_dim = {n: (0 if k == "col" else 1 if k == "row" else None) for n, (_s, k, _l) in tensors.items()}
+
+        def pl(fsdp: bool):
+            return {
+                n: [Shard(0) if fsdp else Replicate(), Shard(d) if d is not None else Replicate()]
+                for n, d in tp_dim.items()
+            }
+
+        src = Layout.from_placements(shapes, mesh, pl(True), dtype=dtype)
+        dst = Layout.from_placements(shapes, mesh, pl(False), dtype=dtype)
+        return src, dst, cfg, (mesh, pl(True), pl(False))
+    src = parallel_layout(tensors, Parallelism.parse(case.src), cfg["layers"], dtype)
+    dst = parallel_layout(tensors, Parallelism.parse(case.dst), cfg["layers"], dtype)
+    return src, dst, cfg, None
+
+
+def _wire_limit(resharder: Resharder, timeout) -> None:
+    """The same messages as the reshard, one isend/irecv each, into preallocated buffers, no copies."""
+    bufs = resharder._wire_limit_bufs
+    for sends, recvs in bufs:
+        p2p = [dist.P2POp(dist.irecv, b, peer) for peer, b in recvs] + [
+            dist.P2POp(dist.isend, b, peer) for peer, b in sends
+        ]
+        for w in dist.batch_isend_irecv(p2p):
+            w.wait(timeout=timeout)
+
+
+def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name: str, bucket: int, repeats: int,
+                 timeout: float) -> dict:
+    import logging
+    from datetime import timedelta
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # its flatten-mesh hint
+    dtype = getattr(torch, dtype_name)
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    src, dst, _cfg, dt = _layouts(case, size_bytes, dtype)
+    src_t = _make_src(src, rank, device)
+    dst_t = dst.allocate(rank, device=device)
+    expected = _expected(dst, rank, device)
+    plan = plan_reshard(src, dst)
+    methods = {
+        "reshard": Resharder(plan, bucket_bytes=bucket, timeout=timeout),
+        "reshard+overlap": Resharder(plan, bucket_bytes=bucket, timeout=timeout, overlap=True),
+    }
+    r0 = methods["reshard"]
+    # wire-limit buffers: one per message of the reshard's own schedule
+    r0._wire_limit_bufs = [
+        ([(peer, torch.empty(m.nbytes, dtype=torch.uint8, device=device)) for peer, _at, m in st.sends],
+         [(peer, torch.empty(m.nbytes, dtype=torch.uint8, device=device)) for peer, _at, m in st.recvs])
+        for _i, st in r0.steps
+    ]
+    fns = {
+        "reshard": lambda: methods["reshard"].run(src_t, dst_t),
+        "reshard+overlap": lambda: methods["reshard+overlap"].run(src_t, dst_t),
+        "allgather": lambda: allgather_refit(src_t, dst_t, src, dst, timeout=timeout),
+        "wire-limit": lambda: _wire_limit(r0, timedelta(seconds=timeout)),
+    }
+    if dt is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import Replicate as DRep
+        from torch.distributed.tensor import Shard as DShard
+
+        mesh_ranks, pl_src, pl_dst = dt
+        mesh = DeviceMesh(device.type, mesh_ranks)
+
+        def conv(pls):
+            return [DShard(p.dim) if isinstance(p, Shard) else DRep() for p in pls]
+
+        dts = {
+            n: DTensor.from_local(src_t[n], mesh, conv(pl_src[n]), run_check=False, shape=src.specs[n].shape,
+                                  stride=torch.empty(src.specs[n].shape, device="meta").stride())
+            for n in src_t
+        }
+
+        def dtensor_run():
+            for n, d in dts.items():
+                dst_t[n].copy_(d.redistribute(mesh, conv(pl_dst[n])).to_local())
+
+        fns["dtensor"] = dtensor_run
+    res: dict = {"rank": rank}
+    for name, fn in fns.items():
+        times, bad, peaks = [], 0, []
+        for i in range(repeats + 1):  # the first run warms up (planning, buffers, page faults)
+            _poison(dst_t)
+            _peak_rss_reset()
+            rss0 = _rss()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                mem0 = torch.cuda.memory_allocated(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            dt_s = time.perf_counter() - t0
+            peak = (torch.cuda.max_memory_allocated(device) - mem0) if device.type == "cuda" else _peak_rss() - rss0
+            if name != "wire-limit":
+                bad += _verify(expected, dst_t)
+            if i:
+                times.append(dt_s)
+                peaks.append(peak)
+        res[name] = {"seconds": times, "bad": bad, "peak_extra_bytes": max(peaks)}
+    res["staging_bytes"] = {k: r.send_area_bytes + r.recv_area_bytes for k, r in methods.items()}
+    return res
+
+
+def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", bucket_mb: float = 64,
+              repeats: int = 3, timeout: float = 120.0, out_dir: str | None = None, progress=print) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = []
+    for cname in cases:
+        case = CASES[cname]
+        for gb in sizes_gb:
+            size = int(gb * (1 << 30))
+            src, dst, cfg, _ = _layouts(case, size, getattr(torch, dtype))
+            t0 = time.perf_counter()
+            plan = plan_reshard(src, dst)
+            plan_s = time.perf_counter() - t0
+            st = plan.stats()
+            progress(f"[{case.name}, {gb:g} GiB] plan: {st.num_transfers} transfers, wire "
+                     f"{st.wire_bytes / 2**20:.0f} MiB (lower bound {st.lower_bound_bytes / 2**20:.0f} MiB), "
+                     f"planned in {plan_s:.2f} s; running {case.world} ranks ...")
+            per_rank = run_world(bench_worker, case.world, case, size, dtype, int(bucket_mb * 2**20), repeats,
+                                 timeout, timeout=max(900.0, 10 * timeout))
+            row = {"case": cname, "name": case.name, "size_gb": gb, "model": cfg, "dtype": dtype,
+                   "bucket_mb": bucket_mb, "world": case.world, "plan_seconds": plan_s, "stats": st.as_dict(),
+                   "methods": {}}
+            for m in [k for k in per_rank[0] if isinstance(per_rank[0][k], dict) and "seconds" in per_rank[0][k]]:
+                walls = [max(r[m]["seconds"][i] for r in per_rank) for i in range(repeats)]
+                med = statistics.median(walls)
+                row["methods"][m] = {
+                    "median_s": med, "min_s": min(walls), "max_s": max(walls),
+                    "bad_elements": sum(r[m]["bad"] for r in per_rank),
+                    "peak_extra_bytes": max(r[m]["peak_extra_bytes"] for r in per_rank),
+                    "lower_bound_GBps": st.lower_bound_bytes / med / 1e9,
+                }
+            row["staging_bytes"] = {k: max(r["staging_bytes"][k] for r in per_rank) for k in per_rank[0]["staging_bytes"]}
+            results.append(row)
+            progress(format_row(row))
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "results": results}
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_refit.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        try:
+            plot(out, os.path.join(out_dir, "bench_refit.png"))
+        except ImportError:
+            progress("matplotlib is not installed: no plot")
+    return out
+
+
+def _machine() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"CPU, {os.cpu_count()} cores, gloo"
+
+
+def format_row(row: dict) -> str:
+    ms = row["methods"]
+    base = ms["allgather"]["median_s"]
+    lines = [f"  {'method':16s} {'median s':>9s} {'vs allgather':>12s} {'vs wire-limit':>13s} {'peak extra':>11s} "
+             f"{'GB/s (lb)':>9s} {'bad':>4s}"]
+    for m, v in ms.items():
+        lines.append(
+            f"  {m:16s} {v['median_s']:9.3f} {base / v['median_s']:11.2f}x "
+            f"{v['median_s'] / ms['wire-limit']['median_s']:12.2f}x {v['peak_extra_bytes'] / 2**20:8.1f} MiB "
+            f"{v['lower_bound_GBps']:9.2f} {v['bad_elements']:4d}"
+        )
+    s = row["stats"]
+    lines.append(f"  wire {s['wire_bytes'] / 2**20:.1f} MiB = {s['wire_bytes'] / max(1, s['lower_bound_bytes']):.3f} "
+                 f"x lower bound; staging allocated {max(row['staging_bytes'].values()) / 2**20:.1f} MiB "
+                 f"(bucket {row['bucket_mb']:g} MiB)")
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["results"]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"{r['case']}\n{r['size_gb']:g} GiB" for r in rows]
+    methods = list(rows[0]["methods"])
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        ax[0].bar([i + j * width for i in range(len(rows))], [r["methods"].get(m, {}).get("median_s", 0) for r in rows],
+                  width, label=m)
+        ax[1].bar([i + j * width for i in range(len(rows))],
+                  [r["methods"].get(m, {}).get("peak_extra_bytes", 0) / 2**20 for r in rows], width, label=m)
+    for a, title in zip(ax, ("wall time (s), median", "peak extra memory (MiB)"), strict=True):
+        a.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+        a.set_xticklabels(labels, fontsize=8)
+        a.set_title(title)
+    ax[0].legend(fontsize=8)
+    fig.suptitle(f"refit benchmark — {out['machine']} — {out['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
