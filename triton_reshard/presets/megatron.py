@@ -1,0 +1,186 @@
+"""Megatron-Core training layout: ``GPTModel`` built with the Transformer-Engine layer spec.
+
+Local tensor names are exactly what ``model.named_parameters()`` gives on each rank (no ``module.`` prefix of
+a DDP/Float16Module wrapper: strip it, or pass ``model.module``). Formats, from Megatron-Core
+(``core_r0.13``-era ``main``; files read: ``megatron/core/models/gpt/gpt_layer_specs.py``,
+``gpt_model.py``, ``transformer/attention.py``, ``transformer/mlp.py``, ``transformer/moe/experts.py``,
+``tensor_parallel/layers.py``, ``parallel_state.py``, ``training/tokenizer/tokenizer.py``):
+
+* ``decoder.layers.{j}.self_attention.linear_qkv.weight`` ``[(nh + 2*ng)*hd / tp, H]``: per KV group ``g``
+  the rows ``[q_g (nh/ng heads); k_g; v_g]``, groups split over TP (``get_query_key_value_tensors``).
+  ``.bias`` (Qwen2 ``add_qkv_bias``) likewise; ``.layer_norm_weight`` is the fused input RMSNorm.
+* ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hd]`` (Qwen3 ``qk_layernorm``).
+* ``self_attention.linear_proj.weight`` ``[H, nh*hd / tp]`` (row parallel).
+* dense: ``mlp.linear_fc1.weight`` ``[2*I / tp, H]`` = ``[gate_tp; up_tp]`` (each TP-split),
+  ``mlp.linear_fc1.layer_norm_weight`` (the fused post-attention RMSNorm), ``mlp.linear_fc2.weight``
+  ``[H, I / tp]``.
+* MoE layer: ``pre_mlp_layernorm.weight`` (not fused), ``mlp.router.weight`` ``[E, H]``,
+  TEGroupedMLP ``mlp.experts.linear_fc1.weight{k}`` ``[2*I_moe / etp, H]`` / ``linear_fc2.weight{k}``
+  ``[H, I_moe / etp]`` for local expert ``k`` (``grouped_gemm=False``: SequentialMLP
+  ``mlp.experts.local_experts.{k}.linear_fc1.weight``).
+* ``embedding.word_embeddings.weight`` (first stage) and ``output_layer.weight`` (last stage)
+  ``[V_pad / tp, H]``, vocab padded to a multiple of ``make_vocab_size_divisible_by * tp``; the padding
+  rows are in the local tensors but in no fragment, so they are never transferred. Tied embeddings: no
+  ``output_layer.weight`` when ``pp == 1``; with ``pp > 1`` the last stage holds its own copy (kept in
+  sync by Megatron), a second source of ``model.embed_tokens.weight``.
+* ``decoder.final_layernorm.weight`` on the last stage. Layer indices are local to the stage.
+
+Rank order: Megatron's default ``order="tp-cp-ep-dp-pp"`` with ``cp = 1``. Position ``p`` of ``ranks``
+(Megatron's global rank ``p``) has ``tp_rank = p % tp``, ``dp_rank = (p // tp) % dp``,
+``pp_rank = p // (tp*dp)``; the expert grid splits each stage's ``tp*dp`` ranks as
+``etp_rank = q % etp``, ``ep_rank = (q // etp) % ep``, expert-DP the rest, with ``q = p % (tp*dp)``
+(``expert_tensor_parallel_size`` defaults to ``tp``, as in Megatron).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..layout import Layout
+from .hf import LayoutBuilder, _check_ranks, expert_names, layer_prefix, logical_tensors, model_spec
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's ``_vocab_size_with_padding``: round up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
+    """Global layer indices of each pipeline stage (contiguous; even split unless ``layers_per_stage``)."""
+    if layers_per_stage is None:
+        if num_layers % pp:
+            raise ValueError(
+                f"{num_layers} layers do not split evenly over pp={pp}; pass layers_per_stage (e.g. Megatron's "
+                f"decoder_first/last_pipeline_num_layers)"
+            )
+        layers_per_stage = [num_layers // pp] * pp
+    counts = [int(n) for n in layers_per_stage]
+    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 0:
+        raise ValueError(f"layers_per_stage={counts} must have pp={pp} entries >= 0 summing to {num_layers}")
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def megatron_layout(
+    config,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    ranks: Sequence[int] | int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    vocab_divisible_by: int = 128,
+    grouped_gemm: bool = True,
+    layers_per_stage: Sequence[int] | None = None,
+) -> Layout:
+    """The layout of a Megatron-Core GPTModel (TE spec) trained with TP x PP x DP (x EP for MoE).
+
+    ``ranks``: the ``tp*pp*dp`` global ranks in Megatron rank order (default ``0..``; an int is an offset,
+    for training on ranks ``offset..offset+world-1``). ``ep``/``etp``: expert model / tensor parallel
+    sizes (``etp`` defaults to ``tp``; ``etp*ep`` must divide ``tp*dp``). ``dtype``: the parameters' dtype.
+    """
+    s = model_spec(config)
+    if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
+        raise NotImplementedError(f"megatron_layout: model_type {s.family!r} is not supported")
+    if s.o_bias:
+        raise NotImplementedError("megatron_layout: attention_bias on o_proj (add_bias_linear) is not supported")
+    etp = tp if etp is None else etp
+    for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"megatron_layout: {name}={v!r} must be an int >= 1")
+    if s.heads % tp:
+        raise ValueError(f"megatron_layout: tp={tp} does not divide num_attention_heads={s.heads}")
+    if s.kv_heads % tp:
+        raise ValueError(
+            f"megatron_layout: tp={tp} does not divide num_key_value_heads={s.kv_heads} (Megatron splits whole "
+            f"query groups over TP)"
+        )
+    dense_layers = [i for i in range(s.layers) if not s.is_moe_layer(i)]
+    if dense_layers and s.intermediate % tp:
+        raise ValueError(f"megatron_layout: tp={tp} does not divide intermediate_size={s.intermediate}")
+    has_moe = any(s.moe_layers)
+    if has_moe:
+        if (tp * dp) % (etp * ep):
+            raise ValueError(f"megatron_layout: etp*ep={etp * ep} does not divide tp*dp={tp * dp}")
+        if s.experts % ep:
+            raise ValueError(f"megatron_layout: ep={ep} does not divide num_experts={s.experts}")
+        if s.moe_intermediate % etp:
+            raise ValueError(f"megatron_layout: etp={etp} does not divide moe_intermediate_size={s.moe_intermediate}")
+    elif ep != 1:
+        raise ValueError(f"megatron_layout: ep={ep} for a model without experts")
+    world = tp * pp * dp
+    ranks = _check_ranks(ranks, world, f"megatron_layout(tp={tp}, pp={pp}, dp={dp})")
+    stages = stage_layers(s.layers, pp, layers_per_stage)
+
+    H, hd = s.hidden, s.head_dim
+    vpad = padded_vocab_size(s.vocab, tp, vocab_divisible_by)
+    vloc = vpad // tp
+    heads_per_group = s.heads // s.kv_heads
+    groups_loc = s.kv_heads // tp
+    qkv_rows = groups_loc * (heads_per_group + 2) * hd
+    I_loc = s.intermediate // tp
+    E_loc = s.experts // ep if has_moe else 0
+    Im_loc = s.moe_intermediate // etp if has_moe else 0
+
+    b = LayoutBuilder(logical_tensors(s), dtype)
+    for p, rank in enumerate(ranks):
+        t, pr = p % tp, p // (tp * dp)
+        q = p % (tp * dp)
+        et, er = q % etp, (q // etp) % ep
+        if pr == 0:
+            loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
+            b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
+        if pr == pp - 1:
+            b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
+            if not s.tied or pp > 1:
+                loc = b.local(rank, "output_layer.weight", (vloc, H))
+                b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
+        for j, i in enumerate(stages[pr]):
+            hf, mg = layer_prefix(i), f"decoder.layers.{j}"
+            att = f"{mg}.self_attention"
+            b.full(f"{hf}.input_layernorm.weight", rank, f"{att}.linear_qkv.layer_norm_weight")
+            for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+                loc = b.local(rank, f"{att}.linear_qkv.{kind}", (qkv_rows, H) if kind == "weight" else (qkv_rows,))
+                for g in range(groups_loc):
+                    gg = t * groups_loc + g
+                    base = g * (heads_per_group + 2) * hd
+                    b.rows(f"{hf}.self_attn.q_proj.{kind}", rank, loc, gg * heads_per_group * hd,
+                           heads_per_group * hd, at=base)
+                    b.rows(f"{hf}.self_attn.k_proj.{kind}", rank, loc, gg * hd, hd, at=base + heads_per_group * hd)
+                    b.rows(f"{hf}.self_attn.v_proj.{kind}", rank, loc, gg * hd, hd,
+                           at=base + (heads_per_group + 1) * hd)
+            if s.qk_norm:
+                b.full(f"{hf}.self_attn.q_norm.weight", rank, f"{att}.q_layernorm.weight")
+                b.full(f"{hf}.self_attn.k_norm.weight", rank, f"{att}.k_layernorm.weight")
+            loc = b.local(rank, f"{att}.linear_proj.weight", (H, s.heads * hd // tp))
+            b.cols(f"{hf}.self_attn.o_proj.weight", rank, loc, t * s.heads * hd // tp, s.heads * hd // tp)
+            if not s.is_moe_layer(i):
+                b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.mlp.linear_fc1.layer_norm_weight")
+                loc = b.local(rank, f"{mg}.mlp.linear_fc1.weight", (2 * I_loc, H))
+                b.rows(f"{hf}.mlp.gate_proj.weight", rank, loc, t * I_loc, I_loc, at=0)
+                b.rows(f"{hf}.mlp.up_proj.weight", rank, loc, t * I_loc, I_loc, at=I_loc)
+                loc = b.local(rank, f"{mg}.mlp.linear_fc2.weight", (H, I_loc))
+                b.cols(f"{hf}.mlp.down_proj.weight", rank, loc, t * I_loc, I_loc)
+                continue
+            b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
+            b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
+            for k in range(E_loc):
+                gate, up, down = expert_names(i, er * E_loc + k)
+                if grouped_gemm:
+                    fc1, fc2 = f"{mg}.mlp.experts.linear_fc1.weight{k}", f"{mg}.mlp.experts.linear_fc2.weight{k}"
+                else:
+                    fc1 = f"{mg}.mlp.experts.local_experts.{k}.linear_fc1.weight"
+                    fc2 = f"{mg}.mlp.experts.local_experts.{k}.linear_fc2.weight"
+                b.local(rank, fc1, (2 * Im_loc, H))
+                b.rows(gate, rank, fc1, et * Im_loc, Im_loc, at=0)
+                b.rows(up, rank, fc1, et * Im_loc, Im_loc, at=Im_loc)
+                b.local(rank, fc2, (H, Im_loc))
+                b.cols(down, rank, fc2, et * Im_loc, Im_loc)
+    return b.build()
