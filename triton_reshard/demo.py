@@ -53,12 +53,30 @@ def _rss() -> int:
     return 0
 
 
+def preset_layouts(src_text: str, dst_text: str, size_bytes: int, dtype: torch.dtype,
+                   config: str = "llama_demo") -> tuple[Layout, Layout, dict]:
+    """Megatron-Core training layout (TP x PP x DP) -> vLLM inference layout (TP x DP) of a Llama-3-like
+    preset config, with the layer count scaled to about ``size_bytes``."""
+    from .presets import get_config, megatron_layout, model_nbytes, vllm_layout
+
+    sp, dp_ = Parallelism.parse(src_text), Parallelism.parse(dst_text)
+    if dp_.pp > 1:
+        raise ValueError("the vLLM preset has no pipeline parallelism: use tp and dp on the inference side")
+    cfg = get_config(config)
+    one, two = ({**cfg, "num_hidden_layers": n} for n in (1, 2))
+    per_layer = model_nbytes(two, dtype) - model_nbytes(one, dtype)
+    fixed = model_nbytes(one, dtype) - per_layer
+    layers = max(1, round((size_bytes - fixed) / per_layer / sp.pp)) * sp.pp
+    cfg["num_hidden_layers"] = layers
+    src = megatron_layout(cfg, tp=sp.tp, pp=sp.pp, dp=sp.dp, ranks=sp.offset, dtype=dtype)
+    dst = vllm_layout(cfg, tp=dp_.tp, dp=dp_.dp, ranks=dp_.offset, dtype=dtype)
+    return src, dst, cfg
+
+
 def build_layouts(args) -> tuple[Layout, Layout, dict]:
     dtype = getattr(torch, args.dtype)
     if args.layouts == "megatron-vllm":
-        from .presets import demo_layouts  # Megatron-Core training -> vLLM inference formats
-
-        return demo_layouts(args)
+        return preset_layouts(args.src, args.dst, int(args.size_gb * (1 << 30)), dtype)
     cfg = llama_for_bytes(int(args.size_gb * (1 << 30)), dtype)
     tensors = llama_tensors(**cfg)
     src = parallel_layout(tensors, Parallelism.parse(args.src), cfg["layers"], dtype)
@@ -185,8 +203,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=8, help="number of ranks to spawn (default 8)")
     p.add_argument("--src", default="tp=4,pp=2", help="training layout, e.g. 'tp=4,pp=2' (default)")
     p.add_argument("--dst", default="tp=2,dp=4", help="inference layout, e.g. 'tp=2,dp=4' (default)")
-    p.add_argument("--layouts", choices=["simple", "megatron-vllm"], default="simple",
-                   help="'simple': DTensor-style shards on HF names; 'megatron-vllm': framework formats (presets)")
+    p.add_argument("--layouts", choices=["megatron-vllm", "simple"], default="megatron-vllm",
+                   help="'megatron-vllm' (default): Megatron-Core training -> vLLM inference formats of a "
+                        "Llama-3-like preset; 'simple': DTensor-style shards on HF names")
     p.add_argument("--size-gb", type=float, default=0.5, help="model size in GiB (default 0.5)")
     p.add_argument("--dtype", default="float32", help="weight dtype (default float32)")
     p.add_argument("--bucket-mb", type=float, default=64, help="staging memory per rank per step, MiB (default 64)")
@@ -206,7 +225,8 @@ def run_demo(args) -> int:
     plan = plan_reshard(src, dst)
     st = plan.stats()
     sched = plan.schedule(int(args.bucket_mb * (1 << 20)))
-    print(f"model: {cfg} {args.dtype}, {_fmt_bytes(src.nbytes() / max(1, Parallelism.parse(args.src).dp))} of weights")
+    model_bytes = sum(t.itemsize * torch.Size(t.shape).numel() for t in src.tensors)
+    print(f"model: {cfg} {args.dtype}, {_fmt_bytes(model_bytes)} of weights ({args.layouts} layouts)")
     print(f"layouts: {args.src} -> {args.dst} on {args.world} ranks; plan {plan.digest}: "
           f"{st.num_transfers} wire transfers, {st.num_local_copies} local copies, {len(sched.steps)} steps "
           f"of <= {args.bucket_mb:g} MiB")

@@ -6,6 +6,7 @@ parent waits with a deadline and kills stragglers, and ``destroy_process_group``
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -44,7 +45,9 @@ def _worker(rank, world_size, port, backend, pg_timeout, fn, args, queue) -> Non
         )
         try:
             result = fn(rank, world_size, *args)
-            queue.put((rank, True, result))
+            buf = io.BytesIO()  # torch.save: tensors in the result survive the worker's exit
+            torch.save(result, buf)
+            queue.put((rank, True, buf.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # report every failure to the parent, with its traceback
@@ -122,4 +125,7 @@ def run_world(
     errors = {r: v for r, (ok, v) in results.items() if not ok}
     if errors and not allow_errors:
         raise WorldError(errors)
-    return [results[r][1] for r in range(world_size)]
+    return [
+        torch.load(io.BytesIO(val), weights_only=False) if ok else val
+        for ok, val in (results[r] for r in range(world_size))
+    ]

@@ -406,9 +406,9 @@ class Layout:
             dt = dtype[name] if isinstance(dtype, Mapping) else dtype
             spec = TensorSpec(name, shape, dt)
             specs.append(spec)
-            pl = placements[name] if isinstance(placements, Mapping) else placements
             if isinstance(placements, Mapping) and name not in placements:
                 raise ValueError(f"tensor {name!r} has no placements")
+            pl = placements[name] if isinstance(placements, Mapping) else placements
             pl = tuple(pl)
             if len(pl) != mesh_t.dim():
                 raise ValueError(
@@ -431,6 +431,16 @@ class Layout:
                 if all(size):
                     frags.append(Fragment(name, rank, tuple(off), tuple(size)))
         return cls(tuple(specs), tuple(frags), tuple(locs))
+
+    @classmethod
+    def from_dtensors(cls, named_dtensors: Mapping[str, object]) -> Layout:
+        """The layout of live DTensors (FSDP2 / torch TP): mesh ranks, placements, global shapes and dtypes.
+
+        Every rank of the refit group calls it with the same names (see ``presets.layout_from_dtensors``).
+        """
+        from .presets.dtensor import layout_from_dtensors
+
+        return layout_from_dtensors(named_dtensors)
 
     def merge(self, *others: Layout) -> Layout:
         """Union of layouts (e.g. one per pipeline stage). Tensors and local tensors declared in several must agree."""
