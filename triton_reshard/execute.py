@@ -143,6 +143,8 @@ class Resharder:
                 raise ValueError(
                     f"rank {self.rank}: {side} tensor {name!r} has dtype {t.dtype}, the layout says {spec.dtype}"
                 )
+            if t.device.type == "meta":  # no data: would fail after the handshake and leave the peers waiting
+                raise ValueError(f"rank {self.rank}: {side} tensor {name!r} is on the meta device (it holds no data)")
             if device is None:
                 device = t.device
             elif t.device != device:

@@ -1,0 +1,1 @@
+"""Test suite (a package, so spawned workers can import ``tests.dist_cases``)."""

@@ -1,0 +1,225 @@
+"""Bad inputs: one test per kind, each checking the exception type and that the message names the tensor and
+the rank. Planner and layout errors need no process group; ``run()`` errors are checked both in-process (a
+one-rank plan, no process group) and in a spawned world of 4, where the rank with the bad input must raise
+ValueError/TypeError and every other rank ReshardError, quickly, with nothing moved. The peer that never
+arrives runs last in that world (a gloo timeout breaks the group, FACTS.md)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from triton_reshard import Fragment, Layout, Replicate, Resharder, ReshardError, Shard, plan_reshard
+
+from . import dist_cases as dc
+
+F32 = torch.float32
+
+
+def names(msg: str, tensor: str, rank: int) -> bool:
+    return f"'{tensor}'" in msg and re.search(rf"\brank {rank}\b", msg) is not None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Planner and layout (no process group)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_global_shape_mismatch():
+    src = Layout.from_placements({"w": (8, 6)}, [0, 1], [Shard(0)])
+    dst = Layout.from_placements({"w": (8, 7)}, [2, 3], [Shard(1)])
+    with pytest.raises(ValueError, match="global shape") as e:
+        plan_reshard(src, dst)
+    assert names(str(e.value), "w", 2), str(e.value)
+
+
+def test_dtype_mismatch():
+    src = Layout.from_placements({"w": (8, 6)}, [0, 1], [Shard(0)], torch.float32)
+    dst = Layout.from_placements({"w": (8, 6)}, [3], [Replicate()], torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype") as e:
+        plan_reshard(src, dst)
+    assert names(str(e.value), "w", 3), str(e.value)
+
+
+def test_destination_element_held_by_no_source():
+    # the source holds rows 0..2 and 4..7 of w; row 3 is missing
+    src = Layout.from_fragments(
+        {"w": ((8, 4), F32)}, [Fragment("w", 0, (0, 0), (3, 4)), Fragment("w", 1, (4, 0), (4, 4))]
+    )
+    dst = Layout.from_placements({"w": (8, 4)}, [2, 3], [Shard(0)])  # rank 2 needs rows 0..3
+    with pytest.raises(ValueError, match="held by no source rank") as e:
+        plan_reshard(src, dst)
+    assert names(str(e.value), "w", 2), str(e.value)
+    assert "(3, 0)" in str(e.value)  # the first missing element
+
+
+def test_destination_tensor_missing_from_source():
+    src = Layout.from_placements({"w": (4, 4)}, [0, 1], [Shard(0)])
+    dst = Layout.from_placements({"w": (4, 4), "extra": (3,)}, [1], [Replicate()])
+    with pytest.raises(ValueError, match="not in the source layout") as e:
+        plan_reshard(src, dst)
+    assert names(str(e.value), "extra", 1), str(e.value)
+
+
+def test_overlapping_destination_boxes():
+    """Two local tensors of one rank both claim rows 2..3 of w: the planner must refuse (double write)."""
+    src = Layout.from_placements({"w": (6, 4)}, [0], [Replicate()])
+    dst = Layout.from_fragments(
+        {"w": ((6, 4), F32)},
+        [Fragment("w", 1, (0, 0), (4, 4), "a"), Fragment("w", 1, (2, 0), (4, 4), "b")],
+    )
+    with pytest.raises(ValueError, match="overlapping destination boxes") as e:
+        plan_reshard(src, dst)
+    assert names(str(e.value), "w", 1), str(e.value)
+
+
+def test_overlapping_fragments_in_one_local_tensor():
+    with pytest.raises(ValueError, match="overlapping fragments") as e:
+        Layout.from_fragments(
+            {"q": ((4, 2), F32), "k": ((4, 2), F32)},
+            [Fragment("q", 3, (0, 0), (4, 2), "qk", (0, 0)), Fragment("k", 3, (0, 0), (4, 2), "qk", (3, 0))],
+        )
+    assert names(str(e.value), "q", 3) and "'k'" in str(e.value), str(e.value)
+
+
+def test_fragment_out_of_bounds_of_its_tensor():
+    with pytest.raises(ValueError, match="out of bounds") as e:
+        Layout.from_fragments({"w": ((4, 4), F32)}, [Fragment("w", 2, (2, 0), (3, 4))])
+    assert names(str(e.value), "w", 2), str(e.value)
+
+
+def test_fragment_out_of_bounds_of_its_local_tensor():
+    with pytest.raises(ValueError, match="out of bounds of local tensor") as e:
+        Layout.from_fragments(
+            {"w": ((4, 4), F32)}, [Fragment("w", 1, (0, 0), (4, 4), "buf", (1, 0))], local_shapes={(1, "buf"): (4, 4)}
+        )
+    assert names(str(e.value), "w", 1), str(e.value)
+
+
+def test_fragment_of_unknown_tensor():
+    with pytest.raises(ValueError, match="unknown tensor") as e:
+        Layout.from_fragments({"w": ((4, 4), F32)}, [Fragment("nope", 5, (0, 0), (1, 1))])
+    assert names(str(e.value), "nope", 5), str(e.value)
+
+
+# --------------------------------------------------------------------------------------------------------
+# run() inputs, one rank, no process group
+# --------------------------------------------------------------------------------------------------------
+
+
+def _one_rank():
+    src = Layout.from_placements({"w": (6, 4), "ids": (5,)}, [0], [Replicate()], {"w": F32, "ids": torch.int64})
+    dst = Layout.from_fragments(
+        {"w": ((6, 4), F32), "ids": ((5,), torch.int64)},
+        [Fragment("w", 0, (0, 0), (6, 4), "w_t"), Fragment("ids", 0, (0,), (5,), "ids_t")],
+    )
+    r = Resharder(plan_reshard(src, dst), bucket_bytes=4096, timeout=5)
+    src_t = {"w": torch.randn(6, 4), "ids": torch.arange(5)}
+    dst_t = {"w_t": torch.full((6, 4), float("nan")), "ids_t": torch.full((5,), -1)}
+    return r, src_t, dst_t
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+SINGLE_RANK = [
+    pytest.param(lambda s, d: d.update(w_t=torch.empty(6, 5)), ValueError, "w_t", id="wrong-shape"),
+    pytest.param(lambda s, d: s.update(ids=torch.arange(5, dtype=torch.int32)), ValueError, "ids", id="wrong-dtype"),
+    pytest.param(lambda s, d: s.update(w=_meta(s["w"])), ValueError, "w", id="meta-device-one-tensor"),
+    pytest.param(lambda s, d: d.update({n: _meta(t) for n, t in d.items()}), ValueError, None,
+                 id="meta-device-whole-side"),
+    pytest.param(lambda s, d: d.pop("ids_t"), ValueError, "ids_t", id="missing-name"),
+    pytest.param(lambda s, d: s.update(extra=torch.zeros(1)), ValueError, "extra", id="unknown-name"),
+    pytest.param(lambda s, d: d.update(w_t=[[0.0] * 4] * 6), TypeError, "w_t", id="not-a-tensor"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "exc", "tensor"), SINGLE_RANK)
+def test_run_rejects_bad_local_tensors_without_process_group(mutate, exc, tensor):
+    r, src_t, dst_t = _one_rank()
+    mutate(src_t, dst_t)
+    before = {n: t.clone() for n, t in dst_t.items() if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+    with pytest.raises(exc) as e:
+        r.run(src_t, dst_t)
+    msg = str(e.value)
+    if tensor is None:  # any of the rank's destination tensors may be named
+        assert names(msg, "w_t", 0) or names(msg, "ids_t", 0), msg
+    else:
+        assert names(msg, tensor, 0), msg
+    for n, t in before.items():  # nothing written
+        assert dc.mismatch(dst_t[n], t, n) is None
+
+
+def test_run_one_rank_good_input_still_works():
+    r, src_t, dst_t = _one_rank()
+    r.run(src_t, dst_t)
+    assert torch.equal(dst_t["w_t"], src_t["w"]) and torch.equal(dst_t["ids_t"], src_t["ids"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# run() inputs in a spawned world of 4
+# --------------------------------------------------------------------------------------------------------
+
+
+def _bad_world() -> list[dict]:
+    results = dc.world_results(4)
+    failed = {r: v for r, v in enumerate(results) if not isinstance(v, dict)}
+    if failed:
+        pytest.fail("world of 4 ranks failed: " + "\n".join(f"rank {r}: {v}" for r, v in failed.items()))
+    return [r["bad"] for r in results]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [pytest.param(k, id=k) for k in dc.BAD_INPUTS])
+def test_bad_input_rank_raises_and_peers_get_reshard_error(scenario):
+    bad, _mutate, exc, tensors = dc.BAD_INPUTS[scenario]
+    per_rank = [r[scenario] for r in _bad_world()]
+    got = per_rank[bad]
+    assert got["error"] == exc, got
+    assert not got["is_reshard_error"], got
+    assert any(names(got["message"], t, bad) for t in tensors), got["message"]
+    for rank, res in enumerate(per_rank):
+        assert res["dst_untouched"], f"rank {rank}: destination written although the run was rejected"
+        assert res["seconds"] < 10, f"rank {rank} took {res['seconds']:.1f}s: it waited instead of failing"
+        if rank != bad:
+            assert res["error"] == "ReshardError", (rank, res)
+            assert f"[{bad}]" in res["message"] and re.search(rf"\brank {rank}\b", res["message"]), res["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [pytest.param(k, id=k) for k in dc.BAD_PLANS])
+def test_ranks_with_different_plans_all_raise(scenario):
+    per_rank = [r[scenario] for r in _bad_world()]
+    for rank, res in enumerate(per_rank):
+        assert res["error"] == "ReshardError", (rank, res)
+        assert "different plans" in res["message"], res["message"]
+        assert res["dst_untouched"] and res["seconds"] < 10, (rank, res)
+
+
+@pytest.mark.slow
+def test_group_still_usable_after_rejected_runs():
+    for rank, res in enumerate(r["good-run-after-errors"] for r in _bad_world()):
+        assert res["error"] is None, (rank, res)
+        assert not res["problems"], res["problems"]
+
+
+@pytest.mark.slow
+def test_peer_that_never_arrives_times_out():
+    per_rank = [r["peer-never-arrives"] for r in _bad_world()]
+    absent = len(per_rank) - 1
+    assert per_rank[absent]["message"] == "absent"
+    for rank, res in enumerate(per_rank[:absent]):
+        assert res["error"] == "ReshardTimeoutError", (rank, res)
+        assert res["is_reshard_error"]  # a subclass of ReshardError
+        assert 0.8 * dc.BAD_TIMEOUT <= res["seconds"] <= dc.BAD_TIMEOUT + 3, (rank, res["seconds"])
+        assert re.search(rf"\brank {rank}\b", res["message"]) and f"{dc.BAD_TIMEOUT:g}s" in res["message"]
+        assert res["dst_untouched"]
+
+
+def test_reshard_timeout_error_is_a_reshard_error_and_timeout_error():
+    from triton_reshard import ReshardTimeoutError
+
+    assert issubclass(ReshardTimeoutError, ReshardError) and issubclass(ReshardTimeoutError, TimeoutError)

@@ -1,0 +1,444 @@
+"""Planner tests, no process group: table-driven and property-based (hypothesis).
+
+Every expectation is computed independently of the planner: boxes by nested ``torch.chunk``
+(``dist_cases.chunk_box``), the least wire bytes by counting, per destination rank, the needed elements that
+rank does not hold (boolean masks over the global tensor), exact cover by counting writes per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from triton_reshard import Fragment, Layout, Plan, Replicate, Shard, Transfer, plan_reshard
+from triton_reshard.layout import chunk_range
+from triton_reshard.plan import ALIGN
+
+from . import dist_cases as dc
+from .dist_cases import S0, S1, P, R
+
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.int64]
+MESH_SHAPES = [(1,), (2,), (3,), (4,), (5,), (1, 3), (2, 2), (2, 3), (3, 2), (2, 1, 2), (2, 2, 2), (1, 2, 3)]
+SIZES = [0, 1, 2, 3, 5, 7]
+HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def itemsize(dt):
+    return torch.empty((), dtype=dt).element_size()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Strategies
+# --------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def tensor_specs(draw, max_tensors=2):
+    n = draw(st.integers(1, max_tensors))
+    out = {}
+    for i in range(n):
+        ndim = draw(st.integers(1, 4))
+        shape = tuple(draw(st.sampled_from(SIZES)) for _ in range(ndim))
+        out[f"t{i}"] = (shape, draw(st.sampled_from(DTYPES)))
+    return out
+
+
+@st.composite
+def mesh_side(draw, specs, ranks_pool):
+    """One DTensor-style description of ``specs`` on a mesh drawn from ``ranks_pool`` (permuted)."""
+    mshape = draw(st.sampled_from([m for m in MESH_SHAPES if math.prod(m) <= len(ranks_pool)]))
+    ranks = draw(st.permutations(ranks_pool))[: math.prod(mshape)]
+    mesh = torch.tensor(ranks).reshape(mshape).tolist()
+    pls = {
+        n: [draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(len(shape))])) for _ in mshape]
+        for n, (shape, _dt) in specs.items()
+    }
+    return P({n: s for n, (s, _d) in specs.items()}, mesh, pls, {n: d for n, (_s, d) in specs.items()})
+
+
+@st.composite
+def reshard_problems(draw):
+    """(source side, destination side): random shapes, meshes 1-D..3-D with permuted ranks, rank sets the same,
+    overlapping or disjoint, and the source possibly split into one mesh per tensor (pipeline stages)."""
+    specs = draw(tensor_specs())
+    mode = draw(st.sampled_from(["colocated", "overlapping", "disjoint"]))
+    src_pool = draw(st.permutations(list(range(10))))[: draw(st.integers(1, 8))]
+    if draw(st.booleans()) and len(specs) > 1:  # one "stage" mesh per tensor
+        src = tuple(draw(mesh_side({n: specs[n]}, src_pool)) for n in sorted(specs))
+    else:
+        src = (draw(mesh_side(specs, src_pool)),)
+    if mode == "colocated":
+        dst_pool = src_pool
+    elif mode == "overlapping":
+        dst_pool = draw(st.permutations(list(range(10))))[: draw(st.integers(1, 8))]
+    else:
+        used = {r for d in src for r in torch.as_tensor(d.mesh).flatten().tolist()}
+        dst_pool = [r for r in range(10, 20) if r not in used]
+    dst = (draw(mesh_side(specs, dst_pool)),)
+    return src, dst
+
+
+# --------------------------------------------------------------------------------------------------------
+# The core property check (also used by the table tests)
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_plan(src_side, dst_side, allow_cast=False):
+    """Exact cover, no double writes, correct values, wire bytes == lower bound == independent count."""
+    src_l, dst_l = dc.side_layout(src_side), dc.side_layout(dst_side)
+    plan = plan_reshard(src_l, dst_l, allow_cast)
+    ranks = dc.case_ranks(src_side, dst_side)
+    sspecs, dspecs = dc.side_specs(src_side), dc.side_specs(dst_side)
+    data = dc.unique_data(sspecs)
+    src_t = {r: dc.build_locals(src_side, r, data, 0, dtype=torch.int64) for r in ranks}
+    dst_t = {r: dc.build_locals(dst_side, r, None, 0, dtype=torch.int64) for r in ranks}
+    counts = {r: {n: torch.zeros_like(t, dtype=torch.int32) for n, t in dst_t[r].items()} for r in ranks}
+    dc.apply_plan(plan, src_t, dst_t, counts)
+    for r in ranks:
+        want_cov = dc.coverage(dst_side, r)
+        want = dc.build_locals(dst_side, r, data, 0, dtype=torch.int64)
+        assert sorted(counts[r]) == sorted(want_cov)
+        for n in want_cov:
+            assert torch.equal(counts[r][n], want_cov[n]), f"rank {r} {n!r}: writes per element {counts[r][n].tolist()}"
+            assert dc.mismatch(dst_t[r][n], want[n], f"rank {r} {n!r}") is None
+    # wire bytes, counted independently: needed elements the destination rank does not hold as source
+    need_by_rank = {r: 0 for r in ranks}
+    total_dst = 0
+    for name, (shape, dt) in dspecs.items():
+        isz = min(itemsize(dt), itemsize(sspecs[name][1]))
+        for r in ranks:
+            held = dc.held_mask(src_side, r, name, shape)
+            needed = dc.held_mask(dst_side, r, name, shape)
+            need_by_rank[r] += int((needed & ~held).sum()) * isz
+            total_dst += int(needed.sum()) * isz
+    st_ = plan.stats()
+    expected_wire = sum(need_by_rank.values())
+    assert st_.wire_bytes == expected_wire == st_.lower_bound_bytes
+    assert st_.local_bytes == total_dst - expected_wire
+    assert {r: st_.recv_bytes.get(r, 0) for r in ranks} == need_by_rank
+    assert sum(st_.sent_bytes.values()) == expected_wire
+    assert all(t.src_rank != t.dst_rank for t in plan.transfers)
+    assert all(t.src_rank == t.dst_rank for t in plan.local_copies)
+    return plan
+
+
+def check_schedule(plan, bucket):
+    """Per step and rank: sent and received bytes <= bucket // 2; chunks tile their transfer exactly."""
+    sched = plan.schedule(bucket)
+    cap = bucket // 2
+    tiles = {i: torch.zeros(t.sizes, dtype=torch.int32) for i, t in enumerate(plan.transfers)}
+    for step in sched.steps:
+        sent, recv = {}, {}
+        pairs = set()
+        for m in step.messages:
+            assert (m.src, m.dst) not in pairs, "one message per pair and step"
+            pairs.add((m.src, m.dst))
+            assert m.src != m.dst and m.nbytes % ALIGN == 0
+            sent[m.src] = sent.get(m.src, 0) + m.nbytes
+            recv[m.dst] = recv.get(m.dst, 0) + m.nbytes
+            end = 0
+            for c in sorted(m.chunks, key=lambda c: c.buffer_offset):
+                t = plan.transfers[c.transfer]
+                assert (t.src_rank, t.dst_rank) == (m.src, m.dst)
+                assert c.buffer_offset % ALIGN == 0 and c.buffer_offset >= end
+                assert c.nbytes == math.prod(c.sizes) * itemsize(t.wire_dtype) > 0
+                end = c.buffer_offset + c.nbytes
+                tiles[c.transfer][tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] += 1
+            assert end <= m.nbytes
+        assert max(sent.values(), default=0) <= cap and max(recv.values(), default=0) <= cap, (sent, recv, cap)
+    for i, tile in tiles.items():
+        t = plan.transfers[i]
+        assert bool((tile == 1).all()), f"chunks of {t} cover it {tile.unique().tolist()} times"
+        if t.nbytes > cap:
+            assert sum(c.transfer == i for s in sched.steps for m in s.messages for c in m.chunks) > 1
+    # per-rank staging areas: messages laid out without overlap, within bucket_bytes in total
+    for r in plan.ranks:
+        steps, send_area, recv_area = sched.for_rank(r)
+        assert len(steps) == len(sched.steps)
+        assert send_area + recv_area <= bucket
+        for rs in steps:
+            for entries, area in ((rs.sends, send_area), (rs.recvs, recv_area)):
+                spans = sorted((at, at + m.nbytes) for _peer, at, m in entries)
+                assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)) and all(e <= area for _, e in spans)
+            assert all(m.src == r and peer == m.dst for peer, _at, m in rs.sends)
+            assert all(m.dst == r and peer == m.src for peer, _at, m in rs.recvs)
+    assert sched.peak_staging_bytes() <= bucket
+    return sched
+
+
+# --------------------------------------------------------------------------------------------------------
+# Property tests
+# --------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(reshard_problems())
+def test_property_exact_cover_and_lower_bound(problem):
+    check_plan(*problem)
+
+
+@HYP
+@given(reshard_problems(), st.sampled_from([256, 272, 300, 512, 1000, 4096, 1 << 20]))
+def test_property_schedule(problem, bucket):
+    plan = plan_reshard(dc.side_layout(problem[0]), dc.side_layout(problem[1]))
+    check_schedule(plan, bucket)
+
+
+@HYP
+@given(reshard_problems())
+def test_property_deterministic(problem):
+    src, dst = problem
+    a_src, a_dst = dc.side_layout(src), dc.side_layout(dst)
+    b_src, b_dst = dc.side_layout(src), dc.side_layout(dst)  # built again, new objects
+    assert a_src == b_src and hash(a_src) == hash(b_src) and a_src.digest == b_src.digest
+    p1 = plan_reshard.__wrapped__(a_src, a_dst)  # bypass the cache: really plan twice
+    p2 = plan_reshard.__wrapped__(b_src, b_dst)
+    assert p1 is not p2 and p1.digest == p2.digest
+    assert [t.key() for t in p1.transfers] == [t.key() for t in p2.transfers]
+    assert [t.key() for t in p1.local_copies] == [t.key() for t in p2.local_copies]
+    assert p1.schedule(512) == p2.schedule(512)
+
+
+@HYP
+@given(
+    tensor_specs(max_tensors=2),
+    st.integers(2, 5),
+    st.data(),
+)
+def test_property_replicas_share_the_sending(specs, k, data):
+    """A tensor replicated on k source ranks, needed by disjoint destination ranks: no holder sends more
+    than ceil(total / k) + the largest piece."""
+    src = (P({n: s for n, (s, _d) in specs.items()}, list(range(k)), [R], {n: d for n, (_s, d) in specs.items()}),)
+    dst = (data.draw(mesh_side(specs, list(range(10, 18)))),)
+    plan = check_plan(src, dst)
+    st_ = plan.stats()
+    largest = max((t.nbytes for t in plan.transfers), default=0)
+    bound = -(-st_.wire_bytes // k) + largest
+    assert all(st_.sent_bytes.get(r, 0) <= bound for r in range(k)), (st_.sent_bytes, bound)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Table tests
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_four_replicas_four_destinations_each_holder_sends_one_shard():
+    src = (P({"w": (16, 8)}, [0, 1, 2, 3], [R]),)
+    dst = (P({"w": (16, 8)}, [4, 5, 6, 7], [S0]),)
+    plan = check_plan(src, dst)
+    shard = 4 * 8 * 4
+    assert plan.stats().sent_bytes == {0: shard, 1: shard, 2: shard, 3: shard, 4: 0, 5: 0, 6: 0, 7: 0}
+    assert sorted(t.src_rank for t in plan.transfers) == [0, 1, 2, 3]
+    assert sorted(t.dst_rank for t in plan.transfers) == [4, 5, 6, 7]
+
+
+def test_dp_replicas_of_tp_shards_split_evenly():
+    """DP2 x TP2 source: every TP shard has two holders; four destination shards -> one per holder."""
+    src = (P({"w": (16, 8)}, [[0, 1], [2, 3]], [R, S0]),)
+    dst = (P({"w": (16, 8)}, [4, 5, 6, 7], [S0]),)
+    plan = check_plan(src, dst)
+    assert [plan.stats().sent_bytes[r] for r in range(4)] == [128] * 4
+
+
+def test_colocated_replicas_need_no_wire():
+    plan = check_plan((P({"w": (8, 4)}, [0, 1, 2, 3], [R]),), (P({"w": (8, 4)}, [3, 1, 0, 2], [S0]),))
+    assert plan.transfers == () and plan.stats().wire_bytes == 0 and len(plan.local_copies) == 4
+
+
+def test_identity_reshard_is_all_local():
+    side = (P({"w": (5, 6), "b": (5,)}, [[0, 1], [2, 3]], {"w": [S1, S0], "b": [R, S0]}, BF16),)
+    plan = check_plan(side, side)
+    assert plan.transfers == ()
+
+
+def test_all_gather_bytes():
+    """TP4 -> replicated on the same 4 ranks: each rank receives the 3/4 it lacks."""
+    plan = check_plan((P({"w": (8, 4)}, [0, 1, 2, 3], [S0]),), (P({"w": (8, 4)}, [0, 1, 2, 3], [R]),))
+    assert plan.stats().recv_bytes == {r: 6 * 4 * 4 for r in range(4)}
+    assert plan.stats().sent_bytes == {r: 3 * 2 * 4 * 4 for r in range(4)}
+
+
+def test_wire_dtype_with_cast():
+    src = (P({"w": (4, 6)}, [0], [R], F32),)
+    dst = (P({"w": (4, 6)}, [1], [R], BF16),)
+    with pytest.raises(ValueError, match="allow_cast"):
+        plan_reshard(dc.side_layout(src), dc.side_layout(dst))
+    plan = check_plan(src, dst, allow_cast=True)
+    assert [t.wire_dtype for t in plan.transfers] == [BF16]
+    assert plan.stats().wire_bytes == 4 * 6 * 2
+
+
+@pytest.mark.parametrize("case_id", [pytest.param(c, id=c) for c in dc.CASES])
+def test_catalogue_cases_plan_exactly(case_id):
+    """The cases the multi-process tests run, checked here without a process group."""
+    case = dc.CASES[case_id]
+    plan = check_plan(case.src, case.dst, case.allow_cast)
+    sched = check_schedule(plan, case.bucket_bytes)
+    if case.multi_step:
+        assert len(sched.steps) > 1
+
+
+def test_fused_and_stacked_transfers_use_local_offsets():
+    case = dc.CASES["fused-qkv"]
+    plan = check_plan(case.src, case.dst)
+    # rank 1 is TP rank 0 of the fused layout: its k rows 0..1 land at local row 4 of 'qkv'
+    k_to_1 = [t for t in plan.transfers + plan.local_copies if t.tensor == "k" and t.dst_rank == 1]
+    assert [(t.offsets, t.sizes, t.dst_local, t.dst_offsets) for t in k_to_1] == [((0, 0), (2, 6), "qkv", (4, 0))]
+    case = dc.CASES["per-expert-tp-to-stacked"]
+    plan = check_plan(case.src, case.dst)
+    e3 = sorted((t.src_rank, t.dst_offsets, t.sizes) for t in plan.transfers + plan.local_copies if t.tensor == "e3.w")
+    assert e3 == [(0, (1, 0, 0), (5, 2)), (1, (1, 0, 2), (5, 1))]  # expert 3 is rank 1's second expert
+
+
+# --------------------------------------------------------------------------------------------------------
+# chunk_range and nested sharding
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parts", range(1, 13))
+def test_chunk_range_equals_torch_chunk(parts):
+    for length in range(0, 41):
+        pieces = torch.arange(length).chunk(parts)
+        start = 0
+        for i in range(parts):
+            off, size = chunk_range(length, parts, i)
+            want = pieces[i].numel() if i < len(pieces) else 0
+            assert size == want, (length, parts, i)
+            if want:
+                assert off == start == int(pieces[i][0]), (length, parts, i)
+            assert 0 <= off <= length
+            start += want
+        assert start == length
+
+
+def test_chunk_range_rejects_zero_parts():
+    with pytest.raises(ValueError):
+        chunk_range(4, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("length", "rows"),
+    [
+        # 7 rows: chunk(2) -> 4 | 3; then 4 -> 2 | 2 and 3 -> 2 | 1
+        pytest.param(7, [(0, 2), (2, 2), (4, 2), (6, 1)], id="7-rows"),
+        # 5 rows: chunk(2) -> 3 | 2; then 3 -> 2 | 1 and 2 -> 1 | 1 (a flat chunk(4) would give 2, 2, 1, 0)
+        pytest.param(5, [(0, 2), (2, 1), (3, 1), (4, 1)], id="5-rows-differs-from-flat"),
+        # 2 rows: 1 | 1; then 1 -> 1 | 0 twice
+        pytest.param(2, [(0, 1), (1, 0), (1, 1), (2, 0)], id="2-rows-empty-shards"),
+    ],
+)
+def test_nested_sharding_nests_left_to_right(length, rows):
+    lay = Layout.from_placements({"w": (length, 3)}, [[0, 1], [2, 3]], [Shard(0), Shard(0)])
+    for r, (off, size) in enumerate(rows):
+        assert lay.local_shapes(r) == {"w": (size, 3)}
+        frags = [f for f in lay.fragments if f.rank == r]
+        assert [(f.offsets[0], f.sizes[0]) for f in frags] == ([(off, size)] if size else [])
+
+
+def test_nested_sharding_inner_mesh_dim_first():
+    """Mesh [[0, 1], [2, 3]] with placements [Shard(0), Shard(0)] vs the mesh transposed: different owners."""
+    a = Layout.from_placements({"w": (8,)}, [[0, 1], [2, 3]], [Shard(0), Shard(0)])
+    b = Layout.from_placements({"w": (8,)}, [[0, 2], [1, 3]], [Shard(0), Shard(0)])
+    assert [f.rank for f in a.fragments_by_tensor["w"]] == [0, 1, 2, 3]
+    assert {f.rank: f.offsets for f in a.fragments} == {0: (0,), 1: (2,), 2: (4,), 3: (6,)}
+    assert {f.rank: f.offsets for f in b.fragments} == {0: (0,), 2: (2,), 1: (4,), 3: (6,)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Schedule, table tests
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_tensor_larger_than_bucket_is_split():
+    plan = plan_reshard(*(dc.side_layout(s) for s in ((P({"w": (64, 33)}, [0], [R]),), (P({"w": (64, 33)}, [1], [R]),))))
+    assert len(plan.transfers) == 1 and plan.transfers[0].nbytes == 64 * 33 * 4
+    sched = check_schedule(plan, 1024)
+    chunks = [c for s in sched.steps for m in s.messages for c in m.chunks]
+    assert len(chunks) >= 64 * 33 * 4 // 512 and len(sched.steps) == len(chunks)  # one chunk (3 rows, 396 B) per step
+    assert sum(c.nbytes for c in chunks) == 64 * 33 * 4
+    # a bucket that holds everything: one step, one chunk
+    assert len(check_schedule(plan, 2 * 64 * 33 * 4 + 64).steps) == 1
+
+
+def test_schedule_splits_inner_dims_when_a_row_is_too_big():
+    """One row of a [3, 200] fp32 tensor is 800 B > 128 B per half bucket: the split goes below a row."""
+    plan = plan_reshard(dc.side_layout((P({"w": (3, 200)}, [0], [R]),)), dc.side_layout((P({"w": (3, 200)}, [1], [R]),)))
+    sched = check_schedule(plan, 256)
+    assert all(c.sizes[0] == 1 and c.nbytes <= 128 for s in sched.steps for m in s.messages for c in m.chunks)
+
+
+def test_schedule_packs_independent_pairs_into_one_step():
+    plan = plan_reshard(dc.side_layout((P({"w": (8, 8)}, [0, 1], [S0]),)), dc.side_layout((P({"w": (8, 8)}, [2, 3], [S0]),)))
+    sched = check_schedule(plan, 1 << 20)
+    assert len(sched.steps) == 1 and {(m.src, m.dst) for m in sched.steps[0].messages} == {(0, 2), (1, 3)}
+
+
+def test_bucket_too_small():
+    plan = plan_reshard(dc.side_layout((P({"w": (4,)}, [0], [R]),)), dc.side_layout((P({"w": (4,)}, [1], [R]),)))
+    with pytest.raises(ValueError, match="too small"):
+        plan.schedule(255)
+    assert plan.schedule(256).bucket_bytes == 256
+
+
+# --------------------------------------------------------------------------------------------------------
+# Plan values: caching, printing, self-validation
+# --------------------------------------------------------------------------------------------------------
+
+
+def _simple():
+    return dc.side_layout((P({"w": (6, 4)}, [0, 1], [S0]),)), dc.side_layout((P({"w": (6, 4)}, [0, 1], [S1]),))
+
+
+def test_plan_cached_on_equal_layouts():
+    a, b = _simple()
+    a2, b2 = _simple()
+    assert plan_reshard(a, b) is plan_reshard(a2, b2)
+    assert plan_reshard(a, b).schedule(512) is plan_reshard(a, b).schedule(512)
+
+
+def test_plan_printable():
+    plan = plan_reshard(*_simple())
+    text = plan.describe()
+    assert plan.digest in text and text.count("\n") == len(plan.transfers) + len(plan.local_copies)
+    assert "w[0:3, 2:4] rank 0:w@(0, 2) -> rank 1:w@(0, 0) (24 B float32)" in text
+    d = plan.stats().as_dict()
+    assert d["wire_bytes"] == plan.stats()["wire_bytes"] == 2 * 3 * 2 * 4
+    assert d["max_sent_bytes"] == d["max_recv_bytes"] == 24
+
+
+def test_plan_validates_itself():
+    src, dst = _simple()
+    good = plan_reshard(src, dst)
+    with pytest.raises(ValueError, match="gets 0 of its"):  # nothing written
+        Plan(src, dst, (), ())
+    t = good.transfers[0]
+    with pytest.raises(ValueError, match="written twice"):
+        Plan(src, dst, good.transfers + (t,), good.local_copies)
+    with pytest.raises(ValueError, match="stays on one rank"):
+        Plan(src, dst, good.transfers + good.local_copies, ())
+    with pytest.raises(ValueError, match="does not hold"):  # rank 1 does not hold rows 0..2 as source
+        bogus = Transfer(t.tensor, t.offsets, t.sizes, 1, "w", t.src_offsets, 0, "w", t.dst_offsets, t.wire_dtype)
+        Plan(src, dst, (bogus,), ())
+    with pytest.raises(ValueError, match="writes outside"):
+        bogus = Transfer(t.tensor, t.offsets, t.sizes, t.src_rank, "w", t.src_offsets, t.dst_rank, "w", (1, 0), t.wire_dtype)
+        Plan(src, dst, (bogus,), ())
+
+
+def test_plan_reshard_needs_layouts():
+    with pytest.raises(TypeError):
+        plan_reshard({"w": 1}, _simple()[1])
+
+
+def test_destination_padding_is_never_written():
+    """A padded fused destination: padding rows are not part of any transfer."""
+    src = (P({"a": (3, 2), "b": (2, 2)}, [0], [R]),)
+    dst = (dc.F({"a": ((3, 2), F32), "b": ((2, 2), F32)},
+                (("a", 1, (0, 0), (3, 2), "ab", (0, 0)), ("b", 1, (0, 0), (2, 2), "ab", (4, 0))),
+                {(1, "ab"): (7, 2)}),)
+    check_plan(src, dst)  # coverage: rows 3, 6 of 'ab' get zero writes
+    assert Fragment("a", 1, (0, 0), (3, 2), "ab", (0, 0)) in dc.side_layout(dst).fragments
