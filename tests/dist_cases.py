@@ -764,3 +764,24 @@ def world_results(world: int) -> list:
 
     return run_world(world_main, world, case_ids(world), world in DTENSOR_ITEMS, REFIT_SIDES.get(world),
                      world == 4, timeout=420, pg_timeout=120, allow_errors=True)
+
+
+def world_main_triton(rank: int, world: int, ids: list[str]) -> dict:
+    """The cases of this world size with the Triton copy backend (the parent sets TRITON_INTERPRET=1 and
+    TRITON_RESHARD_BACKEND=triton before spawning), counting kernel launches per copy list."""
+    import triton_reshard.triton_copy as tc
+
+    calls: list[tuple[int, int, int]] = []  # (pairs in the list, kernel launches, dtype groups)
+    real_launch = tc.launch
+
+    def counting_launch(table, pairs):
+        calls.append((len(pairs), len(table.groups), len({(p[0].dtype, p[1].dtype) for p in pairs})))
+        return real_launch(table, pairs)
+
+    tc.launch = counting_launch
+    out: dict = {"cases": {}, "calls": calls}
+    for cid in ids:
+        if CASES[cid].group_ranks is not None:
+            continue
+        out["cases"][cid] = _guard(run_case, CASES[cid], rank, None)
+    return out

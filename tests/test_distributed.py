@@ -105,3 +105,45 @@ def test_refit_named_parameters(world, sides):
     entries = [r["refit"][f"src{src_ranks}-dst{dst_ranks}"] for r in _world(world)]
     problems = _problems(entries)
     assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def triton_world():
+    import os
+
+    from triton_reshard.launch import run_world
+
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")}
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_RESHARD_BACKEND"] = "triton"
+    try:
+        return run_world(dc.world_main_triton, 4, dc.case_ids(4), timeout=600, pg_timeout=120, allow_errors=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_reshard_with_triton_backend(triton_world):
+    """The world-4 cases again, with every pack/unpack/local copy through the Triton kernel (interpreter)."""
+    failed = {r: v for r, v in enumerate(triton_world) if not isinstance(v, dict)}
+    assert not failed, failed
+    ran = 0
+    for res in triton_world:
+        for cid, e in res["cases"].items():
+            assert not e["problems"], f"{cid}: " + "\n".join(e["problems"])
+            ran += 1
+    assert ran >= 4 * 5
+
+
+def test_triton_launches_per_copy_list_are_constant(triton_world):
+    """One launch per dtype group for a whole copy list (pack, unpack or local), however many slices it has."""
+    calls = [c for res in triton_world for c in res["calls"]]
+    assert calls, "the Triton backend was never used"
+    for pairs, launches, groups in calls:
+        assert launches <= groups, (pairs, launches, groups)
+    # the lists really batch several slices into one launch: fewer launches than slices overall
+    assert max(pairs for pairs, _, _ in calls) >= 4
+    assert sum(launches for _, launches, _ in calls) < sum(pairs for pairs, _, _ in calls) / 2

@@ -40,6 +40,7 @@ class Case:
 
 
 CASES = {
+    "megatron-vllm": Case("megatron tp4xpp2 -> vllm tp2xdp4 (colocated)", "megatron:tp=4,pp=2", "vllm:tp=2,dp=4", 8),
     "colocated": Case("colocated tp4xpp2 -> tp2xdp4", "tp=4,pp=2", "tp=2,dp=4", 8),
     "disaggregated": Case("disaggregated tp2xpp2 (0-3) -> tp2xdp2 (4-7)", "tp=2,pp=2", "tp=2,dp=2,offset=4", 8),
     "fsdp-tp": Case("fsdp2(dp2)xtp4 -> dp2xtp4 (one mesh)", "fsdp-tp", "dp-tp", 8),
@@ -47,6 +48,11 @@ CASES = {
 
 
 def _layouts(case: Case, size_bytes: int, dtype: torch.dtype):
+    if case.src.startswith("megatron:"):
+        from .demo import preset_layouts
+
+        src, dst, cfg = preset_layouts(case.src.split(":", 1)[1], case.dst.split(":", 1)[1], size_bytes, dtype)
+        return src, dst, cfg, None
     cfg = llama_for_bytes(size_bytes, dtype)
     tensors = llama_tensors(**cfg)
     if case.src == "fsdp-tp":

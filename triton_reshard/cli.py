@@ -14,8 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="reshard a Llama-shaped model on a local world and check it")
     demo.add_args(p_demo)
     p_bench = sub.add_parser("bench", help="end-to-end refit benchmark vs all-gather, wire limit and DTensor")
-    p_bench.add_argument("--cases", default="colocated,disaggregated,fsdp-tp",
-                         help="comma list of: colocated, disaggregated, fsdp-tp")
+    p_bench.add_argument("--cases", default="megatron-vllm,colocated,disaggregated,fsdp-tp",
+                         help="comma list of: megatron-vllm, colocated, disaggregated, fsdp-tp")
     p_bench.add_argument("--sizes-gb", default="1.0", help="comma list of model sizes in GiB (default 1.0)")
     p_bench.add_argument("--dtype", default="float32")
     p_bench.add_argument("--bucket-mb", type=float, default=64)
