@@ -442,3 +442,128 @@ def test_destination_padding_is_never_written():
                 {(1, "ab"): (7, 2)}),)
     check_plan(src, dst)  # coverage: rows 3, 6 of 'ab' get zero writes
     assert Fragment("a", 1, (0, 0), (3, 2), "ab", (0, 0)) in dc.side_layout(dst).fragments
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fast paths agree with the general algorithms; plans of real presets are pinned
+# --------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def boxes_in(draw, ndim=None, n=(0, 5)):
+    """A box and up to n candidate boxes, all inside a small grid."""
+    nd = draw(st.integers(0, 3)) if ndim is None else ndim
+    grid = [draw(st.integers(1, 6)) for _ in range(nd)]
+
+    def box():
+        off = [draw(st.integers(0, g - 1)) for g in grid]
+        return tuple(off), tuple(draw(st.integers(1, g - o)) for o, g in zip(off, grid, strict=True))
+
+    return box(), [box() for _ in range(draw(st.integers(*n)))]
+
+
+@HYP
+@given(boxes_in())
+def test_fast_pieces_and_held_numel_match_decompose(problem):
+    from triton_reshard.plan import _decompose, _held_numel, _overlaps, _pieces
+
+    (off, size), cands = problem
+    cands = [c for c in cands if _overlaps(c[0], c[1], off, size)]
+    assert _pieces(off, size, cands) == _decompose(off, size, cands)
+    distinct = list(dict.fromkeys(cands))
+    if distinct:
+        want = sum(math.prod(s) for _, s, mask in _decompose(off, size, distinct) if mask)
+        assert _held_numel(off, size, distinct) == want
+
+
+def _first_fit_reference(chunks, order, cap):
+    """First fit as plainly as it can be written: scan every step from the first."""
+    send, recv, placed = [], [], []
+    for k in order:
+        _i, _o, _s, n, s, d = chunks[k]
+        a = -(-n // ALIGN) * ALIGN
+        step = 0
+        while step < len(placed) and (send[step].get(s, 0) + a > cap or recv[step].get(d, 0) + a > cap):
+            step += 1
+        if step == len(placed):
+            placed.append([])
+            send.append({})
+            recv.append({})
+        placed[step].append(k)
+        send[step][s] = send[step].get(s, 0) + a
+        recv[step][d] = recv[step].get(d, 0) + a
+    return placed
+
+
+@HYP
+@given(st.lists(st.tuples(st.sampled_from([1, 16, 17, 48, 64, 100, 256]), st.integers(0, 4), st.integers(0, 4)),
+                max_size=60),
+       st.sampled_from([256, 272, 512]))
+def test_first_fit_matches_reference(items, cap):
+    from triton_reshard.plan import _first_fit
+
+    chunks = [(i, (), (), n, s, d) for i, (n, s, d) in enumerate(items)]
+    order = sorted(range(len(chunks)), key=lambda k: (-(-(-chunks[k][3] // ALIGN) * ALIGN), k))
+    assert _first_fit(chunks, order, cap) == _first_fit_reference(chunks, order, cap)
+
+
+PINNED = {  # (layout digests, plan digest) computed by the planner before its speed-up: routing unchanged
+    "small_qwen3_moe": ("59f7fea40f33cb41", "c6789c0524cfb11b", "2fe39cc3cd8ebca5"),
+    "llama-3-8b": ("eec65a5b98e6276e", "20f89bb1d041a69b", "dc8b73b426519f87"),
+}
+
+
+@pytest.mark.parametrize("name", list(PINNED))
+def test_preset_plans_are_pinned(name):
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config(name)
+    if name == "small_qwen3_moe":
+        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8))
+        dst = vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4)
+    else:
+        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ranks=range(8))
+        dst = vllm_layout(cfg, tp=4, dp=2, ranks=range(8))
+    plan = plan_reshard(src, dst)
+    assert (src.digest, dst.digest, plan.digest) == PINNED[name]
+    st_ = plan.stats()
+    assert st_.wire_bytes == st_.lower_bound_bytes
+
+
+# --------------------------------------------------------------------------------------------------------
+# Topology-aware routing
+# --------------------------------------------------------------------------------------------------------
+
+
+def _net_bytes(plan, gpus_per_node):
+    return sum(t.nbytes for t in plan.transfers if t.src_rank // gpus_per_node != t.dst_rank // gpus_per_node)
+
+
+@HYP
+@given(reshard_problems(), st.integers(1, 4))
+def test_property_topology_aware_routing(problem, gpus_per_node):
+    """Same cover, same local copies, same bytes per destination (= the lower bound)."""
+    src, dst = dc.side_layout(problem[0]), dc.side_layout(problem[1])
+    plain = plan_reshard(src, dst)
+    near = plan_reshard(src, dst, False, gpus_per_node)
+    assert near is plan_reshard(src, dst, False, gpus_per_node)  # cached
+    assert near.digest == plan_reshard.__wrapped__(src, dst, False, gpus_per_node).digest  # deterministic
+    a, b = plain.stats(), near.stats()
+    assert b.wire_bytes == b.lower_bound_bytes == a.wire_bytes
+    assert b.recv_bytes == a.recv_bytes and near.local_copies == plain.local_copies
+    if gpus_per_node == 1:  # every rank its own node: balancing as without a topology
+        assert b.sent_bytes == a.sent_bytes
+
+
+def test_topology_aware_routing_sends_inside_the_node():
+    """Two replicas, one per node (of 4 ranks); each destination shard comes from the replica in its node."""
+    src = (P({"w": (16, 8)}, [0, 4], [R]),)
+    dst = (P({"w": (16, 8)}, [1, 2, 5, 6], [S0]),)
+    plan = check_plan(src, dst)
+    assert _net_bytes(plan, 4) > 0  # balanced without regard to nodes
+    src_l, dst_l = dc.side_layout(src), dc.side_layout(dst)
+    near = plan_reshard(src_l, dst_l, gpus_per_node=4)
+    assert sorted((t.src_rank, t.dst_rank) for t in near.transfers) == [(0, 1), (0, 2), (4, 5), (4, 6)]
+    assert _net_bytes(near, 4) == 0
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        plan_reshard(src_l, dst_l, gpus_per_node=0)

@@ -1,9 +1,12 @@
-"""Command line: ``triton-reshard demo`` (and more subcommands as they land)."""
+"""Command line: ``triton-reshard demo``, ``bench`` and ``plan`` (and more subcommands as they land)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--repeats", type=int, default=3)
     p_bench.add_argument("--timeout", type=float, default=120.0)
     p_bench.add_argument("--out", default="perf/results", help="folder for bench_refit.json and .png")
+    p_plan = sub.add_parser("plan", help="plan a Megatron -> vLLM refit of a preset model and predict its time")
+    _add_plan_args(p_plan)
     args = parser.parse_args(argv)
+    if args.cmd == "plan":
+        return run_plan(args)
     if args.cmd == "bench":
         from .bench import run_bench
 
@@ -36,6 +43,194 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo":
         return demo.run_demo(args)
     return 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# triton-reshard plan
+# --------------------------------------------------------------------------------------------------------
+
+_SRC_KEYS = ("tp", "pp", "dp", "ep", "etp")
+_DST_KEYS = ("tp", "dp", "ep")
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="a preset config name (see triton_reshard.presets.CONFIGS) or a path to a HF config.json")
+    p.add_argument("--src", required=True, help="Megatron training layout, e.g. 'tp=4,pp=2,dp=16,ep=8,etp=1'")
+    p.add_argument("--dst", required=True,
+                   help="vLLM inference layout, e.g. 'tp=8,dp=16,ep=1' (ep > 1: enable_expert_parallel, "
+                        "experts split over all tp*dp workers)")
+    p.add_argument("--src-offset", type=int, default=0, help="first rank of the training layout (default 0)")
+    p.add_argument("--dst-offset", type=int, default=0, help="first rank of the inference layout (default 0)")
+    p.add_argument("--preset", choices=["h100", "gb200"], default="gb200",
+                   help="cluster figures (default gb200: 72 GPUs per NVLink domain, 900 GB/s NVLink, 50 GB/s "
+                        "network per GPU; h100: 8 per node, 450 GB/s, 50 GB/s)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node / NVLink domain (overrides)")
+    p.add_argument("--nvlink-GBps", type=float, default=None, help="NVLink GB/s per GPU and direction (overrides)")
+    p.add_argument("--net-GBps", type=float, default=None, help="network GB/s per GPU and direction (overrides)")
+    p.add_argument("--topology-aware", action="store_true",
+                   help="route replicated boxes from a source in the destination's node when one holds them")
+    p.add_argument("--bucket-mb", type=float, default=1024, help="staging memory per rank per step, MiB")
+    p.add_argument("--dtype", default="bfloat16", help="weight dtype (default bfloat16)")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+
+
+def _parse_sizes(text: str, keys: tuple[str, ...], what: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, val = part.partition("=")
+        key = key.strip()
+        if not sep or key not in keys:
+            raise SystemExit(f"--{what} {text!r}: expected comma-separated {'/'.join(keys)}=N")
+        try:
+            out[key] = int(val)
+        except ValueError:
+            raise SystemExit(f"--{what} {text!r}: {val!r} is not an integer") from None
+        if out[key] < 1:
+            raise SystemExit(f"--{what} {text!r}: {key} must be >= 1")
+    return out
+
+
+def _load_config(name: str) -> dict:
+    from .presets import CONFIGS, get_config
+
+    if name in CONFIGS:
+        return get_config(name)
+    try:
+        with open(name) as f:
+            return json.load(f)
+    except OSError:
+        raise SystemExit(f"--model {name!r}: not a preset ({', '.join(sorted(CONFIGS))}) nor a readable file") from None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def plan_report(args) -> dict:
+    """Build the layouts and the plan of ``triton-reshard plan`` and return the report (times in seconds)."""
+    import torch
+
+    from .plan import plan_reshard
+    from .presets import megatron_layout, model_nbytes, vllm_layout
+    from .topology import PRESETS, Topology, plan_pair_bytes, predict_seconds, schedule_pair_bytes
+
+    cfg = _load_config(args.model)
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"--dtype {args.dtype!r} is not a torch dtype")
+    s = _parse_sizes(args.src, _SRC_KEYS, "src")
+    d = _parse_sizes(args.dst, _DST_KEYS, "dst")
+    base = PRESETS[args.preset]
+    topo = Topology(
+        gpus_per_node=args.gpus_per_node or base.gpus_per_node,
+        nvlink_GBps=args.nvlink_GBps or base.nvlink_GBps,
+        net_GBps=args.net_GBps or base.net_GBps,
+        step_latency_s=base.step_latency_s,
+    )
+    times: dict[str, float] = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        times[name] = time.perf_counter() - t0
+        return out
+
+    src = timed("src_layout", lambda: megatron_layout(
+        cfg, tp=s.get("tp", 1), pp=s.get("pp", 1), dp=s.get("dp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
+        ranks=args.src_offset, dtype=dtype))
+    dst = timed("dst_layout", lambda: vllm_layout(
+        cfg, tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
+        ranks=args.dst_offset, dtype=dtype))
+    plan = timed("plan", lambda: plan_reshard(src, dst, False, topo.gpus_per_node if args.topology_aware else None))
+    st = timed("stats", plan.stats)
+    bucket = int(args.bucket_mb * (1 << 20))
+    sched = timed("schedule", lambda: plan.schedule(bucket))
+    rank = plan.ranks[0]
+    timed("one_rank_share", lambda: sched.for_rank(rank))
+    pairs = plan_pair_bytes(plan)
+    bound = predict_seconds([pairs], topo)
+    stepped = predict_seconds(schedule_pair_bytes(sched), topo)
+    sent, recv = st.sent_bytes, st.recv_bytes
+    busiest = sorted(plan.ranks, key=lambda r: (-max(sent.get(r, 0), recv.get(r, 0)), r))
+    link = max(pairs.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]), default=((None, None), 0))
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "model_bytes": model_nbytes(cfg, dtype),
+        "src": {"layout": "megatron", **s, "offset": args.src_offset, "ranks": len(src.ranks),
+                "fragments": len(src.fragments)},
+        "dst": {"layout": "vllm", **d, "offset": args.dst_offset, "ranks": len(dst.ranks),
+                "fragments": len(dst.fragments)},
+        "plan_digest": plan.digest,
+        "topology_aware": bool(args.topology_aware),
+        "wire_bytes": st.wire_bytes,
+        "lower_bound_bytes": st.lower_bound_bytes,
+        "local_bytes": st.local_bytes,
+        "num_transfers": st.num_transfers,
+        "num_local_copies": st.num_local_copies,
+        "sent_bytes": sent,
+        "recv_bytes": recv,
+        "busiest_ranks": [{"rank": r, "sent": sent.get(r, 0), "recv": recv.get(r, 0)} for r in busiest[:5]],
+        "busiest_link": {"src": link[0][0], "dst": link[0][1], "bytes": link[1]},
+        "schedule": {"bucket_bytes": bucket, "steps": len(sched.steps)},
+        "topology": {"preset": args.preset, "gpus_per_node": topo.gpus_per_node, "nvlink_GBps": topo.nvlink_GBps,
+                     "net_GBps": topo.net_GBps, "step_latency_s": topo.step_latency_s},
+        "nvlink_bytes": bound.nvlink_bytes,
+        "net_bytes": bound.net_bytes,
+        "predicted_seconds": {"unbucketed": bound.seconds, "scheduled": stepped.seconds,
+                              "bottleneck_rank": stepped.busiest_rank, "bottleneck_port": stepped.busiest_port},
+        "times": times,
+    }
+
+
+def _print_report(r: dict) -> None:
+    def summary(d: dict) -> str:
+        v = sorted(d.values())
+        return f"min {_fmt_bytes(v[0])}, median {_fmt_bytes(statistics.median(v))}, max {_fmt_bytes(v[-1])}"
+
+    s, d, t, p = r["src"], r["dst"], r["times"], r["predicted_seconds"]
+    def lay(x):
+        return ",".join(f"{k}={v}" for k, v in x.items() if k in _SRC_KEYS)
+
+    print(f"model {r['model']} ({r['dtype']}, {_fmt_bytes(r['model_bytes'])} of weights)")
+    print(f"source      megatron {lay(s)} on ranks {s['offset']}..{s['offset'] + s['ranks'] - 1} "
+          f"({s['fragments']} fragments)")
+    print(f"destination vllm {lay(d)} on ranks {d['offset']}..{d['offset'] + d['ranks'] - 1} "
+          f"({d['fragments']} fragments)")
+    ratio = r["wire_bytes"] / max(1, r["lower_bound_bytes"])
+    print(f"plan {r['plan_digest']}{' (topology-aware)' if r['topology_aware'] else ''}: "
+          f"{r['num_transfers']} wire transfers, {_fmt_bytes(r['wire_bytes'])} on the wire = {ratio:.3f} x the "
+          f"lower bound {_fmt_bytes(r['lower_bound_bytes'])}; {r['num_local_copies']} local copies "
+          f"({_fmt_bytes(r['local_bytes'])})")
+    print(f"per-rank send:    {summary(r['sent_bytes'])}")
+    print(f"per-rank receive: {summary(r['recv_bytes'])}")
+    print("busiest ranks:    " + "; ".join(
+        f"{b['rank']} (send {_fmt_bytes(b['sent'])}, recv {_fmt_bytes(b['recv'])})" for b in r["busiest_ranks"]))
+    bl = r["busiest_link"]
+    print(f"busiest link:     rank {bl['src']} -> rank {bl['dst']}: {_fmt_bytes(bl['bytes'])}")
+    tp = r["topology"]
+    print(f"topology {tp['preset']}: {tp['gpus_per_node']} GPUs per node, NVLink {tp['nvlink_GBps']:g} GB/s, "
+          f"network {tp['net_GBps']:g} GB/s per GPU and direction, {tp['step_latency_s'] * 1e6:g} us per step; "
+          f"{_fmt_bytes(r['nvlink_bytes'])} over NVLink, {_fmt_bytes(r['net_bytes'])} over the network")
+    print(f"predicted refit:  {p['scheduled']:.3f} s in {r['schedule']['steps']} steps of "
+          f"{r['schedule']['bucket_bytes'] / (1 << 20):g} MiB staging (unbucketed {p['unbucketed']:.3f} s); "
+          f"bottleneck rank {p['bottleneck_rank']} ({p['bottleneck_port']})")
+    print(f"planning time:    layouts {t['src_layout'] + t['dst_layout']:.2f} s (src {t['src_layout']:.2f}, "
+          f"dst {t['dst_layout']:.2f}), plan {t['plan']:.2f} s, stats {t['stats']:.2f} s, schedule "
+          f"{t['schedule']:.2f} s, one rank's share of the schedule {t['one_rank_share'] * 1e3:.1f} ms")
+
+
+def run_plan(args) -> int:
+    r = plan_report(args)
+    _print_report(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

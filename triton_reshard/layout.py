@@ -11,12 +11,16 @@ Layouts are immutable, validated on construction and hashable, so plans can be c
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import add, attrgetter, gt, itemgetter, sub
 
 import torch
 
@@ -71,8 +75,44 @@ def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------
 
 
+_INT_TYPES = frozenset((int,))  # ``type(x) is int`` for every entry: the fast path of the value types
+_ITEMSIZE: dict[torch.dtype, int] = {}
+_DTYPE_NAME: dict[torch.dtype, str] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (cached: called once per fragment and transfer)."""
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        n = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    n = _DTYPE_NAME.get(dtype)
+    if n is None:
+        n = _DTYPE_NAME[dtype] = str(dtype).removeprefix("torch.")
+    return n
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (restoring its state after).
+
+    Building a 128-rank layout or plan allocates ~10^6 small objects and no cycles; with the collector on,
+    its repeated passes over the growing heap cost ~40% of the time.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _is_int_tuple(t: object) -> bool:
+    return type(t) is tuple and _INT_TYPES.issuperset(map(type, t))
 
 
 def _as_dtype(dtype: object, what: str) -> torch.dtype:
@@ -84,6 +124,8 @@ def _as_dtype(dtype: object, what: str) -> torch.dtype:
 
 
 def _as_shape(shape: object, what: str) -> tuple[int, ...]:
+    if _is_int_tuple(shape) and min(shape, default=0) >= 0:  # fast path: already a tuple of ints >= 0
+        return shape
     if isinstance(shape, torch.Size):
         shape = tuple(shape)
     if not isinstance(shape, (tuple, list)) or not all(
@@ -106,12 +148,14 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"tensor name must be a non-empty str, got {self.name!r}")
-        object.__setattr__(self, "shape", _as_shape(self.shape, f"tensor {self.name!r} shape"))
-        object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
+        if not (_is_int_tuple(self.shape) and min(self.shape, default=0) >= 0):
+            object.__setattr__(self, "shape", _as_shape(self.shape, f"tensor {self.name!r} shape"))
+        if type(self.dtype) is not torch.dtype:
+            object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _itemsize(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +168,14 @@ class LocalSpec:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", _as_shape(self.shape, f"local tensor {self.name!r} on rank {self.rank}"))
-        object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"local tensor {self.name!r} on rank {self.rank}"))
+        if not (_is_int_tuple(self.shape) and min(self.shape, default=0) >= 0):
+            object.__setattr__(
+                self, "shape", _as_shape(self.shape, f"local tensor {self.name!r} on rank {self.rank}")
+            )
+        if type(self.dtype) is not torch.dtype:
+            object.__setattr__(
+                self, "dtype", _as_dtype(self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,14 +197,25 @@ class Fragment:
     local_offsets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
-            raise TypeError(f"fragment of {self.tensor!r}: rank must be an int >= 0, got {self.rank!r}")
-        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
-        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        rank = self.rank
+        if type(rank) is not int and (not isinstance(rank, int) or isinstance(rank, bool)) or rank < 0:
+            raise TypeError(f"fragment of {self.tensor!r}: rank must be an int >= 0, got {rank!r}")
+        off, lo = self.offsets, self.local_offsets
+        # fast path (layout builders): tuples of plain ints need no conversion
+        if not (type(off) is tuple and type(self.sizes) is tuple and type(lo) is tuple
+                and _INT_TYPES.issuperset(map(type, off + self.sizes + lo))):
+            off = tuple(int(o) for o in off)
+            object.__setattr__(self, "offsets", off)
+            object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+            lo = tuple(int(o) for o in lo)
+            object.__setattr__(self, "local_offsets", lo)
         if not self.local:
             object.__setattr__(self, "local", self.tensor)
-        lo = tuple(int(o) for o in self.local_offsets) or (0,) * len(self.offsets)
-        object.__setattr__(self, "local_offsets", lo)
+        if not lo and off:
+            lo = (0,) * len(off)
+            object.__setattr__(self, "local_offsets", lo)
+        if min(off + self.sizes + lo, default=0) >= 0 and len(off) == len(self.sizes) <= len(lo):
+            return
         if len(self.offsets) != len(self.sizes):
             raise ValueError(
                 f"fragment of tensor {self.tensor!r} on rank {self.rank}: offsets {self.offsets} and sizes "
@@ -182,20 +243,31 @@ class Fragment:
 
     def local_box(self, offsets: Sequence[int], sizes: Sequence[int]) -> Box:
         """Map a sub-box of this fragment (in logical coordinates) to local-tensor coordinates."""
-        extra = len(self.local_offsets) - len(self.sizes)
-        loc = self.local_offsets[:extra] + tuple(
-            lo + (o - fo) for lo, o, fo in zip(self.local_offsets[extra:], offsets, self.offsets, strict=True)
-        )
-        return loc, (1,) * extra + tuple(sizes)
+        fo, lo = self.offsets, self.local_offsets
+        if len(offsets) != len(fo):
+            raise ValueError(f"box {tuple(offsets)} has {len(offsets)} dims, the fragment has {len(fo)}")
+        extra = len(lo) - len(fo)
+        if not extra:
+            return tuple(map(add, lo, map(sub, offsets, fo))), tuple(sizes)
+        return lo[:extra] + tuple(map(add, lo[extra:], map(sub, offsets, fo))), (1,) * extra + tuple(sizes)
+
+
+_BOX_START = itemgetter(0)
+_FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
+_FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
+_TENSOR = attrgetter("tensor")
+_TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
 
 
 def _boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size, strict=True))
+    if len(a_off) != len(b_off):
+        raise ValueError(f"boxes of different ranks: {a_off} and {b_off}")
+    return all(map(gt, map(add, b_off, b_size), a_off)) and all(map(gt, map(add, a_off, a_size), b_off))
 
 
 def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
     """Return the first pair of overlapping boxes (sweep over dim 0), or None. Empty boxes never overlap."""
-    items = sorted((b for b in boxes if all(s > 0 for s in b[1])), key=lambda b: b[0])
+    items = sorted((b for b in boxes if min(b[1], default=1) > 0), key=_BOX_START)
     active: list[tuple[tuple[int, ...], tuple[int, ...], object]] = []
     for off, size, tag in items:
         if not off:  # 0-d
@@ -209,6 +281,38 @@ def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
                 return a[2], tag
         active.append((off, size, tag))
     return None
+
+
+def _check_fragment(f: Fragment, spec: TensorSpec | None, loc: LocalSpec | None) -> None:
+    """Raise naming the first problem of fragment ``f`` against its tensor and local tensor (None: unknown)."""
+    where = f"tensor {f.tensor!r} on rank {f.rank}"
+    if spec is None:
+        raise ValueError(f"fragment of unknown {where}")
+    if len(f.offsets) != len(spec.shape):
+        raise ValueError(f"fragment of {where}: box has {len(f.offsets)} dims, tensor has {len(spec.shape)}")
+    for d, (o, s, n) in enumerate(zip(f.offsets, f.sizes, spec.shape, strict=True)):
+        if o + s > n:
+            raise ValueError(
+                f"fragment of {where} is out of bounds in dim {d}: [{o}, {o + s}) outside [0, {n})"
+            )
+    if loc is None:
+        raise ValueError(f"fragment of {where} names local tensor {f.local!r}, which rank {f.rank} lacks")
+    if len(loc.shape) != len(f.local_offsets):
+        raise ValueError(
+            f"fragment of {where}: local_offsets {f.local_offsets} do not match the {len(loc.shape)}-D "
+            f"local tensor {f.local!r} {loc.shape}"
+        )
+    for d, (o, s, n) in enumerate(zip(f.local_offsets, f.local_sizes, loc.shape, strict=True)):
+        if o + s > n:
+            raise ValueError(
+                f"fragment of {where} is out of bounds of local tensor {f.local!r} {loc.shape} in dim "
+                f"{d}: [{o}, {o + s}) outside [0, {n})"
+            )
+    if loc.dtype != spec.dtype:
+        raise ValueError(
+            f"fragment of {where}: local tensor {f.local!r} is {_dtype_name(loc.dtype)}, the tensor is "
+            f"{_dtype_name(spec.dtype)}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -232,27 +336,28 @@ class Layout:
     _key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        tensors = tuple(sorted(self.tensors, key=lambda t: t.name))
-        frags = tuple(sorted(self.fragments, key=lambda f: (f.tensor, f.rank, f.local, f.offsets, f.local_offsets)))
-        locs = tuple(sorted(self.locals, key=lambda s: (s.rank, s.name)))
-        object.__setattr__(self, "tensors", tensors)
-        object.__setattr__(self, "fragments", frags)
-        object.__setattr__(self, "locals", locs)
-        self._validate()
-        object.__setattr__(
-            self,
-            "_key",
-            (
-                tuple((t.name, t.shape, _dtype_name(t.dtype)) for t in tensors),
-                tuple((f.tensor, f.rank, f.offsets, f.sizes, f.local, f.local_offsets) for f in frags),
-                tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
-            ),
-        )
+        with _gc_paused():
+            tensors = tuple(sorted(self.tensors, key=lambda t: t.name))
+            frags = tuple(sorted(self.fragments, key=_FRAG_ORDER))
+            locs = tuple(sorted(self.locals, key=lambda s: (s.rank, s.name)))
+            object.__setattr__(self, "tensors", tensors)
+            object.__setattr__(self, "fragments", frags)
+            object.__setattr__(self, "locals", locs)
+            self._validate()
+            object.__setattr__(
+                self,
+                "_key",
+                (
+                    tuple((t.name, t.shape, _dtype_name(t.dtype)) for t in tensors),
+                    tuple(map(_FRAG_KEY, frags)),
+                    tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
+                ),
+            )
 
     # -- value semantics ------------------------------------------------------------------------------
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash  # cached: the key of a 128-rank layout has ~10^5 entries
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and (self is other or self._key == other._key)
@@ -280,42 +385,33 @@ class Layout:
             if (s.rank, s.name) in locs:
                 raise ValueError(f"local tensor {s.name!r} on rank {s.rank} is declared twice")
             locs[(s.rank, s.name)] = s
-        per_local: dict[tuple[int, str], list] = defaultdict(list)
+        per_local: dict[tuple[int, str], list] = {}
         for f in self.fragments:
+            key = (f.rank, f.local)
             spec = specs.get(f.tensor)
-            where = f"tensor {f.tensor!r} on rank {f.rank}"
-            if spec is None:
-                raise ValueError(f"fragment of unknown {where}")
-            if len(f.offsets) != len(spec.shape):
-                raise ValueError(f"fragment of {where}: box has {len(f.offsets)} dims, tensor has {len(spec.shape)}")
-            for d, (o, s, n) in enumerate(zip(f.offsets, f.sizes, spec.shape, strict=True)):
-                if o + s > n:
-                    raise ValueError(
-                        f"fragment of {where} is out of bounds in dim {d}: [{o}, {o + s}) outside [0, {n})"
-                    )
-            loc = locs.get((f.rank, f.local))
-            if loc is None:
-                raise ValueError(f"fragment of {where} names local tensor {f.local!r}, which rank {f.rank} lacks")
-            if len(loc.shape) != len(f.local_offsets):
-                raise ValueError(
-                    f"fragment of {where}: local_offsets {f.local_offsets} do not match the {len(loc.shape)}-D "
-                    f"local tensor {f.local!r} {loc.shape}"
-                )
-            for d, (o, s, n) in enumerate(zip(f.local_offsets, f.local_sizes, loc.shape, strict=True)):
-                if o + s > n:
-                    raise ValueError(
-                        f"fragment of {where} is out of bounds of local tensor {f.local!r} {loc.shape} in dim "
-                        f"{d}: [{o}, {o + s}) outside [0, {n})"
-                    )
-            if loc.dtype != spec.dtype:
-                raise ValueError(
-                    f"fragment of {where}: local tensor {f.local!r} is {_dtype_name(loc.dtype)}, the tensor is "
-                    f"{_dtype_name(spec.dtype)}"
-                )
-            per_local[(f.rank, f.local)].append(f)
+            loc = locs.get(key)
+            # fast check of everything _check_fragment checks; it names the problem when one fails
+            if spec is None or loc is None or loc.dtype != spec.dtype:
+                _check_fragment(f, spec, loc)
+            else:
+                off, lo, lshape = f.offsets, f.local_offsets, loc.shape
+                if (len(off) != len(spec.shape) or len(lo) != len(lshape)
+                        or any(map(gt, map(add, off, f.sizes), spec.shape))
+                        or any(map(gt, map(add, lo, f.local_sizes), lshape))):
+                    _check_fragment(f, spec, loc)
+            group = per_local.get(key)
+            if group is None:
+                per_local[key] = [f]
+            else:
+                group.append(f)
         for (rank, local), frs in per_local.items():
             if len(frs) < 2:
                 continue
+            if len(frs) == 2:  # the common case (gate + up, k + v): no sweep needed
+                a, b = frs
+                if not (min(a.sizes, default=1) > 0 and min(b.sizes, default=1) > 0
+                        and _boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
+                    continue
             hit = _find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
             if hit is not None:
                 a, b = hit
@@ -401,36 +497,38 @@ class Layout:
         coords = list(zip(*[t.flatten().tolist() for t in torch.meshgrid(
             *[torch.arange(n) for n in mesh_t.shape], indexing="ij")], strict=True))
         specs, frags, locs = [], [], []
-        for name, shape in shapes.items():
-            shape = _as_shape(tuple(shape), f"tensor {name!r} shape")
-            dt = dtype[name] if isinstance(dtype, Mapping) else dtype
-            spec = TensorSpec(name, shape, dt)
-            specs.append(spec)
-            if isinstance(placements, Mapping) and name not in placements:
-                raise ValueError(f"tensor {name!r} has no placements")
-            pl = placements[name] if isinstance(placements, Mapping) else placements
-            pl = tuple(pl)
-            if len(pl) != mesh_t.dim():
-                raise ValueError(
-                    f"tensor {name!r}: {len(pl)} placements for a {mesh_t.dim()}-D mesh {tuple(mesh_t.shape)}"
-                )
-            for p in pl:
-                if not isinstance(p, (Shard, Replicate)):
-                    raise TypeError(f"tensor {name!r}: unsupported placement {p!r} (Shard or Replicate only)")
-                if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
-                    raise ValueError(f"tensor {name!r} of shape {shape}: {p!r} is out of range")
-            for rank, coord in zip(ranks, coords, strict=True):
-                off, size = [0] * len(shape), list(shape)
-                for mdim, p in enumerate(pl):
-                    if isinstance(p, Shard):
-                        d = p.dim % len(shape)
-                        o, s = chunk_range(size[d], mesh_t.shape[mdim], coord[mdim])
-                        off[d] += o
-                        size[d] = s
-                locs.append(LocalSpec(rank, name, tuple(size), spec.dtype))
-                if all(size):
-                    frags.append(Fragment(name, rank, tuple(off), tuple(size)))
-        return cls(tuple(specs), tuple(frags), tuple(locs))
+        mesh_shape = tuple(mesh_t.shape)
+        with _gc_paused():
+            for name, shape in shapes.items():
+                shape = _as_shape(tuple(shape), f"tensor {name!r} shape")
+                dt = dtype[name] if isinstance(dtype, Mapping) else dtype
+                spec = TensorSpec(name, shape, dt)
+                specs.append(spec)
+                if isinstance(placements, Mapping) and name not in placements:
+                    raise ValueError(f"tensor {name!r} has no placements")
+                pl = placements[name] if isinstance(placements, Mapping) else placements
+                pl = tuple(pl)
+                if len(pl) != mesh_t.dim():
+                    raise ValueError(
+                        f"tensor {name!r}: {len(pl)} placements for a {mesh_t.dim()}-D mesh {tuple(mesh_t.shape)}"
+                    )
+                for p in pl:
+                    if not isinstance(p, (Shard, Replicate)):
+                        raise TypeError(f"tensor {name!r}: unsupported placement {p!r} (Shard or Replicate only)")
+                    if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
+                        raise ValueError(f"tensor {name!r} of shape {shape}: {p!r} is out of range")
+                for rank, coord in zip(ranks, coords, strict=True):
+                    off, size = [0] * len(shape), list(shape)
+                    for mdim, p in enumerate(pl):
+                        if isinstance(p, Shard):
+                            d = p.dim % len(shape)
+                            o, s = chunk_range(size[d], mesh_shape[mdim], coord[mdim])
+                            off[d] += o
+                            size[d] = s
+                    locs.append(LocalSpec(rank, name, tuple(size), spec.dtype))
+                    if all(size):
+                        frags.append(Fragment(name, rank, tuple(off), tuple(size)))
+            return cls(tuple(specs), tuple(frags), tuple(locs))
 
     @classmethod
     def from_dtensors(cls, named_dtensors: Mapping[str, object]) -> Layout:
@@ -464,7 +562,8 @@ class Layout:
                     )
                 locs[key] = s
             frags.extend(other.fragments)
-        return Layout(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
+        with _gc_paused():
+            return Layout(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
 
     def __or__(self, other: Layout) -> Layout:
         return self.merge(other)
@@ -488,10 +587,33 @@ class Layout:
 
     @cached_property
     def fragments_by_tensor(self) -> dict[str, tuple[Fragment, ...]]:
-        out: dict[str, list[Fragment]] = defaultdict(list)
-        for f in self.fragments:
-            out[f.tensor].append(f)
-        return {k: tuple(v) for k, v in out.items()}
+        frags = self.fragments
+        names = list(map(_TENSOR, frags))  # sorted: fragments are sorted by tensor first
+        out = {}
+        for t in self.tensors:  # sorted by name, like the fragments
+            lo = bisect_left(names, t.name)
+            hi = bisect_right(names, t.name, lo)
+            if hi > lo:
+                out[t.name] = frags[lo:hi]
+        return out
+
+    @cached_property
+    def _fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
+        """``(tensor, rank, local) -> fragments``, in layout order."""
+        frags = self.fragments
+        with _gc_paused():
+            keys = list(map(_TENSOR_RANK_LOCAL, frags))
+            out = dict(zip(keys, zip(frags), strict=True))  # one fragment per key: the common case
+            if len(out) < len(frags):  # some local tensors hold several boxes of one tensor
+                out = {}
+                for k, f in zip(keys, frags, strict=True):
+                    g = out.get(k)
+                    out[k] = (f,) if g is None else g + (f,)
+        return out
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(self._key)
 
     def local_specs(self, rank: int) -> dict[str, LocalSpec]:
         """The local tensors ``rank`` holds (name -> LocalSpec); empty if the rank has no part."""
@@ -531,7 +653,7 @@ class Layout:
     def nbytes(self, rank: int | None = None) -> int:
         """Bytes of the local tensors of ``rank`` (or of every rank)."""
         return sum(
-            math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size()
+            math.prod(s.shape) * _itemsize(s.dtype)
             for s in self.locals
             if rank is None or s.rank == rank
         )

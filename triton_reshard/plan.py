@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import compress
+from operator import add, attrgetter, le, lt, sub
 
 import torch
 
-from .layout import Fragment, Layout, TensorSpec, _dtype_name, _find_overlap
+from .layout import Fragment, Layout, TensorSpec, _dtype_name, _find_overlap, _gc_paused, _itemsize
 
 ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _align(n: int) -> int:
@@ -284,9 +283,12 @@ def _intersect(a_off, a_size, b_off, b_size):
 
 
 def _contains(outer_off, outer_size, off, size) -> bool:
-    return all(
-        oo <= o and o + s <= oo + os_ for oo, os_, o, s in zip(outer_off, outer_size, off, size, strict=True)
-    )
+    return all(map(le, outer_off, off)) and all(map(le, map(add, off, size), map(add, outer_off, outer_size)))
+
+
+def _overlaps(a_off, a_size, b_off, b_size) -> bool:
+    """Whether two nonempty boxes share an element (``_intersect(...) is not None``, without building it)."""
+    return all(map(lt, a_off, map(add, b_off, b_size))) and all(map(lt, b_off, map(add, a_off, a_size)))
 
 
 def _decompose(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
@@ -355,9 +357,35 @@ def _decompose(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[i
 def _distinct_boxes(frags: Iterable[Fragment]) -> dict[tuple, list[Fragment]]:
     out: dict[tuple, list[Fragment]] = {}
     for f in frags:
-        if f.numel:
-            out.setdefault((f.offsets, f.sizes), []).append(f)
+        if 0 not in f.sizes:
+            key = (f.offsets, f.sizes)
+            group = out.get(key)
+            if group is None:
+                out[key] = [f]
+            else:
+                group.append(f)
     return out
+
+
+def _pieces(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
+    """``_decompose``, with a fast path for the common case: every candidate contains the box (replicas of one
+    shard, or a larger shard), so the box is one piece held by all of them."""
+    for c_off, c_size in cands:
+        if not _contains(c_off, c_size, box_off, box_size):
+            return _decompose(box_off, box_size, cands)
+    return [(box_off, box_size, (1 << len(cands)) - 1)]
+
+
+def _held_numel(box_off, box_size, boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+    """Elements of ``box`` inside the union of ``boxes`` (distinct boxes, each intersecting ``box``)."""
+    parts = [_intersect(o, s, box_off, box_size) for o, s in boxes]
+    if len(parts) == 1:
+        return math.prod(parts[0][1])
+    if len(parts) <= 16 and not any(
+        _overlaps(a[0], a[1], b[0], b[1]) for i, a in enumerate(parts) for b in parts[i + 1:]
+    ):  # disjoint: the union is the sum
+        return sum(math.prod(p[1]) for p in parts)
+    return sum(math.prod(s) for _, s, mask in _decompose(box_off, box_size, boxes) if mask)
 
 
 def _wire_dtype(src: TensorSpec, dst: TensorSpec) -> torch.dtype:
@@ -407,79 +435,148 @@ def _check_dst_overlap(name: str, frags: Sequence[Fragment]) -> None:
                 )
 
 
+_RANK = attrgetter("rank")
+_DST_ORDER = attrgetter("rank", "local")
+_WIRE_ORDER = attrgetter("src_rank", "dst_rank", "tensor", "offsets")
+_LOCAL_ORDER = attrgetter("dst_rank", "tensor", "offsets", "dst_local")
+
+
 @lru_cache(maxsize=64)
-def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False) -> Plan:
+def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None) -> Plan:
     """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
 
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
     element, it is copied locally (never on the wire); otherwise one source holder sends it, holders chosen
     so that bytes sent are spread evenly (fixed sources first, then the rest largest first onto the least
     loaded holder).
+
+    ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
+    source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that
+    keeps its bytes sent within the larger of its fair share (wire bytes / sending ranks) and what the least
+    loaded holder would reach; so fewer bytes cross the network while the bytes sent (and the number of
+    schedule steps) stay balanced. The wire bytes stay the lower bound. ``None``: no topology (the default).
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
+    ):
+        raise ValueError(f"plan_reshard: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
     _check_specs(src, dst, allow_cast)
+    with _gc_paused():
+        local, wire = _route(src, dst, gpus_per_node)
+        return Plan(src, dst, tuple(wire), tuple(local))
+
+
+def _holders(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragment], tuple]:
+    """Per rank, its first holder fragment (local copies read from it); and (holder ranks ascending, per rank
+    the holder with the smallest local name, the first holder): what the choice of a sender needs."""
+    first: dict[int, Fragment] = {}
+    best: dict[int, Fragment] = {}
+    for frs in frag_lists:
+        for h in frs:
+            b = best.get(h.rank)
+            if b is None:
+                first[h.rank] = best[h.rank] = h
+            elif h.local < b.local:
+                best[h.rank] = h
+    return first, (tuple(sorted(best)), best, next(iter(first.values())))
+
+
+def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Transfer], list[Transfer]]:
+    """The local copies and wire transfers of ``plan_reshard`` (sorted as the plan lists them)."""
     world = max(src.ranks + dst.ranks, default=0) + 1
     local: list[Transfer] = []
-    # (dst fragment, piece offsets, piece sizes, holder fragments, wire dtype, nbytes)
-    remote: list[tuple[Fragment, tuple, tuple, list[Fragment], torch.dtype, int]] = []
+    # remote pieces: (dst fragment, piece offsets, piece sizes, holders (see _holders), wire dtype)
+    remote: list[tuple[Fragment, tuple, tuple, tuple, torch.dtype]] = []
+    nbytes: list[int] = []  # of each remote piece
+    src_by_tensor = src.fragments_by_tensor
     for spec in dst.tensors:
-        dfrags = [f for f in dst.fragments_by_tensor.get(spec.name, ()) if f.numel]
+        dfrags = [f for f in dst.fragments_by_tensor.get(spec.name, ()) if 0 not in f.sizes]
         if not dfrags:
             continue
-        _check_dst_overlap(spec.name, dfrags)
+        if len(dfrags) > 1 and len(set(map(_RANK, dfrags))) < len(dfrags):
+            _check_dst_overlap(spec.name, dfrags)
         sspec = src.specs[spec.name]
         wdt = _wire_dtype(sspec, spec)
         isz = _itemsize(wdt)
-        sboxes = list(_distinct_boxes(src.fragments_by_tensor.get(spec.name, ())).items())
+        sboxes = list(_distinct_boxes(src_by_tensor.get(spec.name, ())).items())
+        summaries: dict[int, tuple] = {}  # source box -> _holders of its fragments
         for (d_off, d_size), dgroup in _distinct_boxes(dfrags).items():
-            cand = [(i, b) for i, (b, _) in enumerate(sboxes) if _intersect(b[0], b[1], d_off, d_size)]
-            pieces = _decompose(d_off, d_size, [b for _, b in cand])
+            cand = [i for i, (b, _) in enumerate(sboxes) if _overlaps(b[0], b[1], d_off, d_size)]
+            pieces = _pieces(d_off, d_size, [sboxes[i][0] for i in cand])
+            routed = []
             for p_off, p_size, mask in pieces:
                 if mask == 0:
                     raise ValueError(
                         f"tensor {spec.name!r}: element {p_off} (box {p_off}+{p_size}) needed on destination "
                         f"rank {dgroup[0].rank} is held by no source rank"
                     )
-            for df in sorted(dgroup, key=lambda f: (f.rank, f.local)):
-                for p_off, p_size, mask in pieces:
-                    holders = [
-                        f for j, (i, _) in enumerate(cand) if mask >> j & 1 for f in sboxes[i][1]
-                    ]
-                    mine = [f for f in holders if f.rank == df.rank]
-                    if mine:
-                        local.append(_make_transfer(spec.name, p_off, p_size, mine[0], df, wdt))
+                if mask & (mask - 1) == 0:  # one source box holds the piece
+                    i = cand[mask.bit_length() - 1]
+                    h = summaries.get(i)
+                    if h is None:
+                        h = summaries[i] = _holders((sboxes[i][1],))
+                else:
+                    h = _holders([sboxes[i][1] for j, i in enumerate(cand) if mask >> j & 1])
+                routed.append((p_off, p_size, h[0], h[1], math.prod(p_size) * isz))
+            for df in sorted(dgroup, key=_DST_ORDER) if len(dgroup) > 1 else dgroup:
+                for p_off, p_size, first, holders, n in routed:
+                    mine = first.get(df.rank)
+                    if mine is not None:
+                        local.append(_make_transfer(spec.name, p_off, p_size, mine, df, wdt))
                     else:
-                        remote.append((df, p_off, p_size, holders, wdt, math.prod(p_size) * isz))
+                        remote.append((df, p_off, p_size, holders, wdt))
+                        nbytes.append(n)
     # choose holders: fixed ones first, then largest first onto the least loaded holder
-    load: dict[int, int] = defaultdict(int)
+    load = [0] * world
     chosen: list[Fragment | None] = [None] * len(remote)
     flexible = []
-    for i, (_df, _o, _s, holders, _w, nbytes) in enumerate(remote):
-        ranks = {h.rank for h in holders}
+    for i, (_df, _o, _s, (ranks, _best, first_holder), _w) in enumerate(remote):
         if len(ranks) == 1:
-            chosen[i] = holders[0]
-            load[holders[0].rank] += nbytes
+            chosen[i] = first_holder
+            load[ranks[0]] += nbytes[i]
         else:
             flexible.append(i)
-    flexible.sort(key=lambda i: -remote[i][5])
+    flexible.sort(key=nbytes.__getitem__, reverse=True)  # largest first; stable: ties keep their order
+    gpn = gpus_per_node
+    if gpn:  # a holder in the destination's node sends, unless that takes it past its fair share
+        senders = {r for _df, _o, _s, (ranks, _b, _f), _w in remote for r in ranks}
+        fair = -(-sum(nbytes) // max(1, len(senders)))
     for i in flexible:
-        df, _o, _s, holders, _w, nbytes = remote[i]
-        best = min(holders, key=lambda h: (load[h.rank], (h.rank - df.rank) % world, h.local))
-        chosen[i] = best
-        load[best.rank] += nbytes
-    wire = [
-        _make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w, _n) in enumerate(remote)
-    ]
-    wire.sort(key=lambda t: (t.src_rank, t.dst_rank, t.tensor, t.offsets))
-    local.sort(key=lambda t: (t.dst_rank, t.tensor, t.offsets, t.dst_local))
-    return Plan(src, dst, tuple(wire), tuple(local))
+        df, _o, _s, (ranks, best, _first), _w = remote[i]
+        r = _least_loaded(ranks, load, df.rank)
+        if gpn and r // gpn != df.rank // gpn:
+            near = [h for h in ranks if h // gpn == df.rank // gpn]
+            if near:
+                rn = _least_loaded(near, load, df.rank)
+                if load[rn] + nbytes[i] <= max(fair, load[r] + nbytes[i]):
+                    r = rn
+        chosen[i] = best[r]
+        load[r] += nbytes[i]
+    wire = [_make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
+    wire.sort(key=_WIRE_ORDER)
+    local.sort(key=_LOCAL_ORDER)
+    return local, wire
+
+
+def _least_loaded(ranks: Sequence[int], load: list[int], dst_rank: int) -> int:
+    """The rank of ``ranks`` (ascending) with the least ``load``; ties go to the first at or after ``dst_rank``
+    in the cyclic order (the least ``(rank - dst_rank) % world``)."""
+    loads = list(map(load.__getitem__, ranks))
+    m = min(loads)
+    if loads.count(m) == 1:
+        return ranks[loads.index(m)]
+    ties = list(compress(ranks, map(m.__eq__, loads)))
+    k = bisect_left(ties, dst_rank)
+    return ties[k] if k < len(ties) else ties[0]
 
 
 def _make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype) -> Transfer:
-    s_off, _ = sf.local_box(off, size)
-    d_off, _ = df.local_box(off, size)
-    return Transfer(name, tuple(off), tuple(size), sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt)
+    # a fragment's own box starts at its local_offsets (the common case: no local_box to compute)
+    s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
+    d_off = df.local_offsets if off == df.offsets else df.local_box(off, size)[0]
+    return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt)
 
 
 def lower_bound_bytes(src: Layout, dst: Layout) -> int:
@@ -488,23 +585,28 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
     Computed from the layouts alone (independently of the transfers a plan chose).
     """
     total = 0
-    for spec in dst.tensors:
-        sspec = src.specs.get(spec.name)
-        if sspec is None:
-            continue
-        isz = _itemsize(_wire_dtype(sspec, spec))
-        own: dict[int, list[tuple]] = defaultdict(list)
-        for f in src.fragments_by_tensor.get(spec.name, ()):
-            if f.numel:
-                own[f.rank].append((f.offsets, f.sizes))
-        for df in dst.fragments_by_tensor.get(spec.name, ()):
-            if not df.numel:
+    with _gc_paused():
+        for spec in dst.tensors:
+            sspec = src.specs.get(spec.name)
+            if sspec is None:
                 continue
-            boxes = [b for b in dict.fromkeys(own.get(df.rank, ())) if _intersect(b[0], b[1], df.offsets, df.sizes)]
-            held = sum(
-                math.prod(s) for _, s, mask in _decompose(df.offsets, df.sizes, boxes) if mask
-            ) if boxes else 0
-            total += (df.numel - held) * isz
+            isz = _itemsize(_wire_dtype(sspec, spec))
+            own: dict[int, dict[tuple, None]] = {}  # rank -> its distinct nonempty boxes, in layout order
+            for f in src.fragments_by_tensor.get(spec.name, ()):
+                if min(f.sizes, default=1) > 0:
+                    own.setdefault(f.rank, {})[(f.offsets, f.sizes)] = None
+            missing = 0
+            for df in dst.fragments_by_tensor.get(spec.name, ()):
+                mine = own.get(df.rank)
+                n = df.numel
+                if not n:
+                    continue
+                if mine:
+                    boxes = [b for b in mine if _overlaps(b[0], b[1], df.offsets, df.sizes)]
+                    if boxes:
+                        n -= _held_numel(df.offsets, df.sizes, boxes)
+                missing += n
+            total += missing * isz
     return total
 
 
@@ -513,32 +615,78 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _reads(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
+    """The first of ``frags`` containing box ``off``+``size`` at ``local_off`` of its local tensor, or None.
+
+    (``f.local_box(off, size)[0] == local_off``, inlined: it runs twice per transfer.)
+    """
+    for f in frags:
+        fo = f.offsets
+        if off == fo and size == f.sizes:  # the whole fragment (the common case)
+            if local_off == f.local_offsets:
+                return f
+            continue
+        lo = f.local_offsets
+        extra = len(lo) - len(fo)
+        if (
+            len(off) == len(fo) == len(size)
+            and all(map(le, fo, off))
+            and all(map(le, map(add, off, size), map(add, fo, f.sizes)))
+            and local_off[:extra] == lo[:extra]
+            and local_off[extra:] == tuple(map(add, lo[extra:], map(sub, off, fo)))
+        ):
+            return f
+    return None
+
+
 def _validate_plan(plan: Plan) -> None:
-    """Exact cover of every destination fragment; every transfer reads what its source rank holds."""
+    """Exact cover of every destination fragment; every transfer reads what its source rank holds.
+
+    Linear in the transfers: per transfer, the fragments of its (tensor, rank, local tensor) on each side
+    (usually one). A transfer writes inside one destination fragment (the fragments of a local tensor are
+    disjoint), so the cover is checked per fragment: usually one transfer of the fragment's size.
+    """
     src, dst = plan.src, plan.dst
-    s_index: dict[tuple[str, int, str], list[Fragment]] = defaultdict(list)
-    for f in src.fragments:
-        s_index[(f.tensor, f.rank, f.local)].append(f)
-    d_index: dict[tuple[str, int, str], list[Fragment]] = defaultdict(list)
-    for f in dst.fragments:
-        d_index[(f.tensor, f.rank, f.local)].append(f)
+    s_index, d_index = src._fragments_by_local, dst._fragments_by_local
+    written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
+    with _gc_paused():
+        for t in plan.transfers + plan.local_copies:
+            off, size = t.offsets, t.sizes
+            if _reads(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
+                raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
+            df = _reads(d_index.get((t.tensor, t.dst_rank, t.dst_local), ()), off, size, t.dst_offsets)
+            if df is None:
+                raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
+            if 0 not in size:
+                ts = written.get(id(df))
+                if ts is None:
+                    written[id(df)] = [t]
+                else:
+                    ts.append(t)
+        for f in dst.fragments:
+            ts = written.get(id(f))
+            if ts is None:
+                exact = 0 in f.sizes
+            elif len(ts) == 1:
+                exact = ts[0].sizes == f.sizes
+            else:
+                exact = (
+                    sum(t.numel for t in ts) == f.numel
+                    and _find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None
+                )
+            if not exact:
+                _check_cover(plan)  # raises, naming the local tensor
+                raise ValueError(f"plan: destination fragment {f} is not covered exactly once")
+
+
+def _check_cover(plan: Plan) -> None:
+    """Per destination local tensor: no element written twice, every element of its fragments written."""
     covered: dict[tuple[int, str], list] = defaultdict(list)
     for t in plan.transfers + plan.local_copies:
-        sf = [
-            f for f in s_index.get((t.tensor, t.src_rank, t.src_local), ())
-            if _contains(f.offsets, f.sizes, t.offsets, t.sizes) and f.local_box(t.offsets, t.sizes)[0] == t.src_offsets
-        ]
-        if not sf:
-            raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
-        df = [
-            f for f in d_index.get((t.tensor, t.dst_rank, t.dst_local), ())
-            if _contains(f.offsets, f.sizes, t.offsets, t.sizes) and f.local_box(t.offsets, t.sizes)[0] == t.dst_offsets
-        ]
-        if not df:
-            raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
         if t.numel:
-            loc_off, loc_size = df[0].local_box(t.offsets, t.sizes)
-            covered[(t.dst_rank, t.dst_local)].append((loc_off, loc_size, t))
+            df = _reads(plan.dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
+                        t.sizes, t.dst_offsets)
+            covered[(t.dst_rank, t.dst_local)].append(df.local_box(t.offsets, t.sizes) + (t,))
     for (rank, local), boxes in covered.items():
         hit = _find_overlap(boxes)
         if hit is not None:
@@ -547,7 +695,7 @@ def _validate_plan(plan: Plan) -> None:
                 f"{hit[0]} and {hit[1]}"
             )
     need: dict[tuple[int, str], int] = defaultdict(int)
-    for f in dst.fragments:
+    for f in plan.dst.fragments:
         need[(f.rank, f.local)] += f.numel
     got = {k: sum(math.prod(b[1]) for b in v) for k, v in covered.items()}
     for key, n in need.items():
@@ -590,6 +738,59 @@ def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int) -> Schedule
     """First-fit-decreasing packing of chunks into steps with per-rank send and receive caps."""
     if bucket_bytes < 16 * ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
+    with _gc_paused():
+        return _build_schedule(transfers, bucket_bytes)
+
+
+def _first_fit(chunks: Sequence[tuple], order: Sequence[int], cap: int) -> list[list[int]]:
+    """First fit of ``chunks`` (taken in ``order``, aligned sizes non-increasing) into steps where each rank
+    sends at most ``cap`` and receives at most ``cap`` bytes: chunk k goes to the first step with room.
+
+    Exact first fit, without rescanning: while the aligned size stays the same, a step with no room for a
+    rank's sends (or receives) never gets room again (loads only grow), so each rank keeps a pointer past
+    the prefix of steps known to be full for it.
+    """
+    send: dict[int, list[int]] = defaultdict(list)  # rank -> bytes sent per step (steps past the end: 0)
+    recv: dict[int, list[int]] = defaultdict(list)
+    past_s: dict[int, int] = {}  # rank -> steps before it have no room to send `size` bytes
+    past_d: dict[int, int] = {}
+    placed: list[list[int]] = []
+    size = None
+    for k in order:
+        _i, _o, _s, n, s, d = chunks[k]
+        a = (n + ALIGN - 1) // ALIGN * ALIGN
+        if a != size:
+            size = a
+            past_s.clear()
+            past_d.clear()
+        lim = cap - a
+        ss, rr = send[s], recv[d]
+        ps, pd = past_s.get(s, 0), past_d.get(d, 0)
+        step, nsteps = max(ps, pd), len(placed)
+        while step < nsteps:
+            full_s = step < len(ss) and ss[step] > lim
+            full_d = step < len(rr) and rr[step] > lim
+            if not (full_s or full_d):
+                break
+            if full_s and ps == step:
+                ps += 1
+            if full_d and pd == step:
+                pd += 1
+            step += 1
+        past_s[s], past_d[d] = ps, pd
+        if step == nsteps:
+            placed.append([])
+        placed[step].append(k)
+        if len(ss) <= step:
+            ss.extend([0] * (step + 1 - len(ss)))
+        if len(rr) <= step:
+            rr.extend([0] * (step + 1 - len(rr)))
+        ss[step] += a
+        rr[step] += a
+    return placed
+
+
+def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int) -> Schedule:
     cap = bucket_bytes // 2 // ALIGN * ALIGN
     chunks: list[tuple[int, tuple, tuple, int, int, int]] = []  # (transfer, off, size, nbytes, src, dst)
     for i, t in enumerate(transfers):
@@ -599,22 +800,7 @@ def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int) -> Schedule
             if n:
                 chunks.append((i, off, size, n, t.src_rank, t.dst_rank))
     order = sorted(range(len(chunks)), key=lambda k: (-_align(chunks[k][3]), k))
-    send_load: list[dict[int, int]] = []
-    recv_load: list[dict[int, int]] = []
-    placed: list[list[int]] = []
-    for k in order:
-        _i, _o, _s, n, s, d = chunks[k]
-        a = _align(n)
-        step = 0
-        while step < len(placed) and (send_load[step].get(s, 0) + a > cap or recv_load[step].get(d, 0) + a > cap):
-            step += 1
-        if step == len(placed):
-            placed.append([])
-            send_load.append({})
-            recv_load.append({})
-        placed[step].append(k)
-        send_load[step][s] = send_load[step].get(s, 0) + a
-        recv_load[step][d] = recv_load[step].get(d, 0) + a
+    placed = _first_fit(chunks, order, cap)
     steps = []
     for ks in placed:
         by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)

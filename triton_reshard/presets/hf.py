@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Fragment, Layout, LocalSpec, Replicate, TensorSpec
+from ..layout import Fragment, Layout, LocalSpec, Replicate, TensorSpec, _gc_paused
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -232,28 +232,31 @@ class LayoutBuilder:
 
     Every local tensor is declared with its full shape (so padding, and local tensors holding no fragment at
     all, e.g. a vocab shard that is all padding, are still in the layout: ``named_parameters()`` has them).
+
+    Boxes and local tensors are collected as plain tuples and turned into :class:`Fragment` /
+    :class:`LocalSpec` values (validated there) in :meth:`build`, with the garbage collector paused: a
+    128-rank MoE layout has ~10^5 of each.
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype):
         self.specs = {n: TensorSpec(n, tuple(s), dtype) for n, s in shapes.items()}
         self.dtype = dtype
-        self.locals: dict[tuple[int, str], LocalSpec] = {}
-        self.fragments: list[Fragment] = []
+        self._locals: dict[tuple[int, str], tuple[int, ...]] = {}  # (rank, name) -> shape
+        self._boxes: list[tuple] = []  # Fragment fields: (tensor, rank, offsets, sizes, local, local_offsets)
 
     def local(self, rank: int, name: str, shape: Sequence[int]) -> str:
-        key = (rank, name)
-        spec = LocalSpec(rank, name, tuple(int(s) for s in shape), self.dtype)
-        if key in self.locals and self.locals[key] != spec:
+        shape = tuple(map(int, shape))
+        prev = self._locals.setdefault((rank, name), shape)
+        if prev != shape:
             raise AssertionError(f"local tensor {name!r} on rank {rank} declared twice with different shapes")
-        self.locals[key] = spec
         return name
 
     def box(self, tensor: str, rank: int, local: str, offsets, sizes, local_offsets=()) -> None:
         """Box ``offsets``+``sizes`` of ``tensor`` at ``local_offsets`` of ``local`` (empty boxes are dropped)."""
         if tensor not in self.specs:
             raise AssertionError(f"unknown logical tensor {tensor!r}")
-        if all(s > 0 for s in sizes):
-            self.fragments.append(Fragment(tensor, rank, tuple(offsets), tuple(sizes), local, tuple(local_offsets)))
+        if min(sizes, default=1) > 0:
+            self._boxes.append((tensor, rank, tuple(offsets), tuple(sizes), local, tuple(local_offsets)))
 
     def full(self, tensor: str, rank: int, local: str) -> None:
         """All of ``tensor`` as the whole local tensor ``local`` (replicated pieces: norms, routers)."""
@@ -273,9 +276,20 @@ class LayoutBuilder:
         rows, _ = self.specs[tensor].shape
         self.box(tensor, rank, local, (0, start), (rows, count), tuple(lead) + (0, at))
 
+    @property
+    def fragments(self) -> list[Fragment]:
+        """The fragments collected so far."""
+        return [Fragment(*b) for b in self._boxes]
+
+    @property
+    def locals(self) -> dict[tuple[int, str], LocalSpec]:
+        """The local tensors declared so far."""
+        return {(r, n): LocalSpec(r, n, shape, self.dtype) for (r, n), shape in self._locals.items()}
+
     def build(self) -> Layout:
-        covered = {f.tensor for f in self.fragments}
+        covered = {b[0] for b in self._boxes}
         missing = sorted(set(self.specs) - covered)
         if missing:
             raise AssertionError(f"layout builder left tensors without any fragment: {missing[:5]}")
-        return Layout(tuple(self.specs.values()), tuple(self.fragments), tuple(self.locals.values()))
+        with _gc_paused():
+            return Layout(tuple(self.specs.values()), tuple(self.fragments), tuple(self.locals.values()))

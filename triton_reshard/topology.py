@@ -1,0 +1,133 @@
+"""A first-order model of the cluster a reshard runs on, to predict refit time from a plan.
+
+Ranks are grouped into nodes (NVLink domains) of ``gpus_per_node`` consecutive ranks. Every GPU has two ports,
+each full duplex: NVLink to the GPUs of its node, and a network NIC to the other nodes. Bytes between two
+ranks of one node use NVLink, bytes between nodes the network; a local copy uses neither. The time of a step
+is set by its busiest port, ``max over ranks and directions (send, receive) of bytes / bandwidth`` on each
+port class, plus a fixed latency per step; steps run one after another (each one waits for its slowest
+rank), so a bucketed schedule takes the sum over its steps. The model ignores congestion inside the network
+and the copy kernels (pack/unpack run at HBM speed, far above these links).
+
+Figures (per GPU, per direction, decimal GB/s):
+
+* ``h100``: 8 GPUs per node, NVLink 4 at 450 GB/s, one 400 Gb/s NIC per GPU = 50 GB/s.
+* ``gb200``: an NVL72 rack as one NVLink domain of 72 GPUs, NVLink 5 at 900 GB/s, 400 Gb/s NIC = 50 GB/s.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Nodes of ``gpus_per_node`` consecutive ranks; per-GPU NVLink and network bandwidth (GB/s, one direction)."""
+
+    gpus_per_node: int = 72
+    nvlink_GBps: float = 900.0
+    net_GBps: float = 50.0
+    step_latency_s: float = 50e-6  # per step: posting the sends/receives and waiting for the slowest peer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an int >= 1")
+        if not (self.nvlink_GBps > 0 and self.net_GBps > 0 and self.step_latency_s >= 0):
+            raise ValueError(
+                f"bandwidths must be > 0 and the latency >= 0, got nvlink_GBps={self.nvlink_GBps}, "
+                f"net_GBps={self.net_GBps}, step_latency_s={self.step_latency_s}"
+            )
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.gpus_per_node == b // self.gpus_per_node
+
+
+PRESETS: dict[str, Topology] = {
+    "h100": Topology(gpus_per_node=8, nvlink_GBps=450.0, net_GBps=50.0),
+    "gb200": Topology(gpus_per_node=72, nvlink_GBps=900.0, net_GBps=50.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PortLoad:
+    """Bytes through each port of one rank."""
+
+    nvlink_send: int = 0
+    nvlink_recv: int = 0
+    net_send: int = 0
+    net_recv: int = 0
+
+    def seconds(self, topo: Topology) -> float:
+        nvl = max(self.nvlink_send, self.nvlink_recv) / (topo.nvlink_GBps * GB)
+        net = max(self.net_send, self.net_recv) / (topo.net_GBps * GB)
+        return max(nvl, net)
+
+
+def port_loads(pair_bytes: Mapping[tuple[int, int], int], topo: Topology) -> dict[int, PortLoad]:
+    """Per rank, the bytes through its NVLink and network ports, from ``{(src, dst): bytes}`` (src == dst: local)."""
+    acc: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for (s, d), n in pair_bytes.items():
+        if s == d or not n:
+            continue
+        k = 0 if topo.same_node(s, d) else 2
+        acc[s][k] += n
+        acc[d][k + 1] += n
+    return {r: PortLoad(*v) for r, v in sorted(acc.items())}
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    seconds: float  # predicted wall time of the whole reshard
+    steps: int
+    busiest_rank: int | None  # the rank whose port sets the time in the heaviest step
+    busiest_port: str  # "nvlink" or "net" (the port class of the busiest rank)
+    nvlink_bytes: int  # bytes over NVLink (all ranks, counted once)
+    net_bytes: int  # bytes over the network
+
+
+def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topology) -> Prediction:
+    """Predicted time of a reshard that moves ``steps[i][(src, dst)]`` bytes in step ``i``.
+
+    Pure: per step, the busiest port (``max over ranks of max(send, receive) / bandwidth`` for NVLink and the
+    network separately) plus ``topo.step_latency_s``; steps add up. Pass one mapping with all bytes for the
+    unbucketed bound (``plan_pair_bytes(plan)``), or one per schedule step (``schedule_pair_bytes``).
+    """
+    total, n_steps, worst, worst_rank, worst_port = 0.0, 0, -1.0, None, "nvlink"
+    nvl_bytes = net_bytes = 0
+    for step in steps:
+        n_steps += 1
+        loads = port_loads(step, topo)
+        t_step = 0.0
+        for r, load in loads.items():
+            t = load.seconds(topo)
+            if t > t_step:
+                t_step = t
+            if t > worst:
+                nvl = max(load.nvlink_send, load.nvlink_recv) / (topo.nvlink_GBps * GB)
+                worst, worst_rank, worst_port = t, r, "nvlink" if nvl >= t else "net"
+            nvl_bytes += load.nvlink_send
+            net_bytes += load.net_send
+        total += t_step + topo.step_latency_s
+    return Prediction(total, n_steps, worst_rank, worst_port, nvl_bytes, net_bytes)
+
+
+def plan_pair_bytes(plan) -> dict[tuple[int, int], int]:
+    """``{(src, dst): bytes}`` of a plan's wire transfers."""
+    out: dict[tuple[int, int], int] = defaultdict(int)
+    for t in plan.transfers:
+        out[(t.src_rank, t.dst_rank)] += t.nbytes
+    return dict(out)
+
+
+def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:
+    """Per step of a schedule, ``{(src, dst): bytes}`` (payload bytes, without alignment padding)."""
+    out = []
+    for step in schedule.steps:
+        out.append({(m.src, m.dst): sum(c.nbytes for c in m.chunks) for m in step.messages})
+    return out
