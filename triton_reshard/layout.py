@@ -70,6 +70,19 @@ def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(step, length - start))
 
 
+def nested_box(
+    shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], shards: Sequence[tuple[int, int]]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of the shard at mesh coordinate ``coord``: ``shards`` lists ``(mesh_dim, tensor_dim)``
+    in the order they apply, each chunking (``torch.chunk`` style) what the previous ones left."""
+    off, size = [0] * len(shape), list(shape)
+    for m, d in shards:
+        o, n = chunk_range(size[d], mesh_shape[m], coord[m])
+        off[d] += o
+        size[d] = n
+    return tuple(off), tuple(size)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Value types
 # --------------------------------------------------------------------------------------------------------
@@ -517,17 +530,12 @@ class Layout:
                         raise TypeError(f"tensor {name!r}: unsupported placement {p!r} (Shard or Replicate only)")
                     if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
                         raise ValueError(f"tensor {name!r} of shape {shape}: {p!r} is out of range")
+                shards = [(m, p.dim % len(shape)) for m, p in enumerate(pl) if isinstance(p, Shard)]
                 for rank, coord in zip(ranks, coords, strict=True):
-                    off, size = [0] * len(shape), list(shape)
-                    for mdim, p in enumerate(pl):
-                        if isinstance(p, Shard):
-                            d = p.dim % len(shape)
-                            o, s = chunk_range(size[d], mesh_shape[mdim], coord[mdim])
-                            off[d] += o
-                            size[d] = s
-                    locs.append(LocalSpec(rank, name, tuple(size), spec.dtype))
+                    off, size = nested_box(shape, mesh_shape, coord, shards)
+                    locs.append(LocalSpec(rank, name, size, spec.dtype))
                     if all(size):
-                        frags.append(Fragment(name, rank, tuple(off), tuple(size)))
+                        frags.append(Fragment(name, rank, off, size))
             return cls(tuple(specs), tuple(frags), tuple(locs))
 
     @classmethod

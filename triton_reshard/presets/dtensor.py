@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..layout import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec, chunk_range
+from ..layout import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec, nested_box
 
 
 def _placements(name: str, dt) -> list[tuple[str, int, int]]:
@@ -99,13 +99,8 @@ def layout_from_dtensors(named_dtensors: Mapping[str, object]) -> Layout:
         specs.append(TensorSpec(name, shape, dt.dtype))
         coords = torch.stack(torch.meshgrid(*[torch.arange(n) for n in mesh_shape], indexing="ij"), -1)
         for rank, coord in zip(mesh.flatten().tolist(), coords.reshape(-1, len(mesh_shape)).tolist(), strict=True):
-            off, size = [0] * len(shape), list(shape)
-            for m in order:
-                d = pl[m][1]
-                o, sz = chunk_range(size[d], mesh_shape[m], coord[m])
-                off[d] += o
-                size[d] = sz
-            locs.append(LocalSpec(rank, name, tuple(size), dt.dtype))
+            off, size = nested_box(shape, mesh_shape, coord, [(m, pl[m][1]) for m in order])
+            locs.append(LocalSpec(rank, name, size, dt.dtype))
             if all(size):
-                frags.append(Fragment(name, rank, tuple(off), tuple(size)))
+                frags.append(Fragment(name, rank, off, size))
     return Layout(tuple(specs), tuple(frags), tuple(locs))
