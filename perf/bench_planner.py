@@ -28,10 +28,12 @@ import json
 import os
 import platform
 import sys
-import time
 
+import torch
+
+from triton_reshard.cli import timed_planning
 from triton_reshard.plan import plan_reshard
-from triton_reshard.presets import get_config, megatron_layout, model_spec, vllm_layout
+from triton_reshard.presets import get_config, model_spec
 
 MODELS = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 WORLDS = (8, 32, 128)
@@ -47,24 +49,15 @@ def bench_case(model: str, world: int) -> dict:
     cfg = get_config(model)
     moe = any(model_spec(cfg).moe_layers)
     (tp, pp, dp, ep), (vtp, vdp) = PAIRS[world]
-    times: dict[str, float] = {}
-
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        out = fn()
-        times[name] = time.perf_counter() - t0
-        return out
-
     plan_reshard.cache_clear()
-    src = timed("src_layout", lambda: megatron_layout(cfg, tp=tp, pp=pp, dp=dp, ep=ep if moe else 1,
-                                                      etp=1 if moe else None, ranks=range(world)))
-    dst = timed("dst_layout", lambda: vllm_layout(cfg, tp=vtp, dp=vdp, enable_expert_parallel=moe,
-                                                  ranks=range(world)))
-    plan = timed("plan", lambda: plan_reshard(src, dst))
-    timed("digest", lambda: plan.digest)
-    st = timed("stats", plan.stats)
-    sched = timed("schedule", lambda: plan.schedule(BUCKET))
-    timed("one_rank_share", lambda: sched.for_rank(world - 1))
+    src, dst, plan, st, sched, times = timed_planning(
+        cfg,
+        dict(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, etp=1 if moe else None, ranks=range(world)),
+        dict(tp=vtp, dp=vdp, enable_expert_parallel=moe, ranks=range(world)),
+        BUCKET,
+        torch.bfloat16,
+        share_rank=world - 1,
+    )
     times["total"] = sum(times.values())
     return {
         "model": model,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .execute import ReshardTimeoutError, _to_timedelta
-from .layout import Layout
+from .layout import Layout, box_slices
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +28,6 @@ class BaselineReport:
     recv_bytes: int  # bytes this rank received (every box it did not hold itself)
     peak_extra_bytes: int  # largest full tensor + box buffer it held at once
     seconds: float
-
-
-def _slices(off, size):
-    return tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))
 
 
 def allgather_refit(
@@ -67,7 +63,7 @@ def allgather_refit(
                 box_peak = max(box_peak, buf.numel() * isz)
                 if f.rank == rank:
                     loff, lsize = f.local_box(off, size)
-                    buf.copy_(src_tensors[f.local][_slices(loff, lsize)].reshape(size))
+                    buf.copy_(src_tensors[f.local][box_slices(loff, lsize)].reshape(size))
                 else:
                     recv += buf.numel() * isz
                 work = dist.broadcast(buf, src=f.rank, group=group, async_op=True)
@@ -75,13 +71,13 @@ def allgather_refit(
                     work.wait(timeout=timeout)
                 except RuntimeError as e:
                     raise ReshardTimeoutError(f"rank {rank}: baseline broadcast of {spec.name!r} timed out: {e}") from e
-                full[_slices(off, size)].copy_(buf)
+                full[box_slices(off, size)].copy_(buf)
             peak = max(peak, math.prod(spec.shape) * isz + box_peak)
             for df in dst_layout.fragments_by_tensor.get(spec.name, ()):
                 if df.rank != rank or not df.numel:
                     continue
                 loff, lsize = df.local_box(df.offsets, df.sizes)
-                dst_tensors[df.local][_slices(loff, lsize)].copy_(full[_slices(df.offsets, df.sizes)].reshape(lsize))
+                dst_tensors[df.local][box_slices(loff, lsize)].copy_(full[box_slices(df.offsets, df.sizes)].reshape(lsize))
             del full
     if device.type == "cuda":
         torch.cuda.synchronize(device)

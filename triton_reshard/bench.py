@@ -74,9 +74,10 @@ def _layouts(case: Case, size_bytes: int, dtype: torch.dtype):
     return src, dst, cfg, None
 
 
-def _wire_limit(resharder: Resharder, timeout) -> None:
-    """The same messages as the reshard, one isend/irecv each, into preallocated buffers, no copies."""
-    bufs = resharder._wire_limit_bufs
+def _wire_limit(bufs: list, timeout) -> None:
+    """The same messages as the reshard, one isend/irecv each, into preallocated buffers, no copies.
+
+    ``bufs``: per step of the reshard's schedule, ``(sends, recvs)`` lists of ``(peer, buffer)``."""
     for sends, recvs in bufs:
         p2p = [dist.P2POp(dist.irecv, b, peer) for peer, b in recvs] + [
             dist.P2POp(dist.isend, b, peer) for peer, b in sends
@@ -102,18 +103,17 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
         "reshard": Resharder(plan, bucket_bytes=bucket, timeout=timeout),
         "reshard+overlap": Resharder(plan, bucket_bytes=bucket, timeout=timeout, overlap=True),
     }
-    r0 = methods["reshard"]
     # wire-limit buffers: one per message of the reshard's own schedule
-    r0._wire_limit_bufs = [
+    wire_bufs = [
         ([(peer, torch.empty(m.nbytes, dtype=torch.uint8, device=device)) for peer, _at, m in st.sends],
          [(peer, torch.empty(m.nbytes, dtype=torch.uint8, device=device)) for peer, _at, m in st.recvs])
-        for _i, st in r0.steps
+        for _i, st in methods["reshard"].steps
     ]
     fns = {
         "reshard": lambda: methods["reshard"].run(src_t, dst_t),
         "reshard+overlap": lambda: methods["reshard+overlap"].run(src_t, dst_t),
         "allgather": lambda: allgather_refit(src_t, dst_t, src, dst, timeout=timeout),
-        "wire-limit": lambda: _wire_limit(r0, timedelta(seconds=timeout)),
+        "wire-limit": lambda: _wire_limit(wire_bufs, timedelta(seconds=timeout)),
     }
     if dt is not None:
         from torch.distributed.device_mesh import DeviceMesh

@@ -110,12 +110,37 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per_node: int | None = None,
+                   share_rank: int | None = None):
+    """Megatron-Core layout (``src_kw``) -> vLLM layout (``dst_kw``): build both, plan, digest, stats, schedule
+    and one rank's share of the schedule, each timed. Returns ``(src, dst, plan, stats, schedule, times)``."""
+    from .plan import plan_reshard
+    from .presets import megatron_layout, vllm_layout
+
+    times: dict[str, float] = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        times[name] = time.perf_counter() - t0
+        return out
+
+    src = timed("src_layout", lambda: megatron_layout(cfg, **src_kw, dtype=dtype))
+    dst = timed("dst_layout", lambda: vllm_layout(cfg, **dst_kw, dtype=dtype))
+    plan = timed("plan", lambda: plan_reshard(src, dst, False, gpus_per_node))
+    timed("digest", lambda: plan.digest)
+    st = timed("stats", plan.stats)
+    sched = timed("schedule", lambda: plan.schedule(bucket))
+    rank = plan.ranks[0] if share_rank is None else share_rank
+    timed("one_rank_share", lambda: sched.for_rank(rank))
+    return src, dst, plan, st, sched, times
+
+
 def plan_report(args) -> dict:
     """Build the layouts and the plan of ``triton-reshard plan`` and return the report (times in seconds)."""
     import torch
 
-    from .plan import plan_reshard
-    from .presets import megatron_layout, model_nbytes, vllm_layout
+    from .presets import model_nbytes
     from .topology import PRESETS, Topology, plan_pair_bytes, predict_seconds, schedule_pair_bytes
 
     cfg = _load_config(args.model)
@@ -131,26 +156,14 @@ def plan_report(args) -> dict:
         net_GBps=args.net_GBps or base.net_GBps,
         step_latency_s=base.step_latency_s,
     )
-    times: dict[str, float] = {}
-
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        out = fn()
-        times[name] = time.perf_counter() - t0
-        return out
-
-    src = timed("src_layout", lambda: megatron_layout(
-        cfg, tp=s.get("tp", 1), pp=s.get("pp", 1), dp=s.get("dp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
-        ranks=args.src_offset, dtype=dtype))
-    dst = timed("dst_layout", lambda: vllm_layout(
-        cfg, tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
-        ranks=args.dst_offset, dtype=dtype))
-    plan = timed("plan", lambda: plan_reshard(src, dst, False, topo.gpus_per_node if args.topology_aware else None))
-    st = timed("stats", plan.stats)
+    src_kw = dict(tp=s.get("tp", 1), pp=s.get("pp", 1), dp=s.get("dp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
+                  ranks=args.src_offset)
+    dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
+                  ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
-    sched = timed("schedule", lambda: plan.schedule(bucket))
-    rank = plan.ranks[0]
-    timed("one_rank_share", lambda: sched.for_rank(rank))
+    src, dst, plan, st, sched, times = timed_planning(
+        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=topo.gpus_per_node if args.topology_aware else None
+    )
     pairs = plan_pair_bytes(plan)
     bound = predict_seconds([pairs], topo)
     stepped = predict_seconds(schedule_pair_bytes(sched), topo)

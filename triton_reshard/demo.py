@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .baselines import allgather_refit
 from .execute import Resharder
 from .launch import run_world
-from .layout import Layout
+from .layout import Layout, box_slices
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 from .plan import plan_reshard
 from .testing import synthetic_box
@@ -31,26 +31,24 @@ def _peak_rss_reset() -> None:
         pass
 
 
-def _peak_rss() -> int:
+def _proc_status_bytes(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (``VmHWM``: peak RSS, ``VmRSS``: RSS) in bytes; 0 where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _peak_rss() -> int:
+    return _proc_status_bytes("VmHWM")
 
 
 def _rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_status_bytes("VmRSS")
 
 
 def preset_layouts(src_text: str, dst_text: str, size_bytes: int, dtype: torch.dtype,
@@ -91,7 +89,7 @@ def _make_src(layout: Layout, rank: int, device) -> dict[str, torch.Tensor]:
             continue
         spec = layout.specs[f.tensor]
         loff, lsize = f.local_box(f.offsets, f.sizes)
-        view = out[f.local][tuple(slice(o, o + s) for o, s in zip(loff, lsize, strict=True))]
+        view = out[f.local][box_slices(loff, lsize)]
         view.copy_(synthetic_box(f.tensor, spec.shape, spec.dtype, f.offsets, f.sizes, device=device).reshape(lsize))
     return out
 
@@ -105,7 +103,7 @@ def _expected(layout: Layout, rank: int, device) -> list[tuple[str, tuple, torch
         spec = layout.specs[f.tensor]
         loff, lsize = f.local_box(f.offsets, f.sizes)
         exp = synthetic_box(f.tensor, spec.shape, spec.dtype, f.offsets, f.sizes, device=device)
-        out.append((f.local, tuple(slice(o, o + s) for o, s in zip(loff, lsize, strict=True)),
+        out.append((f.local, box_slices(loff, lsize),
                     exp.reshape(lsize).view(_int_of(exp.dtype))))
     return out
 

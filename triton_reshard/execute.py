@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .plan import Plan, RankStep, Transfer
+from .layout import box_slices
+from .plan import Plan, RankStep
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -48,10 +49,6 @@ class RunReport:
     wire_seconds: float = 0.0  # time from posting a step's sends/receives until they completed
     unpack_seconds: float = 0.0
     local_seconds: float = 0.0
-
-
-def _slices(off, size):
-    return tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))
 
 
 def _to_timedelta(timeout) -> timedelta:
@@ -114,6 +111,7 @@ class Resharder:
         self._src_specs = plan.src.local_specs(self.rank)
         self._dst_specs = plan.dst.local_specs(self.rank)
         self._local = tuple(t for t in plan.local_copies if t.dst_rank == self.rank)
+        self._local_bytes = sum(t.nbytes for t in self._local)
         self._send_area: torch.Tensor | None = None
         self._recv_area: torch.Tensor | None = None
         self._bound_sig: tuple | None = None
@@ -177,23 +175,22 @@ class Resharder:
         return torch.device("cpu")
 
     def _wait(self, works, what: str, peers) -> None:
+        def timed_out(detail: str) -> ReshardTimeoutError:
+            return ReshardTimeoutError(
+                f"rank {self.rank}: {what} with peers {sorted(peers)} did not complete within "
+                f"{self.timeout.total_seconds():g}s{detail}; the process group is unusable now: destroy it"
+            )
+
         for w in works:
             try:
                 ok = w.wait(timeout=self.timeout)
             except RuntimeError as e:
                 msg = str(e)
                 if "imed out" in msg or "timeout" in msg.lower() or "Connection closed" in msg:
-                    raise ReshardTimeoutError(
-                        f"rank {self.rank}: {what} with peers {sorted(peers)} did not complete within "
-                        f"{self.timeout.total_seconds():g}s ({msg.splitlines()[0] if msg else 'timeout'}); "
-                        f"the process group is unusable now: destroy it"
-                    ) from e
+                    raise timed_out(f" ({msg.splitlines()[0] if msg else 'timeout'})") from e
                 raise
             if ok is False:
-                raise ReshardTimeoutError(
-                    f"rank {self.rank}: {what} with peers {sorted(peers)} did not complete within "
-                    f"{self.timeout.total_seconds():g}s; the process group is unusable now: destroy it"
-                )
+                raise timed_out("")
 
     def _handshake(self, error: Exception | None) -> None:
         """All ranks: same plan digest? everyone's input valid? Raises on every rank otherwise."""
@@ -242,19 +239,19 @@ class Resharder:
             self._recv_area = torch.empty(self.recv_area_bytes, dtype=torch.uint8, device=device)
         transfers = self.plan.transfers
 
-        def src_view(t: Transfer, off, size):
-            base = src_tensors[t.src_local]
+        def view(base: torch.Tensor, start, off, size):
+            """The sub-box ``off``+``size`` (logical dims) of the box starting at ``start`` in ``base``."""
             extra = base.dim() - len(size)
-            o = t.src_offsets[:extra] + tuple(a + b for a, b in zip(t.src_offsets[extra:], off, strict=True))
-            return base[_slices(o, (1,) * extra + tuple(size))].reshape(size)
+            o = start[:extra] + tuple(a + b for a, b in zip(start[extra:], off, strict=True))
+            return base[box_slices(o, (1,) * extra + tuple(size))].reshape(size)
 
-        def dst_view(t: Transfer, off, size):
-            base = dst_tensors[t.dst_local]
-            extra = base.dim() - len(size)
-            o = t.dst_offsets[:extra] + tuple(a + b for a, b in zip(t.dst_offsets[extra:], off, strict=True))
-            return base[_slices(o, (1,) * extra + tuple(size))].reshape(size)
+        def src_view(t, off, size):
+            return view(src_tensors[t.src_local], t.src_offsets, off, size)
 
-        def buf_view(area, at, chunk, t: Transfer):
+        def dst_view(t, off, size):
+            return view(dst_tensors[t.dst_local], t.dst_offsets, off, size)
+
+        def buf_view(area, at, chunk, t):
             n = math.prod(chunk.sizes)
             start = at + chunk.buffer_offset
             return area[start:start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
@@ -341,7 +338,7 @@ class Resharder:
             steps=len(self.steps),
             sent_bytes=sent,
             recv_bytes=recvd,
-            local_bytes=sum(t.nbytes for t in self._local),
+            local_bytes=self._local_bytes,
             staging_bytes=self.send_area_bytes + self.recv_area_bytes,
             seconds=time.perf_counter() - t0,
             pack_seconds=t_pack,

@@ -70,6 +70,11 @@ def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(step, length - start))
 
 
+def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    """The index that selects the box ``offsets``+``sizes`` of a tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+
+
 def nested_box(
     shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], shards: Sequence[tuple[int, int]]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -652,9 +657,9 @@ class Layout:
         for f in self.fragments:
             if f.rank != rank or not f.numel:
                 continue
-            src = global_tensors[f.tensor][tuple(slice(o, o + s) for o, s in zip(f.offsets, f.sizes, strict=True))]
+            src = global_tensors[f.tensor][box_slices(f.offsets, f.sizes)]
             loff, lsz = f.local_box(f.offsets, f.sizes)
-            view = out[f.local][tuple(slice(o, o + s) for o, s in zip(loff, lsz, strict=True))]
+            view = out[f.local][box_slices(loff, lsz)]
             view.copy_(src.reshape(lsz))
         return out
 

@@ -9,7 +9,6 @@ caught by a bit-exact check against the same function.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 
 import torch
@@ -51,7 +50,3 @@ def synthetic_box(
 
 def synthetic_global(name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return synthetic_box(name, shape, dtype)
-
-
-def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
