@@ -12,12 +12,21 @@ ranks    Megatron (source)                   vLLM (destination)
 128      tp=4, pp=2, dp=16 (ep=8, etp=1)     tp=8, dp=16
 =======  ==================================  ==========================
 
+``deepseek-v3`` (61 layers, 256 routed + 1 shared expert, MLA) runs at 128 ranks only, with the shape of a real
+DeepSeek-V3 RL refit on 16 nodes of 8 GPUs:
+
+* Megatron TP2 x PP8 x DP8, EP16 x ETP1: each stage's 16 ranks split the 256 experts (16 per rank, ~11 GB of
+  bf16 experts per rank); 61 layers do not split evenly, so the first stage (embedding) gets 7 and the last
+  (output layer, and the MTP layer in a real run) 6, like Megatron's ``decoder_first/last_pipeline_num_layers``.
+* vLLM TP8 x DP16 with expert parallel (one TP8 replica per node, "wide EP" over all 128 workers: 2 experts per
+  worker; the shared experts replicated under vLLM's sequence-parallel MoE).
+
 Seconds of wall time per stage (best of ``--repeats``; each repeat builds everything again, nothing cached),
-written as JSON plus a table. ``deepseek-v3`` is not benchmarked: its MLA attention has no Megatron or vLLM
-preset (only ``logical_tensors``/``hf_layout`` know it).
+written as JSON plus a table.
 
     python perf/bench_planner.py --out perf/results/bench_planner.json
     python perf/bench_planner.py --models qwen3-235b-a22b --worlds 128
+    python perf/bench_planner.py --models deepseek-v3 --worlds 128
 """
 
 from __future__ import annotations
@@ -35,25 +44,45 @@ from triton_reshard.cli import timed_planning
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, model_spec
 
-MODELS = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b")
+MODELS = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
 WORLDS = (8, 32, 128)
 PAIRS = {  # world -> (Megatron tp, pp, dp, ep), (vLLM tp, dp)
     8: ((2, 2, 2, 2), (4, 2)),
     32: ((4, 2, 4, 8), (8, 4)),
     128: ((4, 2, 16, 8), (8, 16)),
 }
+MODEL_PAIRS = {  # model -> world -> (Megatron kwargs, vLLM kwargs), instead of PAIRS (see the module doc)
+    "deepseek-v3": {
+        128: (dict(tp=2, pp=8, dp=8, ep=16, etp=1, layers_per_stage=(7, 8, 8, 8, 8, 8, 8, 6)),
+              dict(tp=8, dp=16, enable_expert_parallel=True)),
+    },
+}
 BUCKET = 1 << 30
+
+
+def case_kwargs(model: str, world: int) -> tuple[dict, dict] | None:
+    """(Megatron, vLLM) keyword arguments of the benchmark pair, None where the model is not run at ``world``."""
+    if model in MODEL_PAIRS:
+        pair = MODEL_PAIRS[model].get(world)
+        return None if pair is None else (dict(pair[0]), dict(pair[1]))
+    moe = any(model_spec(get_config(model)).moe_layers)
+    (tp, pp, dp, ep), (vtp, vdp) = PAIRS[world]
+    return (dict(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, etp=1 if moe else None),
+            dict(tp=vtp, dp=vdp, enable_expert_parallel=moe))
+
+
+def _describe(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in kw.items() if v not in (None, False) and k != "layers_per_stage")
 
 
 def bench_case(model: str, world: int) -> dict:
     cfg = get_config(model)
-    moe = any(model_spec(cfg).moe_layers)
-    (tp, pp, dp, ep), (vtp, vdp) = PAIRS[world]
+    src_kw, dst_kw = case_kwargs(model, world)
     plan_reshard.cache_clear()
     src, dst, plan, st, sched, times = timed_planning(
         cfg,
-        dict(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, etp=1 if moe else None, ranks=range(world)),
-        dict(tp=vtp, dp=vdp, enable_expert_parallel=moe, ranks=range(world)),
+        {**src_kw, "ranks": range(world)},
+        {**dst_kw, "ranks": range(world)},
         BUCKET,
         torch.bfloat16,
         share_rank=world - 1,
@@ -62,8 +91,8 @@ def bench_case(model: str, world: int) -> dict:
     return {
         "model": model,
         "world": world,
-        "src": f"megatron tp={tp},pp={pp},dp={dp}" + (f",ep={ep},etp=1" if moe else ""),
-        "dst": f"vllm tp={vtp},dp={vdp}" + (",ep" if moe else ""),
+        "src": "megatron " + _describe(src_kw),
+        "dst": "vllm " + _describe(dst_kw).replace("enable_expert_parallel=True", "ep"),
         "src_fragments": len(src.fragments),
         "dst_fragments": len(dst.fragments),
         "wire_transfers": len(plan.transfers),
@@ -97,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     for model in filter(None, args.models.split(",")):
-        if model == "deepseek-v3":
-            print("deepseek-v3: skipped, MLA has no Megatron/vLLM preset", file=sys.stderr)
-            continue
         for world in (int(w) for w in args.worlds.split(",") if w):
+            if case_kwargs(model, world) is None:
+                print(f"{model}: not run at {world} ranks (see MODEL_PAIRS)", file=sys.stderr)
+                continue
             best = None
             for _ in range(max(1, args.repeats)):
                 r = bench_case(model, world)

@@ -11,6 +11,14 @@ the Hugging Face checkpoint tensors:
   = ``[gate_tp; up_tp]``; vocab padded to 64 then split over TP; FusedMoE ``w13_weight``/``w2_weight``
   stacked over local experts, experts split over all ``tp*dp`` workers (whole experts with EP, intermediate
   dim without).
+* DeepSeek-V3 (MLA + DeepSeekMoE). Megatron (MLASelfAttention, TE spec): separate ``input_layernorm``;
+  ``linear_q_down_proj`` = q_a_proj and ``linear_kv_down_proj`` = kv_a_proj_with_mqa whole on every rank;
+  ``linear_q_up_proj`` (q_b_proj) and ``linear_kv_up_proj`` (kv_b_proj) chunked by rows over TP, each with the
+  latent RMSNorm as ``layer_norm_weight``; ``linear_q_proj`` = q_proj chunked when q_lora_rank is None;
+  ``router.expert_bias`` = e_score_correction_bias; ``shared_experts.linear_fc1/fc2`` TP-split like a dense
+  MLP. vLLM (DeepseekV2MLAAttention): ``fused_qkv_a_proj`` = cat(q_a_proj, kv_a_proj_with_mqa) whole;
+  q_b_proj / kv_b_proj chunked by rows, o_proj by columns; ``shared_experts.gate_up_proj/down_proj``
+  TP-split, or whole on every rank under sequence-parallel MoE (expert parallel with tp > 1 and dp > 1).
 
 Also the worker functions the spawned worlds of ``test_models.py`` run.
 """
@@ -34,7 +42,18 @@ def _dims(cfg):
     return H, nh, nkv, hd
 
 
+def _is_mla(cfg):
+    return cfg.get("model_type") == "deepseek_v3"
+
+
+def _num_experts(cfg):
+    return cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+
+
 def _is_moe(cfg, i):
+    if _is_mla(cfg):  # transformers / vLLM DeepSeek rule
+        return bool(_num_experts(cfg)) and i >= cfg.get("first_k_dense_replace", 0) and \
+            i % cfg.get("moe_layer_freq", 1) == 0
     if cfg.get("model_type") != "qwen3_moe":
         return False
     step = cfg.get("decoder_sparse_step", 1)
@@ -78,9 +97,13 @@ def megatron_shards(sd, cfg, *, tp=1, pp=1, dp=1, ep=1, etp=None, position=0, gr
         i = s * per_stage + j
         hf, mg = f"model.layers.{i}", f"decoder.layers.{j}"
         a = f"{hf}.self_attn"
-        out[f"{mg}.self_attention.linear_qkv.layer_norm_weight"] = sd[f"{hf}.input_layernorm.weight"]
+        if _is_mla(cfg):
+            out.update(_megatron_mla(sd, cfg, tp, t, a, f"{mg}.self_attention"))
+            out[f"{mg}.input_layernorm.weight"] = sd[f"{hf}.input_layernorm.weight"]
+        else:
+            out[f"{mg}.self_attention.linear_qkv.layer_norm_weight"] = sd[f"{hf}.input_layernorm.weight"]
         kinds = ("weight", "bias") if _qkv_bias_on(cfg) else ("weight",)
-        for kind in kinds:
+        for kind in kinds if not _is_mla(cfg) else ():
             qw = sd[f"{a}.q_proj.{kind}"].reshape(nkv, nh // nkv * hd, -1)
             kw = sd[f"{a}.k_proj.{kind}"].reshape(nkv, hd, -1)
             vw = sd[f"{a}.v_proj.{kind}"].reshape(nkv, hd, -1)
@@ -90,7 +113,8 @@ def megatron_shards(sd, cfg, *, tp=1, pp=1, dp=1, ep=1, etp=None, position=0, gr
         if cfg.get("model_type") in ("qwen3", "qwen3_moe"):
             out[f"{mg}.self_attention.q_layernorm.weight"] = sd[f"{a}.q_norm.weight"]
             out[f"{mg}.self_attention.k_layernorm.weight"] = sd[f"{a}.k_norm.weight"]
-        out[f"{mg}.self_attention.linear_proj.weight"] = sd[f"{a}.o_proj.weight"].chunk(tp, dim=1)[t]
+        if not _is_mla(cfg):
+            out[f"{mg}.self_attention.linear_proj.weight"] = sd[f"{a}.o_proj.weight"].chunk(tp, dim=1)[t]
         if not _is_moe(cfg, i):
             out[f"{mg}.mlp.linear_fc1.layer_norm_weight"] = sd[f"{hf}.post_attention_layernorm.weight"]
             out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat(
@@ -99,7 +123,13 @@ def megatron_shards(sd, cfg, *, tp=1, pp=1, dp=1, ep=1, etp=None, position=0, gr
             continue
         out[f"{mg}.pre_mlp_layernorm.weight"] = sd[f"{hf}.post_attention_layernorm.weight"]
         out[f"{mg}.mlp.router.weight"] = sd[f"{hf}.mlp.gate.weight"]
-        E = cfg["num_experts"]
+        if _is_mla(cfg):
+            out[f"{mg}.mlp.router.expert_bias"] = sd[f"{hf}.mlp.gate.e_score_correction_bias"]
+            sh = f"{hf}.mlp.shared_experts"
+            out[f"{mg}.mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                [sd[f"{sh}.gate_proj.weight"].chunk(tp)[t], sd[f"{sh}.up_proj.weight"].chunk(tp)[t]])
+            out[f"{mg}.mlp.shared_experts.linear_fc2.weight"] = sd[f"{sh}.down_proj.weight"].chunk(tp, dim=1)[t]
+        E = _num_experts(cfg)
         per = E // ep
         for k in range(per):
             e = er * per + k
@@ -115,9 +145,30 @@ def megatron_shards(sd, cfg, *, tp=1, pp=1, dp=1, ep=1, etp=None, position=0, gr
     return {n: v.contiguous().clone() for n, v in out.items()}
 
 
+def _megatron_mla(sd, cfg, tp, t, a, att):
+    """MLASelfAttention parameters of TP rank ``t`` (TE spec: latent norms fused into the up projections)."""
+    out = {}
+    if cfg.get("q_lora_rank") is None:
+        out[f"{att}.linear_q_proj.weight"] = sd[f"{a}.q_proj.weight"].chunk(tp)[t]
+    else:
+        out[f"{att}.linear_q_down_proj.weight"] = sd[f"{a}.q_a_proj.weight"]
+        out[f"{att}.linear_q_up_proj.layer_norm_weight"] = sd[f"{a}.q_a_layernorm.weight"]
+        out[f"{att}.linear_q_up_proj.weight"] = sd[f"{a}.q_b_proj.weight"].chunk(tp)[t]
+    out[f"{att}.linear_kv_down_proj.weight"] = sd[f"{a}.kv_a_proj_with_mqa.weight"]
+    out[f"{att}.linear_kv_up_proj.layer_norm_weight"] = sd[f"{a}.kv_a_layernorm.weight"]
+    out[f"{att}.linear_kv_up_proj.weight"] = sd[f"{a}.kv_b_proj.weight"].chunk(tp)[t]
+    out[f"{att}.linear_proj.weight"] = sd[f"{a}.o_proj.weight"].chunk(tp, dim=1)[t]
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------
 # vLLM
 # --------------------------------------------------------------------------------------------------------
+
+
+def _vllm_shared_tp(tp, dp, ep):
+    """TP size of vLLM's DeepSeek shared experts: 1 (replicated) under sequence-parallel MoE."""
+    return 1 if (ep and tp > 1 and dp > 1) else tp
 
 
 def _vllm_experts(E, workers, w):
@@ -141,7 +192,20 @@ def vllm_shards(sd, cfg, *, tp=1, dp=1, ep=False, position=0):
     for i in range(L):
         hf = f"model.layers.{i}"
         a = f"{hf}.self_attn"
+        if _is_mla(cfg):
+            if cfg.get("q_lora_rank") is None:
+                out[f"{a}.q_proj.weight"] = sd[f"{a}.q_proj.weight"].chunk(tp)[t]
+                out[f"{a}.kv_a_proj_with_mqa.weight"] = sd[f"{a}.kv_a_proj_with_mqa.weight"]
+            else:
+                out[f"{a}.fused_qkv_a_proj.weight"] = torch.cat(
+                    [sd[f"{a}.q_a_proj.weight"], sd[f"{a}.kv_a_proj_with_mqa.weight"]])
+                out[f"{a}.q_a_layernorm.weight"] = sd[f"{a}.q_a_layernorm.weight"]
+                out[f"{a}.q_b_proj.weight"] = sd[f"{a}.q_b_proj.weight"].chunk(tp)[t]
+            out[f"{a}.kv_a_layernorm.weight"] = sd[f"{a}.kv_a_layernorm.weight"]
+            out[f"{a}.kv_b_proj.weight"] = sd[f"{a}.kv_b_proj.weight"].chunk(tp)[t]
         for kind in ("weight", "bias") if _qkv_bias_on(cfg) else ("weight",):
+            if _is_mla(cfg):
+                break
             qw = sd[f"{a}.q_proj.{kind}"].chunk(tp)[t]
             kw = torch.cat([sd[f"{a}.k_proj.{kind}"][h * hd:(h + 1) * hd] for h in kv_sel])
             vw = torch.cat([sd[f"{a}.v_proj.{kind}"][h * hd:(h + 1) * hd] for h in kv_sel])
@@ -158,7 +222,13 @@ def vllm_shards(sd, cfg, *, tp=1, dp=1, ep=False, position=0):
             out[f"{hf}.mlp.down_proj.weight"] = sd[f"{hf}.mlp.down_proj.weight"].chunk(tp, dim=1)[t]
             continue
         out[f"{hf}.mlp.gate.weight"] = sd[f"{hf}.mlp.gate.weight"]
-        E = cfg["num_experts"]
+        if _is_mla(cfg):
+            out[f"{hf}.mlp.gate.e_score_correction_bias"] = sd[f"{hf}.mlp.gate.e_score_correction_bias"]
+            sh, stp = f"{hf}.mlp.shared_experts", _vllm_shared_tp(tp, dp, ep)
+            out[f"{sh}.gate_up_proj.weight"] = torch.cat(
+                [sd[f"{sh}.gate_proj.weight"].chunk(stp)[t % stp], sd[f"{sh}.up_proj.weight"].chunk(stp)[t % stp]])
+            out[f"{sh}.down_proj.weight"] = sd[f"{sh}.down_proj.weight"].chunk(stp, dim=1)[t % stp]
+        E = _num_experts(cfg)
         if ep and workers > 1:
             e0, n = _vllm_experts(E, workers, position)
             mt, mr = 1, 0
@@ -187,7 +257,21 @@ def vllm_to_hf(shards, cfg, *, tp=1, dp=1, ep=False):
     for i in range(L):
         hf = f"model.layers.{i}"
         a = f"{hf}.self_attn"
+        if _is_mla(cfg):
+            qr = cfg.get("q_lora_rank")
+            if qr is None:
+                sd[f"{a}.q_proj.weight"] = torch.cat([r[f"{a}.q_proj.weight"] for r in r0])
+                sd[f"{a}.kv_a_proj_with_mqa.weight"] = r0[0][f"{a}.kv_a_proj_with_mqa.weight"]
+            else:
+                fused = r0[0][f"{a}.fused_qkv_a_proj.weight"]
+                sd[f"{a}.q_a_proj.weight"], sd[f"{a}.kv_a_proj_with_mqa.weight"] = fused[:qr], fused[qr:]
+                sd[f"{a}.q_a_layernorm.weight"] = r0[0][f"{a}.q_a_layernorm.weight"]
+                sd[f"{a}.q_b_proj.weight"] = torch.cat([r[f"{a}.q_b_proj.weight"] for r in r0])
+            sd[f"{a}.kv_a_layernorm.weight"] = r0[0][f"{a}.kv_a_layernorm.weight"]
+            sd[f"{a}.kv_b_proj.weight"] = torch.cat([r[f"{a}.kv_b_proj.weight"] for r in r0])
         for kind in ("weight", "bias") if _qkv_bias_on(cfg) else ("weight",):
+            if _is_mla(cfg):
+                break
             parts = [r[f"{a}.qkv_proj.{kind}"] for r in r0]
             sd[f"{a}.q_proj.{kind}"] = torch.cat([p[:qloc] for p in parts])
             ks, vs = {}, {}
@@ -211,6 +295,13 @@ def vllm_to_hf(shards, cfg, *, tp=1, dp=1, ep=False):
             sd[f"{hf}.mlp.down_proj.weight"] = torch.cat([r[f"{hf}.mlp.down_proj.weight"] for r in r0], dim=1)
             continue
         sd[f"{hf}.mlp.gate.weight"] = r0[0][f"{hf}.mlp.gate.weight"]
+        if _is_mla(cfg):
+            sd[f"{hf}.mlp.gate.e_score_correction_bias"] = r0[0][f"{hf}.mlp.gate.e_score_correction_bias"]
+            sh, stp = f"{hf}.mlp.shared_experts", _vllm_shared_tp(tp, dp, ep)
+            gu = [r[f"{sh}.gate_up_proj.weight"].chunk(2) for r in r0[:stp]]
+            sd[f"{sh}.gate_proj.weight"] = torch.cat([g for g, _ in gu])
+            sd[f"{sh}.up_proj.weight"] = torch.cat([u for _, u in gu])
+            sd[f"{sh}.down_proj.weight"] = torch.cat([r[f"{sh}.down_proj.weight"] for r in r0[:stp]], dim=1)
         w13 = [shards[w][f"{hf}.mlp.experts.w13_weight"] for w in range(workers)]
         w2 = [shards[w][f"{hf}.mlp.experts.w2_weight"] for w in range(workers)]
         if ep and workers > 1:
@@ -219,7 +310,7 @@ def vllm_to_hf(shards, cfg, *, tp=1, dp=1, ep=False):
             gates = torch.cat([w.chunk(2, dim=1)[0] for w in w13], dim=1)
             ups = torch.cat([w.chunk(2, dim=1)[1] for w in w13], dim=1)
             w13, w2 = torch.cat([gates, ups], dim=1), torch.cat(w2, dim=2)
-        for e in range(cfg["num_experts"]):
+        for e in range(_num_experts(cfg)):
             g, u = w13[e].chunk(2)
             sd[f"{hf}.mlp.experts.{e}.gate_proj.weight"] = g
             sd[f"{hf}.mlp.experts.{e}.up_proj.weight"] = u

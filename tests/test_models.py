@@ -1,6 +1,6 @@
-"""Real-client check: tiny random Hugging Face models (transformers, CPU, fp32), Megatron-Core training
-shards or FSDP2/TP DTensors built independently from the HF tensors, ``refit`` into the vLLM layout over
-gloo, every vLLM shard compared bit-exactly with an independent vLLM conversion, the vLLM shards reassembled
+"""Real-client check: tiny random Hugging Face models (transformers, CPU, fp32; Llama, Qwen2/3, Qwen3-MoE,
+DeepSeek-V3 with MLA and shared experts), Megatron-Core training shards or FSDP2/TP DTensors built
+independently from the HF tensors, ``refit`` into the vLLM layout over gloo, every vLLM shard compared bit-exactly with an independent vLLM conversion, the vLLM shards reassembled
 into an HF checkpoint, loaded into a fresh model, and its logits compared exactly with the original's.
 
 Two spawned worlds (4 and 8 ranks) run all cases; the models are built in this (parent) process only.
@@ -33,6 +33,7 @@ _CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -82,6 +83,9 @@ def _model(key: str, **overrides):
             for n, p in model.named_parameters():
                 if n.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+            for n, b in model.named_buffers():  # DeepSeek's expert-score bias (zeros at init) picks experts
+                if n.endswith("e_score_correction_bias"):
+                    b.normal_(0, 1)
         sd = _checkpoint(model)
         _MODELS[key] = (cfg, sd, _logits(model, cfg["vocab_size"]))
     return _MODELS[key]
@@ -112,6 +116,11 @@ CASES_4 = [
      _mg(tp=2, pp=2), _vl(tp=1, dp=4, ep=True)),
     ("dtensor_llama_fsdp2_tp2_to_tp4", "tiny_llama", {}, _dt(dp=2, tp=2, strided=True), _vl(tp=4)),
     ("dtensor_qwen3moe_to_vllm_ep", "tiny_qwen3_moe", {}, _dt(dp=2, tp=2), _vl(tp=2, dp=2, ep=True)),
+    # DeepSeek-V3: MLA, shared experts (replicated in vLLM under sequence-parallel MoE), fp32 expert bias
+    ("deepseek_tp2pp2_ep2_to_vllm_tp2dp2_ep", "tiny_deepseek_v3", {}, _mg(tp=2, pp=2, ep=2, etp=1),
+     _vl(tp=2, dp=2, ep=True)),
+    ("deepseek_qnone_tp2dp2_etp2_to_vllm_tp4", "tiny_deepseek_v3+qnone", {"q_lora_rank": None},
+     _mg(tp=2, dp=2, ep=1, steps=2), _vl(tp=4)),
 ]
 
 CASES_8 = [  # disaggregated: training on 0-3, inference on 4-7; then colocated on all 8
@@ -121,6 +130,8 @@ CASES_8 = [  # disaggregated: training on 0-3, inference on 4-7; then colocated 
     ("disagg_qwen3_dtensor_to_tp2dp2", "tiny_qwen3", {}, _dt(dp=2, tp=2, strided=True), _vl(4, tp=2, dp=2)),
     ("coloc8_qwen3moe_tp2pp2dp2_ep4_to_vllm_tp4dp2", "tiny_qwen3_moe", {}, _mg(tp=2, pp=2, dp=2, ep=4, etp=1),
      _vl(tp=4, dp=2)),
+    ("disagg_deepseek_tp2dp2_ep4_to_vllm_ep4", "tiny_deepseek_v3", {}, _mg(tp=2, dp=2, ep=4, etp=1),
+     _vl(4, tp=4, ep=True)),
     ("coloc8_qwen2_tp2pp2dp2_to_tp8", "tiny_qwen2+kv8", {"num_attention_heads": 8, "num_key_value_heads": 2,
                                                           "head_dim": 8}, _mg(tp=2, pp=2, dp=2), _vl(tp=8)),
 ]

@@ -29,8 +29,10 @@ from triton_reshard.presets import (  # noqa: E402
     logical_tensors,
     megatron_layout,
     model_nbytes,
+    model_numel,
     pad_vocab_size,
     padded_vocab_size,
+    tensor_dtypes,
     vllm_layout,
 )
 
@@ -59,27 +61,45 @@ def test_public_config_sizes(name, params):
     assert model_nbytes(get_config(name), torch.float32) // 4 == params
 
 
-def test_deepseek_v3_is_hf_only():
-    n = model_nbytes(get_config("deepseek-v3"), torch.bfloat16) // 2
-    assert 670e9 < n < 672e9  # 671B without the MTP layer
-    with pytest.raises(NotImplementedError):
-        megatron_layout(get_config("deepseek-v3"))
-    with pytest.raises(NotImplementedError):
-        vllm_layout(get_config("deepseek-v3"))
+def test_deepseek_v3_parameter_count():
+    """DeepSeek-V3 is published as "671B total parameters" (the main model) and the HF checkpoint as 685B:
+    the main model plus one multi-token-prediction layer (``model.layers.61``: a full MoE decoder layer, its own
+    embedding and output head copies, enorm/hnorm and ``eh_proj [H, 2H]``). We count the main model only."""
+    cfg = get_config("deepseek-v3")
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    n = model_numel(cfg)
+    assert n == 671_026_419_200
+    shapes = logical_tensors(cfg)
+    moe_layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.3."))
+    mtp = moe_layer + 2 * V * H + 3 * H + H * 2 * H
+    assert round((n + mtp) / 1e9) == 684  # 684.49B, shown as "685B params" on the HF page
+    # by hand: embeddings, 3 dense + 58 MoE layers (MLA attention, 256 + 1 experts, router, bias), norms
+    qk, nh = 128 + 64, 128
+    attn = 1536 * H + 1536 + nh * qk * 1536 + (512 + 64) * H + 512 + nh * (128 + 128) * 512 + H * nh * 128
+    dense = 3 * 18432 * H
+    moe = 257 * 3 * 2048 * H + 256 * H + 256
+    assert n == 2 * V * H + H + 61 * (attn + 2 * H) + 3 * dense + 58 * moe
+    # bf16 everywhere except the fp32 expert-score correction bias
+    assert model_nbytes(cfg, torch.bfloat16) == 2 * n + 2 * 58 * 256
+    assert {d for d in tensor_dtypes(cfg).values()} == {torch.bfloat16, torch.float32}
 
 
 def test_llama_demo_size():
     assert 0.5e9 <= model_nbytes(get_config("llama_demo"), torch.float32) <= 1e9
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe",
-                                  "small_qwen3_moe"])
-def test_logical_tensors_match_transformers_checkpoint(name, tmp_path):
+@pytest.mark.parametrize(("name", "over"), [
+    ("tiny_llama", {}), ("tiny_llama_tied", {}), ("tiny_qwen2", {}), ("tiny_qwen3", {}), ("tiny_qwen3_moe", {}),
+    ("small_qwen3_moe", {}), ("tiny_deepseek_v3", {}), ("tiny_deepseek_v3", {"q_lora_rank": None}),
+    ("small_deepseek_v3", {"first_k_dense_replace": 2}),
+], ids=lambda x: str(x))
+def test_logical_tensors_match_transformers_checkpoint(name, over, tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    cfg = get_config(name)
-    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[cfg["model_type"]]
+    cfg = _cfg(name, **over)
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+           "deepseek_v3": "DeepseekV3"}[cfg["model_type"]]
     conf = getattr(transformers, cls + "Config")(**{k: v for k, v in cfg.items() if k != "model_type"})
     getattr(transformers, cls + "ForCausalLM")(conf).save_pretrained(tmp_path)
     saved = {k: tuple(v.shape) for k, v in load_file(tmp_path / "model.safetensors").items()}
@@ -134,6 +154,11 @@ MEGATRON_GRID = [
     ("tiny_qwen3_moe", {}, dict(tp=2, dp=2, ep=2)),  # expert-TP 2 x EP 2
     ("tiny_qwen3_moe", {}, dict(tp=2, pp=2, dp=2, ep=4, etp=1, grouped_gemm=False)),
     ("small_qwen3_moe", {}, dict(tp=4, pp=2, dp=2, ep=8, etp=1)),
+    ("tiny_deepseek_v3", {}, dict(tp=2)),  # experts expert-TP 2
+    ("tiny_deepseek_v3", {}, dict(tp=2, pp=2, ep=2, etp=1)),
+    ("tiny_deepseek_v3", {}, dict(tp=4, pp=2, dp=2, ep=8, etp=1, grouped_gemm=False)),
+    ("tiny_deepseek_v3", {"q_lora_rank": None}, dict(tp=2, dp=2, ep=2)),  # linear_q_proj; ETP 2 x EP 2
+    ("small_deepseek_v3", {}, dict(tp=2, pp=2, dp=4, ep=4, etp=2)),
 ]
 
 VLLM_GRID = [
@@ -146,7 +171,17 @@ VLLM_GRID = [
     ("tiny_qwen3_moe", {}, dict(tp=2, dp=2, enable_expert_parallel=True)),
     ("tiny_qwen3_moe", {"num_experts": 6}, dict(tp=4, enable_expert_parallel=True)),  # 6 experts on 4: 2,2,1,1
     ("small_qwen3_moe", {}, dict(tp=4, dp=2, enable_expert_parallel=True)),
+    ("tiny_deepseek_v3", {}, dict(tp=2)),
+    ("tiny_deepseek_v3", {}, dict(tp=4, dp=2)),  # experts' intermediate dim over 8 workers
+    ("tiny_deepseek_v3", {}, dict(tp=2, dp=2, enable_expert_parallel=True)),  # shared experts replicated (SP MoE)
+    ("tiny_deepseek_v3", {}, dict(tp=4, enable_expert_parallel=True)),  # shared experts TP-split
+    ("tiny_deepseek_v3", {"q_lora_rank": None}, dict(tp=2, dp=3, enable_expert_parallel=True)),  # 8 on 6: 2,2,1..
+    ("small_deepseek_v3", {}, dict(tp=8, dp=2, enable_expert_parallel=True)),
 ]
+
+
+_DUPLICATED = ("norm.weight", "mlp.gate.weight", "e_score_correction_bias", "q_a_proj.weight",
+               "kv_a_proj_with_mqa.weight")  # whole on every TP rank (MLA down projections: TELinear duplicated)
 
 
 def _expected_megatron_count(name, cfg, kw):
@@ -155,7 +190,7 @@ def _expected_megatron_count(name, cfg, kw):
     etp = kw.get("etp") or tp
     if ".mlp.experts." in name:
         return tp * dp // (etp * ep)
-    if name.endswith(("norm.weight", "mlp.gate.weight")):
+    if name.endswith(_DUPLICATED):
         return tp * dp
     if name == "model.embed_tokens.weight" and cfg["tie_word_embeddings"] and pp > 1:
         return 2 * dp
@@ -167,8 +202,10 @@ def _expected_vllm_count(name, cfg, kw):
     nkv = cfg["num_key_value_heads"]
     if ".mlp.experts." in name:
         return 1
-    if name.endswith(("norm.weight", "mlp.gate.weight")):
+    if name.endswith(_DUPLICATED):
         return tp * dp
+    if ".shared_experts." in name and kw.get("enable_expert_parallel") and tp > 1 and dp > 1:
+        return tp * dp  # vLLM sequence-parallel MoE: shared experts replicated
     if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
         return dp * max(1, tp // nkv)
     return dp
@@ -266,6 +303,9 @@ def _apply_plan(plan, src_by_rank, dst_by_rank):
     ("tiny_qwen2", {}, dict(tp=2, dp=2), dict(tp=1, dp=4), 0),
     ("tiny_qwen3_moe", {}, dict(tp=2, pp=2, dp=2, ep=4, etp=1), dict(tp=4, dp=2), 0),
     ("tiny_qwen3_moe", {}, dict(tp=2, dp=2, ep=2), dict(tp=2, dp=2, enable_expert_parallel=True), 4),
+    ("tiny_deepseek_v3", {}, dict(tp=2, pp=2, ep=2, etp=1), dict(tp=2, dp=2, enable_expert_parallel=True), 0),
+    ("tiny_deepseek_v3", {}, dict(tp=4, dp=2, ep=4, etp=1), dict(tp=2, dp=2), 8),
+    ("tiny_deepseek_v3", {"q_lora_rank": None}, dict(tp=2, pp=2, dp=2, ep=4, etp=1), dict(tp=4, dp=2), 0),
 ], ids=lambda x: str(x))
 def test_plan_megatron_to_vllm_in_one_process(name, over, src_kw, dst_kw, dst_offset):
     cfg = _cfg(name, **over)
@@ -275,6 +315,8 @@ def test_plan_megatron_to_vllm_in_one_process(name, over, src_kw, dst_kw, dst_of
     plan = plan_reshard(src, dst)
     if dst_offset >= len(src.ranks):
         assert not plan.local_copies  # disaggregated: everything goes over the wire
+    st = plan.stats()
+    assert st.wire_bytes == st.lower_bound_bytes
     # each destination element is received once: bytes = the destination's non-padding bytes
     dst_bytes = sum(f.numel for f in dst.fragments) * 4
     assert sum(t.nbytes for t in plan.transfers + plan.local_copies) == dst_bytes
@@ -352,6 +394,103 @@ def test_vllm_names_qwen3_moe_rank0():
     assert {k: v for k, v in got.items() if not k.startswith("model.layers.1.")} == want
 
 
+def test_megatron_names_deepseek_v3_rank0():
+    """Rank 0 of Megatron tp=2 pp=2 ep=2 etp=1 for DeepSeek-V3 (MLA + MoE, TE spec, TEGroupedMLP), names and shapes
+    written out from ``multi_latent_attention.py`` / ``gpt_layer_specs.py`` / ``shared_experts.py``."""
+    cfg = get_config("tiny_deepseek_v3")  # 4 layers: layer 0 dense, 1-3 MoE; stage 0 = layers 0, 1
+    layout = megatron_layout(cfg, tp=2, pp=2, ep=2, etp=1)
+    H, E_loc = 64, 4
+    att = {
+        "input_layernorm.weight": (H,),
+        "self_attention.linear_q_down_proj.weight": (32, H),  # q_lora_rank x H, duplicated
+        "self_attention.linear_q_up_proj.layer_norm_weight": (32,),
+        "self_attention.linear_q_up_proj.weight": (2 * (8 + 4), 32),  # 2 of 4 heads x (nope + rope)
+        "self_attention.linear_kv_down_proj.weight": (16 + 4, H),  # kv_lora_rank + rope, duplicated
+        "self_attention.linear_kv_up_proj.layer_norm_weight": (16,),
+        "self_attention.linear_kv_up_proj.weight": (2 * (8 + 8), 16),  # 2 heads x (nope + v)
+        "self_attention.linear_proj.weight": (H, 2 * 8),
+    }
+    want = {
+        "embedding.word_embeddings.weight": (256, H),
+        **{f"decoder.layers.{j}.{k}": v for j in (0, 1) for k, v in att.items()},
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": (H,),
+        "decoder.layers.0.mlp.linear_fc1.weight": (96, H),
+        "decoder.layers.0.mlp.linear_fc2.weight": (H, 48),
+        "decoder.layers.1.pre_mlp_layernorm.weight": (H,),
+        "decoder.layers.1.mlp.router.weight": (8, H),
+        "decoder.layers.1.mlp.router.expert_bias": (8,),
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight": (16, H),  # [gate_tp; up_tp] of 16 / tp 2
+        "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": (H, 8),
+        **{f"decoder.layers.1.mlp.experts.linear_fc1.weight{k}": (32, H) for k in range(E_loc)},
+        **{f"decoder.layers.1.mlp.experts.linear_fc2.weight{k}": (H, 16) for k in range(E_loc)},
+    }
+    assert layout.local_shapes(0) == want
+    assert layout.local_specs(0)["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert layout.local_specs(0)["decoder.layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    qn = megatron_layout(_cfg("tiny_deepseek_v3", q_lora_rank=None), tp=2)
+    assert qn.local_shapes(1)["decoder.layers.0.self_attention.linear_q_proj.weight"] == (24, H)
+    assert not any("q_down" in n or "q_up" in n for n in qn.local_shapes(1))
+
+
+def test_vllm_names_deepseek_v3_rank0():
+    """vLLM worker 0 of TP2 x DP2 with expert parallel (DeepseekV2MLAAttention, DeepseekV2MoE, FusedMoE)."""
+    cfg = get_config("tiny_deepseek_v3")
+    H, p = 64, "model.layers.1"
+    want = {
+        "model.embed_tokens.weight": (160, H),
+        "lm_head.weight": (160, H),
+        "model.norm.weight": (H,),
+        f"{p}.input_layernorm.weight": (H,),
+        f"{p}.post_attention_layernorm.weight": (H,),
+        f"{p}.self_attn.fused_qkv_a_proj.weight": (32 + 16 + 4, H),  # [q_a_proj; kv_a_proj_with_mqa], whole
+        f"{p}.self_attn.q_a_layernorm.weight": (32,),
+        f"{p}.self_attn.q_b_proj.weight": (2 * 12, 32),
+        f"{p}.self_attn.kv_a_layernorm.weight": (16,),
+        f"{p}.self_attn.kv_b_proj.weight": (2 * 16, 16),
+        f"{p}.self_attn.o_proj.weight": (H, 2 * 8),
+        f"{p}.mlp.gate.weight": (8, H),
+        f"{p}.mlp.gate.e_score_correction_bias": (8,),
+        f"{p}.mlp.shared_experts.gate_up_proj.weight": (32, H),  # sequence-parallel MoE: not TP-split
+        f"{p}.mlp.shared_experts.down_proj.weight": (H, 16),
+        f"{p}.mlp.experts.w13_weight": (2, 32, H),  # 8 experts over 4 EP ranks
+        f"{p}.mlp.experts.w2_weight": (2, H, 16),
+    }
+    got = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True).local_shapes(0)
+    assert {k: v for k, v in got.items() if not k.startswith(("model.layers.0.", "model.layers.2.",
+                                                               "model.layers.3."))} == want
+    assert got["model.layers.0.mlp.gate_up_proj.weight"] == (96, H)  # first_k_dense_replace=1: dense layer 0
+    # without DP the shared experts are TP-split; sequence_parallel_moe overrides the rule
+    tp_only = vllm_layout(cfg, tp=2, enable_expert_parallel=True).local_shapes(1)
+    assert tp_only[f"{p}.mlp.shared_experts.gate_up_proj.weight"] == (16, H)
+    forced = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, sequence_parallel_moe=False)
+    assert forced.local_shapes(3)[f"{p}.mlp.shared_experts.down_proj.weight"] == (H, 8)
+    qn = vllm_layout(_cfg("tiny_deepseek_v3", q_lora_rank=None), tp=2).local_shapes(0)
+    assert qn[f"{p}.self_attn.q_proj.weight"] == (24, H) and qn[f"{p}.self_attn.kv_a_proj_with_mqa.weight"] == (20, H)
+
+
+def test_deepseek_v3_full_size_refit_plan():
+    """The real DeepSeek-V3 shape on 16 ranks: Megatron TP2 x PP2 (31 + 30 layers) x DP4, EP8 -> vLLM TP8 x DP2
+    with expert parallel on the same ranks. Distinct boxes tile the model once on each side, the expert bias is
+    fp32 on both, and the plan moves exactly the lower bound."""
+    cfg = get_config("deepseek-v3")
+    src = megatron_layout(cfg, tp=2, pp=2, dp=4, ep=8, etp=1, layers_per_stage=[31, 30])
+    dst = vllm_layout(cfg, tp=8, dp=2, enable_expert_parallel=True)
+    n = model_numel(cfg)
+    for layout in (src, dst):
+        distinct = {(f.tensor, f.offsets, f.sizes) for f in layout.fragments}
+        assert sum(math.prod(s) for _, _, s in distinct) == n
+        assert layout.specs["model.layers.60.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    # 256 experts / EP8 = 32 per Megatron rank; / 16 vLLM workers = 16 per worker
+    assert src.local_shapes(0)["decoder.layers.30.mlp.experts.linear_fc1.weight31"] == (2 * 2048, 7168)
+    assert "decoder.layers.30.input_layernorm.weight" in src.local_shapes(0)
+    assert "decoder.layers.30.input_layernorm.weight" not in src.local_shapes(8)  # stage 1 has 30 layers
+    assert dst.local_shapes(15)["model.layers.60.mlp.experts.w13_weight"] == (16, 2 * 2048, 7168)
+    st = plan_reshard(src, dst).stats()
+    assert st.wire_bytes == st.lower_bound_bytes
+    assert st.wire_bytes + st.local_bytes == sum(
+        f.numel * dst.specs[f.tensor].itemsize for f in dst.fragments)
+
+
 def test_fragment_counts():
     cfg = get_config("tiny_llama")  # 2 layers, 2 kv heads
     # per rank: embed, lm_head/output, final norm + per layer (norm, q, k, v, o, norm, gate, up, down)
@@ -405,6 +544,9 @@ def test_disaggregated_and_colocated_plans():
     (vllm_layout, "tiny_qwen3_moe", dict(tp=2, dp=3), "moe_intermediate_size"),
     (vllm_layout, "tiny_qwen3_moe", dict(tp=4, dp=4, enable_expert_parallel=True), "cannot be split"),
     (vllm_layout, "tiny_llama", dict(tp=0), "must be an int"),
+    (megatron_layout, "tiny_deepseek_v3", dict(tp=3), "num_attention_heads"),
+    (megatron_layout, "tiny_deepseek_v3", dict(dp=16, ep=16, etp=1), "num_experts"),
+    (vllm_layout, "tiny_deepseek_v3", dict(tp=2, dp=16), "moe_intermediate_size"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_impossible_configs(fn, cfg, kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -429,15 +571,16 @@ def test_uneven_pipeline_stages():
     assert f.tensor == "model.layers.2.mlp.down_proj.weight"
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "deepseek-v3"])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_config_builds(name):
     cfg = get_config(name)
     tp = math.gcd(cfg["num_key_value_heads"], 8)
-    moe = cfg["model_type"] == "qwen3_moe"
+    moe = cfg["model_type"] in ("qwen3_moe", "deepseek_v3")
     m = megatron_layout(cfg, tp=tp, dp=8 // tp, ep=8 if moe else 1, etp=1 if moe else None)
     vtp = math.gcd(cfg["num_attention_heads"], 8)
     v = vllm_layout(cfg, tp=vtp, dp=8 // vtp, enable_expert_parallel=moe)
-    params = model_nbytes(cfg, torch.float32) // 4
+    params = model_numel(cfg)
+    assert model_nbytes(cfg, torch.float32) == 4 * params
     for layout in (m, v):  # replicas hold identical boxes; distinct boxes tile every tensor once
         distinct = {(f.tensor, f.offsets, f.sizes) for f in layout.fragments}
         assert sum(math.prod(s) for _, _, s in distinct) == params

@@ -275,6 +275,8 @@ _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets") 
 _FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
 _TENSOR = attrgetter("tensor")
 _TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
+_NAME = attrgetter("name")
+_RANK_NAME = attrgetter("rank", "name")
 
 
 def _boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
@@ -355,9 +357,10 @@ class Layout:
 
     def __post_init__(self) -> None:
         with _gc_paused():
-            tensors = tuple(sorted(self.tensors, key=lambda t: t.name))
+            # (layout builders hand these over already in order: each sort is then one linear pass)
+            tensors = tuple(sorted(self.tensors, key=_NAME))
             frags = tuple(sorted(self.fragments, key=_FRAG_ORDER))
-            locs = tuple(sorted(self.locals, key=lambda s: (s.rank, s.name)))
+            locs = tuple(sorted(self.locals, key=_RANK_NAME))
             object.__setattr__(self, "tensors", tensors)
             object.__setattr__(self, "fragments", frags)
             object.__setattr__(self, "locals", locs)
@@ -409,13 +412,13 @@ class Layout:
             spec = specs.get(f.tensor)
             loc = locs.get(key)
             # fast check of everything _check_fragment checks; it names the problem when one fails
-            if spec is None or loc is None or loc.dtype != spec.dtype:
+            if spec is None or loc is None or loc.dtype is not spec.dtype:
                 _check_fragment(f, spec, loc)
             else:
-                off, lo, lshape = f.offsets, f.local_offsets, loc.shape
+                off, sizes, lo, lshape = f.offsets, f.sizes, f.local_offsets, loc.shape
                 if (len(off) != len(spec.shape) or len(lo) != len(lshape)
-                        or any(map(gt, map(add, off, f.sizes), spec.shape))
-                        or any(map(gt, map(add, lo, f.local_sizes), lshape))):
+                        or any(map(gt, map(add, off, sizes), spec.shape))
+                        or any(map(gt, map(add, lo, sizes if len(lo) == len(sizes) else f.local_sizes), lshape))):
                     _check_fragment(f, spec, loc)
             group = per_local.get(key)
             if group is None:

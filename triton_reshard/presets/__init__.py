@@ -16,7 +16,7 @@ gate/up, padded vocab and stacked experts included, all as plain fragments::
 
 from .configs import CONFIGS, get_config
 from .dtensor import layout_from_dtensors
-from .hf import ModelSpec, hf_layout, logical_tensors, model_nbytes, model_spec
+from .hf import ModelSpec, hf_layout, logical_tensors, model_nbytes, model_numel, model_spec, tensor_dtypes
 from .megatron import megatron_layout, padded_vocab_size, stage_layers
 from .vllm import expert_range, pad_vocab_size, vllm_layout
 
@@ -30,9 +30,11 @@ __all__ = [
     "logical_tensors",
     "megatron_layout",
     "model_nbytes",
+    "model_numel",
     "model_spec",
     "pad_vocab_size",
     "padded_vocab_size",
     "stage_layers",
+    "tensor_dtypes",
     "vllm_layout",
 ]

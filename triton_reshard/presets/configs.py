@@ -74,8 +74,9 @@ _QWEN3_235B_A22B = {
     "attention_bias": False,
 }
 
-# MLA attention + DeepSeekMoE. Only ``logical_tensors``/``hf_layout`` understand it (bf16 names; the
-# published checkpoint is block-fp8 with ``weight_scale_inv`` tensors and an MTP layer, not listed here).
+# MLA attention + DeepSeekMoE (deepseek-ai/DeepSeek-V3 config.json). Layouts are bf16/fp32: the published
+# checkpoint is block-fp8 with ``weight_scale_inv`` tensors, and its MTP layer (num_nextn_predict_layers=1,
+# ``model.layers.61.*``) is not placed by any preset.
 _DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",
     "hidden_size": 7168,
@@ -93,8 +94,39 @@ _DEEPSEEK_V3 = {
     "num_experts_per_tok": 8,
     "first_k_dense_replace": 3,
     "moe_layer_freq": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "num_nextn_predict_layers": 1,
     "num_hidden_layers": 61,
     "vocab_size": 129280,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+_TINY_DEEPSEEK_V3 = {  # every DeepSeek-V3 piece at test size: MLA with q_lora, 1 dense + 3 MoE layers
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "num_hidden_layers": 4,
+    "vocab_size": 300,
     "tie_word_embeddings": False,
     "attention_bias": False,
 }
@@ -129,6 +161,26 @@ CONFIGS: dict[str, dict] = {
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+    },
+    "tiny_deepseek_v3": _TINY_DEEPSEEK_V3,
+    "small_deepseek_v3": {
+        **_TINY_DEEPSEEK_V3,
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 16,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "vocab_size": 1000,
     },
     "small_llama": {
         "model_type": "llama",

@@ -2,9 +2,22 @@
 
 The *logical* tensors of every preset are the tensors of the model's Hugging Face checkpoint
 (``model.safetensors``), by name and shape: ``model.layers.{i}.self_attn.q_proj.weight`` ``[nh*hd, H]``, ...,
-and for Qwen3-MoE one tensor per expert (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``), as the
-checkpoint stores them (transformers >= 5 fuses experts in memory, ``save_pretrained`` writes them back per
-expert). With tied embeddings there is no ``lm_head.weight``.
+and for Qwen3-MoE / DeepSeek-V3 one tensor per expert (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``),
+as the checkpoint stores them (transformers >= 5 fuses experts in memory, ``save_pretrained`` writes them back
+per expert). With tied embeddings there is no ``lm_head.weight``.
+
+DeepSeek-V3 (``model_type="deepseek_v3"``, MLA + DeepSeekMoE, transformers ``modeling_deepseek_v3.py``):
+per layer ``self_attn.q_a_proj`` ``[q_lora_rank, H]``, ``q_a_layernorm`` ``[q_lora_rank]``, ``q_b_proj``
+``[nh*(nope+rope), q_lora_rank]`` (rows per head ``[q_nope; q_rope]``; ``q_lora_rank=None``: one ``q_proj``
+``[nh*(nope+rope), H]`` instead), ``kv_a_proj_with_mqa`` ``[kv_lora_rank+rope, H]``, ``kv_a_layernorm``
+``[kv_lora_rank]``, ``kv_b_proj`` ``[nh*(nope+v), kv_lora_rank]`` (rows per head ``[k_nope; v]``), ``o_proj``
+``[H, nh*v]``; the first ``first_k_dense_replace`` layers have a dense MLP, the others ``mlp.gate.weight``
+``[E, H]``, ``mlp.gate.e_score_correction_bias`` ``[E]`` (kept in **float32** by transformers, Megatron's
+``router.expert_bias`` and vLLM alike, whatever the model dtype: see :func:`tensor_dtypes`), the routed experts
+and ``mlp.shared_experts.{gate,up,down}_proj`` (intermediate ``moe_intermediate_size * n_shared_experts``).
+The multi-token-prediction layer of the published checkpoint (``model.layers.61.*``,
+``num_nextn_predict_layers``) is not listed: transformers does not load it and no preset places it; the FP8
+``weight_scale_inv`` tensors neither (bf16/fp32 layouts only).
 
 Also home of :class:`ModelSpec` (the config fields the builders read) and the small fragment builder the
 Megatron and vLLM presets share.
@@ -21,7 +34,9 @@ from ..layout import Fragment, Layout, LocalSpec, Replicate, TensorSpec, _gc_pau
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe",)
-HF_ONLY_FAMILIES = ("deepseek_v3",)
+MLA_FAMILIES = ("deepseek_v3",)  # multi-head latent attention + DeepSeekMoE (shared experts, expert bias)
+SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
+EXPERT_BIAS_DTYPE = torch.float32  # e_score_correction_bias / router.expert_bias, in every framework
 
 
 @dataclass(frozen=True)
@@ -43,10 +58,27 @@ class ModelSpec:
     experts: int = 0
     moe_intermediate: int = 0
     moe_layers: tuple[bool, ...] = ()  # per layer: sparse MoE block or dense MLP
-    raw: Mapping | None = None  # the config as given (for families with more fields, e.g. MLA)
+    raw: Mapping | None = None  # the config as given
+    # MLA (DeepSeek-V3); q_lora_rank None: a plain q_proj instead of q_a_proj/q_a_layernorm/q_b_proj
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    shared_intermediate: int = 0  # DeepSeekMoE shared experts: moe_intermediate_size * n_shared_experts
+    expert_bias: bool = False  # mlp.gate.e_score_correction_bias (DeepSeek-V3, noaux_tc routing)
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]
+
+    @property
+    def mla(self) -> bool:
+        return self.family in MLA_FAMILIES
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA query/key head dim: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 def _as_dict(config) -> dict:
@@ -63,10 +95,8 @@ def model_spec(config) -> ModelSpec:
         return config
     c = _as_dict(config)
     family = c.get("model_type", "llama")
-    if family not in DENSE_FAMILIES + MOE_FAMILIES + HF_ONLY_FAMILIES:
-        raise NotImplementedError(
-            f"model_type {family!r} is not supported (supported: {DENSE_FAMILIES + MOE_FAMILIES + HF_ONLY_FAMILIES})"
-        )
+    if family not in SUPPORTED_FAMILIES:
+        raise NotImplementedError(f"model_type {family!r} is not supported (supported: {SUPPORTED_FAMILIES})")
     try:
         hidden, heads, layers, vocab = (int(c[k]) for k in (
             "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"))
@@ -81,9 +111,31 @@ def model_spec(config) -> ModelSpec:
         step = int(c.get("decoder_sparse_step", 1) or 1)
         dense_only = set(c.get("mlp_only_layers") or ())
         moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
-    elif family == "deepseek_v3":
-        k, freq = int(c.get("first_k_dense_replace", 0)), int(c.get("moe_layer_freq", 1))
+    elif family in MLA_FAMILIES and experts:
+        # vLLM deepseek_v2.py / transformers: layer i is MoE iff i >= first_k_dense_replace and
+        # i % moe_layer_freq == 0
+        k, freq = int(c.get("first_k_dense_replace", 0)), int(c.get("moe_layer_freq", 1) or 1)
         moe_layers = tuple(i >= k and i % freq == 0 for i in range(layers))
+    mla: dict = {}
+    if family in MLA_FAMILIES:
+        try:
+            q_lora = c.get("q_lora_rank")
+            mla = dict(
+                q_lora_rank=None if q_lora is None else int(q_lora),
+                kv_lora_rank=int(c["kv_lora_rank"]),
+                qk_nope_head_dim=int(c["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(c["qk_rope_head_dim"]),
+                v_head_dim=int(c["v_head_dim"]),
+                shared_intermediate=int(c.get("moe_intermediate_size") or 0) * int(c.get("n_shared_experts") or 0),
+                expert_bias=bool(experts),
+            )
+        except KeyError as e:
+            raise ValueError(f"config lacks {e.args[0]!r}") from None
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if mla[name] <= 0:
+                raise ValueError(f"config {name}={mla[name]} must be positive")
+        if mla["q_lora_rank"] is not None and mla["q_lora_rank"] <= 0:
+            raise ValueError(f"config q_lora_rank={mla['q_lora_rank']} must be positive or None")
     for name, v in (("hidden_size", hidden), ("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
                     ("num_hidden_layers", layers), ("vocab_size", vocab), ("head_dim", head_dim)):
         if v <= 0:
@@ -107,6 +159,7 @@ def model_spec(config) -> ModelSpec:
         moe_intermediate=int(c.get("moe_intermediate_size") or 0),
         moe_layers=moe_layers,
         raw=c,
+        **mla,
     )
 
 
@@ -121,20 +174,23 @@ def expert_names(i: int, e: int) -> tuple[str, str, str]:
 
 
 def _mla_layer(s: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
-    c = s.raw or {}
-    nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
-    qr, kvr, H, nh = int(c["q_lora_rank"]), int(c["kv_lora_rank"]), s.hidden, s.heads
-    return {
-        f"{p}.self_attn.q_a_proj.weight": (qr, H),
-        f"{p}.self_attn.q_a_layernorm.weight": (qr,),
-        f"{p}.self_attn.q_b_proj.weight": (nh * (nope + rope), qr),
-        f"{p}.self_attn.kv_a_proj_with_mqa.weight": (kvr + rope, H),
-        f"{p}.self_attn.kv_a_layernorm.weight": (kvr,),
-        f"{p}.self_attn.kv_b_proj.weight": (nh * (nope + v), kvr),
-        f"{p}.self_attn.o_proj.weight": (H, nh * v),
-    }
+    qr, kvr, H, nh = s.q_lora_rank, s.kv_lora_rank, s.hidden, s.heads
+    a = f"{p}.self_attn"
+    out: dict[str, tuple[int, ...]] = {}
+    if qr is None:
+        out[f"{a}.q_proj.weight"] = (nh * s.qk_head_dim, H)
+    else:
+        out[f"{a}.q_a_proj.weight"] = (qr, H)
+        out[f"{a}.q_a_layernorm.weight"] = (qr,)
+        out[f"{a}.q_b_proj.weight"] = (nh * s.qk_head_dim, qr)
+    out[f"{a}.kv_a_proj_with_mqa.weight"] = (kvr + s.qk_rope_head_dim, H)
+    out[f"{a}.kv_a_layernorm.weight"] = (kvr,)
+    out[f"{a}.kv_b_proj.weight"] = (nh * (s.qk_nope_head_dim + s.v_head_dim), kvr)
+    out[f"{a}.o_proj.weight"] = (H, nh * s.v_head_dim)
+    return out
 
 
+@_gc_paused()  # ~10^5 new tuples and strings, no cycles: the collector's passes would dominate
 def logical_tensors(config) -> dict[str, tuple[int, ...]]:
     """``{HF checkpoint name: shape}`` of every tensor of the model, in checkpoint order per layer."""
     s = model_spec(config)
@@ -143,7 +199,7 @@ def logical_tensors(config) -> dict[str, tuple[int, ...]]:
     for i in range(s.layers):
         p = layer_prefix(i)
         out[f"{p}.input_layernorm.weight"] = (H,)
-        if s.family == "deepseek_v3":
+        if s.mla:
             out.update(_mla_layer(s, p))
         else:
             out[f"{p}.self_attn.q_proj.weight"] = (q, H)
@@ -163,13 +219,13 @@ def logical_tensors(config) -> dict[str, tuple[int, ...]]:
         if s.is_moe_layer(i):
             im = s.moe_intermediate
             out[f"{p}.mlp.gate.weight"] = (s.experts, H)
-            if s.family == "deepseek_v3":
+            if s.expert_bias:
                 out[f"{p}.mlp.gate.e_score_correction_bias"] = (s.experts,)
             for e in range(s.experts):
                 g, u, d = expert_names(i, e)
                 out[g], out[u], out[d] = (im, H), (im, H), (H, im)
-            if s.family == "deepseek_v3":
-                Is = im * int((s.raw or {}).get("n_shared_experts", 1))
+            if s.shared_intermediate:
+                Is = s.shared_intermediate
                 out[f"{p}.mlp.shared_experts.gate_proj.weight"] = (Is, H)
                 out[f"{p}.mlp.shared_experts.up_proj.weight"] = (Is, H)
                 out[f"{p}.mlp.shared_experts.down_proj.weight"] = (H, Is)
@@ -183,16 +239,42 @@ def logical_tensors(config) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def model_nbytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of one full copy of the model's logical tensors in ``dtype``."""
-    item = torch.empty((), dtype=dtype).element_size()
+def tensor_dtypes(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.dtype]:
+    """``{logical tensor: dtype}`` of the model held in ``dtype``: everything in ``dtype`` except the
+    DeepSeek expert-score correction bias, which every framework keeps in float32 (transformers
+    ``DeepseekV3TopkRouter`` buffer, Megatron ``TopKRouter.expert_bias`` buffer "maintained in float32",
+    vLLM ``gate.e_score_correction_bias = Parameter(..., dtype=torch.float32)``)."""
+    return {n: EXPERT_BIAS_DTYPE if n.endswith(_FP32_SUFFIX) else dtype for n in logical_tensors(config)}
+
+
+_FP32_SUFFIX = ".e_score_correction_bias"
+
+
+def model_numel(config) -> int:
+    """Number of elements (parameters) of the model's logical tensors."""
     total = 0
     for shape in logical_tensors(config).values():
         n = 1
         for d in shape:
             n *= d
         total += n
-    return total * item
+    return total
+
+
+def model_nbytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one full copy of the model's logical tensors held in ``dtype`` (see :func:`tensor_dtypes`)."""
+    s = model_spec(config)
+    shapes = logical_tensors(s)
+    item: dict[torch.dtype, int] = {}
+    total = 0
+    for name, dt in tensor_dtypes(s, dtype).items():
+        if dt not in item:
+            item[dt] = torch.empty((), dtype=dt).element_size()
+        n = item[dt]
+        for d in shapes[name]:
+            n *= d
+        total += n
+    return total
 
 
 def _check_ranks(ranks: Iterable[int] | None, world: int, what: str) -> tuple[int, ...]:
@@ -219,7 +301,7 @@ def hf_layout(config, ranks: Sequence[int] | int = (0,), dtype: torch.dtype = to
     if not ranks:
         raise ValueError("hf_layout needs at least one rank")
     shapes = logical_tensors(config)
-    return Layout.from_placements(shapes, list(ranks), [Replicate()], dtype=dtype)
+    return Layout.from_placements(shapes, list(ranks), [Replicate()], dtype=tensor_dtypes(config, dtype))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -234,21 +316,34 @@ class LayoutBuilder:
     all, e.g. a vocab shard that is all padding, are still in the layout: ``named_parameters()`` has them).
 
     Boxes and local tensors are collected as plain tuples and turned into :class:`Fragment` /
-    :class:`LocalSpec` values (validated there) in :meth:`build`, with the garbage collector paused: a
-    128-rank MoE layout has ~10^5 of each.
+    :class:`LocalSpec` values (validated there) in :meth:`build`, already in the Layout's order (so its sorts
+    are single linear passes), with the garbage collector paused: a 128-rank MoE layout has ~10^5 of each.
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype):
-        self.specs = {n: TensorSpec(n, tuple(s), dtype) for n, s in shapes.items()}
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                 dtypes: Mapping[str, torch.dtype] | None = None):
+        dtypes = dtypes or {}
+        self.specs = {n: TensorSpec(n, tuple(s), dtypes.get(n, dtype)) for n, s in shapes.items()}
         self.dtype = dtype
         self._locals: dict[tuple[int, str], tuple[int, ...]] = {}  # (rank, name) -> shape
-        self._boxes: list[tuple] = []  # Fragment fields: (tensor, rank, offsets, sizes, local, local_offsets)
+        self._local_dtypes: dict[tuple[int, str], torch.dtype] = {}  # locals not in ``dtype``
+        # boxes in Layout order: (tensor, rank, local, offsets, local_offsets, sizes)
+        self._boxes: list[tuple] = []
 
-    def local(self, rank: int, name: str, shape: Sequence[int]) -> str:
+    @classmethod
+    def for_model(cls, s: ModelSpec, dtype: torch.dtype) -> LayoutBuilder:
+        """A builder over the logical tensors of model ``s`` held in ``dtype`` (see :func:`tensor_dtypes`)."""
+        shapes = logical_tensors(s)
+        return cls(shapes, dtype, {n: EXPERT_BIAS_DTYPE for n in shapes if n.endswith(_FP32_SUFFIX)})
+
+    def local(self, rank: int, name: str, shape: Sequence[int], dtype: torch.dtype | None = None) -> str:
+        """Declare local tensor ``name`` on ``rank`` (dtype: the builder's unless given)."""
         shape = tuple(map(int, shape))
         prev = self._locals.setdefault((rank, name), shape)
         if prev != shape:
             raise AssertionError(f"local tensor {name!r} on rank {rank} declared twice with different shapes")
+        if dtype is not None and dtype != self.dtype:
+            self._local_dtypes[(rank, name)] = dtype
         return name
 
     def box(self, tensor: str, rank: int, local: str, offsets, sizes, local_offsets=()) -> None:
@@ -256,13 +351,15 @@ class LayoutBuilder:
         if tensor not in self.specs:
             raise AssertionError(f"unknown logical tensor {tensor!r}")
         if min(sizes, default=1) > 0:
-            self._boxes.append((tensor, rank, tuple(offsets), tuple(sizes), local, tuple(local_offsets)))
+            offsets = tuple(offsets)
+            self._boxes.append((tensor, rank, local, offsets, tuple(local_offsets) or (0,) * len(offsets),
+                                tuple(sizes)))
 
     def full(self, tensor: str, rank: int, local: str) -> None:
         """All of ``tensor`` as the whole local tensor ``local`` (replicated pieces: norms, routers)."""
-        shape = self.specs[tensor].shape
-        self.local(rank, local, shape)
-        self.box(tensor, rank, local, (0,) * len(shape), shape)
+        spec = self.specs[tensor]
+        self.local(rank, local, spec.shape, spec.dtype)
+        self.box(tensor, rank, local, (0,) * len(spec.shape), spec.shape)
 
     def rows(self, tensor: str, rank: int, local: str, start: int, count: int, at: int = 0, lead=()) -> None:
         """Rows ``[start, start+count)`` (dim 0) of ``tensor`` at row ``at`` of ``local`` (after ``lead`` dims)."""
@@ -279,17 +376,25 @@ class LayoutBuilder:
     @property
     def fragments(self) -> list[Fragment]:
         """The fragments collected so far."""
-        return [Fragment(*b) for b in self._boxes]
+        return [Fragment(t, r, o, n, loc, lo) for t, r, loc, o, lo, n in self._boxes]
 
     @property
     def locals(self) -> dict[tuple[int, str], LocalSpec]:
         """The local tensors declared so far."""
-        return {(r, n): LocalSpec(r, n, shape, self.dtype) for (r, n), shape in self._locals.items()}
+        ldt, dt = self._local_dtypes, self.dtype
+        return {(r, n): LocalSpec(r, n, shape, ldt.get((r, n), dt)) for (r, n), shape in self._locals.items()}
 
     def build(self) -> Layout:
-        covered = {b[0] for b in self._boxes}
-        missing = sorted(set(self.specs) - covered)
-        if missing:
-            raise AssertionError(f"layout builder left tensors without any fragment: {missing[:5]}")
         with _gc_paused():
-            return Layout(tuple(self.specs.values()), tuple(self.fragments), tuple(self.locals.values()))
+            covered = {b[0] for b in self._boxes}
+            missing = sorted(set(self.specs) - covered)
+            if missing:
+                raise AssertionError(f"layout builder left tensors without any fragment: {missing[:5]}")
+            # Layout order (tensor, rank, local, offsets, local_offsets); sizes only break ties between boxes
+            # that overlap, which the Layout rejects anyway
+            self._boxes.sort()
+            frags = tuple(Fragment(t, r, o, n, loc, lo) for t, r, loc, o, lo, n in self._boxes)
+            ldt, dt, shapes = self._local_dtypes, self.dtype, self._locals
+            locs = tuple(LocalSpec(r, n, shapes[(r, n)], ldt.get((r, n), dt)) for r, n in sorted(shapes))
+            specs = tuple(self.specs[n] for n in sorted(self.specs))
+            return Layout(specs, frags, locs)

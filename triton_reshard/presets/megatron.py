@@ -25,6 +25,30 @@ a DDP/Float16Module wrapper: strip it, or pass ``model.module``). Formats, from 
   sync by Megatron), a second source of ``model.embed_tokens.weight``.
 * ``decoder.final_layernorm.weight`` on the last stage. Layer indices are local to the stage.
 
+DeepSeek-V3 (MLA + DeepSeekMoE; ``transformer/multi_latent_attention.py`` MLASelfAttention,
+``gpt_layer_specs.py`` ``get_gpt_layer_with_transformer_engine_submodules(multi_latent_attention=True,
+qk_layernorm=True)``, ``moe/router.py``, ``moe/shared_experts.py``; names checked against Megatron-Bridge
+``models/deepseek/common.py``):
+
+* ``decoder.layers.{j}.input_layernorm.weight`` (a separate TENorm: MLA has no ``linear_qkv`` to fuse it into).
+* ``self_attention.linear_q_down_proj.weight`` ``[q_lora_rank, H]`` and ``linear_kv_down_proj.weight``
+  ``[kv_lora_rank + rope, H]``: TELinear ``parallel_mode="duplicated"``, whole on every TP rank.
+* ``self_attention.linear_q_up_proj.weight`` ``[nh/tp * (nope+rope), q_lora_rank]`` and
+  ``linear_kv_up_proj.weight`` ``[nh/tp * (nope+v), kv_lora_rank]``: column parallel, whole heads per rank
+  (the HF rows are already head-major); their ``.layer_norm_weight`` are the fused ``q_a_layernorm`` /
+  ``kv_a_layernorm`` (TELayerNormColumnParallelLinear). ``q_lora_rank=None``: ``linear_q_proj.weight``
+  ``[nh/tp * (nope+rope), H]`` (column parallel) instead.
+* ``self_attention.linear_proj.weight`` ``[H, nh*v / tp]`` (row parallel).
+* dense layers (the first ``first_k_dense_replace``): as above (``mlp.linear_fc1.layer_norm_weight`` ...).
+* MoE layers: ``pre_mlp_layernorm.weight``, ``mlp.router.weight`` ``[E, H]``, ``mlp.router.expert_bias`` ``[E]``
+  (a persistent **buffer** kept in fp32, not a parameter: pass ``{**dict(model.named_parameters()),
+  **dict(model.named_buffers())}``, or drop it from the layout with ``Layout.restrict``), the routed experts as
+  above, and ``mlp.shared_experts.linear_fc1.weight`` ``[2*Is / tp, H]`` = ``[gate_tp; up_tp]`` /
+  ``linear_fc2.weight`` ``[H, Is / tp]`` (SharedExpertMLP: an MLP on the dense TP group, not expert TP).
+* Not placed: the MTP layer (``mtp.layers.0.*``), FP8 weights and their scales, the fused
+  ``linear_qkv_down_proj`` of ``mla_down_proj_fusion``, the local (non-TE) spec's separate
+  ``q_layernorm``/``kv_layernorm``.
+
 Rank order: Megatron's default ``order="tp-cp-ep-dp-pp"`` with ``cp = 1``. Position ``p`` of ``ranks``
 (Megatron's global rank ``p``) has ``tp_rank = p % tp``, ``dp_rank = (p // tp) % dp``,
 ``pp_rank = p // (tp*dp)``; the expert grid splits each stage's ``tp*dp`` ranks as
@@ -39,7 +63,15 @@ from collections.abc import Sequence
 import torch
 
 from ..layout import Layout
-from .hf import LayoutBuilder, _check_ranks, expert_names, layer_prefix, logical_tensors, model_spec
+from .hf import (
+    LayoutBuilder,
+    ModelSpec,
+    _check_ranks,
+    _gc_paused,
+    expert_names,
+    layer_prefix,
+    model_spec,
+)
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -67,6 +99,7 @@ def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | Non
     return out
 
 
+@_gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
 def megatron_layout(
     config,
     tp: int = 1,
@@ -87,7 +120,7 @@ def megatron_layout(
     sizes (``etp`` defaults to ``tp``; ``etp*ep`` must divide ``tp*dp``). ``dtype``: the parameters' dtype.
     """
     s = model_spec(config)
-    if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
+    if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"megatron_layout: model_type {s.family!r} is not supported")
     if s.o_bias:
         raise NotImplementedError("megatron_layout: attention_bias on o_proj (add_bias_linear) is not supported")
@@ -97,11 +130,13 @@ def megatron_layout(
             raise ValueError(f"megatron_layout: {name}={v!r} must be an int >= 1")
     if s.heads % tp:
         raise ValueError(f"megatron_layout: tp={tp} does not divide num_attention_heads={s.heads}")
-    if s.kv_heads % tp:
+    if s.kv_heads % tp and not s.mla:
         raise ValueError(
             f"megatron_layout: tp={tp} does not divide num_key_value_heads={s.kv_heads} (Megatron splits whole "
             f"query groups over TP)"
         )
+    if s.shared_intermediate % tp:
+        raise ValueError(f"megatron_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
     dense_layers = [i for i in range(s.layers) if not s.is_moe_layer(i)]
     if dense_layers and s.intermediate % tp:
         raise ValueError(f"megatron_layout: tp={tp} does not divide intermediate_size={s.intermediate}")
@@ -129,7 +164,7 @@ def megatron_layout(
     E_loc = s.experts // ep if has_moe else 0
     Im_loc = s.moe_intermediate // etp if has_moe else 0
 
-    b = LayoutBuilder(logical_tensors(s), dtype)
+    b = LayoutBuilder.for_model(s, dtype)
     for p, rank in enumerate(ranks):
         t, pr = p % tp, p // (tp * dp)
         q = p % (tp * dp)
@@ -144,33 +179,21 @@ def megatron_layout(
                 b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
         for j, i in enumerate(stages[pr]):
             hf, mg = layer_prefix(i), f"decoder.layers.{j}"
-            att = f"{mg}.self_attention"
-            b.full(f"{hf}.input_layernorm.weight", rank, f"{att}.linear_qkv.layer_norm_weight")
-            for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
-                loc = b.local(rank, f"{att}.linear_qkv.{kind}", (qkv_rows, H) if kind == "weight" else (qkv_rows,))
-                for g in range(groups_loc):
-                    gg = t * groups_loc + g
-                    base = g * (heads_per_group + 2) * hd
-                    b.rows(f"{hf}.self_attn.q_proj.{kind}", rank, loc, gg * heads_per_group * hd,
-                           heads_per_group * hd, at=base)
-                    b.rows(f"{hf}.self_attn.k_proj.{kind}", rank, loc, gg * hd, hd, at=base + heads_per_group * hd)
-                    b.rows(f"{hf}.self_attn.v_proj.{kind}", rank, loc, gg * hd, hd,
-                           at=base + (heads_per_group + 1) * hd)
-            if s.qk_norm:
-                b.full(f"{hf}.self_attn.q_norm.weight", rank, f"{att}.q_layernorm.weight")
-                b.full(f"{hf}.self_attn.k_norm.weight", rank, f"{att}.k_layernorm.weight")
-            loc = b.local(rank, f"{att}.linear_proj.weight", (H, s.heads * hd // tp))
-            b.cols(f"{hf}.self_attn.o_proj.weight", rank, loc, t * s.heads * hd // tp, s.heads * hd // tp)
+            if s.mla:
+                _mla_attention(b, s, rank, t, tp, hf, mg)
+            else:
+                _gqa_attention(b, s, rank, t, tp, hf, mg, groups_loc, heads_per_group, qkv_rows)
             if not s.is_moe_layer(i):
                 b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.mlp.linear_fc1.layer_norm_weight")
-                loc = b.local(rank, f"{mg}.mlp.linear_fc1.weight", (2 * I_loc, H))
-                b.rows(f"{hf}.mlp.gate_proj.weight", rank, loc, t * I_loc, I_loc, at=0)
-                b.rows(f"{hf}.mlp.up_proj.weight", rank, loc, t * I_loc, I_loc, at=I_loc)
-                loc = b.local(rank, f"{mg}.mlp.linear_fc2.weight", (H, I_loc))
-                b.cols(f"{hf}.mlp.down_proj.weight", rank, loc, t * I_loc, I_loc)
+                _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
                 continue
             b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
             b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
+            if s.expert_bias:
+                b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
+            if s.shared_intermediate:
+                _tp_mlp(b, rank, t, s.shared_intermediate // tp, H, f"{hf}.mlp.shared_experts",
+                        f"{mg}.mlp.shared_experts")
             for k in range(E_loc):
                 gate, up, down = expert_names(i, er * E_loc + k)
                 if grouped_gemm:
@@ -184,3 +207,59 @@ def megatron_layout(
                 b.local(rank, fc2, (H, Im_loc))
                 b.cols(down, rank, fc2, et * Im_loc, Im_loc)
     return b.build()
+
+
+def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, hf: str, mg: str) -> None:
+    """A TP-split gated MLP: ``linear_fc1 = [gate_tp; up_tp]``, ``linear_fc2`` row parallel."""
+    loc = b.local(rank, f"{mg}.linear_fc1.weight", (2 * I_loc, H))
+    b.rows(f"{hf}.gate_proj.weight", rank, loc, t * I_loc, I_loc, at=0)
+    b.rows(f"{hf}.up_proj.weight", rank, loc, t * I_loc, I_loc, at=I_loc)
+    loc = b.local(rank, f"{mg}.linear_fc2.weight", (H, I_loc))
+    b.cols(f"{hf}.down_proj.weight", rank, loc, t * I_loc, I_loc)
+
+
+def _mla_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, hf: str, mg: str) -> None:
+    """MLASelfAttention (TE spec): duplicated down projections, column-parallel up projections with the
+    latent RMSNorms fused in, row-parallel ``linear_proj``; the input RMSNorm is a separate module."""
+    H, a, att = s.hidden, f"{hf}.self_attn", f"{mg}.self_attention"
+    nh_loc = s.heads // tp
+    b.full(f"{hf}.input_layernorm.weight", rank, f"{mg}.input_layernorm.weight")
+    q_rows = nh_loc * s.qk_head_dim
+    if s.q_lora_rank is None:
+        loc = b.local(rank, f"{att}.linear_q_proj.weight", (q_rows, H))
+        b.rows(f"{a}.q_proj.weight", rank, loc, t * q_rows, q_rows)
+    else:
+        b.full(f"{a}.q_a_proj.weight", rank, f"{att}.linear_q_down_proj.weight")
+        b.full(f"{a}.q_a_layernorm.weight", rank, f"{att}.linear_q_up_proj.layer_norm_weight")
+        loc = b.local(rank, f"{att}.linear_q_up_proj.weight", (q_rows, s.q_lora_rank))
+        b.rows(f"{a}.q_b_proj.weight", rank, loc, t * q_rows, q_rows)
+    b.full(f"{a}.kv_a_proj_with_mqa.weight", rank, f"{att}.linear_kv_down_proj.weight")
+    b.full(f"{a}.kv_a_layernorm.weight", rank, f"{att}.linear_kv_up_proj.layer_norm_weight")
+    kv_rows = nh_loc * (s.qk_nope_head_dim + s.v_head_dim)
+    loc = b.local(rank, f"{att}.linear_kv_up_proj.weight", (kv_rows, s.kv_lora_rank))
+    b.rows(f"{a}.kv_b_proj.weight", rank, loc, t * kv_rows, kv_rows)
+    o_cols = nh_loc * s.v_head_dim
+    loc = b.local(rank, f"{att}.linear_proj.weight", (H, o_cols))
+    b.cols(f"{a}.o_proj.weight", rank, loc, t * o_cols, o_cols)
+
+
+def _gqa_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, hf: str, mg: str, groups_loc: int,
+                   heads_per_group: int, qkv_rows: int) -> None:
+    """SelfAttention (TE spec): ``linear_qkv`` with the input RMSNorm fused in, per KV group ``[q; k; v]``."""
+    H, hd, att = s.hidden, s.head_dim, f"{mg}.self_attention"
+    b.full(f"{hf}.input_layernorm.weight", rank, f"{att}.linear_qkv.layer_norm_weight")
+    for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+        loc = b.local(rank, f"{att}.linear_qkv.{kind}", (qkv_rows, H) if kind == "weight" else (qkv_rows,))
+        for g in range(groups_loc):
+            gg = t * groups_loc + g
+            base = g * (heads_per_group + 2) * hd
+            b.rows(f"{hf}.self_attn.q_proj.{kind}", rank, loc, gg * heads_per_group * hd,
+                   heads_per_group * hd, at=base)
+            b.rows(f"{hf}.self_attn.k_proj.{kind}", rank, loc, gg * hd, hd, at=base + heads_per_group * hd)
+            b.rows(f"{hf}.self_attn.v_proj.{kind}", rank, loc, gg * hd, hd,
+                   at=base + (heads_per_group + 1) * hd)
+    if s.qk_norm:
+        b.full(f"{hf}.self_attn.q_norm.weight", rank, f"{att}.q_layernorm.weight")
+        b.full(f"{hf}.self_attn.k_norm.weight", rank, f"{att}.k_layernorm.weight")
+    loc = b.local(rank, f"{att}.linear_proj.weight", (H, s.heads * hd // tp))
+    b.cols(f"{hf}.self_attn.o_proj.weight", rank, loc, t * s.heads * hd // tp, s.heads * hd // tp)

@@ -4,7 +4,7 @@ Local tensor names are what ``model.named_parameters()`` gives in a vLLM worker 
 vLLM ``main`` as of v0.10/0.11 (files read: ``model_executor/models/llama.py``, ``qwen2.py``, ``qwen3.py``,
 ``qwen3_moe.py``, ``layers/linear.py`` (QKVParallelLinear, MergedColumnParallelLinear,
 RowParallelLinear), ``layers/vocab_parallel_embedding.py``, ``layers/fused_moe/layer.py`` and
-``fused_moe/config.py`` (FusedMoEParallelConfig)):
+``fused_moe/config.py`` (FusedMoEParallelConfig), ``models/deepseek_v2.py``):
 
 * ``model.layers.{i}.self_attn.qkv_proj.weight`` ``[(nh/tp + 2*kv_loc)*hd, H]`` = ``[q_tp; k_tp; v_tp]``.
   With ``tp > num_kv_heads`` each rank holds ``kv_loc = 1`` head, number ``tp_rank * num_kv_heads // tp``
@@ -22,6 +22,24 @@ RowParallelLinear), ``layers/vocab_parallel_embedding.py``, ``layers/fused_moe/l
   to a multiple of 64 (``pad_vocab_size``), split evenly over TP; padding rows are never transferred. With
   tied embeddings vLLM has no separate ``lm_head.weight``.
 
+DeepSeek-V3 (``models/deepseek_v2.py``: DeepseekV2MLAAttention, DeepSeekV2FusedQkvAProjLinear,
+DeepseekV2MoE, DeepseekV2MLP, ``load_weights`` with ``mla_params_mapping``; ``config/parallel.py``
+``use_sequence_parallel_moe``):
+
+* ``self_attn.fused_qkv_a_proj.weight`` ``[q_lora_rank + kv_lora_rank + rope, H]`` = ``[q_a_proj;
+  kv_a_proj_with_mqa]``, whole on every rank (``disable_tp``); ``q_lora_rank=None``: ColumnParallel
+  ``q_proj`` ``[nh/tp * (nope+rope), H]`` and a ReplicatedLinear ``kv_a_proj_with_mqa`` instead.
+* ``self_attn.q_a_layernorm`` / ``kv_a_layernorm`` replicated; ``q_b_proj`` ``[nh/tp * (nope+rope), q_lora_rank]``
+  and ``kv_b_proj`` ``[nh/tp * (nope+v), kv_lora_rank]`` ColumnParallel; ``o_proj`` ``[H, nh*v / tp]``.
+  (vLLM's MLA backends derive ``W_UK_T``/``W_UV`` from ``kv_b_proj`` in ``process_weights_after_loading``;
+  re-run it after a refit unless your version keeps them as views of the weight.)
+* dense layers: ``mlp.gate_up_proj`` / ``mlp.down_proj`` as above. MoE layers: ``mlp.gate.weight`` replicated,
+  ``mlp.gate.e_score_correction_bias`` ``[E]`` (an fp32 Parameter, ``topk_method="noaux_tc"``), FusedMoE
+  experts as above, ``mlp.shared_experts.gate_up_proj`` / ``down_proj`` TP-split like a dense MLP, or whole on
+  every rank when sequence-parallel MoE is on (``DeepseekV2MLP(disable_tp=is_sequence_parallel)``: expert
+  parallel with ``tp > 1`` and ``dp > 1``). Not placed: the MTP/spec-decode layer, FP8 scales, ROCm AITER's
+  fused shared experts.
+
 Ranks: position ``p`` of ``ranks`` is ``dp_rank = p // tp``, ``tp_rank = p % tp`` (DP-major blocks of TP);
 each DP replica holds a full copy of the non-expert weights.
 """
@@ -33,7 +51,15 @@ from collections.abc import Sequence
 import torch
 
 from ..layout import Layout
-from .hf import LayoutBuilder, _check_ranks, expert_names, layer_prefix, logical_tensors, model_spec
+from .hf import (
+    LayoutBuilder,
+    ModelSpec,
+    _check_ranks,
+    _gc_paused,
+    expert_names,
+    layer_prefix,
+    model_spec,
+)
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
@@ -48,6 +74,7 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int
     return ep_rank * base + min(ep_rank, rem), base + (1 if ep_rank < rem else 0)
 
 
+@_gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
 def vllm_layout(
     config,
     tp: int = 1,
@@ -56,15 +83,19 @@ def vllm_layout(
     ranks: Sequence[int] | int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     vocab_padding: int = VOCAB_PADDING,
+    sequence_parallel_moe: bool | None = None,
 ) -> Layout:
     """The layout of vLLM workers serving the model with ``tensor_parallel_size=tp`` and
     ``data_parallel_size=dp`` (``enable_expert_parallel``: experts split whole over the ``tp*dp`` workers).
 
     ``ranks``: the ``tp*dp`` global ranks, DP-major (default ``0..``; an int is an offset, e.g. ``4`` for
-    inference on ranks 4.. next to training on 0..3).
+    inference on ranks 4.. next to training on 0..3). ``sequence_parallel_moe`` (DeepSeek shared experts):
+    vLLM's ``ParallelConfig.use_sequence_parallel_moe``; ``None`` follows vLLM's default rule (expert
+    parallel, ``tp > 1`` and ``dp > 1``, with the default all2all backends), under which the shared experts
+    are replicated on every TP rank instead of TP-split.
     """
     s = model_spec(config)
-    if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
+    if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"vllm_layout: model_type {s.family!r} is not supported")
     if s.o_bias:
         raise NotImplementedError("vllm_layout: attention_bias on o_proj is not supported")
@@ -73,9 +104,9 @@ def vllm_layout(
             raise ValueError(f"vllm_layout: {name}={v!r} must be an int >= 1")
     if s.heads % tp:
         raise ValueError(f"vllm_layout: tp={tp} does not divide num_attention_heads={s.heads}")
-    if tp >= s.kv_heads and tp % s.kv_heads:
+    if not s.mla and tp >= s.kv_heads and tp % s.kv_heads:
         raise ValueError(f"vllm_layout: tp={tp} is not a multiple of num_key_value_heads={s.kv_heads}")
-    if tp < s.kv_heads and s.kv_heads % tp:
+    if not s.mla and tp < s.kv_heads and s.kv_heads % tp:
         raise ValueError(f"vllm_layout: tp={tp} does not divide num_key_value_heads={s.kv_heads}")
     if any(not s.is_moe_layer(i) for i in range(s.layers)) and s.intermediate % tp:
         raise ValueError(f"vllm_layout: tp={tp} does not divide intermediate_size={s.intermediate}")
@@ -92,6 +123,11 @@ def vllm_layout(
             raise ValueError(
                 f"vllm_layout: tp*dp={workers} does not divide moe_intermediate_size={s.moe_intermediate}"
             )
+    if sequence_parallel_moe is None:  # vllm/config/parallel.py ParallelConfig.use_sequence_parallel_moe
+        sequence_parallel_moe = enable_expert_parallel and tp > 1 and dp > 1
+    shared_tp = 1 if sequence_parallel_moe else tp  # DeepseekV2MLP(disable_tp=is_sequence_parallel)
+    if s.shared_intermediate % shared_tp:
+        raise ValueError(f"vllm_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
     ranks = _check_ranks(ranks, workers, f"vllm_layout(tp={tp}, dp={dp})")
 
     H, hd = s.hidden, s.head_dim
@@ -101,7 +137,7 @@ def vllm_layout(
     kv_loc = kv_heads_loc * hd
     I_loc = s.intermediate // tp
 
-    b = LayoutBuilder(logical_tensors(s), dtype)
+    b = LayoutBuilder.for_model(s, dtype)
     for p, rank in enumerate(ranks):
         t = p % tp
         kv_first = (t * s.kv_heads // tp) if tp >= s.kv_heads else t * kv_heads_loc
@@ -121,27 +157,21 @@ def vllm_layout(
         for i in range(s.layers):
             hf = layer_prefix(i)
             att = f"{hf}.self_attn"
-            for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
-                rows = q_loc + 2 * kv_loc
-                loc = b.local(rank, f"{att}.qkv_proj.{kind}", (rows, H) if kind == "weight" else (rows,))
-                b.rows(f"{att}.q_proj.{kind}", rank, loc, t * q_loc, q_loc, at=0)
-                b.rows(f"{att}.k_proj.{kind}", rank, loc, kv_first * hd, kv_loc, at=q_loc)
-                b.rows(f"{att}.v_proj.{kind}", rank, loc, kv_first * hd, kv_loc, at=q_loc + kv_loc)
-            if s.qk_norm:
-                b.full(f"{att}.q_norm.weight", rank, f"{att}.q_norm.weight")
-                b.full(f"{att}.k_norm.weight", rank, f"{att}.k_norm.weight")
-            loc = b.local(rank, f"{att}.o_proj.weight", (H, q_loc))
-            b.cols(f"{att}.o_proj.weight", rank, loc, t * q_loc, q_loc)
+            if s.mla:
+                _mla_attention(b, s, rank, t, tp, att)
+            else:
+                _gqa_attention(b, s, rank, t, att, q_loc, kv_loc, kv_first)
             b.full(f"{hf}.input_layernorm.weight", rank, f"{hf}.input_layernorm.weight")
             b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{hf}.post_attention_layernorm.weight")
             if not s.is_moe_layer(i):
-                loc = b.local(rank, f"{hf}.mlp.gate_up_proj.weight", (2 * I_loc, H))
-                b.rows(f"{hf}.mlp.gate_proj.weight", rank, loc, t * I_loc, I_loc, at=0)
-                b.rows(f"{hf}.mlp.up_proj.weight", rank, loc, t * I_loc, I_loc, at=I_loc)
-                loc = b.local(rank, f"{hf}.mlp.down_proj.weight", (H, I_loc))
-                b.cols(f"{hf}.mlp.down_proj.weight", rank, loc, t * I_loc, I_loc)
+                _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp")
                 continue
             b.full(f"{hf}.mlp.gate.weight", rank, f"{hf}.mlp.gate.weight")
+            if s.expert_bias:
+                b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{hf}.mlp.gate.e_score_correction_bias")
+            if s.shared_intermediate:
+                Is_loc = s.shared_intermediate // shared_tp
+                _tp_mlp(b, rank, t % shared_tp, Is_loc, H, f"{hf}.mlp.shared_experts")
             w13 = b.local(rank, f"{hf}.mlp.experts.w13_weight", (E_loc, 2 * Im_loc, H))
             w2 = b.local(rank, f"{hf}.mlp.experts.w2_weight", (E_loc, H, Im_loc))
             for k in range(E_loc):
@@ -150,3 +180,58 @@ def vllm_layout(
                 b.rows(up, rank, w13, im0, Im_loc, at=Im_loc, lead=(k,))
                 b.cols(down, rank, w2, im0, Im_loc, lead=(k,))
     return b.build()
+
+
+def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, mlp: str) -> None:
+    """MergedColumnParallelLinear ``gate_up_proj = [gate_tp; up_tp]`` and RowParallelLinear ``down_proj``."""
+    loc = b.local(rank, f"{mlp}.gate_up_proj.weight", (2 * I_loc, H))
+    b.rows(f"{mlp}.gate_proj.weight", rank, loc, t * I_loc, I_loc, at=0)
+    b.rows(f"{mlp}.up_proj.weight", rank, loc, t * I_loc, I_loc, at=I_loc)
+    loc = b.local(rank, f"{mlp}.down_proj.weight", (H, I_loc))
+    b.cols(f"{mlp}.down_proj.weight", rank, loc, t * I_loc, I_loc)
+
+
+def _mla_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, att: str) -> None:
+    """DeepseekV2MLAAttention: ``fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]`` replicated
+    (``disable_tp``; with ``q_lora_rank=None`` a ColumnParallel ``q_proj`` and a replicated
+    ``kv_a_proj_with_mqa``), ColumnParallel ``q_b_proj``/``kv_b_proj`` (whole heads), RowParallel ``o_proj``,
+    replicated ``q_a_layernorm``/``kv_a_layernorm``."""
+    H, nh_loc = s.hidden, s.heads // tp
+    q_rows = nh_loc * s.qk_head_dim
+    kva = s.kv_lora_rank + s.qk_rope_head_dim
+    if s.q_lora_rank is None:
+        loc = b.local(rank, f"{att}.q_proj.weight", (q_rows, H))
+        b.rows(f"{att}.q_proj.weight", rank, loc, t * q_rows, q_rows)
+        b.full(f"{att}.kv_a_proj_with_mqa.weight", rank, f"{att}.kv_a_proj_with_mqa.weight")
+    else:
+        qr = s.q_lora_rank
+        loc = b.local(rank, f"{att}.fused_qkv_a_proj.weight", (qr + kva, H))
+        b.rows(f"{att}.q_a_proj.weight", rank, loc, 0, qr, at=0)
+        b.rows(f"{att}.kv_a_proj_with_mqa.weight", rank, loc, 0, kva, at=qr)
+        b.full(f"{att}.q_a_layernorm.weight", rank, f"{att}.q_a_layernorm.weight")
+        loc = b.local(rank, f"{att}.q_b_proj.weight", (q_rows, qr))
+        b.rows(f"{att}.q_b_proj.weight", rank, loc, t * q_rows, q_rows)
+    b.full(f"{att}.kv_a_layernorm.weight", rank, f"{att}.kv_a_layernorm.weight")
+    kv_rows = nh_loc * (s.qk_nope_head_dim + s.v_head_dim)
+    loc = b.local(rank, f"{att}.kv_b_proj.weight", (kv_rows, s.kv_lora_rank))
+    b.rows(f"{att}.kv_b_proj.weight", rank, loc, t * kv_rows, kv_rows)
+    o_cols = nh_loc * s.v_head_dim
+    loc = b.local(rank, f"{att}.o_proj.weight", (H, o_cols))
+    b.cols(f"{att}.o_proj.weight", rank, loc, t * o_cols, o_cols)
+
+
+def _gqa_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, att: str, q_loc: int, kv_loc: int,
+                   kv_first: int) -> None:
+    """QKVParallelLinear ``qkv_proj = [q_tp; k_tp; v_tp]`` (+ bias), q/k norms, RowParallel ``o_proj``."""
+    H, hd = s.hidden, s.head_dim
+    for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+        rows = q_loc + 2 * kv_loc
+        loc = b.local(rank, f"{att}.qkv_proj.{kind}", (rows, H) if kind == "weight" else (rows,))
+        b.rows(f"{att}.q_proj.{kind}", rank, loc, t * q_loc, q_loc, at=0)
+        b.rows(f"{att}.k_proj.{kind}", rank, loc, kv_first * hd, kv_loc, at=q_loc)
+        b.rows(f"{att}.v_proj.{kind}", rank, loc, kv_first * hd, kv_loc, at=q_loc + kv_loc)
+    if s.qk_norm:
+        b.full(f"{att}.q_norm.weight", rank, f"{att}.q_norm.weight")
+        b.full(f"{att}.k_norm.weight", rank, f"{att}.k_norm.weight")
+    loc = b.local(rank, f"{att}.o_proj.weight", (H, q_loc))
+    b.cols(f"{att}.o_proj.weight", rank, loc, t * q_loc, q_loc)
