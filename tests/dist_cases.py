@@ -290,9 +290,14 @@ def sub_index(base_dim: int, local_offsets: Sequence[int], sizes: Sequence[int],
 
 def apply_plan(plan, src_by_rank: Mapping, dst_by_rank: Mapping, counts: Mapping | None = None) -> None:
     """Single-process simulation: every wire transfer and local copy as a plain slice assignment (casting like
-    the wire does: to the wire dtype, then to the destination dtype); ``counts`` gets +1 per written element."""
-    for t in plan.transfers + plan.local_copies:
-        s = src_by_rank[t.src_rank][t.src_local]
+    the wire does: to the wire dtype, then to the destination dtype); ``counts`` gets +1 per written element.
+
+    Relays last, reading the destination tensors (what their sender received), as the executor's second
+    phase does; a relay that read an element nobody had written yet would copy poison and fail the comparison.
+    """
+    firsts = [t for t in plan.transfers + plan.local_copies if not t.relay]
+    for t in firsts + [t for t in plan.transfers if t.relay]:
+        s = (dst_by_rank if t.relay else src_by_rank)[t.src_rank][t.src_local]
         d = dst_by_rank[t.dst_rank][t.dst_local]
         piece = s[sub_index(s.dim(), t.src_offsets, t.sizes)]
         if piece.dtype.is_floating_point:
@@ -318,7 +323,16 @@ class Case:
     allow_cast: bool = False
     group_ranks: tuple[int, ...] | None = None  # run on a subgroup of the world
     multi_step: bool = False  # the bucket is smaller than the largest tensor: several steps expected
+    gpus_per_node: int | None = None  # plan node-aware (``plan_reshard(..., gpus_per_node)``)
+    relay: bool | None = None  # ``plan_reshard``'s relay (None: on when gpus_per_node is given)
+    min_relays: int = 0  # the plan must have at least this many relay transfers (checked by the planner tests)
     notes: str = field(default="", compare=False)
+
+
+def case_plan(case: Case):
+    """The plan of ``case``, with its node size and relay choice (what every tier of the tests runs)."""
+    return plan_reshard(side_layout(case.src), side_layout(case.dst), case.allow_cast, case.gpus_per_node,
+                        case.relay)
 
 
 def qkv_fused(ranks: Sequence[int], q: int, kv: int, cols: int, pad: int, dtype) -> F:
@@ -403,6 +417,10 @@ def _cases() -> list[Case]:
              group_ranks=(2, 3)),
         Case("5d-tp2x2", 4, (P({"v": (3, 2, 5, 1, 4)}, [[0, 1], [2, 3]], [S2, S0]),),
              (P({"v": (3, 2, 5, 1, 4)}, [[0, 1], [2, 3]], [S4, R]),)),
+        # nodes {0, 1}, {2, 3}: ranks 2 and 3 need both halves, held only in node 0; each half crosses the
+        # network once (to one of them) and is relayed to the other
+        Case("relay-allgather-gpn2", 4, (P({"x": (6, 4), "y": (5, 3), "z": (4, 3)}, [0, 1], [S0]),),
+             (P({"x": (6, 4), "y": (5, 3), "z": (4, 3)}, [0, 1, 2, 3], [R]),), gpus_per_node=2, min_relays=6),
     ]
     # ---- world 8 --------------------------------------------------------------------------------------
     layers = {f"l{i}.w": (8, 6) for i in range(4)}
@@ -424,6 +442,21 @@ def _cases() -> list[Case]:
              (P({"m": (9, 5), "i": (11,)}, list(range(8)), [S0], {"m": torch.bool, "i": torch.int8}),),
              (P({"m": (9, 5), "i": (11,)}, [[0, 1, 2, 3], [4, 5, 6, 7]], {"m": [S0, S1], "i": [R, S0]},
                 {"m": torch.bool, "i": torch.int8}),)),
+        # the same fan-out with casts that narrow (relayed in bf16) and widen (relayed in bf16 and int32)
+        Case("relay-allgather-cast-gpn2", 8,
+             (P({"x": (6, 4), "y": (5, 3), "i": (4, 3)}, [0, 1], [S0], {"x": f32, "y": bf16, "i": torch.int32}),),
+             (P({"x": (6, 4), "y": (5, 3), "i": (4, 3)}, [0, 1, 2, 3], [R],
+                {"x": bf16, "y": f32, "i": torch.int64}),),
+             allow_cast=True, gpus_per_node=2, min_relays=6),
+        # disaggregated TP2 (ranks 0-1) -> TP2 x DP3 (ranks 2-7), nodes of 4: node 1 holds two replicas and
+        # no source, so each TP shard crosses the network once into node 1 and is relayed there
+        Case("relay-disagg-tp2-to-tp2xdp3-gpn4", 8, (P({"w": (12, 10), "b": (12,)}, [0, 1], [S0]),),
+             (P({"w": (12, 10), "b": (12,)}, [[2, 3], [4, 5], [6, 7]], [R, S0]),), gpus_per_node=4, min_relays=4),
+        # uneven bf16 TP3 shards (3, 3, 1) replicated on DP2, each replica pair inside one node of 2
+        Case("relay-uneven-bf16-dp2xtp3-gpn2", 8,
+             (P({"w": (7, 5), "v": (5, 7), "n": (3,)}, [0, 1], {"w": [S1], "v": [S0], "n": [R]}, bf16),),
+             (P({"w": (7, 5), "v": (5, 7), "n": (3,)}, [[2, 4, 6], [3, 5, 7]],
+                {"w": [R, S0], "v": [R, S1], "n": [R, R]}, bf16),), gpus_per_node=2, min_relays=15),
     ]
     return c
 
@@ -482,10 +515,11 @@ def _check_run(case: Case, rank: int, dst_t: dict, version: int, pattern: int, w
 
 
 def run_case(case: Case, rank: int, group=None, timeout: float = 30.0) -> dict:
-    """Run ``case`` on this rank three times (fresh tensors; the same tensors with new data written in place
-    and the destination re-poisoned; fresh tensors again) and compare bit for bit after each run."""
-    src_layout, dst_layout = side_layout(case.src), side_layout(case.dst)
-    plan = plan_reshard(src_layout, dst_layout, case.allow_cast)
+    """Run ``case`` on this rank four times (fresh tensors; the same tensors with new data written in place
+    and the destination re-poisoned; fresh tensors again, with every contiguous chunk as a direct message
+    moved in place; the same with column-major tensors, where direct messages must fall back to staging) and
+    compare bit for bit after each run."""
+    plan = case_plan(case)
     r = Resharder(plan, group=group, bucket_bytes=case.bucket_bytes, timeout=timeout)
     problems: list[str] = []
     steps = []
@@ -501,7 +535,10 @@ def run_case(case: Case, rank: int, group=None, timeout: float = 30.0) -> dict:
     # run 1: fresh tensors
     src_t = build_locals(case.src, rank, global_data(sspecs, 0), 0)
     dst_t = build_locals(case.dst, rank, None, 0)
-    steps.append(r.run(src_t, dst_t).steps)
+    rep = r.run(src_t, dst_t)
+    steps.append(rep.steps)
+    if rep.in_place_bytes:  # the test tensors are far below DIRECT_MIN_BYTES: every message is packed
+        problems.append(f"run 1: rank {rank} moved {rep.in_place_bytes} B in place with the default threshold")
     problems += _check_run(case, rank, dst_t, 0, 0, "run 1")
     check_src_untouched(src_t, 0, "run 1")
     # run 2: same tensor objects, new data copied in place, destination re-poisoned in place
@@ -514,9 +551,24 @@ def run_case(case: Case, rank: int, group=None, timeout: float = 30.0) -> dict:
     # run 3: fresh tensors with a third data set
     src_t = build_locals(case.src, rank, global_data(sspecs, 2), 1)
     dst_t = build_locals(case.dst, rank, None, 0)
-    steps.append(r.run(src_t, dst_t).steps)
-    problems += _check_run(case, rank, dst_t, 2, 0, "run 3 (new tensors)")
-    return {"problems": problems, "steps": steps}
+    rd = Resharder(plan, group=group, bucket_bytes=case.bucket_bytes, timeout=timeout, direct_min_bytes=0)
+    rep = rd.run(src_t, dst_t)
+    steps.append(rep.steps)
+    in_place = [0, 0, rep.in_place_bytes]
+    problems += _check_run(case, rank, dst_t, 2, 0, "run 3 (new tensors, direct messages in place)")
+    # run 4: the same data in column-major (non-contiguous) tensors: direct messages are staged instead
+    src_t = {n: _column_major(t) for n, t in build_locals(case.src, rank, global_data(sspecs, 3), 0).items()}
+    dst_t = {n: _column_major(t) for n, t in build_locals(case.dst, rank, None, 1).items()}
+    rep = rd.run(src_t, dst_t)
+    steps.append(rep.steps)
+    in_place.append(rep.in_place_bytes)
+    problems += _check_run(case, rank, dst_t, 3, 1, "run 4 (column-major tensors, direct messages staged)")
+    return {"problems": problems, "steps": steps, "in_place_bytes": in_place}
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values in column-major storage (not contiguous when it has two dims of size > 1)."""
+    return t.transpose(0, -1).contiguous().transpose(0, -1) if t.dim() >= 2 else t
 
 
 class TinyModel(torch.nn.Module):

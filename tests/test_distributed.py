@@ -3,8 +3,10 @@ tensors that ``tests/dist_cases.py`` computes itself (nested ``torch.chunk``, pl
 ``Layout.shard``. One world is spawned per world size and runs every case of that size (``world_results`` is
 cached for the session); each test below only reads its case's per-rank report.
 
-Every case runs three times on every rank: fresh poisoned destination tensors; the same tensors re-poisoned
-with new source data written in place (cached views and buffers reused); fresh tensors with a third data set.
+Every case runs four times on every rank: fresh poisoned destination tensors; the same tensors re-poisoned
+with new source data written in place (cached views and buffers reused); fresh tensors with a third data set,
+every contiguous chunk a direct message sent or received in place; the same in column-major tensors, where
+the direct messages are staged instead.
 """
 
 from __future__ import annotations
@@ -45,9 +47,19 @@ def test_reshard_bit_exact(world, case_id):
     else:
         assert len(ran) == len(case.group_ranks)
     for e in ran:
-        assert len(e["steps"]) == 3  # three runs per rank
+        assert len(e["steps"]) == 4  # four runs per rank
         if case.multi_step:
             assert min(e["steps"]) > 1, f"bucket of {case.bucket_bytes} B should need several steps, got {e['steps']}"
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_direct_messages_move_in_place(world):
+    """Run 3 (every contiguous chunk a direct message) moves bytes in place; run 4 (column-major tensors)
+    moves fewer in place, and only 1-D tensors' (the others are staged); run 1 (default threshold) none."""
+    runs = [r["cases"][c]["in_place_bytes"] for r in _world(world) for c in r["cases"] if "in_place_bytes" in r["cases"][c]]
+    assert runs and all(x[0] == 0 for x in runs)
+    assert sum(x[2] for x in runs) > 0
+    assert sum(x[3] for x in runs) < sum(x[2] for x in runs)
 
 
 def test_catalogue_covers_the_issue():

@@ -88,10 +88,14 @@ def reshard_problems(draw):
 # --------------------------------------------------------------------------------------------------------
 
 
-def check_plan(src_side, dst_side, allow_cast=False):
-    """Exact cover, no double writes, correct values, wire bytes == lower bound == independent count."""
+def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=None):
+    """Exact cover, no double writes, correct values, wire bytes == lower bound == independent count; relays
+    (when the plan has any) checked by ``check_relays``."""
     src_l, dst_l = dc.side_layout(src_side), dc.side_layout(dst_side)
-    plan = plan_reshard(src_l, dst_l, allow_cast)
+    if gpus_per_node is None and relay is None:
+        plan = plan_reshard(src_l, dst_l, allow_cast)
+    else:
+        plan = plan_reshard(src_l, dst_l, allow_cast, gpus_per_node, relay)
     ranks = dc.case_ranks(src_side, dst_side)
     sspecs, dspecs = dc.side_specs(src_side), dc.side_specs(dst_side)
     data = dc.unique_data(sspecs)
@@ -124,7 +128,52 @@ def check_plan(src_side, dst_side, allow_cast=False):
     assert sum(st_.sent_bytes.values()) == expected_wire
     assert all(t.src_rank != t.dst_rank for t in plan.transfers)
     assert all(t.src_rank == t.dst_rank for t in plan.local_copies)
+    check_relays(plan, src_side, dst_side, gpus_per_node)
     return plan
+
+
+def _local_start(b, off, size):
+    """Where the box ``off``+``size`` starts in reference box ``b``'s local tensor, or None if ``b`` lacks it."""
+    if not all(bo <= o and o + n <= bo + bn for bo, bn, o, n in zip(b.offsets, b.sizes, off, size, strict=True)):
+        return None
+    extra = len(b.local_offsets) - len(b.sizes)
+    return tuple(b.local_offsets[:extra]) + tuple(
+        lo + o - bo for lo, o, bo in zip(b.local_offsets[extra:], off, b.offsets, strict=True))
+
+
+def check_relays(plan, src_side, dst_side, gpus_per_node):
+    """Every relay (independently of the planner's own validation): crosses ranks inside one node; reads a box
+    its sender received entirely from non-relay transfers or local copies (no chains, nothing unwritten), at
+    the sender's reference coordinates; goes to a rank that does not hold it, in a node where no source rank
+    holds it; and travels in a dtype no wider than the other transfers of its tensor."""
+    relays = [t for t in plan.transfers if t.relay]
+    assert not any(t.relay for t in plan.local_copies)
+    if not relays:
+        return
+    assert gpus_per_node is not None, "relays without a node size"
+    ranks = dc.case_ranks(src_side, dst_side)
+    relay_written = {r: {n: torch.zeros(shape, dtype=torch.bool) for n, (shape, _dt) in dc.side_locals(dst_side, r).items()}
+                     for r in ranks}
+    for t in relays:
+        m = relay_written[t.dst_rank][t.dst_local]
+        m[dc.sub_index(m.dim(), t.dst_offsets, t.sizes)] = True
+    sspecs = dc.side_specs(src_side)
+    wire_isz = {t.tensor: itemsize(t.wire_dtype) for t in plan.transfers if not t.relay}
+    for t in relays:
+        assert t.src_rank != t.dst_rank and t.src_rank // gpus_per_node == t.dst_rank // gpus_per_node, str(t)
+        read = relay_written[t.src_rank][t.src_local][dc.sub_index(relay_written[t.src_rank][t.src_local].dim(),
+                                                                     t.src_offsets, t.sizes)]
+        assert not bool(read.any()), f"{t} reads what its sender got by relay"
+        # the box sits at those local coordinates in one of the sender's reference destination boxes
+        assert any(_local_start(b, t.offsets, t.sizes) == tuple(t.src_offsets)
+                   for d in dst_side for b in d.boxes(t.src_rank) if (b.tensor, b.local) == (t.tensor, t.src_local)), str(t)
+        node = range(t.dst_rank // gpus_per_node * gpus_per_node, (t.dst_rank // gpus_per_node + 1) * gpus_per_node)
+        box = tuple(slice(o, o + s) for o, s in zip(t.offsets, t.sizes, strict=True))
+        shape = sspecs[t.tensor][0]
+        for r in node:
+            held = dc.held_mask(src_side, r, t.tensor, shape)[box]
+            assert not bool(held.any()), f"{t}: source rank {r} in the node holds part of the box"
+        assert itemsize(t.wire_dtype) <= wire_isz.get(t.tensor, itemsize(t.wire_dtype))
 
 
 def check_schedule(plan, bucket):
@@ -136,8 +185,12 @@ def check_schedule(plan, bucket):
         sent, recv = {}, {}
         pairs = set()
         for m in step.messages:
-            assert (m.src, m.dst) not in pairs, "one message per pair and step"
-            pairs.add((m.src, m.dst))
+            if not m.direct:
+                assert (m.src, m.dst) not in pairs, "one packed message per pair and step"
+                pairs.add((m.src, m.dst))
+            else:
+                assert len(m.chunks) == 1 and m.chunks[0].buffer_offset == 0, "a direct message is one chunk"
+            assert m.payload == max(c.buffer_offset + c.nbytes for c in m.chunks)
             assert m.src != m.dst and m.nbytes % ALIGN == 0
             sent[m.src] = sent.get(m.src, 0) + m.nbytes
             recv[m.dst] = recv.get(m.dst, 0) + m.nbytes
@@ -277,10 +330,12 @@ def test_wire_dtype_with_cast():
 def test_catalogue_cases_plan_exactly(case_id):
     """The cases the multi-process tests run, checked here without a process group."""
     case = dc.CASES[case_id]
-    plan = check_plan(case.src, case.dst, case.allow_cast)
+    plan = check_plan(case.src, case.dst, case.allow_cast, case.gpus_per_node, case.relay)
+    assert plan is dc.case_plan(case) or plan.digest == dc.case_plan(case).digest
     sched = check_schedule(plan, case.bucket_bytes)
     if case.multi_step:
         assert len(sched.steps) > 1
+    assert sum(t.relay for t in plan.transfers) >= case.min_relays
 
 
 def test_fused_and_stacked_transfers_use_local_offsets():
@@ -567,3 +622,209 @@ def test_topology_aware_routing_sends_inside_the_node():
     assert _net_bytes(near, 4) == 0
     with pytest.raises(ValueError, match="gpus_per_node"):
         plan_reshard(src_l, dst_l, gpus_per_node=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Relays: fan-out inside a node
+# --------------------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(reshard_problems(), st.integers(1, 4))
+def test_property_relay_routing(problem, gpus_per_node):
+    """Relays on: exact cover and values (relays applied last, from the destination tensors), wire bytes the
+    lower bound, the same bytes received per rank and the same local copies as without relays, no relay
+    chains; relays only where they fan out, so a plan without relays is the node-aware plan itself; and
+    never more bytes over the network than that plan."""
+    src, dst = dc.side_layout(problem[0]), dc.side_layout(problem[1])
+    near = plan_reshard(src, dst, False, gpus_per_node, False)
+    fan = check_plan(*problem, gpus_per_node=gpus_per_node, relay=True)
+    assert fan is plan_reshard(src, dst, False, gpus_per_node, True)  # cached
+    assert fan.digest == plan_reshard.__wrapped__(src, dst, False, gpus_per_node, True).digest  # deterministic
+    assert fan.digest == plan_reshard(src, dst, False, gpus_per_node).digest  # relay=None: on with a node size
+    a, b = near.stats(gpus_per_node), fan.stats(gpus_per_node)
+    assert b.recv_bytes == a.recv_bytes and fan.local_copies == near.local_copies
+    assert not any(t.relay for t in near.transfers)
+    if b.num_relays == 0:
+        assert fan.digest == near.digest
+    else:
+        assert gpus_per_node > 1 and b.relay_bytes == b.nvlink_bytes - sum(
+            t.nbytes for t in fan.transfers if not t.relay and t.src_rank // gpus_per_node == t.dst_rank // gpus_per_node)
+        # every relay saved one network receive of its bytes, unless routing around it moved other pieces
+        assert b.net_bytes <= a.net_bytes or b.net_bytes - a.net_bytes < b.relay_bytes
+
+
+def _fanout_case():
+    return dc.CASES["relay-disagg-tp2-to-tp2xdp3-gpn4"]
+
+
+def test_relay_fans_out_dp_replicas_inside_the_node():
+    """TP2 on ranks 0-1 -> TP2 x DP3 on ranks 2-7, nodes of 4. Node 1 (ranks 4-7) holds two replicas and no
+    source: each TP shard crosses the network once into it and is relayed; node 0 (ranks 2, 3) gets its shards
+    from the sources beside it. Heads take turns: rank 4, 5 receive w and relay it, ranks 6, 7 do so for b."""
+    case = _fanout_case()
+    plan = check_plan(case.src, case.dst, gpus_per_node=4, relay=True)
+    relays = sorted((t.tensor, t.src_rank, t.dst_rank, t.offsets) for t in plan.transfers if t.relay)
+    assert relays == [("b", 6, 4, (0,)), ("b", 7, 5, (6,)), ("w", 4, 6, (0, 0)), ("w", 5, 7, (6, 0))]
+    wire = sorted((t.tensor, t.src_rank, t.dst_rank) for t in plan.transfers if not t.relay)
+    assert wire == sorted([("w", 0, 2), ("w", 1, 3), ("b", 0, 2), ("b", 1, 3),  # node 0: NVLink
+                           ("w", 0, 4), ("w", 1, 5), ("b", 0, 6), ("b", 1, 7)])  # node 1: once each, network
+    near = plan_reshard(dc.side_layout(case.src), dc.side_layout(case.dst), False, 4, False)
+    a, b = near.stats(4), plan.stats(4)
+    shard = 6 * 10 * 4 + 6 * 4  # one TP shard of w and of b
+    assert (a.net_bytes, a.nvlink_bytes) == (4 * shard, 2 * shard)
+    assert (b.net_bytes, b.nvlink_bytes) == (2 * shard, 4 * shard)
+    assert b.wire_bytes == a.wire_bytes == b.lower_bound_bytes == 6 * shard
+    assert (b.relay_bytes, b.num_relays) == (2 * shard, 4)
+    assert b.recv_bytes == a.recv_bytes == {0: 0, 1: 0, **{r: shard for r in range(2, 8)}}
+
+
+def test_relay_schedule_runs_relays_in_a_later_phase():
+    plan = dc.case_plan(_fanout_case())
+    for bucket in (256, 1 << 20):
+        sched = check_schedule(plan, bucket)
+        phases = [s.phase for s in sched.steps]
+        assert phases == sorted(phases) and phases[-1] == 1
+        for s in sched.steps:
+            assert all(plan.transfers[c.transfer].relay == (s.phase == 1) for m in s.messages for c in m.chunks)
+
+
+def test_relay_heads_balance_network_receives():
+    """Eight tensors replicated on DP4 x TP2 inside one node of 8, held only in another node: every rank is
+    head for some, and the bytes each receives over the network stay within one piece of the mean."""
+    shapes = {f"t{i}": (16, 4 + i) for i in range(8)}
+    src = (P(shapes, [0, 1], [S0]),)
+    dst = (P(shapes, [[8, 9], [10, 11], [12, 13], [14, 15]], [R, S0]),)
+    plan = check_plan(src, dst, gpus_per_node=8)
+    net = {r: 0 for r in range(8, 16)}
+    relayed = {r: 0 for r in range(8, 16)}
+    for t in plan.transfers:
+        if t.relay:
+            relayed[t.src_rank] += t.nbytes
+        else:
+            net[t.dst_rank] += t.nbytes
+    largest = max(t.nbytes for t in plan.transfers)
+    mean = sum(net.values()) / len(net)
+    assert all(abs(n - mean) <= largest for n in net.values()), net
+    assert all(relayed.values()) and all(net.values())
+    assert sum(net.values()) == plan.stats().wire_bytes // 4  # each shard crosses the network once, not 4x
+    # the network senders stay balanced as without relays: the two holders send alike
+    st_ = plan.stats()
+    assert abs(st_.sent_bytes[0] - st_.sent_bytes[1]) <= largest
+
+
+def test_relay_needs_no_source_in_the_node():
+    """A holder inside the destination node sends over NVLink: no relay there (only node 1 fans out)."""
+    src = (P({"w": (8, 6)}, [0, 4], [R]),)  # a replica in each node of 4
+    dst = (P({"w": (8, 6)}, [1, 2, 5, 6, 9, 10], [R]),)
+    plan = check_plan(src, dst, gpus_per_node=4)
+    relays = [(t.src_rank, t.dst_rank) for t in plan.transfers if t.relay]
+    assert relays in ([(9, 10)], [(10, 9)])
+    assert sorted(t.src_rank // 4 for t in plan.transfers if not t.relay and t.dst_rank < 8) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(("src_dt", "dst_dt", "want"), [
+    pytest.param(torch.float32, torch.bfloat16, torch.bfloat16, id="narrowing-cast-on-the-sender"),
+    pytest.param(torch.bfloat16, torch.float32, torch.bfloat16, id="widening-floats"),
+    pytest.param(torch.int32, torch.int64, torch.int32, id="widening-signed-ints"),
+    pytest.param(torch.float16, torch.bfloat16, torch.bfloat16, id="same-size-floats-no-cast-back"),
+    pytest.param(torch.int8, torch.float32, None, id="int-to-float"),
+    pytest.param(torch.uint8, torch.int16, None, id="unsigned-to-signed"),
+    pytest.param(torch.bool, torch.int8, torch.int8, id="same-size-bool-to-int8"),
+])
+def test_relay_dtype(src_dt, dst_dt, want):
+    from triton_reshard.plan import _relay_dtype
+
+    wdt = dst_dt if itemsize(dst_dt) < itemsize(src_dt) else src_dt
+    assert _relay_dtype(src_dt, dst_dt, wdt) == want
+    src = (P({"w": (4, 3)}, [0], [R], src_dt),)
+    dst = (P({"w": (4, 3)}, [2, 3], [R], dst_dt),)
+    plan = check_plan(src, dst, allow_cast=True, gpus_per_node=2)
+    relays = [t for t in plan.transfers if t.relay]
+    assert [t.wire_dtype for t in relays] == ([want] if want is not None else [])
+    assert plan.stats().wire_bytes == plan.stats().lower_bound_bytes
+
+
+def test_relay_argument_checks():
+    src, dst = (dc.side_layout(s) for s in (_fanout_case().src, _fanout_case().dst))
+    with pytest.raises(ValueError, match="relay=True needs gpus_per_node"):
+        plan_reshard(src, dst, relay=True)
+    with pytest.raises(TypeError, match="relay"):
+        plan_reshard(src, dst, False, 4, "yes")
+    assert not any(t.relay for t in plan_reshard(src, dst).transfers)  # no node size: no relays
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        plan_reshard(src, dst).stats(0)
+
+
+def _fan3():
+    """w replicated from rank 0 onto ranks 4, 5, 6 (one node of 4): rank 4 receives, relays to 5 and 6."""
+    src, dst = dc.side_layout((P({"w": (4, 3)}, [0], [R]),)), dc.side_layout((P({"w": (4, 3)}, [4, 5, 6], [R]),))
+    plan = plan_reshard(src, dst, False, 4)
+    assert sorted((t.src_rank, t.dst_rank, t.relay) for t in plan.transfers) == [(0, 4, False), (4, 5, True), (4, 6, True)]
+    return src, dst, plan
+
+
+def test_relay_validation_rejects_chains():
+    src, dst, plan = _fan3()
+    net, to5, to6 = sorted(plan.transfers, key=lambda t: t.dst_rank)
+    chained = Transfer(to6.tensor, to6.offsets, to6.sizes, 5, "w", to6.src_offsets, 6, "w", to6.dst_offsets,
+                       to6.wire_dtype, True)  # 0 -> 4 -> 5 -> 6
+    with pytest.raises(ValueError, match=r"tensor 'w' reads on rank 5 a box that rank itself gets by relay from rank 4"):
+        Plan(src, dst, (net, to5, chained), ())
+    # half of the box relayed onward is enough to be a chain
+    top = Transfer("w", (0, 0), (2, 3), 5, "w", (0, 0), 6, "w", (0, 0), to6.wire_dtype, True)
+    bottom = Transfer("w", (2, 0), (2, 3), 4, "w", (2, 0), 6, "w", (2, 0), to6.wire_dtype, True)
+    with pytest.raises(ValueError, match="no relay chains"):
+        Plan(src, dst, (net, to5, top, bottom), ())
+    top_from_head = Transfer("w", (0, 0), (2, 3), 4, "w", (0, 0), 6, "w", (0, 0), to6.wire_dtype, True)
+    assert Plan(src, dst, (net, to5, top_from_head, bottom), ()).stats().num_relays == 3  # both halves from 4: fine
+
+
+def test_relay_validation_reads_the_destination_layout():
+    src, dst, plan = _fan3()
+    net, to5, to6 = sorted(plan.transfers, key=lambda t: t.dst_rank)
+
+    def with_to6(**kw):
+        fields = {f: getattr(to6, f) for f in ("tensor", "offsets", "sizes", "src_rank", "src_local", "src_offsets",
+                                              "dst_rank", "dst_local", "dst_offsets", "wire_dtype", "relay")}
+        return Plan(src, dst, (net, to5, Transfer(**{**fields, **kw})), ())
+
+    with pytest.raises(ValueError, match=r"relay .* tensor 'w' outside the destination fragments of rank 0"):
+        with_to6(src_rank=0)  # rank 0 holds w as a source, not as a destination
+    with pytest.raises(ValueError, match="outside the destination fragments of rank 4"):
+        with_to6(src_offsets=(1, 0))  # not where rank 4 keeps that box
+    with pytest.raises(ValueError, match="does not hold"):
+        with_to6(relay=False)  # not a relay: it would read rank 4's source tensors, and rank 4 has none
+    assert with_to6(src_rank=0, relay=False).stats().num_relays == 1  # rank 0's source sends it: fine
+    with pytest.raises(ValueError, match="stays on rank 6"):
+        Plan(src, dst, (net, to5), (Transfer("w", (0, 0), (4, 3), 6, "w", (0, 0), 6, "w", (0, 0), to6.wire_dtype, True),))
+    with pytest.raises(ValueError, match="gets 0 of its"):  # nobody writes rank 4's w: the relays read nothing
+        Plan(src, dst, (to5, to6), ())
+
+
+NODE_AWARE_PINNED = {  # plan digests of the node-aware routing, computed before relays existed
+    ("small_qwen3_moe", 2): "9d3d7c58b7126bf7", ("small_qwen3_moe", 4): "2fe39cc3cd8ebca5",
+    ("llama-3-8b", 2): "216cadd619ad1ab5", ("llama-3-8b", 4): "dc8b73b426519f87",
+}
+
+
+@pytest.mark.parametrize("name", ["small_qwen3_moe", "llama-3-8b"])
+def test_relay_off_keeps_the_node_aware_plans(name):
+    """relay=False gives the node-aware plans of before, bit for bit; relays (the default with a node size)
+    fan out the replicated pieces and still reach the lower bound."""
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config(name)
+    if name == "small_qwen3_moe":
+        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8))
+        dst = vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4)
+    else:
+        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ranks=range(8))
+        dst = vllm_layout(cfg, tp=4, dp=2, ranks=range(8))
+    for gpn in (2, 4):
+        near = plan_reshard(src, dst, False, gpn, False)
+        assert near.digest == NODE_AWARE_PINNED[(name, gpn)]
+        fan = plan_reshard(src, dst, False, gpn)
+        st_ = fan.stats(gpn)
+        assert st_.num_relays > 0 and st_.wire_bytes == st_.lower_bound_bytes == near.stats().wire_bytes
+        assert st_.net_bytes < near.stats(gpn).net_bytes

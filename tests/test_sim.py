@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from triton_reshard import Fragment, Layout, Resharder, plan_reshard
+from triton_reshard.plan import DIRECT_MIN_BYTES
 
 from . import dist_cases as dc
 from .dist_cases import S0, S1, S2, Case, F, P, R
@@ -76,7 +77,7 @@ def _compare(case, ranks, got, want):
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_sim_transfers(case):
-    plan = plan_reshard(dc.side_layout(case.src), dc.side_layout(case.dst), case.allow_cast)
+    plan = dc.case_plan(case)
     ranks = _ranks(case)
     src_data, dst_data = _data(case)
     src_t = {r: dc.build_locals(case.src, r, src_data, 0) for r in ranks}
@@ -85,45 +86,54 @@ def test_sim_transfers(case):
     _compare(case, ranks, dst_t, _expect(case, ranks, dst_data))
 
 
-def simulate_schedule(plan, bucket, src_t, dst_t):
-    """What every rank's Resharder does, step by step, with byte staging areas and plain slicing."""
-    sched = plan.schedule(bucket)
+def simulate_schedule(plan, bucket, src_t, dst_t, direct_min_bytes=DIRECT_MIN_BYTES):
+    """What every rank's Resharder does, step by step, with byte staging areas and plain slicing: each message
+    staged at the offset ``Schedule.for_rank`` gives, the n-th message a rank sends a peer in a step received as
+    the n-th message that peer receives from it (the order both sides post them in)."""
+    sched = plan.schedule(bucket, direct_min_bytes)
     per_rank = {r: sched.for_rank(r) for r in plan.ranks}
     for t in plan.local_copies:
         s, d = src_t[t.src_rank][t.src_local], dst_t[t.dst_rank][t.dst_local]
         d[dc.sub_index(d.dim(), t.dst_offsets, t.sizes)] = s[dc.sub_index(s.dim(), t.src_offsets, t.sizes)]
-    for i in range(len(sched.steps)):
+    phase = 0
+    for i, step in enumerate(sched.steps):
+        assert step.phase >= phase, "relay steps come after all others"
+        phase = step.phase
         send_area = {r: torch.full((per_rank[r][1],), 0xAB, dtype=torch.uint8) for r in plan.ranks}
         for r in plan.ranks:
             for _peer, at, m in per_rank[r][0][i].sends:
                 for c in m.chunks:
                     t = plan.transfers[c.transfer]
-                    s = src_t[r][t.src_local]
+                    assert t.relay == (step.phase == 1)
+                    s = (dst_t if t.relay else src_t)[r][t.src_local]
                     buf = send_area[r][at + c.buffer_offset: at + c.buffer_offset + c.nbytes]
                     buf.view(t.wire_dtype).view(c.sizes).copy_(s[dc.sub_index(s.dim(), t.src_offsets, c.sizes, c.offsets)])
         for r in plan.ranks:
             recv_area = torch.full((per_rank[r][2],), 0xCD, dtype=torch.uint8)
-            for peer, at, m in per_rank[r][0][i].recvs:
-                sent = [(a, m2) for p2, a, m2 in per_rank[peer][0][i].sends if p2 == r]
-                assert len(sent) == 1 and sent[0][1] == m, "sender and receiver disagree on the message"
-                recv_area[at: at + m.nbytes] = send_area[peer][sent[0][0]: sent[0][0] + m.nbytes]
-                for c in m.chunks:
-                    t = plan.transfers[c.transfer]
-                    d = dst_t[r][t.dst_local]
-                    buf = recv_area[at + c.buffer_offset: at + c.buffer_offset + c.nbytes]
-                    d[dc.sub_index(d.dim(), t.dst_offsets, c.sizes, c.offsets)] = buf.view(t.wire_dtype).view(c.sizes)
+            for peer in {p for p, _a, _m in per_rank[r][0][i].recvs}:
+                got = [(a, m) for p, a, m in per_rank[r][0][i].recvs if p == peer]
+                sent = [(a, m) for p2, a, m in per_rank[peer][0][i].sends if p2 == r]
+                assert [m for _a, m in sent] == [m for _a, m in got], "sender and receiver disagree on the messages"
+                for (at, m), (s_at, _m) in zip(got, sent, strict=True):
+                    recv_area[at: at + m.payload] = send_area[peer][s_at: s_at + m.payload]
+                    for c in m.chunks:
+                        t = plan.transfers[c.transfer]
+                        d = dst_t[r][t.dst_local]
+                        buf = recv_area[at + c.buffer_offset: at + c.buffer_offset + c.nbytes]
+                        d[dc.sub_index(d.dim(), t.dst_offsets, c.sizes, c.offsets)] = buf.view(t.wire_dtype).view(c.sizes)
     return sched
 
 
+@pytest.mark.parametrize("direct", [pytest.param(DIRECT_MIN_BYTES, id="packed"), pytest.param(0, id="direct")])
 @pytest.mark.parametrize("bucket", [pytest.param(None, id="case-bucket"), pytest.param(256, id="bucket-256")])
 @pytest.mark.parametrize("case", PARAMS)
-def test_sim_schedule(case, bucket):
-    plan = plan_reshard(dc.side_layout(case.src), dc.side_layout(case.dst), case.allow_cast)
+def test_sim_schedule(case, bucket, direct):
+    plan = dc.case_plan(case)
     ranks = _ranks(case)
     src_data, dst_data = _data(case, version=1)
     src_t = {r: dc.build_locals(case.src, r, src_data, 1) for r in ranks}
     dst_t = {r: dc.build_locals(case.dst, r, None, 1) for r in ranks}
-    sched = simulate_schedule(plan, bucket or case.bucket_bytes, src_t, dst_t)
+    sched = simulate_schedule(plan, bucket or case.bucket_bytes, src_t, dst_t, direct)
     _compare(case, ranks, dst_t, _expect(case, ranks, dst_data, pattern=1))
     if case.multi_step and bucket is None:
         assert len(sched.steps) > 1

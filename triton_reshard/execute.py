@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import ops
 from .layout import box_slices
-from .plan import Plan, RankStep
+from .plan import DIRECT_MIN_BYTES, Plan
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -49,6 +49,7 @@ class RunReport:
     wire_seconds: float = 0.0  # time from posting a step's sends/receives until they completed
     unpack_seconds: float = 0.0
     local_seconds: float = 0.0
+    in_place_bytes: int = 0  # of sent_bytes + recv_bytes: moved straight from/into the tensors, not staged
 
 
 def _to_timedelta(timeout) -> timedelta:
@@ -67,7 +68,9 @@ class Resharder:
     wait. ``backend`` forces the copy backend (``"torch"`` or ``"triton"``; default by device / the
     ``TRITON_RESHARD_BACKEND`` variable). ``overlap=True`` splits the bucket into two staging slots
     and packs step k+1 (and posts it) while step k is on the wire; staging memory stays within
-    ``bucket_bytes`` either way.
+    ``bucket_bytes`` either way. ``direct_min_bytes``: chunks at least this big that are contiguous in the
+    source or destination tensor are sent from / received into it in place, with no staging copy on that
+    side (see ``Plan.schedule``); every rank must pass the same value.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Resharder:
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         backend: str | None = None,
         overlap: bool = False,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
     ) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan, got {type(plan).__name__}")
@@ -87,6 +91,7 @@ class Resharder:
         self.timeout = _to_timedelta(timeout)
         self.backend = backend
         self.overlap = bool(overlap)
+        self.direct_min_bytes = int(direct_min_bytes)
         self.slots = 2 if self.overlap else 1
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
@@ -101,13 +106,15 @@ class Resharder:
                 f"rank {self.rank}: the plan uses ranks {missing} that are not in the process group "
                 f"{list(self.group_ranks)}"
             )
-        self.schedule = plan.schedule(self.bucket_bytes // self.slots)
+        self.schedule = plan.schedule(self.bucket_bytes // self.slots, self.direct_min_bytes)
         steps, send_slot, recv_slot = self.schedule.for_rank(self.rank)
         # only the steps this rank takes part in; step i of those uses staging slot i % slots
         self.steps = tuple((i, st) for i, st in enumerate(steps) if st.sends or st.recvs)
-        self._slot_bytes = (send_slot, recv_slot)
-        self.send_area_bytes = send_slot * min(self.slots, len(self.steps))
-        self.recv_area_bytes = recv_slot * min(self.slots, len(self.steps))
+        self._phase = tuple(self.schedule.steps[i].phase for i, _st in self.steps)
+        # the most staging this rank can need (every message staged); _bind allocates only what the bound
+        # tensors need: direct messages of contiguous tensors go in place
+        self.max_staging_bytes = (send_slot + recv_slot) * min(self.slots, len(self.steps))
+        self.send_area_bytes = self.recv_area_bytes = 0
         self._src_specs = plan.src.local_specs(self.rank)
         self._dst_specs = plan.dst.local_specs(self.rank)
         self._local = tuple(t for t in plan.local_copies if t.dst_rank == self.rank)
@@ -201,7 +208,9 @@ class Resharder:
         dev = self._comm_device()
         d = int(self.plan.digest, 16)
         mine = torch.tensor(
-            [d >> 32, d & 0xFFFFFFFF, self.bucket_bytes, 0 if error is None else 1], dtype=torch.int64, device=dev
+            [d >> 32, d & 0xFFFFFFFF, self.bucket_bytes, 0 if error is None else 1, self.direct_min_bytes,
+             int(self.overlap)],
+            dtype=torch.int64, device=dev,
         )
         out = [torch.empty_like(mine) for _ in self.group_ranks]
         work = dist.all_gather(out, mine, group=self.group, async_op=True)
@@ -210,10 +219,11 @@ class Resharder:
         if error is not None:
             raise error
         digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(self.group_ranks, rows, strict=True)}
-        if len(set(digests.values())) > 1 or len({row[2] for row in rows}) > 1:
+        if len(set(digests.values())) > 1 or len({(row[2], row[4], row[5]) for row in rows}) > 1:
             raise ReshardError(
-                f"rank {self.rank}: ranks run different plans (plan digest by rank: {digests}; bucket_bytes by "
-                f"rank: {[row[2] for row in rows]}); nothing was moved"
+                f"rank {self.rank}: ranks run different plans (plan digest by rank: {digests}; (bucket_bytes, "
+                f"direct_min_bytes, overlap) by rank: {[(row[2], row[4], bool(row[5])) for row in rows]}); "
+                f"nothing was moved"
             )
         bad = [r for r, row in zip(self.group_ranks, rows, strict=True) if row[3]]
         if bad:
@@ -231,12 +241,15 @@ class Resharder:
         )
 
     def _bind(self, src_tensors, dst_tensors, device: torch.device):
+        """Views for every copy and buffers for every message of this rank, built once per set of tensors.
+
+        A direct message whose view is contiguous (and already in the wire dtype) goes straight from the
+        source tensor or into the destination tensor; every other message is staged. The staging areas are
+        sized for the staged messages only (their offsets are a prefix of the schedule's areas).
+        """
         sig = (self._signature(src_tensors), self._signature(dst_tensors))
         if sig == self._bound_sig:
             return self._bound
-        if self._send_area is None or self._send_area.device != device:
-            self._send_area = torch.empty(self.send_area_bytes, dtype=torch.uint8, device=device)
-            self._recv_area = torch.empty(self.recv_area_bytes, dtype=torch.uint8, device=device)
         transfers = self.plan.transfers
 
         def view(base: torch.Tensor, start, off, size):
@@ -245,45 +258,76 @@ class Resharder:
             o = start[:extra] + tuple(a + b for a, b in zip(start[extra:], off, strict=True))
             return base[box_slices(o, (1,) * extra + tuple(size))].reshape(size)
 
-        def src_view(t, off, size):
-            return view(src_tensors[t.src_local], t.src_offsets, off, size)
+        def src_view(t, off, size):  # a relay reads what this rank received as destination
+            return view((dst_tensors if t.relay else src_tensors)[t.src_local], t.src_offsets, off, size)
 
         def dst_view(t, off, size):
             return view(dst_tensors[t.dst_local], t.dst_offsets, off, size)
+
+        def in_place(m, t, v):
+            """The bytes of view ``v`` of direct message ``m`` as a flat buffer, or None if it must be staged."""
+            if m.direct and v.dtype == t.wire_dtype and v.is_contiguous():
+                return v.reshape(-1).view(torch.uint8)
+            return None
+
+        local = [
+            (src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes)) for t in self._local
+        ]
+        # first pass: which messages go in place, and how much staging the others need per slot
+        plans = []  # per step: (sends, recvs) of (peer, at, message, view of each chunk, in-place buffer or None)
+        need_s = need_r = 0
+        for _i, step in self.steps:
+            sends, recvs = [], []
+            for peer, at, m in step.sends:
+                views = [src_view(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
+                buf = in_place(m, transfers[m.chunks[0].transfer], views[0])
+                sends.append((peer, at, m, views, buf))
+                if buf is None:
+                    need_s = max(need_s, at + m.nbytes)
+            for peer, at, m in step.recvs:
+                views = [dst_view(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
+                buf = in_place(m, transfers[m.chunks[0].transfer], views[0])
+                recvs.append((peer, at, m, views, buf))
+                if buf is None:
+                    need_r = max(need_r, at + m.nbytes)
+            plans.append((sends, recvs))
+        n_slots = min(self.slots, len(self.steps))
+        self.send_area_bytes, self.recv_area_bytes = need_s * n_slots, need_r * n_slots
+        if (self._send_area is None or self._send_area.device != device
+                or self._send_area.numel() < self.send_area_bytes or self._recv_area.numel() < self.recv_area_bytes):
+            self._send_area = torch.empty(self.send_area_bytes, dtype=torch.uint8, device=device)
+            self._recv_area = torch.empty(self.recv_area_bytes, dtype=torch.uint8, device=device)
 
         def buf_view(area, at, chunk, t):
             n = math.prod(chunk.sizes)
             start = at + chunk.buffer_offset
             return area[start:start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
 
-        local = [
-            (src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes)) for t in self._local
-        ]
         packs, unpacks, ops_per_step = [], [], []
-        for pos, (_i, step) in enumerate(self.steps):
-            pk, up = [], []
-            s_base = (pos % self.slots) * self._slot_bytes[0]
-            r_base = (pos % self.slots) * self._slot_bytes[1]
-            step = RankStep(
-                tuple((peer, at + s_base, m) for peer, at, m in step.sends),
-                tuple((peer, at + r_base, m) for peer, at, m in step.recvs),
-            )
-            for _peer, at, m in step.sends:
-                for c in m.chunks:
-                    t = transfers[c.transfer]
-                    pk.append((src_view(t, c.offsets, c.sizes), buf_view(self._send_area, at, c, t)))
-            for _peer, at, m in step.recvs:
-                for c in m.chunks:
-                    t = transfers[c.transfer]
-                    up.append((buf_view(self._recv_area, at, c, t), dst_view(t, c.offsets, c.sizes)))
+        for pos, (sends, recvs) in enumerate(plans):
+            pk, up, wire_s, wire_r = [], [], [], []
+            s_base, r_base = (pos % self.slots) * need_s, (pos % self.slots) * need_r
+            for peer, at, m, views, buf in sends:
+                if buf is None:
+                    at += s_base
+                    for c, v in zip(m.chunks, views, strict=True):
+                        pk.append((v, buf_view(self._send_area, at, c, transfers[c.transfer])))
+                    buf = self._send_area[at:at + m.payload]
+                wire_s.append((peer, buf))
+            for peer, at, m, views, buf in recvs:
+                if buf is None:
+                    at += r_base
+                    for c, v in zip(m.chunks, views, strict=True):
+                        up.append((buf_view(self._recv_area, at, c, transfers[c.transfer]), v))
+                    buf = self._recv_area[at:at + m.payload]
+                wire_r.append((peer, buf))
             packs.append(pk)
             unpacks.append(up)
-            ops_per_step.append(
-                ([(peer, self._send_area[at:at + m.nbytes]) for peer, at, m in step.sends],
-                 [(peer, self._recv_area[at:at + m.nbytes]) for peer, at, m in step.recvs])
-            )
+            ops_per_step.append((wire_s, wire_r))
         self._bound_sig = sig
         self._bound = (local, packs, unpacks, ops_per_step)
+        self._in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
+                                   if buf is not None)
         return self._bound
 
     # -- run ------------------------------------------------------------------------------------------
@@ -308,22 +352,32 @@ class Resharder:
         key = (id(self), hash(self._bound_sig))
         clock = time.perf_counter
         t_pack = t_wire = t_unpack = 0.0
-        with torch.no_grad():
+        t_local = None
+
+        def local_copies() -> float:
             t = clock()
             ops.copy_views(local, backend, key=(key, "local"))
-            t_local = clock() - t
+            return clock() - t
+
+        with torch.no_grad():
             sent = recvd = 0
             pending: tuple | None = None  # (position, works, peers) of the step on the wire
             for pos, ((i, _st), pk, _up, (sends, recvs)) in enumerate(
                 zip(self.steps, packs, unpacks, wire, strict=True)
             ):
-                if pending is not None and self.slots == 1:
+                if pending is not None and (self.slots == 1 or self._phase[pending[0]] != self._phase[pos]):
+                    # one slot: the previous step's buffers are reused; a new phase: relays read what the
+                    # previous phase received
                     t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
                     pending = None
+                if t_local is None and self._phase[pos]:  # relays may read what the local copies write
+                    t_local = local_copies()
                 t0_ = clock()
                 ops.copy_views(pk, backend, key=(key, "pack", i))
                 t_pack += clock() - t0_
                 works = self._post(sends, recvs)
+                if t_local is None:  # the local copies run while the first step is on the wire
+                    t_local = local_copies()
                 if pending is not None:  # step pos-1 was on the wire while we packed and posted step pos
                     t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
                 pending = (pos, works, {p for p, _ in sends} | {p for p, _ in recvs})
@@ -331,6 +385,8 @@ class Resharder:
                 recvd += sum(b.numel() for _, b in recvs)
             if pending is not None:
                 t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
+            if t_local is None:  # no steps on this rank
+                t_local = local_copies()
         if device is not None and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         return RunReport(
@@ -345,6 +401,7 @@ class Resharder:
             wire_seconds=t_wire,
             unpack_seconds=t_unpack,
             local_seconds=t_local,
+            in_place_bytes=self._in_place_bytes,
         )
 
     def _post(self, sends, recvs) -> list:

@@ -25,6 +25,11 @@ import torch
 from .layout import Fragment, Layout, TensorSpec, _dtype_name, _find_overlap, _gc_paused, _itemsize
 
 ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
+# A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
+# message, so the executor can send it straight from the source tensor or receive it straight into the
+# destination (no pack or unpack copy on that side). Below it, one packed message per peer costs less than a
+# message per chunk (each message has a fixed cost on the transport).
+DIRECT_MIN_BYTES = 1 << 20
 
 
 def _align(n: int) -> int:
@@ -43,6 +48,9 @@ class Transfer:
     ``offsets``/``sizes``: the box in the logical tensor. ``src_offsets``/``dst_offsets``: where it starts in
     the source/destination local tensor (local dims; extra leading dims have size 1). ``wire_dtype``: the
     dtype the bytes travel in (the smaller of the two when they differ; cast on the sender when it shrinks).
+    ``relay``: the source is not the source layout but the *destination* local tensor ``src_local`` of
+    ``src_rank``, which an earlier phase of the plan already wrote (fan-out inside a node: one network
+    receive, then NVLink sends); relays run after every non-relay transfer and local copy.
     """
 
     tensor: str
@@ -55,6 +63,7 @@ class Transfer:
     dst_local: str
     dst_offsets: tuple[int, ...]
     wire_dtype: torch.dtype
+    relay: bool = False
 
     @property
     def numel(self) -> int:
@@ -69,15 +78,16 @@ class Transfer:
         return self.src_rank == self.dst_rank
 
     def key(self) -> tuple:
-        return (
+        k = (
             self.tensor, self.offsets, self.sizes, self.src_rank, self.src_local, self.src_offsets,
             self.dst_rank, self.dst_local, self.dst_offsets, _dtype_name(self.wire_dtype),
         )
+        return k + (True,) if self.relay else k  # plans without relays keep their digests
 
     def __str__(self) -> str:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
         return (
-            f"{self.tensor}[{box}] rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
+            f"{self.tensor}[{box}] {'relay ' if self.relay else ''}rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
             f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {_dtype_name(self.wire_dtype)})"
         )
 
@@ -95,17 +105,30 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """All bytes ``src`` sends ``dst`` in one step: one contiguous buffer on each side."""
+    """Bytes ``src`` sends ``dst`` in one step: one contiguous buffer on each side.
+
+    Per step a pair exchanges at most one packed message (``direct=False``: many chunks at aligned offsets)
+    and any number of direct ones (one big chunk that is contiguous in its source or destination local
+    tensor: the executor sends or receives it in place when the real tensor is contiguous, and stages it
+    otherwise). Messages of one pair are posted in the order they are listed, on both sides.
+    """
 
     src: int
     dst: int
-    nbytes: int  # aligned size of the buffer
+    nbytes: int  # aligned size of its place in the staging area
     chunks: tuple[Chunk, ...]
+    direct: bool = False
+
+    @property
+    def payload(self) -> int:
+        """Bytes on the wire: up to the end of the last chunk (no trailing alignment padding)."""
+        return max((c.buffer_offset + c.nbytes for c in self.chunks), default=0)
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
     messages: tuple[Message, ...]
+    phase: int = 0  # 0: from the source layout; 1: relays from what phase 0 wrote (all phase-0 steps come first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,18 +148,30 @@ class Schedule:
     steps: tuple[Step, ...]
 
     def for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
-        """This rank's steps, plus the sizes of the send and receive staging areas it needs."""
+        """This rank's steps, plus the sizes of the send and receive staging areas it needs.
+
+        Per step the packed messages come first (by peer), then the direct ones (in step order): so the
+        staging a rank really uses, when its direct messages go in place, is a prefix of its areas; and the
+        messages of one pair are in the same order on the sending and the receiving side.
+        """
+        with _gc_paused():
+            return self._for_rank(rank)
+
+    def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
         out, send_area, recv_area = [], 0, 0
         for step in self.steps:
             sends, recvs, s_off, r_off = [], [], 0, 0
-            for m in step.messages:  # messages are sorted by (src, dst)
-                if m.src == rank:
-                    sends.append((m.dst, s_off, m))
-                    s_off += m.nbytes
-            for m in sorted(step.messages, key=lambda m: (m.dst, m.src)):
-                if m.dst == rank:
-                    recvs.append((m.src, r_off, m))
-                    r_off += m.nbytes
+            mine_s = [m for m in step.messages if m.src == rank]  # sorted by (dst, direct)
+            mine_r = sorted((m for m in step.messages if m.dst == rank), key=lambda m: m.src)
+            for direct in (False, True):
+                for m in mine_s:
+                    if m.direct == direct:
+                        sends.append((m.dst, s_off, m))
+                        s_off += m.nbytes
+                for m in mine_r:
+                    if m.direct == direct:
+                        recvs.append((m.src, r_off, m))
+                        r_off += m.nbytes
             send_area, recv_area = max(send_area, s_off), max(recv_area, r_off)
             out.append(RankStep(tuple(sends), tuple(recvs)))
         return tuple(out), send_area, recv_area
@@ -156,6 +191,11 @@ class PlanStats:
     recv_bytes: dict[int, int]
     num_transfers: int
     num_local_copies: int
+    relay_bytes: int = 0  # of wire_bytes: sent by relays (forwarding what a rank received; a later phase)
+    num_relays: int = 0  # of num_transfers
+    gpus_per_node: int | None = None  # the node size below (``Plan.stats(gpus_per_node)``), None: not asked
+    net_bytes: int | None = None  # of wire_bytes: between nodes (over the network)
+    nvlink_bytes: int | None = None  # of wire_bytes: inside a node (over NVLink)
 
     @property
     def max_sent_bytes(self) -> int:
@@ -179,6 +219,11 @@ class PlanStats:
             "max_recv_bytes": self.max_recv_bytes,
             "num_transfers": self.num_transfers,
             "num_local_copies": self.num_local_copies,
+            "relay_bytes": self.relay_bytes,
+            "num_relays": self.num_relays,
+            "gpus_per_node": self.gpus_per_node,
+            "net_bytes": self.net_bytes,
+            "nvlink_bytes": self.nvlink_bytes,
         }
 
 
@@ -208,8 +253,9 @@ class Plan:
             h = hashlib.sha256()
             h.update(self.src.digest.encode())
             h.update(self.dst.digest.encode())
-            for t in self.transfers + self.local_copies:
-                h.update(repr(t.key()).encode())
+            with _gc_paused():  # millions of short-lived tuples: collector passes would dominate
+                for t in self.transfers + self.local_copies:
+                    h.update(repr(t.key()).encode())
             self._cache["digest"] = h.hexdigest()[:16]
         return self._cache["digest"]
 
@@ -217,33 +263,80 @@ class Plan:
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.src.ranks) | set(self.dst.ranks)))
 
-    def stats(self) -> PlanStats:
-        if "stats" not in self._cache:
+    def stats(self, gpus_per_node: int | None = None) -> PlanStats:
+        """Bytes and counts (cached). ``gpus_per_node``: also split the wire bytes into network (between nodes
+        of that many consecutive ranks) and NVLink (inside a node) bytes; relays are counted in both the
+        totals and ``relay_bytes``."""
+        if gpus_per_node is not None and (
+            not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
+        ):
+            raise ValueError(f"Plan.stats: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
+        key = ("stats", gpus_per_node)
+        if key not in self._cache:
             sent: dict[int, int] = defaultdict(int)
             recv: dict[int, int] = defaultdict(int)
+            relay_bytes = num_relays = net = 0
             for t in self.transfers:
-                sent[t.src_rank] += t.nbytes
-                recv[t.dst_rank] += t.nbytes
+                n = t.nbytes
+                sent[t.src_rank] += n
+                recv[t.dst_rank] += n
+                if t.relay:
+                    relay_bytes += n
+                    num_relays += 1
+                if gpus_per_node and t.src_rank // gpus_per_node != t.dst_rank // gpus_per_node:
+                    net += n
             for r in self.ranks:
                 sent.setdefault(r, 0)
                 recv.setdefault(r, 0)
-            self._cache["stats"] = PlanStats(
-                wire_bytes=sum(t.nbytes for t in self.transfers),
+            if "lower_bound" not in self._cache:
+                self._cache["lower_bound"] = lower_bound_bytes(self.src, self.dst)
+            wire = sum(sent.values())
+            self._cache[key] = PlanStats(
+                wire_bytes=wire,
                 local_bytes=sum(t.nbytes for t in self.local_copies),
-                lower_bound_bytes=lower_bound_bytes(self.src, self.dst),
+                lower_bound_bytes=self._cache["lower_bound"],
                 sent_bytes=dict(sorted(sent.items())),
                 recv_bytes=dict(sorted(recv.items())),
                 num_transfers=len(self.transfers),
                 num_local_copies=len(self.local_copies),
+                relay_bytes=relay_bytes,
+                num_relays=num_relays,
+                gpus_per_node=gpus_per_node,
+                net_bytes=net if gpus_per_node else None,
+                nvlink_bytes=wire - net if gpus_per_node else None,
             )
-        return self._cache["stats"]
-
-    def schedule(self, bucket_bytes: int) -> Schedule:
-        """Cut the wire transfers into steps within ``bucket_bytes`` of staging per rank (cached)."""
-        key = ("schedule", int(bucket_bytes))
-        if key not in self._cache:
-            self._cache[key] = build_schedule(self.transfers, int(bucket_bytes))
         return self._cache[key]
+
+    def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
+        """Cut the wire transfers into steps within ``bucket_bytes`` of staging per rank (cached).
+
+        Chunks of at least ``direct_min_bytes`` that are contiguous in their source or destination local
+        tensor become direct messages (sent or received in place by the executor)."""
+        key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
+        if key not in self._cache:
+            self._cache[key] = build_schedule(
+                self.transfers, int(bucket_bytes), self._contiguity(int(direct_min_bytes)), int(direct_min_bytes)
+            )
+        return self._cache[key]
+
+    def _contiguity(self, min_bytes: int = 0) -> list[tuple | None]:
+        """Per wire transfer: (source local shape or None, destination local shape or None): the local tensor
+        on the side where its bytes could move in place (wire dtype == local dtype), for direct messages.
+        None for transfers under ``min_bytes`` (never direct)."""
+        src_locals, dst_locals = self.src._locals_by_rank, self.dst._locals_by_rank
+        empty: dict = {}
+        out: list[tuple | None] = []
+        with _gc_paused():
+            for t in self.transfers:
+                if t.nbytes < min_bytes:
+                    out.append(None)
+                    continue
+                s = (dst_locals if t.relay else src_locals).get(t.src_rank, empty).get(t.src_local)
+                d = dst_locals.get(t.dst_rank, empty).get(t.dst_local)
+                w = t.wire_dtype
+                out.append((s.shape if s is not None and s.dtype == w else None,
+                            d.shape if d is not None and d.dtype == w else None))
+        return out
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -442,7 +535,8 @@ _LOCAL_ORDER = attrgetter("dst_rank", "tensor", "offsets", "dst_local")
 
 
 @lru_cache(maxsize=64)
-def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None) -> Plan:
+def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
+                 relay: bool | None = None) -> Plan:
     """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
 
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
@@ -455,6 +549,19 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     keeps its bytes sent within the larger of its fair share (wire bytes / sending ranks) and what the least
     loaded holder would reach; so fewer bytes cross the network while the bytes sent (and the number of
     schedule steps) stay balanced. The wire bytes stay the lower bound. ``None``: no topology (the default).
+
+    ``relay`` (needs ``gpus_per_node``; ``None``: on exactly when ``gpus_per_node`` is given): fan-out inside a
+    node, the idea of NCCL's M2N ring. A piece that several ranks of one node need (one destination box
+    replicated, e.g. on the DP replicas of vLLM TP x DP) while no source rank of that node holds it crosses the
+    network once per node instead of once per rank: one of those ranks, the *head*, receives it from a source
+    holder as usual, and the others get it from the head by relay transfers (``Transfer.relay``), which read
+    the head's destination tensor and run in a second phase, over NVLink. Heads are chosen largest piece
+    first, each the rank of its group with the fewest bytes received over the network so far (then the
+    fewest bytes relayed, then the lowest rank): the network receives spread over the replicas of the node.
+    Relay bytes are not counted as sender load when the network senders are balanced: they leave another
+    port (NVLink, ~10-20x faster) in a later phase. Every destination element still arrives once, so the wire
+    bytes stay the lower bound; only the senders change, and fewer bytes cross the network. A plan in which
+    nothing fans out, and every plan with ``relay=False``, is exactly the plan of the node-aware routing alone.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
@@ -462,9 +569,15 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
         not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
     ):
         raise ValueError(f"plan_reshard: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
+    if relay is None:
+        relay = gpus_per_node is not None
+    elif not isinstance(relay, bool):
+        raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
+    elif relay and gpus_per_node is None:
+        raise ValueError("plan_reshard: relay=True needs gpus_per_node (relays fan out inside a node)")
     _check_specs(src, dst, allow_cast)
     with _gc_paused():
-        local, wire = _route(src, dst, gpus_per_node)
+        local, wire = _route(src, dst, gpus_per_node, relay)
         return Plan(src, dst, tuple(wire), tuple(local))
 
 
@@ -483,13 +596,38 @@ def _holders(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragme
     return first, (tuple(sorted(best)), best, next(iter(first.values())))
 
 
-def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Transfer], list[Transfer]]:
-    """The local copies and wire transfers of ``plan_reshard`` (sorted as the plan lists them)."""
+def _relay_dtype(src_dtype: torch.dtype, dst_dtype: torch.dtype, wdt: torch.dtype) -> torch.dtype | None:
+    """The dtype relays of a tensor travel in, or None when no relay can be both exact and as small as ``wdt``.
+
+    A relay reads the destination tensor (``dst_dtype``), whose values came through ``wdt``. Same item size:
+    the destination dtype itself, no cast (casting back to the source dtype could overflow, e.g. fp16 -> bf16
+    -> fp16 at 65504). A destination wider than the wire (``wdt`` is the source dtype, e.g. bf16 -> fp32):
+    ``wdt`` again, exact when both are floating point or both signed integers (the widening is undone
+    exactly); other mixes (int -> float, unsigned, bool) get no relays, so the wire bytes stay the bound.
+    """
+    if _itemsize(wdt) == _itemsize(dst_dtype):
+        return dst_dtype
+    if src_dtype.is_complex or dst_dtype.is_complex:
+        return None
+    if src_dtype.is_floating_point and dst_dtype.is_floating_point:
+        return wdt
+    if not (src_dtype.is_floating_point or dst_dtype.is_floating_point) and src_dtype.is_signed and dst_dtype.is_signed:
+        return wdt
+    return None
+
+
+def _route(src: Layout, dst: Layout, gpus_per_node: int | None,
+           relay: bool = False) -> tuple[list[Transfer], list[Transfer]]:
+    """The local copies and wire transfers (relays included) of ``plan_reshard``, sorted as the plan lists
+    them."""
     world = max(src.ranks + dst.ranks, default=0) + 1
+    gpn = gpus_per_node
     local: list[Transfer] = []
     # remote pieces: (dst fragment, piece offsets, piece sizes, holders (see _holders), wire dtype)
     remote: list[tuple[Fragment, tuple, tuple, tuple, torch.dtype]] = []
     nbytes: list[int] = []  # of each remote piece
+    # fan-out groups (relay): (piece offsets, sizes, holders, wire dtype, relay dtype, bytes, {rank: [dst frags]})
+    fans: list[tuple] = []
     src_by_tensor = src.fragments_by_tensor
     for spec in dst.tensors:
         dfrags = [f for f in dst.fragments_by_tensor.get(spec.name, ()) if 0 not in f.sizes]
@@ -500,6 +638,7 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Tr
         sspec = src.specs[spec.name]
         wdt = _wire_dtype(sspec, spec)
         isz = _itemsize(wdt)
+        rdt = _relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None
         sboxes = list(_distinct_boxes(src_by_tensor.get(spec.name, ())).items())
         summaries: dict[int, tuple] = {}  # source box -> _holders of its fragments
         for (d_off, d_size), dgroup in _distinct_boxes(dfrags).items():
@@ -520,6 +659,10 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Tr
                 else:
                     h = _holders([sboxes[i][1] for j, i in enumerate(cand) if mask >> j & 1])
                 routed.append((p_off, p_size, h[0], h[1], math.prod(p_size) * isz))
+            if rdt is not None and len(dgroup) > 1:
+                _group_by_node(spec.name, sorted(dgroup, key=_DST_ORDER), routed, gpn, wdt, rdt, local, remote,
+                               nbytes, fans)
+                continue
             for df in sorted(dgroup, key=_DST_ORDER) if len(dgroup) > 1 else dgroup:
                 for p_off, p_size, first, holders, n in routed:
                     mine = first.get(df.rank)
@@ -528,6 +671,7 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Tr
                     else:
                         remote.append((df, p_off, p_size, holders, wdt))
                         nbytes.append(n)
+    relays = _choose_heads(fans, remote, nbytes, gpn, world) if fans else []
     # choose holders: fixed ones first, then largest first onto the least loaded holder
     load = [0] * world
     chosen: list[Fragment | None] = [None] * len(remote)
@@ -539,10 +683,11 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Tr
         else:
             flexible.append(i)
     flexible.sort(key=nbytes.__getitem__, reverse=True)  # largest first; stable: ties keep their order
-    gpn = gpus_per_node
     if gpn:  # a holder in the destination's node sends, unless that takes it past its fair share
         senders = {r for _df, _o, _s, (ranks, _b, _f), _w in remote for r in ranks}
-        fair = -(-sum(nbytes) // max(1, len(senders)))
+        # relayed bytes count as if sent from a source: the threshold stays the one without relays, so relays
+        # do not make the near holders refuse pieces they would send otherwise
+        fair = -(-(sum(nbytes) + sum(t.nbytes for t in relays)) // max(1, len(senders)))
     for i in flexible:
         df, _o, _s, (ranks, best, _first), _w = remote[i]
         r = _least_loaded(ranks, load, df.rank)
@@ -555,9 +700,80 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None) -> tuple[list[Tr
         chosen[i] = best[r]
         load[r] += nbytes[i]
     wire = [_make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
+    wire += relays
     wire.sort(key=_WIRE_ORDER)
     local.sort(key=_LOCAL_ORDER)
     return local, wire
+
+
+def _group_by_node(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int, wdt: torch.dtype,
+                   rdt: torch.dtype, local: list, remote: list, nbytes: list, fans: list) -> None:
+    """Route the pieces of one replicated destination box (``dgroup``, in destination order) with relays on.
+
+    A piece that at least two ranks of a node need over the wire, while no source rank of that node holds it,
+    becomes a fan-out group of that node (appended to ``fans``; its head is chosen later, with the loads
+    known). Everything else is routed exactly as without relays and in the same order (local copies where
+    the destination rank holds the piece, remote pieces otherwise), so a plan without fan-out groups is the
+    plan without relays.
+    """
+    fan_of: dict[tuple[int, int], dict[int, list[Fragment]]] = {}  # (piece, node) -> {rank: its fragments}
+    for k, (p_off, p_size, first, holders, n) in enumerate(routed):
+        need: dict[int, set[int]] = {}  # node -> the ranks in it that need the piece over the wire
+        for df in dgroup:
+            if df.rank not in first:
+                need.setdefault(df.rank // gpn, set()).add(df.rank)
+        held = None
+        for node, ranks in need.items():
+            if len(ranks) > 1:
+                if held is None:
+                    held = {r // gpn for r in holders[0]}
+                if node not in held:
+                    fan_of[(k, node)] = by_rank = {}
+                    fans.append((p_off, p_size, holders, wdt, rdt, n, by_rank))
+    for df in dgroup:
+        for k, (p_off, p_size, first, holders, n) in enumerate(routed):
+            mine = first.get(df.rank)
+            if mine is not None:
+                local.append(_make_transfer(name, p_off, p_size, mine, df, wdt))
+                continue
+            by_rank = fan_of.get((k, df.rank // gpn)) if fan_of else None
+            if by_rank is not None:
+                by_rank.setdefault(df.rank, []).append(df)
+            else:
+                remote.append((df, p_off, p_size, holders, wdt))
+                nbytes.append(n)
+
+
+def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int, world: int) -> list[Transfer]:
+    """Pick the head of every fan-out group: append its pieces to ``remote`` (they get a source holder like
+    any other) and return the relay transfers from it to the other ranks of the group.
+
+    Largest group piece first, the head is the rank with the fewest bytes received over the network so far
+    (counting the remote pieces no holder in the rank's node can send, which surely cross the network), then
+    the fewest bytes relayed, then the lowest rank. So replicas take turns, and each rank's network receive
+    (its share of the first phase) and its relay sends (the second phase) stay balanced.
+    """
+    net_recv = [0] * world
+    for (df, _o, _s, (ranks, _b, _f), _w), n in zip(remote, nbytes, strict=True):
+        node = df.rank // gpn
+        if all(r // gpn != node for r in ranks):
+            net_recv[df.rank] += n
+    relayed = [0] * world
+    relays: list[Transfer] = []
+    for k in sorted(range(len(fans)), key=lambda k: -fans[k][5]):  # stable: ties keep their order
+        p_off, p_size, holders, wdt, rdt, n, by_rank = fans[k]
+        head = min(by_rank, key=lambda r: (net_recv[r], relayed[r], r))
+        heads = by_rank[head]
+        for df in heads:
+            remote.append((df, p_off, p_size, holders, wdt))
+            nbytes.append(n)
+        net_recv[head] += n * len(heads)
+        for r, dfs in by_rank.items():
+            if r != head:
+                for df in dfs:
+                    relays.append(_make_transfer(df.tensor, p_off, p_size, heads[0], df, rdt, True))
+                    relayed[head] += n
+    return relays
 
 
 def _least_loaded(ranks: Sequence[int], load: list[int], dst_rank: int) -> int:
@@ -572,11 +788,12 @@ def _least_loaded(ranks: Sequence[int], load: list[int], dst_rank: int) -> int:
     return ties[k] if k < len(ties) else ties[0]
 
 
-def _make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype) -> Transfer:
+def _make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
+    """``sf`` is a source fragment, or for a relay the destination fragment of the rank that relays."""
     # a fragment's own box starts at its local_offsets (the common case: no local_box to compute)
     s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
     d_off = df.local_offsets if off == df.offsets else df.local_box(off, size)[0]
-    return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt)
+    return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt, relay)
 
 
 def lower_bound_bytes(src: Layout, dst: Layout) -> int:
@@ -640,19 +857,37 @@ def _reads(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
 
 
 def _validate_plan(plan: Plan) -> None:
-    """Exact cover of every destination fragment; every transfer reads what its source rank holds.
+    """Exact cover of every destination fragment; every transfer reads what its source rank holds; every relay
+    reads a box its rank received from non-relay transfers or local copies.
 
     Linear in the transfers: per transfer, the fragments of its (tensor, rank, local tensor) on each side
     (usually one). A transfer writes inside one destination fragment (the fragments of a local tensor are
-    disjoint), so the cover is checked per fragment: usually one transfer of the fragment's size.
+    disjoint), so the cover is checked per fragment: usually one transfer of the fragment's size. A relay reads
+    inside one destination fragment of its sender; once the cover is exact, the box it reads was written
+    entirely by non-relays exactly when no relay writes into that box, so only the (rare) fragments that are
+    both read and written by relays are compared.
     """
     src, dst = plan.src, plan.dst
     s_index, d_index = src._fragments_by_local, dst._fragments_by_local
     written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
+    relay_reads: list[tuple[Fragment, Transfer]] = []  # (the sender's destination fragment, the relay)
+    relay_written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the relays writing into it
     with _gc_paused():
         for t in plan.transfers + plan.local_copies:
             off, size = t.offsets, t.sizes
-            if _reads(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
+            if t.relay:
+                if t.src_rank == t.dst_rank:
+                    raise ValueError(f"plan: relay {t} of tensor {t.tensor!r} stays on rank {t.src_rank} "
+                                     f"(a relay is a wire transfer from another rank's destination tensor)")
+                sf = _reads(d_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets)
+                if sf is None:
+                    raise ValueError(
+                        f"plan: relay {t} reads a box of tensor {t.tensor!r} outside the destination fragments of "
+                        f"rank {t.src_rank} (a relay sends what its rank received; it reads the destination layout)"
+                    )
+                if 0 not in size:
+                    relay_reads.append((sf, t))
+            elif _reads(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
                 raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
             df = _reads(d_index.get((t.tensor, t.dst_rank, t.dst_local), ()), off, size, t.dst_offsets)
             if df is None:
@@ -663,6 +898,8 @@ def _validate_plan(plan: Plan) -> None:
                     written[id(df)] = [t]
                 else:
                     ts.append(t)
+                if t.relay:
+                    relay_written.setdefault(id(df), []).append(t)
         for f in dst.fragments:
             ts = written.get(id(f))
             if ts is None:
@@ -677,6 +914,15 @@ def _validate_plan(plan: Plan) -> None:
             if not exact:
                 _check_cover(plan)  # raises, naming the local tensor
                 raise ValueError(f"plan: destination fragment {f} is not covered exactly once")
+        if relay_written:
+            for sf, t in relay_reads:
+                for w in relay_written.get(id(sf), ()):
+                    if _overlaps(w.offsets, w.sizes, t.offsets, t.sizes):
+                        raise ValueError(
+                            f"plan: relay {t} of tensor {t.tensor!r} reads on rank {t.src_rank} a box that rank "
+                            f"itself gets by relay from rank {w.src_rank} ({w}); a relay may only read boxes "
+                            f"written by non-relay transfers or local copies (no relay chains)"
+                        )
 
 
 def _check_cover(plan: Plan) -> None:
@@ -734,12 +980,36 @@ def _split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tu
     return out
 
 
-def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int) -> Schedule:
-    """First-fit-decreasing packing of chunks into steps with per-rank send and receive caps."""
+def _is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple[int, ...],
+                       size: tuple[int, ...]) -> bool:
+    """Whether the sub-box ``off``+``size`` of the box starting at ``start`` (local coordinates; a local
+    tensor may have extra leading dims, where the box has size 1) is one contiguous run of a contiguous
+    tensor of ``shape``: every dim after its first dim of size > 1 is whole."""
+    full = (1,) * (len(shape) - len(size)) + tuple(size)
+    seen = False
+    for n, s in zip(full, shape, strict=True):
+        if seen and n != s:
+            return False
+        if n > 1:
+            seen = True
+    return True
+
+
+def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None = None,
+                   direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
+    """First-fit-decreasing packing of chunks into steps with per-rank send and receive caps.
+
+    Relay transfers get steps of their own after all others (phase 1). ``contiguity``: per transfer, the
+    (source, destination) local tensor shapes where its bytes could move in place (see
+    ``Plan._contiguity``); chunks of at least ``direct_min_bytes`` contiguous on one of those sides become
+    direct messages. None: every message is packed.
+    """
     if bucket_bytes < 16 * ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
+    if direct_min_bytes < 0:
+        raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
     with _gc_paused():
-        return _build_schedule(transfers, bucket_bytes)
+        return _build_schedule(transfers, bucket_bytes, contiguity, direct_min_bytes)
 
 
 def _first_fit(chunks: Sequence[tuple], order: Sequence[int], cap: int) -> list[list[int]]:
@@ -790,29 +1060,51 @@ def _first_fit(chunks: Sequence[tuple], order: Sequence[int], cap: int) -> list[
     return placed
 
 
-def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int) -> Schedule:
+def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None,
+                    direct_min_bytes: int) -> Schedule:
     cap = bucket_bytes // 2 // ALIGN * ALIGN
     chunks: list[tuple[int, tuple, tuple, int, int, int]] = []  # (transfer, off, size, nbytes, src, dst)
+    phase_of: list[int] = []
     for i, t in enumerate(transfers):
         isz = _itemsize(t.wire_dtype)
         for off, size in _split_box(t.sizes, isz, cap):
             n = math.prod(size) * isz
             if n:
                 chunks.append((i, off, size, n, t.src_rank, t.dst_rank))
-    order = sorted(range(len(chunks)), key=lambda k: (-_align(chunks[k][3]), k))
-    placed = _first_fit(chunks, order, cap)
+                phase_of.append(1 if t.relay else 0)
+
+    def direct(k: int) -> bool:
+        i, off, size, n, _s, _d = chunks[k]
+        if contiguity is None or n < direct_min_bytes:
+            return False
+        t, shapes = transfers[i], contiguity[i]
+        if shapes is None:
+            return False
+        s_shape, d_shape = shapes
+        return (s_shape is not None and _is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
+            d_shape is not None and _is_contiguous_box(d_shape, t.dst_offsets, off, size)
+        )
+
     steps = []
-    for ks in placed:
-        by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for k in sorted(ks):
-            by_pair[(chunks[k][4], chunks[k][5])].append(k)
-        msgs = []
-        for (s, d), kk in sorted(by_pair.items()):
-            off, cs = 0, []
-            for k in kk:
-                i, o, sz, n, _s, _d = chunks[k]
-                cs.append(Chunk(i, o, sz, n, off))
-                off += _align(n)
-            msgs.append(Message(s, d, off, tuple(cs)))
-        steps.append(Step(tuple(msgs)))
+    for phase in (0, 1):
+        mine = [k for k in range(len(chunks)) if phase_of[k] == phase]
+        order = sorted(mine, key=lambda k: (-_align(chunks[k][3]), k))
+        for ks in _first_fit(chunks, order, cap):
+            by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)
+            for k in sorted(ks):
+                by_pair[(chunks[k][4], chunks[k][5])].append(k)
+            msgs = []
+            for (s, d), kk in sorted(by_pair.items()):
+                off, cs, singles = 0, [], []
+                for k in kk:
+                    i, o, sz, n, _s, _d = chunks[k]
+                    if direct(k):
+                        singles.append(Message(s, d, _align(n), (Chunk(i, o, sz, n, 0),), direct=True))
+                        continue
+                    cs.append(Chunk(i, o, sz, n, off))
+                    off += _align(n)
+                if cs:
+                    msgs.append(Message(s, d, off, tuple(cs)))
+                msgs.extend(singles)
+            steps.append(Step(tuple(msgs), phase))
     return Schedule(bucket_bytes, tuple(steps))

@@ -1,0 +1,108 @@
+"""Schedule structure: direct messages (one big contiguous chunk, moved in place by the executor), their place
+in the staging areas, and the order both sides post a pair's messages in. Pure: no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_reshard import Layout, Replicate, Shard, plan_reshard
+from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES, _is_contiguous_box, build_schedule
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _plan(src_pl, dst_pl, shape=(64, 32), src_ranks=(0, 1), dst_ranks=(2, 3), sdt=F32, ddt=F32):
+    src = Layout.from_placements({"w": shape}, list(src_ranks), src_pl, sdt)
+    dst = Layout.from_placements({"w": shape}, list(dst_ranks), dst_pl, ddt)
+    return plan_reshard(src, dst, allow_cast=sdt != ddt)
+
+
+@pytest.mark.parametrize(
+    ("shape", "start", "off", "size", "want"),
+    [
+        ((8, 4), (0, 0), (2, 0), (3, 4), True),  # whole rows
+        ((8, 4), (0, 0), (2, 1), (3, 2), False),  # part of several rows
+        ((8, 4), (0, 0), (2, 1), (1, 2), True),  # part of one row
+        ((2, 8, 4), (1, 0, 0), (0, 0), (8, 4), True),  # extra leading dim, one whole slab
+        ((2, 8, 4), (0, 3, 0), (0, 0), (2, 4), True),
+        ((3, 8, 4), (0, 0, 0), (0, 0, 0), (2, 8, 3), False),
+        ((5,), (0,), (1,), (3,), True),
+        ((), (), (), (), True),
+    ],
+)
+def test_is_contiguous_box(shape, start, off, size, want):
+    assert _is_contiguous_box(shape, start, off, size) is want
+
+
+def test_row_shards_become_direct_messages_and_column_shards_do_not():
+    rows = _plan([Shard(0)], [Shard(0)], src_ranks=(0, 1), dst_ranks=(3, 2))
+    cols = _plan([Shard(1)], [Shard(1)], src_ranks=(0, 1), dst_ranks=(2, 3, 4, 5))
+    sched = rows.schedule(1 << 20, direct_min_bytes=0)
+    assert all(m.direct and len(m.chunks) == 1 for s in sched.steps for m in s.messages)
+    # column shards TP2 -> TP4: each destination's [64, 8] is a column slab of a source [64, 16] (not
+    # contiguous there) but the whole destination tensor (contiguous): direct, received in place
+    sched = cols.schedule(1 << 20, direct_min_bytes=0)
+    assert all(m.direct for s in sched.steps for m in s.messages)
+    # split along the last dim -> split along the middle dim of a 3-D tensor: each piece [4, 4, 4] is
+    # contiguous on neither side -> packed
+    mixed = _plan([Shard(2)], [Shard(1)], shape=(4, 8, 8), src_ranks=(0, 1), dst_ranks=(2, 3))
+    sched = mixed.schedule(1 << 20, direct_min_bytes=0)
+    assert not any(m.direct for s in sched.steps for m in s.messages)
+
+
+def test_default_threshold_keeps_small_chunks_packed():
+    plan = _plan([Shard(0)], [Shard(0)], shape=(64, 32))  # 4 KiB chunks
+    assert not any(m.direct for s in plan.schedule(1 << 20).steps for m in s.messages)
+    big = _plan([Replicate()], [Shard(0)], shape=(1024, 1024), src_ranks=(0,), dst_ranks=(1, 2))  # 2 MiB each
+    msgs = [m for s in big.schedule(64 << 20).steps for m in s.messages]
+    assert len(msgs) == 2 and all(m.direct and m.payload == 2 << 20 >= DIRECT_MIN_BYTES for m in msgs)
+
+
+def test_cast_on_the_sender_keeps_the_receiver_side_direct():
+    """fp32 -> bf16: the sender must cast (packs), the receiver can still receive in place; the other way
+    round (bf16 -> fp32) the wire is bf16 and the receiver casts, the sender sends in place."""
+    for sdt, ddt in ((F32, BF16), (BF16, F32)):
+        plan = _plan([Shard(0)], [Shard(0)], sdt=sdt, ddt=ddt, dst_ranks=(2, 3))
+        contig = plan._contiguity()
+        for t, (s_shape, d_shape) in zip(plan.transfers, contig, strict=True):
+            assert t.wire_dtype == BF16
+            assert (s_shape is not None) == (sdt == BF16) and (d_shape is not None) == (ddt == BF16)
+        assert all(m.direct for s in plan.schedule(1 << 20, 0).steps for m in s.messages)
+
+
+def test_packed_messages_first_in_the_staging_areas_and_the_same_order_on_both_sides():
+    # rows of "a" are contiguous on both sides (direct); the [4, 4, 4] pieces of "b" on neither (packed)
+    src = Layout.from_placements({"a": (64, 32)}, [0], [Replicate()], F32) | Layout.from_placements(
+        {"b": (4, 8, 8)}, [0, 3], [Shard(2)], F32
+    )
+    dst = Layout.from_placements({"a": (64, 32)}, [1, 2], [Shard(0)], F32) | Layout.from_placements(
+        {"b": (4, 8, 8)}, [1, 2], [Shard(1)], F32
+    )
+    plan = plan_reshard(src, dst)
+    sched = plan.schedule(1 << 20, direct_min_bytes=0)
+    steps, send_area, recv_area = sched.for_rank(0)
+    assert len(steps) == 1
+    sends = steps[0].sends
+    kinds = [m.direct for _p, _a, m in sends]
+    assert kinds == sorted(kinds) and True in kinds and False in kinds  # packed first, then direct
+    offs = [at for _p, at, _m in sends]
+    assert offs == sorted(offs) and all(o % ALIGN == 0 for o in offs)
+    for peer in (1, 2):
+        mine = [m for p, _a, m in sends if p == peer]
+        theirs = [m for p, _a, m in sched.for_rank(peer)[0][0].recvs if p == 0]
+        assert mine == theirs
+
+
+def test_build_schedule_without_contiguity_packs_everything():
+    plan = _plan([Shard(0)], [Shard(0)], dst_ranks=(3, 2))
+    sched = build_schedule(plan.transfers, 1 << 20)
+    assert not any(m.direct for s in sched.steps for m in s.messages)
+    with pytest.raises(ValueError, match="direct_min_bytes"):
+        build_schedule(plan.transfers, 1 << 20, None, -1)
+
+
+def test_schedule_is_cached_per_threshold():
+    plan = _plan([Shard(0)], [Shard(0)], dst_ranks=(3, 2))
+    assert plan.schedule(4096, 0) is plan.schedule(4096, 0)
+    assert plan.schedule(4096, 0) is not plan.schedule(4096)
