@@ -12,6 +12,7 @@ from triton_reshard.topology import (
     PortLoad,
     Topology,
     plan_pair_bytes,
+    plan_phase_pair_bytes,
     port_loads,
     predict_seconds,
     schedule_pair_bytes,
@@ -97,3 +98,93 @@ def test_from_a_plan_and_its_schedule():
     # ranks 0, 1 each send 4096 B to rank 5 in another node: 8192 B through rank 5's NIC
     assert bound.seconds == pytest.approx(8192 / (50 * GB) + 1e-3)
     assert stepped.seconds >= bound.seconds and stepped.steps == len(steps)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Relays: a second phase
+# --------------------------------------------------------------------------------------------------------
+
+
+def _relay_plans():
+    """TP2 on ranks 0-1 -> TP2 x DP3 on ranks 2-7, nodes of 4 (see tests/dist_cases.py): node 1 (ranks 4-7)
+    gets each TP shard (w: 240 B, b: 24 B) once over the network, then relays it."""
+    from . import dist_cases as dc
+
+    case = dc.CASES["relay-disagg-tp2-to-tp2xdp3-gpn4"]
+    src, dst = dc.side_layout(case.src), dc.side_layout(case.dst)
+    return plan_reshard(src, dst, False, 4, False), plan_reshard(src, dst, False, 4, True)
+
+
+def test_relay_phases_and_their_prediction():
+    near, fan = _relay_plans()
+    assert plan_phase_pair_bytes(near) == [plan_pair_bytes(near)]  # no relays: one phase, as before
+    first, relays = plan_phase_pair_bytes(fan)
+    assert first == {(0, 2): 264, (1, 3): 264, (0, 4): 240, (1, 5): 240, (0, 6): 24, (1, 7): 24}
+    assert relays == {(4, 6): 240, (5, 7): 240, (6, 4): 24, (7, 5): 24}
+    assert all(TOPO.same_node(s, d) for s, d in relays)
+    total = dict(first)
+    for k, n in relays.items():
+        total[k] = total.get(k, 0) + n
+    assert total == plan_pair_bytes(fan)
+    no_latency = Topology(gpus_per_node=4, nvlink_GBps=400.0, net_GBps=50.0, step_latency_s=0.0)
+    # without relays rank 0 sends w and b to ranks 4 and 6 over the network: 528 B through its NIC
+    assert predict_seconds(plan_phase_pair_bytes(near), no_latency).seconds == pytest.approx(528 / (50 * GB))
+    # with relays 264 B, then the relay phase: rank 4 sends 240 B over NVLink
+    with_relay = predict_seconds(plan_phase_pair_bytes(fan), no_latency)
+    assert with_relay.seconds == pytest.approx(264 / (50 * GB) + 240 / (400 * GB))
+    assert (with_relay.steps, with_relay.net_bytes, with_relay.nvlink_bytes) == (2, 528, 1056)
+    assert with_relay.net_bytes == fan.stats(4).net_bytes and with_relay.nvlink_bytes == fan.stats(4).nvlink_bytes
+    # the price of the second phase: one more step's latency, which these tiny tensors do not repay
+    assert predict_seconds(plan_phase_pair_bytes(fan), TOPO).seconds > predict_seconds(plan_phase_pair_bytes(near), TOPO).seconds
+
+
+def test_relay_schedule_is_predicted_step_by_step():
+    _near, fan = _relay_plans()
+    sched = fan.schedule(256)  # 128 B per rank and direction: several steps per phase
+    steps = schedule_pair_bytes(sched)
+    relay_steps = [st for st, step in zip(steps, sched.steps, strict=True) if step.phase == 1]
+    assert relay_steps and all(TOPO.same_node(s, d) for st in relay_steps for s, d in st)
+    assert [step.phase for step in sched.steps] == sorted(step.phase for step in sched.steps)
+    total: dict = {}
+    for st in steps:
+        for k, n in st.items():
+            total[k] = total.get(k, 0) + n
+    assert total == plan_pair_bytes(fan)
+    no_latency = Topology(gpus_per_node=4, nvlink_GBps=400.0, net_GBps=50.0, step_latency_s=0.0)
+    assert predict_seconds(steps, no_latency).seconds >= predict_seconds(plan_phase_pair_bytes(fan), no_latency).seconds
+
+
+def test_plan_stats_split_network_and_nvlink():
+    near, fan = _relay_plans()
+    a, b = near.stats(4), fan.stats(4)
+    assert (a.net_bytes, a.nvlink_bytes, a.relay_bytes, a.num_relays) == (1056, 528, 0, 0)
+    assert (b.net_bytes, b.nvlink_bytes, b.relay_bytes, b.num_relays) == (528, 1056, 528, 4)
+    assert fan.stats().net_bytes is None and fan.stats().relay_bytes == 528  # no node size: no split
+    assert fan.stats(1).net_bytes == fan.stats().wire_bytes  # every rank its own node
+    d = b.as_dict()
+    assert (d["net_bytes"], d["nvlink_bytes"], d["gpus_per_node"], d["num_relays"]) == (528, 1056, 4, 4)
+
+
+def test_cli_plan_reports_with_and_without_relay(tmp_path, capsys):
+    """``triton-reshard plan`` on a small MoE: Megatron TP2 x PP2 x DP2 EP2 on ranks 0-7 -> vLLM TP2 x DP4 on
+    ranks 8-15, nodes of 4: the replicas of each TP shard in a node share one network receive."""
+    import json
+
+    from triton_reshard.cli import main
+
+    common = ["plan", "--model", "small_qwen3_moe", "--src", "tp=2,pp=2,dp=2,ep=2,etp=1", "--dst", "tp=2,dp=4",
+              "--dst-offset", "8", "--preset", "h100", "--gpus-per-node", "4", "--bucket-mb", "1"]
+    assert main(common + ["--topology-aware", "--json", str(tmp_path / "relay.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(topology-aware, relay)" in out and "without relay:" in out and "relays:" in out
+    r = json.loads((tmp_path / "relay.json").read_text())
+    w = r["without_relay"]
+    assert r["relay"] and r["num_relays"] > 0 and r["relay_steps"] > 0
+    assert r["wire_bytes"] == r["lower_bound_bytes"]
+    assert r["net_bytes"] + r["nvlink_bytes"] == r["wire_bytes"] == w["net_bytes"] + w["nvlink_bytes"]
+    assert r["net_bytes"] < w["net_bytes"] and w["num_relays"] == 0
+    assert main(common + ["--no-relay", "--topology-aware", "--json", str(tmp_path / "near.json")]) == 0
+    n = json.loads((tmp_path / "near.json").read_text())
+    assert not n["relay"] and n["without_relay"] is None and n["num_relays"] == 0
+    assert n["plan_digest"] == w["plan_digest"] and n["net_bytes"] == w["net_bytes"]
+    assert "without relay:" not in capsys.readouterr().out

@@ -70,6 +70,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net-GBps", type=float, default=None, help="network GB/s per GPU and direction (overrides)")
     p.add_argument("--topology-aware", action="store_true",
                    help="route replicated boxes from a source in the destination's node when one holds them")
+    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None,
+                   help="fan out inside a node: a box several ranks of a node need and no source there holds "
+                        "crosses the network once and is relayed over NVLink (default: on with --topology-aware; "
+                        "--relay implies --topology-aware). With relays the report also gives the plan without")
     p.add_argument("--bucket-mb", type=float, default=1024, help="staging memory per rank per step, MiB")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype (default bfloat16)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
@@ -103,6 +107,10 @@ def _load_config(name: str) -> dict:
         raise SystemExit(f"--model {name!r}: not a preset ({', '.join(sorted(CONFIGS))}) nor a readable file") from None
 
 
+def _fmt_seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= k:
@@ -111,9 +119,10 @@ def _fmt_bytes(n: float) -> str:
 
 
 def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per_node: int | None = None,
-                   share_rank: int | None = None):
+                   share_rank: int | None = None, relay: bool | None = None):
     """Megatron-Core layout (``src_kw``) -> vLLM layout (``dst_kw``): build both, plan, digest, stats, schedule
-    and one rank's share of the schedule, each timed. Returns ``(src, dst, plan, stats, schedule, times)``."""
+    and one rank's share of the schedule, each timed. Returns ``(src, dst, plan, stats, schedule, times)``.
+    ``gpus_per_node``/``relay``: as ``plan_reshard`` takes them."""
     from .plan import plan_reshard
     from .presets import megatron_layout, vllm_layout
 
@@ -127,7 +136,7 @@ def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per
 
     src = timed("src_layout", lambda: megatron_layout(cfg, **src_kw, dtype=dtype))
     dst = timed("dst_layout", lambda: vllm_layout(cfg, **dst_kw, dtype=dtype))
-    plan = timed("plan", lambda: plan_reshard(src, dst, False, gpus_per_node))
+    plan = timed("plan", lambda: plan_reshard(src, dst, False, gpus_per_node, relay))
     timed("digest", lambda: plan.digest)
     st = timed("stats", plan.stats)
     sched = timed("schedule", lambda: plan.schedule(bucket))
@@ -136,12 +145,38 @@ def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per
     return src, dst, plan, st, sched, times
 
 
+def routing_figures(plan, sched, topo) -> dict:
+    """What the topology model says of ``plan`` and its schedule ``sched``: bytes over the network and over
+    NVLink, the relays among them, and the predicted time unbucketed (the plan's phases one after the other)
+    and scheduled (its steps one after the other, relay steps last)."""
+    from .topology import plan_phase_pair_bytes, predict_seconds, schedule_pair_bytes
+
+    st = plan.stats(topo.gpus_per_node)
+    bound = predict_seconds(plan_phase_pair_bytes(plan), topo)
+    stepped = predict_seconds(schedule_pair_bytes(sched), topo)
+    return {
+        "net_bytes": st.net_bytes,
+        "nvlink_bytes": st.nvlink_bytes,
+        "relay_bytes": st.relay_bytes,
+        "num_relays": st.num_relays,
+        "steps": len(sched.steps),
+        "relay_steps": sum(1 for step in sched.steps if getattr(step, "phase", 0) == 1),
+        "predicted_seconds": {"unbucketed": bound.seconds, "scheduled": stepped.seconds,
+                              "bottleneck_rank": stepped.busiest_rank, "bottleneck_port": stepped.busiest_port},
+    }
+
+
 def plan_report(args) -> dict:
-    """Build the layouts and the plan of ``triton-reshard plan`` and return the report (times in seconds)."""
+    """Build the layouts and the plan of ``triton-reshard plan`` and return the report (times in seconds).
+
+    With relays on (``--relay``, or ``--topology-aware`` alone) it also plans without them (one more planning,
+    same layouts) and reports that plan's figures under ``without_relay``.
+    """
     import torch
 
+    from .plan import plan_reshard
     from .presets import model_nbytes
-    from .topology import PRESETS, Topology, plan_pair_bytes, predict_seconds, schedule_pair_bytes
+    from .topology import PRESETS, Topology, plan_pair_bytes
 
     cfg = _load_config(args.model)
     dtype = getattr(torch, args.dtype, None)
@@ -161,12 +196,21 @@ def plan_report(args) -> dict:
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
+    relay = getattr(args, "relay", None)
+    node_aware = bool(args.topology_aware or relay)
     src, dst, plan, st, sched, times = timed_planning(
-        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=topo.gpus_per_node if args.topology_aware else None
+        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=topo.gpus_per_node if node_aware else None, relay=relay
     )
+    figures = routing_figures(plan, sched, topo)
+    without = None
+    if node_aware and relay is not False:
+        t0 = time.perf_counter()
+        plain = plan_reshard(src, dst, False, topo.gpus_per_node, False)
+        times["plan_without_relay"] = time.perf_counter() - t0
+        without = routing_figures(plain, plain.schedule(bucket), topo)
+        without["plan_digest"] = plain.digest
+        del plain
     pairs = plan_pair_bytes(plan)
-    bound = predict_seconds([pairs], topo)
-    stepped = predict_seconds(schedule_pair_bytes(sched), topo)
     sent, recv = st.sent_bytes, st.recv_bytes
     busiest = sorted(plan.ranks, key=lambda r: (-max(sent.get(r, 0), recv.get(r, 0)), r))
     link = max(pairs.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]), default=((None, None), 0))
@@ -179,7 +223,8 @@ def plan_report(args) -> dict:
         "dst": {"layout": "vllm", **d, "offset": args.dst_offset, "ranks": len(dst.ranks),
                 "fragments": len(dst.fragments)},
         "plan_digest": plan.digest,
-        "topology_aware": bool(args.topology_aware),
+        "topology_aware": node_aware,
+        "relay": node_aware and relay is not False,
         "wire_bytes": st.wire_bytes,
         "lower_bound_bytes": st.lower_bound_bytes,
         "local_bytes": st.local_bytes,
@@ -192,10 +237,8 @@ def plan_report(args) -> dict:
         "schedule": {"bucket_bytes": bucket, "steps": len(sched.steps)},
         "topology": {"preset": args.preset, "gpus_per_node": topo.gpus_per_node, "nvlink_GBps": topo.nvlink_GBps,
                      "net_GBps": topo.net_GBps, "step_latency_s": topo.step_latency_s},
-        "nvlink_bytes": bound.nvlink_bytes,
-        "net_bytes": bound.net_bytes,
-        "predicted_seconds": {"unbucketed": bound.seconds, "scheduled": stepped.seconds,
-                              "bottleneck_rank": stepped.busiest_rank, "bottleneck_port": stepped.busiest_port},
+        **figures,
+        "without_relay": without,
         "times": times,
     }
 
@@ -215,7 +258,8 @@ def _print_report(r: dict) -> None:
     print(f"destination vllm {lay(d)} on ranks {d['offset']}..{d['offset'] + d['ranks'] - 1} "
           f"({d['fragments']} fragments)")
     ratio = r["wire_bytes"] / max(1, r["lower_bound_bytes"])
-    print(f"plan {r['plan_digest']}{' (topology-aware)' if r['topology_aware'] else ''}: "
+    tag = " (topology-aware, relay)" if r["relay"] else " (topology-aware)" if r["topology_aware"] else ""
+    print(f"plan {r['plan_digest']}{tag}: "
           f"{r['num_transfers']} wire transfers, {_fmt_bytes(r['wire_bytes'])} on the wire = {ratio:.3f} x the "
           f"lower bound {_fmt_bytes(r['lower_bound_bytes'])}; {r['num_local_copies']} local copies "
           f"({_fmt_bytes(r['local_bytes'])})")
@@ -229,9 +273,19 @@ def _print_report(r: dict) -> None:
     print(f"topology {tp['preset']}: {tp['gpus_per_node']} GPUs per node, NVLink {tp['nvlink_GBps']:g} GB/s, "
           f"network {tp['net_GBps']:g} GB/s per GPU and direction, {tp['step_latency_s'] * 1e6:g} us per step; "
           f"{_fmt_bytes(r['nvlink_bytes'])} over NVLink, {_fmt_bytes(r['net_bytes'])} over the network")
-    print(f"predicted refit:  {p['scheduled']:.3f} s in {r['schedule']['steps']} steps of "
-          f"{r['schedule']['bucket_bytes'] / (1 << 20):g} MiB staging (unbucketed {p['unbucketed']:.3f} s); "
+    print(f"predicted refit:  {_fmt_seconds(p['scheduled'])} in {r['schedule']['steps']} steps of "
+          f"{r['schedule']['bucket_bytes'] / (1 << 20):g} MiB staging (unbucketed {_fmt_seconds(p['unbucketed'])}); "
           f"bottleneck rank {p['bottleneck_rank']} ({p['bottleneck_port']})")
+    if r["relay"]:
+        print(f"relays:           {r['num_relays']} ({_fmt_bytes(r['relay_bytes'])} over NVLink, in "
+              f"{r['relay_steps']} steps after the others)")
+    w = r.get("without_relay")
+    if w:
+        wp = w["predicted_seconds"]
+        print(f"without relay:    {_fmt_bytes(w['net_bytes'])} over the network (with: "
+              f"{_fmt_bytes(r['net_bytes'])}), {_fmt_bytes(w['nvlink_bytes'])} over NVLink (with: "
+              f"{_fmt_bytes(r['nvlink_bytes'])}); predicted {_fmt_seconds(wp['scheduled'])} in {w['steps']} steps "
+              f"(unbucketed {_fmt_seconds(wp['unbucketed'])}) vs {_fmt_seconds(p['scheduled'])} with relays")
     print(f"planning time:    layouts {t['src_layout'] + t['dst_layout']:.2f} s (src {t['src_layout']:.2f}, "
           f"dst {t['dst_layout']:.2f}), plan {t['plan']:.2f} s, stats {t['stats']:.2f} s, schedule "
           f"{t['schedule']:.2f} s, one rank's share of the schedule {t['one_rank_share'] * 1e3:.1f} ms")

@@ -5,8 +5,10 @@ each full duplex: NVLink to the GPUs of its node, and a network NIC to the other
 ranks of one node use NVLink, bytes between nodes the network; a local copy uses neither. The time of a step
 is set by its busiest port, ``max over ranks and directions (send, receive) of bytes / bandwidth`` on each
 port class, plus a fixed latency per step; steps run one after another (each one waits for its slowest
-rank), so a bucketed schedule takes the sum over its steps. The model ignores congestion inside the network
-and the copy kernels (pack/unpack run at HBM speed, far above these links).
+rank), so a bucketed schedule takes the sum over its steps. Relay transfers (fan-out inside a node) forward
+what the first phase delivered, so they form a second phase: later steps of a schedule, and a second term of
+the unbucketed bound. The model ignores congestion inside the network and the copy kernels (pack/unpack
+run at HBM speed, far above these links).
 
 Figures (per GPU, per direction, decimal GB/s):
 
@@ -96,7 +98,8 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
 
     Pure: per step, the busiest port (``max over ranks of max(send, receive) / bandwidth`` for NVLink and the
     network separately) plus ``topo.step_latency_s``; steps add up. Pass one mapping with all bytes for the
-    unbucketed bound (``plan_pair_bytes(plan)``), or one per schedule step (``schedule_pair_bytes``).
+    unbucketed bound (``plan_phase_pair_bytes(plan)``: one mapping, or two when the plan relays), or one per
+    schedule step (``schedule_pair_bytes``; a schedule's relay steps come after all others, phase 1).
     """
     total, n_steps, worst, worst_rank, worst_port = 0.0, 0, -1.0, None, "nvlink"
     nvl_bytes = net_bytes = 0
@@ -118,16 +121,33 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
 
 
 def plan_pair_bytes(plan) -> dict[tuple[int, int], int]:
-    """``{(src, dst): bytes}`` of a plan's wire transfers."""
+    """``{(src, dst): bytes}`` of a plan's wire transfers (relays included): what each link carries in all."""
     out: dict[tuple[int, int], int] = defaultdict(int)
     for t in plan.transfers:
         out[(t.src_rank, t.dst_rank)] += t.nbytes
     return dict(out)
 
 
+def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
+    """``[{(src, dst): bytes}]`` per phase of a plan: the transfers from the source layout, then (only when the
+    plan has any) the relays, which forward what phase 0 delivered and so cannot start before it ends.
+
+    ``predict_seconds(plan_phase_pair_bytes(plan), topo)`` is the unbucketed bound of a plan with relays: the
+    phases add up like steps. (One mapping of all the bytes would let relays overlap the network phase.)
+    """
+    first: dict[tuple[int, int], int] = defaultdict(int)
+    relays: dict[tuple[int, int], int] = defaultdict(int)
+    for t in plan.transfers:
+        (relays if t.relay else first)[(t.src_rank, t.dst_rank)] += t.nbytes
+    return [dict(first), dict(relays)] if relays else [dict(first)]
+
+
 def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:
     """Per step of a schedule, ``{(src, dst): bytes}`` (payload bytes, without alignment padding)."""
     out = []
     for step in schedule.steps:
-        out.append({(m.src, m.dst): sum(c.nbytes for c in m.chunks) for m in step.messages})
+        pairs: dict[tuple[int, int], int] = defaultdict(int)
+        for m in step.messages:  # a pair may exchange several messages in one step
+            pairs[(m.src, m.dst)] += m.payload
+        out.append(dict(pairs))
     return out
