@@ -400,7 +400,8 @@ def run_case(case, world_rank):
             if step:  # an RL step later: new weights, same layouts (cached plan)
                 for v in src_tensors.values():
                     v.mul_(2)
-            refit(src_tensors, dst_tensors, src_layout, dst_layout, group=group)
+            refit(src_tensors, dst_tensors, src_layout, dst_layout, group=group,
+                  gpus_per_node=dst.get("gpus_per_node"))  # given: topology routing with relays
         if case.get("steps", 1) > 1:
             for v in dst_tensors.values():
                 v.div_(2 ** (case["steps"] - 1))

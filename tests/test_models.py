@@ -124,7 +124,9 @@ CASES_4 = [
 ]
 
 CASES_8 = [  # disaggregated: training on 0-3, inference on 4-7; then colocated on all 8
-    ("disagg_llama_pp2_dp2_to_tp2dp2", "tiny_llama", {}, _mg(tp=1, pp=2, dp=2), _vl(4, tp=2, dp=2)),
+    # gpus_per_node=4: both inference DP replicas share node 1 (ranks 4-7), no source there: relays
+    ("disagg_llama_pp2_dp2_to_tp2dp2_relay", "tiny_llama", {}, _mg(tp=1, pp=2, dp=2),
+     _vl(4, tp=2, dp=2, gpus_per_node=4)),
     ("disagg_qwen3moe_tp2pp2_ep2_to_vllm_ep4", "tiny_qwen3_moe", {}, _mg(tp=2, pp=2, ep=2, etp=1),
      _vl(4, tp=4, ep=True)),
     ("disagg_qwen3_dtensor_to_tp2dp2", "tiny_qwen3", {}, _dt(dp=2, tp=2, strided=True), _vl(4, tp=2, dp=2)),

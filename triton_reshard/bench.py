@@ -2,10 +2,11 @@
 
 For each case (a pair of layouts of a Llama-shaped model on one spawned world) it times, with the same
 tensors and the same ranks:
-- ``reshard``: ``Resharder.run`` (overlap off), and ``reshard+overlap`` (two staging slots);
+- ``reshard``: ``Resharder.run`` (overlap off), ``reshard+overlap`` (two staging slots), and
+  ``reshard-staged`` (every message packed and unpacked through staging: no direct messages in place);
 - ``allgather``: the all-gather-then-slice baseline (``triton_reshard.baselines``);
-- ``wire-limit``: the same per-peer messages of the same schedule as one plain isend/irecv each, no pack or
-  unpack — what the transport alone costs;
+- ``wire-limit``: per step of the reshard's schedule, the bytes each rank sends each peer as one plain
+  isend/irecv, no pack or unpack, no local copies — what the transport alone costs;
 - ``dtensor``: ``DTensor.redistribute`` where the two layouts live on one mesh (the ``fsdp-tp`` case).
 Wall time is the slowest rank's (barrier before and after), median over repeats. Every method's destination
 tensors are poisoned first and checked bit-exactly afterwards.
@@ -102,16 +103,21 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
     methods = {
         "reshard": Resharder(plan, bucket_bytes=bucket, timeout=timeout),
         "reshard+overlap": Resharder(plan, bucket_bytes=bucket, timeout=timeout, overlap=True),
+        "reshard-staged": Resharder(plan, bucket_bytes=bucket, timeout=timeout, direct_min_bytes=1 << 62),
     }
-    # wire-limit buffers: one per message of the reshard's own schedule
-    wire_bufs = [
-        ([(peer, torch.empty(m.nbytes, dtype=torch.uint8, device=device)) for peer, _at, m in st.sends],
-         [(peer, torch.empty(m.nbytes, dtype=torch.uint8, device=device)) for peer, _at, m in st.recvs])
-        for _i, st in methods["reshard"].steps
-    ]
+    # wire-limit buffers: per step of the reshard's own schedule, one buffer per peer and direction holding
+    # the bytes of all its messages to / from that peer
+    def per_peer(entries) -> list:
+        n: dict[int, int] = {}
+        for peer, _at, m in entries:
+            n[peer] = n.get(peer, 0) + m.payload
+        return [(peer, torch.empty(b, dtype=torch.uint8, device=device)) for peer, b in n.items()]
+
+    wire_bufs = [(per_peer(st.sends), per_peer(st.recvs)) for _i, st in methods["reshard"].steps]
     fns = {
         "reshard": lambda: methods["reshard"].run(src_t, dst_t),
         "reshard+overlap": lambda: methods["reshard+overlap"].run(src_t, dst_t),
+        "reshard-staged": lambda: methods["reshard-staged"].run(src_t, dst_t),
         "allgather": lambda: allgather_refit(src_t, dst_t, src, dst, timeout=timeout),
         "wire-limit": lambda: _wire_limit(wire_bufs, timedelta(seconds=timeout)),
     }
@@ -139,9 +145,11 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
 
         fns["dtensor"] = dtensor_run
     res: dict = {"rank": rank}
-    for name, fn in fns.items():
-        times, bad, peaks = [], 0, []
-        for i in range(repeats + 1):  # the first run warms up (planning, buffers, page faults)
+    acc = {name: ([], [0], []) for name in fns}  # times, bad elements, peaks
+    # methods interleaved round by round, so a change of load on the shared machine hits them all alike
+    for i in range(repeats + 1):  # the first round warms up (planning, buffers, page faults)
+        for name, fn in fns.items():
+            times, bad, peaks = acc[name]
             _poison(dst_t)
             _peak_rss_reset()
             rss0 = _rss()
@@ -157,11 +165,12 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
             dt_s = time.perf_counter() - t0
             peak = (torch.cuda.max_memory_allocated(device) - mem0) if device.type == "cuda" else _peak_rss() - rss0
             if name != "wire-limit":
-                bad += _verify(expected, dst_t)
+                bad[0] += _verify(expected, dst_t)
             if i:
                 times.append(dt_s)
                 peaks.append(peak)
-        res[name] = {"seconds": times, "bad": bad, "peak_extra_bytes": max(peaks)}
+    for name, (times, bad, peaks) in acc.items():
+        res[name] = {"seconds": times, "bad": bad[0], "peak_extra_bytes": max(peaks)}
     res["staging_bytes"] = {k: r.send_area_bytes + r.recv_area_bytes for k, r in methods.items()}
     return res
 
@@ -187,11 +196,17 @@ def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", b
             row = {"case": cname, "name": case.name, "size_gb": gb, "model": cfg, "dtype": dtype,
                    "bucket_mb": bucket_mb, "world": case.world, "plan_seconds": plan_s, "stats": st.as_dict(),
                    "methods": {}}
-            for m in [k for k in per_rank[0] if isinstance(per_rank[0][k], dict) and "seconds" in per_rank[0][k]]:
-                walls = [max(r[m]["seconds"][i] for r in per_rank) for i in range(repeats)]
-                med = statistics.median(walls)
+            names = [k for k in per_rank[0] if isinstance(per_rank[0][k], dict) and "seconds" in per_rank[0][k]]
+            walls = {m: [max(r[m]["seconds"][i] for r in per_rank) for i in range(repeats)] for m in names}
+            for m in names:
+                med = statistics.median(walls[m])
                 row["methods"][m] = {
-                    "median_s": med, "min_s": min(walls), "max_s": max(walls),
+                    "median_s": med, "min_s": min(walls[m]), "max_s": max(walls[m]),
+                    # ratios within each round (the methods of a round ran back to back), then the median
+                    "speedup_vs_allgather": statistics.median(
+                        a / b for a, b in zip(walls["allgather"], walls[m], strict=True)),
+                    "vs_wire_limit": statistics.median(
+                        b / a for a, b in zip(walls["wire-limit"], walls[m], strict=True)),
                     "bad_elements": sum(r[m]["bad"] for r in per_rank),
                     "peak_extra_bytes": max(r[m]["peak_extra_bytes"] for r in per_rank),
                     "lower_bound_GBps": st.lower_bound_bytes / med / 1e9,
@@ -221,13 +236,12 @@ def _machine() -> str:
 
 def format_row(row: dict) -> str:
     ms = row["methods"]
-    base = ms["allgather"]["median_s"]
     lines = [f"  {'method':16s} {'median s':>9s} {'vs allgather':>12s} {'vs wire-limit':>13s} {'peak extra':>11s} "
              f"{'GB/s (lb)':>9s} {'bad':>4s}"]
     for m, v in ms.items():
         lines.append(
-            f"  {m:16s} {v['median_s']:9.3f} {base / v['median_s']:11.2f}x "
-            f"{v['median_s'] / ms['wire-limit']['median_s']:12.2f}x {v['peak_extra_bytes'] / 2**20:8.1f} MiB "
+            f"  {m:16s} {v['median_s']:9.3f} {v['speedup_vs_allgather']:11.2f}x "
+            f"{v['vs_wire_limit']:12.2f}x {v['peak_extra_bytes'] / 2**20:8.1f} MiB "
             f"{v['lower_bound_GBps']:9.2f} {v['bad_elements']:4d}"
         )
     s = row["stats"]

@@ -50,15 +50,17 @@ def get_resharder(
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
     allow_cast: bool = False,
+    gpus_per_node: int | None = None,
+    relay: bool | None = None,
 ) -> Resharder:
     """The cached Resharder for these layouts and options (plan and buffers reused across calls)."""
     key = (src_layout, dst_layout, id(group) if group is not None else None, int(bucket_bytes),
-           str(timeout), backend, bool(allow_cast))
+           str(timeout), backend, bool(allow_cast), gpus_per_node, relay)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
-    plan = plan_reshard(src_layout, dst_layout, allow_cast)
+    plan = plan_reshard(src_layout, dst_layout, allow_cast, gpus_per_node, relay)
     r = Resharder(plan, group=group, bucket_bytes=bucket_bytes, timeout=timeout, backend=backend)
     _CACHE[key] = r
     while len(_CACHE) > _CACHE_SIZE:
@@ -77,16 +79,20 @@ def refit(
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
     allow_cast: bool = False,
+    gpus_per_node: int | None = None,
+    relay: bool | None = None,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
 
     ``src_tensors`` / ``dst_tensors``: dicts (or ``named_parameters()`` iterators) of this rank's local tensors
     on each side; ``None`` or ``{}`` for a side this rank has no part in. Local names are the layouts' local
     tensor names. ``allow_cast=True`` lets the dtypes differ (e.g. fp32 master weights -> bf16): the copy
-    casts, on the sender when that shrinks the bytes on the wire.
+    casts, on the sender when that shrinks the bytes on the wire. ``gpus_per_node``: ranks per node (NVLink
+    domain) for topology-aware routing (prefer a source in the destination's node; with ``relay``, on by
+    default then, fan a piece out inside a node instead of sending it over the network to every rank there).
     """
     r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                      backend=backend, allow_cast=allow_cast)
+                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay)
     return r.run(_as_dict(src_tensors, "source"), _as_dict(dst_tensors, "destination"))
 
 
