@@ -8,7 +8,9 @@ per node; ``gb200``, 72 per NVLink domain), three plans of the same layouts:
 * ``near``: ``plan_reshard(src, dst, gpus_per_node=N, relay=False)``: a holder in the destination's node sends
   when there is one (within a fair share);
 * ``relay``: ``plan_reshard(src, dst, gpus_per_node=N)``: the same, plus relays: a box several ranks of a node
-  need and no source there holds crosses the network once per node, then NVLink.
+  need and no source there holds crosses the network once per node, then NVLink: split into one part per rank
+  of that group (parts of at least ``plan.RELAY_SPLIT_MIN_BYTES``), each part received over the network by one
+  rank and relayed by it to the others (a scatter, then an all-gather over NVLink).
 
 Reported per plan: bytes over the network and NVLink, the largest network receive of one rank, relays, schedule
 steps (1 GiB staging per rank) and the predicted refit time (``topology.predict_seconds``: scheduled, and

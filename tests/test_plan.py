@@ -802,6 +802,126 @@ def test_relay_validation_reads_the_destination_layout():
         Plan(src, dst, (to5, to6), ())
 
 
+# --------------------------------------------------------------------------------------------------------
+# Split fan-out: scatter over the network, all-gather over NVLink
+# --------------------------------------------------------------------------------------------------------
+
+
+def _net_recv(plan, gpus_per_node):
+    """Bytes each rank receives over the network."""
+    out = {}
+    for t in plan.transfers:
+        if t.src_rank // gpus_per_node != t.dst_rank // gpus_per_node:
+            out[t.dst_rank] = out.get(t.dst_rank, 0) + t.nbytes
+    return out
+
+
+def test_split_fan_out_scatters_a_big_piece():
+    """A 1 MiB tensor held only in node 0, replicated on the four ranks of node 1: each rank receives a quarter
+    (one block of 256 rows) over the network and relays it to the three others; nothing is relayed twice."""
+    from triton_reshard.plan import RELAY_SPLIT_MIN_BYTES
+
+    src, dst = (P({"w": (1024, 256)}, [0, 1], [R]),), (P({"w": (1024, 256)}, [4, 5, 6, 7], [R]),)
+    plan = check_plan(src, dst, gpus_per_node=4)
+    quarter = 1024 * 256 * 4 // 4
+    assert quarter >= RELAY_SPLIT_MIN_BYTES
+    assert _net_recv(plan, 4) == {r: quarter for r in range(4, 8)}
+    relays = [t for t in plan.transfers if t.relay]
+    assert len(relays) == 12 and {t.nbytes for t in relays} == {quarter}
+    # each rank relays exactly the rows it received over the network, to each of the other three
+    for r in range(4, 8):
+        got = {(t.offsets, t.sizes) for t in plan.transfers if not t.relay and t.dst_rank == r}
+        sent = [t for t in relays if t.src_rank == r]
+        assert len(got) == 1 and sorted(t.dst_rank for t in sent) == [x for x in range(4, 8) if x != r]
+        assert {(t.offsets, t.sizes) for t in sent} == got
+    blocks = sorted(t.offsets[0] for t in plan.transfers if not t.relay)
+    assert blocks == [0, 256, 512, 768]  # contiguous row blocks, along the first dim
+    st_ = plan.stats(4)
+    assert st_.net_bytes == 1024 * 256 * 4 and st_.wire_bytes == st_.lower_bound_bytes == 4 * st_.net_bytes
+    assert st_.sent_bytes[0] == st_.sent_bytes[1]  # the parts spread over the two holders too
+
+
+def test_split_fan_out_rotates_uneven_parts():
+    """Eight tensors of 1027 rows (parts of 257, 257, 257 and 256 rows) fanned out to four ranks: the short part
+    moves from rank to rank, so every rank receives as much over the network, and relays as much."""
+    shapes = {f"t{i}": (1027, 64) for i in range(8)}
+    src, dst = (P(shapes, [0], [R]),), (P(shapes, [4, 5, 6, 7], [R]),)
+    plan = check_plan(src, dst, gpus_per_node=4)
+    row = 64 * 4
+    assert _net_recv(plan, 4) == {r: 8 * 1027 * row // 4 for r in range(4, 8)}
+    assert sorted({t.sizes[0] for t in plan.transfers}) == [256, 257]
+    relayed = {r: sum(t.nbytes for t in plan.transfers if t.relay and t.src_rank == r) for r in range(4, 8)}
+    assert set(relayed.values()) == {3 * 8 * 1027 * row // 4}
+
+
+def test_split_fan_out_keeps_small_pieces_whole():
+    """Under RELAY_SPLIT_MIN_BYTES per part a piece gets fewer parts than ranks, or one (a single head)."""
+    from triton_reshard.plan import RELAY_SPLIT_MIN_BYTES, _split_piece
+
+    m = RELAY_SPLIT_MIN_BYTES
+    assert _split_piece((0, 0), (4, 3), 48, 4) == [((0, 0), (4, 3), 48)]  # tiny: whole
+    assert len(_split_piece((0,), (2 * m - 1,), 2 * m - 1, 4)) == 1  # not two parts of the minimum
+    assert [s for _o, s, _n in _split_piece((0,), (2 * m,), 2 * m, 4)] == [(m,), (m,)]  # two parts, not four
+    assert _split_piece((8, 2), (5, 64), 5 * 64 * m, 2) == [((8, 2), (3, 64), 3 * 64 * m), ((11, 2), (2, 64), 2 * 64 * m)]
+    # the first dim long enough for the parts; no dim long enough: as many parts as the longest dim
+    assert [o for o, _s, _n in _split_piece((0, 0, 0), (1, 2, 8), 16 * m, 4)] == [(0, 0, 0), (0, 0, 2), (0, 0, 4), (0, 0, 6)]
+    assert [s for _o, s, _n in _split_piece((0, 0), (2, 3), 6 * m, 4)] == [(2, 1), (2, 1), (2, 1)]
+    assert _split_piece((0,), (1,), 4 * m, 4) == [((0,), (1,), 4 * m)]
+    # a plan: w (48 KiB) too small to split, fans out from one head as before
+    src, dst = (P({"w": (96, 128)}, [0], [R]),), (P({"w": (96, 128)}, [4, 5, 6], [R]),)
+    plan = check_plan(src, dst, gpus_per_node=4)
+    assert len([t for t in plan.transfers if not t.relay]) == 1 and len({t.src_rank for t in plan.transfers if t.relay}) == 1
+
+
+def test_split_fan_out_catalogue_case():
+    """The gloo case with split fan-out: w's shards in four parts, e's (too small for four) in two."""
+    plan = dc.case_plan(dc.CASES["relay-split-tp2-to-replicated-gpn4"])
+    net = [t for t in plan.transfers if not t.relay and t.dst_rank >= 4]
+    assert sorted((t.tensor, t.sizes) for t in net) == sorted(
+        [("w", (128, 128))] * 8 + [("e", (129, 258)), ("e", (128, 258)), ("e", (129, 257)), ("e", (128, 257))])
+    assert {t.dst_rank for t in net if t.tensor == "e"} == {4, 5, 6, 7}  # e's parts go to the ranks w left lighter
+    assert sorted(_net_recv(plan, 4).values()) == sorted({r: sum(t.nbytes for t in net if t.dst_rank == r)
+                                                          for r in range(4, 8)}.values())
+
+
+def test_split_relay_validation_rejects_chains():
+    """In a split fan-out every rank both receives parts by relay and relays its own: a relay reading a part its
+    sender got by relay (0 -> 4 -> 5 -> 6) is still a chain and rejected."""
+    src, dst = (dc.side_layout(s) for s in ((P({"w": (1024, 256)}, [0], [R]),), (P({"w": (1024, 256)}, [4, 5, 6], [R]),)))
+    plan = plan_reshard(src, dst, False, 4)
+    relays = [t for t in plan.transfers if t.relay]
+    assert len(relays) == 6 and len({t.src_rank for t in relays}) == 3
+    bad = next(t for t in relays if t.dst_rank == 6 and t.src_rank != 5)  # a part of some head h, relayed h -> 6
+    chained = Transfer(bad.tensor, bad.offsets, bad.sizes, 5, bad.src_local, bad.src_offsets, 6, bad.dst_local,
+                       bad.dst_offsets, bad.wire_dtype, True)  # now read from rank 5, which got it from h by relay
+    others = tuple(t for t in plan.transfers if t is not bad)
+    with pytest.raises(ValueError, match=r"reads on rank 5 a box that rank itself gets by relay .*no relay chains"):
+        Plan(src, dst, others + (chained,), plan.local_copies)
+
+
+@HYP
+@given(reshard_problems(), st.integers(2, 4))
+def test_property_split_relay_routing(problem, gpus_per_node):
+    """Every fan-out piece split into parts as small as one element (RELAY_SPLIT_MIN_BYTES = 1): exact cover and
+    values, wire bytes the lower bound, no chains; the bytes each rank receives unchanged; deterministic."""
+    import triton_reshard.plan as plan_mod
+
+    src, dst = dc.side_layout(problem[0]), dc.side_layout(problem[1])
+    saved = plan_mod.RELAY_SPLIT_MIN_BYTES
+    plan_reshard.cache_clear()
+    try:
+        plan_mod.RELAY_SPLIT_MIN_BYTES = 1
+        fan = check_plan(*problem, gpus_per_node=gpus_per_node, relay=True)
+        assert fan.digest == plan_reshard.__wrapped__(src, dst, False, gpus_per_node, True).digest
+    finally:
+        plan_mod.RELAY_SPLIT_MIN_BYTES = saved
+        plan_reshard.cache_clear()
+    near = plan_reshard(src, dst, False, gpus_per_node, False)
+    assert fan.stats().recv_bytes == near.stats().recv_bytes and fan.local_copies == near.local_copies
+    if fan.stats().num_relays == 0:
+        assert fan.digest == near.digest
+
+
 NODE_AWARE_PINNED = {  # plan digests of the node-aware routing, computed before relays existed
     ("small_qwen3_moe", 2): "9d3d7c58b7126bf7", ("small_qwen3_moe", 4): "2fe39cc3cd8ebca5",
     ("llama-3-8b", 2): "216cadd619ad1ab5", ("llama-3-8b", 4): "dc8b73b426519f87",

@@ -30,6 +30,10 @@ ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dt
 # destination (no pack or unpack copy on that side). Below it, one packed message per peer costs less than a
 # message per chunk (each message has a fixed cost on the transport).
 DIRECT_MIN_BYTES = 1 << 20
+# A fan-out piece (see ``plan_reshard``'s ``relay``) is split among the k ranks of its group into parts of at
+# least this many bytes: below it, a part's share of the per-message and per-chunk costs outweighs spreading
+# its bytes over more network and NVLink ports, so a small piece has fewer parts, or one (a single head).
+RELAY_SPLIT_MIN_BYTES = 64 << 10
 
 
 def _align(n: int) -> int:
@@ -553,15 +557,19 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     ``relay`` (needs ``gpus_per_node``; ``None``: on exactly when ``gpus_per_node`` is given): fan-out inside a
     node, the idea of NCCL's M2N ring. A piece that several ranks of one node need (one destination box
     replicated, e.g. on the DP replicas of vLLM TP x DP) while no source rank of that node holds it crosses the
-    network once per node instead of once per rank: one of those ranks, the *head*, receives it from a source
-    holder as usual, and the others get it from the head by relay transfers (``Transfer.relay``), which read
-    the head's destination tensor and run in a second phase, over NVLink. Heads are chosen largest piece
-    first, each the rank of its group with the fewest bytes received over the network so far (then the
-    fewest bytes relayed, then the lowest rank): the network receives spread over the replicas of the node.
-    Relay bytes are not counted as sender load when the network senders are balanced: they leave another
-    port (NVLink, ~10-20x faster) in a later phase. Every destination element still arrives once, so the wire
-    bytes stay the lower bound; only the senders change, and fewer bytes cross the network. A plan in which
-    nothing fans out, and every plan with ``relay=False``, is exactly the plan of the node-aware routing alone.
+    network once per node instead of once per rank: it is split into one near-equal contiguous part per rank of
+    that group (parts of at least ``RELAY_SPLIT_MIN_BYTES``: a small piece gets fewer parts, or stays whole),
+    each part crosses the network to one rank of the group (from a source holder, chosen as usual), and that
+    rank forwards it to the others by relay transfers (``Transfer.relay``), which read its destination tensor
+    and run in a second phase, over NVLink: a scatter over the network, then an all-gather over NVLink, so each
+    rank receives ~1/k of the piece over the network and relays ~1/k of it to the k-1 others. Parts go,
+    largest piece and part first, to the rank of the group with the fewest bytes received over the network so
+    far (then the fewest bytes relayed, then the lowest rank): the network receives and relay sends spread
+    over the replicas of the node. Relay bytes are not counted as sender load when the network senders are
+    balanced: they leave another port (NVLink, ~10-20x faster) in a later phase. Every destination element
+    still arrives once, so the wire bytes stay the lower bound; only the senders change, and fewer bytes cross
+    the network. A plan in which nothing fans out, and every plan with ``relay=False``, is exactly the plan of
+    the node-aware routing alone.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
@@ -711,8 +719,8 @@ def _group_by_node(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: 
     """Route the pieces of one replicated destination box (``dgroup``, in destination order) with relays on.
 
     A piece that at least two ranks of a node need over the wire, while no source rank of that node holds it,
-    becomes a fan-out group of that node (appended to ``fans``; its head is chosen later, with the loads
-    known). Everything else is routed exactly as without relays and in the same order (local copies where
+    becomes a fan-out group of that node (appended to ``fans``; its parts and the ranks receiving them are
+    chosen later, with the loads known). Everything else is routed exactly as without relays and in the same order (local copies where
     the destination rank holds the piece, remote pieces otherwise), so a plan without fan-out groups is the
     plan without relays.
     """
@@ -744,14 +752,49 @@ def _group_by_node(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: 
                 nbytes.append(n)
 
 
-def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int, world: int) -> list[Transfer]:
-    """Pick the head of every fan-out group: append its pieces to ``remote`` (they get a source holder like
-    any other) and return the relay transfers from it to the other ranks of the group.
+def _split_piece(p_off: tuple, p_size: tuple, n: int, k: int) -> list[tuple[tuple, tuple, int]]:
+    """Cut a fan-out piece of ``n`` bytes into at most ``k`` near-equal contiguous sub-boxes, for the ``k`` ranks
+    of its group: ``[(offsets, sizes, bytes)]``, the larger first.
 
-    Largest group piece first, the head is the rank with the fewest bytes received over the network so far
-    (counting the remote pieces no holder in the rank's node can send, which surely cross the network), then
-    the fewest bytes relayed, then the lowest rank. So replicas take turns, and each rank's network receive
-    (its share of the first phase) and its relay sends (the second phase) stay balanced.
+    The cut runs along the first dim with at least as many elements as there are parts (so each sub-box of a
+    row-major box stays one run of rows); each part keeps at least ``RELAY_SPLIT_MIN_BYTES``, so a small piece
+    gets fewer parts, or stays whole (one part: the single-head fan-out). A box whose dims are all shorter
+    than the parts wanted is cut along its longest dim (the first of them) into that many parts.
+    """
+    numel = math.prod(p_size)
+    m = min(k, n // RELAY_SPLIT_MIN_BYTES) if numel else 1
+    if m < 2:
+        return [(p_off, p_size, n)]
+    d = next((i for i, s in enumerate(p_size) if s >= m), None)
+    if d is None:
+        m = max(p_size)
+        d = p_size.index(m)
+        if m < 2:
+            return [(p_off, p_size, n)]
+    isz, length = n // numel, p_size[d]
+    row = numel // length * isz  # bytes per index along d
+    out = []
+    start = p_off[d]
+    for j in range(m):
+        size = length // m + (j < length % m)
+        out.append((p_off[:d] + (start,) + p_off[d + 1:], p_size[:d] + (size,) + p_size[d + 1:], size * row))
+        start += size
+    return out
+
+
+def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int, world: int) -> list[Transfer]:
+    """Route every fan-out group: split its piece (``_split_piece``), give each part a rank of the group that
+    receives it over the network (appended to ``remote``: it gets a source holder like any other piece), and
+    return the relay transfers by which that rank forwards its part to the other ranks of the group.
+
+    So a piece of a group of k ranks is scattered over the network (each rank ~1/k of it) and all-gathered
+    over NVLink (each rank relays its ~1/k to the k-1 others), as NCCL M2N's ring does; a piece too small to
+    split has one part, and its one rank (the head) relays all of it. Largest group piece first, and within a
+    group largest part first, a part goes to the rank of the group, among those without a part of this piece,
+    with the fewest bytes received over the network so far (counting the remote pieces no holder in the
+    rank's node can send, which surely cross the network), then the fewest bytes relayed, then the lowest
+    rank. So the parts' order rotates from piece to piece, and each rank's network receive (its share of the
+    first phase) and its relay sends (the second phase) stay balanced.
     """
     net_recv = [0] * world
     for (df, _o, _s, (ranks, _b, _f), _w), n in zip(remote, nbytes, strict=True):
@@ -762,17 +805,20 @@ def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int, 
     relays: list[Transfer] = []
     for k in sorted(range(len(fans)), key=lambda k: -fans[k][5]):  # stable: ties keep their order
         p_off, p_size, holders, wdt, rdt, n, by_rank = fans[k]
-        head = min(by_rank, key=lambda r: (net_recv[r], relayed[r], r))
-        heads = by_rank[head]
-        for df in heads:
-            remote.append((df, p_off, p_size, holders, wdt))
-            nbytes.append(n)
-        net_recv[head] += n * len(heads)
-        for r, dfs in by_rank.items():
-            if r != head:
-                for df in dfs:
-                    relays.append(_make_transfer(df.tensor, p_off, p_size, heads[0], df, rdt, True))
-                    relayed[head] += n
+        free = set(by_rank)
+        for o, s, pn in _split_piece(p_off, p_size, n, len(by_rank)):
+            head = min(free, key=lambda r: (net_recv[r], relayed[r], r))
+            free.discard(head)
+            heads = by_rank[head]
+            for df in heads:
+                remote.append((df, o, s, holders, wdt))
+                nbytes.append(pn)
+            net_recv[head] += pn * len(heads)
+            for r, dfs in by_rank.items():
+                if r != head:
+                    for df in dfs:
+                        relays.append(_make_transfer(df.tensor, o, s, heads[0], df, rdt, True))
+                        relayed[head] += pn
     return relays
 
 
@@ -915,8 +961,17 @@ def _validate_plan(plan: Plan) -> None:
                 _check_cover(plan)  # raises, naming the local tensor
                 raise ValueError(f"plan: destination fragment {f} is not covered exactly once")
         if relay_written:
+            plain: dict[int, set] = {}  # id(fragment) -> the boxes non-relays write into it (when relays do too)
             for sf, t in relay_reads:
-                for w in relay_written.get(id(sf), ()):
+                ws = relay_written.get(id(sf))
+                if not ws:
+                    continue
+                boxes = plain.get(id(sf))
+                if boxes is None:
+                    boxes = plain[id(sf)] = {(w.offsets, w.sizes) for w in written[id(sf)] if not w.relay}
+                if (t.offsets, t.sizes) in boxes:  # exactly what one non-relay wrote: the cover is exact, so no
+                    continue  # relay writes into it (the common case: a rank relays the part it received)
+                for w in ws:
                     if _overlaps(w.offsets, w.sizes, t.offsets, t.sizes):
                         raise ValueError(
                             f"plan: relay {t} of tensor {t.tensor!r} reads on rank {t.src_rank} a box that rank "
