@@ -458,12 +458,12 @@ def _cases() -> list[Case]:
              (P({"w": (7, 5), "v": (5, 7), "n": (3,)}, [[2, 4, 6], [3, 5, 7]],
                 {"w": [R, S0], "v": [R, S1], "n": [R, R]}, bf16),), gpus_per_node=2, min_relays=15),
         # split fan-out: TP2 on ranks 0-1 -> replicated on ranks 2-7, nodes of 4. Node 1 (ranks 4-7) holds no
-        # source: each 256 KiB shard of w is scattered over the network in four 64 KiB row blocks (one per rank)
-        # and all-gathered by relays; each uneven bf16 column shard of e (257 x 258 or 257 x 257) in two row
-        # blocks (129 and 128 rows), as it is too small for four parts of RELAY_SPLIT_MIN_BYTES
+        # source: each 4 MiB shard of w is scattered over the network in four 1 MiB row blocks (one per rank)
+        # and all-gathered by relays; each uneven bf16 column shard of e (2049 x 516 or 2049 x 515, ~2 MiB) in
+        # two row blocks (1025 and 1024 rows), as it is too small for four parts of RELAY_SPLIT_MIN_BYTES
         Case("relay-split-tp2-to-replicated-gpn4", 8,
-             (P({"w": (1024, 128), "e": (257, 515)}, [0, 1], {"w": [S0], "e": [S1]}, {"w": f32, "e": bf16}),),
-             (P({"w": (1024, 128), "e": (257, 515)}, [2, 3, 4, 5, 6, 7], [R], {"w": f32, "e": bf16}),),
+             (P({"w": (4096, 512), "e": (2049, 1031)}, [0, 1], {"w": [S0], "e": [S1]}, {"w": f32, "e": bf16}),),
+             (P({"w": (4096, 512), "e": (2049, 1031)}, [2, 3, 4, 5, 6, 7], [R], {"w": f32, "e": bf16}),),
              gpus_per_node=4, min_relays=36),
     ]
     return c

@@ -816,6 +816,20 @@ def _net_recv(plan, gpus_per_node):
     return out
 
 
+@pytest.fixture
+def split_64k():
+    """Split fan-out pieces into parts from 64 KiB (the default is 1 MiB), so small test tensors split."""
+    import triton_reshard.plan as plan_mod
+
+    saved = plan_mod.RELAY_SPLIT_MIN_BYTES
+    plan_reshard.cache_clear()
+    plan_mod.RELAY_SPLIT_MIN_BYTES = 64 << 10
+    yield
+    plan_mod.RELAY_SPLIT_MIN_BYTES = saved
+    plan_reshard.cache_clear()
+
+
+@pytest.mark.usefixtures("split_64k")
 def test_split_fan_out_scatters_a_big_piece():
     """A 1 MiB tensor held only in node 0, replicated on the four ranks of node 1: each rank receives a quarter
     (one block of 256 rows) over the network and relays it to the three others; nothing is relayed twice."""
@@ -841,6 +855,7 @@ def test_split_fan_out_scatters_a_big_piece():
     assert st_.sent_bytes[0] == st_.sent_bytes[1]  # the parts spread over the two holders too
 
 
+@pytest.mark.usefixtures("split_64k")
 def test_split_fan_out_rotates_uneven_parts():
     """Eight tensors of 1027 rows (parts of 257, 257, 257 and 256 rows) fanned out to four ranks: the short part
     moves from rank to rank, so every rank receives as much over the network, and relays as much."""
@@ -854,6 +869,7 @@ def test_split_fan_out_rotates_uneven_parts():
     assert set(relayed.values()) == {3 * 8 * 1027 * row // 4}
 
 
+@pytest.mark.usefixtures("split_64k")
 def test_split_fan_out_keeps_small_pieces_whole():
     """Under RELAY_SPLIT_MIN_BYTES per part a piece gets fewer parts than ranks, or one (a single head)."""
     from triton_reshard.plan import RELAY_SPLIT_MIN_BYTES, _split_piece
@@ -878,12 +894,13 @@ def test_split_fan_out_catalogue_case():
     plan = dc.case_plan(dc.CASES["relay-split-tp2-to-replicated-gpn4"])
     net = [t for t in plan.transfers if not t.relay and t.dst_rank >= 4]
     assert sorted((t.tensor, t.sizes) for t in net) == sorted(
-        [("w", (128, 128))] * 8 + [("e", (129, 258)), ("e", (128, 258)), ("e", (129, 257)), ("e", (128, 257))])
+        [("w", (512, 512))] * 8 + [("e", (1025, 516)), ("e", (1024, 516)), ("e", (1025, 515)), ("e", (1024, 515))])
     assert {t.dst_rank for t in net if t.tensor == "e"} == {4, 5, 6, 7}  # e's parts go to the ranks w left lighter
     assert sorted(_net_recv(plan, 4).values()) == sorted({r: sum(t.nbytes for t in net if t.dst_rank == r)
                                                           for r in range(4, 8)}.values())
 
 
+@pytest.mark.usefixtures("split_64k")
 def test_split_relay_validation_rejects_chains():
     """In a split fan-out every rank both receives parts by relay and relays its own: a relay reading a part its
     sender got by relay (0 -> 4 -> 5 -> 6) is still a chain and rejected."""

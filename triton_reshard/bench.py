@@ -201,7 +201,7 @@ def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", b
             for m in names:
                 med = statistics.median(walls[m])
                 row["methods"][m] = {
-                    "median_s": med, "min_s": min(walls[m]), "max_s": max(walls[m]),
+                    "median_s": med, "min_s": min(walls[m]), "max_s": max(walls[m]), "rounds_s": walls[m],
                     # ratios within each round (the methods of a round ran back to back), then the median
                     "speedup_vs_allgather": statistics.median(
                         a / b for a, b in zip(walls["allgather"], walls[m], strict=True)),
