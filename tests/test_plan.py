@@ -568,17 +568,20 @@ PINNED = {  # (layout digests, plan digest) computed by the planner before its s
 }
 
 
-@pytest.mark.parametrize("name", list(PINNED))
-def test_preset_plans_are_pinned(name):
+def _pinned_layouts(name: str):
+    """The Megatron -> vLLM layouts whose plans are pinned below."""
     from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
     cfg = get_config(name)
     if name == "small_qwen3_moe":
-        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8))
-        dst = vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4)
-    else:
-        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ranks=range(8))
-        dst = vllm_layout(cfg, tp=4, dp=2, ranks=range(8))
+        return (megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8)),
+                vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4))
+    return megatron_layout(cfg, tp=2, pp=2, dp=2, ranks=range(8)), vllm_layout(cfg, tp=4, dp=2, ranks=range(8))
+
+
+@pytest.mark.parametrize("name", list(PINNED))
+def test_preset_plans_are_pinned(name):
+    src, dst = _pinned_layouts(name)
     plan = plan_reshard(src, dst)
     assert (src.digest, dst.digest, plan.digest) == PINNED[name]
     st_ = plan.stats()
@@ -949,15 +952,7 @@ NODE_AWARE_PINNED = {  # plan digests of the node-aware routing, computed before
 def test_relay_off_keeps_the_node_aware_plans(name):
     """relay=False gives the node-aware plans of before, bit for bit; relays (the default with a node size)
     fan out the replicated pieces and still reach the lower bound."""
-    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
-
-    cfg = get_config(name)
-    if name == "small_qwen3_moe":
-        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8))
-        dst = vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4)
-    else:
-        src = megatron_layout(cfg, tp=2, pp=2, dp=2, ranks=range(8))
-        dst = vllm_layout(cfg, tp=4, dp=2, ranks=range(8))
+    src, dst = _pinned_layouts(name)
     for gpn in (2, 4):
         near = plan_reshard(src, dst, False, gpn, False)
         assert near.digest == NODE_AWARE_PINNED[(name, gpn)]

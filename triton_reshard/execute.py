@@ -275,22 +275,21 @@ class Resharder:
         ]
         # first pass: which messages go in place, and how much staging the others need per slot
         plans = []  # per step: (sends, recvs) of (peer, at, message, view of each chunk, in-place buffer or None)
-        need_s = need_r = 0
+        need = [0, 0]  # staging bytes per slot: send, receive
+
+        def side(entries, view_of, k):
+            out = []
+            for peer, at, m in entries:
+                views = [view_of(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
+                buf = in_place(m, transfers[m.chunks[0].transfer], views[0])
+                out.append((peer, at, m, views, buf))
+                if buf is None:
+                    need[k] = max(need[k], at + m.nbytes)
+            return out
+
         for _i, step in self.steps:
-            sends, recvs = [], []
-            for peer, at, m in step.sends:
-                views = [src_view(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
-                buf = in_place(m, transfers[m.chunks[0].transfer], views[0])
-                sends.append((peer, at, m, views, buf))
-                if buf is None:
-                    need_s = max(need_s, at + m.nbytes)
-            for peer, at, m in step.recvs:
-                views = [dst_view(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
-                buf = in_place(m, transfers[m.chunks[0].transfer], views[0])
-                recvs.append((peer, at, m, views, buf))
-                if buf is None:
-                    need_r = max(need_r, at + m.nbytes)
-            plans.append((sends, recvs))
+            plans.append((side(step.sends, src_view, 0), side(step.recvs, dst_view, 1)))
+        need_s, need_r = need
         n_slots = min(self.slots, len(self.steps))
         self.send_area_bytes, self.recv_area_bytes = need_s * n_slots, need_r * n_slots
         if (self._send_area is None or self._send_area.device != device
