@@ -188,3 +188,20 @@ def test_cli_plan_reports_with_and_without_relay(tmp_path, capsys):
     assert not n["relay"] and n["without_relay"] is None and n["num_relays"] == 0
     assert n["plan_digest"] == w["plan_digest"] and n["net_bytes"] == w["net_bytes"]
     assert "without relay:" not in capsys.readouterr().out
+
+
+def test_cli_plan_uneven_pipeline_and_clear_errors(capsys):
+    """4 layers over pp=3 need --src-layers-per-stage; an impossible expert split is an error message with exit
+    code 2, not a traceback; with the stages given, the plan reaches the lower bound."""
+    from triton_reshard.cli import main
+
+    base = ["plan", "--model", "tiny_deepseek_v3", "--dst", "tp=2,dp=2", "--preset", "h100", "--bucket-mb", "1"]
+    assert main(base + ["--src", "tp=2,pp=3"]) == 2
+    err = capsys.readouterr().err
+    assert "do not split evenly over pp=3" in err and "--src-layers-per-stage" in err
+    assert main(base + ["--src", "tp=1,pp=2,ep=4,etp=1"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="comma-separated integers"):
+        main(base + ["--src", "tp=2,pp=3", "--src-layers-per-stage", "2,x,1"])
+    assert main(base + ["--src", "tp=2,pp=3", "--src-layers-per-stage", "2,1,1"]) == 0
+    assert "= 1.000 x the lower bound" in capsys.readouterr().out

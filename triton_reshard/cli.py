@@ -60,6 +60,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dst", required=True,
                    help="vLLM inference layout, e.g. 'tp=8,dp=16,ep=1' (ep > 1: enable_expert_parallel, "
                         "experts split over all tp*dp workers)")
+    p.add_argument("--src-layers-per-stage", default=None,
+                   help="decoder layers of each pipeline stage when pp does not divide them, e.g. '7,8,8,8,8,8,8,6' "
+                        "(Megatron's decoder_first/last_pipeline_num_layers)")
     p.add_argument("--src-offset", type=int, default=0, help="first rank of the training layout (default 0)")
     p.add_argument("--dst-offset", type=int, default=0, help="first rank of the inference layout (default 0)")
     p.add_argument("--preset", choices=["h100", "gb200"], default="gb200",
@@ -193,6 +196,12 @@ def plan_report(args) -> dict:
     )
     src_kw = dict(tp=s.get("tp", 1), pp=s.get("pp", 1), dp=s.get("dp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
                   ranks=args.src_offset)
+    if getattr(args, "src_layers_per_stage", None):
+        try:
+            src_kw["layers_per_stage"] = tuple(int(x) for x in args.src_layers_per_stage.split(","))
+        except ValueError:
+            raise SystemExit(f"--src-layers-per-stage {args.src_layers_per_stage!r}: expected comma-separated "
+                             f"integers") from None
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
@@ -292,7 +301,12 @@ def _print_report(r: dict) -> None:
 
 
 def run_plan(args) -> int:
-    r = plan_report(args)
+    try:
+        r = plan_report(args)
+    except (ValueError, TypeError) as e:  # an impossible layout: say why, without a traceback
+        hint = " (--src-layers-per-stage)" if "layers_per_stage" in str(e) else ""
+        print(f"triton-reshard plan: error: {e}{hint}", file=sys.stderr)
+        return 2
     _print_report(r)
     if args.json:
         with open(args.json, "w") as f:
