@@ -163,7 +163,7 @@ def routing_figures(plan, sched, topo) -> dict:
         "relay_bytes": st.relay_bytes,
         "num_relays": st.num_relays,
         "steps": len(sched.steps),
-        "relay_steps": sum(1 for step in sched.steps if getattr(step, "phase", 0) == 1),
+        "relay_steps": sum(1 for step in sched.steps if step.phase == 1),
         "predicted_seconds": {"unbucketed": bound.seconds, "scheduled": stepped.seconds,
                               "bottleneck_rank": stepped.busiest_rank, "bottleneck_port": stepped.busiest_port},
     }
@@ -196,7 +196,7 @@ def plan_report(args) -> dict:
     )
     src_kw = dict(tp=s.get("tp", 1), pp=s.get("pp", 1), dp=s.get("dp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
                   ranks=args.src_offset)
-    if getattr(args, "src_layers_per_stage", None):
+    if args.src_layers_per_stage:
         try:
             src_kw["layers_per_stage"] = tuple(int(x) for x in args.src_layers_per_stage.split(","))
         except ValueError:
@@ -205,7 +205,7 @@ def plan_report(args) -> dict:
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
-    relay = getattr(args, "relay", None)
+    relay = args.relay
     node_aware = bool(args.topology_aware or relay)
     src, dst, plan, st, sched, times = timed_planning(
         cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=topo.gpus_per_node if node_aware else None, relay=relay

@@ -107,13 +107,11 @@ class Resharder:
                 f"{list(self.group_ranks)}"
             )
         self.schedule = plan.schedule(self.bucket_bytes // self.slots, self.direct_min_bytes)
-        steps, send_slot, recv_slot = self.schedule.for_rank(self.rank)
+        steps, _send_area, _recv_area = self.schedule.for_rank(self.rank)
         # only the steps this rank takes part in; step i of those uses staging slot i % slots
         self.steps = tuple((i, st) for i, st in enumerate(steps) if st.sends or st.recvs)
         self._phase = tuple(self.schedule.steps[i].phase for i, _st in self.steps)
-        # the most staging this rank can need (every message staged); _bind allocates only what the bound
-        # tensors need: direct messages of contiguous tensors go in place
-        self.max_staging_bytes = (send_slot + recv_slot) * min(self.slots, len(self.steps))
+        # set by _bind: only the staged messages need staging (direct ones of contiguous tensors go in place)
         self.send_area_bytes = self.recv_area_bytes = 0
         self._src_specs = plan.src.local_specs(self.rank)
         self._dst_specs = plan.dst.local_specs(self.rank)

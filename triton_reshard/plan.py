@@ -273,10 +273,7 @@ class Plan:
         """Bytes and counts (cached). ``gpus_per_node``: also split the wire bytes into network (between nodes
         of that many consecutive ranks) and NVLink (inside a node) bytes; relays are counted in both the
         totals and ``relay_bytes``."""
-        if gpus_per_node is not None and (
-            not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
-        ):
-            raise ValueError(f"Plan.stats: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
+        _check_gpus_per_node(gpus_per_node, "Plan.stats")
         key = ("stats", gpus_per_node)
         if key not in self._cache:
             sent: dict[int, int] = defaultdict(int)
@@ -496,6 +493,13 @@ def _wire_dtype(src: TensorSpec, dst: TensorSpec) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _check_gpus_per_node(gpus_per_node, where: str) -> None:
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
+    ):
+        raise ValueError(f"{where}: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
+
+
 def _check_specs(src: Layout, dst: Layout, allow_cast: bool) -> None:
     for spec in dst.tensors:
         frags = dst.fragments_by_tensor.get(spec.name, ())
@@ -575,10 +579,7 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
-    if gpus_per_node is not None and (
-        not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
-    ):
-        raise ValueError(f"plan_reshard: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
+    _check_gpus_per_node(gpus_per_node, "plan_reshard")
     if relay is None:
         relay = gpus_per_node is not None
     elif not isinstance(relay, bool):
