@@ -5,6 +5,10 @@ source slices into one contiguous send buffer per peer, exchanges all buffers wi
 ``torch.distributed.batch_isend_irecv`` call, and scatters each receive buffer into the destination views.
 Staging buffers are allocated once and reused; every wait has a timeout; before any byte moves all ranks
 check they run the same plan and that every rank's input is valid.
+
+:meth:`Resharder.verify` runs the same steps in *verify mode*: every received message is staged, and the unpack
+and local copies become bit-exact compares against what the destination tensors already hold. It writes
+nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -20,7 +24,7 @@ import torch.distributed as dist
 
 from . import ops
 from .layout import box_slices
-from .plan import DIRECT_MIN_BYTES, Plan
+from .plan import ALIGN, DIRECT_MIN_BYTES, Plan, _split_box
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -36,7 +40,10 @@ class ReshardTimeoutError(ReshardError, TimeoutError):
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
-    """What one ``run()`` did on this rank."""
+    """What one ``run()`` did on this rank (in verify mode: ``unpack_seconds`` / ``local_seconds`` are compares).
+
+    ``ignored``: destination tensors ``refit`` was given that the destination layout does not cover on this
+    rank (sorted; ``Resharder.run`` itself takes none)."""
 
     rank: int
     steps: int
@@ -50,6 +57,120 @@ class RunReport:
     unpack_seconds: float = 0.0
     local_seconds: float = 0.0
     in_place_bytes: int = 0  # of sent_bytes + recv_bytes: moved straight from/into the tensors, not staged
+    ignored: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """The first element of one destination local tensor that differs from what the reshard would write.
+
+    ``tensor`` + ``offsets``/``sizes``: the logical box (one chunk of one transfer) it was found in; ``index``:
+    the element's index in the logical tensor; ``local_index``: in the local tensor ``local``. ``expected``:
+    the value the reshard would write, ``actual``: the value held (Python scalars of the destination dtype),
+    with their raw bits (unsigned)."""
+
+    local: str
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    index: tuple[int, ...]
+    local_index: tuple[int, ...]
+    expected: object
+    actual: object
+    expected_bits: int
+    actual_bits: int
+
+    def __str__(self) -> str:
+        box = ", ".join(f"{o}:{o + n}" for o, n in zip(self.offsets, self.sizes, strict=True))
+        width = max(len(f"{self.expected_bits:x}"), len(f"{self.actual_bits:x}"))
+        return (
+            f"first in {self.tensor}[{box}] at {self.tensor}{list(self.index)} ({self.local}{list(self.local_index)}): "
+            f"the reshard would write {self.expected!r} (bits 0x{self.expected_bits:0{width}x}), it holds "
+            f"{self.actual!r} (bits 0x{self.actual_bits:0{width}x})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What one ``verify()`` found on this rank. Nothing was written.
+
+    ``ok``, ``total_mismatches`` and ``mismatches_by_rank`` are the same on every rank of the group.
+    ``mismatches``: {destination local tensor: number of elements that differ bit for bit} on this rank (only
+    tensors with differences; empty when ok). ``differences``: the first differing element of each of those
+    tensors. ``compared_elements``: destination elements this rank compared (every element the destination
+    layout covers on it). ``stats``: the run statistics of the verify pass. ``ignored``: as in
+    :class:`RunReport`. ``message`` / ``str()``: a readable summary.
+    """
+
+    ok: bool
+    rank: int
+    mismatches: dict[str, int]
+    total_mismatches: int
+    mismatches_by_rank: dict[int, int]
+    compared_elements: int
+    differences: dict[str, Difference]
+    stats: RunReport
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def message(self) -> str:
+        bad = {r: n for r, n in self.mismatches_by_rank.items() if n}
+        if self.ok:
+            head = (f"verify: OK, rank {self.rank}: all {self.compared_elements} destination elements match bit for "
+                    f"bit; so do the other ranks ({len(self.mismatches_by_rank)} in all)")
+        else:
+            mine = sum(self.mismatches.values())
+            head = (f"verify: MISMATCH, {self.total_mismatches} elements differ over ranks {sorted(bad)} "
+                    f"(by rank: {bad}); rank {self.rank}: {mine} of {self.compared_elements} compared elements differ")
+        lines = [head]
+        for local, n in sorted(self.mismatches.items()):
+            lines.append(f"  {local!r}: {n} elements differ; {self.differences[local]}")
+        if self.ignored:
+            lines.append(f"  ignored (not in the destination layout on rank {self.rank}): {list(self.ignored)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(slots=True)
+class _Bound:
+    """The views and buffers of one set of tensors in one mode (see ``Resharder._bind``)."""
+
+    local: list  # (source view, destination view) of each local copy (verify: split to the bucket)
+    local_meta: list | None  # verify: per local pair, (dst local, tensor, logical offsets, local offsets)
+    packs: list  # per step: (source view, send buffer view) pairs
+    unpacks: list  # per step: (receive buffer view, destination view) pairs
+    unpack_meta: list | None  # verify: per step, per unpack pair, as local_meta
+    wire: list  # per step: (sends, recvs) of (peer, flat buffer)
+    send_area_bytes: int
+    recv_area_bytes: int
+    in_place_bytes: int
+
+
+@dataclass
+class _Tally:
+    """Verify mode's sink: counts differing elements per destination local tensor, keeps the first of each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    first: dict[str, Difference] = field(default_factory=dict)
+    compared: int = 0
+
+    def compare(self, pairs, meta) -> None:
+        for n, (got, have), (local, tensor, off, loc_off) in zip(ops.compare_views(pairs), pairs, meta, strict=True):
+            self.compared += have.numel()
+            if not n:
+                continue
+            self.counts[local] = self.counts.get(local, 0) + n
+            idx, want, held, want_bits, held_bits = ops.first_difference(got, have)
+            extra = len(loc_off) - len(idx)
+            lidx = loc_off[:extra] + tuple(a + b for a, b in zip(loc_off[extra:], idx, strict=True))
+            old = self.first.get(local)
+            if old is None or lidx < old.local_index:
+                self.first[local] = Difference(
+                    local, tensor, off, tuple(have.shape), tuple(a + b for a, b in zip(off, idx, strict=True)),
+                    lidx, want, held, want_bits, held_bits,
+                )
 
 
 def _to_timedelta(timeout) -> timedelta:
@@ -120,7 +241,7 @@ class Resharder:
         self._send_area: torch.Tensor | None = None
         self._recv_area: torch.Tensor | None = None
         self._bound_sig: tuple | None = None
-        self._bound: tuple | None = None
+        self._bound: _Bound | None = None
 
     # -- checks -------------------------------------------------------------------------------------
 
@@ -197,8 +318,9 @@ class Resharder:
             if ok is False:
                 raise timed_out("")
 
-    def _handshake(self, error: Exception | None) -> None:
-        """All ranks: same plan digest? everyone's input valid? Raises on every rank otherwise."""
+    def _handshake(self, error: Exception | None, verify: bool = False) -> None:
+        """All ranks: same plan digest and options? all running or all verifying? everyone's input valid?
+        Raises on every rank otherwise."""
         if not self._uses_wire():
             if error is not None:
                 raise error
@@ -207,7 +329,7 @@ class Resharder:
         d = int(self.plan.digest, 16)
         mine = torch.tensor(
             [d >> 32, d & 0xFFFFFFFF, self.bucket_bytes, 0 if error is None else 1, self.direct_min_bytes,
-             int(self.overlap)],
+             int(self.overlap), int(verify)],
             dtype=torch.int64, device=dev,
         )
         out = [torch.empty_like(mine) for _ in self.group_ranks]
@@ -217,10 +339,12 @@ class Resharder:
         if error is not None:
             raise error
         digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(self.group_ranks, rows, strict=True)}
-        if len(set(digests.values())) > 1 or len({(row[2], row[4], row[5]) for row in rows}) > 1:
+        if len(set(digests.values())) > 1 or len({(row[2], row[4], row[5], row[6]) for row in rows}) > 1:
+            modes = [("verify" if row[6] else "run") for row in rows]
             raise ReshardError(
                 f"rank {self.rank}: ranks run different plans (plan digest by rank: {digests}; (bucket_bytes, "
-                f"direct_min_bytes, overlap) by rank: {[(row[2], row[4], bool(row[5])) for row in rows]}); "
+                f"direct_min_bytes, overlap, mode) by rank: "
+                f"{[(row[2], row[4], bool(row[5]), m) for row, m in zip(rows, modes, strict=True)]}); "
                 f"nothing was moved"
             )
         bad = [r for r, row in zip(self.group_ranks, rows, strict=True) if row[3]]
@@ -238,23 +362,30 @@ class Resharder:
             (n, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for n, t in sorted(tensors.items())
         )
 
-    def _bind(self, src_tensors, dst_tensors, device: torch.device):
-        """Views for every copy and buffers for every message of this rank, built once per set of tensors.
+    def _bind(self, src_tensors, dst_tensors, device: torch.device, verify: bool = False) -> _Bound:
+        """Views for every copy and buffers for every message of this rank, built once per set of tensors
+        and mode (the last one is cached).
 
         A direct message whose view is contiguous (and already in the wire dtype) goes straight from the
         source tensor or into the destination tensor; every other message is staged. The staging areas are
-        sized for the staged messages only (their offsets are a prefix of the schedule's areas).
+        sized for the staged messages only (their offsets are a prefix of the schedule's areas). ``verify``:
+        every received message is staged (the destination is compared, never written), and the local copies
+        are split into sub-boxes within half a bucket, so the compares' temporaries stay bounded too.
         """
-        sig = (self._signature(src_tensors), self._signature(dst_tensors))
+        sig = (self._signature(src_tensors), self._signature(dst_tensors), verify)
         if sig == self._bound_sig:
             return self._bound
         transfers = self.plan.transfers
 
+        def start_of(base: torch.Tensor, start, off, size) -> tuple[int, ...]:
+            """Local coordinates (extra leading dims included) of sub-box ``off`` of the box at ``start``."""
+            extra = base.dim() - len(size)
+            return start[:extra] + tuple(a + b for a, b in zip(start[extra:], off, strict=True))
+
         def view(base: torch.Tensor, start, off, size):
             """The sub-box ``off``+``size`` (logical dims) of the box starting at ``start`` in ``base``."""
             extra = base.dim() - len(size)
-            o = start[:extra] + tuple(a + b for a, b in zip(start[extra:], off, strict=True))
-            return base[box_slices(o, (1,) * extra + tuple(size))].reshape(size)
+            return base[box_slices(start_of(base, start, off, size), (1,) * extra + tuple(size))].reshape(size)
 
         def src_view(t, off, size):  # a relay reads what this rank received as destination
             return view((dst_tensors if t.relay else src_tensors)[t.src_local], t.src_offsets, off, size)
@@ -262,15 +393,27 @@ class Resharder:
         def dst_view(t, off, size):
             return view(dst_tensors[t.dst_local], t.dst_offsets, off, size)
 
-        def in_place(m, t, v):
+        def dst_meta(t, off, size):  # what verify reports about a compared box
+            return (t.dst_local, t.tensor, tuple(a + b for a, b in zip(t.offsets, off, strict=True)),
+                    start_of(dst_tensors[t.dst_local], t.dst_offsets, off, size))
+
+        def in_place(m, t, v, receiving: bool):
             """The bytes of view ``v`` of direct message ``m`` as a flat buffer, or None if it must be staged."""
-            if m.direct and v.dtype == t.wire_dtype and v.is_contiguous():
+            if m.direct and not (verify and receiving) and v.dtype == t.wire_dtype and v.is_contiguous():
                 return v.reshape(-1).view(torch.uint8)
             return None
 
-        local = [
-            (src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes)) for t in self._local
-        ]
+        local, local_meta = [], [] if verify else None
+        if verify:
+            cap = max(ALIGN, self.bucket_bytes // 2 // ALIGN * ALIGN)
+            for t in self._local:
+                isz = max(src_tensors[t.src_local].element_size(), dst_tensors[t.dst_local].element_size())
+                for off, size in _split_box(t.sizes, isz, cap):
+                    local.append((src_view(t, off, size), dst_view(t, off, size)))
+                    local_meta.append(dst_meta(t, off, size))
+        else:
+            local = [(src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes))
+                     for t in self._local]
         # first pass: which messages go in place, and how much staging the others need per slot
         plans = []  # per step: (sends, recvs) of (peer, at, message, view of each chunk, in-place buffer or None)
         need = [0, 0]  # staging bytes per slot: send, receive
@@ -279,7 +422,7 @@ class Resharder:
             out = []
             for peer, at, m in entries:
                 views = [view_of(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
-                buf = in_place(m, transfers[m.chunks[0].transfer], views[0])
+                buf = in_place(m, transfers[m.chunks[0].transfer], views[0], k == 1)
                 out.append((peer, at, m, views, buf))
                 if buf is None:
                     need[k] = max(need[k], at + m.nbytes)
@@ -292,6 +435,8 @@ class Resharder:
         self.send_area_bytes, self.recv_area_bytes = need_s * n_slots, need_r * n_slots
         if (self._send_area is None or self._send_area.device != device
                 or self._send_area.numel() < self.send_area_bytes or self._recv_area.numel() < self.recv_area_bytes):
+            self._bound_sig = self._bound = None  # the old views must not keep the old areas alive
+            self._send_area = self._recv_area = None
             self._send_area = torch.empty(self.send_area_bytes, dtype=torch.uint8, device=device)
             self._recv_area = torch.empty(self.recv_area_bytes, dtype=torch.uint8, device=device)
 
@@ -300,9 +445,9 @@ class Resharder:
             start = at + chunk.buffer_offset
             return area[start:start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
 
-        packs, unpacks, ops_per_step = [], [], []
+        packs, unpacks, unpack_meta, ops_per_step = [], [], [] if verify else None, []
         for pos, (sends, recvs) in enumerate(plans):
-            pk, up, wire_s, wire_r = [], [], [], []
+            pk, up, um, wire_s, wire_r = [], [], [], [], []
             s_base, r_base = (pos % self.slots) * need_s, (pos % self.slots) * need_r
             for peer, at, m, views, buf in sends:
                 if buf is None:
@@ -315,19 +460,25 @@ class Resharder:
                 if buf is None:
                     at += r_base
                     for c, v in zip(m.chunks, views, strict=True):
-                        up.append((buf_view(self._recv_area, at, c, transfers[c.transfer]), v))
+                        t = transfers[c.transfer]
+                        up.append((buf_view(self._recv_area, at, c, t), v))
+                        if verify:
+                            um.append(dst_meta(t, c.offsets, c.sizes))
                     buf = self._recv_area[at:at + m.payload]
                 wire_r.append((peer, buf))
             packs.append(pk)
             unpacks.append(up)
+            if verify:
+                unpack_meta.append(um)
             ops_per_step.append((wire_s, wire_r))
+        in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
+                             if buf is not None)
         self._bound_sig = sig
-        self._bound = (local, packs, unpacks, ops_per_step)
-        self._in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
-                                   if buf is not None)
+        self._bound = _Bound(local, local_meta, packs, unpacks, unpack_meta, ops_per_step, self.send_area_bytes,
+                             self.recv_area_bytes, in_place_bytes)
         return self._bound
 
-    # -- run ------------------------------------------------------------------------------------------
+    # -- run and verify -------------------------------------------------------------------------------
 
     def run(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> RunReport:
         """Reshard: read ``src_tensors`` (this rank's source local tensors), write ``dst_tensors`` in place.
@@ -336,36 +487,100 @@ class Resharder:
         input is invalid or ranks run different plans; raises :class:`ReshardTimeoutError` if a peer does
         not arrive within the timeout.
         """
+        return self._execute(src_tensors, dst_tensors, None)
+
+    def verify(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> VerifyReport:
+        """Like :meth:`run`, but compare instead of write: how many destination elements differ, bit for bit,
+        from what ``run`` would write into them (after the cast to the destination dtype). Writes nothing.
+
+        The same steps, messages and checks as ``run`` (every rank of the group calls it; all ranks must be
+        verifying, the handshake checks that), with every received message staged (never received in place),
+        unpacks and local copies turned into compares, and one exchange of the counts at the end, so the
+        report's ``ok`` is the same on every rank. Memory: the staging areas of ``run`` with every receive
+        staged (within ``bucket_bytes``), plus a mask (and a cast copy) of one chunk of at most half a bucket.
+        A plan with relays cannot be verified: a relay forwards the relaying rank's *destination* tensor,
+        which is what verify checks, not trusts (plan with ``relay=False``, as ``verify_refit`` does).
+        """
+        relays = sum(t.relay for t in self.plan.transfers)
+        if relays:
+            raise ValueError(
+                f"rank {self.rank}: verify needs a plan without relays ({relays} relay transfers read the relaying "
+                f"rank's destination tensors, which verify must not trust): plan it with relay=False"
+            )
+        tally = _Tally()
+        stats = self._execute(src_tensors, dst_tensors, tally)
+        by_rank = self._all_counts(sum(tally.counts.values()))
+        total = sum(by_rank.values())
+        return VerifyReport(
+            ok=total == 0,
+            rank=self.rank,
+            mismatches=dict(sorted(tally.counts.items())),
+            total_mismatches=total,
+            mismatches_by_rank=by_rank,
+            compared_elements=tally.compared,
+            differences=dict(sorted(tally.first.items())),
+            stats=stats,
+        )
+
+    def _all_counts(self, mine: int) -> dict[int, int]:
+        """Every rank's mismatch count (one all-gather over the group, with the timeout)."""
+        if not self._uses_wire():
+            return {self.rank: mine}
+        t = torch.tensor([mine], dtype=torch.int64, device=self._comm_device())
+        out = [torch.empty_like(t) for _ in self.group_ranks]
+        work = dist.all_gather(out, t, group=self.group, async_op=True)
+        self._wait([work], "the verify result exchange", self.group_ranks)
+        return {r: int(o.item()) for r, o in zip(self.group_ranks, out, strict=True)}
+
+    def _execute(self, src_tensors, dst_tensors, tally: _Tally | None) -> RunReport:
+        """The loop ``run`` and ``verify`` share. ``tally``: None to write the destination (unpack and local
+        copies), or verify mode's sink, which compares those same pairs instead."""
         t0 = time.perf_counter()
+        verify = tally is not None
         error: Exception | None = None
         device = None
         try:
             device = self._check_inputs(src_tensors, dst_tensors)
         except (ValueError, TypeError) as e:
             error = e
-        self._handshake(error)
+        self._handshake(error, verify)
         backend = ops.resolve_backend(device, self.backend)
-        local, packs, unpacks, wire = self._bind(src_tensors, dst_tensors, device)
+        b = self._bind(src_tensors, dst_tensors, device, verify)
         key = (id(self), hash(self._bound_sig))
         clock = time.perf_counter
-        t_pack = t_wire = t_unpack = 0.0
-        t_local = None
+
+        def land(pairs, meta, list_key) -> None:
+            """Unpack or local copies: write them, or in verify mode compare them."""
+            if tally is None:
+                ops.copy_views(pairs, backend, key=list_key)
+            else:
+                tally.compare(pairs, meta)
 
         def local_copies() -> float:
             t = clock()
-            ops.copy_views(local, backend, key=(key, "local"))
+            land(b.local, b.local_meta, (key, "local"))
             return clock() - t
 
+        def finish(pending) -> None:
+            nonlocal t_wire, t_unpack
+            pos, works, peers = pending
+            t1 = clock()
+            self._wait(works, f"step {pos + 1}/{len(self.steps)}", peers)
+            t2 = clock()
+            land(b.unpacks[pos], b.unpack_meta[pos] if verify else None, (key, "unpack", self.steps[pos][0]))
+            t_wire += t2 - t1
+            t_unpack += clock() - t2
+
+        t_pack = t_wire = t_unpack = 0.0
+        t_local = None
         with torch.no_grad():
             sent = recvd = 0
             pending: tuple | None = None  # (position, works, peers) of the step on the wire
-            for pos, ((i, _st), pk, _up, (sends, recvs)) in enumerate(
-                zip(self.steps, packs, unpacks, wire, strict=True)
-            ):
+            for pos, ((i, _st), pk, (sends, recvs)) in enumerate(zip(self.steps, b.packs, b.wire, strict=True)):
                 if pending is not None and (self.slots == 1 or self._phase[pending[0]] != self._phase[pos]):
                     # one slot: the previous step's buffers are reused; a new phase: relays read what the
                     # previous phase received
-                    t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
+                    finish(pending)
                     pending = None
                 if t_local is None and self._phase[pos]:  # relays may read what the local copies write
                     t_local = local_copies()
@@ -376,12 +591,12 @@ class Resharder:
                 if t_local is None:  # the local copies run while the first step is on the wire
                     t_local = local_copies()
                 if pending is not None:  # step pos-1 was on the wire while we packed and posted step pos
-                    t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
+                    finish(pending)
                 pending = (pos, works, {p for p, _ in sends} | {p for p, _ in recvs})
-                sent += sum(b.numel() for _, b in sends)
-                recvd += sum(b.numel() for _, b in recvs)
+                sent += sum(buf.numel() for _, buf in sends)
+                recvd += sum(buf.numel() for _, buf in recvs)
             if pending is not None:
-                t_wire, t_unpack = self._finish(pending, unpacks, key, backend, t_wire, t_unpack)
+                finish(pending)
             if t_local is None:  # no steps on this rank
                 t_local = local_copies()
         if device is not None and device.type == "cuda":
@@ -392,24 +607,16 @@ class Resharder:
             sent_bytes=sent,
             recv_bytes=recvd,
             local_bytes=self._local_bytes,
-            staging_bytes=self.send_area_bytes + self.recv_area_bytes,
+            staging_bytes=b.send_area_bytes + b.recv_area_bytes,
             seconds=time.perf_counter() - t0,
             pack_seconds=t_pack,
             wire_seconds=t_wire,
             unpack_seconds=t_unpack,
             local_seconds=t_local,
-            in_place_bytes=self._in_place_bytes,
+            in_place_bytes=b.in_place_bytes,
         )
 
     def _post(self, sends, recvs) -> list:
         p2p = [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
         p2p += [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
         return dist.batch_isend_irecv(p2p)  # never called with an empty list: steps without ops are dropped
-
-    def _finish(self, pending, unpacks, key, backend, t_wire, t_unpack):
-        pos, works, peers = pending
-        t0 = time.perf_counter()
-        self._wait(works, f"step {pos + 1}/{len(self.steps)}", peers)
-        t1 = time.perf_counter()
-        ops.copy_views(unpacks[pos], backend, key=(key, "unpack", self.steps[pos][0]))
-        return t_wire + (t1 - t0), t_unpack + (time.perf_counter() - t1)

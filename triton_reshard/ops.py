@@ -9,6 +9,10 @@ may cache per-list state (e.g. a region table on the device).
 Backends: ``"torch"`` (one ``copy_`` per pair; the reference, used on CPU) and ``"triton"`` (one launch
 per dtype pair for the whole list; see ``triton_reshard/triton_copy.py``). ``TRITON_RESHARD_BACKEND``
 forces one; otherwise CUDA tensors use Triton and CPU tensors use torch.
+
+:func:`compare_views` is the read-only twin used by verify mode: per pair, how many elements of ``dst`` differ
+bit for bit from what copying ``src`` into it would write. It has no kernel of its own (torch ops on any
+device; verify is a one-off check, not the per-step path).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 BACKENDS = ("torch", "triton")
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ENV_VAR = "TRITON_RESHARD_BACKEND"
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -54,3 +59,39 @@ def copy_views(pairs: Sequence[Pair], backend: str = "torch", key: Hashable | No
         triton_copy_views(pairs, key=key)
     else:
         raise ValueError(f"unknown copy backend {backend!r}; expected one of {BACKENDS}")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as a signed integer view of the same element size (no copy; any strides)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _want(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """What copying ``src`` into ``dst`` writes (``copy_`` casts like ``.to``)."""
+    return src if src.dtype == dst.dtype else src.to(dst.dtype)
+
+
+def compare_views(pairs: Sequence[Pair]) -> list[int]:
+    """Per pair ``(src, dst)``: the number of elements where ``dst`` differs, bit for bit (NaN payloads and
+    signed zeros included), from what ``copy_views`` would write into it. Reads only; one host sync per list.
+    Temporaries: one bool mask (plus one cast copy when the dtypes differ) of the pair's size."""
+    out = [0] * len(pairs)
+    live = [i for i, (s, _d) in enumerate(pairs) if s.numel()]
+    if live:
+        counts = [(bits(_want(pairs[i][0], pairs[i][1])) != bits(pairs[i][1])).sum() for i in live]
+        for i, n in zip(live, torch.stack(counts).tolist(), strict=True):
+            out[i] = n
+    return out
+
+
+def first_difference(src: torch.Tensor, dst: torch.Tensor) -> tuple[tuple[int, ...], object, object, int, int] | None:
+    """The first element (row-major) where ``dst`` differs from what copying ``src`` would write, as
+    ``(index, value that would be written, value held, its bits, held bits)`` (bits unsigned); None if none."""
+    want = _want(src, dst)
+    diff = (bits(want) != bits(dst)).reshape(-1)
+    if not diff.numel() or not bool(diff.any()):
+        return None
+    flat = int(diff.to(torch.uint8).argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(dst.shape)))
+    mask = (1 << (8 * dst.element_size())) - 1
+    return idx, want[idx].item(), dst[idx].item(), int(bits(want)[idx].item()) & mask, int(bits(dst)[idx].item()) & mask
