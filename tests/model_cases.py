@@ -3,7 +3,8 @@
 Written from the frameworks' own rules, the way checkpoint converters do it (views, torch.cat, chunk), on
 the Hugging Face checkpoint tensors:
 
-* Megatron-Core (TE spec): ``linear_qkv`` = per KV group ``[q_g; k_g; v_g]`` then split over TP by groups;
+* Megatron-Core (TE spec): ``linear_qkv`` = per KV group ``[q_g; k_g; v_g]`` then its rows split over TP
+  (whole groups; part of one group when tp > KV heads);
   ``linear_fc1`` = ``[gate_tp; up_tp]``; vocab padded to ``128 * tp`` (zeros) then split; layers split
   contiguously over PP with stage-local indices; rank order tp-cp-ep-dp-pp; experts over EP, expert-TP
   ``etp``.
@@ -107,7 +108,8 @@ def megatron_shards(sd, cfg, *, tp=1, pp=1, dp=1, ep=1, etp=None, position=0, gr
             qw = sd[f"{a}.q_proj.{kind}"].reshape(nkv, nh // nkv * hd, -1)
             kw = sd[f"{a}.k_proj.{kind}"].reshape(nkv, hd, -1)
             vw = sd[f"{a}.v_proj.{kind}"].reshape(nkv, hd, -1)
-            fused = torch.cat([qw, kw, vw], dim=1).chunk(tp, dim=0)[t]
+            # the interleaved tensor's rows chunked over TP: whole groups, or (tp > groups) part of one
+            fused = torch.cat([qw, kw, vw], dim=1).flatten(0, 1).chunk(tp, dim=0)[t]
             fused = fused.reshape(-1, H) if kind == "weight" else fused.reshape(-1)
             out[f"{mg}.self_attention.linear_qkv.{kind}"] = fused
         if cfg.get("model_type") in ("qwen3", "qwen3_moe"):
@@ -235,10 +237,10 @@ def vllm_shards(sd, cfg, *, tp=1, dp=1, ep=False, position=0):
         else:
             e0, n, mt, mr = 0, E, workers, position
         x = [f"{hf}.mlp.experts.{e}" for e in range(e0, e0 + n)]
-        out[f"{hf}.mlp.experts.w13_weight"] = torch.stack([
+        out[f"{hf}.mlp.experts.routed_experts.w13_weight"] = torch.stack([
             torch.cat([sd[f"{p}.gate_proj.weight"].chunk(mt)[mr], sd[f"{p}.up_proj.weight"].chunk(mt)[mr]])
             for p in x])
-        out[f"{hf}.mlp.experts.w2_weight"] = torch.stack([sd[f"{p}.down_proj.weight"].chunk(mt, dim=1)[mr] for p in x])
+        out[f"{hf}.mlp.experts.routed_experts.w2_weight"] = torch.stack([sd[f"{p}.down_proj.weight"].chunk(mt, dim=1)[mr] for p in x])
     return {n: v.contiguous().clone() for n, v in out.items()}
 
 
@@ -302,8 +304,8 @@ def vllm_to_hf(shards, cfg, *, tp=1, dp=1, ep=False):
             sd[f"{sh}.gate_proj.weight"] = torch.cat([g for g, _ in gu])
             sd[f"{sh}.up_proj.weight"] = torch.cat([u for _, u in gu])
             sd[f"{sh}.down_proj.weight"] = torch.cat([r[f"{sh}.down_proj.weight"] for r in r0[:stp]], dim=1)
-        w13 = [shards[w][f"{hf}.mlp.experts.w13_weight"] for w in range(workers)]
-        w2 = [shards[w][f"{hf}.mlp.experts.w2_weight"] for w in range(workers)]
+        w13 = [shards[w][f"{hf}.mlp.experts.routed_experts.w13_weight"] for w in range(workers)]
+        w2 = [shards[w][f"{hf}.mlp.experts.routed_experts.w2_weight"] for w in range(workers)]
         if ep and workers > 1:
             w13, w2 = torch.cat(w13), torch.cat(w2)  # [E, 2I, H], [E, H, I]
         else:

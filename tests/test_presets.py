@@ -150,6 +150,8 @@ MEGATRON_GRID = [
     ("tiny_llama_tied", {}, dict(tp=2)),
     ("tiny_qwen2", {}, dict(tp=2, dp=3)),
     ("tiny_qwen3", {"num_key_value_heads": 4}, dict(tp=4, pp=2)),
+    ("tiny_llama", {}, dict(tp=4)),  # tp > 2 KV heads: linear_qkv a plain row chunk (q only, then k+v)
+    ("tiny_qwen2", {"num_key_value_heads": 1}, dict(tp=4, dp=2)),  # 1 KV head, qkv bias
     ("tiny_qwen3_moe", {}, dict(tp=2, dp=2, ep=2, etp=1)),
     ("tiny_qwen3_moe", {}, dict(tp=2, dp=2, ep=2)),  # expert-TP 2 x EP 2
     ("tiny_qwen3_moe", {}, dict(tp=2, pp=2, dp=2, ep=4, etp=1, grouped_gemm=False)),
@@ -387,8 +389,8 @@ def test_vllm_names_qwen3_moe_rank0():
         f"{p}.input_layernorm.weight": (H,),
         f"{p}.post_attention_layernorm.weight": (H,),
         f"{p}.mlp.gate.weight": (8, H),
-        f"{p}.mlp.experts.w13_weight": (2, 64, H),  # 8 experts over 4 EP ranks, [gate; up] of 32 each
-        f"{p}.mlp.experts.w2_weight": (2, H, 32),
+        f"{p}.mlp.experts.routed_experts.w13_weight": (2, 64, H),  # 8 experts over 4 EP ranks, [gate; up] of 32 each
+        f"{p}.mlp.experts.routed_experts.w2_weight": (2, H, 32),
     }
     got = layout.local_shapes(0)
     assert {k: v for k, v in got.items() if not k.startswith("model.layers.1.")} == want
@@ -452,8 +454,8 @@ def test_vllm_names_deepseek_v3_rank0():
         f"{p}.mlp.gate.e_score_correction_bias": (8,),
         f"{p}.mlp.shared_experts.gate_up_proj.weight": (32, H),  # sequence-parallel MoE: not TP-split
         f"{p}.mlp.shared_experts.down_proj.weight": (H, 16),
-        f"{p}.mlp.experts.w13_weight": (2, 32, H),  # 8 experts over 4 EP ranks
-        f"{p}.mlp.experts.w2_weight": (2, H, 16),
+        f"{p}.mlp.experts.routed_experts.w13_weight": (2, 32, H),  # 8 experts over 4 EP ranks
+        f"{p}.mlp.experts.routed_experts.w2_weight": (2, H, 16),
     }
     got = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True).local_shapes(0)
     assert {k: v for k, v in got.items() if not k.startswith(("model.layers.0.", "model.layers.2.",
@@ -484,7 +486,7 @@ def test_deepseek_v3_full_size_refit_plan():
     assert src.local_shapes(0)["decoder.layers.30.mlp.experts.linear_fc1.weight31"] == (2 * 2048, 7168)
     assert "decoder.layers.30.input_layernorm.weight" in src.local_shapes(0)
     assert "decoder.layers.30.input_layernorm.weight" not in src.local_shapes(8)  # stage 1 has 30 layers
-    assert dst.local_shapes(15)["model.layers.60.mlp.experts.w13_weight"] == (16, 2 * 2048, 7168)
+    assert dst.local_shapes(15)["model.layers.60.mlp.experts.routed_experts.w13_weight"] == (16, 2 * 2048, 7168)
     st = plan_reshard(src, dst).stats()
     assert st.wire_bytes == st.lower_bound_bytes
     assert st.wire_bytes + st.local_bytes == sum(
@@ -531,7 +533,6 @@ def test_disaggregated_and_colocated_plans():
 
 @pytest.mark.parametrize(("fn", "cfg", "kw", "msg"), [
     (megatron_layout, "tiny_llama", dict(tp=3), "num_attention_heads"),
-    (megatron_layout, "tiny_llama", dict(tp=4), "num_key_value_heads"),
     (megatron_layout, "tiny_llama", dict(pp=3), "layers"),
     (megatron_layout, "tiny_llama", dict(ep=2), "without experts"),
     (megatron_layout, "tiny_llama", dict(tp=2, ranks=[0, 1, 2]), "needs 2 ranks"),
@@ -551,6 +552,66 @@ def test_disaggregated_and_colocated_plans():
 def test_impossible_configs(fn, cfg, kw, msg):
     with pytest.raises(ValueError, match=msg):
         fn(get_config(cfg), **kw)
+
+
+@pytest.mark.parametrize(("over", "tp"), [
+    ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4),  # tp > groups, not a multiple of them
+    ({"num_attention_heads": 12, "num_key_value_heads": 6}, 4),  # tp < groups, not a divisor
+    ({"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 1}, 8),  # 10 qkv rows over 8 ranks
+])
+def test_megatron_query_groups_vs_tp(over, tp):
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        megatron_layout(_cfg("tiny_llama", **over), tp=tp)
+
+
+def test_megatron_tp_above_query_groups_rows():
+    """tp=4 > 2 KV groups: ranks 0/2 hold the q heads of groups 0/1, ranks 1/3 their k and v."""
+    layout = megatron_layout(get_config("tiny_llama"), tp=4, dtype=torch.float32)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    got = {r: sorted((f.tensor.rsplit(".", 2)[1], f.offsets[0], f.sizes[0], f.local_offsets[0])
+                     for f in layout.fragments if f.rank == r and f.local == qkv) for r in range(4)}
+    assert got == {0: [("q_proj", 0, 32, 0)], 1: [("k_proj", 0, 16, 0), ("v_proj", 0, 16, 16)],
+                   2: [("q_proj", 32, 32, 0)], 3: [("k_proj", 16, 16, 0), ("v_proj", 16, 16, 16)]}
+
+
+def test_megatron_vocab_padding_options():
+    cfg = get_config("tiny_llama")  # vocab 300
+    assert padded_vocab_size(300, 2) == 512 and padded_vocab_size(300, 2, 1) == 300
+    assert padded_vocab_size(301, 2, 1) == 302 and padded_vocab_size(300, 4, None) == 300
+    with pytest.raises(ValueError, match="not divisible by tp"):
+        padded_vocab_size(301, 2, None)
+    with pytest.raises(ValueError, match="vocab_divisible_by"):
+        megatron_layout(cfg, vocab_divisible_by=0)
+    for div, rows in ((128, 256), (None, 150), (1, 150), (64, 192)):
+        layout = megatron_layout(cfg, tp=2, vocab_divisible_by=div)
+        assert layout.local_shapes(1)["embedding.word_embeddings.weight"] == (rows, 64), div
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):  # every vocab row once, rank 1 from row rows
+            c = _counts(layout)[name]
+            assert c.min() == c.max() == 1, (div, name)
+            assert min(f.offsets[0] for f in layout.fragments if f.tensor == name and f.rank == 1) == rows
+
+
+def test_megatron_local_spec_names():
+    """get_gpt_layer_local_spec: separate norm modules, SequentialMLP experts (as a real model shows)."""
+    dense = megatron_layout(get_config("tiny_qwen3"), tp=2, spec="local").local_shapes(0)
+    te = megatron_layout(get_config("tiny_qwen3"), tp=2).local_shapes(0)
+    p = "decoder.layers.0"
+    assert dense[f"{p}.input_layernorm.weight"] == dense[f"{p}.pre_mlp_layernorm.weight"] == (64,)
+    assert f"{p}.self_attention.linear_qkv.layer_norm_weight" not in dense
+    assert f"{p}.mlp.linear_fc1.layer_norm_weight" not in dense
+    rename = {f"{p}.self_attention.linear_qkv.layer_norm_weight": f"{p}.input_layernorm.weight",
+              f"{p}.mlp.linear_fc1.layer_norm_weight": f"{p}.pre_mlp_layernorm.weight"}
+    assert {rename.get(n.replace("layers.1", "layers.0"), n.replace("layers.1", "layers.0")): s
+            for n, s in te.items()} == {n.replace("layers.1", "layers.0"): s for n, s in dense.items()}
+    moe = megatron_layout(get_config("tiny_qwen3_moe"), tp=2, ep=2, etp=1, spec="local").local_shapes(1)
+    assert moe[f"{p}.mlp.experts.local_experts.3.linear_fc1.weight"] == (64, 64)
+    assert not any(".weight0" in n or "linear_fc1.layer_norm_weight" in n for n in moe)
+    with pytest.raises(NotImplementedError, match="GroupedMLP"):
+        megatron_layout(get_config("tiny_qwen3_moe"), spec="local", grouped_gemm=True)
+    with pytest.raises(NotImplementedError, match="MLA"):
+        megatron_layout(get_config("tiny_deepseek_v3"), spec="local")
+    with pytest.raises(ValueError, match="spec"):
+        megatron_layout(get_config("tiny_llama"), spec="transformer_engine")
 
 
 def test_unsupported_families():

@@ -1,4 +1,4 @@
-"""Megatron-Core training layout: ``GPTModel`` built with the Transformer-Engine layer spec.
+"""Megatron-Core training layout: ``GPTModel`` built with the Transformer-Engine (default) or local layer spec.
 
 Local tensor names are exactly what ``model.named_parameters()`` gives on each rank (no ``module.`` prefix of
 a DDP/Float16Module wrapper: strip it, or pass ``model.module``). Formats, from Megatron-Core
@@ -6,8 +6,11 @@ a DDP/Float16Module wrapper: strip it, or pass ``model.module``). Formats, from 
 ``gpt_model.py``, ``transformer/attention.py``, ``transformer/mlp.py``, ``transformer/moe/experts.py``,
 ``tensor_parallel/layers.py``, ``parallel_state.py``, ``training/tokenizer/tokenizer.py``):
 
-* ``decoder.layers.{j}.self_attention.linear_qkv.weight`` ``[(nh + 2*ng)*hd / tp, H]``: per KV group ``g``
-  the rows ``[q_g (nh/ng heads); k_g; v_g]``, groups split over TP (``get_query_key_value_tensors``).
+* ``decoder.layers.{j}.self_attention.linear_qkv.weight`` ``[(nh + 2*ng)*hd / tp, H]``: rank ``t`` holds rows
+  ``[t*R, (t+1)*R)`` of the interleaved tensor whose rows are, per KV group ``g``, ``[q_g (nh/ng heads); k_g;
+  v_g]`` (``get_query_key_value_tensors``): whole groups when ``tp`` divides ``ng``; when ``tp > ng``
+  (allowed for ``tp`` a multiple of ``ng``) a plain row chunk of one group, e.g. ``nh=4, ng=2, tp=4``: ranks
+  0/2 hold the q heads of groups 0/1, ranks 1/3 their k and v (Megatron all-gathers them in the forward).
   ``.bias`` (Qwen2 ``add_qkv_bias``) likewise; ``.layer_norm_weight`` is the fused input RMSNorm.
 * ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hd]`` (Qwen3 ``qk_layernorm``).
 * ``self_attention.linear_proj.weight`` ``[H, nh*hd / tp]`` (row parallel).
@@ -19,11 +22,27 @@ a DDP/Float16Module wrapper: strip it, or pass ``model.module``). Formats, from 
   ``[H, I_moe / etp]`` for local expert ``k`` (``grouped_gemm=False``: SequentialMLP
   ``mlp.experts.local_experts.{k}.linear_fc1.weight``).
 * ``embedding.word_embeddings.weight`` (first stage) and ``output_layer.weight`` (last stage)
-  ``[V_pad / tp, H]``, vocab padded to a multiple of ``make_vocab_size_divisible_by * tp``; the padding
-  rows are in the local tensors but in no fragment, so they are never transferred. Tied embeddings: no
-  ``output_layer.weight`` when ``pp == 1``; with ``pp > 1`` the last stage holds its own copy (kept in
-  sync by Megatron), a second source of ``model.embed_tokens.weight``.
+  ``[V_pad / tp, H]``. ``V_pad``: Megatron-LM pads the vocab to a multiple of
+  ``make_vocab_size_divisible_by * tp`` (default 128: our ``vocab_divisible_by=128``); Megatron-Bridge,
+  building a model from a HF checkpoint, does not pad (``GPTModelProvider.should_pad_vocab=False``, its
+  default; ``True`` pads like Megatron-LM): ``vocab_divisible_by=None``. The padding rows are in the local
+  tensors but in no fragment, so they are never transferred. Tied embeddings: no ``output_layer.weight`` when
+  ``pp == 1``; with ``pp > 1`` the last stage holds its own copy (kept in sync by Megatron), a second source
+  of ``model.embed_tokens.weight``.
 * ``decoder.final_layernorm.weight`` on the last stage. Layer indices are local to the stage.
+
+Local spec (``spec="local"``, ``get_gpt_layer_local_spec``: Megatron-Core modules only, no Transformer
+Engine): the norms are separate modules, ``decoder.layers.{j}.input_layernorm.weight`` and
+``pre_mlp_layernorm.weight`` (dense layers too) instead of ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight``; experts are SequentialMLP ``mlp.experts.local_experts.{k}.*`` (the local
+spec's grouped GEMM is the legacy GroupedMLP, not placed); every other name, shape and box is the TE spec's.
+
+Checked against real megatron-core 0.16.1 GPTModels (local spec, CPU, gloo worlds of 4 and 8;
+``tests/engines/test_megatron_real.py``): ``named_parameters()`` names/shapes/dtypes and every box of
+``model.sharded_state_dict()`` (Megatron's own global format) for Llama GQA, tied embeddings with PP > 1,
+Qwen2 qkv bias, Qwen3 qk-norm, Qwen3-MoE with EP and expert-TP 1 / = tp, mixed dense/MoE layers, PP > 1,
+TP > KV heads (also a single KV head), and Megatron-LM / Megatron-Bridge vocab padding. The TE spec's names
+are read from the source, not run (Transformer Engine needs CUDA).
 
 DeepSeek-V3 (MLA + DeepSeekMoE; ``transformer/multi_latent_attention.py`` MLASelfAttention,
 ``gpt_layer_specs.py`` ``get_gpt_layer_with_transformer_engine_submodules(multi_latent_attention=True,
@@ -46,8 +65,9 @@ qk_layernorm=True)``, ``moe/router.py``, ``moe/shared_experts.py``; names checke
   above, and ``mlp.shared_experts.linear_fc1.weight`` ``[2*Is / tp, H]`` = ``[gate_tp; up_tp]`` /
   ``linear_fc2.weight`` ``[H, Is / tp]`` (SharedExpertMLP: an MLP on the dense TP group, not expert TP).
 * Not placed: the MTP layer (``mtp.layers.0.*``), FP8 weights and their scales, the fused
-  ``linear_qkv_down_proj`` of ``mla_down_proj_fusion``, the local (non-TE) spec's separate
-  ``q_layernorm``/``kv_layernorm``.
+  ``linear_qkv_down_proj`` of ``mla_down_proj_fusion``, and MLA under the local spec (there the down
+  projections are TP-split ColumnParallelLinears and the latent norms the separate ``q_layernorm`` /
+  ``kv_layernorm``: ``spec="local"`` raises for MLA).
 
 Rank order: Megatron's default ``order="tp-cp-ep-dp-pp"`` with ``cp = 1``. Position ``p`` of ``ranks``
 (Megatron's global rank ``p``) has ``tp_rank = p % tp``, ``dp_rank = (p // tp) % dp``,
@@ -74,8 +94,24 @@ from .hf import (
 )
 
 
-def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's ``_vocab_size_with_padding``: round up to a multiple of ``divisible_by * tp``."""
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int | None = 128) -> int:
+    """Rows of Megatron's embedding / output layer for a ``vocab``-token model over ``tp`` ranks.
+
+    ``divisible_by`` an int: Megatron-LM's ``_vocab_size_with_padding`` (``--make-vocab-size-divisible-by``,
+    default 128; Megatron-Bridge's ``calculate_padded_vocab_size`` with ``should_pad_vocab=True``): round up
+    to a multiple of ``divisible_by * tp`` (``1``: just to a multiple of ``tp``). ``None``: no padding, the
+    vocab as it is (Megatron-Bridge's default ``should_pad_vocab=False`` for models converted from HF);
+    ``VocabParallelEmbedding`` then needs ``tp`` to divide it.
+    """
+    if divisible_by is None:
+        if vocab % tp:
+            raise ValueError(
+                f"vocab_size={vocab} is not divisible by tp={tp}: without padding (vocab_divisible_by=None, "
+                f"Megatron-Bridge's should_pad_vocab=False) Megatron's VocabParallelEmbedding cannot split it"
+            )
+        return vocab
+    if not isinstance(divisible_by, int) or divisible_by < 1:
+        raise ValueError(f"vocab_divisible_by={divisible_by!r} must be an int >= 1 or None")
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
 
@@ -109,31 +145,54 @@ def megatron_layout(
     etp: int | None = None,
     ranks: Sequence[int] | int | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    vocab_divisible_by: int = 128,
-    grouped_gemm: bool = True,
+    vocab_divisible_by: int | None = 128,
+    grouped_gemm: bool | None = None,
     layers_per_stage: Sequence[int] | None = None,
+    spec: str = "te",
 ) -> Layout:
-    """The layout of a Megatron-Core GPTModel (TE spec) trained with TP x PP x DP (x EP for MoE).
+    """The layout of a Megatron-Core GPTModel trained with TP x PP x DP (x EP for MoE).
 
     ``ranks``: the ``tp*pp*dp`` global ranks in Megatron rank order (default ``0..``; an int is an offset,
     for training on ranks ``offset..offset+world-1``). ``ep``/``etp``: expert model / tensor parallel
     sizes (``etp`` defaults to ``tp``; ``etp*ep`` must divide ``tp*dp``). ``dtype``: the parameters' dtype.
+    ``spec``: the layer spec the model was built with, ``"te"`` (``get_gpt_layer_with_transformer_engine_spec``,
+    norms fused into the linears) or ``"local"`` (``get_gpt_layer_local_spec``, separate norm modules).
+    ``vocab_divisible_by``: Megatron-LM's ``make_vocab_size_divisible_by`` (default 128, its default); pass
+    ``None`` for a model built by Megatron-Bridge from a HF checkpoint (no padding, ``should_pad_vocab=False``)
+    and see :func:`padded_vocab_size`. ``grouped_gemm``: TE spec only, ``TEGroupedMLP`` (default) or
+    ``SequentialMLP`` expert names; the local spec always has ``SequentialMLP`` names.
     """
     s = model_spec(config)
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"megatron_layout: model_type {s.family!r} is not supported")
     if s.o_bias:
         raise NotImplementedError("megatron_layout: attention_bias on o_proj (add_bias_linear) is not supported")
+    if spec not in ("te", "local"):
+        raise ValueError(f"megatron_layout: spec={spec!r} must be 'te' or 'local'")
+    local_spec = spec == "local"
+    if grouped_gemm is None:
+        grouped_gemm = not local_spec
+    if local_spec and grouped_gemm:
+        raise NotImplementedError(
+            "megatron_layout: spec='local' with grouped_gemm=True is the legacy GroupedMLP (experts.weight1/"
+            "weight2, needs the grouped_gemm CUDA package): not supported; the local spec's default is SequentialMLP"
+        )
+    if local_spec and s.mla:
+        raise NotImplementedError(
+            "megatron_layout: MLA (deepseek_v3) with spec='local' is not supported (its down projections are "
+            "TP-split ColumnParallelLinears and its latent norms separate modules there)"
+        )
     etp = tp if etp is None else etp
     for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"megatron_layout: {name}={v!r} must be an int >= 1")
     if s.heads % tp:
         raise ValueError(f"megatron_layout: tp={tp} does not divide num_attention_heads={s.heads}")
-    if s.kv_heads % tp and not s.mla:
+    if not s.mla and s.kv_heads % tp and (tp % s.kv_heads or (s.heads + 2 * s.kv_heads) * s.head_dim % tp):
         raise ValueError(
-            f"megatron_layout: tp={tp} does not divide num_key_value_heads={s.kv_heads} (Megatron splits whole "
-            f"query groups over TP)"
+            f"megatron_layout: tp={tp} and num_key_value_heads={s.kv_heads}: Megatron needs tp to divide the "
+            f"query groups, or (tp > groups) tp to be a multiple of them and to divide the linear_qkv rows "
+            f"{(s.heads + 2 * s.kv_heads) * s.head_dim}"
         )
     if s.shared_intermediate % tp:
         raise ValueError(f"megatron_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
@@ -154,12 +213,9 @@ def megatron_layout(
     ranks = _check_ranks(ranks, world, f"megatron_layout(tp={tp}, pp={pp}, dp={dp})")
     stages = stage_layers(s.layers, pp, layers_per_stage)
 
-    H, hd = s.hidden, s.head_dim
+    H = s.hidden
     vpad = padded_vocab_size(s.vocab, tp, vocab_divisible_by)
     vloc = vpad // tp
-    heads_per_group = s.heads // s.kv_heads
-    groups_loc = s.kv_heads // tp
-    qkv_rows = groups_loc * (heads_per_group + 2) * hd
     I_loc = s.intermediate // tp
     E_loc = s.experts // ep if has_moe else 0
     Im_loc = s.moe_intermediate // etp if has_moe else 0
@@ -182,9 +238,10 @@ def megatron_layout(
             if s.mla:
                 _mla_attention(b, s, rank, t, tp, hf, mg)
             else:
-                _gqa_attention(b, s, rank, t, tp, hf, mg, groups_loc, heads_per_group, qkv_rows)
+                _gqa_attention(b, s, rank, t, tp, hf, mg, local_spec)
             if not s.is_moe_layer(i):
-                b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.mlp.linear_fc1.layer_norm_weight")
+                b.full(f"{hf}.post_attention_layernorm.weight", rank,
+                       f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight")
                 _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
                 continue
             b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
@@ -243,21 +300,28 @@ def _mla_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, h
     b.cols(f"{a}.o_proj.weight", rank, loc, t * o_cols, o_cols)
 
 
-def _gqa_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, hf: str, mg: str, groups_loc: int,
-                   heads_per_group: int, qkv_rows: int) -> None:
-    """SelfAttention (TE spec): ``linear_qkv`` with the input RMSNorm fused in, per KV group ``[q; k; v]``."""
+def _gqa_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, hf: str, mg: str,
+                   local_spec: bool) -> None:
+    """SelfAttention: ``linear_qkv`` rows ``[t*R, (t+1)*R)`` of the interleaved tensor (per KV group ``g``
+    ``[q_g; k_g; v_g]``), ``R = (nh + 2*ng)*hd / tp``: whole groups when tp divides ng, a part of one group
+    when tp > ng. TE spec: the input RMSNorm fused into ``linear_qkv``; local spec: ``input_layernorm``."""
     H, hd, att = s.hidden, s.head_dim, f"{mg}.self_attention"
-    b.full(f"{hf}.input_layernorm.weight", rank, f"{att}.linear_qkv.layer_norm_weight")
+    b.full(f"{hf}.input_layernorm.weight", rank,
+           f"{mg}.input_layernorm.weight" if local_spec else f"{att}.linear_qkv.layer_norm_weight")
+    hpg = s.heads // s.kv_heads  # query heads per group
+    group_rows = (hpg + 2) * hd
+    rows = s.kv_heads * group_rows // tp
+    lo, hi = t * rows, (t + 1) * rows  # this rank's rows of the interleaved tensor
     for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
-        loc = b.local(rank, f"{att}.linear_qkv.{kind}", (qkv_rows, H) if kind == "weight" else (qkv_rows,))
-        for g in range(groups_loc):
-            gg = t * groups_loc + g
-            base = g * (heads_per_group + 2) * hd
-            b.rows(f"{hf}.self_attn.q_proj.{kind}", rank, loc, gg * heads_per_group * hd,
-                   heads_per_group * hd, at=base)
-            b.rows(f"{hf}.self_attn.k_proj.{kind}", rank, loc, gg * hd, hd, at=base + heads_per_group * hd)
-            b.rows(f"{hf}.self_attn.v_proj.{kind}", rank, loc, gg * hd, hd,
-                   at=base + (heads_per_group + 1) * hd)
+        loc = b.local(rank, f"{att}.linear_qkv.{kind}", (rows, H) if kind == "weight" else (rows,))
+        for g in range(lo // group_rows, -(-hi // group_rows)):
+            base = g * group_rows
+            # (HF tensor, its first row in group g, where the piece starts in the group, its rows)
+            for proj, src, at, n in (("q_proj", g * hpg * hd, 0, hpg * hd), ("k_proj", g * hd, hpg * hd, hd),
+                                     ("v_proj", g * hd, (hpg + 1) * hd, hd)):
+                a, e = max(lo, base + at), min(hi, base + at + n)
+                if a < e:
+                    b.rows(f"{hf}.self_attn.{proj}.{kind}", rank, loc, src + a - base - at, e - a, at=a - lo)
     if s.qk_norm:
         b.full(f"{hf}.self_attn.q_norm.weight", rank, f"{att}.q_layernorm.weight")
         b.full(f"{hf}.self_attn.k_norm.weight", rank, f"{att}.k_layernorm.weight")

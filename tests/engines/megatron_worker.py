@@ -1,0 +1,214 @@
+"""Spawned-world worker for ``test_megatron_real.py``: real Megatron-Core GPTModels on CPU over gloo.
+
+Each rank of a world (``triton_reshard.launch.run_world``) builds, case after case, a real megatron-core
+``GPTModel`` with the local (non-Transformer-Engine) layer spec after
+``parallel_state.initialize_model_parallel(...)``, and reports back to the parent process:
+
+* ``params``: ``{name: (shape, dtype)}`` of ``named_parameters()`` (and ``named_buffers()``);
+* ``shards``: after the rank's parameters were overwritten with ``megatron_layout(...).shard(...)`` of HF
+  tensors holding unique ids (and a sentinel where no fragment lands: vocab padding), every ShardedTensor
+  of ``model.sharded_state_dict()`` (factories applied): key, global shape, global offset, local data,
+  replica id. The parent assembles the Megatron-global tensors from them and checks them against its own
+  HF -> Megatron-global conversion.
+
+Three stubs make the model build without CUDA (see ``shared/FACTS.md``): ``model_parallel_cuda_manual_seed``
+is never called (it asserts CUDA; ``use_cpu_initialization=True`` does not need it), ``Tensor.cuda`` is a
+no-op (called on the tied output layer when PP > 1), ``torch.cuda.Stream`` is a dummy (the MoE token
+dispatcher makes one).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+SENTINEL = -1.0  # what the local tensors hold where no fragment lands (ids are >= 1)
+
+
+class _DummyStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _install_stubs() -> None:
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.Stream = _DummyStream
+
+
+def hf_ids(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Every HF tensor filled with ids unique over the whole model (1, 2, ...), exact in float32."""
+    out, start = {}, 1
+    for name in sorted(shapes):
+        n = 1
+        for d in shapes[name]:
+            n *= d
+        out[name] = torch.arange(start, start + n, dtype=torch.float32).reshape(shapes[name])
+        start += n
+    if start >= 2**24:
+        raise AssertionError(f"{start} ids do not fit float32 exactly")
+    return out
+
+
+def moe_layer_pattern(cfg: dict) -> list[int] | None:
+    """Per layer 1 (MoE) or 0 (dense), the HF Qwen3-MoE rule, as Megatron's ``moe_layer_freq`` list."""
+    if not cfg.get("num_experts"):
+        return None
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"])]
+
+
+def transformer_config(cfg: dict, tp: int, pp: int, ep: int, etp: int):
+    """Megatron's TransformerConfig of a HF config (how Megatron-Bridge's providers map the fields)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    family = cfg["model_type"]
+    kw = dict(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=H,
+        num_attention_heads=nh,
+        num_query_groups=cfg.get("num_key_value_heads") or nh,
+        kv_channels=cfg.get("head_dim") or H // nh,
+        ffn_hidden_size=cfg["intermediate_size"],
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family == "qwen2",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=False,
+    )
+    pattern = moe_layer_pattern(cfg)
+    if pattern is not None:
+        kw.update(
+            num_moe_experts=cfg["num_experts"],
+            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+            moe_router_topk=cfg.get("num_experts_per_tok", 2),
+            moe_grouped_gemm=False,  # the local spec's grouped GEMM is the legacy GroupedMLP (needs CUDA)
+            # an int for a model of MoE layers only (homogeneous layers: one checkpoint key per tensor with a
+            # layer axis), the per-layer list for a mixed one (per-layer checkpoint keys)
+            moe_layer_freq=1 if all(pattern) else pattern,
+        )
+    return TransformerConfig(**kw)
+
+
+def _sharded_tensors(sharded_sd) -> list:
+    """Every ShardedTensor of a sharded state dict, factories built (ShardedObjects skipped)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out, todo = [], list(sharded_sd.values())
+    while todo:
+        x = todo.pop()
+        if isinstance(x, ShardedTensorFactory):
+            todo.append(x.build())
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, ShardedTensor):
+            out.append(x)
+        elif not isinstance(x, ShardedObject):
+            raise TypeError(f"unexpected {type(x).__name__} in the sharded state dict")
+    return out
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    """Build the case's model on this rank, fill it from the layout, return what the parent checks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    from triton_reshard.presets import logical_tensors, megatron_layout
+
+    cfg, tp, pp = case["cfg"], case["tp"], case["pp"]
+    ep, etp = case.get("ep", 1), case.get("etp") or tp
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    try:
+        tc = transformer_config(cfg, tp, pp, ep, etp)
+        if tc.num_moe_experts:  # the block spec applies moe_layer_freq (dense layers of a mixed model)
+            spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+        else:
+            spec = get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
+        model = GPTModel(
+            tc,
+            spec,
+            vocab_size=case["megatron_vocab"],  # Megatron takes the padded size, as its trainers pass it
+            max_sequence_length=64,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+            position_embedding_type="rope",
+        )
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        got = {n: (tuple(p.shape), p.dtype) for n, p in {**params, **buffers}.items()}
+        out = {"params": got, "shards": None, "error": None}
+        layout = megatron_layout(cfg, tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, etp=case.get("etp"),
+                                 spec="local", dtype=torch.float32, **case.get("layout_kw", {}))
+        want = {n: (s.shape, s.dtype) for n, s in layout.local_specs(rank).items()}
+        if want != got:
+            return out  # the parent reports the difference; the boxes cannot be compared
+        shapes = logical_tensors(cfg)
+        hf = hf_ids(shapes)
+        local = layout.shard(hf, rank)
+        covered = layout.shard({n: torch.ones(s) for n, s in shapes.items()}, rank)
+        with torch.no_grad():
+            for n, t in local.items():
+                t[covered[n] == 0] = SENTINEL
+                params[n].copy_(t)
+        spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), n) for n, p in params.items()]
+        shards = []
+        for st in _sharded_tensors(model.sharded_state_dict()):
+            if st.flattened_range is not None:
+                raise AssertionError(f"{st.key}: flattened ShardedTensor not expected")
+            ptr = st.data.data_ptr()
+            param = next((n for a, e, n in spans if a <= ptr < e), "?")  # for the parent's messages
+            shards.append((st.key, tuple(st.global_shape), tuple(st.global_offset), st.prepend_axis_num,
+                           tuple(st.replica_id) if isinstance(st.replica_id, tuple) else (st.replica_id,),
+                           st.data.detach().clone(), param))
+        out["shards"] = shards
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def world_main(rank: int, world: int, cases: list[dict]) -> dict:
+    """Run every case; a case that fails to build is reported (with its traceback), not raised."""
+    _install_stubs()
+    results = {}
+    for case in cases:
+        try:
+            results[case["name"]] = run_case(case, rank, world)
+        except Exception as e:  # reported per case to the parent (the other ranks may still build it)
+            results[case["name"]] = {"params": None, "shards": None,
+                                     "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return results
