@@ -12,8 +12,8 @@ RowParallelLinear), ``layers/vocab_parallel_embedding.py``, ``layers/fused_moe/l
 * ``self_attn.o_proj.weight`` ``[H, nh*hd/tp]`` (row parallel); ``self_attn.q_norm``/``k_norm`` (Qwen3)
   and all RMSNorms replicated.
 * ``mlp.gate_up_proj.weight`` ``[2*I/tp, H]`` = ``[gate_tp; up_tp]``; ``mlp.down_proj.weight`` ``[H, I/tp]``.
-* MoE (FusedMoE): ``mlp.gate.weight`` ``[E, H]`` replicated; ``mlp.experts.w13_weight``
-  ``[E_loc, 2*I_loc, H]`` = per expert ``[gate; up]`` and ``mlp.experts.w2_weight`` ``[E_loc, H, I_loc]``.
+* MoE (FusedMoE): ``mlp.gate.weight`` ``[E, H]`` replicated; ``mlp.experts.routed_experts.w13_weight``
+  ``[E_loc, 2*I_loc, H]`` = per expert ``[gate; up]`` and ``...w2_weight`` ``[E_loc, H, I_loc]`` (``mlp.experts.w13_weight`` / ``w2_weight`` up to vLLM 0.23).
   The experts are split over all ``tp*dp`` workers (``flatten_tp_across_dp``, worker ``dp_rank*tp +
   tp_rank``): over the intermediate dim without expert parallelism, by whole experts with
   ``enable_expert_parallel`` (``E_loc = E // n`` plus one for the first ``E % n`` workers, "linear"
@@ -46,6 +46,8 @@ each DP replica holds a full copy of the non-expert weights.
 
 from __future__ import annotations
 
+import importlib.metadata
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +64,43 @@ from .hf import (
 )
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+NEWEST_KNOWN = "0.33.0"  # the newest vLLM whose format the engine tier (tests/engines) checked
+ROUTED_EXPERTS_SINCE = (0, 24)  # FusedMoE weights under mlp.experts.routed_experts.* from this release on
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in str(v).split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    if len(out) < 2:
+        raise ValueError(f"vllm_version={v!r} is not a version like '0.33.0'")
+    return tuple(out)
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM installed in this environment (read from its metadata; vLLM is not imported),
+    or None."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def resolve_vllm_version(vllm_version: str | None = None) -> str:
+    """``vllm_version`` if given, else the installed vLLM's, else :data:`NEWEST_KNOWN`."""
+    v = vllm_version or installed_vllm_version() or NEWEST_KNOWN
+    _version_tuple(v)
+    return v
+
+
+def fused_moe_prefix(vllm_version: str | None = None) -> str:
+    """Where a FusedMoE layer's ``w13_weight`` / ``w2_weight`` live under ``model.layers.{i}.mlp``:
+    ``experts.routed_experts`` since vLLM 0.24, ``experts`` up to 0.23."""
+    v = _version_tuple(resolve_vllm_version(vllm_version))
+    return "experts.routed_experts" if v >= ROUTED_EXPERTS_SINCE else "experts"
 
 
 def pad_vocab_size(vocab: int, pad_to: int = VOCAB_PADDING) -> int:
@@ -84,6 +123,7 @@ def vllm_layout(
     dtype: torch.dtype = torch.bfloat16,
     vocab_padding: int = VOCAB_PADDING,
     sequence_parallel_moe: bool | None = None,
+    vllm_version: str | None = None,
 ) -> Layout:
     """The layout of vLLM workers serving the model with ``tensor_parallel_size=tp`` and
     ``data_parallel_size=dp`` (``enable_expert_parallel``: experts split whole over the ``tp*dp`` workers).
@@ -92,7 +132,11 @@ def vllm_layout(
     inference on ranks 4.. next to training on 0..3). ``sequence_parallel_moe`` (DeepSeek shared experts):
     vLLM's ``ParallelConfig.use_sequence_parallel_moe``; ``None`` follows vLLM's default rule (expert
     parallel, ``tp > 1`` and ``dp > 1``, with the default all2all backends), under which the shared experts
-    are replicated on every TP rank instead of TP-split.
+    are replicated on every TP rank instead of TP-split. ``vllm_version``: the vLLM release whose parameter
+    names to use (FusedMoE: ``mlp.experts.routed_experts.w13_weight`` since 0.24, ``mlp.experts.routed_experts.w13_weight``
+    before); default: the installed vLLM's version, else the newest known (:data:`NEWEST_KNOWN`). A trainer
+    process without vLLM installed should pass the engine's version; a mismatch fails closed (the engine
+    side's names differ, so the plan digests differ and refit raises before any byte moves).
     """
     s = model_spec(config)
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
@@ -125,6 +169,7 @@ def vllm_layout(
             )
     if sequence_parallel_moe is None:  # vllm/config/parallel.py ParallelConfig.use_sequence_parallel_moe
         sequence_parallel_moe = enable_expert_parallel and tp > 1 and dp > 1
+    moe_prefix = fused_moe_prefix(vllm_version) if has_moe else ""
     shared_tp = 1 if sequence_parallel_moe else tp  # DeepseekV2MLP(disable_tp=is_sequence_parallel)
     if s.shared_intermediate % shared_tp:
         raise ValueError(f"vllm_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
@@ -172,8 +217,8 @@ def vllm_layout(
             if s.shared_intermediate:
                 Is_loc = s.shared_intermediate // shared_tp
                 _tp_mlp(b, rank, t % shared_tp, Is_loc, H, f"{hf}.mlp.shared_experts")
-            w13 = b.local(rank, f"{hf}.mlp.experts.w13_weight", (E_loc, 2 * Im_loc, H))
-            w2 = b.local(rank, f"{hf}.mlp.experts.w2_weight", (E_loc, H, Im_loc))
+            w13 = b.local(rank, f"{hf}.mlp.{moe_prefix}.w13_weight", (E_loc, 2 * Im_loc, H))
+            w2 = b.local(rank, f"{hf}.mlp.{moe_prefix}.w2_weight", (E_loc, H, Im_loc))
             for k in range(E_loc):
                 gate, up, down = expert_names(i, e0 + k)
                 b.rows(gate, rank, w13, im0, Im_loc, at=0, lead=(k,))

@@ -1,0 +1,9 @@
+"""Integrations with live frameworks: layouts read off real engines, framework plug-ins.
+
+Framework knowledge lives here and in ``presets``, never in the planner or the kernels. Nothing here imports
+a framework at module import time: each integration imports it when called.
+"""
+
+from .record import LoadRecord, RecordedCopy, checkpoint_shapes, layout_from_records, record_load
+
+__all__ = ["LoadRecord", "RecordedCopy", "checkpoint_shapes", "layout_from_records", "record_load"]
