@@ -38,26 +38,6 @@ class Case:
         return f"{self.model}-tp{self.tp}{'-ep' if self.ep else ''}"
 
 
-def _build(ckpt: str, case: Case, world: int, rank: int, init: bool, dtype: str = "float32"):
-    from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.utils import initialize_model
-
-    ea = EngineArgs(model=ckpt, tensor_parallel_size=case.tp, dtype=dtype, skip_tokenizer_init=True,
-                    enforce_eager=True, enable_expert_parallel=case.ep, max_model_len=128)
-    vc = ea.create_engine_config()
-    with set_current_vllm_config(vc):
-        if init:  # vLLM's groups, once per process, on the world run_world made
-            from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-            init_distributed_environment(world, rank, "env://", rank, backend="gloo")
-            initialize_model_parallel(case.tp)
-        model = initialize_model(vllm_config=vc)
-        DefaultModelLoader(vc.load_config).load_weights(model, vc.model_config)
-    return model, vc
-
-
 def _mla_post_load(model, vc) -> int:
     """vLLM's post-load step for the MLA attention layers only (FusedMoE's needs CPU-build ops)."""
     from vllm.config import set_current_vllm_config
@@ -73,12 +53,12 @@ def _mla_post_load(model, vc) -> int:
 
 def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs: dict) -> dict:
     """Worker entry (``run_world``): every case of this world size; returns ``{case id: report}``."""
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     import triton_reshard
     from triton_reshard import refit
-    from triton_reshard.integrations import checkpoint_shapes, layout_from_records, record_load
+    from triton_reshard.integrations import checkpoint_shapes
+    from triton_reshard.integrations.vllm import layout_from_vllm, load_vllm_model, record_vllm
     from triton_reshard.presets import vllm_layout
 
     torch.manual_seed(0)
@@ -93,7 +73,8 @@ def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs:
         ckpt = os.path.join(ckpt_root, case.model)
         cfg = configs[case.model]
         try:
-            model, vc = _build(ckpt, case, world, rank, first)
+            model, vc = load_vllm_model(ckpt, tensor_parallel_size=case.tp, enable_expert_parallel=case.ep,
+                                        init_groups=first)
             first = False
             rep["seconds"]["build"] = time.perf_counter() - t0
             params = dict(model.named_parameters())
@@ -103,7 +84,7 @@ def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs:
             shapes = checkpoint_shapes(ckpt)
 
             t1 = time.perf_counter()
-            rec = record_load(params, model.load_weights, shapes, rank)
+            rec = record_vllm(model, shapes, rank)
             rep["record"] = rec
             rep["seconds"]["record"] = time.perf_counter() - t1
             for n, p in params.items():  # the recorder must not have written anything
@@ -133,9 +114,7 @@ def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs:
 
             # the layout derived from vLLM's own loader, on every rank, must slice the checkpoint exactly as
             # vLLM's loader did (padding included)
-            recs = [None] * world
-            dist.all_gather_object(recs, rec)
-            derived = layout_from_records(recs)
+            derived = layout_from_vllm(model, shapes)  # all ranks' records, gathered
             rep["derived_digest"] = derived.digest
             mine = derived.shard(sd, rank)
             if sorted(mine) != sorted(loaded):
