@@ -646,3 +646,24 @@ def test_every_config_builds(name):
         distinct = {(f.tensor, f.offsets, f.sizes) for f in layout.fragments}
         assert sum(math.prod(s) for _, _, s in distinct) == params
     assert m.ranks == v.ranks == tuple(range(8))
+
+
+def test_vllm_fused_moe_names_follow_the_vllm_version(monkeypatch):
+    """FusedMoE weights moved under ``routed_experts`` in vLLM 0.24; the preset follows an explicit
+    ``vllm_version``, else the installed vLLM, else the newest format checked by the engine tier."""
+    from triton_reshard.presets import vllm as vp
+
+    cfg = get_config("tiny_qwen3_moe")
+    new, old = "model.layers.1.mlp.experts.routed_experts.w2_weight", "model.layers.1.mlp.experts.w2_weight"
+    for version, name in (("0.23.2", old), ("0.24.0", new), ("0.33.0", new), ("1.0.0rc1", new)):
+        shapes = vllm_layout(cfg, tp=2, vllm_version=version).local_shapes(1)
+        assert name in shapes and (old if name == new else new) not in shapes, version
+    monkeypatch.setattr(vp, "installed_vllm_version", lambda: "0.20.1")
+    assert old in vllm_layout(cfg, tp=2).local_shapes(0)
+    monkeypatch.setattr(vp, "installed_vllm_version", lambda: None)
+    assert vp.resolve_vllm_version() == vp.NEWEST_KNOWN
+    assert new in vllm_layout(cfg, tp=2).local_shapes(0)
+    with pytest.raises(ValueError, match="not a version"):
+        vllm_layout(cfg, tp=2, vllm_version="latest")
+    # dense models have no FusedMoE: the version does not matter
+    assert vllm_layout(get_config("tiny_llama"), tp=2, vllm_version="0.10.0") == vllm_layout(get_config("tiny_llama"), tp=2)
