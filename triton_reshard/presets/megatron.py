@@ -65,9 +65,10 @@ qk_layernorm=True)``, ``moe/router.py``, ``moe/shared_experts.py``; names checke
   above, and ``mlp.shared_experts.linear_fc1.weight`` ``[2*Is / tp, H]`` = ``[gate_tp; up_tp]`` /
   ``linear_fc2.weight`` ``[H, Is / tp]`` (SharedExpertMLP: an MLP on the dense TP group, not expert TP).
 * Not placed: the MTP layer (``mtp.layers.0.*``), FP8 weights and their scales, the fused
-  ``linear_qkv_down_proj`` of ``mla_down_proj_fusion``, and MLA under the local spec (there the down
-  projections are TP-split ColumnParallelLinears and the latent norms the separate ``q_layernorm`` /
-  ``kv_layernorm``: ``spec="local"`` raises for MLA).
+  ``linear_qkv_down_proj`` of ``mla_down_proj_fusion``, and MLA under the local spec (``spec="local"``
+  raises: megatron-core 0.16.1 cannot build it, its ``DotProductAttention`` takes no ``k_channels``; the spec
+  would make the down projections TP-split ColumnParallelLinears and the latent norms separate
+  ``q_layernorm`` / ``kv_layernorm`` modules).
 
 Rank order: Megatron's default ``order="tp-cp-ep-dp-pp"`` with ``cp = 1``. Position ``p`` of ``ranks``
 (Megatron's global rank ``p``) has ``tp_rank = p % tp``, ``dp_rank = (p // tp) % dp``,
@@ -179,8 +180,8 @@ def megatron_layout(
         )
     if local_spec and s.mla:
         raise NotImplementedError(
-            "megatron_layout: MLA (deepseek_v3) with spec='local' is not supported (its down projections are "
-            "TP-split ColumnParallelLinears and its latent norms separate modules there)"
+            "megatron_layout: MLA (deepseek_v3) with spec='local' is not supported: megatron-core 0.16.1 cannot "
+            "build it (the local DotProductAttention takes no k_channels; MLA needs TEDotProductAttention)"
         )
     etp = tp if etp is None else etp
     for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp)):
