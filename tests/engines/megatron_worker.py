@@ -151,6 +151,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=1,  # Megatron's subgroups (default 30 min): a stuck collective fails fast
     )
     try:
         tc = transformer_config(cfg, tp, pp, ep, etp)

@@ -40,7 +40,7 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (see tests/engines/install.sh)")
+pytest.importorskip("megatron.core", reason="megatron.core cannot be imported (tests/engines/install.sh installs megatron-core 0.16.1)")
 
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_worker  # noqa: E402
