@@ -27,7 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--out", default="perf/results", help="folder for bench_refit.json and .png")
     p_plan = sub.add_parser("plan", help="plan a Megatron -> vLLM refit of a preset model and predict its time")
     _add_plan_args(p_plan)
+    from . import engine_check
+
+    p_verify = sub.add_parser("verify", help="check that this machine's vLLM loads a checkpoint as our layout says",
+                              description=engine_check.__doc__)
+    engine_check.add_args(p_verify)
     args = parser.parse_args(argv)
+    if args.cmd == "verify":
+        return engine_check.run_verify(args)
     if args.cmd == "plan":
         return run_plan(args)
     if args.cmd == "bench":

@@ -131,3 +131,17 @@ def test_vllm_version_followed():
     names = vllm_layout(get_config("tiny_qwen3_moe"), tp=2).local_shapes(0)
     routed = "model.layers.0.mlp.experts.routed_experts.w13_weight"
     assert (routed in names) == (tuple(int(x) for x in VLLM_VERSION.split(".")[:2]) >= (0, 24))
+
+
+def test_cli_verify_checkpoint_against_vllm(capsys):
+    """``triton-reshard verify``: the preset and the engine-recorded layout both verify against what vLLM's
+    loader loaded, and are identical; a preset in the wrong vLLM format fails closed, naming the tensor."""
+    from triton_reshard.cli import main
+
+    ckpt = os.path.join(_checkpoints(), "tiny_qwen3_moe")
+    assert main(["verify", "--checkpoint", ckpt, "--tp", "2", "--ep"]) == 0
+    out = capsys.readouterr().out
+    assert "preset  layout" in out and "engine  layout" in out and "identical" in out, out
+    assert main(["verify", "--checkpoint", ckpt, "--tp", "2", "--layout", "preset", "--vllm-version", "0.23.0"]) == 1
+    err = capsys.readouterr().err
+    assert "mlp.experts.w13_weight" in err and "is missing" in err, err
