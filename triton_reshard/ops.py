@@ -71,14 +71,29 @@ def _want(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return src if src.dtype == dst.dtype else src.to(dst.dtype)
 
 
+def _differs(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what copying ``src`` into ``dst`` writes, bool mask of the elements of ``dst`` that differ from it).
+
+    Raw bits (signed zeros and NaN payloads count), except that after a cast done here any NaN matches any
+    NaN: the NaN bits a cast produces depend on the copy path, not on the data (torch on CPU casts an fp32
+    NaN to bf16 bits 0xffff on its contiguous vectorized path and 0x7fc0 on strided or scalar ones; the
+    Triton kernel has its own), so refit may have written either."""
+    want = _want(src, dst)
+    diff = bits(want) != bits(dst)
+    if src.dtype != dst.dtype and dst.dtype.is_floating_point:
+        diff &= ~(want.isnan() & dst.isnan())
+    return want, diff
+
+
 def compare_views(pairs: Sequence[Pair]) -> list[int]:
     """Per pair ``(src, dst)``: the number of elements where ``dst`` differs, bit for bit (NaN payloads and
-    signed zeros included), from what ``copy_views`` would write into it. Reads only; one host sync per list.
-    Temporaries: one bool mask (plus one cast copy when the dtypes differ) of the pair's size."""
+    signed zeros included; see ``_differs`` for NaN after a cast), from what ``copy_views`` would write into
+    it. Reads only; one host sync per list. Temporaries: bool masks (plus one cast copy when the dtypes
+    differ) of the pair's size."""
     out = [0] * len(pairs)
     live = [i for i, (s, _d) in enumerate(pairs) if s.numel()]
     if live:
-        counts = [(bits(_want(pairs[i][0], pairs[i][1])) != bits(pairs[i][1])).sum() for i in live]
+        counts = [_differs(*pairs[i])[1].sum() for i in live]
         for i, n in zip(live, torch.stack(counts).tolist(), strict=True):
             out[i] = n
     return out
@@ -87,8 +102,8 @@ def compare_views(pairs: Sequence[Pair]) -> list[int]:
 def first_difference(src: torch.Tensor, dst: torch.Tensor) -> tuple[tuple[int, ...], object, object, int, int] | None:
     """The first element (row-major) where ``dst`` differs from what copying ``src`` would write, as
     ``(index, value that would be written, value held, its bits, held bits)`` (bits unsigned); None if none."""
-    want = _want(src, dst)
-    diff = (bits(want) != bits(dst)).reshape(-1)
+    want, diff = _differs(src, dst)
+    diff = diff.reshape(-1)
     if not diff.numel() or not bool(diff.any()):
         return None
     flat = int(diff.to(torch.uint8).argmax())

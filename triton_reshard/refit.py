@@ -156,7 +156,10 @@ def verify_refit(
 
     It runs refit's plan and transport (cached like refit's), with every received message staged and the
     unpack and local copies replaced by compares: raw bits, after the cast to the destination dtype where
-    the wire dtype differs (``allow_cast``), so NaN payloads and signed zeros count. It writes nothing, ever,
+    the wire dtype differs (``allow_cast``), so NaN payloads and signed zeros count. (One exception: after a
+    cast verify performs itself, in a local copy or a widening receive, any NaN matches any NaN, because the
+    NaN bits a cast writes depend on the copy path; a narrowing cast happens on the sender, in the same pack
+    as refit's, so its bytes compare exactly.) It writes nothing, ever,
     and its memory stays within ``bucket_bytes`` of staging plus one chunk's compare temporaries.
 
     Relays: a relay forwards what the relaying rank's destination tensor holds, the very thing under test,
