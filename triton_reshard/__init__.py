@@ -6,6 +6,7 @@ refit would leave the destination as it is.
 """
 
 from .execute import Difference, Resharder, ReshardError, ReshardTimeoutError, RunReport, VerifyReport
+from .group import RefitGroup, RefitGroupError, init_refit_group
 from .layout import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec
 from .plan import Plan, PlanStats, Schedule, Transfer, plan_reshard
 from .refit import clear_cache, refit, verify_refit
@@ -16,6 +17,8 @@ __all__ = [
     "Layout",
     "LocalSpec",
     "Plan",
+    "RefitGroup",
+    "RefitGroupError",
     "PlanStats",
     "Replicate",
     "ReshardError",
@@ -28,6 +31,7 @@ __all__ = [
     "VerifyReport",
     "Transfer",
     "clear_cache",
+    "init_refit_group",
     "plan_reshard",
     "refit",
     "verify_refit",

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .group import RefitGroup, as_transport
 from .layout import box_slices
 from .plan import ALIGN, DIRECT_MIN_BYTES, Plan, _split_box
 
@@ -197,7 +198,7 @@ class Resharder:
     def __init__(
         self,
         plan: Plan,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | RefitGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         backend: str | None = None,
@@ -214,13 +215,8 @@ class Resharder:
         self.overlap = bool(overlap)
         self.direct_min_bytes = int(direct_min_bytes)
         self.slots = 2 if self.overlap else 1
-        if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank()
-            self.group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-                range(dist.get_world_size())
-            )
-        else:
-            self.rank, self.group_ranks = 0, (0,)
+        self._comm = as_transport(group)  # a torch.distributed group (global ranks) or a RefitGroup (its own)
+        self.rank, self.group_ranks = self._comm.rank, tuple(self._comm.ranks)
         missing = sorted(set(plan.ranks) - set(self.group_ranks))
         if missing:
             raise ValueError(
@@ -290,10 +286,10 @@ class Resharder:
     # -- transport helpers --------------------------------------------------------------------------
 
     def _uses_wire(self) -> bool:
-        return len(self.group_ranks) > 1 and dist.is_initialized()
+        return self._comm.wire
 
     def _is_nccl(self) -> bool:
-        return dist.is_initialized() and dist.get_backend(self.group) == "nccl"
+        return self._comm.backend == "nccl"
 
     def _comm_device(self) -> torch.device:
         if self._is_nccl():
@@ -333,7 +329,7 @@ class Resharder:
             dtype=torch.int64, device=dev,
         )
         out = [torch.empty_like(mine) for _ in self.group_ranks]
-        work = dist.all_gather(out, mine, group=self.group, async_op=True)
+        work = self._comm.all_gather(out, mine)
         self._wait([work], "the plan handshake", self.group_ranks)
         rows = [o.tolist() for o in out]
         if error is not None:
@@ -528,7 +524,7 @@ class Resharder:
             return {self.rank: mine}
         t = torch.tensor([mine], dtype=torch.int64, device=self._comm_device())
         out = [torch.empty_like(t) for _ in self.group_ranks]
-        work = dist.all_gather(out, t, group=self.group, async_op=True)
+        work = self._comm.all_gather(out, t)
         self._wait([work], "the verify result exchange", self.group_ranks)
         return {r: int(o.item()) for r, o in zip(self.group_ranks, out, strict=True)}
 
@@ -617,6 +613,4 @@ class Resharder:
         )
 
     def _post(self, sends, recvs) -> list:
-        p2p = [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
-        p2p += [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
-        return dist.batch_isend_irecv(p2p)  # never called with an empty list: steps without ops are dropped
+        return self._comm.post(sends, recvs)  # never called with nothing to post: steps without ops are dropped

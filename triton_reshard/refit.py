@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .execute import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, Resharder, RunReport, VerifyReport
+from .group import RefitGroup
 from .layout import Layout
 from .plan import plan_reshard
 
@@ -52,7 +53,7 @@ def get_resharder(
     src_layout: Layout,
     dst_layout: Layout,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | RefitGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
@@ -101,7 +102,7 @@ def refit(
     src_layout: Layout,
     dst_layout: Layout,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | RefitGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
@@ -136,7 +137,7 @@ def verify_refit(
     src_layout: Layout,
     dst_layout: Layout,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | RefitGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,

@@ -1,0 +1,223 @@
+"""Transport groups: what the executor sends through.
+
+* A torch.distributed group (the default world, or a ``new_group`` of it): ranks are global ranks; messages go
+  through ``batch_isend_irecv``.
+* A :class:`RefitGroup` from :func:`init_refit_group`: a process group for refit only, made from its own TCP
+  rendezvous, that spans processes of *different* torch.distributed worlds (a trainer job and an engine job,
+  each with its own default group) or of none. It is never registered with torch.distributed, so it never
+  touches the jobs' default groups; its ranks are its own ``0..world_size-1`` (the plan's ranks), and each job
+  joins with its rank offset (trainer ranks ``0..T-1``, engine ranks ``T..T+E-1``, say).
+
+Every wait is bounded by a timeout; a rendezvous that cannot complete says which ranks never arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class RefitGroupError(RuntimeError):
+    """The refit group could not be formed (port taken, a rank never arrived, ranks disagree)."""
+
+
+def _td(timeout: float | timedelta) -> timedelta:
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and 0 < timeout < float("inf"):
+        return timedelta(seconds=float(timeout))
+    raise TypeError(f"timeout must be a timedelta or a finite positive number of seconds, got {timeout!r}")
+
+
+class TorchGroup:
+    """A torch.distributed group (``None``: the default world). Ranks are global ranks."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size()))
+            self.backend = str(dist.get_backend(group))
+        else:
+            self.rank, self.ranks, self.backend = 0, (0,), "none"
+
+    @property
+    def wire(self) -> bool:
+        return len(self.ranks) > 1
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor):
+        return dist.all_gather(out, t, group=self.group, async_op=True)
+
+    def post(self, sends, recvs) -> list:
+        p2p = [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
+        p2p += [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
+        return dist.batch_isend_irecv(p2p)  # never called with an empty list: steps without ops are dropped
+
+
+@dataclass(eq=False)
+class RefitGroup:
+    """A process group for refit only (see :func:`init_refit_group`). Pass it as ``group=`` to ``refit``,
+    ``verify_refit`` or ``Resharder``; the plan's ranks are this group's ranks."""
+
+    rank: int
+    size: int
+    backend: str
+    host: str
+    port: int
+    timeout: timedelta
+    pg: object = field(repr=False)
+    _store: object = field(repr=False)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.size))
+
+    @property
+    def wire(self) -> bool:
+        return self.size > 1
+
+    def _live(self):
+        if self.pg is None:
+            raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")
+        return self.pg
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor):
+        return self._live().allgather([out], [t])
+
+    def post(self, sends, recvs) -> list:
+        pg = self._live()
+        if self.backend == "nccl":  # one coalesced NCCL group call, as batch_isend_irecv makes
+            dev = (sends or recvs)[0][1].device
+            pg._start_coalescing(dev)
+            for peer, buf in recvs:
+                pg.recv([buf], peer, 0)
+            for peer, buf in sends:
+                pg.send([buf], peer, 0)
+            return [pg._end_coalescing(dev)]
+        works = [pg.recv([buf], peer, 0) for peer, buf in recvs]
+        works += [pg.send([buf], peer, 0) for peer, buf in sends]
+        return works
+
+    def barrier(self) -> None:
+        """All ranks of the group, bounded by the group's timeout."""
+        t = torch.zeros(1, device=self._device())
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        if not self.all_gather(out, t).wait(timeout=self.timeout):
+            raise RefitGroupError(f"rank {self.rank}: barrier of the refit group timed out")
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def destroy(self) -> None:
+        """Drop the group (idempotent). Do this after a timeout: the group is unusable then."""
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            with contextlib.suppress(Exception):  # best effort: a broken group may refuse
+                pg.shutdown()
+        self._store = None
+
+
+def as_transport(group) -> TorchGroup | RefitGroup:
+    """The executor's view of ``group`` (a RefitGroup, a torch.distributed group, or None)."""
+    if isinstance(group, RefitGroup):
+        return group
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return TorchGroup(group)
+    raise TypeError(f"group must be a torch.distributed ProcessGroup, a RefitGroup or None, got {type(group).__name__}")
+
+
+def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
+                     timeout: float | timedelta = 300.0) -> RefitGroup:
+    """Join (rank 0: open) the refit group at ``host:port`` as ``rank`` of ``world_size``.
+
+    Works in any process, inside a torch.distributed world or outside any; never touches the default group.
+    ``backend``: ``"gloo"`` or ``"nccl"`` (default: NCCL when CUDA is available, else gloo). Every rank must
+    pass the same ``world_size``; each rank number is taken once. Raises :class:`RefitGroupError` within
+    ``timeout`` if rank 0 cannot listen on the port, a rank cannot reach rank 0, some rank never arrives (it
+    names them), or the ranks disagree on the world size.
+    """
+    td = _td(timeout)
+    for name, v in (("rank", rank), ("world_size", world_size), ("port", port)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"init_refit_group: {name} must be an int, got {v!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"init_refit_group: rank {rank} is not in [0, world_size={world_size})")
+    if not 0 < port < 65536:
+        raise ValueError(f"init_refit_group: port {port} is not in 1..65535")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"init_refit_group: backend {backend!r} is not 'gloo' or 'nccl'")
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + td.total_seconds()
+    try:
+        store = dist.TCPStore(host, port, None, rank == 0, timeout=td, wait_for_workers=False,
+                              use_libuv=True)
+    except (RuntimeError, OSError, dist.DistStoreError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if rank == 0:
+            raise RefitGroupError(f"rank 0 cannot open the refit group's rendezvous on {where}: {msg} "
+                                  f"(is the port taken?)") from e
+        raise RefitGroupError(f"rank {rank} could not reach the refit group's rendezvous at {where} within "
+                              f"{td.total_seconds():g}s: {msg}") from e
+    if store.add(f"tr/rank/{rank}", 1) != 1:
+        raise RefitGroupError(f"rank {rank} of the refit group at {where} was taken twice: two processes passed "
+                              f"rank={rank}")
+    store.append("tr/sizes", f"{rank}:{world_size};")
+    store.set(f"tr/ws/{rank}", str(world_size))
+    keys = [f"tr/ws/{r}" for r in range(world_size)]
+    while True:
+        if store.check(keys):
+            break
+        sizes = _sizes(store)
+        other = {r: n for r, n in sizes.items() if n != world_size}
+        if other:
+            raise RefitGroupError(
+                f"rank {rank}: the refit group at {where} disagrees on its size: rank {rank} says world_size="
+                f"{world_size}, but " + ", ".join(f"rank {r} says {n}" for r, n in sorted(other.items())))
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"tr/ws/{r}"])]
+            raise RefitGroupError(
+                f"rank {rank}: ranks {missing} of the refit group at {where} (world_size={world_size}) did not "
+                f"arrive within {td.total_seconds():g}s")
+        time.sleep(0.02)
+    sizes = _sizes(store)
+    other = {r: n for r, n in sizes.items() if n != world_size}
+    if other:
+        raise RefitGroupError(
+            f"rank {rank}: the refit group at {where} disagrees on its size: rank {rank} says world_size="
+            f"{world_size}, but " + ", ".join(f"rank {r} says {n}" for r, n in sorted(other.items())))
+    prefix = dist.PrefixStore("tr/pg/", store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefix, rank, world_size, td)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    g = RefitGroup(rank, world_size, backend, host, port, td, pg, store)
+    g.barrier()
+    return g
+
+
+def _sizes(store) -> dict[int, int]:
+    raw = store.get("tr/sizes").decode() if store.check(["tr/sizes"]) else ""
+    out = {}
+    for item in raw.split(";"):
+        if item:
+            r, n = item.split(":")
+            out[int(r)] = int(n)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now (for tests and examples)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
