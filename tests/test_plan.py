@@ -569,13 +569,13 @@ PINNED = {  # (layout digests, plan digest) computed by the planner before its s
 
 
 def _pinned_layouts(name: str):
-    """The Megatron -> vLLM layouts whose plans are pinned below."""
+    """The Megatron -> vLLM layouts whose plans are pinned below (MoE names of vLLM 0.23, as when pinned)."""
     from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
     cfg = get_config(name)
     if name == "small_qwen3_moe":
         return (megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8)),
-                vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4))
+                vllm_layout(cfg, tp=2, dp=1, enable_expert_parallel=False, ranks=4, vllm_version="0.23.0"))
     return megatron_layout(cfg, tp=2, pp=2, dp=2, ranks=range(8)), vllm_layout(cfg, tp=4, dp=2, ranks=range(8))
 
 

@@ -584,6 +584,49 @@ class Layout:
     def __or__(self, other: Layout) -> Layout:
         return self.merge(other)
 
+    def instance_stride(self, stride: int | None = None) -> int:
+        """The rank shift between two copies (see :meth:`instances`): ``stride``, checked, or the span of this
+        layout's ranks (``max - min + 1``: the number of ranks of one copy when they are consecutive)."""
+        ranks = self.ranks
+        if not ranks:
+            raise ValueError("Layout.instances: the layout has no ranks")
+        if stride is None:
+            return ranks[-1] - ranks[0] + 1
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+            raise ValueError(f"Layout.instances: stride={stride!r} must be an int >= 1")
+        return stride
+
+    def instances(self, n: int, stride: int | None = None) -> Layout:
+        """``n`` copies of this layout on successive rank blocks: copy ``i`` is this layout with every rank
+        shifted by ``i * stride`` (default: the span of its ranks, so copies of a layout on consecutive ranks
+        follow each other, e.g. ranks 4-7 → 4-7, 8-11, 12-15). Copy 0 is this layout itself. The copies must not
+        share a rank. E.g. several independent inference engines, each a full copy of one engine's layout.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"Layout.instances: n={n!r} must be an int >= 1")
+        step = self.instance_stride(stride)
+        if n == 1:
+            return self
+        ranks = self.ranks
+        if len({r + i * step for i in range(n) for r in ranks}) < n * len(ranks):
+            raise ValueError(f"Layout.instances: {n} copies of ranks {list(ranks)} shifted by stride={step} share "
+                             f"ranks (the stride must be at least the span of the ranks, {ranks[-1] - ranks[0] + 1}, "
+                             f"or interleave them without collisions)")
+        with _gc_paused():
+            frags = [Fragment(f.tensor, f.rank + i * step, f.offsets, f.sizes, f.local, f.local_offsets)
+                     for i in range(n) for f in self.fragments]
+            locs = [LocalSpec(s.rank + i * step, s.name, s.shape, s.dtype) for i in range(n) for s in self.locals]
+            return Layout(self.tensors, tuple(frags), tuple(locs))
+
+    def instance_groups(self, n: int, stride: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """The ranks of ``self.instances(n, stride)`` that hold the same boxes: per rank ``r`` of this layout,
+        ``(r, r + stride, ..., r + (n-1) * stride)`` (the same position in every copy), in rank order. What
+        ``plan_reshard(..., relay_groups=...)`` takes to spread the sends over the copies."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"Layout.instance_groups: n={n!r} must be an int >= 1")
+        step = self.instance_stride(stride)
+        return tuple(tuple(r + i * step for i in range(n)) for r in self.ranks)
+
     # -- queries ------------------------------------------------------------------------------------
 
     @cached_property

@@ -546,7 +546,7 @@ _LOCAL_ORDER = attrgetter("dst_rank", "tensor", "offsets", "dst_local")
 
 @lru_cache(maxsize=64)
 def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
-                 relay: bool | None = None) -> Plan:
+                 relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None) -> Plan:
     """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
 
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
@@ -576,20 +576,58 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     still arrives once, so the wire bytes stay the lower bound; only the senders change, and fewer bytes cross
     the network. A plan in which nothing fans out, and every plan with ``relay=False``, is exactly the plan of
     the node-aware routing alone.
+
+    ``relay_groups``: groups of destination ranks that need the same pieces, e.g. the same position in several
+    copies of one layout (``Layout.instance_groups``: independent inference engines), as a tuple of disjoint
+    tuples of ranks (a rank in no group is a group of its own). The same fan-out, inside a group instead of a
+    node: a piece that at least two ranks of one group need over the wire is split into parts, each part sent
+    once by a source holder to one rank of the group and relayed by that rank to the others, so the sources
+    send each such byte once per group instead of once per rank of it (with n copies of an engine, the
+    trainer's send port carries ~1x instead of nx one engine's bytes; the relay sends spread over the
+    copies). Unlike nodes, a group fans out even when a source rank inside it holds the piece (the point is to
+    unload the sources, not to stay near them). With ``gpus_per_node`` nodes come first: a piece that a node
+    fans out crosses the network once per node and is relayed over NVLink there (cheaper than relaying it
+    between nodes); the ranks left (e.g. one rank per node, when each engine copy fills its own node) fan out
+    inside their group. A rank receives each element once, by one relay at most (no chains), so a piece is
+    never relayed twice (between nodes, then inside one). ``relay`` (``None``: on when ``relay_groups`` or
+    ``gpus_per_node`` is given) off ignores the groups.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
     _check_gpus_per_node(gpus_per_node, "plan_reshard")
+    groups = _check_relay_groups(relay_groups)
     if relay is None:
-        relay = gpus_per_node is not None
+        relay = gpus_per_node is not None or bool(groups)
     elif not isinstance(relay, bool):
         raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
-    elif relay and gpus_per_node is None:
-        raise ValueError("plan_reshard: relay=True needs gpus_per_node (relays fan out inside a node)")
+    elif relay and gpus_per_node is None and relay_groups is None:
+        raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
+                         "node or a group)")
     _check_specs(src, dst, allow_cast)
     with _gc_paused():
-        local, wire = _route(src, dst, gpus_per_node, relay)
+        local, wire = _route(src, dst, gpus_per_node, relay, groups if relay else {})
         return Plan(src, dst, tuple(wire), tuple(local))
+
+
+def _check_relay_groups(relay_groups) -> dict[int, int]:
+    """``plan_reshard``'s ``relay_groups`` checked: rank -> index of its group (groups of one rank left out)."""
+    if relay_groups is None:
+        return {}
+    if not isinstance(relay_groups, tuple) or not all(isinstance(g, tuple) for g in relay_groups):
+        raise TypeError(f"plan_reshard: relay_groups must be a tuple of tuples of ranks, got {relay_groups!r}")
+    out: dict[int, int] = {}
+    for i, g in enumerate(relay_groups):
+        for r in g:
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                raise TypeError(f"plan_reshard: relay_groups: rank {r!r} of group {g} must be an int >= 0")
+            if r in out:
+                raise ValueError(f"plan_reshard: relay_groups: rank {r} is in two groups ({relay_groups[out[r]]} "
+                                 f"and {g}); the groups must be disjoint")
+            out[r] = i
+        if len(g) < 2:
+            for r in g:
+                del out[r]
+    return out
 
 
 def _holders(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragment], tuple]:
@@ -627,10 +665,10 @@ def _relay_dtype(src_dtype: torch.dtype, dst_dtype: torch.dtype, wdt: torch.dtyp
     return None
 
 
-def _route(src: Layout, dst: Layout, gpus_per_node: int | None,
-           relay: bool = False) -> tuple[list[Transfer], list[Transfer]]:
+def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = False,
+           groups: dict[int, int] | None = None) -> tuple[list[Transfer], list[Transfer]]:
     """The local copies and wire transfers (relays included) of ``plan_reshard``, sorted as the plan lists
-    them."""
+    them. ``groups``: rank -> relay group (see ``_check_relay_groups``)."""
     world = max(src.ranks + dst.ranks, default=0) + 1
     gpn = gpus_per_node
     local: list[Transfer] = []
@@ -671,8 +709,8 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None,
                     h = _holders([sboxes[i][1] for j, i in enumerate(cand) if mask >> j & 1])
                 routed.append((p_off, p_size, h[0], h[1], math.prod(p_size) * isz))
             if rdt is not None and len(dgroup) > 1:
-                _group_by_node(spec.name, sorted(dgroup, key=_DST_ORDER), routed, gpn, wdt, rdt, local, remote,
-                               nbytes, fans)
+                _group_fans(spec.name, sorted(dgroup, key=_DST_ORDER), routed, gpn, groups, wdt, rdt, local,
+                            remote, nbytes, fans)
                 continue
             for df in sorted(dgroup, key=_DST_ORDER) if len(dgroup) > 1 else dgroup:
                 for p_off, p_size, first, holders, n in routed:
@@ -717,37 +755,59 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None,
     return local, wire
 
 
-def _group_by_node(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int, wdt: torch.dtype,
-                   rdt: torch.dtype, local: list, remote: list, nbytes: list, fans: list) -> None:
+def _group_fans(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int | None, groups: dict[int, int],
+                wdt: torch.dtype, rdt: torch.dtype, local: list, remote: list, nbytes: list, fans: list) -> None:
     """Route the pieces of one replicated destination box (``dgroup``, in destination order) with relays on.
 
     A piece that at least two ranks of a node need over the wire, while no source rank of that node holds it,
-    becomes a fan-out group of that node (appended to ``fans``; its parts and the ranks receiving them are
-    chosen later, with the loads known). Everything else is routed exactly as without relays and in the same order (local copies where
-    the destination rank holds the piece, remote pieces otherwise), so a plan without fan-out groups is the
-    plan without relays.
+    becomes a fan-out group of that node; then, among the ranks left, a piece that at least two ranks of one
+    relay group (``groups``: rank -> group) need over the wire becomes a fan-out group of those ranks (both
+    appended to ``fans``; their parts and the ranks receiving them are chosen later, with the loads known). Everything else is
+    routed exactly as without relays and in the same order (local copies where the destination rank holds the
+    piece, remote pieces otherwise), so a plan without fan-out groups is the plan without relays.
     """
-    fan_of: dict[tuple[int, int], dict[int, list[Fragment]]] = {}  # (piece, node) -> {rank: its fragments}
+    fan_of: dict[tuple[int, int], dict[int, list[Fragment]]] = {}  # (piece, rank) -> {rank: its fragments}
     for k, (p_off, p_size, first, holders, n) in enumerate(routed):
-        need: dict[int, set[int]] = {}  # node -> the ranks in it that need the piece over the wire
+        taken = None  # the ranks a node fans this piece out to
+        if gpn is not None:
+            need_n: dict[int, set[int]] = {}  # node -> the ranks in it that need the piece over the wire
+            for df in dgroup:
+                if df.rank not in first:
+                    need_n.setdefault(df.rank // gpn, set()).add(df.rank)
+            held = None
+            for node, ranks in need_n.items():
+                if len(ranks) > 1:
+                    if held is None:
+                        held = {r // gpn for r in holders[0]}
+                    if node not in held:
+                        by_rank: dict[int, list[Fragment]] = {}
+                        fans.append((p_off, p_size, holders, wdt, rdt, n, by_rank))
+                        taken = taken or set()
+                        taken.update(ranks)
+                        for r in ranks:
+                            fan_of[(k, r)] = by_rank
+        if not groups:
+            continue
+        need: dict[int, list[int]] = {}  # group -> the ranks left in it that need the piece over the wire
         for df in dgroup:
-            if df.rank not in first:
-                need.setdefault(df.rank // gpn, set()).add(df.rank)
-        held = None
-        for node, ranks in need.items():
+            g = groups.get(df.rank)
+            if g is not None and df.rank not in first and (taken is None or df.rank not in taken):
+                ranks = need.setdefault(g, [])
+                if df.rank not in ranks:
+                    ranks.append(df.rank)
+        for ranks in need.values():
             if len(ranks) > 1:
-                if held is None:
-                    held = {r // gpn for r in holders[0]}
-                if node not in held:
-                    fan_of[(k, node)] = by_rank = {}
-                    fans.append((p_off, p_size, holders, wdt, rdt, n, by_rank))
+                by_rank = {}
+                fans.append((p_off, p_size, holders, wdt, rdt, n, by_rank))
+                for r in ranks:
+                    fan_of[(k, r)] = by_rank
     for df in dgroup:
         for k, (p_off, p_size, first, holders, n) in enumerate(routed):
             mine = first.get(df.rank)
             if mine is not None:
                 local.append(_make_transfer(name, p_off, p_size, mine, df, wdt))
                 continue
-            by_rank = fan_of.get((k, df.rank // gpn)) if fan_of else None
+            by_rank = fan_of.get((k, df.rank)) if fan_of else None
             if by_rank is not None:
                 by_rank.setdefault(df.rank, []).append(df)
             else:
@@ -785,7 +845,7 @@ def _split_piece(p_off: tuple, p_size: tuple, n: int, k: int) -> list[tuple[tupl
     return out
 
 
-def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int, world: int) -> list[Transfer]:
+def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int | None, world: int) -> list[Transfer]:
     """Route every fan-out group: split its piece (``_split_piece``), give each part a rank of the group that
     receives it over the network (appended to ``remote``: it gets a source holder like any other piece), and
     return the relay transfers by which that rank forwards its part to the other ranks of the group.
@@ -799,8 +859,11 @@ def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int, 
     rank. So the parts' order rotates from piece to piece, and each rank's network receive (its share of the
     first phase) and its relay sends (the second phase) stay balanced.
     """
-    net_recv = [0] * world
+    net_recv = [0] * world  # with no node size: every byte received from a source
     for (df, _o, _s, (ranks, _b, _f), _w), n in zip(remote, nbytes, strict=True):
+        if gpn is None:
+            net_recv[df.rank] += n
+            continue
         node = df.rank // gpn
         if all(r // gpn != node for r in ranks):
             net_recv[df.rank] += n
