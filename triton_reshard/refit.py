@@ -60,15 +60,23 @@ def get_resharder(
     allow_cast: bool = False,
     gpus_per_node: int | None = None,
     relay: bool | None = None,
+    instances: int = 1,
 ) -> Resharder:
-    """The cached Resharder for these layouts and options (plan and buffers reused across calls)."""
+    """The cached Resharder for these layouts and options (plan and buffers reused across calls).
+
+    ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
+    (see :func:`refit`)."""
     key = (src_layout, dst_layout, id(group) if group is not None else None, int(bucket_bytes),
-           str(timeout), backend, bool(allow_cast), gpus_per_node, relay)
+           str(timeout), backend, bool(allow_cast), gpus_per_node, relay, instances)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
-    plan = plan_reshard(src_layout, dst_layout, allow_cast, gpus_per_node, relay)
+    groups = None
+    if instances != 1:
+        groups = dst_layout.instance_groups(instances)
+        dst_layout = dst_layout.instances(instances)
+    plan = plan_reshard(src_layout, dst_layout, allow_cast, gpus_per_node, relay, groups)
     r = Resharder(plan, group=group, bucket_bytes=bucket_bytes, timeout=timeout, backend=backend)
     _CACHE[key] = r
     while len(_CACHE) > _CACHE_SIZE:
@@ -109,6 +117,7 @@ def refit(
     allow_cast: bool = False,
     gpus_per_node: int | None = None,
     relay: bool | None = None,
+    instances: int = 1,
     strict: bool = False,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
@@ -123,9 +132,19 @@ def refit(
     casts, on the sender when that shrinks the bytes on the wire. ``gpus_per_node``: ranks per node (NVLink
     domain) for topology-aware routing (prefer a source in the destination's node; with ``relay``, on by
     default then, fan a piece out inside a node instead of sending it over the network to every rank there).
+
+    ``instances=N``: N independent engines, each a full copy of ``dst_layout`` (one engine's layout): engine
+    ``i`` is ``dst_layout`` with every rank shifted by ``i * span``, ``span`` = its highest rank - its lowest
+    + 1 (``Layout.instances``), e.g. one engine on ranks 8-11 and ``instances=3``: engines on 8-11, 12-15,
+    16-19; every rank of every engine passes its own tensors, named as in ``dst_layout``. ``relay`` (on by
+    default then) spreads the trainer's sends over the engines: a piece the same position of several engines
+    needs is sent once, in parts, one part to each engine, and each engine's rank relays its part to that
+    position in the others, so the trainer sends each byte ~once instead of N times (``relay=False``: every
+    engine rank receives everything from the trainer).
     """
     r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay)
+                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
+                      instances=instances)
     dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "refit")
     report = r.run(_as_dict(src_tensors, "source"), dst)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
@@ -144,6 +163,7 @@ def verify_refit(
     allow_cast: bool = False,
     gpus_per_node: int | None = None,
     relay: bool | None = None,
+    instances: int = 1,
     strict: bool = False,
 ) -> VerifyReport:
     """Check, without writing anything, that ``refit`` with these arguments would leave ``dst_tensors``
@@ -164,14 +184,15 @@ def verify_refit(
     and its memory stays within ``bucket_bytes`` of staging plus one chunk's compare temporaries.
 
     Relays: a relay forwards what the relaying rank's destination tensor holds, the very thing under test,
-    so with ``gpus_per_node`` verify plans *without* relays (``relay=False``: every piece comes from a source
-    rank; the same holders otherwise, more bytes over the network, once). Options and ``strict`` as in
+    so with ``gpus_per_node`` or ``instances > 1`` verify plans *without* relays (``relay=False``: every piece
+    comes from a source rank; the same holders otherwise, more bytes over the network, once). Options and ``strict`` as in
     :func:`refit`; ignored destination tensors are listed in ``VerifyReport.ignored``.
     """
-    if gpus_per_node is not None:
-        relay = False  # relays would read the tensors under test (relay=True without gpus_per_node still fails)
+    if gpus_per_node is not None or instances != 1:
+        relay = False  # relays would read the tensors under test (relay=True without either still fails)
     r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay)
+                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
+                      instances=instances)
     dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "verify_refit")
     report = r.verify(_as_dict(src_tensors, "source"), dst)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
