@@ -177,3 +177,21 @@ def test_single_rank_group_and_plan_ranks_outside_it():
         init_refit_group("127.0.0.1", 1234, 2, 2)
     with pytest.raises(TypeError, match="timeout"):
         init_refit_group("127.0.0.1", 1234, 0, 1, timeout=float("inf"))
+
+
+def test_all_gather_object_over_the_store():
+    port = free_port()
+    got = {}
+
+    def run(r):
+        g = init_refit_group("127.0.0.1", port, r, 3, timeout=20)
+        got[r] = [g.all_gather_object({"rank": r, "x": list(range(r))}), g.all_gather_object(r * 10)]
+        g.destroy()
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    for r in range(3):
+        assert got[r] == [[{"rank": i, "x": list(range(i))} for i in range(3)], [0, 10, 20]]

@@ -14,6 +14,7 @@ Every wait is bounded by a timeout; a rendezvous that cannot complete says which
 from __future__ import annotations
 
 import contextlib
+import pickle
 import socket
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class RefitGroup:
     timeout: timedelta
     pg: object = field(repr=False)
     _store: object = field(repr=False)
+    _gen: int = field(default=0, repr=False)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -104,6 +106,23 @@ class RefitGroup:
         works = [pg.recv([buf], peer, 0) for peer, buf in recvs]
         works += [pg.send([buf], peer, 0) for peer, buf in sends]
         return works
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order, through the group's rendezvous store (for small
+        control data such as layouts and load records; bounded by the group's timeout)."""
+        if self._store is None:
+            raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")
+        self._gen += 1
+        prefix = f"tr/obj/{self._gen}/"
+        self._store.set(prefix + str(self.rank), pickle.dumps(obj))
+        keys = [prefix + str(r) for r in range(self.size)]
+        try:
+            self._store.wait(keys, self.timeout)
+        except (RuntimeError, dist.DistStoreError) as e:
+            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            raise RefitGroupError(f"rank {self.rank}: ranks {missing} of the refit group did not contribute to "
+                                  f"exchange {self._gen} within {self.timeout.total_seconds():g}s") from e
+        return [pickle.loads(self._store.get(k)) for k in keys]
 
     def barrier(self) -> None:
         """All ranks of the group, bounded by the group's timeout."""

@@ -1,0 +1,85 @@
+"""The ``triton_reshard`` vLLM weight-transfer backend, end to end with vLLM 0.33's real classes on CPU.
+
+An engine job (2 processes: vLLM TP2 of a tiny Qwen3-MoE, built by vLLM's model classes and loaded by its
+loader, its own gloo world, ``weight_transfer_config={"backend": "triton_reshard"}``, the worker-side engine
+created by ``WeightTransferEngineFactory.create_engine`` after vLLM's plugin loader registered the name) and
+a separately launched trainer job (2 processes: Megatron TP2 layout, its own gloo world, the trainer-side
+engine from ``WeightTransferTrainerFactory.trainer_init``) meet only in the refit group. Two refits: the
+checkpoint's weights into poisoned parameters (every parameter must equal what vLLM's loader loaded), then a
+second checkpoint's (loading it afterwards with vLLM's loader must change nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier runs in the env "
+                                   "tests/engines/install.sh builds (bash .ci/run does both)")
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch.distributed as dist  # noqa: E402
+
+from tests.engines import transfer_jobs as tj  # noqa: E402
+from triton_reshard.group import free_port  # noqa: E402
+from triton_reshard.launch import run_world  # noqa: E402
+from triton_reshard.presets import get_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny_qwen3_moe"
+
+
+def _save(cfg, seed, path):
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw)).float().save_pretrained(path)
+
+
+def test_vllm_backend_two_jobs(tmp_path):
+    cfg = get_config(MODEL)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _save(cfg, 1, a)
+    _save(cfg, 2, b)
+    ctl_port, refit_port = free_port(), free_port()
+    ctl = dist.TCPStore("127.0.0.1", ctl_port, None, True, timeout=timedelta(seconds=300), wait_for_workers=False)
+    results: dict = {}
+
+    def launch(name, *args):
+        try:
+            results[name] = run_world(*args, backend="gloo", timeout=400)
+        except Exception as e:  # noqa: BLE001 (asserted below)
+            results[name] = e
+
+    jobs = [threading.Thread(target=launch, args=("engine", tj.engine_job, 2, a, ctl_port, b)),
+            threading.Thread(target=launch, args=("trainer", tj.trainer_job, 2, cfg,
+                                                  [os.path.join(a, "model.safetensors"),
+                                                   os.path.join(b, "model.safetensors")],
+                                                  refit_port, ctl_port, 2))]
+    for t in jobs:
+        t.start()
+    for t in jobs:
+        t.join(450)
+    del ctl
+    for name in ("engine", "trainer"):
+        assert not isinstance(results.get(name), Exception), f"{name} job failed: {results.get(name)}"
+    engine, trainer = results["engine"], results["trainer"]
+    problems = [p for r in engine for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    for rank, r in enumerate(engine):
+        assert r["backend"] == "triton_reshard" and r["engine_cls"] == "TritonReshardWeightTransferEngine"
+        assert len(r["recv_bytes"]) == 2 and r["recv_bytes"][0] == r["recv_bytes"][1] > 0
+        # what refit never writes is exactly the vocab padding: vLLM pads 300 rows to 320, rank 0 holds rows
+        # 0-159, rank 1 rows 160-319 of which the last 20 are padding
+        pad = {} if rank == 0 else {"model.embed_tokens.weight": 20 * cfg["hidden_size"],
+                                    "lm_head.weight": 20 * cfg["hidden_size"]}
+        assert {n: c for n, c in r["unwritten"].items() if c} == pad
+    for r in trainer:
+        assert r["engine_cls"] == "TritonReshardTrainerEngine" and r["sent"][0] == r["sent"][1] > 0
+    # every byte the workers received came from the trainer ranks (no replicas on the engine side here)
+    assert sum(r["sent"][0] for r in trainer) == sum(r["recv_bytes"][0] for r in engine)

@@ -1,0 +1,173 @@
+"""The two jobs of the vLLM weight-transfer backend test (``test_vllm_transfer.py``) and of
+``examples/two_jobs_vllm``: an engine job (real vLLM model classes, one process per TP rank, its own
+torch.distributed world) and a trainer job (its own world), joined only by the refit group.
+
+The control plane is what vLLM's ``collective_rpc`` / RLHF routes are in a deployment: here a TCP store on
+which the trainer's sender posts ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update`` and every engine worker runs it on its own
+``WeightTransferEngine`` (created by vLLM's ``WeightTransferEngineFactory`` from the weight-transfer
+config, as vLLM's GPU worker does) and acknowledges.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+class StoreClient:
+    """The trainer-side ``VLLMWeightSyncClient``: each call runs on every engine worker and waits for all."""
+
+    def __init__(self, host: str, port: int, workers: int, timeout: float = 300.0):
+        self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
+        self.workers, self.timeout, self.n = workers, timeout, 0
+
+    def _call(self, method: str, payload=None):
+        n, self.n = self.n, self.n + 1
+        self.store.set(f"cmd/{n}", pickle.dumps((method, payload)))
+        keys = [f"ack/{n}/{w}" for w in range(self.workers)]
+        self.store.wait(keys, timedelta(seconds=self.timeout))
+        errors = [e for e in (pickle.loads(self.store.get(k)) for k in keys) if e]
+        if errors:
+            raise RuntimeError(f"engine workers failed {method}: {errors[0]}")
+
+    def init_weight_transfer_engine(self, init_info):
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self):
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info):
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self._call("finish_weight_update", weight_version)
+
+    def stop(self):
+        self._call("stop")
+
+
+def serve(store, worker: int, handlers: dict, timeout: float = 300.0) -> int:
+    """An engine worker's control-plane loop: run each posted call, acknowledge it, until ``stop``."""
+    import traceback
+
+    n = 0
+    while True:
+        store.wait([f"cmd/{n}"], timedelta(seconds=timeout))
+        method, payload = pickle.loads(store.get(f"cmd/{n}"))
+        err = ""
+        if method != "stop":
+            try:
+                handlers[method](payload)
+            except BaseException as e:  # noqa: BLE001 (sent back to the trainer)
+                err = f"worker {worker}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        store.set(f"ack/{n}/{worker}", pickle.dumps(err))
+        n += 1
+        if method == "stop":
+            return n
+
+
+def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, check_ckpt: str | None = None) -> dict:
+    """One vLLM worker (TP rank ``rank``): build + load with vLLM's loader, poison, then serve the trainer."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.plugins import load_general_plugins
+
+    from triton_reshard.integrations.vllm import load_vllm_model
+
+    load_general_plugins()  # vLLM's plugin loader registers "triton_reshard" through our entry point
+    model, vc = load_vllm_model(ckpt, tensor_parallel_size=world,
+                                weight_transfer_config={"backend": "triton_reshard"})
+    out: dict = {"problems": [], "backend": vc.weight_transfer_config.backend}
+    loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    # as vLLM's GPU worker does after load_model()
+    engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
+    out["engine_cls"] = type(engine).__name__
+    rounds = []
+
+    def check(_version):
+        # round 1: the trainer sent the checkpoint's weights: every parameter must be what vLLM's loader loaded
+        # (padding stays poisoned: nothing writes it); round 2: the trainer sent ``check_ckpt``'s weights: load
+        # that checkpoint with vLLM's own loader on top and nothing may change
+        params = dict(model.named_parameters())
+        if not rounds:
+            for n, p in params.items():
+                m = ~torch.isnan(p)
+                if not torch.equal(p[m], loaded[n][m]):
+                    out["problems"].append(f"rank {rank}: {n}: refit differs from vLLM's loader")
+                out.setdefault("unwritten", {})[n] = int((~m).sum())
+        else:
+            got = {n: p.detach().clone() for n, p in params.items()}
+            vc.model_config.model = check_ckpt
+            with set_current_vllm_config(vc):
+                DefaultModelLoader(vc.load_config).load_weights(model, vc.model_config)
+            for n, p in model.named_parameters():
+                m = ~torch.isnan(got[n])
+                if not torch.equal(got[n][m], p[m]):
+                    out["problems"].append(f"rank {rank}: {n}: round 2 differs from vLLM's loader on the new weights")
+        rounds.append(engine.last_report.recv_bytes)
+
+    def wrapped(fn):
+        def call(payload):
+            with set_current_vllm_config(vc):
+                return fn(payload)
+        return call
+
+    handlers = {
+        "init_weight_transfer_engine": wrapped(lambda d: engine.init_transfer_engine(engine.parse_init_info(d))),
+        "start_weight_update": wrapped(lambda _p: engine.start_weight_update()),
+        "update_weights": wrapped(lambda d: (engine.update_weights(d), check(d))),
+        "finish_weight_update": wrapped(lambda _p: engine.finish_weight_update()),
+    }
+    ctl = dist.TCPStore("127.0.0.1", ctl_port, None, False, timeout=timedelta(seconds=300))
+    t0 = time.perf_counter()
+    out["calls"] = serve(ctl, rank, handlers)
+    out["seconds"] = time.perf_counter() - t0
+    out["recv_bytes"] = rounds
+    dist.all_reduce(torch.ones(1))  # the engine job's own world still works
+    engine.shutdown()
+    return out
+
+
+def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port: int, ctl_port: int,
+                n_workers: int) -> dict:
+    """One trainer rank (Megatron TP layout over the trainer job's ranks), driving the backend as vLLM's
+    trainer-side factory builds it; ``weights``: a safetensors file per round."""
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.presets import megatron_layout
+
+    vt.register()
+    layout = megatron_layout(cfg, tp=world, ranks=range(world), dtype=torch.float32)
+    tensors = layout.allocate(rank)
+    info = vt.ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=refit_port, world_size=world + n_workers,
+                                     num_trainer_ranks=world, layout=layout, timeout=120)
+    client = StoreClient("127.0.0.1", ctl_port, n_workers) if rank == 0 else None
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=vt.TensorsSource(tensors))
+    out = {"engine_cls": type(eng).__name__, "sent": [], "seconds": []}
+    for k, path in enumerate(weights):
+        full = load_file(path)
+        for n, t in layout.shard(full, rank).items():  # the training step's new weights, in place
+            tensors[n].copy_(t)
+        t0 = time.perf_counter()
+        eng.send_weights(version=f"step-{k}")
+        out["seconds"].append(time.perf_counter() - t0)
+        out["sent"].append(eng.last_report.sent_bytes)
+    if client is not None:
+        client.stop()
+    dist.all_reduce(torch.ones(1))  # the trainer job's own world still works
+    eng.shutdown()
+    return out
