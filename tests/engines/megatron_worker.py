@@ -71,8 +71,9 @@ def moe_layer_pattern(cfg: dict) -> list[int] | None:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"])]
 
 
-def transformer_config(cfg: dict, tp: int, pp: int, ep: int, etp: int):
-    """Megatron's TransformerConfig of a HF config (how Megatron-Bridge's providers map the fields)."""
+def transformer_config(cfg: dict, tp: int, pp: int, ep: int, etp: int, **extra):
+    """Megatron's TransformerConfig of a HF config (how Megatron-Bridge's providers map the fields);
+    ``extra``: more (or overriding) TransformerConfig fields, e.g. ``num_layers_in_first_pipeline_stage``."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -113,6 +114,7 @@ def transformer_config(cfg: dict, tp: int, pp: int, ep: int, etp: int):
             # layer axis), the per-layer list for a mixed one (per-layer checkpoint keys)
             moe_layer_freq=1 if all(pattern) else pattern,
         )
+    kw.update(extra)
     return TransformerConfig(**kw)
 
 
@@ -136,39 +138,57 @@ def _sharded_tensors(sharded_sd) -> list:
     return out
 
 
-def run_case(case: dict, rank: int, world: int) -> dict:
-    """Build the case's model on this rank, fill it from the layout, return what the parent checks."""
+def init_parallel(case: dict) -> None:
+    """``parallel_state.initialize_model_parallel`` with the case's TP/PP/EP/ETP (undo: ``destroy_model_parallel``)."""
+    from megatron.core import parallel_state as ps
+
+    tp, pp = case["tp"], case["pp"]
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=case.get("ep", 1),
+        expert_tensor_parallel_size=case.get("etp") or tp,
+        distributed_timeout_minutes=1,  # Megatron's subgroups (default 30 min): a stuck collective fails fast
+    )
+
+
+def build_model(case: dict):
+    """This rank's real GPTModel of the case (local spec), after :func:`init_parallel`. ``case["tc_kw"]``: more
+    TransformerConfig fields (uneven pipeline stages, params_dtype, ...)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+    cfg, tp, pp = case["cfg"], case["tp"], case["pp"]
+    ep, etp = case.get("ep", 1), case.get("etp") or tp
+    tc = transformer_config(cfg, tp, pp, ep, etp, **case.get("tc_kw", {}))
+    if tc.num_moe_experts:  # the block spec applies moe_layer_freq (dense layers of a mixed model)
+        spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
+    return GPTModel(
+        tc,
+        spec,
+        vocab_size=case["megatron_vocab"],  # Megatron takes the padded size, as its trainers pass it
+        max_sequence_length=64,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+    )
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    """Build the case's model on this rank, fill it from the layout, return what the parent checks."""
+    from megatron.core import parallel_state as ps
+
     from triton_reshard.presets import logical_tensors, megatron_layout
 
     cfg, tp, pp = case["cfg"], case["tp"], case["pp"]
-    ep, etp = case.get("ep", 1), case.get("etp") or tp
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        distributed_timeout_minutes=1,  # Megatron's subgroups (default 30 min): a stuck collective fails fast
-    )
+    ep = case.get("ep", 1)
+    init_parallel(case)
     try:
-        tc = transformer_config(cfg, tp, pp, ep, etp)
-        if tc.num_moe_experts:  # the block spec applies moe_layer_freq (dense layers of a mixed model)
-            spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
-        else:
-            spec = get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
-        model = GPTModel(
-            tc,
-            spec,
-            vocab_size=case["megatron_vocab"],  # Megatron takes the padded size, as its trainers pass it
-            max_sequence_length=64,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
-            position_embedding_type="rope",
-        )
+        model = build_model(case)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         got = {n: (tuple(p.shape), p.dtype) for n, p in {**params, **buffers}.items()}
@@ -212,4 +232,86 @@ def world_main(rank: int, world: int, cases: list[dict]) -> dict:
         except Exception as e:  # reported per case to the parent (the other ranks may still build it)
             results[case["name"]] = {"params": None, "shards": None,
                                      "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------
+# test_megatron_live.py: layout_from_megatron on the live model
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Wrapper(torch.nn.Module):
+    """A DDP-like wrapper: the model under ``.module`` (parameter names get a ``module.`` prefix)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def _wrap(model, how: str | None):
+    if how is None:
+        return model
+    if how == "list":
+        return [model]
+    if how == "wrapper_list":  # [DDP(model)]-like
+        return [_Wrapper(model)]
+    if how == "float16":  # Megatron's own Float16Module (casts the model to bf16 when config.bf16)
+        from megatron.core.transformer.module import Float16Module
+
+        return _Wrapper(Float16Module(model.config, model))
+    raise ValueError(how)
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # the parent checks the type and the message
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def live_case(case: dict, rank: int, world: int) -> dict:
+    """``layout_from_megatron`` on this rank's live model: digest, derived arguments, and the errors of the
+    case's wrong inputs (``{label: "Type: message" or None}``)."""
+    from megatron.core import parallel_state as ps
+
+    from triton_reshard.integrations import layout_from_megatron, megatron_layout_args
+
+    init_parallel(case)
+    try:
+        model = _wrap(build_model(case), case.get("wrap"))
+        kw = case.get("live_kw", {})
+        layout = layout_from_megatron(model, case["cfg"], **kw)
+        args = megatron_layout_args(model, case["cfg"], **kw)
+        args["dtype"] = str(args["dtype"])
+        errors = {}
+        for label, wrong in case.get("wrong", {}).items():
+            wkw = {**kw, **{k: v for k, v in wrong.items() if k != "cfg"}}
+            errors[label] = _error(lambda w=wrong, k=wkw: layout_from_megatron(model, w.get("cfg", case["cfg"]), **k))
+        if case.get("chunks2"):
+            errors["two_chunks"] = _error(lambda: layout_from_megatron([model, model], case["cfg"]))
+        if case.get("no_config"):
+            errors["no_config"] = _error(lambda: layout_from_megatron(model))
+        return {"digest": layout.digest, "args": args, "errors": errors, "error": None,
+                "names": sorted(n for n, _ in model_named(model))}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def model_named(model):
+    """``named_parameters()`` of the unwrapped GPTModel."""
+    while isinstance(model, list) or hasattr(model, "module"):
+        model = model[0] if isinstance(model, list) else model.module
+    return model.named_parameters()
+
+
+def live_world_main(rank: int, world: int, cases: list[dict]) -> dict:
+    """Every case of ``test_megatron_live.py`` on this rank; a failing case is reported, not raised."""
+    _install_stubs()
+    results = {}
+    for case in cases:
+        try:
+            results[case["name"]] = live_case(case, rank, world)
+        except Exception as e:
+            results[case["name"]] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     return results
