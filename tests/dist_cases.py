@@ -326,13 +326,14 @@ class Case:
     gpus_per_node: int | None = None  # plan node-aware (``plan_reshard(..., gpus_per_node)``)
     relay: bool | None = None  # ``plan_reshard``'s relay (None: on when gpus_per_node is given)
     min_relays: int = 0  # the plan must have at least this many relay transfers (checked by the planner tests)
+    relay_groups: tuple[tuple[int, ...], ...] | None = None  # ``plan_reshard``'s relay_groups (engine instances)
     notes: str = field(default="", compare=False)
 
 
 def case_plan(case: Case):
     """The plan of ``case``, with its node size and relay choice (what every tier of the tests runs)."""
     return plan_reshard(side_layout(case.src), side_layout(case.dst), case.allow_cast, case.gpus_per_node,
-                        case.relay)
+                        case.relay, case.relay_groups)
 
 
 def qkv_fused(ranks: Sequence[int], q: int, kv: int, cols: int, pad: int, dtype) -> F:
@@ -465,6 +466,16 @@ def _cases() -> list[Case]:
              (P({"w": (4096, 512), "e": (2049, 1031)}, [0, 1], {"w": [S0], "e": [S1]}, {"w": f32, "e": bf16}),),
              (P({"w": (4096, 512), "e": (2049, 1031)}, [2, 3, 4, 5, 6, 7], [R], {"w": f32, "e": bf16}),),
              gpus_per_node=4, min_relays=36),
+        # three engine instances of TP2 (ranks 2-3, 4-5, 6-7) fed by TP2 on ranks 0-1, no node size: each 3 MiB
+        # shard of w (fp64) crosses from the trainer once, in three 1 MiB parts (one per instance), each relayed by
+        # its instance rank to the same position of the two others; e (bf16, resharded) and b are too small to
+        # split: one instance receives each piece and relays it whole
+        Case("instances-tp2-to-3x-tp2", 8,
+             (P({"w": (1536, 512), "e": (6, 10), "b": (12,)}, [0, 1], {"w": [S0], "e": [S1], "b": [S0]},
+                {"w": torch.float64, "e": bf16, "b": f32}),),
+             tuple(P({"w": (1536, 512), "e": (6, 10), "b": (12,)}, [2 * i + 2, 2 * i + 3], [S0],
+                     {"w": torch.float64, "e": bf16, "b": f32}) for i in range(3)),
+             relay_groups=((2, 4, 6), (3, 5, 7)), min_relays=20),
     ]
     return c
 

@@ -88,14 +88,14 @@ def reshard_problems(draw):
 # --------------------------------------------------------------------------------------------------------
 
 
-def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=None):
+def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=None, relay_groups=None):
     """Exact cover, no double writes, correct values, wire bytes == lower bound == independent count; relays
     (when the plan has any) checked by ``check_relays``."""
     src_l, dst_l = dc.side_layout(src_side), dc.side_layout(dst_side)
-    if gpus_per_node is None and relay is None:
+    if gpus_per_node is None and relay is None and relay_groups is None:
         plan = plan_reshard(src_l, dst_l, allow_cast)
     else:
-        plan = plan_reshard(src_l, dst_l, allow_cast, gpus_per_node, relay)
+        plan = plan_reshard(src_l, dst_l, allow_cast, gpus_per_node, relay, relay_groups)
     ranks = dc.case_ranks(src_side, dst_side)
     sspecs, dspecs = dc.side_specs(src_side), dc.side_specs(dst_side)
     data = dc.unique_data(sspecs)
@@ -128,7 +128,7 @@ def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=N
     assert sum(st_.sent_bytes.values()) == expected_wire
     assert all(t.src_rank != t.dst_rank for t in plan.transfers)
     assert all(t.src_rank == t.dst_rank for t in plan.local_copies)
-    check_relays(plan, src_side, dst_side, gpus_per_node)
+    check_relays(plan, src_side, dst_side, gpus_per_node, relay_groups)
     return plan
 
 
@@ -141,16 +141,18 @@ def _local_start(b, off, size):
         lo + o - bo for lo, o, bo in zip(b.local_offsets[extra:], off, b.offsets, strict=True))
 
 
-def check_relays(plan, src_side, dst_side, gpus_per_node):
-    """Every relay (independently of the planner's own validation): crosses ranks inside one node; reads a box
-    its sender received entirely from non-relay transfers or local copies (no chains, nothing unwritten), at
-    the sender's reference coordinates; goes to a rank that does not hold it, in a node where no source rank
-    holds it; and travels in a dtype no wider than the other transfers of its tensor."""
+def check_relays(plan, src_side, dst_side, gpus_per_node, relay_groups=None):
+    """Every relay (independently of the planner's own validation): crosses ranks inside one relay group, or
+    else inside one node where no source rank holds its box; reads a box its sender received entirely from
+    non-relay transfers or local copies (no chains, nothing unwritten), at the sender's reference coordinates;
+    goes to a rank that does not hold it; and travels in a dtype no wider than the other transfers of its
+    tensor."""
     relays = [t for t in plan.transfers if t.relay]
     assert not any(t.relay for t in plan.local_copies)
     if not relays:
         return
-    assert gpus_per_node is not None, "relays without a node size"
+    assert gpus_per_node is not None or relay_groups, "relays without a node size or groups"
+    group_of = {r: i for i, g in enumerate(relay_groups or ()) for r in g}
     ranks = dc.case_ranks(src_side, dst_side)
     relay_written = {r: {n: torch.zeros(shape, dtype=torch.bool) for n, (shape, _dt) in dc.side_locals(dst_side, r).items()}
                      for r in ranks}
@@ -160,16 +162,22 @@ def check_relays(plan, src_side, dst_side, gpus_per_node):
     sspecs = dc.side_specs(src_side)
     wire_isz = {t.tensor: itemsize(t.wire_dtype) for t in plan.transfers if not t.relay}
     for t in relays:
-        assert t.src_rank != t.dst_rank and t.src_rank // gpus_per_node == t.dst_rank // gpus_per_node, str(t)
+        in_group = group_of.get(t.src_rank, -1) == group_of.get(t.dst_rank, -2)
+        assert t.src_rank != t.dst_rank and (in_group or gpus_per_node is not None
+                                             and t.src_rank // gpus_per_node == t.dst_rank // gpus_per_node), str(t)
         read = relay_written[t.src_rank][t.src_local][dc.sub_index(relay_written[t.src_rank][t.src_local].dim(),
                                                                      t.src_offsets, t.sizes)]
         assert not bool(read.any()), f"{t} reads what its sender got by relay"
         # the box sits at those local coordinates in one of the sender's reference destination boxes
         assert any(_local_start(b, t.offsets, t.sizes) == tuple(t.src_offsets)
                    for d in dst_side for b in d.boxes(t.src_rank) if (b.tensor, b.local) == (t.tensor, t.src_local)), str(t)
-        node = range(t.dst_rank // gpus_per_node * gpus_per_node, (t.dst_rank // gpus_per_node + 1) * gpus_per_node)
         box = tuple(slice(o, o + s) for o, s in zip(t.offsets, t.sizes, strict=True))
         shape = sspecs[t.tensor][0]
+        assert not bool(dc.held_mask(src_side, t.dst_rank, t.tensor, shape)[box].any()), f"{t}: its rank holds it"
+        if in_group:
+            assert itemsize(t.wire_dtype) <= wire_isz.get(t.tensor, itemsize(t.wire_dtype))
+            continue  # a group fans out whoever holds the box near it
+        node = range(t.dst_rank // gpus_per_node * gpus_per_node, (t.dst_rank // gpus_per_node + 1) * gpus_per_node)
         for r in node:
             held = dc.held_mask(src_side, r, t.tensor, shape)[box]
             assert not bool(held.any()), f"{t}: source rank {r} in the node holds part of the box"
@@ -330,7 +338,7 @@ def test_wire_dtype_with_cast():
 def test_catalogue_cases_plan_exactly(case_id):
     """The cases the multi-process tests run, checked here without a process group."""
     case = dc.CASES[case_id]
-    plan = check_plan(case.src, case.dst, case.allow_cast, case.gpus_per_node, case.relay)
+    plan = check_plan(case.src, case.dst, case.allow_cast, case.gpus_per_node, case.relay, case.relay_groups)
     assert plan is dc.case_plan(case) or plan.digest == dc.case_plan(case).digest
     sched = check_schedule(plan, case.bucket_bytes)
     if case.multi_step:
@@ -960,3 +968,139 @@ def test_relay_off_keeps_the_node_aware_plans(name):
         st_ = fan.stats(gpn)
         assert st_.num_relays > 0 and st_.wire_bytes == st_.lower_bound_bytes == near.stats().wire_bytes
         assert st_.net_bytes < near.stats(gpn).net_bytes
+
+
+# --------------------------------------------------------------------------------------------------------
+# Several engine instances: copies of one layout, the sources' sends spread over them by relays
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_layout_instances_and_groups():
+    one = P({"w": (6, 4), "b": (5,)}, [4, 5], {"w": [S0], "b": [R]}).layout()
+    three = one.instances(3)
+    assert three == dc.side_layout(tuple(P({"w": (6, 4), "b": (5,)}, [4 + 2 * i, 5 + 2 * i], {"w": [S0], "b": [R]})
+                                         for i in range(3)))
+    assert one.instance_groups(3) == ((4, 6, 8), (5, 7, 9))
+    assert one.instances(1) is one and one.instance_groups(1) == ((4,), (5,))
+    assert one.instances(2, stride=10).ranks == (4, 5, 14, 15)
+    assert one.instance_groups(2, stride=10) == ((4, 14), (5, 15))
+    sparse = P({"w": (6, 4)}, [0, 2], [S0]).layout()  # span 3: copies on 0, 2 / 3, 5 ...
+    assert sparse.instances(2).ranks == (0, 2, 3, 5) and sparse.instances(2, stride=1).ranks == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="share ranks"):
+        one.instances(2, stride=1)
+    with pytest.raises(ValueError, match="n=0"):
+        one.instances(0)
+    with pytest.raises(ValueError, match="stride"):
+        one.instances(2, stride=0)
+
+
+def test_vllm_instances_split_experts_per_instance():
+    """vllm_layout(instances=N) is N copies; unlike dp, each copy holds every expert (split over its own
+    tp*dp workers)."""
+    from triton_reshard.presets import get_config, vllm_layout
+
+    cfg = get_config("small_qwen3_moe")
+    one = vllm_layout(cfg, tp=2, enable_expert_parallel=True, ranks=4)
+    two = vllm_layout(cfg, tp=2, enable_expert_parallel=True, ranks=4, instances=2)
+    assert two == one.instances(2) and two.ranks == tuple(range(4, 8))
+    dp2 = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=4)
+    expert = next(t.name for t in one.tensors if ".experts." in t.name)
+    assert sorted(f.rank for f in two.fragments_by_tensor[expert]) in ([4, 6], [5, 7])  # once per instance
+    assert len(dp2.fragments_by_tensor[expert]) == 1  # dp: the experts split over all four workers
+
+
+def _instances_problem(n=3, split=True):
+    """TP2 on ranks 0-1 -> n instances of TP2 (rank pairs from 2 on): the catalogue case's tensors."""
+    shapes = {"w": (1536, 512), "e": (6, 10), "b": (12,)} if split else {"w": (48, 16), "e": (6, 10), "b": (12,)}
+    dts = {"w": torch.float64, "e": BF16, "b": F32}
+    src = (P(shapes, [0, 1], {"w": [S0], "e": [S1], "b": [S0]}, dts),)
+    one = P(shapes, [2, 3], [S0], dts)
+    dst = tuple(P(shapes, [2 + 2 * i, 3 + 2 * i], [S0], dts) for i in range(n))
+    return src, dst, one.layout().instance_groups(n)
+
+
+def _sent_by(plan, ranks):
+    return sum(plan.stats().sent_bytes.get(r, 0) for r in ranks)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_instances_spread_the_trainer_sends(n):
+    """Without relays every trainer byte goes out n times; with the instance groups once: each 3 MiB shard of w
+    in n parts, one per instance, relayed to the same position of the others; the lower bound."""
+    src, dst, groups = _instances_problem(n)
+    src_l, dst_l = dc.side_layout(src), dc.side_layout(dst)
+    plain = plan_reshard(src_l, dst_l)
+    spread = plan_reshard(src_l, dst_l, False, None, None, groups)  # relay=None: on with groups
+    # (n = 3 is the catalogue case: test_catalogue_cases_plan_exactly checks its cover and values)
+    assert spread.digest == plan_reshard.__wrapped__(src_l, dst_l, False, None, True, groups).digest
+    one_instance = plan_reshard(src_l, dc.side_layout(dst[:1])).stats().wire_bytes
+    assert _sent_by(plain, (0, 1)) == n * one_instance
+    assert _sent_by(spread, (0, 1)) == one_instance  # each byte leaves the trainer once
+    st_ = spread.stats()
+    assert st_.wire_bytes == st_.lower_bound_bytes == plain.stats().wire_bytes
+    assert st_.recv_bytes == plain.stats().recv_bytes
+    assert abs(st_.sent_bytes[0] - st_.sent_bytes[1]) <= max(t.nbytes for t in spread.transfers)
+    w_parts = sorted(t.sizes for t in spread.transfers if not t.relay and t.tensor == "w")
+    assert w_parts == [(768 // n, 512)] * (2 * n)  # 2 shards x n parts of >= 1 MiB
+    group_of = {r: g for g in groups for r in g}
+    assert all(group_of[t.src_rank] == group_of[t.dst_rank] for t in spread.transfers if t.relay)
+    # every instance rank relays its part of w to the n-1 others
+    for r in range(2, 2 + 2 * n):
+        assert sum(t.nbytes for t in spread.transfers if t.relay and t.src_rank == r and t.tensor == "w") == \
+            (n - 1) * 768 // n * 512 * 8
+    assert plan_reshard(src_l, dst_l, False, None, False, groups).digest == plain.digest  # relay=False: off
+    sched = check_schedule(spread, 1 << 20)
+    assert [s.phase for s in sched.steps] == sorted(s.phase for s in sched.steps) and sched.steps[-1].phase == 1
+
+
+def test_instances_colocated_and_with_nodes():
+    """A source rank inside a group does not stop the group's fan-out (the point is to unload the sources);
+    with a node size, nodes fan out first and the groups take the ranks left."""
+    shapes = {"w": (8, 6)}
+    src = (P(shapes, [0, 1], [S0]),)  # the trainer is also instance 0 (colocated)
+    one = P(shapes, [0, 1], [S1])
+    dst = tuple(P(shapes, [2 * i, 2 * i + 1], [S1]) for i in range(3))
+    groups = one.layout().instance_groups(3)
+    plan = check_plan(src, dst, relay_groups=groups)
+    assert plan.stats().num_relays > 0
+    assert _sent_by(plan, (0, 1)) < _sent_by(plan_reshard(*map(dc.side_layout, (src, dst))), (0, 1))
+    # nodes of 4: instances 1 (ranks 2-3) and 2 (4-5) are in nodes 0 and 1; node 1 fans out its two ranks,
+    # ranks 2, 3 (node 0, beside the sources) are left to the groups
+    src4, dst4, groups4 = _instances_problem(3, split=False)
+    plan = check_plan(src4, dst4, gpus_per_node=4, relay_groups=groups4)
+    near = plan_reshard(*map(dc.side_layout, (src4, dst4)), False, 4, False)
+    assert plan.stats().wire_bytes == plan.stats().lower_bound_bytes == near.stats().wire_bytes
+    assert _sent_by(plan, (0, 1)) < _sent_by(near, (0, 1))
+
+
+def test_relay_groups_argument_checks():
+    src, dst, groups = _instances_problem(2, split=False)
+    src_l, dst_l = dc.side_layout(src), dc.side_layout(dst)
+    with pytest.raises(TypeError, match="tuple of tuples"):
+        plan_reshard(src_l, dst_l, False, None, None, frozenset({(2, 4)}))  # (lists: unhashable, for the cache)
+    with pytest.raises(ValueError, match="rank 2 is in two groups"):
+        plan_reshard(src_l, dst_l, False, None, None, ((2, 4), (2, 5)))
+    with pytest.raises(TypeError, match="rank"):
+        plan_reshard(src_l, dst_l, False, None, None, ((2, -4),))
+    assert plan_reshard(src_l, dst_l, False, None, True, ()).stats().num_relays == 0
+    assert plan_reshard(src_l, dst_l, False, None, None, ((2,), (3,))).digest == plan_reshard(src_l, dst_l).digest
+
+
+@HYP
+@given(reshard_problems(), st.integers(2, 4), st.sampled_from([None, 2, 4]))
+def test_property_instance_relays(problem, n, gpus_per_node):
+    """n copies of a random destination layout after the sources, the copies' instance groups as relay groups
+    (and maybe a node size): exact cover and values, the lower bound, no chains, relays inside a group or a
+    node; the bytes each rank receives as without relays; deterministic."""
+    src_side, (dst_desc,) = problem
+    ranks = dc.desc_ranks(dst_desc)
+    span = max(ranks) - min(ranks) + 1
+    shifted = tuple(P(dst_desc.shapes, (torch.as_tensor(dst_desc.mesh) + i * span).tolist(), dst_desc.placements,
+                      dst_desc.dtype) for i in range(n))
+    groups = dst_desc.layout().instance_groups(n)
+    assert dc.side_layout(shifted) == dst_desc.layout().instances(n)
+    plan = check_plan(src_side, shifted, gpus_per_node=gpus_per_node, relay_groups=groups)
+    src_l, dst_l = dc.side_layout(src_side), dc.side_layout(shifted)
+    assert plan.digest == plan_reshard.__wrapped__(src_l, dst_l, False, gpus_per_node, None, groups).digest
+    plain = plan_reshard(src_l, dst_l, False, gpus_per_node, False)
+    assert plan.stats().recv_bytes == plain.stats().recv_bytes and plan.local_copies == plain.local_copies

@@ -72,6 +72,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "(Megatron's decoder_first/last_pipeline_num_layers)")
     p.add_argument("--src-offset", type=int, default=0, help="first rank of the training layout (default 0)")
     p.add_argument("--dst-offset", type=int, default=0, help="first rank of the inference layout (default 0)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="independent inference engines, each a full copy of --dst on the next block of ranks "
+                        "(engine i on --dst-offset + i * tp * dp ...); relays (on unless --no-relay) spread the "
+                        "trainer's sends over them, and the report also gives the plan without"),
     p.add_argument("--preset", choices=["h100", "gb200"], default="gb200",
                    help="cluster figures (default gb200: 72 GPUs per NVLink domain, 900 GB/s NVLink, 50 GB/s "
                         "network per GPU; h100: 8 per node, 450 GB/s, 50 GB/s)")
@@ -129,10 +133,11 @@ def _fmt_bytes(n: float) -> str:
 
 
 def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per_node: int | None = None,
-                   share_rank: int | None = None, relay: bool | None = None):
+                   share_rank: int | None = None, relay: bool | None = None, instances: int = 1):
     """Megatron-Core layout (``src_kw``) -> vLLM layout (``dst_kw``): build both, plan, digest, stats, schedule
     and one rank's share of the schedule, each timed. Returns ``(src, dst, plan, stats, schedule, times)``.
-    ``gpus_per_node``/``relay``: as ``plan_reshard`` takes them."""
+    ``gpus_per_node``/``relay``: as ``plan_reshard`` takes them; ``instances``: ``dst`` is that many copies of
+    the vLLM layout (``Layout.instances``), their ``instance_groups`` the relay groups."""
     from .plan import plan_reshard
     from .presets import megatron_layout, vllm_layout
 
@@ -145,8 +150,10 @@ def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per
         return out
 
     src = timed("src_layout", lambda: megatron_layout(cfg, **src_kw, dtype=dtype))
-    dst = timed("dst_layout", lambda: vllm_layout(cfg, **dst_kw, dtype=dtype))
-    plan = timed("plan", lambda: plan_reshard(src, dst, False, gpus_per_node, relay))
+    one = timed("dst_layout", lambda: vllm_layout(cfg, **dst_kw, dtype=dtype))
+    groups = one.instance_groups(instances) if instances > 1 else None
+    dst = one.instances(instances)
+    plan = timed("plan", lambda: plan_reshard(src, dst, False, gpus_per_node, relay, groups))
     timed("digest", lambda: plan.digest)
     st = timed("stats", plan.stats)
     sched = timed("schedule", lambda: plan.schedule(bucket))
@@ -214,17 +221,27 @@ def plan_report(args) -> dict:
     bucket = int(args.bucket_mb * (1 << 20))
     relay = args.relay
     node_aware = bool(args.topology_aware or relay)
+    n_inst = args.instances
+    if n_inst < 1:
+        raise SystemExit(f"--instances {n_inst}: must be >= 1")
+    gpn = topo.gpus_per_node if node_aware else None
     src, dst, plan, st, sched, times = timed_planning(
-        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=topo.gpus_per_node if node_aware else None, relay=relay
+        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=gpn, relay=relay, instances=n_inst
     )
+    relayed = (node_aware or n_inst > 1) and relay is not False
     figures = routing_figures(plan, sched, topo)
+    src_ranks = src.ranks
+    figures["trainer_sent_bytes"] = _trainer_sent(st, src_ranks)
     without = None
-    if node_aware and relay is not False:
+    if relayed:
         t0 = time.perf_counter()
-        plain = plan_reshard(src, dst, False, topo.gpus_per_node, False)
+        plain = plan_reshard(src, dst, False, gpn, False)
         times["plan_without_relay"] = time.perf_counter() - t0
         without = routing_figures(plain, plain.schedule(bucket), topo)
         without["plan_digest"] = plain.digest
+        without["trainer_sent_bytes"] = _trainer_sent(plain.stats(), src_ranks)
+        ps = plain.stats()
+        without["max_sent_bytes"], without["max_recv_bytes"] = ps.max_sent_bytes, ps.max_recv_bytes
         del plain
     pairs = plan_pair_bytes(plan)
     sent, recv = st.sent_bytes, st.recv_bytes
@@ -237,10 +254,10 @@ def plan_report(args) -> dict:
         "src": {"layout": "megatron", **s, "offset": args.src_offset, "ranks": len(src.ranks),
                 "fragments": len(src.fragments)},
         "dst": {"layout": "vllm", **d, "offset": args.dst_offset, "ranks": len(dst.ranks),
-                "fragments": len(dst.fragments)},
+                "fragments": len(dst.fragments), "instances": n_inst},
         "plan_digest": plan.digest,
         "topology_aware": node_aware,
-        "relay": node_aware and relay is not False,
+        "relay": relayed,
         "wire_bytes": st.wire_bytes,
         "lower_bound_bytes": st.lower_bound_bytes,
         "local_bytes": st.local_bytes,
@@ -259,6 +276,12 @@ def plan_report(args) -> dict:
     }
 
 
+def _trainer_sent(st, src_ranks) -> dict:
+    """Bytes the training (source) ranks send: the busiest one's and all of them together."""
+    sent = [st.sent_bytes.get(r, 0) for r in src_ranks]
+    return {"max": max(sent, default=0), "total": sum(sent)}
+
+
 def _print_report(r: dict) -> None:
     def summary(d: dict) -> str:
         v = sorted(d.values())
@@ -271,10 +294,12 @@ def _print_report(r: dict) -> None:
     print(f"model {r['model']} ({r['dtype']}, {_fmt_bytes(r['model_bytes'])} of weights)")
     print(f"source      megatron {lay(s)} on ranks {s['offset']}..{s['offset'] + s['ranks'] - 1} "
           f"({s['fragments']} fragments)")
-    print(f"destination vllm {lay(d)} on ranks {d['offset']}..{d['offset'] + d['ranks'] - 1} "
-          f"({d['fragments']} fragments)")
+    inst = d.get("instances", 1)
+    print(f"destination vllm {lay(d)}{f' x {inst} instances' if inst > 1 else ''} on ranks "
+          f"{d['offset']}..{d['offset'] + d['ranks'] - 1} ({d['fragments']} fragments)")
     ratio = r["wire_bytes"] / max(1, r["lower_bound_bytes"])
-    tag = " (topology-aware, relay)" if r["relay"] else " (topology-aware)" if r["topology_aware"] else ""
+    tag = (" (topology-aware, relay)" if r["relay"] and r["topology_aware"] else " (relay)" if r["relay"]
+           else " (topology-aware)" if r["topology_aware"] else "")
     print(f"plan {r['plan_digest']}{tag}: "
           f"{r['num_transfers']} wire transfers, {_fmt_bytes(r['wire_bytes'])} on the wire = {ratio:.3f} x the "
           f"lower bound {_fmt_bytes(r['lower_bound_bytes'])}; {r['num_local_copies']} local copies "
@@ -283,6 +308,8 @@ def _print_report(r: dict) -> None:
     print(f"per-rank receive: {summary(r['recv_bytes'])}")
     print("busiest ranks:    " + "; ".join(
         f"{b['rank']} (send {_fmt_bytes(b['sent'])}, recv {_fmt_bytes(b['recv'])})" for b in r["busiest_ranks"]))
+    ts = r["trainer_sent_bytes"]
+    print(f"trainer send:     busiest rank {_fmt_bytes(ts['max'])}, all trainer ranks {_fmt_bytes(ts['total'])}")
     bl = r["busiest_link"]
     print(f"busiest link:     rank {bl['src']} -> rank {bl['dst']}: {_fmt_bytes(bl['bytes'])}")
     tp = r["topology"]
@@ -293,7 +320,7 @@ def _print_report(r: dict) -> None:
           f"{r['schedule']['bucket_bytes'] / (1 << 20):g} MiB staging (unbucketed {_fmt_seconds(p['unbucketed'])}); "
           f"bottleneck rank {p['bottleneck_rank']} ({p['bottleneck_port']})")
     if r["relay"]:
-        print(f"relays:           {r['num_relays']} ({_fmt_bytes(r['relay_bytes'])} over NVLink, in "
+        print(f"relays:           {r['num_relays']} ({_fmt_bytes(r['relay_bytes'])}, in "
               f"{r['relay_steps']} steps after the others)")
     w = r.get("without_relay")
     if w:
@@ -302,6 +329,10 @@ def _print_report(r: dict) -> None:
               f"{_fmt_bytes(r['net_bytes'])}), {_fmt_bytes(w['nvlink_bytes'])} over NVLink (with: "
               f"{_fmt_bytes(r['nvlink_bytes'])}); predicted {_fmt_seconds(wp['scheduled'])} in {w['steps']} steps "
               f"(unbucketed {_fmt_seconds(wp['unbucketed'])}) vs {_fmt_seconds(p['scheduled'])} with relays")
+        wt = w["trainer_sent_bytes"]
+        print(f"                  trainer send: busiest rank {_fmt_bytes(wt['max'])} (with: {_fmt_bytes(ts['max'])}), "
+              f"all {_fmt_bytes(wt['total'])} (with: {_fmt_bytes(ts['total'])}); busiest rank send "
+              f"{_fmt_bytes(w['max_sent_bytes'])}, receive {_fmt_bytes(w['max_recv_bytes'])}")
     print(f"planning time:    layouts {t['src_layout'] + t['dst_layout']:.2f} s (src {t['src_layout']:.2f}, "
           f"dst {t['dst_layout']:.2f}), plan {t['plan']:.2f} s, stats {t['stats']:.2f} s, schedule "
           f"{t['schedule']:.2f} s, one rank's share of the schedule {t['one_rank_share'] * 1e3:.1f} ms")

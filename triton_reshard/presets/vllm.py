@@ -41,7 +41,8 @@ DeepseekV2MoE, DeepseekV2MLP, ``load_weights`` with ``mla_params_mapping``; ``co
   fused shared experts.
 
 Ranks: position ``p`` of ``ranks`` is ``dp_rank = p // tp``, ``tp_rank = p % tp`` (DP-major blocks of TP);
-each DP replica holds a full copy of the non-expert weights.
+each DP replica holds a full copy of the non-expert weights. ``instances=N``: N engines, engine ``i`` on the
+ranks shifted by ``i * tp * dp`` (consecutive ranks; in general by their span).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def vllm_layout(
     vocab_padding: int = VOCAB_PADDING,
     sequence_parallel_moe: bool | None = None,
     vllm_version: str | None = None,
+    instances: int = 1,
 ) -> Layout:
     """The layout of vLLM workers serving the model with ``tensor_parallel_size=tp`` and
     ``data_parallel_size=dp`` (``enable_expert_parallel``: experts split whole over the ``tp*dp`` workers).
@@ -137,6 +139,13 @@ def vllm_layout(
     before); default: the installed vLLM's version, else the newest known (:data:`NEWEST_KNOWN`). A trainer
     process without vLLM installed should pass the engine's version; a mismatch fails closed (the engine
     side's names differ, so the plan digests differ and refit raises before any byte moves).
+
+    ``instances``: that many independent engines, each a full copy of this layout (``Layout.instances``):
+    engine ``i`` on ``ranks`` shifted by ``i * span`` (``span = max(ranks) - min(ranks) + 1``: ``tp * dp`` for
+    consecutive ``ranks``). Unlike ``dp``, the
+    experts of an engine are split over its own ``tp*dp`` workers only. To spread the trainer's sends over the
+    engines, pass the one-engine layout to ``refit(..., instances=N)`` (or give ``plan_reshard`` the layout's
+    ``instance_groups(N)`` as ``relay_groups``).
     """
     s = model_spec(config)
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
@@ -224,7 +233,7 @@ def vllm_layout(
                 b.rows(gate, rank, w13, im0, Im_loc, at=0, lead=(k,))
                 b.rows(up, rank, w13, im0, Im_loc, at=Im_loc, lead=(k,))
                 b.cols(down, rank, w2, im0, Im_loc, lead=(k,))
-    return b.build()
+    return b.build().instances(instances)
 
 
 def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, mlp: str) -> None:
