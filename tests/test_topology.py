@@ -205,3 +205,27 @@ def test_cli_plan_uneven_pipeline_and_clear_errors(capsys):
         main(base + ["--src", "tp=2,pp=3", "--src-layers-per-stage", "2,x,1"])
     assert main(base + ["--src", "tp=2,pp=3", "--src-layers-per-stage", "2,1,1"]) == 0
     assert "= 1.000 x the lower bound" in capsys.readouterr().out
+
+
+def test_cli_plan_instances_spread_the_trainer_sends(tmp_path, capsys):
+    """'plan --instances 3': three copies of vLLM TP2 after an 8-rank trainer; the trainer's busiest send drops
+    ~3x against the plan without relays (reported beside it), wire bytes the lower bound either way."""
+    import json
+
+    from triton_reshard.cli import main
+
+    args = ["plan", "--model", "small_qwen3_moe", "--src", "tp=2,pp=2,dp=2,ep=2,etp=1", "--dst", "tp=2,ep=2",
+            "--instances", "3", "--dst-offset", "8", "--preset", "h100", "--bucket-mb", "1"]
+    assert main(args + ["--json", str(tmp_path / "inst.json")]) == 0
+    out = capsys.readouterr().out
+    assert "x 3 instances on ranks 8..13" in out and "trainer send:" in out and "without relay:" in out
+    r = json.loads((tmp_path / "inst.json").read_text())
+    w = r["without_relay"]
+    assert r["relay"] and r["dst"]["instances"] == 3 and r["dst"]["ranks"] == 6 and r["num_relays"] > 0
+    assert r["wire_bytes"] == r["lower_bound_bytes"]
+    assert w["trainer_sent_bytes"]["total"] == 3 * r["trainer_sent_bytes"]["total"]
+    assert w["trainer_sent_bytes"]["max"] >= 2.5 * r["trainer_sent_bytes"]["max"]
+    assert main(args + ["--no-relay"]) == 0
+    assert "without relay:" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--instances 0"):
+        main(args[:-6] + ["--instances", "0"])
