@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
@@ -24,10 +23,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import torch.distributed as dist  # noqa: E402
-
 from tests.engines import transfer_jobs as tj  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
+from triton_reshard.integrations.control import host_store  # noqa: E402
 from triton_reshard.launch import run_world  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
 
@@ -47,7 +45,7 @@ def test_vllm_backend_two_jobs(tmp_path):
     _save(cfg, 1, a)
     _save(cfg, 2, b)
     ctl_port, refit_port = free_port(), free_port()
-    ctl = dist.TCPStore("127.0.0.1", ctl_port, None, True, timeout=timedelta(seconds=300), wait_for_workers=False)
+    ctl = host_store("127.0.0.1", ctl_port)
     results: dict = {}
 
     def launch(name, *args):

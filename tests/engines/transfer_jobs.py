@@ -2,8 +2,8 @@
 ``examples/two_jobs_vllm``: an engine job (real vLLM model classes, one process per TP rank, its own
 torch.distributed world) and a trainer job (its own world), joined only by the refit group.
 
-The control plane is what vLLM's ``collective_rpc`` / RLHF routes are in a deployment: here a TCP store on
-which the trainer's sender posts ``init_weight_transfer_engine`` / ``start_weight_update`` /
+The control plane is what vLLM's ``collective_rpc`` / RLHF routes are in a deployment: here
+``triton_reshard.integrations.control`` (a TCP store) on which the trainer's sender posts ``init_weight_transfer_engine`` / ``start_weight_update`` /
 ``update_weights`` / ``finish_weight_update`` and every engine worker runs it on its own
 ``WeightTransferEngine`` (created by vLLM's ``WeightTransferEngineFactory`` from the weight-transfer
 config, as vLLM's GPU worker does) and acknowledges.
@@ -12,66 +12,12 @@ config, as vLLM's GPU worker does) and acknowledges.
 from __future__ import annotations
 
 import os
-import pickle
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-
-class StoreClient:
-    """The trainer-side ``VLLMWeightSyncClient``: each call runs on every engine worker and waits for all."""
-
-    def __init__(self, host: str, port: int, workers: int, timeout: float = 300.0):
-        self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
-        self.workers, self.timeout, self.n = workers, timeout, 0
-
-    def _call(self, method: str, payload=None):
-        n, self.n = self.n, self.n + 1
-        self.store.set(f"cmd/{n}", pickle.dumps((method, payload)))
-        keys = [f"ack/{n}/{w}" for w in range(self.workers)]
-        self.store.wait(keys, timedelta(seconds=self.timeout))
-        errors = [e for e in (pickle.loads(self.store.get(k)) for k in keys) if e]
-        if errors:
-            raise RuntimeError(f"engine workers failed {method}: {errors[0]}")
-
-    def init_weight_transfer_engine(self, init_info):
-        self._call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self):
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info):
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None):
-        self._call("finish_weight_update", weight_version)
-
-    def stop(self):
-        self._call("stop")
-
-
-def serve(store, worker: int, handlers: dict, timeout: float = 300.0) -> int:
-    """An engine worker's control-plane loop: run each posted call, acknowledge it, until ``stop``."""
-    import traceback
-
-    n = 0
-    while True:
-        store.wait([f"cmd/{n}"], timedelta(seconds=timeout))
-        method, payload = pickle.loads(store.get(f"cmd/{n}"))
-        err = ""
-        if method != "stop":
-            try:
-                handlers[method](payload)
-            except BaseException as e:  # noqa: BLE001 (sent back to the trainer)
-                err = f"worker {worker}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        store.set(f"ack/{n}/{worker}", pickle.dumps(err))
-        n += 1
-        if method == "stop":
-            return n
 
 
 def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, check_ckpt: str | None = None) -> dict:
@@ -81,6 +27,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, check_ckpt: str 
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.plugins import load_general_plugins
 
+    from triton_reshard.integrations.control import serve
     from triton_reshard.integrations.vllm import load_vllm_model
 
     load_general_plugins()  # vLLM's plugin loader registers "triton_reshard" through our entry point
@@ -130,9 +77,8 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, check_ckpt: str 
         "update_weights": wrapped(lambda d: (engine.update_weights(d), check(d))),
         "finish_weight_update": wrapped(lambda _p: engine.finish_weight_update()),
     }
-    ctl = dist.TCPStore("127.0.0.1", ctl_port, None, False, timeout=timedelta(seconds=300))
     t0 = time.perf_counter()
-    out["calls"] = serve(ctl, rank, handlers)
+    out["calls"] = serve("127.0.0.1", ctl_port, rank, handlers)
     out["seconds"] = time.perf_counter() - t0
     out["recv_bytes"] = rounds
     dist.all_reduce(torch.ones(1))  # the engine job's own world still works
@@ -148,6 +94,7 @@ def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.integrations.control import StoreClient
     from triton_reshard.presets import megatron_layout
 
     vt.register()

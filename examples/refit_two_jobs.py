@@ -1,0 +1,174 @@
+"""Refit a vLLM model from a separately launched trainer job, on CPU, in one command:
+
+    bash tests/engines/install.sh            # once: a venv with vLLM 0.33 + our package
+    .venv-engines/bin/python examples/refit_two_jobs.py
+
+Two jobs, as an RL stack runs them, each with its own torch.distributed world:
+
+* the **engine job** (2 processes): vLLM's own model classes for a tiny Qwen3-MoE, TP2, loaded by vLLM's
+  loader, with ``weight_transfer_config={"backend": "triton_reshard"}``; vLLM's factory creates our
+  worker-side engine, which records vLLM's loader to learn its destination layout;
+* the **trainer job** (2 processes): Megatron-Core-style TP2 shards of the same model (a stand-in for a live
+  trainer: ``megatron_layout`` says which box of which weight each rank holds), driving our trainer-side
+  engine (``WeightTransferTrainerFactory.trainer_init``) for three "training steps".
+
+They meet only in the refit group (``init_refit_group``) and a control plane (here a TCP store; in a
+deployment vLLM's RLHF routes or Ray's ``collective_rpc``). After every step each engine rank checks its
+parameters against the step's weights sliced the way vLLM's loader slices them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+STEPS = 3
+WORKERS = TRAINERS = 2
+
+
+def step_weights(ckpt: str, step: int) -> dict:
+    """The 'trained' weights after ``step`` steps (deterministic, so the engine can check them)."""
+    from safetensors.torch import load_file
+
+    return {n: t * (1.0 + 0.25 * step) for n, t in load_file(os.path.join(ckpt, "model.safetensors")).items()}
+
+
+def engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    from triton_reshard.integrations.control import serve
+    from triton_reshard.integrations.vllm import load_vllm_model
+
+    load_general_plugins()  # registers "triton_reshard" (our vllm.general_plugins entry point)
+    model, vc = load_vllm_model(ckpt, tensor_parallel_size=world, weight_transfer_config={"backend": "triton_reshard"})
+    engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
+    step = [0]
+
+    def update(info):
+        t0 = time.perf_counter()
+        engine.update_weights(info)
+        dt = time.perf_counter() - t0
+        step[0] += 1
+        want = engine.dst_layout.shard(step_weights(ckpt, step[0]), engine.group.rank)
+        params = dict(model.named_parameters())
+        bad = [n for n, t in want.items() if not torch.equal(params[n], t)]
+        print(f"engine rank {rank}: {info['version']}: received {engine.last_report.recv_bytes / 2**20:.2f} MiB "
+              f"in {dt * 1e3:.0f} ms; {'OK, every parameter as vLLM would load it' if not bad else f'WRONG: {bad}'}",
+              flush=True)
+        if bad:
+            raise RuntimeError(f"wrong parameters after {info['version']}: {bad}")
+
+    def init(d):
+        engine.init_transfer_engine(engine.parse_init_info(d))
+        print(f"engine rank {rank}: joined the refit group as rank {engine.group.rank} of {engine.group.size}; "
+              f"destination layout {engine.dst_layout.digest} recorded from vLLM's loader", flush=True)
+
+    def in_vllm(fn):
+        def call(payload):
+            with set_current_vllm_config(vc):
+                return fn(payload)
+        return call
+
+    handlers = {"init_weight_transfer_engine": in_vllm(init),
+                "start_weight_update": in_vllm(lambda _p: engine.start_weight_update()),
+                "update_weights": in_vllm(update),
+                "finish_weight_update": in_vllm(lambda _p: engine.finish_weight_update())}
+    serve("127.0.0.1", ctl_port, rank, handlers)
+    engine.shutdown()
+    return 0.0
+
+
+def trainer_rank(rank: int, world: int, ckpt: str, refit_port: int, ctl_port: int) -> float:
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.integrations.control import StoreClient
+    from triton_reshard.presets import megatron_layout
+
+    vt.register()
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    layout = megatron_layout(cfg, tp=world, ranks=range(world), dtype=torch.float32)
+    tensors = layout.shard(step_weights(ckpt, 0), rank)  # this rank's training shards
+    client = StoreClient("127.0.0.1", ctl_port, WORKERS) if rank == 0 else None
+    info = vt.ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=refit_port, world_size=world + WORKERS,
+                                     num_trainer_ranks=world, layout=layout, timeout=120)
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=vt.TensorsSource(tensors))
+    total = 0.0
+    for step in range(1, STEPS + 1):
+        for n, t in layout.shard(step_weights(ckpt, step), rank).items():  # "a training step", in place
+            tensors[n].copy_(t)
+        t0 = time.perf_counter()
+        eng.send_weights(version=f"step {step}")
+        dt = time.perf_counter() - t0
+        total += dt
+        print(f"trainer rank {rank}: step {step}: sent {eng.last_report.sent_bytes / 2**20:.2f} MiB "
+              f"in {dt * 1e3:.0f} ms", flush=True)
+    dist.barrier()  # the trainer job's own world is untouched by the refit group
+    if client is not None:
+        client.stop()
+    eng.shutdown()
+    return total
+
+
+def make_checkpoint(path: str) -> None:
+    import torch
+    import transformers
+
+    from triton_reshard.presets import get_config
+
+    cfg = {k: v for k, v in get_config("tiny_qwen3_moe").items() if k != "model_type"}
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg)).float().save_pretrained(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", choices=["engine", "trainer"], help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--refit-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--ctl-port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    from triton_reshard.launch import run_world
+
+    if args.role == "engine":  # one job: its own world of WORKERS processes
+        run_world(engine_rank, WORKERS, args.ckpt, args.ctl_port, backend="gloo", timeout=300)
+        return 0
+    if args.role == "trainer":
+        run_world(trainer_rank, TRAINERS, args.ckpt, args.refit_port, args.ctl_port, backend="gloo", timeout=300)
+        return 0
+
+    from triton_reshard.group import free_port
+    from triton_reshard.integrations.control import host_store
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "tiny_qwen3_moe")
+        make_checkpoint(ckpt)
+        refit_port, ctl_port = free_port(), free_port()
+        store = host_store("127.0.0.1", ctl_port)  # the control plane both jobs reach  # noqa: F841
+        common = ["--ckpt", ckpt, "--refit-port", str(refit_port), "--ctl-port", str(ctl_port)]
+        print(f"launching the engine job (vLLM TP{WORKERS}) and the trainer job (Megatron TP{TRAINERS}) ...", flush=True)
+        jobs = {role: subprocess.Popen([sys.executable, __file__, "--role", role, *common])
+                for role in ("engine", "trainer")}
+        codes = {role: p.wait(timeout=400) for role, p in jobs.items()}
+    ok = all(c == 0 for c in codes.values())
+    print(f"{'done' if ok else 'FAILED'}: {STEPS} refits across two jobs in {time.perf_counter() - t0:.0f} s "
+          f"(exit codes {codes})", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The examples run as a newcomer runs them (one command each), and say they checked what they did."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier runs in the env "
+                                   "tests/engines/install.sh builds (bash .ci/run does both)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow
+
+
+def test_refit_two_jobs_example():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "refit_two_jobs.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=400)
+    out = p.stdout
+    assert p.returncode == 0, f"{out[-3000:]}\n{p.stderr[-3000:]}"
+    assert out.count("OK, every parameter as vLLM would load it") == 3 * 2, out
+    assert "done: 3 refits across two jobs" in out
