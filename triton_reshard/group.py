@@ -192,27 +192,21 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
     store.append("tr/sizes", f"{rank}:{world_size};")
     store.set(f"tr/ws/{rank}", str(world_size))
     keys = [f"tr/ws/{r}" for r in range(world_size)]
-    while True:
-        if store.check(keys):
-            break
-        sizes = _sizes(store)
-        other = {r: n for r, n in sizes.items() if n != world_size}
+    while True:  # every rank's size is checked while waiting (a rank with another size may wait forever)
+        arrived = store.check(keys)
+        other = {r: n for r, n in _sizes(store).items() if n != world_size}
         if other:
             raise RefitGroupError(
                 f"rank {rank}: the refit group at {where} disagrees on its size: rank {rank} says world_size="
                 f"{world_size}, but " + ", ".join(f"rank {r} says {n}" for r, n in sorted(other.items())))
+        if arrived:
+            break
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not store.check([f"tr/ws/{r}"])]
             raise RefitGroupError(
                 f"rank {rank}: ranks {missing} of the refit group at {where} (world_size={world_size}) did not "
                 f"arrive within {td.total_seconds():g}s")
         time.sleep(0.02)
-    sizes = _sizes(store)
-    other = {r: n for r, n in sizes.items() if n != world_size}
-    if other:
-        raise RefitGroupError(
-            f"rank {rank}: the refit group at {where} disagrees on its size: rank {rank} says world_size="
-            f"{world_size}, but " + ", ".join(f"rank {r} says {n}" for r, n in sorted(other.items())))
     prefix = dist.PrefixStore("tr/pg/", store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefix, rank, world_size, td)
