@@ -2,22 +2,24 @@
 
 A framework's loader (vLLM's ``model.load_weights``, say) knows exactly which slice of which checkpoint tensor
 goes into which parameter: the fused QKV order, the replicated KV heads, the vocab padding, the expert
-placement, its version's parameter names. :func:`record_load` runs that loader once on *id tensors* instead
-of weights (every element of checkpoint tensor ``k`` holds the integer ``TAG + k << 40 + flat index``), under
-a ``TorchDispatchMode`` that intercepts every write into the model's parameters: nothing is written, and each
-``copy_`` is turned back into a box: which box of which checkpoint tensor lands where in which parameter.
-Only axis-aligned box copies in order are accepted; anything else (a transpose, a broadcast, values computed
-from the checkpoint, an indexed write) is reported by parameter name and never guessed. Fills (e.g. zeroing
-vocab padding) are not transfers and are only counted.
+placement, its version's parameter names. :func:`record_load` runs that loader once on **meta** tensors shaped
+like the checkpoint (no data at all), under a ``TorchDispatchMode`` that intercepts every write into the
+model's parameters: nothing is written, and each ``copy_`` is turned back into a box: the source is a view of
+one checkpoint tensor (its storage offset and strides say which box, in which order), the destination a view
+of one parameter. Only axis-aligned box copies in order are accepted; anything else (a transposed view, a
+broadcast, a tensor computed from the checkpoint: arithmetic, a gather, a concatenation into a temporary;
+an indexed write) is reported by parameter name and never guessed. Casts, device moves and clones of a
+checkpoint view keep pointing at it (they move data, not which data). Fills (e.g. zeroing vocab padding) are
+not transfers and are only counted.
 
 The records of all ranks make one :class:`~triton_reshard.layout.Layout` (:func:`layout_from_records`).
-Memory: one checkpoint tensor of int64 ids at a time (the loader consumes an iterator); the parameters are
-only read for their addresses, shapes and dtypes.
+Cost: no weight bytes are read, allocated or moved, whatever the model size (the loader's own Python and
+shape logic runs once); the parameters are only read for their addresses, shapes and dtypes.
 """
 
 from __future__ import annotations
 
-import math
+import collections
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,10 +27,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layout import Fragment, Layout, LocalSpec, TensorSpec
-
-TAG = 1 << 62  # every id is >= TAG: a value below it was not copied from the checkpoint
-ID_BITS = 40  # flat index bits per checkpoint tensor (tensors of up to 2^40 elements)
-_MASK = (1 << ID_BITS) - 1
 
 
 @dataclass(frozen=True)
@@ -82,13 +80,6 @@ def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _id_tensor(index: int, shape: Sequence[int]) -> torch.Tensor:
-    n = math.prod(shape)
-    if n > _MASK:
-        raise ValueError(f"checkpoint tensor of shape {tuple(shape)} has more than 2^{ID_BITS} elements")
-    return (torch.arange(n, dtype=torch.int64) + (TAG + (index << ID_BITS))).view(tuple(shape))
-
-
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     out, acc = [], 1
     for n in reversed(shape):
@@ -126,44 +117,32 @@ def _param_box(view: torch.Tensor, param: torch.Tensor) -> tuple[tuple[int, ...]
     return tuple(start), tuple(sizes)
 
 
-def _ckpt_box(ids: torch.Tensor, shapes: list[tuple[int, ...]]):
-    """``(checkpoint index, offsets, sizes)`` if ``ids`` (in view order) is a box of one checkpoint tensor in
-    order, else a string saying why not."""
-    flat = ids.reshape(-1)
-    if flat.dtype != torch.int64:
-        return f"copies {flat.dtype} values computed from the checkpoint (arithmetic or a cast), not a slice of it"
-    lo, hi = int(flat.min()), int(flat.max())
-    if lo < TAG:
-        return "copies values that are not checkpoint elements (arithmetic on the weights)"
-    index = (lo - TAG) >> ID_BITS
-    if (hi - TAG) >> ID_BITS != index:
-        return "copies elements of several checkpoint tensors at once (a concatenation into a temporary)"
-    shape = shapes[index]
-    strides = _contiguous_strides(shape)
-    a, b = (lo - TAG) & _MASK, (hi - TAG) & _MASK
-    start = [(a // s) % max(n, 1) for s, n in zip(strides, shape, strict=True)]
-    end = [(b // s) % max(n, 1) for s, n in zip(strides, shape, strict=True)]
-    sizes = [e - s + 1 for s, e in zip(start, end, strict=True)]
-    if min(sizes, default=1) < 1 or math.prod(sizes) != flat.numel():
-        return "copies checkpoint elements that do not form one box (a gather, broadcast or reordering)"
-    expect = torch.zeros((), dtype=torch.int64) + (lo - a)
-    for d, (s, n) in enumerate(zip(start, sizes, strict=True)):
-        idx = (torch.arange(s, s + n, dtype=torch.int64) * strides[d]).view((n,) + (1,) * (len(sizes) - d - 1))
-        expect = expect + idx
-    if not torch.equal(expect.reshape(-1), flat):
-        return "copies a box of a checkpoint tensor out of order (a transpose or permutation)"
-    return index, tuple(start), tuple(sizes)
+# ops that move or cast data without choosing it: on a checkpoint view they return a view of the same box
+_KEEPS_VIEW = {torch.ops.aten._to_copy, torch.ops.aten.clone, torch.ops.aten.to, torch.ops.aten.alias,
+               torch.ops.aten.lift_fresh, torch.ops.aten.detach}
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, params: Mapping[str, torch.Tensor], names: list[str], shapes: list[tuple[int, ...]],
-                 rank: int, record: LoadRecord):
+    def __init__(self, params: Mapping[str, torch.Tensor], names: list[str], rank: int, record: LoadRecord):
         super().__init__()
         self.by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for n, p in params.items():
             if p.device.type != "meta":
                 self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((n, p))
-        self.names, self.shapes, self.rank, self.record = names, shapes, rank, record
+        self.names, self.rank, self.record = names, rank, record
+        # meta storage -> (checkpoint index, the root tensor); roots are kept alive for the whole load, so a
+        # storage identity is never reused while we look it up
+        self.roots: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def root(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        self.roots[t.untyped_storage()._cdata] = (index, t)
+        return t
+
+    def _root_of(self, t) -> tuple[int, torch.Tensor] | None:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            return self.roots.get(t.untyped_storage()._cdata)
+        return None
 
     def _param_of(self, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -195,10 +174,9 @@ class _Recorder(TorchDispatchMode):
             else:
                 self.record.problems.append(f"{name}: written by aten.{base}, not a box copy")
             return args[0]  # nothing is ever written into a parameter
-        if func.overloadpacket is torch.ops.aten._to_copy and args and isinstance(args[0], torch.Tensor):
-            x = args[0]
-            if x.dtype == torch.int64 and "dtype" in kwargs and x.numel() and int(x.min()) >= TAG:
-                kwargs = {**kwargs, "dtype": torch.int64}  # a cast of ids keeps the ids (the loader's .to())
+        if func.overloadpacket in _KEEPS_VIEW and args and self._root_of(args[0]) is not None:
+            # a cast, device move or clone of a checkpoint view moves data, not which data: keep the view
+            return torch.ops.aten.alias.default(args[0])
         return func(*args, **kwargs)
 
     def _copy(self, name: str, param: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -215,14 +193,23 @@ class _Recorder(TorchDispatchMode):
         if pbox is None:
             self.record.problems.append(f"{name}: written through a view that is not a box of it (transposed?)")
             return
-        got = _ckpt_box(src, self.shapes)
-        if isinstance(got, str):
-            self.record.problems.append(f"{name}: {got}")
+        got = self._root_of(src)
+        if got is None:
+            self.record.problems.append(
+                f"{name}: copies a tensor computed from the checkpoint (arithmetic, a gather, a concatenation into "
+                f"a temporary) or not from it at all, not a view of a checkpoint tensor")
             return
-        index, offsets, sizes = got
+        index, root = got
+        box = _param_box(src, root)
+        if box is None:
+            self.record.problems.append(
+                f"{name}: copies a view of checkpoint tensor {self.names[index]!r} that is not one box in order "
+                f"(a transpose or another reordering view)")
+            return
+        offsets, sizes = box
         p_off, p_sizes = pbox
         extra = len(p_sizes) - len(sizes)
-        if extra < 0 or any(s != 1 for s in p_sizes[:extra]) or tuple(p_sizes[extra:]) != tuple(sizes):
+        if extra < 0 or any(n != 1 for n in p_sizes[:extra]) or tuple(p_sizes[extra:]) != tuple(sizes):
             self.record.problems.append(
                 f"{name}: box {sizes} of checkpoint tensor {self.names[index]!r} lands in a box {p_sizes} of "
                 f"another shape")
@@ -236,21 +223,27 @@ def record_load(
     load: Callable[[Iterator[tuple[str, torch.Tensor]]], object],
     checkpoint: Mapping[str, Sequence[int]],
     rank: int,
+    dtype: torch.dtype | None = None,
 ) -> LoadRecord:
-    """Run ``load(weights)`` (e.g. ``model.load_weights``) on id tensors shaped like ``checkpoint`` and record,
-    without writing anything, where each checkpoint element lands among ``params`` (``named_parameters()``).
+    """Run ``load(weights)`` (e.g. ``model.load_weights``) on meta tensors shaped like ``checkpoint`` and
+    record, without reading or writing any data, where each checkpoint element lands among ``params``
+    (``named_parameters()``). ``dtype``: the meta tensors' dtype (default: the parameters' most common one, so
+    the loader takes its plain path).
 
     Returns this rank's :class:`LoadRecord`; a loader write that is not a box copy is listed in
     ``problems`` (call ``raise_on_problems()`` to fail closed).
     """
     names = list(checkpoint)
     shapes = [tuple(int(d) for d in checkpoint[n]) for n in names]
+    if dtype is None:
+        counts = collections.Counter(p.dtype for p in params.values())
+        dtype = counts.most_common(1)[0][0] if counts else torch.float32
     rec = LoadRecord(rank)
-    recorder = _Recorder(params, names, shapes, rank, rec)
+    recorder = _Recorder(params, names, rank, rec)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for i, n in enumerate(names):
-            yield n, _id_tensor(i, shapes[i])
+            yield n, recorder.root(i, shapes[i], dtype)
 
     with torch.no_grad(), recorder:
         load(weights())
