@@ -81,3 +81,34 @@ def test_vllm_backend_two_jobs(tmp_path):
         assert r["engine_cls"] == "TritonReshardTrainerEngine" and r["sent"][0] == r["sent"][1] > 0
     # every byte the workers received came from the trainer ranks (no replicas on the engine side here)
     assert sum(r["sent"][0] for r in trainer) == sum(r["recv_bytes"][0] for r in engine)
+
+
+def test_worker_extension_path(tmp_path):
+    """``RefitWorkerExtension`` (for vLLMs without the weight-transfer API): the methods ``collective_rpc``
+    calls, on a real vLLM model, refit from a separate trainer job exactly as vLLM's loader loads."""
+    cfg = get_config("tiny_qwen3")
+    a = str(tmp_path / "a")
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    torch.manual_seed(3)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).float().save_pretrained(a)
+    port = free_port()
+    results: dict = {}
+
+    def launch(name, *args):
+        try:
+            results[name] = run_world(*args, backend="gloo", timeout=300)
+        except Exception as e:  # noqa: BLE001 (asserted below)
+            results[name] = e
+
+    jobs = [threading.Thread(target=launch, args=("engine", tj.extension_engine_job, 2, a, port, 2)),
+            threading.Thread(target=launch, args=("trainer", tj.extension_trainer_job, 2, cfg,
+                                                  os.path.join(a, "model.safetensors"), port, 2))]
+    for t in jobs:
+        t.start()
+    for t in jobs:
+        t.join(350)
+    for name in ("engine", "trainer"):
+        assert not isinstance(results.get(name), Exception), f"{name} job failed: {results.get(name)}"
+    problems = [p for r in results["engine"] for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert sum(r["recv"] for r in results["engine"]) == sum(r["sent"] for r in results["trainer"]) > 0

@@ -118,3 +118,50 @@ def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port
     dist.all_reduce(torch.ones(1))  # the trainer job's own world still works
     eng.shutdown()
     return out
+
+
+def extension_engine_job(rank: int, world: int, ckpt: str, refit_port: int, n_trainers: int) -> dict:
+    """A vLLM worker driven through ``RefitWorkerExtension`` (the ``worker_extension_cls`` path for vLLMs
+    without the weight-transfer API): vLLM mixes the class into its Worker, which has ``model_runner.model``
+    and ``vllm_config``; here a plain object holds the real model and config, and we call the methods
+    ``collective_rpc`` would call."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    from triton_reshard.integrations.vllm import load_vllm_model
+    from triton_reshard.integrations.vllm_transfer import RefitWorkerExtension
+
+    model, vc = load_vllm_model(ckpt, tensor_parallel_size=world)
+    loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    worker = type("Worker", (RefitWorkerExtension,), {})()
+    worker.model_runner, worker.vllm_config = SimpleNamespace(model=model), vc
+    with set_current_vllm_config(vc):
+        worker.init_refit_group("127.0.0.1", refit_port, n_trainers, n_trainers + world, timeout=120)
+        recv = worker.refit_from_trainer()
+    problems = []
+    for n, p in model.named_parameters():
+        m = ~torch.isnan(p)
+        if not torch.equal(p[m], loaded[n][m]):
+            problems.append(f"rank {rank}: {n}: differs from vLLM's loader after refit_from_trainer")
+    worker._tr_group.destroy()
+    return {"problems": problems, "recv": recv}
+
+
+def extension_trainer_job(rank: int, world: int, cfg: dict, weights: str, refit_port: int, n_workers: int) -> dict:
+    """The trainer ranks' half of the worker-extension path: ``trainer_refit_group`` + ``refit``."""
+    from safetensors.torch import load_file
+
+    from triton_reshard import refit
+    from triton_reshard.integrations.vllm_transfer import trainer_refit_group
+    from triton_reshard.presets import megatron_layout
+
+    layout = megatron_layout(cfg, tp=world, ranks=range(world), dtype=torch.float32)
+    tensors = layout.shard(load_file(weights), rank)
+    group, src, dst = trainer_refit_group("127.0.0.1", refit_port, rank, world + n_workers, layout, timeout=120)
+    rep = refit(tensors, {}, src, dst, group=group, timeout=120)
+    group.destroy()
+    return {"sent": rep.sent_bytes}
