@@ -5,11 +5,10 @@ a framework at module import time: each integration imports it when called.
 """
 
 from .megatron import layout_from_megatron, megatron_layout_args
-from .record import LoadRecord, RecordedCopy, checkpoint_shapes, layout_from_records, record_load
+from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 
 __all__ = [
     "LoadRecord",
-    "RecordedCopy",
     "checkpoint_shapes",
     "layout_from_megatron",
     "layout_from_records",

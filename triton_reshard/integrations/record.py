@@ -29,15 +29,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..layout import Fragment, Layout, LocalSpec, TensorSpec
 
 
-@dataclass(frozen=True)
-class RecordedCopy:
-    """One ``copy_`` the loader made into a parameter, as a box (``fragment``) or a reason it is not one."""
-
-    param: str
-    fragment: Fragment | None
-    problem: str = ""
-
-
 @dataclass
 class LoadRecord:
     """What one rank's loader did: fragments, the parameters it wrote, and everything it could not explain."""
