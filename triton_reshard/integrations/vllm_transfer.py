@@ -30,6 +30,7 @@ post-processing to see whether the parameters still hold it.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -77,12 +78,13 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
         rec.raise_on_problems()
     records = [r for r in group.all_gather_object(rec) if r is not None]
     dst_layout = layout_from_records(records)
-    missing = sorted({t.name for t in src_layout.tensors} - {t.name for t in dst_layout.tensors})
-    if missing:
-        raise RuntimeError(f"rank {group.rank}: checkpoint tensors no worker loads: {missing[:6]}")
-    # the trainer may hold tensors the engine does not load (e.g. an MTP layer): plan only what both have
+    # the trainer may hold tensors no worker loads (e.g. an MTP layer the engine skips): plan only what both
+    # have, and say which were left out
     keep = {t.name for t in dst_layout.tensors}
-    if len(keep) < len(src_layout.tensors):
+    unused = sorted({t.name for t in src_layout.tensors} - keep)
+    if unused:
+        warnings.warn(f"rank {group.rank}: {len(unused)} trainer tensors are loaded by no engine worker and are not "
+                      f"sent: {unused[:6]}{' ...' if len(unused) > 6 else ''}", stacklevel=2)
         src_layout = src_layout.restrict(keep)
     return src_layout, dst_layout
 
