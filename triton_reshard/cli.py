@@ -1,4 +1,14 @@
-"""Command line: ``triton-reshard demo``, ``bench`` and ``plan`` (and more subcommands as they land)."""
+"""triton-reshard: plan and run layout-aware reshards for RL weight refit.
+
+  demo    reshard a ~0.5 GiB Llama-shaped model Megatron TP4xPP2 -> vLLM TP2xDP4 on 8 local ranks, check every
+          element and compare with the all-gather baseline (~1-2 min on a laptop CPU)
+  plan    plan a Megatron -> vLLM refit of a preset model or a config.json and predict its time (no ranks
+          spawned: any size)
+  bench   end-to-end refit benchmark vs all-gather, the wire limit and DTensor (writes JSON + PNG)
+  verify  check that this machine's vLLM loads a checkpoint the way our layout says (needs vLLM)
+
+Run 'triton-reshard <command> --help' for a command's options.
+"""
 
 from __future__ import annotations
 
@@ -8,48 +18,108 @@ import statistics
 import sys
 import time
 
+from .cliutil import DTYPE_HELP, HelpFormatter, OneLineParser, UsageError, parse_dtype, parse_sizes
+from .cliutil import fmt_bytes as _fmt_bytes
+from .cliutil import fmt_seconds as _fmt_seconds
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("triton_reshard")
+    except Exception:  # not installed (run from a source tree)
+        from . import __version__
+
+        return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="triton-reshard", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{demo,plan,bench,verify}")
+    from . import demo, engine_check
+
+    kw = dict(formatter_class=HelpFormatter)
+    p_demo = sub.add_parser("demo", help="reshard a Llama-shaped model on a local world and check it",
+                            description=demo.__doc__, **kw)
+    demo.add_args(p_demo)
+    p_plan = sub.add_parser("plan", help="plan a Megatron -> vLLM refit of a preset model and predict its time",
+                            description="Plan a Megatron-Core -> vLLM refit of a preset model (or a HF config.json) "
+                                        "for any world size without spawning anything: bytes per rank, busiest "
+                                        "rank and link, network vs NVLink bytes, planning time and a predicted "
+                                        "refit time from a topology model.", **kw)
+    _add_plan_args(p_plan)
+    p_bench = sub.add_parser("bench", help="end-to-end refit benchmark vs all-gather, wire limit and DTensor",
+                             description="End-to-end refit benchmark: for each case, one spawned world of 8 ranks "
+                                         "times ours, the all-gather baseline, the wire limit and DTensor, "
+                                         "interleaved round by round; writes bench_refit.json and .png.", **kw)
+    p_bench.add_argument("--cases", default="megatron-vllm,colocated,disaggregated,fsdp-tp",
+                         help="comma list of: megatron-vllm, colocated, disaggregated, fsdp-tp (default: all)")
+    p_bench.add_argument("--sizes-gb", default="1.0", help="comma list of model sizes in GiB (default 1.0)")
+    p_bench.add_argument("--dtype", default="float32", help=f"weight dtype: {DTYPE_HELP} (default float32)")
+    p_bench.add_argument("--bucket-mb", type=float, default=64,
+                         help="staging memory per rank per step, MiB (default 64)")
+    p_bench.add_argument("--repeats", type=int, default=3, help="timed rounds per case and size (default 3)")
+    p_bench.add_argument("--timeout", type=float, default=120.0,
+                         help="seconds before a missing peer is an error (default 120)")
+    p_bench.add_argument("--out", default="perf/results", help="folder for bench_refit.json and .png (default perf/results)")
+    p_verify = sub.add_parser("verify", help="check that this machine's vLLM loads a checkpoint as our layout says",
+                              description=engine_check.__doc__.replace("``", "'").replace(":func:`~", "").replace("`", ""),
+                              **kw)
+    engine_check.add_args(p_verify)
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="triton-reshard", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd")
-    from . import demo
+    """The ``triton-reshard`` command. Returns the exit code: 0 ok, 1 a check failed, 2 a usage mistake
+    (printed as one line on stderr)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or argparse's one-line mistake
+        return e.code if isinstance(e.code, int) else 2
+    if args.cmd is None:
+        parser.print_help()
+        return 2
+    try:
+        return _dispatch(args)
+    except UsageError as e:
+        print(f"triton-reshard {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
-    p_demo = sub.add_parser("demo", help="reshard a Llama-shaped model on a local world and check it")
-    demo.add_args(p_demo)
-    p_bench = sub.add_parser("bench", help="end-to-end refit benchmark vs all-gather, wire limit and DTensor")
-    p_bench.add_argument("--cases", default="megatron-vllm,colocated,disaggregated,fsdp-tp",
-                         help="comma list of: megatron-vllm, colocated, disaggregated, fsdp-tp")
-    p_bench.add_argument("--sizes-gb", default="1.0", help="comma list of model sizes in GiB (default 1.0)")
-    p_bench.add_argument("--dtype", default="float32")
-    p_bench.add_argument("--bucket-mb", type=float, default=64)
-    p_bench.add_argument("--repeats", type=int, default=3)
-    p_bench.add_argument("--timeout", type=float, default=120.0)
-    p_bench.add_argument("--out", default="perf/results", help="folder for bench_refit.json and .png")
-    p_plan = sub.add_parser("plan", help="plan a Megatron -> vLLM refit of a preset model and predict its time")
-    _add_plan_args(p_plan)
-    from . import engine_check
 
-    p_verify = sub.add_parser("verify", help="check that this machine's vLLM loads a checkpoint as our layout says",
-                              description=engine_check.__doc__)
-    engine_check.add_args(p_verify)
-    args = parser.parse_args(argv)
+def _dispatch(args) -> int:
     if args.cmd == "verify":
+        from . import engine_check
+
         return engine_check.run_verify(args)
     if args.cmd == "plan":
         return run_plan(args)
     if args.cmd == "bench":
-        from .bench import run_bench
+        from .bench import CASES, run_bench
 
-        run_bench([c for c in args.cases.split(",") if c], [float(x) for x in args.sizes_gb.split(",")],
-                  dtype=args.dtype, bucket_mb=args.bucket_mb, repeats=args.repeats, timeout=args.timeout,
-                  out_dir=args.out, progress=lambda s: print(s, flush=True))
+        cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+        bad = [c for c in cases if c not in CASES]
+        if bad or not cases:
+            raise UsageError(f"--cases {args.cases!r}: unknown case {bad[0] if bad else '(none)'!r}; expected a comma "
+                             f"list of {', '.join(CASES)}")
+        try:
+            sizes = [float(x) for x in args.sizes_gb.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--sizes-gb {args.sizes_gb!r}: expected comma-separated numbers, e.g. 0.5,1.0") from None
+        if not sizes or min(sizes) <= 0:
+            raise UsageError(f"--sizes-gb {args.sizes_gb!r}: sizes must be > 0")
+        dtype = parse_dtype(args.dtype)
+        if args.bucket_mb <= 0 or args.repeats < 1 or args.timeout <= 0:
+            raise UsageError("--bucket-mb and --timeout must be > 0 and --repeats >= 1")
+        run_bench(cases, sizes, dtype=str(dtype).removeprefix("torch."), bucket_mb=args.bucket_mb,
+                  repeats=args.repeats, timeout=args.timeout, out_dir=args.out,
+                  progress=lambda s: print(s, flush=True))
         return 0
-    if args.cmd is None:
-        parser.print_help()
-        return 2
-    if args.cmd == "demo":
-        return demo.run_demo(args)
-    return 2
+    from . import demo
+
+    return demo.run_demo(args)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -61,12 +131,16 @@ _DST_KEYS = ("tp", "dp", "ep")
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from .presets import CONFIGS
+
     p.add_argument("--model", required=True,
-                   help="a preset config name (see triton_reshard.presets.CONFIGS) or a path to a HF config.json")
-    p.add_argument("--src", required=True, help="Megatron training layout, e.g. 'tp=4,pp=2,dp=16,ep=8,etp=1'")
+                   help=f"a preset config ({', '.join(sorted(CONFIGS))}) or the path of a Hugging Face config.json")
+    p.add_argument("--src", required=True,
+                   help="Megatron training layout: comma-separated tp, pp, dp, ep, etp = N, no spaces, e.g. "
+                        "'tp=4,pp=2,dp=16,ep=8,etp=1' (missing: 1; etp: tp)")
     p.add_argument("--dst", required=True,
-                   help="vLLM inference layout, e.g. 'tp=8,dp=16,ep=1' (ep > 1: enable_expert_parallel, "
-                        "experts split over all tp*dp workers)")
+                   help="vLLM inference layout: comma-separated tp, dp, ep = N, e.g. 'tp=8,dp=16,ep=1' (ep > 1: "
+                        "enable_expert_parallel, experts split over all tp*dp workers)")
     p.add_argument("--src-layers-per-stage", default=None,
                    help="decoder layers of each pipeline stage when pp does not divide them, e.g. '7,8,8,8,8,8,8,6' "
                         "(Megatron's decoder_first/last_pipeline_num_layers)")
@@ -75,7 +149,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1,
                    help="independent inference engines, each a full copy of --dst on the next block of ranks "
                         "(engine i on --dst-offset + i * tp * dp ...); relays (on unless --no-relay) spread the "
-                        "trainer's sends over them, and the report also gives the plan without"),
+                        "trainer's sends over them, and the report also gives the plan without relays (default 1)")
     p.add_argument("--preset", choices=["h100", "gb200"], default="gb200",
                    help="cluster figures (default gb200: 72 GPUs per NVLink domain, 900 GB/s NVLink, 50 GB/s "
                         "network per GPU; h100: 8 per node, 450 GB/s, 50 GB/s)")
@@ -87,26 +161,18 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None,
                    help="fan out inside a node: a box several ranks of a node need and no source there holds "
                         "crosses the network once and is relayed over NVLink (default: on with --topology-aware; "
-                        "--relay implies --topology-aware). With relays the report also gives the plan without")
-    p.add_argument("--bucket-mb", type=float, default=1024, help="staging memory per rank per step, MiB")
-    p.add_argument("--dtype", default="bfloat16", help="weight dtype (default bfloat16)")
-    p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+                        "--relay implies --topology-aware). With relays the report also gives the plan without relays beside it")
+    p.add_argument("--bucket-mb", type=float, default=1024,
+                   help="staging memory per rank per step, MiB (default 1024: a GPU-sized bucket; the demo's "
+                        "CPU default is 64)")
+    p.add_argument("--dtype", default="bfloat16", help=f"weight dtype: {DTYPE_HELP} (default bfloat16)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also write a rank x rank heatmap of who sends how much to whom (PNG; needs matplotlib)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to this path")
 
 
 def _parse_sizes(text: str, keys: tuple[str, ...], what: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, val = part.partition("=")
-        key = key.strip()
-        if not sep or key not in keys:
-            raise SystemExit(f"--{what} {text!r}: expected comma-separated {'/'.join(keys)}=N")
-        try:
-            out[key] = int(val)
-        except ValueError:
-            raise SystemExit(f"--{what} {text!r}: {val!r} is not an integer") from None
-        if out[key] < 1:
-            raise SystemExit(f"--{what} {text!r}: {key} must be >= 1")
-    return out
+    return parse_sizes(text, keys, f"--{what}", "tp=4,pp=2" if what == "src" else "tp=2,dp=4")
 
 
 def _load_config(name: str) -> dict:
@@ -118,18 +184,9 @@ def _load_config(name: str) -> dict:
         with open(name) as f:
             return json.load(f)
     except OSError:
-        raise SystemExit(f"--model {name!r}: not a preset ({', '.join(sorted(CONFIGS))}) nor a readable file") from None
-
-
-def _fmt_seconds(x: float) -> str:
-    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n:.0f} B"
+        raise UsageError(f"--model {name!r}: not a preset ({', '.join(sorted(CONFIGS))}) nor a readable file") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--model {name!r}: not a JSON config ({e})") from None
 
 
 def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per_node: int | None = None,
@@ -189,18 +246,31 @@ def plan_report(args) -> dict:
     With relays on (``--relay``, or ``--topology-aware`` alone) it also plans without them (one more planning,
     same layouts) and reports that plan's figures under ``without_relay``.
     """
-    import torch
-
     from .plan import plan_reshard
     from .presets import model_nbytes
     from .topology import PRESETS, Topology, plan_pair_bytes
 
     cfg = _load_config(args.model)
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"--dtype {args.dtype!r} is not a torch dtype")
+    dtype = parse_dtype(args.dtype)
     s = _parse_sizes(args.src, _SRC_KEYS, "src")
     d = _parse_sizes(args.dst, _DST_KEYS, "dst")
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and s.get("pp", 1) > layers:
+        raise UsageError(f"--src {args.src}: pp={s['pp']} is more pipeline stages than the model's {layers} decoder "
+                         f"layers (pp must be <= {layers})")
+    if args.bucket_mb <= 0:
+        raise UsageError(f"--bucket-mb {args.bucket_mb:g}: must be > 0")
+    for opt in ("gpus_per_node", "nvlink_GBps", "net_GBps"):
+        v = getattr(args, opt)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{opt.replace('_', '-')} {v:g}: must be > 0")
+    if args.src_offset < 0 or args.dst_offset < 0:
+        raise UsageError("--src-offset and --dst-offset must be >= 0")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
     base = PRESETS[args.preset]
     topo = Topology(
         gpus_per_node=args.gpus_per_node or base.gpus_per_node,
@@ -214,8 +284,8 @@ def plan_report(args) -> dict:
         try:
             src_kw["layers_per_stage"] = tuple(int(x) for x in args.src_layers_per_stage.split(","))
         except ValueError:
-            raise SystemExit(f"--src-layers-per-stage {args.src_layers_per_stage!r}: expected comma-separated "
-                             f"integers") from None
+            raise UsageError(f"--src-layers-per-stage {args.src_layers_per_stage!r}: expected comma-separated "
+                             f"whole numbers, one per pipeline stage, e.g. '7,8,8,9'") from None
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
@@ -223,7 +293,7 @@ def plan_report(args) -> dict:
     node_aware = bool(args.topology_aware or relay)
     n_inst = args.instances
     if n_inst < 1:
-        raise SystemExit(f"--instances {n_inst}: must be >= 1")
+        raise UsageError(f"--instances {n_inst}: must be >= 1")
     gpn = topo.gpus_per_node if node_aware else None
     src, dst, plan, st, sched, times = timed_planning(
         cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=gpn, relay=relay, instances=n_inst
@@ -243,6 +313,11 @@ def plan_report(args) -> dict:
         ps = plain.stats()
         without["max_sent_bytes"], without["max_recv_bytes"] = ps.max_sent_bytes, ps.max_recv_bytes
         del plain
+    if args.plot:
+        from .plot import plot_traffic
+
+        plot_traffic(plan, args.plot, f"triton-reshard plan --model {args.model}",
+                     f"megatron {args.src} -> vllm {args.dst}" + (f" x {n_inst}" if n_inst > 1 else ""))
     pairs = plan_pair_bytes(plan)
     sent, recv = st.sent_bytes, st.recv_bytes
     busiest = sorted(plan.ranks, key=lambda r: (-max(sent.get(r, 0), recv.get(r, 0)), r))
@@ -341,11 +416,16 @@ def _print_report(r: dict) -> None:
 def run_plan(args) -> int:
     try:
         r = plan_report(args)
+    except UsageError:
+        raise
     except (ValueError, TypeError) as e:  # an impossible layout: say why, without a traceback
-        hint = " (--src-layers-per-stage)" if "layers_per_stage" in str(e) else ""
-        print(f"triton-reshard plan: error: {e}{hint}", file=sys.stderr)
-        return 2
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "layers_per_stage" in text:  # the preset names its own argument: name the option instead
+            text = text.split("; pass layers_per_stage")[0] + "; give each stage's layer count with --src-layers-per-stage"
+        raise UsageError(text) from None
     _print_report(r)
+    if args.plot:
+        print(f"traffic heatmap written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)

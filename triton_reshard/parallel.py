@@ -31,20 +31,11 @@ class Parallelism:
 
     @classmethod
     def parse(cls, text: str) -> Parallelism:
-        """``"tp=4,pp=2"``, ``"tp=2,dp=4,offset=8"`` (missing sizes are 1)."""
-        vals: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, val = part.partition("=")
-            if not sep or key not in ("tp", "pp", "dp", "offset"):
-                raise ValueError(f"cannot parse parallelism {text!r}: expected e.g. 'tp=4,pp=2,dp=1,offset=0'")
-            try:
-                vals[key] = int(val)
-            except ValueError:
-                raise ValueError(f"cannot parse parallelism {text!r}: {val!r} is not an integer") from None
-        p = cls(**vals)
-        if min(p.tp, p.pp, p.dp) < 1 or p.offset < 0:
-            raise ValueError(f"parallelism {text!r}: sizes must be >= 1 and offset >= 0")
-        return p
+        """``"tp=4,pp=2"``, ``"tp=2,dp=4,offset=8"`` (missing sizes are 1). Raises ``ValueError`` naming the bad
+        part (an unknown key, a missing ``=``, a value that is not a whole number, sizes < 1, spaces)."""
+        from .cliutil import parse_sizes
+
+        return cls(**parse_sizes(text, ("tp", "pp", "dp", "offset"), "parallelism", "tp=4,pp=2"))
 
     def __str__(self) -> str:
         s = f"tp{self.tp}"
