@@ -190,6 +190,21 @@ class Schedule:
 
 @dataclass(frozen=True, slots=True)
 class PlanStats:
+    """What a plan moves, from the transfers alone (``Plan.stats()``; payload bytes, before the schedule).
+
+    ``wire_bytes``: bytes of all wire transfers (rank to another rank), relays included. ``local_bytes``: bytes
+    a rank copies from its own source tensors into its own destination tensors (never on the wire).
+    ``lower_bound_bytes``: the least any plan can send, from the layouts alone (every destination element whose
+    rank holds no source copy of it must arrive once); a plan without relays to the same ranks has
+    ``wire_bytes == lower_bound_bytes``. ``sent_bytes`` / ``recv_bytes``: {rank: bytes it sends / receives}, every
+    rank of the plan present. ``num_transfers`` / ``num_local_copies``: how many of each (boxes, not messages).
+
+    These are payload bytes. What ``Resharder.run`` reports (``RunReport.sent_bytes``) can be a little more:
+    several chunks share one packed message per peer and step, each starting at a multiple of ``ALIGN`` (16)
+    bytes, so the message carries the padding between chunks (e.g. 224 B of payload in 240 B). ``max_sent_bytes``
+    / ``max_recv_bytes``: the busiest rank's. The node fields are filled by ``Plan.stats(gpus_per_node)`` only.
+    """
+
     wire_bytes: int
     local_bytes: int
     lower_bound_bytes: int
@@ -591,6 +606,12 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     inside their group. A rank receives each element once, by one relay at most (no chains), so a piece is
     never relayed twice (between nodes, then inside one). ``relay`` (``None``: on when ``relay_groups`` or
     ``gpus_per_node`` is given) off ignores the groups.
+
+    Raises ``TypeError`` for arguments of the wrong type (not two Layouts, a non-bool ``relay``), and
+    ``ValueError``, naming the tensor, when the layouts cannot be resharded: a destination tensor the source
+    lacks, shapes that differ, dtypes that differ without ``allow_cast``, a destination element no source rank
+    holds, destination boxes that overlap on one rank; also for ``relay=True`` without ``gpus_per_node`` or
+    ``relay_groups``, a ``gpus_per_node`` < 1 and relay groups that overlap.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
