@@ -347,7 +347,12 @@ class Layout:
     Build with :meth:`from_placements` (DTensor-style mesh + placements), :meth:`from_fragments` (any
     layout), or combine layouts with :meth:`merge` / ``|``. Validated on construction: fragments inside
     their logical tensor and their local tensor, no two fragments sharing local memory, local tensor dtype
-    equal to the logical dtype.
+    equal to the logical dtype (a violation raises ``ValueError`` or ``TypeError`` naming the tensor).
+
+    The dataclass constructor ``Layout(tensors, fragments, locals)`` is what those builders call: it takes
+    already-built ``TensorSpec`` / ``Fragment`` / ``LocalSpec`` tuples and works, but prefer the builders,
+    which also fill in local shapes and check your inputs' types. A Layout is immutable and hashable (plans
+    are cached on it); ``digest`` names its contents.
     """
 
     tensors: tuple[TensorSpec, ...]
@@ -506,6 +511,15 @@ class Layout:
         one Placement per mesh dim (a single sequence applies to every tensor). Each rank of the mesh holds
         one local tensor per logical tensor, named like it, shaped like its shard (possibly empty).
         Several mesh dims sharding one tensor dim nest left to right, as DTensor does by default.
+
+        A flat list (``[0, 1, 2, 3]``) is a 1-D mesh and a single int a mesh of one rank: then each
+        ``placements`` entry has one Placement. ``shapes``: ``{name: global shape}``; ``dtype``: one dtype or
+        ``{name: dtype}``. Shards split like ``torch.chunk`` (the last ones may be smaller or empty).
+
+        Raises ``TypeError`` for a mesh that is not integer ranks (or empty), a placement other than
+        ``Shard``/``Replicate``, a bad shape; ``ValueError`` for repeated or negative ranks in the mesh, a
+        tensor with no placements, a placement count that differs from the mesh's dims, a ``Shard`` dim out of
+        range.
         """
         mesh_t = torch.as_tensor(mesh)
         if mesh_t.dtype.is_floating_point or mesh_t.dtype == torch.bool or mesh_t.numel() == 0:
