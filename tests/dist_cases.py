@@ -726,8 +726,24 @@ def _mut_not_tensor(src_t, dst_t):
     dst_t["w"] = dst_t["w"].tolist()
 
 
+def _mut_freed_storage(src_t, dst_t):
+    src_t["w"].untyped_storage().resize_(0)  # what FSDP does between steps: a copy from it would segfault
+
+
+def _mut_expanded_dst(src_t, dst_t):
+    n, m = dst_t["w"].shape
+    dst_t["w"] = poison_(torch.empty(n, 1)).expand(n, m)  # every column is the same memory
+
+
+def _mut_aliased(src_t, dst_t):
+    dst_t["w"] = src_t["w"].view(-1)[: dst_t["w"].numel()].view(dst_t["w"].shape)  # the source's memory
+
+
 # id -> (bad rank, mutation, expected exception type on the bad rank, tensor name the message must give)
 BAD_INPUTS = {
+    "freed-storage": (2, _mut_freed_storage, "ValueError", ("w",)),
+    "expanded-destination": (3, _mut_expanded_dst, "ValueError", ("w",)),
+    "destination-aliases-source": (1, _mut_aliased, "ValueError", ("w",)),
     "wrong-shape": (1, _mut_wrong_shape, "ValueError", ("w",)),
     "wrong-dtype": (2, _mut_wrong_dtype, "ValueError", ("w",)),
     "meta-device-one-tensor": (0, _mut_meta_one, "ValueError", ("w",)),
@@ -737,12 +753,14 @@ BAD_INPUTS = {
     "not-a-tensor": (2, _mut_not_tensor, "TypeError", ("w",)),
 }
 # id -> (rank whose plan differs, how)
-BAD_PLANS = {"different-bucket": (1, "bucket"), "different-layouts": (2, "layout")}
+BAD_PLANS = {"different-bucket": (1, "bucket"), "different-layouts": (2, "layout"),
+             "triton-backend-on-one-rank": (3, "backend")}
 
 
-def _bad_setup(rank: int, other_layout: bool = False, bucket: int = 4096, timeout: float = 20.0):
+def _bad_setup(rank: int, other_layout: bool = False, bucket: int = 4096, timeout: float = 20.0,
+               backend: str | None = None):
     plan = plan_reshard(side_layout(BAD_SRC), side_layout(BAD_DST_OTHER if other_layout else BAD_DST))
-    r = Resharder(plan, bucket_bytes=bucket, timeout=timeout)
+    r = Resharder(plan, bucket_bytes=bucket, timeout=timeout, backend=backend)
     src_t = build_locals(BAD_SRC, rank, global_data(side_specs(BAD_SRC)), 0)
     dst_t = build_locals(BAD_DST_OTHER if other_layout else BAD_DST, rank, None, 0)
     return r, src_t, dst_t
@@ -770,7 +788,8 @@ def run_bad_inputs(rank: int) -> dict:
         out[sid] = _attempt(r, src_t, dst_t)
     for sid, (bad, how) in BAD_PLANS.items():
         r, src_t, dst_t = _bad_setup(
-            rank, other_layout=(rank == bad and how == "layout"), bucket=8192 if (rank == bad and how == "bucket") else 4096
+            rank, other_layout=(rank == bad and how == "layout"), bucket=8192 if (rank == bad and how == "bucket") else 4096,
+            backend="triton" if (rank == bad and how == "backend") else None,
         )
         out[sid] = _attempt(r, src_t, dst_t)
     # the group still works after all those rejected runs

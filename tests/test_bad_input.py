@@ -193,10 +193,16 @@ def test_bad_input_rank_raises_and_peers_get_reshard_error(scenario):
 @pytest.mark.parametrize("scenario", [pytest.param(k, id=k) for k in dc.BAD_PLANS])
 def test_ranks_with_different_plans_all_raise(scenario):
     per_rank = [r[scenario] for r in _bad_world()]
+    bad, how = dc.BAD_PLANS[scenario]
     for rank, res in enumerate(per_rank):
+        assert res["dst_untouched"] and res["seconds"] < 10, (rank, res)
+        if how == "backend" and rank == bad:  # on CPU without the interpreter its own check fires first
+            assert res["error"] in ("ValueError", "ReshardError") and "triton" in res["message"], res
+            continue
         assert res["error"] == "ReshardError", (rank, res)
         assert "different plans" in res["message"], res["message"]
-        assert res["dst_untouched"] and res["seconds"] < 10, (rank, res)
+        if how == "backend":
+            assert "'triton'" in res["message"] and "'auto'" in res["message"], res["message"]
 
 
 @pytest.mark.slow

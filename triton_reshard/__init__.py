@@ -5,11 +5,21 @@ kernels). ``refit`` wraps the three for a training loop; ``verify_refit`` checks
 refit would leave the destination as it is.
 """
 
-from .execute import Difference, Resharder, ReshardError, ReshardTimeoutError, RunReport, VerifyReport
+from .execute import (
+    Difference,
+    ReshardAbortedError,
+    ReshardConnectionError,
+    Resharder,
+    ReshardError,
+    ReshardTimeoutError,
+    ReshardTransportError,
+    RunReport,
+    VerifyReport,
+)
 from .group import RefitGroup, RefitGroupError, init_refit_group
 from .layout import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec
 from .plan import Plan, PlanStats, Schedule, Transfer, plan_reshard
-from .refit import clear_cache, refit, verify_refit
+from .refit import RefitState, clear_cache, refit, refit_state, verify_refit
 
 __all__ = [
     "Difference",
@@ -21,8 +31,12 @@ __all__ = [
     "RefitGroupError",
     "PlanStats",
     "Replicate",
+    "RefitState",
+    "ReshardAbortedError",
+    "ReshardConnectionError",
     "ReshardError",
     "ReshardTimeoutError",
+    "ReshardTransportError",
     "Resharder",
     "RunReport",
     "Schedule",
@@ -34,6 +48,7 @@ __all__ = [
     "init_refit_group",
     "plan_reshard",
     "refit",
+    "refit_state",
     "verify_refit",
 ]
 

@@ -13,7 +13,11 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
+import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,14 +33,77 @@ from .plan import ALIGN, DIRECT_MIN_BYTES, Plan, _split_box
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+_MAX_CHUNKS = 1 << 22  # a plan cut into more chunks than this is refused (scheduling it would not finish)
 
 
 class ReshardError(RuntimeError):
-    """A reshard could not run (ranks disagree, a peer rejected its input)."""
+    """A reshard could not run (ranks disagree, a peer rejected its input) or failed part way.
+
+    ``torn``: the destination local tensors on this rank that may be partly written (sorted; empty when the
+    run failed before writing any destination byte, e.g. every rejected input)."""
+
+    torn: tuple[str, ...] = ()
 
 
-class ReshardTimeoutError(ReshardError, TimeoutError):
+class ReshardTransportError(ReshardError):
+    """The transport failed during a run: a timeout, a lost connection, or another backend error. The process
+    group is unusable afterwards: destroy it and build a new one (and new Resharders) before retrying.
+
+    Attributes (None when unknown): ``rank``, ``what`` (e.g. ``"step 2/5"``, ``"the plan handshake"``),
+    ``peers`` (the ranks of that step), ``peer`` (the rank of the failing operation, where the backend
+    tells), ``kind`` (``"timeout"``, ``"connection"`` or ``"error"``), ``elapsed`` (seconds from posting to
+    the failure), ``timeout`` (seconds), ``torn`` (see :class:`ReshardError`)."""
+
+    kind = "error"
+
+    def __init__(self, message: str, *, rank: int | None = None, what: str | None = None,
+                 peers: tuple[int, ...] | None = None, peer: int | None = None, elapsed: float | None = None,
+                 timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.what, self.peers, self.peer = rank, what, peers, peer
+        self.elapsed, self.timeout = elapsed, timeout
+
+
+class ReshardTimeoutError(ReshardTransportError, TimeoutError):
     """A peer did not arrive within the timeout. The process group is unusable afterwards: destroy it."""
+
+    kind = "timeout"
+
+
+class ReshardConnectionError(ReshardTransportError, ConnectionError):
+    """The connection to a peer was lost (it died, or the group broke earlier). Destroy the group."""
+
+    kind = "connection"
+
+
+class ReshardAbortedError(ReshardError):
+    """This rank failed part way through a run (a copy raised after the handshake); its peers are left
+    waiting and will fail too. The process group is unusable afterwards: destroy it. ``__cause__``: the
+    original exception."""
+
+
+# how a backend's message says what went wrong (gloo, NCCL, our RefitGroup)
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_CONNECTION_WORDS = ("connection", "reset by peer", "broken pipe", "read error", "write error", "eof",
+                     "closed", "socket", "unreachable", "destroyed", "aborted")
+
+
+def _classify(msg: str) -> type[ReshardTransportError]:
+    low = msg.lower()
+    if any(w in low for w in _TIMEOUT_WORDS):
+        return ReshardTimeoutError
+    if any(w in low for w in _CONNECTION_WORDS):
+        return ReshardConnectionError
+    return ReshardTransportError
+
+
+_BACKEND_CODES = {None: 0, "torch": 1, "triton": 2}  # the copy backend a rank asked for (None: by device)
+_GROUP_DEAD = ("the process group is unusable now: destroy it and build a new one (and new Resharders; "
+               "refit does that for a new group) before retrying")
+
+# one run or verify at a time per process group in this process: two would match each other's messages
+_RUNNING: dict[int, tuple[object, str]] = {}
+_RUNNING_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +214,8 @@ class _Bound:
     send_area_bytes: int
     recv_area_bytes: int
     in_place_bytes: int
+    writes: list = field(default_factory=list)  # per step: names of the destination tensors it writes
+    local_writes: frozenset = frozenset()  # destination tensors the local copies write
 
 
 @dataclass
@@ -176,10 +245,110 @@ class _Tally:
 
 def _to_timedelta(timeout) -> timedelta:
     if isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0:
+        if timeout.total_seconds() > 0:
+            return timeout
+    elif (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+          and timeout > 0):
         return timedelta(seconds=float(timeout))
-    raise TypeError(f"timeout must be a timedelta or a positive number of seconds, got {timeout!r}")
+    raise TypeError(f"timeout must be a timedelta or a finite positive number of seconds, got {timeout!r}")
+
+
+def _as_int(v, what: str, low: int) -> int:
+    """``v`` as an int >= ``low`` (ints and integer-like objects only: no floats, strings or bools)."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be an int, got {v!r}")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {v!r}") from None
+    if n < low:
+        raise ValueError(f"{what} must be >= {low}, got {n}")
+    return n
+
+
+# -- memory checks (before any byte moves) ---------------------------------------------------------------
+
+_EXACT_MAX = 1 << 22  # elements: above this, an exact memory check would cost too much; be conservative
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from the first to one past the last element of ``t`` in its storage (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+
+
+def _storage_problem(t: torch.Tensor) -> str | None:
+    """Why ``t`` has no valid memory to read or write (None when it has)."""
+    if t.layout != torch.strided:
+        return f"is a {t.layout} tensor (only dense strided tensors can be resharded)"
+    if t.numel() == 0:
+        return None
+    try:
+        have = t.untyped_storage().nbytes()
+    except Exception as e:  # e.g. a tensor subclass without real storage
+        return f"has no accessible storage ({type(e).__name__}: {e})"
+    need = (t.storage_offset() + _extent(t)) * t.element_size()
+    if have < need:
+        return (f"has no valid storage: it holds {have} bytes, the view needs {need} (freed, e.g. with "
+                f"untyped_storage().resize_(0) as FSDP does between steps? re-materialize it first)")
+    return None
+
+
+def _addresses(t: torch.Tensor) -> torch.Tensor:
+    """The start address (bytes) of every element of ``t`` (flat, int64)."""
+    offs = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride(), strict=True):
+        offs = (offs.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
+    return offs.reshape(-1) * t.element_size() + t.data_ptr()
+
+
+def _self_overlap(t: torch.Tensor) -> bool | None:
+    """Does ``t`` have two elements at one address (e.g. ``expand``)? None: too large to tell exactly."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    reach = 0
+    for st, n in dims:
+        if st <= reach:
+            break
+        reach += (n - 1) * st
+    else:
+        return False  # each dim steps past everything the smaller ones reach: no two elements meet
+    if any(st == 0 for st, _n in dims):
+        return True
+    if t.numel() > _EXACT_MAX:
+        return None
+    return bool(_addresses(t).unique().numel() < t.numel())
+
+
+def _bytes_meet(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Do any bytes of ``a`` and ``b`` coincide (exactly, element by element)? None: too large to tell."""
+    if a.numel() > _EXACT_MAX or b.numel() > _EXACT_MAX:
+        return None
+    aa = _addresses(a).sort().values
+    bb = _addresses(b)
+    idx = torch.searchsorted(aa, bb + (b.element_size() - 1), right=True) - 1
+    ok = idx >= 0
+    return bool((ok & (aa[idx.clamp(min=0)] + a.element_size() > bb)).any())
+
+
+def _sub_box_shift(outer: torch.Tensor, inner: torch.Tensor) -> tuple[int, ...] | None:
+    """``c`` with ``inner`` the box ``outer[c0:c0+n0, c1:c1+n1, ...]`` (same dtype, dims and strides; ``outer``
+    without internal overlap), else None."""
+    if inner.dtype != outer.dtype or inner.dim() != outer.dim() or not inner.numel() or not outer.numel():
+        return None
+    if any(n > 1 and si != so for n, si, so in zip(inner.shape, inner.stride(), outer.stride(), strict=True)):
+        return None
+    es = outer.element_size()
+    delta, rem = divmod(inner.data_ptr() - outer.data_ptr(), es)
+    if rem or delta < 0:
+        return None
+    shift = [0] * outer.dim()
+    for d in sorted(range(outer.dim()), key=lambda d: -outer.stride(d)):  # the largest stride first
+        if outer.shape[d] > 1 and outer.stride(d) > 0:
+            shift[d], delta = divmod(delta, outer.stride(d))
+    if delta or any(c + n > m for c, n, m in zip(shift, inner.shape, outer.shape, strict=True)):
+        return None
+    return tuple(shift)
 
 
 class Resharder:
@@ -209,12 +378,24 @@ class Resharder:
             raise TypeError(f"Resharder needs a Plan, got {type(plan).__name__}")
         self.plan = plan
         self.group = group
-        self.bucket_bytes = int(bucket_bytes)
+        self.bucket_bytes = _as_int(bucket_bytes, "Resharder: bucket_bytes", 1)
         self.timeout = _to_timedelta(timeout)
+        if backend is not None and backend not in ops.BACKENDS:
+            raise ValueError(f"Resharder: unknown copy backend {backend!r}; expected None or one of {ops.BACKENDS}")
         self.backend = backend
         self.overlap = bool(overlap)
-        self.direct_min_bytes = int(direct_min_bytes)
+        self.direct_min_bytes = _as_int(direct_min_bytes, "Resharder: direct_min_bytes", 0)
         self.slots = 2 if self.overlap else 1
+        per_slot = self.bucket_bytes // self.slots
+        if per_slot < ALIGN:
+            raise ValueError(f"Resharder: bucket_bytes={self.bucket_bytes} leaves {per_slot} B per staging slot, "
+                             f"less than one {ALIGN}-byte chunk")
+        chunks = sum(t.nbytes for t in plan.transfers) // per_slot
+        if chunks > _MAX_CHUNKS:  # scheduling would take hours; no real refit needs this many steps
+            raise ValueError(f"Resharder: {sum(t.nbytes for t in plan.transfers)} wire bytes in buckets of "
+                             f"{per_slot} B would need ~{chunks} chunks (more than {_MAX_CHUNKS}): raise bucket_bytes")
+        self._broken: str | None = None  # set by a failure part way: the group is unusable then
+        self._alias_ok: dict[tuple[str, str, tuple[int, ...]], str | None] = {}
         self._comm = as_transport(group)  # a torch.distributed group (global ranks) or a RefitGroup (its own)
         self.rank, self.group_ranks = self._comm.rank, tuple(self._comm.ranks)
         missing = sorted(set(plan.ranks) - set(self.group_ranks))
@@ -265,6 +446,9 @@ class Resharder:
                 )
             if t.device.type == "meta":  # no data: would fail after the handshake and leave the peers waiting
                 raise ValueError(f"rank {self.rank}: {side} tensor {name!r} is on the meta device (it holds no data)")
+            problem = _storage_problem(t)  # e.g. freed storage: a copy from it would read freed memory
+            if problem:
+                raise ValueError(f"rank {self.rank}: {side} tensor {name!r} {problem}")
             if device is None:
                 device = t.device
             elif t.device != device:
@@ -273,7 +457,7 @@ class Resharder:
                 )
         return device
 
-    def _check_inputs(self, src_tensors, dst_tensors) -> torch.device:
+    def _check_inputs(self, src_tensors, dst_tensors, verify: bool = False) -> torch.device:
         sdev = self._check_side("source", src_tensors, self._src_specs)
         ddev = self._check_side("destination", dst_tensors, self._dst_specs)
         if sdev is not None and ddev is not None and sdev != ddev:
@@ -281,7 +465,89 @@ class Resharder:
         device = sdev or ddev or self._comm_device()
         if self._uses_wire() and self._is_nccl() and device.type != "cuda":
             raise ValueError(f"rank {self.rank}: NCCL needs CUDA tensors, got tensors on {device}")
+        if not verify:  # verify writes nothing: sharing memory is harmless there
+            self._check_memory(src_tensors, dst_tensors)
         return device
+
+    def _check_memory(self, src_tensors, dst_tensors) -> None:
+        """A run reads the source while it writes the destination, in several steps: a destination byte that is
+        also a source byte could be overwritten before a later step sends it. Raise for every destination that
+        overlaps itself, and for every destination/source pair that shares bytes, unless the pair is provably
+        safe (see ``_alias_problem``)."""
+        for name, t in dst_tensors.items():
+            hit = _self_overlap(t)
+            if hit is not False:
+                raise ValueError(
+                    f"rank {self.rank}: destination tensor {name!r} (shape {tuple(t.shape)}, strides {t.stride()}) "
+                    + ("overlaps itself (several elements at one address, e.g. an expand()ed view)" if hit else
+                       "may overlap itself (its strides are too irregular to prove it does not)")
+                    + ": writing it is ill-defined; pass a tensor with its own memory")
+        spans = []  # (start, end, is_destination, name) of every non-empty tensor's byte range
+        for is_dst, tensors in ((False, src_tensors), (True, dst_tensors)):
+            for name, t in tensors.items():
+                if t.numel():
+                    start = t.data_ptr()
+                    spans.append((start, start + _extent(t) * t.element_size(), is_dst, name))
+        spans.sort()
+        active: list[tuple] = []
+        for span in spans:
+            active = [a for a in active if a[1] > span[0]]
+            for other in active:
+                if other[2] != span[2]:
+                    s_name, d_name = (other[3], span[3]) if span[2] else (span[3], other[3])
+                    self._check_pair(s_name, src_tensors[s_name], d_name, dst_tensors[d_name])
+            active.append(span)
+
+    def _check_pair(self, s_name: str, s: torch.Tensor, d_name: str, d: torch.Tensor) -> None:
+        """Source ``s`` and destination ``d`` have overlapping byte ranges: allowed if no byte is shared, or if
+        ``d`` is a box of ``s`` (the same view, say) and every write into it is provably a no-op."""
+        shift = _sub_box_shift(s, d)
+        if shift is not None:
+            key = (s_name, d_name, shift)
+            if key not in self._alias_ok:
+                self._alias_ok[key] = self._alias_problem(s_name, d_name, shift)
+            problem = self._alias_ok[key]
+            if problem is None:
+                return
+        else:
+            meet = _bytes_meet(s, d)
+            if meet is False:
+                return
+            problem = "shares bytes with it" if meet else "may share bytes with it (too large to check exactly)"
+        raise ValueError(
+            f"rank {self.rank}: destination tensor {d_name!r} and source tensor {s_name!r} share memory: the "
+            f"destination {problem}; a run reads the source while it writes the destination, in several "
+            f"steps, so a write can change what a later step sends; pass separate tensors (e.g. clone the "
+            f"source); nothing was moved")
+
+    def _alias_problem(self, s_name: str, d_name: str, shift: tuple[int, ...]) -> str | None:
+        """Destination ``d_name`` is the box at ``shift`` of source ``s_name``. None (safe) if every element the
+        plan writes into it lands where the source layout says that very element already is (same tensor, same
+        index): the write stores what is there (replicas of an element are equal; same dtype, no cast), so
+        every read, before or after it, sees the same value. Else a description of the first unsafe write."""
+        extra_d = None
+        sfr = [f for f in self.plan.src.fragments if f.rank == self.rank and f.local == s_name]
+        for t in self.plan.transfers + self.plan.local_copies:
+            if t.dst_rank != self.rank or t.dst_local != d_name or not t.numel:
+                continue
+            extra_d = len(t.dst_offsets) - len(t.offsets)
+            w_off = tuple(o + c for o, c in zip(t.dst_offsets, shift, strict=True))  # in source coordinates
+            w_size = (1,) * extra_d + t.sizes
+            for f in sfr:
+                f_off, f_size = f.local_offsets, f.local_sizes
+                if not f.numel or len(f_off) != len(w_off) or not all(
+                        a < b + m and b < a + n for a, n, b, m in zip(w_off, w_size, f_off, f_size, strict=True)):
+                    continue
+                ex = len(f.local_offsets) - len(f.offsets)
+                same = (f.tensor == t.tensor and ex == extra_d and f.local_offsets[:ex] == w_off[:ex] and all(
+                    lf - of == lw - ow for lf, of, lw, ow in zip(f.local_offsets[ex:], f.offsets, w_off[ex:],
+                                                                  t.offsets, strict=True)))
+                if not same:
+                    box = ", ".join(f"{o}:{o + n}" for o, n in zip(t.offsets, t.sizes, strict=True))
+                    return (f"is the same memory as a box of it, and the reshard writes {t.tensor}[{box}] (from rank "
+                            f"{t.src_rank}) where the source holds {f.tensor!r} box {f.offsets}+{f.sizes} at other "
+                            f"indices")
+        return None
 
     # -- transport helpers --------------------------------------------------------------------------
 
@@ -296,23 +562,53 @@ class Resharder:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _wait(self, works, what: str, peers) -> None:
-        def timed_out(detail: str) -> ReshardTimeoutError:
-            return ReshardTimeoutError(
-                f"rank {self.rank}: {what} with peers {sorted(peers)} did not complete within "
-                f"{self.timeout.total_seconds():g}s{detail}; the process group is unusable now: destroy it"
-            )
+    def _transport_error(self, what: str, peers, started: float, cause: BaseException | None,
+                         peer: int | None = None, op: str | None = None) -> ReshardTransportError:
+        """The named error for a failure of ``what`` (with ``peers``) that began at ``started``."""
+        elapsed = time.perf_counter() - started
+        limit = self.timeout.total_seconds()
+        msg = str(cause).strip() if cause is not None else ""
+        first = msg.splitlines()[0] if msg else (type(cause).__name__ if cause is not None else "")
+        cls = ReshardTimeoutError if cause is None else _classify(f"{type(cause).__name__} {msg}")
+        where = f" ({op} rank {peer})" if op is not None else ""
+        if cls is ReshardTimeoutError:
+            how = f"timed out: it did not complete within the {limit:g}s timeout (after {elapsed:.2f}s)"
+        elif cls is ReshardConnectionError:
+            how = (f"lost the connection after {elapsed:.2f}s (timeout {limit:g}s): a peer died or closed, or "
+                   f"the group broke earlier")
+        else:
+            how = f"failed after {elapsed:.2f}s (timeout {limit:g}s)"
+        backend = getattr(self._comm, "backend", "?")
+        detail = f" [{backend}: {type(cause).__name__}: {first}]" if cause is not None else ""
+        return cls(
+            f"rank {self.rank}: {what}{where} with peers {sorted(peers)} {how}{detail}; {_GROUP_DEAD}",
+            rank=self.rank, what=what, peers=tuple(sorted(peers)), peer=peer, elapsed=elapsed, timeout=limit,
+        )
 
-        for w in works:
+    def _call(self, fn, what: str, peers, *args):
+        """``fn(*args)`` on the transport; any failure becomes a named :class:`ReshardTransportError`."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise self._transport_error(what, peers, t0, e) from e
+
+    def _wait(self, works, what: str, peers, started: float | None = None, ops_desc=None) -> None:
+        """Wait for ``works`` (posted at ``started``) within the timeout, counted from ``started``.
+        ``ops_desc``: per work, ``(operation, peer)`` when each work is one operation."""
+        started = time.perf_counter() if started is None else started
+        deadline = started + self.timeout.total_seconds()
+        if ops_desc is not None and len(ops_desc) != len(works):
+            ops_desc = None  # one work for several operations (NCCL coalescing): no peer to name
+        for k, w in enumerate(works):
+            op, peer = ops_desc[k] if ops_desc else (None, None)
+            left = max(deadline - time.perf_counter(), 0.001)
             try:
-                ok = w.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                msg = str(e)
-                if "imed out" in msg or "timeout" in msg.lower() or "Connection closed" in msg:
-                    raise timed_out(f" ({msg.splitlines()[0] if msg else 'timeout'})") from e
-                raise
+                ok = w.wait(timeout=timedelta(seconds=left))
+            except Exception as e:
+                raise self._transport_error(what, peers, started, e, peer, op) from e
             if ok is False:
-                raise timed_out("")
+                raise self._transport_error(what, peers, started, None, peer, op)
 
     def _handshake(self, error: Exception | None, verify: bool = False) -> None:
         """All ranks: same plan digest and options? all running or all verifying? everyone's input valid?
@@ -323,24 +619,28 @@ class Resharder:
             return
         dev = self._comm_device()
         d = int(self.plan.digest, 16)
+        requested = self.backend or os.environ.get(ops.ENV_VAR) or None
+        bcode = _BACKEND_CODES.get(requested, len(_BACKEND_CODES))
         mine = torch.tensor(
             [d >> 32, d & 0xFFFFFFFF, self.bucket_bytes, 0 if error is None else 1, self.direct_min_bytes,
-             int(self.overlap), int(verify)],
+             int(self.overlap), int(verify), bcode],
             dtype=torch.int64, device=dev,
         )
         out = [torch.empty_like(mine) for _ in self.group_ranks]
-        work = self._comm.all_gather(out, mine)
-        self._wait([work], "the plan handshake", self.group_ranks)
+        t0 = time.perf_counter()
+        work = self._call(self._comm.all_gather, "the plan handshake", self.group_ranks, out, mine)
+        self._wait([work], "the plan handshake", self.group_ranks, t0)
         rows = [o.tolist() for o in out]
         if error is not None:
             raise error
         digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(self.group_ranks, rows, strict=True)}
-        if len(set(digests.values())) > 1 or len({(row[2], row[4], row[5], row[6]) for row in rows}) > 1:
-            modes = [("verify" if row[6] else "run") for row in rows]
+        if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:]) for row in rows}) > 1:
+            names = {v: k or "auto" for k, v in _BACKEND_CODES.items()}
+            opts = [(row[2], row[4], bool(row[5]), "verify" if row[6] else "run", names.get(row[7], "invalid"))
+                    for row in rows]
             raise ReshardError(
-                f"rank {self.rank}: ranks run different plans (plan digest by rank: {digests}; (bucket_bytes, "
-                f"direct_min_bytes, overlap, mode) by rank: "
-                f"{[(row[2], row[4], bool(row[5]), m) for row, m in zip(rows, modes, strict=True)]}); "
+                f"rank {self.rank}: ranks run different plans or options (plan digest by rank: {digests}; "
+                f"(bucket_bytes, direct_min_bytes, overlap, mode, backend) by rank: {opts}); they must agree; "
                 f"nothing was moved"
             )
         bad = [r for r, row in zip(self.group_ranks, rows, strict=True) if row[3]]
@@ -470,8 +770,11 @@ class Resharder:
         in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
                              if buf is not None)
         self._bound_sig = sig
+        writes = [frozenset() if verify else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs
+                                                       for c in m.chunks) for _sends, recvs in plans]
+        local_writes = frozenset() if verify else frozenset(t.dst_local for t in self._local)
         self._bound = _Bound(local, local_meta, packs, unpacks, unpack_meta, ops_per_step, self.send_area_bytes,
-                             self.recv_area_bytes, in_place_bytes)
+                             self.recv_area_bytes, in_place_bytes, writes, local_writes)
         return self._bound
 
     # -- run and verify -------------------------------------------------------------------------------
@@ -483,7 +786,8 @@ class Resharder:
         input is invalid or ranks run different plans; raises :class:`ReshardTimeoutError` if a peer does
         not arrive within the timeout.
         """
-        return self._execute(src_tensors, dst_tensors, None)
+        with self._exclusive("run"):
+            return self._execute(src_tensors, dst_tensors, None)
 
     def verify(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> VerifyReport:
         """Like :meth:`run`, but compare instead of write: how many destination elements differ, bit for bit,
@@ -504,8 +808,9 @@ class Resharder:
                 f"rank's destination tensors, which verify must not trust): plan it with relay=False"
             )
         tally = _Tally()
-        stats = self._execute(src_tensors, dst_tensors, tally)
-        by_rank = self._all_counts(sum(tally.counts.values()))
+        with self._exclusive("verify"):
+            stats = self._execute(src_tensors, dst_tensors, tally)
+            by_rank = self._all_counts(sum(tally.counts.values()))
         total = sum(by_rank.values())
         return VerifyReport(
             ok=total == 0,
@@ -524,24 +829,92 @@ class Resharder:
             return {self.rank: mine}
         t = torch.tensor([mine], dtype=torch.int64, device=self._comm_device())
         out = [torch.empty_like(t) for _ in self.group_ranks]
-        work = self._comm.all_gather(out, t)
-        self._wait([work], "the verify result exchange", self.group_ranks)
+        t0 = time.perf_counter()
+        work = self._call(self._comm.all_gather, "the verify result exchange", self.group_ranks, out, t)
+        self._wait([work], "the verify result exchange", self.group_ranks, t0)
         return {r: int(o.item()) for r, o in zip(self.group_ranks, out, strict=True)}
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Refuse a second run or verify on the same process group while one is in progress in this process
+        (another thread): their messages would match each other's. Raises before anything is sent."""
+        if not self._uses_wire():  # nothing on the wire: concurrent runs cannot meet
+            yield
+            return
+        key_obj = self._comm if isinstance(self._comm, RefitGroup) else self._comm.key
+        me = f"{what} of plan {self.plan.digest} in thread {threading.current_thread().name!r}"
+        with _RUNNING_LOCK:
+            busy = _RUNNING.get(id(key_obj))
+            if busy is None:
+                _RUNNING[id(key_obj)] = (key_obj, me)
+        if busy is not None:
+            raise ReshardError(
+                f"rank {self.rank}: refused {me}: {busy[1]} is in progress on the same process group in this "
+                f"process; two at once would match each other's messages: run them one after the other (or on "
+                f"separate groups); nothing was sent")
+        try:
+            yield
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.pop(id(key_obj), None)
 
     def _execute(self, src_tensors, dst_tensors, tally: _Tally | None) -> RunReport:
         """The loop ``run`` and ``verify`` share. ``tally``: None to write the destination (unpack and local
-        copies), or verify mode's sink, which compares those same pairs instead."""
+        copies), or verify mode's sink, which compares those same pairs instead.
+
+        Every check runs before the handshake, so a bad input on any rank stops every rank before a byte
+        moves. After it, any failure marks this Resharder broken and raises a :class:`ReshardError` subclass
+        whose ``torn`` lists the destination tensors that may be partly written."""
         t0 = time.perf_counter()
         verify = tally is not None
+        if self._broken is not None:
+            raise ReshardError(f"rank {self.rank}: this Resharder failed part way before ({self._broken}); "
+                               f"{_GROUP_DEAD}; nothing was moved")
         error: Exception | None = None
-        device = None
+        device = backend = b = None
         try:
-            device = self._check_inputs(src_tensors, dst_tensors)
+            device = self._check_inputs(src_tensors, dst_tensors, verify)
+            backend = ops.resolve_backend(device, self.backend)
+            if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
+                                 f"the tensors are on {device}")
+            if isinstance(self._comm, RefitGroup) and self._comm.wire:
+                self._comm._live()
+            b = self._bind(src_tensors, dst_tensors, device, verify)
         except (ValueError, TypeError) as e:
             error = e
-        self._handshake(error, verify)
-        backend = ops.resolve_backend(device, self.backend)
-        b = self._bind(src_tensors, dst_tensors, device, verify)
+        except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
+            error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
+        try:
+            self._handshake(error, verify)
+        except ReshardTransportError as e:
+            e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
+            self._broken = f"{type(e).__name__} in {e.what}"
+            raise
+        touched: set[str] = set()  # destination tensors this run may have written so far
+        try:
+            return self._steps(b, backend, device, tally, touched, t0)
+        except Exception as e:
+            torn = tuple(sorted(touched))
+            if isinstance(e, ReshardError):
+                err = e
+            else:
+                err = ReshardAbortedError(
+                    f"rank {self.rank}: the run failed on this rank after the handshake ({type(e).__name__}: {e}); "
+                    f"its peers are left waiting and will fail too; {_GROUP_DEAD}")
+            err.torn = torn
+            note = (f"; destination tensors on rank {self.rank} possibly partly written: {list(torn)}" if torn
+                    else f"; no destination tensor on rank {self.rank} was written")
+            if torn and not verify:
+                note += " (in-place receives already posted may still land until the group is destroyed)"
+            err.args = (str(err) + note,)
+            self._broken = f"{type(err).__name__} in {getattr(err, 'what', None) or 'a run'}"
+            if err is e:
+                raise
+            raise err from e
+
+    def _steps(self, b: _Bound, backend: str, device, tally: _Tally | None, touched: set[str], t0: float) -> RunReport:
+        verify = tally is not None
         key = (id(self), hash(self._bound_sig))
         clock = time.perf_counter
 
@@ -554,14 +927,18 @@ class Resharder:
 
         def local_copies() -> float:
             t = clock()
+            touched.update(b.local_writes)
             land(b.local, b.local_meta, (key, "local"))
             return clock() - t
 
+        def what(pos: int) -> str:
+            return f"step {pos + 1}/{len(self.steps)}"
+
         def finish(pending) -> None:
             nonlocal t_wire, t_unpack
-            pos, works, peers = pending
+            pos, works, peers, posted, desc = pending
             t1 = clock()
-            self._wait(works, f"step {pos + 1}/{len(self.steps)}", peers)
+            self._wait(works, what(pos), peers, posted, desc)
             t2 = clock()
             land(b.unpacks[pos], b.unpack_meta[pos] if verify else None, (key, "unpack", self.steps[pos][0]))
             t_wire += t2 - t1
@@ -571,7 +948,7 @@ class Resharder:
         t_local = None
         with torch.no_grad():
             sent = recvd = 0
-            pending: tuple | None = None  # (position, works, peers) of the step on the wire
+            pending: tuple | None = None  # (position, works, peers, posted at, ops) of the step on the wire
             for pos, ((i, _st), pk, (sends, recvs)) in enumerate(zip(self.steps, b.packs, b.wire, strict=True)):
                 if pending is not None and (self.slots == 1 or self._phase[pending[0]] != self._phase[pos]):
                     # one slot: the previous step's buffers are reused; a new phase: relays read what the
@@ -583,12 +960,16 @@ class Resharder:
                 t0_ = clock()
                 ops.copy_views(pk, backend, key=(key, "pack", i))
                 t_pack += clock() - t0_
-                works = self._post(sends, recvs)
+                peers = {p for p, _ in sends} | {p for p, _ in recvs}
+                touched.update(b.writes[pos])  # in-place receives may land as soon as they are posted
+                posted = clock()
+                works = self._call(self._post, what(pos), peers, sends, recvs)
+                desc = [("receiving from", p) for p, _ in recvs] + [("sending to", p) for p, _ in sends]
                 if t_local is None:  # the local copies run while the first step is on the wire
                     t_local = local_copies()
                 if pending is not None:  # step pos-1 was on the wire while we packed and posted step pos
                     finish(pending)
-                pending = (pos, works, {p for p, _ in sends} | {p for p, _ in recvs})
+                pending = (pos, works, peers, posted, desc)
                 sent += sum(buf.numel() for _, buf in sends)
                 recvd += sum(buf.numel() for _, buf in recvs)
             if pending is not None:

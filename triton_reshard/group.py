@@ -43,11 +43,18 @@ class TorchGroup:
         self.group = group
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
-            self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-                range(dist.get_world_size()))
+            try:
+                self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                    range(dist.get_world_size()))
+            except KeyError:  # torch forgets a group when it is destroyed
+                raise ValueError("the torch.distributed process group was destroyed (or belongs to an earlier "
+                                 "default group): pass a live group") from None
             self.backend = str(dist.get_backend(group))
         else:
             self.rank, self.ranks, self.backend = 0, (0,), "none"
+        # the group object itself (the default group for None): what identifies it while it lives
+        self.key = group if group is not None else (dist.group.WORLD if dist.is_available() and dist.is_initialized()
+                                                    else None)
 
     @property
     def wire(self) -> bool:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .execute import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, Resharder, RunReport, VerifyReport
+from .execute import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, Resharder, ReshardError, RunReport, VerifyReport
 from .group import RefitGroup
 from .layout import Layout
 from .plan import plan_reshard
@@ -66,12 +66,13 @@ def get_resharder(
 
     ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
     (see :func:`refit`)."""
-    key = (src_layout, dst_layout, id(group) if group is not None else None, int(bucket_bytes),
+    key = (src_layout, dst_layout, _group_key(group), int(bucket_bytes),
            str(timeout), backend, bool(allow_cast), gpus_per_node, relay, instances)
     hit = _CACHE.get(key)
-    if hit is not None:
+    if hit is not None and _usable(hit):
         _CACHE.move_to_end(key)
         return hit
+    _CACHE.pop(key, None)
     groups = None
     if instances != 1:
         groups = dst_layout.instance_groups(instances)
@@ -82,6 +83,73 @@ def get_resharder(
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return r
+
+
+class _GroupKey:
+    """A cache key for a group: equal only for the very same live object. It holds the group, so while the
+    entry lives no other group can take the object's id."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _GroupKey) and other.group is self.group
+
+
+def _group_key(group) -> _GroupKey:
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD  # the default group of now, not of when a Resharder was cached
+    return _GroupKey(group)
+
+
+def _usable(r: Resharder) -> bool:
+    """A cached Resharder can be reused: it never failed part way, and its group was not destroyed."""
+    if r._broken is not None:
+        return False
+    g = r.group
+    if isinstance(g, RefitGroup):
+        return g.pg is not None
+    if g is None:
+        g = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        return r._comm.key is g
+    try:
+        dist.get_process_group_ranks(g)
+    except Exception:  # destroyed (torch forgets it)
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitState:
+    """What ``refit`` wrote into one destination (``refit_state(dst_layout)``), on this rank.
+
+    ``version``: the last version fully written (``refit(..., version=v)``; None before the first, or when
+    refits pass no version). ``torn``: a refit failed after writing part of the destination: the tensors hold a
+    mix of versions until a refit succeeds; do not sample from them. ``torn_tensors``: the destination local
+    tensors that may be partly written. ``failed_version``: the version that failed. ``error``: its message.
+    ``attempting``: a version whose refit is in progress (None when none is). Ranks are independent: a peer
+    may be torn while this rank completed, so agree across the engine (e.g. all-reduce ``torn``) before use.
+    """
+
+    version: object = None
+    torn: bool = False
+    torn_tensors: tuple[str, ...] = ()
+    failed_version: object = None
+    error: str | None = None
+    attempting: object = None
+
+
+_STATE: dict[tuple, RefitState] = {}
+
+
+def refit_state(dst_layout: Layout, *, instances: int = 1) -> RefitState:
+    """The state of the destination tensors of ``dst_layout`` on this rank (see :class:`RefitState`)."""
+    return _STATE.get((dst_layout, instances), RefitState())
 
 
 def _drop_uncovered(r: Resharder, dst: dict[str, torch.Tensor], strict: bool, what: str):
@@ -119,6 +187,7 @@ def refit(
     relay: bool | None = None,
     instances: int = 1,
     strict: bool = False,
+    version: object = None,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
 
@@ -141,12 +210,32 @@ def refit(
     needs is sent once, in parts, one part to each engine, and each engine's rank relays its part to that
     position in the others, so the trainer sends each byte ~once instead of N times (``relay=False``: every
     engine rank receives everything from the trainer).
+
+    Failures: every error is a :class:`ReshardError` (or ValueError/TypeError for a rejected input, raised
+    before any byte moved). ``version`` (e.g. the training step) fences torn weights:
+    :func:`refit_state` ``(dst_layout)`` gives the last version fully written on this rank and whether a failed
+    refit left the destination torn (which tensors); a later successful refit clears it. After a failure part
+    way (``ReshardTransportError``, ``ReshardAbortedError``) the group is unusable: destroy it, build a new one
+    and refit again with the new group (the cache never returns a Resharder of a failed or destroyed group).
     """
     r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
                       backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
                       instances=instances)
     dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "refit")
-    report = r.run(_as_dict(src_tensors, "source"), dst)
+    skey = (dst_layout, instances)
+    state = _STATE.get(skey, RefitState())
+    _STATE[skey] = dataclasses.replace(state, attempting=version)
+    try:
+        report = r.run(_as_dict(src_tensors, "source"), dst)
+    except BaseException as e:
+        torn = tuple(getattr(e, "torn", ()))
+        if torn or not isinstance(e, (ReshardError, ValueError, TypeError)):  # unknown: assume the worst
+            torn = tuple(sorted(set(torn or dst) | set(state.torn_tensors)))
+            _STATE[skey] = RefitState(state.version, True, torn, version, f"{type(e).__name__}: {e}")
+        else:  # nothing written: the state stays what it was
+            _STATE[skey] = dataclasses.replace(state, attempting=None)
+        raise
+    _STATE[skey] = RefitState(version if version is not None else state.version)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
 
 
@@ -199,6 +288,6 @@ def verify_refit(
 
 
 def clear_cache() -> None:
-    """Drop cached plans and buffers (e.g. after destroying a process group)."""
+    """Drop cached plans and buffers (a destroyed or failed group's are dropped anyway)."""
     _CACHE.clear()
     plan_reshard.cache_clear()
