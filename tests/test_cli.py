@@ -157,3 +157,20 @@ def test_plan_plot_writes_a_heatmap(tmp_path, capsys):
     st = plan.stats()
     assert ranks == [0, 1, 2, 3]
     assert m.sum() - m.trace() == st.wire_bytes and m.trace() == st.local_bytes
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_explains_itself(tmp_path, capfd):
+    """A tiny demo on 2 spawned ranks: phase lines, the legend, the lower bound, the speed-up's source, the
+    time breakdown and the one-line verdict, plus the heatmap."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "demo.png"
+    argv = ["demo", "--src", "tp=2", "--dst", "tp=1,dp=2", "--size-gb", "0.02", "--repeats", "1", "--dtype", "bf16",
+            "--plot", str(png)]
+    assert cli.main(argv) == 0
+    out = capfd.readouterr().out  # rank 0's phase lines come from its own process
+    for words in ("spawning 2 ranks", "reshard run 1/1", "all-gather baseline run 1/1", "busiest recv",
+                  "staging/rank  extra buffers", "lower bound on the wire", "DP2: each replica", "speed-up over the all-gather",
+                  "from batching", "first run:", "demo time", "OK: every destination element"):
+        assert words in out, (words, out)
+    assert out.rstrip().splitlines()[-1].startswith("OK: ") and png.stat().st_size > 0
