@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import operator
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -141,6 +142,36 @@ def _as_dtype(dtype: object, what: str) -> torch.dtype:
     raise TypeError(f"{what}: expected a torch.dtype, got {dtype!r}")
 
 
+# bytes: no device addresses more (x86-64 and CUDA virtual addresses are 48-49 bits); a larger tensor is a
+# mistake, and planning or scheduling one would not finish
+MAX_TENSOR_BYTES = 1 << 48
+
+
+def _check_bytes(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+    n = math.prod(shape)
+    if n > MAX_TENSOR_BYTES or n * _itemsize(dtype) > MAX_TENSOR_BYTES:
+        raise ValueError(f"{what}: shape {shape} of {_dtype_name(dtype)} is {n} elements, more than "
+                         f"{MAX_TENSOR_BYTES} bytes (2**48), beyond what any device can address")
+
+
+def _as_index(v: object, what: str) -> int:
+    """An int (or integer-like: numpy, torch scalars) for field ``what``; floats, strings, None and bools raise."""
+    if type(v) is int:
+        return v
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise TypeError(f"{what}: expected an int, got {v!r}")
+
+
+def _as_ints(v: object, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list, torch.Size)):
+        raise TypeError(f"{what}: expected a tuple of ints, got {v!r}")
+    return tuple(_as_index(x, what) for x in v)
+
+
 def _as_shape(shape: object, what: str) -> tuple[int, ...]:
     if _is_int_tuple(shape) and min(shape, default=0) >= 0:  # fast path: already a tuple of ints >= 0
         return shape
@@ -170,6 +201,7 @@ class TensorSpec:
             object.__setattr__(self, "shape", _as_shape(self.shape, f"tensor {self.name!r} shape"))
         if type(self.dtype) is not torch.dtype:
             object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
+        _check_bytes(self.shape, self.dtype, f"tensor {self.name!r}")
 
     @property
     def itemsize(self) -> int:
@@ -194,6 +226,7 @@ class LocalSpec:
             object.__setattr__(
                 self, "dtype", _as_dtype(self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
             )
+        _check_bytes(self.shape, self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,11 +255,17 @@ class Fragment:
         # fast path (layout builders): tuples of plain ints need no conversion
         if not (type(off) is tuple and type(self.sizes) is tuple and type(lo) is tuple
                 and _INT_TYPES.issuperset(map(type, off + self.sizes + lo))):
-            off = tuple(int(o) for o in off)
+            if not isinstance(self.tensor, str) or not self.tensor:
+                raise TypeError(f"fragment: tensor must be a non-empty str, got {self.tensor!r}")
+            where = f"fragment of tensor {self.tensor!r} on rank {rank}"
+            off = _as_ints(off, f"{where}: offsets")
             object.__setattr__(self, "offsets", off)
-            object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
-            lo = tuple(int(o) for o in lo)
+            object.__setattr__(self, "sizes", _as_ints(self.sizes, f"{where}: sizes"))
+            lo = _as_ints(lo, f"{where}: local_offsets")
             object.__setattr__(self, "local_offsets", lo)
+        if type(self.tensor) is not str or type(self.local) is not str:
+            raise TypeError(f"fragment of {self.tensor!r} on rank {rank}: tensor and local must be str, got "
+                            f"{self.tensor!r} and {self.local!r}")
         if not self.local:
             object.__setattr__(self, "local", self.tensor)
         if not lo and off:
@@ -463,11 +502,25 @@ class Layout:
         the logical tensors it holds.
         """
         if isinstance(tensors, Mapping):
-            specs = [TensorSpec(n, tuple(s), d) for n, (s, d) in tensors.items()]
+            specs = []
+            for n, sd in tensors.items():
+                if not isinstance(sd, (tuple, list)) or len(sd) != 2:
+                    raise TypeError(f"tensor {n!r}: expected (shape, dtype), got {sd!r}")
+                specs.append(TensorSpec(n, _as_shape(sd[0], f"tensor {n!r} shape"), sd[1]))
         else:
             specs = list(tensors)
+            for t in specs:
+                if not isinstance(t, TensorSpec):
+                    raise TypeError(f"tensors: expected a dict name -> (shape, dtype) or TensorSpecs, got {t!r}")
         by_name = {s.name: s for s in specs}
+        if not isinstance(fragments, Iterable):
+            raise TypeError(f"fragments: expected an iterable of Fragment, got {fragments!r}")
         frags = list(fragments)
+        for i, f in enumerate(frags):
+            if not isinstance(f, Fragment):
+                raise TypeError(f"fragments[{i}]: expected a Fragment, got {type(f).__name__} {f!r}")
+        if local_shapes is not None and not isinstance(local_shapes, Mapping):
+            raise TypeError(f"local_shapes: expected a dict (rank, local name) -> shape, got {local_shapes!r}")
         extent: dict[tuple[int, str], list[int]] = {}
         dtypes: dict[tuple[int, str], torch.dtype] = {}
         for f in frags:
@@ -493,6 +546,10 @@ class Layout:
             dtypes[key] = spec.dtype
         shapes = {k: tuple(v) for k, v in extent.items()}
         for key, shape in (local_shapes or {}).items():
+            if (not isinstance(key, tuple) or len(key) != 2 or not isinstance(key[1], str)
+                    or not isinstance(key[0], int) or isinstance(key[0], bool)):
+                raise TypeError(f"local_shapes: keys must be (rank, local name) pairs, got {key!r}")
+            shape = _as_shape(shape, f"local tensor {key[1]!r} on rank {key[0]}")
             shapes[tuple(key)] = tuple(shape)
             if key not in dtypes:
                 raise ValueError(f"local tensor {key[1]!r} on rank {key[0]} has a shape but holds no fragment")
@@ -521,7 +578,10 @@ class Layout:
         tensor with no placements, a placement count that differs from the mesh's dims, a ``Shard`` dim out of
         range.
         """
-        mesh_t = torch.as_tensor(mesh)
+        try:
+            mesh_t = torch.as_tensor(mesh)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"mesh must be a non-empty nested list or tensor of integer ranks, got {mesh!r}") from None
         if mesh_t.dtype.is_floating_point or mesh_t.dtype == torch.bool or mesh_t.numel() == 0:
             raise TypeError(f"mesh must be a non-empty nested list or tensor of integer ranks, got {mesh!r}")
         if mesh_t.dim() == 0:
@@ -534,14 +594,20 @@ class Layout:
         specs, frags, locs = [], [], []
         mesh_shape = tuple(mesh_t.shape)
         with _gc_paused():
+            if not isinstance(shapes, Mapping):
+                raise TypeError(f"shapes: expected a dict name -> shape, got {type(shapes).__name__} {shapes!r}")
             for name, shape in shapes.items():
-                shape = _as_shape(tuple(shape), f"tensor {name!r} shape")
+                shape = _as_shape(shape, f"tensor {name!r} shape")
+                if isinstance(dtype, Mapping) and name not in dtype:
+                    raise ValueError(f"tensor {name!r} has no dtype (dtype is a dict without it: {sorted(dtype)})")
                 dt = dtype[name] if isinstance(dtype, Mapping) else dtype
                 spec = TensorSpec(name, shape, dt)
                 specs.append(spec)
                 if isinstance(placements, Mapping) and name not in placements:
                     raise ValueError(f"tensor {name!r} has no placements")
                 pl = placements[name] if isinstance(placements, Mapping) else placements
+                if not isinstance(pl, (tuple, list)):
+                    raise TypeError(f"tensor {name!r}: placements must be a list of Shard/Replicate, got {pl!r}")
                 pl = tuple(pl)
                 if len(pl) != mesh_t.dim():
                     raise ValueError(
