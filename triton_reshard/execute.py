@@ -110,8 +110,15 @@ _RUNNING_LOCK = threading.Lock()
 class RunReport:
     """What one ``run()`` did on this rank (in verify mode: ``unpack_seconds`` / ``local_seconds`` are compares).
 
-    ``ignored``: destination tensors ``refit`` was given that the destination layout does not cover on this
-    rank (sorted; ``Resharder.run`` itself takes none)."""
+    ``steps``: schedule steps this run went through. ``sent_bytes`` / ``recv_bytes``: bytes of the messages
+    this rank sent / received, as they went on the wire: packed messages include the alignment padding between
+    their chunks (each chunk starts at a multiple of ``plan.ALIGN`` = 16 bytes), so they can exceed the payload
+    that ``Plan.stats().sent_bytes[rank]`` counts (e.g. 240 vs 224). ``local_bytes``: bytes copied from this
+    rank's own source tensors into its destination tensors (no wire). ``staging_bytes``: the send + receive
+    staging areas this rank holds (allocated once, reused; at most ``bucket_bytes``). ``seconds``: the whole
+    run on this rank, handshake included; the ``*_seconds`` below are parts of it. ``ignored``: destination
+    tensors ``refit`` was given that the destination layout does not cover on this rank (sorted;
+    ``Resharder.run`` itself takes none)."""
 
     rank: int
     steps: int
