@@ -64,8 +64,18 @@ def get_resharder(
 ) -> Resharder:
     """The cached Resharder for these layouts and options (plan and buffers reused across calls).
 
+    The cache key is ``(src_layout, dst_layout, group, bucket_bytes, timeout, backend, allow_cast,
+    gpus_per_node, relay, instances)``: layouts by value (an equal layout rebuilt every step still hits), the
+    group by identity (``None``: the default group of now). The tensors are not in the key: passing new tensor
+    objects each call is fine as long as they have the layouts' names, shapes and dtypes; when their memory
+    (addresses, strides) differs from the last call the Resharder re-binds them (rebuilds its copy lists,
+    keeps its staging buffers), same memory is free. Up to 8 entries, least recently used dropped; an entry of
+    a failed or destroyed group is never returned. Call :func:`clear_cache` to free the staging memory of
+    layouts you no longer refit, or after changing the process groups by hand.
+
     ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
-    (see :func:`refit`)."""
+    (see :func:`refit`). Raises what :func:`~triton_reshard.plan_reshard` and ``Resharder`` raise for layouts
+    or options that cannot work (``ValueError`` / ``TypeError``, naming the tensor or option)."""
     key = (src_layout, dst_layout, _group_key(group), int(bucket_bytes),
            str(timeout), backend, bool(allow_cast), gpus_per_node, relay, instances)
     hit = _CACHE.get(key)
@@ -190,6 +200,10 @@ def refit(
     version: object = None,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
+
+    Plans and staging buffers are cached (see :func:`get_resharder` for the key, when new tensor objects are
+    fine and when to call :func:`clear_cache`): the first call plans, later calls with equal layouts only move
+    bytes.
 
     ``src_tensors`` / ``dst_tensors``: dicts (or ``named_parameters()`` iterators) of this rank's local tensors
     on each side; ``None`` or ``{}`` for a side this rank has no part in. Local names are the layouts' local
