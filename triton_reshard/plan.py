@@ -741,7 +741,11 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
                     else:
                         remote.append((df, p_off, p_size, holders, wdt))
                         nbytes.append(n)
-    relays = _choose_heads(fans, remote, nbytes, gpn, world) if fans else []
+    # a relayed part is charged to its source holder as what it replaces (the part once per destination of
+    # its group): holders are balanced as in the plan without relays, so relays take bytes off the network
+    # without moving other pieces to farther holders
+    weight = list(nbytes)
+    relays = _choose_heads(fans, remote, nbytes, gpn, world, weight) if fans else []
     # choose holders: fixed ones first, then largest first onto the least loaded holder
     load = [0] * world
     chosen: list[Fragment | None] = [None] * len(remote)
@@ -749,7 +753,7 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
     for i, (_df, _o, _s, (ranks, _best, first_holder), _w) in enumerate(remote):
         if len(ranks) == 1:
             chosen[i] = first_holder
-            load[ranks[0]] += nbytes[i]
+            load[ranks[0]] += weight[i]
         else:
             flexible.append(i)
     flexible.sort(key=nbytes.__getitem__, reverse=True)  # largest first; stable: ties keep their order
@@ -765,10 +769,10 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
             near = [h for h in ranks if h // gpn == df.rank // gpn]
             if near:
                 rn = _least_loaded(near, load, df.rank)
-                if load[rn] + nbytes[i] <= max(fair, load[r] + nbytes[i]):
+                if load[rn] + weight[i] <= max(fair, load[r] + weight[i]):
                     r = rn
         chosen[i] = best[r]
-        load[r] += nbytes[i]
+        load[r] += weight[i]
     wire = [_make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
     wire += relays
     wire.sort(key=_WIRE_ORDER)
@@ -866,10 +870,12 @@ def _split_piece(p_off: tuple, p_size: tuple, n: int, k: int) -> list[tuple[tupl
     return out
 
 
-def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int | None, world: int) -> list[Transfer]:
+def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int | None, world: int,
+                  weight: list[int]) -> list[Transfer]:
     """Route every fan-out group: split its piece (``_split_piece``), give each part a rank of the group that
     receives it over the network (appended to ``remote``: it gets a source holder like any other piece), and
     return the relay transfers by which that rank forwards its part to the other ranks of the group.
+    ``weight`` gets, per appended part, what the part replaces: its bytes once per destination of the group.
 
     So a piece of a group of k ranks is scattered over the network (each rank ~1/k of it) and all-gathered
     over NVLink (each rank relays its ~1/k to the k-1 others), as NCCL M2N's ring does; a piece too small to
@@ -893,6 +899,7 @@ def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int |
     for k in sorted(range(len(fans)), key=lambda k: -fans[k][5]):  # stable: ties keep their order
         p_off, p_size, holders, wdt, rdt, n, by_rank = fans[k]
         free = set(by_rank)
+        dests = sum(map(len, by_rank.values()))
         for o, s, pn in _split_piece(p_off, p_size, n, len(by_rank)):
             head = min(free, key=lambda r: (net_recv[r], relayed[r], r))
             free.discard(head)
@@ -900,6 +907,7 @@ def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int |
             for df in heads:
                 remote.append((df, o, s, holders, wdt))
                 nbytes.append(pn)
+                weight.append(pn * dests // len(heads))
             net_recv[head] += pn * len(heads)
             for r, dfs in by_rank.items():
                 if r != head:
