@@ -1,0 +1,40 @@
+"""The planner's core property at scale, no process group: random layout pairs (``test_plan``'s
+``reshard_problems``: 1-4-D shapes with empty and uneven shards, 1-3-D meshes with permuted ranks, colocated,
+overlapping and disjoint rank sets, per-tensor pipeline stages, mixed dtypes) each checked by ``check_plan``
+(exact cover, no double writes, values, wire bytes == lower bound == an independent count) and the schedule
+of a random bucket by ``check_schedule``.
+
+Plain ``pytest`` draws ``LOCAL_EXAMPLES`` pairs; with ``TRITON_RESHARD_HYPOTHESIS=ci`` (``.ci/run``) it
+draws ``CI_EXAMPLES`` and asserts that it really ran that many.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .test_plan import check_plan, check_schedule, reshard_problems
+
+CI_EXAMPLES = 10_000
+LOCAL_EXAMPLES = 200
+IN_CI = os.environ.get("TRITON_RESHARD_HYPOTHESIS") == "ci"
+N = CI_EXAMPLES if IN_CI else LOCAL_EXAMPLES
+
+
+def test_planner_property_at_scale():
+    seen = []
+
+    @settings(max_examples=N, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(reshard_problems(), st.sampled_from([256, 300, 1000, 4096, 1 << 20]))
+    def prop(problem, bucket):
+        plan = check_plan(*problem)
+        check_schedule(plan, bucket)
+        seen.append(problem)
+
+    prop()
+    distinct = len({repr(p) for p in seen})
+    assert len(seen) >= N, f"hypothesis ran {len(seen)} examples, wanted {N}"
+    assert distinct >= 0.9 * N, f"only {distinct} distinct layout pairs of {len(seen)}"
