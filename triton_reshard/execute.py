@@ -703,7 +703,9 @@ class Resharder:
         def in_place(m, t, v, receiving: bool):
             """The bytes of view ``v`` of direct message ``m`` as a flat buffer, or None if it must be staged."""
             if m.direct and not (verify and receiving) and v.dtype == t.wire_dtype and v.is_contiguous():
-                return v.reshape(-1).view(torch.uint8)
+                # contiguous, so its elements are consecutive; as_strided, not reshape: a view whose dims are
+                # all size 1 may keep a stride != 1, which view(uint8) refuses
+                return v.as_strided((v.numel(),), (1,)).view(torch.uint8)
             return None
 
         local, local_meta = [], [] if verify else None
