@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from triton_reshard import RefitGroupError, Resharder, init_refit_group, plan_reshard, refit, verify_refit
 from triton_reshard.group import free_port
-from triton_reshard.launch import run_world
+from triton_reshard.launch import run_jobs
 from triton_reshard.presets import get_config, logical_tensors, megatron_layout, vllm_layout
 
 MODEL = "tiny_qwen3"
@@ -79,19 +79,7 @@ def _job(rank: int, world: int, role: str, port: int) -> dict:
 @pytest.mark.slow
 def test_two_separate_jobs_refit_over_a_refit_group():
     port = free_port()
-    results: dict[str, object] = {}
-
-    def launch(role):
-        try:
-            results[role] = run_world(_job, 2, role, port, backend="gloo", timeout=180)
-        except Exception as e:  # noqa: BLE001 (reported below)
-            results[role] = e
-
-    threads = [threading.Thread(target=launch, args=(r,)) for r in ("trainer", "engine")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    results = run_jobs({role: (_job, 2, role, port) for role in ("trainer", "engine")}, timeout=180)
     for role in ("trainer", "engine"):
         assert not isinstance(results[role], Exception), f"{role} job failed: {results[role]}"
     trainer, engine = results["trainer"], results["engine"]

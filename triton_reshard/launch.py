@@ -129,3 +129,28 @@ def run_world(
         torch.load(io.BytesIO(val), weights_only=False) if ok else val
         for ok, val in (results[r] for r in range(world_size))
     ]
+
+
+def run_jobs(jobs: dict[str, tuple], *, backend: str | None = "gloo", timeout: float = 300.0) -> dict[str, object]:
+    """Run several independent worlds at once, as separately launched jobs would run (each world its own
+    processes and its own default process group, on its own port): ``jobs`` maps a name to ``(fn,
+    world_size, *args)`` for :func:`run_world`. Returns ``{name: results by rank}``, or the exception that
+    job raised (a :class:`WorldError`, a ``TimeoutError``) in its place; waits at most ``timeout`` + 60 s."""
+    import threading
+
+    out: dict[str, object] = {}
+
+    def one(name, fn, world_size, *args):
+        try:
+            out[name] = run_world(fn, world_size, *args, backend=backend, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 (returned to the caller)
+            out[name] = e
+
+    threads = [threading.Thread(target=one, args=(name, *spec), daemon=True) for name, spec in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    for name in jobs:
+        out.setdefault(name, TimeoutError(f"job {name!r} did not finish within {timeout + 60:g}s"))
+    return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.engines import transfer_jobs as tj  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
 from triton_reshard.integrations.control import host_store  # noqa: E402
-from triton_reshard.launch import run_world  # noqa: E402
+from triton_reshard.launch import run_jobs  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -46,23 +45,10 @@ def test_vllm_backend_two_jobs(tmp_path):
     _save(cfg, 2, b)
     ctl_port, refit_port = free_port(), free_port()
     ctl = host_store("127.0.0.1", ctl_port)
-    results: dict = {}
-
-    def launch(name, *args):
-        try:
-            results[name] = run_world(*args, backend="gloo", timeout=400)
-        except Exception as e:  # noqa: BLE001 (asserted below)
-            results[name] = e
-
-    jobs = [threading.Thread(target=launch, args=("engine", tj.engine_job, 2, a, ctl_port, b)),
-            threading.Thread(target=launch, args=("trainer", tj.trainer_job, 2, cfg,
-                                                  [os.path.join(a, "model.safetensors"),
-                                                   os.path.join(b, "model.safetensors")],
-                                                  refit_port, ctl_port, 2))]
-    for t in jobs:
-        t.start()
-    for t in jobs:
-        t.join(450)
+    results = run_jobs({"engine": (tj.engine_job, 2, a, ctl_port, b),
+                        "trainer": (tj.trainer_job, 2, cfg, [os.path.join(a, "model.safetensors"),
+                                                             os.path.join(b, "model.safetensors")],
+                                    refit_port, ctl_port, 2)}, timeout=400)
     del ctl
     for name in ("engine", "trainer"):
         assert not isinstance(results.get(name), Exception), f"{name} job failed: {results.get(name)}"
@@ -92,21 +78,9 @@ def test_worker_extension_path(tmp_path):
     torch.manual_seed(3)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).float().save_pretrained(a)
     port = free_port()
-    results: dict = {}
-
-    def launch(name, *args):
-        try:
-            results[name] = run_world(*args, backend="gloo", timeout=300)
-        except Exception as e:  # noqa: BLE001 (asserted below)
-            results[name] = e
-
-    jobs = [threading.Thread(target=launch, args=("engine", tj.extension_engine_job, 2, a, port, 2)),
-            threading.Thread(target=launch, args=("trainer", tj.extension_trainer_job, 2, cfg,
-                                                  os.path.join(a, "model.safetensors"), port, 2))]
-    for t in jobs:
-        t.start()
-    for t in jobs:
-        t.join(350)
+    results = run_jobs({"engine": (tj.extension_engine_job, 2, a, port, 2),
+                        "trainer": (tj.extension_trainer_job, 2, cfg, os.path.join(a, "model.safetensors"), port, 2)},
+                       timeout=300)
     for name in ("engine", "trainer"):
         assert not isinstance(results.get(name), Exception), f"{name} job failed: {results.get(name)}"
     problems = [p for r in results["engine"] for p in r["problems"]]
