@@ -403,6 +403,7 @@ class Resharder:
                              f"{per_slot} B would need ~{chunks} chunks (more than {_MAX_CHUNKS}): raise bucket_bytes")
         self._broken: str | None = None  # set by a failure part way: the group is unusable then
         self._alias_ok: dict[tuple[str, str, tuple[int, ...]], str | None] = {}
+        self._memory_ok: tuple | None = None  # the tensor signature that last passed _check_memory
         self._comm = as_transport(group)  # a torch.distributed group (global ranks) or a RefitGroup (its own)
         self.rank, self.group_ranks = self._comm.rank, tuple(self._comm.ranks)
         missing = sorted(set(plan.ranks) - set(self.group_ranks))
@@ -473,7 +474,12 @@ class Resharder:
         if self._uses_wire() and self._is_nccl() and device.type != "cuda":
             raise ValueError(f"rank {self.rank}: NCCL needs CUDA tensors, got tensors on {device}")
         if not verify:  # verify writes nothing: sharing memory is harmless there
-            self._check_memory(src_tensors, dst_tensors)
+            # overlap depends only on addresses, shapes, strides and dtypes: checked once per set of tensors,
+            # not on every step of an RL loop that passes the same ones
+            sig = (self._signature(src_tensors), self._signature(dst_tensors))
+            if sig != self._memory_ok:
+                self._check_memory(src_tensors, dst_tensors)
+                self._memory_ok = sig
         return device
 
     def _check_memory(self, src_tensors, dst_tensors) -> None:
