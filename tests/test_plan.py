@@ -530,7 +530,7 @@ def boxes_in(draw, ndim=None, n=(0, 5)):
 @HYP
 @given(boxes_in())
 def test_fast_pieces_and_held_numel_match_decompose(problem):
-    from triton_reshard.plan import _decompose, _held_numel, _overlaps, _pieces
+    from triton_reshard.plan.routing import _decompose, _held_numel, _overlaps, _pieces
 
     (off, size), cands = problem
     cands = [c for c in cands if _overlaps(c[0], c[1], off, size)]
@@ -565,7 +565,7 @@ def _first_fit_reference(chunks, order, cap):
                 max_size=60),
        st.sampled_from([256, 272, 512]))
 def test_first_fit_matches_reference(items, cap):
-    from triton_reshard.plan import _first_fit
+    from triton_reshard.plan.schedule import _first_fit
 
     chunks = [(i, (), (), n, s, d) for i, (n, s, d) in enumerate(items)]
     order = sorted(range(len(chunks)), key=lambda k: (-(-(-chunks[k][3] // ALIGN) * ALIGN), k))
@@ -746,7 +746,7 @@ def test_relay_needs_no_source_in_the_node():
     pytest.param(torch.bool, torch.int8, torch.int8, id="same-size-bool-to-int8"),
 ])
 def test_relay_dtype(src_dt, dst_dt, want):
-    from triton_reshard.plan import _relay_dtype
+    from triton_reshard.plan.relay import _relay_dtype
 
     wdt = dst_dt if itemsize(dst_dt) < itemsize(src_dt) else src_dt
     assert _relay_dtype(src_dt, dst_dt, wdt) == want
@@ -832,7 +832,7 @@ def _net_recv(plan, gpus_per_node):
 @pytest.fixture
 def split_64k():
     """Split fan-out pieces into parts from 64 KiB (the default is 1 MiB), so small test tensors split."""
-    import triton_reshard.plan as plan_mod
+    import triton_reshard.plan.relay as plan_mod
 
     saved = plan_mod.RELAY_SPLIT_MIN_BYTES
     plan_reshard.cache_clear()
@@ -846,7 +846,7 @@ def split_64k():
 def test_split_fan_out_scatters_a_big_piece():
     """A 1 MiB tensor held only in node 0, replicated on the four ranks of node 1: each rank receives a quarter
     (one block of 256 rows) over the network and relays it to the three others; nothing is relayed twice."""
-    from triton_reshard.plan import RELAY_SPLIT_MIN_BYTES
+    from triton_reshard.plan.relay import RELAY_SPLIT_MIN_BYTES
 
     src, dst = (P({"w": (1024, 256)}, [0, 1], [R]),), (P({"w": (1024, 256)}, [4, 5, 6, 7], [R]),)
     plan = check_plan(src, dst, gpus_per_node=4)
@@ -885,7 +885,7 @@ def test_split_fan_out_rotates_uneven_parts():
 @pytest.mark.usefixtures("split_64k")
 def test_split_fan_out_keeps_small_pieces_whole():
     """Under RELAY_SPLIT_MIN_BYTES per part a piece gets fewer parts than ranks, or one (a single head)."""
-    from triton_reshard.plan import RELAY_SPLIT_MIN_BYTES, _split_piece
+    from triton_reshard.plan.relay import RELAY_SPLIT_MIN_BYTES, _split_piece
 
     m = RELAY_SPLIT_MIN_BYTES
     assert _split_piece((0, 0), (4, 3), 48, 4) == [((0, 0), (4, 3), 48)]  # tiny: whole
@@ -934,7 +934,7 @@ def test_split_relay_validation_rejects_chains():
 def test_property_split_relay_routing(problem, gpus_per_node):
     """Every fan-out piece split into parts as small as one element (RELAY_SPLIT_MIN_BYTES = 1): exact cover and
     values, wire bytes the lower bound, no chains; the bytes each rank receives unchanged; deterministic."""
-    import triton_reshard.plan as plan_mod
+    import triton_reshard.plan.relay as plan_mod
 
     src, dst = dc.side_layout(problem[0]), dc.side_layout(problem[1])
     saved = plan_mod.RELAY_SPLIT_MIN_BYTES

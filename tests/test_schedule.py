@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from triton_reshard import Layout, Replicate, Shard, plan_reshard
-from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES, _is_contiguous_box, build_schedule
+from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES, build_schedule
+from triton_reshard.plan.schedule import _is_contiguous_box
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from . import ops
 from .group import RefitGroup, as_transport
 from .layout import box_slices
-from .plan import ALIGN, DIRECT_MIN_BYTES, Plan, _split_box
+from .plan import ALIGN, DIRECT_MIN_BYTES, Plan
+from .plan.schedule import _split_box
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)

@@ -1,0 +1,222 @@
+"""Plan: two layouts in, transfers out. Pure, deterministic, immutable, printable.
+
+``plan_reshard(src, dst)`` decides, for every element of every destination fragment, which source rank
+sends it (or that the destination rank copies it locally because it already holds it). ``Plan.schedule``
+then cuts the wire transfers into memory-bounded steps, each step grouping the bytes of one
+(source rank, destination rank) pair into one contiguous message at fixed buffer offsets.
+
+Every rank computes the same plan and schedule with no communication; ``digest`` lets ranks check that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..layout import Layout, _gc_paused
+from .routing import _check_gpus_per_node, _check_relay_groups, _check_specs, _route, lower_bound_bytes
+from .schedule import build_schedule
+from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
+from .validate import _validate_plan
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Who sends which box to whom. Validated on construction: every destination element covered exactly once,
+    every transfer read from a box its source rank really holds."""
+
+    src: Layout
+    dst: Layout
+    transfers: tuple[Transfer, ...]  # over the wire (src_rank != dst_rank)
+    local_copies: tuple[Transfer, ...]  # src_rank == dst_rank, never on the wire
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for t in self.transfers:
+            if t.is_local:
+                raise ValueError(f"plan: wire transfer {t} stays on one rank")
+        for t in self.local_copies:
+            if not t.is_local:
+                raise ValueError(f"plan: local copy {t} crosses ranks")
+        _validate_plan(self)
+
+    @property
+    def digest(self) -> str:
+        if "digest" not in self._cache:
+            h = hashlib.sha256()
+            h.update(self.src.digest.encode())
+            h.update(self.dst.digest.encode())
+            with _gc_paused():  # millions of short-lived tuples: collector passes would dominate
+                for t in self.transfers + self.local_copies:
+                    h.update(repr(t.key()).encode())
+            self._cache["digest"] = h.hexdigest()[:16]
+        return self._cache["digest"]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.src.ranks) | set(self.dst.ranks)))
+
+    def stats(self, gpus_per_node: int | None = None) -> PlanStats:
+        """Bytes and counts (cached). ``gpus_per_node``: also split the wire bytes into network (between nodes
+        of that many consecutive ranks) and NVLink (inside a node) bytes; relays are counted in both the
+        totals and ``relay_bytes``."""
+        _check_gpus_per_node(gpus_per_node, "Plan.stats")
+        key = ("stats", gpus_per_node)
+        if key not in self._cache:
+            sent: dict[int, int] = defaultdict(int)
+            recv: dict[int, int] = defaultdict(int)
+            relay_bytes = num_relays = net = 0
+            for t in self.transfers:
+                n = t.nbytes
+                sent[t.src_rank] += n
+                recv[t.dst_rank] += n
+                if t.relay:
+                    relay_bytes += n
+                    num_relays += 1
+                if gpus_per_node and t.src_rank // gpus_per_node != t.dst_rank // gpus_per_node:
+                    net += n
+            for r in self.ranks:
+                sent.setdefault(r, 0)
+                recv.setdefault(r, 0)
+            if "lower_bound" not in self._cache:
+                self._cache["lower_bound"] = lower_bound_bytes(self.src, self.dst)
+            wire = sum(sent.values())
+            self._cache[key] = PlanStats(
+                wire_bytes=wire,
+                local_bytes=sum(t.nbytes for t in self.local_copies),
+                lower_bound_bytes=self._cache["lower_bound"],
+                sent_bytes=dict(sorted(sent.items())),
+                recv_bytes=dict(sorted(recv.items())),
+                num_transfers=len(self.transfers),
+                num_local_copies=len(self.local_copies),
+                relay_bytes=relay_bytes,
+                num_relays=num_relays,
+                gpus_per_node=gpus_per_node,
+                net_bytes=net if gpus_per_node else None,
+                nvlink_bytes=wire - net if gpus_per_node else None,
+            )
+        return self._cache[key]
+
+    def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
+        """Cut the wire transfers into steps within ``bucket_bytes`` of staging per rank (cached).
+
+        Chunks of at least ``direct_min_bytes`` that are contiguous in their source or destination local
+        tensor become direct messages (sent or received in place by the executor)."""
+        key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
+        if key not in self._cache:
+            self._cache[key] = build_schedule(
+                self.transfers, int(bucket_bytes), self._contiguity(int(direct_min_bytes)), int(direct_min_bytes)
+            )
+        return self._cache[key]
+
+    def _contiguity(self, min_bytes: int = 0) -> list[tuple | None]:
+        """Per wire transfer: (source local shape or None, destination local shape or None): the local tensor
+        on the side where its bytes could move in place (wire dtype == local dtype), for direct messages.
+        None for transfers under ``min_bytes`` (never direct)."""
+        src_locals, dst_locals = self.src._locals_by_rank, self.dst._locals_by_rank
+        empty: dict = {}
+        out: list[tuple | None] = []
+        with _gc_paused():
+            for t in self.transfers:
+                if t.nbytes < min_bytes:
+                    out.append(None)
+                    continue
+                s = (dst_locals if t.relay else src_locals).get(t.src_rank, empty).get(t.src_local)
+                d = dst_locals.get(t.dst_rank, empty).get(t.dst_local)
+                w = t.wire_dtype
+                out.append((s.shape if s is not None and s.dtype == w else None,
+                            d.shape if d is not None and d.dtype == w else None))
+        return out
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"Plan(digest={self.digest}, {len(self.transfers)} wire transfers ({s.wire_bytes} B, lower bound "
+            f"{s.lower_bound_bytes} B), {len(self.local_copies)} local copies ({s.local_bytes} B), ranks "
+            f"{list(self.ranks)})"
+        )
+
+    def describe(self, max_rows: int = 40) -> str:
+        """A readable listing of the plan, for debugging."""
+        lines = [repr(self)]
+        rows = [("wire", t) for t in self.transfers] + [("local", t) for t in self.local_copies]
+        for kind, t in rows[:max_rows]:
+            lines.append(f"  {kind:5s} {t}")
+        if len(rows) > max_rows:
+            lines.append(f"  ... {len(rows) - max_rows} more")
+        return "\n".join(lines)
+
+    __str__ = describe
+
+
+@lru_cache(maxsize=64)
+def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
+                 relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None) -> Plan:
+    """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
+
+    Every destination element is covered exactly once. If the destination rank holds a source copy of an
+    element, it is copied locally (never on the wire); otherwise one source holder sends it, holders chosen
+    so that bytes sent are spread evenly (fixed sources first, then the rest largest first onto the least
+    loaded holder).
+
+    ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
+    source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that
+    keeps its bytes sent within the larger of its fair share (wire bytes / sending ranks) and what the least
+    loaded holder would reach; so fewer bytes cross the network while the bytes sent (and the number of
+    schedule steps) stay balanced. The wire bytes stay the lower bound. ``None``: no topology (the default).
+
+    ``relay`` (needs ``gpus_per_node``; ``None``: on exactly when ``gpus_per_node`` is given): fan-out inside a
+    node, the idea of NCCL's M2N ring. A piece that several ranks of one node need (one destination box
+    replicated, e.g. on the DP replicas of vLLM TP x DP) while no source rank of that node holds it crosses the
+    network once per node instead of once per rank: it is split into one near-equal contiguous part per rank of
+    that group (parts of at least ``RELAY_SPLIT_MIN_BYTES``: a small piece gets fewer parts, or stays whole),
+    each part crosses the network to one rank of the group (from a source holder, chosen as usual), and that
+    rank forwards it to the others by relay transfers (``Transfer.relay``), which read its destination tensor
+    and run in a second phase, over NVLink: a scatter over the network, then an all-gather over NVLink, so each
+    rank receives ~1/k of the piece over the network and relays ~1/k of it to the k-1 others. Parts go,
+    largest piece and part first, to the rank of the group with the fewest bytes received over the network so
+    far (then the fewest bytes relayed, then the lowest rank): the network receives and relay sends spread
+    over the replicas of the node. Relay bytes are not counted as sender load when the network senders are
+    balanced: they leave another port (NVLink, ~10-20x faster) in a later phase. Every destination element
+    still arrives once, so the wire bytes stay the lower bound; only the senders change, and fewer bytes cross
+    the network. A plan in which nothing fans out, and every plan with ``relay=False``, is exactly the plan of
+    the node-aware routing alone.
+
+    ``relay_groups``: groups of destination ranks that need the same pieces, e.g. the same position in several
+    copies of one layout (``Layout.instance_groups``: independent inference engines), as a tuple of disjoint
+    tuples of ranks (a rank in no group is a group of its own). The same fan-out, inside a group instead of a
+    node: a piece that at least two ranks of one group need over the wire is split into parts, each part sent
+    once by a source holder to one rank of the group and relayed by that rank to the others, so the sources
+    send each such byte once per group instead of once per rank of it (with n copies of an engine, the
+    trainer's send port carries ~1x instead of nx one engine's bytes; the relay sends spread over the
+    copies). Unlike nodes, a group fans out even when a source rank inside it holds the piece (the point is to
+    unload the sources, not to stay near them). With ``gpus_per_node`` nodes come first: a piece that a node
+    fans out crosses the network once per node and is relayed over NVLink there (cheaper than relaying it
+    between nodes); the ranks left (e.g. one rank per node, when each engine copy fills its own node) fan out
+    inside their group. A rank receives each element once, by one relay at most (no chains), so a piece is
+    never relayed twice (between nodes, then inside one). ``relay`` (``None``: on when ``relay_groups`` or
+    ``gpus_per_node`` is given) off ignores the groups.
+
+    Raises ``TypeError`` for arguments of the wrong type (not two Layouts, a non-bool ``relay``), and
+    ``ValueError``, naming the tensor, when the layouts cannot be resharded: a destination tensor the source
+    lacks, shapes that differ, dtypes that differ without ``allow_cast``, a destination element no source rank
+    holds, destination boxes that overlap on one rank; also for ``relay=True`` without ``gpus_per_node`` or
+    ``relay_groups``, a ``gpus_per_node`` < 1 and relay groups that overlap.
+    """
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
+    _check_gpus_per_node(gpus_per_node, "plan_reshard")
+    groups = _check_relay_groups(relay_groups)
+    if relay is None:
+        relay = gpus_per_node is not None or bool(groups)
+    elif not isinstance(relay, bool):
+        raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
+    elif relay and gpus_per_node is None and relay_groups is None:
+        raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
+                         "node or a group)")
+    _check_specs(src, dst, allow_cast)
+    with _gc_paused():
+        local, wire = _route(src, dst, gpus_per_node, relay, groups if relay else {})
+        return Plan(src, dst, tuple(wire), tuple(local))

@@ -1,0 +1,234 @@
+"""Plan values: transfers, the schedule's messages and steps, plan statistics, and the constants they share.
+
+Pure values (frozen dataclasses); the planner (``routing``, ``relay``), the scheduler (``schedule``) and the
+checks (``validate``) build on them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Fragment, _dtype_name, _gc_paused, _itemsize
+
+ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
+# A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
+# message, so the executor can send it straight from the source tensor or receive it straight into the
+# destination (no pack or unpack copy on that side). Below it, one packed message per peer costs less than a
+# message per chunk (each message has a fixed cost on the transport).
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One box of one logical tensor from a source local tensor to a destination local tensor.
+
+    ``offsets``/``sizes``: the box in the logical tensor. ``src_offsets``/``dst_offsets``: where it starts in
+    the source/destination local tensor (local dims; extra leading dims have size 1). ``wire_dtype``: the
+    dtype the bytes travel in (the smaller of the two when they differ; cast on the sender when it shrinks).
+    ``relay``: the source is not the source layout but the *destination* local tensor ``src_local`` of
+    ``src_rank``, which an earlier phase of the plan already wrote (fan-out inside a node: one network
+    receive, then NVLink sends); relays run after every non-relay transfer and local copy.
+    """
+
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    src_rank: int
+    src_local: str
+    src_offsets: tuple[int, ...]
+    dst_rank: int
+    dst_local: str
+    dst_offsets: tuple[int, ...]
+    wire_dtype: torch.dtype
+    relay: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.wire_dtype)
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+    def key(self) -> tuple:
+        k = (
+            self.tensor, self.offsets, self.sizes, self.src_rank, self.src_local, self.src_offsets,
+            self.dst_rank, self.dst_local, self.dst_offsets, _dtype_name(self.wire_dtype),
+        )
+        return k + (True,) if self.relay else k  # plans without relays keep their digests
+
+    def __str__(self) -> str:
+        box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
+        return (
+            f"{self.tensor}[{box}] {'relay ' if self.relay else ''}rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
+            f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {_dtype_name(self.wire_dtype)})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A sub-box of a wire transfer placed at ``buffer_offset`` bytes inside its message."""
+
+    transfer: int  # index into Plan.transfers
+    offsets: tuple[int, ...]  # sub-box start, relative to the transfer's box
+    sizes: tuple[int, ...]
+    nbytes: int
+    buffer_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Bytes ``src`` sends ``dst`` in one step: one contiguous buffer on each side.
+
+    Per step a pair exchanges at most one packed message (``direct=False``: many chunks at aligned offsets)
+    and any number of direct ones (one big chunk that is contiguous in its source or destination local
+    tensor: the executor sends or receives it in place when the real tensor is contiguous, and stages it
+    otherwise). Messages of one pair are posted in the order they are listed, on both sides.
+    """
+
+    src: int
+    dst: int
+    nbytes: int  # aligned size of its place in the staging area
+    chunks: tuple[Chunk, ...]
+    direct: bool = False
+
+    @property
+    def payload(self) -> int:
+        """Bytes on the wire: up to the end of the last chunk (no trailing alignment padding)."""
+        return max((c.buffer_offset + c.nbytes for c in self.chunks), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    messages: tuple[Message, ...]
+    phase: int = 0  # 0: from the source layout; 1: relays from what phase 0 wrote (all phase-0 steps come first)
+
+
+@dataclass(frozen=True, slots=True)
+class RankStep:
+    """What one rank does in one step: its sends and receives, at offsets in its staging areas."""
+
+    sends: tuple[tuple[int, int, Message], ...]  # (peer, offset in the send area, message)
+    recvs: tuple[tuple[int, int, Message], ...]  # (peer, offset in the receive area, message)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Wire transfers cut into steps; per step each rank sends at most ``bucket_bytes // 2`` bytes and
+    receives at most ``bucket_bytes // 2`` bytes, so its staging memory stays within ``bucket_bytes``."""
+
+    bucket_bytes: int
+    steps: tuple[Step, ...]
+
+    def for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
+        """This rank's steps, plus the sizes of the send and receive staging areas it needs.
+
+        Per step the packed messages come first (by peer), then the direct ones (in step order): so the
+        staging a rank really uses, when its direct messages go in place, is a prefix of its areas; and the
+        messages of one pair are in the same order on the sending and the receiving side.
+        """
+        with _gc_paused():
+            return self._for_rank(rank)
+
+    def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
+        out, send_area, recv_area = [], 0, 0
+        for step in self.steps:
+            sends, recvs, s_off, r_off = [], [], 0, 0
+            mine_s = [m for m in step.messages if m.src == rank]  # sorted by (dst, direct)
+            mine_r = sorted((m for m in step.messages if m.dst == rank), key=lambda m: m.src)
+            for direct in (False, True):
+                for m in mine_s:
+                    if m.direct == direct:
+                        sends.append((m.dst, s_off, m))
+                        s_off += m.nbytes
+                for m in mine_r:
+                    if m.direct == direct:
+                        recvs.append((m.src, r_off, m))
+                        r_off += m.nbytes
+            send_area, recv_area = max(send_area, s_off), max(recv_area, r_off)
+            out.append(RankStep(tuple(sends), tuple(recvs)))
+        return tuple(out), send_area, recv_area
+
+    def peak_staging_bytes(self) -> int:
+        """The largest staging memory (send + receive areas) any rank allocates."""
+        ranks = {m.src for s in self.steps for m in s.messages} | {m.dst for s in self.steps for m in s.messages}
+        return max((sum(self.for_rank(r)[1:]) for r in ranks), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """What a plan moves, from the transfers alone (``Plan.stats()``; payload bytes, before the schedule).
+
+    ``wire_bytes``: bytes of all wire transfers (rank to another rank), relays included. ``local_bytes``: bytes
+    a rank copies from its own source tensors into its own destination tensors (never on the wire).
+    ``lower_bound_bytes``: the least any plan can send, from the layouts alone (every destination element whose
+    rank holds no source copy of it must arrive once); a plan without relays to the same ranks has
+    ``wire_bytes == lower_bound_bytes``. ``sent_bytes`` / ``recv_bytes``: {rank: bytes it sends / receives}, every
+    rank of the plan present. ``num_transfers`` / ``num_local_copies``: how many of each (boxes, not messages).
+
+    These are payload bytes. What ``Resharder.run`` reports (``RunReport.sent_bytes``) can be a little more:
+    several chunks share one packed message per peer and step, each starting at a multiple of ``ALIGN`` (16)
+    bytes, so the message carries the padding between chunks (e.g. 224 B of payload in 240 B). ``max_sent_bytes``
+    / ``max_recv_bytes``: the busiest rank's. The node fields are filled by ``Plan.stats(gpus_per_node)`` only.
+    """
+
+    wire_bytes: int
+    local_bytes: int
+    lower_bound_bytes: int
+    sent_bytes: dict[int, int]
+    recv_bytes: dict[int, int]
+    num_transfers: int
+    num_local_copies: int
+    relay_bytes: int = 0  # of wire_bytes: sent by relays (forwarding what a rank received; a later phase)
+    num_relays: int = 0  # of num_transfers
+    gpus_per_node: int | None = None  # the node size below (``Plan.stats(gpus_per_node)``), None: not asked
+    net_bytes: int | None = None  # of wire_bytes: between nodes (over the network)
+    nvlink_bytes: int | None = None  # of wire_bytes: inside a node (over NVLink)
+
+    @property
+    def max_sent_bytes(self) -> int:
+        return max(self.sent_bytes.values(), default=0)
+
+    @property
+    def max_recv_bytes(self) -> int:
+        return max(self.recv_bytes.values(), default=0)
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+    def as_dict(self) -> dict:
+        return {
+            "wire_bytes": self.wire_bytes,
+            "local_bytes": self.local_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "sent_bytes": dict(self.sent_bytes),
+            "recv_bytes": dict(self.recv_bytes),
+            "max_sent_bytes": self.max_sent_bytes,
+            "max_recv_bytes": self.max_recv_bytes,
+            "num_transfers": self.num_transfers,
+            "num_local_copies": self.num_local_copies,
+            "relay_bytes": self.relay_bytes,
+            "num_relays": self.num_relays,
+            "gpus_per_node": self.gpus_per_node,
+            "net_bytes": self.net_bytes,
+            "nvlink_bytes": self.nvlink_bytes,
+        }
+
+
+def _make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
+    """``sf`` is a source fragment, or for a relay the destination fragment of the rank that relays."""
+    # a fragment's own box starts at its local_offsets (the common case: no local_box to compute)
+    s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
+    d_off = df.local_offsets if off == df.offsets else df.local_box(off, size)[0]
+    return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt, relay)

@@ -1,0 +1,147 @@
+"""Self-validation of a plan: exact cover of every destination fragment, every transfer reads a box its
+source rank holds, no relay chains."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from operator import add, le, sub
+from typing import TYPE_CHECKING
+
+from ..layout import Fragment, _find_overlap, _gc_paused
+from .routing import _overlaps
+from .types import Transfer
+
+if TYPE_CHECKING:
+    from .core import Plan
+
+
+
+def _reads(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
+    """The first of ``frags`` containing box ``off``+``size`` at ``local_off`` of its local tensor, or None.
+
+    (``f.local_box(off, size)[0] == local_off``, inlined: it runs twice per transfer.)
+    """
+    for f in frags:
+        fo = f.offsets
+        if off == fo and size == f.sizes:  # the whole fragment (the common case)
+            if local_off == f.local_offsets:
+                return f
+            continue
+        lo = f.local_offsets
+        extra = len(lo) - len(fo)
+        if (
+            len(off) == len(fo) == len(size)
+            and all(map(le, fo, off))
+            and all(map(le, map(add, off, size), map(add, fo, f.sizes)))
+            and local_off[:extra] == lo[:extra]
+            and local_off[extra:] == tuple(map(add, lo[extra:], map(sub, off, fo)))
+        ):
+            return f
+    return None
+
+
+def _validate_plan(plan: Plan) -> None:
+    """Exact cover of every destination fragment; every transfer reads what its source rank holds; every relay
+    reads a box its rank received from non-relay transfers or local copies.
+
+    Linear in the transfers: per transfer, the fragments of its (tensor, rank, local tensor) on each side
+    (usually one). A transfer writes inside one destination fragment (the fragments of a local tensor are
+    disjoint), so the cover is checked per fragment: usually one transfer of the fragment's size. A relay reads
+    inside one destination fragment of its sender; once the cover is exact, the box it reads was written
+    entirely by non-relays exactly when no relay writes into that box, so only the (rare) fragments that are
+    both read and written by relays are compared.
+    """
+    src, dst = plan.src, plan.dst
+    s_index, d_index = src._fragments_by_local, dst._fragments_by_local
+    written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
+    relay_reads: list[tuple[Fragment, Transfer]] = []  # (the sender's destination fragment, the relay)
+    relay_written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the relays writing into it
+    with _gc_paused():
+        for t in plan.transfers + plan.local_copies:
+            off, size = t.offsets, t.sizes
+            if t.relay:
+                if t.src_rank == t.dst_rank:
+                    raise ValueError(f"plan: relay {t} of tensor {t.tensor!r} stays on rank {t.src_rank} "
+                                     f"(a relay is a wire transfer from another rank's destination tensor)")
+                sf = _reads(d_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets)
+                if sf is None:
+                    raise ValueError(
+                        f"plan: relay {t} reads a box of tensor {t.tensor!r} outside the destination fragments of "
+                        f"rank {t.src_rank} (a relay sends what its rank received; it reads the destination layout)"
+                    )
+                if 0 not in size:
+                    relay_reads.append((sf, t))
+            elif _reads(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
+                raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
+            df = _reads(d_index.get((t.tensor, t.dst_rank, t.dst_local), ()), off, size, t.dst_offsets)
+            if df is None:
+                raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
+            if 0 not in size:
+                ts = written.get(id(df))
+                if ts is None:
+                    written[id(df)] = [t]
+                else:
+                    ts.append(t)
+                if t.relay:
+                    relay_written.setdefault(id(df), []).append(t)
+        for f in dst.fragments:
+            ts = written.get(id(f))
+            if ts is None:
+                exact = 0 in f.sizes
+            elif len(ts) == 1:
+                exact = ts[0].sizes == f.sizes
+            else:
+                exact = (
+                    sum(t.numel for t in ts) == f.numel
+                    and _find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None
+                )
+            if not exact:
+                _check_cover(plan)  # raises, naming the local tensor
+                raise ValueError(f"plan: destination fragment {f} is not covered exactly once")
+        if relay_written:
+            plain: dict[int, set] = {}  # id(fragment) -> the boxes non-relays write into it (when relays do too)
+            for sf, t in relay_reads:
+                ws = relay_written.get(id(sf))
+                if not ws:
+                    continue
+                boxes = plain.get(id(sf))
+                if boxes is None:
+                    boxes = plain[id(sf)] = {(w.offsets, w.sizes) for w in written[id(sf)] if not w.relay}
+                if (t.offsets, t.sizes) in boxes:  # exactly what one non-relay wrote: the cover is exact, so no
+                    continue  # relay writes into it (the common case: a rank relays the part it received)
+                for w in ws:
+                    if _overlaps(w.offsets, w.sizes, t.offsets, t.sizes):
+                        raise ValueError(
+                            f"plan: relay {t} of tensor {t.tensor!r} reads on rank {t.src_rank} a box that rank "
+                            f"itself gets by relay from rank {w.src_rank} ({w}); a relay may only read boxes "
+                            f"written by non-relay transfers or local copies (no relay chains)"
+                        )
+
+
+def _check_cover(plan: Plan) -> None:
+    """Per destination local tensor: no element written twice, every element of its fragments written."""
+    covered: dict[tuple[int, str], list] = defaultdict(list)
+    for t in plan.transfers + plan.local_copies:
+        if t.numel:
+            df = _reads(plan.dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
+                        t.sizes, t.dst_offsets)
+            covered[(t.dst_rank, t.dst_local)].append(df.local_box(t.offsets, t.sizes) + (t,))
+    for (rank, local), boxes in covered.items():
+        hit = _find_overlap(boxes)
+        if hit is not None:
+            raise ValueError(
+                f"plan: tensor {hit[0].tensor!r} on destination rank {rank} ({local!r}) is written twice: "
+                f"{hit[0]} and {hit[1]}"
+            )
+    need: dict[tuple[int, str], int] = defaultdict(int)
+    for f in plan.dst.fragments:
+        need[(f.rank, f.local)] += f.numel
+    got = {k: sum(math.prod(b[1]) for b in v) for k, v in covered.items()}
+    for key, n in need.items():
+        if got.get(key, 0) != n:
+            raise ValueError(
+                f"plan: destination local tensor {key[1]!r} on rank {key[0]} gets {got.get(key, 0)} of its "
+                f"{n} elements"
+            )
