@@ -17,11 +17,12 @@ from .execute import (
     VerifyReport,
 )
 from .group import RefitGroup, RefitGroupError, init_refit_group
-from .layout import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec
+from .layout import BlockQuant, Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec, block_quant_layout
 from .plan import Plan, PlanStats, Schedule, Transfer, plan_reshard
 from .refit import RefitState, clear_cache, refit, refit_state, verify_refit
 
 __all__ = [
+    "BlockQuant",
     "Difference",
     "Fragment",
     "Layout",
@@ -42,6 +43,7 @@ __all__ = [
     "Schedule",
     "Shard",
     "TensorSpec",
+    "block_quant_layout",
     "VerifyReport",
     "Transfer",
     "clear_cache",

@@ -17,7 +17,7 @@ import math
 import operator
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -186,13 +186,58 @@ def _as_shape(shape: object, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+# the dtype of a block-quantized tensor's values (vLLM / DeepSeek block FP8) and of its scales
+QUANT_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockQuant:
+    """Block quantization of a logical tensor (block FP8, e.g. DeepSeek-V3 / vLLM ``weight_block_size``).
+
+    The tensor's values are ``float8_e4m3fn``; each block of ``block`` elements (one extent per logical dim,
+    blocks laid from index 0; the last block along a dim may be partial) has one float32 scale, the
+    dequantization multiplier (vLLM's ``weight_scale_inv``: ``x ~= q * scale``). The scales are a logical
+    tensor of their own, named ``scale``, of shape ``ceil(shape / block)`` per dim, laid out like the weight:
+    the rank holding a (block-aligned) box of the weight holds the box of its blocks' scales.
+    ``ue8m0``: scales rounded up to powers of two (DeepGEMM / SGLang), still stored as float32.
+
+    A shorter ``block`` applies to the trailing dims (leading dims get blocks of 1: ``(128, 128)`` on an
+    ``[E, r, c]`` tensor is ``(1, 128, 128)``); ``TensorSpec`` stores it normalized to its number of dims.
+    """
+
+    block: tuple[int, ...]
+    scale: str
+    ue8m0: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block, (tuple, list)) or not self.block or not all(
+                type(b) is int and b > 0 for b in self.block):
+            raise ValueError(f"BlockQuant: block must be a non-empty tuple of ints > 0, got {self.block!r}")
+        object.__setattr__(self, "block", tuple(self.block))
+        if not isinstance(self.scale, str) or not self.scale:
+            raise TypeError(f"BlockQuant: scale must be the non-empty name of the scale tensor, got {self.scale!r}")
+        if not isinstance(self.ue8m0, bool):
+            raise TypeError(f"BlockQuant: ue8m0 must be a bool, got {self.ue8m0!r}")
+
+    def key(self) -> tuple:
+        return (self.block, self.scale, self.ue8m0)
+
+
+def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the scales of a tensor of ``shape`` quantized in blocks of ``block`` (same number of dims)."""
+    return tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A logical tensor: its global shape and dtype."""
+    """A logical tensor: its global shape and dtype; ``quant``: its block quantization (dtype
+    ``float8_e4m3fn``; see :class:`BlockQuant`), None for a plain tensor."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    quant: BlockQuant | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -202,6 +247,29 @@ class TensorSpec:
         if type(self.dtype) is not torch.dtype:
             object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
         _check_bytes(self.shape, self.dtype, f"tensor {self.name!r}")
+        q = self.quant
+        if q is not None:
+            if not isinstance(q, BlockQuant):
+                raise TypeError(f"tensor {self.name!r}: quant must be a BlockQuant or None, got {q!r}")
+            if self.dtype != QUANT_DTYPE:
+                raise ValueError(f"tensor {self.name!r}: a block-quantized tensor is {_dtype_name(QUANT_DTYPE)}, "
+                                 f"got {_dtype_name(self.dtype)}")
+            nd = len(self.shape)
+            if not nd or len(q.block) > nd:
+                raise ValueError(f"tensor {self.name!r} of shape {self.shape}: block {q.block} has more dims "
+                                 f"than the tensor")
+            if len(q.block) < nd:
+                object.__setattr__(self, "quant", BlockQuant((1,) * (nd - len(q.block)) + q.block, q.scale,
+                                                             q.ue8m0))
+            if q.scale == self.name:
+                raise ValueError(f"tensor {self.name!r}: its scale tensor needs another name")
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """Shape of the scale tensor of a quantized tensor."""
+        if self.quant is None:
+            raise ValueError(f"tensor {self.name!r} is not quantized")
+        return scale_shape(self.shape, self.quant.block)
 
     @property
     def itemsize(self) -> int:
@@ -374,6 +442,82 @@ def _check_fragment(f: Fragment, spec: TensorSpec | None, loc: LocalSpec | None)
         )
 
 
+def _scale_box(f: Fragment, block: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes, local offsets) of the scale fragment that goes with block-aligned weight fragment
+    ``f``: its blocks' box in the scale tensor, at the weight's local offsets divided by the block (extra
+    leading local dims unchanged)."""
+    off = tuple(o // b for o, b in zip(f.offsets, block, strict=True))
+    sizes = tuple(-(-(o + n) // b) - o // b for o, n, b in zip(f.offsets, f.sizes, block, strict=True))
+    lo = f.local_offsets
+    extra = len(lo) - len(block)
+    return off, sizes, lo[:extra] + tuple(o // b for o, b in zip(lo[extra:], block, strict=True))
+
+
+def _misaligned(f: Fragment, spec: TensorSpec) -> str | None:
+    """Why fragment ``f`` of quantized tensor ``spec`` does not sit on its block grid (None if it does)."""
+    block = spec.quant.block
+    extra = len(f.local_offsets) - len(block)
+    for d, (o, n, b, g) in enumerate(zip(f.offsets, f.sizes, block, spec.shape, strict=True)):
+        if o % b:
+            return f"starts at {o} in dim {d}, not a multiple of the block {b}"
+        if (o + n) % b and o + n != g:
+            return (f"ends at {o + n} in dim {d}, neither a multiple of the block {b} nor the tensor's end {g} "
+                    f"(a block would be split between ranks)")
+        lo = f.local_offsets[extra + d]
+        if lo % b:
+            return (f"sits at local offset {lo} in dim {d} of local tensor {f.local!r}, not a multiple of the "
+                    f"block {b} (its scales would have no place of their own)")
+    return None
+
+
+def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragment]) -> None:
+    """Block-quantized tensors: each has its float32 scale tensor of shape ``ceil(shape / block)``; every
+    fragment is block-aligned and its rank holds the matching scale fragment (see ``_scale_box``); every
+    scale fragment belongs to a weight fragment."""
+    scale_of: dict[str, str] = {}
+    for t in specs.values():
+        q = t.quant
+        if q is None:
+            continue
+        s = specs.get(q.scale)
+        if s is None:
+            raise ValueError(f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is not declared")
+        if s.quant is not None or s.dtype != SCALE_DTYPE or s.shape != t.scale_shape:
+            raise ValueError(
+                f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is {s.shape} {_dtype_name(s.dtype)}"
+                f"{' (quantized itself)' if s.quant is not None else ''}; blocks {q.block} of {t.shape} need a plain "
+                f"{t.scale_shape} {_dtype_name(SCALE_DTYPE)}")
+        if q.scale in scale_of:
+            raise ValueError(f"tensors {scale_of[q.scale]!r} and {t.name!r} name the same scale tensor {q.scale!r}")
+        scale_of[q.scale] = t.name
+    by_tensor: dict[str, list[Fragment]] = defaultdict(list)
+    for f in fragments:
+        if f.tensor in scale_of or specs[f.tensor].quant is not None:
+            by_tensor[f.tensor].append(f)
+    for sname, wname in scale_of.items():
+        spec = specs[wname]
+        block = spec.quant.block
+        have = {(f.rank, f.offsets, f.sizes, f.local_offsets): f for f in by_tensor.get(sname, ()) if f.numel}
+        used = set()
+        for f in by_tensor.get(wname, ()):
+            if not f.numel:
+                continue
+            why = _misaligned(f, spec)
+            if why is not None:
+                raise ValueError(f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}) "
+                                 f"is not block-aligned: it {why}")
+            off, sizes, lo = _scale_box(f, block)
+            if (f.rank, off, sizes, lo) not in have:
+                raise ValueError(
+                    f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}, local "
+                    f"{f.local!r}@{f.local_offsets}): rank {f.rank} lacks the scale fragment of {sname!r} box "
+                    f"{off}+{sizes} at local offsets {lo} (block_quant_layout builds it)")
+            used.add((f.rank, off, sizes, lo))
+        if len(used) != len(have):
+            raise ValueError(f"scale tensor {sname!r} has {len(have)} fragments, its weight {wname!r} {len(used)}: every "
+                             f"scale fragment must go with a weight fragment on its rank")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Layout
 # --------------------------------------------------------------------------------------------------------
@@ -413,7 +557,8 @@ class Layout:
                 self,
                 "_key",
                 (
-                    tuple((t.name, t.shape, _dtype_name(t.dtype)) for t in tensors),
+                    tuple((t.name, t.shape, _dtype_name(t.dtype)) if t.quant is None
+                          else (t.name, t.shape, _dtype_name(t.dtype), t.quant.key()) for t in tensors),
                     tuple(map(_FRAG_KEY, frags)),
                     tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
                 ),
@@ -484,6 +629,8 @@ class Layout:
                     f"overlapping fragments on rank {rank} in local tensor {local!r}: tensor {a.tensor!r} box "
                     f"{a.offsets}+{a.sizes} and tensor {b.tensor!r} box {b.offsets}+{b.sizes} share local memory"
                 )
+        if any(t.quant is not None for t in self.tensors):
+            _validate_quant(specs, self.fragments)
 
     # -- constructors -------------------------------------------------------------------------------
 
@@ -496,7 +643,7 @@ class Layout:
     ) -> Layout:
         """Any layout, from fragments.
 
-        ``tensors``: ``{name: (global_shape, dtype)}`` or TensorSpecs. ``local_shapes``: ``{(rank, local_name):
+        ``tensors``: ``{name: (global_shape, dtype)}`` (or ``(global_shape, dtype, BlockQuant)``) or TensorSpecs. ``local_shapes``: ``{(rank, local_name):
         shape}`` for local tensors larger than what their fragments cover (e.g. padded vocab); local tensors
         not listed get the smallest shape that holds their fragments. A local tensor's dtype is the dtype of
         the logical tensors it holds.
@@ -504,9 +651,9 @@ class Layout:
         if isinstance(tensors, Mapping):
             specs = []
             for n, sd in tensors.items():
-                if not isinstance(sd, (tuple, list)) or len(sd) != 2:
-                    raise TypeError(f"tensor {n!r}: expected (shape, dtype), got {sd!r}")
-                specs.append(TensorSpec(n, _as_shape(sd[0], f"tensor {n!r} shape"), sd[1]))
+                if not isinstance(sd, (tuple, list)) or len(sd) not in (2, 3):
+                    raise TypeError(f"tensor {n!r}: expected (shape, dtype) or (shape, dtype, BlockQuant), got {sd!r}")
+                specs.append(TensorSpec(n, _as_shape(sd[0], f"tensor {n!r} shape"), *sd[1:]))
         else:
             specs = list(tensors)
             for t in specs:
@@ -718,6 +865,16 @@ class Layout:
         return {t.name: t for t in self.tensors}
 
     @cached_property
+    def quantized(self) -> dict[str, TensorSpec]:
+        """The block-quantized tensors (name -> TensorSpec with ``quant``); empty for a plain layout."""
+        return {t.name: t for t in self.tensors if t.quant is not None}
+
+    @cached_property
+    def scale_of(self) -> dict[str, str]:
+        """Scale tensor name -> the quantized tensor it belongs to."""
+        return {t.quant.scale: t.name for t in self.quantized.values()}
+
+    @cached_property
     def _locals_by_rank(self) -> dict[int, dict[str, LocalSpec]]:
         out: dict[int, dict[str, LocalSpec]] = defaultdict(dict)
         for s in self.locals:
@@ -798,11 +955,107 @@ class Layout:
         )
 
     def restrict(self, names: Iterable[str]) -> Layout:
-        """The same layout limited to some logical tensors (local tensors holding none of them are dropped)."""
+        """The same layout limited to some logical tensors (local tensors holding none of them are dropped; a
+        quantized tensor keeps its scale tensor)."""
         keep = set(names)
+        keep |= {self.specs[n].quant.scale for n in keep if n in self.specs and self.specs[n].quant is not None}
         frags = tuple(f for f in self.fragments if f.tensor in keep)
         used = {(f.rank, f.local) for f in frags}
         locs = tuple(
             s for s in self.locals if (s.rank, s.name) in used or (s.name in keep and (s.rank, s.name) not in used)
         )
         return Layout(tuple(t for t in self.tensors if t.name in keep), frags, locs)
+
+
+def block_quant_layout(
+    layout: Layout,
+    names: Iterable[str] | Callable[[TensorSpec], bool],
+    block: Sequence[int] = (128, 128),
+    ue8m0: bool = False,
+    scale_suffix: str = "_scale_inv",
+) -> Layout:
+    """``layout`` with some tensors block-quantized (block FP8): what an engine that loads an FP8 checkpoint
+    (``quantization_config`` ``fp8`` with ``weight_block_size``, vLLM / DeepSeek-V3) holds.
+
+    ``names``: the logical tensors to quantize (an iterable of names, or a predicate on TensorSpecs). Each
+    becomes ``float8_e4m3fn`` with a :class:`BlockQuant` of ``block`` (trailing dims; leading dims get 1) and a
+    float32 scale tensor ``name + scale_suffix`` of shape ``ceil(shape / block)``; every fragment gets the
+    scale fragment of its blocks, in local tensor ``local + scale_suffix`` at the weight's local offsets
+    divided by the block (e.g. vLLM's ``qkv_proj.weight`` -> ``qkv_proj.weight_scale_inv``, ``[ceil(rows /
+    128), ceil(cols / 128)]``; extra leading local dims, like stacked experts, unchanged). The local tensors
+    holding them become ``float8_e4m3fn``.
+
+    Raises ``ValueError`` naming the tensor and rank when a fragment is not block-aligned (it would split a
+    block between ranks, or put it at an unaligned local offset: vLLM refuses such shards too), when a local
+    tensor would mix quantized and plain tensors, or a scale name is already taken; ``KeyError`` for an
+    unknown name.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"block_quant_layout: expected a Layout, got {type(layout).__name__}")
+    if callable(names):
+        chosen = {t.name for t in layout.tensors if names(t)}
+    else:
+        if isinstance(names, str):
+            raise TypeError(f"block_quant_layout: names must be an iterable of tensor names or a predicate, got "
+                            f"the string {names!r}")
+        chosen = set(names)
+        unknown = sorted(chosen - set(layout.specs))
+        if unknown:
+            raise KeyError(f"block_quant_layout: unknown tensor {unknown[0]!r}")
+    if not isinstance(scale_suffix, str) or not scale_suffix:
+        raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
+    block = tuple(block)
+    specs: dict[str, TensorSpec] = {}
+    for t in layout.tensors:
+        if t.name not in chosen:
+            specs[t.name] = t
+            continue
+        if t.quant is not None:
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} is {_dtype_name(t.dtype)}, not floating point")
+        q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
+        specs[t.name] = q
+    frags = list(layout.fragments)
+    locs = {(s.rank, s.name): s for s in layout.locals}
+    holds: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for f in frags:
+        holds[(f.rank, f.local)].add(f.tensor)
+    qlocals: dict[tuple[int, str], tuple[int, ...]] = {}  # weight local -> the block of its tensors
+    for f in layout.fragments:
+        spec = specs[f.tensor]
+        if spec.quant is None:
+            continue
+        key = (f.rank, f.local)
+        plain = sorted(holds[key] - chosen)
+        if plain:
+            raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds quantized tensor "
+                             f"{f.tensor!r} and plain tensor {plain[0]!r}: one local tensor has one dtype")
+        if f.numel:
+            why = _misaligned(f, spec)
+            if why is not None:
+                raise ValueError(f"block_quant_layout: fragment of tensor {f.tensor!r} on rank {f.rank} (box "
+                                 f"{f.offsets}+{f.sizes}) is not block-aligned for blocks {spec.quant.block}: it {why}")
+        prev = qlocals.get(key)
+        if prev is not None and prev != spec.quant.block[-len(prev):]:
+            raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds tensors with "
+                             f"different blocks")
+        qlocals[key] = spec.quant.block
+        off, sizes, lo = _scale_box(f, spec.quant.block)
+        frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
+    for t in list(specs.values()):
+        if t.quant is not None:
+            if t.quant.scale in specs:
+                raise ValueError(f"block_quant_layout: the scale tensor name {t.quant.scale!r} of {t.name!r} is taken")
+            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, SCALE_DTYPE)
+    for (rank, local), blk in qlocals.items():
+        ls = locs[(rank, local)]
+        sname = local + scale_suffix
+        if (rank, sname) in locs:
+            raise ValueError(f"block_quant_layout: local tensor {sname!r} on rank {rank} already exists")
+        extra = len(ls.shape) - len(blk)
+        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
+        locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
+                                        SCALE_DTYPE)
+    with _gc_paused():
+        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
