@@ -40,9 +40,9 @@ import sys
 
 import torch
 
-from triton_reshard.cli import timed_planning
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, model_spec
+from triton_reshard.tools.cli import timed_planning
 
 MODELS = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
 WORLDS = (8, 32, 128)

@@ -39,9 +39,9 @@ from collections import defaultdict
 
 import torch
 
-from triton_reshard.cli import routing_figures
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, megatron_layout, model_spec, vllm_layout
+from triton_reshard.tools.cli import routing_figures
 from triton_reshard.topology import PRESETS
 
 MODELS = ("qwen3-235b-a22b", "deepseek-v3")

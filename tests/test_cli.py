@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_reshard import cli
-from triton_reshard.cliutil import UsageError, parse_dtype, parse_sizes
+from triton_reshard.tools import cli
+from triton_reshard.tools.cliutil import UsageError, parse_dtype, parse_sizes
 
 DEMO_TINY = ["--size-gb", "0.01", "--no-baseline"]
 
@@ -69,7 +69,7 @@ def test_dtype_spellings():
 
 def test_demo_accepts_short_dtypes_before_spawning(monkeypatch, capsys):
     """``demo --dtype bf16`` gets past validation and planning (the world itself is stubbed out here)."""
-    from triton_reshard import demo
+    from triton_reshard.tools import demo
 
     def no_world(*a, **k):
         raise SystemExit("stop before spawning")
@@ -140,7 +140,7 @@ def test_version(capsys):
 
 def test_plan_plot_writes_a_heatmap(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from triton_reshard.plot import traffic_matrix
+    from triton_reshard.tools.plot import traffic_matrix
 
     png = tmp_path / "traffic.png"
     argv = ["plan", "--model", "tiny_qwen3_moe", "--src", "tp=2,pp=2", "--dst", "tp=2,dp=2", "--bucket-mb", "1",

@@ -170,7 +170,7 @@ def test_cli_plan_reports_with_and_without_relay(tmp_path, capsys):
     ranks 8-15, nodes of 4: the replicas of each TP shard in a node share one network receive."""
     import json
 
-    from triton_reshard.cli import main
+    from triton_reshard.tools.cli import main
 
     common = ["plan", "--model", "small_qwen3_moe", "--src", "tp=2,pp=2,dp=2,ep=2,etp=1", "--dst", "tp=2,dp=4",
               "--dst-offset", "8", "--preset", "h100", "--gpus-per-node", "4", "--bucket-mb", "1"]
@@ -193,7 +193,7 @@ def test_cli_plan_reports_with_and_without_relay(tmp_path, capsys):
 def test_cli_plan_uneven_pipeline_and_clear_errors(capsys):
     """4 layers over pp=3 need --src-layers-per-stage; an impossible expert split is an error message with exit
     code 2, not a traceback; with the stages given, the plan reaches the lower bound."""
-    from triton_reshard.cli import main
+    from triton_reshard.tools.cli import main
 
     base = ["plan", "--model", "tiny_deepseek_v3", "--dst", "tp=2,dp=2", "--preset", "h100", "--bucket-mb", "1"]
     assert main(base + ["--src", "tp=2,pp=3"]) == 2
@@ -212,7 +212,7 @@ def test_cli_plan_instances_spread_the_trainer_sends(tmp_path, capsys):
     ~3x against the plan without relays (reported beside it), wire bytes the lower bound either way."""
     import json
 
-    from triton_reshard.cli import main
+    from triton_reshard.tools.cli import main
 
     args = ["plan", "--model", "small_qwen3_moe", "--src", "tp=2,pp=2,dp=2,ep=2,etp=1", "--dst", "tp=2,ep=2",
             "--instances", "3", "--dst-offset", "8", "--preset", "h100", "--bucket-mb", "1"]

@@ -136,7 +136,7 @@ def test_vllm_version_followed():
 def test_cli_verify_checkpoint_against_vllm(capsys):
     """``triton-reshard verify``: the preset and the engine-recorded layout both verify against what vLLM's
     loader loaded, and are identical; a preset in the wrong vLLM format fails closed, naming the tensor."""
-    from triton_reshard.cli import main
+    from triton_reshard.tools.cli import main
 
     ckpt = os.path.join(_checkpoints(), "tiny_qwen3_moe")
     assert main(["verify", "--checkpoint", ckpt, "--tp", "2", "--ep"]) == 0

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .baselines import allgather_refit
+from ..baselines import allgather_refit
+from ..execute import Resharder
+from ..launch import run_world
+from ..layout import Layout, Replicate, Shard
+from ..plan import plan_reshard
 from .demo import _expected, _make_src, _peak_rss, _peak_rss_reset, _poison, _rss, _verify
-from .execute import Resharder
-from .launch import run_world
-from .layout import Layout, Replicate, Shard
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
-from .plan import plan_reshard
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from .baselines import allgather_refit
+from ..baselines import allgather_refit
+from ..execute import Resharder
+from ..launch import WorldError, run_world
+from ..layout import Layout, box_slices
+from ..plan import plan_reshard
+from ..testing import synthetic_box
 from .cliutil import DTYPE_HELP, UsageError, parse_dtype, parse_sizes
-from .execute import Resharder
-from .launch import WorldError, run_world
-from .layout import Layout, box_slices
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
-from .plan import plan_reshard
-from .testing import synthetic_box
 
 POISON = float("nan")
 
@@ -60,7 +60,7 @@ def preset_layouts(src_text: str, dst_text: str, size_bytes: int, dtype: torch.d
     """Megatron-Core training layout (TP x PP x DP) -> vLLM inference layout (TP x DP) of a Llama-3-like
     preset config, with the layer count scaled to about ``size_bytes``. Raises ``ValueError`` for a layout
     the model cannot take (named in the message)."""
-    from .presets import get_config, megatron_layout, model_nbytes, vllm_layout
+    from ..presets import get_config, megatron_layout, model_nbytes, vllm_layout
 
     sp, dp_ = Parallelism.parse(src_text), Parallelism.parse(dst_text)
     if dp_.pp > 1:

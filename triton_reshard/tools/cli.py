@@ -29,7 +29,7 @@ def _version() -> str:
 
         return version("triton_reshard")
     except Exception:  # not installed (run from a source tree)
-        from . import __version__
+        from .. import __version__
 
         return __version__
 
@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="triton-reshard", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="cmd", metavar="{demo,plan,bench,verify}")
-    from . import demo, engine_check
+    from .. import engine_check
+    from . import demo
 
     kw = dict(formatter_class=HelpFormatter)
     p_demo = sub.add_parser("demo", help="reshard a Llama-shaped model on a local world and check it",
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.cmd == "verify":
-        from . import engine_check
+        from .. import engine_check
 
         return engine_check.run_verify(args)
     if args.cmd == "plan":
@@ -131,7 +132,7 @@ _DST_KEYS = ("tp", "dp", "ep")
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    from .presets import CONFIGS
+    from ..presets import CONFIGS
 
     p.add_argument("--model", required=True,
                    help=f"a preset config ({', '.join(sorted(CONFIGS))}) or the path of a Hugging Face config.json")
@@ -176,7 +177,7 @@ def _parse_sizes(text: str, keys: tuple[str, ...], what: str) -> dict[str, int]:
 
 
 def _load_config(name: str) -> dict:
-    from .presets import CONFIGS, get_config
+    from ..presets import CONFIGS, get_config
 
     if name in CONFIGS:
         return get_config(name)
@@ -195,8 +196,8 @@ def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per
     and one rank's share of the schedule, each timed. Returns ``(src, dst, plan, stats, schedule, times)``.
     ``gpus_per_node``/``relay``: as ``plan_reshard`` takes them; ``instances``: ``dst`` is that many copies of
     the vLLM layout (``Layout.instances``), their ``instance_groups`` the relay groups."""
-    from .plan import plan_reshard
-    from .presets import megatron_layout, vllm_layout
+    from ..plan import plan_reshard
+    from ..presets import megatron_layout, vllm_layout
 
     times: dict[str, float] = {}
 
@@ -223,7 +224,7 @@ def routing_figures(plan, sched, topo) -> dict:
     """What the topology model says of ``plan`` and its schedule ``sched``: bytes over the network and over
     NVLink, the relays among them, and the predicted time unbucketed (the plan's phases one after the other)
     and scheduled (its steps one after the other, relay steps last)."""
-    from .topology import plan_phase_pair_bytes, predict_seconds, schedule_pair_bytes
+    from ..topology import plan_phase_pair_bytes, predict_seconds, schedule_pair_bytes
 
     st = plan.stats(topo.gpus_per_node)
     bound = predict_seconds(plan_phase_pair_bytes(plan), topo)
@@ -246,9 +247,9 @@ def plan_report(args) -> dict:
     With relays on (``--relay``, or ``--topology-aware`` alone) it also plans without them (one more planning,
     same layouts) and reports that plan's figures under ``without_relay``.
     """
-    from .plan import plan_reshard
-    from .presets import model_nbytes
-    from .topology import PRESETS, Topology, plan_pair_bytes
+    from ..plan import plan_reshard
+    from ..presets import model_nbytes
+    from ..topology import PRESETS, Topology, plan_pair_bytes
 
     cfg = _load_config(args.model)
     dtype = parse_dtype(args.dtype)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout, Replicate, Shard
+from ..layout import Layout, Replicate, Shard
 
 
 @dataclass(frozen=True)
