@@ -22,11 +22,11 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from .torch_copy import Pair, torch_copy_views
+
 BACKENDS = ("torch", "triton")
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ENV_VAR = "TRITON_RESHARD_BACKEND"
-
-Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def resolve_backend(device: torch.device | str | None, backend: str | None = None) -> str:
@@ -38,13 +38,6 @@ def resolve_backend(device: torch.device | str | None, backend: str | None = Non
         return choice
     dev = torch.device(device) if device is not None else torch.device("cpu")
     return "triton" if dev.type == "cuda" else "torch"
-
-
-def torch_copy_views(pairs: Sequence[Pair]) -> None:
-    """Reference: copy every ``src`` view into its ``dst`` view with ``Tensor.copy_`` (casts like ``.to``)."""
-    for src, dst in pairs:
-        if src.numel():
-            dst.copy_(src)
 
 
 def copy_views(pairs: Sequence[Pair], backend: str = "torch", key: Hashable | None = None) -> None:

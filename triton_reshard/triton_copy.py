@@ -2,7 +2,7 @@
 
 ``triton_copy_views(pairs, key)`` copies every ``(src_view, dst_view)`` pair with **one kernel launch per
 dtype group** (see :func:`plan_dtypes`). The torch reference of the same function is
-:func:`triton_reshard.ops.torch_copy_views`; pairs that the kernel does not handle (casts to and from fp8,
+:func:`triton_reshard.torch_copy.torch_copy_views`; pairs that the kernel does not handle (casts to and from fp8,
 float -> int, bool and complex casts, more than ``MAX_DIMS`` non-mergeable dimensions) are copied with it.
 
 Design (details in ``kernels/copy.py``):
@@ -38,7 +38,7 @@ import torch
 import triton
 from triton import knobs
 
-from .ops import Pair, torch_copy_views
+from .torch_copy import Pair, torch_copy_views
 
 KERNELS_MODULE = "triton_reshard.kernels.copy"
 CACHE_SIZE = 256
