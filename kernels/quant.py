@@ -1,0 +1,174 @@
+"""Bare Triton kernel that quantizes many blocks of many tensors to block-FP8 (float8_e4m3fn) in one launch.
+
+The launcher (``triton_reshard/quant.py``) cuts every ``(src, q_out, s_out)`` item into its quantization
+blocks and writes one *block row* per block; **one program quantizes one block**. The numerics are those of
+the torch reference ``triton_reshard.quant.quantize_blocks`` (itself vLLM's ``per_block_cast_to_fp8``):
+
+    amax = max |x| over the block (zero padding of an edge block adds nothing: |0| never raises a max)
+    amax = max(amax, AMAX_FLOOR)                    (NaN stays NaN, as torch's clamp)
+    sf   = amax / FP8_MAX                           (IEEE division, ``div_rn``)
+    sf   = 2 ** ceil(log2(sf))                      (UE8M0 only; see ``_ue8m0``)
+    q    = fp8(x * (1 / sf))                        (fp32 multiply by the IEEE reciprocal)
+
+**Why a block needs nothing from other programs.** The launcher requires every block to fit one tile of
+``BM x BN`` elements (``BM``/``BN``: powers of two >= the block's two inner extents, ``BM * BN <= 16384``,
+i.e. up to 128x128), and a program loads its whole block as that one masked tile. The block's amax is a
+reduction over that tile alone (``tl.max``), so the scale, the reciprocal and every quantized element of
+the block are computed inside the program that owns the block: no cross-program reduction, no atomics, no
+ordering between programs. Blocks never overlap, so programs write disjoint outputs.
+
+Block table: ``int64[num_blocks, FIELDS]``, one row per block, fields at the ``F_*`` indices:
+
+- ``F_SRC``: element offset of the block's first element from ``src_ptr`` (in source elements);
+- ``F_Q``: byte offset of its first quantized element from ``q_ptr`` (q travels as uint8 bits);
+- ``F_S``: element offset of the block's scale from ``s_ptr`` (float32);
+- ``F_ROWS`` / ``F_COLS``: the block's real extents (< BM / BN only for blocks at a tensor's edge);
+- ``F_SRS`` / ``F_SCS``: source element strides of the block's row / column dimension;
+- ``F_QRS`` / ``F_QCS``: the same for q (bytes = elements: fp8 is one byte).
+
+The fp32 -> e4m3fn conversion is done on the bits (``_e4m3fn_bits``): it reproduces torch's
+``Tensor.to(torch.float8_e4m3fn)`` (c10 ``fp8e4m3fn_from_fp32_value``: round to nearest even, subnormals
+down to 2^-9, finite overflow and +-inf saturate to +-448, NaN -> 0x7F with the sign bit) on every
+platform: Triton's own ``.to(tl.float8e4nv)`` differs in the interpreter (it rounds half up and clamps the
+exponent) and uses the hardware's ``cvt.rn.satfinite`` on GPUs. Only integer operations are used, so no
+fused multiply-add can change a rounding.
+"""
+
+import triton
+import triton.language as tl
+
+# Table layout, shared with the launcher (constexpr so the kernel may read them; ``int()`` on the host).
+F_SRC = tl.constexpr(0)
+F_Q = tl.constexpr(1)
+F_S = tl.constexpr(2)
+F_ROWS = tl.constexpr(3)
+F_COLS = tl.constexpr(4)
+F_SRS = tl.constexpr(5)
+F_SCS = tl.constexpr(6)
+F_QRS = tl.constexpr(7)
+F_QCS = tl.constexpr(8)
+FIELDS = tl.constexpr(9)
+# Largest tile (BM * BN elements) one program takes: a 128x128 block.
+MAX_TILE = 16384
+# fp32 bits of the constants: 448.0 (float8_e4m3fn max) and float32(1e-4) (the amax floor, what torch's
+# ``clamp(1e-4)`` compares with on a float32 tensor).
+FP8_MAX_BITS = tl.constexpr(0x43E00000)
+AMAX_FLOOR_BITS = tl.constexpr(0x38D1B717)
+DO_NOT_SPECIALIZE = ("num_blocks",)
+DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("table_ptr",)
+
+
+@triton.jit
+def _f32(bits):
+    """A float32 scalar with the given bit pattern."""
+    return tl.full([], bits, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3fn_bits(y):
+    """float32 -> float8_e4m3fn bits (int32 in 0..255), exactly as torch's ``.to(torch.float8_e4m3fn)``."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    # |y| < 2^-6 (below the smallest e4m3fn normal): round |y| / 2^-9 to nearest even in integers. The
+    # significand M (implicit bit included) times 2^(E - 150) is |y|; in units of 2^-9 that is
+    # M >> (141 - E). E <= 120 here, so the shift is >= 21; it is capped at 31, where M (< 2^24) is below
+    # half a unit and rounds to 0, as every shift >= 25 does. (The floor of 21 only keeps the shift defined
+    # in lanes that take another branch.)
+    e = a >> 23
+    m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+    sh = tl.maximum(tl.minimum(141 - e, 31), 21)
+    q = m >> sh
+    rem = m & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    # 2^-6 <= |y| < 480: rebias the exponent (127 -> 7) and round the mantissa to 3 bits, to nearest even
+    # (the +0x7FFFF +odd bias of c10). c10 also maps a carry into the NaN pattern 0x7F to 448; below 464 no
+    # carry reaches it (464 is the midpoint 448 | 480 and goes to the branch below), kept as in c10.
+    odd = (a >> 20) & 1
+    nrm = ((a - (120 << 23) + 0x7FFFF + odd) >> 20) & 0xFF
+    nrm = tl.where(nrm == 0x7F, 0x7E, nrm)
+    # |y| >= 480 (the first value that does not round to 448) or inf: 448; NaN: 0x7F.
+    big = tl.where(a > 0x7F800000, 0x7F, 0x7E)
+    res = tl.where(a >= (1087 << 20), big, tl.where(a < (121 << 23), sub, nrm))
+    return res | sign
+
+
+@triton.jit
+def _ue8m0(sf, thr_ptr):
+    """torch's ``pow(2, ceil(log2(sf)))`` for a positive float32 ``sf`` (inf and NaN pass unchanged).
+
+    The exact rule is "the exponent, plus one unless the mantissa is zero". torch's formula rounds
+    ``log2`` to float32 first, so a mantissa of a few ulps above zero can round ``log2`` down to the
+    integer and keep the exponent; ``thr_ptr[e]`` (int32[256], measured with torch on this device by the
+    launcher) is the first mantissa, for biased exponent ``e``, that torch rounds up.
+    """
+    b = sf.to(tl.int32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    t = tl.load(thr_ptr + e)
+    e2 = e + (m >= t).to(tl.int32)
+    p = (e2 << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == 255, sf, p)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
+def quant_blocks_kernel(
+    src_ptr,
+    q_ptr,
+    s_ptr,
+    table_ptr,
+    thr_ptr,
+    num_blocks,
+    SRC_BF16: tl.constexpr,
+    UE8M0: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """Quantize block ``program_id`` of the block table (layout in the module docstring).
+
+    ``src_ptr``: the source storage (int16 bits when ``SRC_BF16``, else float16 / float32);
+    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales;
+    ``thr_ptr``: the UE8M0 thresholds (read only when ``UE8M0``); ``BM`` x ``BN``: the tile.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < num_blocks:
+        row = table_ptr + pid * FIELDS
+        src0 = tl.load(row + F_SRC)
+        q0 = tl.load(row + F_Q)
+        s0 = tl.load(row + F_S)
+        rows = tl.load(row + F_ROWS)
+        cols = tl.load(row + F_COLS)
+        srs = tl.load(row + F_SRS)
+        scs = tl.load(row + F_SCS)
+        qrs = tl.load(row + F_QRS)
+        qcs = tl.load(row + F_QCS)
+        r = tl.arange(0, BM)[:, None]
+        c = tl.arange(0, BN)[None, :]
+        mask = (r < rows) & (c < cols)
+        r64 = r.to(tl.int64)
+        c64 = c.to(tl.int64)
+        x = tl.load(src_ptr + (src0 + r64 * srs + c64 * scs), mask=mask, other=0)
+        if SRC_BF16:
+            # bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
+            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.float32)
+        # Block amax. Masked lanes hold 0 and cannot raise it. NaN is propagated explicitly (torch's amax
+        # and clamp keep it; a max on the GPU and the interpreter's np.nanmax drop it). ``tl.reduce`` with
+        # the combine function of ``tl.max`` is ``tl.max`` itself, but also works when triton.language was
+        # imported before TRITON_INTERPRET=1 was set (``tl.max`` is then a compiled-mode JITFunction the
+        # interpreter refuses to call; the interpreter recognizes this combine function and uses np.nanmax).
+        amax = tl.reduce(tl.abs(x), None, tl.standard._elementwise_max)
+        has_nan = tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max)
+        amax = tl.where(has_nan > 0, float("nan"), amax)
+        floor = _f32(AMAX_FLOOR_BITS)
+        amax = tl.where(amax < floor, floor, amax)
+        sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
+        if UE8M0:
+            sf = _ue8m0(sf, thr_ptr)
+        inv = tl.math.div_rn(_f32(0x3F800000), sf)
+        code = _e4m3fn_bits(x * inv)
+        tl.store(q_ptr + (q0 + r64 * qrs + c64 * qcs), code.to(tl.uint8), mask=mask)
+        tl.store(s_ptr + s0, sf)

@@ -1,0 +1,486 @@
+"""Block-FP8 quantization: the torch reference and the launcher of the one-launch Triton kernel.
+
+A tensor is cut into *blocks* (``block``: one extent per dimension, e.g. ``(128, 128)`` for a matrix or
+``(1, 128, 128)`` for stacked experts ``[E, rows, cols]``); each block becomes float8_e4m3fn values and one
+float32 *scale*, the dequantization multiplier (``weight_scale_inv`` in DeepSeek-V3 / Qwen3-FP8
+checkpoints): ``x ~= q.float() * scale``. The numbers are vLLM's ``per_block_cast_to_fp8``
+(``vllm/utils/deep_gemm.py``, 0.33) bit for bit:
+
+- a partial block at the edge is padded with zeros (which cannot change its amax, a max of ``|x|``);
+- ``amax = max |x|`` in float32, clamped to ``AMAX_FLOOR`` (an all-zero block gets ``1e-4 / 448``);
+- ``scale = amax / FP8_MAX``, or with ``ue8m0`` its power of two ``2 ** ceil(log2(scale))``;
+- ``q = (x * (1 / scale)).to(float8_e4m3fn)``, the product in float32.
+
+:func:`quantize_blocks` is the reference (torch ops, any device). :func:`quantize_views` is the batched form
+the executor calls: it writes into caller-owned views, with the ``"torch"`` backend (the reference per item)
+or the ``"triton"`` backend (``kernels/quant.py``: **one launch per source dtype for all blocks of all
+items**, one program per block). No framework knowledge lives here.
+
+**UE8M0.** The exact power-of-two rule is "the float32 exponent, plus one unless the mantissa is zero".
+torch's ``pow(2, ceil(log2(s)))`` rounds ``log2`` to float32 first and so keeps the exponent for mantissas a
+few ulps above zero: on this machine's CPU, over every float32 ``s`` in ``[1e-4/448, 1e5/448]``
+(250,579,503 values), 54 differ from the exact rule: mantissas 1..5 for exponents -22..-17, 1..2 for
+-16..-9, 1 for -8..-5 and for 4..7 (exactly where float32 ``log2`` rounds ``k + log2(1 + m 2^-23)`` to
+``k``). No bfloat16 or float16 ``amax`` (vLLM's inputs) reaches one of them (``amax / 448`` never lands a
+few ulps above a power of two), so for those sources both rules agree; float32 sources can hit them. The
+reference is torch's formula; the kernel reproduces it through a per-exponent threshold table measured
+with torch's own formula on the tensors' device (:func:`ue8m0_thresholds`), which also follows a device
+whose ``log2`` rounds differently, as long as its mistakes sit just above powers of two.
+
+**Division.** ``scale = amax / 448`` and ``1 / scale`` are IEEE (correctly rounded) divisions, as on
+the CPU: the reference divides by a float32 *tensor* because CUDA's eager ``tensor / python_scalar``
+multiplies by the scalar's reciprocal instead; the kernel uses ``div_rn``. (vLLM runs its function through
+``torch.compile``; on CPU the compiled and eager results are equal, see the engine tests. What inductor's
+GPU code does for these divisions was not checked here: no GPU.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-4  # amax is clamped to (float32) this before the division: all-zero blocks stay finite
+SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+Q_DTYPES = (FP8_DTYPE, torch.uint8)  # q_out: fp8 or a uint8 view of the same bytes
+BACKENDS = ("torch", "triton")
+KERNELS_MODULE = "triton_reshard.kernels.quant"
+CACHE_SIZE = 256
+# Mantissas probed per exponent for the UE8M0 table: at both ends of every binade.
+UE8M0_PROBE = 1024
+
+Item = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# blocks
+
+
+def normalize_block(block: Sequence[int], ndim: int) -> tuple[int, ...]:
+    """``block`` with one entry per dimension: missing leading entries are 1 (``(128, 128)`` for a 3-D
+    tensor is ``(1, 128, 128)``). Entries must be positive ints; more entries than dims is an error."""
+    try:
+        entries = tuple(block)
+    except TypeError:
+        raise TypeError(f"block must be a sequence of ints, got {type(block).__name__}") from None
+    if not entries or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in entries):
+        raise TypeError(f"block must be a non-empty sequence of ints, got {block!r}")
+    if any(b <= 0 for b in entries):
+        raise ValueError(f"block entries must be > 0, got {tuple(int(b) for b in entries)}")
+    if len(entries) > ndim:
+        raise ValueError(f"block {tuple(int(b) for b in entries)} has more entries than the tensor has "
+                         f"dims ({ndim})")
+    return (1,) * (ndim - len(entries)) + tuple(int(b) for b in entries)
+
+
+def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the scales of a tensor of ``shape``: ``ceil(shape[d] / block[d])`` per dimension."""
+    blk = normalize_block(block, len(shape))
+    return tuple(-(-int(n) // b) for n, b in zip(shape, blk, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch reference
+
+
+def ue8m0_pow2(sf: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``_ceil_to_ue8m0``: ``2 ** ceil(log2(|sf|))`` with torch ops (the UE8M0 scale)."""
+    return torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
+
+
+def _check_source(x: torch.Tensor, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(x).__name__}")
+    if x.dtype not in SOURCE_DTYPES:
+        raise TypeError(f"{what}: dtype {x.dtype} cannot be quantized; expected one of "
+                        f"{', '.join(str(d) for d in SOURCE_DTYPES)}")
+    if x.dim() == 0:
+        raise ValueError(f"{what}: a 0-dim tensor has no blocks; give it at least one dimension")
+
+
+def quantize_blocks(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (bf16 / fp16 / fp32, any strides) per block: ``(q, scale)``.
+
+    ``q``: float8_e4m3fn, ``x.shape``, contiguous; ``scale``: float32 of :func:`scale_shape`, the
+    dequantization multiplier of each block. For a 2-D ``x`` this is vLLM's ``per_block_cast_to_fp8(x,
+    block, ue8m0)`` bit for bit (the same ops in the same order, with an IEEE division by 448 on every
+    device; see the module docstring).
+    """
+    _check_source(x, "x")
+    blk = normalize_block(block, x.dim())
+    sshape = scale_shape(x.shape, blk)
+    if x.numel() == 0:
+        return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+                torch.empty(sshape, dtype=torch.float32, device=x.device))
+    padded = tuple(s * b for s, b in zip(sshape, blk, strict=True))
+    xp = torch.zeros(padded, dtype=x.dtype, device=x.device)
+    xp[tuple(slice(0, n) for n in x.shape)] = x
+    view_shape = tuple(v for s, b in zip(sshape, blk, strict=True) for v in (s, b))  # (n0, b0, n1, b1, ...)
+    xv = xp.view(view_shape)
+    inner = tuple(range(1, 2 * x.dim(), 2))
+    amax = xv.abs().float().amax(dim=inner, keepdim=True).clamp(AMAX_FLOOR)
+    sf = amax / torch.full((), FP8_MAX, dtype=torch.float32, device=x.device)
+    if ue8m0:
+        sf = ue8m0_pow2(sf)
+    q = (xv * (1.0 / sf)).to(FP8_DTYPE)
+    q = q.view(padded)[tuple(slice(0, n) for n in x.shape)].contiguous()
+    return q, sf.reshape(sshape)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q.float() * scale`` with every scale broadcast over its block, cast to ``dtype``."""
+    qf = (q.view(FP8_DTYPE) if q.dtype == torch.uint8 else q).float()
+    blk = normalize_block(block, q.dim())
+    if tuple(scale.shape) != scale_shape(q.shape, blk):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match q {tuple(q.shape)} with block "
+                         f"{blk}: expected {scale_shape(q.shape, blk)}")
+    s = scale.float()
+    for d, b in enumerate(blk):
+        s = s.repeat_interleave(b, dim=d).narrow(d, 0, q.shape[d])
+    return (qf * s).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation
+
+
+def validate_items(items: Sequence[Item], block: Sequence[int]) -> tuple[torch.device | None, list[tuple[int, ...]]]:
+    """Check every ``(src, q_out, s_out)`` item; return the common device and each item's normalized block.
+
+    Raises TypeError / ValueError naming the item (by index) before anything is written.
+    """
+    device = None
+    blocks = []
+    for i, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise TypeError(f"item {i}: expected a (src, q_out, s_out) triple of tensors, got "
+                            f"{type(item).__name__}")
+        src, q, s = item
+        for name, t in (("src", src), ("q_out", q), ("s_out", s)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"item {i}: {name} must be a tensor, got {type(t).__name__}")
+        _check_source(src, f"item {i}: src")
+        if q.dtype not in Q_DTYPES:
+            raise TypeError(f"item {i}: q_out has dtype {q.dtype}; expected float8_e4m3fn or a uint8 view "
+                            "of the same bytes")
+        if s.dtype != torch.float32:
+            raise TypeError(f"item {i}: s_out has dtype {s.dtype}; expected float32")
+        try:
+            blk = normalize_block(block, src.dim())
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"item {i}: {e}") from None
+        if q.shape != src.shape:
+            raise ValueError(f"item {i}: q_out shape {tuple(q.shape)} != src shape {tuple(src.shape)}")
+        want = scale_shape(src.shape, blk)
+        if tuple(s.shape) != want:
+            raise ValueError(f"item {i}: s_out shape {tuple(s.shape)}; src {tuple(src.shape)} with block {blk} "
+                             f"has {want} blocks")
+        if device is None:
+            device = src.device
+        if any(t.device != device for t in (src, q, s)):
+            raise ValueError(f"item {i}: mixed devices: src on {src.device}, q_out on {q.device}, s_out on "
+                             f"{s.device}, earlier items on {device}")
+        for name, t in (("q_out", q), ("s_out", s)):
+            if t.numel() > 1 and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True)):
+                raise ValueError(f"item {i}: {name} {tuple(t.shape)} with strides {t.stride()} writes some "
+                                 "elements more than once")
+        blocks.append(blk)
+    return device, blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# UE8M0 thresholds
+
+
+_THRESHOLDS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def ue8m0_thresholds(device: torch.device | str) -> torch.Tensor:
+    """int32[256]: for each biased float32 exponent ``e``, the first mantissa that torch's
+    :func:`ue8m0_pow2` on ``device`` rounds up to ``2^(e - 126)`` (below it: ``2^(e - 127)``).
+
+    Measured once per device on the first and last ``UE8M0_PROBE`` mantissas of every exponent a scale can
+    have (``fp32(1e-4) / 448`` up to the largest float); the exact rule would give 1 everywhere. Raises if
+    torch's results there are not of that form (the kernel could not reproduce them). In between the probe
+    ends torch is taken to round up: checked over every float32 of the range on this machine's CPU
+    (``tests/test_quant.py``, slow)."""
+    dev = torch.device(device)
+    cache_key = (dev.type, dev.index)
+    cached = _THRESHOLDS.get(cache_key)
+    if cached is not None:
+        return cached
+    lo = int(np.float32(np.float32(AMAX_FLOOR) / np.float32(FP8_MAX)).view(np.int32)) >> 23
+    exps = torch.arange(lo, 255, dtype=torch.int64)
+    mant = torch.cat([torch.arange(UE8M0_PROBE), torch.arange((1 << 23) - UE8M0_PROBE, 1 << 23)])
+    bits = ((exps[:, None] << 23) | mant[None, :]).to(torch.int32)
+    got = ue8m0_pow2(bits.view(torch.float32).to(dev)).cpu().view(torch.int32).to(torch.int64)
+    down = got == (exps[:, None] << 23)
+    upv = got == ((exps[:, None] + 1) << 23)
+    thr = down[:, :UE8M0_PROBE].sum(dim=1)
+    expect_down = mant[None, :] < thr[:, None]
+    bad = ~((down & expect_down) | (upv & ~expect_down))
+    if bool(bad.any()):
+        r, c = (int(v) for v in bad.nonzero()[0])
+        x = bits[r, c].view(torch.float32).item()
+        raise RuntimeError(f"torch's pow(2, ceil(log2(x))) on {dev} gives {got[r, c].to(torch.int32).view(torch.float32).item()!r} "
+                           f"for x = {x!r} (bits {int(bits[r, c]) & 0xFFFFFFFF:#010x}): not a threshold rule "
+                           "the Triton UE8M0 path can reproduce")
+    table = torch.ones(256, dtype=torch.int32)
+    table[lo:255] = thr.to(torch.int32)
+    table = table.to(dev)
+    _THRESHOLDS[cache_key] = table
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: tables, cache, launch
+
+
+def _interpreting() -> bool:
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def tile_of(block: Sequence[int]) -> tuple[int, int]:
+    """The ``(BM, BN)`` tile (powers of two) one program loads for ``block`` (its two inner extents)."""
+    bm = block[-2] if len(block) > 1 else 1
+    return 1 << (bm - 1).bit_length(), 1 << (block[-1] - 1).bit_length()
+
+
+def _check_triton(device: torch.device, blocks: list[tuple[int, ...]]) -> None:
+    from .kernels import quant as k
+
+    if _interpreting():
+        if device.type != "cpu":
+            raise ValueError(f"under TRITON_INTERPRET=1 the Triton quantizer runs on CPU tensors, got {device}")
+    elif device.type != "cuda":
+        raise ValueError(f"the Triton quantizer needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {device}")
+    for blk in dict.fromkeys(blocks):
+        if any(b != 1 for b in blk[:-2]):
+            raise ValueError(f"block {blk}: the Triton quantizer blocks at most the two innermost dims (leading "
+                             "entries must be 1); use backend='torch'")
+        bm, bn = tile_of(blk)
+        if bm * bn > k.MAX_TILE:
+            raise ValueError(f"block {blk} needs a {bm}x{bn} tile; the Triton quantizer takes at most "
+                             f"{k.MAX_TILE} elements per block (one program per block, e.g. 128x128)")
+
+
+@dataclass(slots=True)
+class QuantGroup:
+    """One launch: every block of the items of one source dtype."""
+
+    src_dtype: torch.dtype
+    src_base: int  # item whose src storage is the source base pointer
+    q_base: int
+    s_base: int
+    table: torch.Tensor  # int64[num_blocks, FIELDS] on the device
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class QuantTable:
+    signature: tuple
+    device: torch.device
+    tile: tuple[int, int]
+    groups: list[QuantGroup] = field(default_factory=list)
+    fallback: list[int] = field(default_factory=list)  # items quantized with torch (misaligned offsets)
+
+
+def signature(items: Sequence[Item]) -> tuple:
+    """Identity of a list of items: every pointer, shape and stride."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for item in items for t in item)
+
+
+def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[int, ...],
+                src_off: int, q_off: int, s_off: int) -> np.ndarray:
+    """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases."""
+    from .kernels import quant as k
+
+    sshape = tuple(s.shape)
+    idx = np.indices(sshape, dtype=np.int64).reshape(len(sshape), -1)  # block index per dim
+    n = idx.shape[1]
+    rows = np.zeros((n, int(k.FIELDS)), dtype=np.int64)
+    soff = np.full(n, src_off, dtype=np.int64)
+    qoff = np.full(n, q_off, dtype=np.int64)
+    aoff = np.full(n, s_off, dtype=np.int64)
+    for d in range(src.dim()):
+        soff += idx[d] * (blk[d] * src.stride(d))
+        qoff += idx[d] * (blk[d] * q.stride(d))
+        aoff += idx[d] * s.stride(d)
+    rows[:, int(k.F_SRC)], rows[:, int(k.F_Q)], rows[:, int(k.F_S)] = soff, qoff, aoff
+    ncol = src.shape[-1]
+    rows[:, int(k.F_COLS)] = np.minimum(blk[-1], ncol - idx[-1] * blk[-1])
+    rows[:, int(k.F_SCS)], rows[:, int(k.F_QCS)] = src.stride(-1), q.stride(-1)
+    if src.dim() > 1:
+        rows[:, int(k.F_ROWS)] = np.minimum(blk[-2], src.shape[-2] - idx[-2] * blk[-2])
+        rows[:, int(k.F_SRS)], rows[:, int(k.F_QRS)] = src.stride(-2), q.stride(-2)
+    else:
+        rows[:, int(k.F_ROWS)] = 1
+    return rows
+
+
+def _base(tensors: list[torch.Tensor]) -> int:
+    return min(range(len(tensors)), key=lambda j: tensors[j].untyped_storage().data_ptr())
+
+
+def prepare(items: Sequence[Item], block: Sequence[int]) -> QuantTable:
+    """Validate ``items`` and build the block table of every source-dtype group (on the device)."""
+    device, blocks = validate_items(items, block)
+    if device is None:
+        raise ValueError("no items to quantize")
+    _check_triton(device, blocks)
+    table = QuantTable(signature=(tuple(block), signature(items)), device=device, tile=tile_of(blocks[0]))
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (src, _q, _s) in enumerate(items):
+        if src.numel():
+            by_dtype.setdefault(src.dtype, []).append(i)
+    host, built = [], []
+    for dtype, members in by_dtype.items():
+        sb = members[_base([items[i][0] for i in members])]
+        qb = members[_base([items[i][1] for i in members])]
+        ab = members[_base([items[i][2] for i in members])]
+        sp0 = items[sb][0].untyped_storage().data_ptr()
+        qp0 = items[qb][1].untyped_storage().data_ptr()
+        ap0 = items[ab][2].untyped_storage().data_ptr()
+        rows = []
+        for i in members:
+            src, q, s = items[i]
+            sbytes, qbytes, abytes = src.data_ptr() - sp0, q.data_ptr() - qp0, s.data_ptr() - ap0
+            if sbytes % src.element_size() or abytes % 4:
+                table.fallback.append(i)  # not a whole number of elements from the base: torch does it
+                continue
+            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // 4))
+        if rows:
+            t = np.concatenate(rows)
+            host.append(t.reshape(-1))
+            built.append((dtype, sb, qb, ab, t.shape))
+    table.fallback.sort()
+    if built:
+        flat = torch.from_numpy(np.concatenate(host)).to(device)
+        off = 0
+        for dtype, sb, qb, ab, shape in built:
+            t = flat[off:off + shape[0] * shape[1]].view(shape)
+            off += t.numel()
+            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0]))
+    return table
+
+
+def get_kernel():
+    """The quant kernel for the current mode (reloaded if ``TRITON_INTERPRET`` changed since its import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = importlib.import_module(KERNELS_MODULE)
+    if isinstance(module.quant_blocks_kernel, InterpretedFunction) != _interpreting():
+        module = importlib.reload(module)
+    return module.quant_blocks_kernel
+
+
+def _num_warps(bm: int, bn: int) -> int:
+    # about 32-64 elements per thread: 8 warps for a 128x128 block, 1 for 16x16
+    return max(1, min(8, bm * bn // 2048))
+
+
+def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element ``dtype`` view at the start of ``t``'s storage: a group's base pointer."""
+    return t.view(dtype).as_strided((1,), (1,), 0)
+
+
+def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int]) -> None:
+    """Run the blocks described by ``table`` (built from ``items`` or an identical list)."""
+    if table.groups:
+        kernel = get_kernel()
+        bm, bn = table.tile
+        thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
+        for g in table.groups:
+            bf16 = g.src_dtype == torch.bfloat16
+            kernel[(g.num_blocks,)](
+                _storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
+                _storage_view(items[g.q_base][1], torch.uint8),
+                _storage_view(items[g.s_base][2], torch.float32),
+                g.table,
+                thr,
+                g.num_blocks,
+                SRC_BF16=bf16,
+                UE8M0=bool(ue8m0),
+                BM=bm,
+                BN=bn,
+                num_warps=_num_warps(bm, bn),
+            )
+    if table.fallback:
+        _torch_items([items[i] for i in table.fallback], block, ue8m0)
+
+
+def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool) -> None:
+    for src, q, s in items:
+        if src.numel() == 0:
+            continue
+        qq, ss = quantize_blocks(src, block, ue8m0)
+        q.copy_(qq.view(torch.uint8) if q.dtype == torch.uint8 else qq)
+        s.copy_(ss)
+
+
+_CACHE: OrderedDict[Hashable, QuantTable] = OrderedDict()
+
+
+def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = False,
+                   backend: str | None = "torch", key: Hashable | None = None) -> None:
+    """Quantize every ``(src, q_out, s_out)`` item per block into its caller-owned outputs.
+
+    ``src``: bf16 / fp16 / fp32 view, any strides and storage offset; ``q_out``: float8_e4m3fn view or a
+    uint8 view of the same bytes, ``src.shape``; ``s_out``: float32 view of ``scale_shape(src.shape,
+    block)``. ``block`` as in :func:`normalize_block` (the same for every item). Each ``src`` is blocked from
+    its first element: it must start on a block boundary of its global tensor, and only its last block along
+    a dim may be partial (the global edge). Outputs of different items must not overlap one another or any
+    source (the Triton backend writes them in parallel).
+
+    ``backend``: ``"torch"`` (the reference per item), ``"triton"`` (one launch per source dtype for all
+    blocks of all items; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``None`` (as
+    :func:`triton_reshard.ops.resolve_backend`). ``key``: as in ``triton_copy_views``, a hashable naming a
+    list that recurs; its block table is cached and rebuilt when any pointer, shape or stride changed.
+    """
+    if not items:
+        return
+    if backend is None:
+        from .ops import resolve_backend
+
+        first = items[0][0] if isinstance(items[0], (tuple, list)) and items[0] else None
+        backend = resolve_backend(first.device if isinstance(first, torch.Tensor) else None)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown quantize backend {backend!r}; expected one of {BACKENDS}")
+    with torch.no_grad():
+        if backend == "torch":
+            validate_items(items, block)
+            _torch_items(items, block, ue8m0)
+            return
+        if key is None:
+            launch(prepare(items, block), items, ue8m0, block)
+            return
+        table = _CACHE.get(key)
+        if table is None or table.signature != (tuple(block), signature(items)):
+            table = prepare(items, block)
+            _CACHE[key] = table
+            if len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        _CACHE.move_to_end(key)
+        launch(table, items, ue8m0, block)
+
+
+def clear_cache() -> None:
+    """Forget every cached block table (and the UE8M0 thresholds)."""
+    _CACHE.clear()
+    _THRESHOLDS.clear()
+
+
+def blocks_count(shape: Sequence[int], block: Sequence[int]) -> int:
+    """Number of blocks (= programs of the Triton backend) of a tensor of ``shape``."""
+    return math.prod(scale_shape(shape, block))
