@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..layout import Fragment, Layout, LocalSpec, TensorSpec
+from ..layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec
 
 
 @dataclass
@@ -41,6 +41,9 @@ class LoadRecord:
     uncovered: list[str] = field(default_factory=list)  # parameters the loader never copied into
     unused: list[str] = field(default_factory=list)  # checkpoint tensors that reached no parameter of this rank
     fills: int = 0  # fill_/zero_ calls on parameters (padding), not transfers
+    # checkpoint name -> its block quantization (block FP8 weights; set by the framework integration, e.g.
+    # integrations.vllm from the model's quantized layers): the scale tensor is a checkpoint tensor of the record
+    quant: dict[str, BlockQuant] = field(default_factory=dict)
 
     def raise_on_problems(self) -> None:
         if self.problems:
@@ -250,17 +253,28 @@ def record_load(
 
 def layout_from_records(records: Iterable[LoadRecord]) -> Layout:
     """One :class:`Layout` from the :class:`LoadRecord` of every rank (raises if any rank had problems or
-    two ranks disagree on a checkpoint tensor's shape or dtype)."""
+    two ranks disagree on a checkpoint tensor's shape, dtype or block quantization). Block-quantized
+    tensors (``LoadRecord.quant``) get their :class:`~triton_reshard.layout.BlockQuant`; the Layout then checks
+    that every rank's recorded scale boxes are the blocks of its weight boxes."""
     records = list(records)
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    quant: dict[str, BlockQuant] = {}
     for r in records:
         r.raise_on_problems()
         for n, (shape, dt) in r.tensors.items():
             prev = specs.setdefault(n, (shape, dt))
             if prev != (shape, dt):
                 raise ValueError(f"tensor {n!r}: rank {r.rank} sees {shape} {dt}, another rank {prev}")
+        for n, q in r.quant.items():
+            prev = quant.setdefault(n, q)
+            if prev != q:
+                raise ValueError(f"tensor {n!r}: rank {r.rank} holds it quantized as {q}, another rank as {prev}")
     frags = sorted((f for r in records for f in r.fragments),
                    key=lambda f: (f.tensor, f.rank, f.local, f.offsets, f.local_offsets))
     locs = sorted((LocalSpec(r.rank, n, s, d) for r in records for n, (s, d) in r.locals.items()),
                   key=lambda s: (s.rank, s.name))
-    return Layout(tuple(TensorSpec(n, s, d) for n, (s, d) in sorted(specs.items())), tuple(frags), tuple(locs))
+    missing = sorted(n for n in quant if n not in specs)
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} is marked block-quantized but no rank recorded it")
+    return Layout(tuple(TensorSpec(n, s, d, quant.get(n)) for n, (s, d) in sorted(specs.items())), tuple(frags),
+                  tuple(locs))

@@ -18,15 +18,66 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..layout import Layout
+from ..layout import BlockQuant, Layout
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 
+SCALE_SUFFIX = "_scale_inv"  # block FP8: checkpoint "X.weight_scale_inv" -> vLLM param "...weight_scale_inv"
+# the parameters vLLM's block-FP8 methods hold quantized (Fp8LinearMethod / Fp8MoEMethod, vLLM 0.33), each
+# with its float32 scales in the parameter of the same name + SCALE_SUFFIX
+FP8_WEIGHTS = ("weight", "w13_weight", "w2_weight")
 
-def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int) -> LoadRecord:
+
+def block_quantized_params(model) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: weight_block_size}`` of the parameters a vLLM model holds in block FP8: those of the
+    modules whose quantization method set ``weight_block_size`` at ``create_weights`` (linear layers and
+    FusedMoE experts of a ``quantization_config`` with ``quant_method: fp8`` and ``weight_block_size``)."""
+    params = dict(model.named_parameters())
+    out: dict[str, tuple[int, ...]] = {}
+    for mname, m in model.named_modules():
+        wbs = getattr(m, "weight_block_size", None)
+        if wbs is None:
+            continue
+        for pn in FP8_WEIGHTS:
+            n = f"{mname}.{pn}" if mname else pn
+            if n in params and n + SCALE_SUFFIX in params:
+                out[n] = tuple(int(b) for b in wbs)
+    return out
+
+
+def _scale_fmt_ue8m0(model) -> bool:
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if qc is not None and not isinstance(qc, Mapping):
+        qc = getattr(qc, "to_dict", lambda: vars(qc))()
+    return bool(qc) and qc.get("scale_fmt") == "ue8m0"
+
+
+def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int,
+                ue8m0: bool | None = None) -> LoadRecord:
     """This rank's :class:`LoadRecord` of ``model.load_weights`` (``checkpoint``: a safetensors directory or
-    ``{name: shape}``)."""
+    ``{name: shape}``).
+
+    Block FP8 (:func:`block_quantized_params`): a checkpoint tensor ``X`` the loader copies into a quantized
+    parameter is block-quantized with the layer's ``weight_block_size``, its scales the checkpoint tensor
+    ``X + "_scale_inv"``, which must land in that parameter's ``..._scale_inv`` (else a problem is reported).
+    ``ue8m0``: power-of-two scales (default: the model config's ``quantization_config.scale_fmt == "ue8m0"``;
+    vLLM's loader itself does not distinguish them)."""
     shapes = checkpoint_shapes(checkpoint) if isinstance(checkpoint, str) else checkpoint
-    return record_load(dict(model.named_parameters()), model.load_weights, shapes, rank)
+    rec = record_load(dict(model.named_parameters()), model.load_weights, shapes, rank)
+    blocks = block_quantized_params(model)
+    if blocks:
+        ue8m0 = _scale_fmt_ue8m0(model) if ue8m0 is None else ue8m0
+        scale_locals = {(f.tensor, f.local) for f in rec.fragments}
+        for f in rec.fragments:
+            blk = blocks.get(f.local)
+            if blk is None or f.tensor in rec.quant:
+                continue
+            scale = f.tensor + SCALE_SUFFIX
+            if (scale, f.local + SCALE_SUFFIX) not in scale_locals:
+                rec.problems.append(f"{f.local}: block-FP8 parameter loaded from {f.tensor!r}, but the loader put no "
+                                    f"{scale!r} into {f.local + SCALE_SUFFIX!r}")
+                continue
+            rec.quant[f.tensor] = BlockQuant(blk, scale, ue8m0)
+    return rec
 
 
 def layout_from_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], *, group: dist.ProcessGroup | None = None,
@@ -55,7 +106,8 @@ def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enabl
                     dtype: str | torch.dtype = "float32", init_groups: bool = True, **engine_args):
     """vLLM's model for ``checkpoint_dir``, built by vLLM's ``initialize_model`` and loaded by its
     ``DefaultModelLoader`` on this rank of an initialised torch.distributed world of ``tensor_parallel_size``
-    ranks. ``init_groups``: initialise vLLM's parallel groups on that world (once per process; the first
+    ranks, under the model dtype as torch's default (as vLLM's own ``load_model``: parameters vLLM does not
+    give a dtype of their own are ``dtype``). ``init_groups``: initialise vLLM's parallel groups on that world (once per process; the first
     model decides whether vLLM creates its expert-parallel group, so build a MoE model first).
     Returns ``(model, vllm_config)``.
     """
@@ -63,6 +115,7 @@ def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enabl
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -71,7 +124,7 @@ def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enabl
                 max_model_len=128)
     args.update(engine_args)
     vc = EngineArgs(**args).create_engine_config()
-    with set_current_vllm_config(vc):
+    with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype):
         if init_groups:
             from vllm.distributed import init_distributed_environment, initialize_model_parallel
 

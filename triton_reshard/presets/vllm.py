@@ -37,8 +37,31 @@ DeepseekV2MoE, DeepseekV2MLP, ``load_weights`` with ``mla_params_mapping``; ``co
   ``mlp.gate.e_score_correction_bias`` ``[E]`` (an fp32 Parameter, ``topk_method="noaux_tc"``), FusedMoE
   experts as above, ``mlp.shared_experts.gate_up_proj`` / ``down_proj`` TP-split like a dense MLP, or whole on
   every rank when sequence-parallel MoE is on (``DeepseekV2MLP(disable_tp=is_sequence_parallel)``: expert
-  parallel with ``tp > 1`` and ``dp > 1``). Not placed: the MTP/spec-decode layer, FP8 scales, ROCm AITER's
-  fused shared experts.
+  parallel with ``tp > 1`` and ``dp > 1``). Not placed: the MTP/spec-decode layer, ROCm AITER's fused
+  shared experts.
+
+Block FP8 (a config with ``quantization_config`` ``{"quant_method": "fp8", "activation_scheme": "dynamic",
+"weight_block_size": [n, k]}``, as DeepSeek-V3 / Qwen3-FP8 checkpoints; vLLM 0.33 ``layers/quantization/
+fp8.py`` ``Fp8Config``, ``Fp8LinearMethod``, ``Fp8MoEMethod``, ``utils/fp8_utils.py``, ``layers/linear.py``
+``adjust_block_scale_shard``; checked against the real classes and loader in ``tests/engines/test_vllm_fp8.py``):
+
+* FP8 (``float8_e4m3fn``, logical tensors with a ``BlockQuant``, see :func:`fp8_tensors`): the weights of
+  ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` (dense and DeepSeek shared experts), MLA's
+  ``fused_qkv_a_proj`` (or ``q_proj`` + ``kv_a_proj_with_mqa``), ``q_b_proj``, ``kv_b_proj``, the FusedMoE
+  ``w13_weight`` / ``w2_weight``, and Qwen3-MoE's router ``mlp.gate.weight`` (built with the quant config);
+  BF16 (``dtype``): embeddings, ``lm_head``, norms, biases, DeepSeek's router ``mlp.gate.weight`` and its fp32
+  ``e_score_correction_bias``; modules in ``modules_to_not_convert`` (vLLM's exact-name rule: a fused layer
+  when all of its shards are listed, a layer's experts when a listed name contains ``mlp.experts``).
+* Scales: float32 logical tensors ``<weight>_scale_inv`` ``[ceil(rows/n), ceil(cols/k)]`` (the checkpoint's),
+  in vLLM's ``<param>_scale_inv`` (``qkv_proj.weight_scale_inv``, ``mlp.experts.routed_experts.
+  w13_weight_scale_inv`` ``[E_loc, 2*ceil(I_loc/n), ceil(H/k)]``, ``w2_weight_scale_inv`` ``[E_loc,
+  ceil(H/n), ceil(I_loc/k)]``), TP-split by blocks like their weights: each part of a fused tensor at its
+  block offset (k's scale rows of ``qkv_proj`` at ``q_loc / n``, up's of ``w13`` at ``I_loc / n``).
+* A TP (or expert) partition that is not whole blocks raises, naming the tensor (vLLM refuses it for linear
+  layers; for FusedMoE it may refine the scale blocks, which no preset describes). Not covered: per-tensor /
+  per-channel FP8, the kv-cache scales vLLM adds to each attention layer (``attn.k_scale`` ...; not checkpoint
+  tensors, never written by a refit), formats after ``process_weights_after_loading`` (CUDA kernels may
+  repack FP8 weights / scales).
 
 Ranks: position ``p`` of ``ranks`` is ``dp_rank = p // tp``, ``tp_rank = p % tp`` (DP-major blocks of TP);
 each DP replica holds a full copy of the non-expert weights. ``instances=N``: N engines, engine ``i`` on the
@@ -49,11 +72,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ..layout import Layout
+from ..layout import Layout, block_quant_layout
 from .hf import (
     LayoutBuilder,
     ModelSpec,
@@ -114,6 +138,126 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int
     return ep_rank * base + min(ep_rank, rem), base + (1 if ep_rank < rem else 0)
 
 
+@dataclass(frozen=True)
+class BlockFp8:
+    """A HF ``quantization_config`` of block FP8 as vLLM reads it (``Fp8Config.from_config``)."""
+
+    block: tuple[int, int]  # weight_block_size: [rows (block_n), cols (block_k)]
+    ignored: tuple[str, ...] = ()  # ignored_layers, else modules_to_not_convert: module names vLLM keeps unquantized
+    ue8m0: bool = False  # scale_fmt "ue8m0" (DeepSeek-V3.1+): scales are powers of two
+
+
+def block_fp8_config(config) -> BlockFp8 | None:
+    """The block-FP8 ``quantization_config`` of ``config`` (None for an unquantized model).
+
+    Accepted as vLLM 0.33's ``Fp8Config`` takes it: ``quant_method`` ``"fp8"``, ``activation_scheme``
+    ``"dynamic"`` (the only one vLLM allows with blocks), ``weight_block_size`` ``[n, k]``; the unquantized
+    modules from ``ignored_layers``, else ``modules_to_not_convert``. Anything else (other methods,
+    per-tensor / per-channel FP8 without ``weight_block_size``, a serialized-bf16 "online" FP8, ``fmt`` other
+    than e4m3, ``store_dtype``) raises ``NotImplementedError``: no preset describes those weights."""
+    c = model_spec(config).raw or {}
+    qc = c.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise NotImplementedError(f"vllm_layout: quantization_config quant_method={method!r} is not supported "
+                                  f"(block FP8 only: quant_method 'fp8' with weight_block_size)")
+    wbs = qc.get("weight_block_size")
+    if wbs is None:
+        raise NotImplementedError("vllm_layout: per-tensor FP8 (quantization_config without weight_block_size) is "
+                                  "not supported; block FP8 only")
+    if (not isinstance(wbs, (list, tuple)) or len(wbs) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in wbs)):
+        raise ValueError(f"vllm_layout: quantization_config weight_block_size={wbs!r} must be two ints > 0 "
+                         f"(vLLM: [block_n, block_k])")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"vllm_layout: quantization_config activation_scheme={scheme!r}: vLLM's block FP8 takes "
+                         f"'dynamic' only")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise NotImplementedError(f"vllm_layout: quantization_config fmt={fmt!r} is not supported (e4m3 only)")
+    if qc.get("store_dtype"):
+        raise NotImplementedError(f"vllm_layout: quantization_config store_dtype={qc['store_dtype']!r} is not "
+                                  f"supported")
+    ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
+    if isinstance(ignored, str) or not all(isinstance(x, str) for x in ignored):
+        raise ValueError(f"vllm_layout: quantization_config modules_to_not_convert={ignored!r} must be a list of "
+                         f"module names")
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise NotImplementedError(f"vllm_layout: quantization_config scale_fmt={scale_fmt!r} is not supported")
+    return BlockFp8((int(wbs[0]), int(wbs[1])), tuple(ignored), scale_fmt == "ue8m0")
+
+
+def _fp8_skipped(module: str, shards: Sequence[str], ignored: Sequence[str]) -> bool:
+    """vLLM 0.33 ``is_layer_skipped`` (``match_mode="exact"``) for module ``module`` (HF naming);
+    ``shards``: the checkpoint modules of a fused one (``packed_modules_mapping``)."""
+    if shards:
+        if module in ignored:
+            return True
+        skipped = {sh in ignored for sh in shards}
+        if len(skipped) > 1:
+            raise ValueError(f"vllm_layout: modules_to_not_convert lists some but not all of {list(shards)}, which "
+                             f"vLLM fuses into {module!r}: the shards of a fused layer need one precision (vLLM "
+                             f"refuses it too)")
+        return skipped.pop()
+    if "experts" in module:  # any listed name containing the module's prefix (e.g. one expert) skips it
+        return any(module in x for x in ignored if "experts" in x)
+    return module in ignored
+
+
+def fp8_tensors(config, fp8: BlockFp8 | None = None) -> list[str]:
+    """The logical (checkpoint) tensors vLLM 0.33 holds in block FP8 for a model with ``quantization_config``
+    ``fp8`` (see :func:`block_fp8_config`): the weights of every linear layer built with the quantization
+    config (``Fp8LinearMethod``: QKV / gate-up / down / o projections, MLA's ``fused_qkv_a_proj``
+    (``q_a_proj`` + ``kv_a_proj_with_mqa``) / ``q_b_proj`` / ``kv_b_proj``, DeepSeek's shared experts,
+    Qwen3-MoE's router ``mlp.gate``) and the FusedMoE experts (``Fp8MoEMethod``), minus the modules
+    ``modules_to_not_convert`` skips. Never quantized: embeddings, ``lm_head``, norms, biases, DeepSeek's
+    router ``mlp.gate`` (a ``GateLinear`` built without the quantization config) and its
+    ``e_score_correction_bias``."""
+    s = model_spec(config)
+    fp8 = fp8 or block_fp8_config(s)
+    if fp8 is None:
+        return []
+    out: list[str] = []
+
+    def linear(module: str, shards: Sequence[str] = ()) -> None:
+        parent = module.rsplit(".", 1)[0]
+        full = [f"{parent}.{sh}" for sh in shards]
+        if not _fp8_skipped(module, full, fp8.ignored):
+            out.extend(f"{m}.weight" for m in (full or [module]))
+
+    for i in range(s.layers):
+        p = layer_prefix(i)
+        att = f"{p}.self_attn"
+        if s.mla:
+            if s.q_lora_rank is None:
+                linear(f"{att}.q_proj")
+                linear(f"{att}.kv_a_proj_with_mqa")
+            else:
+                linear(f"{att}.fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"))
+                linear(f"{att}.q_b_proj")
+            linear(f"{att}.kv_b_proj")
+        else:
+            linear(f"{att}.qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        linear(f"{att}.o_proj")
+        mlps = [f"{p}.mlp"]
+        if s.is_moe_layer(i):
+            mlps = [f"{p}.mlp.shared_experts"] if s.shared_intermediate else []
+            if s.family == "qwen3_moe":  # Qwen3MoeSparseMoeBlock: GateLinear(..., quant_config=quant_config)
+                linear(f"{p}.mlp.gate")
+            if not _fp8_skipped(f"{p}.mlp.experts", (), fp8.ignored):
+                out.extend(n for e in range(s.experts) for n in expert_names(i, e))
+        for mlp in mlps:
+            linear(f"{mlp}.gate_up_proj", ("gate_proj", "up_proj"))
+            linear(f"{mlp}.down_proj")
+    return out
+
+
 @_gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
 def vllm_layout(
     config,
@@ -140,6 +284,10 @@ def vllm_layout(
     process without vLLM installed should pass the engine's version; a mismatch fails closed (the engine
     side's names differ, so the plan digests differ and refit raises before any byte moves).
 
+    A ``quantization_config`` of block FP8 in ``config`` is honoured as vLLM does (module docstring: which
+    layers are FP8, the ``..._scale_inv`` scale tensors); ``dtype`` is then the dtype of the unquantized rest.
+    Other quantization methods raise ``NotImplementedError``.
+
     ``instances``: that many independent engines, each a full copy of this layout (``Layout.instances``):
     engine ``i`` on ``ranks`` shifted by ``i * span`` (``span = max(ranks) - min(ranks) + 1``: ``tp * dp`` for
     consecutive ``ranks``). Unlike ``dp``, the
@@ -150,6 +298,7 @@ def vllm_layout(
     s = model_spec(config)
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"vllm_layout: model_type {s.family!r} is not supported")
+    fp8 = block_fp8_config(s)
     if s.o_bias:
         raise NotImplementedError("vllm_layout: attention_bias on o_proj is not supported")
     for name, v in (("tp", tp), ("dp", dp)):
@@ -233,7 +382,17 @@ def vllm_layout(
                 b.rows(gate, rank, w13, im0, Im_loc, at=0, lead=(k,))
                 b.rows(up, rank, w13, im0, Im_loc, at=Im_loc, lead=(k,))
                 b.cols(down, rank, w2, im0, Im_loc, lead=(k,))
-    return b.build().instances(instances)
+    layout = b.build()
+    if fp8 is not None:
+        try:
+            layout = block_quant_layout(layout, fp8_tensors(s, fp8), fp8.block, ue8m0=fp8.ue8m0)
+        except ValueError as e:  # a TP shard that splits a block: vLLM's validate_fp8_block_shape refuses it too
+            hint = (" (vLLM 0.33 refuses such a TP partition of a linear layer; for FusedMoE experts it may instead "
+                    "refine the scales to a finer block at load time, a format no preset describes: use expert "
+                    "parallelism or a TP size whose partitions are whole blocks)")
+            raise ValueError(f"vllm_layout(tp={tp}, dp={dp}, enable_expert_parallel={enable_expert_parallel}): "
+                             f"block FP8 {list(fp8.block)}: {e}{hint}") from None
+    return layout.instances(instances)
 
 
 def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, mlp: str) -> None:

@@ -1,0 +1,106 @@
+"""Block-FP8 destinations against the real vLLM 0.33, on CPU over gloo (see ``vllm_fp8_cases.py``).
+
+Tiny FP8 checkpoints (weights quantized by vLLM's own ``per_block_cast_to_fp8``, blocks of 16x16) are loaded
+by vLLM's model classes and ``DefaultModelLoader`` at TP 2, MoE with and without expert parallelism:
+
+* vLLM's ``create_weights`` makes FP8 exactly the parameters ``vllm_layout`` says (names, shapes, dtypes), and
+  the FP8 checkpoint tensors are exactly the preset's quantized tensors;
+* every parameter vLLM's loader filled equals the preset's slice of the checkpoint, bit for bit (FP8 values,
+  float32 ``weight_scale_inv`` / ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``, BF16 rest);
+* the layout recorded from vLLM's ``load_weights`` (fp8 weights with their block quantization, scales as
+  their own tensors) has the preset's digest, and slices the checkpoint exactly as vLLM's loader did.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier runs in the env "
+                                          "tests/engines/install.sh builds (bash .ci/run does both)")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.engines import vllm_fp8_cases as fc  # noqa: E402
+from triton_reshard.launch import run_world  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = fc.fp8_configs()
+CASES = [fc.Case(m, 2, ep) for m, c in CONFIGS.items()
+         for ep in ((False, True) if ("num_experts" in c or "n_routed_experts" in c) else (False,))]
+
+
+@functools.cache
+def _root() -> str:
+    root = tempfile.mkdtemp(prefix="tr-vllm-fp8-")
+    fc.build_checkpoints(root, CONFIGS)
+    return root
+
+
+@functools.cache
+def _world() -> list[dict]:
+    return run_world(fc.run_cases, 2, CASES, _root(), CONFIGS, timeout=900, pg_timeout=300)
+
+
+def _reports(case: fc.Case) -> list[dict]:
+    return [r[case.id] for r in _world()]
+
+
+def _ok(reps):
+    problems = [p for r in reps for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_vllm_fp8_parameters_are_the_preset(case):
+    reps = _reports(case)
+    _ok(reps)
+    for r in reps:
+        # the only parameters outside the layout: the kv-cache scales of GQA attention (not checkpoint tensors)
+        assert all(n.endswith(fc.KV_CACHE_SCALES) for n in r["not_in_preset"]), r["not_in_preset"]
+        assert bool(r["not_in_preset"]) == (CONFIGS[case.model]["model_type"] != "deepseek_v3")
+        assert r["checkpoint_fp8"] == r["preset_quantized"]
+        assert r["fp8_params"], "no FP8 parameter at all"
+    quantized = set(reps[0]["preset_quantized"])
+    ignored = CONFIGS[case.model]["quantization_config"].get("modules_to_not_convert") or ()
+    for m in ignored:  # modules_to_not_convert honoured by vLLM and the preset alike
+        assert not any(n.startswith(m + ".") for n in quantized), m
+    if case.model == "fp8_qwen3_moe":
+        fp8 = set(reps[0]["fp8_params"])
+        assert "model.layers.1.mlp.gate.weight" in fp8 and "model.layers.0.mlp.gate.weight" not in fp8
+        assert not any(".layers.1.mlp.experts." in n for n in fp8)
+        assert any(".layers.0.mlp.experts." in n for n in fp8)
+    if case.model == "fp8_deepseek_v3":  # DeepSeek's router is a GateLinear built without the quant config
+        assert not any(n.endswith("mlp.gate.weight") for n in reps[0]["fp8_params"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_vllm_fp8_recorded_layout_is_the_preset(case):
+    reps = _reports(case)
+    _ok(reps)
+    assert {r["derived_digest"] for r in reps} == {reps[0]["preset_digest"]}
+    q = reps[0]["derived_quant"]
+    assert sorted(q) == reps[0]["preset_quantized"]
+    assert all(b.block[-2:] == tuple(fc.BLOCK) and b.scale == n + "_scale_inv" and not b.ue8m0 for n, b in q.items())
+
+
+def test_our_quantizer_is_vllms():
+    """triton_reshard.quant.quantize_blocks = vLLM's per_block_cast_to_fp8, bit for bit (blocks of 16 and 128,
+    partial edge blocks, bf16 and fp32 inputs, an all-zero block)."""
+    from triton_reshard.quant import quantize_blocks
+
+    cast = fc.vllm_per_block_cast()
+    g = torch.Generator().manual_seed(0)
+    for shape, block, dt in [((64, 48), (16, 16), torch.bfloat16), ((56, 64), (16, 16), torch.bfloat16),
+                             ((300, 200), (128, 128), torch.bfloat16), ((40, 24), (16, 16), torch.float32)]:
+        x = (torch.randn(shape, generator=g) * 3).to(dt)
+        x[:16, :16] = 0
+        q, s = quantize_blocks(x, block)
+        q2, s2 = cast(x, list(block))
+        assert fc.differs(q, q2) == 0 and fc.differs(s, s2.contiguous()) == 0, (shape, block, dt)

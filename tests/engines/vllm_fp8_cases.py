@@ -1,0 +1,226 @@
+"""Block-FP8 side of the real-vLLM tier (``test_vllm_fp8.py``): tiny FP8 checkpoints and the worker that
+loads them with vLLM 0.33's own model classes and ``DefaultModelLoader`` on CPU (one process per TP rank,
+gloo, ``VLLM_TARGET_DEVICE=cpu``).
+
+Checkpoints (:func:`build_checkpoints`, in the parent): a random ``transformers`` model in BF16, saved by
+``save_pretrained`` (per-expert tensors on disk), then every linear-layer weight vLLM quantizes replaced by
+its block-FP8 values and ``..._scale_inv`` scales made by **vLLM's own** ``per_block_cast_to_fp8``
+(``vllm/utils/deep_gemm.py``; its eager body, the function is wrapped in ``torch.compile``), config.json
+gaining ``quantization_config`` ``{"quant_method": "fp8", "activation_scheme": "dynamic",
+"weight_block_size": [16, 16]}`` (tiny blocks: many of them per tensor). Which HF tensors are quantized is
+decided here by a rule of this file (a ``*_proj`` / expert weight, plus the Qwen3-MoE router, unless the
+module or one above it is in ``modules_to_not_convert``), independently of the preset; the worker checks
+that vLLM's own ``create_weights`` made exactly those parameters FP8. The BF16 originals are kept next to
+the checkpoint (``<name>.bf16.safetensors``) as the trainer's weights of the end-to-end refit.
+
+On this CPU (no AMX) vLLM has no FP8 GEMM kernel: ``Fp8LinearMethod.create_weights`` ends with
+``init_fp8_linear_kernel``, which raises (``CPUFp8BlockScaledMMKernel requires AMX tile support``).
+:func:`no_fp8_gemm_kernel` replaces that one call with a placeholder (no forward pass runs here); parameters,
+their shapes and dtypes, and the loader are vLLM's own. ``process_weights_after_loading`` is not run (on CPU
+it would VNNI-prepack the weights; FusedMoE's needs CPU-build ops anyway): the layouts describe the
+checkpoint format vLLM's loader writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+BLOCK = [16, 16]
+QC = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
+FP8 = torch.float8_e4m3fn
+# the kv-cache scales Fp8KVCacheMethod gives every GQA Attention layer: not checkpoint tensors, never loaded
+KV_CACHE_SCALES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale")
+
+_CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
+# HF weights of linear layers (attention projections, MLA's, dense / shared / routed expert MLPs)
+_LINEAR = re.compile(r"\.(self_attn\.(q|k|v|o|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?"
+                     r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+
+
+def fp8_configs() -> dict[str, dict]:
+    """The tiny FP8 models (dims multiples of 16 where vLLM's block checks need it at TP 2)."""
+    from triton_reshard.presets import get_config
+
+    def q(name, ignored=(), **over):
+        cfg = {**get_config(name), **over}
+        cfg["quantization_config"] = {**QC, **({"modules_to_not_convert": list(ignored)} if ignored else {})}
+        return cfg
+
+    return {
+        # layer 1's o_proj and layer 0's fused gate_up (both shards listed) stay BF16
+        "fp8_llama": q("tiny_llama", ["model.layers.1.self_attn.o_proj", "model.layers.0.mlp.gate_proj",
+                                      "model.layers.0.mlp.up_proj"]),
+        "fp8_qwen3": q("tiny_qwen3"),
+        # layer 0's router and all of layer 1's experts stay BF16
+        "fp8_qwen3_moe": q("tiny_qwen3_moe", ["model.layers.0.mlp.gate", "model.layers.1.mlp.experts"]),
+        # rope 8 (q heads of 16), moe_intermediate 32 (TP halves of 16): every TP partition whole blocks
+        "fp8_deepseek_v3": q("tiny_deepseek_v3", qk_rope_head_dim=8, moe_intermediate_size=32),
+    }
+
+
+def quantized_in_checkpoint(name: str, cfg: dict) -> bool:
+    """The test's own rule for which HF tensors the FP8 checkpoint stores quantized."""
+    fam = cfg["model_type"]
+    if not (_LINEAR.search(name) or (fam == "qwen3_moe" and name.endswith(".mlp.gate.weight"))):
+        return False
+    module = name.removesuffix(".weight")
+    ignored = cfg["quantization_config"].get("modules_to_not_convert") or ()
+    return not any(module == m or module.startswith(m + ".") for m in ignored)
+
+
+def vllm_per_block_cast():
+    """vLLM's block-FP8 quantizer, eager (the body of the ``torch.compile``-wrapped function)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    return getattr(per_block_cast_to_fp8, "__wrapped__", per_block_cast_to_fp8)
+
+
+def build_checkpoints(root: str, configs: dict[str, dict]) -> None:
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    cast = vllm_per_block_cast()
+    for name, cfg in configs.items():
+        cls = _CLASSES[cfg["model_type"]]
+        kw = {k: v for k, v in cfg.items() if k not in ("model_type", "quantization_config")}
+        conf = getattr(transformers, f"{cls}Config")(**kw)
+        torch.manual_seed(sum(map(ord, name)))
+        d = os.path.join(root, name)
+        getattr(transformers, f"{cls}ForCausalLM")(conf).to(torch.bfloat16).save_pretrained(d)
+        path = os.path.join(d, "model.safetensors")
+        bf16 = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items()}
+        out = {}
+        for k, v in bf16.items():
+            if quantized_in_checkpoint(k, cfg):
+                out[k], s = cast(v, BLOCK)
+                out[k + "_scale_inv"] = s.contiguous()
+            else:
+                out[k] = v
+        os.remove(path)
+        save_file(out, path)
+        save_file(bf16, os.path.join(root, f"{name}.bf16.safetensors"))  # outside the dir vLLM reads
+        with open(os.path.join(d, "config.json")) as f:
+            c = json.load(f)
+        c["quantization_config"] = cfg["quantization_config"]
+        c["torch_dtype"] = c["dtype"] = "bfloat16"
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(c, f, indent=1)
+
+
+@contextlib.contextmanager
+def no_fp8_gemm_kernel():
+    """Let ``Fp8LinearMethod.create_weights`` finish on a CPU without vLLM's FP8 GEMM kernels (AMX): its last
+    step, ``init_fp8_linear_kernel``, returns a placeholder instead of raising. Parameters are untouched."""
+    import vllm.model_executor.layers.quantization.fp8 as fp8
+
+    class NoKernel:  # what Fp8LinearMethod keeps as self.fp8_linear; no forward pass uses it here
+        def __init__(self, **kw):
+            self.kw = kw
+
+    orig = fp8.init_fp8_linear_kernel
+    fp8.init_fp8_linear_kernel = lambda **kw: NoKernel(**kw)
+    try:
+        yield
+    finally:
+        fp8.init_fp8_linear_kernel = orig
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers of its width (bit-exact compares of fp8 / bf16 / fp32, NaN included)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def differs(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return -1
+    return int((bits(a) != bits(b)).sum())
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tp: int
+    ep: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-tp{self.tp}{'-ep' if self.ep else ''}"
+
+
+def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict) -> dict:
+    """Worker entry (``run_world``): every case; returns ``{case id: report}``."""
+    from safetensors.torch import load_file
+
+    from triton_reshard.integrations import checkpoint_shapes
+    from triton_reshard.integrations.vllm import layout_from_vllm, load_vllm_model
+    from triton_reshard.presets import vllm_layout
+
+    out: dict[str, dict] = {}
+    first = True
+    moe = lambda c: any(k in configs[c.model] for k in ("num_experts", "n_routed_experts"))  # noqa: E731
+    for case in sorted(cases, key=lambda c: not moe(c)):  # the first model decides vLLM's EP group
+        rep: dict = {"problems": [], "seconds": {}}
+        out[case.id] = rep
+        t0 = time.perf_counter()
+        ckpt = os.path.join(root, case.model)
+        cfg = configs[case.model]
+        try:
+            with no_fp8_gemm_kernel():
+                model, vc = load_vllm_model(ckpt, tensor_parallel_size=case.tp, enable_expert_parallel=case.ep,
+                                            dtype="bfloat16", init_groups=first)
+            first = False
+            rep["seconds"]["build"] = time.perf_counter() - t0
+            params = dict(model.named_parameters())
+            loaded = {n: p.detach().clone() for n, p in params.items()}
+            rep["params"] = {n: (tuple(p.shape), str(p.dtype)) for n, p in params.items()}
+            rep["fp8_params"] = sorted(n for n, p in params.items() if p.dtype == FP8)
+            sd = load_file(os.path.join(ckpt, "model.safetensors"))
+            shapes = checkpoint_shapes(ckpt)
+
+            preset = vllm_layout(cfg, tp=case.tp, enable_expert_parallel=case.ep, dtype=torch.bfloat16)
+            rep["preset_digest"] = preset.digest
+            rep["preset_quantized"] = sorted(preset.quantized)
+            rep["checkpoint_fp8"] = sorted(n for n, t in sd.items() if t.dtype == FP8)
+            want = {n: (s.shape, str(s.dtype)) for n, s in preset.local_specs(rank).items()}
+            rep["not_in_preset"] = sorted(set(rep["params"]) - set(want))
+            mine = preset.shard(sd, rank)
+            for n in sorted(set(want) | set(rep["params"])):
+                if n not in rep["params"]:
+                    rep["problems"].append(f"rank {rank}: preset local {n!r} is not a vLLM parameter")
+                elif n in want and want[n] != rep["params"][n]:
+                    rep["problems"].append(f"rank {rank}: {n}: vLLM {rep['params'][n]}, preset {want[n]}")
+                elif n in want:
+                    bad = differs(mine[n], loaded[n])
+                    if bad:
+                        rep["problems"].append(f"rank {rank}: {n}: {bad} of {loaded[n].numel()} elements differ "
+                                               f"from vllm_layout's shard of the checkpoint (bitwise)")
+
+            t1 = time.perf_counter()
+            derived = layout_from_vllm(model, shapes)  # records every rank's loader, gathered
+            rep["seconds"]["record"] = time.perf_counter() - t1
+            rep["derived_digest"] = derived.digest
+            rep["derived_quant"] = {n: t.quant for n, t in derived.quantized.items()}
+            got = derived.shard(sd, rank)
+            for n in sorted(got):
+                bad = differs(got[n], loaded[n]) if n in loaded else -2
+                if bad:
+                    rep["problems"].append(f"rank {rank}: {n}: the recorded layout's shard differs from vLLM's "
+                                           f"loader ({bad})")
+            for n, p in params.items():  # recording must not have written anything
+                if differs(p.detach(), loaded[n]):
+                    rep["problems"].append(f"rank {rank}: recording load_weights changed parameter {n!r}")
+        except Exception as e:  # noqa: BLE001 (reported per case; the world goes on with the next case)
+            import traceback
+
+            rep["problems"].append(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        rep["seconds"]["total"] = time.perf_counter() - t0
+    return out
