@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from operator import add, attrgetter, gt, itemgetter, sub
 
+import numpy as np
 import torch
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -519,6 +520,161 @@ def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragmen
 
 
 # --------------------------------------------------------------------------------------------------------
+# Per-tensor fragment tables (what a rank planner queries)
+# --------------------------------------------------------------------------------------------------------
+
+
+class FragmentTable:
+    """The fragments of one logical tensor as numpy arrays, rows in Layout order (``fragments_by_tensor``).
+
+    ``ranks`` ``[n]``, ``offsets`` / ``sizes`` / ``ends`` ``[n, nd]`` (``nd = len(spec.shape)``), ``local_ids``
+    ``[n]`` into ``local_names``; ``local_offsets`` gives each row's ``Fragment.local_offsets`` (which may have
+    extra leading dims), ``local_starts`` ``[n, nd]`` where the box starts in the local tensor's trailing
+    ``nd`` dims. ``overlapping(offsets, sizes)`` is an interval query (sorted starts on the dim with most
+    distinct starts, prefix maximum of the ends); ``boxes()`` groups the replicas of each distinct box.
+    Built by :meth:`Layout.table` (lazily, cached); read-only.
+    """
+
+    __slots__ = ("spec", "ranks", "offsets", "sizes", "local_ids", "local_names", "_loff", "_lnd", "_frags",
+                 "_index", "_boxes", "__weakref__")
+
+    def __init__(self, spec: TensorSpec, ranks, offsets, sizes, local_ids, local_names: Sequence[str],
+                 loff, lnd, fragments: tuple[Fragment, ...] | None = None) -> None:
+        self.spec = spec
+        self.ranks, self.offsets, self.sizes, self.local_ids = ranks, offsets, sizes, local_ids
+        self.local_names = tuple(local_names)
+        self._loff, self._lnd = loff, lnd  # [n, L] left-aligned, -1 padded; per-row number of local dims
+        self._frags, self._index, self._boxes = fragments, None, None
+        for a in (ranks, offsets, sizes, local_ids, loff, lnd):
+            a.setflags(write=False)
+
+    @classmethod
+    def from_fragments(cls, spec: TensorSpec, frags: Sequence[Fragment]) -> FragmentTable:
+        """The table of ``frags`` (the fragments of ``spec``, in Layout order)."""
+        nd = len(spec.shape)
+        n = len(frags)
+        names = sorted({f.local for f in frags})
+        ids = {s: i for i, s in enumerate(names)}
+        L = max((len(f.local_offsets) for f in frags), default=nd)
+        loff = np.full((n, L), -1, dtype=np.int64)
+        for i, f in enumerate(frags):
+            loff[i, :len(f.local_offsets)] = f.local_offsets
+        return cls(spec, np.fromiter((f.rank for f in frags), np.int64, n),
+                   np.array([f.offsets for f in frags], dtype=np.int64).reshape(n, nd),
+                   np.array([f.sizes for f in frags], dtype=np.int64).reshape(n, nd),
+                   np.fromiter((ids[f.local] for f in frags), np.int32, n), names, loff,
+                   np.fromiter((len(f.local_offsets) for f in frags), np.int64, n), tuple(frags))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def n(self) -> int:
+        return len(self.ranks)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"FragmentTable({self.spec.name!r}, {self.n} fragments on {len(np.unique(self.ranks))} ranks)"
+
+    @property
+    def ends(self) -> np.ndarray:
+        return self.offsets + self.sizes
+
+    def local(self, i: int) -> str:
+        """The local tensor of row ``i``."""
+        return self.local_names[self.local_ids[i]]
+
+    @property
+    def local_offsets(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(row[:k]) for row, k in zip(self._loff.tolist(), self._lnd.tolist(), strict=True))
+
+    @property
+    def local_starts(self) -> np.ndarray:
+        nd = self.offsets.shape[1]
+        idx = (self._lnd - nd)[:, None] + np.arange(nd)[None, :]
+        return np.take_along_axis(self._loff, idx, axis=1) if nd else np.zeros((self.n, 0), np.int64)
+
+    def fragment(self, i: int) -> Fragment:
+        """The :class:`Fragment` of row ``i``."""
+        if self._frags is not None:
+            return self._frags[i]
+        k = int(self._lnd[i])
+        return Fragment(self.spec.name, int(self.ranks[i]), tuple(self.offsets[i].tolist()),
+                        tuple(self.sizes[i].tolist()), self.local(i), tuple(self._loff[i, :k].tolist()))
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        if self._frags is None:
+            t, names = self.spec.name, self.local_names
+            with _gc_paused():
+                self._frags = tuple(
+                    Fragment(t, r, tuple(o), tuple(s), names[li], tuple(lo[:k]))
+                    for r, o, s, li, lo, k in zip(self.ranks.tolist(), self.offsets.tolist(), self.sizes.tolist(),
+                                                  self.local_ids.tolist(), self._loff.tolist(), self._lnd.tolist(),
+                                                  strict=True))
+        return self._frags
+
+    def rows_on_rank(self, rank: int) -> np.ndarray:
+        """Row indices of the fragments on ``rank`` (rows are sorted by rank)."""
+        lo, hi = np.searchsorted(self.ranks, [rank, rank + 1])
+        return np.arange(lo, hi)
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """Row indices (ascending) of the fragments that share at least one element with the box
+        ``offsets``+``sizes``; empty boxes (rows or query) overlap nothing."""
+        off = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        end = off + np.asarray(sizes, dtype=np.int64).reshape(-1)
+        nd = self.offsets.shape[1]
+        if len(off) != nd or len(end) != nd:
+            raise ValueError(f"tensor {self.spec.name!r}: query box {tuple(offsets)}+{tuple(sizes)} has "
+                             f"{len(off)} dims, the tensor has {nd}")
+        if (end <= off).any():
+            return np.zeros(0, np.int64)
+        if self._index is None:
+            self._build_index()
+        d, order, starts, maxend = self._index
+        if d < 0:  # 0-d tensor: every row holds its one element
+            return order.copy()
+        lo = int(np.searchsorted(maxend, off[d], side="right"))
+        hi = int(np.searchsorted(starts, end[d], side="left"))
+        cand = order[lo:hi]
+        if not len(cand):
+            return cand
+        o, e = self.offsets[cand], self.offsets[cand] + self.sizes[cand]
+        hit = (o < end).all(axis=1) & (e > off).all(axis=1)
+        return np.sort(cand[hit])
+
+    def _build_index(self) -> None:
+        nonempty = np.flatnonzero((self.sizes > 0).all(axis=1))
+        nd = self.offsets.shape[1]
+        if not nd:
+            self._index = (-1, nonempty, None, None)
+            return
+        o = self.offsets[nonempty]
+        d = int(np.argmax([len(np.unique(o[:, k])) for k in range(nd)])) if len(nonempty) else 0
+        order = nonempty[np.argsort(o[:, d], kind="stable")]
+        starts = self.offsets[order, d]
+        maxend = np.maximum.accumulate(starts + self.sizes[order, d]) if len(order) else starts
+        self._index = (d, order, starts, maxend)
+
+    def boxes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(box_offsets [m, nd], box_sizes [m, nd], row_box [n])``: the distinct boxes (sorted) and each row's
+        box id; the holders of box ``b`` are ``ranks[row_box == b]``."""
+        if self._boxes is None:
+            nd = self.offsets.shape[1]
+            if not self.n:
+                z = np.zeros((0, nd), np.int64)
+                self._boxes = (z, z, np.zeros(0, np.int64))
+            else:
+                u, inv = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0, return_inverse=True)
+                self._boxes = (u[:, :nd], u[:, nd:], inv.reshape(-1))
+        return self._boxes
+
+
+# --------------------------------------------------------------------------------------------------------
 # Layout
 # --------------------------------------------------------------------------------------------------------
 
@@ -899,7 +1055,8 @@ class Layout:
 
     @cached_property
     def _hash(self) -> int:
-        return hash(self._key)
+        # cheap (equal layouts have equal tensors, counts and ranks); == compares the contents
+        return hash((self._key[0], len(self.fragments), len(self.locals), self.ranks))
 
     def local_specs(self, rank: int) -> dict[str, LocalSpec]:
         """The local tensors ``rank`` holds (name -> LocalSpec); empty if the rank has no part."""
@@ -908,6 +1065,47 @@ class Layout:
     def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Shapes of the local tensors ``rank`` holds."""
         return {n: s.shape for n, s in self.local_specs(rank).items()}
+
+    # -- per-tensor / per-rank queries (what a rank planner asks; see FragmentTable) -----------------------
+
+    def spec(self, name: str) -> TensorSpec:
+        """The logical tensor ``name`` (``ValueError`` if the layout has none of that name)."""
+        s = self.specs.get(name)
+        if s is None:
+            raise ValueError(f"unknown tensor {name!r}")
+        return s
+
+    @cached_property
+    def _fragments_by_rank(self) -> dict[int, tuple[Fragment, ...]]:
+        out: dict[int, list[Fragment]] = defaultdict(list)
+        for f in self.fragments:
+            out[f.rank].append(f)
+        return {r: tuple(v) for r, v in out.items()}
+
+    def fragments_on_rank(self, rank: int) -> tuple[Fragment, ...]:
+        """All fragments on ``rank``, in layout order."""
+        return self._fragments_by_rank.get(rank, ())
+
+    def tensor_names_on_rank(self, rank: int) -> tuple[str, ...]:
+        """The logical tensors with a non-empty fragment on ``rank``, sorted by name."""
+        return tuple(dict.fromkeys(f.tensor for f in self.fragments_on_rank(rank) if 0 not in f.sizes))
+
+    def table(self, name: str) -> FragmentTable:
+        """The fragments of tensor ``name`` as a :class:`FragmentTable` (built on first use, cached)."""
+        cache = self.__dict__.get("_tables")
+        if cache is None:
+            cache = self.__dict__["_tables"] = {}
+        t = cache.get(name)
+        if t is None:
+            t = cache[name] = self._build_table(name)
+        return t
+
+    def _build_table(self, name: str) -> FragmentTable:
+        return FragmentTable.from_fragments(self.spec(name), self.fragments_by_tensor.get(name, ()))
+
+    def overlapping(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """Rows of ``table(name)`` whose box shares an element with ``offsets``+``sizes`` (ascending)."""
+        return self.table(name).overlapping(offsets, sizes)
 
     def allocate(self, rank: int, device: torch.device | str = "cpu", fill: float | None = None) -> dict[str, torch.Tensor]:
         """Fresh local tensors for ``rank`` (uninitialised, or filled with ``fill``)."""

@@ -28,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..layout import Fragment, Layout, LocalSpec, Replicate, TensorSpec, _gc_paused
+from ..layout import Layout, Replicate, _gc_paused
+from ..layout_index import ColumnBuilder, trusted_spec
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -309,26 +311,22 @@ def hf_layout(config, ranks: Sequence[int] | int = (0,), dtype: torch.dtype = to
 # --------------------------------------------------------------------------------------------------------
 
 
-class LayoutBuilder:
-    """Collects local tensors and fragments, then builds a :class:`Layout`.
+class LayoutBuilder(ColumnBuilder):
+    """Collects local tensors and boxes, then builds a :class:`~triton_reshard.layout_index.ColumnarLayout`.
 
     Every local tensor is declared with its full shape (so padding, and local tensors holding no fragment at
     all, e.g. a vocab shard that is all padding, are still in the layout: ``named_parameters()`` has them).
 
-    Boxes and local tensors are collected as plain tuples and turned into :class:`Fragment` /
-    :class:`LocalSpec` values (validated there) in :meth:`build`, already in the Layout's order (so its sorts
-    are single linear passes), with the garbage collector paused: a 128-rank MoE layout has ~10^5 of each.
+    Each call takes one rank or a whole array of ranks (``rank`` an int or an int array; ``start``, ``at``,
+    ``lead`` entries and even ``tensor``, a sequence of names, may differ per rank): the presets describe a
+    model with one call per tensor family and group of alike ranks, so a 1,024-rank layout costs a few
+    thousand numpy calls, not a million Python objects (see ``layout_index``).
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
                  dtypes: Mapping[str, torch.dtype] | None = None):
         dtypes = dtypes or {}
-        self.specs = {n: TensorSpec(n, tuple(s), dtypes.get(n, dtype)) for n, s in shapes.items()}
-        self.dtype = dtype
-        self._locals: dict[tuple[int, str], tuple[int, ...]] = {}  # (rank, name) -> shape
-        self._local_dtypes: dict[tuple[int, str], torch.dtype] = {}  # locals not in ``dtype``
-        # boxes in Layout order: (tensor, rank, local, offsets, local_offsets, sizes)
-        self._boxes: list[tuple] = []
+        super().__init__((trusted_spec(n, tuple(s), dtypes.get(n, dtype)) for n, s in shapes.items()), dtype)
 
     @classmethod
     def for_model(cls, s: ModelSpec, dtype: torch.dtype) -> LayoutBuilder:
@@ -336,65 +334,26 @@ class LayoutBuilder:
         shapes = logical_tensors(s)
         return cls(shapes, dtype, {n: EXPERT_BIAS_DTYPE for n in shapes if n.endswith(_FP32_SUFFIX)})
 
-    def local(self, rank: int, name: str, shape: Sequence[int], dtype: torch.dtype | None = None) -> str:
-        """Declare local tensor ``name`` on ``rank`` (dtype: the builder's unless given)."""
-        shape = tuple(map(int, shape))
-        prev = self._locals.setdefault((rank, name), shape)
-        if prev != shape:
-            raise AssertionError(f"local tensor {name!r} on rank {rank} declared twice with different shapes")
-        if dtype is not None and dtype != self.dtype:
-            self._local_dtypes[(rank, name)] = dtype
-        return name
-
-    def box(self, tensor: str, rank: int, local: str, offsets, sizes, local_offsets=()) -> None:
-        """Box ``offsets``+``sizes`` of ``tensor`` at ``local_offsets`` of ``local`` (empty boxes are dropped)."""
-        if tensor not in self.specs:
-            raise AssertionError(f"unknown logical tensor {tensor!r}")
-        if min(sizes, default=1) > 0:
-            offsets = tuple(offsets)
-            self._boxes.append((tensor, rank, local, offsets, tuple(local_offsets) or (0,) * len(offsets),
-                                tuple(sizes)))
-
-    def full(self, tensor: str, rank: int, local: str) -> None:
+    def full(self, tensor: str, rank, local: str) -> None:
         """All of ``tensor`` as the whole local tensor ``local`` (replicated pieces: norms, routers)."""
         spec = self.specs[tensor]
         self.local(rank, local, spec.shape, spec.dtype)
         self.box(tensor, rank, local, (0,) * len(spec.shape), spec.shape)
 
-    def rows(self, tensor: str, rank: int, local: str, start: int, count: int, at: int = 0, lead=()) -> None:
+    def _shape(self, tensor) -> tuple[int, ...]:
+        return self.specs[tensor if type(tensor) is str else tensor[0]].shape
+
+    def rows(self, tensor, rank, local: str, start, count, at=0, lead=()) -> None:
         """Rows ``[start, start+count)`` (dim 0) of ``tensor`` at row ``at`` of ``local`` (after ``lead`` dims)."""
-        shape = self.specs[tensor].shape
-        count = max(0, min(count, shape[0] - start))
+        shape = self._shape(tensor)
+        if type(start) is int and type(count) is int:
+            count = max(0, min(count, shape[0] - start))
+        else:
+            count = np.maximum(0, np.minimum(count, shape[0] - np.asarray(start)))
         self.box(tensor, rank, local, (start,) + (0,) * (len(shape) - 1), (count,) + shape[1:],
                  tuple(lead) + (at,) + (0,) * (len(shape) - 1))
 
-    def cols(self, tensor: str, rank: int, local: str, start: int, count: int, at: int = 0, lead=()) -> None:
+    def cols(self, tensor, rank, local: str, start, count, at=0, lead=()) -> None:
         """Columns ``[start, start+count)`` (dim 1) of a 2-D ``tensor`` at column ``at`` of ``local``."""
-        rows, _ = self.specs[tensor].shape
+        rows, _ = self._shape(tensor)
         self.box(tensor, rank, local, (0, start), (rows, count), tuple(lead) + (0, at))
-
-    @property
-    def fragments(self) -> list[Fragment]:
-        """The fragments collected so far."""
-        return [Fragment(t, r, o, n, loc, lo) for t, r, loc, o, lo, n in self._boxes]
-
-    @property
-    def locals(self) -> dict[tuple[int, str], LocalSpec]:
-        """The local tensors declared so far."""
-        ldt, dt = self._local_dtypes, self.dtype
-        return {(r, n): LocalSpec(r, n, shape, ldt.get((r, n), dt)) for (r, n), shape in self._locals.items()}
-
-    def build(self) -> Layout:
-        with _gc_paused():
-            covered = {b[0] for b in self._boxes}
-            missing = sorted(set(self.specs) - covered)
-            if missing:
-                raise AssertionError(f"layout builder left tensors without any fragment: {missing[:5]}")
-            # Layout order (tensor, rank, local, offsets, local_offsets); sizes only break ties between boxes
-            # that overlap, which the Layout rejects anyway
-            self._boxes.sort()
-            frags = tuple(Fragment(t, r, o, n, loc, lo) for t, r, loc, o, lo, n in self._boxes)
-            ldt, dt, shapes = self._local_dtypes, self.dtype, self._locals
-            locs = tuple(LocalSpec(r, n, shapes[(r, n)], ldt.get((r, n), dt)) for r, n in sorted(shapes))
-            specs = tuple(self.specs[n] for n in sorted(self.specs))
-            return Layout(specs, frags, locs)
