@@ -30,6 +30,7 @@ from . import ops
 from .group import RefitGroup, as_transport
 from .layout import box_slices
 from .plan import ALIGN, DIRECT_MIN_BYTES, Plan
+from .plan.quant import QUANT_DST, QUANT_SRC, SCALE_BYTES, quant_regions, split_src_chunks
 from .plan.schedule import _split_box
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -224,6 +225,14 @@ class _Bound:
     in_place_bytes: int
     writes: list = field(default_factory=list)  # per step: names of the destination tensors it writes
     local_writes: frozenset = frozenset()  # destination tensors the local copies write
+    # block-quantized destinations (see plan/quant.py); quantize items are (source, fp8 out, scale out)
+    qpacks: list = field(default_factory=list)  # per step: {(block, ue8m0): items} the pack quantizes
+    stage_unpacks: list = field(default_factory=list)  # per step: (receive buffer, staging view) pairs
+    local_q: dict = field(default_factory=dict)  # {(block, ue8m0): items} local copies quantized in place
+    local_q_meta: list = field(default_factory=list)  # verify: per local_q item, (weight meta, scale meta)
+    local_stage: list = field(default_factory=list)  # (source view, staging view) of local pieces of regions
+    regions_due: dict = field(default_factory=dict)  # step position (-1: after the local copies) -> region ids
+    region_items: list = field(default_factory=list)  # per region: (block, ue8m0, item, weight meta, scale meta)
 
 
 @dataclass
@@ -424,6 +433,18 @@ class Resharder:
         self._dst_specs = plan.dst.local_specs(self.rank)
         self._local = tuple(t for t in plan.local_copies if t.dst_rank == self.rank)
         self._local_bytes = sum(t.nbytes for t in self._local)
+        # block-quantized destinations: the regions this rank stages in the source dtype and quantizes itself
+        # once their pieces are in (plan/quant.py), and the transfer -> region map of its "dst" pieces
+        self._regions = quant_regions(plan).get(self.rank, ()) if plan.dst.quantized else ()
+        self._region_of: dict[int, int] = {}
+        for k, g in enumerate(self._regions):
+            for i in g.wire:
+                self._region_of[id(plan.transfers[i])] = k
+            for i in g.local:
+                self._region_of[id(plan.local_copies[i])] = k
+        self._stage: list[torch.Tensor] = []  # one staging tensor per region (allocated once, reused)
+        self._ue8m0 = {n: s.quant.ue8m0 for n, s in plan.dst.quantized.items()}
+        self._scale_name = {n: s.quant.scale for n, s in plan.dst.quantized.items()}
         self._send_area: torch.Tensor | None = None
         self._recv_area: torch.Tensor | None = None
         self._bound_sig: tuple | None = None
@@ -686,6 +707,8 @@ class Resharder:
         if sig == self._bound_sig:
             return self._bound
         transfers = self.plan.transfers
+        if self._regions and (not self._stage or self._stage[0].device != device):
+            self._stage = [torch.empty(g.sizes, dtype=g.dtype, device=device) for g in self._regions]
 
         def start_of(base: torch.Tensor, start, off, size) -> tuple[int, ...]:
             """Local coordinates (extra leading dims included) of sub-box ``off`` of the box at ``start``."""
@@ -700,12 +723,46 @@ class Resharder:
         def src_view(t, off, size):  # a relay reads what this rank received as destination
             return view((dst_tensors if t.relay else src_tensors)[t.src_local], t.src_offsets, off, size)
 
+        def stage_view(t, off, size):
+            """A destination-quantized piece lands in the staging tensor of its region."""
+            k = self._region_of[id(t)]
+            g = self._regions[k]
+            start = tuple(a + b - c for a, b, c in zip(t.offsets, off, g.offsets, strict=True))
+            return self._stage[k][box_slices(start, size)]
+
+        def scale_box(t, off, size):
+            """(offsets in the transfer's scale box, sizes) of the blocks of sub-box ``off``+``size``."""
+            return (tuple(o // b for o, b in zip(off, t.block, strict=True)),
+                    tuple(-(-n // b) for n, b in zip(size, t.block, strict=True)))
+
         def dst_view(t, off, size):
-            return view(dst_tensors[t.dst_local], t.dst_offsets, off, size)
+            """The destination view; (fp8 view, scale view) for a source-quantized transfer; the staging view
+            for a destination-quantized one."""
+            if t.quant == QUANT_DST:
+                return stage_view(t, off, size)
+            v = view(dst_tensors[t.dst_local], t.dst_offsets, off, size)
+            if t.quant == QUANT_SRC:
+                return v, view(dst_tensors[t.scale_local], t.scale_offsets, *scale_box(t, off, size))
+            return v
 
         def dst_meta(t, off, size):  # what verify reports about a compared box
             return (t.dst_local, t.tensor, tuple(a + b for a, b in zip(t.offsets, off, strict=True)),
                     start_of(dst_tensors[t.dst_local], t.dst_offsets, off, size))
+
+        def scale_meta(t, off, size):  # the same for the scales of a source-quantized sub-box
+            s_off, s_size = scale_box(t, off, size)
+            base = tuple(o // b for o, b in zip(t.offsets, t.block, strict=True))
+            return (t.scale_local, self._scale_name[t.tensor], tuple(a + b for a, b in zip(base, s_off, strict=True)),
+                    start_of(dst_tensors[t.scale_local], t.scale_offsets, s_off, s_size))
+
+        def qbufs(area, at, c, t):
+            """A source-quantized chunk in a message: its fp8 bytes (uint8), then at the next ALIGN its scales."""
+            n = math.prod(c.sizes)
+            start = at + c.buffer_offset
+            q = area[start:start + n].view(c.sizes)
+            s_size = scale_box(t, (0,) * len(c.sizes), c.sizes)[1]
+            s0 = start + (n + ALIGN - 1) // ALIGN * ALIGN
+            return q, area[s0:s0 + math.prod(s_size) * SCALE_BYTES].view(torch.float32).view(s_size)
 
         def in_place(m, t, v, receiving: bool):
             """The bytes of view ``v`` of direct message ``m`` as a flat buffer, or None if it must be staged."""
@@ -716,16 +773,31 @@ class Resharder:
             return None
 
         local, local_meta = [], [] if verify else None
+        local_q: dict = {}  # {(block, ue8m0): [(source view, fp8 view, scale view)]}
+        local_q_meta: dict = {}  # verify: {(block, ue8m0): [(weight meta, scale meta)]}
+        local_stage = []
+        cap = max(ALIGN, self.bucket_bytes // 2 // ALIGN * ALIGN)
+        for t in self._local:
+            if t.quant == QUANT_DST:
+                z = (0,) * len(t.sizes)
+                local_stage.append((src_view(t, z, t.sizes), stage_view(t, z, t.sizes)))
+            elif t.quant == QUANT_SRC:  # verify: within half a bucket, like the plain local copies below
+                group = (t.block, self._ue8m0[t.tensor])
+                for off, size, _n in split_src_chunks(t, cap) if verify else [((0,) * len(t.sizes), t.sizes, 0)]:
+                    q, sc = dst_view(t, off, size)
+                    local_q.setdefault(group, []).append((src_view(t, off, size), q, sc))
+                    if verify:
+                        local_q_meta.setdefault(group, []).append((dst_meta(t, off, size), scale_meta(t, off, size)))
+        plain_local = [t for t in self._local if not t.quant]
         if verify:
-            cap = max(ALIGN, self.bucket_bytes // 2 // ALIGN * ALIGN)
-            for t in self._local:
+            for t in plain_local:
                 isz = max(src_tensors[t.src_local].element_size(), dst_tensors[t.dst_local].element_size())
                 for off, size in _split_box(t.sizes, isz, cap):
                     local.append((src_view(t, off, size), dst_view(t, off, size)))
                     local_meta.append(dst_meta(t, off, size))
         else:
             local = [(src_view(t, (0,) * len(t.sizes), t.sizes), dst_view(t, (0,) * len(t.sizes), t.sizes))
-                     for t in self._local]
+                     for t in plain_local]
         # first pass: which messages go in place, and how much staging the others need per slot
         plans = []  # per step: (sends, recvs) of (peer, at, message, view of each chunk, in-place buffer or None)
         need = [0, 0]  # staging bytes per slot: send, receive
@@ -758,27 +830,49 @@ class Resharder:
             return area[start:start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
 
         packs, unpacks, unpack_meta, ops_per_step = [], [], [] if verify else None, []
+        qpacks, stage_unpacks = [], []
+        last = [-1] * len(self._regions)  # per region: the step position of its last received piece
         for pos, (sends, recvs) in enumerate(plans):
-            pk, up, um, wire_s, wire_r = [], [], [], [], []
+            pk, up, um, wire_s, wire_r, qp, su = [], [], [], [], [], {}, []
             s_base, r_base = (pos % self.slots) * need_s, (pos % self.slots) * need_r
             for peer, at, m, views, buf in sends:
                 if buf is None:
                     at += s_base
                     for c, v in zip(m.chunks, views, strict=True):
-                        pk.append((v, buf_view(self._send_area, at, c, transfers[c.transfer])))
+                        t = transfers[c.transfer]
+                        if t.quant == QUANT_SRC:  # the pack quantizes: fp8 values and scales into the buffer
+                            qb, sb = qbufs(self._send_area, at, c, t)
+                            qp.setdefault((t.block, self._ue8m0[t.tensor]), []).append((v, qb, sb))
+                        else:
+                            pk.append((v, buf_view(self._send_area, at, c, t)))
                     buf = self._send_area[at:at + m.payload]
                 wire_s.append((peer, buf))
             for peer, at, m, views, buf in recvs:
+                for c in m.chunks:
+                    k = self._region_of.get(id(transfers[c.transfer]))
+                    if k is not None:
+                        last[k] = max(last[k], pos)
                 if buf is None:
                     at += r_base
                     for c, v in zip(m.chunks, views, strict=True):
                         t = transfers[c.transfer]
-                        up.append((buf_view(self._recv_area, at, c, t), v))
-                        if verify:
-                            um.append(dst_meta(t, c.offsets, c.sizes))
+                        if t.quant == QUANT_SRC:  # fp8 bytes and scales, plain copies (verify: compares)
+                            qb, sb = qbufs(self._recv_area, at, c, t)
+                            qv, sv = v
+                            up += [(qb.view(qv.dtype), qv) if verify else (qb, qv.view(torch.uint8)), (sb, sv)]
+                            if verify:
+                                um += [dst_meta(t, c.offsets, c.sizes), scale_meta(t, c.offsets, c.sizes)]
+                        elif t.quant == QUANT_DST:  # into the region's staging, in verify mode too
+                            su.append((buf_view(self._recv_area, at, c, t), v))
+                        else:
+                            up.append((buf_view(self._recv_area, at, c, t), v))
+                            if verify:
+                                um.append(dst_meta(t, c.offsets, c.sizes))
                     buf = self._recv_area[at:at + m.payload]
                 wire_r.append((peer, buf))
             packs.append(pk)
+            qpacks.append(qp)
+            stage_unpacks.append(su)
             unpacks.append(up)
             if verify:
                 unpack_meta.append(um)
@@ -788,9 +882,22 @@ class Resharder:
         self._bound_sig = sig
         writes = [frozenset() if verify else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs
                                                        for c in m.chunks) for _sends, recvs in plans]
-        local_writes = frozenset() if verify else frozenset(t.dst_local for t in self._local)
+        local_writes = frozenset() if verify else frozenset(
+            [t.dst_local for t in self._local] + [t.scale_local for t in self._local if t.quant == QUANT_SRC])
+        regions_due: dict[int, list[int]] = {}
+        region_items = []
+        for k, g in enumerate(self._regions):
+            regions_due.setdefault(last[k], []).append(k)
+            z = (0,) * len(g.sizes)
+            q = view(dst_tensors[g.dst_local], g.dst_offsets, z, g.sizes)
+            sc = view(dst_tensors[g.scale_local], g.scale_offsets, z, g.scale_sizes)
+            meta = ((g.dst_local, g.tensor, g.offsets, start_of(dst_tensors[g.dst_local], g.dst_offsets, z, g.sizes)),
+                    (g.scale_local, g.scale_tensor, tuple(o // b for o, b in zip(g.offsets, g.block, strict=True)),
+                     start_of(dst_tensors[g.scale_local], g.scale_offsets, z, g.scale_sizes)))
+            region_items.append((g.block, g.ue8m0, (self._stage[k], q, sc), meta))
         self._bound = _Bound(local, local_meta, packs, unpacks, unpack_meta, ops_per_step, self.send_area_bytes,
-                             self.recv_area_bytes, in_place_bytes, writes, local_writes)
+                             self.recv_area_bytes, in_place_bytes, writes, local_writes, qpacks, stage_unpacks,
+                             local_q, local_q_meta, local_stage, regions_due, region_items)
         return self._bound
 
     # -- run and verify -------------------------------------------------------------------------------
@@ -941,10 +1048,48 @@ class Resharder:
             else:
                 tally.compare(pairs, meta)
 
+        def quantize(groups: dict, metas: dict | None, list_key) -> None:
+            """Quantize ``{(block, ue8m0): [(source, fp8 out, scale out)]}`` into the outputs; in verify mode
+            (``metas`` given) into temporaries compared with the outputs instead."""
+            from . import quant
+
+            for (block, ue8m0), items in groups.items():
+                if metas is None:
+                    quant.quantize_views(items, block, ue8m0, backend=backend, key=(list_key, block, ue8m0))
+                    continue
+                temps = [(x, torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                          torch.empty(sc.shape, dtype=sc.dtype, device=sc.device)) for x, q, sc in items]
+                quant.quantize_views(temps, block, ue8m0, backend=backend)
+                pairs, meta = [], []
+                for (_x, tq, ts), (_y, q, sc), (mq, ms) in zip(temps, items, metas[(block, ue8m0)], strict=True):
+                    pairs += [(tq, q), (ts, sc)]
+                    meta += [mq, ms]
+                tally.compare(pairs, meta)
+
+        def regions(pos: int) -> None:
+            """Quantize the staged regions whose last piece arrived in step ``pos`` (-1: the local copies)."""
+            ks = b.regions_due.get(pos)
+            if not ks:
+                return
+            groups: dict = {}
+            metas: dict = {}
+            for k in ks:
+                block, ue8m0, item, meta = b.region_items[k]
+                groups.setdefault((block, ue8m0), []).append(item)
+                metas.setdefault((block, ue8m0), []).append(meta)
+                if not verify:
+                    touched.update((meta[0][0], meta[1][0]))
+            quantize(groups, metas if verify else None, (key, "regions", pos))
+
         def local_copies() -> float:
             t = clock()
             touched.update(b.local_writes)
             land(b.local, b.local_meta, (key, "local"))
+            if b.local_stage:
+                ops.copy_views(b.local_stage, backend, key=(key, "local-stage"))
+            if b.local_q:
+                quantize(b.local_q, b.local_q_meta if verify else None, (key, "local-quant"))
+            regions(-1)
             return clock() - t
 
         def what(pos: int) -> str:
@@ -957,6 +1102,9 @@ class Resharder:
             self._wait(works, what(pos), peers, posted, desc)
             t2 = clock()
             land(b.unpacks[pos], b.unpack_meta[pos] if verify else None, (key, "unpack", self.steps[pos][0]))
+            if b.stage_unpacks[pos]:
+                ops.copy_views(b.stage_unpacks[pos], backend, key=(key, "stage", self.steps[pos][0]))
+            regions(pos)
             t_wire += t2 - t1
             t_unpack += clock() - t2
 
@@ -975,6 +1123,8 @@ class Resharder:
                     t_local = local_copies()
                 t0_ = clock()
                 ops.copy_views(pk, backend, key=(key, "pack", i))
+                if b.qpacks[pos]:  # source-quantized chunks: quantized straight into the send buffer
+                    quantize(b.qpacks[pos], None, (key, "pack-quant", i))
                 t_pack += clock() - t0_
                 peers = {p for p, _ in sends} | {p for p, _ in recvs}
                 touched.update(b.writes[pos])  # in-place receives may land as soon as they are posted
@@ -1000,7 +1150,7 @@ class Resharder:
             sent_bytes=sent,
             recv_bytes=recvd,
             local_bytes=self._local_bytes,
-            staging_bytes=b.send_area_bytes + b.recv_area_bytes,
+            staging_bytes=b.send_area_bytes + b.recv_area_bytes + sum(t.numel() * t.element_size() for t in self._stage),
             seconds=time.perf_counter() - t0,
             pack_seconds=t_pack,
             wire_seconds=t_wire,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..layout import Layout, _gc_paused
+from . import quant as _quant
 from .routing import _check_gpus_per_node, _check_relay_groups, _check_specs, _route, lower_bound_bytes
 from .schedule import build_schedule
 from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
@@ -41,6 +42,8 @@ class Plan:
             if not t.is_local:
                 raise ValueError(f"plan: local copy {t} crosses ranks")
         _validate_plan(self)
+        if self.dst.quantized:
+            _quant.validate_quant(self)  # block-quantized destinations: the scales' cover, the modes
 
     @property
     def digest(self) -> str:
@@ -67,11 +70,16 @@ class Plan:
         if key not in self._cache:
             sent: dict[int, int] = defaultdict(int)
             recv: dict[int, int] = defaultdict(int)
-            relay_bytes = num_relays = net = 0
+            relay_bytes = num_relays = net = q_src = q_dst = 0
             for t in self.transfers:
                 n = t.nbytes
                 sent[t.src_rank] += n
                 recv[t.dst_rank] += n
+                if t.quant:
+                    if t.quant == _quant.QUANT_SRC:
+                        q_src += n
+                    else:
+                        q_dst += n
                 if t.relay:
                     relay_bytes += n
                     num_relays += 1
@@ -96,6 +104,8 @@ class Plan:
                 gpus_per_node=gpus_per_node,
                 net_bytes=net if gpus_per_node else None,
                 nvlink_bytes=wire - net if gpus_per_node else None,
+                quant_src_bytes=q_src,
+                quant_dst_bytes=q_dst,
             )
         return self._cache[key]
 
@@ -120,7 +130,7 @@ class Plan:
         out: list[tuple | None] = []
         with _gc_paused():
             for t in self.transfers:
-                if t.nbytes < min_bytes:
+                if t.nbytes < min_bytes or t.quant == _quant.QUANT_SRC:  # the pack quantizes those: never direct
                     out.append(None)
                     continue
                 s = (dst_locals if t.relay else src_locals).get(t.src_rank, empty).get(t.src_local)
@@ -204,6 +214,12 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     lacks, shapes that differ, dtypes that differ without ``allow_cast``, a destination element no source rank
     holds, destination boxes that overlap on one rank; also for ``relay=True`` without ``gpus_per_node`` or
     ``relay_groups``, a ``gpus_per_node`` < 1 and relay groups that overlap.
+
+    Block-quantized destination tensors (``TensorSpec.quant``, e.g. from ``block_quant_layout``) with a plain
+    float source are quantized on the way (``plan/quant.py``): whole blocks a source rank holds travel as fp8 +
+    fp32 scales (``Transfer.quant="src"``, quantized in the sender's pack), blocks straddling source fragments in
+    the source dtype (``"dst"``, quantized by the receiver once the block is complete); their scale tensors
+    need no source. Relays of such tensors raise ``ValueError`` (plan with ``relay=False``).
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
@@ -216,7 +232,13 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     elif relay and gpus_per_node is None and relay_groups is None:
         raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
                          "node or a group)")
-    _check_specs(src, dst, allow_cast)
+    # block-quantized destinations (plan/quant.py): routed in the source dtype, without their scales, then
+    # every routed piece is cut on the block grid into source- and destination-quantized transfers
+    targets = _quant.quant_targets(src, dst) if dst.quantized else {}
+    routed = _quant.routing_view(src, dst, targets) if targets else dst
+    _check_specs(src, routed, allow_cast)
     with _gc_paused():
-        local, wire = _route(src, dst, gpus_per_node, relay, groups if relay else {})
+        local, wire = _route(src, routed, gpus_per_node, relay, groups if relay else {})
+        if targets:
+            local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
         return Plan(src, dst, tuple(wire), tuple(local))

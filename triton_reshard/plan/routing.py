@@ -370,4 +370,8 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
                         n -= _held_numel(df.offsets, df.sizes, boxes)
                 missing += n
             total += missing * isz
+        if dst.quantized:  # block-quantized destinations: plus one fp32 scale per block with a missing element
+            from .quant import scale_lower_bound
+
+            total += scale_lower_bound(src, dst)
     return total

@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from ..layout import _gc_paused, _itemsize
+from .quant import split_src_chunks
 from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align
 
 
@@ -119,6 +120,11 @@ def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity
     chunks: list[tuple[int, tuple, tuple, int, int, int]] = []  # (transfer, off, size, nbytes, src, dst)
     phase_of: list[int] = []
     for i, t in enumerate(transfers):
+        if t.quant == "src":  # fp8 + scales, cut at block multiples only (plan/quant.py)
+            for off, size, n in split_src_chunks(t, cap):
+                chunks.append((i, off, size, n, t.src_rank, t.dst_rank))
+                phase_of.append(0)
+            continue
         isz = _itemsize(t.wire_dtype)
         for off, size in _split_box(t.sizes, isz, cap):
             n = math.prod(size) * isz

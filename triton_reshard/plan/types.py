@@ -35,6 +35,12 @@ class Transfer:
     ``relay``: the source is not the source layout but the *destination* local tensor ``src_local`` of
     ``src_rank``, which an earlier phase of the plan already wrote (fan-out inside a node: one network
     receive, then NVLink sends); relays run after every non-relay transfer and local copy.
+
+    Block-quantized destinations (``plan/quant.py``): ``quant="src"``: whole blocks (``block``), quantized by
+    the sender into ``wire_dtype`` float8_e4m3fn, their scales (fp32, one per block) travelling with them into
+    destination local tensor ``scale_local`` at ``scale_offsets``; ``quant="dst"``: a piece of blocks that
+    straddle source fragments, in the source dtype, staged by the receiver, which quantizes its region (its
+    scales start at ``scale_offsets``) once every piece of it is in. ``""``: a plain copy.
     """
 
     tensor: str
@@ -48,6 +54,10 @@ class Transfer:
     dst_offsets: tuple[int, ...]
     wire_dtype: torch.dtype
     relay: bool = False
+    quant: str = ""  # "", "src" or "dst" (see above)
+    block: tuple[int, ...] = ()  # the quantization block (quant set)
+    scale_local: str = ""  # the destination local tensor of the scales (quant set)
+    scale_offsets: tuple[int, ...] = ()  # where the scales of its first block go in it ("dst": of its region's)
 
     @property
     def numel(self) -> int:
@@ -55,6 +65,9 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
+        """Payload bytes: a source-quantized transfer carries its fp8 values and one fp32 scale per block."""
+        if self.quant == "src":
+            return self.numel + 4 * math.prod(-(-s // b) for s, b in zip(self.sizes, self.block, strict=True))
         return self.numel * _itemsize(self.wire_dtype)
 
     @property
@@ -66,12 +79,13 @@ class Transfer:
             self.tensor, self.offsets, self.sizes, self.src_rank, self.src_local, self.src_offsets,
             self.dst_rank, self.dst_local, self.dst_offsets, _dtype_name(self.wire_dtype),
         )
-        return k + (True,) if self.relay else k  # plans without relays keep their digests
+        k = k + (True,) if self.relay else k  # plans without relays keep their digests
+        return k + (self.quant, self.block, self.scale_local, self.scale_offsets) if self.quant else k
 
     def __str__(self) -> str:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
         return (
-            f"{self.tensor}[{box}] {'relay ' if self.relay else ''}rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
+            f"{self.tensor}[{box}] {'relay ' if self.relay else ''}{f'quant={self.quant} ' if self.quant else ''}rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
             f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {_dtype_name(self.wire_dtype)})"
         )
 
@@ -195,6 +209,11 @@ class PlanStats:
     gpus_per_node: int | None = None  # the node size below (``Plan.stats(gpus_per_node)``), None: not asked
     net_bytes: int | None = None  # of wire_bytes: between nodes (over the network)
     nvlink_bytes: int | None = None  # of wire_bytes: inside a node (over NVLink)
+    # block-quantized destinations: of wire_bytes, what senders quantized (fp8 + scales) and what travelled in the
+    # source dtype to be quantized by the receiver (blocks straddling source fragments); lower_bound_bytes then
+    # counts each missing fp8 byte plus one fp32 scale per block with a missing element
+    quant_src_bytes: int = 0
+    quant_dst_bytes: int = 0
 
     @property
     def max_sent_bytes(self) -> int:
@@ -223,6 +242,8 @@ class PlanStats:
             "gpus_per_node": self.gpus_per_node,
             "net_bytes": self.net_bytes,
             "nvlink_bytes": self.nvlink_bytes,
+            "quant_src_bytes": self.quant_src_bytes,
+            "quant_dst_bytes": self.quant_dst_bytes,
         }
 
 

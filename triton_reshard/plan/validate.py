@@ -86,10 +86,11 @@ def _validate_plan(plan: Plan) -> None:
                     ts.append(t)
                 if t.relay:
                     relay_written.setdefault(id(df), []).append(t)
+        scales = _quant_scales(plan)  # scale tensors of quantized destinations: checked by validate_quant
         for f in dst.fragments:
             ts = written.get(id(f))
             if ts is None:
-                exact = 0 in f.sizes
+                exact = 0 in f.sizes or f.tensor in scales
             elif len(ts) == 1:
                 exact = ts[0].sizes == f.sizes
             else:
@@ -136,8 +137,10 @@ def _check_cover(plan: Plan) -> None:
                 f"{hit[0]} and {hit[1]}"
             )
     need: dict[tuple[int, str], int] = defaultdict(int)
+    scales = _quant_scales(plan)
     for f in plan.dst.fragments:
-        need[(f.rank, f.local)] += f.numel
+        if f.tensor not in scales:
+            need[(f.rank, f.local)] += f.numel
     got = {k: sum(math.prod(b[1]) for b in v) for k, v in covered.items()}
     for key, n in need.items():
         if got.get(key, 0) != n:
@@ -145,3 +148,12 @@ def _check_cover(plan: Plan) -> None:
                 f"plan: destination local tensor {key[1]!r} on rank {key[0]} gets {got.get(key, 0)} of its "
                 f"{n} elements"
             )
+
+
+def _quant_scales(plan: Plan) -> frozenset[str]:
+    """The scale tensors the plan writes by quantizing (plan/quant.py), not by transfers."""
+    if not plan.dst.quantized:
+        return frozenset()
+    from .quant import plan_targets
+
+    return frozenset(spec.quant.scale for spec in plan_targets(plan).values())

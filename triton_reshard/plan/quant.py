@@ -1,0 +1,526 @@
+"""Block-quantized destinations (block FP8): the planner's post-pass over the routed transfers.
+
+A destination tensor with a :class:`~triton_reshard.layout.BlockQuant` whose source is a plain (e.g. BF16)
+tensor is routed like any other tensor, in its source dtype (``routing_view``): routing knows nothing of
+quantization. Then ``quantize_transfers`` cuts every routed piece on the block grid of the logical tensor:
+
+* the blocks wholly inside the piece (its aligned inner box) become one ``Transfer(quant="src")``: the
+  sender, which holds every element of those blocks, quantizes them while packing (the wire carries fp8
+  values plus one fp32 scale per block: about half the BF16 bytes); a local one quantizes straight into the
+  destination and its scale tensor;
+* the rest of the piece lies in blocks the piece only partly covers (the block straddles source fragments,
+  e.g. a source TP split of 24 rows under blocks of 16): ``Transfer(quant="dst")``, in the source dtype; the
+  receiver stages these blocks (``QuantRegion``: disjoint block-aligned boxes) and quantizes each region once
+  every piece of it is in.
+
+A block's quantization depends only on its own values, so both paths write identical bytes. The scale
+tensors are never routed: their fragments are written by the ``src`` transfers (the scales of their blocks,
+``Transfer.scale_local`` / ``scale_offsets``) and by the regions; ``validate_quant`` checks that cover.
+Relays of quantized tensors are refused (plan with ``relay=False``). A source that is block-quantized the same
+way needs no post-pass (fp8 values and scales are copied as plain tensors); a different quantization is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..layout import (
+    QUANT_DTYPE,
+    Fragment,
+    Layout,
+    LocalSpec,
+    TensorSpec,
+    _dtype_name,
+    _find_overlap,
+    _gc_paused,
+    _scale_box,
+)
+from .types import Transfer
+
+if TYPE_CHECKING:
+    from .core import Plan
+
+QUANT_SRC = "src"  # the sender quantizes (fp8 + scales on the wire)
+QUANT_DST = "dst"  # the receiver stages the source dtype and quantizes whole regions
+SCALE_BYTES = 4  # one float32 scale per block
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def num_blocks(sizes: Sequence[int], block: Sequence[int]) -> int:
+    """Blocks of a block-aligned box of ``sizes`` (a partial last block counts)."""
+    return math.prod(-(-s // b) for s, b in zip(sizes, block, strict=True))
+
+
+def scale_sizes(sizes: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    return tuple(-(-s // b) for s, b in zip(sizes, block, strict=True))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Which tensors, and the layout routing sees
+# --------------------------------------------------------------------------------------------------------
+
+
+def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
+    """Destination tensors this plan quantizes: block-quantized in ``dst``, plain floating point in ``src``.
+
+    A tensor the source holds quantized the same way (block, scale name, ue8m0) is copied as it is (its scale
+    tensor is a plain tensor on both sides); a different quantization raises ``ValueError``."""
+    out: dict[str, TensorSpec] = {}
+    for name, spec in dst.quantized.items():
+        s = src.specs.get(name)
+        if s is None:
+            continue  # the spec check names the missing source tensor
+        if s.quant is not None:
+            if s.quant != spec.quant:
+                raise ValueError(f"tensor {name!r}: the source is block-quantized with {s.quant}, the destination with "
+                                 f"{spec.quant}: re-quantization is not supported")
+            continue
+        if not s.dtype.is_floating_point or s.dtype.itemsize < 2:
+            raise ValueError(f"tensor {name!r}: a block-quantized destination needs a float16/bfloat16/float32 "
+                             f"source, got {_dtype_name(s.dtype)}")
+        if s.shape != spec.shape:
+            raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {spec.shape}")
+        out[name] = spec
+    return out
+
+
+def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> Layout:
+    """``dst`` as routing sees it: every target tensor a plain tensor in its source dtype (its local tensors
+    too), the scale tensors of the targets (and the local tensors holding them) left out."""
+    scales = {targets[n].quant.scale for n in targets}
+    specs = [TensorSpec(t.name, t.shape, src.specs[t.name].dtype) if t.name in targets else t
+             for t in dst.tensors if t.name not in scales]
+    holds: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for f in dst.fragments:
+        holds[(f.rank, f.local)].add(f.tensor)
+    locs = []
+    for s in dst.locals:
+        names = holds.get((s.rank, s.name), set())
+        if names & scales:
+            if names - scales:
+                raise ValueError(f"local tensor {s.name!r} on rank {s.rank} holds scale tensor "
+                                 f"{sorted(names & scales)[0]!r} and tensor {sorted(names - scales)[0]!r}: scales need "
+                                 f"local tensors of their own")
+            continue
+        q = names & targets.keys()
+        if q:
+            dtypes = {src.specs[n].dtype for n in q}
+            if names - q or len(dtypes) > 1:
+                raise ValueError(f"local tensor {s.name!r} on rank {s.rank} holds quantized tensor {sorted(q)[0]!r} "
+                                 f"with tensors of other source dtypes or quantization")
+            s = LocalSpec(s.rank, s.name, s.shape, dtypes.pop())
+        locs.append(s)
+    frags = tuple(f for f in dst.fragments if f.tensor not in scales)
+    with _gc_paused():
+        return Layout(tuple(specs), frags, tuple(locs))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Geometry on the block grid
+# --------------------------------------------------------------------------------------------------------
+
+
+def _inner(off, size, block, shape) -> Box | None:
+    """The whole blocks of box ``off``+``size``: the largest block-aligned box inside it (an end at the tensor's
+    end counts as aligned), or None."""
+    lo, sz = [], []
+    for o, n, b, g in zip(off, size, block, shape, strict=True):
+        a = -(-o // b) * b
+        e = o + n if o + n == g else (o + n) // b * b
+        if e <= a:
+            return None
+        lo.append(a)
+        sz.append(e - a)
+    return tuple(lo), tuple(sz)
+
+
+def _outside(off, size, inner: Box | None) -> list[Box]:
+    """Box ``off``+``size`` minus its sub-box ``inner``: disjoint slabs (dims before ``d`` cut to the inner
+    range, dim ``d`` outside it, the later dims whole)."""
+    if inner is None:
+        return [(tuple(off), tuple(size))]
+    out = []
+    cur_off, cur_size = list(off), list(size)
+    for d in range(len(off)):
+        io, isz = inner[0][d], inner[1][d]
+        lo, hi = cur_off[d], cur_off[d] + cur_size[d]
+        if io > lo:
+            out.append((tuple(cur_off[:d]) + (lo,) + tuple(cur_off[d + 1:]),
+                        tuple(cur_size[:d]) + (io - lo,) + tuple(cur_size[d + 1:])))
+        if io + isz < hi:
+            out.append((tuple(cur_off[:d]) + (io + isz,) + tuple(cur_off[d + 1:]),
+                        tuple(cur_size[:d]) + (hi - io - isz,) + tuple(cur_size[d + 1:])))
+        cur_off[d], cur_size[d] = io, isz
+    return out
+
+
+def _expand(off, size, block, shape) -> Box:
+    """The blocks box ``off``+``size`` touches (clipped to the tensor)."""
+    lo = tuple(o // b * b for o, b in zip(off, block, strict=True))
+    hi = tuple(min(-(-(o + n) // b) * b, g) for o, n, b, g in zip(off, size, block, shape, strict=True))
+    return lo, tuple(h - a for h, a in zip(hi, lo, strict=True))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    off, size = [], []
+    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        size.append(hi - lo)
+    return tuple(off), tuple(size)
+
+
+def union_boxes(boxes: Sequence[Box]) -> list[Box]:
+    """The union of ``boxes`` as disjoint boxes, in a canonical form: the same set gives the same boxes
+    whatever boxes it came from (grid lines where the set does not change are dropped, then the cells are
+    merged greedily, last dim first, in row-major order)."""
+    boxes = [b for b in boxes if min(b[1], default=1) > 0]
+    if len(boxes) <= 1:
+        return [(tuple(b[0]), tuple(b[1])) for b in boxes]
+    nd = len(boxes[0][0])
+    cuts = [sorted({p for o, s in boxes for p in (o[d], o[d] + s[d])}) for d in range(nd)]
+    shape = [len(c) - 1 for c in cuts]
+
+    def inside(idx) -> bool:
+        lo = [cuts[d][i] for d, i in enumerate(idx)]
+        return any(all(o[d] <= lo[d] < o[d] + s[d] for d in range(nd)) for o, s in boxes)
+
+    cells = {idx: inside(idx) for idx in itertools.product(*[range(n) for n in shape])}
+    # canonical grid: drop every cut line across which no cell changes
+    keep = []
+    for d in range(nd):
+        k = [0]
+        for i in range(1, shape[d]):
+            if any(cells[idx] != cells[idx[:d] + (i - 1,) + idx[d + 1:]]
+                   for idx in itertools.product(*[range(n) if e != d else (i,) for e, n in enumerate(shape)])):
+                k.append(i)
+        keep.append(k)
+    g_cuts = [[cuts[d][i] for i in keep[d]] + [cuts[d][-1]] for d in range(nd)]
+    g_shape = [len(k) for k in keep]
+    lab = {idx: cells[tuple(keep[d][i] for d, i in enumerate(idx))]
+           for idx in itertools.product(*[range(n) for n in g_shape])}
+    done: set = set()
+    out = []
+    for idx in itertools.product(*[range(n) for n in g_shape]):
+        if idx in done or not lab[idx]:
+            continue
+        hi = list(idx)
+        for d in reversed(range(nd)):
+            while hi[d] + 1 < g_shape[d]:
+                slab = itertools.product(*[range(idx[k], hi[k] + 1) if k != d else (hi[d] + 1,) for k in range(nd)])
+                if all(lab[c] and c not in done for c in slab):
+                    hi[d] += 1
+                else:
+                    break
+        done.update(itertools.product(*[range(idx[k], hi[k] + 1) for k in range(nd)]))
+        out.append((tuple(g_cuts[d][idx[d]] for d in range(nd)),
+                    tuple(g_cuts[d][hi[d] + 1] - g_cuts[d][idx[d]] for d in range(nd))))
+    return out
+
+
+def _union_numel(boxes: Sequence[Box]) -> int:
+    return sum(math.prod(s) for _o, s in union_boxes(boxes))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The post-pass
+# --------------------------------------------------------------------------------------------------------
+
+
+def _dst_fragment(dst: Layout, t: Transfer) -> Fragment:
+    """The destination fragment transfer ``t`` writes into (the one whose box and local place contain it)."""
+    for f in dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()):
+        if f.local_box(t.offsets, t.sizes)[0] == t.dst_offsets and all(
+                fo <= o and o + n <= fo + fn for o, n, fo, fn in zip(t.offsets, t.sizes, f.offsets, f.sizes, strict=True)):
+            return f
+    raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
+
+
+class _ScaleIndex:
+    """Per quantized tensor: the scale fragment that goes with each weight fragment."""
+
+    def __init__(self, dst: Layout, targets: dict[str, TensorSpec]) -> None:
+        self.dst = dst
+        self.by_key: dict[str, dict[tuple, Fragment]] = {}
+        for name, spec in targets.items():
+            self.by_key[name] = {(f.rank, f.offsets, f.sizes, f.local_offsets): f
+                                 for f in dst.fragments_by_tensor.get(spec.quant.scale, ())}
+
+    def of(self, df: Fragment, block) -> Fragment:
+        off, sizes, lo = _scale_box(df, block)
+        return self.by_key[df.tensor][(df.rank, off, sizes, lo)]
+
+
+def _scale_place(df: Fragment, sf: Fragment, off, block) -> tuple[int, ...]:
+    """Local offsets in scale fragment ``sf`` of the block starting at logical ``off`` of weight fragment ``df``."""
+    extra = len(sf.local_offsets) - len(block)
+    return sf.local_offsets[:extra] + tuple(
+        lo + (o - fo) // b for lo, o, fo, b in zip(sf.local_offsets[extra:], off, df.offsets, block, strict=True))
+
+
+def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_local: str, scale_offsets) -> Transfer:
+    """Sub-box ``off``+``size`` (logical) of ``t`` as a quantized transfer."""
+    def shift(start):
+        extra = len(start) - len(off)
+        return start[:extra] + tuple(s + o - to for s, o, to in zip(start[extra:], off, t.offsets, strict=True))
+
+    return Transfer(t.tensor, tuple(off), tuple(size), t.src_rank, t.src_local, shift(t.src_offsets), t.dst_rank,
+                    t.dst_local, shift(t.dst_offsets), wire, t.relay, mode, tuple(block), scale_local,
+                    tuple(scale_offsets))
+
+
+def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec], local: Sequence[Transfer],
+                       wire: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
+    """The routed ``local`` copies and ``wire`` transfers with every transfer of a target tensor cut on its
+    block grid into a ``src`` transfer (its whole blocks) and ``dst`` transfers (the rest, one per region
+    they fall in); other transfers unchanged. Raises ``ValueError`` for a relay of a target tensor."""
+    if not targets:
+        return list(local), list(wire)
+    scales = _ScaleIndex(dst, targets)
+    out = ([], [])
+    pending: dict[int, tuple[Fragment, list]] = {}  # id(dst fragment) -> (fragment, [(kind, t, box)])
+    for kind, ts in enumerate((local, wire)):
+        for t in ts:
+            spec = targets.get(t.tensor)
+            if spec is None:
+                out[kind].append(t)
+                continue
+            if t.relay:
+                raise ValueError(
+                    f"tensor {t.tensor!r} is block-quantized on destination rank {t.dst_rank}: relays of quantized "
+                    f"tensors are not supported; plan with relay=False (refit(..., relay=False))")
+            if not t.numel:
+                continue
+            block, shape = spec.quant.block, spec.shape
+            df = _dst_fragment(dst, t)
+            sf = scales.of(df, block)
+            inner = _inner(t.offsets, t.sizes, block, shape)
+            if inner is not None:
+                out[kind].append(_sub(t, inner[0], inner[1], QUANT_DTYPE, QUANT_SRC, block, sf.local,
+                                      _scale_place(df, sf, inner[0], block)))
+            rest = _outside(t.offsets, t.sizes, inner)
+            if rest:
+                entry = pending.setdefault(id(df), (df, []))
+                entry[1].extend((kind, t, r) for r in rest)
+    for df, parts in pending.values():
+        spec = targets[df.tensor]
+        block, shape = spec.quant.block, spec.shape
+        sf = scales.of(df, block)
+        regions = union_boxes([_expand(o, s, block, shape) for _k, _t, (o, s) in parts])
+        for kind, t, box in parts:
+            for reg in regions:
+                hit = _intersect(box, reg)
+                if hit is not None:
+                    out[kind].append(_sub(t, hit[0], hit[1], t.wire_dtype, QUANT_DST, block, sf.local,
+                                          _scale_place(df, sf, reg[0], block)))
+    order = (lambda t: (t.dst_rank, t.tensor, t.offsets, t.dst_local),
+             lambda t: (t.src_rank, t.dst_rank, t.tensor, t.offsets))
+    return sorted(out[0], key=order[0]), sorted(out[1], key=order[1])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Regions (what a destination rank stages and quantizes itself)
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QuantRegion:
+    """A block-aligned box of quantized tensor ``tensor`` that destination rank ``rank`` receives in the source
+    dtype (``dtype``) by ``dst`` transfers (``wire``: indices into ``Plan.transfers``; ``local``: into
+    ``Plan.local_copies``), stages, and quantizes once all of them are in: fp8 values into ``dst_local`` at
+    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``."""
+
+    tensor: str
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dst_local: str
+    dst_offsets: tuple[int, ...]
+    scale_tensor: str
+    scale_local: str
+    scale_offsets: tuple[int, ...]
+    block: tuple[int, ...]
+    ue8m0: bool
+    dtype: torch.dtype
+    wire: tuple[int, ...]
+    local: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def scale_sizes(self) -> tuple[int, ...]:
+        return scale_sizes(self.sizes, self.block)
+
+
+def quant_regions(plan: Plan) -> dict[int, tuple[QuantRegion, ...]]:
+    """Per destination rank, the regions its ``dst`` transfers fill (cached on the plan; derived from the
+    transfers alone, so every rank computes the same)."""
+    cached = plan._cache.get("quant_regions")
+    if cached is not None:
+        return cached
+    dst = plan.dst
+    groups: dict[int, tuple[Fragment, list]] = {}
+    for kind, ts in enumerate((plan.local_copies, plan.transfers)):
+        for i, t in enumerate(ts):
+            if t.quant == QUANT_DST:
+                df = _dst_fragment(dst, t)
+                groups.setdefault(id(df), (df, []))[1].append((kind, i, t))
+    out: dict[int, list[QuantRegion]] = defaultdict(list)
+    for df, items in groups.values():
+        spec = dst.specs[df.tensor]
+        block, shape = spec.quant.block, spec.shape
+        regions = union_boxes([_expand(t.offsets, t.sizes, block, shape) for _k, _i, t in items])
+        for reg in regions:
+            mine = [(k, i, t) for k, i, t in items if _intersect((t.offsets, t.sizes), reg) is not None]
+            t0 = mine[0][2]
+            scale_off = t0.scale_offsets  # quantize_transfers placed it at its region's first block
+            for _k, _i, t in mine:
+                if t.scale_offsets != scale_off or t.scale_local != t0.scale_local or t.wire_dtype != t0.wire_dtype:
+                    raise ValueError(f"plan: destination-quantized transfers {t0} and {t} of one region of "
+                                     f"{df.tensor!r} on rank {df.rank} disagree on its scales or dtype")
+            out[df.rank].append(QuantRegion(
+                df.tensor, df.rank, reg[0], reg[1], df.local, df.local_box(reg[0], reg[1])[0], spec.quant.scale,
+                t0.scale_local, scale_off, block, spec.quant.ue8m0, t0.wire_dtype,
+                tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0)))
+    res = {r: tuple(v) for r, v in sorted(out.items())}
+    plan._cache["quant_regions"] = res
+    return res
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checks and bounds
+# --------------------------------------------------------------------------------------------------------
+
+
+def validate_quant(plan: Plan) -> None:
+    """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
+    dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
+    transfers and the regions). The weights' own exact cover is ``_validate_plan``'s."""
+    src, dst = plan.src, plan.dst
+    quantized = dst.quantized
+    written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
+    for t in plan.transfers + plan.local_copies:
+        spec = quantized.get(t.tensor)
+        if spec is None or (src.specs.get(t.tensor) is not None and src.specs[t.tensor].quant is not None):
+            if t.quant:
+                raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
+            continue
+        if t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block:
+            raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
+                             f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
+        if t.quant == QUANT_SRC:
+            if t.wire_dtype != QUANT_DTYPE or _inner(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes):
+                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in fp8")
+            written[(t.dst_rank, t.scale_local)].append((t.scale_offsets, _lead(t.scale_offsets, scale_sizes(t.sizes, t.block)), t))
+        elif t.wire_dtype != src.specs[t.tensor].dtype:
+            raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
+    for rank, regions in quant_regions(plan).items():
+        for g in regions:
+            if _inner(g.offsets, g.sizes, g.block, dst.specs[g.tensor].shape) != (g.offsets, g.sizes):
+                raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
+                                 f"block-aligned")
+            written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
+    need: dict[tuple[int, str], int] = defaultdict(int)
+    for name, spec in quantized.items():
+        if name not in plan_targets(plan):
+            continue
+        for f in dst.fragments_by_tensor.get(spec.quant.scale, ()):
+            need[(f.rank, f.local)] += f.numel
+    for key in set(need) | set(written):
+        boxes = written.get(key, [])
+        got = sum(math.prod(s) for _o, s, _w in boxes)
+        hit = _find_overlap(boxes) if len(boxes) > 1 else None
+        if hit is not None:
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {hit[0]} and "
+                             f"{hit[1]}")
+        if got != need.get(key, 0):
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} gets {got} of its "
+                             f"{need.get(key, 0)} scales")
+
+
+def _lead(local_offsets, sizes) -> tuple[int, ...]:
+    """``sizes`` in the local tensor's dims (extra leading dims of size 1)."""
+    return (1,) * (len(local_offsets) - len(sizes)) + tuple(sizes)
+
+
+def plan_targets(plan: Plan) -> dict[str, TensorSpec]:
+    t = plan._cache.get("quant_targets")
+    if t is None:
+        t = plan._cache["quant_targets"] = quant_targets(plan.src, plan.dst)
+    return t
+
+
+def scale_lower_bound(src: Layout, dst: Layout) -> int:
+    """The scale bytes of the lower bound: per destination fragment of a quantized tensor (plain source), one
+    float32 per block with an element its rank does not hold as source (those blocks cannot be quantized from
+    what the rank holds alone: their scale, or all their values, must arrive)."""
+    total = 0
+    for name, spec in quant_targets(src, dst).items():
+        block, shape = spec.quant.block, spec.shape
+        own: dict[int, dict[Box, None]] = {}
+        for f in src.fragments_by_tensor.get(name, ()):
+            if f.numel:
+                own.setdefault(f.rank, {})[(f.offsets, f.sizes)] = None
+        for df in dst.fragments_by_tensor.get(name, ()):
+            if not df.numel:
+                continue
+            box = (df.offsets, df.sizes)
+            held = [h for h in (_intersect(b, box) for b in own.get(df.rank, ())) if h is not None]
+            if not held:
+                total += num_blocks(df.sizes, block) * SCALE_BYTES
+                continue
+            if any(h == box for h in held):
+                continue
+            missing = _missing(box, held)
+            grid = [_to_blocks(_expand(o, s, block, shape), block) for o, s in missing]
+            total += _union_numel(grid) * SCALE_BYTES
+    return total
+
+
+def _to_blocks(box: Box, block) -> Box:
+    return (tuple(o // b for o, b in zip(box[0], block, strict=True)),
+            tuple(-(-(o + s) // b) - o // b for o, s, b in zip(box[0], box[1], block, strict=True)))
+
+
+def _missing(box: Box, held: Sequence[Box]) -> list[Box]:
+    """``box`` minus the union of ``held`` (boxes inside it), as disjoint boxes."""
+    rest = [box]
+    for h in held:
+        nxt = []
+        for r in rest:
+            cut = _intersect(r, h)
+            nxt.extend([r] if cut is None else _outside(r[0], r[1], cut))
+        rest = nxt
+    return rest
+
+
+def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """A source-quantized transfer cut for the schedule, only at block multiples: ``[(offsets relative to the
+    transfer, sizes, chunk bytes)]``, chunk bytes = fp8 values (padded to ``ALIGN``) + the fp32 scales, each at
+    most ``cap`` unless one block alone is bigger (then one block per chunk)."""
+    from .schedule import _split_box
+    from .types import _align
+
+    block = t.block
+    grid = scale_sizes(t.sizes, block)
+    per_block = math.prod(block) + SCALE_BYTES + 16
+    out = []
+    for g_off, g_size in _split_box(grid, per_block, cap):
+        off = tuple(o * b for o, b in zip(g_off, block, strict=True))
+        size = tuple(min(n * b, s - o) for n, b, s, o in zip(g_size, block, t.sizes, off, strict=True))
+        n = math.prod(size)
+        if n:
+            out.append((off, size, _align(n) + num_blocks(size, block) * SCALE_BYTES))
+    return out
