@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .layout import (
+    MAX_TENSOR_BYTES,
     Fragment,
     FragmentTable,
     Layout,
@@ -40,6 +41,73 @@ from .layout import (
 )
 
 _I64 = np.int64
+
+
+# --------------------------------------------------------------------------------------------------------
+# Logical tensors, TensorSpec objects built on demand
+# --------------------------------------------------------------------------------------------------------
+
+
+class LogicalTensors:
+    """The logical tensors of a layout as parallel tuples sorted by name (``names``, ``shapes``, ``dtypes``),
+    with each :class:`TensorSpec` built on first use: a DeepSeek-V3 has ~46,000 tensors, and a rank plan looks
+    at the few thousand its rank holds."""
+
+    __slots__ = ("names", "shapes", "dtypes", "index", "_specs", "_key")
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
+                 specs: Sequence[TensorSpec] | None = None) -> None:
+        self.names, self.shapes, self.dtypes = tuple(names), tuple(shapes), tuple(dtypes)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self._specs: list | None = list(specs) if specs is not None else None
+        self._key = None
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[TensorSpec]) -> LogicalTensors:
+        specs = sorted(specs, key=lambda t: t.name)
+        return cls([t.name for t in specs], [t.shape for t in specs], [t.dtype for t in specs], specs)
+
+    @classmethod
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                    dtypes: Mapping[str, torch.dtype] | None = None) -> LogicalTensors:
+        """``{name: shape}`` held in ``dtype`` (``dtypes``: the exceptions); shapes are checked as TensorSpec
+        checks them when their spec is built."""
+        names = sorted(shapes)
+        dtypes = dtypes or {}
+        return cls(names, [tuple(shapes[n]) for n in names], [dtypes.get(n, dtype) for n in names])
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def spec(self, i: int) -> TensorSpec:
+        if self._specs is None:
+            self._specs = [None] * len(self.names)
+        t = self._specs[i]
+        if t is None:
+            t = self._specs[i] = trusted_spec(self.names[i], self.shapes[i], self.dtypes[i])
+        return t
+
+    def all(self) -> tuple[TensorSpec, ...]:
+        if self._specs is None or None in self._specs:
+            self._specs = [t if t is not None else trusted_spec(n, sh, dt) for t, n, sh, dt in zip(
+                self._specs or [None] * len(self.names), self.names, self.shapes, self.dtypes, strict=True)]
+        return tuple(self._specs)
+
+    @property
+    def key(self) -> tuple:
+        """``Layout._key[0]``: (name, shape, dtype name[, quant key]) per tensor."""
+        if self._key is None:
+            if self._specs is not None and any(t is not None and t.quant is not None for t in self._specs):
+                self._key = tuple((t.name, t.shape, _dtype_name(t.dtype)) if t.quant is None
+                                  else (t.name, t.shape, _dtype_name(t.dtype), t.quant.key()) for t in self.all())
+            else:
+                dn = {d: _dtype_name(d) for d in set(self.dtypes)}
+                self._key = tuple(zip(self.names, self.shapes, [dn[d] for d in self.dtypes], strict=True))
+        return self._key
+
+    @property
+    def quantized(self) -> bool:
+        return self._specs is not None and any(t is not None and t.quant is not None for t in self._specs)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -123,7 +191,7 @@ def _frag_order(ft, fr, fl, foff, flo) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _valid(c: _Columns, specs: Sequence[TensorSpec]) -> bool:
+def _valid(c: _Columns, lt: LogicalTensors) -> bool:
     """True if the columns pass every check of ``Layout._validate`` (exactly: no false alarms on layouts the
     eager validation accepts, no layout it rejects passes)."""
     n = c.nfrag
@@ -132,11 +200,13 @@ def _valid(c: _Columns, specs: Sequence[TensorSpec]) -> bool:
         return False
     if not n:
         return True
-    nd_t = np.array([len(s.shape) for s in specs], dtype=_I64)
+    nd_t = np.fromiter(map(len, lt.shapes), _I64, len(lt))
     D = c.foff.shape[1]
-    shape_t = np.ones((len(specs), max(D, 1)), dtype=_I64)
-    for i, s in enumerate(specs):
-        shape_t[i, :len(s.shape)] = s.shape
+    shape_t = np.ones((len(lt), max(D, 1)), dtype=_I64)
+    for k in set(nd_t.tolist()):
+        if k:
+            sel = np.flatnonzero(nd_t == k)
+            shape_t[sel, :k] = [lt.shapes[i] for i in sel.tolist()]
     nd = nd_t[c.ft]
     # the fragment's box inside its logical tensor (unused columns are 0 + 1 <= 1)
     if D and (c.foff + c.fsz > shape_t[c.ft, :D]).any():
@@ -153,7 +223,8 @@ def _valid(c: _Columns, specs: Sequence[TensorSpec]) -> bool:
     if (c.flnd != lnd).any() or (lnd < nd).any():
         return False
     # dtypes: the local tensor's is the tensor's
-    dt_t = np.array([c.dtypes.index(s.dtype) if s.dtype in c.dtypes else -1 for s in specs], dtype=_I64)
+    did = {d: i for i, d in enumerate(c.dtypes)}
+    dt_t = np.fromiter((did.get(d, -1) for d in lt.dtypes), _I64, len(lt))
     if (c.ldt[li] != dt_t[c.ft]).any():
         return False
     # inside the local tensor: local offsets + (1,)*(lnd-nd) + sizes <= local shape
@@ -285,19 +356,38 @@ class ColumnarLayout(Layout):
     (the presets) and by ``instances`` of one. Equal (``==``, ``digest``) to the eager Layout of the same
     contents; ``fragments`` / ``locals`` are built on first use."""
 
-    def __init__(self, tensors: Sequence[TensorSpec], cols: _Columns | None = None, *, base: ColumnarLayout | None = None,
-                 copies: int = 1, stride: int = 0, validate: bool = True) -> None:
-        tensors = tuple(sorted(tensors, key=lambda t: t.name))
-        object.__setattr__(self, "tensors", tensors)
+    def __init__(self, tensors: LogicalTensors | Sequence[TensorSpec], cols: _Columns | None = None, *,
+                 base: ColumnarLayout | None = None, copies: int = 1, stride: int = 0, validate: bool = True) -> None:
+        lt = tensors if isinstance(tensors, LogicalTensors) else LogicalTensors.from_specs(tensors)
+        object.__setattr__(self, "_lt", lt)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_copies", copies)
         object.__setattr__(self, "_stride", stride)
         if cols is not None:
             self.__dict__["_cols"] = cols
-        if base is None and validate and not _valid(cols, tensors):
-            Layout(tensors, self.fragments, self.locals)  # raises the eager validation's message
-        if any(t.quant is not None for t in tensors):  # block quantization: the eager checks (small layouts)
-            Layout(tensors, self.fragments, self.locals)
+        if base is None and validate and not _valid(cols, lt):
+            Layout(self.tensors, self.fragments, self.locals)  # raises the eager validation's message
+        if lt.quantized:  # block quantization: the eager checks (small layouts)
+            Layout(self.tensors, self.fragments, self.locals)
+
+    @cached_property
+    def tensors(self) -> tuple[TensorSpec, ...]:  # type: ignore[override]
+        return self._lt.all()
+
+    @cached_property
+    def specs(self) -> Mapping[str, TensorSpec]:  # type: ignore[override]
+        lt = self._lt
+        return _LazyMap(lt.names, lambda n: lt.spec(lt.index[n]))
+
+    @cached_property
+    def quantized(self) -> dict[str, TensorSpec]:  # type: ignore[override]
+        return {t.name: t for t in self.tensors if t.quant is not None} if self._lt.quantized else {}
+
+    def spec(self, name: str) -> TensorSpec:
+        i = self._lt.index.get(name)
+        if i is None:
+            raise ValueError(f"unknown tensor {name!r}")
+        return self._lt.spec(i)
 
     # -- the columns ------------------------------------------------------------------------------------
 
@@ -305,9 +395,9 @@ class ColumnarLayout(Layout):
     def _cols(self) -> _Columns:
         return self._base._cols.shift(self._copies, self._stride)
 
-    @cached_property
+    @property
     def _tid(self) -> dict[str, int]:
-        return {n: i for i, n in enumerate(self._root._cols.names)}
+        return self._lt.index
 
     @property
     def _root(self) -> ColumnarLayout:
@@ -333,7 +423,7 @@ class ColumnarLayout(Layout):
         c = self._cols
         names, lnames = c.names, c.lnames
         D = c.foff.shape[1]
-        nds = np.array([len(t.shape) for t in self.tensors], dtype=_I64)
+        nds = np.fromiter(map(len, self._lt.shapes), _I64, len(self._lt))
         with _gc_paused():
             out = []
             for i in range(len(names)):
@@ -367,10 +457,9 @@ class ColumnarLayout(Layout):
                 tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
             )
 
-    @cached_property
+    @property
     def _tensors_key(self) -> tuple:
-        return tuple((t.name, t.shape, _dtype_name(t.dtype)) if t.quant is None
-                     else (t.name, t.shape, _dtype_name(t.dtype), t.quant.key()) for t in self.tensors)
+        return self._lt.key
 
     @cached_property
     def _hash(self) -> int:
@@ -391,7 +480,7 @@ class ColumnarLayout(Layout):
             if self._hash != other._hash:
                 return False
             a, b = self._cols, other._cols
-            if a.names != b.names or a.lnames != b.lnames or a.dtypes != b.dtypes or self.tensors != other.tensors:
+            if a.names != b.names or a.lnames != b.lnames or a.dtypes != b.dtypes or self._lt.key != other._lt.key:
                 return self._key == other._key
             return all(np.array_equal(x, y) for x, y in (
                 (a.ft, b.ft), (a.fr, b.fr), (a.fl, b.fl), (a.foff, b.foff), (a.fsz, b.fsz), (a.flo, b.flo),
@@ -401,14 +490,14 @@ class ColumnarLayout(Layout):
     __hash__ = Layout.__hash__
 
     def __repr__(self) -> str:
-        return (f"Layout({len(self.tensors)} tensors, {self._nfrag} fragments, {self._nlocal} local tensors on "
+        return (f"Layout({len(self._lt)} tensors, {self._nfrag} fragments, {self._nlocal} local tensors on "
                 f"ranks {list(self.ranks)}, digest={self.digest})")
 
     def __reduce__(self):
         if self._base is not None:
-            return (ColumnarLayout, (self.tensors, None), {"_base": self._base, "_copies": self._copies,
+            return (ColumnarLayout, (self._lt, None), {"_base": self._base, "_copies": self._copies,
                                                             "_stride": self._stride})
-        return (_restore, (self.tensors, self._cols))
+        return (_restore, (self._lt, self._cols))
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -458,7 +547,8 @@ class ColumnarLayout(Layout):
             return ()
         c = self._root._cols
         rows = c.rows_of_rank(sp[1])
-        nds = [len(self._root.tensors[t].shape) for t in c.ft[rows].tolist()]
+        shapes = self._lt.shapes
+        nds = [len(shapes[t]) for t in c.ft[rows].tolist()]
         return tuple(Fragment(c.names[t], rank, tuple(o[:nd]), tuple(s[:nd]), c.lnames[li], tuple(lo[:k]))
                      for t, nd, o, s, li, lo, k in zip(c.ft[rows].tolist(), nds, c.foff[rows].tolist(),
                                                        c.fsz[rows].tolist(), c.fl[rows].tolist(),
@@ -520,7 +610,7 @@ class ColumnarLayout(Layout):
             return Layout.instances(self, n, stride)  # raises its message
         if self._base is not None:  # copies of copies: one level of tiling
             return Layout.instances(self, n, stride)
-        return ColumnarLayout(self.tensors, base=self, copies=n, stride=step)
+        return ColumnarLayout(self._lt, base=self, copies=n, stride=step)
 
 
 def _restore(tensors, cols) -> ColumnarLayout:
@@ -539,16 +629,26 @@ def _is_scalar(v) -> bool:
 _SPEC_FIELDS = ("name", "shape", "dtype", "quant")
 
 
+_FAST_SPECS = getattr(TensorSpec, "__slots__", None) == _SPEC_FIELDS
+_set_name, _set_shape, _set_dtype, _set_quant = ((TensorSpec.__dict__[k].__set__ if _FAST_SPECS else None)
+                                                 for k in _SPEC_FIELDS)
+
+
 def trusted_spec(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
     """``TensorSpec(name, shape, dtype)`` without the argument checks, for builders that make ~10^5 of them
     from a model config (a plain tuple of ints >= 0, a torch.dtype); the checked constructor otherwise."""
-    if (getattr(TensorSpec, "__slots__", None) != _SPEC_FIELDS or type(dtype) is not torch.dtype
-            or type(shape) is not tuple):
+    if not _FAST_SPECS or type(dtype) is not torch.dtype or type(shape) is not tuple or min(shape, default=0) < 0:
         return TensorSpec(name, shape, dtype)
-    _check_bytes(shape, dtype, f"tensor {name!r}")
+    n = 1
+    for d in shape:
+        n *= d
+    if n * 8 > MAX_TENSOR_BYTES:
+        _check_bytes(shape, dtype, f"tensor {name!r}")
     t = object.__new__(TensorSpec)
-    for k, v in zip(_SPEC_FIELDS, (name, shape, dtype, None), strict=True):
-        object.__setattr__(t, k, v)
+    _set_name(t, name)
+    _set_shape(t, shape)
+    _set_dtype(t, dtype)
+    _set_quant(t, None)
     return t
 
 
@@ -563,20 +663,23 @@ class ColumnBuilder:
     A local tensor declared twice on a rank must have the same shape (the builder raises otherwise).
     """
 
-    def __init__(self, specs: Iterable[TensorSpec], dtype: torch.dtype) -> None:
-        self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
+    def __init__(self, tensors: LogicalTensors | Iterable[TensorSpec], dtype: torch.dtype) -> None:
+        self.tensors = tensors if isinstance(tensors, LogicalTensors) else LogicalTensors.from_specs(tensors)
         self.dtype = dtype
         self._rows: list[tuple] = []  # scalar boxes: (tensor, rank, local, offsets, sizes, local_offsets)
         self._blocks: list[tuple] = []  # array boxes: (tensor ids [n], ranks [n], local, off [n, nd], sz, lo [n, lnd])
         self._lrows: list[tuple] = []  # scalar locals: (rank, name, shape, dtype)
         self._lblocks: list[tuple] = []  # array locals: (ranks [n], name, shape [n, k], dtype)
-        self._tid: dict[str, int] | None = None
 
     @property
     def tensor_ids(self) -> dict[str, int]:
-        if self._tid is None:
-            self._tid = {n: i for i, n in enumerate(sorted(self.specs))}
-        return self._tid
+        return self.tensors.index
+
+    def shape_of(self, tensor: str) -> tuple[int, ...]:
+        return self.tensors.shapes[self.tensors.index[tensor]]
+
+    def dtype_of(self, tensor: str) -> torch.dtype:
+        return self.tensors.dtypes[self.tensors.index[tensor]]
 
     def local(self, ranks, name: str, shape: Sequence, dtype: torch.dtype | None = None) -> str:
         dtype = self.dtype if dtype is None else dtype
@@ -596,14 +699,14 @@ class ColumnBuilder:
         if (_is_scalar(ranks) and type(tensor) is str and all(map(_is_scalar, offsets))
                 and all(map(_is_scalar, sizes)) and all(map(_is_scalar, local_offsets))):
             if min(sizes, default=1) > 0:
-                if tensor not in self.specs:
+                if tensor not in self.tensors.index:
                     raise AssertionError(f"unknown logical tensor {tensor!r}")
                 self._rows.append((tensor, ranks, local, tuple(offsets), tuple(sizes), tuple(local_offsets)))
             return
         r = np.asarray(ranks, dtype=_I64).reshape(-1)
         n = len(r)
         if type(tensor) is str:
-            if tensor not in self.specs:
+            if tensor not in self.tensors.index:
                 raise AssertionError(f"unknown logical tensor {tensor!r}")
             t = np.full(n, self.tensor_ids[tensor], dtype=_I64)
         else:
@@ -628,17 +731,17 @@ class ColumnBuilder:
             self._blocks.append((t, r, local, off, sz, lo))
 
     def build(self, validate: bool = True) -> ColumnarLayout:
-        specs = [self.specs[n] for n in sorted(self.specs)]
-        names = [s.name for s in specs]
+        lt = self.tensors
+        names = lt.names
         tid = self.tensor_ids
         lnames = sorted({x[1] for x in self._lrows} | {x[1] for x in self._lblocks}
                         | {x[2] for x in self._rows} | {x[2] for x in self._blocks})
         lid = {n: i for i, n in enumerate(lnames)}
-        dtypes = list(dict.fromkeys([self.dtype] + [s.dtype for s in specs] + [x[3] for x in self._lrows]
+        dtypes = list(dict.fromkeys([self.dtype, *lt.dtypes] + [x[3] for x in self._lrows]
                                     + [x[3] for x in self._lblocks]))
         did = {d: i for i, d in enumerate(dtypes)}
         # fragments
-        D = max((len(s.shape) for s in specs), default=0)
+        D = max(map(len, lt.shapes), default=0)
         L = max([len(x[5]) for x in self._rows] + [b[5].shape[1] for b in self._blocks] + [D])
         parts = []
         if self._rows:
@@ -661,13 +764,20 @@ class ColumnBuilder:
                 if lnd:
                     lo[ix, :lnd] = [rows[i][5] for i in idx]
             parts.append((t, r, fl, off, sz, lo, flnd))
-        for t, r, local, o, s, lo_ in self._blocks:
-            k = len(r)
+        groups: dict[tuple[int, int], list[tuple]] = {}  # (nd, local nd) -> blocks: concatenated per group
+        for blk in self._blocks:
+            groups.setdefault((blk[3].shape[1], blk[5].shape[1]), []).append(blk)
+        for (nd, lnd_), blks in groups.items():
+            lens = np.fromiter((len(x[1]) for x in blks), _I64, len(blks))
+            k = int(lens.sum())
             off, sz = np.zeros((k, D), _I64), np.ones((k, D), _I64)
-            off[:, :o.shape[1]], sz[:, :s.shape[1]] = o, s
+            off[:, :nd] = np.concatenate([x[3] for x in blks])
+            sz[:, :nd] = np.concatenate([x[4] for x in blks])
             lo = np.full((k, L), -1, _I64)
-            lo[:, :lo_.shape[1]] = lo_
-            parts.append((t, r, np.full(k, lid[local], _I64), off, sz, lo, np.full(k, lo_.shape[1], _I64)))
+            lo[:, :lnd_] = np.concatenate([x[5] for x in blks])
+            fl = np.repeat(np.fromiter((lid[x[2]] for x in blks), _I64, len(blks)), lens)
+            parts.append((np.concatenate([x[0] for x in blks]), np.concatenate([x[1] for x in blks]), fl, off, sz,
+                          lo, np.full(k, lnd_, _I64)))
         if parts:
             ft, fr, fl, foff, fsz, flo, flnd = (np.concatenate([p[j] for p in parts]) for j in range(7))
         else:
@@ -692,11 +802,17 @@ class ColumnBuilder:
             lparts.append((np.fromiter((x[0] for x in lr_), _I64, k), np.fromiter((lid[x[1]] for x in lr_), _I64, k),
                            sh, np.fromiter((len(x[2]) for x in lr_), _I64, k),
                            np.fromiter((did[x[3]] for x in lr_), _I64, k)))
-        for r, name, shp, dt in self._lblocks:
-            k = len(r)
+        lgroups: dict[int, list[tuple]] = {}
+        for blk in self._lblocks:
+            lgroups.setdefault(blk[2].shape[1], []).append(blk)
+        for nd, blks in lgroups.items():
+            lens = np.fromiter((len(x[0]) for x in blks), _I64, len(blks))
+            k = int(lens.sum())
             sh = np.full((k, S), -1, _I64)
-            sh[:, :shp.shape[1]] = shp
-            lparts.append((r, np.full(k, lid[name], _I64), sh, np.full(k, shp.shape[1], _I64), np.full(k, did[dt], _I64)))
+            sh[:, :nd] = np.concatenate([x[2] for x in blks])
+            lparts.append((np.concatenate([x[0] for x in blks]),
+                           np.repeat(np.fromiter((lid[x[1]] for x in blks), _I64, len(blks)), lens), sh,
+                           np.full(k, nd, _I64), np.repeat(np.fromiter((did[x[3]] for x in blks), _I64, len(blks)), lens)))
         if lparts:
             lr, ln, lsh, lnd, ldt = (np.concatenate([p[j] for p in lparts]) for j in range(5))
         else:
@@ -716,7 +832,7 @@ class ColumnBuilder:
                 keep[1:] = ~dup
                 lr, ln, lsh, lnd, ldt = lr[keep], ln[keep], lsh[keep], lnd[keep], ldt[keep]
         cols = _Columns(names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt)
-        return ColumnarLayout(specs, cols, validate=validate)
+        return ColumnarLayout(lt, cols, validate=validate)
 
 
 def numel_of(shape: Sequence[int]) -> int:

@@ -26,13 +26,13 @@ Megatron and vLLM presets share.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from ..layout import Layout, Replicate, _gc_paused
-from ..layout_index import ColumnBuilder, trusted_spec
+from ..layout_index import ColumnBuilder, LogicalTensors
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -311,6 +311,23 @@ def hf_layout(config, ranks: Sequence[int] | int = (0,), dtype: torch.dtype = to
 # --------------------------------------------------------------------------------------------------------
 
 
+_MODEL_TENSORS: dict[tuple, LogicalTensors] = {}  # a few models per process: trainer and engine share one
+
+
+def _model_tensors(s: ModelSpec, dtype: torch.dtype) -> LogicalTensors:
+    """The logical tensors of model ``s`` held in ``dtype`` (see :func:`tensor_dtypes`), cached per model and
+    dtype: the Megatron and vLLM layouts of one model share them (~46,000 names for DeepSeek-V3)."""
+    key = (tuple(getattr(s, f.name) for f in fields(s) if f.name != "raw"), dtype)
+    lt = _MODEL_TENSORS.get(key)
+    if lt is None:
+        shapes = logical_tensors(s)
+        lt = LogicalTensors.from_shapes(shapes, dtype, {n: EXPERT_BIAS_DTYPE for n in shapes if n.endswith(_FP32_SUFFIX)})
+        if len(_MODEL_TENSORS) >= 8:
+            _MODEL_TENSORS.pop(next(iter(_MODEL_TENSORS)))
+        _MODEL_TENSORS[key] = lt
+    return lt
+
+
 class LayoutBuilder(ColumnBuilder):
     """Collects local tensors and boxes, then builds a :class:`~triton_reshard.layout_index.ColumnarLayout`.
 
@@ -323,25 +340,25 @@ class LayoutBuilder(ColumnBuilder):
     thousand numpy calls, not a million Python objects (see ``layout_index``).
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]] | LogicalTensors, dtype: torch.dtype,
                  dtypes: Mapping[str, torch.dtype] | None = None):
-        dtypes = dtypes or {}
-        super().__init__((trusted_spec(n, tuple(s), dtypes.get(n, dtype)) for n, s in shapes.items()), dtype)
+        super().__init__(shapes if isinstance(shapes, LogicalTensors) else
+                         LogicalTensors.from_shapes(shapes, dtype, dtypes), dtype)
 
     @classmethod
     def for_model(cls, s: ModelSpec, dtype: torch.dtype) -> LayoutBuilder:
         """A builder over the logical tensors of model ``s`` held in ``dtype`` (see :func:`tensor_dtypes`)."""
-        shapes = logical_tensors(s)
-        return cls(shapes, dtype, {n: EXPERT_BIAS_DTYPE for n in shapes if n.endswith(_FP32_SUFFIX)})
+        return cls(_model_tensors(s, dtype), dtype)
 
     def full(self, tensor: str, rank, local: str) -> None:
         """All of ``tensor`` as the whole local tensor ``local`` (replicated pieces: norms, routers)."""
-        spec = self.specs[tensor]
-        self.local(rank, local, spec.shape, spec.dtype)
-        self.box(tensor, rank, local, (0,) * len(spec.shape), spec.shape)
+        i = self.tensors.index[tensor]
+        shape = self.tensors.shapes[i]
+        self.local(rank, local, shape, self.tensors.dtypes[i])
+        self.box(tensor, rank, local, (0,) * len(shape), shape)
 
     def _shape(self, tensor) -> tuple[int, ...]:
-        return self.specs[tensor if type(tensor) is str else tensor[0]].shape
+        return self.shape_of(tensor if type(tensor) is str else tensor[0])
 
     def rows(self, tensor, rank, local: str, start, count, at=0, lead=()) -> None:
         """Rows ``[start, start+count)`` (dim 0) of ``tensor`` at row ``at`` of ``local`` (after ``lead`` dims)."""

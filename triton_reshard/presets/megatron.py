@@ -81,6 +81,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..layout import Layout
@@ -222,38 +223,58 @@ def megatron_layout(
     Im_loc = s.moe_intermediate // etp if has_moe else 0
 
     b = LayoutBuilder.for_model(s, dtype)
-    for p, rank in enumerate(ranks):
-        t, pr = p % tp, p // (tp * dp)
-        q = p % (tp * dp)
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    pos = np.arange(world)
+    stage_of = pos // (tp * dp)
+    for pr in range(pp):
+        # the DP replicas of a stage hold the same non-expert weights: one call per tensor and TP position t,
+        # for the ranks at that position (vectorized over them; see LayoutBuilder)
+        for t in range(tp):
+            rank = rank_of[(stage_of == pr) & (pos % tp == t)]
+            if pr == 0:
+                loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
+                b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
+            if pr == pp - 1:
+                b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
+                if not s.tied or pp > 1:
+                    loc = b.local(rank, "output_layer.weight", (vloc, H))
+                    b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
+            for j, i in enumerate(stages[pr]):
+                hf, mg = layer_prefix(i), f"decoder.layers.{j}"
+                if s.mla:
+                    _mla_attention(b, s, rank, t, tp, hf, mg)
+                else:
+                    _gqa_attention(b, s, rank, t, tp, hf, mg, local_spec)
+                if not s.is_moe_layer(i):
+                    b.full(f"{hf}.post_attention_layernorm.weight", rank,
+                           f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight")
+                    _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
+                    continue
+                b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
+                b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
+                if s.expert_bias:
+                    b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
+                if s.shared_intermediate:
+                    _tp_mlp(b, rank, t, s.shared_intermediate // tp, H, f"{hf}.mlp.shared_experts",
+                            f"{mg}.mlp.shared_experts")
+        if not has_moe:
+            continue
+        # the routed experts of the stage: rank q of it (q = p % (tp*dp)) holds experts er*E_loc.. of expert-TP
+        # part et; one call per layer and local expert index k, over the stage's ranks
+        rank = rank_of[stage_of == pr]
+        q = pos[stage_of == pr] % (tp * dp)
         et, er = q % etp, (q // etp) % ep
-        if pr == 0:
-            loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
-            b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
-        if pr == pp - 1:
-            b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
-            if not s.tied or pp > 1:
-                loc = b.local(rank, "output_layer.weight", (vloc, H))
-                b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
         for j, i in enumerate(stages[pr]):
-            hf, mg = layer_prefix(i), f"decoder.layers.{j}"
-            if s.mla:
-                _mla_attention(b, s, rank, t, tp, hf, mg)
-            else:
-                _gqa_attention(b, s, rank, t, tp, hf, mg, local_spec)
             if not s.is_moe_layer(i):
-                b.full(f"{hf}.post_attention_layernorm.weight", rank,
-                       f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight")
-                _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
                 continue
-            b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
-            b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
-            if s.expert_bias:
-                b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
-            if s.shared_intermediate:
-                _tp_mlp(b, rank, t, s.shared_intermediate // tp, H, f"{hf}.mlp.shared_experts",
-                        f"{mg}.mlp.shared_experts")
+            mg = f"decoder.layers.{j}"
+            names = [expert_names(i, e) for e in range(s.experts)]
             for k in range(E_loc):
-                gate, up, down = expert_names(i, er * E_loc + k)
+                e = er * E_loc + k
+                if (e == e[0]).all():  # one expert on every rank (ep = 1)
+                    gate, up, down = names[int(e[0])]
+                else:
+                    gate, up, down = zip(*(names[x] for x in e.tolist()), strict=True)
                 if grouped_gemm:
                     fc1, fc2 = f"{mg}.mlp.experts.linear_fc1.weight{k}", f"{mg}.mlp.experts.linear_fc2.weight{k}"
                 else:

@@ -75,6 +75,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..layout import Layout, block_quant_layout
@@ -341,16 +342,13 @@ def vllm_layout(
     I_loc = s.intermediate // tp
 
     b = LayoutBuilder.for_model(s, dtype)
-    for p, rank in enumerate(ranks):
-        t = p % tp
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    pos = np.arange(workers)
+    # every DP replica holds the same non-expert weights: one call per tensor and TP position t, for the
+    # ranks at that position (vectorized over them; see LayoutBuilder)
+    for t in range(tp):
+        rank = rank_of[pos % tp == t]
         kv_first = (t * s.kv_heads // tp) if tp >= s.kv_heads else t * kv_heads_loc
-        if use_ep:
-            e0, E_loc = expert_range(s.experts, workers, p)
-            Im_loc, im0 = s.moe_intermediate, 0
-        else:
-            e0, E_loc = 0, s.experts
-            Im_loc = s.moe_intermediate // workers if has_moe else 0
-            im0 = p * Im_loc
         loc = b.local(rank, "model.embed_tokens.weight", (vloc, H))
         b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
         if not s.tied:
@@ -375,13 +373,36 @@ def vllm_layout(
             if s.shared_intermediate:
                 Is_loc = s.shared_intermediate // shared_tp
                 _tp_mlp(b, rank, t % shared_tp, Is_loc, H, f"{hf}.mlp.shared_experts")
-            w13 = b.local(rank, f"{hf}.mlp.{moe_prefix}.w13_weight", (E_loc, 2 * Im_loc, H))
-            w2 = b.local(rank, f"{hf}.mlp.{moe_prefix}.w2_weight", (E_loc, H, Im_loc))
-            for k in range(E_loc):
-                gate, up, down = expert_names(i, e0 + k)
-                b.rows(gate, rank, w13, im0, Im_loc, at=0, lead=(k,))
-                b.rows(up, rank, w13, im0, Im_loc, at=Im_loc, lead=(k,))
-                b.cols(down, rank, w2, im0, Im_loc, lead=(k,))
+    # the routed experts of worker p (position p of ranks): E_loc[p] experts from e0[p], rows im0[p] on
+    # of each; one call per layer and local expert index k, over the workers that have a k-th expert
+    if has_moe:
+        if use_ep:
+            e0, E_loc = (np.array(v, dtype=np.int64) for v in zip(
+                *(expert_range(s.experts, workers, p) for p in range(workers)), strict=True))
+            Im_loc, im0 = s.moe_intermediate, 0
+        else:
+            e0, E_loc = np.zeros(workers, np.int64), np.full(workers, s.experts, np.int64)
+            Im_loc = s.moe_intermediate // workers
+            im0 = pos * Im_loc
+        for i in range(s.layers):
+            if not s.is_moe_layer(i):
+                continue
+            hf = layer_prefix(i)
+            w13 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w13_weight", (E_loc, 2 * Im_loc, H))
+            w2 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w2_weight", (E_loc, H, Im_loc))
+            names = [expert_names(i, e) for e in range(s.experts)]
+            for k in range(int(E_loc.max())):
+                has = E_loc > k
+                rank, e = rank_of[has], (e0 + k)[has]
+                first = int(e[0])
+                if (e == first).all():  # the same expert on every worker (no EP)
+                    gate, up, down = names[first]
+                else:
+                    gate, up, down = zip(*(names[x] for x in e.tolist()), strict=True)
+                start = im0 if isinstance(im0, int) else im0[has]
+                b.rows(gate, rank, w13, start, Im_loc, at=0, lead=(k,))
+                b.rows(up, rank, w13, start, Im_loc, at=Im_loc, lead=(k,))
+                b.cols(down, rank, w2, start, Im_loc, lead=(k,))
     layout = b.build()
     if fp8 is not None:
         try:
