@@ -156,8 +156,9 @@ class Case:
         return f"{self.model}-tp{self.tp}{'-ep' if self.ep else ''}"
 
 
-def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict) -> dict:
-    """Worker entry (``run_world``): every case; returns ``{case id: report}``."""
+def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict, e2e: bool = True) -> dict:
+    """Worker entry (``run_world``): every case; returns ``{case id: report}``. ``e2e``: also refit every
+    model from BF16 source shards (:func:`_refit_from_bf16`)."""
     from safetensors.torch import load_file
 
     from triton_reshard.integrations import checkpoint_shapes
@@ -218,9 +219,91 @@ def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict
             for n, p in params.items():  # recording must not have written anything
                 if differs(p.detach(), loaded[n]):
                     rep["problems"].append(f"rank {rank}: recording load_weights changed parameter {n!r}")
+            if e2e:  # its problems apart: a refit failure does not hide what the load checks found
+                rep["refit_problems"] = []
+                try:
+                    _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep)
+                except Exception as e:  # noqa: BLE001
+                    import traceback
+
+                    rep["refit_problems"].append(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         except Exception as e:  # noqa: BLE001 (reported per case; the world goes on with the next case)
             import traceback
 
             rep["problems"].append(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         rep["seconds"]["total"] = time.perf_counter() - t0
     return out
+
+
+def odd_split_source(dst, world: int):
+    """A plain BF16 source over ``world`` ranks that splits every tensor of ``dst`` (but the scales) at 5/8 of
+    its first dim, through the middle of a block: the blocks on both sides are whole on one rank (the sender
+    quantizes them) and the straddling block is not (the receiver stages and quantizes it)."""
+    from triton_reshard import Fragment, Layout
+
+    specs = {}
+    frags = []
+    for t in dst.tensors:
+        if t.name in dst.scale_of:
+            continue
+        dt = torch.bfloat16 if t.quant is not None else t.dtype
+        specs[t.name] = (t.shape, dt)
+        rows = t.shape[0]
+        cut = max(1, rows * 5 // 8) if rows > 1 else rows
+        parts = [(0, cut), (cut, rows - cut)]
+        for r, (o, n) in enumerate(parts[:world]):
+            if n:
+                frags.append(Fragment(t.name, r, (o,) + (0,) * (len(t.shape) - 1), (n,) + t.shape[1:], t.name))
+    return Layout.from_fragments(specs, frags)
+
+
+def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -> None:
+    """End to end: refit the trainer's BF16 weights (the checkpoint's originals) into the real model's
+    poisoned ``named_parameters()`` through ``triton_reshard.refit``, quantizing on the way; every element the
+    layout covers must be, bit for bit, what vLLM's loader put there from the FP8 checkpoint made by vLLM's
+    own ``per_block_cast_to_fp8``; padding stays poisoned; parameters outside the layout stay untouched."""
+    from safetensors.torch import load_file
+
+    from triton_reshard import refit
+    from triton_reshard.presets import megatron_layout
+
+    bf16 = load_file(os.path.join(root, f"{case.model}.bf16.safetensors"))
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    moe = any(k in cfg for k in ("num_experts", "n_routed_experts"))
+    sources = {
+        # Megatron TP 2 (EP 2 with ETP 1 for the EP cases: whole experts per rank)
+        "megatron": megatron_layout(plain, tp=world, ep=world if (moe and case.ep) else 1,
+                                    etp=1 if (moe and case.ep) else None, ranks=range(world), dtype=torch.bfloat16),
+        "odd_split": odd_split_source(preset, world),
+    }
+    params = dict(model.named_parameters())
+    specs = preset.local_specs(rank)
+    ones = {t.name: torch.ones(t.shape, dtype=torch.float32) for t in preset.tensors}
+    covered = {n: bits(t) != 0 for n, t in preset.shard(ones, rank).items()}
+    rep["refit"] = {}
+    for sname, src_layout in sources.items():
+        src = src_layout.shard({n: bf16[n] for n in src_layout.specs}, rank)
+        with torch.no_grad():
+            for n in specs:
+                bits(params[n].data).fill_(-1)  # all ones: NaN in fp8 e4m3fn, bf16 and fp32
+        t1 = time.perf_counter()
+        report = refit(src, params, src_layout, preset, timeout=120)
+        rep["seconds"][f"refit_{sname}"] = time.perf_counter() - t1
+        rep["refit"][sname] = {"ignored": tuple(getattr(report, "ignored", ())), "wrong": {}}
+        for n, p in params.items():
+            got, want = bits(p.detach()), bits(loaded[n])
+            if n not in specs:
+                if not torch.equal(got, want):
+                    rep["refit_problems"].append(f"rank {rank}: refit ({sname}) changed {n}, which is not in the layout")
+                continue
+            m = covered[n]
+            bad = int((got[m] != want[m]).sum())
+            if bad:
+                rep["refit"][sname]["wrong"][n] = bad
+                rep["refit_problems"].append(f"rank {rank}: refit ({sname}) wrote {bad} of {int(m.sum())} elements of "
+                                       f"{n} unlike vLLM's loader of the FP8 checkpoint")
+            if not bool((got[~m] == (255 if got.dtype == torch.uint8 else -1)).all()):
+                rep["refit_problems"].append(f"rank {rank}: refit ({sname}) wrote outside the layout's boxes in {n}")
+        with torch.no_grad():
+            for n in specs:
+                params[n].data.copy_(loaded[n])
