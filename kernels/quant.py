@@ -12,10 +12,11 @@ the torch reference ``triton_reshard.quant.quantize_blocks`` (itself vLLM's ``pe
 
 **Why a block needs nothing from other programs.** The launcher requires every block to fit one tile of
 ``BM x BN`` elements (``BM``/``BN``: powers of two >= the block's two inner extents, ``BM * BN <= 16384``,
-i.e. up to 128x128), and a program loads its whole block as that one masked tile. The block's amax is a
-reduction over that tile alone (``tl.max``), so the scale, the reciprocal and every quantized element of
-the block are computed inside the program that owns the block: no cross-program reduction, no atomics, no
-ordering between programs. Blocks never overlap, so programs write disjoint outputs.
+i.e. up to 128x128), and the program that owns a block walks all of it (masked to its real extents) in
+chunks of ``RB`` rows: a first pass reduces the block's amax over every chunk, a second quantizes and
+stores them. The amax, the scale, the reciprocal and every quantized element of the block are therefore
+computed inside that one program: no cross-program reduction, no atomics, no ordering between programs.
+Blocks never overlap, so programs write disjoint outputs.
 
 Block table: ``int64[num_blocks, FIELDS]``, one row per block, fields at the ``F_*`` indices:
 
@@ -113,6 +114,31 @@ def _ue8m0(sf, thr_ptr):
     return tl.where(e == 255, sf, p)
 
 
+@triton.jit
+def _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16: tl.constexpr, FULL_WIDTH: tl.constexpr):
+    """Rows ``r`` (a column of row indices) x columns ``c`` of a block as float32; 0 outside the block.
+
+    ``FULL_WIDTH``: the block has all ``BN`` columns, so the mask is constant along a row (which lets the
+    compiler vectorize contiguous rows)."""
+    mask = (r < rows) & (c < c.shape[1]) if FULL_WIDTH else (r < rows) & (c < cols)
+    x = tl.load(src_ptr + (src0 + r.to(tl.int64) * srs + c * scs), mask=mask, other=0)
+    if SRC_BF16:
+        # bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
+    return x, mask
+
+
+@triton.jit
+def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16: tl.constexpr,
+                 FULL_WIDTH: tl.constexpr):
+    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits."""
+    x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, FULL_WIDTH)
+    code = _e4m3fn_bits(x * inv)
+    tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + c * qcs), code.to(tl.uint8), mask=mask)
+
+
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
 def quant_blocks_kernel(
     src_ptr,
@@ -125,12 +151,23 @@ def quant_blocks_kernel(
     UE8M0: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    RB: tl.constexpr,
+    CONTIG: tl.constexpr,
+    SRC_ALIGN: tl.constexpr,
+    Q_ALIGN: tl.constexpr,
 ):
     """Quantize block ``program_id`` of the block table (layout in the module docstring).
 
     ``src_ptr``: the source storage (int16 bits when ``SRC_BF16``, else float16 / float32);
     ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales;
     ``thr_ptr``: the UE8M0 thresholds (read only when ``UE8M0``); ``BM`` x ``BN``: the tile.
+
+    The block is walked in chunks of ``RB`` rows, twice: once for the amax, once to quantize and store
+    (the second read of the block, at most 64 KiB, mostly hits in cache). Holding the whole 128x128 tile
+    at once would keep 64 values and their 64-bit addresses per thread live (255 registers and spills on
+    sm_90 at 8 warps). ``CONTIG``: every item has column stride 1 on both sides; ``SRC_ALIGN`` /
+    ``Q_ALIGN``: every block's start and row stride are multiples of these (elements), which lets the
+    compiler use vector loads and stores.
     """
     pid = tl.program_id(0).to(tl.int64)
     if pid < num_blocks:
@@ -141,27 +178,35 @@ def quant_blocks_kernel(
         rows = tl.load(row + F_ROWS)
         cols = tl.load(row + F_COLS)
         srs = tl.load(row + F_SRS)
-        scs = tl.load(row + F_SCS)
         qrs = tl.load(row + F_QRS)
-        qcs = tl.load(row + F_QCS)
-        r = tl.arange(0, BM)[:, None]
-        c = tl.arange(0, BN)[None, :]
-        mask = (r < rows) & (c < cols)
-        r64 = r.to(tl.int64)
-        c64 = c.to(tl.int64)
-        x = tl.load(src_ptr + (src0 + r64 * srs + c64 * scs), mask=mask, other=0)
-        if SRC_BF16:
-            # bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
-            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        if CONTIG:
+            scs = 1
+            qcs = 1
         else:
-            x = x.to(tl.float32)
-        # Block amax. Masked lanes hold 0 and cannot raise it. NaN is propagated explicitly (torch's amax
-        # and clamp keep it; a max on the GPU and the interpreter's np.nanmax drop it). ``tl.reduce`` with
-        # the combine function of ``tl.max`` is ``tl.max`` itself, but also works when triton.language was
-        # imported before TRITON_INTERPRET=1 was set (``tl.max`` is then a compiled-mode JITFunction the
-        # interpreter refuses to call; the interpreter recognizes this combine function and uses np.nanmax).
-        amax = tl.reduce(tl.abs(x), None, tl.standard._elementwise_max)
-        has_nan = tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max)
+            scs = tl.load(row + F_SCS)
+            qcs = tl.load(row + F_QCS)
+        if SRC_ALIGN > 1:
+            src0 = tl.multiple_of(src0, SRC_ALIGN)
+            srs = tl.multiple_of(srs, SRC_ALIGN)
+        if Q_ALIGN > 1:
+            q0 = tl.multiple_of(q0, Q_ALIGN)
+            qrs = tl.multiple_of(qrs, Q_ALIGN)
+        rr = tl.arange(0, RB)[:, None]
+        c = tl.arange(0, BN)[None, :].to(tl.int64)
+        # Pass 1: block amax. Masked lanes hold 0 and cannot raise it. NaN is tracked explicitly (torch's
+        # amax and clamp keep it; a max on the GPU and the interpreter's np.nanmax drop it). ``tl.reduce``
+        # with the combine function of ``tl.max`` is ``tl.max`` itself, but also works when triton.language
+        # was imported before TRITON_INTERPRET=1 was set (``tl.max`` is then a compiled-mode JITFunction the
+        # interpreter refuses to call; the interpreter recognizes this combine function: np.nanmax).
+        amax = tl.full([], 0.0, tl.float32)
+        has_nan = tl.full([], 0, tl.int32)
+        for r0 in range(0, rows, RB):
+            if cols == BN:
+                x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, True)
+            else:
+                x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, False)
+            amax = tl.maximum(amax, tl.reduce(tl.abs(x), None, tl.standard._elementwise_max))
+            has_nan = tl.maximum(has_nan, tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max))
         amax = tl.where(has_nan > 0, float("nan"), amax)
         floor = _f32(AMAX_FLOOR_BITS)
         amax = tl.where(amax < floor, floor, amax)
@@ -169,6 +214,12 @@ def quant_blocks_kernel(
         if UE8M0:
             sf = _ue8m0(sf, thr_ptr)
         inv = tl.math.div_rn(_f32(0x3F800000), sf)
-        code = _e4m3fn_bits(x * inv)
-        tl.store(q_ptr + (q0 + r64 * qrs + c64 * qcs), code.to(tl.uint8), mask=mask)
+        # Pass 2: quantize and store.
+        for r0 in range(0, rows, RB):
+            if cols == BN:
+                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
+                             True)
+            else:
+                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
+                             False)
         tl.store(s_ptr + s0, sf)

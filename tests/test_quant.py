@@ -400,6 +400,38 @@ def test_triton_strided_outputs():
     assert bool(sbuf[0].isnan().all()) and bool(sbuf[:, 0].isnan().all())
 
 
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32scale", "ue8m0"])
+def test_triton_row_chunks(monkeypatch, ue8m0):
+    """The GPU walks a block in chunks of RB rows (the interpreter in one): force 4-row chunks, so blocks
+    take several (edge blocks of 2 rows: one partial chunk), on full-width and edge blocks."""
+    monkeypatch.setattr(Q, "launch_params", lambda bm, bn: (4, 1))
+    x = special_block(torch.bfloat16)[:50, :50]
+    run_triton_vs_reference([x, rand((3, 20, 18), torch.float32, seed=1).transpose(1, 2)], (16, 16), ue8m0)
+
+
+def test_alignment_hints():
+    """CONTIG / SRC_ALIGN / Q_ALIGN (``tl.multiple_of`` hints on a GPU, unchecked by the interpreter) only
+    claim what every block start and row stride satisfies."""
+    from triton_reshard.kernels import quant as kq
+
+    def group(items):
+        (g,) = Q.prepare(items, (16, 16)).groups
+        rows = g.table.numpy()
+        for col, align in ((kq.F_SRC, g.src_align), (kq.F_SRS, g.src_align), (kq.F_Q, g.q_align),
+                           (kq.F_QRS, g.q_align)):
+            assert bool((rows[:, int(col)] % align == 0).all())
+        return g.contig, g.src_align, g.q_align
+
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert group([(x, torch.empty(64, 64, dtype=FP8), torch.empty(4, 4))]) == (True, 8, 16)
+    assert group([(x[:, 3:35], torch.empty(64, 32, dtype=FP8), torch.empty(4, 2))]) == (True, 1, 16)
+    buf = torch.empty(10_000, dtype=torch.uint8)
+    assert group([(x[:32, :32], buf[8:8 + 1024].view(32, 32), torch.empty(2, 2))]) == (True, 8, 8)
+    assert group([(x.t(), torch.empty(64, 64, dtype=FP8), torch.empty(4, 4))]) == (False, 1, 1)
+    y = torch.zeros(32, 40)
+    assert group([(y, torch.empty(32, 40, dtype=FP8), torch.empty(2, 3))]) == (True, 4, 8)
+
+
 class CountingKernel:
     def __init__(self, kernel):
         self.kernel, self.launches, self.programs = kernel, 0, 0

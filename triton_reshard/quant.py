@@ -285,6 +285,9 @@ class QuantGroup:
     s_base: int
     table: torch.Tensor  # int64[num_blocks, FIELDS] on the device
     num_blocks: int
+    contig: bool = False  # every item has column stride 1 on both sides
+    src_align: int = 1  # every block start and row stride is a multiple of this (source elements)
+    q_align: int = 1  # the same for q (bytes)
 
 
 @dataclass(slots=True)
@@ -363,16 +366,34 @@ def prepare(items: Sequence[Item], block: Sequence[int]) -> QuantTable:
         if rows:
             t = np.concatenate(rows)
             host.append(t.reshape(-1))
-            built.append((dtype, sb, qb, ab, t.shape))
+            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype)))
     table.fallback.sort()
     if built:
         flat = torch.from_numpy(np.concatenate(host)).to(device)
         off = 0
-        for dtype, sb, qb, ab, shape in built:
+        for dtype, sb, qb, ab, shape, align in built:
             t = flat[off:off + shape[0] * shape[1]].view(shape)
             off += t.numel()
-            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0]))
+            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align))
     return table
+
+
+def _pow2_divisor(values: np.ndarray, cap: int) -> int:
+    """The largest power of two <= ``cap`` dividing every value."""
+    g = int(np.gcd.reduce(np.abs(values))) if values.size else 0
+    return cap if g == 0 else min(g & -g, cap)
+
+
+def _alignment(rows: np.ndarray, items: Sequence[Item], dtype: torch.dtype) -> tuple[bool, int, int]:
+    """``(contig, src_align, q_align)`` of a group's block rows (see ``kernels/quant.py``): vector
+    widths of at most 16 bytes that every block start and row stride allow."""
+    from .kernels import quant as k
+
+    if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, _ in items if src.numel()):
+        return False, 1, 1
+    src_vals = np.concatenate([rows[:, int(k.F_SRC)], rows[:, int(k.F_SRS)]])
+    q_vals = np.concatenate([rows[:, int(k.F_Q)], rows[:, int(k.F_QRS)]])
+    return True, _pow2_divisor(src_vals, 16 // dtype.itemsize), _pow2_divisor(q_vals, 16)
 
 
 def get_kernel():
@@ -385,9 +406,19 @@ def get_kernel():
     return module.quant_blocks_kernel
 
 
-def _num_warps(bm: int, bn: int) -> int:
-    # about 32-64 elements per thread: 8 warps for a 128x128 block, 1 for 16x16
-    return max(1, min(8, bm * bn // 2048))
+# Elements of a block a program holds at once on a GPU (``RB`` rows of ``BN``), and per thread.
+GPU_CHUNK = 2048
+GPU_PER_THREAD = 16
+
+
+def launch_params(bm: int, bn: int) -> tuple[int, int]:
+    """``(RB, num_warps)``: rows per chunk and warps. Under the interpreter one chunk is the whole tile
+    (every loop step costs Python time there); on a GPU chunks of ``GPU_CHUNK`` elements, 16 per thread
+    (4 warps for 128x128 blocks in 16-row chunks, 1 warp for 16x16 blocks)."""
+    if _interpreting():
+        return bm, 1
+    rb = max(1, min(bm, GPU_CHUNK // bn))
+    return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
 def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -400,6 +431,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
     if table.groups:
         kernel = get_kernel()
         bm, bn = table.tile
+        rb, warps = launch_params(bm, bn)
         thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
@@ -414,7 +446,11 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 UE8M0=bool(ue8m0),
                 BM=bm,
                 BN=bn,
-                num_warps=_num_warps(bm, bn),
+                RB=rb,
+                CONTIG=g.contig,
+                SRC_ALIGN=g.src_align,
+                Q_ALIGN=g.q_align,
+                num_warps=warps,
             )
     if table.fallback:
         _torch_items([items[i] for i in table.fallback], block, ue8m0)
