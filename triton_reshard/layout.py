@@ -382,6 +382,7 @@ _BOX_START = itemgetter(0)
 _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
 _FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
 _TENSOR = attrgetter("tensor")
+_RANK = attrgetter("rank")
 _TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
 _NAME = attrgetter("name")
 _RANK_NAME = attrgetter("rank", "name")
@@ -674,6 +675,53 @@ class FragmentTable:
         return self._boxes
 
 
+def content_fingerprint(tensors: tuple, lnames: Sequence[str], copies: Sequence[tuple], locals_: Sequence[tuple],
+                        dtype_names: Sequence[str]) -> str:
+    """sha256 (16 hex digits) of a layout's contents in a canonical form, whatever builds it.
+
+    ``tensors``: ``(names, shapes, dtype names, {index: quant key})`` sorted by name; ``lnames``: the sorted
+    local-tensor names; ``copies``: per copy (in rank order; one for a plain layout) the fragment columns
+    sorted by (rank, tensor, local, offsets, local offsets) as ``(rank, tensor id, local id, offsets [n, D],
+    sizes [n, D], local offsets [n, L] padded with -1)`` (ids index the sorted names; ``D`` the largest tensor
+    rank, ``L`` the largest local-offsets length); ``locals_``: per copy ``(rank, name id, shape [m, S] padded
+    with -1, dtype id)`` sorted by (rank, name), dtype ids indexing ``dtype_names``.
+    """
+    names, shapes, tdtypes, quant = tensors
+    h = hashlib.sha256(b"triton_reshard.layout.fingerprint/1\n")
+    h.update("\0".join(names).encode())
+    D = max(map(len, shapes), default=0)
+    sh = np.full((len(shapes), D), -1, dtype="<i8")
+    for k in set(map(len, shapes)):
+        if k:
+            sel = [i for i, x in enumerate(shapes) if len(x) == k]
+            sh[sel, :k] = [shapes[i] for i in sel]
+    h.update(f"|t:{sh.shape}".encode())
+    h.update(sh.tobytes())
+    h.update("\0".join(tdtypes).encode())
+    h.update(repr(sorted(quant.items())).encode())
+    h.update("\0".join(lnames).encode())
+    for j in range(6):
+        n = sum(len(c[j]) for c in copies)
+        small = all(not c[j].size or (int(c[j].min()) >= -(1 << 31) and int(c[j].max()) < 1 << 31) for c in copies)
+        dt = "<i4" if small else "<i8"  # half the bytes to hash when every value fits (a function of the contents)
+        h.update(f"|f{j}:{n}:{copies[0][j].shape[1:] if copies else ()}:{dt}".encode())
+        for c in copies:
+            h.update(np.ascontiguousarray(c[j], dtype=dt).tobytes())
+    used = np.unique(np.concatenate([np.asarray(c[3], dtype=np.int64) for c in locals_])) if locals_ else []
+    canon = sorted({dtype_names[i] for i in used.tolist()}) if len(used) else []
+    remap = np.full(len(dtype_names), -1, dtype=np.int64)
+    for i in (used.tolist() if len(used) else []):
+        remap[i] = canon.index(dtype_names[i])
+    h.update("\0".join(canon).encode())
+    for j in range(4):
+        n = sum(len(c[j]) for c in locals_)
+        h.update(f"|l{j}:{n}".encode())
+        for c in locals_:
+            col = remap[np.asarray(c[j], dtype=np.int64)] if j == 3 else c[j]
+            h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    return h.hexdigest()[:16]
+
+
 # --------------------------------------------------------------------------------------------------------
 # Layout
 # --------------------------------------------------------------------------------------------------------
@@ -731,6 +779,39 @@ class Layout:
     @cached_property
     def digest(self) -> str:
         return hashlib.sha256(repr(self._key).encode()).hexdigest()[:16]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A content identity like ``digest`` (equal layouts, equal fingerprints, however they were built) that
+        a columnar layout (``layout_index``) computes from its arrays, without building every rank's objects
+        (~0.1 s for a 1,024-rank DeepSeek-V3 layout): what ranks compare before a rank plan runs."""
+        frags = sorted(self.fragments, key=_RANK)  # stable: (rank, tensor, local, offsets, local offsets)
+        names = sorted({s.name for s in self.locals} | {f.local for f in frags})
+        tid = {t.name: i for i, t in enumerate(self.tensors)}
+        lid = {n: i for i, n in enumerate(names)}
+        D = max((len(t.shape) for t in self.tensors), default=0)
+        L = max((len(f.local_offsets) for f in frags), default=0)
+        n = len(frags)
+        off, sz, lo = np.zeros((n, D), np.int64), np.ones((n, D), np.int64), np.full((n, L), -1, np.int64)
+        for i, f in enumerate(frags):
+            k = len(f.offsets)
+            off[i, :k], sz[i, :k], lo[i, :len(f.local_offsets)] = f.offsets, f.sizes, f.local_offsets
+        cols = (np.fromiter((f.rank for f in frags), np.int64, n), np.fromiter((tid[f.tensor] for f in frags), np.int64, n),
+                np.fromiter((lid[f.local] for f in frags), np.int64, n), off, sz, lo)
+        locs = self.locals
+        S = max((len(x.shape) for x in locs), default=0)
+        sh = np.full((len(locs), S), -1, np.int64)
+        for i, x in enumerate(locs):
+            sh[i, :len(x.shape)] = x.shape
+        dts = sorted({_dtype_name(x.dtype) for x in locs})
+        did = {d: i for i, d in enumerate(dts)}
+        lcols = (np.fromiter((x.rank for x in locs), np.int64, len(locs)),
+                 np.fromiter((lid[x.name] for x in locs), np.int64, len(locs)), sh,
+                 np.fromiter((did[_dtype_name(x.dtype)] for x in locs), np.int64, len(locs)))
+        ts = self.tensors
+        tensors = ([t.name for t in ts], [t.shape for t in ts], [_dtype_name(t.dtype) for t in ts],
+                   {i: t.quant.key() for i, t in enumerate(ts) if t.quant is not None})
+        return content_fingerprint(tensors, names, [cols], (lcols,), dts)
 
     def __repr__(self) -> str:
         return (

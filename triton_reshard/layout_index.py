@@ -38,6 +38,7 @@ from .layout import (
     _find_overlap,
     _gc_paused,
     _itemsize,
+    content_fingerprint,
 )
 
 _I64 = np.int64
@@ -200,6 +201,8 @@ def _valid(c: _Columns, lt: LogicalTensors) -> bool:
         return False
     if not n:
         return True
+    if (c.foff < 0).any() or (c.fsz < 0).any() or (c.flo < -1).any() or (c.fr < 0).any():
+        return False  # (the eager Fragment refuses these)
     nd_t = np.fromiter(map(len, lt.shapes), _I64, len(lt))
     D = c.foff.shape[1]
     shape_t = np.ones((len(lt), max(D, 1)), dtype=_I64)
@@ -233,7 +236,7 @@ def _valid(c: _Columns, lt: LogicalTensors) -> bool:
     lo = np.where(c.flo < 0, 0, c.flo)
     lsh = c.lsh[li][:, :L] if L else np.zeros((n, 0), _I64)
     valid = np.arange(L)[None, :] < c.flnd[:, None]
-    if ((lo + lsz > lsh) & valid).any():
+    if ((c.flo < 0) & valid).any() or ((lo + lsz > lsh) & valid).any():
         return False
     return _overlap_free(li, lo, lsz, c.fsz)
 
@@ -462,6 +465,29 @@ class ColumnarLayout(Layout):
         return self._lt.key
 
     @cached_property
+    def fingerprint(self) -> str:  # type: ignore[override]
+        """See :attr:`Layout.fingerprint`: here from the columns (copies of ``instances`` without tiling them)."""
+        root = self._root
+        c = root._cols
+        tiled = self._base is not None
+        if tiled:
+            span = root.ranks[-1] - root.ranks[0] + 1 if root.ranks else 0
+            if self._stride < span:  # interleaved copies: the full columns
+                c, tiled = self._cols, False
+        L = int(c.flnd.max()) if c.nfrag else 0
+        order = c._rank_order[0]
+        fr, rest = c.fr[order], (c.ft[order], c.fl[order], c.foff[order], c.fsz[order], c.flo[order][:, :L])
+        n = self._copies if tiled else 1
+        copies = [(fr + i * self._stride, *rest) for i in range(n)]
+        S = int(c.lnd.max()) if c.nlocal else 0
+        locs = [(c.lr + i * self._stride, c.ln, c.lsh[:, :S], c.ldt) for i in range(n)]
+        lt = self._lt
+        dn = {d: _dtype_name(d) for d in set(lt.dtypes)}
+        quant = {i: t.quant.key() for i, t in enumerate(lt.all()) if t.quant is not None} if lt.quantized else {}
+        return content_fingerprint((lt.names, lt.shapes, [dn[d] for d in lt.dtypes], quant), c.lnames, copies, locs,
+                                   [_dtype_name(d) for d in c.dtypes])
+
+    @cached_property
     def _hash(self) -> int:
         return hash((self._tensors_key, self._nfrag, self._nlocal, self.ranks))
 
@@ -495,12 +521,8 @@ class ColumnarLayout(Layout):
 
     def __reduce__(self):
         if self._base is not None:
-            return (ColumnarLayout, (self._lt, None), {"_base": self._base, "_copies": self._copies,
-                                                            "_stride": self._stride})
+            return (_restore_tiled, (self._lt, self._base, self._copies, self._stride))
         return (_restore, (self._lt, self._cols))
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
 
     # -- queries ---------------------------------------------------------------------------------------
 
@@ -613,8 +635,62 @@ class ColumnarLayout(Layout):
         return ColumnarLayout(self._lt, base=self, copies=n, stride=step)
 
 
+def columnar(tensors: Iterable[TensorSpec], fragments: Iterable[Fragment], locals_: Iterable[LocalSpec],
+             validate: bool = True) -> ColumnarLayout:
+    """The :class:`ColumnarLayout` of these parts, as ``Layout(tensors, fragments, locals)`` takes them
+    (same validation and messages); ``columnar(*astuple(layout))`` converts an eager layout."""
+    tensors = list(tensors)
+    frags, locs = list(fragments), list(locals_)
+    if len({t.name for t in tensors}) < len(tensors):
+        Layout(tuple(tensors), tuple(frags), tuple(locs))  # "declared twice"
+    lt = LogicalTensors.from_specs(tensors)
+    lnames = sorted({f.local for f in frags} | {x.name for x in locs})
+    lid = {n: i for i, n in enumerate(lnames)}
+    dtypes = list(dict.fromkeys([*lt.dtypes, *(x.dtype for x in locs)]))
+    did = {d: i for i, d in enumerate(dtypes)}
+    n, m = len(frags), len(locs)
+    D = max(map(len, lt.shapes), default=0)
+    L = max([len(f.local_offsets) for f in frags] + [D])
+    S = max([len(x.shape) for x in locs] + [0])
+    foff, fsz, flo = np.zeros((n, D), _I64), np.ones((n, D), _I64), np.full((n, L), -1, _I64)
+    for i, f in enumerate(frags):
+        if len(f.offsets) > D or len(f.sizes) != len(f.offsets):
+            return _eager_raise(lt, frags, locs)
+        foff[i, :len(f.offsets)], fsz[i, :len(f.sizes)] = f.offsets, f.sizes
+        flo[i, :len(f.local_offsets)] = f.local_offsets
+    try:
+        ft = np.fromiter((lt.index[f.tensor] for f in frags), _I64, n)
+    except KeyError:
+        return _eager_raise(lt, frags, locs)
+    fr = np.fromiter((f.rank for f in frags), _I64, n)
+    fl = np.fromiter((lid[f.local] for f in frags), _I64, n)
+    flnd = np.fromiter((len(f.local_offsets) for f in frags), _I64, n)
+    if (np.fromiter(map(len, lt.shapes), _I64, len(lt))[ft] != np.fromiter((len(f.offsets) for f in frags), _I64, n)).any():
+        return _eager_raise(lt, frags, locs)  # a box with the wrong number of dims
+    order = _frag_order(ft, fr, fl, foff, flo)
+    lsh = np.full((m, S), -1, _I64)
+    for i, x in enumerate(locs):
+        lsh[i, :len(x.shape)] = x.shape
+    lr = np.fromiter((x.rank for x in locs), _I64, m)
+    ln = np.fromiter((lid[x.name] for x in locs), _I64, m)
+    lo_ = np.lexsort((ln, lr))
+    cols = _Columns(lt.names, lnames, dtypes, ft[order], fr[order], fl[order], foff[order], fsz[order], flo[order],
+                    flnd[order], lr[lo_], ln[lo_], lsh[lo_], np.fromiter((len(x.shape) for x in locs), _I64, m)[lo_],
+                    np.fromiter((did[x.dtype] for x in locs), _I64, m)[lo_])
+    return ColumnarLayout(lt, cols, validate=validate)
+
+
+def _eager_raise(lt: LogicalTensors, frags, locs) -> ColumnarLayout:
+    Layout(lt.all(), tuple(frags), tuple(locs))  # raises its message
+    raise AssertionError("columnar: parts the eager Layout accepts but the columns cannot hold")
+
+
 def _restore(tensors, cols) -> ColumnarLayout:
     return ColumnarLayout(tensors, cols, validate=False)
+
+
+def _restore_tiled(tensors, base, copies, stride) -> ColumnarLayout:
+    return ColumnarLayout(tensors, base=base, copies=copies, stride=stride)
 
 
 # --------------------------------------------------------------------------------------------------------
