@@ -37,6 +37,8 @@ MISTAKES = [
     (["plan", "--model", "tiny_llama", "--src", "tp=1,pp=1,zz=2", "--dst", "tp=1"], ["unknown key 'zz'"]),
     (["plan", "--model", "tiny_llama", "--src", "tp=1", "--dst", "tp=1,pp=2"], ["unknown key 'pp'"]),
     (["plan", "--model", "tiny_llama", "--src", "tp=1"], ["--dst"]),
+    (["plan", "--model", "tiny_llama", "--src", "tp=2", "--dst", "tp=2", "--rank", "2"], ["--rank 2", "ranks 0..1"]),
+    (["plan", "--model", "tiny_llama", "--src", "tp=2", "--dst", "tp=2", "--rank", "-1"], ["--rank -1", ">= 0"]),
     (["bench", "--cases", "foo"], ["unknown case 'foo'"]),
     (["bench", "--sizes-gb", "1,x"], ["--sizes-gb '1,x'"]),
     (["bench", "--dtype", "bf17"], ["--dtype 'bf17'"]),
@@ -157,6 +159,31 @@ def test_plan_plot_writes_a_heatmap(tmp_path, capsys):
     st = plan.stats()
     assert ranks == [0, 1, 2, 3]
     assert m.sum() - m.trace() == st.wire_bytes and m.trace() == st.local_bytes
+
+
+def test_plan_rank_prints_that_ranks_share(tmp_path, capsys):
+    """``plan --rank R``: rank R's share alone, its transfers = the whole plan's transfers of rank R."""
+    import json
+
+    from triton_reshard.plan import plan_reshard
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    out_json = tmp_path / "r.json"
+    argv = ["plan", "--model", "tiny_qwen3_moe", "--src", "tp=2,pp=2", "--dst", "tp=2,dp=2,ep=4", "--instances", "2",
+            "--bucket-mb", "1", "--rank", "5", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rank 5 of 8" in out and "rank share time:" in out and "rank plan" in out and "peak memory" in out
+    r = json.loads(out_json.read_text())
+    cfg = get_config("tiny_qwen3_moe")
+    one = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=0)
+    whole = plan_reshard(megatron_layout(cfg, tp=2, pp=2, ranks=0), one.instances(2), False, None, None,
+                         one.instance_groups(2))
+    mine = [t for t in whole.transfers if 5 in (t.src_rank, t.dst_rank)]
+    assert r["num_transfers"] == len(mine)
+    assert r["sent_bytes"] == sum(t.nbytes for t in mine if t.src_rank == 5)
+    assert r["recv_bytes"] == sum(t.nbytes for t in mine if t.dst_rank == 5)
+    assert r["num_local_copies"] == sum(1 for t in whole.local_copies if t.dst_rank == 5)
 
 
 @pytest.mark.slow

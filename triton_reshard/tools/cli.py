@@ -170,6 +170,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write a rank x rank heatmap of who sends how much to whom (PNG; needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to this path")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="plan only rank R's share (plan_reshard(..., rank=R): its transfers and schedule, without "
+                        "planning the other ranks) and print its figures and timing: layouts, rank plan, schedule, "
+                        "peak memory (default: the whole plan)")
 
 
 def _parse_sizes(text: str, keys: tuple[str, ...], what: str) -> dict[str, int]:
@@ -267,6 +271,9 @@ def plan_report(args) -> dict:
             raise UsageError(f"--{opt.replace('_', '-')} {v:g}: must be > 0")
     if args.src_offset < 0 or args.dst_offset < 0:
         raise UsageError("--src-offset and --dst-offset must be >= 0")
+    if args.rank is not None and (args.plot or args.rank < 0):
+        raise UsageError(f"--rank {args.rank}: " + ("--plot needs the whole plan (drop --rank)" if args.plot
+                                                    else "must be >= 0"))
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -296,6 +303,8 @@ def plan_report(args) -> dict:
     if n_inst < 1:
         raise UsageError(f"--instances {n_inst}: must be >= 1")
     gpn = topo.gpus_per_node if node_aware else None
+    if args.rank is not None:
+        return rank_report(args, cfg, dtype, s, d, src_kw, dst_kw, bucket, gpn, relay, n_inst)
     src, dst, plan, st, sched, times = timed_planning(
         cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=gpn, relay=relay, instances=n_inst
     )
@@ -350,6 +359,80 @@ def plan_report(args) -> dict:
         "without_relay": without,
         "times": times,
     }
+
+
+def _rss_mb(field: str = "VmRSS") -> float | None:
+    """This process's resident memory (``VmRSS``) or its peak (``VmHWM``) in MiB; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def rank_report(args, cfg, dtype, s, d, src_kw, dst_kw, bucket, gpn, relay, n_inst) -> dict:
+    """``triton-reshard plan --rank R``: rank R's share alone (layouts, rank plan, its schedule), timed."""
+    from ..plan import plan_reshard
+    from ..presets import megatron_layout, vllm_layout
+
+    rss0 = _rss_mb()
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    src = megatron_layout(cfg, **src_kw, dtype=dtype)
+    times["src_layout"] = time.perf_counter() - t
+    t = time.perf_counter()
+    one = vllm_layout(cfg, **dst_kw, dtype=dtype)
+    dst = one.instances(n_inst)  # (a virtual tiling of the columnar preset layout)
+    times["dst_layout"] = time.perf_counter() - t
+    groups = one.instance_groups(n_inst) if n_inst > 1 else None
+    world = max(src.ranks[-1], dst.ranks[-1]) + 1
+    if args.rank >= world:
+        raise UsageError(f"--rank {args.rank}: the layouts have ranks 0..{world - 1}")
+    t = time.perf_counter()
+    rp = plan_reshard(src, dst, False, gpn, relay, groups, rank=args.rank)
+    times["plan"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sched = rp.schedule(bucket)
+    times["schedule"] = time.perf_counter() - t
+    times["total"] = sum(times.values())
+    peak = _rss_mb("VmHWM")
+    return {
+        "model": args.model, "dtype": args.dtype, "rank": args.rank, "world": world,
+        "src": {"layout": "megatron", **s, "offset": args.src_offset, "ranks": len(src.ranks)},
+        "dst": {"layout": "vllm", **d, "offset": args.dst_offset, "ranks": len(dst.ranks), "instances": n_inst},
+        "rank_plan_digest": rp.digest,
+        "num_transfers": len(rp.transfers), "num_local_copies": len(rp.local_copies),
+        "sent_bytes": rp.sent_bytes, "recv_bytes": rp.recv_bytes,
+        "local_bytes": sum(x.nbytes for x in rp.local_copies),
+        "schedule": {"bucket_bytes": bucket, "steps": len(sched.steps)},
+        "rss_mb_before": rss0, "peak_rss_mb": peak,
+        "peak_above_start_mb": None if rss0 is None or peak is None else peak - rss0,
+        "times": times,
+    }
+
+
+def _print_rank_report(r: dict) -> None:
+    s, d, t = r["src"], r["dst"], r["times"]
+
+    def lay(x):
+        return ",".join(f"{k}={v}" for k, v in x.items() if k in _SRC_KEYS)
+
+    inst = d.get("instances", 1)
+    print(f"model {r['model']} ({r['dtype']}): rank {r['rank']} of {r['world']}; source megatron {lay(s)} on ranks "
+          f"{s['offset']}..{s['offset'] + s['ranks'] - 1}, destination vllm {lay(d)}"
+          f"{f' x {inst} instances' if inst > 1 else ''} on ranks {d['offset']}..{d['offset'] + d['ranks'] - 1}")
+    print(f"rank plan {r['rank_plan_digest']}: {r['num_transfers']} wire transfers (sends "
+          f"{_fmt_bytes(r['sent_bytes'])}, receives {_fmt_bytes(r['recv_bytes'])}), {r['num_local_copies']} local "
+          f"copies ({_fmt_bytes(r['local_bytes'])}); {r['schedule']['steps']} steps of "
+          f"{r['schedule']['bucket_bytes'] / (1 << 20):g} MiB staging")
+    mem = (f"; peak memory {r['peak_above_start_mb']:.0f} MiB above the process's before the layouts"
+           if r.get("peak_above_start_mb") is not None else "")
+    print(f"rank share time:  {t['total']:.2f} s = layouts {t['src_layout'] + t['dst_layout']:.2f} s (src "
+          f"{t['src_layout']:.2f}, dst {t['dst_layout']:.2f}), rank plan {t['plan']:.2f} s, its schedule "
+          f"{t['schedule']:.2f} s{mem}")
 
 
 def _trainer_sent(st, src_ranks) -> dict:
@@ -424,7 +507,10 @@ def run_plan(args) -> int:
         if "layers_per_stage" in text:  # the preset names its own argument: name the option instead
             text = text.split("; pass layers_per_stage")[0] + "; give each stage's layer count with --src-layers-per-stage"
         raise UsageError(text) from None
-    _print_report(r)
+    if "rank_plan_digest" in r:
+        _print_rank_report(r)
+    else:
+        _print_report(r)
     if args.plot:
         print(f"traffic heatmap written to {args.plot}")
     if args.json:
