@@ -132,3 +132,5 @@ def test_refit_bf16_into_real_vllm_fp8_model(case):
             assert not got["wrong"]
             assert all(n.endswith(fc.KV_CACHE_SCALES) for n in got["ignored"]), got["ignored"]
             assert set(got["ignored"]) == set(r["not_in_preset"])
+            assert got["verify"] == (True, 0)  # verify_refit proves the layout on the FP8 model
+            assert got["verify_swapped"][0] is False and got["verify_swapped"][1] > 0

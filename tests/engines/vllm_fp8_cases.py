@@ -264,7 +264,7 @@ def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -
     own ``per_block_cast_to_fp8``; padding stays poisoned; parameters outside the layout stay untouched."""
     from safetensors.torch import load_file
 
-    from triton_reshard import refit
+    from triton_reshard import refit, verify_refit
     from triton_reshard.presets import megatron_layout
 
     bf16 = load_file(os.path.join(root, f"{case.model}.bf16.safetensors"))
@@ -307,3 +307,19 @@ def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -
         with torch.no_grad():
             for n in specs:
                 params[n].data.copy_(loaded[n])
+        # verify mode on the loaded model: the right layout 0 mismatches; the ranks swapped, some on every rank
+        v = verify_refit(src, params, src_layout, preset, timeout=120)
+        rep["refit"][sname]["verify"] = (v.ok, v.total_mismatches)
+        v2 = verify_refit(src, params, src_layout, _swapped(preset, world), timeout=120)
+        rep["refit"][sname]["verify_swapped"] = (v2.ok, v2.total_mismatches)
+
+
+def _swapped(layout, world: int):
+    """``layout`` with rank r's local tensors on rank (r + 1) % world: a wrong layout of the same tensors."""
+    from triton_reshard import Fragment, Layout, LocalSpec
+
+    sh = lambda r: (r + 1) % world  # noqa: E731
+    return Layout(layout.tensors,
+                  tuple(Fragment(f.tensor, sh(f.rank), f.offsets, f.sizes, f.local, f.local_offsets)
+                        for f in layout.fragments),
+                  tuple(LocalSpec(sh(s.rank), s.name, s.shape, s.dtype) for s in layout.locals))
