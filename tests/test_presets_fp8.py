@@ -34,7 +34,8 @@ MODELS = {
     "deepseek_v3": fp8("tiny_deepseek_v3", **DS),
     "deepseek_v3_no_q_lora": fp8("tiny_deepseek_v3", q_lora_rank=None, **DS),
 }
-CASES = [(m, ep) for m in MODELS for ep in ((False, True) if "moe" in m or "deepseek" in m else (False,))]
+CASES = [(m, ep, 2) for m in MODELS for ep in ((False, True) if "moe" in m or "deepseek" in m else (False,))]
+CASES.append(("qwen3_moe", True, 4))  # TP 4 > 2 KV heads: each rank's k/v scale rows those of its replica
 
 
 def _plain(cfg):
@@ -57,11 +58,11 @@ def _checkpoint(cfg, seed=0):
     return ckpt, deq
 
 
-@pytest.mark.parametrize(("model", "ep"), CASES, ids=lambda v: str(v))
-def test_fp8_layout_scales_sit_with_their_blocks(model, ep):
+@pytest.mark.parametrize(("model", "ep", "tp"), CASES, ids=lambda v: str(v))
+def test_fp8_layout_scales_sit_with_their_blocks(model, ep, tp):
     cfg = MODELS[model]
-    quant = vllm_layout(cfg, tp=2, enable_expert_parallel=ep)
-    plain = vllm_layout(_plain(cfg), tp=2, enable_expert_parallel=ep)
+    quant = vllm_layout(cfg, tp=tp, enable_expert_parallel=ep)
+    plain = vllm_layout(_plain(cfg), tp=tp, enable_expert_parallel=ep)
     names = set(fp8_tensors(cfg))
     assert set(quant.quantized) == names and names
     for n in names:
@@ -70,7 +71,7 @@ def test_fp8_layout_scales_sit_with_their_blocks(model, ep):
         s = quant.specs[n + "_scale_inv"]
         assert s.dtype == SCALE_DTYPE and s.shape == tuple(-(-d // 16) for d in t.shape)
     ckpt, deq = _checkpoint(cfg)
-    for rank in (0, 1):
+    for rank in range(tp):
         specs, pspecs = quant.local_specs(rank), plain.local_specs(rank)
         qlocals = {n for n, s in specs.items() if s.dtype == QUANT_DTYPE}
         assert set(specs) == set(pspecs) | {n + "_scale_inv" for n in qlocals}
