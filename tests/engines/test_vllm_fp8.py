@@ -119,7 +119,8 @@ def test_our_quantizer_is_vllms():
 def test_refit_bf16_into_real_vllm_fp8_model(case):
     """End to end: BF16 trainer shards (Megatron TP 2, and a source cut through the middle of blocks) refit
     into the real model's poisoned named_parameters() = the bytes vLLM's loader put there from the FP8
-    checkpoint quantized by vLLM's per_block_cast_to_fp8; only the kv-cache scales are ignored."""
+    checkpoint quantized by vLLM's per_block_cast_to_fp8; only the kv-cache scales are ignored. The FP8
+    checkpoint itself as a (quantized) source: the same bytes, copied."""
     if not E2E:
         pytest.skip("this triton_reshard has no block-quant planner (triton_reshard.plan.quant)")
     reps = _reports(case)
@@ -127,7 +128,7 @@ def test_refit_bf16_into_real_vllm_fp8_model(case):
     problems = [p for r in reps for p in r["refit_problems"]]
     assert not problems, "\n".join(problems)
     for r in reps:
-        assert set(r["refit"]) == {"megatron", "odd_split"}
+        assert set(r["refit"]) == {"megatron", "odd_split", "fp8_checkpoint"}
         for got in r["refit"].values():
             assert not got["wrong"]
             assert all(n.endswith(fc.KV_CACHE_SCALES) for n in got["ignored"]), got["ignored"]

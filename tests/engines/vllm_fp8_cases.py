@@ -97,7 +97,9 @@ def build_checkpoints(root: str, configs: dict[str, dict]) -> None:
         d = os.path.join(root, name)
         getattr(transformers, f"{cls}ForCausalLM")(conf).to(torch.bfloat16).save_pretrained(d)
         path = os.path.join(d, "model.safetensors")
-        bf16 = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items()}
+        # BF16, but DeepSeek's expert-score bias, which every framework keeps in float32
+        bf16 = {k: v.to(torch.float32 if k.endswith(".e_score_correction_bias") else torch.bfloat16).contiguous()
+                for k, v in load_file(path).items()}
         out = {}
         for k, v in bf16.items():
             if quantized_in_checkpoint(k, cfg):
@@ -264,8 +266,9 @@ def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -
     own ``per_block_cast_to_fp8``; padding stays poisoned; parameters outside the layout stay untouched."""
     from safetensors.torch import load_file
 
-    from triton_reshard import refit, verify_refit
-    from triton_reshard.presets import megatron_layout
+    from triton_reshard import block_quant_layout, refit, verify_refit
+    from triton_reshard.presets import hf_layout, megatron_layout
+    from triton_reshard.presets.vllm import fp8_tensors
 
     bf16 = load_file(os.path.join(root, f"{case.model}.bf16.safetensors"))
     plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
@@ -275,14 +278,21 @@ def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -
         "megatron": megatron_layout(plain, tp=world, ep=world if (moe and case.ep) else 1,
                                     etp=1 if (moe and case.ep) else None, ranks=range(world), dtype=torch.bfloat16),
         "odd_split": odd_split_source(preset, world),
+        # the FP8 checkpoint itself on rank 0 (quantized like the destination: values and scales are copied)
+        "fp8_checkpoint": block_quant_layout(hf_layout(plain, ranks=(0,), dtype=torch.bfloat16),
+                                             fp8_tensors(cfg), tuple(BLOCK)),
     }
+    ckpt = load_file(os.path.join(root, case.model, "model.safetensors"))
     params = dict(model.named_parameters())
     specs = preset.local_specs(rank)
     ones = {t.name: torch.ones(t.shape, dtype=torch.float32) for t in preset.tensors}
     covered = {n: bits(t) != 0 for n, t in preset.shard(ones, rank).items()}
     rep["refit"] = {}
     for sname, src_layout in sources.items():
-        src = src_layout.shard({n: bf16[n] for n in src_layout.specs}, rank)
+        if sname == "fp8_checkpoint":
+            src = {n: ckpt[n] for n in src_layout.specs} if rank == 0 else {}
+        else:
+            src = src_layout.shard({n: bf16[n] for n in src_layout.specs}, rank)
         with torch.no_grad():
             for n in specs:
                 bits(params[n].data).fill_(-1)  # all ones: NaN in fp8 e4m3fn, bf16 and fp32
