@@ -54,7 +54,7 @@ class LogicalTensors:
     with each :class:`TensorSpec` built on first use: a DeepSeek-V3 has ~46,000 tensors, and a rank plan looks
     at the few thousand its rank holds."""
 
-    __slots__ = ("names", "shapes", "dtypes", "index", "_specs", "_key")
+    __slots__ = ("names", "shapes", "dtypes", "index", "_specs", "_key", "cache")
 
     def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
                  specs: Sequence[TensorSpec] | None = None) -> None:
@@ -62,6 +62,7 @@ class LogicalTensors:
         self.index = {n: i for i, n in enumerate(self.names)}
         self._specs: list | None = list(specs) if specs is not None else None
         self._key = None
+        self.cache: dict = {}  # derived arrays builders share (e.g. the presets' expert tensor ids)
 
     @classmethod
     def from_specs(cls, specs: Iterable[TensorSpec]) -> LogicalTensors:
@@ -781,7 +782,11 @@ class ColumnBuilder:
             return
         r = np.asarray(ranks, dtype=_I64).reshape(-1)
         n = len(r)
-        if type(tensor) is str:
+        if isinstance(tensor, np.ndarray) and tensor.dtype.kind in "iu":  # tensor ids (index of tensors.names)
+            t = np.broadcast_to(tensor.astype(_I64, copy=False), (n,))
+            if n and (int(t.min()) < 0 or int(t.max()) >= len(self.tensors)):
+                raise AssertionError(f"tensor ids out of range: {t.min()}..{t.max()} of {len(self.tensors)}")
+        elif type(tensor) is str:
             if tensor not in self.tensors.index:
                 raise AssertionError(f"unknown logical tensor {tensor!r}")
             t = np.full(n, self.tensor_ids[tensor], dtype=_I64)

@@ -358,7 +358,25 @@ class LayoutBuilder(ColumnBuilder):
         self.box(tensor, rank, local, (0,) * len(shape), shape)
 
     def _shape(self, tensor) -> tuple[int, ...]:
-        return self.shape_of(tensor if type(tensor) is str else tensor[0])
+        if type(tensor) is str:
+            return self.shape_of(tensor)
+        if isinstance(tensor, np.ndarray) and tensor.dtype.kind in "iu":  # tensor ids, all of one shape
+            return self.tensors.shapes[int(tensor.reshape(-1)[0])]
+        return self.shape_of(tensor[0])
+
+    def expert_ids(self, s: ModelSpec) -> np.ndarray:
+        """``[layers, experts, 3]``: the tensor ids (see ``tensors.names``) of expert ``e``'s gate / up / down
+        projection in layer ``i`` (-1 in dense layers); built once per model (cached on its tensors)."""
+        a = self.tensors.cache.get("expert_ids")
+        if a is None:
+            idx = self.tensors.index
+            a = np.full((s.layers, max(s.experts, 1), 3), -1, dtype=np.int64)
+            for i in range(s.layers):
+                if s.is_moe_layer(i):
+                    a[i] = [[idx[n] for n in expert_names(i, e)] for e in range(s.experts)]
+            a.setflags(write=False)
+            self.tensors.cache["expert_ids"] = a
+        return a
 
     def rows(self, tensor, rank, local: str, start, count, at=0, lead=()) -> None:
         """Rows ``[start, start+count)`` (dim 0) of ``tensor`` at row ``at`` of ``local`` (after ``lead`` dims)."""

@@ -90,7 +90,6 @@ from .hf import (
     ModelSpec,
     _check_ranks,
     _gc_paused,
-    expert_names,
     layer_prefix,
     model_spec,
 )
@@ -227,36 +226,37 @@ def megatron_layout(
     pos = np.arange(world)
     stage_of = pos // (tp * dp)
     for pr in range(pp):
-        # the DP replicas of a stage hold the same non-expert weights: one call per tensor and TP position t,
-        # for the ranks at that position (vectorized over them; see LayoutBuilder)
-        for t in range(tp):
-            rank = rank_of[(stage_of == pr) & (pos % tp == t)]
-            if pr == 0:
-                loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
-                b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
-            if pr == pp - 1:
-                b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
-                if not s.tied or pp > 1:
-                    loc = b.local(rank, "output_layer.weight", (vloc, H))
-                    b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
-            for j, i in enumerate(stages[pr]):
-                hf, mg = layer_prefix(i), f"decoder.layers.{j}"
-                if s.mla:
-                    _mla_attention(b, s, rank, t, tp, hf, mg)
-                else:
-                    _gqa_attention(b, s, rank, t, tp, hf, mg, local_spec)
-                if not s.is_moe_layer(i):
-                    b.full(f"{hf}.post_attention_layernorm.weight", rank,
-                           f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight")
-                    _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
-                    continue
-                b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
-                b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
-                if s.expert_bias:
-                    b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
-                if s.shared_intermediate:
-                    _tp_mlp(b, rank, t, s.shared_intermediate // tp, H, f"{hf}.mlp.shared_experts",
-                            f"{mg}.mlp.shared_experts")
+        # the non-expert weights of the stage: one call per tensor for all its ranks, ``t`` the TP position of
+        # each (the DP replicas hold the same; see LayoutBuilder)
+        in_stage = stage_of == pr
+        rank, t = rank_of[in_stage], pos[in_stage] % tp
+        if pr == 0:
+            loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
+            b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
+        if pr == pp - 1:
+            b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
+            if not s.tied or pp > 1:
+                loc = b.local(rank, "output_layer.weight", (vloc, H))
+                b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
+        for j, i in enumerate(stages[pr]):
+            hf, mg = layer_prefix(i), f"decoder.layers.{j}"
+            if s.mla:
+                _mla_attention(b, s, rank, t, tp, hf, mg)
+            else:  # (its rows depend on the KV groups of t: one call per TP position)
+                for tv in range(tp):
+                    _gqa_attention(b, s, rank[t == tv], tv, tp, hf, mg, local_spec)
+            if not s.is_moe_layer(i):
+                b.full(f"{hf}.post_attention_layernorm.weight", rank,
+                       f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight")
+                _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
+                continue
+            b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
+            b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
+            if s.expert_bias:
+                b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
+            if s.shared_intermediate:
+                _tp_mlp(b, rank, t, s.shared_intermediate // tp, H, f"{hf}.mlp.shared_experts",
+                        f"{mg}.mlp.shared_experts")
         if not has_moe:
             continue
         # the routed experts of the stage: rank q of it (q = p % (tp*dp)) holds experts er*E_loc.. of expert-TP
@@ -268,13 +268,10 @@ def megatron_layout(
             if not s.is_moe_layer(i):
                 continue
             mg = f"decoder.layers.{j}"
-            names = [expert_names(i, e) for e in range(s.experts)]
+            ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
             for k in range(E_loc):
                 e = er * E_loc + k
-                if (e == e[0]).all():  # one expert on every rank (ep = 1)
-                    gate, up, down = names[int(e[0])]
-                else:
-                    gate, up, down = zip(*(names[x] for x in e.tolist()), strict=True)
+                gate, up, down = ids[e, 0], ids[e, 1], ids[e, 2]
                 if grouped_gemm:
                     fc1, fc2 = f"{mg}.mlp.experts.linear_fc1.weight{k}", f"{mg}.mlp.experts.linear_fc2.weight{k}"
                 else:

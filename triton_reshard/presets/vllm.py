@@ -344,35 +344,34 @@ def vllm_layout(
     b = LayoutBuilder.for_model(s, dtype)
     rank_of = np.asarray(ranks, dtype=np.int64)
     pos = np.arange(workers)
-    # every DP replica holds the same non-expert weights: one call per tensor and TP position t, for the
-    # ranks at that position (vectorized over them; see LayoutBuilder)
-    for t in range(tp):
-        rank = rank_of[pos % tp == t]
-        kv_first = (t * s.kv_heads // tp) if tp >= s.kv_heads else t * kv_heads_loc
-        loc = b.local(rank, "model.embed_tokens.weight", (vloc, H))
-        b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
-        if not s.tied:
-            loc = b.local(rank, "lm_head.weight", (vloc, H))
-            b.rows("lm_head.weight", rank, loc, t * vloc, vloc)
-        b.full("model.norm.weight", rank, "model.norm.weight")
-        for i in range(s.layers):
-            hf = layer_prefix(i)
-            att = f"{hf}.self_attn"
-            if s.mla:
-                _mla_attention(b, s, rank, t, tp, att)
-            else:
-                _gqa_attention(b, s, rank, t, att, q_loc, kv_loc, kv_first)
-            b.full(f"{hf}.input_layernorm.weight", rank, f"{hf}.input_layernorm.weight")
-            b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{hf}.post_attention_layernorm.weight")
-            if not s.is_moe_layer(i):
-                _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp")
-                continue
-            b.full(f"{hf}.mlp.gate.weight", rank, f"{hf}.mlp.gate.weight")
-            if s.expert_bias:
-                b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{hf}.mlp.gate.e_score_correction_bias")
-            if s.shared_intermediate:
-                Is_loc = s.shared_intermediate // shared_tp
-                _tp_mlp(b, rank, t % shared_tp, Is_loc, H, f"{hf}.mlp.shared_experts")
+    # the non-expert weights: one call per tensor for all workers at once, ``t`` the TP position of each
+    # (every DP replica holds the same; see LayoutBuilder)
+    rank, t = rank_of, pos % tp
+    kv_first = (t * s.kv_heads // tp) if tp >= s.kv_heads else t * kv_heads_loc
+    loc = b.local(rank, "model.embed_tokens.weight", (vloc, H))
+    b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
+    if not s.tied:
+        loc = b.local(rank, "lm_head.weight", (vloc, H))
+        b.rows("lm_head.weight", rank, loc, t * vloc, vloc)
+    b.full("model.norm.weight", rank, "model.norm.weight")
+    for i in range(s.layers):
+        hf = layer_prefix(i)
+        att = f"{hf}.self_attn"
+        if s.mla:
+            _mla_attention(b, s, rank, t, tp, att)
+        else:
+            _gqa_attention(b, s, rank, t, att, q_loc, kv_loc, kv_first)
+        b.full(f"{hf}.input_layernorm.weight", rank, f"{hf}.input_layernorm.weight")
+        b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{hf}.post_attention_layernorm.weight")
+        if not s.is_moe_layer(i):
+            _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp")
+            continue
+        b.full(f"{hf}.mlp.gate.weight", rank, f"{hf}.mlp.gate.weight")
+        if s.expert_bias:
+            b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{hf}.mlp.gate.e_score_correction_bias")
+        if s.shared_intermediate:
+            Is_loc = s.shared_intermediate // shared_tp
+            _tp_mlp(b, rank, t % shared_tp, Is_loc, H, f"{hf}.mlp.shared_experts")
     # the routed experts of worker p (position p of ranks): E_loc[p] experts from e0[p], rows im0[p] on
     # of each; one call per layer and local expert index k, over the workers that have a k-th expert
     if has_moe:
@@ -390,15 +389,11 @@ def vllm_layout(
             hf = layer_prefix(i)
             w13 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w13_weight", (E_loc, 2 * Im_loc, H))
             w2 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w2_weight", (E_loc, H, Im_loc))
-            names = [expert_names(i, e) for e in range(s.experts)]
+            ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
             for k in range(int(E_loc.max())):
                 has = E_loc > k
                 rank, e = rank_of[has], (e0 + k)[has]
-                first = int(e[0])
-                if (e == first).all():  # the same expert on every worker (no EP)
-                    gate, up, down = names[first]
-                else:
-                    gate, up, down = zip(*(names[x] for x in e.tolist()), strict=True)
+                gate, up, down = ids[e, 0], ids[e, 1], ids[e, 2]
                 start = im0 if isinstance(im0, int) else im0[has]
                 b.rows(gate, rank, w13, start, Im_loc, at=0, lead=(k,))
                 b.rows(up, rank, w13, start, Im_loc, at=Im_loc, lead=(k,))
