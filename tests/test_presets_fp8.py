@@ -30,6 +30,7 @@ DS = dict(qk_rope_head_dim=8, moe_intermediate_size=32)  # every TP-2 partition 
 MODELS = {
     "llama": fp8("tiny_llama"),
     "qwen3": fp8("tiny_qwen3"),
+    "qwen2": fp8("tiny_qwen2"),  # q/k/v biases (stay BF16 in qkv_proj.bias), tied embeddings
     "qwen3_moe": fp8("tiny_qwen3_moe"),
     "deepseek_v3": fp8("tiny_deepseek_v3", **DS),
     "deepseek_v3_no_q_lora": fp8("tiny_deepseek_v3", q_lora_rank=None, **DS),
@@ -228,3 +229,14 @@ def test_published_fp8_configs_build():
     if __import__("os").environ.get("TRITON_RESHARD_BIG"):  # ~11 s: every DeepSeek-V3 expert
         D = vllm_layout(ds, tp=8, enable_expert_parallel=True)
         assert D.local_specs(0)["model.layers.3.mlp.experts.routed_experts.w13_weight_scale_inv"].shape == (32, 32, 56)
+
+
+def test_fp8_instances_and_qwen2_bias():
+    """Several engines (instances=N) each hold the quantized layout; Qwen2's qkv bias stays in ``dtype``."""
+    cfg = MODELS["qwen2"]
+    one, two = vllm_layout(cfg, tp=2), vllm_layout(cfg, tp=2, instances=2)
+    assert two.quantized == one.quantized
+    assert two.local_specs(3) == {n: type(s)(3, s.name, s.shape, s.dtype) for n, s in one.local_specs(1).items()}
+    sp = one.local_specs(0)
+    assert sp["model.layers.0.self_attn.qkv_proj.bias"].dtype == torch.bfloat16
+    assert sp["model.layers.0.self_attn.qkv_proj.weight"].dtype == QUANT_DTYPE
