@@ -7,7 +7,9 @@ tensors and the same ranks:
 - ``allgather``: the all-gather-then-slice baseline (``triton_reshard.baselines``);
 - ``wire-limit``: per step of the reshard's schedule, the bytes each rank sends each peer as one plain
   isend/irecv, no pack or unpack, no local copies — what the transport alone costs;
-- ``dtensor``: ``DTensor.redistribute`` where the two layouts live on one mesh (the ``fsdp-tp`` case).
+- ``dtensor``: ``DTensor.redistribute`` where the two layouts live on one mesh (the ``fsdp-tp`` case);
+- ``reshard-fp8`` (``dst_dtype="fp8-block"``): the same refit into block-FP8 inference weights (every Linear weight
+  float8_e4m3fn + fp32 scales per 128 x 128 block), checked against the reference quantization.
 Wall time is the slowest rank's (barrier before and after), median over repeats. Every method's destination
 tensors are poisoned first and checked bit-exactly afterwards.
 """
@@ -28,7 +30,17 @@ from ..execute import Resharder
 from ..launch import run_world
 from ..layout import Layout, Replicate, Shard
 from ..plan import plan_reshard
-from .demo import _expected, _make_src, _peak_rss, _peak_rss_reset, _poison, _rss, _verify
+from .demo import (
+    _expected,
+    _make_src,
+    _peak_rss,
+    _peak_rss_reset,
+    _poison,
+    _rss,
+    _verify,
+    expected_quantized,
+    fp8_layout,
+)
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 
@@ -88,7 +100,7 @@ def _wire_limit(bufs: list, timeout) -> None:
 
 
 def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name: str, bucket: int, repeats: int,
-                 timeout: float) -> dict:
+                 timeout: float, dst_dtype: str = "same", quant_block: int = 128) -> dict:
     import logging
     from datetime import timedelta
 
@@ -121,6 +133,14 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
         "allgather": lambda: allgather_refit(src_t, dst_t, src, dst, timeout=timeout),
         "wire-limit": lambda: _wire_limit(wire_bufs, timedelta(seconds=timeout)),
     }
+    checked = {}  # method -> (its destination tensors, their expected bits), when not dst_t / expected
+    if dst_dtype == "fp8-block":
+        dst_q = fp8_layout(dst, quant_block)
+        rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=timeout)
+        dst_qt = dst_q.allocate(rank, device=device)
+        methods["reshard-fp8"] = rq
+        fns["reshard-fp8"] = lambda: rq.run(src_t, dst_qt)
+        checked["reshard-fp8"] = (dst_qt, expected_quantized(dst_q, src, rank, device))
     if dt is not None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor
@@ -150,7 +170,8 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
     for i in range(repeats + 1):  # the first round warms up (planning, buffers, page faults)
         for name, fn in fns.items():
             times, bad, peaks = acc[name]
-            _poison(dst_t)
+            tensors, want = checked.get(name, (dst_t, expected))
+            _poison(tensors)
             _peak_rss_reset()
             rss0 = _rss()
             if device.type == "cuda":
@@ -165,18 +186,22 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
             dt_s = time.perf_counter() - t0
             peak = (torch.cuda.max_memory_allocated(device) - mem0) if device.type == "cuda" else _peak_rss() - rss0
             if name != "wire-limit":
-                bad[0] += _verify(expected, dst_t)
+                bad[0] += _verify(want, tensors)
             if i:
                 times.append(dt_s)
                 peaks.append(peak)
     for name, (times, bad, peaks) in acc.items():
         res[name] = {"seconds": times, "bad": bad[0], "peak_extra_bytes": max(peaks)}
-    res["staging_bytes"] = {k: r.send_area_bytes + r.recv_area_bytes for k, r in methods.items()}
+    res["staging_bytes"] = {k: r.send_area_bytes + r.recv_area_bytes + sum(t.numel() * t.element_size() for t in r._stage)
+                            for k, r in methods.items()}
     return res
 
 
 def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", bucket_mb: float = 64,
-              repeats: int = 3, timeout: float = 120.0, out_dir: str | None = None, progress=print) -> dict:
+              repeats: int = 3, timeout: float = 120.0, out_dir: str | None = None, progress=print,
+              dst_dtype: str = "same", quant_block: int = 128) -> dict:
+    """``dst_dtype="fp8-block"``: also time ``reshard-fp8``, the refit into block-FP8 inference weights
+    (``quant_block`` square blocks); each row then has ``stats_fp8`` (its plan's stats) beside ``stats``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = []
     for cname in cases:
@@ -188,14 +213,18 @@ def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", b
             plan = plan_reshard(src, dst)
             plan_s = time.perf_counter() - t0
             st = plan.stats()
+            qst = None
+            if dst_dtype == "fp8-block":
+                qst = plan_reshard(src, fp8_layout(dst, quant_block)).stats()
             progress(f"[{case.name}, {gb:g} GiB] plan: {st.num_transfers} transfers, wire "
                      f"{st.wire_bytes / 2**20:.0f} MiB (lower bound {st.lower_bound_bytes / 2**20:.0f} MiB), "
                      f"planned in {plan_s:.2f} s; running {case.world} ranks ...")
             per_rank = run_world(bench_worker, case.world, case, size, dtype, int(bucket_mb * 2**20), repeats,
-                                 timeout, timeout=max(900.0, 10 * timeout))
+                                 timeout, dst_dtype, quant_block, timeout=max(900.0, 10 * timeout))
             row = {"case": cname, "name": case.name, "size_gb": gb, "model": cfg, "dtype": dtype,
                    "bucket_mb": bucket_mb, "world": case.world, "plan_seconds": plan_s, "stats": st.as_dict(),
-                   "methods": {}}
+                   "methods": {}, "stats_fp8": qst.as_dict() if qst is not None else None,
+                   "quant_block": quant_block if qst is not None else None}
             names = [k for k in per_rank[0] if isinstance(per_rank[0][k], dict) and "seconds" in per_rank[0][k]]
             walls = {m: [max(r[m]["seconds"][i] for r in per_rank) for i in range(repeats)] for m in names}
             for m in names:
@@ -248,6 +277,14 @@ def format_row(row: dict) -> str:
     lines.append(f"  wire {s['wire_bytes'] / 2**20:.1f} MiB = {s['wire_bytes'] / max(1, s['lower_bound_bytes']):.3f} "
                  f"x lower bound; staging allocated {max(row['staging_bytes'].values()) / 2**20:.1f} MiB "
                  f"(bucket {row['bucket_mb']:g} MiB)")
+    q = row.get("stats_fp8")
+    if q:
+        t_plain, t_q = ms["reshard"]["median_s"], ms["reshard-fp8"]["median_s"]
+        lines.append(f"  fp8-block{row['quant_block']}: wire {q['wire_bytes'] / 2**20:.1f} MiB = "
+                     f"{q['wire_bytes'] / max(1, s['wire_bytes']):.3f} x the {row['dtype']} wire "
+                     f"({q['quant_src_bytes'] / 2**20:.1f} MiB quantized by senders, {q['quant_dst_bytes'] / 2**20:.1f} "
+                     f"MiB in {row['dtype']} for receivers to quantize) = {q['wire_bytes'] / max(1, q['lower_bound_bytes']):.3f}"
+                     f" x its lower bound; time {t_q:.3f} s vs {t_plain:.3f} s")
     return "\n".join(lines)
 
 

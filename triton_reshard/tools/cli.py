@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--timeout", type=float, default=120.0,
                          help="seconds before a missing peer is an error (default 120)")
     p_bench.add_argument("--out", default="perf/results", help="folder for bench_refit.json and .png (default perf/results)")
+    p_bench.add_argument("--dst-dtype", choices=["same", "fp8-block"], default="same",
+                         help="'fp8-block': also time the refit into block-FP8 inference weights (every Linear weight "
+                              "float8_e4m3fn + fp32 scales, --quant-block square blocks) and print its wire bytes and "
+                              "time beside the plain refit's (default same)")
+    p_bench.add_argument("--quant-block", type=int, default=128, help="block size of --dst-dtype fp8-block (default 128)")
     p_verify = sub.add_parser("verify", help="check that this machine's vLLM loads a checkpoint as our layout says",
                               description=engine_check.__doc__.replace("``", "'").replace(":func:`~", "").replace("`", ""),
                               **kw)
@@ -114,9 +119,11 @@ def _dispatch(args) -> int:
         dtype = parse_dtype(args.dtype)
         if args.bucket_mb <= 0 or args.repeats < 1 or args.timeout <= 0:
             raise UsageError("--bucket-mb and --timeout must be > 0 and --repeats >= 1")
+        if args.quant_block < 1:
+            raise UsageError(f"--quant-block {args.quant_block}: must be >= 1")
         run_bench(cases, sizes, dtype=str(dtype).removeprefix("torch."), bucket_mb=args.bucket_mb,
                   repeats=args.repeats, timeout=args.timeout, out_dir=args.out,
-                  progress=lambda s: print(s, flush=True))
+                  progress=lambda s: print(s, flush=True), dst_dtype=args.dst_dtype, quant_block=args.quant_block)
         return 0
     from . import demo
 

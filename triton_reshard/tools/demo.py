@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..baselines import allgather_refit
 from ..execute import Resharder
 from ..launch import WorldError, run_world
-from ..layout import Layout, box_slices
+from ..layout import QUANT_DTYPE, Layout, block_quant_layout, box_slices
 from ..plan import plan_reshard
 from ..testing import synthetic_box
 from .cliutil import DTYPE_HELP, UsageError, parse_dtype, parse_sizes
@@ -76,6 +76,49 @@ def preset_layouts(src_text: str, dst_text: str, size_bytes: int, dtype: torch.d
     return src, dst, cfg
 
 
+def is_linear_weight(t) -> bool:
+    """The tensors a block-FP8 checkpoint quantizes (vLLM's Fp8LinearMethod: every Linear layer's weight):
+    attention and MLP projections; not the norms, embeddings or LM head."""
+    return t.name.endswith("proj.weight") and len(t.shape) == 2
+
+
+def fp8_layout(dst: Layout, block: int) -> Layout:
+    """``dst`` with every Linear weight block-FP8 (``block`` x ``block`` blocks, fp32 ``*_scale_inv`` scales)."""
+    return block_quant_layout(dst, is_linear_weight, (block, block))
+
+
+def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
+    """As :func:`_expected` for a block-quantized destination: each quantized tensor quantized whole from the
+    synthetic source (the torch reference, ``quant.quantize_blocks``) and sliced, values and scales."""
+    from ..quant import quantize_blocks
+    from ..testing import synthetic_global
+
+    ref: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def of(name: str):
+        if name not in ref:
+            spec, sspec = dst.specs[name], src.specs[name]
+            ref[name] = quantize_blocks(synthetic_global(name, spec.shape, sspec.dtype).to(device), spec.quant.block,
+                                        spec.quant.ue8m0)
+        return ref[name]
+
+    out = []
+    for f in dst.fragments:
+        if f.rank != rank or not f.numel:
+            continue
+        loff, lsize = f.local_box(f.offsets, f.sizes)
+        box = box_slices(f.offsets, f.sizes)
+        if f.tensor in dst.quantized:
+            exp = of(f.tensor)[0][box]
+        elif f.tensor in dst.scale_of:
+            exp = of(dst.scale_of[f.tensor])[1][box]
+        else:
+            spec = dst.specs[f.tensor]
+            exp = synthetic_box(f.tensor, spec.shape, spec.dtype, f.offsets, f.sizes, device=device)
+        out.append((f.local, box_slices(loff, lsize), exp.reshape(lsize).view(_int_of(exp.dtype))))
+    return out
+
+
 def build_layouts(args) -> tuple[Layout, Layout, dict]:
     dtype = parse_dtype(args.dtype)
     if args.layouts == "megatron-vllm":
@@ -130,7 +173,9 @@ def _int_of(dtype: torch.dtype) -> torch.dtype:
 
 def _poison(tensors: dict[str, torch.Tensor]) -> None:
     for t in tensors.values():
-        if t.dtype.is_floating_point:
+        if t.dtype == QUANT_DTYPE:
+            t.view(torch.uint8).fill_(0x7F)  # an fp8 NaN
+        elif t.dtype.is_floating_point:
             t.fill_(POISON)
         else:
             t.fill_(-1)
@@ -169,14 +214,14 @@ def demo_worker(rank: int, world: int, args) -> dict:
     rss_peaks = []
     check = [0.0]
 
-    def measured(fn):
-        _poison(dst_t)
+    def measured(fn, tensors=dst_t, want=expected):
+        _poison(tensors)
         _peak_rss_reset()
         rss0 = _rss()
         secs = _timed(fn, device)
         rss_peaks.append(_peak_rss() - rss0)
         t = time.perf_counter()
-        bad = _verify(expected, dst_t)
+        bad = _verify(want, tensors)
         check[0] += time.perf_counter() - t
         return secs, bad
 
@@ -196,6 +241,25 @@ def demo_worker(rank: int, world: int, args) -> dict:
     out["ours_total_seconds"] = time.perf_counter() - t_ours
     out["ours_peak_extra_rss"] = max(rss_peaks)
     out["ours_staging_bytes"] = r.send_area_bytes + r.recv_area_bytes
+    if getattr(args, "dst_dtype", "same") == "fp8-block":  # the same refit into block-FP8 inference weights, checked the same way
+        dst_q = fp8_layout(dst, args.quant_block)
+        rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
+        dst_qt = dst_q.allocate(rank, device=device)
+        want_q = expected_quantized(dst_q, src, rank, device)
+        say("block-FP8 destination: first run (binds, allocates the staging and the straddling blocks' regions) ...")
+        t_q = time.perf_counter()
+        out["fp8_first_seconds"], out["fp8_bad"] = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
+        qtimes = []
+        for i in range(args.repeats):
+            secs, bad = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
+            qtimes.append(secs)
+            out["fp8_bad"] += bad
+            say(f"block-FP8 run {i + 1}/{args.repeats}: {secs:.3f} s, {bad} wrong bytes or scales on rank 0")
+        out["fp8_seconds"] = qtimes
+        out["fp8_total_seconds"] = time.perf_counter() - t_q
+        out["fp8_staging_bytes"] = rq.send_area_bytes + rq.recv_area_bytes + sum(
+            t.numel() * t.element_size() for t in rq._stage)
+        out["fp8_peak_extra_rss"] = max(rss_peaks[-(args.repeats + 1):])
 
     if not args.no_baseline:
         reports, btimes = [], []
@@ -249,6 +313,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write a rank x rank heatmap of who sends how much to whom (PNG; needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to this path")
+    p.add_argument("--dst-dtype", choices=["same", "fp8-block"], default="same",
+                   help="'fp8-block': also refit into block-FP8 inference weights (every Linear weight "
+                        "float8_e4m3fn + one fp32 scale per --quant-block square block, vLLM's weight_scale_inv), "
+                        "checked against the reference quantization of the whole tensor, and print its wire bytes "
+                        "and time beside the plain refit's (default same: the --dtype of the source)")
+    p.add_argument("--quant-block", type=int, default=128,
+                   help="block size of --dst-dtype fp8-block, rows and columns (default 128, as DeepSeek-V3 / Qwen3-FP8)")
 
 
 def _dtype_name(args) -> str:
@@ -297,6 +368,8 @@ def _validate(args) -> tuple[Parallelism, Parallelism]:
             raise UsageError(f"--{name.replace('_', '-')} {v:g}: must be > {low}")
     if args.repeats < 0:
         raise UsageError(f"--repeats {args.repeats}: must be >= 0")
+    if getattr(args, "quant_block", 128) < 1:
+        raise UsageError(f"--quant-block {args.quant_block}: must be >= 1")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -316,6 +389,7 @@ def run_demo(args) -> int:
     try:
         src, dst, cfg = build_layouts(args)
         plan = plan_reshard(src, dst)
+        qplan = plan_reshard(src, fp8_layout(dst, args.quant_block)) if getattr(args, "dst_dtype", "same") == "fp8-block" else None
     except (ValueError, TypeError) as e:  # a layout the model cannot take: one line, no traceback
         raise UsageError(f"--src {args.src} -> --dst {args.dst}: {e}") from None
     st = plan.stats()
@@ -356,6 +430,13 @@ def run_demo(args) -> int:
          max(r["ours_staging_bytes"] for r in res), max(r["ours_peak_extra_rss"] for r in res),
          sum(r["ours_bad"] for r in res)),
     ]
+    if qplan is not None:
+        qst = qplan.stats()
+        q_time = (statistics.median(max(r["fp8_seconds"][i] for r in res) for i in range(n_rep)) if n_rep
+                  else max(r["fp8_first_seconds"] for r in res))
+        rows.append((f"ours -> fp8-block{args.quant_block}", q_time, qst.wire_bytes, qst.max_recv_bytes,
+                     max(r["fp8_staging_bytes"] for r in res), max(r["fp8_peak_extra_rss"] for r in res),
+                     sum(r["fp8_bad"] for r in res)))
     if not args.no_baseline:
         base = statistics.median(max(r["base_seconds"][i] for r in res) for i in range(max(1, n_rep)))
         rows.append(("all-gather baseline", base, sum(r["base_recv_bytes"] for r in res),
@@ -377,6 +458,14 @@ def run_demo(args) -> int:
   RSS growth    peak resident memory above the rank's start of the run (as Linux counts it; noisy)
   wrong         destination elements that differ from the global tensor, bit for bit, over all ranks""")
     print()
+    if qplan is not None:
+        print(f"block-FP8 destination ({args.quant_block}x{args.quant_block} blocks, fp32 scales, every Linear "
+              f"weight): {_fmt_bytes(qst.wire_bytes)} on the wire vs {_fmt_bytes(st.wire_bytes)} for "
+              f"{_dtype_name(args)} ({qst.wire_bytes / max(1, st.wire_bytes):.2f}x); {_fmt_bytes(qst.quant_src_bytes)} "
+              f"of it quantized by the senders (fp8 + scales), {_fmt_bytes(qst.quant_dst_bytes)} sent in "
+              f"{_dtype_name(args)} for the receivers to quantize (blocks split between training shards); lower "
+              f"bound {_fmt_bytes(qst.lower_bound_bytes)} ({qst.wire_bytes / max(1, qst.lower_bound_bytes):.3f}x); "
+              f"time {rows[1][1]:.3f} s vs {rows[0][1]:.3f} s")
     need = st.lower_bound_bytes + st.local_bytes
     if st.lower_bound_bytes:
         print(f"lower bound on the wire {_fmt_bytes(st.lower_bound_bytes)}: the inference ranks hold {dst_copies:.2f} "
@@ -388,8 +477,8 @@ def run_demo(args) -> int:
         print("lower bound on the wire 0 B: every rank already holds what it needs (local copies only)")
     verdict_extra = ""
     if not args.no_baseline:
-        bw = rows[1][2]
-        speed = rows[1][1] / max(rows[0][1], 1e-9)
+        bw = rows[-1][2]
+        speed = rows[-1][1] / max(rows[0][1], 1e-9)
         byte_ratio = bw / max(1, st.wire_bytes)
         batching = (f"{len(sched.steps)} steps of batched point-to-point messages (one packed buffer per peer) "
                     f"instead of {_baseline_broadcasts(src)} broadcasts, one box at a time to all {args.world} ranks, "
@@ -403,7 +492,7 @@ def run_demo(args) -> int:
                   f"nearly everything), so all of it comes from batching: {batching}.")
             fewer = "the same wire bytes"
         verdict_extra = (f", {speed:.2f}x faster than the all-gather with {fewer}, "
-                         f"{_fmt_bytes(rows[0][4])} vs {_fmt_bytes(rows[1][4])} staging per rank")
+                         f"{_fmt_bytes(rows[0][4])} vs {_fmt_bytes(rows[-1][4])} staging per rank")
     print(f"first run: {first:.3f} s, not in the median (it binds the tensors: builds the copy lists and "
           f"allocates the staging buffers once; later runs reuse them; noise on a shared machine can make it "
           f"faster than a later run)")
@@ -415,7 +504,8 @@ def run_demo(args) -> int:
           + f" (checking every element: {r0['check_seconds']:.1f} s of these, rank 0)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "stats": st.as_dict(), "ranks": res}, f, indent=1, default=str)
+            json.dump({"args": vars(args), "stats": st.as_dict(), "ranks": res,
+                       "fp8_stats": qplan.stats().as_dict() if qplan is not None else None}, f, indent=1, default=str)
     bad = sum(r[-1] for r in rows)
     if bad:
         print(f"FAILED: {bad} destination elements differ from the global tensor")
