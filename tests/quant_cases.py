@@ -44,6 +44,7 @@ class QCase:
     bucket_bytes: int = 64 << 10
     modes: tuple[str, ...] = ("src",)  # the quantization modes the plan must use
     src_dtype: torch.dtype = BF16
+    instances: int = 1  # refit(..., instances=n): n engines, each a copy of ``dst`` (relays off for fp8)
 
 
 def _cases() -> list[QCase]:
@@ -74,6 +75,9 @@ def _cases() -> list[QCase]:
                    dict(tp=2, pp=2, ep=2, etp=1, ranks=range(4)),
                    dict(tp=2, dp=2, enable_expert_parallel=True, ranks=range(4, 8))))
     # replicas 0-3 -> TP4 on ranks 3-6: rank 3 quantizes its own shard locally, the others get fp8 from a replica
+    # three engines, each vLLM TP2, fed by Megatron TP2 on ranks 0-1 (refit's instances=3; fp8 is not relayed)
+    c.append(QCase("dense-tp2-to-3x-vllm-tp2-instances", 8, "preset", "tiny_llama",
+                   dict(tp=2, ranks=range(2)), dict(tp=2, dp=1, ranks=range(2, 4)), instances=3))
     c.append(QCase("replicated-to-tp4-partly-colocated-block8x16", 8, "raw", "",
                    dict(shapes={"w.proj.weight": (64, 48), "v.proj.weight": (32, 20)}, mesh=[0, 1, 2, 3],
                         pl=[Replicate()]),
@@ -105,7 +109,10 @@ def layouts(case: QCase) -> tuple[Layout, Layout]:
 
 
 def case_plan(case: QCase):
-    return plan_reshard(*layouts(case))
+    src, dst = layouts(case)
+    if case.instances > 1:
+        return plan_reshard(src, dst.instances(case.instances), relay=False)
+    return plan_reshard(src, dst)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -228,13 +235,15 @@ def run_case(case: QCase, rank: int) -> dict:
     """
     from triton_reshard import Resharder, refit, verify_refit
 
-    src_l, dst_l = layouts(case)
-    plan = plan_reshard(src_l, dst_l)
+    src_l, one = layouts(case)
+    n_inst = case.instances
+    dst_l = one.instances(n_inst) if n_inst > 1 else one  # what this world holds (refit takes one engine's layout + n)
+    plan = case_plan(case)
     problems: list[str] = []
     data = global_data(src_l, 0)
     src_t = src_locals(src_l, rank, data)
     dst_t = dst_locals(dst_l, rank)
-    refit(src_t, dst_t, src_l, dst_l, bucket_bytes=case.bucket_bytes, timeout=60)
+    refit(src_t, dst_t, src_l, one, bucket_bytes=case.bucket_bytes, timeout=60, instances=n_inst)
     problems += _check(case, dst_l, rank, dst_t, data, 0, "refit 1")
     data = global_data(src_l, 1)
     for n, t in src_locals(src_l, rank, data).items():
@@ -246,7 +255,7 @@ def run_case(case: QCase, rank: int) -> dict:
     problems += _check(case, dst_l, rank, dst_t, data, 1, "run 2 (reused)")
     rep2 = r.run(src_t, dst_t)
     problems += _check(case, dst_l, rank, dst_t, data, 1, "run 3 (same tensors again)")
-    v = verify_refit(src_t, dst_t, src_l, dst_l, bucket_bytes=case.bucket_bytes, timeout=60)
+    v = verify_refit(src_t, dst_t, src_l, one, bucket_bytes=case.bucket_bytes, timeout=60, instances=n_inst)
     if not v.ok:
         problems.append(f"{case.id}: verify after refit: {v}")
     # corrupt one fp8 byte and one scale of the first quantized local tensor this rank holds
@@ -258,7 +267,7 @@ def run_case(case: QCase, rank: int) -> dict:
         flat_q[0] ^= 0x01
         flat_s[-1] = flat_s[-1] * 2
         flipped = {qnames[0]: 1, qnames[0] + SUFFIX: 1}
-    v2 = verify_refit(src_t, dst_t, src_l, dst_l, bucket_bytes=case.bucket_bytes, timeout=60)
+    v2 = verify_refit(src_t, dst_t, src_l, one, bucket_bytes=case.bucket_bytes, timeout=60, instances=n_inst)
     if v2.mismatches != flipped:
         problems.append(f"{case.id}: verify after corrupting {flipped}: counted {v2.mismatches}\n{v2}")
     # column-major destinations: every view strided, staging and quantized outputs through strides

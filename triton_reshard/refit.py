@@ -84,6 +84,8 @@ def get_resharder(
         return hit
     _CACHE.pop(key, None)
     groups = None
+    if relay is None and dst_layout.quantized and (gpus_per_node is not None or instances != 1):
+        relay = False  # block-quantized destinations are not relayed (plan/quant.py): every rank gets its own
     if instances != 1:
         groups = dst_layout.instance_groups(instances)
         dst_layout = dst_layout.instances(instances)
@@ -223,7 +225,8 @@ def refit(
     default then) spreads the trainer's sends over the engines: a piece the same position of several engines
     needs is sent once, in parts, one part to each engine, and each engine's rank relays its part to that
     position in the others, so the trainer sends each byte ~once instead of N times (``relay=False``: every
-    engine rank receives everything from the trainer).
+    engine rank receives everything from the trainer). Block-quantized destinations are never relayed:
+    with them ``relay`` defaults to off, and ``relay=True`` raises.
 
     Failures: every error is a :class:`ReshardError` (or ValueError/TypeError for a rejected input, raised
     before any byte moved). ``version`` (e.g. the training step) fences torn weights:
