@@ -96,12 +96,14 @@ def test_vllm_fp8_recorded_layout_is_the_preset(case):
     assert {r["derived_digest"] for r in reps} == {reps[0]["preset_digest"]}
     q = reps[0]["derived_quant"]
     assert sorted(q) == reps[0]["preset_quantized"]
-    assert all(b.block[-2:] == tuple(fc.BLOCK) and b.scale == n + "_scale_inv" and not b.ue8m0 for n, b in q.items())
+    ue8m0 = CONFIGS[case.model]["quantization_config"].get("scale_fmt") == "ue8m0"
+    assert all(b.block[-2:] == tuple(fc.BLOCK) and b.scale == n + "_scale_inv" and b.ue8m0 == ue8m0
+               for n, b in q.items())
 
 
 def test_our_quantizer_is_vllms():
     """triton_reshard.quant.quantize_blocks = vLLM's per_block_cast_to_fp8, bit for bit (blocks of 16 and 128,
-    partial edge blocks, bf16 and fp32 inputs, an all-zero block)."""
+    partial edge blocks, bf16 and fp32 inputs, an all-zero block, fp32 and UE8M0 scales)."""
     from triton_reshard.quant import quantize_blocks
 
     cast = fc.vllm_per_block_cast()
@@ -110,9 +112,10 @@ def test_our_quantizer_is_vllms():
                              ((300, 200), (128, 128), torch.bfloat16), ((40, 24), (16, 16), torch.float32)]:
         x = (torch.randn(shape, generator=g) * 3).to(dt)
         x[:16, :16] = 0
-        q, s = quantize_blocks(x, block)
-        q2, s2 = cast(x, list(block))
-        assert fc.differs(q, q2) == 0 and fc.differs(s, s2.contiguous()) == 0, (shape, block, dt)
+        for ue8m0 in (False, True):
+            q, s = quantize_blocks(x, block, ue8m0=ue8m0)
+            q2, s2 = cast(x, list(block), use_ue8m0=ue8m0)
+            assert fc.differs(q, q2) == 0 and fc.differs(s, s2.contiguous()) == 0, (shape, block, dt, ue8m0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -50,16 +50,18 @@ def fp8_configs() -> dict[str, dict]:
     """The tiny FP8 models (dims multiples of 16 where vLLM's block checks need it at TP 2)."""
     from triton_reshard.presets import get_config
 
-    def q(name, ignored=(), **over):
+    def q(name, ignored=(), scale_fmt=None, **over):
         cfg = {**get_config(name), **over}
-        cfg["quantization_config"] = {**QC, **({"modules_to_not_convert": list(ignored)} if ignored else {})}
+        cfg["quantization_config"] = {**QC, **({"modules_to_not_convert": list(ignored)} if ignored else {}),
+                                      **({"scale_fmt": scale_fmt} if scale_fmt else {})}
         return cfg
 
     return {
         # layer 1's o_proj and layer 0's fused gate_up (both shards listed) stay BF16
         "fp8_llama": q("tiny_llama", ["model.layers.1.self_attn.o_proj", "model.layers.0.mlp.gate_proj",
                                       "model.layers.0.mlp.up_proj"]),
-        "fp8_qwen3": q("tiny_qwen3"),
+        # power-of-two scales (DeepSeek-V3.1-style scale_fmt "ue8m0"): vLLM's per_block_cast_to_fp8(use_ue8m0=True)
+        "fp8_qwen3": q("tiny_qwen3", scale_fmt="ue8m0"),
         # layer 0's router and all of layer 1's experts stay BF16
         "fp8_qwen3_moe": q("tiny_qwen3_moe", ["model.layers.0.mlp.gate", "model.layers.1.mlp.experts"]),
         # rope 8 (q heads of 16), moe_intermediate 32 (TP halves of 16): every TP partition whole blocks
@@ -101,9 +103,10 @@ def build_checkpoints(root: str, configs: dict[str, dict]) -> None:
         bf16 = {k: v.to(torch.float32 if k.endswith(".e_score_correction_bias") else torch.bfloat16).contiguous()
                 for k, v in load_file(path).items()}
         out = {}
+        ue8m0 = cfg["quantization_config"].get("scale_fmt") == "ue8m0"
         for k, v in bf16.items():
             if quantized_in_checkpoint(k, cfg):
-                out[k], s = cast(v, BLOCK)
+                out[k], s = cast(v, BLOCK, use_ue8m0=ue8m0)
                 out[k + "_scale_inv"] = s.contiguous()
             else:
                 out[k] = v
@@ -268,7 +271,7 @@ def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -
 
     from triton_reshard import block_quant_layout, refit, verify_refit
     from triton_reshard.presets import hf_layout, megatron_layout
-    from triton_reshard.presets.vllm import fp8_tensors
+    from triton_reshard.presets.vllm import block_fp8_config, fp8_tensors
 
     bf16 = load_file(os.path.join(root, f"{case.model}.bf16.safetensors"))
     plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
@@ -279,8 +282,8 @@ def _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep) -
                                     etp=1 if (moe and case.ep) else None, ranks=range(world), dtype=torch.bfloat16),
         "odd_split": odd_split_source(preset, world),
         # the FP8 checkpoint itself on rank 0 (quantized like the destination: values and scales are copied)
-        "fp8_checkpoint": block_quant_layout(hf_layout(plain, ranks=(0,), dtype=torch.bfloat16),
-                                             fp8_tensors(cfg), tuple(BLOCK)),
+        "fp8_checkpoint": block_quant_layout(hf_layout(plain, ranks=(0,), dtype=torch.bfloat16), fp8_tensors(cfg),
+                                             tuple(BLOCK), ue8m0=block_fp8_config(cfg).ue8m0),
     }
     ckpt = load_file(os.path.join(root, case.model, "model.safetensors"))
     params = dict(model.named_parameters())
