@@ -452,3 +452,16 @@ def test_preset_plan_megatron_tp4_to_vllm_fp8():
     st = plan.stats()
     assert st.lower_bound_bytes == _lower_bound(src, dst, (16, 16))
     assert st.wire_bytes > st.lower_bound_bytes
+
+
+def test_cli_fp8_block_mistakes_are_one_line_before_spawning(capsys):
+    from triton_reshard.tools import cli
+
+    assert cli.main(["demo", "--dst-dtype", "fp8-block", "--quant-block", "0"]) == 2
+    assert "--quant-block 0" in capsys.readouterr().err
+    assert cli.main(["bench", "--dst-dtype", "fp8-block", "--quant-block", "-1"]) == 2
+    assert "--quant-block -1" in capsys.readouterr().err
+    # 96-row blocks do not divide vLLM TP2's 512 q rows: named before any rank is spawned
+    assert cli.main(["demo", "--dst-dtype", "fp8-block", "--quant-block", "96", "--size-gb", "0.05"]) == 2
+    err = capsys.readouterr().err
+    assert "not block-aligned" in err and "on rank" in err and "proj.weight" in err
