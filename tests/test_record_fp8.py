@@ -61,6 +61,9 @@ def test_recorded_block_fp8_layout():
                for r in recs)
     got = layout_from_records(recs)
     assert got.digest == _expected().digest
+    # a BF16 trainer's tensors (no scales): record_vllm adds the scale tensors the loader expects, records again
+    bf16 = {n: s for n, s in CKPT.items() if not n.endswith("_scale_inv")}
+    assert layout_from_records([record_vllm(Toy(t), bf16, t) for t in (0, 1)]).digest == got.digest
     ue = layout_from_records([record_vllm(Toy(t), CKPT, t, ue8m0=True) for t in (0, 1)])
     assert ue.quantized["lin.weight"].quant.ue8m0 and ue.digest != got.digest
 

@@ -94,6 +94,7 @@ def test_vllm_fp8_recorded_layout_is_the_preset(case):
     reps = _reports(case)
     _ok(reps)
     assert {r["derived_digest"] for r in reps} == {reps[0]["preset_digest"]}
+    assert {r["derived_from_bf16_digest"] for r in reps} == {reps[0]["preset_digest"]}  # scales found by the loader
     q = reps[0]["derived_quant"]
     assert sorted(q) == reps[0]["preset_quantized"]
     ue8m0 = CONFIGS[case.model]["quantization_config"].get("scale_fmt") == "ue8m0"
@@ -138,3 +139,40 @@ def test_refit_bf16_into_real_vllm_fp8_model(case):
             assert set(got["ignored"]) == set(r["not_in_preset"])
             assert got["verify"] == (True, 0)  # verify_refit proves the layout on the FP8 model
             assert got["verify_swapped"][0] is False and got["verify_swapped"][1] > 0
+
+
+def test_weight_transfer_backend_into_fp8_engine():
+    """vLLM's weight-transfer API with the triton_reshard backend on an FP8 engine (Qwen3-MoE, TP 2, its own
+    job) and a BF16 trainer job (Megatron TP 2): the worker records its FP8 loader from the trainer's BF16
+    tensor list (the scale tensors found by the loader), the update quantizes on the way, and every element
+    the recorded layout covers is the byte vLLM's loader put there; the rest (vocab padding, kv-cache
+    scales) stays poisoned."""
+    if not E2E:
+        pytest.skip("this triton_reshard has no block-quant planner (triton_reshard.plan.quant)")
+    from triton_reshard.group import free_port
+    from triton_reshard.integrations.control import host_store
+    from triton_reshard.launch import run_jobs
+    from triton_reshard.presets import vllm_layout
+
+    name = "fp8_qwen3_moe"
+    cfg = CONFIGS[name]
+    ctl_port, refit_port = free_port(), free_port()
+    ctl = host_store("127.0.0.1", ctl_port)
+    results = run_jobs({"engine": (fc.backend_engine_job, 2, os.path.join(_root(), name), ctl_port),
+                        "trainer": (fc.backend_trainer_job, 2, cfg, os.path.join(_root(), f"{name}.bf16.safetensors"),
+                                    refit_port, ctl_port, 2)}, timeout=400)
+    del ctl
+    for job in ("engine", "trainer"):
+        assert not isinstance(results.get(job), Exception), f"{job} job failed: {results.get(job)}"
+    engine, trainer = results["engine"], results["trainer"]
+    problems = [p for r in engine for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    # the recorded layout, shifted past the trainer's 2 ranks, is the preset on engine ranks 2, 3
+    assert {r["digest"] for r in engine} == {vllm_layout(cfg, tp=2, ranks=(2, 3)).digest}
+    for rank, r in enumerate(engine):
+        pad = 20 * cfg["hidden_size"] if rank == 1 else 0  # vocab 300 padded to 320: rank 1's last 20 rows
+        kv = {n: c for n, c in r["unwritten"].items() if n.endswith(fc.KV_CACHE_SCALES)}
+        assert kv and all(c == 1 for c in kv.values())
+        rest = {n: c for n, c in r["unwritten"].items() if c and n not in kv}
+        assert rest == ({} if not pad else {"model.embed_tokens.weight": pad, "lm_head.weight": pad})
+    assert sum(r["sent"] for r in trainer) == sum(r["recv_bytes"] for r in engine) > 0

@@ -214,6 +214,9 @@ def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict
             derived = layout_from_vllm(model, shapes)  # records every rank's loader, gathered
             rep["seconds"]["record"] = time.perf_counter() - t1
             rep["derived_digest"] = derived.digest
+            # recorded with a BF16 trainer's tensors (no scales; what the weight-transfer backend passes)
+            rep["derived_from_bf16_digest"] = layout_from_vllm(
+                model, {n: v for n, v in shapes.items() if not n.endswith("_scale_inv")}).digest
             rep["derived_quant"] = {n: t.quant for n, t in derived.quantized.items()}
             got = derived.shard(sd, rank)
             for n in sorted(got):
@@ -336,3 +339,89 @@ def _swapped(layout, world: int):
                   tuple(Fragment(f.tensor, sh(f.rank), f.offsets, f.sizes, f.local, f.local_offsets)
                         for f in layout.fragments),
                   tuple(LocalSpec(sh(s.rank), s.name, s.shape, s.dtype) for s in layout.locals))
+
+
+def backend_engine_job(rank: int, world: int, ckpt: str, ctl_port: int) -> dict:
+    """A vLLM worker of an FP8 model with ``weight_transfer_config={"backend": "triton_reshard"}`` (as
+    ``transfer_jobs.engine_job``): build + load with vLLM's loader, poison every parameter, serve the
+    trainer's calls; after the update every element the recorded layout covers must be the loader's byte."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    from triton_reshard.integrations.control import serve
+    from triton_reshard.integrations.vllm import load_vllm_model
+
+    load_general_plugins()
+    with no_fp8_gemm_kernel():
+        model, vc = load_vllm_model(ckpt, tensor_parallel_size=world, dtype="bfloat16",
+                                    weight_transfer_config={"backend": "triton_reshard"})
+    out: dict = {"problems": []}
+    params = dict(model.named_parameters())
+    loaded = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for p in params.values():
+            bits(p.data).fill_(-1)
+    engine = WeightTransferEngineFactory.create_engine(vc.weight_transfer_config, vc, torch.device("cpu"), model)
+
+    def check(_payload):
+        lay = engine.dst_layout
+        out["quantized"] = sorted(lay.quantized)
+        out["digest"] = lay.digest
+        specs = lay.local_specs(lay_rank := engine.group.rank)
+        ones = {t.name: torch.ones(t.shape, dtype=torch.float32) for t in lay.tensors}
+        covered = {n: bits(t) != 0 for n, t in lay.shard(ones, lay_rank).items()}
+        out["unwritten"] = {}
+        for n, p in params.items():
+            got, want = bits(p.detach()), bits(loaded[n])
+            poison = 255 if got.dtype == torch.uint8 else -1
+            m = covered[n] if n in specs else torch.zeros_like(got, dtype=torch.bool)
+            if not torch.equal(got[m], want[m]):
+                out["problems"].append(f"rank {rank}: {n}: {int((got[m] != want[m]).sum())} elements differ from "
+                                       f"vLLM's loader of the FP8 checkpoint")
+            if not bool((got[~m] == poison).all()):
+                out["problems"].append(f"rank {rank}: {n}: written outside the recorded layout")
+            out["unwritten"][n] = int((~m).sum())
+        out["recv_bytes"] = engine.last_report.recv_bytes
+
+    def wrapped(fn):
+        def call(payload):
+            with set_current_vllm_config(vc):
+                return fn(payload)
+        return call
+
+    handlers = {
+        "init_weight_transfer_engine": wrapped(lambda d: engine.init_transfer_engine(engine.parse_init_info(d))),
+        "start_weight_update": wrapped(lambda _p: engine.start_weight_update()),
+        "update_weights": wrapped(lambda d: (engine.update_weights(d), check(d))),
+        "finish_weight_update": wrapped(lambda _p: engine.finish_weight_update()),
+    }
+    out["calls"] = serve("127.0.0.1", ctl_port, rank, handlers)
+    engine.shutdown()
+    return out
+
+
+def backend_trainer_job(rank: int, world: int, cfg: dict, weights: str, refit_port: int, ctl_port: int,
+                        n_workers: int) -> dict:
+    """The trainer job: Megatron TP shards of the BF16 weights, sent through vLLM's trainer-side factory."""
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.integrations.control import StoreClient
+    from triton_reshard.presets import megatron_layout
+
+    vt.register()
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    layout = megatron_layout(plain, tp=world, ranks=range(world), dtype=torch.bfloat16)
+    tensors = layout.shard(load_file(weights), rank)
+    info = vt.ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=refit_port, world_size=world + n_workers,
+                                     num_trainer_ranks=world, layout=layout, timeout=120)
+    client = StoreClient("127.0.0.1", ctl_port, n_workers) if rank == 0 else None
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=vt.TensorsSource(tensors))
+    eng.send_weights(version="step-0")
+    out = {"sent": eng.last_report.sent_bytes}
+    if client is not None:
+        client.stop()
+    eng.shutdown()
+    return out

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..layout import BlockQuant, Layout
+from ..layout import BlockQuant, Layout, scale_shape
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 
 SCALE_SUFFIX = "_scale_inv"  # block FP8: checkpoint "X.weight_scale_inv" -> vLLM param "...weight_scale_inv"
@@ -60,11 +60,29 @@ def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int,
     parameter is block-quantized with the layer's ``weight_block_size``, its scales the checkpoint tensor
     ``X + "_scale_inv"``, which must land in that parameter's ``..._scale_inv`` (else a problem is reported).
     ``ue8m0``: power-of-two scales (default: the model config's ``quantization_config.scale_fmt == "ue8m0"``;
-    vLLM's loader itself does not distinguish them)."""
+    vLLM's loader itself does not distinguish them). Tensors without scales (a BF16 trainer's, as the
+    weight-transfer backend passes them) get the scale tensors ``X + "_scale_inv"`` the FP8 loader expects,
+    ``ceil(shape / block)``, and the loader is recorded once more with them."""
     shapes = checkpoint_shapes(checkpoint) if isinstance(checkpoint, str) else checkpoint
-    rec = record_load(dict(model.named_parameters()), model.load_weights, shapes, rank)
+    params = dict(model.named_parameters())
+    rec = record_load(params, model.load_weights, shapes, rank)
     blocks = block_quantized_params(model)
     if blocks:
+        # a BF16 trainer's tensors (the weight-transfer backend records with the trainer layout's shapes) have
+        # no scales: give each weight the loader put into a block-FP8 parameter its scale tensor, and record
+        # again, so that the loader shows where it keeps them
+        missing: dict[str, tuple[int, ...]] = {}
+        for f in rec.fragments:
+            blk = blocks.get(f.local)
+            if blk is not None and f.tensor + SCALE_SUFFIX not in shapes:
+                missing[f.tensor + SCALE_SUFFIX] = scale_shape(tuple(shapes[f.tensor]), blk)
+        if missing:
+            with_scales: dict[str, Sequence[int]] = {}
+            for n, shp in shapes.items():
+                with_scales[n] = shp
+                if n + SCALE_SUFFIX in missing:
+                    with_scales[n + SCALE_SUFFIX] = missing[n + SCALE_SUFFIX]
+            rec = record_load(params, model.load_weights, with_scales, rank)
         ue8m0 = _scale_fmt_ue8m0(model) if ue8m0 is None else ue8m0
         scale_locals = {(f.tensor, f.local) for f in rec.fragments}
         for f in rec.fragments:
