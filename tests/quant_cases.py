@@ -35,7 +35,7 @@ def is_linear(t) -> bool:
 class QCase:
     id: str
     world: int
-    kind: str  # "preset" or "raw"
+    kind: str  # "preset" (block_quant_layout over vllm_layout), "preset-fp8" (vllm_layout of an FP8 config), "raw"
     model: str = ""
     src: dict = field(default_factory=dict)  # megatron_layout kwargs (preset) / description (raw)
     dst: dict = field(default_factory=dict)  # vllm_layout kwargs (preset) / description (raw)
@@ -57,6 +57,9 @@ def _cases() -> list[QCase]:
     c.append(QCase("moe-tp4-to-vllm-tp2dp2-ep-colocated", 4, "preset", "tiny_qwen3_moe",
                    dict(tp=4, ranks=range(4)), dict(tp=2, dp=2, enable_expert_parallel=True, ranks=range(4)),
                    modes=("src", "dst")))
+    # vLLM's own FP8 preset (quantization_config fp8, weight_block_size [16, 16]: the router is FP8 too)
+    c.append(QCase("moe-tp2-to-vllm-fp8-config-tp2-disagg", 4, "preset-fp8", "tiny_qwen3_moe",
+                   dict(tp=2, ranks=range(2)), dict(tp=2, dp=1, ranks=range(2, 4)), modes=("src",)))
     c.append(QCase("dense-tp2-to-vllm-tp2-disagg", 4, "preset", "tiny_llama",
                    dict(tp=2, ranks=range(2)), dict(tp=2, dp=1, ranks=range(2, 4)), bucket_bytes=4096))
     # fp32 source, UE8M0 scales, a 24-row TP split under blocks of 16 into a column split, partial edge blocks
@@ -95,11 +98,15 @@ def case_ids(world: int) -> list[str]:
 
 def layouts(case: QCase) -> tuple[Layout, Layout]:
     """(BF16 source, block-FP8 destination) of ``case``."""
-    if case.kind == "preset":
+    if case.kind in ("preset", "preset-fp8"):
         from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
         cfg = get_config(case.model)
         src = megatron_layout(cfg, dtype=case.src_dtype, **case.src)
+        if case.kind == "preset-fp8":
+            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                          "weight_block_size": list(case.block)}
+            return src, vllm_layout(cfg, dtype=BF16, vllm_version="0.33.0", **case.dst)
         plain = vllm_layout(cfg, dtype=BF16, vllm_version="0.33.0", **case.dst)
     else:
         s, d = case.src, case.dst
@@ -179,14 +186,16 @@ def expected(case: QCase, dst: Layout, rank: int, data, pattern: int = 0) -> dic
         extra = loc.dim() - len(f.sizes)
         lidx = tuple(f.local_offsets[:extra]) + tuple(
             slice(o, o + n) for o, n in zip(f.local_offsets[extra:], f.sizes, strict=True))
-        if not is_linear(dst.specs[f.tensor]):
+        spec = dst.specs[f.tensor]
+        if spec.quant is None:
             loc[lidx] = data[f.tensor][box].to(loc.dtype)
             continue
+        b = spec.quant.block
+        assert b == case.block and spec.quant.ue8m0 == case.ue8m0, (f.tensor, spec.quant)
         if f.tensor not in ref:
-            ref[f.tensor] = quantize_blocks(data[f.tensor], case.block, case.ue8m0)
+            ref[f.tensor] = quantize_blocks(data[f.tensor], b, case.ue8m0)
         q, s = ref[f.tensor]
         loc.view(torch.uint8)[lidx] = q.view(torch.uint8)[box]
-        b = case.block
         s_box = tuple(slice(o // k, -(-(o + n) // k)) for o, n, k in zip(f.offsets, f.sizes, b, strict=True))
         sloc = out[f.local + SUFFIX]
         s_lidx = tuple(f.local_offsets[:extra]) + tuple(
