@@ -404,10 +404,11 @@ def quant_regions(plan: Plan) -> dict[int, tuple[QuantRegion, ...]]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def validate_quant(plan: Plan) -> None:
+def validate_quant(plan: Plan, ranks: Sequence[int] | None = None) -> None:
     """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
     dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
-    transfers and the regions). The weights' own exact cover is ``_validate_plan``'s."""
+    transfers and the regions). The weights' own exact cover is ``_validate_plan``'s. ``ranks``: check the
+    scale cover of these destination ranks only (a rank plan: its own), default all."""
     src, dst = plan.src, plan.dst
     quantized = dst.quantized
     written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
@@ -426,7 +427,10 @@ def validate_quant(plan: Plan) -> None:
             written[(t.dst_rank, t.scale_local)].append((t.scale_offsets, _lead(t.scale_offsets, scale_sizes(t.sizes, t.block)), t))
         elif t.wire_dtype != src.specs[t.tensor].dtype:
             raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
+    keep = None if ranks is None else set(ranks)
     for rank, regions in quant_regions(plan).items():
+        if keep is not None and rank not in keep:
+            continue
         for g in regions:
             if _inner(g.offsets, g.sizes, g.block, dst.specs[g.tensor].shape) != (g.offsets, g.sizes):
                 raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
@@ -437,7 +441,10 @@ def validate_quant(plan: Plan) -> None:
         if name not in plan_targets(plan):
             continue
         for f in dst.fragments_by_tensor.get(spec.quant.scale, ()):
-            need[(f.rank, f.local)] += f.numel
+            if keep is None or f.rank in keep:
+                need[(f.rank, f.local)] += f.numel
+    if keep is not None:
+        written = {k: v for k, v in written.items() if k[0] in keep}
     for key in set(need) | set(written):
         boxes = written.get(key, [])
         got = sum(math.prod(s) for _o, s, _w in boxes)
