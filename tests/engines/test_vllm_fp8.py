@@ -176,3 +176,21 @@ def test_weight_transfer_backend_into_fp8_engine():
         rest = {n: c for n, c in r["unwritten"].items() if c and n not in kv}
         assert rest == ({} if not pad else {"model.embed_tokens.weight": pad, "lm_head.weight": pad})
     assert sum(r["sent"] for r in trainer) == sum(r["recv_bytes"] for r in engine) > 0
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.model == "fp8_deepseek_v3"], ids=lambda c: c.id)
+def test_fp8_mla_post_load_after_refit(case):
+    """FP8 MLA: vLLM's post-load step makes W_UV / W_UK_T as BF16 copies (dequantized kv_b_proj); refit
+    ignores exactly them, and rerunning the step after the refit restores them bit for bit."""
+    if not E2E:
+        pytest.skip("this triton_reshard has no block-quant planner (triton_reshard.plan.quant)")
+    reps = _reports(case)
+    _ok(reps)
+    problems = [p for r in reps for p in r["refit_problems"]]
+    assert not problems, "\n".join(problems)
+    layers = CONFIGS[case.model]["num_hidden_layers"]
+    for r in reps:
+        assert r["mla_post_load"] == r["mla_rerun"] == layers
+        derived = r["mla_derived"]
+        assert len(derived) == 2 * layers and all(dt == "torch.bfloat16" for _, dt in derived.values())
+        assert set(r["mla_ignored"]) == set(derived)

@@ -231,6 +231,8 @@ def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict
                 rep["refit_problems"] = []
                 try:
                     _refit_from_bf16(rank, world, model, loaded, preset, root, case, cfg, rep)
+                    if cfg["model_type"] == "deepseek_v3":
+                        _mla_post_load_refit(rank, world, model, vc, loaded, preset, root, case, cfg, rep)
                 except Exception as e:  # noqa: BLE001
                     import traceback
 
@@ -425,3 +427,43 @@ def backend_trainer_job(rank: int, world: int, cfg: dict, weights: str, refit_po
         client.stop()
     eng.shutdown()
     return out
+
+
+def _mla_post_load_refit(rank, world, model, vc, loaded, preset, root, case, cfg, rep) -> None:
+    """The recipe for FP8 MLA: vLLM's MLA post-load step makes ``W_UV`` / ``W_UK_T`` (BF16 copies dequantized
+    from the FP8 ``kv_b_proj``, not views of it); a refit ignores them (not in the layout) and rerunning the
+    step after the refit gives them back, bit for bit."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+
+    from triton_reshard import refit
+    from triton_reshard.presets import megatron_layout
+
+    def post_load() -> int:
+        n = 0
+        with set_current_vllm_config(vc):
+            for m in model.modules():
+                if type(m).__name__ == "MLAAttention":
+                    m.process_weights_after_loading(torch.bfloat16)
+                    n += 1
+        return n
+
+    rep["mla_post_load"] = post_load()
+    derived = {n: p.detach().clone() for n, p in model.named_parameters() if n not in loaded}
+    rep["mla_derived"] = {n: (tuple(t.shape), str(t.dtype)) for n, t in derived.items()}
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    bf16 = load_file(os.path.join(root, f"{case.model}.bf16.safetensors"))
+    src_layout = megatron_layout(plain, tp=world, ranks=range(world), dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            bits(p.data).fill_(-1)
+    report = refit(src_layout.shard({n: bf16[n] for n in src_layout.specs}, rank), params, src_layout, preset,
+                   timeout=120)
+    rep["mla_ignored"] = tuple(report.ignored)
+    rep["mla_rerun"] = post_load()
+    for n, t in derived.items():
+        now = dict(model.named_parameters())[n]
+        if differs(now.detach(), t):
+            rep["refit_problems"].append(f"rank {rank}: {n}: rerunning MLA's post-load step after the refit does not "
+                                         f"give back its post-load value")
