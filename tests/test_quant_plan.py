@@ -465,3 +465,39 @@ def test_cli_fp8_block_mistakes_are_one_line_before_spawning(capsys):
     assert cli.main(["demo", "--dst-dtype", "fp8-block", "--quant-block", "96", "--size-gb", "0.05"]) == 2
     err = capsys.readouterr().err
     assert "not block-aligned" in err and "on rank" in err and "proj.weight" in err
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_union_boxes_is_canonical_and_exact(seed):
+    """The regions a receiver stages come from ``union_boxes`` over the blocks its pieces touch; the sender
+    cuts its pieces by the same regions from another set of boxes with the same union: the decomposition must
+    depend on the union alone, cover it exactly, and be disjoint."""
+    from triton_reshard.plan.quant import union_boxes
+
+    rnd = random.Random(seed)
+    nd = rnd.choice([1, 2, 3])
+    shape = tuple(rnd.randint(3, 9) for _ in range(nd))
+    boxes = []
+    for _ in range(rnd.randint(1, 5)):
+        off = tuple(rnd.randrange(n) for n in shape)
+        boxes.append((off, tuple(rnd.randint(1, n - o) for o, n in zip(off, shape, strict=True))))
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for o, s in boxes:
+        mask[tuple(slice(a, a + b) for a, b in zip(o, s, strict=True))] = True
+    got = union_boxes(boxes)
+    cover = torch.zeros(shape, dtype=torch.int32)
+    for o, s in got:
+        cover[tuple(slice(a, a + b) for a, b in zip(o, s, strict=True))] += 1
+    assert bool((cover == mask.int()).all())
+    # the same set from other boxes: its own pieces, cut at extra lines, and in another order
+    pieces = []
+    for o, s in got:
+        d = rnd.randrange(nd)
+        if s[d] > 1:
+            k = rnd.randint(1, s[d] - 1)
+            pieces.append((o, s[:d] + (k,) + s[d + 1:]))
+            pieces.append((o[:d] + (o[d] + k,) + o[d + 1:], s[:d] + (s[d] - k,) + s[d + 1:]))
+        else:
+            pieces.append((o, s))
+    rnd.shuffle(pieces)
+    assert union_boxes(pieces + boxes[:1]) == got
