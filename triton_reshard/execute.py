@@ -117,7 +117,8 @@ class RunReport:
     their chunks (each chunk starts at a multiple of ``plan.ALIGN`` = 16 bytes), so they can exceed the payload
     that ``Plan.stats().sent_bytes[rank]`` counts (e.g. 240 vs 224). ``local_bytes``: bytes copied from this
     rank's own source tensors into its destination tensors (no wire). ``staging_bytes``: the send + receive
-    staging areas this rank holds (allocated once, reused; at most ``bucket_bytes``). ``seconds``: the whole
+    staging areas this rank holds (allocated once, reused; at most ``bucket_bytes``), plus, for block-quantized
+    destinations, the regions of straddling blocks it stages to quantize (not bounded by the bucket). ``seconds``: the whole
     run on this rank, handshake included; the ``*_seconds`` below are parts of it. ``ignored``: destination
     tensors ``refit`` was given that the destination layout does not cover on this rank (sorted;
     ``Resharder.run`` itself takes none)."""
@@ -923,6 +924,9 @@ class Resharder:
         staged (within ``bucket_bytes``), plus a mask (and a cast copy) of one chunk of at most half a bucket.
         A plan with relays cannot be verified: a relay forwards the relaying rank's *destination* tensor,
         which is what verify checks, not trusts (plan with ``relay=False``, as ``verify_refit`` does).
+        Block-quantized destinations: what the source holds is quantized again (received fp8 and scales as
+        sent, local and staged blocks into temporaries) and compared bit for bit with the fp8 values and the
+        scales held (temporaries: a local transfer's chunk of at most half a bucket, or one staged region).
         """
         relays = sum(t.relay for t in self.plan.transfers)
         if relays:
