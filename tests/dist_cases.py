@@ -330,10 +330,11 @@ class Case:
     notes: str = field(default="", compare=False)
 
 
-def case_plan(case: Case):
-    """The plan of ``case``, with its node size and relay choice (what every tier of the tests runs)."""
+def case_plan(case: Case, rank: int | None = None):
+    """The plan of ``case``, with its node size and relay choice (what every tier of the tests runs); with
+    ``rank``, that rank's share alone (``plan_reshard(..., rank=rank)``, a RankPlan)."""
     return plan_reshard(side_layout(case.src), side_layout(case.dst), case.allow_cast, case.gpus_per_node,
-                        case.relay, case.relay_groups)
+                        case.relay, case.relay_groups, rank=rank)
 
 
 def qkv_fused(ranks: Sequence[int], q: int, kv: int, cols: int, pad: int, dtype) -> F:
@@ -537,7 +538,7 @@ def run_case(case: Case, rank: int, group=None, timeout: float = 30.0) -> dict:
     """Run ``case`` on this rank four times (fresh tensors; the same tensors with new data written in place
     and the destination re-poisoned; fresh tensors again, with every contiguous chunk as a direct message
     moved in place; the same with column-major tensors, where direct messages must fall back to staging) and
-    compare bit for bit after each run."""
+    compare bit for bit after each run. Runs 1-2 run the whole plan, runs 3-4 this rank's rank plan."""
     plan = case_plan(case)
     r = Resharder(plan, group=group, bucket_bytes=case.bucket_bytes, timeout=timeout)
     problems: list[str] = []
@@ -567,10 +568,11 @@ def run_case(case: Case, rank: int, group=None, timeout: float = 30.0) -> dict:
         poison_(t, 1)
     steps.append(r.run(src_t, dst_t).steps)
     problems += _check_run(case, rank, dst_t, 1, 1, "run 2 (buffers reused)")
-    # run 3: fresh tensors with a third data set
+    # run 3: fresh tensors with a third data set, from this rank's own rank plan (every rank runs its share)
     src_t = build_locals(case.src, rank, global_data(sspecs, 2), 1)
     dst_t = build_locals(case.dst, rank, None, 0)
-    rd = Resharder(plan, group=group, bucket_bytes=case.bucket_bytes, timeout=timeout, direct_min_bytes=0)
+    rd = Resharder(case_plan(case, rank), group=group, bucket_bytes=case.bucket_bytes, timeout=timeout,
+                   direct_min_bytes=0)
     rep = rd.run(src_t, dst_t)
     steps.append(rep.steps)
     in_place = [0, 0, rep.in_place_bytes]

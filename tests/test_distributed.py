@@ -156,6 +156,7 @@ def test_triton_launches_per_copy_list_are_constant(triton_world):
     assert calls, "the Triton backend was never used"
     for pairs, launches, groups in calls:
         assert launches <= groups, (pairs, launches, groups)
-    # the lists really batch several slices into one launch: fewer launches than slices overall
-    assert max(pairs for pairs, _, _ in calls) >= 4
+    # the lists really batch several slices into one launch: fewer launches than slices overall (a step packs
+    # one message per direction, by the pair rule of plan/local.py: lists of a few slices on these small cases)
+    assert max(pairs for pairs, _, _ in calls) >= 3
     assert sum(launches for _, launches, _ in calls) < sum(pairs for pairs, _, _ in calls) / 2

@@ -30,6 +30,7 @@ from . import ops
 from .group import RefitGroup, as_transport
 from .layout import box_slices
 from .plan import ALIGN, DIRECT_MIN_BYTES, Plan
+from .plan.local import RankPlan, _rank_fragments
 from .plan.quant import QUANT_DST, QUANT_SRC, SCALE_BYTES, quant_regions, split_src_chunks
 from .plan.schedule import _split_box
 
@@ -392,8 +393,8 @@ class Resharder:
         overlap: bool = False,
         direct_min_bytes: int = DIRECT_MIN_BYTES,
     ) -> None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"Resharder needs a Plan, got {type(plan).__name__}")
+        if not isinstance(plan, (Plan, RankPlan)):
+            raise TypeError(f"Resharder needs a Plan or a RankPlan, got {type(plan).__name__}")
         self.plan = plan
         self.group = group
         self.bucket_bytes = _as_int(bucket_bytes, "Resharder: bucket_bytes", 1)
@@ -417,6 +418,9 @@ class Resharder:
         self._memory_ok: tuple | None = None  # the tensor signature that last passed _check_memory
         self._comm = as_transport(group)  # a torch.distributed group (global ranks) or a RefitGroup (its own)
         self.rank, self.group_ranks = self._comm.rank, tuple(self._comm.ranks)
+        if isinstance(plan, RankPlan) and plan.rank != self.rank:
+            raise ValueError(f"rank {self.rank}: got the rank plan of rank {plan.rank}; each rank runs its own share "
+                             f"(plan_reshard(..., rank={self.rank}))")
         missing = sorted(set(plan.ranks) - set(self.group_ranks))
         if missing:
             raise ValueError(
@@ -562,7 +566,7 @@ class Resharder:
         index): the write stores what is there (replicas of an element are equal; same dtype, no cast), so
         every read, before or after it, sees the same value. Else a description of the first unsafe write."""
         extra_d = None
-        sfr = [f for f in self.plan.src.fragments if f.rank == self.rank and f.local == s_name]
+        sfr = [f for f in _rank_fragments(self.plan.src, self.rank) if f.local == s_name]
         for t in self.plan.transfers + self.plan.local_copies:
             if t.dst_rank != self.rank or t.dst_local != d_name or not t.numel:
                 continue

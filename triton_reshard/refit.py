@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .execute import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, Resharder, ReshardError, RunReport, VerifyReport
-from .group import RefitGroup
+from .group import RefitGroup, as_transport
 from .layout import Layout
 from .plan import plan_reshard
 
@@ -89,7 +89,9 @@ def get_resharder(
     if instances != 1:
         groups = dst_layout.instance_groups(instances)
         dst_layout = dst_layout.instances(instances)
-    plan = plan_reshard(src_layout, dst_layout, allow_cast, gpus_per_node, relay, groups)
+    # this rank's share only (plan/local.py): its transfers and steps, computed from the layouts without
+    # planning the other ranks'; its peers compute the matching halves
+    plan = plan_reshard(src_layout, dst_layout, allow_cast, gpus_per_node, relay, groups, rank=as_transport(group).rank)
     r = Resharder(plan, group=group, bucket_bytes=bucket_bytes, timeout=timeout, backend=backend)
     _CACHE[key] = r
     while len(_CACHE) > _CACHE_SIZE:

@@ -163,13 +163,23 @@ class Plan:
 
 @lru_cache(maxsize=64)
 def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
-                 relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None) -> Plan:
+                 relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None, *,
+                 routing: str = "local", rank: int | None = None) -> Plan:
     """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
 
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
-    element, it is copied locally (never on the wire); otherwise one source holder sends it, holders chosen
-    so that bytes sent are spread evenly (fixed sources first, then the rest largest first onto the least
-    loaded holder).
+    element, it is copied locally (never on the wire); otherwise one source holder sends it.
+
+    ``routing="local"`` (the default, ``plan/local.py``): every choice is a rule a rank evaluates for its own
+    transfers from the two layouts alone, and its peers evaluate identically: a piece's receivers are spread
+    over its holders by quotas (``local.assign``, same-node holders first with ``gpus_per_node``), fan-out
+    parts go to heads in rotation, and the steps follow the pair rule (``LocalPlan.schedule``: per step each
+    rank sends to at most ``local.STEP_PEERS`` peers and receives from as many, within the bucket). ``rank=r`` then returns rank ``r``'s share alone, a
+    :class:`~triton_reshard.plan.local.RankPlan` (its transfers and schedule, without planning anyone else's;
+    the :class:`~triton_reshard.execute.Resharder` runs from it); the rank plans of all ranks are exactly the
+    whole plan cut by rank. ``routing="greedy"``: the global greedy of earlier versions (fixed sources
+    first, then the rest largest first onto the least loaded holder; steps by first fit over the whole
+    world; no ``rank``), kept for comparison. Both send exactly the lower bound of wire bytes.
 
     ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
     source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that
@@ -237,6 +247,17 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
     routed = _quant.routing_view(src, dst, targets) if targets else dst
     _check_specs(src, routed, allow_cast)
+    if routing not in ("local", "greedy"):
+        raise ValueError(f"plan_reshard: routing={routing!r} must be 'local' or 'greedy'")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise TypeError(f"plan_reshard: rank={rank!r} must be an int >= 0 or None")
+    if routing == "local":
+        from .local import plan_local
+
+        options = (allow_cast, gpus_per_node, relay, relay_groups if relay else None)
+        return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
+    if rank is not None:
+        raise ValueError("plan_reshard: rank plans need routing='local' (the greedy chooses over the whole world)")
     with _gc_paused():
         local, wire = _route(src, routed, gpus_per_node, relay, groups if relay else {})
         if targets:
