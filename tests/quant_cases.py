@@ -240,7 +240,8 @@ def run_case(case: QCase, rank: int) -> dict:
        ``Resharder`` again (cached views and staging reused), compared;
     3. ``verify_refit`` on the result: 0 mismatches; then one fp8 byte and one scale changed on every rank that
        holds quantized tensors: exactly those two counted;
-    4. column-major destination tensors, a fresh Resharder: compared.
+    4. column-major destination tensors, a fresh Resharder: compared;
+    5. ``overlap=True`` and ``direct_min_bytes=0`` (in-place sends and receives, two staging slots): compared.
     """
     from triton_reshard import Resharder, refit, verify_refit
 
@@ -284,8 +285,15 @@ def run_case(case: QCase, rank: int) -> dict:
           for n, t in dst_t.items()}
     Resharder(plan, bucket_bytes=case.bucket_bytes, timeout=60).run(src_t, cm)
     problems += _check(case, dst_l, rank, cm, data, 0, "run 4 (column-major destinations)")
+    # overlap (two staging slots) with every contiguous chunk a direct message: straddling pieces received in
+    # place into the regions' staging, sent in place from the sources
+    for t in dst_t.values():
+        poison_(t, 1)
+    rd = Resharder(plan, bucket_bytes=case.bucket_bytes, timeout=60, overlap=True, direct_min_bytes=0)
+    rep5 = rd.run(src_t, dst_t)
+    problems += _check(case, dst_l, rank, dst_t, data, 1, "run 5 (overlap, direct messages)")
     return {"problems": problems, "steps": rep.steps, "staging": rep2.staging_bytes, "verify_total": v2.total_mismatches,
-            "flipped": len(flipped)}
+            "flipped": len(flipped), "in_place": rep5.in_place_bytes}
 
 
 def quant_world_main(rank: int, world: int, ids: list[str]) -> dict:
