@@ -45,7 +45,7 @@ from .relay import _relay_dtype, _split_piece
 from .routing import _LOCAL_ORDER, _WIRE_ORDER, _holders, _overlaps, _pieces, _wire_dtype
 from .schedule import _is_contiguous_box, _split_box
 from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align, _make_transfer
-from .validate import _reads
+from .validate import _quant_scales, _reads
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 
@@ -605,10 +605,11 @@ def _validate_rank_plan(p: RankPlan) -> None:
         for t in p.local_copies:
             if t.src_rank != r or t.dst_rank != r:
                 raise ValueError(f"rank plan of rank {r}: local copy {t} is not on rank {r}")
+        scales = _quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
         for f in dfrags:
             ts = written.get(id(f))
             if ts is None:
-                exact = False
+                exact = f.tensor in scales
             elif len(ts) == 1:
                 exact = ts[0].sizes == f.sizes
             else:
@@ -617,6 +618,10 @@ def _validate_rank_plan(p: RankPlan) -> None:
             if not exact:
                 raise ValueError(f"rank plan of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
                                  f"covered exactly once by its receives and local copies")
+    if scales:
+        from .quant import validate_quant
+
+        validate_quant(p, ranks=(r,))
 
 
 # --------------------------------------------------------------------------------------------------------
