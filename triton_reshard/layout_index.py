@@ -130,6 +130,8 @@ class _Columns:
 
     def __init__(self, names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt):
         self.names, self.lnames, self.dtypes = tuple(names), tuple(lnames), tuple(dtypes)
+        ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt = map(
+            _compact, (ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt))
         self.ft, self.fr, self.fl, self.foff, self.fsz, self.flo, self.flnd = ft, fr, fl, foff, fsz, flo, flnd
         self.lr, self.ln, self.lsh, self.lnd, self.ldt = lr, ln, lsh, lnd, ldt
         self.tstart = np.searchsorted(ft, np.arange(len(self.names) + 1))  # rows of tensor i: [tstart[i], tstart[i+1])
@@ -169,10 +171,10 @@ class _Columns:
         k, m = self.nfrag, self.nlocal
         shift_f = np.repeat(np.arange(n, dtype=_I64) * stride, k)
         shift_l = np.repeat(np.arange(n, dtype=_I64) * stride, m)
-        ft, fr, fl = np.tile(self.ft, n), np.tile(self.fr, n) + shift_f, np.tile(self.fl, n)
+        ft, fr, fl = np.tile(self.ft, n), np.tile(self.fr.astype(_I64), n) + shift_f, np.tile(self.fl, n)
         foff, fsz, flo, flnd = (np.tile(a, (n, 1)) if a.ndim == 2 else np.tile(a, n)
                                 for a in (self.foff, self.fsz, self.flo, self.flnd))
-        lr, ln = np.tile(self.lr, n) + shift_l, np.tile(self.ln, n)
+        lr, ln = np.tile(self.lr.astype(_I64), n) + shift_l, np.tile(self.ln, n)
         span = int(self.ranks[-1] - self.ranks[0]) + 1 if len(self.ranks) else 0
         if stride >= span:  # copies on disjoint, increasing ranks: Layout order without sorting
             a = self.tstart[:-1][self.ft]  # first row of each row's tensor
@@ -189,6 +191,20 @@ class _Columns:
                         fsz[order], flo[order], flnd[order], lr[lorder], ln[lorder],
                         np.tile(self.lsh, (n, 1))[lorder], np.tile(self.lnd, n)[lorder],
                         np.tile(self.ldt, n)[lorder])
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """``a`` as int32 when every value fits with room for a sum of two (< 2**30), else int64: half the memory
+    of a layout's columns (arithmetic on them casts to int64 where a product could overflow)."""
+    if a.dtype == np.int32:
+        return a
+    if not a.size or (int(a.min()) >= -(1 << 30) and int(a.max()) < 1 << 30):
+        return a.astype(np.int32)
+    return a.astype(_I64, copy=False)
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=_I64)
 
 
 def _frag_order(ft, fr, fl, foff, flo) -> np.ndarray:
@@ -227,8 +243,8 @@ def _valid(c: _Columns, lt: LogicalTensors) -> bool:
         return False
     # its local tensor exists on its rank
     nl = max(len(c.lnames), 1)
-    lkey = c.lr * nl + c.ln
-    fkey = c.fr * nl + c.fl
+    lkey = c.lr.astype(_I64) * nl + c.ln
+    fkey = c.fr.astype(_I64) * nl + c.fl
     li = np.searchsorted(lkey, fkey)
     if (li >= len(lkey)).any() or (lkey[np.minimum(li, len(lkey) - 1)] != fkey).any():
         return False
@@ -489,9 +505,9 @@ class ColumnarLayout(Layout):
         order = c._rank_order[0]
         fr, rest = c.fr[order], (c.ft[order], c.fl[order], c.foff[order], c.fsz[order], c.flo[order][:, :L])
         n = self._copies if tiled else 1
-        copies = [(fr + i * self._stride, *rest) for i in range(n)]
+        copies = [(fr.astype(_I64) + i * self._stride, *rest) for i in range(n)]
         S = int(c.lnd.max()) if c.nlocal else 0
-        locs = [(c.lr + i * self._stride, c.ln, c.lsh[:, :S], c.ldt) for i in range(n)]
+        locs = [(c.lr.astype(_I64) + i * self._stride, c.ln, c.lsh[:, :S], c.ldt) for i in range(n)]
         lt = self._lt
         dn = {d: _dtype_name(d) for d in set(lt.dtypes)}
         quant = {i: t.quant.key() for i, t in enumerate(lt.all()) if t.quant is not None} if lt.quantized else {}
@@ -612,20 +628,20 @@ class ColumnarLayout(Layout):
         flo = flo[:, :L]
         if self._base is not None:
             k, n = b - a, self._copies
-            ranks = np.tile(ranks, n) + np.repeat(np.arange(n, dtype=_I64) * self._stride, k)
+            ranks = np.tile(ranks.astype(_I64), n) + np.repeat(np.arange(n, dtype=_I64) * self._stride, k)
             off, sz, fl, flo, flnd = np.tile(off, (n, 1)), np.tile(sz, (n, 1)), np.tile(fl, n), np.tile(flo, (n, 1)), \
                 np.tile(flnd, n)
             if n > 1 and (np.diff(ranks) < 0).any():  # interleaved copies: back to Layout order
                 order = _frag_order(np.zeros(len(ranks), _I64), ranks, fl, off, flo)
                 ranks, off, sz, fl, flo, flnd = ranks[order], off[order], sz[order], fl[order], flo[order], flnd[order]
-        return FragmentTable(spec, np.ascontiguousarray(ranks), np.ascontiguousarray(off), np.ascontiguousarray(sz),
-                             fl.astype(np.int32), c.lnames, np.ascontiguousarray(flo), np.ascontiguousarray(flnd))
+        return FragmentTable(spec, _i64(ranks), _i64(off), _i64(sz), fl.astype(np.int32), c.lnames, _i64(flo),
+                             _i64(flnd))
 
     def nbytes(self, rank: int | None = None) -> int:
         c = self._root._cols
         item = np.array([_itemsize(d) for d in c.dtypes], dtype=_I64)
         sh = np.where(c.lsh < 0, 1, c.lsh)
-        per = sh.prod(axis=1) * item[c.ldt] if len(c.lr) else np.zeros(0, _I64)
+        per = sh.astype(_I64).prod(axis=1) * item[c.ldt] if len(c.lr) else np.zeros(0, _I64)
         if rank is None:
             return int(per.sum()) * self._copies
         sp = self._split(rank)
@@ -866,6 +882,13 @@ class ColumnBuilder:
             self._blocks.append((t, r, local, off, sz, lo))
 
     def build(self, validate: bool = True) -> ColumnarLayout:
+        cols = self._assemble()
+        # the collected boxes and the assembly's int64 temporaries are gone before the validation allocates its
+        # own: the peak memory of a build
+        self._rows, self._blocks, self._lrows, self._lblocks = [], [], [], []
+        return ColumnarLayout(self.tensors, cols, validate=validate)
+
+    def _assemble(self) -> _Columns:
         lt = self.tensors
         names = lt.names
         tid = self.tensor_ids
@@ -914,7 +937,13 @@ class ColumnBuilder:
             parts.append((np.concatenate([x[0] for x in blks]), np.concatenate([x[1] for x in blks]), fl, off, sz,
                           lo, np.full(k, lnd_, _I64)))
         if parts:
-            ft, fr, fl, foff, fsz, flo, flnd = (np.concatenate([p[j] for p in parts]) for j in range(7))
+            cat = []
+            for j in range(7):  # one column at a time, compacted (int32) and its parts dropped
+                cat.append(_compact(np.concatenate([p[j] for p in parts])))
+                for k in range(len(parts)):
+                    parts[k] = parts[k][:j] + (None,) + parts[k][j + 1:]
+            ft, fr, fl, foff, fsz, flo, flnd = cat
+            del cat, parts
         else:
             ft = fr = fl = flnd = np.zeros(0, _I64)
             foff, fsz, flo = np.zeros((0, D), _I64), np.zeros((0, D), _I64), np.zeros((0, L), _I64)
@@ -924,7 +953,14 @@ class ColumnBuilder:
             missing = [names[i] for i in np.flatnonzero(~covered)[:5]]
             raise AssertionError(f"layout builder left tensors without any fragment: {missing}")
         order = _frag_order(ft, fr, fl, foff, flo)
-        ft, fr, fl, foff, fsz, flo, flnd = (a[order] for a in (ft, fr, fl, foff, fsz, flo, flnd))
+        ft = ft[order]  # (one column at a time: one unsorted copy alive, not seven)
+        fr = fr[order]
+        fl = fl[order]
+        foff = foff[order]
+        fsz = fsz[order]
+        flo = flo[order]
+        flnd = flnd[order]
+        del order
         # locals
         S = max([len(x[2]) for x in self._lrows] + [b[2].shape[1] for b in self._lblocks] + [0])
         lparts = []
@@ -967,7 +1003,7 @@ class ColumnBuilder:
                 keep[1:] = ~dup
                 lr, ln, lsh, lnd, ldt = lr[keep], ln[keep], lsh[keep], lnd[keep], ldt[keep]
         cols = _Columns(names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt)
-        return ColumnarLayout(lt, cols, validate=validate)
+        return cols
 
 
 def numel_of(shape: Sequence[int]) -> int:
