@@ -395,8 +395,9 @@ class ColumnarLayout(Layout):
         object.__setattr__(self, "_stride", stride)
         if cols is not None:
             self.__dict__["_cols"] = cols
-        if base is None and validate and not _valid(cols, lt):
-            Layout(self.tensors, self.fragments, self.locals)  # raises the eager validation's message
+        if base is None and validate and not _valid(cols, lt):  # raise the eager checks' message
+            Layout(self.tensors, tuple(Fragment(f.tensor, f.rank, f.offsets, f.sizes, f.local, f.local_offsets)
+                                       for f in self.fragments), self.locals)
         if lt.quantized:  # block quantization: the eager checks (small layouts)
             Layout(self.tensors, self.fragments, self.locals)
 
