@@ -111,6 +111,20 @@ class LogicalTensors:
     def quantized(self) -> bool:
         return self._specs is not None and any(t is not None and t.quant is not None for t in self._specs)
 
+    def shape_table(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ndims [T], shapes [T, width])`` (unused columns 1), cached: what validation compares boxes with."""
+        key = ("shape_table", width)
+        out = self.cache.get(key)
+        if out is None:
+            nd = np.fromiter(map(len, self.shapes), _I64, len(self))
+            sh = np.ones((len(self), width), dtype=_I64)
+            for k in set(nd.tolist()):
+                if k:
+                    sel = np.flatnonzero(nd == k)
+                    sh[sel, :k] = [self.shapes[i] for i in sel.tolist()]
+            out = self.cache[key] = (nd, sh)
+        return out
+
 
 # --------------------------------------------------------------------------------------------------------
 # Columns
@@ -230,13 +244,8 @@ def _valid(c: _Columns, lt: LogicalTensors) -> bool:
         return True
     if (c.foff < 0).any() or (c.fsz < 0).any() or (c.flo < -1).any() or (c.fr < 0).any():
         return False  # (the eager Fragment refuses these)
-    nd_t = np.fromiter(map(len, lt.shapes), _I64, len(lt))
     D = c.foff.shape[1]
-    shape_t = np.ones((len(lt), max(D, 1)), dtype=_I64)
-    for k in set(nd_t.tolist()):
-        if k:
-            sel = np.flatnonzero(nd_t == k)
-            shape_t[sel, :k] = [lt.shapes[i] for i in sel.tolist()]
+    nd_t, shape_t = lt.shape_table(max(D, 1))
     nd = nd_t[c.ft]
     # the fragment's box inside its logical tensor (unused columns are 0 + 1 <= 1)
     if D and (c.foff + c.fsz > shape_t[c.ft, :D]).any():
@@ -728,6 +737,15 @@ def _restore_tiled(tensors, base, copies, stride) -> ColumnarLayout:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _local_ids(locals_: list, lens: np.ndarray, lid: Mapping[str, int]) -> np.ndarray:
+    """The local-tensor id of every row of some blocks: a name per block, or (names, index per row)."""
+    if all(type(x) is str for x in locals_):
+        return np.repeat(np.fromiter((lid[x] for x in locals_), _I64, len(locals_)), lens)
+    return np.concatenate([np.full(k, lid[x], _I64) if type(x) is str
+                           else np.fromiter((lid[n] for n in x[0]), _I64, len(x[0]))[x[1]]
+                           for x, k in zip(locals_, lens.tolist(), strict=True)])
+
+
 def _is_scalar(v) -> bool:
     return type(v) is int
 
@@ -831,20 +849,22 @@ class ColumnBuilder:
 
     def local(self, ranks, name: str, shape: Sequence, dtype: torch.dtype | None = None) -> str:
         dtype = self.dtype if dtype is None else dtype
-        if _is_scalar(ranks) and all(map(_is_scalar, shape)):
+        if _is_scalar(ranks) and type(name) is str and all(map(_is_scalar, shape)):
             self._lrows.append((ranks, name, tuple(shape), dtype))
             return name
         r = np.asarray(ranks, dtype=_I64).reshape(-1)
         sh = np.empty((len(r), len(shape)), _I64)
         for j, x in enumerate(shape):
             sh[:, j] = x
+        if type(name) is tuple:  # (names, index per rank)
+            name = (tuple(name[0]), np.broadcast_to(np.asarray(name[1], dtype=_I64), (len(r),)))
         self._lblocks.append((r, name, sh, dtype))
         return name
 
     def box(self, tensor, ranks, local: str, offsets: Sequence, sizes: Sequence, local_offsets: Sequence = ()) -> None:
         if not local_offsets:
             local_offsets = (0,) * len(offsets)
-        if (_is_scalar(ranks) and type(tensor) is str and all(map(_is_scalar, offsets))
+        if (_is_scalar(ranks) and type(tensor) is str and type(local) is str and all(map(_is_scalar, offsets))
                 and all(map(_is_scalar, sizes)) and all(map(_is_scalar, local_offsets))):
             if min(sizes, default=1) > 0:
                 if tensor not in self.tensors.index:
@@ -879,6 +899,12 @@ class ColumnBuilder:
             keep = (sz > 0).all(axis=1)
             if not keep.all():
                 t, r, off, sz, lo = t[keep], r[keep], off[keep], sz[keep], lo[keep]
+        if type(local) is tuple:  # (names, index per rank): a different local tensor per rank
+            names, which = local
+            which = np.broadcast_to(np.asarray(which, dtype=_I64), (n,))
+            if sz.shape[1] and not keep.all():
+                which = which[keep]
+            local = (tuple(names), which)
         if len(r):
             self._blocks.append((t, r, local, off, sz, lo))
 
@@ -893,8 +919,9 @@ class ColumnBuilder:
         lt = self.tensors
         names = lt.names
         tid = self.tensor_ids
-        lnames = sorted({x[1] for x in self._lrows} | {x[1] for x in self._lblocks}
-                        | {x[2] for x in self._rows} | {x[2] for x in self._blocks})
+        lnames = sorted({x[1] for x in self._lrows} | {x[2] for x in self._rows}
+                        | {n for x in self._lblocks for n in ((x[1],) if type(x[1]) is str else x[1][0])}
+                        | {n for x in self._blocks for n in ((x[2],) if type(x[2]) is str else x[2][0])})
         lid = {n: i for i, n in enumerate(lnames)}
         dtypes = list(dict.fromkeys([self.dtype, *lt.dtypes] + [x[3] for x in self._lrows]
                                     + [x[3] for x in self._lblocks]))
@@ -934,7 +961,7 @@ class ColumnBuilder:
             sz[:, :nd] = np.concatenate([x[4] for x in blks])
             lo = np.full((k, L), -1, _I64)
             lo[:, :lnd_] = np.concatenate([x[5] for x in blks])
-            fl = np.repeat(np.fromiter((lid[x[2]] for x in blks), _I64, len(blks)), lens)
+            fl = _local_ids([x[2] for x in blks], lens, lid)
             parts.append((np.concatenate([x[0] for x in blks]), np.concatenate([x[1] for x in blks]), fl, off, sz,
                           lo, np.full(k, lnd_, _I64)))
         if parts:
@@ -983,7 +1010,7 @@ class ColumnBuilder:
             sh = np.full((k, S), -1, _I64)
             sh[:, :nd] = np.concatenate([x[2] for x in blks])
             lparts.append((np.concatenate([x[0] for x in blks]),
-                           np.repeat(np.fromiter((lid[x[1]] for x in blks), _I64, len(blks)), lens), sh,
+                           _local_ids([x[1] for x in blks], lens, lid), sh,
                            np.full(k, nd, _I64), np.repeat(np.fromiter((did[x[3]] for x in blks), _I64, len(blks)), lens)))
         if lparts:
             lr, ln, lsh, lnd, ldt = (np.concatenate([p[j] for p in lparts]) for j in range(5))

@@ -261,27 +261,27 @@ def megatron_layout(
             continue
         # the routed experts of the stage: rank q of it (q = p % (tp*dp)) holds experts er*E_loc.. of expert-TP
         # part et; one call per layer and local expert index k, over the stage's ranks
-        rank = rank_of[stage_of == pr]
+        # one call per layer for all the stage's ranks and local expert indices k at once
         q = pos[stage_of == pr] % (tp * dp)
-        et, er = q % etp, (q // etp) % ep
+        rank = np.repeat(rank_of[stage_of == pr], E_loc)
+        k = np.tile(np.arange(E_loc), len(q))
+        et, e = np.repeat(q % etp, E_loc), np.repeat((q // etp) % ep, E_loc) * E_loc + k
         for j, i in enumerate(stages[pr]):
             if not s.is_moe_layer(i):
                 continue
             mg = f"decoder.layers.{j}"
             ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
-            for k in range(E_loc):
-                e = er * E_loc + k
-                gate, up, down = ids[e, 0], ids[e, 1], ids[e, 2]
-                if grouped_gemm:
-                    fc1, fc2 = f"{mg}.mlp.experts.linear_fc1.weight{k}", f"{mg}.mlp.experts.linear_fc2.weight{k}"
-                else:
-                    fc1 = f"{mg}.mlp.experts.local_experts.{k}.linear_fc1.weight"
-                    fc2 = f"{mg}.mlp.experts.local_experts.{k}.linear_fc2.weight"
-                b.local(rank, fc1, (2 * Im_loc, H))
-                b.rows(gate, rank, fc1, et * Im_loc, Im_loc, at=0)
-                b.rows(up, rank, fc1, et * Im_loc, Im_loc, at=Im_loc)
-                b.local(rank, fc2, (H, Im_loc))
-                b.cols(down, rank, fc2, et * Im_loc, Im_loc)
+            if grouped_gemm:
+                fc1 = tuple(f"{mg}.mlp.experts.linear_fc1.weight{x}" for x in range(E_loc))
+                fc2 = tuple(f"{mg}.mlp.experts.linear_fc2.weight{x}" for x in range(E_loc))
+            else:
+                fc1 = tuple(f"{mg}.mlp.experts.local_experts.{x}.linear_fc1.weight" for x in range(E_loc))
+                fc2 = tuple(f"{mg}.mlp.experts.local_experts.{x}.linear_fc2.weight" for x in range(E_loc))
+            b.local(rank, (fc1, k), (2 * Im_loc, H))
+            b.rows(ids[e, 0], rank, (fc1, k), et * Im_loc, Im_loc, at=0)
+            b.rows(ids[e, 1], rank, (fc1, k), et * Im_loc, Im_loc, at=Im_loc)
+            b.local(rank, (fc2, k), (H, Im_loc))
+            b.cols(ids[e, 2], rank, (fc2, k), et * Im_loc, Im_loc)
     return b.build()
 
 
