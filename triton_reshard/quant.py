@@ -121,12 +121,17 @@ def quantize_blocks(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False
         return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
                 torch.empty(sshape, dtype=torch.float32, device=x.device))
     padded = tuple(s * b for s, b in zip(sshape, blk, strict=True))
-    xp = torch.zeros(padded, dtype=x.dtype, device=x.device)
-    xp[tuple(slice(0, n) for n in x.shape)] = x
+    if padded == tuple(x.shape):  # whole blocks: no padded copy (zeros change no amax, see below)
+        xp = x if x.is_contiguous() else x.contiguous()
+    else:
+        xp = torch.zeros(padded, dtype=x.dtype, device=x.device)
+        xp[tuple(slice(0, n) for n in x.shape)] = x
     view_shape = tuple(v for s, b in zip(sshape, blk, strict=True) for v in (s, b))  # (n0, b0, n1, b1, ...)
     xv = xp.view(view_shape)
     inner = tuple(range(1, 2 * x.dim(), 2))
-    amax = xv.abs().float().amax(dim=inner, keepdim=True).clamp(AMAX_FLOOR)
+    # |x| and its max are exact in the source dtype, so taking the max before widening to fp32 gives vLLM's
+    # ``x.abs().float().amax(...)`` bit for bit at a third of the memory traffic
+    amax = xv.abs().amax(dim=inner, keepdim=True).float().clamp(AMAX_FLOOR)
     sf = amax / torch.full((), FP8_MAX, dtype=torch.float32, device=x.device)
     if ue8m0:
         sf = ue8m0_pow2(sf)
