@@ -1175,3 +1175,27 @@ def test_property_instance_relays(problem, n, gpus_per_node):
     assert plan.digest == plan_reshard.__wrapped__(src_l, dst_l, False, gpus_per_node, None, groups).digest
     plain = plan_reshard(src_l, dst_l, False, gpus_per_node, False)
     assert plan.stats().recv_bytes == plain.stats().recv_bytes and plan.local_copies == plain.local_copies
+
+
+@pytest.mark.parametrize("kw", [{}, {"relay": True}, {"gpus_per_node": 4}, {"gpus_per_node": 4, "relay": True}],
+                         ids=["plain", "instances", "nodes", "nodes+instances"])
+def test_rank_plans_of_columnar_preset_layouts(kw):
+    """The presets' columnar layouts (``layout_index``, two vLLM instances as a tiled copy): the whole plan is the
+    one of the same layouts made eager, and the rank plans, read through the per-tensor tables, assemble into it
+    (relays over the instances included)."""
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config("tiny_qwen3_moe")
+    src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8), dtype=torch.bfloat16)
+    one = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=range(4, 8), dtype=torch.bfloat16)
+    dst = one.instances(3)  # ranks 4-15: colocated with half the trainer
+    groups = one.instance_groups(3) if kw.get("relay") else None
+    gpn = kw.get("gpus_per_node")
+    eager_src, eager_dst = (Layout(x.tensors, x.fragments, x.locals) for x in (src, dst))
+    plan = plan_reshard(src, dst, False, gpn, None, groups)
+    assert plan.digest == plan_reshard(eager_src, eager_dst, False, gpn, None, groups).digest
+    st_ = plan.stats()
+    assert st_.wire_bytes == st_.lower_bound_bytes  # each element arrives once, relayed or not
+    if groups:
+        assert st_.num_relays > 0
+    check_rank_plans(plan, False, gpn, None, groups)

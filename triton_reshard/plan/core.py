@@ -246,7 +246,8 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     # every routed piece is cut on the block grid into source- and destination-quantized transfers
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
     routed = _quant.routing_view(src, dst, targets) if targets else dst
-    _check_specs(src, routed, allow_cast)
+    if routing != "local" or not _specs_agree(src, routed, allow_cast):
+        _check_specs(src, routed, allow_cast)  # (the full check also words the error)
     if routing not in ("local", "greedy"):
         raise ValueError(f"plan_reshard: routing={routing!r} must be 'local' or 'greedy'")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
@@ -263,3 +264,23 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
         if targets:
             local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
         return Plan(src, dst, tuple(wire), tuple(local))
+
+
+def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
+    """Whether ``_check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
+    answers without building every rank's fragments). False when a destination tensor is missing from the
+    source (the full check decides: it may have no elements) or its shape or dtype differs."""
+    s_lt, d_lt = getattr(src, "_lt", None), getattr(dst, "_lt", None)  # columnar layouts: their name/shape/dtype
+    if s_lt is not None and d_lt is not None and not d_lt.quantized:  # columns, without building the specs
+        index, shapes, dtypes = s_lt.index, s_lt.shapes, s_lt.dtypes
+        for n, shape, dt in zip(d_lt.names, d_lt.shapes, d_lt.dtypes, strict=True):
+            i = index.get(n)
+            if i is None or shapes[i] != shape or (dtypes[i] != dt and not allow_cast):
+                return False
+        return True
+    specs = src.specs
+    for spec in dst.tensors:
+        s = specs.get(spec.name)
+        if s is None or s.shape != spec.shape or (s.dtype != spec.dtype and not allow_cast):
+            return False
+    return True

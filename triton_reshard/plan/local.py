@@ -33,16 +33,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..layout import Fragment, Layout, _find_overlap, _gc_paused, _itemsize
 from .core import Plan
 from .relay import _relay_dtype, _split_piece
-from .routing import _LOCAL_ORDER, _WIRE_ORDER, _holders, _overlaps, _pieces, _wire_dtype
+from .routing import _LOCAL_ORDER, _WIRE_ORDER, _check_dst_overlap, _holders, _overlaps, _pieces, _wire_dtype
 from .schedule import _is_contiguous_box, _split_box
 from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align, _make_transfer
 from .validate import _quant_scales, _reads
@@ -124,28 +126,87 @@ def assign(holders: Sequence[int], receivers: Sequence[int], salt: int, gpus_per
 
 class _TensorIndex:
     """The nonempty fragments of one tensor of one layout, grouped by box; built once per tensor and layout,
-    lazily, from the layout's per-tensor table (``Layout.table``) where it has one."""
+    lazily: from ``fragments_by_tensor`` on an eager layout, from the per-tensor table (``Layout.table``:
+    numpy columns, an interval index) on a columnar one, which then never builds other tensors' fragments."""
 
-    __slots__ = ("boxes", "by_box", "_table", "_rows", "_box_of")
+    __slots__ = ("_boxes", "by_box", "_table", "_frags", "_groups", "_cols")
 
     def __init__(self, layout: Layout, name: str) -> None:
         self._table = None
-        by_box: dict[tuple, list[Fragment]] = {}
+        self._boxes: list[tuple] | None = None
+        self.by_box: dict[tuple, list[Fragment]] = {}
+        self._groups: dict[tuple, _Group] = {}
+        self._cols = None
+        if _is_columnar(layout):
+            self._table = layout.table(name)
+            self._frags: dict[int, Fragment] = {}
+            return
         for f in layout.fragments_by_tensor.get(name, ()):
             if 0 not in f.sizes:
-                g = by_box.get((f.offsets, f.sizes))
+                g = self.by_box.get((f.offsets, f.sizes))
                 if g is None:
-                    by_box[(f.offsets, f.sizes)] = [f]
+                    self.by_box[(f.offsets, f.sizes)] = [f]
                 else:
                     g.append(f)
-        self.by_box = by_box
-        self.boxes = list(by_box)
+        self._boxes = list(self.by_box)
 
-    def group(self, box: tuple) -> list[Fragment]:
-        """The fragments whose box is exactly ``box``."""
-        return self.by_box.get(box, [])
+    @property
+    def boxes(self) -> list[tuple]:
+        """The distinct nonempty boxes."""
+        if self._boxes is None:
+            bo, bs, _ = self._table.boxes()
+            self._boxes = [(tuple(o), tuple(z)) for o, z in zip(bo.tolist(), bs.tolist(), strict=True) if 0 not in z]
+        return self._boxes
 
-    def overlapping(self, off, size) -> list[Fragment]:
+    def _fragment(self, i: int) -> Fragment:
+        f = self._frags.get(i)
+        if f is None:
+            f = self._frags[i] = self._table.fragment(i)
+        return f
+
+    def _exact_rows(self, box: tuple) -> np.ndarray:
+        tb = self._table
+        rows = tb.overlapping(*box)
+        if len(rows):
+            off, size = np.asarray(box[0], np.int64), np.asarray(box[1], np.int64)
+            rows = rows[(tb.offsets[rows] == off).all(axis=1) & (tb.sizes[rows] == size).all(axis=1)]
+        return rows
+
+    def group(self, name: str, box: tuple) -> _Group:
+        """The fragments whose box is exactly ``box``, as a :class:`_Group`."""
+        g = self._groups.get(box)
+        if g is None:
+            if self._table is not None:
+                rows = self._exact_rows(box)
+                rk = self._table.ranks[rows]
+                rows = rows[np.argsort(rk, kind="stable")].tolist()
+                ranks = sorted(rk.tolist())
+                if len(set(ranks)) < len(ranks):
+                    _Group.of(name, [self._fragment(i) for i in rows])  # raises: one box twice on a rank
+
+                def frag(r: int, rows=rows, ranks=ranks) -> Fragment:
+                    return self._fragment(rows[bisect_left(ranks, r)])
+
+                g = _Group(ranks, frag)
+            else:
+                g = _Group.of(name, self.by_box[box])
+            self._groups[box] = g
+        return g
+
+    def overlapping(self, off, size) -> list:
+        """The fragments sharing an element with the box (on a columnar layout light stand-ins, ``_Ref``,
+        with a fragment's fields: the planner builds the real one only for the transfers it keeps)."""
+        if self._table is not None:
+            cols = self._cols
+            if cols is None:
+                tb = self._table
+                cols = self._cols = (tb.ranks.tolist(), [tuple(o) for o in tb.offsets.tolist()],
+                                     [tuple(z) for z in tb.sizes.tolist()],
+                                     [tb.local_names[k] for k in tb.local_ids.tolist()], tb.local_offsets)
+            rk, of, sz, lc, lo = cols
+            name = self._table.spec.name
+            return [_Ref(name, rk[i], of[i], sz[i], lc[i], lo[i], self, i)
+                    for i in self._table.overlapping(off, size).tolist()]
         out: list[Fragment] = []
         for b in self.boxes:
             if _overlaps(b[0], b[1], off, size):
@@ -153,7 +214,51 @@ class _TensorIndex:
         return out
 
     def boxes_overlapping(self, off, size) -> list[tuple]:
+        if self._table is not None:
+            tb = self._table
+            rows = tb.overlapping(off, size)
+            offs, sizes = tb.offsets[rows].tolist(), tb.sizes[rows].tolist()
+            return list(dict.fromkeys(zip(map(tuple, offs), map(tuple, sizes), strict=True)))
         return [b for b in self.boxes if _overlaps(b[0], b[1], off, size)]
+
+
+class _Ref:
+    """A fragment's fields (row ``row`` of a tensor's table), for routing; ``local_box`` builds the fragment."""
+
+    __slots__ = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets", "_ix", "_row")
+
+    def __init__(self, tensor, rank, offsets, sizes, local, local_offsets, ix, row) -> None:
+        self.tensor, self.rank, self.offsets, self.sizes = tensor, rank, offsets, sizes
+        self.local, self.local_offsets, self._ix, self._row = local, local_offsets, ix, row
+
+    def local_box(self, off, size):
+        return self._ix._fragment(self._row).local_box(off, size)
+
+
+def _check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | None = None) -> None:
+    """Destination boxes of tensor ``name`` overlapping on one rank raise (``routing._check_dst_overlap``):
+    ``frags`` (one rank's), or every rank's (read from the table's ranks first: nothing is built unless a
+    rank holds two boxes)."""
+    if frags is None:
+        ix = _index(layout, name)
+        if ix._table is not None:
+            tb = ix._table
+            ranks = tb.ranks[(tb.sizes > 0).all(axis=1)]
+            if len(np.unique(ranks)) == len(ranks):
+                return
+            frags = [f for f in tb.fragments if 0 not in f.sizes]
+        else:
+            frags = [f for b in ix.boxes for f in ix.by_box[b]]
+    if len({f.rank for f in frags}) < len(frags):
+        _check_dst_overlap(name, frags)
+
+
+def _is_columnar(layout: Layout) -> bool:
+    try:
+        from ..layout_index import ColumnarLayout
+    except ImportError:  # a tree without columnar layouts
+        return False
+    return isinstance(layout, ColumnarLayout)
 
 
 def _index(layout: Layout, name: str) -> _TensorIndex:
@@ -187,51 +292,72 @@ def _rank_fragments(layout: Layout, rank: int) -> list[Fragment]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _fan_groups(recv: list[Fragment], holders: Sequence[int], gpn: int | None,
-                groups: dict[int, int]) -> tuple[list[Fragment], list[list[Fragment]]]:
-    """Split the wire receivers of one piece into plain receivers and fan groups (each >= 2 ranks, in rank
-    order): first per node without a holder, then per relay group among the ranks left."""
-    fans: list[list[Fragment]] = []
+class _Group:
+    """The destination fragments of one box of one tensor: their ranks (ascending; one fragment per rank) and
+    each rank's fragment on demand (a rank plan builds only the few it writes into or relays from)."""
+
+    __slots__ = ("ranks", "_frag")
+
+    def __init__(self, ranks: list[int], frag: Callable[[int], Fragment]) -> None:
+        self.ranks, self._frag = ranks, frag
+
+    def frag(self, rank: int) -> Fragment:
+        return self._frag(rank)
+
+    @classmethod
+    def of(cls, name: str, frags: Sequence[Fragment]) -> _Group:
+        by_rank = {f.rank: f for f in frags}
+        if len(by_rank) < len(frags):
+            _check_dst_overlap(name, frags)  # raises: one box twice on one rank
+        return cls(sorted(by_rank), by_rank.__getitem__)
+
+
+def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
+                groups: dict[int, int]) -> tuple[list[int], list[list[int]]]:
+    """Split the wire receivers (ranks, ascending) of one piece into plain receivers and fan groups (each >= 2
+    ranks, ascending): first per node without a holder, then per relay group among the ranks left."""
+    fans: list[list[int]] = []
     rest = recv
     if gpn is not None:
         held = {r // gpn for r in holders}
-        by_node: dict[int, list[Fragment]] = {}
-        for df in recv:
-            node = df.rank // gpn
+        by_node: dict[int, list[int]] = {}
+        for r in recv:
+            node = r // gpn
             if node not in held:
-                by_node.setdefault(node, []).append(df)
-        taken = set()
+                by_node.setdefault(node, []).append(r)
+        taken: set[int] = set()
         for g in by_node.values():
             if len(g) > 1:
                 fans.append(g)
-                taken.update(df.rank for df in g)
+                taken.update(g)
         if taken:
-            rest = [df for df in recv if df.rank not in taken]
+            rest = [r for r in recv if r not in taken]
     if groups:
-        by_group: dict[int, list[Fragment]] = {}
-        for df in rest:
-            g = groups.get(df.rank)
+        by_group: dict[int, list[int]] = {}
+        for r in rest:
+            g = groups.get(r)
             if g is not None:
-                by_group.setdefault(g, []).append(df)
+                by_group.setdefault(g, []).append(r)
         taken = set()
         for g in by_group.values():
             if len(g) > 1:
                 fans.append(g)
-                taken.update(df.rank for df in g)
+                taken.update(g)
         if taken:
-            rest = [df for df in rest if df.rank not in taken]
+            rest = [r for r in rest if r not in taken]
     return rest, fans
 
 
-def route_box(name: str, box: tuple, dgroup: list[Fragment], sfrags: list[Fragment], wdt: torch.dtype,
+def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt: torch.dtype,
               rdt: torch.dtype | None, gpn: int | None, groups: dict[int, int], local: list, wire: list,
-              keep: Callable[[int, int], bool] | None = None, base: int = 0) -> None:
+              keep: Callable[[int, int], bool] | None = None, base: int = 0, me: int | None = None) -> None:
     """Route destination box ``box`` of tensor ``name``: ``dgroup`` its destination fragments (one per rank),
     ``sfrags`` every nonempty source fragment of the tensor overlapping it. Appends the local copies to
     ``local`` and the wire transfers (relays included) to ``wire``; ``keep(src_rank, dst_rank)``: only those
-    (None: all). The result depends on the sets ``dgroup`` and ``sfrags``, not on their order."""
+    (None: all); ``me``: the rank ``keep`` keeps (a rank plan's), for the shortcut that computes only its own
+    transfers. The result depends on the sets ``dgroup`` and ``sfrags``, not on their order."""
     d_off, d_size = box
-    dgroup = sorted(dgroup, key=_RANK_LOCAL)
+    dranks, frag = dgroup.ranks, dgroup.frag
     sboxes: dict[tuple, list[Fragment]] = {}
     for f in sfrags:
         sboxes.setdefault((f.offsets, f.sizes), []).append(f)
@@ -242,49 +368,96 @@ def route_box(name: str, box: tuple, dgroup: list[Fragment], sfrags: list[Fragme
         if mask == 0:
             raise ValueError(
                 f"tensor {name!r}: element {p_off} (box {p_off}+{p_size}) needed on destination rank "
-                f"{dgroup[0].rank} is held by no source rank"
+                f"{dranks[0]} is held by no source rank"
             )
         first, (ranks, best, _f) = _holders([sgroups[i] for i in range(len(order)) if mask >> i & 1])
-        recv = []
-        for df in dgroup:
-            mine = first.get(df.rank)
-            if mine is None:
-                recv.append(df)
-            elif keep is None or keep(df.rank, df.rank):
-                local.append(_make_transfer(name, p_off, p_size, mine, df, wdt))
+        if len(first) * 4 < len(dranks):  # few holders: look them up instead of testing every receiver
+            mine_at = [r for r in first if _has(dranks, r)]
+            held = set(mine_at)
+            recv = [r for r in dranks if r not in held] if held else dranks
+        else:
+            mine_at = [r for r in dranks if r in first]
+            recv = [r for r in dranks if r not in first] if mine_at else dranks
+        for r in mine_at:
+            if keep is None or keep(r, r):
+                local.append(_make_transfer(name, p_off, p_size, first[r], frag(r), wdt))
         if not recv:
             continue
-        units: dict[tuple, list[Fragment]] = {}  # sub-box -> the ranks receiving it from a source holder
+        if me is not None and gpn is None and (rdt is None or len(recv) < 2 or not groups):
+            # a rank plan without topology or fan-out: only this rank's own receive and sends, by the index
+            # arithmetic of ``assign`` ((salt + i) % h) instead of assigning every receiver
+            salt, h = piece_salt(base, p_off, p_size), len(ranks)
+            i = bisect_left(recv, me)
+            if i < len(recv) and recv[i] == me:
+                r = ranks[(salt + i) % h]
+                wire.append(_make_transfer(name, p_off, p_size, best[r], frag(me), wdt))
+            j = bisect_left(ranks, me)
+            if j < h and ranks[j] == me:
+                for d in recv[(j - salt) % h::h]:
+                    wire.append(_make_transfer(name, p_off, p_size, best[me], frag(d), wdt))
+            continue
+        units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
         if rdt is not None and len(recv) > 1:
             plain, fans = _fan_groups(recv, ranks, gpn, groups)
             if plain:
                 units[(p_off, p_size)] = plain
             salt = piece_salt(base, p_off, p_size)
             n = math.prod(p_size) * isz
+            splits: dict[int, list] = {}  # fan size -> the parts of the piece (the same for every fan that big)
             for g in fans:
-                for j, (o, s, _pn) in enumerate(_split_piece(p_off, p_size, n, len(g))):
-                    head = g[(j + salt) % len(g)]
+                k = len(g)
+                parts = splits.get(k)
+                if parts is None:
+                    parts = splits[k] = _split_piece(p_off, p_size, n, k)
+                mine = me is None or _has(g, me)  # a rank plan: only the relays of its own fan
+                for j, (o, s, _pn) in enumerate(parts):
+                    head = g[(j + salt) % k]
                     units.setdefault((o, s), []).append(head)
-                    for df in g:
-                        if df is not head and (keep is None or keep(head.rank, df.rank)):
-                            wire.append(_make_transfer(name, o, s, head, df, rdt, True))
+                    if not mine:
+                        continue
+                    if me is None or head == me:
+                        for r in g:
+                            if r != head:
+                                wire.append(_make_transfer(name, o, s, frag(head), frag(r), rdt, True))
+                    else:
+                        wire.append(_make_transfer(name, o, s, frag(head), frag(me), rdt, True))
         else:
             units[(p_off, p_size)] = recv
+        fanned = rdt is not None and len(recv) > 1
         for (o, s), rcv in units.items():
-            if len(units) > 1:
-                rcv.sort(key=_RANK_LOCAL)
-            picks = assign(ranks, [df.rank for df in rcv], piece_salt(base, o, s), gpn)
-            for df, j in zip(rcv, picks, strict=True):
-                r = ranks[j]
-                if keep is None or keep(r, df.rank):
-                    wire.append(_make_transfer(name, o, s, best[r], df, wdt))
+            if fanned:  # plain receivers and heads of parts: in rank order
+                rcv.sort()
+            if me is not None and gpn is None:  # only this rank's receive and sends (see above)
+                usalt, h = piece_salt(base, o, s), len(ranks)
+                i = bisect_left(rcv, me)
+                if i < len(rcv) and rcv[i] == me:
+                    wire.append(_make_transfer(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
+                j = bisect_left(ranks, me)
+                if j < h and ranks[j] == me:
+                    for d in rcv[(j - usalt) % h::h]:
+                        wire.append(_make_transfer(name, o, s, best[me], frag(d), wdt))
+                continue
+            picks = assign(ranks, rcv, piece_salt(base, o, s), gpn)
+            if keep is None:
+                for d, j in zip(rcv, picks, strict=True):
+                    wire.append(_make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                continue
+            for d, j in zip(rcv, picks, strict=True):
+                if keep(ranks[j], d):
+                    wire.append(_make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+
+
+def _has(sorted_ranks: list[int], r: int) -> bool:
+    i = bisect_left(sorted_ranks, r)
+    return i < len(sorted_ranks) and sorted_ranks[i] == r
 
 
 def _tensor_order(layout: Layout) -> dict[str, int]:
     """Tensor name -> its index in the layout's (sorted) tensors: the base of every piece's salt."""
     got = layout.__dict__.get("_local_order")
     if got is None:
-        got = {t.name: i for i, t in enumerate(layout.tensors)}
+        lt = getattr(layout, "_lt", None)  # a columnar layout: its sorted names, without building the specs
+        got = lt.index if lt is not None else {t.name: i for i, t in enumerate(layout.tensors)}
         object.__setattr__(layout, "_local_order", got)
     return got
 
@@ -303,10 +476,11 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
         dix = _index(dst, spec.name)
         if not dix.boxes:
             continue
+        _check_own_overlaps(dst, spec.name)
         wdt, rdt, base = _options(src, dst, spec.name, relay)
         six = _index(src, spec.name)
         for box in dix.boxes:
-            route_box(spec.name, box, dix.group(box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
+            route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
     return local, wire
 
@@ -318,8 +492,13 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     ``whole`` get every transfer of those boxes (the block-quantization post-pass cuts a destination
     fragment's transfers by the regions all of them make)."""
     todo: dict[tuple, None] = {}
+    mine: dict[str, list[Fragment]] = {}
     for df in _rank_fragments(dst, rank):
         todo[(df.tensor, (df.offsets, df.sizes))] = None
+        mine.setdefault(df.tensor, []).append(df)
+    for name, frs in mine.items():
+        if len(frs) > 1:
+            _check_own_overlaps(dst, name, frs)
     for sf in _rank_fragments(src, rank):
         if sf.tensor in dst.specs:
             for box in _index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
@@ -335,8 +514,8 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
         o = opts.get(name)
         if o is None:
             o = opts[name] = _options(src, dst, name, relay)
-        route_box(name, box, _index(dst, name).group(box), _index(src, name).overlapping(*box), o[0], o[1], gpn,
-                  groups, local, wire, None if name in whole else keep, o[2])
+        route_box(name, box, _index(dst, name).group(name, box), _index(src, name).overlapping(*box), o[0], o[1], gpn,
+                  groups, local, wire, None if name in whole else keep, o[2], None if name in whole else rank)
     return local, wire
 
 
@@ -433,6 +612,8 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             t = transfers[i]
             if math.prod(size) * _itemsize(t.wire_dtype) < direct_min_bytes:
                 return False
+            if isinstance(shapes, _Contiguity):
+                return shapes.direct(t, off, size)
             s_shape, d_shape = shapes
             return (s_shape is not None and _is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
                 d_shape is not None and _is_contiguous_box(d_shape, t.dst_offsets, off, size))
@@ -451,27 +632,61 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
         return Schedule(bucket_bytes, tuple(out))
 
 
-def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int) -> list[tuple | None]:
-    """``Plan._contiguity`` from per-rank local specs (a rank plan looks up only its peers' local tensors)."""
-    cache: dict[tuple[int, int], dict] = {}
+def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int,
+               rank: int | None = None) -> Sequence:
+    """Per transfer, where its bytes could move in place (``Plan._contiguity``'s answer), looked up lazily from
+    per-rank local specs: a rank plan (``rank``) tests its own side first and reads a peer's local tensor only
+    when its own side is not contiguous (the answer, "contiguous on either side", is the same on both ends)."""
+    return _Contiguity(transfers, src, dst, min_bytes, rank)
 
-    def specs(layout: Layout, k: int, rank: int) -> dict:
-        got = cache.get((k, rank))
+
+class _Contiguity:
+    __slots__ = ("_ts", "_src", "_dst", "_min", "_rank", "_cache")
+
+    def __init__(self, transfers, src, dst, min_bytes, rank) -> None:
+        self._ts, self._src, self._dst, self._min, self._rank = transfers, src, dst, min_bytes, rank
+        self._cache: dict[tuple[int, int], object] = {}
+
+    def _shape(self, k: int, rank: int, local: str, wdt) -> tuple | None:
+        got = self._cache.get((k, rank))
         if got is None:
-            got = cache[(k, rank)] = layout.local_specs(rank)
-        return got
+            layout = self._dst if k else self._src
+            one = getattr(layout, "local_spec", None)
+            got = self._cache[(k, rank)] = _OneSpec(one, rank) if one is not None else layout.local_specs(rank)
+        spec = got.get(local)
+        return spec.shape if spec is not None and spec.dtype == wdt else None
 
-    out: list[tuple | None] = []
-    for t in transfers:
-        if t.nbytes < min_bytes:
-            out.append(None)
-            continue
-        s = specs(dst, 1, t.src_rank).get(t.src_local) if t.relay else specs(src, 0, t.src_rank).get(t.src_local)
-        d = specs(dst, 1, t.dst_rank).get(t.dst_local)
-        w = t.wire_dtype
-        out.append((s.shape if s is not None and s.dtype == w else None,
-                    d.shape if d is not None and d.dtype == w else None))
-    return out
+    def __len__(self) -> int:
+        return len(self._ts)
+
+    def __getitem__(self, i: int):
+        t = self._ts[i]  # a source-quantized transfer is quantized by the pack: never direct
+        return None if t.nbytes < self._min or getattr(t, "quant", "") == "src" else self
+
+    def direct(self, t: Transfer, off, size) -> bool:
+        """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor
+        (in the wire dtype), this rank's side tested first."""
+        sides = [(1 if t.relay else 0, t.src_rank, t.src_local, t.src_offsets),
+                 (1, t.dst_rank, t.dst_local, t.dst_offsets)]
+        if self._rank is not None and t.dst_rank == self._rank:
+            sides.reverse()
+        for k, r, local, start in sides:
+            shape = self._shape(k, r, local, t.wire_dtype)
+            if shape is not None and _is_contiguous_box(shape, start, off, size):
+                return True
+        return False
+
+
+class _OneSpec:
+    """``local_specs(rank)``'s ``get`` through a layout's ``local_spec(rank, name)`` (one local tensor at a time)."""
+
+    __slots__ = ("_one", "_rank")
+
+    def __init__(self, one, rank: int) -> None:
+        self._one, self._rank = one, rank
+
+    def get(self, name: str):
+        return self._one(self._rank, name)
 
 
 def world_of(src: Layout, dst: Layout) -> int:
@@ -550,7 +765,8 @@ class RankPlan:
             with _gc_paused():
                 self._cache[key] = build_pair_schedule(
                     self.transfers, int(bucket_bytes),
-                    contiguity(self.transfers, self.src, self.dst, int(direct_min_bytes)), int(direct_min_bytes),
+                    contiguity(self.transfers, self.src, self.dst, int(direct_min_bytes), self.rank),
+                    int(direct_min_bytes),
                     world_of(self.src, self.dst))
         return self._cache[key]
 
