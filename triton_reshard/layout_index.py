@@ -586,7 +586,7 @@ class ColumnarLayout(Layout):
             sp = self._split(rank)
             c = self._root._cols
             rows = c.locals_of_rank(sp[1])
-            return {c.lnames[n]: LocalSpec(rank, c.lnames[n], tuple(sh[:k]), c.dtypes[dt]) for n, sh, k, dt in zip(
+            return {c.lnames[n]: _local_spec(rank, c.lnames[n], tuple(sh[:k]), c.dtypes[dt]) for n, sh, k, dt in zip(
                 c.ln[rows.start:rows.stop].tolist(), c.lsh[rows.start:rows.stop].tolist(),
                 c.lnd[rows.start:rows.stop].tolist(), c.ldt[rows.start:rows.stop].tolist(), strict=True)}
 
