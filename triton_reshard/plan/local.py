@@ -131,17 +131,21 @@ class _TensorIndex:
 
     __slots__ = ("_boxes", "by_box", "_table", "_frags", "_groups", "_cols")
 
-    def __init__(self, layout: Layout, name: str) -> None:
+    def __init__(self, layout: Layout, name: str, whole: bool = False) -> None:
         self._table = None
         self._boxes: list[tuple] | None = None
         self.by_box: dict[tuple, list[Fragment]] = {}
         self._groups: dict[tuple, _Group] = {}
         self._cols = None
         if _is_columnar(layout):
-            self._table = layout.table(name)
-            self._frags: dict[int, Fragment] = {}
-            return
-        for f in layout.fragments_by_tensor.get(name, ()):
+            if not whole:
+                self._table = layout.table(name)
+                self._frags: dict[int, Fragment] = {}
+                return
+            frags = layout.table(name).fragments  # the whole plan reads every fragment: built in one go
+        else:
+            frags = layout.fragments_by_tensor.get(name, ())
+        for f in frags:
             if 0 not in f.sizes:
                 g = self.by_box.get((f.offsets, f.sizes))
                 if g is None:
@@ -261,14 +265,17 @@ def _is_columnar(layout: Layout) -> bool:
     return isinstance(layout, ColumnarLayout)
 
 
-def _index(layout: Layout, name: str) -> _TensorIndex:
-    cache = layout.__dict__.get("_local_index")
+def _index(layout: Layout, name: str, whole: bool = False) -> _TensorIndex:
+    """The tensor's index (cached on the layout); ``whole``: for planning every rank (all its fragments built
+    at once) rather than one rank's share (a columnar layout's table, rows built on demand)."""
+    key = "_local_index_all" if whole and _is_columnar(layout) else "_local_index"
+    cache = layout.__dict__.get(key)
     if cache is None:
         cache = {}
-        object.__setattr__(layout, "_local_index", cache)
+        object.__setattr__(layout, key, cache)
     ix = cache.get(name)
     if ix is None:
-        ix = cache[name] = _TensorIndex(layout, name)
+        ix = cache[name] = _TensorIndex(layout, name, whole)
     return ix
 
 
@@ -473,12 +480,12 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
     local: list[Transfer] = []
     wire: list[Transfer] = []
     for spec in dst.tensors:
-        dix = _index(dst, spec.name)
+        dix = _index(dst, spec.name, True)
         if not dix.boxes:
             continue
-        _check_own_overlaps(dst, spec.name)
+        _check_own_overlaps(dst, spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
         wdt, rdt, base = _options(src, dst, spec.name, relay)
-        six = _index(src, spec.name)
+        six = _index(src, spec.name, True)
         for box in dix.boxes:
             route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
