@@ -185,17 +185,17 @@ def child_share(case: str, rank: int) -> dict:
     c0 = time.process_time()
     t0 = time.perf_counter()
     src, dst = _layouts(case)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     world = max(src.ranks[-1], dst.ranks[-1]) + 1
     r = rank % world
     rp = plan_reshard(src, dst, rank=r)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     sched = rp.schedule(SCALING_BUCKET)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     return {"kind": "share", "case": case, "world": world, "rank": r,
             "seconds": {"layouts": t1 - t0, "plan": t2 - t1, "schedule": t3 - t2, "total": t3 - t0,
                         "process_start_and_import": started},
-            "cpu_seconds": time.process_time() - c0,
+            "cpu_seconds": c3 - c0, "cpu": {"layouts": c1 - c0, "plan": c2 - c1, "schedule": c3 - c2},
             "rss_after_import_mb": rss0, "peak_rss_mb": _status_mb("VmHWM"),
             "peak_above_import_mb": _status_mb("VmHWM") - rss0,
             "transfers": len(rp.transfers), "local_copies": len(rp.local_copies),
@@ -210,27 +210,24 @@ def child_whole(case: str) -> dict:
     started = _process_age()
     rss0 = _status_mb("VmRSS")
     c0 = time.process_time()
-    times = {}
-    t = time.perf_counter()
-    src, dst = _layouts(case)
-    times["layouts"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plan = plan_reshard(src, dst)
-    times["plan"] = time.perf_counter() - t
-    t = time.perf_counter()
-    st = plan.stats()
-    times["stats"] = time.perf_counter() - t
-    t = time.perf_counter()
-    sched = plan.schedule(SCALING_BUCKET)
-    times["schedule"] = time.perf_counter() - t
-    t = time.perf_counter()
-    pred = predict_seconds(schedule_pair_bytes(sched), PRESETS["h100"])
-    times["predict"] = time.perf_counter() - t
+    times, cpu = {}, {}
+
+    def timed(name, fn):
+        t, c = time.perf_counter(), time.process_time()
+        out = fn()
+        times[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
+        return out
+
+    src, dst = timed("layouts", lambda: _layouts(case))
+    plan = timed("plan", lambda: plan_reshard(src, dst))
+    st = timed("stats", plan.stats)
+    sched = timed("schedule", lambda: plan.schedule(SCALING_BUCKET))
+    pred = timed("predict", lambda: predict_seconds(schedule_pair_bytes(sched), PRESETS["h100"]))
     times["total"] = sum(times.values())
     times["process_start_and_import"] = started
     world = max(src.ranks[-1], dst.ranks[-1]) + 1
     return {"kind": "whole", "case": case, "world": world, "seconds": times,
-            "cpu_seconds": time.process_time() - c0, "rss_after_import_mb": rss0,
+            "cpu_seconds": time.process_time() - c0, "cpu": cpu, "rss_after_import_mb": rss0,
             "peak_above_import_mb": _status_mb("VmHWM") - rss0,
             "transfers": len(plan.transfers), "local_copies": len(plan.local_copies), "steps": len(sched.steps),
             "wire_bytes": st.wire_bytes, "lower_bound_bytes": st.lower_bound_bytes,
@@ -276,60 +273,70 @@ def scaling(cases: list[str], ranks: list[int], whole: bool, timeout: float, cor
 
 
 def scaling_table(rows: list[dict]) -> str:
-    lines = ["| case | ranks | rank share s (layouts / plan / schedule) | share CPU s | peak MB above import |"
-             " whole plan s (layouts / plan / stats / schedule / predict) | whole CPU s | whole peak MB |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown: per case the slower rank share and the whole plan, CPU seconds per phase (wall beside)."""
+    def ph(r, keys):
+        c = r.get("cpu") or {}
+        return " / ".join(f"{c.get(k, r['seconds'].get(k, float('nan'))):.2f}" for k in keys)
+
+    lines = ["| case | ranks | rank share CPU s (layouts / plan / schedule) | share wall s | share peak MB |"
+             " whole plan CPU s (layouts / plan / stats / schedule / predict) | whole wall s | whole peak MB |"
+             " steps, predicted refit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r["case"] for r in rows):
         share = [r for r in rows if r["case"] == case and r.get("kind") == "share"]
         whole = [r for r in rows if r["case"] == case and r.get("kind") == "whole"]
-        worst = max(share, key=lambda r: r["seconds"]["total"]) if share else None
-        w = whole[0] if whole else None
-        sh = (f"**{worst['seconds']['total']:.2f}** ({worst['seconds']['layouts']:.2f} / {worst['seconds']['plan']:.2f} / "
-              f"{worst['seconds']['schedule']:.2f}), rank {worst['rank']}" if worst else "n/a")
         err = [r["error"] for r in rows if r["case"] == case and "error" in r]
-        wh = (f"**{w['seconds']['total']:.1f}** ({w['seconds']['layouts']:.1f} / {w['seconds']['plan']:.1f} / "
-              f"{w['seconds']['stats']:.1f} / {w['seconds']['schedule']:.1f} / {w['seconds']['predict']:.1f})"
-              if w and "seconds" in w else (err[-1] if err else "n/a"))
-        world = (worst or w or {}).get("world", "?")
-        lines.append(f"| {case} | {world} | {sh} | {worst['cpu_seconds']:.2f} | "
-                     f"{max(r['peak_above_import_mb'] for r in share):.0f} | {wh} | "
-                     f"{w['cpu_seconds']:.1f} | {w['peak_above_import_mb']:.0f} |" if worst and w and "seconds" in w else
-                     f"| {case} | {world} | {sh} | {worst['cpu_seconds'] if worst else float('nan'):.2f} | "
-                     f"{max((r['peak_above_import_mb'] for r in share), default=float('nan')):.0f} | {wh} | n/a | n/a |")
+        w = (whole or [None])[0]
+        if share:
+            x = max(share, key=lambda r: r["cpu_seconds"])
+            sh = (f"**{x['cpu_seconds']:.2f}** ({ph(x, ('layouts', 'plan', 'schedule'))}), rank {x['rank']} | "
+                  f"{x['seconds']['total']:.2f} | {max(r['peak_above_import_mb'] for r in share):.0f}")
+            world = x["world"]
+        else:
+            sh, world = "n/a | n/a | n/a", w["world"] if w else "?"
+        if w:
+            wh = (f"**{w['cpu_seconds']:.1f}** ({ph(w, ('layouts', 'plan', 'stats', 'schedule', 'predict'))}) | "
+                  f"{w['seconds']['total']:.1f} | {w['peak_above_import_mb']:.0f} | {w['steps']}, "
+                  f"{w['predicted_seconds_h100'] * 1e3:.0f} ms")
+        else:
+            wh = f"{err[-1] if err else 'not run'} | | | "
+        lines.append(f"| {case} | {world} | {sh} | {wh} |")
     return "\n".join(lines)
 
 
 def plot_scaling(rows: list[dict], path: str) -> str:
-    """Seconds and peak MB of the rank share and of the whole plan against the world size (log-log)."""
+    """CPU seconds and peak MB of the rank share and of the whole plan against the world size (log-log); rows
+    of kind "before" (the same measurements of an older version, if given) as a third series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fam = sorted((r for r in rows if r.get("case", "").startswith("w") and "seconds" in r), key=lambda r: r["world"])
+    fam = sorted((r for r in rows if r.get("case", "").startswith("w") and "cpu_seconds" in r), key=lambda r: r["world"])
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for kind, style, label in (("share", "o-", "one rank's share"), ("whole", "s--", "whole plan")):
+    for kind, style, label in (("share", "o-", "one rank's share"), ("whole", "s--", "whole plan"),
+                               ("before", "^:", "before issue 13: whole plan (= a rank's share then)")):
         pts = {}
         for r in fam:
             if r["kind"] == kind:
                 prev = pts.get(r["world"])
-                if prev is None or r["seconds"]["total"] > prev["seconds"]["total"]:
+                if prev is None or r["cpu_seconds"] > prev["cpu_seconds"]:
                     pts[r["world"]] = r
         xs = sorted(pts)
         if not xs:
             continue
-        ax.plot(xs, [pts[x]["seconds"]["total"] for x in xs], style, label=label)
+        ax.plot(xs, [pts[x]["cpu_seconds"] for x in xs], style, label=label)
         bx.plot(xs, [pts[x]["peak_above_import_mb"] for x in xs], style, label=label)
     ax.axhline(1.0, color="tab:blue", lw=0.8, ls=":", label="share target 1 s")
     ax.axhline(60.0, color="tab:orange", lw=0.8, ls=":", label="whole target 60 s")
     bx.axhline(100.0, color="tab:blue", lw=0.8, ls=":", label="share target 100 MB")
-    for a, yl in ((ax, "seconds (wall, one core)"), (bx, "peak RSS above post-import RSS, MB")):
+    for a, yl in ((ax, "CPU seconds (one core)"), (bx, "peak RSS above post-import RSS, MB")):
         a.set_xscale("log", base=2)
         a.set_yscale("log")
         a.set_xlabel("ranks (trainer = engines, colocated)")
         a.set_ylabel(yl)
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     fig.suptitle("DeepSeek-V3 Megatron TP8xPP16xDP(k) EP(8k) -> k x vLLM TP8xDP16 EP, k = 1, 2, 4, 8", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

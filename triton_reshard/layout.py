@@ -537,7 +537,7 @@ class FragmentTable:
     """
 
     __slots__ = ("spec", "ranks", "offsets", "sizes", "local_ids", "local_names", "_loff", "_lnd", "_frags",
-                 "_index", "_boxes", "__weakref__")
+                 "_index", "_boxes", "_queries", "__weakref__")
 
     def __init__(self, spec: TensorSpec, ranks, offsets, sizes, local_ids, local_names: Sequence[str],
                  loff, lnd, fragments: tuple[Fragment, ...] | None = None) -> None:
@@ -545,7 +545,7 @@ class FragmentTable:
         self.ranks, self.offsets, self.sizes, self.local_ids = ranks, offsets, sizes, local_ids
         self.local_names = tuple(local_names)
         self._loff, self._lnd = loff, lnd  # [n, L] left-aligned, -1 padded; per-row number of local dims
-        self._frags, self._index, self._boxes = fragments, None, None
+        self._frags, self._index, self._boxes, self._queries = fragments, None, None, 0
         for a in (ranks, offsets, sizes, local_ids, loff, lnd):
             a.setflags(write=False)
 
@@ -634,10 +634,14 @@ class FragmentTable:
                              f"{len(off)} dims, the tensor has {nd}")
         if (end <= off).any():
             return np.zeros(0, np.int64)
-        if self.n <= 16:  # a few rows: the plain vectorized test
-            o, e = self.offsets, self.offsets + self.sizes
-            return np.flatnonzero((o < end).all(axis=1) & (e > off).all(axis=1) & (self.sizes > 0).all(axis=1))
         if self._index is None:
+            self._queries += 1
+            if self.n <= 16 or self._queries < 3:
+                # a few rows, or one of the first two queries of this table: one vectorized test (building the
+                # index, a sort, pays off from the third query on)
+                o = self.offsets
+                return np.flatnonzero((o < end).all(axis=1) & (o + self.sizes > off).all(axis=1)
+                                      & (self.sizes > 0).all(axis=1))
             self._build_index()
         d, order, starts, maxend = self._index
         if d < 0:  # 0-d tensor: every row holds its one element
