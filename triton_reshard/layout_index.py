@@ -36,8 +36,10 @@ from .layout import (
     _check_bytes,
     _dtype_name,
     _find_overlap,
+    _fragment,
     _gc_paused,
     _itemsize,
+    _slot_setters,
     content_fingerprint,
 )
 
@@ -761,34 +763,8 @@ _set_name, _set_shape, _set_dtype, _set_quant = ((TensorSpec.__dict__[k].__set__
                                                  for k in _SPEC_FIELDS)
 
 
-_FRAG_FIELDS = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets")
 _LOCAL_FIELDS = ("rank", "name", "shape", "dtype")
-
-
-def _slot_setters(cls, names: tuple[str, ...]):
-    if getattr(cls, "__slots__", None) != names:
-        return None
-    return tuple(cls.__dict__[k].__set__ for k in names)
-
-
-_FRAG_SET = _slot_setters(Fragment, _FRAG_FIELDS)
 _LOCAL_SET = _slot_setters(LocalSpec, _LOCAL_FIELDS)
-
-
-def _fragment(tensor, rank, offsets, sizes, local, local_offsets) -> Fragment:
-    """A :class:`Fragment` of values the columns' validation has checked (plain ints, the right lengths):
-    built without re-running its checks (10^6 of them at 1,024 ranks)."""
-    if _FRAG_SET is None:
-        return Fragment(tensor, rank, offsets, sizes, local, local_offsets)
-    f = object.__new__(Fragment)
-    a, b, c, d, e, g = _FRAG_SET
-    a(f, tensor)
-    b(f, rank)
-    c(f, offsets)
-    d(f, sizes)
-    e(f, local)
-    g(f, local_offsets)
-    return f
 
 
 def _local_spec(rank, name, shape, dtype) -> LocalSpec:
