@@ -590,7 +590,10 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
     return out
 
 
-STEP_PEERS = 16  # messages a rank sends (and receives) per step, each within a 1/STEP_PEERS share of half a bucket
+# peers a rank sends to (and receives from) per step, each load within a 1/STEP_PEERS share of half a bucket: all
+# peers at once up to 129 ranks (DeepSeek-V3 128 -> 128, 1 GiB bucket, H100 model: 0.54 s predicted vs 0.51 s for
+# the greedy's first fit; 16 peers: 2.1 s, 64: 0.79 s); beyond, windows of 128 offsets
+STEP_PEERS = 128
 STEP_GROUPING = "strided"
 
 
