@@ -663,7 +663,8 @@ class Resharder:
         bcode = _BACKEND_CODES.get(requested, len(_BACKEND_CODES))
         mine = torch.tensor(
             [d >> 32, d & 0xFFFFFFFF, self.bucket_bytes, 0 if error is None else 1, self.direct_min_bytes,
-             int(self.overlap), int(verify), bcode],
+             int(self.overlap), int(verify), bcode,
+             sum(t.relay for t in self.plan.transfers) if verify else 0],
             dtype=torch.int64, device=dev,
         )
         out = [torch.empty_like(mine) for _ in self.group_ranks]
@@ -674,13 +675,20 @@ class Resharder:
         if error is not None:
             raise error
         digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(self.group_ranks, rows, strict=True)}
-        if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:]) for row in rows}) > 1:
+        if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:8]) for row in rows}) > 1:
             names = {v: k or "auto" for k, v in _BACKEND_CODES.items()}
             opts = [(row[2], row[4], bool(row[5]), "verify" if row[6] else "run", names.get(row[7], "invalid"))
                     for row in rows]
             raise ReshardError(
                 f"rank {self.rank}: ranks run different plans or options (plan digest by rank: {digests}; "
                 f"(bucket_bytes, direct_min_bytes, overlap, mode, backend) by rank: {opts}); they must agree; "
+                f"nothing was moved"
+            )
+        relays = {r: row[8] for r, row in zip(self.group_ranks, rows, strict=True) if row[8]}
+        if relays:
+            raise ValueError(
+                f"rank {self.rank}: verify needs a plan without relays (relay transfers by rank: {relays}; they read "
+                f"the relaying rank's destination tensors, which verify must not trust): plan it with relay=False; "
                 f"nothing was moved"
             )
         bad = [r for r, row in zip(self.group_ranks, rows, strict=True) if row[3]]
@@ -933,11 +941,13 @@ class Resharder:
         scales held (temporaries: a local transfer's chunk of at most half a bucket, or one staged region).
         """
         relays = sum(t.relay for t in self.plan.transfers)
-        if relays:
+        if relays and not self._uses_wire():
             raise ValueError(
                 f"rank {self.rank}: verify needs a plan without relays ({relays} relay transfers read the relaying "
                 f"rank's destination tensors, which verify must not trust): plan it with relay=False"
             )
+        # with a group the relay check is part of the handshake: a rank plan knows only its own relays, and
+        # every rank must refuse together (a rank that raised alone would leave its peers in the handshake)
         tally = _Tally()
         with self._exclusive("verify"):
             stats = self._execute(src_tensors, dst_tensors, tally)
