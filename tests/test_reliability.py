@@ -186,6 +186,58 @@ def test_second_concurrent_run_on_one_group_is_refused_before_it_sends():
             g.destroy()
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_rank_that_cannot_plan_its_share_stops_its_peers_at_once(verify):
+    """With rank plans only the rank that receives an element held by no source finds out (here rank 1);
+    refit/verify_refit there takes part in the handshake before raising, so rank 0, whose own share plans
+    fine, raises a named ReshardError at once instead of waiting out the timeout."""
+    from triton_reshard import refit, verify_refit
+
+    port = free_port()
+    groups: dict[int, object] = {}
+
+    def join(rank):
+        groups[rank] = init_refit_group("127.0.0.1", port, rank, 2, backend="gloo", timeout=30)
+
+    ts = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(40)
+    try:
+        specs = {"w": ((8, 4), torch.float32), "v": ((4,), torch.float32)}
+        src = Layout.from_fragments(specs, [Fragment("w", 0, (0, 0), (4, 4)), Fragment("v", 0, (0,), (4,))])
+        dst = Layout.from_fragments(specs, [Fragment("w", 1, (4, 0), (4, 4)), Fragment("v", 0, (0,), (4,))])
+        plan_reshard(src, dst, rank=0)  # rank 0's own share is fine: only rank 1 can see the problem
+        call = verify_refit if verify else refit
+        tensors = {0: ({"w": torch.randn(4, 4), "v": torch.randn(4)}, {"v": torch.zeros(4)}),
+                   1: ({}, {"w": torch.full((4, 4), float("nan"))})}
+        errors: dict[int, BaseException] = {}
+        took: dict[int, float] = {}
+
+        def go(rank):
+            t0 = time.perf_counter()
+            try:
+                call(*tensors[rank], src, dst, group=groups[rank], timeout=30)
+            except BaseException as e:  # noqa: BLE001 - recorded and checked below
+                errors[rank] = e
+            took[rank] = time.perf_counter() - t0
+
+        ts = [threading.Thread(target=go, args=(r,)) for r in (0, 1)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert isinstance(errors.get(1), ValueError) and names(str(errors[1]), "w", 1), errors
+        assert "held by no source rank" in str(errors[1])
+        assert isinstance(errors.get(0), ReshardError) and "rank(s) [1] could not plan" in str(errors[0]), errors
+        assert max(took.values()) < 10, took  # not the 30 s timeout
+        assert torch.equal(tensors[0][1]["v"], torch.zeros(4))  # nothing was moved on rank 0 either
+    finally:
+        for g in groups.values():
+            g.destroy()
+
+
 # --------------------------------------------------------------------------------------------------------
 # refit: torn-weight fencing and the Resharder cache
 # --------------------------------------------------------------------------------------------------------

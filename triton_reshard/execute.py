@@ -370,6 +370,24 @@ def _sub_box_shift(outer: torch.Tensor, inner: torch.Tensor) -> tuple[int, ...] 
     return tuple(shift)
 
 
+def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(minutes=5)) -> None:
+    """Raise ``error`` (a planning or input error found on this rank before its ``Resharder`` exists) after
+    taking part in the plan handshake its peers are in, so that they raise at once ("rank(s) [r] could not
+    plan this refit") instead of waiting for the timeout. With rank plans an error in one tensor is found only
+    by the ranks that touch it."""
+    comm = as_transport(group)
+    if comm.wire:
+        dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([0, 0, 0, 2, 0, 0, int(verify), 0, 0], dtype=torch.int64, device=dev)
+        out = [torch.empty_like(mine) for _ in comm.ranks]
+        try:
+            work = comm.all_gather(out, mine)
+            work.wait(timeout=_to_timedelta(timeout))
+        except Exception:  # the peers' view of it is theirs to report; ours is the original error
+            pass
+    raise error
+
+
 class Resharder:
     """Runs ``plan`` on this rank. Call :meth:`run` on every rank of ``group`` (default: the world).
 
@@ -674,6 +692,12 @@ class Resharder:
         rows = [o.tolist() for o in out]
         if error is not None:
             raise error
+        refused = [r for r, row in zip(self.group_ranks, rows, strict=True) if row[3] == 2]
+        if refused:  # ranks that could not even plan (refuse()): no digest to compare
+            raise ReshardError(
+                f"rank {self.rank}: rank(s) {refused} could not plan this refit (see the error on those ranks); "
+                f"nothing was moved"
+            )
         digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(self.group_ranks, rows, strict=True)}
         if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:8]) for row in rows}) > 1:
             names = {v: k or "auto" for k, v in _BACKEND_CODES.items()}

@@ -20,7 +20,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .execute import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, Resharder, ReshardError, RunReport, VerifyReport
+from .execute import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT,
+    Resharder,
+    ReshardError,
+    RunReport,
+    VerifyReport,
+    refuse,
+)
 from .group import RefitGroup, as_transport
 from .layout import Layout
 from .plan import plan_reshard
@@ -237,10 +245,13 @@ def refit(
     way (``ReshardTransportError``, ``ReshardAbortedError``) the group is unusable: destroy it, build a new one
     and refit again with the new group (the cache never returns a Resharder of a failed or destroyed group).
     """
-    r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
-                      instances=instances)
-    dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "refit")
+    try:
+        r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
+                          backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
+                          instances=instances)
+        dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "refit")
+    except (ValueError, TypeError) as e:  # tell the peers waiting in the handshake, then raise it here
+        refuse(group, e, verify=False, timeout=timeout)
     skey = (dst_layout, instances)
     state = _STATE.get(skey, RefitState())
     _STATE[skey] = dataclasses.replace(state, attempting=version)
@@ -298,10 +309,13 @@ def verify_refit(
     """
     if gpus_per_node is not None or instances != 1:
         relay = False  # relays would read the tensors under test (relay=True without either still fails)
-    r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                      backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
-                      instances=instances)
-    dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "verify_refit")
+    try:
+        r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
+                          backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
+                          instances=instances)
+        dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "verify_refit")
+    except (ValueError, TypeError) as e:
+        refuse(group, e, verify=True, timeout=timeout)
     report = r.verify(_as_dict(src_tensors, "source"), dst)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
 
