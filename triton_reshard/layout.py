@@ -1084,22 +1084,28 @@ class Layout:
             raise ValueError(f"Layout.instances: stride={stride!r} must be an int >= 1")
         return stride
 
+    def _instance_step(self, n: int, stride: int | None) -> int:
+        """The rank shift between copies of ``instances(n, stride)``; raises if ``n`` is not an int >= 1 or the
+        copies would share a rank (what every representation of a layout checks before copying)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"Layout.instances: n={n!r} must be an int >= 1")
+        step = self.instance_stride(stride)
+        ranks = self.ranks
+        if n > 1 and len({r + i * step for i in range(n) for r in ranks}) < n * len(ranks):
+            raise ValueError(f"Layout.instances: {n} copies of ranks {list(ranks)} shifted by stride={step} share "
+                             f"ranks (the stride must be at least the span of the ranks, {ranks[-1] - ranks[0] + 1}, "
+                             f"or interleave them without collisions)")
+        return step
+
     def instances(self, n: int, stride: int | None = None) -> Layout:
         """``n`` copies of this layout on successive rank blocks: copy ``i`` is this layout with every rank
         shifted by ``i * stride`` (default: the span of its ranks, so copies of a layout on consecutive ranks
         follow each other, e.g. ranks 4-7 → 4-7, 8-11, 12-15). Copy 0 is this layout itself. The copies must not
         share a rank. E.g. several independent inference engines, each a full copy of one engine's layout.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"Layout.instances: n={n!r} must be an int >= 1")
-        step = self.instance_stride(stride)
+        step = self._instance_step(n, stride)
         if n == 1:
             return self
-        ranks = self.ranks
-        if len({r + i * step for i in range(n) for r in ranks}) < n * len(ranks):
-            raise ValueError(f"Layout.instances: {n} copies of ranks {list(ranks)} shifted by stride={step} share "
-                             f"ranks (the stride must be at least the span of the ranks, {ranks[-1] - ranks[0] + 1}, "
-                             f"or interleave them without collisions)")
         with _gc_paused():
             frags = [Fragment(f.tensor, f.rank + i * step, f.offsets, f.sizes, f.local, f.local_offsets)
                      for i in range(n) for f in self.fragments]

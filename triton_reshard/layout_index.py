@@ -666,14 +666,9 @@ class ColumnarLayout(Layout):
         return int(per[rows.start:rows.stop].sum())
 
     def instances(self, n: int, stride: int | None = None) -> Layout:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"Layout.instances: n={n!r} must be an int >= 1")
-        step = self.instance_stride(stride)
+        step = self._instance_step(n, stride)
         if n == 1:
             return self
-        ranks = self.ranks
-        if len({r + i * step for i in range(n) for r in ranks}) < n * len(ranks):
-            return Layout.instances(self, n, stride)  # raises its message
         if self._base is not None:  # copies of copies: one level of tiling
             return Layout.instances(self, n, stride)
         return ColumnarLayout(self._lt, base=self, copies=n, stride=step)
