@@ -9,12 +9,16 @@
   joins with its rank offset (trainer ranks ``0..T-1``, engine ranks ``T..T+E-1``, say).
 
 Every wait is bounded by a timeout; a rendezvous that cannot complete says which ranks never arrived.
+
+Security (``docs/security.md``): the rendezvous is an authenticated store (:mod:`.auth`) that rank 0 serves;
+every member proves the group's secret before it can read or write a key, and rank 0 proves it back. The
+gloo/NCCL rendezvous, the rank claims and :meth:`RefitGroup.all_gather_object` (data-only JSON, :mod:`.wire`)
+all ride it. The tensors themselves travel over gloo/NCCL, which neither encrypt nor authenticate them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import socket
 import time
 from dataclasses import dataclass, field
@@ -22,6 +26,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import wire
+from .auth import AuthError, AuthStore, AuthStoreServer, group_key, resolve_secret
 
 
 class RefitGroupError(RuntimeError):
@@ -83,6 +90,7 @@ class RefitGroup:
     pg: object = field(repr=False)
     _store: object = field(repr=False)
     _gen: int = field(default=0, repr=False)
+    _server: object = field(default=None, repr=False)  # rank 0: the rendezvous it serves
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -115,21 +123,29 @@ class RefitGroup:
         return works
 
     def all_gather_object(self, obj) -> list:
-        """Every rank's picklable ``obj``, in rank order, through the group's rendezvous store (for small
-        control data such as layouts and load records; bounded by the group's timeout)."""
+        """Every rank's ``obj``, in rank order, through the group's authenticated rendezvous store (for small
+        control data such as layouts and load records; bounded by the group's timeout). Data only: JSON
+        values, tuples, dtypes, Layouts, load records (:mod:`triton_reshard.wire`); nothing is unpickled. A
+        message that does not match its schema raises :class:`RefitGroupError` naming the rank and field."""
         if self._store is None:
             raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")
         self._gen += 1
         prefix = f"tr/obj/{self._gen}/"
-        self._store.set(prefix + str(self.rank), pickle.dumps(obj))
+        self._store.set(prefix + str(self.rank), wire.dumps(obj))
         keys = [prefix + str(r) for r in range(self.size)]
         try:
-            self._store.wait(keys, self.timeout)
-        except (RuntimeError, dist.DistStoreError) as e:
-            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            raw = self._store.multi_get(keys)
+        except (RuntimeError, OSError, dist.DistStoreError) as e:
+            try:
+                missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            except (RuntimeError, OSError):
+                missing = "unknown: the rendezvous is lost"
             raise RefitGroupError(f"rank {self.rank}: ranks {missing} of the refit group did not contribute to "
-                                  f"exchange {self._gen} within {self.timeout.total_seconds():g}s") from e
-        return [pickle.loads(self._store.get(k)) for k in keys]
+                                  f"exchange {self._gen} within {self.timeout.total_seconds():g}s ({e})") from e
+        try:
+            return [wire.loads(b, f"rank {r}'s object in exchange {self._gen}") for r, b in enumerate(raw)]
+        except wire.WireError as e:
+            raise RefitGroupError(f"rank {self.rank}: {e}") from None
 
     def barrier(self) -> None:
         """All ranks of the group, bounded by the group's timeout."""
@@ -147,7 +163,12 @@ class RefitGroup:
         if pg is not None and hasattr(pg, "shutdown"):
             with contextlib.suppress(Exception):  # best effort: a broken group may refuse
                 pg.shutdown()
-        self._store = None
+        store, self._store = self._store, None
+        if isinstance(store, AuthStore):
+            store.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
 
 
 def as_transport(group) -> TorchGroup | RefitGroup:
@@ -160,7 +181,8 @@ def as_transport(group) -> TorchGroup | RefitGroup:
 
 
 def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
-                     timeout: float | timedelta = 300.0) -> RefitGroup:
+                     timeout: float | timedelta = 300.0, secret: bytes | str | None = None,
+                     insecure: bool | None = None) -> RefitGroup:
     """Join (rank 0: open) the refit group at ``host:port`` as ``rank`` of ``world_size``.
 
     Works in any process, inside a torch.distributed world or outside any; never touches the default group.
@@ -168,6 +190,16 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
     pass the same ``world_size``; each rank number is taken once. Raises :class:`RefitGroupError` within
     ``timeout`` if rank 0 cannot listen on the port, a rank cannot reach rank 0, some rank never arrives (it
     names them), or the ranks disagree on the world size.
+
+    ``secret`` (bytes or str, at least 16 bytes; default: the environment's ``TRITON_RESHARD_SECRET``, or
+    the file named by ``TRITON_RESHARD_SECRET_FILE``): every member proves it holds the same secret before
+    it takes a rank, and rank 0 proves it to every member (a member never joins a stranger's group); it
+    never crosses the wire. A process without it is refused at the handshake: it reads and writes nothing
+    and takes no rank. Without a secret the group runs only on a loopback ``host`` (127.0.0.0/8, ``::1``,
+    ``localhost``: only this machine's processes reach it), because on a routable address anyone who reaches
+    the port could take a rank, read the layouts and send or receive weights; ``insecure=True`` (or
+    ``TRITON_RESHARD_INSECURE=1``) accepts that risk explicitly. What the secret does not protect (the
+    tensors on gloo/NCCL's wire): ``docs/security.md``.
     """
     td = _td(timeout)
     for name, v in (("rank", rank), ("world_size", world_size), ("port", port)):
@@ -181,18 +213,42 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"init_refit_group: backend {backend!r} is not 'gloo' or 'nccl'")
+    key = group_key(host, resolve_secret(secret), insecure, where=f"init_refit_group (rank {rank})")
     where = f"{host}:{port}"
     deadline = time.monotonic() + td.total_seconds()
+    server = None
+    if rank == 0:
+        try:
+            server = AuthStoreServer(host, port, key, world_size)
+        except OSError as e:
+            raise RefitGroupError(f"rank 0 cannot open the refit group's rendezvous on {where}: "
+                                  f"{e.strerror or e} (is the port taken?)") from e
     try:
-        store = dist.TCPStore(host, port, None, rank == 0, timeout=td, wait_for_workers=False,
-                              use_libuv=True)
-    except (RuntimeError, OSError, dist.DistStoreError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if rank == 0:
-            raise RefitGroupError(f"rank 0 cannot open the refit group's rendezvous on {where}: {msg} "
-                                  f"(is the port taken?)") from e
+        store = _connect(host, port, key, td, rank, world_size, deadline, where)
+        try:
+            g = _join(store, host, port, rank, world_size, backend, td, deadline, where)
+        except BaseException:
+            store.close()
+            raise
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    g._server = server
+    return g
+
+
+def _connect(host, port, key, td, rank, world_size, deadline, where) -> AuthStore:
+    try:
+        return AuthStore(host, port, key, td, rank=rank, world_size=world_size, connect_deadline=deadline)
+    except AuthError as e:
+        raise RefitGroupError(f"rank {rank} refused to join the refit group at {where}: {e}") from None
+    except (TimeoutError, OSError) as e:
         raise RefitGroupError(f"rank {rank} could not reach the refit group's rendezvous at {where} within "
-                              f"{td.total_seconds():g}s: {msg}") from e
+                              f"{td.total_seconds():g}s: {e}") from None
+
+
+def _join(store, host, port, rank, world_size, backend, td, deadline, where) -> RefitGroup:
     if store.add(f"tr/rank/{rank}", 1) != 1:
         raise RefitGroupError(f"rank {rank} of the refit group at {where} was taken twice: two processes passed "
                               f"rank={rank}")

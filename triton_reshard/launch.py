@@ -125,10 +125,18 @@ def run_world(
     errors = {r: v for r, (ok, v) in results.items() if not ok}
     if errors and not allow_errors:
         raise WorldError(errors)
-    return [
-        torch.load(io.BytesIO(val), weights_only=False) if ok else val
-        for ok, val in (results[r] for r in range(world_size))
-    ]
+    return [_load_result(r, val) if ok else val for r, (ok, val) in sorted(results.items())]
+
+
+def _load_result(rank: int, data: bytes):
+    """A rank's result, loaded data-only (``weights_only=True``: tensors, numbers, strings, containers;
+    nothing in the bytes is run, even though they come from our own child)."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 (torch raises UnpicklingError or RuntimeError by version)
+        raise WorldError({rank: f"rank {rank} returned a value that does not load as data only "
+                                f"(weights_only=True): return dicts, lists, tuples, tensors, numbers and "
+                                f"strings\n{str(e).splitlines()[0] if str(e) else type(e).__name__}"}) from None
 
 
 def run_jobs(jobs: dict[str, tuple], *, backend: str | None = "gloo", timeout: float = 300.0) -> dict[str, object]:

@@ -7,20 +7,22 @@ the actor, ``CheckpointEngineWorker.__init__`` in ``verl/checkpoint_engine/base.
 "triton_reshard.integrations.verl"``, imported by verl's ``import_external_libs``), through
 ``CheckpointEngineRegistry.new``. This test process plays ``CheckpointEngineManager``: it gathers every
 worker's ``prepare()``, runs the backend class's ``build_topology`` and hands each worker its
-``init_process_group`` kwargs, through a TCP store (in verl: Ray calls). Each worker then runs
+``init_process_group`` kwargs, through an authenticated store with data-only messages (in verl: Ray calls). Each worker then runs
 ``send_weights`` / ``receive_weights`` (consumed as verl's server adapter does) and ``finalize``, every round.
 
 Round 1 streams verl's generator of full tensors (both actor workers hold them); round 2 sends from a
 sharded trainer layout (``set_source``; the generator is never touched). Rollout buffers are poisoned (NaN);
 every received tensor must equal the global tensor exactly (full destinations), or exactly inside the box
-that worker's destination layout reads and still NaN outside it (``dst_layout``: TP2 reads).
+that worker's destination layout reads and still NaN outside it (``dst_layout``: TP2 reads, a JSON layout
+file). Every worker holds the refit group's secret (round 1 from ``TRITON_RESHARD_SECRET``, round 2 from a
+``secret_file`` named in the engine kwargs); while they rendezvous, strangers knock on the master's refit port
+(junk bytes, a pickle, wrong secrets claiming an actor and a rollout rank) and must be refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import sys
 import threading
 from datetime import timedelta
@@ -32,6 +34,9 @@ import torch.distributed as dist
 pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed here (tests/engines/install.sh)")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests import strangers  # noqa: E402
+from triton_reshard import wire  # noqa: E402
+from triton_reshard.auth import AuthStore, AuthStoreServer, resolve_secret  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
 from triton_reshard.launch import run_world  # noqa: E402
 from triton_reshard.layout import Layout, Replicate, Shard  # noqa: E402
@@ -79,14 +84,14 @@ def _engine(role: str, rank: int, engine_kwargs: dict):
     return CheckpointEngineRegistry.new(cfg.backend, bucket_size=bucket_size, **kw)
 
 
-def _store(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=60))
+def _store(port: int) -> AuthStore:
+    return AuthStore("127.0.0.1", port, resolve_secret(), timedelta(seconds=60))
 
 
 def _rendezvous(store, engine, role: str, rank: int, step: int) -> None:
-    store.set(f"meta/{step}/{role}/{rank}", pickle.dumps(engine.prepare()))
+    store.set(f"meta/{step}/{role}/{rank}", wire.dumps(engine.prepare()))
     store.wait([f"topo/{step}/{role}/{rank}"])
-    engine.init_process_group(**pickle.loads(store.get(f"topo/{step}/{role}/{rank}")))
+    engine.init_process_group(**wire.loads(store.get(f"topo/{step}/{role}/{rank}")))
 
 
 CONFIGS = ("full", "tp2-reads")  # the rollout receives full tensors / only the boxes its loader reads
@@ -96,8 +101,9 @@ STEPS = 2  # weight updates per config
 def _kwargs(config: str, dst_layout_path: str) -> dict:
     """``engine_kwargs["triton_reshard"]``: verl hands the same dict to the actor and the rollout side."""
     kw = {"host": "127.0.0.1", "timeout": 60, "fill": float("nan"), "device": "cpu"}
-    if config == "tp2-reads":
+    if config == "tp2-reads":  # the secret from a file named in the config (round 1: the environment's)
         kw["dst_layout"] = dst_layout_path
+        kw["secret_file"] = os.path.join(os.path.dirname(dst_layout_path), "secret")
     return kw
 
 
@@ -191,28 +197,39 @@ def _manager(store, steps: int, results: dict) -> None:
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         cls = CheckpointEngineRegistry.get("triton_reshard")
+        knockers = []
         for step in range(steps):
             keys = [f"meta/{step}/actor/{r}" for r in range(A)] + [f"meta/{step}/rollout/{r}" for r in range(W)]
             store.wait(keys)
-            meta = [pickle.loads(store.get(k)) for k in keys]
+            meta = [wire.loads(store.get(k)) for k in keys]
+            if step in (0, 2):  # strangers at the refit group's port while the workers join it
+                knock = threading.Thread(target=strangers.knock_all, args=(meta[0]["host"], meta[0]["port"],
+                                                                          A + W, [0, A], results, f"stranger{step}"))
+                knock.start()
+                knockers.append(knock)
             actor_kw, rollout_kw = cls.build_topology(A, W, meta)
             for role, kw, n in (("actor", actor_kw, A), ("rollout", rollout_kw, W)):
                 assert all(len(v) == n for v in kw.values())
                 for r in range(n):
-                    store.set(f"topo/{step}/{role}/{r}", pickle.dumps({k: v[r] for k, v in kw.items()}))
+                    store.set(f"topo/{step}/{role}/{r}", wire.dumps({k: v[r] for k, v in kw.items()}))
+        for k in knockers:
+            k.join(60)
         results["manager"] = cls.__name__
     except Exception as e:  # noqa: BLE001 (asserted below)
         results["manager"] = e
 
 
-def test_verl_checkpoint_engine_two_jobs(tmp_path):
+def test_verl_checkpoint_engine_two_jobs(tmp_path, monkeypatch):
     import triton_reshard.integrations.verl  # noqa: F401  (the test process knows the backend, as verl's driver)
 
-    dst_path = str(tmp_path / "dst_layout.pt")
-    torch.save(tp2_layout(range(W)), dst_path)
+    secret = os.urandom(32).hex()
+    monkeypatch.setenv("TRITON_RESHARD_SECRET", secret)  # inherited by the spawned workers
+    (tmp_path / "secret").write_text(secret + "\n")
+    dst_path = str(tmp_path / "dst_layout.json")
+    wire.save_layout(tp2_layout(range(W)), dst_path)
     ctl_port = free_port()
-    store = dist.TCPStore("127.0.0.1", ctl_port, None, True, timeout=timedelta(seconds=90),
-                          wait_for_workers=False)
+    server = AuthStoreServer("127.0.0.1", ctl_port, secret.encode())
+    store = _store(ctl_port)
     results: dict = {}
 
     def launch(name, *args):
@@ -228,8 +245,11 @@ def test_verl_checkpoint_engine_two_jobs(tmp_path):
         t.start()
     for t in threads:
         t.join(150)
+    server.close()
     for name in ("manager", "actor", "rollout"):
         assert not isinstance(results.get(name), Exception), f"{name} failed: {results.get(name)}"
+    for step in (0, 2):
+        strangers.assert_refused(results[f"stranger{step}"])
     problems = [p for r in results["rollout"] for out in r for p in out["problems"]]
     assert not problems, "\n".join(problems)
     full_bytes = sum(torch.empty(s, dtype=d).nbytes for s, d in SHAPES.values())

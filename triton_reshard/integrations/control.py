@@ -1,34 +1,57 @@
-"""A minimal control plane over a TCP store, for examples and tests without Ray or an HTTP server.
+"""A minimal control plane over an authenticated store, for examples and tests without Ray or an HTTP server.
 
 In a deployment the trainer reaches the engine's workers through vLLM's own control plane (the RLHF HTTP
 routes, Ray actors, ``LLM.collective_rpc``): a ``VLLMWeightSyncClient``. Here :class:`StoreClient` is such a
 client, and :func:`serve` is the engine worker's side: the trainer posts a call, every worker runs it and
 acknowledges, the client waits for all (errors come back with the worker's traceback).
+
+The store is :class:`~triton_reshard.auth.AuthStoreServer` (:func:`host_store`): every party proves the
+secret (``secret=``, or ``TRITON_RESHARD_SECRET`` / ``TRITON_RESHARD_SECRET_FILE``) before it can post or read
+a call, and the calls are data-only JSON (:mod:`triton_reshard.wire`), so a stranger can neither run a handler
+nor plant code. Without a secret the control plane runs on loopback hosts only (or with ``insecure=True``).
 """
 
 from __future__ import annotations
 
-import pickle
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
-import torch.distributed as dist
+from .. import wire
+from ..auth import AuthStore, AuthStoreServer, group_key, resolve_secret
+
+METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "stop")
+
+
+def _key(host: str, secret, insecure, where: str) -> bytes:
+    return group_key(host, resolve_secret(secret, where=where), insecure, where=where)
+
+
+def _connect(host: str, port: int, timeout: float, secret, insecure, where: str) -> AuthStore:
+    return AuthStore(host, port, _key(host, secret, insecure, where), timedelta(seconds=timeout))
 
 
 class StoreClient:
     """The trainer-side ``VLLMWeightSyncClient``: each call runs on every engine worker and waits for all."""
 
-    def __init__(self, host: str, port: int, workers: int, timeout: float = 300.0):
-        self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
+    def __init__(self, host: str, port: int, workers: int, timeout: float = 300.0, *,
+                 secret: bytes | str | None = None, insecure: bool | None = None):
+        self.store = _connect(host, port, timeout, secret, insecure, "control StoreClient")
         self.workers, self.timeout, self.n = workers, timeout, 0
 
     def _call(self, method: str, payload=None) -> None:
         n, self.n = self.n, self.n + 1
-        self.store.set(f"cmd/{n}", pickle.dumps((method, payload)))
+        self.store.set(f"cmd/{n}", wire.dumps({"method": method, "payload": payload}))
         keys = [f"ack/{n}/{w}" for w in range(self.workers)]
         self.store.wait(keys, timedelta(seconds=self.timeout))
-        errors = [e for e in (pickle.loads(self.store.get(k)) for k in keys) if e]
+        errors = []
+        for w, raw in enumerate(self.store.multi_get(keys)):
+            err = wire.loads(raw, f"engine worker {w}'s acknowledgement of call {n} ({method})")
+            if not isinstance(err, str):
+                raise wire.WireError(f"engine worker {w}'s acknowledgement of call {n} ({method}): expected an "
+                                     f"error string, got {type(err).__name__}")
+            if err:
+                errors.append(err)
         if errors:
             raise RuntimeError(f"engine workers failed {method}: {errors[0]}")
 
@@ -49,26 +72,44 @@ class StoreClient:
         self._call("stop")
 
 
-def serve(host: str, port: int, worker: int, handlers: Mapping[str, Callable], timeout: float = 300.0) -> int:
+def _command(raw: bytes, n: int, worker: int) -> tuple[str, object]:
+    what = f"worker {worker}: control call {n}"
+    msg = wire.loads(raw, what)
+    if not isinstance(msg, dict) or set(msg) != {"method", "payload"}:
+        raise wire.WireError(f"{what}: expected an object with fields 'method' and 'payload', got "
+                             f"{sorted(msg) if isinstance(msg, dict) else type(msg).__name__}")
+    if msg["method"] not in METHODS:
+        raise wire.WireError(f"{what}.method: {msg['method']!r} is not one of {list(METHODS)}")
+    return msg["method"], msg["payload"]
+
+
+def serve(host: str, port: int, worker: int, handlers: Mapping[str, Callable], timeout: float = 300.0, *,
+          secret: bytes | str | None = None, insecure: bool | None = None) -> int:
     """An engine worker's loop: run each posted call (``handlers[method](payload)``), acknowledge it, until
-    ``stop``; returns the number of calls."""
-    store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
+    ``stop``; returns the number of calls. A call that does not match the schema is an error."""
+    store = _connect(host, port, timeout, secret, insecure, f"control serve (worker {worker})")
     n = 0
-    while True:
-        store.wait([f"cmd/{n}"], timedelta(seconds=timeout))
-        method, payload = pickle.loads(store.get(f"cmd/{n}"))
-        err = ""
-        if method != "stop":
-            try:
-                handlers[method](payload)
-            except BaseException as e:  # noqa: BLE001 (sent back to the trainer)
-                err = f"worker {worker}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        store.set(f"ack/{n}/{worker}", pickle.dumps(err))
-        n += 1
-        if method == "stop":
-            return n
+    try:
+        while True:
+            store.wait([f"cmd/{n}"], timedelta(seconds=timeout))
+            method, payload = _command(store.get(f"cmd/{n}"), n, worker)
+            err = ""
+            if method != "stop":
+                try:
+                    handlers[method](payload)
+                except BaseException as e:  # noqa: BLE001 (sent back to the trainer)
+                    err = f"worker {worker}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            store.set(f"ack/{n}/{worker}", wire.dumps(err))
+            n += 1
+            if method == "stop":
+                return n
+    finally:
+        store.close()
 
 
-def host_store(host: str, port: int, timeout: float = 300.0):
-    """The store both sides connect to (keep the returned object alive while they run)."""
-    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+def host_store(host: str, port: int, timeout: float = 300.0, *, secret: bytes | str | None = None,
+               insecure: bool | None = None) -> AuthStoreServer:
+    """The store both sides connect to (keep the returned object alive while they run; ``close()`` it
+    after). ``timeout`` is accepted for compatibility: each client bounds its own waits."""
+    del timeout
+    return AuthStoreServer(host, port, _key(host, secret, insecure, "control host_store"))

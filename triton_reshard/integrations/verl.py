@@ -30,7 +30,8 @@ How verl's interface maps onto ours (``CheckpointEngineManager.update_weights``,
   ``dst_layout``, only the box of each tensor its own loader reads (the bounding box of its fragments in a
   destination :class:`~triton_reshard.Layout` over rollout ranks ``0..W-1`` in the checkpoint's names, e.g.
   recorded off the vLLM workers with :func:`~triton_reshard.integrations.vllm.layout_from_vllm` /
-  :func:`~triton_reshard.integrations.vllm.record_vllm` and saved with ``torch.save``): the tensors it
+  :func:`~triton_reshard.integrations.vllm.record_vllm` and saved with :func:`triton_reshard.wire.save_layout`,
+  a JSON file: nothing in it is run when it is read): the tensors it
   yields have the full shape, the boxes the loader narrows to are exact and the rest is never sent (left
   uninitialised), so a TP-``k`` rollout receives ~1/k of the bytes.
 * A trainer that keeps its sharded weights: :meth:`TritonReshardCheckpointEngine.set_source` (the trainer's
@@ -38,6 +39,12 @@ How verl's interface maps onto ours (``CheckpointEngineManager.update_weights``,
   :func:`~triton_reshard.integrations.layout_from_megatron`); ``send_weights`` then sends the boxes each
   rank holds, straight from its local tensors, and leaves verl's generator unused (no gather at all).
 * ``finalize()``: drops the step's buffers; destroys the group only with ``rebuild_group=True``.
+
+The secret (``docs/security.md``): every actor and rollout worker reads the refit group's secret from the
+environment variable named by ``secret_env`` (default ``TRITON_RESHARD_SECRET``) or the file ``secret_file``
+(engine kwargs name where the secret is, never the secret: verl's config is logged). The master listens on a
+routable address by default (Ray's node IP), so without a secret ``init_process_group`` refuses to start
+unless ``insecure=True``.
 
 Not handled: verl's ``delta_flush`` wire format (this engine yields ``named_tensors``), and LoRA adapter
 sync (verl sends merged weights through this path with ``lora.merge=True``).
@@ -53,6 +60,7 @@ from typing import Any
 
 import torch
 
+from ..auth import SECRET_ENV, secret_from
 from ..group import RefitGroup, free_port, init_refit_group
 from ..layout import Fragment, Layout, TensorSpec
 from ..refit import refit
@@ -144,12 +152,12 @@ def _meta(name: str, t: torch.Tensor) -> Meta:
 
 
 def _load_layout(obj: Layout | str | os.PathLike | None) -> Layout | None:
+    """A Layout, or one read from a JSON layout file (:func:`triton_reshard.wire.save_layout`)."""
     if obj is None or isinstance(obj, Layout):
         return obj
-    lay = torch.load(os.fspath(obj), weights_only=False)
-    if not isinstance(lay, Layout):
-        raise TypeError(f"dst_layout file {os.fspath(obj)!r} holds a {type(lay).__name__}, not a Layout")
-    return lay
+    from ..wire import load_layout
+
+    return load_layout(os.fspath(obj))
 
 
 async def _aiter(weights) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -180,7 +188,9 @@ class TritonReshardCheckpointEngine(_Base):
     name). ``device``: where the rollout side receives (default: CUDA if available). ``group_backend``:
     ``"gloo"`` / ``"nccl"`` (default: NCCL with CUDA). ``fill``: fill the rollout side's fresh buffers
     with this value before each refit (debugging: ``float("nan")`` shows every element nobody wrote).
-    ``allow_cast``: as in :func:`~triton_reshard.refit`.
+    ``allow_cast``: as in :func:`~triton_reshard.refit`. ``secret_env`` / ``secret_file``: where this worker
+    reads the refit group's secret; ``insecure``: run without one on a routable address (see
+    :func:`~triton_reshard.init_refit_group`).
     """
 
     wire_format = "named_tensors"
@@ -188,7 +198,8 @@ class TritonReshardCheckpointEngine(_Base):
     def __init__(self, bucket_size: int, is_master: bool = False, *, dst_layout: Layout | str | None = None,
                  senders: str = "all", host: str | None = None, port: int = 0, timeout: float = 300.0,
                  rebuild_group: bool = False, group_backend: str | None = None, device: str | None = None,
-                 allow_cast: bool = False, fill: float | None = None) -> None:
+                 allow_cast: bool = False, fill: float | None = None, secret_env: str | None = SECRET_ENV,
+                 secret_file: str | None = None, insecure: bool | None = None) -> None:
         if senders not in ("all", "master"):
             raise ValueError(f"triton_reshard checkpoint engine: senders={senders!r} is not 'all' or 'master'")
         self.bucket_size = int(bucket_size)
@@ -198,6 +209,7 @@ class TritonReshardCheckpointEngine(_Base):
         self.senders, self.host, self.port, self.timeout = senders, host, int(port), float(timeout)
         self.rebuild_group, self.group_backend, self.allow_cast = rebuild_group, group_backend, allow_cast
         self.fill = fill
+        self.secret_env, self.secret_file, self.insecure = secret_env, secret_file, insecure
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.group: RefitGroup | None = None
         self._addr: tuple[str, int] | None = None
@@ -265,8 +277,9 @@ class TritonReshardCheckpointEngine(_Base):
         if self.group is not None:
             self.group.destroy()
         self._where = (host, port)
+        secret = secret_from(self.secret_env, self.secret_file, where=f"triton_reshard checkpoint engine rank {rank}")
         self.group = init_refit_group(host, port, rank, world_size, backend=self.group_backend,
-                                      timeout=self.timeout)
+                                      timeout=self.timeout, secret=secret, insecure=self.insecure)
 
     def finalize(self) -> None:
         """Drop the step's state; destroy the group only with ``rebuild_group``."""

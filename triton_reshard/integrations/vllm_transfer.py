@@ -18,6 +18,10 @@ staging copy of the model), from the trainer rank that holds them.
 * **Every update** (``update_weights`` on the workers, ``send_weights`` on the trainer ranks): one
   ``refit`` over the refit group. ``start_weight_update`` / ``finish_weight_update`` have nothing to do (the
   weights are written in place, in the checkpoint format the loader writes).
+* **The secret** (``docs/security.md``): the trainer passes ``secret=`` (never printed: ``repr=False``) or
+  names where it lives (``secret_env``, default ``TRITON_RESHARD_SECRET``; ``secret_file``); the workers get
+  only those names in their init info (which travels over vLLM's control plane and may be logged) and read the
+  secret from their own environment or file. Every member proves it before it takes a rank.
 * Older vLLMs without the weight-transfer API: :class:`RefitWorkerExtension` (``worker_extension_cls=``) gives
   the workers ``init_refit_group`` / ``refit_from_trainer`` methods for ``collective_rpc``.
 
@@ -37,6 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..auth import SECRET_ENV, secret_from
 from ..group import RefitGroup, init_refit_group
 from ..layout import Layout
 from ..refit import refit
@@ -117,6 +122,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
     timeout: float = 300.0
     bucket_bytes: int = 256 << 20
     group_backend: str | None = None  # gloo / nccl (default: nccl with CUDA)
+    # where this worker reads the refit group's secret (the secret itself never travels in init info)
+    secret_env: str | None = SECRET_ENV
+    secret_file: str | None = None
+    insecure: bool | None = None  # no secret on a routable host: accept any process (see init_refit_group)
 
 
 @dataclass
@@ -147,8 +156,10 @@ if WeightTransferEngine is not None:
         def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
             self.info = init_info
             rank = init_info.rank_offset + self._worker_index()
+            secret = secret_from(init_info.secret_env, init_info.secret_file, where=f"triton_reshard worker {rank}")
             self.group = init_refit_group(init_info.host, init_info.port, rank, init_info.world_size,
-                                          backend=init_info.group_backend, timeout=init_info.timeout)
+                                          backend=init_info.group_backend, timeout=init_info.timeout,
+                                          secret=secret, insecure=init_info.insecure)
             self.src_layout, self.dst_layout = _rendezvous(self.group, None, self.model, rank)
             self.last_report = None
 
@@ -189,6 +200,12 @@ if WeightTransferEngine is not None:
         bucket_bytes: int = 256 << 20
         group_backend: str | None = None
         extra: dict = field(default_factory=dict)
+        # the refit group's secret: ``secret`` itself (kept out of repr), else read from ``secret_file`` or the
+        # environment variable ``secret_env``; the workers are told only ``secret_env`` / ``secret_file``
+        secret: bytes | str | None = field(default=None, repr=False)
+        secret_env: str | None = SECRET_ENV
+        secret_file: str | None = None
+        insecure: bool | None = None
 
     class TritonReshardTrainerEngine(TrainerWeightTransferEngine):
         """The trainer side: every trainer rank sends the boxes it holds, straight from its local tensors.
@@ -207,10 +224,15 @@ if WeightTransferEngine is not None:
             eng.info = init_info
             worker_info = dict(host=init_info.host, port=init_info.port, rank_offset=init_info.num_trainer_ranks,
                                world_size=init_info.world_size, timeout=init_info.timeout,
-                               bucket_bytes=init_info.bucket_bytes, group_backend=init_info.group_backend)
+                               bucket_bytes=init_info.bucket_bytes, group_backend=init_info.group_backend,
+                               secret_env=init_info.secret_env, secret_file=init_info.secret_file,
+                               insecure=init_info.insecure)
+            secret = init_info.secret if init_info.secret is not None else secret_from(
+                init_info.secret_env, init_info.secret_file, where=f"triton_reshard trainer rank {init_info.rank}")
             rpc = _Call(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
             eng.group = init_refit_group(init_info.host, init_info.port, init_info.rank, init_info.world_size,
-                                         backend=init_info.group_backend, timeout=init_info.timeout)
+                                         backend=init_info.group_backend, timeout=init_info.timeout,
+                                         secret=secret, insecure=init_info.insecure)
             part = (init_info.layout,) if eng.is_sender else None
             eng.src_layout, eng.dst_layout = _rendezvous(eng.group, part, None, init_info.rank)
             if rpc is not None:
@@ -281,14 +303,20 @@ class RefitWorkerExtension:
         return self.model_runner.model
 
     def init_refit_group(self, host: str, port: int, num_trainer_ranks: int, world_size: int,
-                         timeout: float = 300.0, group_backend: str | None = None) -> None:
+                         timeout: float = 300.0, group_backend: str | None = None,
+                         secret_env: str | None = SECRET_ENV, secret_file: str | None = None,
+                         insecure: bool | None = None) -> None:
+        """``secret_env`` / ``secret_file``: where this worker reads the group's secret (never the secret
+        itself: collective_rpc arguments may be logged)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         pc = self.vllm_config.parallel_config if hasattr(self, "vllm_config") else None
         dp, tp = (pc.data_parallel_rank, pc.tensor_parallel_size) if pc is not None else (0, 1)
         rank = num_trainer_ranks + dp * tp + get_tensor_model_parallel_rank()
         self._tr_timeout = timeout
-        self._tr_group = init_refit_group(host, port, rank, world_size, backend=group_backend, timeout=timeout)
+        secret = secret_from(secret_env, secret_file, where=f"triton_reshard worker {rank}")
+        self._tr_group = init_refit_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
+                                          secret=secret, insecure=insecure)
         self._tr_layouts = _rendezvous(self._tr_group, None, self._model(), rank)
 
     def refit_from_trainer(self) -> int:
@@ -299,9 +327,12 @@ class RefitWorkerExtension:
 
 
 def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout: Layout, *,
-                        timeout: float = 300.0, group_backend: str | None = None):
+                        timeout: float = 300.0, group_backend: str | None = None,
+                        secret: bytes | str | None = None, insecure: bool | None = None):
     """The trainer ranks' half of :class:`RefitWorkerExtension`'s rendezvous: returns ``(group, src_layout,
-    dst_layout)`` for ``refit(tensors, {}, src_layout, dst_layout, group=group)``."""
-    group = init_refit_group(host, port, rank, world_size, backend=group_backend, timeout=timeout)
+    dst_layout)`` for ``refit(tensors, {}, src_layout, dst_layout, group=group)``. ``secret``: as
+    :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
+    group = init_refit_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
+                             insecure=insecure)
     src, dst = _rendezvous(group, (layout,) if rank == 0 else None, None, rank)
     return group, src, dst

@@ -1,0 +1,349 @@
+"""Data-only messages: what ranks exchange through a store or a socket, and what layout files hold.
+
+Nothing that crosses a process boundary is unpickled. :func:`dumps` / :func:`loads` carry JSON values
+(``None``, bools, ints, floats, strings, lists, dicts) plus a fixed set of tagged types, each decoded by a
+strict schema check that names the field that is wrong: tuples, ``torch.dtype`` (by name, only real dtypes),
+:class:`~triton_reshard.Layout` (eager or columnar; :func:`layout_to_dict` / :func:`layout_from_dict`),
+:class:`~triton_reshard.layout.TensorSpec`, :class:`~triton_reshard.layout.BlockQuant`,
+:class:`~triton_reshard.layout.Fragment` and :class:`~triton_reshard.integrations.record.LoadRecord`.
+A tagged value is ``{"$": type, "v": ...}``; a plain dict with a ``"$"`` key or keys that are not strings is
+sent as ``{"$": "dict", "v": [[key, value], ...]}``.
+
+:func:`save_layout` / :func:`load_layout` write and read a layout file as JSON (no code runs on load).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+
+import torch
+
+from .layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, _dtype_name
+
+FORMAT = "triton_reshard.layout/1"
+_DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+class WireError(ValueError):
+    """A message or layout file that does not match its schema (the text names the field)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------------------------
+
+def _fail(path: str, what: str, v) -> WireError:
+    r = repr(v)
+    return WireError(f"{path}: expected {what}, got {r[:80]}{'...' if len(r) > 80 else ''}")
+
+
+def _str(v, path: str) -> str:
+    if not isinstance(v, str):
+        raise _fail(path, "a string", v)
+    return v
+
+
+def _int(v, path: str, lo: int = 0) -> int:
+    if type(v) is not int or v < lo:
+        raise _fail(path, f"an int >= {lo}", v)
+    return v
+
+
+def _ints(v, path: str) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise _fail(path, "a list of ints >= 0", v)
+    return tuple(_int(x, f"{path}[{i}]") for i, x in enumerate(v))
+
+
+def _list(v, path: str, n: int | None = None) -> list:
+    if not isinstance(v, list) or (n is not None and len(v) != n):
+        raise _fail(path, "a list" if n is None else f"a list of {n} items", v)
+    return v
+
+
+def _dict(v, path: str, keys: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(v, dict):
+        raise _fail(path, "an object", v)
+    missing, extra = keys - v.keys(), v.keys() - keys - optional
+    if missing or extra:
+        raise WireError(f"{path}: " + "; ".join(
+            ([f"missing fields {sorted(missing)}"] if missing else []) + ([f"unknown fields {sorted(extra)}"]
+                                                                          if extra else [])))
+    return v
+
+
+def dtype_from_name(v, path: str) -> torch.dtype:
+    if not isinstance(v, str) or v not in _DTYPES:
+        raise _fail(path, "a torch dtype name (e.g. 'bfloat16')", v)
+    return _DTYPES[v]
+
+
+def _check(fn, path: str, *args):
+    """Build a layout part; its own validation error is reported at ``path``."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError) as e:
+        raise WireError(f"{path}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layouts
+# ---------------------------------------------------------------------------------------------------------
+
+def _quant_to(q: BlockQuant | None):
+    return None if q is None else [list(q.block), q.scale, q.ue8m0]
+
+
+def _quant_from(v, path: str) -> BlockQuant | None:
+    if v is None:
+        return None
+    block, scale, ue8m0 = _list(v, path, 3)
+    if not isinstance(ue8m0, bool):
+        raise _fail(f"{path}[2] (ue8m0)", "a bool", ue8m0)
+    return _check(BlockQuant, path, _ints(block, f"{path}[0] (block)"), _str(scale, f"{path}[1] (scale)"), ue8m0)
+
+
+def layout_to_dict(layout: Layout) -> dict:
+    """A JSON-ready dict of ``layout`` (its tensors, fragments and local tensors; ``columnar``: whether to
+    rebuild it as a :class:`~triton_reshard.layout_index.ColumnarLayout`)."""
+    from .layout_index import ColumnarLayout
+
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout_to_dict: expected a Layout, got {type(layout).__name__}")
+    tensors = [t.name for t in layout.tensors]
+    tid = {n: i for i, n in enumerate(tensors)}
+    locs = layout.locals
+    lnames = sorted({x.name for x in locs} | {f.local for f in layout.fragments})
+    lid = {n: i for i, n in enumerate(lnames)}
+    return {
+        "format": FORMAT,
+        "columnar": isinstance(layout, ColumnarLayout),
+        "tensors": [[t.name, list(t.shape), _dtype_name(t.dtype), _quant_to(t.quant)] for t in layout.tensors],
+        "local_names": lnames,
+        "fragments": [[tid[f.tensor], f.rank, list(f.offsets), list(f.sizes), lid[f.local], list(f.local_offsets)]
+                      for f in layout.fragments],
+        "locals": [[x.rank, lid[x.name], list(x.shape), _dtype_name(x.dtype)] for x in locs],
+        "digest": layout.digest,
+    }
+
+
+def layout_from_dict(d, path: str = "layout") -> Layout:
+    """The Layout of a :func:`layout_to_dict` dict, checked field by field (then by the Layout's own
+    validation); a mismatch raises :class:`WireError` naming the field."""
+    d = _dict(d, path, {"format", "columnar", "tensors", "local_names", "fragments", "locals", "digest"})
+    if d["format"] != FORMAT:
+        raise _fail(f"{path}.format", repr(FORMAT), d["format"])
+    if not isinstance(d["columnar"], bool):
+        raise _fail(f"{path}.columnar", "a bool", d["columnar"])
+    specs = []
+    for i, t in enumerate(_list(d["tensors"], f"{path}.tensors")):
+        p = f"{path}.tensors[{i}]"
+        name, shape, dt, q = _list(t, p, 4)
+        specs.append(_check(TensorSpec, p, _str(name, f"{p}[0] (name)"), _ints(shape, f"{p}[1] (shape)"),
+                            dtype_from_name(dt, f"{p}[2] (dtype)"), _quant_from(q, f"{p}[3] (quant)")))
+    lnames = [_str(n, f"{path}.local_names[{i}]") for i, n in enumerate(_list(d["local_names"], f"{path}.local_names"))]
+
+    def ref(v, table, p):
+        if type(v) is not int or not 0 <= v < len(table):
+            raise _fail(p, f"an index into a table of {len(table)}", v)
+        return table[v]
+
+    names = [s.name for s in specs]
+    frags = []
+    for i, f in enumerate(_list(d["fragments"], f"{path}.fragments")):
+        p = f"{path}.fragments[{i}]"
+        t, rank, off, size, local, lo = _list(f, p, 6)
+        frags.append(_check(Fragment, p, ref(t, names, f"{p}[0] (tensor)"), _int(rank, f"{p}[1] (rank)"),
+                            _ints(off, f"{p}[2] (offsets)"), _ints(size, f"{p}[3] (sizes)"),
+                            ref(local, lnames, f"{p}[4] (local)"), _ints(lo, f"{p}[5] (local_offsets)")))
+    locs = []
+    for i, x in enumerate(_list(d["locals"], f"{path}.locals")):
+        p = f"{path}.locals[{i}]"
+        rank, local, shape, dt = _list(x, p, 4)
+        locs.append(_check(LocalSpec, p, _int(rank, f"{p}[0] (rank)"), ref(local, lnames, f"{p}[1] (name)"),
+                           _ints(shape, f"{p}[2] (shape)"), dtype_from_name(dt, f"{p}[3] (dtype)")))
+    if d["columnar"]:
+        from .layout_index import columnar
+
+        lay = _check(columnar, path, specs, frags, locs)
+    else:
+        lay = _check(Layout, path, tuple(specs), tuple(frags), tuple(locs))
+    if lay.digest != d["digest"]:
+        raise WireError(f"{path}.digest: the layout's contents have digest {lay.digest}, the message says "
+                        f"{d['digest']!r}")
+    return lay
+
+
+def save_layout(layout: Layout, path: str | os.PathLike) -> None:
+    """Write ``layout`` to ``path`` as JSON (read back with :func:`load_layout`)."""
+    with open(path, "w") as f:
+        json.dump(layout_to_dict(layout), f, separators=(",", ":"))
+
+
+def load_layout(path: str | os.PathLike) -> Layout:
+    """The layout in the JSON file ``path`` (as :func:`save_layout` writes it); nothing in it is run."""
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WireError(f"layout file {os.fspath(path)!r} is not JSON ({e}); write it with "
+                        f"triton_reshard.wire.save_layout") from None
+    return layout_from_dict(d, f"layout file {os.fspath(path)!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# values
+# ---------------------------------------------------------------------------------------------------------
+
+def _record_to(r) -> dict:
+    return {"rank": r.rank, "tensors": {n: [list(s), _dtype_name(d)] for n, (s, d) in r.tensors.items()},
+            "locals": {n: [list(s), _dtype_name(d)] for n, (s, d) in r.locals.items()},
+            "fragments": [_enc(f) for f in r.fragments], "problems": list(r.problems),
+            "uncovered": list(r.uncovered), "unused": list(r.unused), "fills": r.fills,
+            "quant": {n: _quant_to(q) for n, q in r.quant.items()}}
+
+
+def _record_from(v, path: str):
+    from .integrations.record import LoadRecord
+
+    keys = {"rank", "tensors", "locals", "fragments", "problems", "uncovered", "unused", "fills", "quant"}
+    v = _dict(v, path, keys)
+
+    def shapes(m, p):
+        if not isinstance(m, dict):
+            raise _fail(p, "an object", m)
+        out = {}
+        for n, sd in m.items():
+            s, d = _list(sd, f"{p}[{n!r}]", 2)
+            out[n] = (_ints(s, f"{p}[{n!r}][0] (shape)"), dtype_from_name(d, f"{p}[{n!r}][1] (dtype)"))
+        return out
+
+    def strs(m, p):
+        return [_str(x, f"{p}[{i}]") for i, x in enumerate(_list(m, p))]
+
+    frags = [_dec(f, f"{path}.fragments[{i}]") for i, f in enumerate(_list(v["fragments"], f"{path}.fragments"))]
+    for i, f in enumerate(frags):
+        if not isinstance(f, Fragment):
+            raise _fail(f"{path}.fragments[{i}]", "a Fragment", f)
+    if not isinstance(v["quant"], dict):
+        raise _fail(f"{path}.quant", "an object", v["quant"])
+    return LoadRecord(rank=_int(v["rank"], f"{path}.rank"), tensors=shapes(v["tensors"], f"{path}.tensors"),
+                      locals=shapes(v["locals"], f"{path}.locals"), fragments=frags,
+                      problems=strs(v["problems"], f"{path}.problems"),
+                      uncovered=strs(v["uncovered"], f"{path}.uncovered"), unused=strs(v["unused"], f"{path}.unused"),
+                      fills=_int(v["fills"], f"{path}.fills"),
+                      quant={n: _quant_from(q, f"{path}.quant[{n!r}]") for n, q in v["quant"].items()})
+
+
+def _enc(x):
+    from .integrations.record import LoadRecord
+
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"$": "float", "v": repr(x)}
+    if isinstance(x, list):
+        return [_enc(v) for v in x]
+    if isinstance(x, tuple):
+        return {"$": "tuple", "v": [_enc(v) for v in x]}
+    if isinstance(x, Mapping):
+        if all(isinstance(k, str) for k in x) and "$" not in x:
+            return {k: _enc(v) for k, v in x.items()}
+        return {"$": "dict", "v": [[_enc(k), _enc(v)] for k, v in x.items()]}
+    if isinstance(x, torch.dtype):
+        return {"$": "dtype", "v": _dtype_name(x)}
+    if isinstance(x, Layout):
+        return {"$": "Layout", "v": layout_to_dict(x)}
+    if isinstance(x, Fragment):
+        return {"$": "Fragment", "v": [x.tensor, x.rank, list(x.offsets), list(x.sizes), x.local,
+                                       list(x.local_offsets)]}
+    if isinstance(x, TensorSpec):
+        return {"$": "TensorSpec", "v": [x.name, list(x.shape), _dtype_name(x.dtype), _quant_to(x.quant)]}
+    if isinstance(x, BlockQuant):
+        return {"$": "BlockQuant", "v": _quant_to(x)}
+    if isinstance(x, LoadRecord):
+        return {"$": "LoadRecord", "v": _record_to(x)}
+    raise TypeError(f"cannot send a {type(x).__name__} (data only: JSON values, tuples, dtypes, Layout, "
+                    f"TensorSpec, Fragment, BlockQuant, LoadRecord)")
+
+
+def _hashable(k, path: str):
+    try:
+        hash(k)
+    except TypeError:
+        raise _fail(path, "a hashable key", k) from None
+    return k
+
+
+def _dec(x, path: str):
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [_dec(v, f"{path}[{i}]") for i, v in enumerate(x)]
+    if not isinstance(x, dict):
+        raise _fail(path, "a JSON value", x)
+    if "$" not in x:
+        return {k: _dec(v, f"{path}[{k!r}]") for k, v in x.items()}
+    x = _dict(x, path, {"$", "v"})
+    tag, v = x["$"], x["v"]
+    p = f"{path}<{tag}>"
+    if tag == "tuple":
+        return tuple(_dec(e, f"{p}[{i}]") for i, e in enumerate(_list(v, p)))
+    if tag == "dict":
+        out = {}
+        for i, kv in enumerate(_list(v, p)):
+            k, val = _list(kv, f"{p}[{i}]", 2)
+            out[_hashable(_dec(k, f"{p}[{i}][0]"), f"{p}[{i}][0]")] = _dec(val, f"{p}[{i}][1]")
+        return out
+    if tag == "float":
+        if v not in ("nan", "inf", "-inf"):
+            raise _fail(p, "'nan', 'inf' or '-inf'", v)
+        return float(v)
+    if tag == "dtype":
+        return dtype_from_name(v, p)
+    if tag == "Layout":
+        return layout_from_dict(v, p)
+    if tag == "Fragment":
+        t, rank, off, size, local, lo = _list(v, p, 6)
+        return _check(Fragment, p, _str(t, f"{p}[0] (tensor)"), _int(rank, f"{p}[1] (rank)"),
+                      _ints(off, f"{p}[2] (offsets)"), _ints(size, f"{p}[3] (sizes)"), _str(local, f"{p}[4] (local)"),
+                      _ints(lo, f"{p}[5] (local_offsets)"))
+    if tag == "TensorSpec":
+        name, shape, dt, q = _list(v, p, 4)
+        return _check(TensorSpec, p, _str(name, f"{p}[0] (name)"), _ints(shape, f"{p}[1] (shape)"),
+                      dtype_from_name(dt, f"{p}[2] (dtype)"), _quant_from(q, f"{p}[3] (quant)"))
+    if tag == "BlockQuant":
+        q = _quant_from(v, p)
+        if q is None:
+            raise _fail(p, "a block quantization", v)
+        return q
+    if tag == "LoadRecord":
+        return _record_from(v, p)
+    raise WireError(f"{path}: unknown type tag {tag!r}")
+
+
+def _no_constant(c: str):
+    raise json.JSONDecodeError(f"{c} is not JSON (non-finite floats travel tagged)", c, 0)
+
+
+def dumps(obj) -> bytes:
+    """``obj`` as data-only JSON bytes (see the module docstring for the types it carries)."""
+    return json.dumps(_enc(obj), separators=(",", ":"), allow_nan=False).encode()
+
+
+def loads(data: bytes, what: str = "message"):
+    """The value of :func:`dumps` bytes, checked against the schema; :class:`WireError` names ``what`` and
+    the field that is wrong."""
+    try:
+        raw = json.loads(data, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WireError(f"{what}: not a data-only JSON message ({type(e).__name__}: {str(e)[:120]})") from None
+    try:
+        return _dec(raw, what)
+    except RecursionError:
+        raise WireError(f"{what}: nested too deeply") from None
