@@ -150,3 +150,38 @@ def test_tiny_bucket_for_a_big_plan_rejected_instead_of_spinning():
     src = Layout.from_placements({"w": (1 << 36,)}, [0, 1], [Shard(0)], torch.int8)
     dst = Layout.from_placements({"w": (1 << 36,)}, [0, 1], [Replicate()], torch.int8)
     _check(_raises(lambda: Resharder(plan_reshard(src, dst), bucket_bytes=4096)), "bucket_bytes")
+
+
+# a placements / dtype / dtypes entry for a name that is not a tensor of the layout (issue 19, "Also"):
+# almost always a typo; refused naming the key and the nearest real name
+TYPO = st.sampled_from(["w ", "W", "wq", "model.layers.0.self_attn.qkv_proj.weights", "emb.weight", "x"])
+
+
+@FUZZ
+@given(NAMES, TYPO)
+def test_placements_for_an_unknown_tensor(name, typo):
+    from hypothesis import assume
+
+    assume(typo != name)
+    shapes = {name: (4, 4)}
+    e = _raises(lambda: Layout.from_placements(shapes, [0, 1], {name: [Shard(0)], typo: [Replicate()]}))
+    _check(e, "placements", repr(typo), "is not a tensor of the layout")
+    e = _raises(lambda: Layout.from_placements(shapes, [0, 1], [Shard(0)], {name: F32, typo: torch.bfloat16}))
+    _check(e, "dtype", repr(typo))
+
+
+def test_unknown_names_say_the_nearest_real_one():
+    from triton_reshard.layout_index import LogicalTensors
+
+    shapes = {"model.layers.0.mlp.up_proj.weight": (8, 4), "model.norm.weight": (4,)}
+    with pytest.raises(ValueError, match=r"placements: 'model.layers.0.mlp.up_prj.weight' is not a tensor of the "
+                                         r"layout \(did you mean 'model.layers.0.mlp.up_proj.weight'\?\)"):
+        Layout.from_placements(shapes, [0], {**{n: [Replicate()] for n in shapes},
+                                             "model.layers.0.mlp.up_prj.weight": [Shard(0)]})
+    with pytest.raises(ValueError, match=r"dtype: 'model.norm.wieght' .*did you mean 'model.norm.weight'"):
+        Layout.from_placements(shapes, [0], [Replicate()], {**{n: F32 for n in shapes}, "model.norm.wieght": F32})
+    with pytest.raises(ValueError, match=r"dtypes: 'model.nrm.weight' is not a tensor of the layout \(did you mean 'model.norm.weight'\?\) \(and 1 more: 'zzz'\)"):
+        LogicalTensors.from_shapes(shapes, F32, {"zzz": torch.bfloat16, "model.nrm.weight": F32})
+    with pytest.raises(ValueError, match=r"did you mean 'model.norm.weight'"):
+        LogicalTensors.from_shapes(shapes, F32, {"model.nrm.weight": F32})
+    Layout.from_placements(shapes, [0], {n: [Replicate()] for n in shapes}, {n: F32 for n in shapes})  # exact: fine

@@ -11,6 +11,7 @@ Layouts are immutable, validated on construction and hashable, so plans can be c
 
 from __future__ import annotations
 
+import difflib
 import gc
 import hashlib
 import math
@@ -133,6 +134,20 @@ def _gc_paused() -> Iterator[None]:
 
 def _is_int_tuple(t: object) -> bool:
     return type(t) is tuple and _INT_TYPES.issuperset(map(type, t))
+
+
+def check_names(what: str, given: Iterable, known: Iterable[str]) -> None:
+    """Raise if ``given`` (the keys of a per-tensor dict such as ``placements`` or ``dtype``) names a tensor
+    that is not one of ``known``: almost always a typo, which would otherwise be ignored silently."""
+    known = known if isinstance(known, (set, frozenset, Mapping)) else set(known)
+    bad = [k for k in given if k not in known]
+    if bad:
+        k = min(bad, key=repr)
+        near = difflib.get_close_matches(str(k), [str(n) for n in known], n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        rest = sorted(repr(b) for b in bad if b != k)
+        more = f" (and {len(rest)} more: {', '.join(rest[:4])})" if rest else ""
+        raise ValueError(f"{what}: {k!r} is not a tensor of the layout{hint}{more}")
 
 
 def _as_dtype(dtype: object, what: str) -> torch.dtype:
@@ -1014,6 +1029,10 @@ class Layout:
         with _gc_paused():
             if not isinstance(shapes, Mapping):
                 raise TypeError(f"shapes: expected a dict name -> shape, got {type(shapes).__name__} {shapes!r}")
+            if isinstance(placements, Mapping):
+                check_names("placements", placements, shapes)
+            if isinstance(dtype, Mapping):
+                check_names("dtype", dtype, shapes)
             for name, shape in shapes.items():
                 shape = _as_shape(shape, f"tensor {name!r} shape")
                 if isinstance(dtype, Mapping) and name not in dtype:

@@ -40,6 +40,7 @@ from .layout import (
     _gc_paused,
     _itemsize,
     _slot_setters,
+    check_names,
     content_fingerprint,
 )
 
@@ -78,6 +79,7 @@ class LogicalTensors:
         checks them when their spec is built."""
         names = sorted(shapes)
         dtypes = dtypes or {}
+        check_names("dtypes", dtypes, shapes)
         return cls(names, [tuple(shapes[n]) for n in names], [dtypes.get(n, dtype) for n in names])
 
     def __len__(self) -> int:
