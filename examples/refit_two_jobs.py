@@ -12,8 +12,11 @@ Two jobs, as an RL stack runs them, each with its own torch.distributed world:
   trainer: ``megatron_layout`` says which box of which weight each rank holds), driving our trainer-side
   engine (``WeightTransferTrainerFactory.trainer_init``) for three "training steps".
 
-They meet only in the refit group (``init_refit_group``) and a control plane (here a TCP store; in a
-deployment vLLM's RLHF routes or Ray's ``collective_rpc``). After every step each engine rank checks its
+They meet only in the refit group (``init_refit_group``) and a control plane (here
+``triton_reshard.integrations.control``, an authenticated store; in a deployment vLLM's RLHF routes or Ray's
+``collective_rpc``). Both are guarded by one secret: the launcher writes a random one to a file only its user
+can read and points both jobs at it with ``TRITON_RESHARD_SECRET_FILE`` (every process proves it holds the
+secret before it takes a rank or reads a control message; see ``docs/security.md``). After every step each engine rank checks its
 parameters against the step's weights sliced the way vLLM's loader slices them.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -157,13 +161,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "tiny_qwen3_moe")
         make_checkpoint(ckpt)
+        secret_file = os.path.join(d, "refit.secret")  # the jobs' shared secret: readable by this user only
+        with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+        os.environ["TRITON_RESHARD_SECRET_FILE"] = secret_file  # inherited by both jobs
         refit_port, ctl_port = free_port(), free_port()
-        store = host_store("127.0.0.1", ctl_port)  # the control plane both jobs reach  # noqa: F841
+        store = host_store("127.0.0.1", ctl_port)  # the control plane both jobs reach (the secret: from the env)
         common = ["--ckpt", ckpt, "--refit-port", str(refit_port), "--ctl-port", str(ctl_port)]
         print(f"launching the engine job (vLLM TP{WORKERS}) and the trainer job (Megatron TP{TRAINERS}) ...", flush=True)
         jobs = {role: subprocess.Popen([sys.executable, __file__, "--role", role, *common])
                 for role in ("engine", "trainer")}
         codes = {role: p.wait(timeout=400) for role, p in jobs.items()}
+        store.close()
     ok = all(c == 0 for c in codes.values())
     print(f"{'done' if ok else 'FAILED'}: {STEPS} refits across two jobs in {time.perf_counter() - t0:.0f} s "
           f"(exit codes {codes})", flush=True)

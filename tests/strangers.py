@@ -76,7 +76,7 @@ def _knock(host: str, port: int, data: bytes, wait: float = 12.0) -> str:
 
 
 def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "stranger",
-              timeout: float = 8.0) -> dict:
+              timeout: float = 8.0, port_wait: float = 60.0) -> dict:
     """Every crafted payload, then a join as each of ``ranks`` with a wrong secret and with none; the outcome
     in ``out[name]`` (``{"knocks": {payload: result}, "joins": {what: error text or "JOINED"}}``)."""
     from triton_reshard import RefitGroupError, init_refit_group
@@ -84,13 +84,7 @@ def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "s
     from triton_reshard.group import _connect
 
     res: dict = {"knocks": {}, "joins": {}}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until the port is open
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    _wait_open(host, port, port_wait)
     for what, data in payloads().items():
         res["knocks"][what] = _knock(host, port, data)
     for rank in ranks:
@@ -106,6 +100,35 @@ def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "s
                 res["joins"][f"rank {rank} {label}"] = "JOINED"
             except RefitGroupError as e:
                 res["joins"][f"rank {rank} {label}"] = f"{time.monotonic() - t0:.1f}s: {e}"
+    res["tcpstore"] = _tcpstore(host, port)
+    res["evidence"] = os.path.exists(EVIDENCE)
+    out[name] = res
+    return res
+
+
+def _wait_open(host: str, port: int, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def knock_control(host: str, port: int, out: dict, name: str = "control", port_wait: float = 60.0) -> dict:
+    """The control plane's store: crafted bytes, and a client with a wrong secret and with none."""
+    from triton_reshard.auth import _NO_SECRET, AuthError, AuthStore
+
+    _wait_open(host, port, port_wait)
+    res: dict = {"knocks": {w: _knock(host, port, d) for w, d in payloads().items()}, "joins": {}}
+    for label, key in (("wrong", secrets.token_bytes(32)), ("none", _NO_SECRET)):
+        t0 = time.monotonic()
+        try:
+            AuthStore(host, port, key, timedelta(seconds=5)).close()
+            res["joins"][f"client {label}"] = "JOINED"
+        except AuthError as e:
+            res["joins"][f"client {label}"] = f"{time.monotonic() - t0:.1f}s: refused to join: {e}"
     res["tcpstore"] = _tcpstore(host, port)
     res["evidence"] = os.path.exists(EVIDENCE)
     out[name] = res

@@ -84,8 +84,8 @@ def _engine(role: str, rank: int, engine_kwargs: dict):
     return CheckpointEngineRegistry.new(cfg.backend, bucket_size=bucket_size, **kw)
 
 
-def _store(port: int) -> AuthStore:
-    return AuthStore("127.0.0.1", port, resolve_secret(), timedelta(seconds=60))
+def _store(port: int, timeout: float = 60) -> AuthStore:
+    return AuthStore("127.0.0.1", port, resolve_secret(), timedelta(seconds=timeout))
 
 
 def _rendezvous(store, engine, role: str, rank: int, step: int) -> None:
@@ -229,7 +229,7 @@ def test_verl_checkpoint_engine_two_jobs(tmp_path, monkeypatch):
     wire.save_layout(tp2_layout(range(W)), dst_path)
     ctl_port = free_port()
     server = AuthStoreServer("127.0.0.1", ctl_port, secret.encode())
-    store = _store(ctl_port)
+    store = _store(ctl_port, timeout=110)  # the manager's: it waits while the workers import verl
     results: dict = {}
 
     def launch(name, *args):

@@ -7,6 +7,11 @@ a separately launched trainer job (2 processes: Megatron TP2 layout, its own glo
 engine from ``WeightTransferTrainerFactory.trainer_init``) meet only in the refit group. Two refits: the
 checkpoint's weights into poisoned parameters (every parameter must equal what vLLM's loader loaded), then a
 second checkpoint's (loading it afterwards with vLLM's loader must change nothing).
+
+Both jobs and the control plane hold a secret (the control plane's from ``TRITON_RESHARD_SECRET``, the refit
+group's from a ``secret_file`` named in the trainer's init info); while they meet, strangers (this process,
+without it) knock on the refit group's port, claiming a trainer rank and an engine rank, and on the control
+plane's: every attempt must be refused and the refit must still be exact.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier 
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests import strangers  # noqa: E402
 from tests.engines import transfer_jobs as tj  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
 from triton_reshard.integrations.control import host_store  # noqa: E402
@@ -38,18 +44,34 @@ def _save(cfg, seed, path):
     transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw)).float().save_pretrained(path)
 
 
-def test_vllm_backend_two_jobs(tmp_path):
+def test_vllm_backend_two_jobs(tmp_path, monkeypatch):
+    import threading
+
     cfg = get_config(MODEL)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     _save(cfg, 1, a)
     _save(cfg, 2, b)
+    monkeypatch.setenv("TRITON_RESHARD_SECRET", os.urandom(32).hex())  # the control plane's (inherited)
+    secret_file = tmp_path / "refit.secret"
+    secret_file.write_text(os.urandom(32).hex())
     ctl_port, refit_port = free_port(), free_port()
     ctl = host_store("127.0.0.1", ctl_port)
+    knocked: dict = {}
+    knockers = [threading.Thread(target=strangers.knock_all, args=("127.0.0.1", refit_port, 4, [1, 2], knocked),
+                                 kwargs={"port_wait": 300}),
+                threading.Thread(target=strangers.knock_control, args=("127.0.0.1", ctl_port, knocked),
+                                 kwargs={"port_wait": 300})]
+    for t in knockers:
+        t.start()
     results = run_jobs({"engine": (tj.engine_job, 2, a, ctl_port, b),
                         "trainer": (tj.trainer_job, 2, cfg, [os.path.join(a, "model.safetensors"),
                                                              os.path.join(b, "model.safetensors")],
-                                    refit_port, ctl_port, 2)}, timeout=400)
-    del ctl
+                                    refit_port, ctl_port, 2, str(secret_file))}, timeout=400)
+    for t in knockers:
+        t.join(60)
+    ctl.close()
+    strangers.assert_refused(knocked["stranger"])
+    strangers.assert_refused(knocked["control"])
     for name in ("engine", "trainer"):
         assert not isinstance(results.get(name), Exception), f"{name} job failed: {results.get(name)}"
     engine, trainer = results["engine"], results["trainer"]

@@ -87,9 +87,11 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, check_ckpt: str 
 
 
 def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port: int, ctl_port: int,
-                n_workers: int) -> dict:
+                n_workers: int, secret_file: str | None = None) -> dict:
     """One trainer rank (Megatron TP layout over the trainer job's ranks), driving the backend as vLLM's
-    trainer-side factory builds it; ``weights``: a safetensors file per round."""
+    trainer-side factory builds it; ``weights``: a safetensors file per round. ``secret_file``: where every
+    member reads the refit group's secret (named in the init info; the workers read the file themselves);
+    the control plane's secret comes from the environment (``TRITON_RESHARD_SECRET``)."""
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -101,7 +103,8 @@ def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port
     layout = megatron_layout(cfg, tp=world, ranks=range(world), dtype=torch.float32)
     tensors = layout.allocate(rank)
     info = vt.ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=refit_port, world_size=world + n_workers,
-                                     num_trainer_ranks=world, layout=layout, timeout=120)
+                                     num_trainer_ranks=world, layout=layout, timeout=120, secret_file=secret_file,
+                                     secret_env=None if secret_file else "TRITON_RESHARD_SECRET")
     client = StoreClient("127.0.0.1", ctl_port, n_workers) if rank == 0 else None
     eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=vt.TensorsSource(tensors))
     out = {"engine_cls": type(eng).__name__, "sent": [], "seconds": []}
