@@ -77,7 +77,10 @@ def _job(rank: int, world: int, role: str, port: int) -> dict:
 
 
 @pytest.mark.slow
-def test_two_separate_jobs_refit_over_a_refit_group():
+def test_two_separate_jobs_refit_over_a_refit_group(monkeypatch):
+    import os
+
+    monkeypatch.setenv("TRITON_RESHARD_SECRET", os.urandom(32).hex())  # both jobs inherit it: init_refit_group's default
     port = free_port()
     results = run_jobs({role: (_job, 2, role, port) for role in ("trainer", "engine")}, timeout=180)
     for role in ("trainer", "engine"):

@@ -149,6 +149,13 @@ def test_layouts_round_trip_through_json(tmp_path):
     assert torch.isnan(torch.tensor(y[3][0])) and y[3][1] == -float("inf")
     with pytest.raises(TypeError, match="cannot send a Tensor"):
         wire.dumps(torch.ones(2))
+    from triton_reshard.integrations.record import LoadRecord
+
+    rec = LoadRecord(3, {"w": ((4, 6), torch.float8_e4m3fn), "w_s": ((1, 1), torch.float32)},
+                     {"p": ((2, 6), torch.float8_e4m3fn)}, [Fragment("w", 3, (2, 0), (2, 6), "p", (0, 0))],
+                     ["p: a fill"], ["q"], ["z"], 2, {"w": BlockQuant((128, 128), "w_s")})
+    back = wire.loads(wire.dumps([rec, None]))
+    assert back == [rec, None] and back[0].quant["w"].block == (128, 128)
 
 
 def test_malformed_layouts_and_messages_are_named():

@@ -161,7 +161,7 @@ def test_weight_transfer_backend_into_fp8_engine():
     results = run_jobs({"engine": (fc.backend_engine_job, 2, os.path.join(_root(), name), ctl_port),
                         "trainer": (fc.backend_trainer_job, 2, cfg, os.path.join(_root(), f"{name}.bf16.safetensors"),
                                     refit_port, ctl_port, 2)}, timeout=400)
-    del ctl
+    ctl.close()
     for job in ("engine", "trainer"):
         assert not isinstance(results.get(job), Exception), f"{job} job failed: {results.get(job)}"
     engine, trainer = results["engine"], results["trainer"]
