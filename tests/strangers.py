@@ -100,10 +100,7 @@ def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "s
                 res["joins"][f"rank {rank} {label}"] = "JOINED"
             except RefitGroupError as e:
                 res["joins"][f"rank {rank} {label}"] = f"{time.monotonic() - t0:.1f}s: {e}"
-    res["tcpstore"] = _tcpstore(host, port)
-    res["evidence"] = os.path.exists(EVIDENCE)
-    out[name] = res
-    return res
+    return _finish(res, host, port, out, name)
 
 
 def _wait_open(host: str, port: int, wait: float) -> None:
@@ -129,6 +126,11 @@ def knock_control(host: str, port: int, out: dict, name: str = "control", port_w
             res["joins"][f"client {label}"] = "JOINED"
         except AuthError as e:
             res["joins"][f"client {label}"] = f"{time.monotonic() - t0:.1f}s: refused to join: {e}"
+    return _finish(res, host, port, out, name)
+
+
+def _finish(res: dict, host: str, port: int, out: dict, name: str) -> dict:
+    """Last, torch's TCPStore client; then whether the pickle ran; the outcome into ``out[name]``."""
     res["tcpstore"] = _tcpstore(host, port)
     res["evidence"] = os.path.exists(EVIDENCE)
     out[name] = res

@@ -180,8 +180,8 @@ class TritonReshardCheckpointEngine(_Base):
     **engine_kwargs["triton_reshard"])`` (``is_master`` on the actor workers only).
 
     ``bucket_size``: bytes of tensors per refit (verl's ``update_weights_bucket_megabytes``); also refit's
-    staging bound. ``dst_layout``: a destination Layout (or a ``torch.save`` file of one) over rollout ranks
-    ``0..W-1`` in the checkpoint's names; ``None``: every rollout rank receives the full tensors.
+    staging bound. ``dst_layout``: a destination Layout (or a JSON file of one,
+    :func:`triton_reshard.wire.save_layout`) over rollout ranks ``0..W-1`` in the checkpoint's names; ``None``: every rollout rank receives the full tensors.
     ``senders``: ``"all"`` (every actor worker sends a share: verl's generator yields the full tensors on
     each) or ``"master"`` (actor rank 0 sends everything; the others only drain the generator).
     ``host``: the address the master's rendezvous listens on (default: Ray's node IP, else this host's
