@@ -436,3 +436,27 @@ def test_control_plane_refuses_a_malformed_call():
         poster.close()
     finally:
         srv.close()
+
+
+def test_a_flood_of_idle_connections_delays_a_member_but_does_not_stop_it(monkeypatch):
+    """Strangers hold more connections open than the server takes in its handshake at once, sending nothing:
+    the extra ones are closed at once, the holders at the handshake timeout; a member keeps trying until its
+    own deadline and gets in."""
+    from triton_reshard import auth
+
+    monkeypatch.setattr(auth, "MAX_PENDING", 4)
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 1.0)
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    holders = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        s = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=10))
+        s.set("k", b"v")
+        assert s.get("k") == b"v" and time.monotonic() - t0 < 5
+        s.close()
+        assert srv.refused >= 2
+    finally:
+        for h in holders:
+            h.close()
+        srv.close()

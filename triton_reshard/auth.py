@@ -67,6 +67,10 @@ class AuthError(ConnectionError):
     """The other side of a store connection did not prove the secret (or broke the protocol)."""
 
 
+class _ClosedEarly(AuthError):
+    """The server closed the connection before it said anything (full, or going down)."""
+
+
 class StoreTimeout(TimeoutError):
     """A store wait or get ran past its timeout."""
 
@@ -474,24 +478,34 @@ class AuthStore(dist.Store):
         self.host, self.port, self._timeout = host, port, timeout
         self._lock = threading.Lock()
         deadline = connect_deadline if connect_deadline is not None else time.monotonic() + timeout.total_seconds()
-        last: BaseException | None = None
+        while True:
+            sock = self._connect(host, port, deadline)
+            try:
+                self._ch = self._handshake(sock, key, rank, world_size, max(deadline, time.monotonic() + 1.0))
+                return
+            except _ClosedEarly as e:  # a full server (a flood of handshakes) or one going down: try again
+                with contextlib.suppress(OSError):
+                    sock.close()
+                if time.monotonic() + 0.1 >= deadline:
+                    raise AuthError(str(e)) from None
+                time.sleep(0.1)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    sock.close()
+                raise
+
+    @staticmethod
+    def _connect(host: str, port: int, deadline: float) -> socket.socket:
         while True:
             try:
                 sock = socket.create_connection((host.strip("[]"), port),
                                                 timeout=max(0.05, min(5.0, deadline - time.monotonic())))
-                break
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
             except OSError as e:
-                last = e
                 if time.monotonic() + 0.05 >= deadline:
-                    raise TimeoutError(f"{host}:{port} refused or did not answer: {e.strerror or e}") from last
+                    raise TimeoutError(f"{host}:{port} refused or did not answer: {e.strerror or e}") from None
                 time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            self._ch = self._handshake(sock, key, rank, world_size, max(deadline, time.monotonic() + 1.0))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                sock.close()
-            raise
 
     @staticmethod
     def _handshake(sock, key, rank, world_size, deadline) -> _Channel:
@@ -499,7 +513,15 @@ class AuthStore(dist.Store):
         hello = _HELLO.pack(MAGIC, secrets.token_bytes(32), rank, world_size)
         try:
             sock.sendall(hello)
-            head = _recv_exact(sock, _SHELLO.size, deadline)
+            head = _recv_exact(sock, 1, deadline)
+        except (ConnectionError, BrokenPipeError) as e:  # closed before answering (TimeoutError is not one)
+            raise _ClosedEarly(f"the server closed the connection before its handshake ({e}): not a "
+                               f"triton_reshard store, or it refused this process") from None
+        except (OSError, TimeoutError) as e:
+            raise AuthError(f"the server did not complete the handshake ({e}): not a triton_reshard store, "
+                            f"or it refused this process") from None
+        try:
+            head += _recv_exact(sock, _SHELLO.size - 1, deadline)
         except (OSError, ConnectionError, TimeoutError) as e:
             raise AuthError(f"the server did not complete the handshake ({e}): not a triton_reshard store, "
                             f"or it refused this process") from None
