@@ -84,7 +84,7 @@ def _engine(role: str, rank: int, engine_kwargs: dict):
     return CheckpointEngineRegistry.new(cfg.backend, bucket_size=bucket_size, **kw)
 
 
-def _store(port: int, timeout: float = 60) -> AuthStore:
+def _store(port: int, timeout: float = 200) -> AuthStore:
     return AuthStore("127.0.0.1", port, resolve_secret(), timedelta(seconds=timeout))
 
 
@@ -229,12 +229,12 @@ def test_verl_checkpoint_engine_two_jobs(tmp_path, monkeypatch):
     wire.save_layout(tp2_layout(range(W)), dst_path)
     ctl_port = free_port()
     server = AuthStoreServer("127.0.0.1", ctl_port, secret.encode())
-    store = _store(ctl_port, timeout=110)  # the manager's: it waits while the workers import verl
+    store = _store(ctl_port, timeout=200)  # waits while the workers import verl (slow on a loaded machine)
     results: dict = {}
 
     def launch(name, *args):
         try:
-            results[name] = run_world(*args, backend="gloo", timeout=120)
+            results[name] = run_world(*args, backend="gloo", timeout=240)
         except Exception as e:  # noqa: BLE001 (asserted below)
             results[name] = e
 
@@ -244,7 +244,7 @@ def test_verl_checkpoint_engine_two_jobs(tmp_path, monkeypatch):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(150)
+        t.join(300)
     server.close()
     for name in ("manager", "actor", "rollout"):
         assert not isinstance(results.get(name), Exception), f"{name} failed: {results.get(name)}"
