@@ -363,3 +363,26 @@ def test_perf_scripts_refuse_an_unwritable_output_before_any_work(script, option
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"{script}.py: error: {option} {bad}: "), err
     assert ("cannot create its folder" if makes_folder else "does not exist") in err[-1], err
+
+
+def test_traffic_plot_labels_every_cell_in_mib(tmp_path, monkeypatch):
+    """Issue 22: one unit per picture: the cells below 0.1 MiB were labelled in KiB ("51K")."""
+    pytest.importorskip("matplotlib")
+    import re
+
+    import matplotlib.pyplot as plt
+
+    from triton_reshard.plan import plan_reshard
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+    from triton_reshard.tools.plot import plot_traffic, traffic_matrix
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    cfg = get_config("tiny_qwen3_moe")
+    plan = plan_reshard(megatron_layout(cfg, tp=2, pp=2, ranks=0), vllm_layout(cfg, tp=2, dp=2, ranks=0))
+    _ranks, m = traffic_matrix(plan)
+    assert 0 < m[m > 0].min() < 0.1 * (1 << 20)  # cells that were labelled in KiB
+    plot_traffic(plan, str(tmp_path / "t.png"))
+    texts = [t.get_text() for ax in figs[0].axes for t in ax.texts]
+    assert len(texts) == int((m > 0).sum()) and all(re.fullmatch(r"[\d.]+(e-\d+)?", t) for t in texts), texts
+    assert all("KiB" not in ax.get_ylabel() for ax in figs[0].axes)
