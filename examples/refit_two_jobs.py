@@ -28,11 +28,13 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 STEPS = 3
 WORKERS = TRAINERS = 2
+OK_LINE = "OK, every parameter as vLLM would load it"
 
 
 def step_weights(ckpt: str, step: int) -> dict:
@@ -65,7 +67,7 @@ def engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float:
         params = dict(model.named_parameters())
         bad = [n for n, t in want.items() if not torch.equal(params[n], t)]
         print(f"engine rank {rank}: {info['version']}: received {engine.last_report.recv_bytes / 2**20:.2f} MiB "
-              f"in {dt * 1e3:.0f} ms; {'OK, every parameter as vLLM would load it' if not bad else f'WRONG: {bad}'}",
+              f"in {dt * 1e3:.0f} ms; {OK_LINE if not bad else f'WRONG: {bad}'}",
               flush=True)
         if bad:
             raise RuntimeError(f"wrong parameters after {info['version']}: {bad}")
@@ -169,14 +171,33 @@ def main() -> int:
         store = host_store("127.0.0.1", ctl_port)  # the control plane both jobs reach (the secret: from the env)
         common = ["--ckpt", ckpt, "--refit-port", str(refit_port), "--ctl-port", str(ctl_port)]
         print(f"launching the engine job (vLLM TP{WORKERS}) and the trainer job (Megatron TP{TRAINERS}) ...", flush=True)
-        jobs = {role: subprocess.Popen([sys.executable, __file__, "--role", role, *common])
+        jobs = {role: subprocess.Popen([sys.executable, __file__, "--role", role, *common], stdout=subprocess.PIPE,
+                                       text=True, bufsize=1)
                 for role in ("engine", "trainer")}
+        checks = {role: [] for role in jobs}  # the jobs' own lines saying a check passed
+        relays = [threading.Thread(target=_relay, args=(p.stdout, checks[role])) for role, p in jobs.items()]
+        for t in relays:
+            t.start()
         codes = {role: p.wait(timeout=400) for role, p in jobs.items()}
+        for t in relays:
+            t.join(timeout=30)
         store.close()
-    ok = all(c == 0 for c in codes.values())
-    print(f"{'done' if ok else 'FAILED'}: {STEPS} refits across two jobs in {time.perf_counter() - t0:.0f} s "
-          f"(exit codes {codes})", flush=True)
+    passed, want = len(checks["engine"]), STEPS * WORKERS
+    ok = all(c == 0 for c in codes.values()) and passed == want
+    # the verdict last, set apart: vLLM's own warnings (on stderr) come before it
+    print(f"\n{'=' * 100}", flush=True)
+    print(f"{'done' if ok else 'FAILED'}: {STEPS} refits across two jobs in {time.perf_counter() - t0:.0f} s, "
+          f"{passed} of {want} engine checks OK (after every step, every engine rank's parameters are what vLLM's "
+          f"loader loads; exit codes {codes})", flush=True)
     return 0 if ok else 1
+
+
+def _relay(stream, passed: list) -> None:
+    """Print a job's output as it comes; keep the lines that say an engine rank's check passed."""
+    for line in stream:
+        print(line, end="", flush=True)
+        if line.rstrip().endswith(OK_LINE):
+            passed.append(line)
 
 
 if __name__ == "__main__":

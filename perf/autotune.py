@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels  # noqa: E402  (a sibling script, not a package)
 
 from triton_reshard import ops, triton_copy  # noqa: E402
+from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
 
 
 def interpreter_smoke() -> int:
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    try:  # before any work: an output path that cannot be written is one line, exit 2
+        check_output_file(args.out, '--out', make_folder=True)
+    except UsageError as e:
+        parser.error(str(e))
 
     if not torch.cuda.is_available():
         print("no GPU: autotuning needs CUDA (the interpreter cannot time configs); one interpreter launch:")

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from triton_reshard import ops
+from triton_reshard.tools.cliutil import UsageError, check_output_file
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -265,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 gives steadier numbers on a shared, loaded machine)")
     args = parser.parse_args(argv)
+    try:  # before any work: an output path that cannot be written is one line, exit 2
+        check_output_file(args.out, '--out', make_folder=True)
+    except UsageError as e:
+        parser.error(str(e))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

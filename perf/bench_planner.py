@@ -62,6 +62,7 @@ import torch
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, model_spec
 from triton_reshard.tools.cli import timed_planning
+from triton_reshard.tools.cliutil import UsageError, check_output_file
 
 MODELS = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
 WORLDS = (8, 32, 128)
@@ -359,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="--scaling: write the scaling plot (PNG) to this path")
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:  # before any work: an output path that cannot be written is one line, exit 2
+        check_output_file(args.out, '--out', make_folder=True)
+        check_output_file(args.plot, '--plot')
+    except UsageError as e:
+        p.error(str(e))
     if args.child:
         kind, case, *rest = args.child
         out = child_share(case, int(rest[0])) if kind == "share" else child_whole(case)

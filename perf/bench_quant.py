@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import measure  # noqa: E402
 
 from triton_reshard import quant as Q  # noqa: E402
+from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
 
 DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 EXPERTS = {"w13": (128, 1536, 2048)}
@@ -96,6 +97,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    try:  # before any work: an output path that cannot be written is one line, exit 2
+        check_output_file(args.out, '--out')
+    except UsageError as e:
+        p.error(str(e))
     device = torch.device(args.device)
     if device.type == "cpu":
         rows = run(device, args.scale, args.repeats, ["torch"])

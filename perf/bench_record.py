@@ -54,6 +54,12 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_record.json"))
     args = ap.parse_args()
+    from triton_reshard.tools.cliutil import UsageError, check_output_file
+
+    try:  # before any work: an output path that cannot be written is one line, exit 2
+        check_output_file(args.out, '--out', make_folder=True)
+    except UsageError as e:
+        ap.error(str(e))
     import torch
     import transformers
 

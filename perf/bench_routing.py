@@ -42,6 +42,7 @@ import torch
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, megatron_layout, model_spec, vllm_layout
 from triton_reshard.tools.cli import routing_figures
+from triton_reshard.tools.cliutil import UsageError, check_output_file
 from triton_reshard.topology import PRESETS
 
 MODELS = ("qwen3-235b-a22b", "deepseek-v3")
@@ -125,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topologies", default="h100,gb200", help="comma list of topology presets")
     p.add_argument("--out", default=None, help="write the results as JSON to this path")
     args = p.parse_args(argv)
+    try:  # before any work: an output path that cannot be written is one line, exit 2
+        check_output_file(args.out, '--out', make_folder=True)
+    except UsageError as e:
+        p.error(str(e))
     topologies = [t for t in args.topologies.split(",") if t]
     rows, skipped = [], []
     for model in filter(None, args.models.split(",")):

@@ -204,3 +204,185 @@ def test_demo_end_to_end_explains_itself(tmp_path, capfd):
                   "from batching", "first run:", "demo time", "OK: every destination element"):
         assert words in out, (words, out)
     assert out.rstrip().splitlines()[-1].startswith("OK: ") and png.stat().st_size > 0
+
+
+def _no_world(*a, **k):
+    raise AssertionError("spawned a world although the command line was wrong")
+
+
+MISSING = "/nonexistent-triton-reshard-folder/out"
+OUTPUT_MISTAKES = [
+    (["demo", *DEMO_TINY, "--json", MISSING + ".json"], ["--json", "does not exist"]),
+    (["demo", *DEMO_TINY, "--plot", MISSING + ".png"], ["--plot", "does not exist"]),
+    (["plan", "--model", "tiny_llama", "--src", "tp=1", "--dst", "tp=1", "--json", MISSING + ".json"],
+     ["--json", "does not exist"]),
+    (["plan", "--model", "tiny_llama", "--src", "tp=1", "--dst", "tp=1", "--plot", MISSING + ".png"],
+     ["--plot", "does not exist"]),
+    (["plan", "--model", "tiny_llama", "--src", "tp=1", "--dst", "tp=1", "--json", "/"], ["--json /", "is a folder"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), OUTPUT_MISTAKES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in OUTPUT_MISTAKES])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(argv, words, monkeypatch, capsys):
+    """Issue 22: ``--plot``/``--json`` into a missing folder was a traceback after the work was done."""
+    from triton_reshard.tools import demo
+
+    monkeypatch.setattr(demo, "run_world", _no_world)
+    assert cli.main(argv) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in cap.err, cap.err
+    assert MISSING in lines[0] or argv[-1] in lines[0], lines[0]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert "planned in" not in cap.out and "plan " not in cap.out, cap.out  # refused before planning
+
+
+def test_bench_out_that_is_a_file_is_refused_before_spawning(tmp_path, monkeypatch, capsys):
+    import triton_reshard.tools.bench as bench
+
+    monkeypatch.setattr(bench, "run_world", _no_world)
+    f = tmp_path / "results"
+    f.write_text("")
+    assert cli.main(["bench", "--out", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--out {f}: is a file, not a folder" in err[0], err
+    assert cli.main(["bench", "--out", str(f / "sub")]) == 2
+    assert "cannot create it" in capsys.readouterr().err
+
+
+def test_output_checks_accept_what_can_be_written(tmp_path):
+    from triton_reshard.tools.cliutil import check_output_file, check_output_folder
+
+    check_output_file(str(tmp_path / "a.json"), "--json")
+    check_output_file(None, "--json")
+    check_output_folder(str(tmp_path / "new" / "deeper"), "--out")  # created later by the bench
+    check_output_folder(str(tmp_path), "--out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_backend_triton_on_cpu_is_refused_before_spawning_unless_interpreted(monkeypatch, capsys):
+    pytest.importorskip("triton")
+    from triton_reshard.tools import demo
+
+    monkeypatch.setattr(demo, "run_world", _no_world)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["demo", *DEMO_TINY, "--backend", "triton"]) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "--backend triton" in lines[0] and "TRITON_INTERPRET=1" in lines[0], cap.err
+    assert "spawning" not in cap.out
+    # under Triton's interpreter the Triton copy runs on CPU tensors: valid, it gets to spawning
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def stop(*a, **k):
+        raise SystemExit("stop before spawning")
+
+    monkeypatch.setattr(demo, "run_world", stop)
+    with pytest.raises(SystemExit, match="stop before spawning"):
+        cli.main(["demo", *DEMO_TINY, "--backend", "triton"])
+    assert "spawning 8 ranks" in capsys.readouterr().out
+
+
+def _one_rank_world(fn, world, *args, **kwargs):
+    """``run_world`` for a world of one, in this process (a real gloo group of size 1)."""
+    import torch.distributed as dist
+
+    assert world == 1
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return [fn(0, 1, *args)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_demo_says_each_phase_and_counts_it_in_the_breakdown(monkeypatch, capsys):
+    """Issue 22: the FP8 demo was silent while the ranks built the FP8 plan and its reference quantization, and
+    the time breakdown counted that (and the FP8 runs) as spawning; its table mixed GiB, MiB and KiB."""
+    import re
+
+    from triton_reshard.tools import demo
+
+    monkeypatch.setattr(demo, "run_world", _one_rank_world)
+    argv = ["demo", "--layouts", "simple", "--src", "tp=1", "--dst", "tp=1", "--size-gb", "0.005", "--dtype", "bf16",
+            "--dst-dtype", "fp8-block", "--quant-block", "32", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+
+    def at(words):
+        hits = [i for i, x in enumerate(lines) if words in x]
+        assert hits, (words, out)
+        return hits[0]
+
+    assert at("reshard run 1/1") < at("block-FP8 destination: each rank plans it") < at("block-FP8 set up in") \
+        < at("block-FP8 run 1/1") < at("all-gather baseline run 1/1")
+    # the table: one unit (MiB, said in the header), numbers only in its cells
+    head = at("method ")
+    assert lines[head].split()[-1] == "wrong" and lines[head].count("(MiB)") == 4, lines[head - 1:head + 1]
+    rows = lines[head + 1:head + 4]
+    assert [r.split()[0] for r in rows] == ["reshard", "ours", "all-gather"], rows
+    for r in rows:
+        assert not re.search(r"[KMG]iB|\d+ B\b|K\b", r), r
+    # the breakdown: every phase named, and they add up to the world's time
+    bd = lines[at("demo time ")]
+    m = re.search(r"the world ([\d.]+) s = spawn and per-rank setup (-?[\d.]+) s, reshard runs ([\d.]+) s, "
+                  r"block-FP8 setup \(its plan and reference quantization\) ([\d.]+) s, block-FP8 runs ([\d.]+) s, "
+                  r"all-gather runs ([\d.]+) s", bd)
+    assert m, bd
+    world, *parts = (float(x) for x in m.groups())
+    assert parts[0] >= 0 and abs(sum(parts) - world) <= 0.15, bd
+    assert lines[-1].startswith("OK: every destination element equals the global tensor"), lines[-1]
+
+
+PERF_OUTPUTS = [  # (script, its output option, whether the script creates the missing folder itself)
+    ("bench_planner", "--out", True), ("bench_planner", "--plot", False), ("bench_routing", "--out", True),
+    ("bench_kernels", "--out", True), ("autotune", "--out", True), ("bench_quant", "--out", False),
+    ("bench_record", "--out", True),
+]
+
+
+@pytest.mark.parametrize(("script", "option", "makes_folder"), PERF_OUTPUTS, ids=[f"{s} {o}" for s, o, _ in PERF_OUTPUTS])
+def test_perf_scripts_refuse_an_unwritable_output_before_any_work(script, option, makes_folder, tmp_path, monkeypatch,
+                                                                  capsys):
+    import importlib
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "perf"))
+    mod = importlib.import_module(script)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    # a folder the script cannot create (its parent is a file); one it need not create when it makes folders
+    bad = str(blocker / "sub" / "out.json") if makes_folder else str(tmp_path / "missing" / "out.json")
+    argv = [option, bad]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        mod.main() if script == "bench_record" else mod.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"{script}.py: error: {option} {bad}: "), err
+    assert ("cannot create its folder" if makes_folder else "does not exist") in err[-1], err
+
+
+def test_traffic_plot_labels_every_cell_in_mib(tmp_path, monkeypatch):
+    """Issue 22: one unit per picture: the cells below 0.1 MiB were labelled in KiB ("51K")."""
+    pytest.importorskip("matplotlib")
+    import re
+
+    import matplotlib.pyplot as plt
+
+    from triton_reshard.plan import plan_reshard
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+    from triton_reshard.tools.plot import plot_traffic, traffic_matrix
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    cfg = get_config("tiny_qwen3_moe")
+    plan = plan_reshard(megatron_layout(cfg, tp=2, pp=2, ranks=0), vllm_layout(cfg, tp=2, dp=2, ranks=0))
+    _ranks, m = traffic_matrix(plan)
+    assert 0 < m[m > 0].min() < 0.1 * (1 << 20)  # cells that were labelled in KiB
+    plot_traffic(plan, str(tmp_path / "t.png"))
+    texts = [t.get_text() for ax in figs[0].axes for t in ax.texts]
+    assert len(texts) == int((m > 0).sum()) and all(re.fullmatch(r"[\d.]+(e-\d+)?", t) for t in texts), texts
+    assert all("KiB" not in ax.get_ylabel() for ax in figs[0].axes)

@@ -18,7 +18,16 @@ import statistics
 import sys
 import time
 
-from .cliutil import DTYPE_HELP, HelpFormatter, OneLineParser, UsageError, parse_dtype, parse_sizes
+from .cliutil import (
+    DTYPE_HELP,
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    check_output_file,
+    check_output_folder,
+    parse_dtype,
+    parse_sizes,
+)
 from .cliutil import fmt_bytes as _fmt_bytes
 from .cliutil import fmt_seconds as _fmt_seconds
 
@@ -121,6 +130,7 @@ def _dispatch(args) -> int:
             raise UsageError("--bucket-mb and --timeout must be > 0 and --repeats >= 1")
         if args.quant_block < 1:
             raise UsageError(f"--quant-block {args.quant_block}: must be >= 1")
+        check_output_folder(args.out, "--out")
         run_bench(cases, sizes, dtype=str(dtype).removeprefix("torch."), bucket_mb=args.bucket_mb,
                   repeats=args.repeats, timeout=args.timeout, out_dir=args.out,
                   progress=lambda s: print(s, flush=True), dst_dtype=args.dst_dtype, quant_block=args.quant_block)
@@ -286,6 +296,8 @@ def plan_report(args) -> dict:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
+    check_output_file(args.plot, "--plot")
+    check_output_file(args.json, "--json")
     base = PRESETS[args.preset]
     topo = Topology(
         gpus_per_node=args.gpus_per_node or base.gpus_per_node,

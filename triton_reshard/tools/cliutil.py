@@ -7,6 +7,7 @@ line (``triton-reshard <cmd>: error: ...``) and exits 2, the way argparse report
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -87,6 +88,62 @@ def parse_sizes(text: str, keys: tuple[str, ...], option: str, example: str) -> 
             raise UsageError(f"{option} {text!r}: {key} must be >= {low}, got {n}")
         out[key] = n
     return out
+
+
+def check_output_file(path: str | os.PathLike | None, option: str, make_folder: bool = False) -> None:
+    """Before any work: a file ``path`` can be written (its folder exists and is writable, and ``path`` is not
+    a folder), else a :class:`UsageError` naming the option and the path. ``make_folder``: the caller creates
+    the folder, so it may be missing as long as it can be created. ``None``: nothing to check."""
+    if path is None:
+        return
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a folder; give the path of a file to write")
+    folder = os.path.dirname(path) or "."
+    if make_folder and not os.path.exists(folder):
+        why = _cannot_create(folder)
+        if why:
+            raise UsageError(f"{option} {path}: cannot create its folder, {why}")
+        return
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UsageError(f"{option} {path}: the folder {folder!r} {what} (create it first)")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: no permission to write there")
+
+
+def check_output_folder(path: str | os.PathLike | None, option: str) -> None:
+    """Before any work: a folder ``path`` exists and is writable, or can be created (its nearest existing
+    ancestor is a writable folder), else a :class:`UsageError` naming the option and the path."""
+    if path is None:
+        return
+    path = os.fspath(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError(f"{option} {path}: is a file, not a folder")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{option} {path}: no permission to write in this folder")
+        return
+    why = _cannot_create(path)
+    if why:
+        raise UsageError(f"{option} {path}: cannot create it, {why}")
+
+
+def _cannot_create(folder: str) -> str | None:
+    """Why the missing ``folder`` cannot be created (its nearest existing ancestor is a file or not writable)."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent!r} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"no permission to write in {parent!r}"
+    return None
+
+
+def fmt_mib(n: float) -> str:
+    """Bytes as MiB with one decimal, without the unit (for a table whose header says MiB)."""
+    return f"{n / (1 << 20):.1f}"
 
 
 def fmt_bytes(n: float) -> str:

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from ..baselines import allgather_refit
 from ..execute import Resharder
-from ..launch import WorldError, run_world
+from ..launch import WorldError, default_backend, run_world
 from ..layout import QUANT_DTYPE, Layout, block_quant_layout, box_slices
 from ..plan import plan_reshard
 from ..testing import synthetic_box
-from .cliutil import DTYPE_HELP, UsageError, parse_dtype, parse_sizes
+from .cliutil import DTYPE_HELP, UsageError, check_output_file, fmt_mib, parse_dtype, parse_sizes
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 POISON = float("nan")
@@ -242,12 +242,17 @@ def demo_worker(rank: int, world: int, args) -> dict:
     out["ours_peak_extra_rss"] = max(rss_peaks)
     out["ours_staging_bytes"] = r.send_area_bytes + r.recv_area_bytes
     if getattr(args, "dst_dtype", "same") == "fp8-block":  # the same refit into block-FP8 inference weights, checked the same way
+        say("block-FP8 destination: each rank plans it, allocates its tensors and quantizes the reference it checks "
+            "against (every Linear weight, whole, with the torch reference) ...")
+        t_q = time.perf_counter()
         dst_q = fp8_layout(dst, args.quant_block)
         rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
         dst_qt = dst_q.allocate(rank, device=device)
         want_q = expected_quantized(dst_q, src, rank, device)
-        say("block-FP8 destination: first run (binds, allocates the staging and the straddling blocks' regions) ...")
-        t_q = time.perf_counter()
+        dist.barrier()
+        out["fp8_setup_seconds"] = time.perf_counter() - t_q  # the slowest rank's, as the user waits for it
+        say(f"block-FP8 set up in {out['fp8_setup_seconds']:.1f} s; first run (binds, allocates the staging "
+            f"and the straddling blocks' regions) ...")
         out["fp8_first_seconds"], out["fp8_bad"] = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
         qtimes = []
         for i in range(args.repeats):
@@ -375,7 +380,46 @@ def _validate(args) -> tuple[Parallelism, Parallelism]:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
+    check_output_file(args.plot, "--plot")
+    check_output_file(args.json, "--json")
+    if args.backend == "triton":
+        _check_triton_backend(args.world)
     return sp, dp_
+
+
+def _check_triton_backend(world: int) -> None:
+    """``--backend triton`` before spawning: the ranks' tensors are CUDA tensors (NCCL, one GPU per rank) or, on
+    CPU, Triton's interpreter is on (``TRITON_INTERPRET=1``); else a :class:`UsageError`."""
+    try:
+        from triton import knobs
+    except ImportError:
+        raise UsageError("--backend triton: Triton is not installed (pip install triton), or use --backend torch") from None
+    on_cuda = default_backend(world) == "nccl"
+    interpret = bool(knobs.runtime.interpret)
+    if not on_cuda and not interpret:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise UsageError(f"--backend triton: the Triton copy needs CUDA tensors, and the {world} ranks run on CPU "
+                         f"({gpus} GPUs here); use --backend torch, or set TRITON_INTERPRET=1 to run the Triton "
+                         f"kernels on CPU under its interpreter (slow)")
+    if on_cuda and interpret:
+        raise UsageError(f"--backend triton: TRITON_INTERPRET=1 runs the Triton copy on CPU tensors, but the {world} "
+                         f"ranks run on CUDA; unset TRITON_INTERPRET")
+
+
+def time_breakdown(r0: dict, total: float, prep_s: float, world_s: float) -> str:
+    """The demo's time in its phases, from rank 0's timers (``r0``): the parent's layouts and plan, then the
+    world: spawn and per-rank setup (the rest), our runs, the block-FP8 setup and runs, the all-gather's runs."""
+    fp8 = r0.get("fp8_total_seconds")
+    parts = [("reshard runs", r0["ours_total_seconds"])]
+    if fp8 is not None:
+        setup = r0["fp8_setup_seconds"]
+        parts += [("block-FP8 setup (its plan and reference quantization)", setup), ("block-FP8 runs", fp8 - setup)]
+    if "base_total_seconds" in r0:
+        parts.append(("all-gather runs", r0["base_total_seconds"]))
+    rest = world_s - sum(v for _k, v in parts)
+    return (f"demo time {total:.1f} s: layouts and plan {prep_s:.1f} s; the world {world_s:.1f} s = spawn and "
+            f"per-rank setup {rest:.1f} s, " + ", ".join(f"{k} {v:.1f} s" for k, v in parts)
+            + f" (checking every element: {r0['check_seconds']:.1f} s of these, rank 0)")
 
 
 def _baseline_broadcasts(src: Layout) -> int:
@@ -443,11 +487,11 @@ def run_demo(args) -> int:
                      max(r["base_recv_bytes"] for r in res), max(r["base_peak_extra_bytes"] for r in res),
                      max(r["base_peak_extra_rss"] for r in res), sum(r["base_bad"] for r in res)))
     print()
-    print(f"{'method':20s} {'time (s)':>9s} {'on the wire':>12s} {'busiest recv':>13s} {'staging/rank':>13s} "
-          f"{'RSS growth':>11s} {'wrong':>7s}")
+    print(f"{'':20s} {'':>9s} {'on the wire':>12s} {'busiest recv':>13s} {'staging/rank':>13s} {'RSS growth':>11s}")
+    print(f"{'method':20s} {'time (s)':>9s} {'(MiB)':>12s} {'(MiB)':>13s} {'(MiB)':>13s} {'(MiB)':>11s} {'wrong':>7s}")
     for name, secs, wire, mrecv, staging, rss, bad in rows:
-        print(f"{name:20s} {secs:9.3f} {_fmt_bytes(wire):>12s} {_fmt_bytes(mrecv):>13s} {_fmt_bytes(staging):>13s} "
-              f"{_fmt_bytes(rss):>11s} {bad:>7d}")
+        print(f"{name:20s} {secs:9.3f} {fmt_mib(wire):>12s} {fmt_mib(mrecv):>13s} {fmt_mib(staging):>13s} "
+              f"{fmt_mib(rss):>11s} {bad:>7d}")
     runs = f"median of {n_rep} runs after a first one" if n_rep else "the first run"
     print(f"""
   time          one refit, wall time of the slowest rank, {runs}
@@ -496,12 +540,7 @@ def run_demo(args) -> int:
     print(f"first run: {first:.3f} s, not in the median (it binds the tensors: builds the copy lists and "
           f"allocates the staging buffers once; later runs reuse them; noise on a shared machine can make it "
           f"faster than a later run)")
-    r0 = res[0]
-    print(f"demo time {time.time() - args.started_at:.1f} s: layouts and plan {prep_s:.1f} s; the world "
-          f"{elapsed:.1f} s = spawn and per-rank setup {elapsed - r0['ours_total_seconds'] - r0.get('base_total_seconds', 0):.1f} s"
-          f", reshard runs {r0['ours_total_seconds']:.1f} s"
-          + (f", all-gather runs {r0['base_total_seconds']:.1f} s" if not args.no_baseline else "")
-          + f" (checking every element: {r0['check_seconds']:.1f} s of these, rank 0)")
+    print(time_breakdown(res[0], time.time() - args.started_at, prep_s, elapsed))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "stats": st.as_dict(), "ranks": res,

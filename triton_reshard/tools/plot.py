@@ -41,7 +41,7 @@ def plot_traffic(plan, path: str, title: str = "", subtitle: str = "") -> str:
     im = ax.imshow(shown, cmap="viridis", norm=norm, interpolation="nearest")
     ax.set_facecolor("#f2f2f2")
     cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    cb.set_label("MiB sent over one refit (log scale; K: KiB; blank: nothing)")
+    cb.set_label("MiB sent over one refit (log scale; blank: nothing)")
     step = max(1, n // 16)
     ticks = list(range(0, n, step))
     ax.set_xticks(ticks, [str(ranks[i]) for i in ticks])
@@ -53,7 +53,7 @@ def plot_traffic(plan, path: str, title: str = "", subtitle: str = "") -> str:
             for j in range(n):
                 if mib[i, j] > 0:
                     v = mib[i, j]
-                    label = f"{v:.0f}" if v >= 10 else f"{v:.1f}" if v >= 0.1 else f"{v * 1024:.0f}K"
+                    label = f"{v:.0f}" if v >= 10 else f"{v:.1f}" if v >= 0.1 else f"{v:.2g}"
                     ax.text(j, i, label, ha="center", va="center",
                             fontsize=7 if n > 8 else 8, color="white" if norm and norm(v) < 0.6 else "black")
     for i in range(n):  # the diagonal: local copies, outlined
