@@ -22,7 +22,7 @@ DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.pat
 # snippet names (the job's ranks, rendezvous address, its model, layouts and tensors). Anything else a
 # snippet uses (a module like ``torch``, one of our functions) must be imported or defined in it.
 PLACEHOLDERS = {
-    "HOST", "PORT", "T", "W", "offset", "local_rank", "rank", "client", "local_tensors", "model", "hf_config",
+    "HOST", "PORT", "SECRET", "T", "W", "offset", "local_rank", "rank", "client", "local_tensors", "model", "hf_config",
     "train_layout", "infer_layout", "train_tensors", "vllm_model", "g",
 }
 
