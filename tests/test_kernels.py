@@ -1,4 +1,4 @@
-"""Tests of the Triton copy kernel (``kernels/copy.py``) and its launcher (``triton_reshard/triton_copy.py``).
+"""Tests of the Triton copy kernel (``kernels/copy.py``) and its launcher (``triton_reshard/ops/copy.py``).
 
 Without a GPU the kernel runs in Triton's interpreter on CPU tensors: an autouse fixture sets
 ``TRITON_INTERPRET=1`` for every test not marked ``gpu`` (the launcher reloads the kernel module if it was
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from triton_reshard import ops, triton_copy
-from triton_reshard.triton_copy import (
+from triton_reshard import ops
+from triton_reshard.ops import copy as triton_copy
+from triton_reshard.ops.copy import (
     DtypePlan,
     build_tiles,
     merge_dims,

@@ -33,8 +33,8 @@ pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed here
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from triton_reshard.group import free_port  # noqa: E402
-from triton_reshard.launch import run_world  # noqa: E402
 from triton_reshard.layout import Layout, Replicate, Shard  # noqa: E402
+from triton_reshard.testing.launch import run_world  # noqa: E402
 
 A, W = 2, 2  # actor workers, rollout workers
 SHAPES = {  # odd sizes; lm_head alone is over the 1 MiB bucket

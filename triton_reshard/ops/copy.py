@@ -2,7 +2,7 @@
 
 ``triton_copy_views(pairs, key)`` copies every ``(src_view, dst_view)`` pair with **one kernel launch per
 dtype group** (see :func:`plan_dtypes`). The torch reference of the same function is
-:func:`triton_reshard.torch_copy.torch_copy_views`; pairs that the kernel does not handle (casts to and from fp8,
+:func:`triton_reshard.ops.torch_copy.torch_copy_views`; pairs that the kernel does not handle (casts to and from fp8,
 float -> int, bool and complex casts, more than ``MAX_DIMS`` non-mergeable dimensions) are copied with it.
 
 Design (details in ``kernels/copy.py``):
@@ -257,7 +257,7 @@ def build_tiles(numels: np.ndarray, tile_elems: int, max_regions: int) -> np.nda
 def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, numel: int,
                 plan: DtypePlan) -> list[int]:
     """One row of the region table (layout in ``kernels/copy.py``)."""
-    from .kernels import copy as k
+    from ..kernels import copy as k
 
     row = [0] * int(k.REGION_FIELDS)
     row[int(k.F_SRC)], row[int(k.F_DST)] = src_off, dst_off
@@ -274,7 +274,7 @@ def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, nu
 def _group_rows(plan: DtypePlan, members: list[int], pairs: Sequence[Pair], fallback: list[int]
                 ) -> tuple[int, int, list[list[int]], list[int]]:
     """Base pairs and region rows of one dtype group; pairs the kernel cannot take go to ``fallback``."""
-    from .kernels import copy as k
+    from ..kernels import copy as k
 
     src_base = min(members, key=lambda i: pairs[i][0].untyped_storage().data_ptr())
     dst_base = min(members, key=lambda i: pairs[i][1].untyped_storage().data_ptr())

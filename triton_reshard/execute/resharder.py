@@ -26,13 +26,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .group import RefitGroup, as_transport
-from .layout import box_slices
-from .plan import ALIGN, DIRECT_MIN_BYTES, Plan
-from .plan.local import RankPlan, _rank_fragments
-from .plan.quant import QUANT_DST, QUANT_SRC, SCALE_BYTES, quant_regions, split_src_chunks
-from .plan.schedule import _split_box
+from .. import ops
+from ..group import RefitGroup, as_transport
+from ..layout import box_slices
+from ..plan import ALIGN, DIRECT_MIN_BYTES, Plan
+from ..plan.local import RankPlan, _rank_fragments
+from ..plan.quant import QUANT_DST, QUANT_SRC, SCALE_BYTES, quant_regions, split_src_chunks
+from ..plan.schedule import _split_box
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -1093,7 +1093,7 @@ class Resharder:
         def quantize(groups: dict, metas: dict | None, list_key) -> None:
             """Quantize ``{(block, ue8m0): [(source, fp8 out, scale out)]}`` into the outputs; in verify mode
             (``metas`` given) into temporaries compared with the outputs instead."""
-            from . import quant
+            from ..ops import quantize as quant
 
             for (block, ue8m0), items in groups.items():
                 if metas is None:

@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .execute import ReshardTimeoutError, _to_timedelta
-from .layout import Layout, box_slices
+from ..execute import ReshardTimeoutError, _to_timedelta
+from ..layout import Layout, box_slices
 
 
 @dataclass(frozen=True, slots=True)

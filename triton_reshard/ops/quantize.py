@@ -263,7 +263,7 @@ def tile_of(block: Sequence[int]) -> tuple[int, int]:
 
 
 def _check_triton(device: torch.device, blocks: list[tuple[int, ...]]) -> None:
-    from .kernels import quant as k
+    from ..kernels import quant as k
 
     if _interpreting():
         if device.type != "cpu":
@@ -312,7 +312,7 @@ def signature(items: Sequence[Item]) -> tuple:
 def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[int, ...],
                 src_off: int, q_off: int, s_off: int) -> np.ndarray:
     """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases."""
-    from .kernels import quant as k
+    from ..kernels import quant as k
 
     sshape = tuple(s.shape)
     idx = np.indices(sshape, dtype=np.int64).reshape(len(sshape), -1)  # block index per dim
@@ -392,7 +392,7 @@ def _pow2_divisor(values: np.ndarray, cap: int) -> int:
 def _alignment(rows: np.ndarray, items: Sequence[Item], dtype: torch.dtype) -> tuple[bool, int, int]:
     """``(contig, src_align, q_align)`` of a group's block rows (see ``kernels/quant.py``): vector
     widths of at most 16 bytes that every block start and row stride allow."""
-    from .kernels import quant as k
+    from ..kernels import quant as k
 
     if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, _ in items if src.numel()):
         return False, 1, 1
@@ -492,7 +492,7 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
     if not items:
         return
     if backend is None:
-        from .ops import resolve_backend
+        from . import resolve_backend
 
         first = items[0][0] if isinstance(items[0], (tuple, list)) and items[0] else None
         backend = resolve_backend(first.device if isinstance(first, torch.Tensor) else None)
