@@ -1,25 +1,23 @@
-"""Execute: buffers, transport, kernels (see :mod:`.resharder`)."""
+"""Execute: buffers, transport, kernels. :class:`Resharder` (``resharder``) runs a plan on one rank; beside it
+its jobs: ``options``, ``checks``, ``transport``, ``bind``, ``steps``, ``reports``, ``errors``."""
 
-from .resharder import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_TIMEOUT,
-    Difference,
+from .errors import (
     ReshardAbortedError,
     ReshardConnectionError,
-    Resharder,
     ReshardError,
     ReshardTimeoutError,
     ReshardTransportError,
-    RunReport,
-    VerifyReport,
-    _to_timedelta,
-    refuse,
 )
+from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions, to_timedelta
+from .reports import Difference, RunReport, VerifyReport
+from .resharder import Resharder
+from .transport import refuse
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_TIMEOUT",
     "Difference",
+    "RefitOptions",
     "ReshardAbortedError",
     "ReshardConnectionError",
     "ReshardError",
@@ -28,6 +26,6 @@ __all__ = [
     "Resharder",
     "RunReport",
     "VerifyReport",
-    "_to_timedelta",
     "refuse",
+    "to_timedelta",
 ]

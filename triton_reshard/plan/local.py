@@ -45,7 +45,7 @@ from ..layout import Fragment, Layout, _find_overlap, _gc_paused, _itemsize
 from .core import Plan
 from .relay import _relay_dtype, _split_piece
 from .routing import _LOCAL_ORDER, _WIRE_ORDER, _check_dst_overlap, _holders, _overlaps, _pieces, _wire_dtype
-from .schedule import _is_contiguous_box, _split_box
+from .schedule import _is_contiguous_box, split_box
 from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align, _make_transfer
 from .validate import _quant_scales, _reads
 
@@ -279,7 +279,7 @@ def _index(layout: Layout, name: str, whole: bool = False) -> _TensorIndex:
     return ix
 
 
-def _rank_fragments(layout: Layout, rank: int) -> list[Fragment]:
+def rank_fragments(layout: Layout, rank: int) -> list[Fragment]:
     """The nonempty fragments ``rank`` holds, in layout order."""
     on_rank = getattr(layout, "fragments_on_rank", None)
     if on_rank is not None:
@@ -500,13 +500,13 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     fragment's transfers by the regions all of them make)."""
     todo: dict[tuple, None] = {}
     mine: dict[str, list[Fragment]] = {}
-    for df in _rank_fragments(dst, rank):
+    for df in rank_fragments(dst, rank):
         todo[(df.tensor, (df.offsets, df.sizes))] = None
         mine.setdefault(df.tensor, []).append(df)
     for name, frs in mine.items():
         if len(frs) > 1:
             _check_own_overlaps(dst, name, frs)
-    for sf in _rank_fragments(src, rank):
+    for sf in rank_fragments(src, rank):
         if sf.tensor in dst.specs:
             for box in _index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
                 todo[(sf.tensor, box)] = None
@@ -540,7 +540,7 @@ def _chunks(t: Transfer, cap: int) -> list[tuple[tuple, tuple, int]]:
         return split_src_chunks(t, cap)
     isz = _itemsize(t.wire_dtype)
     out = []
-    for o, sz in _split_box(t.sizes, isz, cap):
+    for o, sz in split_box(t.sizes, isz, cap):
         n = math.prod(sz) * isz
         if n:
             out.append((o, sz, n))
@@ -794,9 +794,9 @@ def _validate_rank_plan(p: RankPlan) -> None:
     r = p.rank
     mine_s: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
     mine_d: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    for f in _rank_fragments(p.src, r):
+    for f in rank_fragments(p.src, r):
         mine_s[(f.tensor, f.local)].append(f)
-    dfrags = _rank_fragments(p.dst, r)
+    dfrags = rank_fragments(p.dst, r)
     for f in dfrags:
         mine_d[(f.tensor, f.local)].append(f)
     written: dict[int, list[Transfer]] = {}

@@ -517,14 +517,14 @@ def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple
     """A source-quantized transfer cut for the schedule, only at block multiples: ``[(offsets relative to the
     transfer, sizes, chunk bytes)]``, chunk bytes = fp8 values (padded to ``ALIGN``) + the fp32 scales, each at
     most ``cap`` unless one block alone is bigger (then one block per chunk)."""
-    from .schedule import _split_box
+    from .schedule import split_box
     from .types import _align
 
     block = t.block
     grid = scale_sizes(t.sizes, block)
     per_block = math.prod(block) + SCALE_BYTES + 16
     out = []
-    for g_off, g_size in _split_box(grid, per_block, cap):
+    for g_off, g_size in split_box(grid, per_block, cap):
         off = tuple(o * b for o, b in zip(g_off, block, strict=True))
         size = tuple(min(n * b, s - o) for n, b, s, o in zip(g_size, block, t.sizes, off, strict=True))
         n = math.prod(size)

@@ -11,7 +11,7 @@ from .quant import split_src_chunks
 from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align
 
 
-def _split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Split a box (relative offsets) into sub-boxes of at most ``cap`` bytes once aligned."""
     if _align(math.prod(sizes) * itemsize) <= cap or not sizes:
         return [((0,) * len(sizes), tuple(sizes))]
@@ -126,7 +126,7 @@ def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity
                 phase_of.append(0)
             continue
         isz = _itemsize(t.wire_dtype)
-        for off, size in _split_box(t.sizes, isz, cap):
+        for off, size in split_box(t.sizes, isz, cap):
             n = math.prod(size) * isz
             if n:
                 chunks.append((i, off, size, n, t.src_rank, t.dst_rank))
