@@ -100,7 +100,7 @@ _ITEMSIZE: dict[torch.dtype, int] = {}
 _DTYPE_NAME: dict[torch.dtype, str] = {}
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize_of(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype`` (cached: called once per fragment and transfer)."""
     n = _ITEMSIZE.get(dtype)
     if n is None:
@@ -108,7 +108,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return n
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     n = _DTYPE_NAME.get(dtype)
     if n is None:
         n = _DTYPE_NAME[dtype] = str(dtype).removeprefix("torch.")
@@ -116,7 +116,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (restoring its state after).
 
     Building a 128-rank layout or plan allocates ~10^6 small objects and no cycles; with the collector on,
@@ -148,10 +148,10 @@ def _as_dtype(dtype: object, what: str) -> torch.dtype:
 MAX_TENSOR_BYTES = 1 << 48
 
 
-def _check_bytes(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+def check_bytes(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
     n = math.prod(shape)
-    if n > MAX_TENSOR_BYTES or n * _itemsize(dtype) > MAX_TENSOR_BYTES:
-        raise ValueError(f"{what}: shape {shape} of {_dtype_name(dtype)} is {n} elements, more than "
+    if n > MAX_TENSOR_BYTES or n * itemsize_of(dtype) > MAX_TENSOR_BYTES:
+        raise ValueError(f"{what}: shape {shape} of {dtype_name(dtype)} is {n} elements, more than "
                          f"{MAX_TENSOR_BYTES} bytes (2**48), beyond what any device can address")
 
 
@@ -247,14 +247,14 @@ class TensorSpec:
             object.__setattr__(self, "shape", _as_shape(self.shape, f"tensor {self.name!r} shape"))
         if type(self.dtype) is not torch.dtype:
             object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
-        _check_bytes(self.shape, self.dtype, f"tensor {self.name!r}")
+        check_bytes(self.shape, self.dtype, f"tensor {self.name!r}")
         q = self.quant
         if q is not None:
             if not isinstance(q, BlockQuant):
                 raise TypeError(f"tensor {self.name!r}: quant must be a BlockQuant or None, got {q!r}")
             if self.dtype != QUANT_DTYPE:
-                raise ValueError(f"tensor {self.name!r}: a block-quantized tensor is {_dtype_name(QUANT_DTYPE)}, "
-                                 f"got {_dtype_name(self.dtype)}")
+                raise ValueError(f"tensor {self.name!r}: a block-quantized tensor is {dtype_name(QUANT_DTYPE)}, "
+                                 f"got {dtype_name(self.dtype)}")
             nd = len(self.shape)
             if not nd or len(q.block) > nd:
                 raise ValueError(f"tensor {self.name!r} of shape {self.shape}: block {q.block} has more dims "
@@ -274,7 +274,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return itemsize_of(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +295,7 @@ class LocalSpec:
             object.__setattr__(
                 self, "dtype", _as_dtype(self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
             )
-        _check_bytes(self.shape, self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
+        check_bytes(self.shape, self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +380,7 @@ class Fragment:
 
 _BOX_START = itemgetter(0)
 _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
-_FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
+FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
 _TENSOR = attrgetter("tensor")
 _RANK = attrgetter("rank")
 _TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
@@ -388,13 +388,13 @@ _NAME = attrgetter("name")
 _RANK_NAME = attrgetter("rank", "name")
 
 
-def _boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
+def boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
     if len(a_off) != len(b_off):
         raise ValueError(f"boxes of different ranks: {a_off} and {b_off}")
     return all(map(gt, map(add, b_off, b_size), a_off)) and all(map(gt, map(add, a_off, a_size), b_off))
 
 
-def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
+def find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
     """Return the first pair of overlapping boxes (sweep over dim 0), or None. Empty boxes never overlap."""
     items = sorted((b for b in boxes if min(b[1], default=1) > 0), key=_BOX_START)
     active: list[tuple[tuple[int, ...], tuple[int, ...], object]] = []
@@ -406,7 +406,7 @@ def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
             continue
         active = [a for a in active if a[0][0] + a[1][0] > off[0]]
         for a in active:
-            if _boxes_overlap(a[0], a[1], off, size):
+            if boxes_overlap(a[0], a[1], off, size):
                 return a[2], tag
         active.append((off, size, tag))
     return None
@@ -439,12 +439,12 @@ def _check_fragment(f: Fragment, spec: TensorSpec | None, loc: LocalSpec | None)
             )
     if loc.dtype != spec.dtype:
         raise ValueError(
-            f"fragment of {where}: local tensor {f.local!r} is {_dtype_name(loc.dtype)}, the tensor is "
-            f"{_dtype_name(spec.dtype)}"
+            f"fragment of {where}: local tensor {f.local!r} is {dtype_name(loc.dtype)}, the tensor is "
+            f"{dtype_name(spec.dtype)}"
         )
 
 
-def _scale_box(f: Fragment, block: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def block_scale_box(f: Fragment, block: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes, local offsets) of the scale fragment that goes with block-aligned weight fragment
     ``f``: its blocks' box in the scale tensor, at the weight's local offsets divided by the block (extra
     leading local dims unchanged)."""
@@ -474,7 +474,7 @@ def _misaligned(f: Fragment, spec: TensorSpec) -> str | None:
 
 def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragment]) -> None:
     """Block-quantized tensors: each has its float32 scale tensor of shape ``ceil(shape / block)``; every
-    fragment is block-aligned and its rank holds the matching scale fragment (see ``_scale_box``); every
+    fragment is block-aligned and its rank holds the matching scale fragment (see ``block_scale_box``); every
     scale fragment belongs to a weight fragment."""
     scale_of: dict[str, str] = {}
     for t in specs.values():
@@ -486,9 +486,9 @@ def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragmen
             raise ValueError(f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is not declared")
         if s.quant is not None or s.dtype != SCALE_DTYPE or s.shape != t.scale_shape:
             raise ValueError(
-                f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is {s.shape} {_dtype_name(s.dtype)}"
+                f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is {s.shape} {dtype_name(s.dtype)}"
                 f"{' (quantized itself)' if s.quant is not None else ''}; blocks {q.block} of {t.shape} need a plain "
-                f"{t.scale_shape} {_dtype_name(SCALE_DTYPE)}")
+                f"{t.scale_shape} {dtype_name(SCALE_DTYPE)}")
         if q.scale in scale_of:
             raise ValueError(f"tensors {scale_of[q.scale]!r} and {t.name!r} name the same scale tensor {q.scale!r}")
         scale_of[q.scale] = t.name
@@ -508,7 +508,7 @@ def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragmen
             if why is not None:
                 raise ValueError(f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}) "
                                  f"is not block-aligned: it {why}")
-            off, sizes, lo = _scale_box(f, block)
+            off, sizes, lo = block_scale_box(f, block)
             if (f.rank, off, sizes, lo) not in have:
                 raise ValueError(
                     f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}, local "
@@ -523,16 +523,16 @@ def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragmen
 _FRAG_FIELDS = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets")
 
 
-def _slot_setters(cls, names: tuple[str, ...]):
+def slot_setters(cls, names: tuple[str, ...]):
     if getattr(cls, "__slots__", None) != names:
         return None
     return tuple(cls.__dict__[k].__set__ for k in names)
 
 
-_FRAG_SET = _slot_setters(Fragment, _FRAG_FIELDS)
+_FRAG_SET = slot_setters(Fragment, _FRAG_FIELDS)
 
 
-def _fragment(tensor, rank, offsets, sizes, local, local_offsets) -> Fragment:
+def trusted_fragment(tensor, rank, offsets, sizes, local, local_offsets) -> Fragment:
     """A :class:`Fragment` of values the columns' validation has checked (plain ints, the right lengths):
     built without re-running its checks (10^6 of them at 1,024 ranks)."""
     if _FRAG_SET is None:
@@ -639,7 +639,7 @@ class FragmentTable:
         if self._frags is None:  # (rows of a validated layout: built without re-running Fragment's checks)
             t, names = self.spec.name, self.local_names
             self._frags = tuple(
-                _fragment(t, r, tuple(o), tuple(s), names[li], tuple(lo[:k]))
+                trusted_fragment(t, r, tuple(o), tuple(s), names[li], tuple(lo[:k]))
                 for r, o, s, li, lo, k in zip(self.ranks.tolist(), self.offsets.tolist(), self.sizes.tolist(),
                                               self.local_ids.tolist(), self._loff.tolist(), self._lnd.tolist(),
                                               strict=True))
@@ -782,7 +782,7 @@ class Layout:
     _key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        with _gc_paused():
+        with gc_paused():
             # (layout builders hand these over already in order: each sort is then one linear pass)
             tensors = tuple(sorted(self.tensors, key=_NAME))
             frags = tuple(sorted(self.fragments, key=_FRAG_ORDER))
@@ -795,10 +795,10 @@ class Layout:
                 self,
                 "_key",
                 (
-                    tuple((t.name, t.shape, _dtype_name(t.dtype)) if t.quant is None
-                          else (t.name, t.shape, _dtype_name(t.dtype), t.quant.key()) for t in tensors),
-                    tuple(map(_FRAG_KEY, frags)),
-                    tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
+                    tuple((t.name, t.shape, dtype_name(t.dtype)) if t.quant is None
+                          else (t.name, t.shape, dtype_name(t.dtype), t.quant.key()) for t in tensors),
+                    tuple(map(FRAG_KEY, frags)),
+                    tuple((s.rank, s.name, s.shape, dtype_name(s.dtype)) for s in locs),
                 ),
             )
 
@@ -837,13 +837,13 @@ class Layout:
         sh = np.full((len(locs), S), -1, np.int64)
         for i, x in enumerate(locs):
             sh[i, :len(x.shape)] = x.shape
-        dts = sorted({_dtype_name(x.dtype) for x in locs})
+        dts = sorted({dtype_name(x.dtype) for x in locs})
         did = {d: i for i, d in enumerate(dts)}
         lcols = (np.fromiter((x.rank for x in locs), np.int64, len(locs)),
                  np.fromiter((lid[x.name] for x in locs), np.int64, len(locs)), sh,
-                 np.fromiter((did[_dtype_name(x.dtype)] for x in locs), np.int64, len(locs)))
+                 np.fromiter((did[dtype_name(x.dtype)] for x in locs), np.int64, len(locs)))
         ts = self.tensors
-        tensors = ([t.name for t in ts], [t.shape for t in ts], [_dtype_name(t.dtype) for t in ts],
+        tensors = ([t.name for t in ts], [t.shape for t in ts], [dtype_name(t.dtype) for t in ts],
                    {i: t.quant.key() for i, t in enumerate(ts) if t.quant is not None})
         return content_fingerprint(tensors, names, [cols], (lcols,), dts)
 
@@ -891,9 +891,9 @@ class Layout:
             if len(frs) == 2:  # the common case (gate + up, k + v): no sweep needed
                 a, b = frs
                 if not (min(a.sizes, default=1) > 0 and min(b.sizes, default=1) > 0
-                        and _boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
+                        and boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
                     continue
-            hit = _find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
+            hit = find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
             if hit is not None:
                 a, b = hit
                 raise ValueError(
@@ -959,7 +959,7 @@ class Layout:
             if key in dtypes and dtypes[key] != spec.dtype:
                 raise ValueError(
                     f"local tensor {f.local!r} on rank {f.rank} would hold tensors of dtypes "
-                    f"{_dtype_name(dtypes[key])} and {_dtype_name(spec.dtype)} (tensor {f.tensor!r})"
+                    f"{dtype_name(dtypes[key])} and {dtype_name(spec.dtype)} (tensor {f.tensor!r})"
                 )
             dtypes[key] = spec.dtype
         shapes = {k: tuple(v) for k, v in extent.items()}
@@ -1011,7 +1011,7 @@ class Layout:
             *[torch.arange(n) for n in mesh_t.shape], indexing="ij")], strict=True))
         specs, frags, locs = [], [], []
         mesh_shape = tuple(mesh_t.shape)
-        with _gc_paused():
+        with gc_paused():
             if not isinstance(shapes, Mapping):
                 raise TypeError(f"shapes: expected a dict name -> shape, got {type(shapes).__name__} {shapes!r}")
             for name, shape in shapes.items():
@@ -1054,7 +1054,7 @@ class Layout:
                 if t.name in specs and specs[t.name] != t:
                     raise ValueError(
                         f"cannot merge layouts: tensor {t.name!r} is {specs[t.name].shape} "
-                        f"{_dtype_name(specs[t.name].dtype)} in one and {t.shape} {_dtype_name(t.dtype)} in another"
+                        f"{dtype_name(specs[t.name].dtype)} in one and {t.shape} {dtype_name(t.dtype)} in another"
                     )
                 specs[t.name] = t
             for s in other.locals:
@@ -1066,7 +1066,7 @@ class Layout:
                     )
                 locs[key] = s
             frags.extend(other.fragments)
-        with _gc_paused():
+        with gc_paused():
             return Layout(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
 
     def __or__(self, other: Layout) -> Layout:
@@ -1106,7 +1106,7 @@ class Layout:
         step = self._instance_step(n, stride)
         if n == 1:
             return self
-        with _gc_paused():
+        with gc_paused():
             frags = [Fragment(f.tensor, f.rank + i * step, f.offsets, f.sizes, f.local, f.local_offsets)
                      for i in range(n) for f in self.fragments]
             locs = [LocalSpec(s.rank + i * step, s.name, s.shape, s.dtype) for i in range(n) for s in self.locals]
@@ -1164,7 +1164,7 @@ class Layout:
     def _fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
         """``(tensor, rank, local) -> fragments``, in layout order."""
         frags = self.fragments
-        with _gc_paused():
+        with gc_paused():
             keys = list(map(_TENSOR_RANK_LOCAL, frags))
             out = dict(zip(keys, zip(frags), strict=True))  # one fragment per key: the common case
             if len(out) < len(frags):  # some local tensors hold several boxes of one tensor
@@ -1266,7 +1266,7 @@ class Layout:
     def nbytes(self, rank: int | None = None) -> int:
         """Bytes of the local tensors of ``rank`` (or of every rank)."""
         return sum(
-            math.prod(s.shape) * _itemsize(s.dtype)
+            math.prod(s.shape) * itemsize_of(s.dtype)
             for s in self.locals
             if rank is None or s.rank == rank
         )
@@ -1330,7 +1330,7 @@ def block_quant_layout(
         if t.quant is not None:
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
         if not t.dtype.is_floating_point:
-            raise ValueError(f"block_quant_layout: tensor {t.name!r} is {_dtype_name(t.dtype)}, not floating point")
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
         q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
         specs[t.name] = q
     frags = list(layout.fragments)
@@ -1358,7 +1358,7 @@ def block_quant_layout(
             raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds tensors with "
                              f"different blocks")
         qlocals[key] = spec.quant.block
-        off, sizes, lo = _scale_box(f, spec.quant.block)
+        off, sizes, lo = block_scale_box(f, spec.quant.block)
         frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
     for t in list(specs.values()):
         if t.quant is not None:
@@ -1374,5 +1374,5 @@ def block_quant_layout(
         locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
         locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
                                         SCALE_DTYPE)
-    with _gc_paused():
+    with gc_paused():
         return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))

@@ -15,12 +15,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..layout import Layout, _gc_paused
+from ..layout import Layout, gc_paused
 from . import quant as _quant
-from .routing import _check_gpus_per_node, _check_relay_groups, _check_specs, _route, lower_bound_bytes
+from .routing import check_gpus_per_node, check_relay_groups, check_specs, lower_bound_bytes, route_greedy
 from .schedule import build_schedule
 from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
-from .validate import _validate_plan
+from .validate import validate_plan
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +41,7 @@ class Plan:
         for t in self.local_copies:
             if not t.is_local:
                 raise ValueError(f"plan: local copy {t} crosses ranks")
-        _validate_plan(self)
+        validate_plan(self)
         if self.dst.quantized:
             _quant.validate_quant(self)  # block-quantized destinations: the scales' cover, the modes
 
@@ -51,7 +51,7 @@ class Plan:
             h = hashlib.sha256()
             h.update(self.src.digest.encode())
             h.update(self.dst.digest.encode())
-            with _gc_paused():  # millions of short-lived tuples: collector passes would dominate
+            with gc_paused():  # millions of short-lived tuples: collector passes would dominate
                 for t in self.transfers + self.local_copies:
                     h.update(repr(t.key()).encode())
             self._cache["digest"] = h.hexdigest()[:16]
@@ -65,7 +65,7 @@ class Plan:
         """Bytes and counts (cached). ``gpus_per_node``: also split the wire bytes into network (between nodes
         of that many consecutive ranks) and NVLink (inside a node) bytes; relays are counted in both the
         totals and ``relay_bytes``."""
-        _check_gpus_per_node(gpus_per_node, "Plan.stats")
+        check_gpus_per_node(gpus_per_node, "Plan.stats")
         key = ("stats", gpus_per_node)
         if key not in self._cache:
             sent: dict[int, int] = defaultdict(int)
@@ -128,7 +128,7 @@ class Plan:
         src_locals, dst_locals = self.src._locals_by_rank, self.dst._locals_by_rank
         empty: dict = {}
         out: list[tuple | None] = []
-        with _gc_paused():
+        with gc_paused():
             for t in self.transfers:
                 if t.nbytes < min_bytes or t.quant == _quant.QUANT_SRC:  # the pack quantizes those: never direct
                     out.append(None)
@@ -233,8 +233,8 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
-    _check_gpus_per_node(gpus_per_node, "plan_reshard")
-    groups = _check_relay_groups(relay_groups)
+    check_gpus_per_node(gpus_per_node, "plan_reshard")
+    groups = check_relay_groups(relay_groups)
     if relay is None:
         relay = gpus_per_node is not None or bool(groups)
     elif not isinstance(relay, bool):
@@ -247,7 +247,7 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
     routed = _quant.routing_view(src, dst, targets) if targets else dst
     if routing != "local" or not _specs_agree(src, routed, allow_cast):
-        _check_specs(src, routed, allow_cast)  # (the full check also words the error)
+        check_specs(src, routed, allow_cast)  # (the full check also words the error)
     if routing not in ("local", "greedy"):
         raise ValueError(f"plan_reshard: routing={routing!r} must be 'local' or 'greedy'")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
@@ -259,15 +259,15 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
         return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
     if rank is not None:
         raise ValueError("plan_reshard: rank plans need routing='local' (the greedy chooses over the whole world)")
-    with _gc_paused():
-        local, wire = _route(src, routed, gpus_per_node, relay, groups if relay else {})
+    with gc_paused():
+        local, wire = route_greedy(src, routed, gpus_per_node, relay, groups if relay else {})
         if targets:
             local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
         return Plan(src, dst, tuple(wire), tuple(local))
 
 
 def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
-    """Whether ``_check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
+    """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
     answers without building every rank's fragments). False when a destination tensor is missing from the
     source (the full check decides: it may have no elements) or its shape or dtype differs."""
     s_lt, d_lt = getattr(src, "_lt", None), getattr(dst, "_lt", None)  # columnar layouts: their name/shape/dtype

@@ -2,7 +2,7 @@
 two layouts alone, identically to its peers (``plan_reshard``'s default ``routing="local"``).
 
 **Holders.** A destination box ``B`` of tensor ``T`` is cut into pieces, each held by the same source ranks
-``H`` (``routing._pieces``). The ranks that need a piece over the wire (``R``: the ranks with box ``B`` that
+``H`` (``routing.cover_pieces``). The ranks that need a piece over the wire (``R``: the ranks with box ``B`` that
 hold no source copy of it, ascending) get their holders by :func:`assign`, a function of ``(H, R, salt,
 gpus_per_node)`` only: every holder a quota of ``|R| // |H|`` receivers, ``|R| % |H|`` of them one more
 (which ones rotates with a per-piece ``salt``: a CRC of the tensor name plus the piece's position on its
@@ -13,7 +13,7 @@ the pieces it holds: both only need the fragments of ``T`` that overlap ``B`` (b
 
 **Fan-out (relays).** With relays on, the ranks of ``R`` in one node with no holder in that node (then, among
 the others, the ranks of ``R`` in one relay group) form a fan group ``G`` of at least two: the piece is cut
-into ``m <= |G|`` parts (``relay._split_piece``), part ``j`` goes over the wire to its head
+into ``m <= |G|`` parts (``relay.split_piece``), part ``j`` goes over the wire to its head
 ``G[(j + salt) % |G|]`` and the head relays it to the rest of ``G`` (phase 1). Heads take part in
 :func:`assign` like plain receivers, per part box.
 
@@ -41,13 +41,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..layout import Fragment, Layout, _find_overlap, _gc_paused, _itemsize
+from ..layout import Fragment, Layout, find_overlap, gc_paused, itemsize_of
 from .core import Plan
-from .relay import _relay_dtype, _split_piece
-from .routing import _LOCAL_ORDER, _WIRE_ORDER, _check_dst_overlap, _holders, _overlaps, _pieces, _wire_dtype
-from .schedule import _is_contiguous_box, split_box
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align, _make_transfer
-from .validate import _quant_scales, _reads
+from .relay import relay_dtype, split_piece
+from .routing import (
+    LOCAL_ORDER,
+    WIRE_ORDER,
+    boxes_meet,
+    check_dst_overlap,
+    cover_pieces,
+    holders_of,
+    wire_dtype_of,
+)
+from .schedule import is_contiguous_box, split_box
+from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, align_up, make_transfer
+from .validate import quant_scales, reading_fragment
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 
@@ -213,7 +221,7 @@ class _TensorIndex:
                     for i in self._table.overlapping(off, size).tolist()]
         out: list[Fragment] = []
         for b in self.boxes:
-            if _overlaps(b[0], b[1], off, size):
+            if boxes_meet(b[0], b[1], off, size):
                 out.extend(self.by_box[b])
         return out
 
@@ -223,7 +231,7 @@ class _TensorIndex:
             rows = tb.overlapping(off, size)
             offs, sizes = tb.offsets[rows].tolist(), tb.sizes[rows].tolist()
             return list(dict.fromkeys(zip(map(tuple, offs), map(tuple, sizes), strict=True)))
-        return [b for b in self.boxes if _overlaps(b[0], b[1], off, size)]
+        return [b for b in self.boxes if boxes_meet(b[0], b[1], off, size)]
 
 
 class _Ref:
@@ -240,7 +248,7 @@ class _Ref:
 
 
 def _check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | None = None) -> None:
-    """Destination boxes of tensor ``name`` overlapping on one rank raise (``routing._check_dst_overlap``):
+    """Destination boxes of tensor ``name`` overlapping on one rank raise (``routing.check_dst_overlap``):
     ``frags`` (one rank's), or every rank's (read from the table's ranks first: nothing is built unless a
     rank holds two boxes)."""
     if frags is None:
@@ -254,7 +262,7 @@ def _check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | N
         else:
             frags = [f for b in ix.boxes for f in ix.by_box[b]]
     if len({f.rank for f in frags}) < len(frags):
-        _check_dst_overlap(name, frags)
+        check_dst_overlap(name, frags)
 
 
 def _is_columnar(layout: Layout) -> bool:
@@ -315,7 +323,7 @@ class _Group:
     def of(cls, name: str, frags: Sequence[Fragment]) -> _Group:
         by_rank = {f.rank: f for f in frags}
         if len(by_rank) < len(frags):
-            _check_dst_overlap(name, frags)  # raises: one box twice on one rank
+            check_dst_overlap(name, frags)  # raises: one box twice on one rank
         return cls(sorted(by_rank), by_rank.__getitem__)
 
 
@@ -370,14 +378,14 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
         sboxes.setdefault((f.offsets, f.sizes), []).append(f)
     order = sorted(sboxes)
     sgroups = [sorted(sboxes[b], key=_RANK_LOCAL) for b in order]
-    isz = _itemsize(wdt)
-    for p_off, p_size, mask in _pieces(d_off, d_size, order):
+    isz = itemsize_of(wdt)
+    for p_off, p_size, mask in cover_pieces(d_off, d_size, order):
         if mask == 0:
             raise ValueError(
                 f"tensor {name!r}: element {p_off} (box {p_off}+{p_size}) needed on destination rank "
                 f"{dranks[0]} is held by no source rank"
             )
-        first, (ranks, best, _f) = _holders([sgroups[i] for i in range(len(order)) if mask >> i & 1])
+        first, (ranks, best, _f) = holders_of([sgroups[i] for i in range(len(order)) if mask >> i & 1])
         if len(first) * 4 < len(dranks):  # few holders: look them up instead of testing every receiver
             mine_at = [r for r in first if _has(dranks, r)]
             held = set(mine_at)
@@ -387,7 +395,7 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
             recv = [r for r in dranks if r not in first] if mine_at else dranks
         for r in mine_at:
             if keep is None or keep(r, r):
-                local.append(_make_transfer(name, p_off, p_size, first[r], frag(r), wdt))
+                local.append(make_transfer(name, p_off, p_size, first[r], frag(r), wdt))
         if not recv:
             continue
         if me is not None and gpn is None and (rdt is None or len(recv) < 2 or not groups):
@@ -397,11 +405,11 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
             i = bisect_left(recv, me)
             if i < len(recv) and recv[i] == me:
                 r = ranks[(salt + i) % h]
-                wire.append(_make_transfer(name, p_off, p_size, best[r], frag(me), wdt))
+                wire.append(make_transfer(name, p_off, p_size, best[r], frag(me), wdt))
             j = bisect_left(ranks, me)
             if j < h and ranks[j] == me:
                 for d in recv[(j - salt) % h::h]:
-                    wire.append(_make_transfer(name, p_off, p_size, best[me], frag(d), wdt))
+                    wire.append(make_transfer(name, p_off, p_size, best[me], frag(d), wdt))
             continue
         units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
         if rdt is not None and len(recv) > 1:
@@ -415,7 +423,7 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
                 k = len(g)
                 parts = splits.get(k)
                 if parts is None:
-                    parts = splits[k] = _split_piece(p_off, p_size, n, k)
+                    parts = splits[k] = split_piece(p_off, p_size, n, k)
                 mine = me is None or _has(g, me)  # a rank plan: only the relays of its own fan
                 for j, (o, s, _pn) in enumerate(parts):
                     head = g[(j + salt) % k]
@@ -425,9 +433,9 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
                     if me is None or head == me:
                         for r in g:
                             if r != head:
-                                wire.append(_make_transfer(name, o, s, frag(head), frag(r), rdt, True))
+                                wire.append(make_transfer(name, o, s, frag(head), frag(r), rdt, True))
                     else:
-                        wire.append(_make_transfer(name, o, s, frag(head), frag(me), rdt, True))
+                        wire.append(make_transfer(name, o, s, frag(head), frag(me), rdt, True))
         else:
             units[(p_off, p_size)] = recv
         fanned = rdt is not None and len(recv) > 1
@@ -438,20 +446,20 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
                 usalt, h = piece_salt(base, o, s), len(ranks)
                 i = bisect_left(rcv, me)
                 if i < len(rcv) and rcv[i] == me:
-                    wire.append(_make_transfer(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
+                    wire.append(make_transfer(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
                 j = bisect_left(ranks, me)
                 if j < h and ranks[j] == me:
                     for d in rcv[(j - usalt) % h::h]:
-                        wire.append(_make_transfer(name, o, s, best[me], frag(d), wdt))
+                        wire.append(make_transfer(name, o, s, best[me], frag(d), wdt))
                 continue
             picks = assign(ranks, rcv, piece_salt(base, o, s), gpn)
             if keep is None:
                 for d, j in zip(rcv, picks, strict=True):
-                    wire.append(_make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                    wire.append(make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
                 continue
             for d, j in zip(rcv, picks, strict=True):
                 if keep(ranks[j], d):
-                    wire.append(_make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                    wire.append(make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
 
 
 def _has(sorted_ranks: list[int], r: int) -> bool:
@@ -471,8 +479,8 @@ def _tensor_order(layout: Layout) -> dict[str, int]:
 
 def _options(src: Layout, dst: Layout, name: str, relay: bool):
     spec, sspec = dst.specs[name], src.specs[name]
-    wdt = _wire_dtype(sspec, spec)
-    return wdt, (_relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None), _tensor_order(dst)[name]
+    wdt = wire_dtype_of(sspec, spec)
+    return wdt, (relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None), _tensor_order(dst)[name]
 
 
 def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int]):
@@ -538,7 +546,7 @@ def _chunks(t: Transfer, cap: int) -> list[tuple[tuple, tuple, int]]:
         from .quant import split_src_chunks
 
         return split_src_chunks(t, cap)
-    isz = _itemsize(t.wire_dtype)
+    isz = itemsize_of(t.wire_dtype)
     out = []
     for o, sz in split_box(t.sizes, isz, cap):
         n = math.prod(sz) * isz
@@ -576,7 +584,7 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
     for i, t in transfers:
         s, d = t.src_rank, t.dst_rank
         for o, sz, n in _chunks(t, cap):
-            a = _align(n)
+            a = align_up(n)
             if used + a > cap and used:
                 close()
             if direct(i, o, sz):
@@ -608,7 +616,7 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
     peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)
     windows = -(-(world - 1) // peers) if world > 1 else 1
     cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
-    with _gc_paused():
+    with gc_paused():
         pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]] = defaultdict(list)
         for i, t in enumerate(transfers):
             pairs[(1 if t.relay else 0, t.src_rank, t.dst_rank)].append((i, t))
@@ -620,13 +628,13 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             if shapes is None:
                 return False
             t = transfers[i]
-            if math.prod(size) * _itemsize(t.wire_dtype) < direct_min_bytes:
+            if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
                 return False
             if isinstance(shapes, _Contiguity):
                 return shapes.direct(t, off, size)
             s_shape, d_shape = shapes
-            return (s_shape is not None and _is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
-                d_shape is not None and _is_contiguous_box(d_shape, t.dst_offsets, off, size))
+            return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
+                d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size))
 
         steps: dict[tuple[int, int], list[Message]] = defaultdict(list)
         for (phase, s, d), ts in pairs.items():
@@ -682,7 +690,7 @@ class _Contiguity:
             sides.reverse()
         for k, r, local, start in sides:
             shape = self._shape(k, r, local, t.wire_dtype)
-            if shape is not None and _is_contiguous_box(shape, start, off, size):
+            if shape is not None and is_contiguous_box(shape, start, off, size):
                 return True
         return False
 
@@ -772,7 +780,7 @@ class RankPlan:
         step numbers, as the whole plan's ``schedule`` gives its pairs (cached)."""
         key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
         if key not in self._cache:
-            with _gc_paused():
+            with gc_paused():
                 self._cache[key] = build_pair_schedule(
                     self.transfers, int(bucket_bytes),
                     contiguity(self.transfers, self.src, self.dst, int(direct_min_bytes), self.rank),
@@ -800,7 +808,7 @@ def _validate_rank_plan(p: RankPlan) -> None:
     for f in dfrags:
         mine_d[(f.tensor, f.local)].append(f)
     written: dict[int, list[Transfer]] = {}
-    with _gc_paused():
+    with gc_paused():
         for t in p.transfers + p.local_copies:
             local = t.src_rank == t.dst_rank
             if t.src_rank != r and t.dst_rank != r:
@@ -809,12 +817,12 @@ def _validate_rank_plan(p: RankPlan) -> None:
                 raise ValueError(f"rank plan of rank {r}: wire transfer {t} stays on one rank")
             if t.src_rank == r:
                 frs = (mine_d if t.relay else mine_s).get((t.tensor, t.src_local), ())
-                if _reads(frs, t.offsets, t.sizes, t.src_offsets) is None:
+                if reading_fragment(frs, t.offsets, t.sizes, t.src_offsets) is None:
                     side = "destination" if t.relay else "source"
                     raise ValueError(f"rank plan of rank {r}: transfer {t} reads a box outside rank {r}'s {side} "
                                      f"fragments of tensor {t.tensor!r}")
             if t.dst_rank == r:
-                df = _reads(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
+                df = reading_fragment(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
                 if df is None:
                     raise ValueError(f"rank plan of rank {r}: transfer {t} writes outside rank {r}'s destination "
                                      f"fragments of tensor {t.tensor!r}")
@@ -823,7 +831,7 @@ def _validate_rank_plan(p: RankPlan) -> None:
         for t in p.local_copies:
             if t.src_rank != r or t.dst_rank != r:
                 raise ValueError(f"rank plan of rank {r}: local copy {t} is not on rank {r}")
-        scales = _quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
+        scales = quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
         for f in dfrags:
             ts = written.get(id(f))
             if ts is None:
@@ -832,7 +840,7 @@ def _validate_rank_plan(p: RankPlan) -> None:
                 exact = ts[0].sizes == f.sizes
             else:
                 exact = (sum(t.numel for t in ts) == f.numel
-                         and _find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
+                         and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
             if not exact:
                 raise ValueError(f"rank plan of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
                                  f"covered exactly once by its receives and local copies")
@@ -858,7 +866,7 @@ class LocalPlan(Plan):
         their rule number (``Step.number``); the rank plans' steps have the same numbers."""
         key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
         if key not in self._cache:
-            with _gc_paused():
+            with gc_paused():
                 self._cache[key] = build_pair_schedule(
                     self.transfers, int(bucket_bytes), self._contiguity(int(direct_min_bytes)),
                     int(direct_min_bytes), world_of(self.src, self.dst))
@@ -872,7 +880,7 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     (``targets``) transfer by transfer."""
     from . import quant as _quant
 
-    with _gc_paused():
+    with gc_paused():
         if rank is None:
             local, wire = route_all(src, routed, gpus_per_node, relay, groups)
         else:
@@ -884,8 +892,8 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
             if rank is not None:
                 local = [t for t in local if t.dst_rank == rank]
                 wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
-        wire.sort(key=_WIRE_ORDER)
-        local.sort(key=_LOCAL_ORDER)
+        wire.sort(key=WIRE_ORDER)
+        local.sort(key=LOCAL_ORDER)
         if rank is None:
             return LocalPlan(src, dst, tuple(wire), tuple(local))
         return RankPlan(src, dst, rank, tuple(wire), tuple(local), options)

@@ -37,10 +37,10 @@ from ..layout import (
     Layout,
     LocalSpec,
     TensorSpec,
-    _dtype_name,
-    _find_overlap,
-    _gc_paused,
-    _scale_box,
+    block_scale_box,
+    dtype_name,
+    find_overlap,
+    gc_paused,
 )
 from .types import Transfer
 
@@ -85,7 +85,7 @@ def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
             continue
         if not s.dtype.is_floating_point or s.dtype.itemsize < 2:
             raise ValueError(f"tensor {name!r}: a block-quantized destination needs a float16/bfloat16/float32 "
-                             f"source, got {_dtype_name(s.dtype)}")
+                             f"source, got {dtype_name(s.dtype)}")
         if s.shape != spec.shape:
             raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {spec.shape}")
         out[name] = spec
@@ -119,7 +119,7 @@ def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> La
             s = LocalSpec(s.rank, s.name, s.shape, dtypes.pop())
         locs.append(s)
     frags = tuple(f for f in dst.fragments if f.tensor not in scales)
-    with _gc_paused():
+    with gc_paused():
         return Layout(tuple(specs), frags, tuple(locs))
 
 
@@ -257,7 +257,7 @@ class _ScaleIndex:
                                  for f in dst.fragments_by_tensor.get(spec.quant.scale, ())}
 
     def of(self, df: Fragment, block) -> Fragment:
-        off, sizes, lo = _scale_box(df, block)
+        off, sizes, lo = block_scale_box(df, block)
         return self.by_key[df.tensor][(df.rank, off, sizes, lo)]
 
 
@@ -407,7 +407,7 @@ def quant_regions(plan: Plan) -> dict[int, tuple[QuantRegion, ...]]:
 def validate_quant(plan: Plan, ranks: Sequence[int] | None = None) -> None:
     """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
     dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
-    transfers and the regions). The weights' own exact cover is ``_validate_plan``'s. ``ranks``: check the
+    transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
     scale cover of these destination ranks only (a rank plan: its own), default all."""
     src, dst = plan.src, plan.dst
     quantized = dst.quantized
@@ -448,7 +448,7 @@ def validate_quant(plan: Plan, ranks: Sequence[int] | None = None) -> None:
     for key in set(need) | set(written):
         boxes = written.get(key, [])
         got = sum(math.prod(s) for _o, s, _w in boxes)
-        hit = _find_overlap(boxes) if len(boxes) > 1 else None
+        hit = find_overlap(boxes) if len(boxes) > 1 else None
         if hit is not None:
             raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {hit[0]} and "
                              f"{hit[1]}")
@@ -518,7 +518,7 @@ def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple
     transfer, sizes, chunk bytes)]``, chunk bytes = fp8 values (padded to ``ALIGN``) + the fp32 scales, each at
     most ``cap`` unless one block alone is bigger (then one block per chunk)."""
     from .schedule import split_box
-    from .types import _align
+    from .types import align_up
 
     block = t.block
     grid = scale_sizes(t.sizes, block)
@@ -529,5 +529,5 @@ def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple
         size = tuple(min(n * b, s - o) for n, b, s, o in zip(g_size, block, t.sizes, off, strict=True))
         n = math.prod(size)
         if n:
-            out.append((off, size, _align(n) + num_blocks(size, block) * SCALE_BYTES))
+            out.append((off, size, align_up(n) + num_blocks(size, block) * SCALE_BYTES))
     return out

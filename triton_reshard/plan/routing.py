@@ -14,9 +14,9 @@ from operator import add, attrgetter, le, lt
 
 import torch
 
-from ..layout import Fragment, Layout, TensorSpec, _dtype_name, _find_overlap, _gc_paused, _itemsize
-from .relay import _choose_heads, _group_fans, _relay_dtype
-from .types import Transfer, _make_transfer
+from ..layout import Fragment, Layout, TensorSpec, dtype_name, find_overlap, gc_paused, itemsize_of
+from .relay import choose_heads, group_fans, relay_dtype
+from .types import Transfer, make_transfer
 
 # --------------------------------------------------------------------------------------------------------
 # Geometry helpers
@@ -38,12 +38,12 @@ def _contains(outer_off, outer_size, off, size) -> bool:
     return all(map(le, outer_off, off)) and all(map(le, map(add, off, size), map(add, outer_off, outer_size)))
 
 
-def _overlaps(a_off, a_size, b_off, b_size) -> bool:
+def boxes_meet(a_off, a_size, b_off, b_size) -> bool:
     """Whether two nonempty boxes share an element (``_intersect(...) is not None``, without building it)."""
     return all(map(lt, a_off, map(add, b_off, b_size))) and all(map(lt, b_off, map(add, a_off, a_size)))
 
 
-def _decompose(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
+def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
     """Split ``box`` into sub-boxes, each labelled with the set (bitmask) of candidate boxes containing it.
 
     Cells of the grid made by all candidate boundaries are merged greedily into larger boxes with the same
@@ -119,29 +119,29 @@ def _distinct_boxes(frags: Iterable[Fragment]) -> dict[tuple, list[Fragment]]:
     return out
 
 
-def _pieces(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
-    """``_decompose``, with a fast path for the common case: every candidate contains the box (replicas of one
+def cover_pieces(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
+    """``decompose_box``, with a fast path for the common case: every candidate contains the box (replicas of one
     shard, or a larger shard), so the box is one piece held by all of them."""
     for c_off, c_size in cands:
         if not _contains(c_off, c_size, box_off, box_size):
-            return _decompose(box_off, box_size, cands)
+            return decompose_box(box_off, box_size, cands)
     return [(box_off, box_size, (1 << len(cands)) - 1)]
 
 
-def _held_numel(box_off, box_size, boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+def held_numel(box_off, box_size, boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
     """Elements of ``box`` inside the union of ``boxes`` (distinct boxes, each intersecting ``box``)."""
     parts = [_intersect(o, s, box_off, box_size) for o, s in boxes]
     if len(parts) == 1:
         return math.prod(parts[0][1])
     if len(parts) <= 16 and not any(
-        _overlaps(a[0], a[1], b[0], b[1]) for i, a in enumerate(parts) for b in parts[i + 1:]
+        boxes_meet(a[0], a[1], b[0], b[1]) for i, a in enumerate(parts) for b in parts[i + 1:]
     ):  # disjoint: the union is the sum
         return sum(math.prod(p[1]) for p in parts)
-    return sum(math.prod(s) for _, s, mask in _decompose(box_off, box_size, boxes) if mask)
+    return sum(math.prod(s) for _, s, mask in decompose_box(box_off, box_size, boxes) if mask)
 
 
-def _wire_dtype(src: TensorSpec, dst: TensorSpec) -> torch.dtype:
-    return dst.dtype if _itemsize(dst.dtype) < _itemsize(src.dtype) else src.dtype
+def wire_dtype_of(src: TensorSpec, dst: TensorSpec) -> torch.dtype:
+    return dst.dtype if itemsize_of(dst.dtype) < itemsize_of(src.dtype) else src.dtype
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -149,14 +149,14 @@ def _wire_dtype(src: TensorSpec, dst: TensorSpec) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _check_gpus_per_node(gpus_per_node, where: str) -> None:
+def check_gpus_per_node(gpus_per_node, where: str) -> None:
     if gpus_per_node is not None and (
         not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1
     ):
         raise ValueError(f"{where}: gpus_per_node={gpus_per_node!r} must be an int >= 1 or None")
 
 
-def _check_specs(src: Layout, dst: Layout, allow_cast: bool) -> None:
+def check_specs(src: Layout, dst: Layout, allow_cast: bool) -> None:
     for spec in dst.tensors:
         frags = dst.fragments_by_tensor.get(spec.name, ())
         where = f"rank {frags[0].rank}" if frags else "no rank"
@@ -174,18 +174,18 @@ def _check_specs(src: Layout, dst: Layout, allow_cast: bool) -> None:
             )
         if s.dtype != spec.dtype and not allow_cast:
             raise ValueError(
-                f"tensor {spec.name!r}: source dtype {_dtype_name(s.dtype)} != destination dtype "
-                f"{_dtype_name(spec.dtype)} (destination {where}); pass allow_cast=True to cast in the copy"
+                f"tensor {spec.name!r}: source dtype {dtype_name(s.dtype)} != destination dtype "
+                f"{dtype_name(spec.dtype)} (destination {where}); pass allow_cast=True to cast in the copy"
             )
 
 
-def _check_dst_overlap(name: str, frags: Sequence[Fragment]) -> None:
+def check_dst_overlap(name: str, frags: Sequence[Fragment]) -> None:
     by_rank: dict[int, list[Fragment]] = defaultdict(list)
     for f in frags:
         by_rank[f.rank].append(f)
     for rank, fs in by_rank.items():
         if len(fs) > 1:
-            hit = _find_overlap([(f.offsets, f.sizes, f) for f in fs])
+            hit = find_overlap([(f.offsets, f.sizes, f) for f in fs])
             if hit is not None:
                 a, b = hit
                 raise ValueError(
@@ -196,11 +196,11 @@ def _check_dst_overlap(name: str, frags: Sequence[Fragment]) -> None:
 
 _RANK = attrgetter("rank")
 _DST_ORDER = attrgetter("rank", "local")
-_WIRE_ORDER = attrgetter("src_rank", "dst_rank", "tensor", "offsets")
-_LOCAL_ORDER = attrgetter("dst_rank", "tensor", "offsets", "dst_local")
+WIRE_ORDER = attrgetter("src_rank", "dst_rank", "tensor", "offsets")
+LOCAL_ORDER = attrgetter("dst_rank", "tensor", "offsets", "dst_local")
 
 
-def _check_relay_groups(relay_groups) -> dict[int, int]:
+def check_relay_groups(relay_groups) -> dict[int, int]:
     """``plan_reshard``'s ``relay_groups`` checked: rank -> index of its group (groups of one rank left out)."""
     if relay_groups is None:
         return {}
@@ -221,7 +221,7 @@ def _check_relay_groups(relay_groups) -> dict[int, int]:
     return out
 
 
-def _holders(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragment], tuple]:
+def holders_of(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragment], tuple]:
     """Per rank, its first holder fragment (local copies read from it); and (holder ranks ascending, per rank
     the holder with the smallest local name, the first holder): what the choice of a sender needs."""
     first: dict[int, Fragment] = {}
@@ -236,14 +236,14 @@ def _holders(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragme
     return first, (tuple(sorted(best)), best, next(iter(first.values())))
 
 
-def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = False,
+def route_greedy(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = False,
            groups: dict[int, int] | None = None) -> tuple[list[Transfer], list[Transfer]]:
     """The local copies and wire transfers (relays included) of ``plan_reshard``, sorted as the plan lists
-    them. ``groups``: rank -> relay group (see ``_check_relay_groups``)."""
+    them. ``groups``: rank -> relay group (see ``check_relay_groups``)."""
     world = max(src.ranks + dst.ranks, default=0) + 1
     gpn = gpus_per_node
     local: list[Transfer] = []
-    # remote pieces: (dst fragment, piece offsets, piece sizes, holders (see _holders), wire dtype)
+    # remote pieces: (dst fragment, piece offsets, piece sizes, holders (see holders_of), wire dtype)
     remote: list[tuple[Fragment, tuple, tuple, tuple, torch.dtype]] = []
     nbytes: list[int] = []  # of each remote piece
     # fan-out groups (relay): (piece offsets, sizes, holders, wire dtype, relay dtype, bytes, {rank: [dst frags]})
@@ -254,16 +254,16 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
         if not dfrags:
             continue
         if len(dfrags) > 1 and len(set(map(_RANK, dfrags))) < len(dfrags):
-            _check_dst_overlap(spec.name, dfrags)
+            check_dst_overlap(spec.name, dfrags)
         sspec = src.specs[spec.name]
-        wdt = _wire_dtype(sspec, spec)
-        isz = _itemsize(wdt)
-        rdt = _relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None
+        wdt = wire_dtype_of(sspec, spec)
+        isz = itemsize_of(wdt)
+        rdt = relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None
         sboxes = list(_distinct_boxes(src_by_tensor.get(spec.name, ())).items())
-        summaries: dict[int, tuple] = {}  # source box -> _holders of its fragments
+        summaries: dict[int, tuple] = {}  # source box -> holders_of of its fragments
         for (d_off, d_size), dgroup in _distinct_boxes(dfrags).items():
-            cand = [i for i, (b, _) in enumerate(sboxes) if _overlaps(b[0], b[1], d_off, d_size)]
-            pieces = _pieces(d_off, d_size, [sboxes[i][0] for i in cand])
+            cand = [i for i, (b, _) in enumerate(sboxes) if boxes_meet(b[0], b[1], d_off, d_size)]
+            pieces = cover_pieces(d_off, d_size, [sboxes[i][0] for i in cand])
             routed = []
             for p_off, p_size, mask in pieces:
                 if mask == 0:
@@ -275,19 +275,19 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
                     i = cand[mask.bit_length() - 1]
                     h = summaries.get(i)
                     if h is None:
-                        h = summaries[i] = _holders((sboxes[i][1],))
+                        h = summaries[i] = holders_of((sboxes[i][1],))
                 else:
-                    h = _holders([sboxes[i][1] for j, i in enumerate(cand) if mask >> j & 1])
+                    h = holders_of([sboxes[i][1] for j, i in enumerate(cand) if mask >> j & 1])
                 routed.append((p_off, p_size, h[0], h[1], math.prod(p_size) * isz))
             if rdt is not None and len(dgroup) > 1:
-                _group_fans(spec.name, sorted(dgroup, key=_DST_ORDER), routed, gpn, groups, wdt, rdt, local,
+                group_fans(spec.name, sorted(dgroup, key=_DST_ORDER), routed, gpn, groups, wdt, rdt, local,
                             remote, nbytes, fans)
                 continue
             for df in sorted(dgroup, key=_DST_ORDER) if len(dgroup) > 1 else dgroup:
                 for p_off, p_size, first, holders, n in routed:
                     mine = first.get(df.rank)
                     if mine is not None:
-                        local.append(_make_transfer(spec.name, p_off, p_size, mine, df, wdt))
+                        local.append(make_transfer(spec.name, p_off, p_size, mine, df, wdt))
                     else:
                         remote.append((df, p_off, p_size, holders, wdt))
                         nbytes.append(n)
@@ -295,7 +295,7 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
     # its group): holders are balanced as in the plan without relays, so relays take bytes off the network
     # without moving other pieces to farther holders
     weight = list(nbytes)
-    relays = _choose_heads(fans, remote, nbytes, gpn, world, weight) if fans else []
+    relays = choose_heads(fans, remote, nbytes, gpn, world, weight) if fans else []
     # choose holders: fixed ones first, then largest first onto the least loaded holder
     load = [0] * world
     chosen: list[Fragment | None] = [None] * len(remote)
@@ -323,10 +323,10 @@ def _route(src: Layout, dst: Layout, gpus_per_node: int | None, relay: bool = Fa
                     r = rn
         chosen[i] = best[r]
         load[r] += weight[i]
-    wire = [_make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
+    wire = [make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
     wire += relays
-    wire.sort(key=_WIRE_ORDER)
-    local.sort(key=_LOCAL_ORDER)
+    wire.sort(key=WIRE_ORDER)
+    local.sort(key=LOCAL_ORDER)
     return local, wire
 
 
@@ -348,12 +348,12 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
     Computed from the layouts alone (independently of the transfers a plan chose).
     """
     total = 0
-    with _gc_paused():
+    with gc_paused():
         for spec in dst.tensors:
             sspec = src.specs.get(spec.name)
             if sspec is None:
                 continue
-            isz = _itemsize(_wire_dtype(sspec, spec))
+            isz = itemsize_of(wire_dtype_of(sspec, spec))
             own: dict[int, dict[tuple, None]] = {}  # rank -> its distinct nonempty boxes, in layout order
             for f in src.fragments_by_tensor.get(spec.name, ()):
                 if min(f.sizes, default=1) > 0:
@@ -365,9 +365,9 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
                 if not n:
                     continue
                 if mine:
-                    boxes = [b for b in mine if _overlaps(b[0], b[1], df.offsets, df.sizes)]
+                    boxes = [b for b in mine if boxes_meet(b[0], b[1], df.offsets, df.sizes)]
                     if boxes:
-                        n -= _held_numel(df.offsets, df.sizes, boxes)
+                        n -= held_numel(df.offsets, df.sizes, boxes)
                 missing += n
             total += missing * isz
         if dst.quantized:  # block-quantized destinations: plus one fp32 scale per block with a missing element

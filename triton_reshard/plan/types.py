@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Fragment, _dtype_name, _gc_paused, _itemsize
+from ..layout import Fragment, dtype_name, gc_paused, itemsize_of
 
 ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
 # A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
@@ -21,7 +21,7 @@ ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dt
 DIRECT_MIN_BYTES = 1 << 20
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -68,7 +68,7 @@ class Transfer:
         """Payload bytes: a source-quantized transfer carries its fp8 values and one fp32 scale per block."""
         if self.quant == "src":
             return self.numel + 4 * math.prod(-(-s // b) for s, b in zip(self.sizes, self.block, strict=True))
-        return self.numel * _itemsize(self.wire_dtype)
+        return self.numel * itemsize_of(self.wire_dtype)
 
     @property
     def is_local(self) -> bool:
@@ -77,7 +77,7 @@ class Transfer:
     def key(self) -> tuple:
         k = (
             self.tensor, self.offsets, self.sizes, self.src_rank, self.src_local, self.src_offsets,
-            self.dst_rank, self.dst_local, self.dst_offsets, _dtype_name(self.wire_dtype),
+            self.dst_rank, self.dst_local, self.dst_offsets, dtype_name(self.wire_dtype),
         )
         k = k + (True,) if self.relay else k  # plans without relays keep their digests
         return k + (self.quant, self.block, self.scale_local, self.scale_offsets) if self.quant else k
@@ -86,7 +86,7 @@ class Transfer:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
         return (
             f"{self.tensor}[{box}] {'relay ' if self.relay else ''}{f'quant={self.quant} ' if self.quant else ''}rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
-            f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {_dtype_name(self.wire_dtype)})"
+            f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {dtype_name(self.wire_dtype)})"
         )
 
 
@@ -152,7 +152,7 @@ class Schedule:
         staging a rank really uses, when its direct messages go in place, is a prefix of its areas; and the
         messages of one pair are in the same order on the sending and the receiving side.
         """
-        with _gc_paused():
+        with gc_paused():
             return self._for_rank(rank)
 
     def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
@@ -247,7 +247,7 @@ class PlanStats:
         }
 
 
-def _make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
+def make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
     """``sf`` is a source fragment, or for a relay the destination fragment of the rank that relays."""
     # a fragment's own box starts at its local_offsets (the common case: no local_box to compute)
     s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
