@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .torch_copy import Pair, torch_copy_views
+from .copy import Pair, torch_copy_views
 
 BACKENDS = ("torch", "triton")
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
