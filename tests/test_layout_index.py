@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from triton_reshard import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec
-from triton_reshard.layout import FragmentTable, boxes_overlap
+from triton_reshard.box import boxes_overlap
+from triton_reshard.layout import FragmentTable
 from triton_reshard.layout_index import ColumnarLayout, ColumnBuilder, columnar, overlap_free
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from triton_reshard import Layout, Replicate, Shard, plan_reshard
+from triton_reshard.box import is_contiguous_box
 from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES, build_schedule
-from triton_reshard.plan.schedule import is_contiguous_box
 
 F32, BF16 = torch.float32, torch.bfloat16
 

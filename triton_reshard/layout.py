@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import add, attrgetter, gt, itemgetter, sub
+from operator import add, attrgetter, gt, sub
 
 import numpy as np
 import torch
+
+from .box import box_slices, boxes_overlap, find_overlap  # noqa: F401  (box_slices: re-exported for users of layout)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -70,11 +72,6 @@ def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
     step = -(-length // parts) if length else 0
     start = min(index * step, length)
     return start, max(0, min(step, length - start))
-
-
-def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
-    """The index that selects the box ``offsets``+``sizes`` of a tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
 
 
 def nested_box(
@@ -378,7 +375,6 @@ class Fragment:
         return lo[:extra] + tuple(map(add, lo[extra:], map(sub, offsets, fo))), (1,) * extra + tuple(sizes)
 
 
-_BOX_START = itemgetter(0)
 _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
 FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
 _TENSOR = attrgetter("tensor")
@@ -386,30 +382,6 @@ _RANK = attrgetter("rank")
 _TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
 _NAME = attrgetter("name")
 _RANK_NAME = attrgetter("rank", "name")
-
-
-def boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
-    if len(a_off) != len(b_off):
-        raise ValueError(f"boxes of different ranks: {a_off} and {b_off}")
-    return all(map(gt, map(add, b_off, b_size), a_off)) and all(map(gt, map(add, a_off, a_size), b_off))
-
-
-def find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
-    """Return the first pair of overlapping boxes (sweep over dim 0), or None. Empty boxes never overlap."""
-    items = sorted((b for b in boxes if min(b[1], default=1) > 0), key=_BOX_START)
-    active: list[tuple[tuple[int, ...], tuple[int, ...], object]] = []
-    for off, size, tag in items:
-        if not off:  # 0-d
-            if active:
-                return active[0][2], tag
-            active.append((off, size, tag))
-            continue
-        active = [a for a in active if a[0][0] + a[1][0] > off[0]]
-        for a in active:
-            if boxes_overlap(a[0], a[1], off, size):
-                return a[2], tag
-        active.append((off, size, tag))
-    return None
 
 
 def _check_fragment(f: Fragment, spec: TensorSpec | None, loc: LocalSpec | None) -> None:

@@ -26,6 +26,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from .box import find_overlap
 from .layout import (
     MAX_TENSOR_BYTES,
     Fragment,
@@ -36,7 +37,6 @@ from .layout import (
     check_bytes,
     content_fingerprint,
     dtype_name,
-    find_overlap,
     gc_paused,
     itemsize_of,
     slot_setters,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import box_slices
+from ..box import box_slices
 from ..plan import ALIGN
 from ..plan.quant import QUANT_DST, QUANT_SRC, SCALE_BYTES
 from ..plan.work import RankWork

@@ -41,7 +41,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..layout import Fragment, Layout, find_overlap, gc_paused, itemsize_of
+from ..box import align_up, find_overlap, is_contiguous_box, split_box
+from ..layout import Fragment, Layout, gc_paused, itemsize_of
+from ..layout_index import ColumnarLayout
+from . import quant
 from .core import Plan
 from .relay import relay_dtype, split_piece
 from .routing import (
@@ -53,8 +56,7 @@ from .routing import (
     holders_of,
     wire_dtype_of,
 )
-from .schedule import is_contiguous_box, split_box
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, align_up, make_transfer
+from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, make_transfer
 from .validate import quant_scales, reading_fragment
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
@@ -266,10 +268,6 @@ def _check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | N
 
 
 def _is_columnar(layout: Layout) -> bool:
-    try:
-        from ..layout_index import ColumnarLayout
-    except ImportError:  # a tree without columnar layouts
-        return False
     return isinstance(layout, ColumnarLayout)
 
 
@@ -543,9 +541,7 @@ def _chunks(t: Transfer, cap: int) -> list[tuple[tuple, tuple, int]]:
     """A transfer cut for the schedule: ``[(offsets relative to it, sizes, bytes)]``, each at most ``cap`` once
     aligned (a source-quantized transfer only at block multiples, ``quant.split_src_chunks``)."""
     if getattr(t, "quant", "") == "src":
-        from .quant import split_src_chunks
-
-        return split_src_chunks(t, cap)
+        return quant.split_src_chunks(t, cap)
     isz = itemsize_of(t.wire_dtype)
     out = []
     for o, sz in split_box(t.sizes, isz, cap):
@@ -845,9 +841,7 @@ def _validate_rank_plan(p: RankPlan) -> None:
                 raise ValueError(f"rank plan of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
                                  f"covered exactly once by its receives and local copies")
     if scales:
-        from .quant import validate_quant
-
-        validate_quant(p, ranks=(r,))
+        quant.validate_quant(p, ranks=(r,))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -878,8 +872,6 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     """The whole plan (``rank=None``: a :class:`LocalPlan`) or rank ``rank``'s :class:`RankPlan`, routed by the
     local rules on ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
-    from . import quant as _quant
-
     with gc_paused():
         if rank is None:
             local, wire = route_all(src, routed, gpus_per_node, relay, groups)
@@ -888,7 +880,7 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
         if targets:
             mine = targets if rank is None else {n: s for n, s in targets.items()
                                                  if any(t.tensor == n for t in local + wire)}
-            local, wire = _quant.quantize_transfers(src, dst, mine, local, wire)
+            local, wire = quant.quantize_transfers(src, dst, mine, local, wire)
             if rank is not None:
                 local = [t for t in local if t.dst_rank == rank]
                 wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]

@@ -6,47 +6,10 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ..box import align_up, is_contiguous_box, split_box
 from ..layout import gc_paused, itemsize_of
 from .quant import split_src_chunks
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, align_up
-
-
-def split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a box (relative offsets) into sub-boxes of at most ``cap`` bytes once aligned."""
-    if align_up(math.prod(sizes) * itemsize) <= cap or not sizes:
-        return [((0,) * len(sizes), tuple(sizes))]
-    nd = len(sizes)
-    # smallest d such that one slice along dims > d fits; split dims < d into single indices
-    d = nd - 1
-    for k in range(nd):
-        if align_up(math.prod(sizes[k + 1:]) * itemsize) <= cap:
-            d = k
-            break
-    inner = math.prod(sizes[d + 1:]) * itemsize
-    rows = max(1, cap // inner) if inner else sizes[d]  # cap is a multiple of ALIGN
-    out = []
-    import itertools
-
-    for outer in itertools.product(*[range(n) for n in sizes[:d]]):
-        for start in range(0, sizes[d], rows):
-            n = min(rows, sizes[d] - start)
-            out.append((tuple(outer) + (start,) + (0,) * (nd - d - 1), (1,) * d + (n,) + tuple(sizes[d + 1:])))
-    return out
-
-
-def is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple[int, ...],
-                       size: tuple[int, ...]) -> bool:
-    """Whether the sub-box ``off``+``size`` of the box starting at ``start`` (local coordinates; a local
-    tensor may have extra leading dims, where the box has size 1) is one contiguous run of a contiguous
-    tensor of ``shape``: every dim after its first dim of size > 1 is whole."""
-    full = (1,) * (len(shape) - len(size)) + tuple(size)
-    seen = False
-    for n, s in zip(full, shape, strict=True):
-        if seen and n != s:
-            return False
-        if n > 1:
-            seen = True
-    return True
+from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer
 
 
 def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None = None,

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from ..layout import Fragment, dtype_name, gc_paused, itemsize_of
+from ..box import ALIGN, align_up  # noqa: F401  (ALIGN, align_up: part of the plan's API)
+from ..layout import Fragment, Layout, dtype_name, gc_paused, itemsize_of
 
-ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
 # A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
 # message, so the executor can send it straight from the source tensor or receive it straight into the
 # destination (no pack or unpack copy on that side). Below it, one packed message per peer costs less than a
 # message per chunk (each message has a fixed cost on the transport).
 DIRECT_MIN_BYTES = 1 << 20
-
-
-def align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,3 +250,12 @@ def make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype,
     s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
     d_off = df.local_offsets if off == df.offsets else df.local_box(off, size)[0]
     return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt, relay)
+
+
+class PlanLike(Protocol):
+    """What the plan's checks and derived tables read of a plan: a ``Plan``, a ``LocalPlan`` or a ``RankPlan``."""
+
+    src: Layout
+    dst: Layout
+    transfers: tuple[Transfer, ...]
+    local_copies: tuple[Transfer, ...]

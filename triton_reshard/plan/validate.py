@@ -7,15 +7,11 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from operator import add, le, sub
-from typing import TYPE_CHECKING
 
-from ..layout import Fragment, find_overlap, gc_paused
-from .routing import boxes_meet
-from .types import Transfer
-
-if TYPE_CHECKING:
-    from .core import Plan
-
+from ..box import boxes_meet, find_overlap
+from ..layout import Fragment, gc_paused
+from .quant import plan_targets
+from .types import PlanLike, Transfer
 
 
 def reading_fragment(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
@@ -42,7 +38,7 @@ def reading_fragment(frags: Sequence[Fragment], off, size, local_off) -> Fragmen
     return None
 
 
-def validate_plan(plan: Plan) -> None:
+def validate_plan(plan: PlanLike) -> None:
     """Exact cover of every destination fragment; every transfer reads what its source rank holds; every relay
     reads a box its rank received from non-relay transfers or local copies.
 
@@ -121,7 +117,7 @@ def validate_plan(plan: Plan) -> None:
                         )
 
 
-def _check_cover(plan: Plan) -> None:
+def _check_cover(plan: PlanLike) -> None:
     """Per destination local tensor: no element written twice, every element of its fragments written."""
     covered: dict[tuple[int, str], list] = defaultdict(list)
     for t in plan.transfers + plan.local_copies:
@@ -150,10 +146,8 @@ def _check_cover(plan: Plan) -> None:
             )
 
 
-def quant_scales(plan: Plan) -> frozenset[str]:
+def quant_scales(plan: PlanLike) -> frozenset[str]:
     """The scale tensors the plan writes by quantizing (plan/quant.py), not by transfers."""
     if not plan.dst.quantized:
         return frozenset()
-    from .quant import plan_targets
-
     return frozenset(spec.quant.scale for spec in plan_targets(plan).values())

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..box import split_box
 from .quant import QUANT_SRC, QuantRegion, quant_regions, split_src_chunks
-from .schedule import split_box
 from .types import ALIGN, RankStep, Schedule, Transfer
 
 MAX_CHUNKS = 1 << 22  # a plan cut into more chunks than this is refused (scheduling it would not finish)
