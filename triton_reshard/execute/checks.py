@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..plan.local import rank_fragments
+from ..plan.index import rank_fragments
 
 _EXACT_MAX = 1 << 22  # elements: above this, an exact memory check would cost too much; be conservative
 

@@ -38,25 +38,23 @@ from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from ..box import align_up, find_overlap, is_contiguous_box, split_box
+from ..box import find_overlap
 from ..layout import Fragment, Layout, gc_paused, itemsize_of
-from ..layout_index import ColumnarLayout
 from . import quant
 from .core import Plan
+from .index import DstGroup, check_own_overlaps, rank_fragments, tensor_index
+from .pair_schedule import build_pair_schedule, contiguity, world_of
 from .relay import relay_dtype, split_piece
 from .routing import (
     LOCAL_ORDER,
     WIRE_ORDER,
-    boxes_meet,
-    check_dst_overlap,
     cover_pieces,
     holders_of,
     wire_dtype_of,
 )
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, make_transfer
+from .types import DIRECT_MIN_BYTES, Schedule, Transfer, make_transfer
 from .validate import quant_scales, reading_fragment
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
@@ -130,199 +128,8 @@ def assign(holders: Sequence[int], receivers: Sequence[int], salt: int, gpus_per
 
 
 # --------------------------------------------------------------------------------------------------------
-# Per-tensor queries on a layout: what a rank plan reads (the tensors of one rank, never every rank's)
-# --------------------------------------------------------------------------------------------------------
-
-
-class _TensorIndex:
-    """The nonempty fragments of one tensor of one layout, grouped by box; built once per tensor and layout,
-    lazily: from ``fragments_by_tensor`` on an eager layout, from the per-tensor table (``Layout.table``:
-    numpy columns, an interval index) on a columnar one, which then never builds other tensors' fragments."""
-
-    __slots__ = ("_boxes", "by_box", "_table", "_frags", "_groups", "_cols")
-
-    def __init__(self, layout: Layout, name: str, whole: bool = False) -> None:
-        self._table = None
-        self._boxes: list[tuple] | None = None
-        self.by_box: dict[tuple, list[Fragment]] = {}
-        self._groups: dict[tuple, _Group] = {}
-        self._cols = None
-        if _is_columnar(layout):
-            if not whole:
-                self._table = layout.table(name)
-                self._frags: dict[int, Fragment] = {}
-                return
-            frags = layout.table(name).fragments  # the whole plan reads every fragment: built in one go
-        else:
-            frags = layout.fragments_by_tensor.get(name, ())
-        for f in frags:
-            if 0 not in f.sizes:
-                g = self.by_box.get((f.offsets, f.sizes))
-                if g is None:
-                    self.by_box[(f.offsets, f.sizes)] = [f]
-                else:
-                    g.append(f)
-        self._boxes = list(self.by_box)
-
-    @property
-    def boxes(self) -> list[tuple]:
-        """The distinct nonempty boxes."""
-        if self._boxes is None:
-            bo, bs, _ = self._table.boxes()
-            self._boxes = [(tuple(o), tuple(z)) for o, z in zip(bo.tolist(), bs.tolist(), strict=True) if 0 not in z]
-        return self._boxes
-
-    def _fragment(self, i: int) -> Fragment:
-        f = self._frags.get(i)
-        if f is None:
-            f = self._frags[i] = self._table.fragment(i)
-        return f
-
-    def _exact_rows(self, box: tuple) -> np.ndarray:
-        tb = self._table
-        rows = tb.overlapping(*box)
-        if len(rows):
-            off, size = np.asarray(box[0], np.int64), np.asarray(box[1], np.int64)
-            rows = rows[(tb.offsets[rows] == off).all(axis=1) & (tb.sizes[rows] == size).all(axis=1)]
-        return rows
-
-    def group(self, name: str, box: tuple) -> _Group:
-        """The fragments whose box is exactly ``box``, as a :class:`_Group`."""
-        g = self._groups.get(box)
-        if g is None:
-            if self._table is not None:
-                rows = self._exact_rows(box)
-                rk = self._table.ranks[rows]
-                rows = rows[np.argsort(rk, kind="stable")].tolist()
-                ranks = sorted(rk.tolist())
-                if len(set(ranks)) < len(ranks):
-                    _Group.of(name, [self._fragment(i) for i in rows])  # raises: one box twice on a rank
-
-                def frag(r: int, rows=rows, ranks=ranks) -> Fragment:
-                    return self._fragment(rows[bisect_left(ranks, r)])
-
-                g = _Group(ranks, frag)
-            else:
-                g = _Group.of(name, self.by_box[box])
-            self._groups[box] = g
-        return g
-
-    def overlapping(self, off, size) -> list:
-        """The fragments sharing an element with the box (on a columnar layout light stand-ins, ``_Ref``,
-        with a fragment's fields: the planner builds the real one only for the transfers it keeps)."""
-        if self._table is not None:
-            cols = self._cols
-            if cols is None:
-                tb = self._table
-                cols = self._cols = (tb.ranks.tolist(), [tuple(o) for o in tb.offsets.tolist()],
-                                     [tuple(z) for z in tb.sizes.tolist()],
-                                     [tb.local_names[k] for k in tb.local_ids.tolist()], tb.local_offsets)
-            rk, of, sz, lc, lo = cols
-            name = self._table.spec.name
-            return [_Ref(name, rk[i], of[i], sz[i], lc[i], lo[i], self, i)
-                    for i in self._table.overlapping(off, size).tolist()]
-        out: list[Fragment] = []
-        for b in self.boxes:
-            if boxes_meet(b[0], b[1], off, size):
-                out.extend(self.by_box[b])
-        return out
-
-    def boxes_overlapping(self, off, size) -> list[tuple]:
-        if self._table is not None:
-            tb = self._table
-            rows = tb.overlapping(off, size)
-            offs, sizes = tb.offsets[rows].tolist(), tb.sizes[rows].tolist()
-            return list(dict.fromkeys(zip(map(tuple, offs), map(tuple, sizes), strict=True)))
-        return [b for b in self.boxes if boxes_meet(b[0], b[1], off, size)]
-
-
-class _Ref:
-    """A fragment's fields (row ``row`` of a tensor's table), for routing; ``local_box`` builds the fragment."""
-
-    __slots__ = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets", "_ix", "_row")
-
-    def __init__(self, tensor, rank, offsets, sizes, local, local_offsets, ix, row) -> None:
-        self.tensor, self.rank, self.offsets, self.sizes = tensor, rank, offsets, sizes
-        self.local, self.local_offsets, self._ix, self._row = local, local_offsets, ix, row
-
-    def local_box(self, off, size):
-        return self._ix._fragment(self._row).local_box(off, size)
-
-
-def _check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | None = None) -> None:
-    """Destination boxes of tensor ``name`` overlapping on one rank raise (``routing.check_dst_overlap``):
-    ``frags`` (one rank's), or every rank's (read from the table's ranks first: nothing is built unless a
-    rank holds two boxes)."""
-    if frags is None:
-        ix = _index(layout, name)
-        if ix._table is not None:
-            tb = ix._table
-            ranks = tb.ranks[(tb.sizes > 0).all(axis=1)]
-            if len(np.unique(ranks)) == len(ranks):
-                return
-            frags = [f for f in tb.fragments if 0 not in f.sizes]
-        else:
-            frags = [f for b in ix.boxes for f in ix.by_box[b]]
-    if len({f.rank for f in frags}) < len(frags):
-        check_dst_overlap(name, frags)
-
-
-def _is_columnar(layout: Layout) -> bool:
-    return isinstance(layout, ColumnarLayout)
-
-
-def _index(layout: Layout, name: str, whole: bool = False) -> _TensorIndex:
-    """The tensor's index (cached on the layout); ``whole``: for planning every rank (all its fragments built
-    at once) rather than one rank's share (a columnar layout's table, rows built on demand)."""
-    key = "_local_index_all" if whole and _is_columnar(layout) else "_local_index"
-    cache = layout.__dict__.get(key)
-    if cache is None:
-        cache = {}
-        object.__setattr__(layout, key, cache)
-    ix = cache.get(name)
-    if ix is None:
-        ix = cache[name] = _TensorIndex(layout, name, whole)
-    return ix
-
-
-def rank_fragments(layout: Layout, rank: int) -> list[Fragment]:
-    """The nonempty fragments ``rank`` holds, in layout order."""
-    on_rank = getattr(layout, "fragments_on_rank", None)
-    if on_rank is not None:
-        return [f for f in on_rank(rank) if 0 not in f.sizes]
-    by_rank = layout.__dict__.get("_local_by_rank")
-    if by_rank is None:
-        by_rank = defaultdict(list)
-        for f in layout.fragments:
-            if 0 not in f.sizes:
-                by_rank[f.rank].append(f)
-        object.__setattr__(layout, "_local_by_rank", by_rank)
-    return by_rank.get(rank, [])
-
-
-# --------------------------------------------------------------------------------------------------------
 # Routing one destination box
 # --------------------------------------------------------------------------------------------------------
-
-
-class _Group:
-    """The destination fragments of one box of one tensor: their ranks (ascending; one fragment per rank) and
-    each rank's fragment on demand (a rank plan builds only the few it writes into or relays from)."""
-
-    __slots__ = ("ranks", "_frag")
-
-    def __init__(self, ranks: list[int], frag: Callable[[int], Fragment]) -> None:
-        self.ranks, self._frag = ranks, frag
-
-    def frag(self, rank: int) -> Fragment:
-        return self._frag(rank)
-
-    @classmethod
-    def of(cls, name: str, frags: Sequence[Fragment]) -> _Group:
-        by_rank = {f.rank: f for f in frags}
-        if len(by_rank) < len(frags):
-            check_dst_overlap(name, frags)  # raises: one box twice on one rank
-        return cls(sorted(by_rank), by_rank.__getitem__)
 
 
 def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
@@ -361,7 +168,7 @@ def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
     return rest, fans
 
 
-def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt: torch.dtype,
+def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], wdt: torch.dtype,
               rdt: torch.dtype | None, gpn: int | None, groups: dict[int, int], local: list, wire: list,
               keep: Callable[[int, int], bool] | None = None, base: int = 0, me: int | None = None) -> None:
     """Route destination box ``box`` of tensor ``name``: ``dgroup`` its destination fragments (one per rank),
@@ -486,12 +293,12 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
     local: list[Transfer] = []
     wire: list[Transfer] = []
     for spec in dst.tensors:
-        dix = _index(dst, spec.name, True)
+        dix = tensor_index(dst, spec.name, True)
         if not dix.boxes:
             continue
-        _check_own_overlaps(dst, spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
+        check_own_overlaps(dst, spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
         wdt, rdt, base = _options(src, dst, spec.name, relay)
-        six = _index(src, spec.name, True)
+        six = tensor_index(src, spec.name, True)
         for box in dix.boxes:
             route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
@@ -511,10 +318,10 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
         mine.setdefault(df.tensor, []).append(df)
     for name, frs in mine.items():
         if len(frs) > 1:
-            _check_own_overlaps(dst, name, frs)
+            check_own_overlaps(dst, name, frs)
     for sf in rank_fragments(src, rank):
         if sf.tensor in dst.specs:
-            for box in _index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
+            for box in tensor_index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
                 todo[(sf.tensor, box)] = None
     local: list[Transfer] = []
     wire: list[Transfer] = []
@@ -527,185 +334,9 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
         o = opts.get(name)
         if o is None:
             o = opts[name] = _options(src, dst, name, relay)
-        route_box(name, box, _index(dst, name).group(name, box), _index(src, name).overlapping(*box), o[0], o[1], gpn,
+        route_box(name, box, tensor_index(dst, name).group(name, box), tensor_index(src, name).overlapping(*box), o[0], o[1], gpn,
                   groups, local, wire, None if name in whole else keep, o[2], None if name in whole else rank)
     return local, wire
-
-
-# --------------------------------------------------------------------------------------------------------
-# Steps
-# --------------------------------------------------------------------------------------------------------
-
-
-def _chunks(t: Transfer, cap: int) -> list[tuple[tuple, tuple, int]]:
-    """A transfer cut for the schedule: ``[(offsets relative to it, sizes, bytes)]``, each at most ``cap`` once
-    aligned (a source-quantized transfer only at block multiples, ``quant.split_src_chunks``)."""
-    if getattr(t, "quant", "") == "src":
-        return quant.split_src_chunks(t, cap)
-    isz = itemsize_of(t.wire_dtype)
-    out = []
-    for o, sz in split_box(t.sizes, isz, cap):
-        n = math.prod(sz) * isz
-        if n:
-            out.append((o, sz, n))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class NumberedStep(Step):
-    """A step of the pair rule with its number: ``(phase, number)`` orders the steps, and both ends of every
-    message (in the whole plan and in the rank plans) have it in the step of the same number."""
-
-    number: int = -1
-
-
-def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
-               direct: Callable[[int, tuple, tuple], bool]) -> list[list[Message]]:
-    """One pair's stream cut into step loads: ``transfers`` ((index, transfer), in key order) cut into chunks
-    of at most ``cap`` bytes, taken in order into loads of at most ``cap`` aligned bytes; a load is one packed
-    message (its chunks at aligned offsets) followed by one message per chunk ``direct(index, offsets,
-    sizes)`` calls direct. Both ends of the pair build the same list."""
-    out: list[list[Message]] = []
-    cs: list[Chunk] = []
-    singles: list[Message] = []
-    off = used = 0
-    s = d = None
-
-    def close() -> None:
-        nonlocal cs, singles, off, used
-        load = [Message(s, d, off, tuple(cs))] if cs else []
-        out.append(load + singles)
-        cs, singles, off, used = [], [], 0, 0
-
-    for i, t in transfers:
-        s, d = t.src_rank, t.dst_rank
-        for o, sz, n in _chunks(t, cap):
-            a = align_up(n)
-            if used + a > cap and used:
-                close()
-            if direct(i, o, sz):
-                singles.append(Message(s, d, a, (Chunk(i, o, sz, n, 0),), direct=True))
-            else:
-                cs.append(Chunk(i, o, sz, n, off))
-                off += a
-            used += a
-    if used:
-        close()
-    return out
-
-
-# peers a rank sends to (and receives from) per step, each load within a 1/STEP_PEERS share of half a bucket: all
-# peers at once up to 129 ranks (DeepSeek-V3 128 -> 128, 1 GiB bucket, H100 model: 0.54 s predicted vs 0.51 s for
-# the greedy's first fit; 16 peers: 2.1 s, 64: 0.79 s); beyond, windows of 128 offsets
-STEP_PEERS = 128
-STEP_GROUPING = "strided"
-
-
-def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None,
-                        direct_min_bytes: int, world: int) -> Schedule:
-    """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
-    its number (``Step.number``), in (phase, number) order."""
-    if bucket_bytes < 16 * ALIGN:
-        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
-    if direct_min_bytes < 0:
-        raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
-    peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)
-    windows = -(-(world - 1) // peers) if world > 1 else 1
-    cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
-    with gc_paused():
-        pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]] = defaultdict(list)
-        for i, t in enumerate(transfers):
-            pairs[(1 if t.relay else 0, t.src_rank, t.dst_rank)].append((i, t))
-
-        def direct(i: int, off, size) -> bool:
-            if contiguity is None:
-                return False
-            shapes = contiguity[i]
-            if shapes is None:
-                return False
-            t = transfers[i]
-            if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
-                return False
-            if isinstance(shapes, _Contiguity):
-                return shapes.direct(t, off, size)
-            s_shape, d_shape = shapes
-            return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
-                d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size))
-
-        steps: dict[tuple[int, int], list[Message]] = defaultdict(list)
-        for (phase, s, d), ts in pairs.items():
-            ts.sort(key=lambda it: it[1].key())
-            k = (d - s) % world - 1
-            w = k % windows if STEP_GROUPING == "strided" else k // peers
-            for m, load in enumerate(pair_loads(ts, cap, direct)):
-                steps[(phase, m * windows + w)].extend(load)
-        out = []
-        for (phase, number) in sorted(steps):
-            msgs = sorted(steps[(phase, number)], key=lambda m: (m.src, m.dst, m.direct))  # stable
-            out.append(NumberedStep(tuple(msgs), phase, number))
-        return Schedule(bucket_bytes, tuple(out))
-
-
-def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int,
-               rank: int | None = None) -> Sequence:
-    """Per transfer, where its bytes could move in place (``Plan._contiguity``'s answer), looked up lazily from
-    per-rank local specs: a rank plan (``rank``) tests its own side first and reads a peer's local tensor only
-    when its own side is not contiguous (the answer, "contiguous on either side", is the same on both ends)."""
-    return _Contiguity(transfers, src, dst, min_bytes, rank)
-
-
-class _Contiguity:
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_rank", "_cache")
-
-    def __init__(self, transfers, src, dst, min_bytes, rank) -> None:
-        self._ts, self._src, self._dst, self._min, self._rank = transfers, src, dst, min_bytes, rank
-        self._cache: dict[tuple[int, int], object] = {}
-
-    def _shape(self, k: int, rank: int, local: str, wdt) -> tuple | None:
-        got = self._cache.get((k, rank))
-        if got is None:
-            layout = self._dst if k else self._src
-            one = getattr(layout, "local_spec", None)
-            got = self._cache[(k, rank)] = _OneSpec(one, rank) if one is not None else layout.local_specs(rank)
-        spec = got.get(local)
-        return spec.shape if spec is not None and spec.dtype == wdt else None
-
-    def __len__(self) -> int:
-        return len(self._ts)
-
-    def __getitem__(self, i: int):
-        t = self._ts[i]  # a source-quantized transfer is quantized by the pack: never direct
-        return None if t.nbytes < self._min or getattr(t, "quant", "") == "src" else self
-
-    def direct(self, t: Transfer, off, size) -> bool:
-        """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor
-        (in the wire dtype), this rank's side tested first."""
-        sides = [(1 if t.relay else 0, t.src_rank, t.src_local, t.src_offsets),
-                 (1, t.dst_rank, t.dst_local, t.dst_offsets)]
-        if self._rank is not None and t.dst_rank == self._rank:
-            sides.reverse()
-        for k, r, local, start in sides:
-            shape = self._shape(k, r, local, t.wire_dtype)
-            if shape is not None and is_contiguous_box(shape, start, off, size):
-                return True
-        return False
-
-
-class _OneSpec:
-    """``local_specs(rank)``'s ``get`` through a layout's ``local_spec(rank, name)`` (one local tensor at a time)."""
-
-    __slots__ = ("_one", "_rank")
-
-    def __init__(self, one, rank: int) -> None:
-        self._one, self._rank = one, rank
-
-    def get(self, name: str):
-        return self._one(self._rank, name)
-
-
-def world_of(src: Layout, dst: Layout) -> int:
-    """``W`` of the step rule: one more than the largest rank of either layout."""
-    return max(src.ranks + dst.ranks, default=0) + 1
 
 
 # --------------------------------------------------------------------------------------------------------
