@@ -517,6 +517,18 @@ class Layout:
         """The logical tensors with a non-empty fragment on ``rank``, sorted by name."""
         return tuple(dict.fromkeys(f.tensor for f in self.fragments_on_rank(rank) if 0 not in f.sizes))
 
+    # -- the queries the planner uses (both storages answer them; see ``plan/index.py``) ------------------
+
+    lazy_tables = False  # True: ``table(name)`` builds rows on demand, cheaper than ``fragments_by_tensor``
+
+    def tensor_order(self) -> dict[str, int]:
+        """Tensor name -> its index among the layout's tensors (sorted by name)."""
+        return {t.name: i for i, t in enumerate(self.tensors)}
+
+    def shapes_and_dtypes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Tensor name -> (global shape, dtype)."""
+        return {t.name: (t.shape, t.dtype) for t in self.tensors}
+
     TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
 
     def table(self, name: str) -> FragmentTable:

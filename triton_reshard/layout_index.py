@@ -415,6 +415,15 @@ class ColumnarLayout(Layout):
         if lt.quantized:  # block quantization: the eager checks (small layouts)
             Layout(self.tensors, self.fragments, self.locals)
 
+    lazy_tables = True
+
+    def tensor_order(self) -> dict[str, int]:  # from the columns, without building the specs
+        return self._lt.index
+
+    def shapes_and_dtypes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        lt = self._lt
+        return {n: (shape, dt) for n, shape, dt in zip(lt.names, lt.shapes, lt.dtypes, strict=True)}
+
     @cached_property
     def tensors(self) -> tuple[TensorSpec, ...]:  # type: ignore[override]
         return self._lt.all()

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..layout import Fragment, Layout
-from ..layout_index import ColumnarLayout
 from .routing import (
     boxes_meet,
     check_dst_overlap,
@@ -57,7 +56,7 @@ class TensorIndex:
         self.by_box: dict[tuple, list[Fragment]] = {}
         self._groups: dict[tuple, DstGroup] = {}
         self._cols = None
-        if is_columnar(layout):
+        if layout.lazy_tables:
             if not whole:
                 self._table = layout.table(name)
                 self._frags: dict[int, Fragment] = {}
@@ -177,14 +176,10 @@ def check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | No
         check_dst_overlap(name, frags)
 
 
-def is_columnar(layout: Layout) -> bool:
-    return isinstance(layout, ColumnarLayout)
-
-
 def tensor_index(layout: Layout, name: str, whole: bool = False) -> TensorIndex:
     """The tensor's index (cached on the layout); ``whole``: for planning every rank (all its fragments built
     at once) rather than one rank's share (a columnar layout's table, rows built on demand)."""
-    key = "_local_index_all" if whole and is_columnar(layout) else "_local_index"
+    key = "_local_index_all" if whole and layout.lazy_tables else "_local_index"
     cache = layout.__dict__.get(key)
     if cache is None:
         cache = {}

@@ -276,8 +276,7 @@ def _tensor_order(layout: Layout) -> dict[str, int]:
     """Tensor name -> its index in the layout's (sorted) tensors: the base of every piece's salt."""
     got = layout.__dict__.get("_local_order")
     if got is None:
-        lt = getattr(layout, "_lt", None)  # a columnar layout: its sorted names, without building the specs
-        got = lt.index if lt is not None else {t.name: i for i, t in enumerate(layout.tensors)}
+        got = layout.tensor_order()
         object.__setattr__(layout, "_local_order", got)
     return got
 

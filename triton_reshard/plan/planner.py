@@ -120,12 +120,11 @@ def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
     """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
     answers without building every rank's fragments). False when a destination tensor is missing from the
     source (the full check decides: it may have no elements) or its shape or dtype differs."""
-    s_lt, d_lt = getattr(src, "_lt", None), getattr(dst, "_lt", None)  # columnar layouts: their name/shape/dtype
-    if s_lt is not None and d_lt is not None and not d_lt.quantized:  # columns, without building the specs
-        index, shapes, dtypes = s_lt.index, s_lt.shapes, s_lt.dtypes
-        for n, shape, dt in zip(d_lt.names, d_lt.shapes, d_lt.dtypes, strict=True):
-            i = index.get(n)
-            if i is None or shapes[i] != shape or (dtypes[i] != dt and not allow_cast):
+    if src.lazy_tables and dst.lazy_tables and not dst.quantized:  # columns, without building the specs
+        have = src.shapes_and_dtypes()
+        for n, (shape, dt) in dst.shapes_and_dtypes().items():
+            s = have.get(n)
+            if s is None or s[0] != shape or (s[1] != dt and not allow_cast):
                 return False
         return True
     specs = src.specs
