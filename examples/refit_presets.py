@@ -63,7 +63,7 @@ def rank_main(rank: int, world: int) -> str:
 
 
 def main() -> int:
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     for out in run_world(rank_main, WORLD, backend="gloo", timeout=300):
         print(out)

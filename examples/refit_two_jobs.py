@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--refit-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--ctl-port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     if args.role == "engine":  # one job: its own world of WORKERS processes
         run_world(engine_rank, WORKERS, args.ckpt, args.ctl_port, backend="gloo", timeout=300)

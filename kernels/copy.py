@@ -1,6 +1,6 @@
 """Bare Triton kernel that copies many strided regions (with a fused dtype cast) in one launch.
 
-The launcher (``triton_reshard/triton_copy.py``) describes every ``(src_view, dst_view)`` pair of one
+The launcher (``triton_reshard/ops/copy.py``) describes every ``(src_view, dst_view)`` pair of one
 dtype group as a *region* and cuts the regions into *tiles*; each program copies ``TILES_PER_PROG`` tiles.
 
 Region table: ``int64[num_regions, REGION_FIELDS]``, one row per region, fields at the ``F_*`` indices:

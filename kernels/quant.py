@@ -1,8 +1,8 @@
 """Bare Triton kernel that quantizes many blocks of many tensors to block-FP8 (float8_e4m3fn) in one launch.
 
-The launcher (``triton_reshard/quant.py``) cuts every ``(src, q_out, s_out)`` item into its quantization
+The launcher (``triton_reshard/ops/quantize.py``) cuts every ``(src, q_out, s_out)`` item into its quantization
 blocks and writes one *block row* per block; **one program quantizes one block**. The numerics are those of
-the torch reference ``triton_reshard.quant.quantize_blocks`` (itself vLLM's ``per_block_cast_to_fp8``):
+the torch reference ``triton_reshard.ops.quantize.quantize_blocks`` (itself vLLM's ``per_block_cast_to_fp8``):
 
     amax = max |x| over the block (zero padding of an edge block adds nothing: |0| never raises a max)
     amax = max(amax, AMAX_FLOOR)                    (NaN stays NaN, as torch's clamp)

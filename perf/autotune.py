@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kernels  # noqa: E402  (a sibling script, not a package)
 
-from triton_reshard import ops, triton_copy  # noqa: E402
+from triton_reshard import ops  # noqa: E402
+from triton_reshard.ops import copy as triton_copy  # noqa: E402
 from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
 
 

@@ -204,7 +204,7 @@ def traffic(pairs: list[Pair]) -> int:
 def run_case(name: str, direction: str, pairs: list[Pair], device: torch.device, backends: list[str],
              repeats: int, warmup: int) -> dict:
     """Time every backend on ``pairs`` plus the ceiling; check that Triton and torch wrote the same bits."""
-    from triton_reshard import triton_copy
+    from triton_reshard.ops import copy as triton_copy
 
     moved = traffic(pairs)
     one_way = moved // 2

@@ -206,7 +206,7 @@ def child_share(case: str, rank: int) -> dict:
 
 def child_whole(case: str) -> dict:
     """The whole plan, in this (fresh) process: layouts, plan, stats, schedule, predicted refit time."""
-    from triton_reshard.topology import PRESETS, predict_seconds, schedule_pair_bytes
+    from triton_reshard.tools.topology import PRESETS, predict_seconds, schedule_pair_bytes
 
     started = _process_age()
     rss0 = _status_mb("VmRSS")

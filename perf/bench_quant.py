@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import measure  # noqa: E402
 
-from triton_reshard import quant as Q  # noqa: E402
+from triton_reshard.ops import quantize as Q  # noqa: E402
 from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
 
 DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}

@@ -63,8 +63,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from triton_reshard.launch import run_world
     from triton_reshard.presets import get_config
+    from triton_reshard.testing.launch import run_world
 
     cfg = get_config(args.model)
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}

@@ -1,7 +1,7 @@
 """Routing on a topology: network bytes and predicted refit time without a topology, with same-node replica
 preference, and with relays (fan-out inside a node), for Megatron-Core -> vLLM refits of preset models.
 
-For each model and layout pair, on each topology preset (``triton_reshard.topology.PRESETS``: ``h100``, 8 GPUs
+For each model and layout pair, on each topology preset (``triton_reshard.tools.topology.PRESETS``: ``h100``, 8 GPUs
 per node; ``gb200``, 72 per NVLink domain), three plans of the same layouts:
 
 * ``none``: ``plan_reshard(src, dst)``: no topology (one plan, judged on each topology);
@@ -43,7 +43,7 @@ from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, megatron_layout, model_spec, vllm_layout
 from triton_reshard.tools.cli import routing_figures
 from triton_reshard.tools.cliutil import UsageError, check_output_file
-from triton_reshard.topology import PRESETS
+from triton_reshard.tools.topology import PRESETS
 
 MODELS = ("qwen3-235b-a22b", "deepseek-v3")
 PAIRS = {  # name -> (Megatron tp, pp, dp, ep), (vLLM tp, dp)

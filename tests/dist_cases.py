@@ -1,5 +1,5 @@
 """Shared test material: an independent reference for layouts, a catalogue of reshard cases, and the
-module-level worker functions that spawned gloo worlds run (``triton_reshard.launch.run_world`` pickles
+module-level worker functions that spawned gloo worlds run (``triton_reshard.testing.launch.run_world`` pickles
 them by name, so they must live in an importable module).
 
 The reference never asks the package where a box lives: for DTensor-style descriptions it nests
@@ -852,7 +852,7 @@ REFIT_SIDES = {
 def world_results(world: int) -> list:
     """Spawn one gloo world of ``world`` ranks that runs everything for that size; cached for the session, so
     test modules share one spawn per world size. Returns each rank's result dict (or its error text)."""
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     return run_world(world_main, world, case_ids(world), world in DTENSOR_ITEMS, REFIT_SIDES.get(world),
                      world == 4, timeout=420, pg_timeout=120, allow_errors=True)
@@ -861,7 +861,7 @@ def world_results(world: int) -> list:
 def world_main_triton(rank: int, world: int, ids: list[str]) -> dict:
     """The cases of this world size with the Triton copy backend (the parent sets TRITON_INTERPRET=1 and
     TRITON_RESHARD_BACKEND=triton before spawning), counting kernel launches per copy list."""
-    import triton_reshard.triton_copy as tc
+    import triton_reshard.ops.copy as tc
 
     calls: list[tuple[int, int, int]] = []  # (pairs in the list, kernel launches, dtype groups)
     real_launch = tc.launch

@@ -1,5 +1,5 @@
 """Block-FP8 refit cases (issue 11) and the workers their gloo worlds run (importable by name for
-``triton_reshard.launch.run_world``).
+``triton_reshard.testing.launch.run_world``).
 
 Sources are Megatron-Core BF16 shards (``presets.megatron_layout``) or plain DTensor-style layouts; destinations
 are vLLM's layouts (``presets.vllm_layout``) turned block-FP8 with ``block_quant_layout``. The expected bytes are
@@ -174,7 +174,7 @@ def expected(case: QCase, dst: Layout, rank: int, data, pattern: int = 0) -> dic
     """What ``rank``'s destination tensors must hold: poison, then every weight box of the destination layout
     filled with the reference quantization of the whole logical tensor (values and, at ``offset // block`` in
     ``local + "_scale_inv"``, scales), plain tensors with the data cast."""
-    from triton_reshard.quant import quantize_blocks
+    from triton_reshard.ops.quantize import quantize_blocks
 
     out = dst_locals(dst, rank, pattern)
     ref: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -123,7 +123,7 @@ def test_refit_named_parameters(world, sides):
 def triton_world():
     import os
 
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")}
     os.environ["TRITON_INTERPRET"] = "1"

@@ -24,7 +24,7 @@ MARGIN = 4.0  # seconds over the timeout that a survivor may take to raise (2 sh
 @functools.cache
 def _world() -> tuple[list, list]:
     """(what each rank returned or its error text, what each rank saved after each scenario)."""
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     with tempfile.TemporaryDirectory() as d:
         res = run_world(fc.world_main, fc.WORLD, d, timeout=240, pg_timeout=60, allow_errors=True)

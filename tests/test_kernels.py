@@ -1,4 +1,4 @@
-"""Tests of the Triton copy kernel (``kernels/copy.py``) and its launcher (``triton_reshard/triton_copy.py``).
+"""Tests of the Triton copy kernel (``kernels/copy.py``) and its launcher (``triton_reshard/ops/copy.py``).
 
 Without a GPU the kernel runs in Triton's interpreter on CPU tensors: an autouse fixture sets
 ``TRITON_INTERPRET=1`` for every test not marked ``gpu`` (the launcher reloads the kernel module if it was
@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from triton_reshard import ops, triton_copy
-from triton_reshard.triton_copy import (
+from triton_reshard import ops
+from triton_reshard.kernels import copy as kcopy  # table layout constants (F_*)
+from triton_reshard.ops import copy as triton_copy
+from triton_reshard.ops.copy import (
     DtypePlan,
     build_tiles,
     merge_dims,
@@ -31,7 +33,6 @@ from triton_reshard.triton_copy import (
 )
 
 CUDA = torch.cuda.is_available()
-kcopy = importlib.import_module(triton_copy.KERNELS_MODULE)  # table layout constants (F_*)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -575,7 +576,7 @@ def test_kernel_compiles_for_hopper_with_16_byte_accesses(monkeypatch, src_dtype
     the real kernel for sm_90 (no GPU needed) and check that the aligned path uses 16-byte accesses."""
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    module = importlib.reload(importlib.import_module(triton_copy.KERNELS_MODULE))
+    module = importlib.reload(kcopy)
     compiled = _compile_for_hopper(module, plan_dtypes(src_dtype, dst_dtype))
     ops_used = set(re.findall(r"(?:ld|st)\.global(?:\.\w+)*", compiled.asm["ptx"]))
     assert "ld.global.v4.b32" in ops_used or "ld.global.v2.b64" in ops_used, ops_used

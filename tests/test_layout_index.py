@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from triton_reshard import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec
-from triton_reshard.layout import FragmentTable, _boxes_overlap
-from triton_reshard.layout_index import ColumnarLayout, ColumnBuilder, _overlap_free, columnar
+from triton_reshard.box import boxes_overlap
+from triton_reshard.layout import FragmentTable
+from triton_reshard.layout_index import ColumnarLayout, ColumnBuilder, columnar, overlap_free
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
@@ -205,7 +206,7 @@ def _brute_overlapping(t: FragmentTable, off, size) -> list[int]:
     if min(size, default=1) <= 0:
         return []
     return [i for i in range(t.n) if min(t.sizes[i], default=1) > 0
-            and _boxes_overlap(tuple(t.offsets[i]), tuple(t.sizes[i]), tuple(off), tuple(size))]
+            and boxes_overlap(tuple(t.offsets[i]), tuple(t.sizes[i]), tuple(off), tuple(size))]
 
 
 def _random_queries(t: FragmentTable, rng: random.Random, n: int):
@@ -263,9 +264,9 @@ def test_vectorized_overlap_check_equals_brute_force():
             lo = np.array([[rng.randrange(0, 6) for _ in range(L)] for _ in range(n)], dtype=np.int64)
             ls = np.array([[rng.randrange(0, 4) for _ in range(L)] for _ in range(n)], dtype=np.int64)
         want = not any(groups[i] == groups[j] and min(ls[i]) > 0 and min(ls[j]) > 0
-                       and _boxes_overlap(tuple(lo[i]), tuple(ls[i]), tuple(lo[j]), tuple(ls[j]))
+                       and boxes_overlap(tuple(lo[i]), tuple(ls[i]), tuple(lo[j]), tuple(ls[j]))
                        for i in range(n) for j in range(i + 1, n))
-        assert _overlap_free(groups, lo, ls, ls) == want, (groups, lo, ls)
+        assert overlap_free(groups, lo, ls, ls) == want, (groups, lo, ls)
 
 
 # --------------------------------------------------------------------------------------------------------

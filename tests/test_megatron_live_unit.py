@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from triton_reshard.integrations.megatron import _detect_grouped_gemm, _detect_spec, _vocab_divisible_by
+from triton_reshard.integrations.megatron import detect_grouped_gemm, detect_spec, detect_vocab_divisible_by
 from triton_reshard.presets import get_config, megatron_layout, padded_vocab_size
 
 
@@ -23,25 +23,25 @@ def _names(model: str, rank: int = 0, **kw) -> list[str]:
 def test_spec_from_names(model, spec):
     if spec == "local" and model == "tiny_deepseek_v3":
         pytest.skip("megatron_layout refuses MLA with the local spec")
-    assert _detect_spec(_names(model, spec=spec)) == spec
+    assert detect_spec(_names(model, spec=spec)) == spec
     # a last pipeline stage (layers and the output layer) reads the same
-    assert _detect_spec(_names(model, rank=1, pp=2, spec=spec)) == spec
+    assert detect_spec(_names(model, rank=1, pp=2, spec=spec)) == spec
 
 
 def test_spec_unknown_without_layers():
-    assert _detect_spec(["embedding.word_embeddings.weight", "output_layer.weight"]) is None
+    assert detect_spec(["embedding.word_embeddings.weight", "output_layer.weight"]) is None
 
 
 @pytest.mark.parametrize(("spec", "grouped"), [("te", True), ("te", False), ("local", False)])
 def test_grouped_gemm_from_names(spec, grouped):
     names = _names("tiny_qwen3_moe", tp=2, dp=2, ep=2, spec=spec, grouped_gemm=grouped)
-    assert _detect_grouped_gemm(names) is grouped
-    assert _detect_grouped_gemm(_names("tiny_llama", spec=spec)) is None
+    assert detect_grouped_gemm(names) is grouped
+    assert detect_grouped_gemm(_names("tiny_llama", spec=spec)) is None
 
 
 def test_legacy_grouped_mlp_refused():
     with pytest.raises(NotImplementedError, match="legacy GroupedMLP"):
-        _detect_grouped_gemm(["decoder.layers.0.mlp.experts.weight1"])
+        detect_grouped_gemm(["decoder.layers.0.mlp.experts.weight1"])
 
 
 @pytest.mark.parametrize(("vocab", "tp", "vpad", "want"), [
@@ -51,7 +51,7 @@ def test_legacy_grouped_mlp_refused():
     (300, 2, 1000, 500),  # any multiple of tp above the vocab: vpad // tp reproduces it
 ])
 def test_vocab_divisible_by(vocab, tp, vpad, want):
-    d = _vocab_divisible_by(vocab, vpad, tp, "rank 0")
+    d = detect_vocab_divisible_by(vocab, vpad, tp, "rank 0")
     assert d == want
     assert padded_vocab_size(vocab, tp, d) == vpad
 
@@ -59,4 +59,4 @@ def test_vocab_divisible_by(vocab, tp, vpad, want):
 @pytest.mark.parametrize(("vocab", "tp", "vpad"), [(300, 2, 256), (300, 4, 302)])
 def test_vocab_impossible(vocab, tp, vpad):
     with pytest.raises(ValueError, match=r"rank 0: the model's vocab has"):
-        _vocab_divisible_by(vocab, vpad, tp, "rank 0")
+        detect_vocab_divisible_by(vocab, vpad, tp, "rank 0")

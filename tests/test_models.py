@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import model_cases  # noqa: E402
 
-from triton_reshard.launch import run_world  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
+from triton_reshard.testing.launch import run_world  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -589,15 +589,16 @@ def boxes_in(draw, ndim=None, n=(0, 5)):
 @HYP
 @given(boxes_in())
 def test_fast_pieces_and_held_numel_match_decompose(problem):
-    from triton_reshard.plan.routing import _decompose, _held_numel, _overlaps, _pieces
+    from triton_reshard.box import boxes_meet
+    from triton_reshard.plan.routing import cover_pieces, decompose_box, held_numel
 
     (off, size), cands = problem
-    cands = [c for c in cands if _overlaps(c[0], c[1], off, size)]
-    assert _pieces(off, size, cands) == _decompose(off, size, cands)
+    cands = [c for c in cands if boxes_meet(c[0], c[1], off, size)]
+    assert cover_pieces(off, size, cands) == decompose_box(off, size, cands)
     distinct = list(dict.fromkeys(cands))
     if distinct:
-        want = sum(math.prod(s) for _, s, mask in _decompose(off, size, distinct) if mask)
-        assert _held_numel(off, size, distinct) == want
+        want = sum(math.prod(s) for _, s, mask in decompose_box(off, size, distinct) if mask)
+        assert held_numel(off, size, distinct) == want
 
 
 def _first_fit_reference(chunks, order, cap):
@@ -624,11 +625,11 @@ def _first_fit_reference(chunks, order, cap):
                 max_size=60),
        st.sampled_from([256, 272, 512]))
 def test_first_fit_matches_reference(items, cap):
-    from triton_reshard.plan.schedule import _first_fit
+    from triton_reshard.plan.schedule import first_fit
 
     chunks = [(i, (), (), n, s, d) for i, (n, s, d) in enumerate(items)]
     order = sorted(range(len(chunks)), key=lambda k: (-(-(-chunks[k][3] // ALIGN) * ALIGN), k))
-    assert _first_fit(chunks, order, cap) == _first_fit_reference(chunks, order, cap)
+    assert first_fit(chunks, order, cap) == _first_fit_reference(chunks, order, cap)
 
 
 PINNED = {  # (layout digests, plan digest) of the greedy routing, computed by the planner before its speed-up
@@ -813,10 +814,10 @@ def test_relay_needs_no_source_in_the_node():
     pytest.param(torch.bool, torch.int8, torch.int8, id="same-size-bool-to-int8"),
 ])
 def test_relay_dtype(src_dt, dst_dt, want):
-    from triton_reshard.plan.relay import _relay_dtype
+    from triton_reshard.plan.relay import relay_dtype
 
     wdt = dst_dt if itemsize(dst_dt) < itemsize(src_dt) else src_dt
-    assert _relay_dtype(src_dt, dst_dt, wdt) == want
+    assert relay_dtype(src_dt, dst_dt, wdt) == want
     src = (P({"w": (4, 3)}, [0], [R], src_dt),)
     dst = (P({"w": (4, 3)}, [2, 3], [R], dst_dt),)
     plan = check_plan(src, dst, allow_cast=True, gpus_per_node=2)
@@ -952,17 +953,17 @@ def test_split_fan_out_rotates_uneven_parts():
 @pytest.mark.usefixtures("split_64k")
 def test_split_fan_out_keeps_small_pieces_whole():
     """Under RELAY_SPLIT_MIN_BYTES per part a piece gets fewer parts than ranks, or one (a single head)."""
-    from triton_reshard.plan.relay import RELAY_SPLIT_MIN_BYTES, _split_piece
+    from triton_reshard.plan.relay import RELAY_SPLIT_MIN_BYTES, split_piece
 
     m = RELAY_SPLIT_MIN_BYTES
-    assert _split_piece((0, 0), (4, 3), 48, 4) == [((0, 0), (4, 3), 48)]  # tiny: whole
-    assert len(_split_piece((0,), (2 * m - 1,), 2 * m - 1, 4)) == 1  # not two parts of the minimum
-    assert [s for _o, s, _n in _split_piece((0,), (2 * m,), 2 * m, 4)] == [(m,), (m,)]  # two parts, not four
-    assert _split_piece((8, 2), (5, 64), 5 * 64 * m, 2) == [((8, 2), (3, 64), 3 * 64 * m), ((11, 2), (2, 64), 2 * 64 * m)]
+    assert split_piece((0, 0), (4, 3), 48, 4) == [((0, 0), (4, 3), 48)]  # tiny: whole
+    assert len(split_piece((0,), (2 * m - 1,), 2 * m - 1, 4)) == 1  # not two parts of the minimum
+    assert [s for _o, s, _n in split_piece((0,), (2 * m,), 2 * m, 4)] == [(m,), (m,)]  # two parts, not four
+    assert split_piece((8, 2), (5, 64), 5 * 64 * m, 2) == [((8, 2), (3, 64), 3 * 64 * m), ((11, 2), (2, 64), 2 * 64 * m)]
     # the first dim long enough for the parts; no dim long enough: as many parts as the longest dim
-    assert [o for o, _s, _n in _split_piece((0, 0, 0), (1, 2, 8), 16 * m, 4)] == [(0, 0, 0), (0, 0, 2), (0, 0, 4), (0, 0, 6)]
-    assert [s for _o, s, _n in _split_piece((0, 0), (2, 3), 6 * m, 4)] == [(2, 1), (2, 1), (2, 1)]
-    assert _split_piece((0,), (1,), 4 * m, 4) == [((0,), (1,), 4 * m)]
+    assert [o for o, _s, _n in split_piece((0, 0, 0), (1, 2, 8), 16 * m, 4)] == [(0, 0, 0), (0, 0, 2), (0, 0, 4), (0, 0, 6)]
+    assert [s for _o, s, _n in split_piece((0, 0), (2, 3), 6 * m, 4)] == [(2, 1), (2, 1), (2, 1)]
+    assert split_piece((0,), (1,), 4 * m, 4) == [((0,), (1,), 4 * m)]
     # a plan: w (48 KiB) too small to split, fans out from one head as before
     src, dst = (P({"w": (96, 128)}, [0], [R]),), (P({"w": (96, 128)}, [4, 5, 6], [R]),)
     plan = check_plan(src, dst, gpus_per_node=4)

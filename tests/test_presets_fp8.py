@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from triton_reshard.layout import QUANT_DTYPE, SCALE_DTYPE
+from triton_reshard.ops.quantize import dequantize_blocks, quantize_blocks
 from triton_reshard.presets import get_config, logical_tensors, tensor_dtypes, vllm_layout
 from triton_reshard.presets.vllm import block_fp8_config, fp8_tensors
-from triton_reshard.quant import dequantize_blocks, quantize_blocks
 
 QC = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
 

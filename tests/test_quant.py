@@ -1,4 +1,4 @@
-"""Tests of block-FP8 quantization: the torch reference (``triton_reshard/quant.py``) against an independent
+"""Tests of block-FP8 quantization: the torch reference (``triton_reshard/ops/quantize.py``) against an independent
 per-block loop, and the Triton kernel (``kernels/quant.py``) against the reference, bit for bit on every
 quantized byte and every scale.
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_reshard import quant as Q
+from triton_reshard.ops import quantize as Q
 
 CUDA = torch.cuda.is_available()
 FP8 = torch.float8_e4m3fn

@@ -140,8 +140,8 @@ def test_layout_validation_of_quantized_fragments():
 import random  # noqa: E402
 
 from triton_reshard import plan_reshard  # noqa: E402
+from triton_reshard.ops.quantize import quantize_blocks  # noqa: E402
 from triton_reshard.plan.quant import QuantRegion, quant_regions  # noqa: E402
-from triton_reshard.quant import quantize_blocks  # noqa: E402
 
 
 def _frag_layout(shape, boxes, dtype, name="w"):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def _spawn(world: int, ids: list[str], triton: bool = False) -> list:
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     keys = ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")
     saved = {k: os.environ.get(k) for k in keys}

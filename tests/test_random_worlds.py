@@ -108,7 +108,7 @@ def random_world_main(rank: int, world: int, cases: list[Case]) -> dict:
     rank); Triton cases with ``TRITON_RESHARD_BACKEND=triton`` and the kernel launches counted."""
     import torch.distributed as dist
 
-    import triton_reshard.triton_copy as tc
+    import triton_reshard.ops.copy as tc
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     groups = {c.id: dist.new_group(list(c.group_ranks)) for c in cases if c.group_ranks is not None}
@@ -142,7 +142,7 @@ class RandomWorld:
     @classmethod
     def get(cls, world: int) -> list:
         if world not in cls._results:
-            from triton_reshard.launch import run_world
+            from triton_reshard.testing.launch import run_world
 
             saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")}
             os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned ranks before they import triton

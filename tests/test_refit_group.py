@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from triton_reshard import RefitGroupError, Resharder, init_refit_group, plan_reshard, refit, verify_refit
 from triton_reshard.group import free_port
-from triton_reshard.launch import run_jobs
 from triton_reshard.presets import get_config, logical_tensors, megatron_layout, vllm_layout
+from triton_reshard.testing.launch import run_jobs
 
 MODEL = "tiny_qwen3"
 

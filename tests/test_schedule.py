@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from triton_reshard import Layout, Replicate, Shard, plan_reshard
+from triton_reshard.box import is_contiguous_box
 from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES, build_schedule
-from triton_reshard.plan.schedule import _is_contiguous_box
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -33,7 +33,7 @@ def _plan(src_pl, dst_pl, shape=(64, 32), src_ranks=(0, 1), dst_ranks=(2, 3), sd
     ],
 )
 def test_is_contiguous_box(shape, start, off, size, want):
-    assert _is_contiguous_box(shape, start, off, size) is want
+    assert is_contiguous_box(shape, start, off, size) is want
 
 
 def test_row_shards_become_direct_messages_and_column_shards_do_not():

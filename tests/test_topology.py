@@ -1,4 +1,4 @@
-"""The refit-time model of ``triton_reshard.topology``: hand-computed figures, and its plumbing from a plan."""
+"""The refit-time model of ``triton_reshard.tools.topology``: hand-computed figures, and its plumbing from a plan."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from triton_reshard import Layout, Replicate, Shard, plan_reshard
-from triton_reshard.topology import (
+from triton_reshard.tools.topology import (
     GB,
     PRESETS,
     PortLoad,

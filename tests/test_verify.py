@@ -338,7 +338,7 @@ def verify_world(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world():
-    from triton_reshard.launch import run_world
+    from triton_reshard.testing.launch import run_world
 
     results = run_world(verify_world, 4, timeout=300, pg_timeout=60, allow_errors=True)
     failed = {r: v for r, v in enumerate(results) if not isinstance(v, dict)}

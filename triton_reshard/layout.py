@@ -11,764 +11,56 @@ Layouts are immutable, validated on construction and hashable, so plans can be c
 
 from __future__ import annotations
 
-import difflib
-import gc
 import hashlib
 import math
-import operator
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import add, attrgetter, gt, itemgetter, sub
+from operator import add, attrgetter, gt
 
 import numpy as np
 import torch
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+from .box import box_slices, boxes_overlap, find_overlap  # noqa: F401  (box_slices: re-exported for users of layout)
+from .fragment_table import FragmentTable, content_fingerprint
+from .specs import (  # noqa: F401  (the values a layout is made of: re-exported for users of layout)
+    FRAG_KEY,
+    MAX_TENSOR_BYTES,
+    QUANT_DTYPE,
+    SCALE_DTYPE,
+    BlockQuant,
+    Fragment,
+    LocalSpec,
+    Placement,
+    Replicate,
+    Shard,
+    TensorSpec,
+    as_shape,
+    block_scale_box,
+    check_bytes,
+    check_fragment,
+    check_names,
+    chunk_range,
+    dtype_name,
+    gc_paused,
+    itemsize_of,
+    misaligned_block,
+    nested_box,
+    scale_shape,
+    slot_setters,
+    trusted_fragment,
+    validate_quant_fragments,
+)
 
-
-# --------------------------------------------------------------------------------------------------------
-# Placements (torch DTensor's meaning)
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """Split tensor dim ``dim`` over one mesh dim, ``torch.chunk`` style (uneven, trailing shards may be empty)."""
-
-    dim: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
-            raise TypeError(f"Shard(dim) needs an int, got {self.dim!r}")
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
-
-
-@dataclass(frozen=True, slots=True)
-class Replicate:
-    """Every rank along the mesh dim holds the full extent."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-Placement = Shard | Replicate
-
-
-def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
-    """``(offset, size)`` of piece ``index`` when ``torch.chunk`` splits ``length`` into ``parts``.
-
-    torch.chunk uses pieces of ``ceil(length / parts)``; the trailing pieces may be smaller or empty (DTensor
-    pads the missing ones with empty shards, so every index is valid).
-    """
-    if parts <= 0:
-        raise ValueError(f"cannot split into {parts} parts")
-    step = -(-length // parts) if length else 0
-    start = min(index * step, length)
-    return start, max(0, min(step, length - start))
-
-
-def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
-    """The index that selects the box ``offsets``+``sizes`` of a tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
-
-
-def nested_box(
-    shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], shards: Sequence[tuple[int, int]]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(offsets, sizes)`` of the shard at mesh coordinate ``coord``: ``shards`` lists ``(mesh_dim, tensor_dim)``
-    in the order they apply, each chunking (``torch.chunk`` style) what the previous ones left."""
-    off, size = [0] * len(shape), list(shape)
-    for m, d in shards:
-        o, n = chunk_range(size[d], mesh_shape[m], coord[m])
-        off[d] += o
-        size[d] = n
-    return tuple(off), tuple(size)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Value types
-# --------------------------------------------------------------------------------------------------------
-
-
-_INT_TYPES = frozenset((int,))  # ``type(x) is int`` for every entry: the fast path of the value types
-_ITEMSIZE: dict[torch.dtype, int] = {}
-_DTYPE_NAME: dict[torch.dtype, str] = {}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype`` (cached: called once per fragment and transfer)."""
-    n = _ITEMSIZE.get(dtype)
-    if n is None:
-        n = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return n
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    n = _DTYPE_NAME.get(dtype)
-    if n is None:
-        n = _DTYPE_NAME[dtype] = str(dtype).removeprefix("torch.")
-    return n
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (restoring its state after).
-
-    Building a 128-rank layout or plan allocates ~10^6 small objects and no cycles; with the collector on,
-    its repeated passes over the growing heap cost ~40% of the time.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _is_int_tuple(t: object) -> bool:
-    return type(t) is tuple and _INT_TYPES.issuperset(map(type, t))
-
-
-def check_names(what: str, given: Iterable, known: Iterable[str]) -> None:
-    """Raise if ``given`` (the keys of a per-tensor dict such as ``placements`` or ``dtype``) names a tensor
-    that is not one of ``known``: almost always a typo, which would otherwise be ignored silently."""
-    known = known if isinstance(known, (set, frozenset, Mapping)) else set(known)
-    bad = [k for k in given if k not in known]
-    if bad:
-        k = min(bad, key=repr)
-        near = difflib.get_close_matches(str(k), [str(n) for n in known], n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        rest = sorted(repr(b) for b in bad if b != k)
-        more = f" (and {len(rest)} more: {', '.join(rest[:4])})" if rest else ""
-        raise ValueError(f"{what}: {k!r} is not a tensor of the layout{hint}{more}")
-
-
-def _as_dtype(dtype: object, what: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    raise TypeError(f"{what}: expected a torch.dtype, got {dtype!r}")
-
-
-# bytes: no device addresses more (x86-64 and CUDA virtual addresses are 48-49 bits); a larger tensor is a
-# mistake, and planning or scheduling one would not finish
-MAX_TENSOR_BYTES = 1 << 48
-
-
-def _check_bytes(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
-    n = math.prod(shape)
-    if n > MAX_TENSOR_BYTES or n * _itemsize(dtype) > MAX_TENSOR_BYTES:
-        raise ValueError(f"{what}: shape {shape} of {_dtype_name(dtype)} is {n} elements, more than "
-                         f"{MAX_TENSOR_BYTES} bytes (2**48), beyond what any device can address")
-
-
-def _as_index(v: object, what: str) -> int:
-    """An int (or integer-like: numpy, torch scalars) for field ``what``; floats, strings, None and bools raise."""
-    if type(v) is int:
-        return v
-    if not isinstance(v, bool):
-        try:
-            return operator.index(v)
-        except TypeError:
-            pass
-    raise TypeError(f"{what}: expected an int, got {v!r}")
-
-
-def _as_ints(v: object, what: str) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list, torch.Size)):
-        raise TypeError(f"{what}: expected a tuple of ints, got {v!r}")
-    return tuple(_as_index(x, what) for x in v)
-
-
-def _as_shape(shape: object, what: str) -> tuple[int, ...]:
-    if _is_int_tuple(shape) and min(shape, default=0) >= 0:  # fast path: already a tuple of ints >= 0
-        return shape
-    if isinstance(shape, torch.Size):
-        shape = tuple(shape)
-    if not isinstance(shape, (tuple, list)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in shape
-    ):
-        raise TypeError(f"{what}: expected a tuple of ints, got {shape!r}")
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{what}: negative size in {tuple(shape)}")
-    return tuple(shape)
-
-
-# the dtype of a block-quantized tensor's values (vLLM / DeepSeek block FP8) and of its scales
-QUANT_DTYPE = torch.float8_e4m3fn
-SCALE_DTYPE = torch.float32
-
-
-@dataclass(frozen=True, slots=True)
-class BlockQuant:
-    """Block quantization of a logical tensor (block FP8, e.g. DeepSeek-V3 / vLLM ``weight_block_size``).
-
-    The tensor's values are ``float8_e4m3fn``; each block of ``block`` elements (one extent per logical dim,
-    blocks laid from index 0; the last block along a dim may be partial) has one float32 scale, the
-    dequantization multiplier (vLLM's ``weight_scale_inv``: ``x ~= q * scale``). The scales are a logical
-    tensor of their own, named ``scale``, of shape ``ceil(shape / block)`` per dim, laid out like the weight:
-    the rank holding a (block-aligned) box of the weight holds the box of its blocks' scales.
-    ``ue8m0``: scales rounded up to powers of two (DeepGEMM / SGLang), still stored as float32.
-
-    A shorter ``block`` applies to the trailing dims (leading dims get blocks of 1: ``(128, 128)`` on an
-    ``[E, r, c]`` tensor is ``(1, 128, 128)``); ``TensorSpec`` stores it normalized to its number of dims.
-    """
-
-    block: tuple[int, ...]
-    scale: str
-    ue8m0: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block, (tuple, list)) or not self.block or not all(
-                type(b) is int and b > 0 for b in self.block):
-            raise ValueError(f"BlockQuant: block must be a non-empty tuple of ints > 0, got {self.block!r}")
-        object.__setattr__(self, "block", tuple(self.block))
-        if not isinstance(self.scale, str) or not self.scale:
-            raise TypeError(f"BlockQuant: scale must be the non-empty name of the scale tensor, got {self.scale!r}")
-        if not isinstance(self.ue8m0, bool):
-            raise TypeError(f"BlockQuant: ue8m0 must be a bool, got {self.ue8m0!r}")
-
-    def key(self) -> tuple:
-        return (self.block, self.scale, self.ue8m0)
-
-
-def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
-    """Shape of the scales of a tensor of ``shape`` quantized in blocks of ``block`` (same number of dims)."""
-    return tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A logical tensor: its global shape and dtype; ``quant``: its block quantization (dtype
-    ``float8_e4m3fn``; see :class:`BlockQuant`), None for a plain tensor."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    quant: BlockQuant | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"tensor name must be a non-empty str, got {self.name!r}")
-        if not (_is_int_tuple(self.shape) and min(self.shape, default=0) >= 0):
-            object.__setattr__(self, "shape", _as_shape(self.shape, f"tensor {self.name!r} shape"))
-        if type(self.dtype) is not torch.dtype:
-            object.__setattr__(self, "dtype", _as_dtype(self.dtype, f"tensor {self.name!r} dtype"))
-        _check_bytes(self.shape, self.dtype, f"tensor {self.name!r}")
-        q = self.quant
-        if q is not None:
-            if not isinstance(q, BlockQuant):
-                raise TypeError(f"tensor {self.name!r}: quant must be a BlockQuant or None, got {q!r}")
-            if self.dtype != QUANT_DTYPE:
-                raise ValueError(f"tensor {self.name!r}: a block-quantized tensor is {_dtype_name(QUANT_DTYPE)}, "
-                                 f"got {_dtype_name(self.dtype)}")
-            nd = len(self.shape)
-            if not nd or len(q.block) > nd:
-                raise ValueError(f"tensor {self.name!r} of shape {self.shape}: block {q.block} has more dims "
-                                 f"than the tensor")
-            if len(q.block) < nd:
-                object.__setattr__(self, "quant", BlockQuant((1,) * (nd - len(q.block)) + q.block, q.scale,
-                                                             q.ue8m0))
-            if q.scale == self.name:
-                raise ValueError(f"tensor {self.name!r}: its scale tensor needs another name")
-
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        """Shape of the scale tensor of a quantized tensor."""
-        if self.quant is None:
-            raise ValueError(f"tensor {self.name!r} is not quantized")
-        return scale_shape(self.shape, self.quant.block)
-
-    @property
-    def itemsize(self) -> int:
-        return _itemsize(self.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class LocalSpec:
-    """A local tensor on one rank: the tensor ``run()``/``refit()`` expects under ``name`` on ``rank``."""
-
-    rank: int
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        if not (_is_int_tuple(self.shape) and min(self.shape, default=0) >= 0):
-            object.__setattr__(
-                self, "shape", _as_shape(self.shape, f"local tensor {self.name!r} on rank {self.rank}")
-            )
-        if type(self.dtype) is not torch.dtype:
-            object.__setattr__(
-                self, "dtype", _as_dtype(self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
-            )
-        _check_bytes(self.shape, self.dtype, f"local tensor {self.name!r} on rank {self.rank}")
-
-
-@dataclass(frozen=True, slots=True)
-class Fragment:
-    """A box of logical tensor ``tensor`` held on ``rank`` inside local tensor ``local``.
-
-    ``offsets``/``sizes`` give the box in the logical tensor (one entry per logical dim).
-    ``local_offsets`` gives where it starts in the local tensor; the local tensor may have *more* dims than
-    the logical one (e.g. a stacked expert tensor ``[E, rows, cols]`` holding one expert's ``[rows, cols]``):
-    the extra leading dims are indexed by ``local_offsets`` with size 1. ``local_offsets`` defaults to zeros
-    of the logical rank; ``local`` defaults to the logical tensor's name.
-    """
-
-    tensor: str
-    rank: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    local: str = ""
-    local_offsets: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        rank = self.rank
-        if type(rank) is not int and (not isinstance(rank, int) or isinstance(rank, bool)) or rank < 0:
-            raise TypeError(f"fragment of {self.tensor!r}: rank must be an int >= 0, got {rank!r}")
-        off, lo = self.offsets, self.local_offsets
-        # fast path (layout builders): tuples of plain ints need no conversion
-        if not (type(off) is tuple and type(self.sizes) is tuple and type(lo) is tuple
-                and _INT_TYPES.issuperset(map(type, off + self.sizes + lo))):
-            if not isinstance(self.tensor, str) or not self.tensor:
-                raise TypeError(f"fragment: tensor must be a non-empty str, got {self.tensor!r}")
-            where = f"fragment of tensor {self.tensor!r} on rank {rank}"
-            off = _as_ints(off, f"{where}: offsets")
-            object.__setattr__(self, "offsets", off)
-            object.__setattr__(self, "sizes", _as_ints(self.sizes, f"{where}: sizes"))
-            lo = _as_ints(lo, f"{where}: local_offsets")
-            object.__setattr__(self, "local_offsets", lo)
-        if type(self.tensor) is not str or type(self.local) is not str:
-            raise TypeError(f"fragment of {self.tensor!r} on rank {rank}: tensor and local must be str, got "
-                            f"{self.tensor!r} and {self.local!r}")
-        if not self.local:
-            object.__setattr__(self, "local", self.tensor)
-        if not lo and off:
-            lo = (0,) * len(off)
-            object.__setattr__(self, "local_offsets", lo)
-        if min(off + self.sizes + lo, default=0) >= 0 and len(off) == len(self.sizes) <= len(lo):
-            return
-        if len(self.offsets) != len(self.sizes):
-            raise ValueError(
-                f"fragment of tensor {self.tensor!r} on rank {self.rank}: offsets {self.offsets} and sizes "
-                f"{self.sizes} differ in length"
-            )
-        if len(lo) < len(self.sizes):
-            raise ValueError(
-                f"fragment of tensor {self.tensor!r} on rank {self.rank}: local_offsets {lo} has fewer dims "
-                f"than the box {self.sizes}"
-            )
-        if any(o < 0 for o in self.offsets + lo) or any(s < 0 for s in self.sizes):
-            raise ValueError(
-                f"fragment of tensor {self.tensor!r} on rank {self.rank}: negative offset or size "
-                f"(offsets={self.offsets}, sizes={self.sizes}, local_offsets={lo})"
-            )
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-    @property
-    def local_sizes(self) -> tuple[int, ...]:
-        """The box's sizes in the local tensor's dims (extra leading dims have size 1)."""
-        return (1,) * (len(self.local_offsets) - len(self.sizes)) + self.sizes
-
-    def local_box(self, offsets: Sequence[int], sizes: Sequence[int]) -> Box:
-        """Map a sub-box of this fragment (in logical coordinates) to local-tensor coordinates."""
-        fo, lo = self.offsets, self.local_offsets
-        if len(offsets) != len(fo):
-            raise ValueError(f"box {tuple(offsets)} has {len(offsets)} dims, the fragment has {len(fo)}")
-        extra = len(lo) - len(fo)
-        if not extra:
-            return tuple(map(add, lo, map(sub, offsets, fo))), tuple(sizes)
-        return lo[:extra] + tuple(map(add, lo[extra:], map(sub, offsets, fo))), (1,) * extra + tuple(sizes)
-
-
-_BOX_START = itemgetter(0)
 _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
-_FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
 _TENSOR = attrgetter("tensor")
 _RANK = attrgetter("rank")
 _TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
 _NAME = attrgetter("name")
 _RANK_NAME = attrgetter("rank", "name")
 
-
-def _boxes_overlap(a_off, a_size, b_off, b_size) -> bool:
-    if len(a_off) != len(b_off):
-        raise ValueError(f"boxes of different ranks: {a_off} and {b_off}")
-    return all(map(gt, map(add, b_off, b_size), a_off)) and all(map(gt, map(add, a_off, a_size), b_off))
-
-
-def _find_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...], object]]):
-    """Return the first pair of overlapping boxes (sweep over dim 0), or None. Empty boxes never overlap."""
-    items = sorted((b for b in boxes if min(b[1], default=1) > 0), key=_BOX_START)
-    active: list[tuple[tuple[int, ...], tuple[int, ...], object]] = []
-    for off, size, tag in items:
-        if not off:  # 0-d
-            if active:
-                return active[0][2], tag
-            active.append((off, size, tag))
-            continue
-        active = [a for a in active if a[0][0] + a[1][0] > off[0]]
-        for a in active:
-            if _boxes_overlap(a[0], a[1], off, size):
-                return a[2], tag
-        active.append((off, size, tag))
-    return None
-
-
-def _check_fragment(f: Fragment, spec: TensorSpec | None, loc: LocalSpec | None) -> None:
-    """Raise naming the first problem of fragment ``f`` against its tensor and local tensor (None: unknown)."""
-    where = f"tensor {f.tensor!r} on rank {f.rank}"
-    if spec is None:
-        raise ValueError(f"fragment of unknown {where}")
-    if len(f.offsets) != len(spec.shape):
-        raise ValueError(f"fragment of {where}: box has {len(f.offsets)} dims, tensor has {len(spec.shape)}")
-    for d, (o, s, n) in enumerate(zip(f.offsets, f.sizes, spec.shape, strict=True)):
-        if o + s > n:
-            raise ValueError(
-                f"fragment of {where} is out of bounds in dim {d}: [{o}, {o + s}) outside [0, {n})"
-            )
-    if loc is None:
-        raise ValueError(f"fragment of {where} names local tensor {f.local!r}, which rank {f.rank} lacks")
-    if len(loc.shape) != len(f.local_offsets):
-        raise ValueError(
-            f"fragment of {where}: local_offsets {f.local_offsets} do not match the {len(loc.shape)}-D "
-            f"local tensor {f.local!r} {loc.shape}"
-        )
-    for d, (o, s, n) in enumerate(zip(f.local_offsets, f.local_sizes, loc.shape, strict=True)):
-        if o + s > n:
-            raise ValueError(
-                f"fragment of {where} is out of bounds of local tensor {f.local!r} {loc.shape} in dim "
-                f"{d}: [{o}, {o + s}) outside [0, {n})"
-            )
-    if loc.dtype != spec.dtype:
-        raise ValueError(
-            f"fragment of {where}: local tensor {f.local!r} is {_dtype_name(loc.dtype)}, the tensor is "
-            f"{_dtype_name(spec.dtype)}"
-        )
-
-
-def _scale_box(f: Fragment, block: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(offsets, sizes, local offsets) of the scale fragment that goes with block-aligned weight fragment
-    ``f``: its blocks' box in the scale tensor, at the weight's local offsets divided by the block (extra
-    leading local dims unchanged)."""
-    off = tuple(o // b for o, b in zip(f.offsets, block, strict=True))
-    sizes = tuple(-(-(o + n) // b) - o // b for o, n, b in zip(f.offsets, f.sizes, block, strict=True))
-    lo = f.local_offsets
-    extra = len(lo) - len(block)
-    return off, sizes, lo[:extra] + tuple(o // b for o, b in zip(lo[extra:], block, strict=True))
-
-
-def _misaligned(f: Fragment, spec: TensorSpec) -> str | None:
-    """Why fragment ``f`` of quantized tensor ``spec`` does not sit on its block grid (None if it does)."""
-    block = spec.quant.block
-    extra = len(f.local_offsets) - len(block)
-    for d, (o, n, b, g) in enumerate(zip(f.offsets, f.sizes, block, spec.shape, strict=True)):
-        if o % b:
-            return f"starts at {o} in dim {d}, not a multiple of the block {b}"
-        if (o + n) % b and o + n != g:
-            return (f"ends at {o + n} in dim {d}, neither a multiple of the block {b} nor the tensor's end {g} "
-                    f"(a block would be split between ranks)")
-        lo = f.local_offsets[extra + d]
-        if lo % b:
-            return (f"sits at local offset {lo} in dim {d} of local tensor {f.local!r}, not a multiple of the "
-                    f"block {b} (its scales would have no place of their own)")
-    return None
-
-
-def _validate_quant(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragment]) -> None:
-    """Block-quantized tensors: each has its float32 scale tensor of shape ``ceil(shape / block)``; every
-    fragment is block-aligned and its rank holds the matching scale fragment (see ``_scale_box``); every
-    scale fragment belongs to a weight fragment."""
-    scale_of: dict[str, str] = {}
-    for t in specs.values():
-        q = t.quant
-        if q is None:
-            continue
-        s = specs.get(q.scale)
-        if s is None:
-            raise ValueError(f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is not declared")
-        if s.quant is not None or s.dtype != SCALE_DTYPE or s.shape != t.scale_shape:
-            raise ValueError(
-                f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is {s.shape} {_dtype_name(s.dtype)}"
-                f"{' (quantized itself)' if s.quant is not None else ''}; blocks {q.block} of {t.shape} need a plain "
-                f"{t.scale_shape} {_dtype_name(SCALE_DTYPE)}")
-        if q.scale in scale_of:
-            raise ValueError(f"tensors {scale_of[q.scale]!r} and {t.name!r} name the same scale tensor {q.scale!r}")
-        scale_of[q.scale] = t.name
-    by_tensor: dict[str, list[Fragment]] = defaultdict(list)
-    for f in fragments:
-        if f.tensor in scale_of or specs[f.tensor].quant is not None:
-            by_tensor[f.tensor].append(f)
-    for sname, wname in scale_of.items():
-        spec = specs[wname]
-        block = spec.quant.block
-        have = {(f.rank, f.offsets, f.sizes, f.local_offsets): f for f in by_tensor.get(sname, ()) if f.numel}
-        used = set()
-        for f in by_tensor.get(wname, ()):
-            if not f.numel:
-                continue
-            why = _misaligned(f, spec)
-            if why is not None:
-                raise ValueError(f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}) "
-                                 f"is not block-aligned: it {why}")
-            off, sizes, lo = _scale_box(f, block)
-            if (f.rank, off, sizes, lo) not in have:
-                raise ValueError(
-                    f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}, local "
-                    f"{f.local!r}@{f.local_offsets}): rank {f.rank} lacks the scale fragment of {sname!r} box "
-                    f"{off}+{sizes} at local offsets {lo} (block_quant_layout builds it)")
-            used.add((f.rank, off, sizes, lo))
-        if len(used) != len(have):
-            raise ValueError(f"scale tensor {sname!r} has {len(have)} fragments, its weight {wname!r} {len(used)}: every "
-                             f"scale fragment must go with a weight fragment on its rank")
-
-
-_FRAG_FIELDS = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets")
-
-
-def _slot_setters(cls, names: tuple[str, ...]):
-    if getattr(cls, "__slots__", None) != names:
-        return None
-    return tuple(cls.__dict__[k].__set__ for k in names)
-
-
-_FRAG_SET = _slot_setters(Fragment, _FRAG_FIELDS)
-
-
-def _fragment(tensor, rank, offsets, sizes, local, local_offsets) -> Fragment:
-    """A :class:`Fragment` of values the columns' validation has checked (plain ints, the right lengths):
-    built without re-running its checks (10^6 of them at 1,024 ranks)."""
-    if _FRAG_SET is None:
-        return Fragment(tensor, rank, offsets, sizes, local, local_offsets)
-    f = object.__new__(Fragment)
-    a, b, c, d, e, g = _FRAG_SET
-    a(f, tensor)
-    b(f, rank)
-    c(f, offsets)
-    d(f, sizes)
-    e(f, local)
-    g(f, local_offsets)
-    return f
-
-
-# --------------------------------------------------------------------------------------------------------
-# Per-tensor fragment tables (what a rank planner queries)
-# --------------------------------------------------------------------------------------------------------
-
-
-class FragmentTable:
-    """The fragments of one logical tensor as numpy arrays, rows in Layout order (``fragments_by_tensor``).
-
-    ``ranks`` ``[n]``, ``offsets`` / ``sizes`` / ``ends`` ``[n, nd]`` (``nd = len(spec.shape)``), ``local_ids``
-    ``[n]`` into ``local_names``; ``local_offsets`` gives each row's ``Fragment.local_offsets`` (which may have
-    extra leading dims), ``local_starts`` ``[n, nd]`` where the box starts in the local tensor's trailing
-    ``nd`` dims. ``overlapping(offsets, sizes)`` is an interval query (sorted starts on the dim with most
-    distinct starts, prefix maximum of the ends); ``boxes()`` groups the replicas of each distinct box.
-    Built by :meth:`Layout.table` (lazily, cached); read-only.
-    """
-
-    __slots__ = ("spec", "ranks", "offsets", "sizes", "local_ids", "local_names", "_loff", "_lnd", "_frags",
-                 "_index", "_boxes", "_queries", "__weakref__")
-
-    def __init__(self, spec: TensorSpec, ranks, offsets, sizes, local_ids, local_names: Sequence[str],
-                 loff, lnd, fragments: tuple[Fragment, ...] | None = None) -> None:
-        self.spec = spec
-        self.ranks, self.offsets, self.sizes, self.local_ids = ranks, offsets, sizes, local_ids
-        self.local_names = tuple(local_names)
-        self._loff, self._lnd = loff, lnd  # [n, L] left-aligned, -1 padded; per-row number of local dims
-        self._frags, self._index, self._boxes, self._queries = fragments, None, None, 0
-        for a in (ranks, offsets, sizes, local_ids, loff, lnd):
-            a.setflags(write=False)
-
-    @classmethod
-    def from_fragments(cls, spec: TensorSpec, frags: Sequence[Fragment]) -> FragmentTable:
-        """The table of ``frags`` (the fragments of ``spec``, in Layout order)."""
-        nd = len(spec.shape)
-        n = len(frags)
-        names = sorted({f.local for f in frags})
-        ids = {s: i for i, s in enumerate(names)}
-        L = max((len(f.local_offsets) for f in frags), default=nd)
-        loff = np.full((n, L), -1, dtype=np.int64)
-        for i, f in enumerate(frags):
-            loff[i, :len(f.local_offsets)] = f.local_offsets
-        return cls(spec, np.fromiter((f.rank for f in frags), np.int64, n),
-                   np.array([f.offsets for f in frags], dtype=np.int64).reshape(n, nd),
-                   np.array([f.sizes for f in frags], dtype=np.int64).reshape(n, nd),
-                   np.fromiter((ids[f.local] for f in frags), np.int32, n), names, loff,
-                   np.fromiter((len(f.local_offsets) for f in frags), np.int64, n), tuple(frags))
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def n(self) -> int:
-        return len(self.ranks)
-
-    def __len__(self) -> int:
-        return len(self.ranks)
-
-    def __repr__(self) -> str:
-        return f"FragmentTable({self.spec.name!r}, {self.n} fragments on {len(np.unique(self.ranks))} ranks)"
-
-    @property
-    def ends(self) -> np.ndarray:
-        return self.offsets + self.sizes
-
-    def local(self, i: int) -> str:
-        """The local tensor of row ``i``."""
-        return self.local_names[self.local_ids[i]]
-
-    @property
-    def local_offsets(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(row[:k]) for row, k in zip(self._loff.tolist(), self._lnd.tolist(), strict=True))
-
-    @property
-    def local_starts(self) -> np.ndarray:
-        nd = self.offsets.shape[1]
-        idx = (self._lnd - nd)[:, None] + np.arange(nd)[None, :]
-        return np.take_along_axis(self._loff, idx, axis=1) if nd else np.zeros((self.n, 0), np.int64)
-
-    def fragment(self, i: int) -> Fragment:
-        """The :class:`Fragment` of row ``i``."""
-        if self._frags is not None:
-            return self._frags[i]
-        k = int(self._lnd[i])
-        return Fragment(self.spec.name, int(self.ranks[i]), tuple(self.offsets[i].tolist()),
-                        tuple(self.sizes[i].tolist()), self.local(i), tuple(self._loff[i, :k].tolist()))
-
-    @property
-    def fragments(self) -> tuple[Fragment, ...]:
-        if self._frags is None:  # (rows of a validated layout: built without re-running Fragment's checks)
-            t, names = self.spec.name, self.local_names
-            self._frags = tuple(
-                _fragment(t, r, tuple(o), tuple(s), names[li], tuple(lo[:k]))
-                for r, o, s, li, lo, k in zip(self.ranks.tolist(), self.offsets.tolist(), self.sizes.tolist(),
-                                              self.local_ids.tolist(), self._loff.tolist(), self._lnd.tolist(),
-                                              strict=True))
-        return self._frags
-
-    def rows_on_rank(self, rank: int) -> np.ndarray:
-        """Row indices of the fragments on ``rank`` (rows are sorted by rank)."""
-        lo, hi = np.searchsorted(self.ranks, [rank, rank + 1])
-        return np.arange(lo, hi)
-
-    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-        """Row indices (ascending) of the fragments that share at least one element with the box
-        ``offsets``+``sizes``; empty boxes (rows or query) overlap nothing."""
-        off = np.asarray(offsets, dtype=np.int64).reshape(-1)
-        end = off + np.asarray(sizes, dtype=np.int64).reshape(-1)
-        nd = self.offsets.shape[1]
-        if len(off) != nd or len(end) != nd:
-            raise ValueError(f"tensor {self.spec.name!r}: query box {tuple(offsets)}+{tuple(sizes)} has "
-                             f"{len(off)} dims, the tensor has {nd}")
-        if (end <= off).any():
-            return np.zeros(0, np.int64)
-        if self._index is None:
-            self._queries += 1
-            if self.n <= 16 or self._queries < 3:
-                # a few rows, or one of the first two queries of this table: one vectorized test (building the
-                # index, a sort, pays off from the third query on)
-                o = self.offsets
-                return np.flatnonzero((o < end).all(axis=1) & (o + self.sizes > off).all(axis=1)
-                                      & (self.sizes > 0).all(axis=1))
-            self._build_index()
-        d, order, starts, maxend = self._index
-        if d < 0:  # 0-d tensor: every row holds its one element
-            return order.copy()
-        lo = int(np.searchsorted(maxend, off[d], side="right"))
-        hi = int(np.searchsorted(starts, end[d], side="left"))
-        cand = order[lo:hi]
-        if not len(cand):
-            return cand
-        o, e = self.offsets[cand], self.offsets[cand] + self.sizes[cand]
-        hit = (o < end).all(axis=1) & (e > off).all(axis=1)
-        return np.sort(cand[hit])
-
-    def _build_index(self) -> None:
-        nonempty = np.flatnonzero((self.sizes > 0).all(axis=1))
-        nd = self.offsets.shape[1]
-        if not nd:
-            self._index = (-1, nonempty, None, None)
-            return
-        o = self.offsets[nonempty]
-        d = int(np.argmax(np.ptp(o, axis=0))) if len(nonempty) else 0  # the dim whose starts spread most
-        order = nonempty[np.argsort(o[:, d], kind="stable")]
-        starts = self.offsets[order, d]
-        maxend = np.maximum.accumulate(starts + self.sizes[order, d]) if len(order) else starts
-        self._index = (d, order, starts, maxend)
-
-    def boxes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(box_offsets [m, nd], box_sizes [m, nd], row_box [n])``: the distinct boxes (sorted) and each row's
-        box id; the holders of box ``b`` are ``ranks[row_box == b]``."""
-        if self._boxes is None:
-            nd = self.offsets.shape[1]
-            if not self.n:
-                z = np.zeros((0, nd), np.int64)
-                self._boxes = (z, z, np.zeros(0, np.int64))
-            else:
-                u, inv = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0, return_inverse=True)
-                self._boxes = (u[:, :nd], u[:, nd:], inv.reshape(-1))
-        return self._boxes
-
-
-def content_fingerprint(tensors: tuple, lnames: Sequence[str], copies: Sequence[tuple], locals_: Sequence[tuple],
-                        dtype_names: Sequence[str]) -> str:
-    """sha256 (16 hex digits) of a layout's contents in a canonical form, whatever builds it.
-
-    ``tensors``: ``(names, shapes, dtype names, {index: quant key})`` sorted by name; ``lnames``: the sorted
-    local-tensor names; ``copies``: per copy (in rank order; one for a plain layout) the fragment columns
-    sorted by (rank, tensor, local, offsets, local offsets) as ``(rank, tensor id, local id, offsets [n, D],
-    sizes [n, D], local offsets [n, L] padded with -1)`` (ids index the sorted names; ``D`` the largest tensor
-    rank, ``L`` the largest local-offsets length); ``locals_``: per copy ``(rank, name id, shape [m, S] padded
-    with -1, dtype id)`` sorted by (rank, name), dtype ids indexing ``dtype_names``.
-    """
-    names, shapes, tdtypes, quant = tensors
-    h = hashlib.sha256(b"triton_reshard.layout.fingerprint/1\n")
-    h.update("\0".join(names).encode())
-    D = max(map(len, shapes), default=0)
-    sh = np.full((len(shapes), D), -1, dtype="<i8")
-    for k in set(map(len, shapes)):
-        if k:
-            sel = [i for i, x in enumerate(shapes) if len(x) == k]
-            sh[sel, :k] = [shapes[i] for i in sel]
-    h.update(f"|t:{sh.shape}".encode())
-    h.update(sh.tobytes())
-    h.update("\0".join(tdtypes).encode())
-    h.update(repr(sorted(quant.items())).encode())
-    h.update("\0".join(lnames).encode())
-    for j in range(6):
-        n = sum(len(c[j]) for c in copies)
-        small = all(not c[j].size or (int(c[j].min()) >= -(1 << 31) and int(c[j].max()) < 1 << 31) for c in copies)
-        dt = "<i4" if small else "<i8"  # half the bytes to hash when every value fits (a function of the contents)
-        h.update(f"|f{j}:{n}:{copies[0][j].shape[1:] if copies else ()}:{dt}".encode())
-        for c in copies:
-            h.update(np.ascontiguousarray(c[j], dtype=dt).tobytes())
-    used = np.unique(np.concatenate([np.asarray(c[3], dtype=np.int64) for c in locals_])) if locals_ else []
-    canon = sorted({dtype_names[i] for i in used.tolist()}) if len(used) else []
-    remap = np.full(len(dtype_names), -1, dtype=np.int64)
-    for i in (used.tolist() if len(used) else []):
-        remap[i] = canon.index(dtype_names[i])
-    h.update("\0".join(canon).encode())
-    for j in range(4):
-        n = sum(len(c[j]) for c in locals_)
-        h.update(f"|l{j}:{n}".encode())
-        for c in locals_:
-            col = remap[np.asarray(c[j], dtype=np.int64)] if j == 3 else c[j]
-            h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
-    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -797,7 +89,7 @@ class Layout:
     _key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        with _gc_paused():
+        with gc_paused():
             # (layout builders hand these over already in order: each sort is then one linear pass)
             tensors = tuple(sorted(self.tensors, key=_NAME))
             frags = tuple(sorted(self.fragments, key=_FRAG_ORDER))
@@ -810,10 +102,10 @@ class Layout:
                 self,
                 "_key",
                 (
-                    tuple((t.name, t.shape, _dtype_name(t.dtype)) if t.quant is None
-                          else (t.name, t.shape, _dtype_name(t.dtype), t.quant.key()) for t in tensors),
-                    tuple(map(_FRAG_KEY, frags)),
-                    tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
+                    tuple((t.name, t.shape, dtype_name(t.dtype)) if t.quant is None
+                          else (t.name, t.shape, dtype_name(t.dtype), t.quant.key()) for t in tensors),
+                    tuple(map(FRAG_KEY, frags)),
+                    tuple((s.rank, s.name, s.shape, dtype_name(s.dtype)) for s in locs),
                 ),
             )
 
@@ -852,13 +144,13 @@ class Layout:
         sh = np.full((len(locs), S), -1, np.int64)
         for i, x in enumerate(locs):
             sh[i, :len(x.shape)] = x.shape
-        dts = sorted({_dtype_name(x.dtype) for x in locs})
+        dts = sorted({dtype_name(x.dtype) for x in locs})
         did = {d: i for i, d in enumerate(dts)}
         lcols = (np.fromiter((x.rank for x in locs), np.int64, len(locs)),
                  np.fromiter((lid[x.name] for x in locs), np.int64, len(locs)), sh,
-                 np.fromiter((did[_dtype_name(x.dtype)] for x in locs), np.int64, len(locs)))
+                 np.fromiter((did[dtype_name(x.dtype)] for x in locs), np.int64, len(locs)))
         ts = self.tensors
-        tensors = ([t.name for t in ts], [t.shape for t in ts], [_dtype_name(t.dtype) for t in ts],
+        tensors = ([t.name for t in ts], [t.shape for t in ts], [dtype_name(t.dtype) for t in ts],
                    {i: t.quant.key() for i, t in enumerate(ts) if t.quant is not None})
         return content_fingerprint(tensors, names, [cols], (lcols,), dts)
 
@@ -886,15 +178,15 @@ class Layout:
             key = (f.rank, f.local)
             spec = specs.get(f.tensor)
             loc = locs.get(key)
-            # fast check of everything _check_fragment checks; it names the problem when one fails
+            # fast check of everything check_fragment checks; it names the problem when one fails
             if spec is None or loc is None or loc.dtype is not spec.dtype:
-                _check_fragment(f, spec, loc)
+                check_fragment(f, spec, loc)
             else:
                 off, sizes, lo, lshape = f.offsets, f.sizes, f.local_offsets, loc.shape
                 if (len(off) != len(spec.shape) or len(lo) != len(lshape)
                         or any(map(gt, map(add, off, sizes), spec.shape))
                         or any(map(gt, map(add, lo, sizes if len(lo) == len(sizes) else f.local_sizes), lshape))):
-                    _check_fragment(f, spec, loc)
+                    check_fragment(f, spec, loc)
             group = per_local.get(key)
             if group is None:
                 per_local[key] = [f]
@@ -906,9 +198,9 @@ class Layout:
             if len(frs) == 2:  # the common case (gate + up, k + v): no sweep needed
                 a, b = frs
                 if not (min(a.sizes, default=1) > 0 and min(b.sizes, default=1) > 0
-                        and _boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
+                        and boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
                     continue
-            hit = _find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
+            hit = find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
             if hit is not None:
                 a, b = hit
                 raise ValueError(
@@ -916,7 +208,7 @@ class Layout:
                     f"{a.offsets}+{a.sizes} and tensor {b.tensor!r} box {b.offsets}+{b.sizes} share local memory"
                 )
         if any(t.quant is not None for t in self.tensors):
-            _validate_quant(specs, self.fragments)
+            validate_quant_fragments(specs, self.fragments)
 
     # -- constructors -------------------------------------------------------------------------------
 
@@ -939,7 +231,7 @@ class Layout:
             for n, sd in tensors.items():
                 if not isinstance(sd, (tuple, list)) or len(sd) not in (2, 3):
                     raise TypeError(f"tensor {n!r}: expected (shape, dtype) or (shape, dtype, BlockQuant), got {sd!r}")
-                specs.append(TensorSpec(n, _as_shape(sd[0], f"tensor {n!r} shape"), *sd[1:]))
+                specs.append(TensorSpec(n, as_shape(sd[0], f"tensor {n!r} shape"), *sd[1:]))
         else:
             specs = list(tensors)
             for t in specs:
@@ -974,7 +266,7 @@ class Layout:
             if key in dtypes and dtypes[key] != spec.dtype:
                 raise ValueError(
                     f"local tensor {f.local!r} on rank {f.rank} would hold tensors of dtypes "
-                    f"{_dtype_name(dtypes[key])} and {_dtype_name(spec.dtype)} (tensor {f.tensor!r})"
+                    f"{dtype_name(dtypes[key])} and {dtype_name(spec.dtype)} (tensor {f.tensor!r})"
                 )
             dtypes[key] = spec.dtype
         shapes = {k: tuple(v) for k, v in extent.items()}
@@ -982,7 +274,7 @@ class Layout:
             if (not isinstance(key, tuple) or len(key) != 2 or not isinstance(key[1], str)
                     or not isinstance(key[0], int) or isinstance(key[0], bool)):
                 raise TypeError(f"local_shapes: keys must be (rank, local name) pairs, got {key!r}")
-            shape = _as_shape(shape, f"local tensor {key[1]!r} on rank {key[0]}")
+            shape = as_shape(shape, f"local tensor {key[1]!r} on rank {key[0]}")
             shapes[tuple(key)] = tuple(shape)
             if key not in dtypes:
                 raise ValueError(f"local tensor {key[1]!r} on rank {key[0]} has a shape but holds no fragment")
@@ -1026,7 +318,7 @@ class Layout:
             *[torch.arange(n) for n in mesh_t.shape], indexing="ij")], strict=True))
         specs, frags, locs = [], [], []
         mesh_shape = tuple(mesh_t.shape)
-        with _gc_paused():
+        with gc_paused():
             if not isinstance(shapes, Mapping):
                 raise TypeError(f"shapes: expected a dict name -> shape, got {type(shapes).__name__} {shapes!r}")
             if isinstance(placements, Mapping):
@@ -1034,7 +326,7 @@ class Layout:
             if isinstance(dtype, Mapping):
                 check_names("dtype", dtype, shapes)
             for name, shape in shapes.items():
-                shape = _as_shape(shape, f"tensor {name!r} shape")
+                shape = as_shape(shape, f"tensor {name!r} shape")
                 if isinstance(dtype, Mapping) and name not in dtype:
                     raise ValueError(f"tensor {name!r} has no dtype (dtype is a dict without it: {sorted(dtype)})")
                 dt = dtype[name] if isinstance(dtype, Mapping) else dtype
@@ -1073,7 +365,7 @@ class Layout:
                 if t.name in specs and specs[t.name] != t:
                     raise ValueError(
                         f"cannot merge layouts: tensor {t.name!r} is {specs[t.name].shape} "
-                        f"{_dtype_name(specs[t.name].dtype)} in one and {t.shape} {_dtype_name(t.dtype)} in another"
+                        f"{dtype_name(specs[t.name].dtype)} in one and {t.shape} {dtype_name(t.dtype)} in another"
                     )
                 specs[t.name] = t
             for s in other.locals:
@@ -1085,7 +377,7 @@ class Layout:
                     )
                 locs[key] = s
             frags.extend(other.fragments)
-        with _gc_paused():
+        with gc_paused():
             return Layout(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
 
     def __or__(self, other: Layout) -> Layout:
@@ -1125,7 +417,7 @@ class Layout:
         step = self._instance_step(n, stride)
         if n == 1:
             return self
-        with _gc_paused():
+        with gc_paused():
             frags = [Fragment(f.tensor, f.rank + i * step, f.offsets, f.sizes, f.local, f.local_offsets)
                      for i in range(n) for f in self.fragments]
             locs = [LocalSpec(s.rank + i * step, s.name, s.shape, s.dtype) for i in range(n) for s in self.locals]
@@ -1183,7 +475,7 @@ class Layout:
     def _fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
         """``(tensor, rank, local) -> fragments``, in layout order."""
         frags = self.fragments
-        with _gc_paused():
+        with gc_paused():
             keys = list(map(_TENSOR_RANK_LOCAL, frags))
             out = dict(zip(keys, zip(frags), strict=True))  # one fragment per key: the common case
             if len(out) < len(frags):  # some local tensors hold several boxes of one tensor
@@ -1229,6 +521,18 @@ class Layout:
     def tensor_names_on_rank(self, rank: int) -> tuple[str, ...]:
         """The logical tensors with a non-empty fragment on ``rank``, sorted by name."""
         return tuple(dict.fromkeys(f.tensor for f in self.fragments_on_rank(rank) if 0 not in f.sizes))
+
+    # -- the queries the planner uses (both storages answer them; see ``plan/index.py``) ------------------
+
+    lazy_tables = False  # True: ``table(name)`` builds rows on demand, cheaper than ``fragments_by_tensor``
+
+    def tensor_order(self) -> dict[str, int]:
+        """Tensor name -> its index among the layout's tensors (sorted by name)."""
+        return {t.name: i for i, t in enumerate(self.tensors)}
+
+    def shapes_and_dtypes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Tensor name -> (global shape, dtype)."""
+        return {t.name: (t.shape, t.dtype) for t in self.tensors}
 
     TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
 
@@ -1285,7 +589,7 @@ class Layout:
     def nbytes(self, rank: int | None = None) -> int:
         """Bytes of the local tensors of ``rank`` (or of every rank)."""
         return sum(
-            math.prod(s.shape) * _itemsize(s.dtype)
+            math.prod(s.shape) * itemsize_of(s.dtype)
             for s in self.locals
             if rank is None or s.rank == rank
         )
@@ -1349,7 +653,7 @@ def block_quant_layout(
         if t.quant is not None:
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
         if not t.dtype.is_floating_point:
-            raise ValueError(f"block_quant_layout: tensor {t.name!r} is {_dtype_name(t.dtype)}, not floating point")
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
         q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
         specs[t.name] = q
     frags = list(layout.fragments)
@@ -1368,7 +672,7 @@ def block_quant_layout(
             raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds quantized tensor "
                              f"{f.tensor!r} and plain tensor {plain[0]!r}: one local tensor has one dtype")
         if f.numel:
-            why = _misaligned(f, spec)
+            why = misaligned_block(f, spec)
             if why is not None:
                 raise ValueError(f"block_quant_layout: fragment of tensor {f.tensor!r} on rank {f.rank} (box "
                                  f"{f.offsets}+{f.sizes}) is not block-aligned for blocks {spec.quant.block}: it {why}")
@@ -1377,7 +681,7 @@ def block_quant_layout(
             raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds tensors with "
                              f"different blocks")
         qlocals[key] = spec.quant.block
-        off, sizes, lo = _scale_box(f, spec.quant.block)
+        off, sizes, lo = block_scale_box(f, spec.quant.block)
         frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
     for t in list(specs.values()):
         if t.quant is not None:
@@ -1393,5 +697,5 @@ def block_quant_layout(
         locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
         locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
                                         SCALE_DTYPE)
-    with _gc_paused():
+    with gc_paused():
         return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))

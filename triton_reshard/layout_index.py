@@ -26,6 +26,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from .box import find_overlap
 from .layout import (
     MAX_TENSOR_BYTES,
     Fragment,
@@ -33,15 +34,14 @@ from .layout import (
     Layout,
     LocalSpec,
     TensorSpec,
-    _check_bytes,
-    _dtype_name,
-    _find_overlap,
-    _fragment,
-    _gc_paused,
-    _itemsize,
-    _slot_setters,
+    check_bytes,
     check_names,
     content_fingerprint,
+    dtype_name,
+    gc_paused,
+    itemsize_of,
+    slot_setters,
+    trusted_fragment,
 )
 
 _I64 = np.int64
@@ -104,10 +104,10 @@ class LogicalTensors:
         """``Layout._key[0]``: (name, shape, dtype name[, quant key]) per tensor."""
         if self._key is None:
             if self._specs is not None and any(t is not None and t.quant is not None for t in self._specs):
-                self._key = tuple((t.name, t.shape, _dtype_name(t.dtype)) if t.quant is None
-                                  else (t.name, t.shape, _dtype_name(t.dtype), t.quant.key()) for t in self.all())
+                self._key = tuple((t.name, t.shape, dtype_name(t.dtype)) if t.quant is None
+                                  else (t.name, t.shape, dtype_name(t.dtype), t.quant.key()) for t in self.all())
             else:
-                dn = {d: _dtype_name(d) for d in set(self.dtypes)}
+                dn = {d: dtype_name(d) for d in set(self.dtypes)}
                 self._key = tuple(zip(self.names, self.shapes, [dn[d] for d in self.dtypes], strict=True))
         return self._key
 
@@ -281,7 +281,7 @@ def _valid(c: _Columns, lt: LogicalTensors) -> bool:
     valid = np.arange(L)[None, :] < c.flnd[:, None]
     if ((c.flo < 0) & valid).any() or ((lo + lsz > lsh) & valid).any():
         return False
-    return _overlap_free(li, lo, lsz, c.fsz)
+    return overlap_free(li, lo, lsz, c.fsz)
 
 
 def _local_sizes(c: _Columns, nd: np.ndarray, L: int) -> np.ndarray:
@@ -298,12 +298,12 @@ def _local_sizes(c: _Columns, nd: np.ndarray, L: int) -> np.ndarray:
     return np.where(ok, vals, 1)
 
 
-def _overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.ndarray) -> bool:
+def overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.ndarray) -> bool:
     """True if no two non-empty boxes ``lo``+``ls`` (``[n, L]``) with the same ``group`` share an element.
 
     Exact and vectorized: per dim, the boxes of a group are split into clusters of chained overlapping
     intervals; a box alone in its cluster overlaps nothing; a cluster whose intervals are all equal carries on
-    to the next dim as a group of its own; any other cluster is checked box against box (``_find_overlap``).
+    to the next dim as a group of its own; any other cluster is checked box against box (``find_overlap``).
     Boxes equal in every dim overlap.
     """
     keep = np.flatnonzero((sizes > 0).all(axis=1)) if sizes.shape[1] else np.arange(len(group))
@@ -351,7 +351,7 @@ def _overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.n
             for c_ in np.unique(cl):
                 members = rows[cl == c_]
                 boxes = [(tuple(lo[i, d:].tolist()), tuple(ls[i, d:].tolist()), int(i)) for i in members]
-                if _find_overlap(boxes) is not None:
+                if find_overlap(boxes) is not None:
                     return False
         nxt = in_multi & all_ident[cid]
         idx, key = idx[nxt], cid[nxt]
@@ -417,6 +417,15 @@ class ColumnarLayout(Layout):
         if lt.quantized:  # block quantization: the eager checks (small layouts)
             Layout(self.tensors, self.fragments, self.locals)
 
+    lazy_tables = True
+
+    def tensor_order(self) -> dict[str, int]:  # from the columns, without building the specs
+        return self._lt.index
+
+    def shapes_and_dtypes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        lt = self._lt
+        return {n: (shape, dt) for n, shape, dt in zip(lt.names, lt.shapes, lt.dtypes, strict=True)}
+
     @cached_property
     def tensors(self) -> tuple[TensorSpec, ...]:  # type: ignore[override]
         return self._lt.all()
@@ -471,7 +480,7 @@ class ColumnarLayout(Layout):
         names, lnames = c.names, c.lnames
         D = c.foff.shape[1]
         nds = np.fromiter(map(len, self._lt.shapes), _I64, len(self._lt))
-        with _gc_paused():
+        with gc_paused():
             out = []
             for i in range(len(names)):
                 a, b = int(c.tstart[i]), int(c.tstart[i + 1])
@@ -480,7 +489,7 @@ class ColumnarLayout(Layout):
                 t, nd = names[i], int(nds[i])
                 offs = c.foff[a:b, :nd].tolist() if nd < D else c.foff[a:b].tolist()
                 szs = c.fsz[a:b, :nd].tolist() if nd < D else c.fsz[a:b].tolist()
-                out.extend(_fragment(t, r, tuple(o), tuple(s), lnames[li], tuple(lo[:k]))
+                out.extend(trusted_fragment(t, r, tuple(o), tuple(s), lnames[li], tuple(lo[:k]))
                            for r, o, s, li, lo, k in zip(c.fr[a:b].tolist(), offs, szs, c.fl[a:b].tolist(),
                                                          c.flo[a:b].tolist(), c.flnd[a:b].tolist(), strict=True))
             return tuple(out)
@@ -488,20 +497,20 @@ class ColumnarLayout(Layout):
     @cached_property
     def locals(self) -> tuple[LocalSpec, ...]:  # type: ignore[override]
         c = self._cols
-        with _gc_paused():
+        with gc_paused():
             return tuple(_local_spec(r, c.lnames[n], tuple(sh[:k]), c.dtypes[dt]) for r, n, sh, k, dt in zip(
                 c.lr.tolist(), c.ln.tolist(), c.lsh.tolist(), c.lnd.tolist(), c.ldt.tolist(), strict=True))
 
     @cached_property
     def _key(self) -> tuple:
         frags, locs = self.fragments, self.locals
-        from .layout import _FRAG_KEY
+        from .layout import FRAG_KEY
 
-        with _gc_paused():
+        with gc_paused():
             return (
                 self._tensors_key,
-                tuple(map(_FRAG_KEY, frags)),
-                tuple((s.rank, s.name, s.shape, _dtype_name(s.dtype)) for s in locs),
+                tuple(map(FRAG_KEY, frags)),
+                tuple((s.rank, s.name, s.shape, dtype_name(s.dtype)) for s in locs),
             )
 
     @property
@@ -526,10 +535,10 @@ class ColumnarLayout(Layout):
         S = int(c.lnd.max()) if c.nlocal else 0
         locs = [(c.lr.astype(_I64) + i * self._stride, c.ln, c.lsh[:, :S], c.ldt) for i in range(n)]
         lt = self._lt
-        dn = {d: _dtype_name(d) for d in set(lt.dtypes)}
+        dn = {d: dtype_name(d) for d in set(lt.dtypes)}
         quant = {i: t.quant.key() for i, t in enumerate(lt.all()) if t.quant is not None} if lt.quantized else {}
         return content_fingerprint((lt.names, lt.shapes, [dn[d] for d in lt.dtypes], quant), c.lnames, copies, locs,
-                                   [_dtype_name(d) for d in c.dtypes])
+                                   [dtype_name(d) for d in c.dtypes])
 
     @cached_property
     def _hash(self) -> int:
@@ -656,7 +665,7 @@ class ColumnarLayout(Layout):
 
     def nbytes(self, rank: int | None = None) -> int:
         c = self._root._cols
-        item = np.array([_itemsize(d) for d in c.dtypes], dtype=_I64)
+        item = np.array([itemsize_of(d) for d in c.dtypes], dtype=_I64)
         sh = np.where(c.lsh < 0, 1, c.lsh)
         per = sh.astype(_I64).prod(axis=1) * item[c.ldt] if len(c.lr) else np.zeros(0, _I64)
         if rank is None:
@@ -761,7 +770,7 @@ _set_name, _set_shape, _set_dtype, _set_quant = ((TensorSpec.__dict__[k].__set__
 
 
 _LOCAL_FIELDS = ("rank", "name", "shape", "dtype")
-_LOCAL_SET = _slot_setters(LocalSpec, _LOCAL_FIELDS)
+_LOCAL_SET = slot_setters(LocalSpec, _LOCAL_FIELDS)
 
 
 def _local_spec(rank, name, shape, dtype) -> LocalSpec:
@@ -785,7 +794,7 @@ def trusted_spec(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tenso
     for d in shape:
         n *= d
     if n * 8 > MAX_TENSOR_BYTES:
-        _check_bytes(shape, dtype, f"tensor {name!r}")
+        check_bytes(shape, dtype, f"tensor {name!r}")
     t = object.__new__(TensorSpec)
     _set_name(t, name)
     _set_shape(t, shape)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .execute import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT,
+    RefitOptions,
     Resharder,
     ReshardError,
     RunReport,
@@ -84,23 +85,31 @@ def get_resharder(
     ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
     (see :func:`refit`). Raises what :func:`~triton_reshard.plan_reshard` and ``Resharder`` raise for layouts
     or options that cannot work (``ValueError`` / ``TypeError``, naming the tensor or option)."""
-    key = (src_layout, dst_layout, _group_key(group), int(bucket_bytes),
-           str(timeout), backend, bool(allow_cast), gpus_per_node, relay, instances)
+    opts = RefitOptions.of(bucket_bytes, timeout, backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node,
+                           relay=relay, instances=instances)
+    return resharder_for(src_layout, dst_layout, group, opts)
+
+
+def resharder_for(src_layout: Layout, dst_layout: Layout, group, opts: RefitOptions) -> Resharder:
+    """:func:`get_resharder` with validated options."""
+    key = (src_layout, dst_layout, _group_key(group), opts)
     hit = _CACHE.get(key)
     if hit is not None and _usable(hit):
         _CACHE.move_to_end(key)
         return hit
     _CACHE.pop(key, None)
     groups = None
-    if relay is None and dst_layout.quantized and (gpus_per_node is not None or instances != 1):
+    relay, instances = opts.relay, opts.instances
+    if relay is None and dst_layout.quantized and (opts.gpus_per_node is not None or instances != 1):
         relay = False  # block-quantized destinations are not relayed (plan/quant.py): every rank gets its own
     if instances != 1:
         groups = dst_layout.instance_groups(instances)
         dst_layout = dst_layout.instances(instances)
     # this rank's share only (plan/local.py): its transfers and steps, computed from the layouts without
     # planning the other ranks'; its peers compute the matching halves
-    plan = plan_reshard(src_layout, dst_layout, allow_cast, gpus_per_node, relay, groups, rank=as_transport(group).rank)
-    r = Resharder(plan, group=group, bucket_bytes=bucket_bytes, timeout=timeout, backend=backend)
+    plan = plan_reshard(src_layout, dst_layout, opts.allow_cast, opts.gpus_per_node, relay, groups,
+                        rank=as_transport(group).rank)
+    r = Resharder(plan, group=group, options=opts)
     _CACHE[key] = r
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -131,14 +140,14 @@ def _group_key(group) -> _GroupKey:
 
 def _usable(r: Resharder) -> bool:
     """A cached Resharder can be reused: it never failed part way, and its group was not destroyed."""
-    if r._broken is not None:
+    if r.broken is not None:
         return False
     g = r.group
     if isinstance(g, RefitGroup):
         return g.pg is not None
     if g is None:
         g = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        return r._comm.key is g
+        return r.transport.key is g
     try:
         dist.get_process_group_ranks(g)
     except Exception:  # destroyed (torch forgets it)
@@ -189,9 +198,22 @@ def _drop_uncovered(r: Resharder, dst: dict[str, torch.Tensor], strict: bool, wh
         warnings.warn(
             f"{what}: rank {r.rank}: ignoring {len(ignored)} destination tensor(s) that the destination layout "
             f"does not cover on this rank: {list(ignored)} (strict=True makes this an error)",
-            stacklevel=3,
+            stacklevel=4,
         )
     return {n: t for n, t in dst.items() if n in specs}, ignored
+
+
+def _prepare(src_layout: Layout, dst_layout: Layout, group, dst_tensors: TensorsLike, strict: bool, what: str,
+             timeout, options: dict) -> tuple[Resharder, dict[str, torch.Tensor], tuple[str, ...]]:
+    """The preamble ``refit`` and ``verify_refit`` share: validate the options once, get the cached Resharder,
+    keep the destination tensors the layout covers. A rejected layout or option is raised after telling the
+    peers waiting in the handshake (``refuse``)."""
+    try:
+        r = resharder_for(src_layout, dst_layout, group, RefitOptions.of(**options))
+        dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, what)
+    except (ValueError, TypeError) as e:  # tell the peers waiting in the handshake, then raise it here
+        refuse(group, e, verify=what == "verify_refit", timeout=timeout)
+    return r, dst, ignored
 
 
 def refit(
@@ -245,13 +267,9 @@ def refit(
     way (``ReshardTransportError``, ``ReshardAbortedError``) the group is unusable: destroy it, build a new one
     and refit again with the new group (the cache never returns a Resharder of a failed or destroyed group).
     """
-    try:
-        r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                          backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
-                          instances=instances)
-        dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "refit")
-    except (ValueError, TypeError) as e:  # tell the peers waiting in the handshake, then raise it here
-        refuse(group, e, verify=False, timeout=timeout)
+    r, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", timeout,
+                               dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+                                    gpus_per_node=gpus_per_node, relay=relay, instances=instances))
     skey = (dst_layout, instances)
     state = _STATE.get(skey, RefitState())
     _STATE[skey] = dataclasses.replace(state, attempting=version)
@@ -309,13 +327,9 @@ def verify_refit(
     """
     if gpus_per_node is not None or instances != 1:
         relay = False  # relays would read the tensors under test (relay=True without either still fails)
-    try:
-        r = get_resharder(src_layout, dst_layout, group=group, bucket_bytes=bucket_bytes, timeout=timeout,
-                          backend=backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay,
-                          instances=instances)
-        dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, "verify_refit")
-    except (ValueError, TypeError) as e:
-        refuse(group, e, verify=True, timeout=timeout)
+    r, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "verify_refit", timeout,
+                               dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+                                    gpus_per_node=gpus_per_node, relay=relay, instances=instances))
     report = r.verify(_as_dict(src_tensors, "source"), dst)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, _dtype_name
+from .layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, dtype_name
 
 FORMAT = "triton_reshard.layout/1"
 _DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
@@ -121,11 +121,11 @@ def layout_to_dict(layout: Layout) -> dict:
     return {
         "format": FORMAT,
         "columnar": isinstance(layout, ColumnarLayout),
-        "tensors": [[t.name, list(t.shape), _dtype_name(t.dtype), _quant_to(t.quant)] for t in layout.tensors],
+        "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), _quant_to(t.quant)] for t in layout.tensors],
         "local_names": lnames,
         "fragments": [[tid[f.tensor], f.rank, list(f.offsets), list(f.sizes), lid[f.local], list(f.local_offsets)]
                       for f in layout.fragments],
-        "locals": [[x.rank, lid[x.name], list(x.shape), _dtype_name(x.dtype)] for x in locs],
+        "locals": [[x.rank, lid[x.name], list(x.shape), dtype_name(x.dtype)] for x in locs],
         "digest": layout.digest,
     }
 
@@ -199,8 +199,8 @@ def load_layout(path: str | os.PathLike) -> Layout:
 # ---------------------------------------------------------------------------------------------------------
 
 def _record_to(r) -> dict:
-    return {"rank": r.rank, "tensors": {n: [list(s), _dtype_name(d)] for n, (s, d) in r.tensors.items()},
-            "locals": {n: [list(s), _dtype_name(d)] for n, (s, d) in r.locals.items()},
+    return {"rank": r.rank, "tensors": {n: [list(s), dtype_name(d)] for n, (s, d) in r.tensors.items()},
+            "locals": {n: [list(s), dtype_name(d)] for n, (s, d) in r.locals.items()},
             "fragments": [_enc(f) for f in r.fragments], "problems": list(r.problems),
             "uncovered": list(r.uncovered), "unused": list(r.unused), "fills": r.fills,
             "quant": {n: _quant_to(q) for n, q in r.quant.items()}}
@@ -256,14 +256,14 @@ def _enc(x):
             return {k: _enc(v) for k, v in x.items()}
         return {"$": "dict", "v": [[_enc(k), _enc(v)] for k, v in x.items()]}
     if isinstance(x, torch.dtype):
-        return {"$": "dtype", "v": _dtype_name(x)}
+        return {"$": "dtype", "v": dtype_name(x)}
     if isinstance(x, Layout):
         return {"$": "Layout", "v": layout_to_dict(x)}
     if isinstance(x, Fragment):
         return {"$": "Fragment", "v": [x.tensor, x.rank, list(x.offsets), list(x.sizes), x.local,
                                        list(x.local_offsets)]}
     if isinstance(x, TensorSpec):
-        return {"$": "TensorSpec", "v": [x.name, list(x.shape), _dtype_name(x.dtype), _quant_to(x.quant)]}
+        return {"$": "TensorSpec", "v": [x.name, list(x.shape), dtype_name(x.dtype), _quant_to(x.quant)]}
     if isinstance(x, BlockQuant):
         return {"$": "BlockQuant", "v": _quant_to(x)}
     if isinstance(x, LoadRecord):

@@ -1,6 +1,6 @@
 """Spawned-world worker for ``test_megatron_real.py``: real Megatron-Core GPTModels on CPU over gloo.
 
-Each rank of a world (``triton_reshard.launch.run_world``) builds, case after case, a real megatron-core
+Each rank of a world (``triton_reshard.testing.launch.run_world``) builds, case after case, a real megatron-core
 ``GPTModel`` with the local (non-Transformer-Engine) layer spec after
 ``parallel_state.initialize_model_parallel(...)``, and reports back to the parent process:
 

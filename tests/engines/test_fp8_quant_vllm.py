@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier 
 deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
 
 from tests.test_quant import ue8m0_hard_cases  # noqa: E402
-from triton_reshard import quant as Q  # noqa: E402
+from triton_reshard.ops import quantize as Q  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

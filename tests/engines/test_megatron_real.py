@@ -45,8 +45,8 @@ pytest.importorskip("megatron.core", reason="megatron.core cannot be imported (t
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_worker  # noqa: E402
 
-from triton_reshard.launch import run_world  # noqa: E402
 from triton_reshard.presets import get_config, logical_tensors  # noqa: E402
+from triton_reshard.testing.launch import run_world  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

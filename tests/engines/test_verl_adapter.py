@@ -38,8 +38,8 @@ from tests import strangers  # noqa: E402
 from triton_reshard import wire  # noqa: E402
 from triton_reshard.auth import AuthStore, AuthStoreServer, resolve_secret  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
-from triton_reshard.launch import run_world  # noqa: E402
 from triton_reshard.layout import Layout, Replicate, Shard  # noqa: E402
+from triton_reshard.testing.launch import run_world  # noqa: E402
 
 A, W = 2, 2  # actor workers, rollout workers
 SHAPES = {  # odd sizes; lm_head alone is over the 1 MiB bucket

@@ -12,7 +12,7 @@ by vLLM's model classes and ``DefaultModelLoader`` at TP 2, MoE with and without
 * end to end: ``refit`` of the BF16 originals (Megatron TP 2 shards, and a source cut through the middle of
   blocks so that receivers quantize too) into the model's poisoned ``named_parameters()`` writes exactly
   the loader's bytes (so our quantizer's numbers are vLLM's), nothing outside the layout;
-* ``triton_reshard.quant.quantize_blocks`` = vLLM's ``per_block_cast_to_fp8`` bit for bit.
+* ``triton_reshard.ops.quantize.quantize_blocks`` = vLLM's ``per_block_cast_to_fp8`` bit for bit.
 
 One spawned world of 2 ranks builds all 6 cases (~50 s on 2 cores).
 """
@@ -34,7 +34,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.engines import vllm_fp8_cases as fc  # noqa: E402
-from triton_reshard.launch import run_world  # noqa: E402
+from triton_reshard.testing.launch import run_world  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -103,9 +103,9 @@ def test_vllm_fp8_recorded_layout_is_the_preset(case):
 
 
 def test_our_quantizer_is_vllms():
-    """triton_reshard.quant.quantize_blocks = vLLM's per_block_cast_to_fp8, bit for bit (blocks of 16 and 128,
+    """triton_reshard.ops.quantize.quantize_blocks = vLLM's per_block_cast_to_fp8, bit for bit (blocks of 16 and 128,
     partial edge blocks, bf16 and fp32 inputs, an all-zero block, fp32 and UE8M0 scales)."""
-    from triton_reshard.quant import quantize_blocks
+    from triton_reshard.ops.quantize import quantize_blocks
 
     cast = fc.vllm_per_block_cast()
     g = torch.Generator().manual_seed(0)
@@ -151,8 +151,8 @@ def test_weight_transfer_backend_into_fp8_engine():
         pytest.skip("this triton_reshard has no block-quant planner (triton_reshard.plan.quant)")
     from triton_reshard.group import free_port
     from triton_reshard.integrations.control import host_store
-    from triton_reshard.launch import run_jobs
     from triton_reshard.presets import vllm_layout
+    from triton_reshard.testing.launch import run_jobs
 
     name = "fp8_qwen3_moe"
     cfg = CONFIGS[name]

@@ -31,8 +31,8 @@ from tests import strangers  # noqa: E402
 from tests.engines import transfer_jobs as tj  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
 from triton_reshard.integrations.control import host_store  # noqa: E402
-from triton_reshard.launch import run_jobs  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
+from triton_reshard.testing.launch import run_jobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny_qwen3_moe"

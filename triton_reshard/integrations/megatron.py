@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import torch
 
 from ..layout import Layout
-from ..presets.hf import _check_ranks, model_spec
+from ..presets.hf import check_ranks, model_spec
 from ..presets.megatron import megatron_layout, padded_vocab_size
 
 __all__ = ["layout_from_megatron", "megatron_layout_args"]
@@ -136,7 +136,7 @@ def _check_rank_order(ps, dist, me: int, tp: int, dp: int, pp: int, ep: int, etp
         raise NotImplementedError(f"{_WHAT}: rank {me}: TP/PP ranks differ from Megatron's default rank order")
 
 
-def _detect_spec(names: Sequence[str]) -> str | None:
+def detect_spec(names: Sequence[str]) -> str | None:
     """``"te"`` / ``"local"`` from the decoder layers' parameter names (None: this rank holds no layer)."""
     layer = [n for n in names if n.startswith("decoder.layers.")]
     if not layer:
@@ -148,7 +148,7 @@ def _detect_spec(names: Sequence[str]) -> str | None:
     return None
 
 
-def _detect_grouped_gemm(names: Sequence[str]) -> bool | None:
+def detect_grouped_gemm(names: Sequence[str]) -> bool | None:
     for n in names:
         if ".mlp.experts.local_experts." in n:
             return False
@@ -162,7 +162,7 @@ def _detect_grouped_gemm(names: Sequence[str]) -> bool | None:
     return None
 
 
-def _vocab_divisible_by(vocab: int, vpad: int, tp: int, where: str) -> int | None:
+def detect_vocab_divisible_by(vocab: int, vpad: int, tp: int, where: str) -> int | None:
     """A ``vocab_divisible_by`` for which :func:`padded_vocab_size` gives Megatron's ``vpad`` rows (the layout
     depends on ``vpad`` only): ``None`` when unpadded, Megatron-LM's 128 when it fits, else the smallest."""
     if vpad == vocab:
@@ -255,13 +255,13 @@ def _read(model, config, ranks, dtype, spec):
         if name in named and named[name].shape[0] * tp != vpad:
             raise ValueError(f"{_WHAT}: {where}: {name} has {named[name].shape[0]} rows x tp={tp}, "
                              f"not the model's vocab_size={vpad}")
-    vocab_divisible_by = _vocab_divisible_by(s.vocab, vpad, tp, where)
+    vocab_divisible_by = detect_vocab_divisible_by(s.vocab, vpad, tp, where)
     tied = bool(m.share_embeddings_and_output_weights)
     if tied != s.tied:
         raise ValueError(f"{_WHAT}: {where}: the model's share_embeddings_and_output_weights={tied}, the HF "
                          f"config's tie_word_embeddings={s.tied}")
 
-    live_spec = _detect_spec(names)
+    live_spec = detect_spec(names)
     if spec is None:
         spec = live_spec
         if spec is None:
@@ -271,7 +271,7 @@ def _read(model, config, ranks, dtype, spec):
         raise ValueError(f"{_WHAT}: {where}: spec={spec!r} but the parameter names are the {live_spec!r} spec's")
     grouped = None
     if moe:
-        grouped = _detect_grouped_gemm(names)
+        grouped = detect_grouped_gemm(names)
         if grouped is None:
             grouped = bool(tc.moe_grouped_gemm)
     if dtype is None:
@@ -310,7 +310,7 @@ def layout_from_megatron(model, config=None, *, ranks: Sequence[int] | int | Non
         layout = megatron_layout(config, **args)
     except ValueError as e:
         raise ValueError(f"{_WHAT}: rank {me}: {e}{hint}") from e
-    lr = _check_ranks(ranks, world, _WHAT)[me]
+    lr = check_ranks(ranks, world, _WHAT)[me]
     at = f"rank {me}" if lr == me else f"rank {me} (layout rank {lr})"
     want = layout.local_specs(lr)
     have = {n: (tuple(t.shape), t.dtype) for n, t in (*m.named_parameters(), *m.named_buffers())}

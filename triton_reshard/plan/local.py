@@ -2,7 +2,7 @@
 two layouts alone, identically to its peers (``plan_reshard``'s default ``routing="local"``).
 
 **Holders.** A destination box ``B`` of tensor ``T`` is cut into pieces, each held by the same source ranks
-``H`` (``routing._pieces``). The ranks that need a piece over the wire (``R``: the ranks with box ``B`` that
+``H`` (``routing.cover_pieces``). The ranks that need a piece over the wire (``R``: the ranks with box ``B`` that
 hold no source copy of it, ascending) get their holders by :func:`assign`, a function of ``(H, R, salt,
 gpus_per_node)`` only: every holder a quota of ``|R| // |H|`` receivers, ``|R| % |H|`` of them one more
 (which ones rotates with a per-piece ``salt``: a CRC of the tensor name plus the piece's position on its
@@ -13,7 +13,7 @@ the pieces it holds: both only need the fragments of ``T`` that overlap ``B`` (b
 
 **Fan-out (relays).** With relays on, the ranks of ``R`` in one node with no holder in that node (then, among
 the others, the ranks of ``R`` in one relay group) form a fan group ``G`` of at least two: the piece is cut
-into ``m <= |G|`` parts (``relay._split_piece``), part ``j`` goes over the wire to its head
+into ``m <= |G|`` parts (``relay.split_piece``), part ``j`` goes over the wire to its head
 ``G[(j + salt) % |G|]`` and the head relays it to the rest of ``G`` (phase 1). Heads take part in
 :func:`assign` like plain receivers, per part box.
 
@@ -38,16 +38,24 @@ from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from ..layout import Fragment, Layout, _find_overlap, _gc_paused, _itemsize
+from ..box import find_overlap
+from ..layout import Fragment, Layout, gc_paused, itemsize_of
+from . import quant
 from .core import Plan
-from .relay import _relay_dtype, _split_piece
-from .routing import _LOCAL_ORDER, _WIRE_ORDER, _check_dst_overlap, _holders, _overlaps, _pieces, _wire_dtype
-from .schedule import _is_contiguous_box, _split_box
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align, _make_transfer
-from .validate import _quant_scales, _reads
+from .index import DstGroup, check_own_overlaps, rank_fragments, tensor_index
+from .pair_schedule import build_pair_schedule, contiguity, world_of
+from .relay import relay_dtype, split_piece
+from .routing import (
+    LOCAL_ORDER,
+    WIRE_ORDER,
+    cover_pieces,
+    holders_of,
+    wire_dtype_of,
+)
+from .types import DIRECT_MIN_BYTES, Schedule, Transfer, make_transfer
+from .validate import quant_scales, reading_fragment
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 
@@ -120,203 +128,8 @@ def assign(holders: Sequence[int], receivers: Sequence[int], salt: int, gpus_per
 
 
 # --------------------------------------------------------------------------------------------------------
-# Per-tensor queries on a layout: what a rank plan reads (the tensors of one rank, never every rank's)
-# --------------------------------------------------------------------------------------------------------
-
-
-class _TensorIndex:
-    """The nonempty fragments of one tensor of one layout, grouped by box; built once per tensor and layout,
-    lazily: from ``fragments_by_tensor`` on an eager layout, from the per-tensor table (``Layout.table``:
-    numpy columns, an interval index) on a columnar one, which then never builds other tensors' fragments."""
-
-    __slots__ = ("_boxes", "by_box", "_table", "_frags", "_groups", "_cols")
-
-    def __init__(self, layout: Layout, name: str, whole: bool = False) -> None:
-        self._table = None
-        self._boxes: list[tuple] | None = None
-        self.by_box: dict[tuple, list[Fragment]] = {}
-        self._groups: dict[tuple, _Group] = {}
-        self._cols = None
-        if _is_columnar(layout):
-            if not whole:
-                self._table = layout.table(name)
-                self._frags: dict[int, Fragment] = {}
-                return
-            frags = layout.table(name).fragments  # the whole plan reads every fragment: built in one go
-        else:
-            frags = layout.fragments_by_tensor.get(name, ())
-        for f in frags:
-            if 0 not in f.sizes:
-                g = self.by_box.get((f.offsets, f.sizes))
-                if g is None:
-                    self.by_box[(f.offsets, f.sizes)] = [f]
-                else:
-                    g.append(f)
-        self._boxes = list(self.by_box)
-
-    @property
-    def boxes(self) -> list[tuple]:
-        """The distinct nonempty boxes."""
-        if self._boxes is None:
-            bo, bs, _ = self._table.boxes()
-            self._boxes = [(tuple(o), tuple(z)) for o, z in zip(bo.tolist(), bs.tolist(), strict=True) if 0 not in z]
-        return self._boxes
-
-    def _fragment(self, i: int) -> Fragment:
-        f = self._frags.get(i)
-        if f is None:
-            f = self._frags[i] = self._table.fragment(i)
-        return f
-
-    def _exact_rows(self, box: tuple) -> np.ndarray:
-        tb = self._table
-        rows = tb.overlapping(*box)
-        if len(rows):
-            off, size = np.asarray(box[0], np.int64), np.asarray(box[1], np.int64)
-            rows = rows[(tb.offsets[rows] == off).all(axis=1) & (tb.sizes[rows] == size).all(axis=1)]
-        return rows
-
-    def group(self, name: str, box: tuple) -> _Group:
-        """The fragments whose box is exactly ``box``, as a :class:`_Group`."""
-        g = self._groups.get(box)
-        if g is None:
-            if self._table is not None:
-                rows = self._exact_rows(box)
-                rk = self._table.ranks[rows]
-                rows = rows[np.argsort(rk, kind="stable")].tolist()
-                ranks = sorted(rk.tolist())
-                if len(set(ranks)) < len(ranks):
-                    _Group.of(name, [self._fragment(i) for i in rows])  # raises: one box twice on a rank
-
-                def frag(r: int, rows=rows, ranks=ranks) -> Fragment:
-                    return self._fragment(rows[bisect_left(ranks, r)])
-
-                g = _Group(ranks, frag)
-            else:
-                g = _Group.of(name, self.by_box[box])
-            self._groups[box] = g
-        return g
-
-    def overlapping(self, off, size) -> list:
-        """The fragments sharing an element with the box (on a columnar layout light stand-ins, ``_Ref``,
-        with a fragment's fields: the planner builds the real one only for the transfers it keeps)."""
-        if self._table is not None:
-            cols = self._cols
-            if cols is None:
-                tb = self._table
-                cols = self._cols = (tb.ranks.tolist(), [tuple(o) for o in tb.offsets.tolist()],
-                                     [tuple(z) for z in tb.sizes.tolist()],
-                                     [tb.local_names[k] for k in tb.local_ids.tolist()], tb.local_offsets)
-            rk, of, sz, lc, lo = cols
-            name = self._table.spec.name
-            return [_Ref(name, rk[i], of[i], sz[i], lc[i], lo[i], self, i)
-                    for i in self._table.overlapping(off, size).tolist()]
-        out: list[Fragment] = []
-        for b in self.boxes:
-            if _overlaps(b[0], b[1], off, size):
-                out.extend(self.by_box[b])
-        return out
-
-    def boxes_overlapping(self, off, size) -> list[tuple]:
-        if self._table is not None:
-            tb = self._table
-            rows = tb.overlapping(off, size)
-            offs, sizes = tb.offsets[rows].tolist(), tb.sizes[rows].tolist()
-            return list(dict.fromkeys(zip(map(tuple, offs), map(tuple, sizes), strict=True)))
-        return [b for b in self.boxes if _overlaps(b[0], b[1], off, size)]
-
-
-class _Ref:
-    """A fragment's fields (row ``row`` of a tensor's table), for routing; ``local_box`` builds the fragment."""
-
-    __slots__ = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets", "_ix", "_row")
-
-    def __init__(self, tensor, rank, offsets, sizes, local, local_offsets, ix, row) -> None:
-        self.tensor, self.rank, self.offsets, self.sizes = tensor, rank, offsets, sizes
-        self.local, self.local_offsets, self._ix, self._row = local, local_offsets, ix, row
-
-    def local_box(self, off, size):
-        return self._ix._fragment(self._row).local_box(off, size)
-
-
-def _check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | None = None) -> None:
-    """Destination boxes of tensor ``name`` overlapping on one rank raise (``routing._check_dst_overlap``):
-    ``frags`` (one rank's), or every rank's (read from the table's ranks first: nothing is built unless a
-    rank holds two boxes)."""
-    if frags is None:
-        ix = _index(layout, name)
-        if ix._table is not None:
-            tb = ix._table
-            ranks = tb.ranks[(tb.sizes > 0).all(axis=1)]
-            if len(np.unique(ranks)) == len(ranks):
-                return
-            frags = [f for f in tb.fragments if 0 not in f.sizes]
-        else:
-            frags = [f for b in ix.boxes for f in ix.by_box[b]]
-    if len({f.rank for f in frags}) < len(frags):
-        _check_dst_overlap(name, frags)
-
-
-def _is_columnar(layout: Layout) -> bool:
-    try:
-        from ..layout_index import ColumnarLayout
-    except ImportError:  # a tree without columnar layouts
-        return False
-    return isinstance(layout, ColumnarLayout)
-
-
-def _index(layout: Layout, name: str, whole: bool = False) -> _TensorIndex:
-    """The tensor's index (cached on the layout); ``whole``: for planning every rank (all its fragments built
-    at once) rather than one rank's share (a columnar layout's table, rows built on demand)."""
-    key = "_local_index_all" if whole and _is_columnar(layout) else "_local_index"
-    cache = layout.__dict__.get(key)
-    if cache is None:
-        cache = {}
-        object.__setattr__(layout, key, cache)
-    ix = cache.get(name)
-    if ix is None:
-        ix = cache[name] = _TensorIndex(layout, name, whole)
-    return ix
-
-
-def _rank_fragments(layout: Layout, rank: int) -> list[Fragment]:
-    """The nonempty fragments ``rank`` holds, in layout order."""
-    on_rank = getattr(layout, "fragments_on_rank", None)
-    if on_rank is not None:
-        return [f for f in on_rank(rank) if 0 not in f.sizes]
-    by_rank = layout.__dict__.get("_local_by_rank")
-    if by_rank is None:
-        by_rank = defaultdict(list)
-        for f in layout.fragments:
-            if 0 not in f.sizes:
-                by_rank[f.rank].append(f)
-        object.__setattr__(layout, "_local_by_rank", by_rank)
-    return by_rank.get(rank, [])
-
-
-# --------------------------------------------------------------------------------------------------------
 # Routing one destination box
 # --------------------------------------------------------------------------------------------------------
-
-
-class _Group:
-    """The destination fragments of one box of one tensor: their ranks (ascending; one fragment per rank) and
-    each rank's fragment on demand (a rank plan builds only the few it writes into or relays from)."""
-
-    __slots__ = ("ranks", "_frag")
-
-    def __init__(self, ranks: list[int], frag: Callable[[int], Fragment]) -> None:
-        self.ranks, self._frag = ranks, frag
-
-    def frag(self, rank: int) -> Fragment:
-        return self._frag(rank)
-
-    @classmethod
-    def of(cls, name: str, frags: Sequence[Fragment]) -> _Group:
-        by_rank = {f.rank: f for f in frags}
-        if len(by_rank) < len(frags):
-            _check_dst_overlap(name, frags)  # raises: one box twice on one rank
-        return cls(sorted(by_rank), by_rank.__getitem__)
 
 
 def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
@@ -355,7 +168,7 @@ def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
     return rest, fans
 
 
-def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt: torch.dtype,
+def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], wdt: torch.dtype,
               rdt: torch.dtype | None, gpn: int | None, groups: dict[int, int], local: list, wire: list,
               keep: Callable[[int, int], bool] | None = None, base: int = 0, me: int | None = None) -> None:
     """Route destination box ``box`` of tensor ``name``: ``dgroup`` its destination fragments (one per rank),
@@ -370,14 +183,14 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
         sboxes.setdefault((f.offsets, f.sizes), []).append(f)
     order = sorted(sboxes)
     sgroups = [sorted(sboxes[b], key=_RANK_LOCAL) for b in order]
-    isz = _itemsize(wdt)
-    for p_off, p_size, mask in _pieces(d_off, d_size, order):
+    isz = itemsize_of(wdt)
+    for p_off, p_size, mask in cover_pieces(d_off, d_size, order):
         if mask == 0:
             raise ValueError(
                 f"tensor {name!r}: element {p_off} (box {p_off}+{p_size}) needed on destination rank "
                 f"{dranks[0]} is held by no source rank"
             )
-        first, (ranks, best, _f) = _holders([sgroups[i] for i in range(len(order)) if mask >> i & 1])
+        first, (ranks, best, _f) = holders_of([sgroups[i] for i in range(len(order)) if mask >> i & 1])
         if len(first) * 4 < len(dranks):  # few holders: look them up instead of testing every receiver
             mine_at = [r for r in first if _has(dranks, r)]
             held = set(mine_at)
@@ -387,7 +200,7 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
             recv = [r for r in dranks if r not in first] if mine_at else dranks
         for r in mine_at:
             if keep is None or keep(r, r):
-                local.append(_make_transfer(name, p_off, p_size, first[r], frag(r), wdt))
+                local.append(make_transfer(name, p_off, p_size, first[r], frag(r), wdt))
         if not recv:
             continue
         if me is not None and gpn is None and (rdt is None or len(recv) < 2 or not groups):
@@ -397,11 +210,11 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
             i = bisect_left(recv, me)
             if i < len(recv) and recv[i] == me:
                 r = ranks[(salt + i) % h]
-                wire.append(_make_transfer(name, p_off, p_size, best[r], frag(me), wdt))
+                wire.append(make_transfer(name, p_off, p_size, best[r], frag(me), wdt))
             j = bisect_left(ranks, me)
             if j < h and ranks[j] == me:
                 for d in recv[(j - salt) % h::h]:
-                    wire.append(_make_transfer(name, p_off, p_size, best[me], frag(d), wdt))
+                    wire.append(make_transfer(name, p_off, p_size, best[me], frag(d), wdt))
             continue
         units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
         if rdt is not None and len(recv) > 1:
@@ -415,7 +228,7 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
                 k = len(g)
                 parts = splits.get(k)
                 if parts is None:
-                    parts = splits[k] = _split_piece(p_off, p_size, n, k)
+                    parts = splits[k] = split_piece(p_off, p_size, n, k)
                 mine = me is None or _has(g, me)  # a rank plan: only the relays of its own fan
                 for j, (o, s, _pn) in enumerate(parts):
                     head = g[(j + salt) % k]
@@ -425,9 +238,9 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
                     if me is None or head == me:
                         for r in g:
                             if r != head:
-                                wire.append(_make_transfer(name, o, s, frag(head), frag(r), rdt, True))
+                                wire.append(make_transfer(name, o, s, frag(head), frag(r), rdt, True))
                     else:
-                        wire.append(_make_transfer(name, o, s, frag(head), frag(me), rdt, True))
+                        wire.append(make_transfer(name, o, s, frag(head), frag(me), rdt, True))
         else:
             units[(p_off, p_size)] = recv
         fanned = rdt is not None and len(recv) > 1
@@ -438,20 +251,20 @@ def route_box(name: str, box: tuple, dgroup: _Group, sfrags: list[Fragment], wdt
                 usalt, h = piece_salt(base, o, s), len(ranks)
                 i = bisect_left(rcv, me)
                 if i < len(rcv) and rcv[i] == me:
-                    wire.append(_make_transfer(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
+                    wire.append(make_transfer(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
                 j = bisect_left(ranks, me)
                 if j < h and ranks[j] == me:
                     for d in rcv[(j - usalt) % h::h]:
-                        wire.append(_make_transfer(name, o, s, best[me], frag(d), wdt))
+                        wire.append(make_transfer(name, o, s, best[me], frag(d), wdt))
                 continue
             picks = assign(ranks, rcv, piece_salt(base, o, s), gpn)
             if keep is None:
                 for d, j in zip(rcv, picks, strict=True):
-                    wire.append(_make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                    wire.append(make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
                 continue
             for d, j in zip(rcv, picks, strict=True):
                 if keep(ranks[j], d):
-                    wire.append(_make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                    wire.append(make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
 
 
 def _has(sorted_ranks: list[int], r: int) -> bool:
@@ -463,16 +276,15 @@ def _tensor_order(layout: Layout) -> dict[str, int]:
     """Tensor name -> its index in the layout's (sorted) tensors: the base of every piece's salt."""
     got = layout.__dict__.get("_local_order")
     if got is None:
-        lt = getattr(layout, "_lt", None)  # a columnar layout: its sorted names, without building the specs
-        got = lt.index if lt is not None else {t.name: i for i, t in enumerate(layout.tensors)}
+        got = layout.tensor_order()
         object.__setattr__(layout, "_local_order", got)
     return got
 
 
 def _options(src: Layout, dst: Layout, name: str, relay: bool):
     spec, sspec = dst.specs[name], src.specs[name]
-    wdt = _wire_dtype(sspec, spec)
-    return wdt, (_relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None), _tensor_order(dst)[name]
+    wdt = wire_dtype_of(sspec, spec)
+    return wdt, (relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None), _tensor_order(dst)[name]
 
 
 def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int]):
@@ -480,12 +292,12 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
     local: list[Transfer] = []
     wire: list[Transfer] = []
     for spec in dst.tensors:
-        dix = _index(dst, spec.name, True)
+        dix = tensor_index(dst, spec.name, True)
         if not dix.boxes:
             continue
-        _check_own_overlaps(dst, spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
+        check_own_overlaps(dst, spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
         wdt, rdt, base = _options(src, dst, spec.name, relay)
-        six = _index(src, spec.name, True)
+        six = tensor_index(src, spec.name, True)
         for box in dix.boxes:
             route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
@@ -500,15 +312,15 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     fragment's transfers by the regions all of them make)."""
     todo: dict[tuple, None] = {}
     mine: dict[str, list[Fragment]] = {}
-    for df in _rank_fragments(dst, rank):
+    for df in rank_fragments(dst, rank):
         todo[(df.tensor, (df.offsets, df.sizes))] = None
         mine.setdefault(df.tensor, []).append(df)
     for name, frs in mine.items():
         if len(frs) > 1:
-            _check_own_overlaps(dst, name, frs)
-    for sf in _rank_fragments(src, rank):
+            check_own_overlaps(dst, name, frs)
+    for sf in rank_fragments(src, rank):
         if sf.tensor in dst.specs:
-            for box in _index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
+            for box in tensor_index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
                 todo[(sf.tensor, box)] = None
     local: list[Transfer] = []
     wire: list[Transfer] = []
@@ -521,187 +333,9 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
         o = opts.get(name)
         if o is None:
             o = opts[name] = _options(src, dst, name, relay)
-        route_box(name, box, _index(dst, name).group(name, box), _index(src, name).overlapping(*box), o[0], o[1], gpn,
+        route_box(name, box, tensor_index(dst, name).group(name, box), tensor_index(src, name).overlapping(*box), o[0], o[1], gpn,
                   groups, local, wire, None if name in whole else keep, o[2], None if name in whole else rank)
     return local, wire
-
-
-# --------------------------------------------------------------------------------------------------------
-# Steps
-# --------------------------------------------------------------------------------------------------------
-
-
-def _chunks(t: Transfer, cap: int) -> list[tuple[tuple, tuple, int]]:
-    """A transfer cut for the schedule: ``[(offsets relative to it, sizes, bytes)]``, each at most ``cap`` once
-    aligned (a source-quantized transfer only at block multiples, ``quant.split_src_chunks``)."""
-    if getattr(t, "quant", "") == "src":
-        from .quant import split_src_chunks
-
-        return split_src_chunks(t, cap)
-    isz = _itemsize(t.wire_dtype)
-    out = []
-    for o, sz in _split_box(t.sizes, isz, cap):
-        n = math.prod(sz) * isz
-        if n:
-            out.append((o, sz, n))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class NumberedStep(Step):
-    """A step of the pair rule with its number: ``(phase, number)`` orders the steps, and both ends of every
-    message (in the whole plan and in the rank plans) have it in the step of the same number."""
-
-    number: int = -1
-
-
-def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
-               direct: Callable[[int, tuple, tuple], bool]) -> list[list[Message]]:
-    """One pair's stream cut into step loads: ``transfers`` ((index, transfer), in key order) cut into chunks
-    of at most ``cap`` bytes, taken in order into loads of at most ``cap`` aligned bytes; a load is one packed
-    message (its chunks at aligned offsets) followed by one message per chunk ``direct(index, offsets,
-    sizes)`` calls direct. Both ends of the pair build the same list."""
-    out: list[list[Message]] = []
-    cs: list[Chunk] = []
-    singles: list[Message] = []
-    off = used = 0
-    s = d = None
-
-    def close() -> None:
-        nonlocal cs, singles, off, used
-        load = [Message(s, d, off, tuple(cs))] if cs else []
-        out.append(load + singles)
-        cs, singles, off, used = [], [], 0, 0
-
-    for i, t in transfers:
-        s, d = t.src_rank, t.dst_rank
-        for o, sz, n in _chunks(t, cap):
-            a = _align(n)
-            if used + a > cap and used:
-                close()
-            if direct(i, o, sz):
-                singles.append(Message(s, d, a, (Chunk(i, o, sz, n, 0),), direct=True))
-            else:
-                cs.append(Chunk(i, o, sz, n, off))
-                off += a
-            used += a
-    if used:
-        close()
-    return out
-
-
-# peers a rank sends to (and receives from) per step, each load within a 1/STEP_PEERS share of half a bucket: all
-# peers at once up to 129 ranks (DeepSeek-V3 128 -> 128, 1 GiB bucket, H100 model: 0.54 s predicted vs 0.51 s for
-# the greedy's first fit; 16 peers: 2.1 s, 64: 0.79 s); beyond, windows of 128 offsets
-STEP_PEERS = 128
-STEP_GROUPING = "strided"
-
-
-def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None,
-                        direct_min_bytes: int, world: int) -> Schedule:
-    """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
-    its number (``Step.number``), in (phase, number) order."""
-    if bucket_bytes < 16 * ALIGN:
-        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
-    if direct_min_bytes < 0:
-        raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
-    peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)
-    windows = -(-(world - 1) // peers) if world > 1 else 1
-    cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
-    with _gc_paused():
-        pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]] = defaultdict(list)
-        for i, t in enumerate(transfers):
-            pairs[(1 if t.relay else 0, t.src_rank, t.dst_rank)].append((i, t))
-
-        def direct(i: int, off, size) -> bool:
-            if contiguity is None:
-                return False
-            shapes = contiguity[i]
-            if shapes is None:
-                return False
-            t = transfers[i]
-            if math.prod(size) * _itemsize(t.wire_dtype) < direct_min_bytes:
-                return False
-            if isinstance(shapes, _Contiguity):
-                return shapes.direct(t, off, size)
-            s_shape, d_shape = shapes
-            return (s_shape is not None and _is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
-                d_shape is not None and _is_contiguous_box(d_shape, t.dst_offsets, off, size))
-
-        steps: dict[tuple[int, int], list[Message]] = defaultdict(list)
-        for (phase, s, d), ts in pairs.items():
-            ts.sort(key=lambda it: it[1].key())
-            k = (d - s) % world - 1
-            w = k % windows if STEP_GROUPING == "strided" else k // peers
-            for m, load in enumerate(pair_loads(ts, cap, direct)):
-                steps[(phase, m * windows + w)].extend(load)
-        out = []
-        for (phase, number) in sorted(steps):
-            msgs = sorted(steps[(phase, number)], key=lambda m: (m.src, m.dst, m.direct))  # stable
-            out.append(NumberedStep(tuple(msgs), phase, number))
-        return Schedule(bucket_bytes, tuple(out))
-
-
-def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int,
-               rank: int | None = None) -> Sequence:
-    """Per transfer, where its bytes could move in place (``Plan._contiguity``'s answer), looked up lazily from
-    per-rank local specs: a rank plan (``rank``) tests its own side first and reads a peer's local tensor only
-    when its own side is not contiguous (the answer, "contiguous on either side", is the same on both ends)."""
-    return _Contiguity(transfers, src, dst, min_bytes, rank)
-
-
-class _Contiguity:
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_rank", "_cache")
-
-    def __init__(self, transfers, src, dst, min_bytes, rank) -> None:
-        self._ts, self._src, self._dst, self._min, self._rank = transfers, src, dst, min_bytes, rank
-        self._cache: dict[tuple[int, int], object] = {}
-
-    def _shape(self, k: int, rank: int, local: str, wdt) -> tuple | None:
-        got = self._cache.get((k, rank))
-        if got is None:
-            layout = self._dst if k else self._src
-            one = getattr(layout, "local_spec", None)
-            got = self._cache[(k, rank)] = _OneSpec(one, rank) if one is not None else layout.local_specs(rank)
-        spec = got.get(local)
-        return spec.shape if spec is not None and spec.dtype == wdt else None
-
-    def __len__(self) -> int:
-        return len(self._ts)
-
-    def __getitem__(self, i: int):
-        t = self._ts[i]  # a source-quantized transfer is quantized by the pack: never direct
-        return None if t.nbytes < self._min or getattr(t, "quant", "") == "src" else self
-
-    def direct(self, t: Transfer, off, size) -> bool:
-        """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor
-        (in the wire dtype), this rank's side tested first."""
-        sides = [(1 if t.relay else 0, t.src_rank, t.src_local, t.src_offsets),
-                 (1, t.dst_rank, t.dst_local, t.dst_offsets)]
-        if self._rank is not None and t.dst_rank == self._rank:
-            sides.reverse()
-        for k, r, local, start in sides:
-            shape = self._shape(k, r, local, t.wire_dtype)
-            if shape is not None and _is_contiguous_box(shape, start, off, size):
-                return True
-        return False
-
-
-class _OneSpec:
-    """``local_specs(rank)``'s ``get`` through a layout's ``local_spec(rank, name)`` (one local tensor at a time)."""
-
-    __slots__ = ("_one", "_rank")
-
-    def __init__(self, one, rank: int) -> None:
-        self._one, self._rank = one, rank
-
-    def get(self, name: str):
-        return self._one(self._rank, name)
-
-
-def world_of(src: Layout, dst: Layout) -> int:
-    """``W`` of the step rule: one more than the largest rank of either layout."""
-    return max(src.ranks + dst.ranks, default=0) + 1
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -772,7 +406,7 @@ class RankPlan:
         step numbers, as the whole plan's ``schedule`` gives its pairs (cached)."""
         key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
         if key not in self._cache:
-            with _gc_paused():
+            with gc_paused():
                 self._cache[key] = build_pair_schedule(
                     self.transfers, int(bucket_bytes),
                     contiguity(self.transfers, self.src, self.dst, int(direct_min_bytes), self.rank),
@@ -794,13 +428,13 @@ def _validate_rank_plan(p: RankPlan) -> None:
     r = p.rank
     mine_s: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
     mine_d: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    for f in _rank_fragments(p.src, r):
+    for f in rank_fragments(p.src, r):
         mine_s[(f.tensor, f.local)].append(f)
-    dfrags = _rank_fragments(p.dst, r)
+    dfrags = rank_fragments(p.dst, r)
     for f in dfrags:
         mine_d[(f.tensor, f.local)].append(f)
     written: dict[int, list[Transfer]] = {}
-    with _gc_paused():
+    with gc_paused():
         for t in p.transfers + p.local_copies:
             local = t.src_rank == t.dst_rank
             if t.src_rank != r and t.dst_rank != r:
@@ -809,12 +443,12 @@ def _validate_rank_plan(p: RankPlan) -> None:
                 raise ValueError(f"rank plan of rank {r}: wire transfer {t} stays on one rank")
             if t.src_rank == r:
                 frs = (mine_d if t.relay else mine_s).get((t.tensor, t.src_local), ())
-                if _reads(frs, t.offsets, t.sizes, t.src_offsets) is None:
+                if reading_fragment(frs, t.offsets, t.sizes, t.src_offsets) is None:
                     side = "destination" if t.relay else "source"
                     raise ValueError(f"rank plan of rank {r}: transfer {t} reads a box outside rank {r}'s {side} "
                                      f"fragments of tensor {t.tensor!r}")
             if t.dst_rank == r:
-                df = _reads(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
+                df = reading_fragment(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
                 if df is None:
                     raise ValueError(f"rank plan of rank {r}: transfer {t} writes outside rank {r}'s destination "
                                      f"fragments of tensor {t.tensor!r}")
@@ -823,7 +457,7 @@ def _validate_rank_plan(p: RankPlan) -> None:
         for t in p.local_copies:
             if t.src_rank != r or t.dst_rank != r:
                 raise ValueError(f"rank plan of rank {r}: local copy {t} is not on rank {r}")
-        scales = _quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
+        scales = quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
         for f in dfrags:
             ts = written.get(id(f))
             if ts is None:
@@ -832,14 +466,12 @@ def _validate_rank_plan(p: RankPlan) -> None:
                 exact = ts[0].sizes == f.sizes
             else:
                 exact = (sum(t.numel for t in ts) == f.numel
-                         and _find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
+                         and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
             if not exact:
                 raise ValueError(f"rank plan of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
                                  f"covered exactly once by its receives and local copies")
     if scales:
-        from .quant import validate_quant
-
-        validate_quant(p, ranks=(r,))
+        quant.validate_quant(p, ranks=(r,))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -858,7 +490,7 @@ class LocalPlan(Plan):
         their rule number (``Step.number``); the rank plans' steps have the same numbers."""
         key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
         if key not in self._cache:
-            with _gc_paused():
+            with gc_paused():
                 self._cache[key] = build_pair_schedule(
                     self.transfers, int(bucket_bytes), self._contiguity(int(direct_min_bytes)),
                     int(direct_min_bytes), world_of(self.src, self.dst))
@@ -870,9 +502,7 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     """The whole plan (``rank=None``: a :class:`LocalPlan`) or rank ``rank``'s :class:`RankPlan`, routed by the
     local rules on ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
-    from . import quant as _quant
-
-    with _gc_paused():
+    with gc_paused():
         if rank is None:
             local, wire = route_all(src, routed, gpus_per_node, relay, groups)
         else:
@@ -880,12 +510,12 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
         if targets:
             mine = targets if rank is None else {n: s for n, s in targets.items()
                                                  if any(t.tensor == n for t in local + wire)}
-            local, wire = _quant.quantize_transfers(src, dst, mine, local, wire)
+            local, wire = quant.quantize_transfers(src, dst, mine, local, wire)
             if rank is not None:
                 local = [t for t in local if t.dst_rank == rank]
                 wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
-        wire.sort(key=_WIRE_ORDER)
-        local.sort(key=_LOCAL_ORDER)
+        wire.sort(key=WIRE_ORDER)
+        local.sort(key=LOCAL_ORDER)
         if rank is None:
             return LocalPlan(src, dst, tuple(wire), tuple(local))
         return RankPlan(src, dst, rank, tuple(wire), tuple(local), options)

@@ -27,31 +27,26 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..box import Box, align_up, find_overlap, intersect_boxes, split_box
 from ..layout import (
     QUANT_DTYPE,
     Fragment,
     Layout,
     LocalSpec,
     TensorSpec,
-    _dtype_name,
-    _find_overlap,
-    _gc_paused,
-    _scale_box,
+    block_scale_box,
+    dtype_name,
+    gc_paused,
 )
-from .types import Transfer
-
-if TYPE_CHECKING:
-    from .core import Plan
+from .types import PlanLike, Transfer
 
 QUANT_SRC = "src"  # the sender quantizes (fp8 + scales on the wire)
 QUANT_DST = "dst"  # the receiver stages the source dtype and quantizes whole regions
 SCALE_BYTES = 4  # one float32 scale per block
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def num_blocks(sizes: Sequence[int], block: Sequence[int]) -> int:
@@ -85,7 +80,7 @@ def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
             continue
         if not s.dtype.is_floating_point or s.dtype.itemsize < 2:
             raise ValueError(f"tensor {name!r}: a block-quantized destination needs a float16/bfloat16/float32 "
-                             f"source, got {_dtype_name(s.dtype)}")
+                             f"source, got {dtype_name(s.dtype)}")
         if s.shape != spec.shape:
             raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {spec.shape}")
         out[name] = spec
@@ -119,7 +114,7 @@ def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> La
             s = LocalSpec(s.rank, s.name, s.shape, dtypes.pop())
         locs.append(s)
     frags = tuple(f for f in dst.fragments if f.tensor not in scales)
-    with _gc_paused():
+    with gc_paused():
         return Layout(tuple(specs), frags, tuple(locs))
 
 
@@ -167,17 +162,6 @@ def _expand(off, size, block, shape) -> Box:
     lo = tuple(o // b * b for o, b in zip(off, block, strict=True))
     hi = tuple(min(-(-(o + n) // b) * b, g) for o, n, b, g in zip(off, size, block, shape, strict=True))
     return lo, tuple(h - a for h, a in zip(hi, lo, strict=True))
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    off, size = [], []
-    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo, hi = max(ao, bo), min(ao + an, bo + bn)
-        if hi <= lo:
-            return None
-        off.append(lo)
-        size.append(hi - lo)
-    return tuple(off), tuple(size)
 
 
 def union_boxes(boxes: Sequence[Box]) -> list[Box]:
@@ -257,7 +241,7 @@ class _ScaleIndex:
                                  for f in dst.fragments_by_tensor.get(spec.quant.scale, ())}
 
     def of(self, df: Fragment, block) -> Fragment:
-        off, sizes, lo = _scale_box(df, block)
+        off, sizes, lo = block_scale_box(df, block)
         return self.by_key[df.tensor][(df.rank, off, sizes, lo)]
 
 
@@ -319,7 +303,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
         regions = union_boxes([_expand(o, s, block, shape) for _k, _t, (o, s) in parts])
         for kind, t, box in parts:
             for reg in regions:
-                hit = _intersect(box, reg)
+                hit = intersect_boxes(box, reg)
                 if hit is not None:
                     out[kind].append(_sub(t, hit[0], hit[1], t.wire_dtype, QUANT_DST, block, sf.local,
                                           _scale_place(df, sf, reg[0], block)))
@@ -364,7 +348,7 @@ class QuantRegion:
         return scale_sizes(self.sizes, self.block)
 
 
-def quant_regions(plan: Plan) -> dict[int, tuple[QuantRegion, ...]]:
+def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
     """Per destination rank, the regions its ``dst`` transfers fill (cached on the plan; derived from the
     transfers alone, so every rank computes the same)."""
     cached = plan._cache.get("quant_regions")
@@ -383,7 +367,7 @@ def quant_regions(plan: Plan) -> dict[int, tuple[QuantRegion, ...]]:
         block, shape = spec.quant.block, spec.shape
         regions = union_boxes([_expand(t.offsets, t.sizes, block, shape) for _k, _i, t in items])
         for reg in regions:
-            mine = [(k, i, t) for k, i, t in items if _intersect((t.offsets, t.sizes), reg) is not None]
+            mine = [(k, i, t) for k, i, t in items if intersect_boxes((t.offsets, t.sizes), reg) is not None]
             t0 = mine[0][2]
             scale_off = t0.scale_offsets  # quantize_transfers placed it at its region's first block
             for _k, _i, t in mine:
@@ -404,10 +388,10 @@ def quant_regions(plan: Plan) -> dict[int, tuple[QuantRegion, ...]]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def validate_quant(plan: Plan, ranks: Sequence[int] | None = None) -> None:
+def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
     """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
     dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
-    transfers and the regions). The weights' own exact cover is ``_validate_plan``'s. ``ranks``: check the
+    transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
     scale cover of these destination ranks only (a rank plan: its own), default all."""
     src, dst = plan.src, plan.dst
     quantized = dst.quantized
@@ -448,7 +432,7 @@ def validate_quant(plan: Plan, ranks: Sequence[int] | None = None) -> None:
     for key in set(need) | set(written):
         boxes = written.get(key, [])
         got = sum(math.prod(s) for _o, s, _w in boxes)
-        hit = _find_overlap(boxes) if len(boxes) > 1 else None
+        hit = find_overlap(boxes) if len(boxes) > 1 else None
         if hit is not None:
             raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {hit[0]} and "
                              f"{hit[1]}")
@@ -462,7 +446,7 @@ def _lead(local_offsets, sizes) -> tuple[int, ...]:
     return (1,) * (len(local_offsets) - len(sizes)) + tuple(sizes)
 
 
-def plan_targets(plan: Plan) -> dict[str, TensorSpec]:
+def plan_targets(plan: PlanLike) -> dict[str, TensorSpec]:
     t = plan._cache.get("quant_targets")
     if t is None:
         t = plan._cache["quant_targets"] = quant_targets(plan.src, plan.dst)
@@ -484,7 +468,7 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
             if not df.numel:
                 continue
             box = (df.offsets, df.sizes)
-            held = [h for h in (_intersect(b, box) for b in own.get(df.rank, ())) if h is not None]
+            held = [h for h in (intersect_boxes(b, box) for b in own.get(df.rank, ())) if h is not None]
             if not held:
                 total += num_blocks(df.sizes, block) * SCALE_BYTES
                 continue
@@ -507,7 +491,7 @@ def _missing(box: Box, held: Sequence[Box]) -> list[Box]:
     for h in held:
         nxt = []
         for r in rest:
-            cut = _intersect(r, h)
+            cut = intersect_boxes(r, h)
             nxt.extend([r] if cut is None else _outside(r[0], r[1], cut))
         rest = nxt
     return rest
@@ -517,17 +501,14 @@ def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple
     """A source-quantized transfer cut for the schedule, only at block multiples: ``[(offsets relative to the
     transfer, sizes, chunk bytes)]``, chunk bytes = fp8 values (padded to ``ALIGN``) + the fp32 scales, each at
     most ``cap`` unless one block alone is bigger (then one block per chunk)."""
-    from .schedule import _split_box
-    from .types import _align
-
     block = t.block
     grid = scale_sizes(t.sizes, block)
     per_block = math.prod(block) + SCALE_BYTES + 16
     out = []
-    for g_off, g_size in _split_box(grid, per_block, cap):
+    for g_off, g_size in split_box(grid, per_block, cap):
         off = tuple(o * b for o, b in zip(g_off, block, strict=True))
         size = tuple(min(n * b, s - o) for n, b, s, o in zip(g_size, block, t.sizes, off, strict=True))
         n = math.prod(size)
         if n:
-            out.append((off, size, _align(n) + num_blocks(size, block) * SCALE_BYTES))
+            out.append((off, size, align_up(n) + num_blocks(size, block) * SCALE_BYTES))
     return out

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..layout import Fragment, _itemsize
-from .types import Transfer, _make_transfer
+from ..layout import Fragment, itemsize_of
+from .types import Transfer, make_transfer
 
 # A fan-out piece (see ``plan_reshard``'s ``relay``) is split among the k ranks of its group into parts of at
 # least this many bytes: below it, a part's share of the per-message and per-chunk costs outweighs spreading
@@ -18,7 +18,7 @@ from .types import Transfer, _make_transfer
 RELAY_SPLIT_MIN_BYTES = 1 << 20
 
 
-def _relay_dtype(src_dtype: torch.dtype, dst_dtype: torch.dtype, wdt: torch.dtype) -> torch.dtype | None:
+def relay_dtype(src_dtype: torch.dtype, dst_dtype: torch.dtype, wdt: torch.dtype) -> torch.dtype | None:
     """The dtype relays of a tensor travel in, or None when no relay can be both exact and as small as ``wdt``.
 
     A relay reads the destination tensor (``dst_dtype``), whose values came through ``wdt``. Same item size:
@@ -27,7 +27,7 @@ def _relay_dtype(src_dtype: torch.dtype, dst_dtype: torch.dtype, wdt: torch.dtyp
     ``wdt`` again, exact when both are floating point or both signed integers (the widening is undone
     exactly); other mixes (int -> float, unsigned, bool) get no relays, so the wire bytes stay the bound.
     """
-    if _itemsize(wdt) == _itemsize(dst_dtype):
+    if itemsize_of(wdt) == itemsize_of(dst_dtype):
         return dst_dtype
     if src_dtype.is_complex or dst_dtype.is_complex:
         return None
@@ -38,7 +38,7 @@ def _relay_dtype(src_dtype: torch.dtype, dst_dtype: torch.dtype, wdt: torch.dtyp
     return None
 
 
-def _group_fans(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int | None, groups: dict[int, int],
+def group_fans(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int | None, groups: dict[int, int],
                 wdt: torch.dtype, rdt: torch.dtype, local: list, remote: list, nbytes: list, fans: list) -> None:
     """Route the pieces of one replicated destination box (``dgroup``, in destination order) with relays on.
 
@@ -88,7 +88,7 @@ def _group_fans(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int
         for k, (p_off, p_size, first, holders, n) in enumerate(routed):
             mine = first.get(df.rank)
             if mine is not None:
-                local.append(_make_transfer(name, p_off, p_size, mine, df, wdt))
+                local.append(make_transfer(name, p_off, p_size, mine, df, wdt))
                 continue
             by_rank = fan_of.get((k, df.rank)) if fan_of else None
             if by_rank is not None:
@@ -98,7 +98,7 @@ def _group_fans(name: str, dgroup: list[Fragment], routed: list[tuple], gpn: int
                 nbytes.append(n)
 
 
-def _split_piece(p_off: tuple, p_size: tuple, n: int, k: int) -> list[tuple[tuple, tuple, int]]:
+def split_piece(p_off: tuple, p_size: tuple, n: int, k: int) -> list[tuple[tuple, tuple, int]]:
     """Cut a fan-out piece of ``n`` bytes into at most ``k`` near-equal contiguous sub-boxes, for the ``k`` ranks
     of its group: ``[(offsets, sizes, bytes)]``, the larger first.
 
@@ -128,9 +128,9 @@ def _split_piece(p_off: tuple, p_size: tuple, n: int, k: int) -> list[tuple[tupl
     return out
 
 
-def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int | None, world: int,
+def choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int | None, world: int,
                   weight: list[int]) -> list[Transfer]:
-    """Route every fan-out group: split its piece (``_split_piece``), give each part a rank of the group that
+    """Route every fan-out group: split its piece (``split_piece``), give each part a rank of the group that
     receives it over the network (appended to ``remote``: it gets a source holder like any other piece), and
     return the relay transfers by which that rank forwards its part to the other ranks of the group.
     ``weight`` gets, per appended part, what the part replaces: its bytes once per destination of the group.
@@ -158,7 +158,7 @@ def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int |
         p_off, p_size, holders, wdt, rdt, n, by_rank = fans[k]
         free = set(by_rank)
         dests = sum(map(len, by_rank.values()))
-        for o, s, pn in _split_piece(p_off, p_size, n, len(by_rank)):
+        for o, s, pn in split_piece(p_off, p_size, n, len(by_rank)):
             head = min(free, key=lambda r: (net_recv[r], relayed[r], r))
             free.discard(head)
             heads = by_rank[head]
@@ -170,6 +170,6 @@ def _choose_heads(fans: list[tuple], remote: list, nbytes: list[int], gpn: int |
             for r, dfs in by_rank.items():
                 if r != head:
                     for df in dfs:
-                        relays.append(_make_transfer(df.tensor, o, s, heads[0], df, rdt, True))
+                        relays.append(make_transfer(df.tensor, o, s, heads[0], df, rdt, True))
                         relayed[head] += pn
     return relays

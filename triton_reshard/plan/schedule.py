@@ -6,47 +6,10 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..layout import _gc_paused, _itemsize
+from ..box import align_up, is_contiguous_box, split_box
+from ..layout import gc_paused, itemsize_of
 from .quant import split_src_chunks
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer, _align
-
-
-def _split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a box (relative offsets) into sub-boxes of at most ``cap`` bytes once aligned."""
-    if _align(math.prod(sizes) * itemsize) <= cap or not sizes:
-        return [((0,) * len(sizes), tuple(sizes))]
-    nd = len(sizes)
-    # smallest d such that one slice along dims > d fits; split dims < d into single indices
-    d = nd - 1
-    for k in range(nd):
-        if _align(math.prod(sizes[k + 1:]) * itemsize) <= cap:
-            d = k
-            break
-    inner = math.prod(sizes[d + 1:]) * itemsize
-    rows = max(1, cap // inner) if inner else sizes[d]  # cap is a multiple of ALIGN
-    out = []
-    import itertools
-
-    for outer in itertools.product(*[range(n) for n in sizes[:d]]):
-        for start in range(0, sizes[d], rows):
-            n = min(rows, sizes[d] - start)
-            out.append((tuple(outer) + (start,) + (0,) * (nd - d - 1), (1,) * d + (n,) + tuple(sizes[d + 1:])))
-    return out
-
-
-def _is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple[int, ...],
-                       size: tuple[int, ...]) -> bool:
-    """Whether the sub-box ``off``+``size`` of the box starting at ``start`` (local coordinates; a local
-    tensor may have extra leading dims, where the box has size 1) is one contiguous run of a contiguous
-    tensor of ``shape``: every dim after its first dim of size > 1 is whole."""
-    full = (1,) * (len(shape) - len(size)) + tuple(size)
-    seen = False
-    for n, s in zip(full, shape, strict=True):
-        if seen and n != s:
-            return False
-        if n > 1:
-            seen = True
-    return True
+from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer
 
 
 def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None = None,
@@ -62,11 +25,11 @@ def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
     if direct_min_bytes < 0:
         raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
-    with _gc_paused():
+    with gc_paused():
         return _build_schedule(transfers, bucket_bytes, contiguity, direct_min_bytes)
 
 
-def _first_fit(chunks: Sequence[tuple], order: Sequence[int], cap: int) -> list[list[int]]:
+def first_fit(chunks: Sequence[tuple], order: Sequence[int], cap: int) -> list[list[int]]:
     """First fit of ``chunks`` (taken in ``order``, aligned sizes non-increasing) into steps where each rank
     sends at most ``cap`` and receives at most ``cap`` bytes: chunk k goes to the first step with room.
 
@@ -125,8 +88,8 @@ def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity
                 chunks.append((i, off, size, n, t.src_rank, t.dst_rank))
                 phase_of.append(0)
             continue
-        isz = _itemsize(t.wire_dtype)
-        for off, size in _split_box(t.sizes, isz, cap):
+        isz = itemsize_of(t.wire_dtype)
+        for off, size in split_box(t.sizes, isz, cap):
             n = math.prod(size) * isz
             if n:
                 chunks.append((i, off, size, n, t.src_rank, t.dst_rank))
@@ -140,15 +103,15 @@ def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity
         if shapes is None:
             return False
         s_shape, d_shape = shapes
-        return (s_shape is not None and _is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
-            d_shape is not None and _is_contiguous_box(d_shape, t.dst_offsets, off, size)
+        return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
+            d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size)
         )
 
     steps = []
     for phase in (0, 1):
         mine = [k for k in range(len(chunks)) if phase_of[k] == phase]
-        order = sorted(mine, key=lambda k: (-_align(chunks[k][3]), k))
-        for ks in _first_fit(chunks, order, cap):
+        order = sorted(mine, key=lambda k: (-align_up(chunks[k][3]), k))
+        for ks in first_fit(chunks, order, cap):
             by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)
             for k in sorted(ks):
                 by_pair[(chunks[k][4], chunks[k][5])].append(k)
@@ -158,10 +121,10 @@ def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity
                 for k in kk:
                     i, o, sz, n, _s, _d = chunks[k]
                     if direct(k):
-                        singles.append(Message(s, d, _align(n), (Chunk(i, o, sz, n, 0),), direct=True))
+                        singles.append(Message(s, d, align_up(n), (Chunk(i, o, sz, n, 0),), direct=True))
                         continue
                     cs.append(Chunk(i, o, sz, n, off))
-                    off += _align(n)
+                    off += align_up(n)
                 if cs:
                     msgs.append(Message(s, d, off, tuple(cs)))
                 msgs.extend(singles)

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from ..layout import Fragment, _dtype_name, _gc_paused, _itemsize
+from ..box import ALIGN, align_up  # noqa: F401  (ALIGN, align_up: part of the plan's API)
+from ..layout import Fragment, Layout, dtype_name, gc_paused, itemsize_of
 
-ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
 # A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
 # message, so the executor can send it straight from the source tensor or receive it straight into the
 # destination (no pack or unpack copy on that side). Below it, one packed message per peer costs less than a
 # message per chunk (each message has a fixed cost on the transport).
 DIRECT_MIN_BYTES = 1 << 20
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +65,7 @@ class Transfer:
         """Payload bytes: a source-quantized transfer carries its fp8 values and one fp32 scale per block."""
         if self.quant == "src":
             return self.numel + 4 * math.prod(-(-s // b) for s, b in zip(self.sizes, self.block, strict=True))
-        return self.numel * _itemsize(self.wire_dtype)
+        return self.numel * itemsize_of(self.wire_dtype)
 
     @property
     def is_local(self) -> bool:
@@ -77,7 +74,7 @@ class Transfer:
     def key(self) -> tuple:
         k = (
             self.tensor, self.offsets, self.sizes, self.src_rank, self.src_local, self.src_offsets,
-            self.dst_rank, self.dst_local, self.dst_offsets, _dtype_name(self.wire_dtype),
+            self.dst_rank, self.dst_local, self.dst_offsets, dtype_name(self.wire_dtype),
         )
         k = k + (True,) if self.relay else k  # plans without relays keep their digests
         return k + (self.quant, self.block, self.scale_local, self.scale_offsets) if self.quant else k
@@ -86,7 +83,7 @@ class Transfer:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
         return (
             f"{self.tensor}[{box}] {'relay ' if self.relay else ''}{f'quant={self.quant} ' if self.quant else ''}rank {self.src_rank}:{self.src_local}@{self.src_offsets} -> "
-            f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {_dtype_name(self.wire_dtype)})"
+            f"rank {self.dst_rank}:{self.dst_local}@{self.dst_offsets} ({self.nbytes} B {dtype_name(self.wire_dtype)})"
         )
 
 
@@ -152,7 +149,7 @@ class Schedule:
         staging a rank really uses, when its direct messages go in place, is a prefix of its areas; and the
         messages of one pair are in the same order on the sending and the receiving side.
         """
-        with _gc_paused():
+        with gc_paused():
             return self._for_rank(rank)
 
     def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
@@ -247,9 +244,18 @@ class PlanStats:
         }
 
 
-def _make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
+def make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
     """``sf`` is a source fragment, or for a relay the destination fragment of the rank that relays."""
     # a fragment's own box starts at its local_offsets (the common case: no local_box to compute)
     s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
     d_off = df.local_offsets if off == df.offsets else df.local_box(off, size)[0]
     return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt, relay)
+
+
+class PlanLike(Protocol):
+    """What the plan's checks and derived tables read of a plan: a ``Plan``, a ``LocalPlan`` or a ``RankPlan``."""
+
+    src: Layout
+    dst: Layout
+    transfers: tuple[Transfer, ...]
+    local_copies: tuple[Transfer, ...]

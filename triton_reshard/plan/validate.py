@@ -7,18 +7,14 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from operator import add, le, sub
-from typing import TYPE_CHECKING
 
-from ..layout import Fragment, _find_overlap, _gc_paused
-from .routing import _overlaps
-from .types import Transfer
-
-if TYPE_CHECKING:
-    from .core import Plan
+from ..box import boxes_meet, find_overlap
+from ..layout import Fragment, gc_paused
+from .quant import plan_targets
+from .types import PlanLike, Transfer
 
 
-
-def _reads(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
+def reading_fragment(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
     """The first of ``frags`` containing box ``off``+``size`` at ``local_off`` of its local tensor, or None.
 
     (``f.local_box(off, size)[0] == local_off``, inlined: it runs twice per transfer.)
@@ -42,7 +38,7 @@ def _reads(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
     return None
 
 
-def _validate_plan(plan: Plan) -> None:
+def validate_plan(plan: PlanLike) -> None:
     """Exact cover of every destination fragment; every transfer reads what its source rank holds; every relay
     reads a box its rank received from non-relay transfers or local copies.
 
@@ -58,14 +54,14 @@ def _validate_plan(plan: Plan) -> None:
     written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
     relay_reads: list[tuple[Fragment, Transfer]] = []  # (the sender's destination fragment, the relay)
     relay_written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the relays writing into it
-    with _gc_paused():
+    with gc_paused():
         for t in plan.transfers + plan.local_copies:
             off, size = t.offsets, t.sizes
             if t.relay:
                 if t.src_rank == t.dst_rank:
                     raise ValueError(f"plan: relay {t} of tensor {t.tensor!r} stays on rank {t.src_rank} "
                                      f"(a relay is a wire transfer from another rank's destination tensor)")
-                sf = _reads(d_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets)
+                sf = reading_fragment(d_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets)
                 if sf is None:
                     raise ValueError(
                         f"plan: relay {t} reads a box of tensor {t.tensor!r} outside the destination fragments of "
@@ -73,9 +69,9 @@ def _validate_plan(plan: Plan) -> None:
                     )
                 if 0 not in size:
                     relay_reads.append((sf, t))
-            elif _reads(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
+            elif reading_fragment(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
                 raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
-            df = _reads(d_index.get((t.tensor, t.dst_rank, t.dst_local), ()), off, size, t.dst_offsets)
+            df = reading_fragment(d_index.get((t.tensor, t.dst_rank, t.dst_local), ()), off, size, t.dst_offsets)
             if df is None:
                 raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
             if 0 not in size:
@@ -86,7 +82,7 @@ def _validate_plan(plan: Plan) -> None:
                     ts.append(t)
                 if t.relay:
                     relay_written.setdefault(id(df), []).append(t)
-        scales = _quant_scales(plan)  # scale tensors of quantized destinations: checked by validate_quant
+        scales = quant_scales(plan)  # scale tensors of quantized destinations: checked by validate_quant
         for f in dst.fragments:
             ts = written.get(id(f))
             if ts is None:
@@ -96,7 +92,7 @@ def _validate_plan(plan: Plan) -> None:
             else:
                 exact = (
                     sum(t.numel for t in ts) == f.numel
-                    and _find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None
+                    and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None
                 )
             if not exact:
                 _check_cover(plan)  # raises, naming the local tensor
@@ -113,7 +109,7 @@ def _validate_plan(plan: Plan) -> None:
                 if (t.offsets, t.sizes) in boxes:  # exactly what one non-relay wrote: the cover is exact, so no
                     continue  # relay writes into it (the common case: a rank relays the part it received)
                 for w in ws:
-                    if _overlaps(w.offsets, w.sizes, t.offsets, t.sizes):
+                    if boxes_meet(w.offsets, w.sizes, t.offsets, t.sizes):
                         raise ValueError(
                             f"plan: relay {t} of tensor {t.tensor!r} reads on rank {t.src_rank} a box that rank "
                             f"itself gets by relay from rank {w.src_rank} ({w}); a relay may only read boxes "
@@ -121,23 +117,23 @@ def _validate_plan(plan: Plan) -> None:
                         )
 
 
-def _check_cover(plan: Plan) -> None:
+def _check_cover(plan: PlanLike) -> None:
     """Per destination local tensor: no element written twice, every element of its fragments written."""
     covered: dict[tuple[int, str], list] = defaultdict(list)
     for t in plan.transfers + plan.local_copies:
         if t.numel:
-            df = _reads(plan.dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
+            df = reading_fragment(plan.dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
                         t.sizes, t.dst_offsets)
             covered[(t.dst_rank, t.dst_local)].append(df.local_box(t.offsets, t.sizes) + (t,))
     for (rank, local), boxes in covered.items():
-        hit = _find_overlap(boxes)
+        hit = find_overlap(boxes)
         if hit is not None:
             raise ValueError(
                 f"plan: tensor {hit[0].tensor!r} on destination rank {rank} ({local!r}) is written twice: "
                 f"{hit[0]} and {hit[1]}"
             )
     need: dict[tuple[int, str], int] = defaultdict(int)
-    scales = _quant_scales(plan)
+    scales = quant_scales(plan)
     for f in plan.dst.fragments:
         if f.tensor not in scales:
             need[(f.rank, f.local)] += f.numel
@@ -150,10 +146,8 @@ def _check_cover(plan: Plan) -> None:
             )
 
 
-def _quant_scales(plan: Plan) -> frozenset[str]:
+def quant_scales(plan: PlanLike) -> frozenset[str]:
     """The scale tensors the plan writes by quantizing (plan/quant.py), not by transfers."""
     if not plan.dst.quantized:
         return frozenset()
-    from .quant import plan_targets
-
     return frozenset(spec.quant.scale for spec in plan_targets(plan).values())

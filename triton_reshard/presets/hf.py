@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ..layout import Layout, Replicate, _gc_paused
+from ..layout import Layout, Replicate, gc_paused
 from ..layout_index import ColumnBuilder, LogicalTensors
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -192,7 +192,7 @@ def _mla_layer(s: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-@_gc_paused()  # ~10^5 new tuples and strings, no cycles: the collector's passes would dominate
+@gc_paused()  # ~10^5 new tuples and strings, no cycles: the collector's passes would dominate
 def logical_tensors(config) -> dict[str, tuple[int, ...]]:
     """``{HF checkpoint name: shape}`` of every tensor of the model, in checkpoint order per layer."""
     s = model_spec(config)
@@ -279,7 +279,7 @@ def model_nbytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
     return total
 
 
-def _check_ranks(ranks: Iterable[int] | None, world: int, what: str) -> tuple[int, ...]:
+def check_ranks(ranks: Iterable[int] | None, world: int, what: str) -> tuple[int, ...]:
     if ranks is None:
         return tuple(range(world))
     if isinstance(ranks, int):  # an offset
@@ -299,7 +299,7 @@ def hf_layout(config, ranks: Sequence[int] | int = (0,), dtype: torch.dtype = to
     """
     if isinstance(ranks, int):
         ranks = (ranks,)
-    ranks = _check_ranks(ranks, len(tuple(ranks)), "hf_layout")
+    ranks = check_ranks(ranks, len(tuple(ranks)), "hf_layout")
     if not ranks:
         raise ValueError("hf_layout needs at least one rank")
     shapes = logical_tensors(config)

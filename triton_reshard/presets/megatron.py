@@ -88,8 +88,8 @@ from ..layout import Layout
 from .hf import (
     LayoutBuilder,
     ModelSpec,
-    _check_ranks,
-    _gc_paused,
+    check_ranks,
+    gc_paused,
     layer_prefix,
     model_spec,
 )
@@ -136,7 +136,7 @@ def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | Non
     return out
 
 
-@_gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
+@gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
 def megatron_layout(
     config,
     tp: int = 1,
@@ -211,7 +211,7 @@ def megatron_layout(
     elif ep != 1:
         raise ValueError(f"megatron_layout: ep={ep} for a model without experts")
     world = tp * pp * dp
-    ranks = _check_ranks(ranks, world, f"megatron_layout(tp={tp}, pp={pp}, dp={dp})")
+    ranks = check_ranks(ranks, world, f"megatron_layout(tp={tp}, pp={pp}, dp={dp})")
     stages = stage_layers(s.layers, pp, layers_per_stage)
 
     H = s.hidden

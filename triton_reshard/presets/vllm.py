@@ -82,9 +82,9 @@ from ..layout import Layout, block_quant_layout
 from .hf import (
     LayoutBuilder,
     ModelSpec,
-    _check_ranks,
-    _gc_paused,
+    check_ranks,
     expert_names,
+    gc_paused,
     layer_prefix,
     model_spec,
 )
@@ -259,7 +259,7 @@ def fp8_tensors(config, fp8: BlockFp8 | None = None) -> list[str]:
     return out
 
 
-@_gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
+@gc_paused()  # ~10^5 small objects per 128-rank layout, no cycles
 def vllm_layout(
     config,
     tp: int = 1,
@@ -332,7 +332,7 @@ def vllm_layout(
     shared_tp = 1 if sequence_parallel_moe else tp  # DeepseekV2MLP(disable_tp=is_sequence_parallel)
     if s.shared_intermediate % shared_tp:
         raise ValueError(f"vllm_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
-    ranks = _check_ranks(ranks, workers, f"vllm_layout(tp={tp}, dp={dp})")
+    ranks = check_ranks(ranks, workers, f"vllm_layout(tp={tp}, dp={dp})")
 
     H, hd = s.hidden, s.head_dim
     vloc = vpad // tp

@@ -4,7 +4,7 @@ For each case (a pair of layouts of a Llama-shaped model on one spawned world) i
 tensors and the same ranks:
 - ``reshard``: ``Resharder.run`` (overlap off), ``reshard+overlap`` (two staging slots), and
   ``reshard-staged`` (every message packed and unpacked through staging: no direct messages in place);
-- ``allgather``: the all-gather-then-slice baseline (``triton_reshard.baselines``);
+- ``allgather``: the all-gather-then-slice baseline (``triton_reshard.tools.baselines``);
 - ``wire-limit``: per step of the reshard's schedule, the bytes each rank sends each peer as one plain
   isend/irecv, no pack or unpack, no local copies — what the transport alone costs;
 - ``dtensor``: ``DTensor.redistribute`` where the two layouts live on one mesh (the ``fsdp-tp`` case);
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..baselines import allgather_refit
 from ..execute import Resharder
-from ..launch import run_world
 from ..layout import Layout, Replicate, Shard
 from ..plan import plan_reshard
+from ..testing.launch import run_world
+from .baselines import allgather_refit
 from .demo import (
     _expected,
     _make_src,

@@ -47,8 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="triton-reshard", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="cmd", metavar="{demo,plan,bench,verify}")
-    from .. import engine_check
-    from . import demo
+    from . import demo, engine_check
 
     kw = dict(formatter_class=HelpFormatter)
     p_demo = sub.add_parser("demo", help="reshard a Llama-shaped model on a local world and check it",
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.cmd == "verify":
-        from .. import engine_check
+        from . import engine_check
 
         return engine_check.run_verify(args)
     if args.cmd == "plan":
@@ -245,7 +244,7 @@ def routing_figures(plan, sched, topo) -> dict:
     """What the topology model says of ``plan`` and its schedule ``sched``: bytes over the network and over
     NVLink, the relays among them, and the predicted time unbucketed (the plan's phases one after the other)
     and scheduled (its steps one after the other, relay steps last)."""
-    from ..topology import plan_phase_pair_bytes, predict_seconds, schedule_pair_bytes
+    from .topology import plan_phase_pair_bytes, predict_seconds, schedule_pair_bytes
 
     st = plan.stats(topo.gpus_per_node)
     bound = predict_seconds(plan_phase_pair_bytes(plan), topo)
@@ -270,7 +269,7 @@ def plan_report(args) -> dict:
     """
     from ..plan import plan_reshard
     from ..presets import model_nbytes
-    from ..topology import PRESETS, Topology, plan_pair_bytes
+    from .topology import PRESETS, Topology, plan_pair_bytes
 
     cfg = _load_config(args.model)
     dtype = parse_dtype(args.dtype)

@@ -15,12 +15,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..baselines import allgather_refit
 from ..execute import Resharder
-from ..launch import WorldError, default_backend, run_world
 from ..layout import QUANT_DTYPE, Layout, block_quant_layout, box_slices
 from ..plan import plan_reshard
 from ..testing import synthetic_box
+from ..testing.launch import WorldError, default_backend, run_world
+from .baselines import allgather_refit
 from .cliutil import DTYPE_HELP, UsageError, check_output_file, fmt_mib, parse_dtype, parse_sizes
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 

@@ -32,10 +32,10 @@ def _worker(rank: int, world: int, ckpt: str, ep: bool, kinds: tuple[str, ...], 
             vllm_version: str | None) -> dict:
     from safetensors.torch import load_file
 
-    from . import Layout, Replicate, verify_refit
-    from .integrations import checkpoint_shapes
-    from .integrations.vllm import layout_from_vllm, load_vllm_model
-    from .presets import vllm_layout
+    from .. import Layout, Replicate, verify_refit
+    from ..integrations import checkpoint_shapes
+    from ..integrations.vllm import layout_from_vllm, load_vllm_model
+    from ..presets import vllm_layout
 
     model, _vc = load_vllm_model(ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype)
     params = dict(model.named_parameters())
@@ -77,7 +77,7 @@ def run_verify(args) -> int:
         return 2
     import torch
 
-    from .launch import WorldError, run_world
+    from ..testing.launch import WorldError, run_world
 
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

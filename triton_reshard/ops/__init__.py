@@ -7,7 +7,7 @@ A *pair* is ``(src_view, dst_view)`` with equal shapes; dtypes may differ (the c
 may cache per-list state (e.g. a region table on the device).
 
 Backends: ``"torch"`` (one ``copy_`` per pair; the reference, used on CPU) and ``"triton"`` (one launch
-per dtype pair for the whole list; see ``triton_reshard/triton_copy.py``). ``TRITON_RESHARD_BACKEND``
+per dtype pair for the whole list; see ``triton_reshard/ops/copy.py``). ``TRITON_RESHARD_BACKEND``
 forces one; otherwise CUDA tensors use Triton and CPU tensors use torch.
 
 :func:`compare_views` is the read-only twin used by verify mode: per pair, how many elements of ``dst`` differ
@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .torch_copy import Pair, torch_copy_views
+from .copy import Pair, torch_copy_views
 
 BACKENDS = ("torch", "triton")
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -47,7 +47,7 @@ def copy_views(pairs: Sequence[Pair], backend: str = "torch", key: Hashable | No
     if backend == "torch":
         torch_copy_views(pairs)
     elif backend == "triton":
-        from .triton_copy import triton_copy_views
+        from .copy import triton_copy_views
 
         triton_copy_views(pairs, key=key)
     else:

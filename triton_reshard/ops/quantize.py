@@ -36,7 +36,6 @@ GPU code does for these divisions was not checked here: no GPU.)
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -45,13 +44,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import BACKENDS, resolve_backend
+from .launcher import cached_table, interpreting, kernel_module, storage_view
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # amax is clamped to (float32) this before the division: all-zero blocks stay finite
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Q_DTYPES = (FP8_DTYPE, torch.uint8)  # q_out: fp8 or a uint8 view of the same bytes
-BACKENDS = ("torch", "triton")
-KERNELS_MODULE = "triton_reshard.kernels.quant"
 CACHE_SIZE = 256
 # Mantissas probed per exponent for the UE8M0 table: at both ends of every binade.
 UE8M0_PROBE = 1024
@@ -250,12 +250,6 @@ def ue8m0_thresholds(device: torch.device | str) -> torch.Tensor:
 # Triton: tables, cache, launch
 
 
-def _interpreting() -> bool:
-    from triton import knobs
-
-    return bool(knobs.runtime.interpret)
-
-
 def tile_of(block: Sequence[int]) -> tuple[int, int]:
     """The ``(BM, BN)`` tile (powers of two) one program loads for ``block`` (its two inner extents)."""
     bm = block[-2] if len(block) > 1 else 1
@@ -263,9 +257,9 @@ def tile_of(block: Sequence[int]) -> tuple[int, int]:
 
 
 def _check_triton(device: torch.device, blocks: list[tuple[int, ...]]) -> None:
-    from .kernels import quant as k
+    from ..kernels import quant as k
 
-    if _interpreting():
+    if interpreting():
         if device.type != "cpu":
             raise ValueError(f"under TRITON_INTERPRET=1 the Triton quantizer runs on CPU tensors, got {device}")
     elif device.type != "cuda":
@@ -312,7 +306,7 @@ def signature(items: Sequence[Item]) -> tuple:
 def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[int, ...],
                 src_off: int, q_off: int, s_off: int) -> np.ndarray:
     """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases."""
-    from .kernels import quant as k
+    from ..kernels import quant as k
 
     sshape = tuple(s.shape)
     idx = np.indices(sshape, dtype=np.int64).reshape(len(sshape), -1)  # block index per dim
@@ -392,7 +386,7 @@ def _pow2_divisor(values: np.ndarray, cap: int) -> int:
 def _alignment(rows: np.ndarray, items: Sequence[Item], dtype: torch.dtype) -> tuple[bool, int, int]:
     """``(contig, src_align, q_align)`` of a group's block rows (see ``kernels/quant.py``): vector
     widths of at most 16 bytes that every block start and row stride allow."""
-    from .kernels import quant as k
+    from ..kernels import quant as k
 
     if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, _ in items if src.numel()):
         return False, 1, 1
@@ -402,13 +396,10 @@ def _alignment(rows: np.ndarray, items: Sequence[Item], dtype: torch.dtype) -> t
 
 
 def get_kernel():
-    """The quant kernel for the current mode (reloaded if ``TRITON_INTERPRET`` changed since its import)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """The quant kernel for the current mode (see :func:`~triton_reshard.ops.launcher.kernel_module`)."""
+    from ..kernels import quant as kquant  # triton is imported only by the Triton backend
 
-    module = importlib.import_module(KERNELS_MODULE)
-    if isinstance(module.quant_blocks_kernel, InterpretedFunction) != _interpreting():
-        module = importlib.reload(module)
-    return module.quant_blocks_kernel
+    return kernel_module(kquant, "quant_blocks_kernel").quant_blocks_kernel
 
 
 # Elements of a block a program holds at once on a GPU (``RB`` rows of ``BN``), and per thread.
@@ -420,15 +411,10 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     """``(RB, num_warps)``: rows per chunk and warps. Under the interpreter one chunk is the whole tile
     (every loop step costs Python time there); on a GPU chunks of ``GPU_CHUNK`` elements, 16 per thread
     (4 warps for 128x128 blocks in 16-row chunks, 1 warp for 16x16 blocks)."""
-    if _interpreting():
+    if interpreting():
         return bm, 1
     rb = max(1, min(bm, GPU_CHUNK // bn))
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
-
-
-def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element ``dtype`` view at the start of ``t``'s storage: a group's base pointer."""
-    return t.view(dtype).as_strided((1,), (1,), 0)
 
 
 def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int]) -> None:
@@ -441,9 +427,9 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
             kernel[(g.num_blocks,)](
-                _storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
-                _storage_view(items[g.q_base][1], torch.uint8),
-                _storage_view(items[g.s_base][2], torch.float32),
+                storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
+                storage_view(items[g.q_base][1], torch.uint8),
+                storage_view(items[g.s_base][2], torch.float32),
                 g.table,
                 thr,
                 g.num_blocks,
@@ -492,8 +478,6 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
     if not items:
         return
     if backend is None:
-        from .ops import resolve_backend
-
         first = items[0][0] if isinstance(items[0], (tuple, list)) and items[0] else None
         backend = resolve_backend(first.device if isinstance(first, torch.Tensor) else None)
     if backend not in BACKENDS:
@@ -506,13 +490,8 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
         if key is None:
             launch(prepare(items, block), items, ue8m0, block)
             return
-        table = _CACHE.get(key)
-        if table is None or table.signature != (tuple(block), signature(items)):
-            table = prepare(items, block)
-            _CACHE[key] = table
-            if len(_CACHE) > CACHE_SIZE:
-                _CACHE.popitem(last=False)
-        _CACHE.move_to_end(key)
+        table = cached_table(_CACHE, key, lambda: (tuple(block), signature(items)), lambda: prepare(items, block),
+                             CACHE_SIZE)
         launch(table, items, ue8m0, block)
 
 

@@ -1,8 +1,9 @@
-"""Launcher of the Triton copy kernel: validate the pairs, build (and cache) the region table, launch.
+"""The copy op: the torch reference and the launcher of the Triton copy kernel (validate the pairs, build
+and cache the region table, launch).
 
 ``triton_copy_views(pairs, key)`` copies every ``(src_view, dst_view)`` pair with **one kernel launch per
 dtype group** (see :func:`plan_dtypes`). The torch reference of the same function is
-:func:`triton_reshard.torch_copy.torch_copy_views`; pairs that the kernel does not handle (casts to and from fp8,
+:func:`torch_copy_views` (below); pairs that the kernel does not handle (casts to and from fp8,
 float -> int, bool and complex casts, more than ``MAX_DIMS`` non-mergeable dimensions) are copied with it.
 
 Design (details in ``kernels/copy.py``):
@@ -26,21 +27,22 @@ The kernel writes through raw pointers: autograd version counters of the destina
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import triton
-from triton import knobs
 
-from .torch_copy import Pair, torch_copy_views
+from .launcher import cached_table, interpreting, kernel_module, storage_view
 
-KERNELS_MODULE = "triton_reshard.kernels.copy"
+if TYPE_CHECKING:
+    import triton
+
+Pair = tuple[torch.Tensor, torch.Tensor]
 CACHE_SIZE = 256
 # ``TRITON_RESHARD_AUTOTUNE=0`` pins the default config on CUDA (no benchmarking on the first call).
 AUTOTUNE_ENV = "TRITON_RESHARD_AUTOTUNE"
@@ -114,9 +116,11 @@ def plan_dtypes(src: torch.dtype, dst: torch.dtype) -> DtypePlan | None:
 # validation and regions
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return bool(knobs.runtime.interpret)
+def torch_copy_views(pairs: Sequence[Pair]) -> None:
+    """Reference: copy every ``src`` view into its ``dst`` view with ``Tensor.copy_`` (casts like ``.to``)."""
+    for src, dst in pairs:
+        if src.numel():
+            dst.copy_(src)
 
 
 def validate_pairs(pairs: Sequence[Pair]) -> torch.device:
@@ -169,11 +173,6 @@ def _vector_ok(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, pla
     if len(dims) == 1:
         return True
     return dims[0][0] % max(vs, vd) == 0 and all(s % vs == 0 and d % vd == 0 for _, s, d in dims[1:])
-
-
-def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element ``dtype`` view at the start of ``t``'s storage: the base pointer of a group."""
-    return t.view(dtype).as_strided((1,), (1,), 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,7 +256,7 @@ def build_tiles(numels: np.ndarray, tile_elems: int, max_regions: int) -> np.nda
 def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, numel: int,
                 plan: DtypePlan) -> list[int]:
     """One row of the region table (layout in ``kernels/copy.py``)."""
-    from .kernels import copy as k
+    from ..kernels import copy as k  # triton is imported only by the Triton backend
 
     row = [0] * int(k.REGION_FIELDS)
     row[int(k.F_SRC)], row[int(k.F_DST)] = src_off, dst_off
@@ -274,7 +273,7 @@ def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, nu
 def _group_rows(plan: DtypePlan, members: list[int], pairs: Sequence[Pair], fallback: list[int]
                 ) -> tuple[int, int, list[list[int]], list[int]]:
     """Base pairs and region rows of one dtype group; pairs the kernel cannot take go to ``fallback``."""
-    from .kernels import copy as k
+    from ..kernels import copy as k  # triton is imported only by the Triton backend
 
     src_base = min(members, key=lambda i: pairs[i][0].untyped_storage().data_ptr())
     dst_base = min(members, key=lambda i: pairs[i][1].untyped_storage().data_ptr())
@@ -348,6 +347,8 @@ def prepare(pairs: Sequence[Pair]) -> CopyTable:
 def autotune_configs(interpret: bool, tune: bool) -> list[triton.Config]:
     """Configs of the copy kernel: one big-block config under the interpreter (its autotuner cannot time)
     or with autotuning off; BLOCK / num_warps / TILES_PER_PROG choices on CUDA (pruned per dtype group)."""
+    import triton
+
     if interpret:
         return [triton.Config({"BLOCK": INTERPRET_BLOCK, "TILES_PER_PROG": 1}, num_warps=4)]
     if not tune:
@@ -380,17 +381,14 @@ _KERNELS: dict[tuple[bool, bool], tuple[object, object]] = {}
 
 
 def get_kernel():
-    """The autotuned copy kernel for the current mode (compiled or ``TRITON_INTERPRET=1``).
+    """The autotuned copy kernel for the current mode (compiled or ``TRITON_INTERPRET=1``; see
+    :func:`~triton_reshard.ops.launcher.kernel_module`)."""
+    import triton
 
-    ``@triton.jit`` picks compiled or interpreted when the kernel module is imported; if the mode changed
-    since (``TRITON_INTERPRET`` set after the import), the kernel module is reloaded so both agree.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
+    from ..kernels import copy as kcopy
 
     interpret = interpreting()
-    module = importlib.import_module(KERNELS_MODULE)
-    if isinstance(module.copy_regions_kernel, InterpretedFunction) != interpret:
-        module = importlib.reload(module)
+    module = kernel_module(kcopy, "copy_regions_kernel")
     tune = os.environ.get(AUTOTUNE_ENV, "1") != "0"
     cached = _KERNELS.get((interpret, tune))
     if cached is None or cached[0] is not module.copy_regions_kernel:
@@ -406,14 +404,16 @@ def get_kernel():
 def launch(table: CopyTable, pairs: Sequence[Pair]) -> None:
     """Run the copies described by ``table`` (built from ``pairs`` or an identical list)."""
     if table.groups:
+        import triton
+
         kernel = get_kernel()
         nan = _BF16_NAN[table.device.type]
         for g in table.groups:
             plan = g.plan
             num_tiles = g.num_tiles
             kernel[lambda meta, n=num_tiles: (triton.cdiv(n, meta["TILES_PER_PROG"]),)](
-                _storage_view(pairs[g.src_base][0], plan.src_view),
-                _storage_view(pairs[g.dst_base][1], plan.dst_view),
+                storage_view(pairs[g.src_base][0], plan.src_view),
+                storage_view(pairs[g.dst_base][1], plan.dst_view),
                 g.regions,
                 g.tiles,
                 num_tiles,
@@ -446,14 +446,7 @@ def triton_copy_views(pairs: Sequence[Pair], key: Hashable | None = None) -> Non
         if key is None:
             launch(prepare(pairs), pairs)
             return
-        table = _CACHE.get(key)
-        if table is None or table.signature != signature(pairs):
-            table = prepare(pairs)
-            _CACHE[key] = table
-            if len(_CACHE) > CACHE_SIZE:
-                _CACHE.popitem(last=False)
-        _CACHE.move_to_end(key)
-        launch(table, pairs)
+        launch(cached_table(_CACHE, key, lambda: signature(pairs), lambda: prepare(pairs), CACHE_SIZE), pairs)
 
 
 def clear_cache() -> None:

@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .execute import ReshardTimeoutError, _to_timedelta
-from .layout import Layout, box_slices
+from ..execute import ReshardTimeoutError, to_timedelta
+from ..layout import Layout, box_slices
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ def allgather_refit(
 ) -> BaselineReport:
     """All-gather to full size, then slice. Call on every rank of ``group``; updates ``dst_tensors`` in place."""
     t0 = time.perf_counter()
-    timeout = _to_timedelta(timeout)
+    timeout = to_timedelta(timeout)
     rank = dist.get_rank()
     device = next(iter(src_tensors.values()), next(iter(dst_tensors.values()), torch.empty(0))).device
     if dist.get_backend(group) == "nccl":

@@ -1,0 +1,31 @@
+"""Execute: buffers, transport, kernels. :class:`Resharder` (``resharder``) runs a plan on one rank; beside it
+its jobs: ``options``, ``checks``, ``transport``, ``bind``, ``steps``, ``reports``, ``errors``."""
+
+from .errors import (
+    ReshardAbortedError,
+    ReshardConnectionError,
+    ReshardError,
+    ReshardTimeoutError,
+    ReshardTransportError,
+)
+from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions, to_timedelta
+from .reports import Difference, RunReport, VerifyReport
+from .resharder import Resharder
+from .transport import refuse
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_TIMEOUT",
+    "Difference",
+    "RefitOptions",
+    "ReshardAbortedError",
+    "ReshardConnectionError",
+    "ReshardError",
+    "ReshardTimeoutError",
+    "ReshardTransportError",
+    "Resharder",
+    "RunReport",
+    "VerifyReport",
+    "refuse",
+    "to_timedelta",
+]

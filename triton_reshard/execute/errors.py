@@ -1,0 +1,68 @@
+"""The errors a reshard raises, and how a transport's message is read into one of them."""
+
+from __future__ import annotations
+
+
+class ReshardError(RuntimeError):
+    """A reshard could not run (ranks disagree, a peer rejected its input) or failed part way.
+
+    ``torn``: the destination local tensors on this rank that may be partly written (sorted; empty when the
+    run failed before writing any destination byte, e.g. every rejected input)."""
+
+    torn: tuple[str, ...] = ()
+
+
+class ReshardTransportError(ReshardError):
+    """The transport failed during a run: a timeout, a lost connection, or another backend error. The process
+    group is unusable afterwards: destroy it and build a new one (and new Resharders) before retrying.
+
+    Attributes (None when unknown): ``rank``, ``what`` (e.g. ``"step 2/5"``, ``"the plan handshake"``),
+    ``peers`` (the ranks of that step), ``peer`` (the rank of the failing operation, where the backend
+    tells), ``kind`` (``"timeout"``, ``"connection"`` or ``"error"``), ``elapsed`` (seconds from posting to
+    the failure), ``timeout`` (seconds), ``torn`` (see :class:`ReshardError`)."""
+
+    kind = "error"
+
+    def __init__(self, message: str, *, rank: int | None = None, what: str | None = None,
+                 peers: tuple[int, ...] | None = None, peer: int | None = None, elapsed: float | None = None,
+                 timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.what, self.peers, self.peer = rank, what, peers, peer
+        self.elapsed, self.timeout = elapsed, timeout
+
+
+class ReshardTimeoutError(ReshardTransportError, TimeoutError):
+    """A peer did not arrive within the timeout. The process group is unusable afterwards: destroy it."""
+
+    kind = "timeout"
+
+
+class ReshardConnectionError(ReshardTransportError, ConnectionError):
+    """The connection to a peer was lost (it died, or the group broke earlier). Destroy the group."""
+
+    kind = "connection"
+
+
+class ReshardAbortedError(ReshardError):
+    """This rank failed part way through a run (a copy raised after the handshake); its peers are left
+    waiting and will fail too. The process group is unusable afterwards: destroy it. ``__cause__``: the
+    original exception."""
+
+
+# how a backend's message says what went wrong (gloo, NCCL, our RefitGroup)
+TIMEOUT_WORDS = ("timed out", "timeout")
+CONNECTION_WORDS = ("connection", "reset by peer", "broken pipe", "read error", "write error", "eof",
+                     "closed", "socket", "unreachable", "destroyed", "aborted")
+
+
+def classify(msg: str) -> type[ReshardTransportError]:
+    low = msg.lower()
+    if any(w in low for w in TIMEOUT_WORDS):
+        return ReshardTimeoutError
+    if any(w in low for w in CONNECTION_WORDS):
+        return ReshardConnectionError
+    return ReshardTransportError
+
+
+GROUP_DEAD = ("the process group is unusable now: destroy it and build a new one (and new Resharders; "
+              "refit does that for a new group) before retrying")

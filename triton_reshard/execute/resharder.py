@@ -1,0 +1,266 @@
+"""Execute: buffers, transport, kernels.
+
+A :class:`Resharder` runs one :class:`~triton_reshard.plan.Plan` on one rank. Per step it packs the strided
+source slices into one contiguous send buffer per peer, exchanges all buffers with one
+``torch.distributed.batch_isend_irecv`` call, and scatters each receive buffer into the destination views.
+Staging buffers are allocated once and reused; every wait has a timeout; before any byte moves all ranks
+check they run the same plan and that every rank's input is valid.
+
+:meth:`Resharder.verify` runs the same steps in *verify mode*: every received message is staged, and the unpack
+and local copies become bit-exact compares against what the destination tensors already hold. It writes
+nothing.
+
+The jobs live beside this module: ``options`` (validated once), ``checks`` (inputs and memory), ``transport``
+(handshake, waits, named errors), ``bind`` (views and buffers), ``steps`` (the loop), ``reports``, ``errors``;
+the plan side hands over the rank's work (``plan.work.rank_work``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..group import RefitGroup, as_transport
+from ..plan import DIRECT_MIN_BYTES, Plan
+from ..plan.local import RankPlan
+from ..plan.work import check_chunk_count, rank_work
+from . import checks
+from .bind import Bound, Staging, bind
+from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
+from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
+from .reports import RunReport, Tally, VerifyReport
+from .steps import StepLoop
+from .transport import Link, handshake
+
+
+class Resharder:
+    """Runs ``plan`` on this rank. Call :meth:`run` on every rank of ``group`` (default: the world).
+
+    ``bucket_bytes`` bounds this rank's staging memory (send + receive buffers) whatever the model size;
+    a tensor larger than a bucket is split across steps. ``timeout`` (seconds or timedelta) bounds every
+    wait. ``backend`` forces the copy backend (``"torch"`` or ``"triton"``; default by device / the
+    ``TRITON_RESHARD_BACKEND`` variable). ``overlap=True`` splits the bucket into two staging slots
+    and packs step k+1 (and posts it) while step k is on the wire; staging memory stays within
+    ``bucket_bytes`` either way. ``direct_min_bytes``: chunks at least this big that are contiguous in the
+    source or destination tensor are sent from / received into it in place, with no staging copy on that
+    side (see ``Plan.schedule``); every rank must pass the same value.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        group: dist.ProcessGroup | RefitGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        backend: str | None = None,
+        overlap: bool = False,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
+        *,
+        options: RefitOptions | None = None,
+    ) -> None:
+        if not isinstance(plan, (Plan, RankPlan)):
+            raise TypeError(f"Resharder needs a Plan or a RankPlan, got {type(plan).__name__}")
+        if options is None:
+            options = RefitOptions.of(bucket_bytes, timeout, backend, overlap, direct_min_bytes)
+        self.options = options
+        self.plan = plan
+        self.group = group
+        check_chunk_count(plan, options.slot_bytes)
+        self.link = Link(as_transport(group), options.timeout)  # a torch.distributed group (global ranks) or a RefitGroup
+        self.rank, self.group_ranks = self.link.rank, self.link.ranks
+        if isinstance(plan, RankPlan) and plan.rank != self.rank:
+            raise ValueError(f"rank {self.rank}: got the rank plan of rank {plan.rank}; each rank runs its own share "
+                             f"(plan_reshard(..., rank={self.rank}))")
+        missing = sorted(set(plan.ranks) - set(self.group_ranks))
+        if missing:
+            raise ValueError(
+                f"rank {self.rank}: the plan uses ranks {missing} that are not in the process group "
+                f"{list(self.group_ranks)}"
+            )
+        self.work = rank_work(plan, self.rank, options.slots, options.slot_bytes, options.direct_min_bytes)
+        self.schedule = self.work.schedule
+        self.steps = self.work.steps  # only the steps this rank takes part in; step i uses slot i % slots
+        self._broken: str | None = None  # set by a failure part way: the group is unusable then
+        self._alias_ok: dict[tuple[str, str, tuple[int, ...]], str | None] = {}
+        self._memory_ok: tuple | None = None  # the tensor signature that last passed check_memory
+        self._src_specs = plan.src.local_specs(self.rank)
+        self._dst_specs = plan.dst.local_specs(self.rank)
+        self._staging = Staging()
+        # set by binding: only the staged messages need staging (direct ones of contiguous tensors go in place)
+        self.send_area_bytes = self.recv_area_bytes = 0
+        self._bound_sig: tuple | None = None
+        self._bound: Bound | None = None
+
+    # the options, as attributes (read-only)
+    bucket_bytes = property(lambda self: self.options.bucket_bytes)
+    timeout = property(lambda self: self.options.timeout)
+    backend = property(lambda self: self.options.backend)
+    overlap = property(lambda self: self.options.overlap)
+    direct_min_bytes = property(lambda self: self.options.direct_min_bytes)
+    slots = property(lambda self: self.options.slots)
+
+    @property
+    def broken(self) -> str | None:
+        """Why this Resharder failed part way (its group is unusable then), or None."""
+        return self._broken
+
+    @property
+    def transport(self):
+        """The executor's view of the group (``.key``: the torch.distributed group, or the RefitGroup)."""
+        return self.link.comm
+
+    @property
+    def _stage(self) -> list[torch.Tensor]:  # the region staging tensors (tools report their bytes)
+        return self._staging.regions
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def _check_inputs(self, src_tensors, dst_tensors, verify: bool = False) -> torch.device:
+        sdev = checks.check_side(self.rank, "source", src_tensors, self._src_specs)
+        ddev = checks.check_side(self.rank, "destination", dst_tensors, self._dst_specs)
+        if sdev is not None and ddev is not None and sdev != ddev:
+            raise ValueError(f"rank {self.rank}: source tensors are on {sdev}, destination tensors on {ddev}")
+        device = sdev or ddev or self.link.device()
+        if self.link.wire and self.link.is_nccl and device.type != "cuda":
+            raise ValueError(f"rank {self.rank}: NCCL needs CUDA tensors, got tensors on {device}")
+        if not verify:  # verify writes nothing: sharing memory is harmless there
+            # overlap depends only on addresses, shapes, strides and dtypes: checked once per set of tensors,
+            # not on every step of an RL loop that passes the same ones
+            sig = (checks.signature(src_tensors), checks.signature(dst_tensors))
+            if sig != self._memory_ok:
+                checks.check_memory(self.rank, src_tensors, dst_tensors, self._alias_problem)
+                self._memory_ok = sig
+        return device
+
+    def _alias_problem(self, s_name: str, d_name: str, shift: tuple[int, ...]) -> str | None:
+        key = (s_name, d_name, shift)
+        if key not in self._alias_ok:
+            self._alias_ok[key] = checks.alias_problem(self.plan, self.rank, s_name, d_name, shift)
+        return self._alias_ok[key]
+
+    def _bind(self, src_tensors, dst_tensors, device: torch.device, verify: bool = False) -> Bound:
+        """The bound views and buffers for this set of tensors and mode (the last one is cached)."""
+        sig = (checks.signature(src_tensors), checks.signature(dst_tensors), verify)
+        if sig == self._bound_sig:
+            return self._bound
+        self._bound_sig = self._bound = None  # the old views must not keep old staging areas alive
+        self._bound = bind(self.work, self.plan.transfers, src_tensors, dst_tensors, device, verify, self._staging)
+        self._bound_sig = sig
+        self.send_area_bytes, self.recv_area_bytes = self._bound.send_area_bytes, self._bound.recv_area_bytes
+        return self._bound
+
+    # -- run and verify -------------------------------------------------------------------------------
+
+    def run(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> RunReport:
+        """Reshard: read ``src_tensors`` (this rank's source local tensors), write ``dst_tensors`` in place.
+
+        Pass an empty dict for a side this rank has no part in. Raises before any byte moves if any rank's
+        input is invalid or ranks run different plans; raises :class:`ReshardTimeoutError` if a peer does
+        not arrive within the timeout.
+        """
+        with self.link.exclusive("run", self.plan.digest):
+            return self._execute(src_tensors, dst_tensors, None)
+
+    def verify(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> VerifyReport:
+        """Like :meth:`run`, but compare instead of write: how many destination elements differ, bit for bit,
+        from what ``run`` would write into them (after the cast to the destination dtype). Writes nothing.
+
+        The same steps, messages and checks as ``run`` (every rank of the group calls it; all ranks must be
+        verifying, the handshake checks that), with every received message staged (never received in place),
+        unpacks and local copies turned into compares, and one exchange of the counts at the end, so the
+        report's ``ok`` is the same on every rank. Memory: the staging areas of ``run`` with every receive
+        staged (within ``bucket_bytes``), plus a mask (and a cast copy) of one chunk of at most half a bucket.
+        A plan with relays cannot be verified: a relay forwards the relaying rank's *destination* tensor,
+        which is what verify checks, not trusts (plan with ``relay=False``, as ``verify_refit`` does).
+        Block-quantized destinations: what the source holds is quantized again (received fp8 and scales as
+        sent, local and staged blocks into temporaries) and compared bit for bit with the fp8 values and the
+        scales held (temporaries: a local transfer's chunk of at most half a bucket, or one staged region).
+        """
+        relays = sum(t.relay for t in self.plan.transfers)
+        if relays and not self.link.wire:
+            raise ValueError(
+                f"rank {self.rank}: verify needs a plan without relays ({relays} relay transfers read the relaying "
+                f"rank's destination tensors, which verify must not trust): plan it with relay=False"
+            )
+        # with a group the relay check is part of the handshake: a rank plan knows only its own relays, and
+        # every rank must refuse together (a rank that raised alone would leave its peers in the handshake)
+        tally = Tally()
+        with self.link.exclusive("verify", self.plan.digest):
+            stats = self._execute(src_tensors, dst_tensors, tally)
+            by_rank = self.link.all_counts(sum(tally.counts.values()))
+        total = sum(by_rank.values())
+        return VerifyReport(
+            ok=total == 0,
+            rank=self.rank,
+            mismatches=dict(sorted(tally.counts.items())),
+            total_mismatches=total,
+            mismatches_by_rank=by_rank,
+            compared_elements=tally.compared,
+            differences=dict(sorted(tally.first.items())),
+            stats=stats,
+        )
+
+    def _execute(self, src_tensors, dst_tensors, tally: Tally | None) -> RunReport:
+        """The loop ``run`` and ``verify`` share. ``tally``: None to write the destination (unpack and local
+        copies), or verify mode's sink, which compares those same pairs instead.
+
+        Every check runs before the handshake, so a bad input on any rank stops every rank before a byte
+        moves. After it, any failure marks this Resharder broken and raises a :class:`ReshardError` subclass
+        whose ``torn`` lists the destination tensors that may be partly written."""
+        t0 = time.perf_counter()
+        verify = tally is not None
+        if self._broken is not None:
+            raise ReshardError(f"rank {self.rank}: this Resharder failed part way before ({self._broken}); "
+                               f"{GROUP_DEAD}; nothing was moved")
+        error: Exception | None = None
+        device = backend = b = None
+        try:
+            device = self._check_inputs(src_tensors, dst_tensors, verify)
+            backend = ops.resolve_backend(device, self.backend)
+            if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
+                                 f"the tensors are on {device}")
+            if isinstance(self.link.comm, RefitGroup) and self.link.wire:
+                self.link.comm._live()
+            b = self._bind(src_tensors, dst_tensors, device, verify)
+        except (ValueError, TypeError) as e:
+            error = e
+        except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
+            error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
+        try:
+            handshake(self.link, self.plan, self.options, error, verify)
+        except ReshardTransportError as e:
+            e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
+            self._broken = f"{type(e).__name__} in {e.what}"
+            raise
+        touched: set[str] = set()  # destination tensors this run may have written so far
+        try:
+            loop = StepLoop(self.work, b, self.link, backend, tally, touched, (id(self), hash(self._bound_sig)))
+            loop.run()
+            if device is not None and device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            return loop.report(t0, b.send_area_bytes + b.recv_area_bytes + self._staging.region_bytes)
+        except Exception as e:
+            torn = tuple(sorted(touched))
+            if isinstance(e, ReshardError):
+                err = e
+            else:
+                err = ReshardAbortedError(
+                    f"rank {self.rank}: the run failed on this rank after the handshake ({type(e).__name__}: {e}); "
+                    f"its peers are left waiting and will fail too; {GROUP_DEAD}")
+            err.torn = torn
+            note = (f"; destination tensors on rank {self.rank} possibly partly written: {list(torn)}" if torn
+                    else f"; no destination tensor on rank {self.rank} was written")
+            if torn and not verify:
+                note += " (in-place receives already posted may still land until the group is destroyed)"
+            err.args = (str(err) + note,)
+            self._broken = f"{type(err).__name__} in {getattr(err, 'what', None) or 'a run'}"
+            if err is e:
+                raise
+            raise err from e

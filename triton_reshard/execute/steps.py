@@ -1,0 +1,178 @@
+"""The step loop: pack, post, land (unpack or compare), the local copies and the quantization of staged
+regions, one small method per kind of step, timed into a :class:`Timing` record."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..ops import quantize as quant
+from .bind import Bound
+from .reports import RunReport, Tally
+from .transport import Link
+
+clock = time.perf_counter
+
+
+@dataclass(slots=True)
+class Timing:
+    """Seconds spent per kind of work in one run (``local`` None until the local copies ran)."""
+
+    pack: float = 0.0
+    wire: float = 0.0
+    unpack: float = 0.0
+    local: float | None = None
+
+
+@dataclass(slots=True)
+class Pending:
+    """A step on the wire: its position, works, peers, when it was posted, and per work (operation, peer)."""
+
+    pos: int
+    works: list
+    peers: set
+    posted: float
+    desc: list
+
+
+class StepLoop:
+    """One run (or verify, with a ``tally``) of a rank's bound steps."""
+
+    def __init__(self, work, bound: Bound, link: Link, backend: str, tally: Tally | None, touched: set[str],
+                 key) -> None:
+        self.work, self.b, self.link, self.backend = work, bound, link, backend
+        self.tally, self.touched, self.key = tally, touched, key
+        self.verify = tally is not None
+        self.timing = Timing()
+        self.sent = self.recvd = 0
+
+    def what(self, pos: int) -> str:
+        return f"step {pos + 1}/{len(self.work.steps)}"
+
+    def land(self, pairs, meta, list_key) -> None:
+        """Unpack or local copies: write them, or in verify mode compare them."""
+        if self.tally is None:
+            ops.copy_views(pairs, self.backend, key=list_key)
+        else:
+            self.tally.compare(pairs, meta)
+
+    def quantize(self, groups: dict, metas: dict | None, list_key) -> None:
+        """Quantize ``{(block, ue8m0): [(source, fp8 out, scale out)]}`` into the outputs; in verify mode
+        (``metas`` given) into temporaries compared with the outputs instead."""
+        for (block, ue8m0), items in groups.items():
+            if metas is None:
+                quant.quantize_views(items, block, ue8m0, backend=self.backend, key=(list_key, block, ue8m0))
+                continue
+            temps = [(x, torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                      torch.empty(sc.shape, dtype=sc.dtype, device=sc.device)) for x, q, sc in items]
+            quant.quantize_views(temps, block, ue8m0, backend=self.backend)
+            pairs, meta = [], []
+            for (_x, tq, ts), (_y, q, sc), (mq, ms) in zip(temps, items, metas[(block, ue8m0)], strict=True):
+                pairs += [(tq, q), (ts, sc)]
+                meta += [mq, ms]
+            self.tally.compare(pairs, meta)
+
+    def regions(self, pos: int) -> None:
+        """Quantize the staged regions whose last piece arrived in step ``pos`` (-1: the local copies)."""
+        ks = self.b.regions_due.get(pos)
+        if not ks:
+            return
+        groups: dict = {}
+        metas: dict = {}
+        for k in ks:
+            block, ue8m0, item, meta = self.b.region_items[k]
+            groups.setdefault((block, ue8m0), []).append(item)
+            metas.setdefault((block, ue8m0), []).append(meta)
+            if not self.verify:
+                self.touched.update((meta[0][0], meta[1][0]))
+        self.quantize(groups, metas if self.verify else None, (self.key, "regions", pos))
+
+    def local_copies(self) -> None:
+        t = clock()
+        b = self.b
+        self.touched.update(b.local_writes)
+        self.land(b.local, b.local_meta, (self.key, "local"))
+        if b.local_stage:
+            ops.copy_views(b.local_stage, self.backend, key=(self.key, "local-stage"))
+        if b.local_q:
+            self.quantize(b.local_q, b.local_q_meta if self.verify else None, (self.key, "local-quant"))
+        self.regions(-1)
+        self.timing.local = clock() - t
+
+    def pack_and_post(self, pos: int) -> Pending:
+        i = self.work.steps[pos][0]
+        b = self.b
+        t0 = clock()
+        ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        if b.qpacks[pos]:  # source-quantized chunks: quantized straight into the send buffer
+            self.quantize(b.qpacks[pos], None, (self.key, "pack-quant", i))
+        self.timing.pack += clock() - t0
+        sends, recvs = b.wire[pos]
+        peers = {p for p, _ in sends} | {p for p, _ in recvs}
+        self.touched.update(b.writes[pos])  # in-place receives may land as soon as they are posted
+        posted = clock()
+        works = self.link.call(self.link.post, self.what(pos), peers, sends, recvs)
+        desc = [("receiving from", p) for p, _ in recvs] + [("sending to", p) for p, _ in sends]
+        self.sent += sum(buf.numel() for _, buf in sends)
+        self.recvd += sum(buf.numel() for _, buf in recvs)
+        return Pending(pos, works, peers, posted, desc)
+
+    def finish(self, p: Pending) -> None:
+        """Wait for step ``p`` and land what it received."""
+        b, pos = self.b, p.pos
+        i = self.work.steps[pos][0]
+        t1 = clock()
+        self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
+        t2 = clock()
+        self.land(b.unpacks[pos], b.unpack_meta[pos] if self.verify else None, (self.key, "unpack", i))
+        if b.stage_unpacks[pos]:
+            ops.copy_views(b.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
+        self.regions(pos)
+        self.timing.wire += t2 - t1
+        self.timing.unpack += clock() - t2
+
+    def run(self) -> None:
+        """Every step: pack and post step k (with two slots, while step k-1 is still on the wire), run the
+        local copies while the first step is on the wire (before the relay phase, whose relays may read
+        what they write), then wait for each step and land it."""
+        phases, slots = self.work.phases, self.work.slots
+        pending: Pending | None = None
+        with torch.no_grad():
+            for pos in range(len(self.work.steps)):
+                if pending is not None and (slots == 1 or phases[pending.pos] != phases[pos]):
+                    # one slot: the previous step's buffers are reused; a new phase: relays read what the
+                    # previous phase received
+                    self.finish(pending)
+                    pending = None
+                if self.timing.local is None and phases[pos]:  # relays may read what the local copies write
+                    self.local_copies()
+                step = self.pack_and_post(pos)
+                if self.timing.local is None:  # the local copies run while the first step is on the wire
+                    self.local_copies()
+                if pending is not None:  # step pos-1 was on the wire while we packed and posted step pos
+                    self.finish(pending)
+                pending = step
+            if pending is not None:
+                self.finish(pending)
+            if self.timing.local is None:  # no steps on this rank
+                self.local_copies()
+
+    def report(self, t0: float, staging_bytes: int) -> RunReport:
+        tm = self.timing
+        return RunReport(
+            rank=self.link.rank,
+            steps=len(self.work.steps),
+            sent_bytes=self.sent,
+            recv_bytes=self.recvd,
+            local_bytes=self.work.local_bytes,
+            staging_bytes=staging_bytes,
+            seconds=time.perf_counter() - t0,
+            pack_seconds=tm.pack,
+            wire_seconds=tm.wire,
+            unpack_seconds=tm.unpack,
+            local_seconds=tm.local,
+            in_place_bytes=self.b.in_place_bytes,
+        )

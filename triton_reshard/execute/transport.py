@@ -1,0 +1,210 @@
+"""The transport side of a run: every call and wait with a timeout and a named error, the plan handshake,
+the verify result exchange, one run at a time per group, and ``refuse`` for a rank that could not plan."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from .. import ops
+from ..group import RefitGroup, as_transport
+from .errors import (
+    GROUP_DEAD,
+    ReshardConnectionError,
+    ReshardError,
+    ReshardTimeoutError,
+    ReshardTransportError,
+    classify,
+)
+from .options import to_timedelta
+
+BACKEND_CODES = {None: 0, "torch": 1, "triton": 2}  # the copy backend a rank asked for (None: by device)
+
+# one run or verify at a time per process group in this process: two would match each other's messages
+_RUNNING: dict[int, tuple[object, str]] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(minutes=5)) -> None:
+    """Raise ``error`` (a planning or input error found on this rank before its ``Resharder`` exists) after
+    taking part in the plan handshake its peers are in, so that they raise at once ("rank(s) [r] could not
+    plan this refit") instead of waiting for the timeout. With rank plans an error in one tensor is found only
+    by the ranks that touch it."""
+    comm = as_transport(group)
+    if comm.wire:
+        dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([0, 0, 0, 2, 0, 0, int(verify), 0, 0], dtype=torch.int64, device=dev)
+        out = [torch.empty_like(mine) for _ in comm.ranks]
+        try:
+            work = comm.all_gather(out, mine)
+            work.wait(timeout=to_timedelta(timeout))
+        except Exception:  # the peers' view of it is theirs to report; ours is the original error
+            pass
+    raise error
+
+
+class Link:
+    """This rank's end of the transport (``comm``: a torch.distributed group or a RefitGroup), with the
+    run's ``timeout``: every call and wait raises a named :class:`ReshardTransportError`."""
+
+    def __init__(self, comm, timeout: timedelta) -> None:
+        self.comm = comm
+        self.timeout = timeout
+        self.rank, self.ranks = comm.rank, tuple(comm.ranks)
+
+    @property
+    def wire(self) -> bool:
+        return self.comm.wire
+
+    @property
+    def is_nccl(self) -> bool:
+        return self.comm.backend == "nccl"
+
+    def device(self) -> torch.device:
+        if self.is_nccl:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def error(self, what: str, peers, started: float, cause: BaseException | None,
+              peer: int | None = None, op: str | None = None) -> ReshardTransportError:
+        """The named error for a failure of ``what`` (with ``peers``) that began at ``started``."""
+        elapsed = time.perf_counter() - started
+        limit = self.timeout.total_seconds()
+        msg = str(cause).strip() if cause is not None else ""
+        first = msg.splitlines()[0] if msg else (type(cause).__name__ if cause is not None else "")
+        cls = ReshardTimeoutError if cause is None else classify(f"{type(cause).__name__} {msg}")
+        where = f" ({op} rank {peer})" if op is not None else ""
+        if cls is ReshardTimeoutError:
+            how = f"timed out: it did not complete within the {limit:g}s timeout (after {elapsed:.2f}s)"
+        elif cls is ReshardConnectionError:
+            how = (f"lost the connection after {elapsed:.2f}s (timeout {limit:g}s): a peer died or closed, or "
+                   f"the group broke earlier")
+        else:
+            how = f"failed after {elapsed:.2f}s (timeout {limit:g}s)"
+        backend = getattr(self.comm, "backend", "?")
+        detail = f" [{backend}: {type(cause).__name__}: {first}]" if cause is not None else ""
+        return cls(
+            f"rank {self.rank}: {what}{where} with peers {sorted(peers)} {how}{detail}; {GROUP_DEAD}",
+            rank=self.rank, what=what, peers=tuple(sorted(peers)), peer=peer, elapsed=elapsed, timeout=limit,
+        )
+
+    def call(self, fn, what: str, peers, *args):
+        """``fn(*args)`` on the transport; any failure becomes a named :class:`ReshardTransportError`."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise self.error(what, peers, t0, e) from e
+
+    def post(self, sends, recvs) -> list:
+        return self.comm.post(sends, recvs)  # never called with nothing to post: steps without ops are dropped
+
+    def wait(self, works, what: str, peers, started: float | None = None, ops_desc=None) -> None:
+        """Wait for ``works`` (posted at ``started``) within the timeout, counted from ``started``.
+        ``ops_desc``: per work, ``(operation, peer)`` when each work is one operation."""
+        started = time.perf_counter() if started is None else started
+        deadline = started + self.timeout.total_seconds()
+        if ops_desc is not None and len(ops_desc) != len(works):
+            ops_desc = None  # one work for several operations (NCCL coalescing): no peer to name
+        for k, w in enumerate(works):
+            op, peer = ops_desc[k] if ops_desc else (None, None)
+            left = max(deadline - time.perf_counter(), 0.001)
+            try:
+                ok = w.wait(timeout=timedelta(seconds=left))
+            except Exception as e:
+                raise self.error(what, peers, started, e, peer, op) from e
+            if ok is False:
+                raise self.error(what, peers, started, None, peer, op)
+
+    def all_gather_row(self, row: list[int], what: str) -> list[list[int]]:
+        """Every rank's ``row`` (one all-gather over the group, with the timeout)."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device())
+        out = [torch.empty_like(mine) for _ in self.ranks]
+        t0 = time.perf_counter()
+        work = self.call(self.comm.all_gather, what, self.ranks, out, mine)
+        self.wait([work], what, self.ranks, t0)
+        return [o.tolist() for o in out]
+
+    def all_counts(self, mine: int) -> dict[int, int]:
+        """Every rank's mismatch count (verify)."""
+        if not self.wire:
+            return {self.rank: mine}
+        rows = self.all_gather_row([mine], "the verify result exchange")
+        return {r: row[0] for r, row in zip(self.ranks, rows, strict=True)}
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str, digest: str):
+        """Refuse a second run or verify on the same process group while one is in progress in this process
+        (another thread): their messages would match each other's. Raises before anything is sent."""
+        if not self.wire:  # nothing on the wire: concurrent runs cannot meet
+            yield
+            return
+        key_obj = self.comm if isinstance(self.comm, RefitGroup) else self.comm.key
+        me = f"{what} of plan {digest} in thread {threading.current_thread().name!r}"
+        with _RUNNING_LOCK:
+            busy = _RUNNING.get(id(key_obj))
+            if busy is None:
+                _RUNNING[id(key_obj)] = (key_obj, me)
+        if busy is not None:
+            raise ReshardError(
+                f"rank {self.rank}: refused {me}: {busy[1]} is in progress on the same process group in this "
+                f"process; two at once would match each other's messages: run them one after the other (or on "
+                f"separate groups); nothing was sent")
+        try:
+            yield
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.pop(id(key_obj), None)
+
+
+def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False) -> None:
+    """All ranks: same plan digest and options? all running or all verifying? everyone's input valid?
+    Raises on every rank otherwise."""
+    if not link.wire:
+        if error is not None:
+            raise error
+        return
+    d = int(plan.digest, 16)
+    requested = options.backend or os.environ.get(ops.ENV_VAR) or None
+    bcode = BACKEND_CODES.get(requested, len(BACKEND_CODES))
+    rows = link.all_gather_row(
+        [d >> 32, d & 0xFFFFFFFF, options.bucket_bytes, 0 if error is None else 1, options.direct_min_bytes,
+         int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0],
+        "the plan handshake")
+    if error is not None:
+        raise error
+    ranks = link.ranks
+    refused = [r for r, row in zip(ranks, rows, strict=True) if row[3] == 2]
+    if refused:  # ranks that could not even plan (refuse()): no digest to compare
+        raise ReshardError(
+            f"rank {link.rank}: rank(s) {refused} could not plan this refit (see the error on those ranks); "
+            f"nothing was moved"
+        )
+    digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(ranks, rows, strict=True)}
+    if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:8]) for row in rows}) > 1:
+        names = {v: k or "auto" for k, v in BACKEND_CODES.items()}
+        opts = [(row[2], row[4], bool(row[5]), "verify" if row[6] else "run", names.get(row[7], "invalid"))
+                for row in rows]
+        raise ReshardError(
+            f"rank {link.rank}: ranks run different plans or options (plan digest by rank: {digests}; "
+            f"(bucket_bytes, direct_min_bytes, overlap, mode, backend) by rank: {opts}); they must agree; "
+            f"nothing was moved"
+        )
+    relays = {r: row[8] for r, row in zip(ranks, rows, strict=True) if row[8]}
+    if relays:
+        raise ValueError(
+            f"rank {link.rank}: verify needs a plan without relays (relay transfers by rank: {relays}; they read "
+            f"the relaying rank's destination tensors, which verify must not trust): plan it with relay=False; "
+            f"nothing was moved"
+        )
+    bad = [r for r, row in zip(ranks, rows, strict=True) if row[3]]
+    if bad:
+        raise ReshardError(
+            f"rank {link.rank}: rank(s) {bad} rejected their input (see the error on those ranks); "
+            f"nothing was moved"
+        )

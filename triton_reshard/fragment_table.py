@@ -1,0 +1,217 @@
+"""Per-tensor fragment tables (what a rank planner queries) and the content fingerprint of a layout."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from .specs import Fragment, TensorSpec, trusted_fragment
+
+# --------------------------------------------------------------------------------------------------------
+# Per-tensor fragment tables (what a rank planner queries)
+# --------------------------------------------------------------------------------------------------------
+
+
+class FragmentTable:
+    """The fragments of one logical tensor as numpy arrays, rows in Layout order (``fragments_by_tensor``).
+
+    ``ranks`` ``[n]``, ``offsets`` / ``sizes`` / ``ends`` ``[n, nd]`` (``nd = len(spec.shape)``), ``local_ids``
+    ``[n]`` into ``local_names``; ``local_offsets`` gives each row's ``Fragment.local_offsets`` (which may have
+    extra leading dims), ``local_starts`` ``[n, nd]`` where the box starts in the local tensor's trailing
+    ``nd`` dims. ``overlapping(offsets, sizes)`` is an interval query (sorted starts on the dim with most
+    distinct starts, prefix maximum of the ends); ``boxes()`` groups the replicas of each distinct box.
+    Built by :meth:`Layout.table` (lazily, cached); read-only.
+    """
+
+    __slots__ = ("spec", "ranks", "offsets", "sizes", "local_ids", "local_names", "_loff", "_lnd", "_frags",
+                 "_index", "_boxes", "_queries", "__weakref__")
+
+    def __init__(self, spec: TensorSpec, ranks, offsets, sizes, local_ids, local_names: Sequence[str],
+                 loff, lnd, fragments: tuple[Fragment, ...] | None = None) -> None:
+        self.spec = spec
+        self.ranks, self.offsets, self.sizes, self.local_ids = ranks, offsets, sizes, local_ids
+        self.local_names = tuple(local_names)
+        self._loff, self._lnd = loff, lnd  # [n, L] left-aligned, -1 padded; per-row number of local dims
+        self._frags, self._index, self._boxes, self._queries = fragments, None, None, 0
+        for a in (ranks, offsets, sizes, local_ids, loff, lnd):
+            a.setflags(write=False)
+
+    @classmethod
+    def from_fragments(cls, spec: TensorSpec, frags: Sequence[Fragment]) -> FragmentTable:
+        """The table of ``frags`` (the fragments of ``spec``, in Layout order)."""
+        nd = len(spec.shape)
+        n = len(frags)
+        names = sorted({f.local for f in frags})
+        ids = {s: i for i, s in enumerate(names)}
+        L = max((len(f.local_offsets) for f in frags), default=nd)
+        loff = np.full((n, L), -1, dtype=np.int64)
+        for i, f in enumerate(frags):
+            loff[i, :len(f.local_offsets)] = f.local_offsets
+        return cls(spec, np.fromiter((f.rank for f in frags), np.int64, n),
+                   np.array([f.offsets for f in frags], dtype=np.int64).reshape(n, nd),
+                   np.array([f.sizes for f in frags], dtype=np.int64).reshape(n, nd),
+                   np.fromiter((ids[f.local] for f in frags), np.int32, n), names, loff,
+                   np.fromiter((len(f.local_offsets) for f in frags), np.int64, n), tuple(frags))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def n(self) -> int:
+        return len(self.ranks)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"FragmentTable({self.spec.name!r}, {self.n} fragments on {len(np.unique(self.ranks))} ranks)"
+
+    @property
+    def ends(self) -> np.ndarray:
+        return self.offsets + self.sizes
+
+    def local(self, i: int) -> str:
+        """The local tensor of row ``i``."""
+        return self.local_names[self.local_ids[i]]
+
+    @property
+    def local_offsets(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(row[:k]) for row, k in zip(self._loff.tolist(), self._lnd.tolist(), strict=True))
+
+    @property
+    def local_starts(self) -> np.ndarray:
+        nd = self.offsets.shape[1]
+        idx = (self._lnd - nd)[:, None] + np.arange(nd)[None, :]
+        return np.take_along_axis(self._loff, idx, axis=1) if nd else np.zeros((self.n, 0), np.int64)
+
+    def fragment(self, i: int) -> Fragment:
+        """The :class:`Fragment` of row ``i``."""
+        if self._frags is not None:
+            return self._frags[i]
+        k = int(self._lnd[i])
+        return Fragment(self.spec.name, int(self.ranks[i]), tuple(self.offsets[i].tolist()),
+                        tuple(self.sizes[i].tolist()), self.local(i), tuple(self._loff[i, :k].tolist()))
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        if self._frags is None:  # (rows of a validated layout: built without re-running Fragment's checks)
+            t, names = self.spec.name, self.local_names
+            self._frags = tuple(
+                trusted_fragment(t, r, tuple(o), tuple(s), names[li], tuple(lo[:k]))
+                for r, o, s, li, lo, k in zip(self.ranks.tolist(), self.offsets.tolist(), self.sizes.tolist(),
+                                              self.local_ids.tolist(), self._loff.tolist(), self._lnd.tolist(),
+                                              strict=True))
+        return self._frags
+
+    def rows_on_rank(self, rank: int) -> np.ndarray:
+        """Row indices of the fragments on ``rank`` (rows are sorted by rank)."""
+        lo, hi = np.searchsorted(self.ranks, [rank, rank + 1])
+        return np.arange(lo, hi)
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """Row indices (ascending) of the fragments that share at least one element with the box
+        ``offsets``+``sizes``; empty boxes (rows or query) overlap nothing."""
+        off = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        end = off + np.asarray(sizes, dtype=np.int64).reshape(-1)
+        nd = self.offsets.shape[1]
+        if len(off) != nd or len(end) != nd:
+            raise ValueError(f"tensor {self.spec.name!r}: query box {tuple(offsets)}+{tuple(sizes)} has "
+                             f"{len(off)} dims, the tensor has {nd}")
+        if (end <= off).any():
+            return np.zeros(0, np.int64)
+        if self._index is None:
+            self._queries += 1
+            if self.n <= 16 or self._queries < 3:
+                # a few rows, or one of the first two queries of this table: one vectorized test (building the
+                # index, a sort, pays off from the third query on)
+                o = self.offsets
+                return np.flatnonzero((o < end).all(axis=1) & (o + self.sizes > off).all(axis=1)
+                                      & (self.sizes > 0).all(axis=1))
+            self._build_index()
+        d, order, starts, maxend = self._index
+        if d < 0:  # 0-d tensor: every row holds its one element
+            return order.copy()
+        lo = int(np.searchsorted(maxend, off[d], side="right"))
+        hi = int(np.searchsorted(starts, end[d], side="left"))
+        cand = order[lo:hi]
+        if not len(cand):
+            return cand
+        o, e = self.offsets[cand], self.offsets[cand] + self.sizes[cand]
+        hit = (o < end).all(axis=1) & (e > off).all(axis=1)
+        return np.sort(cand[hit])
+
+    def _build_index(self) -> None:
+        nonempty = np.flatnonzero((self.sizes > 0).all(axis=1))
+        nd = self.offsets.shape[1]
+        if not nd:
+            self._index = (-1, nonempty, None, None)
+            return
+        o = self.offsets[nonempty]
+        d = int(np.argmax(np.ptp(o, axis=0))) if len(nonempty) else 0  # the dim whose starts spread most
+        order = nonempty[np.argsort(o[:, d], kind="stable")]
+        starts = self.offsets[order, d]
+        maxend = np.maximum.accumulate(starts + self.sizes[order, d]) if len(order) else starts
+        self._index = (d, order, starts, maxend)
+
+    def boxes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(box_offsets [m, nd], box_sizes [m, nd], row_box [n])``: the distinct boxes (sorted) and each row's
+        box id; the holders of box ``b`` are ``ranks[row_box == b]``."""
+        if self._boxes is None:
+            nd = self.offsets.shape[1]
+            if not self.n:
+                z = np.zeros((0, nd), np.int64)
+                self._boxes = (z, z, np.zeros(0, np.int64))
+            else:
+                u, inv = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0, return_inverse=True)
+                self._boxes = (u[:, :nd], u[:, nd:], inv.reshape(-1))
+        return self._boxes
+
+
+def content_fingerprint(tensors: tuple, lnames: Sequence[str], copies: Sequence[tuple], locals_: Sequence[tuple],
+                        dtype_names: Sequence[str]) -> str:
+    """sha256 (16 hex digits) of a layout's contents in a canonical form, whatever builds it.
+
+    ``tensors``: ``(names, shapes, dtype names, {index: quant key})`` sorted by name; ``lnames``: the sorted
+    local-tensor names; ``copies``: per copy (in rank order; one for a plain layout) the fragment columns
+    sorted by (rank, tensor, local, offsets, local offsets) as ``(rank, tensor id, local id, offsets [n, D],
+    sizes [n, D], local offsets [n, L] padded with -1)`` (ids index the sorted names; ``D`` the largest tensor
+    rank, ``L`` the largest local-offsets length); ``locals_``: per copy ``(rank, name id, shape [m, S] padded
+    with -1, dtype id)`` sorted by (rank, name), dtype ids indexing ``dtype_names``.
+    """
+    names, shapes, tdtypes, quant = tensors
+    h = hashlib.sha256(b"triton_reshard.layout.fingerprint/1\n")
+    h.update("\0".join(names).encode())
+    D = max(map(len, shapes), default=0)
+    sh = np.full((len(shapes), D), -1, dtype="<i8")
+    for k in set(map(len, shapes)):
+        if k:
+            sel = [i for i, x in enumerate(shapes) if len(x) == k]
+            sh[sel, :k] = [shapes[i] for i in sel]
+    h.update(f"|t:{sh.shape}".encode())
+    h.update(sh.tobytes())
+    h.update("\0".join(tdtypes).encode())
+    h.update(repr(sorted(quant.items())).encode())
+    h.update("\0".join(lnames).encode())
+    for j in range(6):
+        n = sum(len(c[j]) for c in copies)
+        small = all(not c[j].size or (int(c[j].min()) >= -(1 << 31) and int(c[j].max()) < 1 << 31) for c in copies)
+        dt = "<i4" if small else "<i8"  # half the bytes to hash when every value fits (a function of the contents)
+        h.update(f"|f{j}:{n}:{copies[0][j].shape[1:] if copies else ()}:{dt}".encode())
+        for c in copies:
+            h.update(np.ascontiguousarray(c[j], dtype=dt).tobytes())
+    used = np.unique(np.concatenate([np.asarray(c[3], dtype=np.int64) for c in locals_])) if locals_ else []
+    canon = sorted({dtype_names[i] for i in used.tolist()}) if len(used) else []
+    remap = np.full(len(dtype_names), -1, dtype=np.int64)
+    for i in (used.tolist() if len(used) else []):
+        remap[i] = canon.index(dtype_names[i])
+    h.update("\0".join(canon).encode())
+    for j in range(4):
+        n = sum(len(c[j]) for c in locals_)
+        h.update(f"|l{j}:{n}".encode())
+        for c in locals_:
+            col = remap[np.asarray(c[j], dtype=np.int64)] if j == 3 else c[j]
+            h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    return h.hexdigest()[:16]

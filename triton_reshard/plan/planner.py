@@ -1,0 +1,135 @@
+"""``plan_reshard``: two layouts in, a :class:`~triton_reshard.plan.core.Plan` (or a rank's share) out,
+routed by the local rules (``local``) or, for comparison, the greedy router (``greedy.route_greedy``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..layout import Layout, gc_paused
+from . import quant as _quant
+from .core import Plan
+from .greedy import route_greedy
+from .local import plan_local
+from .routing import check_gpus_per_node, check_relay_groups, check_specs
+
+
+@lru_cache(maxsize=64)
+def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
+                 relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None, *,
+                 routing: str = "local", rank: int | None = None) -> Plan:
+    """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
+
+    Every destination element is covered exactly once. If the destination rank holds a source copy of an
+    element, it is copied locally (never on the wire); otherwise one source holder sends it.
+
+    ``routing="local"`` (the default, ``plan/local.py``): every choice is a rule a rank evaluates for its own
+    transfers from the two layouts alone, and its peers evaluate identically: a piece's receivers are spread
+    over its holders by quotas (``local.assign``, same-node holders first with ``gpus_per_node``), fan-out
+    parts go to heads in rotation, and the steps follow the pair rule (``LocalPlan.schedule``: per step each
+    rank sends to at most ``local.STEP_PEERS`` peers and receives from as many, within the bucket). ``rank=r`` then returns rank ``r``'s share alone, a
+    :class:`~triton_reshard.plan.local.RankPlan` (its transfers and schedule, without planning anyone else's;
+    the :class:`~triton_reshard.execute.Resharder` runs from it); the rank plans of all ranks are exactly the
+    whole plan cut by rank. ``routing="greedy"``: the global greedy of earlier versions (fixed sources
+    first, then the rest largest first onto the least loaded holder; steps by first fit over the whole
+    world; no ``rank``), kept for comparison. Both send exactly the lower bound of wire bytes.
+
+    ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
+    source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that
+    keeps its bytes sent within the larger of its fair share (wire bytes / sending ranks) and what the least
+    loaded holder would reach; so fewer bytes cross the network while the bytes sent (and the number of
+    schedule steps) stay balanced. The wire bytes stay the lower bound. ``None``: no topology (the default).
+
+    ``relay`` (needs ``gpus_per_node``; ``None``: on exactly when ``gpus_per_node`` is given): fan-out inside a
+    node, the idea of NCCL's M2N ring. A piece that several ranks of one node need (one destination box
+    replicated, e.g. on the DP replicas of vLLM TP x DP) while no source rank of that node holds it crosses the
+    network once per node instead of once per rank: it is split into one near-equal contiguous part per rank of
+    that group (parts of at least ``RELAY_SPLIT_MIN_BYTES``: a small piece gets fewer parts, or stays whole),
+    each part crosses the network to one rank of the group (from a source holder, chosen as usual), and that
+    rank forwards it to the others by relay transfers (``Transfer.relay``), which read its destination tensor
+    and run in a second phase, over NVLink: a scatter over the network, then an all-gather over NVLink, so each
+    rank receives ~1/k of the piece over the network and relays ~1/k of it to the k-1 others. Parts go,
+    largest piece and part first, to the rank of the group with the fewest bytes received over the network so
+    far (then the fewest bytes relayed, then the lowest rank): the network receives and relay sends spread
+    over the replicas of the node. Relay bytes are not counted as sender load when the network senders are
+    balanced: they leave another port (NVLink, ~10-20x faster) in a later phase. Every destination element
+    still arrives once, so the wire bytes stay the lower bound; only the senders change, and fewer bytes cross
+    the network. A plan in which nothing fans out, and every plan with ``relay=False``, is exactly the plan of
+    the node-aware routing alone.
+
+    ``relay_groups``: groups of destination ranks that need the same pieces, e.g. the same position in several
+    copies of one layout (``Layout.instance_groups``: independent inference engines), as a tuple of disjoint
+    tuples of ranks (a rank in no group is a group of its own). The same fan-out, inside a group instead of a
+    node: a piece that at least two ranks of one group need over the wire is split into parts, each part sent
+    once by a source holder to one rank of the group and relayed by that rank to the others, so the sources
+    send each such byte once per group instead of once per rank of it (with n copies of an engine, the
+    trainer's send port carries ~1x instead of nx one engine's bytes; the relay sends spread over the
+    copies). Unlike nodes, a group fans out even when a source rank inside it holds the piece (the point is to
+    unload the sources, not to stay near them). With ``gpus_per_node`` nodes come first: a piece that a node
+    fans out crosses the network once per node and is relayed over NVLink there (cheaper than relaying it
+    between nodes); the ranks left (e.g. one rank per node, when each engine copy fills its own node) fan out
+    inside their group. A rank receives each element once, by one relay at most (no chains), so a piece is
+    never relayed twice (between nodes, then inside one). ``relay`` (``None``: on when ``relay_groups`` or
+    ``gpus_per_node`` is given) off ignores the groups.
+
+    Raises ``TypeError`` for arguments of the wrong type (not two Layouts, a non-bool ``relay``), and
+    ``ValueError``, naming the tensor, when the layouts cannot be resharded: a destination tensor the source
+    lacks, shapes that differ, dtypes that differ without ``allow_cast``, a destination element no source rank
+    holds, destination boxes that overlap on one rank; also for ``relay=True`` without ``gpus_per_node`` or
+    ``relay_groups``, a ``gpus_per_node`` < 1 and relay groups that overlap.
+
+    Block-quantized destination tensors (``TensorSpec.quant``, e.g. from ``block_quant_layout``) with a plain
+    float source are quantized on the way (``plan/quant.py``): whole blocks a source rank holds travel as fp8 +
+    fp32 scales (``Transfer.quant="src"``, quantized in the sender's pack), blocks straddling source fragments in
+    the source dtype (``"dst"``, quantized by the receiver once the block is complete); their scale tensors
+    need no source. Relays of such tensors raise ``ValueError`` (plan with ``relay=False``).
+    """
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
+    check_gpus_per_node(gpus_per_node, "plan_reshard")
+    groups = check_relay_groups(relay_groups)
+    if relay is None:
+        relay = gpus_per_node is not None or bool(groups)
+    elif not isinstance(relay, bool):
+        raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
+    elif relay and gpus_per_node is None and relay_groups is None:
+        raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
+                         "node or a group)")
+    # block-quantized destinations (plan/quant.py): routed in the source dtype, without their scales, then
+    # every routed piece is cut on the block grid into source- and destination-quantized transfers
+    targets = _quant.quant_targets(src, dst) if dst.quantized else {}
+    routed = _quant.routing_view(src, dst, targets) if targets else dst
+    if routing != "local" or not _specs_agree(src, routed, allow_cast):
+        check_specs(src, routed, allow_cast)  # (the full check also words the error)
+    if routing not in ("local", "greedy"):
+        raise ValueError(f"plan_reshard: routing={routing!r} must be 'local' or 'greedy'")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise TypeError(f"plan_reshard: rank={rank!r} must be an int >= 0 or None")
+    if routing == "local":
+        options = (allow_cast, gpus_per_node, relay, relay_groups if relay else None)
+        return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
+    if rank is not None:
+        raise ValueError("plan_reshard: rank plans need routing='local' (the greedy chooses over the whole world)")
+    with gc_paused():
+        local, wire = route_greedy(src, routed, gpus_per_node, relay, groups if relay else {})
+        if targets:
+            local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
+        return Plan(src, dst, tuple(wire), tuple(local))
+
+
+def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
+    """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
+    answers without building every rank's fragments). False when a destination tensor is missing from the
+    source (the full check decides: it may have no elements) or its shape or dtype differs."""
+    if src.lazy_tables and dst.lazy_tables and not dst.quantized:  # columns, without building the specs
+        have = src.shapes_and_dtypes()
+        for n, (shape, dt) in dst.shapes_and_dtypes().items():
+            s = have.get(n)
+            if s is None or s[0] != shape or (s[1] != dt and not allow_cast):
+                return False
+        return True
+    specs = src.specs
+    for spec in dst.tensors:
+        s = specs.get(spec.name)
+        if s is None or s.shape != spec.shape or (s.dtype != spec.dtype and not allow_cast):
+            return False
+    return True
