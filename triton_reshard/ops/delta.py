@@ -63,6 +63,7 @@ message of a version was packed (``Snapshot.capture``) when one source box goes 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,8 +84,8 @@ ALIGN = 16
 HEADER_BYTES = 16
 DIRECTORY_ENTRY_BYTES = 8
 MAX_CHUNK_ELEMS = 1 << 16
-# Chosen from perf/bench_delta.py (docs/delta.md): the total at 1-7 % changed is within 1 % of the best
-# chunk size measured, and a chunk is one program of the kernels.
+# Chosen from perf/bench_delta.py (docs/delta.md): 64 KiB of bf16; at 1-7 % changed its total is within
+# 0.05 percentage points (of dense) of 1 MiB chunks, and a chunk is one program of the kernels.
 DEFAULT_CHUNK_ELEMS = 1 << 15
 MAX_DIMS = 4
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -198,18 +199,22 @@ def _wrap(x: torch.Tensor, bits_: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(x >= half, x - (1 << bits_), x).to(dtype)
 
 
-def _pack_words(mask: torch.Tensor) -> torch.Tensor:
-    """A bool vector as uint32 words (bit k of word w = element 32 w + k), as int32."""
-    n = mask.numel()
-    m = torch.nn.functional.pad(mask.to(torch.int64), (0, (-n) % 32)).view(-1, 32)
-    words = (m << torch.arange(32, device=mask.device)).sum(1)
-    return _wrap(words, 32, torch.int32)
+def ragged(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segments of ``lengths`` (int64): (segment of every item, its rank inside the segment)."""
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    return seg, torch.arange(seg.numel(), device=lengths.device) - first[seg]
 
 
-def _unpack_words(words: torch.Tensor, n: int) -> torch.Tensor:
-    """The bits of int32 words (LSB first) as a bool vector of ``32 * len(words)`` elements."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    return ((w[:, None] >> torch.arange(32, device=words.device)) & 1).reshape(-1).bool()
+def _chunk_rows(flat: torch.Tensor, chunk_elems: int, nch: int) -> torch.Tensor:
+    """A flat vector cut into ``nch`` rows of ``chunk_elems`` (the last one zero-padded)."""
+    return torch.nn.functional.pad(flat, (0, nch * chunk_elems - flat.numel())).view(nch, chunk_elems)
+
+
+def _value_base(kind: torch.Tensor, body: torch.Tensor, count: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
+    """Byte offset of each chunk's values (its body + the offsets or bitmask section)."""
+    return torch.where(kind == KIND_OFFSETS, body + pad(2 * count),
+                       torch.where(kind == KIND_BITMASK, body + pad(4 * ((numel + 31) // 32)), body))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,33 +224,56 @@ def _unpack_words(words: torch.Tensor, n: int) -> torch.Tensor:
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
                names: Sequence[str] | None = None) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source."""
+    snapshot is brought up to date with its source. Vectorized per pair (no per-chunk Python loop)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     flat = [(_bits(s).reshape(-1), _bits(p).reshape(-1)) for s, p in pairs]
     changed = [s != p for s, p in flat]
-    chunks = chunk_list([s.numel() for s, _ in flat], chunk_elems)
+    numels = [s.numel() for s, _ in flat]
+    chunks = chunk_list(numels, chunk_elems)
+    nchs = [-(-n // chunk_elems) for n in numels]
     numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
     esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64, device=device)
-    count = torch.stack([changed[i][a:a + n].sum() for i, a, n in chunks]) if chunks else numel
+    counts = [_chunk_rows(ch, chunk_elems, nc).sum(1) for ch, nc in zip(changed, nchs, strict=True) if nc]
+    count = torch.cat(counts) if counts else numel
     kind, nbytes, offsets, total = _message_layout(numel, count, esize)
     msg = torch.zeros(total, dtype=torch.uint8, device=device)
     _write_headers(msg, chunk_elems, numel, count, esize, kind, nbytes, offsets)
-    for (i, a, n), k, o, cnt in zip(chunks, kind.tolist(), offsets.tolist(), count.tolist(), strict=True):
-        src, e, body = flat[i][0][a:a + n], pairs[i][0].element_size(), o + HEADER_BYTES
-        ch = changed[i][a:a + n]
-        if k == KIND_DENSE:
-            msg[body:body + n * e].view(_INT[e]).copy_(src)
+    m16, m32 = msg.view(torch.int16), msg.view(torch.int32)
+    c0 = 0
+    for (src, _), ch, nch in zip(flat, changed, nchs, strict=True):
+        if not nch:
             continue
+        e = src.element_size()
+        mv = msg.view(_INT[e])
+        cs = slice(c0, c0 + nch)
+        c0 += nch
+        k, body, cnt, nel = kind[cs], offsets[cs] + HEADER_BYTES, count[cs], numel[cs]
+        vbase = _value_base(k, body, cnt, nel)
+        # changed elements of the sparse chunks: values (and offsets) at their rank in the chunk
         idx = ch.nonzero().squeeze(1)
-        if k == KIND_OFFSETS:
-            msg[body:body + 2 * cnt].view(torch.int16).copy_(_wrap(idx, 16, torch.int16))
-            vbase = body + pad(2 * cnt)
-        else:
-            nw = (n + 31) // 32
-            msg[body:body + 4 * nw].view(torch.int32).copy_(_pack_words(ch))
-            vbase = body + pad(4 * nw)
-        msg[vbase:vbase + e * cnt].view(_INT[e]).copy_(src[idx])
+        cid = idx // chunk_elems
+        rank = torch.arange(idx.numel(), device=device) - (torch.cumsum(cnt, 0) - cnt)[cid]
+        sparse = k[cid] != KIND_DENSE
+        mv[(vbase[cid] // e + rank)[sparse]] = src[idx[sparse]]
+        off = k[cid] == KIND_OFFSETS
+        m16[(body[cid] // 2 + rank)[off]] = _wrap(idx[off] - cid[off] * chunk_elems, 16, torch.int16)
+        # bitmask words of the bitmask chunks
+        bc = (k == KIND_BITMASK).nonzero().squeeze(1)
+        if bc.numel():
+            nw = -(-chunk_elems // 32)
+            rows = _chunk_rows(ch, chunk_elems, nch)[bc].to(torch.int64)
+            rows = torch.nn.functional.pad(rows, (0, 32 * nw - chunk_elems)).view(-1, nw, 32)
+            words = (rows << torch.arange(32, device=device)).sum(2)
+            w = torch.arange(nw, device=device)
+            valid = w < ((nel[bc] + 31) // 32)[:, None]
+            m32[(body[bc][:, None] // 4 + w)[valid]] = _wrap(words[valid], 32, torch.int32)
+        # every element of the dense chunks
+        dense = k == KIND_DENSE
+        if bool(dense.any()):
+            el = (dense.repeat_interleave(nel)).nonzero().squeeze(1)
+            dc = el // chunk_elems
+            mv[body[dc] // e + (el - dc * chunk_elems)] = src[el]
     if update:
         for s, p in pairs:
             _bits(p).copy_(_bits(s))
@@ -324,31 +352,56 @@ def _write_flat(d: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
 
 
 def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
-    """Reference unpack: every chunk's values into its destination view, in place. The whole message is
-    checked before the first write."""
+    """Reference unpack: every chunk's values into its destination view, in place. The whole message
+    (headers and bodies) is checked before the first write. Vectorized per destination."""
     dr = read_directory(msg, dsts, names)
+    if not dr.chunks:
+        return
+    dev = msg.device
+    numel = torch.tensor([n for _, _, n in dr.chunks], dtype=torch.int64, device=dev)
+    start = torch.tensor([a for _, a, _ in dr.chunks], dtype=torch.int64, device=dev)
+    m16, m32 = msg.view(torch.int16), msg.view(torch.int32)
+    per_dst = Counter(j for j, _, _ in dr.chunks)
     writes = []
-    for c, ((i, a, n), o, k, cnt) in enumerate(zip(dr.chunks, dr.offsets.tolist(), dr.kind.tolist(),
-                                                   dr.count.tolist(), strict=True)):
-        e, body = dsts[i].element_size(), o + HEADER_BYTES
-        if k == KIND_DENSE:
-            writes.append((i, a + torch.arange(n, device=msg.device), msg[body:body + n * e].view(_INT[e])))
+    c0 = 0
+    for i, d in enumerate(dsts):
+        nch = per_dst.get(i, 0)
+        if not nch:
             continue
-        if k == KIND_OFFSETS:
-            pos = msg[body:body + 2 * cnt].view(torch.int16).to(torch.int64) & 0xFFFF
-            bad = bool((pos >= n).any())
-            vbase = body + pad(2 * cnt)
-        else:
-            nw = (n + 31) // 32
-            mask = _unpack_words(msg[body:body + 4 * nw].view(torch.int32), n)
-            bad = int(mask.sum()) != cnt
-            pos = mask[:n].nonzero().squeeze(1)
-            vbase = body + pad(4 * nw)
-        if bad:
-            i_name = _name(names, i)
-            raise ValueError(f"delta message: chunk {c} (destination {i_name}, elements {a}..{a + n - 1}): "
-                             f"{KIND_NAMES[k]} body inconsistent with its header (count {cnt})")
-        writes.append((i, a + pos, msg[vbase:vbase + e * cnt].view(_INT[e])))
+        cs = slice(c0, c0 + nch)
+        e, mv = d.element_size(), msg.view(_INT[d.element_size()])
+        k, body, cnt, nel, a = dr.kind[cs], dr.offsets[cs] + HEADER_BYTES, dr.count[cs], numel[cs], start[cs]
+        vbase = _value_base(k, body, cnt, nel)
+        zero = torch.zeros_like(cnt)
+        # offsets chunks
+        seg, r = ragged(torch.where(k == KIND_OFFSETS, cnt, zero))
+        o = m16[body[seg] // 2 + r].to(torch.int64) & 0xFFFF
+        bad_o = torch.zeros_like(cnt).index_add_(0, seg, (o >= nel[seg]).to(torch.int64))
+        pos, vals = [a[seg] + o], [mv[vbase[seg] // e + r]]
+        # bitmask chunks: popcount must be the header's count
+        isb = k == KIND_BITMASK
+        segw, w = ragged(torch.where(isb, (nel + 31) // 32, zero))
+        words = m32[body[segw] // 4 + w].to(torch.int64) & 0xFFFFFFFF
+        bitsm = ((words[:, None] >> torch.arange(32, device=dev)) & 1).bool()
+        pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1))
+        row, col = bitsm.nonzero(as_tuple=True)
+        sb = segw[row]
+        jb = w[row] * 32 + col
+        rank = torch.arange(sb.numel(), device=dev) - (torch.cumsum(pop, 0) - pop)[sb]
+        bad = (bad_o > 0) | (isb & (pop != cnt))
+        if bool(bad.any()):
+            c = c0 + int(bad.to(torch.int8).argmax())
+            j, a0, n0 = dr.chunks[c]
+            raise ValueError(f"delta message: chunk {c} (destination {_name(names, j)}, elements {a0}..{a0 + n0 - 1}): "
+                             f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
+        pos.append(a[sb] + jb)
+        vals.append(mv[vbase[sb] // e + rank])
+        # dense chunks
+        segd, jd = ragged(torch.where(k == KIND_DENSE, nel, zero))
+        pos.append(a[segd] + jd)
+        vals.append(mv[body[segd] // e + jd])
+        writes.append((i, torch.cat(pos), torch.cat(vals)))
+        c0 += nch
     for i, pos, vals in writes:
         _write_flat(_bits(dsts[i]), pos, vals)
 
