@@ -211,6 +211,18 @@ def _chunk_rows(flat: torch.Tensor, chunk_elems: int, nch: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, nch * chunk_elems - flat.numel())).view(nch, chunk_elems)
 
 
+def _chunk_counts(mask: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """Set elements of a flat bool vector per chunk (int64; no widened copy of the mask)."""
+    full = mask.numel() // chunk_elems
+    parts = [mask[:full * chunk_elems].view(full, chunk_elems).count_nonzero(1)] if full else []
+    if mask.numel() > full * chunk_elems:
+        parts.append(mask[full * chunk_elems:].count_nonzero().reshape(1))
+    return torch.cat(parts)
+
+
+_BIT_WEIGHTS = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)
+
+
 def _value_base(kind: torch.Tensor, body: torch.Tensor, count: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
     """Byte offset of each chunk's values (its body + the offsets or bitmask section)."""
     return torch.where(kind == KIND_OFFSETS, body + pad(2 * count),
@@ -234,12 +246,12 @@ def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
     nchs = [-(-n // chunk_elems) for n in numels]
     numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
     esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64, device=device)
-    counts = [_chunk_rows(ch, chunk_elems, nc).sum(1) for ch, nc in zip(changed, nchs, strict=True) if nc]
+    counts = [_chunk_counts(ch, chunk_elems) for ch, nc in zip(changed, nchs, strict=True) if nc]
     count = torch.cat(counts) if counts else numel
     kind, nbytes, offsets, total = _message_layout(numel, count, esize)
     msg = torch.zeros(total, dtype=torch.uint8, device=device)
     _write_headers(msg, chunk_elems, numel, count, esize, kind, nbytes, offsets)
-    m16, m32 = msg.view(torch.int16), msg.view(torch.int32)
+    m16 = msg.view(torch.int16)
     c0 = 0
     for (src, _), ch, nch in zip(flat, changed, nchs, strict=True):
         if not nch:
@@ -258,22 +270,19 @@ def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
         mv[(vbase[cid] // e + rank)[sparse]] = src[idx[sparse]]
         off = k[cid] == KIND_OFFSETS
         m16[(body[cid] // 2 + rank)[off]] = _wrap(idx[off] - cid[off] * chunk_elems, 16, torch.int16)
-        # bitmask words of the bitmask chunks
+        # bitmask words of the bitmask chunks, built as bytes (little-endian words, LSB first)
         bc = (k == KIND_BITMASK).nonzero().squeeze(1)
         if bc.numel():
             nw = -(-chunk_elems // 32)
-            rows = _chunk_rows(ch, chunk_elems, nch)[bc].to(torch.int64)
-            rows = torch.nn.functional.pad(rows, (0, 32 * nw - chunk_elems)).view(-1, nw, 32)
-            words = (rows << torch.arange(32, device=device)).sum(2)
-            w = torch.arange(nw, device=device)
-            valid = w < ((nel[bc] + 31) // 32)[:, None]
-            m32[(body[bc][:, None] // 4 + w)[valid]] = _wrap(words[valid], 32, torch.int32)
-        # every element of the dense chunks
-        dense = k == KIND_DENSE
-        if bool(dense.any()):
-            el = (dense.repeat_interleave(nel)).nonzero().squeeze(1)
-            dc = el // chunk_elems
-            mv[body[dc] // e + (el - dc * chunk_elems)] = src[el]
+            rows = _chunk_rows(ch, chunk_elems, nch)[bc].view(torch.uint8)
+            rows = torch.nn.functional.pad(rows, (0, 32 * nw - chunk_elems)).view(-1, 4 * nw, 8)
+            wbytes = (rows * _BIT_WEIGHTS.to(device)).sum(2, dtype=torch.uint8)
+            for r, (o, n) in enumerate(zip(body[bc].tolist(), nel[bc].tolist(), strict=True)):
+                msg[o:o + 4 * ((n + 31) // 32)] = wbytes[r, :4 * ((n + 31) // 32)]
+        # every element of the dense chunks: one slice copy each
+        for c in (k == KIND_DENSE).nonzero().squeeze(1).tolist():
+            o, n = int(body[c]), int(nel[c])
+            mv[o // e:o // e + n] = src[c * chunk_elems:c * chunk_elems + n]
     if update:
         for s, p in pairs:
             _bits(p).copy_(_bits(s))
@@ -396,14 +405,27 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
                              f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
         pos.append(a[sb] + jb)
         vals.append(mv[vbase[sb] // e + rank])
-        # dense chunks
-        segd, jd = ragged(torch.where(k == KIND_DENSE, nel, zero))
-        pos.append(a[segd] + jd)
-        vals.append(mv[body[segd] // e + jd])
-        writes.append((i, torch.cat(pos), torch.cat(vals)))
+        # dense chunks: slice copies into a contiguous destination, else scattered like the rest
+        dense = [(int(x), int(y), int(z)) for x, y, z in zip(body[k == KIND_DENSE].tolist(),
+                                                              a[k == KIND_DENSE].tolist(),
+                                                              nel[k == KIND_DENSE].tolist(), strict=True)]
+        if not d.is_contiguous():
+            segd, jd = ragged(torch.where(k == KIND_DENSE, nel, zero))
+            pos.append(a[segd] + jd)
+            vals.append(mv[body[segd] // e + jd])
+            dense = []
+        writes.append((i, torch.cat(pos), torch.cat(vals), dense))
         c0 += nch
-    for i, pos, vals in writes:
-        _write_flat(_bits(dsts[i]), pos, vals)
+    for i, pos, vals, dense in writes:
+        d = _bits(dsts[i])
+        mv = msg.view(d.dtype)
+        if d.is_contiguous():
+            flat = d.view(-1)
+            flat[pos] = vals
+            for o, a0, n in dense:
+                flat[a0:a0 + n] = mv[o // d.element_size():o // d.element_size() + n]
+        else:
+            _write_flat(d, pos, vals)
 
 
 def describe(msg: torch.Tensor) -> list[dict]:
