@@ -262,14 +262,25 @@ def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
         c0 += nch
         k, body, cnt, nel = kind[cs], offsets[cs] + HEADER_BYTES, count[cs], numel[cs]
         vbase = _value_base(k, body, cnt, nel)
-        # changed elements of the sparse chunks: values (and offsets) at their rank in the chunk
-        idx = ch.nonzero().squeeze(1)
-        cid = idx // chunk_elems
-        rank = torch.arange(idx.numel(), device=device) - (torch.cumsum(cnt, 0) - cnt)[cid]
-        sparse = k[cid] != KIND_DENSE
-        mv[(vbase[cid] // e + rank)[sparse]] = src[idx[sparse]]
-        off = k[cid] == KIND_OFFSETS
-        m16[(body[cid] // 2 + rank)[off]] = _wrap(idx[off] - cid[off] * chunk_elems, 16, torch.int16)
+        # changed elements of the sparse chunks, in order: per chunk one slice of values (and offsets)
+        sparse = [(c, int(b), int(v), int(x)) for c, b, v, x, kk in zip(range(nch), body.tolist(), vbase.tolist(),
+                                                                        cnt.tolist(), k.tolist(), strict=True)
+                  if kk != KIND_DENSE and x]
+        if sparse:
+            sel = ch
+            if len(sparse) < nch:  # leave the dense chunks' elements out
+                sel = ch.clone()
+                for c in (k == KIND_DENSE).nonzero().squeeze(1).tolist():
+                    sel[c * chunk_elems:(c + 1) * chunk_elems] = False
+            idx = sel.nonzero().squeeze(1)
+            vals = src[idx]
+            local = _wrap(idx % chunk_elems, 16, torch.int16)
+            first = 0
+            for c, b, v, x in sparse:
+                mv[v // e:v // e + x] = vals[first:first + x]
+                if int(k[c]) == KIND_OFFSETS:
+                    m16[b // 2:b // 2 + x] = local[first:first + x]
+                first += x
         # bitmask words of the bitmask chunks, built as bytes (little-endian words, LSB first)
         bc = (k == KIND_BITMASK).nonzero().squeeze(1)
         if bc.numel():
@@ -369,7 +380,7 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
     dev = msg.device
     numel = torch.tensor([n for _, _, n in dr.chunks], dtype=torch.int64, device=dev)
     start = torch.tensor([a for _, a, _ in dr.chunks], dtype=torch.int64, device=dev)
-    m16, m32 = msg.view(torch.int16), msg.view(torch.int32)
+    m16 = msg.view(torch.int16)
     per_dst = Counter(j for j, _, _ in dr.chunks)
     writes = []
     c0 = 0
@@ -389,13 +400,13 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         pos, vals = [a[seg] + o], [mv[vbase[seg] // e + r]]
         # bitmask chunks: popcount must be the header's count
         isb = k == KIND_BITMASK
-        segw, w = ragged(torch.where(isb, (nel + 31) // 32, zero))
-        words = m32[body[segw] // 4 + w].to(torch.int64) & 0xFFFFFFFF
-        bitsm = ((words[:, None] >> torch.arange(32, device=dev)) & 1).bool()
-        pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1))
+        segw, w = ragged(torch.where(isb, 4 * ((nel + 31) // 32), zero))  # the bitmask bytes
+        wbytes = msg[body[segw] + w]
+        bitsm = (wbytes[:, None] >> _BIT_WEIGHTS.new_tensor(range(8)).to(dev)) & 1
+        pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1, dtype=torch.int64))
         row, col = bitsm.nonzero(as_tuple=True)
         sb = segw[row]
-        jb = w[row] * 32 + col
+        jb = w[row] * 8 + col
         rank = torch.arange(sb.numel(), device=dev) - (torch.cumsum(pop, 0) - pop)[sb]
         bad = (bad_o > 0) | (isb & (pop != cnt))
         if bool(bad.any()):
