@@ -18,6 +18,11 @@ Unpack table ``int64[num_chunks, U_FIELDS]``: ``U_DST`` element offset of the de
 ``U_START`` / ``U_NUMEL`` as above, ``U_SIZE + k`` / ``U_STRIDE + k`` its geometry, ``U_IN`` the byte
 offset of the chunk in the message (read from the message's directory), ``U_KIND`` / ``U_COUNT`` read from
 its header (the launcher has checked every header against the table before this kernel runs).
+
+Sums and prefix sums are written ``tl.reduce`` / ``tl.associative_scan`` with ``tl.standard._sum_combine``
+(what ``tl.sum`` / ``tl.cumsum`` are on the GPU): if ``triton.language`` was imported before
+``TRITON_INTERPRET=1`` was set, ``tl.sum`` is a compiled-mode function the interpreter refuses to call, while
+it recognizes this combine function (the same workaround as ``kernels/quant.py``'s ``tl.max``).
 """
 
 import triton
@@ -113,7 +118,7 @@ def delta_pack_kernel(
                 s = tl.load(src_ptr + src0 + _elem_offsets(start + j, d0, d1, d2, s0, s1, s2, s3), mask=m)
                 p = tl.load(snap_ptr + snap0 + _elem_offsets(start + j, d0, d1, d2, p0, p1, p2, p3), mask=m)
                 ch = (s != p) & m
-                running += tl.sum(ch.to(tl.int32), 0)
+                running += tl.reduce(ch.to(tl.int32), 0, tl.standard._sum_combine)
             tl.store(count_ptr + chunk, running.to(tl.int64))
         else:
             out = tl.load(row + P_OUT)
@@ -139,16 +144,16 @@ def delta_pack_kernel(
                 if kind == KIND_DENSE:
                     tl.store(val_ptr + vbase + j, s, mask=m)
                 else:
-                    pos = running + tl.cumsum(ch.to(tl.int32), 0) - 1
+                    pos = running + tl.associative_scan(ch.to(tl.int32), 0, tl.standard._sum_combine) - 1
                     tl.store(val_ptr + vbase + pos, s, mask=ch)
                     if kind == KIND_OFFSETS:
                         tl.store(m16_ptr + body // 2 + pos, j.to(tl.int16), mask=ch)
                     else:
                         bits = tl.reshape(ch.to(tl.int32), (BLOCK // 32, 32)) << shifts[None, :]
-                        words = tl.sum(bits, 1)
+                        words = tl.reduce(bits, 1, tl.standard._sum_combine)
                         w = c // 32 + tl.arange(0, BLOCK // 32)
                         tl.store(m32_ptr + body // 4 + w, words, mask=w < nwords)
-                    running += tl.sum(ch.to(tl.int32), 0)
+                    running += tl.reduce(ch.to(tl.int32), 0, tl.standard._sum_combine)
                 if UPDATE:
                     tl.store(snap_ptr + poff, s, mask=ch)
 
@@ -201,7 +206,7 @@ def delta_unpack_kernel(
                 m = k < count
                 o = tl.load(m16_ptr + body // 2 + k, mask=m, other=0).to(tl.int64) & 0xFFFF
                 ok = m & (o < n)
-                bad += tl.sum((m & (o >= n)).to(tl.int32), 0)
+                bad += tl.reduce((m & (o >= n)).to(tl.int32), 0, tl.standard._sum_combine)
                 v = tl.load(val_ptr + vbase + k, mask=ok)
                 doff = dst0 + _elem_offsets(start + o, d0, d1, d2, t0, t1, t2, t3)
                 tl.store(dst_ptr + doff, v, mask=ok)
@@ -215,12 +220,12 @@ def delta_unpack_kernel(
                 bits = tl.reshape((words[:, None] >> shifts[None, :]) & 1, (BLOCK,))
                 j = c + lane
                 ch = (bits != 0) & (j < n)
-                pos = running + tl.cumsum(bits, 0) - 1
+                pos = running + tl.associative_scan(bits, 0, tl.standard._sum_combine) - 1
                 ok = ch & (pos < count)
                 v = tl.load(val_ptr + vbase + pos, mask=ok)
                 doff = dst0 + _elem_offsets(start + j, d0, d1, d2, t0, t1, t2, t3)
                 tl.store(dst_ptr + doff, v, mask=ok)
-                running += tl.sum(bits, 0)
+                running += tl.reduce(bits, 0, tl.standard._sum_combine)
             bad += (running != count).to(tl.int32)
         if bad != 0:
             tl.store(bad_ptr + chunk, 1)
