@@ -32,6 +32,10 @@ class StoreClient:
         if errors:
             raise RuntimeError(f"engine workers failed {method}: {errors[0]}")
 
+    def call(self, method: str, payload=None) -> None:
+        """Run ``method`` on every worker (any handler name ``serve`` knows, e.g. SGLang's update API)."""
+        self._call(method, payload)
+
     def init_weight_transfer_engine(self, init_info) -> None:
         self._call("init_weight_transfer_engine", init_info)
 
