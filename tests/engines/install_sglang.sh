@@ -20,6 +20,9 @@ unavailable() { echo "sglang tier unavailable: $*" >&2; mkdir -p "$venv"; echo "
 
 if [ -x "$venv/bin/python" ] && [ -f "$venv/READY" ] && [ "$(cat "$venv/READY")" = "$ready" ]; then
   echo "sglang env $venv is ready ($(cat "$venv/READY"))"
+  # packages the tier needs may have joined requirements_sglang.txt since (pip only adds what is missing)
+  "$venv/bin/pip" install -q -r "$here/requirements_sglang.txt" -c "$venv/constraints.txt" \
+    || unavailable "sglang $SGLANG_VERSION's requirements do not install"
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" || exit 1
   exit 0
 fi

@@ -176,29 +176,12 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
     rep["seconds"]["served"] = time.perf_counter() - t1
 
 
-class StoreEngine:
-    """What trainer rank 0 holds of the engine: SGLang's weight-update API (``sglang.Engine`` has these
-    methods), here over the test control plane."""
-
-    def __init__(self, client):
-        self.client = client
-
-    def begin_weight_update(self):
-        self.client.call("begin_weight_update")
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None):
-        self.client.call("update_weights_from_tensor", {"named_tensors": named_tensors, "load_format": load_format})
-
-    def end_weight_update(self):
-        self.client.call("end_weight_update")
-
-
 def trainer_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_ports: dict, refit_ports: dict,
                 n_engine: int) -> dict:
     """The trainer ranks: Megatron TP shards of each case's checkpoint, driving :class:`SGLangTrainer`."""
     from safetensors.torch import load_file
 
-    from triton_reshard.integrations.control import StoreClient
+    from triton_reshard.integrations.control import SGLangStoreClient
     from triton_reshard.integrations.sglang import SGLangTrainer
     from triton_reshard.presets import get_config, megatron_layout, sglang_layout, vllm_layout
 
@@ -212,10 +195,9 @@ def trainer_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_po
             layout = megatron_layout(cfg, tp=world, dtype=torch.float32)
             tensors = layout.shard(load_file(os.path.join(ckpt_root, case.model, "model.safetensors")), rank)
             if rank == 0:
-                client = StoreClient("127.0.0.1", ctl_ports[case.id], n_engine, timeout=240)
-            engine = StoreEngine(client) if rank == 0 else None
+                client = SGLangStoreClient("127.0.0.1", ctl_ports[case.id], n_engine, timeout=240)
             common = dict(rank=rank, num_trainer_ranks=world, num_engine_ranks=n_engine, host="127.0.0.1",
-                          engine=engine, timeout=120)
+                          engine=client, timeout=120)
             ports = iter(refit_ports[case.id])
             if case.bad_expect:  # vLLM 0.24+'s FusedMoE names: "another release" of the engine's layout
                 other = vllm_layout(cfg, tp=n_engine, enable_expert_parallel=case.ep > 1, dtype=torch.float32,

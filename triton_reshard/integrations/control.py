@@ -1,6 +1,6 @@
 """A minimal control plane over a TCP store, for examples and tests without Ray or an HTTP server.
 
-In a deployment the trainer reaches the engine's workers through vLLM's own control plane (the RLHF HTTP
+In a deployment the trainer reaches the engine's workers through the engine's own control plane (the RLHF HTTP
 routes, Ray actors, ``LLM.collective_rpc``): a ``VLLMWeightSyncClient``. Here :class:`StoreClient` is such a
 client, and :func:`serve` is the engine worker's side: the trainer posts a call, every worker runs it and
 acknowledges, the client waits for all (errors come back with the worker's traceback).
@@ -51,6 +51,20 @@ class StoreClient:
     def stop(self) -> None:
         """Let every worker's :func:`serve` return."""
         self._call("stop")
+
+
+class SGLangStoreClient(StoreClient):
+    """The trainer's handle on an SGLang engine's weight-update API (what ``sglang.Engine`` offers), over the
+    store: each call runs on every engine rank (``serve`` with handlers of these names)."""
+
+    def begin_weight_update(self) -> None:
+        self._call("begin_weight_update")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None) -> None:
+        self._call("update_weights_from_tensor", {"named_tensors": named_tensors, "load_format": load_format})
+
+    def end_weight_update(self) -> None:
+        self._call("end_weight_update")
 
 
 def serve(host: str, port: int, worker: int, handlers: Mapping[str, Callable], timeout: float = 300.0) -> int:
