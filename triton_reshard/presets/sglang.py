@@ -77,7 +77,8 @@ def sglang_layout(
     """The layout of an SGLang deployment serving the model with ``--tp-size tp``, ``--dp-size dp`` (replicas,
     see the module docstring) and ``--ep-size ep`` (1 or ``tp``).
 
-    ``ranks``: the ``tp*dp`` global ranks, replica-major (default ``0..``; an int is an offset).
+    ``ranks``: the ``tp*dp`` global ranks, replica-major (default ``0..``; an int is an offset; consecutive
+    when ``dp > 1``).
     ``sglang_version``: the SGLang release whose names to use (default: the installed SGLang's, else
     :data:`NEWEST_KNOWN`); a trainer without SGLang installed should pass the engine's. A layout that differs
     from the engine's loader fails closed: the plug-in compares it with the recorded one and names the tensor.
@@ -109,7 +110,7 @@ def sglang_layout(
         ranks = tuple(ranks)
         if len(ranks) != tp * dp:
             raise ValueError(f"sglang_layout(tp={tp}, dp={dp}) needs {tp * dp} ranks, got {len(ranks)}")
-        if list(ranks) != list(range(ranks[0], ranks[0] + tp * dp)):
+        if dp > 1 and list(ranks) != list(range(ranks[0], ranks[0] + tp * dp)):
             raise ValueError(f"sglang_layout: with dp={dp}, ranks must be consecutive (replica i on ranks "
                              f"{ranks[0]} + i*tp ..), got {list(ranks)}")
         one = ranks[:tp]
