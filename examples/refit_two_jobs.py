@@ -149,10 +149,11 @@ def sglang_engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float
         ok, msg = updater.update_weights_from_tensor(**payload)
         if not ok:
             raise RuntimeError(msg)
-        st = ts.engine_state(model)
-        if ts.decode_control(payload["named_tensors"])["op"] == "init":
+        st, op = ts.engine_state(model), ts.decode_control(payload["named_tensors"])["op"]
+        if op == "init":
             print(f"engine rank {rank}: joined the refit group as rank {st.group.rank} of {st.group.size}; "
                   f"destination layout {st.dst_layout.digest} recorded from SGLang's loader", flush=True)
+        if op != "refit":  # init, verify, close
             return
         dt = time.perf_counter() - t0
         step[0] += 1
