@@ -460,3 +460,31 @@ def test_a_flood_of_idle_connections_delays_a_member_but_does_not_stop_it(monkey
         for h in holders:
             h.close()
         srv.close()
+
+
+# --------------------------------------------------------------------------------------------------------
+# adversarial review: malformed input from a buggy member, the secret file, the server's own errors
+# --------------------------------------------------------------------------------------------------------
+
+def test_huge_ints_are_a_named_error_not_a_crash(tmp_path):
+    """An int of over 4300 digits (Python's str->int limit: a ValueError from json, not a JSONDecodeError)
+    or one too big for the columnar layout's index arrays (an OverflowError) is a WireError naming the
+    message and the field, like every other malformed message."""
+    for raw in (b"1" * 5000, b'{"$": "tuple", "v": [' + b"9" * 5000 + b"]}"):
+        with pytest.raises(wire.WireError, match="rank 3's thing: not a data-only JSON"):
+            wire.loads(raw, "rank 3's thing")
+    f = tmp_path / "layout.json"
+    f.write_bytes(b"[" + b"7" * 5000 + b"]")
+    with pytest.raises(wire.WireError, match="is not JSON"):
+        wire.load_layout(f)
+    good = wire.layout_to_dict(_layouts()[0])
+    for where in ((1,), (2, 0), (5, 0)):  # a fragment's rank, offset, local offset
+        d = json.loads(json.dumps(good))
+        d["columnar"] = True
+        frag = d["fragments"][0]
+        if len(where) == 1:
+            frag[where[0]] = 10**30
+        else:
+            frag[where[0]][where[1]] = 10**30
+        with pytest.raises(wire.WireError, match=r"rank 3's thing<Layout>"):
+            wire.loads(json.dumps({"$": "Layout", "v": d}).encode(), "rank 3's thing")
