@@ -488,3 +488,23 @@ def test_huge_ints_are_a_named_error_not_a_crash(tmp_path):
             frag[where[0]][where[1]] = 10**30
         with pytest.raises(wire.WireError, match=r"rank 3's thing<Layout>"):
             wire.loads(json.dumps({"$": "Layout", "v": d}).encode(), "rank 3's thing")
+
+
+def test_a_members_malformed_request_is_an_error_reply_not_a_dead_connection():
+    """The server parses an authenticated request's fields strictly: a malformed integer ("--5": it passed
+    the old digit check, then int() raised in the server's thread and killed the member's connection) is an
+    error reply to that member, whose connection stays usable."""
+    from triton_reshard import auth
+
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    s = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=5))
+    try:
+        for fields in ((b"k", b"--5"), (b"k", b"-"), (b"k", b"5-"), (b"k", "\u0663".encode())):
+            with pytest.raises(RuntimeError, match="refused op 3: .*malformed integer"):
+                s._call(auth.ADD, *fields)
+        with pytest.raises(RuntimeError, match="malformed integer"):
+            s._call(auth.GET, b"--1000", b"k")
+        assert s.add("k", -2) == -2 and s.add("k", 5) == 3  # the same connection, still in sequence
+    finally:
+        s.close()
+        srv.close()

@@ -251,7 +251,7 @@ def _unpack(body: bytes, start: int = 0) -> list[bytes]:
 
 
 def _int(b: bytes) -> int:
-    if not b or len(b) > 24 or not b.lstrip(b"-").isdigit():
+    if not 0 < len(b) <= 24 or not b.removeprefix(b"-").isdigit():  # one sign at most ("--5" is no int)
         raise AuthError(f"a malformed integer field {b[:24]!r}")
     return int(b)
 
@@ -352,8 +352,8 @@ class AuthStoreServer:
                     return
                 try:
                     reply = self._op(body[0], _unpack(body, 1))
-                except AuthError as e:
-                    reply = bytes([ERROR]) + _pack(str(e).encode())
+                except (AuthError, KeyError) as e:  # a member's malformed request (or a key deleted meanwhile)
+                    reply = bytes([ERROR]) + _pack(f"{type(e).__name__}: {e}".encode())
                 ch.send(reply)
         except OSError:
             return
