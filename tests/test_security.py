@@ -55,6 +55,7 @@ def test_secret_from_argument_env_and_file(tmp_path, monkeypatch):
     assert resolve_secret(SECRET) == SECRET  # the argument wins
     f = tmp_path / "secret"
     f.write_text("f" * 40 + "\n")
+    f.chmod(0o600)
     monkeypatch.setenv("TRITON_RESHARD_SECRET_FILE", str(f))
     with pytest.raises(ValueError, match="both TRITON_RESHARD_SECRET and TRITON_RESHARD_SECRET_FILE"):
         resolve_secret()
@@ -508,3 +509,29 @@ def test_a_members_malformed_request_is_an_error_reply_not_a_dead_connection():
     finally:
         s.close()
         srv.close()
+
+
+def test_a_world_writable_secret_file_is_refused_and_a_world_readable_one_warned(tmp_path, monkeypatch):
+    import warnings
+
+    from triton_reshard.auth import secret_from
+
+    f = tmp_path / "secret"
+    f.write_text("q" * 40 + "\n")
+    monkeypatch.setenv("TRITON_RESHARD_SECRET_FILE", str(f))
+    os.chmod(f, 0o600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_secret() == b"q" * 40
+    os.chmod(f, 0o644)
+    with pytest.warns(UserWarning, match=r"readable by every user .*0644"):
+        assert resolve_secret() == b"q" * 40
+    for mode in (0o666, 0o602):
+        os.chmod(f, mode)
+        with pytest.raises(ValueError, match=rf"writable by every user of this machine \(mode 0{mode:o}\)") as e:
+            resolve_secret()
+        assert "q" * 16 not in str(e.value)
+        with pytest.raises(ValueError, match="writable by every user"):
+            secret_from(None, f)
+        with pytest.raises(ValueError, match="writable by every user"):
+            init_refit_group("127.0.0.1", 1234, 0, 1)

@@ -36,9 +36,11 @@ import ipaddress
 import os
 import secrets
 import socket
+import stat
 import struct
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -121,12 +123,21 @@ def secret_from(env: str | None = SECRET_ENV, file: str | os.PathLike | None = N
 
 
 def read_secret_file(path: str | os.PathLike, *, where: str = "init_refit_group") -> bytes:
-    """The secret held in the file ``path`` (trailing whitespace and newline stripped)."""
+    """The secret held in the file ``path`` (trailing whitespace and newline stripped). A file that every user
+    of the machine may write is refused (any of them could put a secret of their own there and join); one
+    they may all read draws a warning (a Kubernetes secret volume is 0644 unless ``defaultMode`` says 0400)."""
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
             data = f.read(1 << 16)
     except OSError as e:
         raise ValueError(f"{where}: cannot read the secret file {os.fspath(path)!r}: {e.strerror}") from None
+    if mode & stat.S_IWOTH:
+        raise ValueError(f"{where}: the secret file {os.fspath(path)!r} is writable by every user of this machine "
+                         f"(mode {stat.S_IMODE(mode):04o}); make it 0600 (chmod 600)")
+    if mode & stat.S_IROTH:
+        warnings.warn(f"{where}: the secret file {os.fspath(path)!r} is readable by every user of this machine "
+                      f"(mode {stat.S_IMODE(mode):04o}); make it 0600 (chmod 600)", UserWarning, stacklevel=3)
     return data.rstrip()
 
 
