@@ -535,3 +535,29 @@ def test_a_world_writable_secret_file_is_refused_and_a_world_readable_one_warned
             secret_from(None, f)
         with pytest.raises(ValueError, match="writable by every user"):
             init_refit_group("127.0.0.1", 1234, 0, 1)
+
+
+def test_a_stranger_host_cannot_take_every_handshake_slot(monkeypatch):
+    """Idle connections from one stranger address (127.0.0.2 here) hold at most MAX_PENDING_PER_HOST of the
+    server's handshake slots, so a member from another address gets in at once instead of waiting out the
+    strangers' handshake timeout (here longer than the member's own deadline: it failed before the cap)."""
+    from triton_reshard import auth
+
+    monkeypatch.setattr(auth, "MAX_PENDING", 8)
+    monkeypatch.setattr(auth, "MAX_PENDING_PER_HOST", 4, raising=False)
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 6.0)
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    holders = [socket.create_connection(("127.0.0.1", srv.port), source_address=("127.0.0.2", 0))
+               for _ in range(12)]
+    try:
+        time.sleep(0.3)
+        assert srv.refused == 8  # 4 admitted, the rest closed at once
+        t0 = time.monotonic()
+        s = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=2))
+        s.set("k", b"v")
+        assert s.get("k") == b"v" and time.monotonic() - t0 < 2
+        s.close()
+    finally:
+        for h in holders:
+            h.close()
+        srv.close()

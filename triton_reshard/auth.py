@@ -52,6 +52,7 @@ MIN_SECRET_BYTES = 16
 MAX_FRAME = 1 << 30  # bytes of one frame body (a layout of ~10^6 fragments is ~100 MB of JSON)
 HANDSHAKE_TIMEOUT = 10.0  # seconds a connecting process has to complete the handshake
 MAX_PENDING = 64  # connections in their handshake at once (more are closed at once)
+MAX_PENDING_PER_HOST = 8  # of those, from one address (a stranger's host cannot take every slot)
 
 MAGIC = b"TRSHv1\x00\x00"
 _HELLO = struct.Struct(">8s32sII")  # magic, client nonce, rank, world size
@@ -283,6 +284,7 @@ class AuthStoreServer:
         self.refused = 0
         self.closed = False
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._per_host: dict[str, int] = {}  # handshakes in progress by peer address (under self.cv)
         self._conns: set[socket.socket] = set()
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -315,19 +317,23 @@ class AuthStoreServer:
     def _accept(self) -> None:
         while not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, addr = self.sock.accept()
             except OSError:
                 return
-            if not self._pending.acquire(blocking=False):  # a flood of handshakes: refuse the newcomer
+            host = addr[0]
+            with self.cv:  # a flood of handshakes (from anywhere, or from one host): refuse the newcomer
+                admit = self._per_host.get(host, 0) < MAX_PENDING_PER_HOST and self._pending.acquire(blocking=False)
+                if admit:
+                    self._per_host[host] = self._per_host.get(host, 0) + 1
+                    self._conns.add(conn)
+            if not admit:
                 self.refused += 1
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.cv:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, host), daemon=True).start()
 
-    def _handshake(self, conn: socket.socket) -> _Channel | None:
+    def _handshake(self, conn: socket.socket, host: str) -> _Channel | None:
         try:
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT
             hello = _recv_exact(conn, _HELLO.size, deadline)
@@ -345,10 +351,14 @@ class AuthStoreServer:
         except (OSError, ConnectionError, TimeoutError, struct.error):
             return None
         finally:
+            with self.cv:
+                self._per_host[host] -= 1
+                if not self._per_host[host]:
+                    del self._per_host[host]
             self._pending.release()
 
-    def _serve(self, conn: socket.socket) -> None:
-        ch = self._handshake(conn)
+    def _serve(self, conn: socket.socket, host: str) -> None:
+        ch = self._handshake(conn, host)
         try:
             if ch is None:
                 self.refused += 1
