@@ -96,6 +96,9 @@ def test_a_routable_address_needs_a_secret_or_an_explicit_opt_in(monkeypatch):
             init_refit_group(host, free_port(), 0, 1, timeout=2, **opt).destroy()
         except RefitGroupError as e:
             assert "cannot open" in str(e)
+    for every in ("0.0.0.0", "::", "[::]", "", "0"):  # every interface: not loopback
+        with pytest.raises(ValueError, match="not a loopback"):
+            init_refit_group(every, free_port(), 0, 1, timeout=2)
     monkeypatch.setenv("TRITON_RESHARD_INSECURE", "1")
     try:
         init_refit_group(host, free_port(), 0, 1, timeout=2).destroy()
