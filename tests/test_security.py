@@ -564,3 +564,40 @@ def test_a_stranger_host_cannot_take_every_handshake_slot(monkeypatch):
         for h in holders:
             h.close()
         srv.close()
+
+
+def test_a_connection_accepted_while_the_server_closes_is_not_served(monkeypatch):
+    """A connection that the accept loop takes just as :meth:`AuthStoreServer.close` runs is closed with the
+    rest (it was served by a thread close() never saw: the client completed its handshake with a closed
+    server, and the thread lived on)."""
+    from triton_reshard import auth
+
+    accepted, closed = threading.Event(), threading.Event()
+
+    class SlowAccept(socket.socket):
+        def accept(self):
+            conn, addr = super().accept()
+            accepted.set()
+            closed.wait(5)  # close() runs between accept() and the admission of the connection
+            return conn, addr
+
+    monkeypatch.setattr(auth.socket, "socket", SlowAccept)
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    monkeypatch.undo()
+    out = {}
+
+    def join():
+        try:
+            out["store"] = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=2))
+        except (AuthError, TimeoutError) as e:
+            out["error"] = e
+
+    t = threading.Thread(target=join)
+    t.start()
+    assert accepted.wait(5)
+    srv.close()
+    closed.set()
+    t.join(10)
+    assert "store" not in out and "error" in out, out
+    time.sleep(0.3)
+    assert not srv._conns

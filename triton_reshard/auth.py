@@ -321,8 +321,9 @@ class AuthStoreServer:
             except OSError:
                 return
             host = addr[0]
-            with self.cv:  # a flood of handshakes (from anywhere, or from one host): refuse the newcomer
-                admit = self._per_host.get(host, 0) < MAX_PENDING_PER_HOST and self._pending.acquire(blocking=False)
+            with self.cv:  # closing, or a flood of handshakes (from anywhere, or from one host): refuse it
+                admit = (not self.closed and self._per_host.get(host, 0) < MAX_PENDING_PER_HOST
+                         and self._pending.acquire(blocking=False))
                 if admit:
                     self._per_host[host] = self._per_host.get(host, 0) + 1
                     self._conns.add(conn)
