@@ -154,7 +154,7 @@ def main() -> int:
 
     from triton_reshard.group import free_port
     from triton_reshard.integrations.control import host_store
-    from triton_reshard.launch import run_jobs
+    from triton_reshard.testing.launch import run_jobs
 
     cfg = _config(args)
     with tempfile.TemporaryDirectory() as d:
@@ -163,10 +163,14 @@ def main() -> int:
         kw = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
         transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(torch.bfloat16).save_pretrained(ckpt)
         ctl, upd, refit_port = free_port(), free_port(), free_port()
-        store = host_store("127.0.0.1", ctl, timeout=600)  # noqa: F841
+        store = host_store("127.0.0.1", ctl, timeout=600)
         t0 = time.perf_counter()
-        res = run_jobs({"engine": (engine_job, args.tp, ckpt, ctl, upd),
-                        "trainer": (trainer_job, 1, ckpt, ctl, upd, refit_port, args.tp, args.repeats)}, timeout=1200)
+        try:
+            res = run_jobs({"engine": (engine_job, args.tp, ckpt, ctl, upd),
+                            "trainer": (trainer_job, 1, ckpt, ctl, upd, refit_port, args.tp, args.repeats)},
+                           timeout=1200)
+        finally:
+            store.close()
     for name in ("engine", "trainer"):
         if isinstance(res[name], Exception):
             print(f"{name} job failed: {res[name]}", file=sys.stderr)

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.sglang_tier import sglang_jobs as sj  # noqa: E402
 from triton_reshard.group import free_port  # noqa: E402
 from triton_reshard.integrations.control import host_store  # noqa: E402
-from triton_reshard.launch import run_jobs  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
+from triton_reshard.testing.launch import run_jobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TRAINERS = 2
@@ -67,9 +67,14 @@ def _run(tp: int) -> tuple[dict, dict]:
     cases = CASES[tp]
     ctl = {c.id: free_port() for c in cases}
     refit_ports = {c.id: [free_port() for _ in range(3)] for c in cases}
-    stores = [host_store("127.0.0.1", p, timeout=300) for p in ctl.values()]  # the control planes  # noqa: F841
-    res = run_jobs({"engine": (sj.engine_job, tp, cases, _checkpoints(), ctl),
-                    "trainer": (sj.trainer_job, TRAINERS, cases, _checkpoints(), ctl, refit_ports, tp)}, timeout=600)
+    stores = [host_store("127.0.0.1", p, timeout=300) for p in ctl.values()]  # the control planes
+    try:
+        res = run_jobs({"engine": (sj.engine_job, tp, cases, _checkpoints(), ctl),
+                        "trainer": (sj.trainer_job, TRAINERS, cases, _checkpoints(), ctl, refit_ports, tp)},
+                       timeout=600)
+    finally:
+        for s in stores:
+            s.close()
     for name in ("engine", "trainer"):
         assert not isinstance(res.get(name), Exception), f"{name} job failed: {res.get(name)}"
     return res["engine"], res["trainer"]
