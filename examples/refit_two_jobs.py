@@ -145,7 +145,7 @@ def sglang_engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float
     import torch
 
     from triton_reshard.integrations import sglang as ts
-    from triton_reshard.integrations.control import serve
+    from triton_reshard.integrations.control import serve, sglang_update_kwargs
 
     logging.disable(logging.WARNING)
     model, model_config, _ = ts.load_sglang_model(ckpt, tp=world)  # SGLang's get_model + its loader
@@ -154,10 +154,10 @@ def sglang_engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float
 
     def update(payload):
         t0 = time.perf_counter()
-        ok, msg = updater.update_weights_from_tensor(**payload)
+        ok, msg = updater.update_weights_from_tensor(**sglang_update_kwargs(payload))
         if not ok:
             raise RuntimeError(msg)
-        st, op = ts.engine_state(model), ts.decode_control(payload["named_tensors"])["op"]
+        st, op = ts.engine_state(model), payload["control"]["op"]
         if op == "init":
             print(f"engine rank {rank}: joined the refit group as rank {st.group.rank} of {st.group.size}; "
                   f"destination layout {st.dst_layout.digest} recorded from SGLang's loader", flush=True)

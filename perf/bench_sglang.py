@@ -46,7 +46,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -
 
     logging.disable(logging.WARNING)
     from triton_reshard.integrations import sglang as ts
-    from triton_reshard.integrations.control import serve
+    from triton_reshard.integrations.control import serve, sglang_update_kwargs
 
     model, mc, _ = ts.load_sglang_model(ckpt, tp=world, dtype="bfloat16")
     updater = ts.sglang_weight_updater(model, mc)
@@ -64,7 +64,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -
         recv[p["mode"]] = sum(t.numel() * t.element_size() for _n, t in weights)
 
     def update(p):
-        ok, msg = updater.update_weights_from_tensor(**p)
+        ok, msg = updater.update_weights_from_tensor(**sglang_update_kwargs(p))
         if not ok:
             raise RuntimeError(msg)
         st = ts.engine_state(model)

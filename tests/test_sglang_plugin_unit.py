@@ -88,3 +88,26 @@ def test_group_options_one_place(monkeypatch):
     assert ts.group_options(g) == {"host": "127.0.0.1", "port": 5, "world_size": 6, "backend": None, "timeout": 30.0}
     with pytest.raises(ValueError, match="TR_SECRET"):
         ts.group_options({**g, "secret_env": "TR_SECRET"})
+
+
+def test_the_control_plane_carries_the_sglang_control_message_as_data():
+    """SGLangStoreClient sends the plug-in's control message through the data-only control plane (JSON, one of
+    control.METHODS); the engine rank's sglang_update_kwargs rebuilds the tensor SGLang passes our loader."""
+    from triton_reshard import wire
+    from triton_reshard.integrations import control
+
+    sent = []
+
+    class Client(control.SGLangStoreClient):
+        def __init__(self):  # no store: record what would be posted
+            pass
+
+        def _call(self, method, payload=None):
+            sent.append((method, wire.loads(wire.dumps(payload), "test")))
+
+    Client().update_weights_from_tensor(ts.encode_control({"op": "refit", "version": 3}), load_format=ts.LOAD_FORMAT)
+    (method, payload), = sent
+    assert method in control.METHODS
+    kw = control.sglang_update_kwargs(payload)
+    assert kw["load_format"] == ts.LOAD_FORMAT
+    assert ts.decode_control(kw["named_tensors"]) == {"op": "refit", "version": 3}

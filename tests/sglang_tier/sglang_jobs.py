@@ -70,7 +70,7 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
 
     from triton_reshard.integrations import checkpoint_shapes
     from triton_reshard.integrations import sglang as ts
-    from triton_reshard.integrations.control import serve
+    from triton_reshard.integrations.control import serve, sglang_update_kwargs
     from triton_reshard.presets import get_config, sglang_layout
 
     t0 = time.perf_counter()
@@ -155,11 +155,9 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
                 rep["corrupted"] = name
 
     def update(payload):  # the control plane carries the control message as JSON: rebuild SGLang's tensor
-        named_tensors = ts.encode_control(payload["control"])
         op = payload["control"]["op"]
         try:
-            ok, msg = updater.update_weights_from_tensor(named_tensors=named_tensors,
-                                                         load_format=payload["load_format"])
+            ok, msg = updater.update_weights_from_tensor(**sglang_update_kwargs(payload))
         except Exception as e:
             rep["events"].append((op, f"{type(e).__name__}: {e}"))
             if case.refuse_quant and op == "init":

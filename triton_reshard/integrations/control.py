@@ -19,7 +19,7 @@ from datetime import timedelta
 
 from .. import wire
 from ..auth import AuthStore, AuthStoreServer, group_key, resolve_secret
-from .sglang import decode_control
+from .sglang import decode_control, encode_control
 
 METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "stop",
            "begin_weight_update", "update_weights_from_tensor", "end_weight_update")  # the last three: SGLang's
@@ -93,6 +93,12 @@ class SGLangStoreClient(StoreClient):
 
     def end_weight_update(self) -> None:
         self._call("end_weight_update")
+
+
+def sglang_update_kwargs(payload) -> dict:
+    """An engine rank's side of :meth:`SGLangStoreClient.update_weights_from_tensor`: the keyword arguments of
+    SGLang's own ``update_weights_from_tensor`` (the control message back as the plug-in's named tensor)."""
+    return {"named_tensors": encode_control(payload["control"]), "load_format": payload["load_format"]}
 
 
 def _command(raw: bytes, n: int, worker: int) -> tuple[str, object]:
