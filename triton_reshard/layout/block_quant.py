@@ -4,7 +4,7 @@ a per-block scale tensor beside each (the DeepSeek-V3 / vLLM block-FP8 format)."
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..specs import (
     QUANT_DTYPE,
@@ -47,6 +47,32 @@ def block_quant_layout(
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"block_quant_layout: expected a Layout, got {type(layout).__name__}")
+    chosen = _chosen(layout, names)
+    if not isinstance(scale_suffix, str) or not scale_suffix:
+        raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
+    specs = _quantized_specs(layout, chosen, tuple(block), scale_suffix, ue8m0)
+    frags, qlocals = _with_scale_fragments(layout, specs, chosen, scale_suffix)
+    locs = {(s.rank, s.name): s for s in layout.locals}
+    for t in list(specs.values()):
+        if t.quant is not None:
+            if t.quant.scale in specs:
+                raise ValueError(f"block_quant_layout: the scale tensor name {t.quant.scale!r} of {t.name!r} is taken")
+            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, SCALE_DTYPE)
+    for (rank, local), blk in qlocals.items():
+        ls = locs[(rank, local)]
+        sname = local + scale_suffix
+        if (rank, sname) in locs:
+            raise ValueError(f"block_quant_layout: local tensor {sname!r} on rank {rank} already exists")
+        extra = len(ls.shape) - len(blk)
+        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
+        locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
+                                        SCALE_DTYPE)
+    with gc_paused():
+        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
+
+
+def _chosen(layout: Layout, names: Iterable[str] | Callable[[TensorSpec], bool]) -> set[str]:
+    """The names of the tensors to quantize (a predicate's choice, or the names given, each known)."""
     if callable(names):
         chosen = {t.name for t in layout.tensors if names(t)}
     else:
@@ -57,9 +83,12 @@ def block_quant_layout(
         unknown = sorted(chosen - set(layout.specs))
         if unknown:
             raise KeyError(f"block_quant_layout: unknown tensor {unknown[0]!r}")
-    if not isinstance(scale_suffix, str) or not scale_suffix:
-        raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
-    block = tuple(block)
+    return chosen
+
+
+def _quantized_specs(layout: Layout, chosen: set[str], block: tuple[int, ...], scale_suffix: str,
+                     ue8m0: bool) -> dict[str, TensorSpec]:
+    """The layout's tensor specs by name, the chosen ones FP8 with their :class:`BlockQuant`."""
     specs: dict[str, TensorSpec] = {}
     for t in layout.tensors:
         if t.name not in chosen:
@@ -71,8 +100,14 @@ def block_quant_layout(
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
         q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
         specs[t.name] = q
+    return specs
+
+
+def _with_scale_fragments(layout: Layout, specs: Mapping[str, TensorSpec], chosen: set[str], scale_suffix: str,
+                          ) -> tuple[list[Fragment], dict[tuple[int, str], tuple[int, ...]]]:
+    """The layout's fragments plus the scale fragment of each quantized one (each checked block-aligned, its
+    local tensor holding quantized tensors of one block only), and the block of each quantized local tensor."""
     frags = list(layout.fragments)
-    locs = {(s.rank, s.name): s for s in layout.locals}
     holds: dict[tuple[int, str], set[str]] = defaultdict(set)
     for f in frags:
         holds[(f.rank, f.local)].add(f.tensor)
@@ -98,19 +133,4 @@ def block_quant_layout(
         qlocals[key] = spec.quant.block
         off, sizes, lo = block_scale_box(f, spec.quant.block)
         frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
-    for t in list(specs.values()):
-        if t.quant is not None:
-            if t.quant.scale in specs:
-                raise ValueError(f"block_quant_layout: the scale tensor name {t.quant.scale!r} of {t.name!r} is taken")
-            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, SCALE_DTYPE)
-    for (rank, local), blk in qlocals.items():
-        ls = locs[(rank, local)]
-        sname = local + scale_suffix
-        if (rank, sname) in locs:
-            raise ValueError(f"block_quant_layout: local tensor {sname!r} on rank {rank} already exists")
-        extra = len(ls.shape) - len(blk)
-        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
-        locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
-                                        SCALE_DTYPE)
-    with gc_paused():
-        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
+    return frags, qlocals

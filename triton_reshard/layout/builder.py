@@ -132,9 +132,10 @@ class ColumnBuilder:
         return ColumnarLayout(self.tensors, cols, validate=validate)
 
     def _assemble(self) -> Columns:
+        """The columns of everything added: ids for local names and dtypes, then the fragment columns
+        (sorted in Layout order) and the local-tensor columns (sorted by rank and name, one entry each)."""
         lt = self.tensors
         names = lt.names
-        tid = self.tensor_ids
         lnames = sorted({x[1] for x in self._lrows} | {x[2] for x in self._rows}
                         | {n for x in self._lblocks for n in ((x[1],) if type(x[1]) is str else x[1][0])}
                         | {n for x in self._blocks for n in ((x[2],) if type(x[2]) is str else x[2][0])})
@@ -142,9 +143,16 @@ class ColumnBuilder:
         dtypes = list(dict.fromkeys([self.dtype, *lt.dtypes] + [x[3] for x in self._lrows]
                                     + [x[3] for x in self._lblocks]))
         did = {d: i for i, d in enumerate(dtypes)}
-        # fragments
         D = max(map(len, lt.shapes), default=0)
         L = max([len(x[5]) for x in self._rows] + [b[5].shape[1] for b in self._blocks] + [D])
+        ft, fr, fl, foff, fsz, flo, flnd = self._fragment_columns(self._fragment_parts(lid, D, L), D, L)
+        lr, ln, lsh, lnd, ldt = self._local_columns(lid, did, lnames)
+        return Columns(names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt)
+
+    def _fragment_parts(self, lid: Mapping[str, int], D: int, L: int) -> list[tuple]:
+        """The fragment columns of the rows added one by one, then of each group of blocks of one (tensor
+        dims, local dims): (tensor id, rank, local id, offsets, sizes, local offsets, local dims) per part."""
+        tid = self.tensor_ids
         parts = []
         if self._rows:
             rows = self._rows
@@ -180,6 +188,11 @@ class ColumnBuilder:
             fl = _local_ids([x[2] for x in blks], lens, lid)
             parts.append((np.concatenate([x[0] for x in blks]), np.concatenate([x[1] for x in blks]), fl, off, sz,
                           lo, np.full(k, lnd_, I64)))
+        return parts
+
+    def _fragment_columns(self, parts: list[tuple], D: int, L: int) -> tuple[np.ndarray, ...]:
+        """The parts concatenated one column at a time (compacted), every tensor covered, in Layout order."""
+        names = self.tensors.names
         if parts:
             cat = []
             for j in range(7):  # one column at a time, compacted (int32) and its parts dropped
@@ -205,7 +218,11 @@ class ColumnBuilder:
         flo = flo[order]
         flnd = flnd[order]
         del order
-        # locals
+        return ft, fr, fl, foff, fsz, flo, flnd
+
+    def _local_columns(self, lid: Mapping[str, int], did: Mapping, lnames: Sequence[str]) -> tuple[np.ndarray, ...]:
+        """The local-tensor columns (rank, name id, shape, dims, dtype id) sorted by (rank, name), a local
+        tensor declared more than once kept once (it must have the same shape each time)."""
         S = max([len(x[2]) for x in self._lrows] + [b[2].shape[1] for b in self._lblocks] + [0])
         lparts = []
         if self._lrows:
@@ -246,5 +263,4 @@ class ColumnBuilder:
                 keep = np.ones(len(lr), bool)
                 keep[1:] = ~dup
                 lr, ln, lsh, lnd, ldt = lr[keep], ln[keep], lsh[keep], lnd[keep], ldt[keep]
-        cols = Columns(names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd, lr, ln, lsh, lnd, ldt)
-        return cols
+        return lr, ln, lsh, lnd, ldt

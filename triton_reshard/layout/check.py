@@ -4,13 +4,14 @@ a columnar layout's columns (:func:`columns_valid`; on a failure the eager check
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import add, gt
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..box import boxes_overlap, find_overlap
 from ..specs import (
+    Fragment,
     LocalSpec,
     TensorSpec,
     check_fragment,
@@ -18,31 +19,28 @@ from ..specs import (
 )
 from .columns import I64, Columns, LogicalTensors
 
-if TYPE_CHECKING:
-    from .objects import Layout
-
-
 # --------------------------------------------------------------------------------------------------------
 # Eager validation (a Layout's constructor)
 # --------------------------------------------------------------------------------------------------------
 
 
-def check_layout(layout: Layout) -> None:
-    """The eager checks of a Layout on construction: names declared once, every fragment inside its tensor
-    and its local tensor, no two fragments sharing local memory, quantized tensors' scales consistent; a
-    ValueError naming tensor and rank otherwise."""
+def check_layout(tensors: Sequence[TensorSpec], fragments: Sequence[Fragment],
+                 locals_: Sequence[LocalSpec]) -> None:
+    """The eager checks of a Layout on construction (its tensors, fragments and local tensors): names declared
+    once, every fragment inside its tensor and its local tensor, no two fragments sharing local memory,
+    quantized tensors' scales consistent; a ValueError naming tensor and rank otherwise."""
     specs: dict[str, TensorSpec] = {}
-    for t in layout.tensors:
+    for t in tensors:
         if t.name in specs:
             raise ValueError(f"tensor {t.name!r} is declared twice")
         specs[t.name] = t
     locs: dict[tuple[int, str], LocalSpec] = {}
-    for s in layout.locals:
+    for s in locals_:
         if (s.rank, s.name) in locs:
             raise ValueError(f"local tensor {s.name!r} on rank {s.rank} is declared twice")
         locs[(s.rank, s.name)] = s
     per_local: dict[tuple[int, str], list] = {}
-    for f in layout.fragments:
+    for f in fragments:
         key = (f.rank, f.local)
         spec = specs.get(f.tensor)
         loc = locs.get(key)
@@ -75,8 +73,8 @@ def check_layout(layout: Layout) -> None:
                 f"overlapping fragments on rank {rank} in local tensor {local!r}: tensor {a.tensor!r} box "
                 f"{a.offsets}+{a.sizes} and tensor {b.tensor!r} box {b.offsets}+{b.sizes} share local memory"
             )
-    if any(t.quant is not None for t in layout.tensors):
-        validate_quant_fragments(specs, layout.fragments)
+    if any(t.quant is not None for t in tensors):
+        validate_quant_fragments(specs, fragments)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class Layout:
     # -- validation ---------------------------------------------------------------------------------
 
     def _validate(self) -> None:
-        check_layout(self)
+        check_layout(self.tensors, self.fragments, self.locals)
 
     # -- constructors -------------------------------------------------------------------------------
 
