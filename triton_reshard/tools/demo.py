@@ -21,7 +21,7 @@ from ..plan import plan_reshard
 from ..testing import synthetic_box
 from ..testing.launch import WorldError, default_backend, run_world
 from .baselines import allgather_refit
-from .cliutil import DTYPE_HELP, UsageError, check_output_file, fmt_mib, parse_dtype, parse_sizes
+from .cliutil import DTYPE_HELP, UsageError, check_outputs, fmt_mib, parse_dtype, parse_sizes
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 POISON = float("nan")
@@ -375,13 +375,7 @@ def _validate(args) -> tuple[Parallelism, Parallelism]:
         raise UsageError(f"--repeats {args.repeats}: must be >= 0")
     if getattr(args, "quant_block", 128) < 1:
         raise UsageError(f"--quant-block {args.quant_block}: must be >= 1")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
-    check_output_file(args.plot, "--plot")
-    check_output_file(args.json, "--json")
+    check_outputs(args)
     if args.backend == "triton":
         _check_triton_backend(args.world)
     return sp, dp_
