@@ -177,6 +177,7 @@ def test_all_gather_object_over_the_store():
     def run(r):
         g = init_refit_group("127.0.0.1", port, r, 3, timeout=20)
         got[r] = [g.all_gather_object({"rank": r, "x": list(range(r))}), g.all_gather_object(r * 10)]
+        g.barrier()  # rank 0 serves the rendezvous: its destroy() must not cut another rank's last read short
         g.destroy()
 
     ts = [threading.Thread(target=run, args=(r,)) for r in range(3)]

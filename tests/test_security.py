@@ -55,6 +55,7 @@ def test_secret_from_argument_env_and_file(tmp_path, monkeypatch):
     assert resolve_secret(SECRET) == SECRET  # the argument wins
     f = tmp_path / "secret"
     f.write_text("f" * 40 + "\n")
+    f.chmod(0o600)
     monkeypatch.setenv("TRITON_RESHARD_SECRET_FILE", str(f))
     with pytest.raises(ValueError, match="both TRITON_RESHARD_SECRET and TRITON_RESHARD_SECRET_FILE"):
         resolve_secret()
@@ -95,6 +96,9 @@ def test_a_routable_address_needs_a_secret_or_an_explicit_opt_in(monkeypatch):
             init_refit_group(host, free_port(), 0, 1, timeout=2, **opt).destroy()
         except RefitGroupError as e:
             assert "cannot open" in str(e)
+    for every in ("0.0.0.0", "::", "[::]", "", "0"):  # every interface: not loopback
+        with pytest.raises(ValueError, match="not a loopback"):
+            init_refit_group(every, free_port(), 0, 1, timeout=2)
     monkeypatch.setenv("TRITON_RESHARD_INSECURE", "1")
     try:
         init_refit_group(host, free_port(), 0, 1, timeout=2).destroy()
@@ -460,3 +464,140 @@ def test_a_flood_of_idle_connections_delays_a_member_but_does_not_stop_it(monkey
         for h in holders:
             h.close()
         srv.close()
+
+
+# --------------------------------------------------------------------------------------------------------
+# adversarial review: malformed input from a buggy member, the secret file, the server's own errors
+# --------------------------------------------------------------------------------------------------------
+
+def test_huge_ints_are_a_named_error_not_a_crash(tmp_path):
+    """An int of over 4300 digits (Python's str->int limit: a ValueError from json, not a JSONDecodeError)
+    or one too big for the columnar layout's index arrays (an OverflowError) is a WireError naming the
+    message and the field, like every other malformed message."""
+    for raw in (b"1" * 5000, b'{"$": "tuple", "v": [' + b"9" * 5000 + b"]}"):
+        with pytest.raises(wire.WireError, match="rank 3's thing: not a data-only JSON"):
+            wire.loads(raw, "rank 3's thing")
+    f = tmp_path / "layout.json"
+    f.write_bytes(b"[" + b"7" * 5000 + b"]")
+    with pytest.raises(wire.WireError, match="is not JSON"):
+        wire.load_layout(f)
+    good = wire.layout_to_dict(_layouts()[0])
+    for where in ((1,), (2, 0), (5, 0)):  # a fragment's rank, offset, local offset
+        d = json.loads(json.dumps(good))
+        d["columnar"] = True
+        frag = d["fragments"][0]
+        if len(where) == 1:
+            frag[where[0]] = 10**30
+        else:
+            frag[where[0]][where[1]] = 10**30
+        with pytest.raises(wire.WireError, match=r"rank 3's thing<Layout>"):
+            wire.loads(json.dumps({"$": "Layout", "v": d}).encode(), "rank 3's thing")
+
+
+def test_a_members_malformed_request_is_an_error_reply_not_a_dead_connection():
+    """The server parses an authenticated request's fields strictly: a malformed integer ("--5": it passed
+    the old digit check, then int() raised in the server's thread and killed the member's connection) is an
+    error reply to that member, whose connection stays usable."""
+    from triton_reshard import auth
+
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    s = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=5))
+    try:
+        for fields in ((b"k", b"--5"), (b"k", b"-"), (b"k", b"5-"), (b"k", "\u0663".encode())):
+            with pytest.raises(RuntimeError, match="refused op 3: .*malformed integer"):
+                s._call(auth.ADD, *fields)
+        with pytest.raises(RuntimeError, match="malformed integer"):
+            s._call(auth.GET, b"--1000", b"k")
+        assert s.add("k", -2) == -2 and s.add("k", 5) == 3  # the same connection, still in sequence
+    finally:
+        s.close()
+        srv.close()
+
+
+def test_a_world_writable_secret_file_is_refused_and_a_world_readable_one_warned(tmp_path, monkeypatch):
+    import warnings
+
+    from triton_reshard.auth import secret_from
+
+    f = tmp_path / "secret"
+    f.write_text("q" * 40 + "\n")
+    monkeypatch.setenv("TRITON_RESHARD_SECRET_FILE", str(f))
+    os.chmod(f, 0o600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_secret() == b"q" * 40
+    os.chmod(f, 0o644)
+    with pytest.warns(UserWarning, match=r"readable by every user .*0644"):
+        assert resolve_secret() == b"q" * 40
+    for mode in (0o666, 0o602):
+        os.chmod(f, mode)
+        with pytest.raises(ValueError, match=rf"writable by every user of this machine \(mode 0{mode:o}\)") as e:
+            resolve_secret()
+        assert "q" * 16 not in str(e.value)
+        with pytest.raises(ValueError, match="writable by every user"):
+            secret_from(None, f)
+        with pytest.raises(ValueError, match="writable by every user"):
+            init_refit_group("127.0.0.1", 1234, 0, 1)
+
+
+def test_a_stranger_host_cannot_take_every_handshake_slot(monkeypatch):
+    """Idle connections from one stranger address (127.0.0.2 here) hold at most MAX_PENDING_PER_HOST of the
+    server's handshake slots, so a member from another address gets in at once instead of waiting out the
+    strangers' handshake timeout (here longer than the member's own deadline: it failed before the cap)."""
+    from triton_reshard import auth
+
+    monkeypatch.setattr(auth, "MAX_PENDING", 8)
+    monkeypatch.setattr(auth, "MAX_PENDING_PER_HOST", 4, raising=False)
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 6.0)
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    holders = [socket.create_connection(("127.0.0.1", srv.port), source_address=("127.0.0.2", 0))
+               for _ in range(12)]
+    try:
+        time.sleep(0.3)
+        assert srv.refused == 8  # 4 admitted, the rest closed at once
+        t0 = time.monotonic()
+        s = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=2))
+        s.set("k", b"v")
+        assert s.get("k") == b"v" and time.monotonic() - t0 < 2
+        s.close()
+    finally:
+        for h in holders:
+            h.close()
+        srv.close()
+
+
+def test_a_connection_accepted_while_the_server_closes_is_not_served(monkeypatch):
+    """A connection that the accept loop takes just as :meth:`AuthStoreServer.close` runs is closed with the
+    rest (it was served by a thread close() never saw: the client completed its handshake with a closed
+    server, and the thread lived on)."""
+    from triton_reshard import auth
+
+    accepted, closed = threading.Event(), threading.Event()
+
+    class SlowAccept(socket.socket):
+        def accept(self):
+            conn, addr = super().accept()
+            accepted.set()
+            closed.wait(5)  # close() runs between accept() and the admission of the connection
+            return conn, addr
+
+    monkeypatch.setattr(auth.socket, "socket", SlowAccept)
+    srv = AuthStoreServer("127.0.0.1", 0, SECRET)
+    monkeypatch.undo()
+    out = {}
+
+    def join():
+        try:
+            out["store"] = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=2))
+        except (AuthError, TimeoutError) as e:
+            out["error"] = e
+
+    t = threading.Thread(target=join)
+    t.start()
+    assert accepted.wait(5)
+    srv.close()
+    closed.set()
+    t.join(10)
+    assert "store" not in out and "error" in out, out
+    time.sleep(0.3)
+    assert not srv._conns

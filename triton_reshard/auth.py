@@ -36,9 +36,11 @@ import ipaddress
 import os
 import secrets
 import socket
+import stat
 import struct
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -50,6 +52,7 @@ MIN_SECRET_BYTES = 16
 MAX_FRAME = 1 << 30  # bytes of one frame body (a layout of ~10^6 fragments is ~100 MB of JSON)
 HANDSHAKE_TIMEOUT = 10.0  # seconds a connecting process has to complete the handshake
 MAX_PENDING = 64  # connections in their handshake at once (more are closed at once)
+MAX_PENDING_PER_HOST = 8  # of those, from one address (a stranger's host cannot take every slot)
 
 MAGIC = b"TRSHv1\x00\x00"
 _HELLO = struct.Struct(">8s32sII")  # magic, client nonce, rank, world size
@@ -121,12 +124,21 @@ def secret_from(env: str | None = SECRET_ENV, file: str | os.PathLike | None = N
 
 
 def read_secret_file(path: str | os.PathLike, *, where: str = "init_refit_group") -> bytes:
-    """The secret held in the file ``path`` (trailing whitespace and newline stripped)."""
+    """The secret held in the file ``path`` (trailing whitespace and newline stripped). A file that every user
+    of the machine may write is refused (any of them could put a secret of their own there and join); one
+    they may all read draws a warning (a Kubernetes secret volume is 0644 unless ``defaultMode`` says 0400)."""
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
             data = f.read(1 << 16)
     except OSError as e:
         raise ValueError(f"{where}: cannot read the secret file {os.fspath(path)!r}: {e.strerror}") from None
+    if mode & stat.S_IWOTH:
+        raise ValueError(f"{where}: the secret file {os.fspath(path)!r} is writable by every user of this machine "
+                         f"(mode {stat.S_IMODE(mode):04o}); make it 0600 (chmod 600)")
+    if mode & stat.S_IROTH:
+        warnings.warn(f"{where}: the secret file {os.fspath(path)!r} is readable by every user of this machine "
+                      f"(mode {stat.S_IMODE(mode):04o}); make it 0600 (chmod 600)", UserWarning, stacklevel=3)
     return data.rstrip()
 
 
@@ -251,7 +263,7 @@ def _unpack(body: bytes, start: int = 0) -> list[bytes]:
 
 
 def _int(b: bytes) -> int:
-    if not b or len(b) > 24 or not b.lstrip(b"-").isdigit():
+    if not 0 < len(b) <= 24 or not b.removeprefix(b"-").isdigit():  # one sign at most ("--5" is no int)
         raise AuthError(f"a malformed integer field {b[:24]!r}")
     return int(b)
 
@@ -272,6 +284,7 @@ class AuthStoreServer:
         self.refused = 0
         self.closed = False
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._per_host: dict[str, int] = {}  # handshakes in progress by peer address (under self.cv)
         self._conns: set[socket.socket] = set()
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -304,19 +317,24 @@ class AuthStoreServer:
     def _accept(self) -> None:
         while not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, addr = self.sock.accept()
             except OSError:
                 return
-            if not self._pending.acquire(blocking=False):  # a flood of handshakes: refuse the newcomer
+            host = addr[0]
+            with self.cv:  # closing, or a flood of handshakes (from anywhere, or from one host): refuse it
+                admit = (not self.closed and self._per_host.get(host, 0) < MAX_PENDING_PER_HOST
+                         and self._pending.acquire(blocking=False))
+                if admit:
+                    self._per_host[host] = self._per_host.get(host, 0) + 1
+                    self._conns.add(conn)
+            if not admit:
                 self.refused += 1
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.cv:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, host), daemon=True).start()
 
-    def _handshake(self, conn: socket.socket) -> _Channel | None:
+    def _handshake(self, conn: socket.socket, host: str) -> _Channel | None:
         try:
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT
             hello = _recv_exact(conn, _HELLO.size, deadline)
@@ -334,10 +352,14 @@ class AuthStoreServer:
         except (OSError, ConnectionError, TimeoutError, struct.error):
             return None
         finally:
+            with self.cv:
+                self._per_host[host] -= 1
+                if not self._per_host[host]:
+                    del self._per_host[host]
             self._pending.release()
 
-    def _serve(self, conn: socket.socket) -> None:
-        ch = self._handshake(conn)
+    def _serve(self, conn: socket.socket, host: str) -> None:
+        ch = self._handshake(conn, host)
         try:
             if ch is None:
                 self.refused += 1
@@ -352,8 +374,8 @@ class AuthStoreServer:
                     return
                 try:
                     reply = self._op(body[0], _unpack(body, 1))
-                except AuthError as e:
-                    reply = bytes([ERROR]) + _pack(str(e).encode())
+                except (AuthError, KeyError) as e:  # a member's malformed request (or a key deleted meanwhile)
+                    reply = bytes([ERROR]) + _pack(f"{type(e).__name__}: {e}".encode())
                 ch.send(reply)
         except OSError:
             return

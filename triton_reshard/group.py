@@ -158,7 +158,9 @@ class RefitGroup:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def destroy(self) -> None:
-        """Drop the group (idempotent). Do this after a timeout: the group is unusable then."""
+        """Drop the group (idempotent). Do this after a timeout: the group is unusable then. On rank 0 this
+        also closes the rendezvous every rank's store rides: a rank still inside :meth:`all_gather_object`
+        then fails, so let the ranks meet (:meth:`barrier`) before rank 0 destroys a healthy group."""
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):
             with contextlib.suppress(Exception):  # best effort: a broken group may refuse

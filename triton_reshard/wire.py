@@ -85,7 +85,7 @@ def _check(fn, path: str, *args):
     """Build a layout part; its own validation error is reported at ``path``."""
     try:
         return fn(*args)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an int too big for an index array
         raise WireError(f"{path}: {e}") from None
 
 
@@ -184,7 +184,7 @@ def load_layout(path: str | os.PathLike) -> Layout:
     try:
         with open(path, "rb") as f:
             d = json.loads(f.read())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or an int of over 4300 digits
         raise WireError(f"layout file {os.fspath(path)!r} is not JSON ({e}); write it with "
                         f"triton_reshard.wire.save_layout") from None
     return layout_from_dict(d, f"layout file {os.fspath(path)!r}")
@@ -337,7 +337,7 @@ def loads(data: bytes, what: str = "message"):
     the field that is wrong."""
     try:
         raw = json.loads(data, parse_constant=_no_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or an int of over 4300 digits
         raise WireError(f"{what}: not a data-only JSON message ({type(e).__name__}: {str(e)[:120]})") from None
     try:
         return _dec(raw, what)

@@ -225,6 +225,7 @@ def test_verl_checkpoint_engine_two_jobs(tmp_path, monkeypatch):
     secret = os.urandom(32).hex()
     monkeypatch.setenv("TRITON_RESHARD_SECRET", secret)  # inherited by the spawned workers
     (tmp_path / "secret").write_text(secret + "\n")
+    os.chmod(tmp_path / "secret", 0o600)  # a world-readable secret file draws a warning
     dst_path = str(tmp_path / "dst_layout.json")
     wire.save_layout(tp2_layout(range(W)), dst_path)
     ctl_port = free_port()

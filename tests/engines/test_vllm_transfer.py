@@ -54,6 +54,7 @@ def test_vllm_backend_two_jobs(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_RESHARD_SECRET", os.urandom(32).hex())  # the control plane's (inherited)
     secret_file = tmp_path / "refit.secret"
     secret_file.write_text(os.urandom(32).hex())
+    secret_file.chmod(0o600)  # a world-readable secret file draws a warning
     ctl_port, refit_port = free_port(), free_port()
     ctl = host_store("127.0.0.1", ctl_port)
     knocked: dict = {}

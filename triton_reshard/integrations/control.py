@@ -1,6 +1,6 @@
 """A minimal control plane over an authenticated store, for examples and tests without Ray or an HTTP server.
 
-In a deployment the trainer reaches the engine's workers through vLLM's own control plane (the RLHF HTTP
+In a deployment the trainer reaches the engine's workers through the engine's own control plane (the RLHF HTTP
 routes, Ray actors, ``LLM.collective_rpc``): a ``VLLMWeightSyncClient``. Here :class:`StoreClient` is such a
 client, and :func:`serve` is the engine worker's side: the trainer posts a call, every worker runs it and
 acknowledges, the client waits for all (errors come back with the worker's traceback).
@@ -19,8 +19,10 @@ from datetime import timedelta
 
 from .. import wire
 from ..auth import AuthStore, AuthStoreServer, group_key, resolve_secret
+from .sglang import decode_control
 
-METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "stop")
+METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "stop",
+           "begin_weight_update", "update_weights_from_tensor", "end_weight_update")  # the last three: SGLang's
 
 
 def _key(host: str, secret, insecure, where: str) -> bytes:
@@ -55,6 +57,10 @@ class StoreClient:
         if errors:
             raise RuntimeError(f"engine workers failed {method}: {errors[0]}")
 
+    def call(self, method: str, payload=None) -> None:
+        """Run ``method`` on every worker (any handler name ``serve`` knows, e.g. SGLang's update API)."""
+        self._call(method, payload)
+
     def init_weight_transfer_engine(self, init_info) -> None:
         self._call("init_weight_transfer_engine", init_info)
 
@@ -70,6 +76,23 @@ class StoreClient:
     def stop(self) -> None:
         """Let every worker's :func:`serve` return."""
         self._call("stop")
+
+
+class SGLangStoreClient(StoreClient):
+    """The trainer's handle on an SGLang engine's weight-update API (what ``sglang.Engine`` offers), over the
+    store: each call runs on every engine rank (``serve`` with handlers of these names). The only tensor our
+    plug-in passes SGLang is its JSON control message (``integrations.sglang.encode_control``): it travels
+    here as that JSON (data only), and the engine side rebuilds the tensor with ``encode_control``."""
+
+    def begin_weight_update(self) -> None:
+        self._call("begin_weight_update")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None) -> None:
+        self._call("update_weights_from_tensor", {"control": decode_control(named_tensors),
+                                                  "load_format": load_format})
+
+    def end_weight_update(self) -> None:
+        self._call("end_weight_update")
 
 
 def _command(raw: bytes, n: int, worker: int) -> tuple[str, object]:

@@ -82,14 +82,17 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
     if rec is not None:
         rec.raise_on_problems()
     records = [r for r in group.all_gather_object(rec) if r is not None]
-    dst_layout = layout_from_records(records)
-    # the trainer may hold tensors no worker loads (e.g. an MTP layer the engine skips): plan only what both
-    # have, and say which were left out
+    return plan_pair(group, src_layout, layout_from_records(records))
+
+
+def plan_pair(group: RefitGroup, src_layout: Layout, dst_layout: Layout) -> tuple[Layout, Layout]:
+    """The (trainer, engine) layouts to plan: the trainer may hold tensors no engine rank loads (e.g. an MTP
+    layer the engine skips): plan only what both have, and say which were left out."""
     keep = {t.name for t in dst_layout.tensors}
     unused = sorted({t.name for t in src_layout.tensors} - keep)
     if unused:
         warnings.warn(f"rank {group.rank}: {len(unused)} trainer tensors are loaded by no engine worker and are not "
-                      f"sent: {unused[:6]}{' ...' if len(unused) > 6 else ''}", stacklevel=2)
+                      f"sent: {unused[:6]}{' ...' if len(unused) > 6 else ''}", stacklevel=3)
         src_layout = src_layout.restrict(keep)
     return src_layout, dst_layout
 

@@ -23,6 +23,9 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from .copy import Pair, torch_copy_views
+from .delta import pack_delta as pack_delta
+from .delta import unpack_delta as unpack_delta
+from .snapshot import Snapshot as Snapshot
 
 BACKENDS = ("torch", "triton")
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

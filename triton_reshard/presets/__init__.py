@@ -1,5 +1,5 @@
-"""Layout presets for real models: Hugging Face (unsharded), Megatron-Core (training), vLLM (inference),
-and live DTensors (FSDP2 / torch TP).
+"""Layout presets for real models: Hugging Face (unsharded), Megatron-Core (training), vLLM and SGLang
+(inference), and live DTensors (FSDP2 / torch TP).
 
 Logical tensors are the Hugging Face checkpoint tensors (``logical_tensors(config)``); every preset maps
 them onto the local tensors its framework really has (``named_parameters()`` names and shapes), fused QKV,
@@ -18,6 +18,7 @@ from .configs import CONFIGS, get_config
 from .dtensor import layout_from_dtensors
 from .hf import ModelSpec, hf_layout, logical_tensors, model_nbytes, model_numel, model_spec, tensor_dtypes
 from .megatron import megatron_layout, padded_vocab_size, stage_layers
+from .sglang import sglang_layout
 from .vllm import expert_range, pad_vocab_size, vllm_layout
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "model_spec",
     "pad_vocab_size",
     "padded_vocab_size",
+    "sglang_layout",
     "stage_layers",
     "tensor_dtypes",
     "vllm_layout",

@@ -94,7 +94,7 @@ NEWEST_KNOWN = "0.33.0"  # the newest vLLM whose format the engine tier (tests/e
 ROUTED_EXPERTS_SINCE = (0, 24)  # FusedMoE weights under mlp.experts.routed_experts.* from this release on
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
+def version_tuple(v: str) -> tuple[int, ...]:
     out = []
     for part in str(v).split("+")[0].split("."):
         digits = "".join(itertools.takewhile(str.isdigit, part))
@@ -118,14 +118,14 @@ def installed_vllm_version() -> str | None:
 def resolve_vllm_version(vllm_version: str | None = None) -> str:
     """``vllm_version`` if given, else the installed vLLM's, else :data:`NEWEST_KNOWN`."""
     v = vllm_version or installed_vllm_version() or NEWEST_KNOWN
-    _version_tuple(v)
+    version_tuple(v)
     return v
 
 
 def fused_moe_prefix(vllm_version: str | None = None) -> str:
     """Where a FusedMoE layer's ``w13_weight`` / ``w2_weight`` live under ``model.layers.{i}.mlp``:
     ``experts.routed_experts`` since vLLM 0.24, ``experts`` up to 0.23."""
-    v = _version_tuple(resolve_vllm_version(vllm_version))
+    v = version_tuple(resolve_vllm_version(vllm_version))
     return "experts.routed_experts" if v >= ROUTED_EXPERTS_SINCE else "experts"
 
 
@@ -300,39 +300,58 @@ def vllm_layout(
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"vllm_layout: model_type {s.family!r} is not supported")
     fp8 = block_fp8_config(s)
+    layout = fused_layout(s, tp=tp, dp=dp, enable_expert_parallel=enable_expert_parallel, ranks=ranks, dtype=dtype,
+                          vocab_padding=vocab_padding, sequence_parallel_moe=sequence_parallel_moe,
+                          moe_prefix=fused_moe_prefix(vllm_version) if any(s.moe_layers) else "", who="vllm_layout")
+    if fp8 is not None:
+        try:
+            layout = block_quant_layout(layout, fp8_tensors(s, fp8), fp8.block, ue8m0=fp8.ue8m0)
+        except ValueError as e:  # a TP shard that splits a block: vLLM's validate_fp8_block_shape refuses it too
+            hint = (" (vLLM 0.33 refuses such a TP partition of a linear layer; for FusedMoE experts it may instead "
+                    "refine the scales to a finer block at load time, a format no preset describes: use expert "
+                    "parallelism or a TP size whose partitions are whole blocks)")
+            raise ValueError(f"vllm_layout(tp={tp}, dp={dp}, enable_expert_parallel={enable_expert_parallel}): "
+                             f"block FP8 {list(fp8.block)}: {e}{hint}") from None
+    return layout.instances(instances)
+
+
+def fused_layout(s: ModelSpec, *, tp: int, dp: int, enable_expert_parallel: bool, ranks, dtype: torch.dtype,
+                 vocab_padding: int, sequence_parallel_moe: bool | None, moe_prefix: str, who: str) -> Layout:
+    """The unquantized layout of an engine with vLLM's fused formats (``qkv_proj``, ``gate_up_proj``, padded
+    vocab, FusedMoE ``w13_weight`` / ``w2_weight`` under ``mlp.{moe_prefix}``): :func:`vllm_layout`'s, and
+    SGLang's (``presets.sglang``), which differ in the FusedMoE prefix. ``who`` names the caller in errors."""
     if s.o_bias:
-        raise NotImplementedError("vllm_layout: attention_bias on o_proj is not supported")
+        raise NotImplementedError(f"{who}: attention_bias on o_proj is not supported")
     for name, v in (("tp", tp), ("dp", dp)):
         if not isinstance(v, int) or v < 1:
-            raise ValueError(f"vllm_layout: {name}={v!r} must be an int >= 1")
+            raise ValueError(f"{who}: {name}={v!r} must be an int >= 1")
     if s.heads % tp:
-        raise ValueError(f"vllm_layout: tp={tp} does not divide num_attention_heads={s.heads}")
+        raise ValueError(f"{who}: tp={tp} does not divide num_attention_heads={s.heads}")
     if not s.mla and tp >= s.kv_heads and tp % s.kv_heads:
-        raise ValueError(f"vllm_layout: tp={tp} is not a multiple of num_key_value_heads={s.kv_heads}")
+        raise ValueError(f"{who}: tp={tp} is not a multiple of num_key_value_heads={s.kv_heads}")
     if not s.mla and tp < s.kv_heads and s.kv_heads % tp:
-        raise ValueError(f"vllm_layout: tp={tp} does not divide num_key_value_heads={s.kv_heads}")
+        raise ValueError(f"{who}: tp={tp} does not divide num_key_value_heads={s.kv_heads}")
     if any(not s.is_moe_layer(i) for i in range(s.layers)) and s.intermediate % tp:
-        raise ValueError(f"vllm_layout: tp={tp} does not divide intermediate_size={s.intermediate}")
+        raise ValueError(f"{who}: tp={tp} does not divide intermediate_size={s.intermediate}")
     vpad = pad_vocab_size(s.vocab, vocab_padding)
     if vpad % tp:
-        raise ValueError(f"vllm_layout: tp={tp} does not divide the padded vocab {vpad}")
+        raise ValueError(f"{who}: tp={tp} does not divide the padded vocab {vpad}")
     has_moe = any(s.moe_layers)
     workers = tp * dp
     use_ep = has_moe and enable_expert_parallel and workers > 1
     if has_moe:
         if use_ep and s.experts < workers:
-            raise ValueError(f"vllm_layout: {s.experts} experts cannot be split over {workers} EP ranks")
+            raise ValueError(f"{who}: {s.experts} experts cannot be split over {workers} EP ranks")
         if not use_ep and s.moe_intermediate % workers:
             raise ValueError(
-                f"vllm_layout: tp*dp={workers} does not divide moe_intermediate_size={s.moe_intermediate}"
+                f"{who}: tp*dp={workers} does not divide moe_intermediate_size={s.moe_intermediate}"
             )
     if sequence_parallel_moe is None:  # vllm/config/parallel.py ParallelConfig.use_sequence_parallel_moe
         sequence_parallel_moe = enable_expert_parallel and tp > 1 and dp > 1
-    moe_prefix = fused_moe_prefix(vllm_version) if has_moe else ""
     shared_tp = 1 if sequence_parallel_moe else tp  # DeepseekV2MLP(disable_tp=is_sequence_parallel)
     if s.shared_intermediate % shared_tp:
-        raise ValueError(f"vllm_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
-    ranks = check_ranks(ranks, workers, f"vllm_layout(tp={tp}, dp={dp})")
+        raise ValueError(f"{who}: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
+    ranks = check_ranks(ranks, workers, f"{who}(tp={tp}, dp={dp})")
 
     H, hd = s.hidden, s.head_dim
     vloc = vpad // tp
@@ -398,17 +417,7 @@ def vllm_layout(
                 b.rows(gate, rank, w13, start, Im_loc, at=0, lead=(k,))
                 b.rows(up, rank, w13, start, Im_loc, at=Im_loc, lead=(k,))
                 b.cols(down, rank, w2, start, Im_loc, lead=(k,))
-    layout = b.build()
-    if fp8 is not None:
-        try:
-            layout = block_quant_layout(layout, fp8_tensors(s, fp8), fp8.block, ue8m0=fp8.ue8m0)
-        except ValueError as e:  # a TP shard that splits a block: vLLM's validate_fp8_block_shape refuses it too
-            hint = (" (vLLM 0.33 refuses such a TP partition of a linear layer; for FusedMoE experts it may instead "
-                    "refine the scales to a finer block at load time, a format no preset describes: use expert "
-                    "parallelism or a TP size whose partitions are whole blocks)")
-            raise ValueError(f"vllm_layout(tp={tp}, dp={dp}, enable_expert_parallel={enable_expert_parallel}): "
-                             f"block FP8 {list(fp8.block)}: {e}{hint}") from None
-    return layout.instances(instances)
+    return b.build()
 
 
 def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, mlp: str) -> None:

@@ -1,0 +1,304 @@
+"""Delta refit groundwork (issue 24): how many bf16 weights change per RL step, which encoding of the changed
+elements is smallest, and what the torch reference of pack / unpack costs against a plain copy.
+
+Part 1 (``--part train``): a small Llama (``transformers.LlamaForCausalLM`` from a tiny config, random
+init) is first trained at lr 1e-3 (AdamW, fp32 master weights) on a synthetic next-token task (a fixed random
+Markov chain over the vocabulary: the loss goes from ln(V) down), then, from that checkpoint and with a fresh
+AdamW, for ``--steps`` steps at each RL learning rate. After every step the fp32 weights are cast to bf16 and
+compared bit for bit with the previous step's bf16 copy: the changed fraction per step and per tensor, and
+per-chunk densities for chunks of 4 KiB .. 1 MiB of each tensor's (row-major, contiguous) bytes.
+
+Part 2 (same run, same masks): encoded bytes per refit for every chunk size and encoding, against the dense
+lower bound (2 bytes per bf16 element):
+
+- ``bitmask``: 1 bit per element + the changed values;
+- ``off16``: sorted uint16 offsets within 64 Ki-element blocks (a 4-byte count per block when a chunk holds
+  more than one block) + values; ``off32``: sorted int32 absolute offsets + values;
+- ``dense``; ``adaptive``: per chunk the smallest of off16 / bitmask / dense (the format of
+  ``triton_reshard.ops.delta``, whose ``chunk_sizes`` gives the bytes for chunks up to 64 Ki elements);
+  ``adaptive32``: the same with off32 instead of off16.
+
+Every chunk costs its 16-byte header and an 8-byte directory entry in every encoding (the format's framing;
+dense lower bound has none). The same is computed for uniformly random masks at 1 / 2 / 3 / 7 % on the same
+tensors (``synthetic``).
+
+Part 3 (``--part speed``): the torch reference of ``pack`` / ``unpack`` on CPU against a plain ``copy_`` of
+the same dense bytes into a preallocated buffer, same run, at several changed fractions.
+
+    .venv/bin/python perf/bench_delta.py --part train --out perf/results/bench_delta_train.json
+    .venv/bin/python perf/bench_delta.py --part speed --out perf/results/bench_delta_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from triton_reshard.ops import delta as D
+
+CHUNK_BYTES = (4096, 16384, 65536, 262144, 1 << 20)
+LRS = (1e-6, 2e-6, 3e-6, 1e-5)
+SYNTH_FRACTIONS = (0.01, 0.02, 0.03, 0.07)
+DENSITY_EDGES = (0.0, 0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.0625, 0.1, 0.2, 0.5, 0.94, 1.0)
+DIRECTORY_BYTES = 8
+BLOCK = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model and task
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=args.seq, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+class MarkovTask:
+    """Next token = ``perm[token]`` with probability ``p``, else uniform: learnable, with an entropy floor."""
+
+    def __init__(self, vocab: int, p: float = 0.8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.perm = torch.randperm(vocab, generator=g)
+        self.vocab, self.p, self.g = vocab, p, g
+
+    def batch(self, batch: int, seq: int) -> torch.Tensor:
+        x = torch.empty(batch, seq, dtype=torch.long)
+        x[:, 0] = torch.randint(self.vocab, (batch,), generator=self.g)
+        for t in range(1, seq):
+            follow = torch.rand(batch, generator=self.g) < self.p
+            rnd = torch.randint(self.vocab, (batch,), generator=self.g)
+            x[:, t] = torch.where(follow, self.perm[x[:, t - 1]], rnd)
+        return x
+
+
+def train_step(model, opt, task, args) -> float:
+    x = task.batch(args.batch, args.seq)
+    loss = model(input_ids=x, labels=x).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def bf16_bits(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.bfloat16).view(torch.int16).clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# chunk statistics and encodings
+
+
+def chunk_counts(mask: torch.Tensor, elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numel per chunk, changed count per chunk) of a flat bool mask cut into runs of ``elems``."""
+    n = mask.numel()
+    m = mask.reshape(-1).to(torch.int64)
+    nch = max(1, math.ceil(n / elems))
+    counts = torch.nn.functional.pad(m, (0, nch * elems - n)).view(nch, elems).sum(1)
+    numel = torch.full((nch,), elems, dtype=torch.int64)
+    numel[-1] = n - (nch - 1) * elems
+    return numel, counts
+
+
+def encodings(numel: torch.Tensor, count: torch.Tensor, esize: int = 2) -> dict[str, int]:
+    """Total encoded bytes of the chunks under each encoding (header + directory per chunk included)."""
+    pad, hdr = D.pad, D.HEADER_BYTES + DIRECTORY_BYTES
+    values = pad(count * esize)
+    blocks = (numel + BLOCK - 1) // BLOCK
+    block_hdr = torch.where(blocks > 1, 4 * blocks, torch.zeros_like(blocks))
+    off16 = hdr + pad(block_hdr + 2 * count) + values
+    off32 = hdr + pad(4 * count) + values
+    bitmask = hdr + pad(4 * ((numel + 31) // 32)) + values
+    dense = hdr + pad(numel * esize)
+    out = {"dense_lower_bound": int((numel * esize).sum()), "dense": int(dense.sum()),
+           "bitmask": int(bitmask.sum()), "off16": int(off16.sum()), "off32": int(off32.sum()),
+           "adaptive": int(torch.minimum(torch.minimum(off16, bitmask), dense).sum()),
+           "adaptive32": int(torch.minimum(torch.minimum(off32, bitmask), dense).sum())}
+    if int(numel.max()) <= D.MAX_CHUNK_ELEMS:  # the library's own format: must agree with ``adaptive``
+        lib = int((D.chunk_sizes(numel, count, esize)[1] + DIRECTORY_BYTES).sum())
+        assert lib == out["adaptive"], (lib, out["adaptive"])
+    return out
+
+
+def step_stats(masks: dict[str, torch.Tensor]) -> dict:
+    total = sum(m.numel() for m in masks.values())
+    changed = sum(int(m.sum()) for m in masks.values())
+    rec = {"changed_fraction": changed / total,
+           "per_tensor": {n: int(m.sum()) / m.numel() for n, m in masks.items()}, "chunks": {}}
+    for cb in CHUNK_BYTES:
+        elems = cb // 2
+        parts = [chunk_counts(m, elems) for m in masks.values()]
+        numel = torch.cat([p[0] for p in parts])
+        count = torch.cat([p[1] for p in parts])
+        dens = count.double() / numel.double()
+        edges = torch.tensor(DENSITY_EDGES, dtype=torch.float64)
+        bucket = torch.bucketize(dens, edges[1:-1], right=True)
+        rec["chunks"][cb] = {
+            "num_chunks": int(numel.numel()),
+            "density_quantiles": {q: float(torch.quantile(dens, q)) for q in (0.1, 0.5, 0.9, 0.99)},
+            "zero_chunks": float((count == 0).double().mean()),
+            "chunk_hist": torch.bincount(bucket, minlength=len(DENSITY_EDGES) - 1).tolist(),
+            "bytes": encodings(numel, count),
+        }
+    return rec
+
+
+def synthetic(shapes: dict[str, torch.Size], frac: float, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    masks = {n: torch.rand(s, generator=g) < frac for n, s in shapes.items()}
+    return step_stats(masks)
+
+
+def summarize(steps: list[dict], lo: int, hi: int) -> dict:
+    sel = steps[lo:hi]
+    out = {"steps": [lo + 1, hi], "changed_fraction_mean": statistics.fmean(s["changed_fraction"] for s in sel),
+           "changed_fraction_min": min(s["changed_fraction"] for s in sel),
+           "changed_fraction_max": max(s["changed_fraction"] for s in sel), "bytes_vs_dense": {}}
+    for cb in CHUNK_BYTES:
+        tot = {k: sum(s["chunks"][cb]["bytes"][k] for s in sel) for k in sel[0]["chunks"][cb]["bytes"]}
+        lb = tot.pop("dense_lower_bound")
+        out["bytes_vs_dense"][cb] = {k: v / lb for k, v in tot.items()}
+    return out
+
+
+def run_train(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    model = make_model(args)
+    nparams = sum(p.numel() for p in model.parameters())
+    task = MarkovTask(args.vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr)
+    t0 = time.perf_counter()
+    warm_loss = [train_step(model, opt, task, args) for _ in range(args.warmup)]
+    warm_s = time.perf_counter() - t0
+    print(f"warmup {args.warmup} steps lr {args.warmup_lr}: loss {warm_loss[0]:.3f} -> {warm_loss[-1]:.3f} "
+          f"({warm_s:.1f} s, {nparams / 1e6:.2f} M params)", flush=True)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    result = {"params": nparams, "tensors": {n: list(s) for n, s in shapes.items()},
+              "warmup": {"steps": args.warmup, "lr": args.warmup_lr, "loss_first": warm_loss[0],
+                         "loss_last": warm_loss[-1], "seconds": warm_s}, "lrs": {}}
+    for lr in args.lrs:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(base[n])
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        prev = bf16_bits(model)
+        losses, steps = [], []
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            losses.append(train_step(model, opt, task, args))
+            cur = bf16_bits(model)
+            steps.append(step_stats({n: cur[n] != prev[n] for n in cur}))
+            prev = cur
+        secs = time.perf_counter() - t0
+        window = summarize(steps, 9, min(30, args.steps))
+        allw = summarize(steps, 0, args.steps)
+        k = max(1, args.steps // 10)
+        print(f"lr {lr:g}: loss {statistics.fmean(losses[:k]):.4f} -> {statistics.fmean(losses[-k:]):.4f}; "
+              f"changed steps 10-30 {100 * window['changed_fraction_mean']:.2f} % "
+              f"(all steps {100 * allw['changed_fraction_mean']:.2f} %, "
+              f"last {100 * steps[-1]['changed_fraction']:.2f} %); "
+              f"adaptive @64KiB {window['bytes_vs_dense'][65536]['adaptive']:.4f} of dense ({secs:.1f} s)",
+              flush=True)
+        result["lrs"][str(lr)] = {
+            "loss": losses, "changed_fraction": [s["changed_fraction"] for s in steps],
+            "steps_10_30": window, "all_steps": allw,
+            "per_tensor_steps_10_30": {n: statistics.fmean(s["per_tensor"][n] for s in steps[9:30])
+                                       for n in shapes},
+            "chunks_step_20": steps[min(19, len(steps) - 1)]["chunks"], "seconds": secs}
+    result["synthetic"] = {}
+    for frac in SYNTH_FRACTIONS:
+        s = synthetic(shapes, frac, seed=int(frac * 1000))
+        result["synthetic"][str(frac)] = {"changed_fraction": s["changed_fraction"],
+                                          "bytes_vs_dense": summarize([s], 0, 1)["bytes_vs_dense"]}
+        print(f"synthetic {100 * frac:.0f} %: adaptive @64KiB "
+              f"{result['synthetic'][str(frac)]['bytes_vs_dense'][65536]['adaptive']:.4f} of dense", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# part 3: torch reference speed
+
+
+def timed(fn, repeats: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def time_ops(src, snap, dst, plain, packed, repeats: int) -> dict[str, float]:
+    """Median seconds of a plain copy of the dense bytes, the reference pack and the reference unpack."""
+    ops = {"copy": lambda: plain.copy_(src),
+           "pack": lambda: D.torch_pack([(src, snap)], update=False),
+           "unpack": lambda: D.torch_unpack(packed, [dst])}
+    return {name: statistics.median(timed(fn, repeats)) for name, fn in ops.items()}
+
+
+def run_speed(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    n = args.speed_elems
+    rows = []
+    for frac in (0.0, 0.01, 0.02, 0.07, 0.5, 1.0):
+        src = torch.randn(n // 1024, 1024, generator=g).to(torch.bfloat16)
+        snap = src.clone()
+        flip = torch.rand(src.shape, generator=g) < frac
+        src.view(torch.int16)[flip] ^= 1
+        dst = snap.clone()
+        plain = torch.empty_like(src)
+        packed = D.torch_pack([(src, snap)], update=False)
+        med = time_ops(src, snap, dst, plain, packed, args.repeats)
+        dense = src.numel() * src.element_size()
+        row = {"fraction": frac, "dense_bytes": dense, "encoded_bytes": int(packed.numel()),
+               "copy_s": med["copy"], "pack_s": med["pack"], "unpack_s": med["unpack"],
+               "pack_over_copy": med["pack"] / med["copy"], "unpack_over_copy": med["unpack"] / med["copy"]}
+        rows.append(row)
+        print(f"{100 * frac:5.1f} %: encoded {row['encoded_bytes'] / dense:.4f} of dense; copy "
+              f"{1e3 * med['copy']:.2f} ms, pack {1e3 * med['pack']:.2f} ms ({row['pack_over_copy']:.1f}x), unpack "
+              f"{1e3 * med['unpack']:.2f} ms ({row['unpack_over_copy']:.1f}x)", flush=True)
+    return {"elems": n, "dtype": "bfloat16", "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("train", "speed"), required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=704)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--warmup-lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
+    ap.add_argument("--speed-elems", type=int, default=1 << 24)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    res = run_train(args) if args.part == "train" else run_speed(args)
+    res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "torch": torch.__version__, "platform": platform.platform(), "threads": args.threads}
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""SGLang's own refit path against ours, into the same SGLang ranks, on this machine (CPU, gloo):
+
+    .venv-sglang/bin/python perf/bench_sglang.py [--tp 4] [--repeats 3] [--layers 8] [--hidden 1024]
+
+Two jobs, as an RL stack runs them: an engine job (``tp`` processes: SGLang's model classes built and loaded by
+its own ``get_model``, its own ``WeightUpdater``) and a trainer job (one process holding the full model, the
+source both paths start from). Each repeat runs, interleaved, on the same engine ranks:
+
+* ``sglang``: SGLang's ``update_weights_from_distributed`` as its scheduler runs it: the trainer broadcasts
+  every full checkpoint tensor over SGLang's weight-update group (``init_weights_update_group``); each rank
+  ``receive_weights_from_distributed`` + ``begin_weight_update`` + ``load_weights_from_distributed`` (its
+  ``load_weights`` slices the tensor) + ``end_weight_update``;
+* ``sglang-bucket``: the same with ``load_format="flattened_bucket"`` (one flattened broadcast);
+* ``ours``: our plug-in (``SGLangTrainer.send_weights``: SGLang's ``update_weights_from_tensor`` with our
+  custom weight loader; each rank receives exactly its own boxes, in place).
+
+Time: the trainer's wall time per refit, control round trips included; wire bytes: what the engine ranks
+receive (SGLang's path: every full tensor on every rank; ours: each rank's own boxes, the lower bound).
+Prints a table with medians and the ratio to SGLang's faster mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ("sglang", "sglang-bucket", "ours")
+
+
+def _config(args) -> dict:
+    return {"model_type": "qwen3", "hidden_size": args.hidden, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "head_dim": args.hidden // 16, "intermediate_size": args.hidden * 11 // 4, "num_hidden_layers": args.layers,
+            "vocab_size": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -> dict:
+    import logging
+
+    logging.disable(logging.WARNING)
+    from triton_reshard.integrations import sglang as ts
+    from triton_reshard.integrations.control import serve
+
+    model, mc, _ = ts.load_sglang_model(ckpt, tp=world, dtype="bfloat16")
+    updater = ts.sglang_weight_updater(model, mc)
+    updater.init_weights_update_group("127.0.0.1", upd_port, 1, world + 1, "bench", backend="gloo")
+    recv: dict[str, int] = {}
+
+    def sglang_update(p):  # what SGLang's scheduler does for update_weights_from_distributed
+        weights = updater.receive_weights_from_distributed(names=p["names"], dtypes=p["dtypes"], shapes=p["shapes"],
+                                                           group_name="bench", load_format=p["load_format"])
+        updater.begin_weight_update()
+        ok, msg = updater.load_weights_from_distributed(weights)
+        updater.end_weight_update(run_post_load=False)
+        if not ok:
+            raise RuntimeError(msg)
+        recv[p["mode"]] = sum(t.numel() * t.element_size() for _n, t in weights)
+
+    def update(p):
+        ok, msg = updater.update_weights_from_tensor(**p)
+        if not ok:
+            raise RuntimeError(msg)
+        st = ts.engine_state(model)
+        if st is not None and st.last_report is not None:
+            recv["ours"] = st.last_report.recv_bytes
+
+    serve("127.0.0.1", ctl_port, rank, {"sglang_update": sglang_update,
+                                        "begin_weight_update": lambda _p: updater.begin_weight_update(),
+                                        "update_weights_from_tensor": update,
+                                        "end_weight_update": lambda _p: updater.end_weight_update(run_post_load=False)},
+                       timeout=600)
+    return recv
+
+
+def trainer_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int, refit_port: int, tp: int,
+                repeats: int) -> dict:
+    from safetensors.torch import load_file
+    from sglang.srt.utils.common import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from triton_reshard.integrations.control import SGLangStoreClient
+    from triton_reshard.integrations.sglang import SGLangTrainer
+    from triton_reshard.presets import hf_layout
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    full = load_file(os.path.join(ckpt, "model.safetensors"))
+    names = sorted(full)
+    client = SGLangStoreClient("127.0.0.1", ctl_port, tp, timeout=600)
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{upd_port}", world_size=tp + 1,
+                                   rank=0, group_name="bench")
+    layout = hf_layout(cfg, ranks=0, dtype=torch.bfloat16)
+    ours = SGLangTrainer(layout, rank=0, num_trainer_ranks=1, num_engine_ranks=tp, host="127.0.0.1",
+                         port=refit_port, engine=client, timeout=600)
+    meta = {"names": names, "dtypes": [str(full[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(full[n].shape) for n in names]}
+
+    def sglang(load_format):
+        import threading
+
+        err = []
+        t = threading.Thread(target=lambda: _run(err, client.call, "sglang_update",
+                                                 {**meta, "load_format": load_format,
+                                                  "mode": "sglang-bucket" if load_format else "sglang"}))
+        t.start()
+        if load_format == "flattened_bucket":
+            bucket = FlattenedTensorBucket(named_tensors=[(n, full[n]) for n in names])
+            torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+        else:
+            for w in [torch.distributed.broadcast(full[n], src=0, group=pg, async_op=True) for n in names]:
+                w.wait()
+        t.join()
+        if err:
+            raise err[0]
+
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for k in range(repeats + 1):  # the first round warms up (plans, buffers) and is not timed
+        for mode in MODES:
+            t0 = time.perf_counter()
+            if mode == "ours":
+                ours.send_weights(full, version=k)
+            else:
+                sglang("flattened_bucket" if mode == "sglang-bucket" else None)
+            if k:
+                times[mode].append(time.perf_counter() - t0)
+    sent = ours.last_report.sent_bytes
+    ours.shutdown()
+    client.stop()
+    return {"times": times, "model_bytes": sum(t.numel() * t.element_size() for t in full.values()), "sent": sent}
+
+
+def _run(err, fn, *a):
+    try:
+        fn(*a)
+    except BaseException as e:  # noqa: BLE001
+        err.append(e)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    args = ap.parse_args()
+    import transformers
+
+    from triton_reshard.group import free_port
+    from triton_reshard.integrations.control import host_store
+    from triton_reshard.testing.launch import run_jobs
+
+    cfg = _config(args)
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "model")
+        torch.manual_seed(0)
+        kw = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
+        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(torch.bfloat16).save_pretrained(ckpt)
+        ctl, upd, refit_port = free_port(), free_port(), free_port()
+        store = host_store("127.0.0.1", ctl, timeout=600)
+        t0 = time.perf_counter()
+        try:
+            res = run_jobs({"engine": (engine_job, args.tp, ckpt, ctl, upd),
+                            "trainer": (trainer_job, 1, ckpt, ctl, upd, refit_port, args.tp, args.repeats)},
+                           timeout=1200)
+        finally:
+            store.close()
+    for name in ("engine", "trainer"):
+        if isinstance(res[name], Exception):
+            print(f"{name} job failed: {res[name]}", file=sys.stderr)
+            return 1
+    tr = res["trainer"][0]
+    recv = {m: sum(r[m] for r in res["engine"]) for m in MODES}
+    med = {m: statistics.median(tr["times"][m]) for m in MODES}
+    mb = tr["model_bytes"]
+    print(f"model: Qwen3-style, hidden {args.hidden}, {args.layers} layers, bf16, {mb / 2**20:.0f} MiB; SGLang TP{args.tp} "
+          f"(engine job, {args.tp} processes) <- 1 trainer process; {args.repeats} repeats interleaved, median; "
+          f"total {time.perf_counter() - t0:.0f} s")
+    print("| path | wire bytes into the engine ranks | x model | refit time (median) | all repeats (s) | "
+          "vs sglang-bucket |")
+    print("|---|---|---|---|---|---|")
+    for m in MODES:
+        print(f"| {m} | {recv[m] / 2**20:.0f} MiB | {recv[m] / mb:.2f} | {med[m]:.3f} s | "
+              f"{', '.join(f'{t:.2f}' for t in tr['times'][m])} | {med['sglang-bucket'] / med[m]:.2f}x |")
+    print(f"ours vs SGLang's faster mode ({min(MODES[:2], key=med.get)}): "
+          f"{min(med['sglang'], med['sglang-bucket']) / med['ours']:.2f}x faster; trainer sent {tr['sent'] / 2**20:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,645 @@
+"""The delta op (issue 24): encode only the elements whose bits changed since a snapshot, and scatter them.
+
+``pack_delta(pairs)`` takes ``(src_view, snapshot_view)`` pairs (same shape and dtype; any strides) and
+returns one *delta message* (a ``uint8`` tensor) holding, chunk by chunk, the elements of ``src`` whose
+bits differ from the snapshot's; with ``update=True`` it also writes them into the snapshot.
+``unpack_delta(message, dsts)`` writes the changed values into destination views of the same shapes (any
+strides) in place: an element not in the message keeps the destination's bits. If every destination held
+the snapshot, unpack ∘ pack is a dense copy of the sources. Bits are compared and moved as integers of the
+element's size (NaN payloads, signed zeros exact); any dtype of 1, 2, 4 or 8 bytes (fp8 and int8 as bytes).
+
+Backends, side by side as in ``ops/copy.py``: ``torch_pack`` / ``torch_unpack`` (the reference, any
+device, used on CPU) and ``triton_pack`` / ``triton_unpack`` (kernels in ``kernels/delta.py``: pack is two
+launches per element size, a count pass and an encode pass, with the layout computed on the device in
+between and one host sync for the message length; unpack is one launch per element size after a vectorized
+header check with one host sync). Both write the same bytes: a message is bit-identical across backends.
+
+Chunks
+------
+Each view is cut, in row-major order of its elements (the box's own order, independent of the strides on
+either side), into chunks of ``chunk_elems`` elements (the last one shorter); ``1 <= chunk_elems <= 65536``
+so that an offset inside a chunk fits in 16 bits. Views with no elements have no chunks. The chunks of the
+message are those of ``pairs[0]``, then of ``pairs[1]``, ...; the receiver's ``dsts`` must have the same
+shapes in the same order (checked per chunk: element size and length).
+
+Encoded message (all integers little-endian; every section starts at a multiple of 16 bytes from the
+start of the message; padding bytes are zero; the whole message is a multiple of 16 bytes)
+-----------------------------------------------------------------------------------------------------
+- **Message header**, 16 bytes, four uint32: ``MAGIC`` (0x544C4454, the bytes "TDLT"), ``VERSION`` (1),
+  number of chunks ``C``, ``chunk_elems``.
+- **Directory** at byte 16: ``C`` int64 byte offsets (from the start of the message) of the chunk
+  headers, ascending; padded to 16 bytes. The chunks follow, back to back, in directory order.
+- **Chunk header**, 16 bytes, four uint32: ``kind | elem_size << 8``, ``numel`` (elements in the chunk),
+  ``count`` (elements whose bits changed), ``nbytes`` (the chunk's bytes, header included, a multiple of
+  16). Then the body at header + 16:
+
+  ========================= ===============================================================================
+  ``KIND_OFFSETS`` (2)      ``count`` uint16: the changed elements' indices in the chunk, ascending;
+                            padded to 16 bytes; then ``count`` values (``elem_size`` bytes each).
+  ``KIND_BITMASK`` (1)      ``ceil(numel / 32)`` uint32 words: bit ``k`` (LSB first) of word ``w`` is
+                            set iff element ``32 w + k`` changed; padded to 16; then ``count`` values in
+                            index order.
+  ``KIND_DENSE`` (0)        ``numel`` values (all of them; ``count`` is still the number that changed).
+  ========================= ===============================================================================
+
+  Values are the raw bits of the source elements, ``elem_size`` bytes each, little-endian.
+
+The kind of a chunk is the smallest of the three (ties: offsets, then bitmask, then dense):
+offsets ``16 + pad16(2 c) + pad16(e c)``, bitmask ``16 + pad16(4 ceil(n/32)) + pad16(e c)``,
+dense ``16 + pad16(e n)`` for ``n`` elements of ``e`` bytes with ``c`` changed. For bf16 (e = 2), offsets
+win below 1/16 = 6.25 % changed, the bitmask up to 15/16, dense above: an unchanged chunk costs its
+16-byte header and 8-byte directory entry. Why these three, and why uint16 rather than int32 offsets:
+``perf/bench_delta.py`` and ``docs/delta.md``.
+
+Errors: every field of a received message is checked against the destinations (and its own bounds) before
+the first byte is written (``ValueError`` naming the chunk and destination). The two checks that need the
+body (an offset past the chunk, a bitmask whose popcount is not ``count``) are made by the kernel as it
+writes (the destination is then torn, and ``ValueError`` says so) and by the reference before it writes.
+
+Concurrency: with ``update=True`` no two pairs of one call may overlap in their snapshots (the second would
+compare against the first's update); pack with ``update=False`` and update the snapshot once after every
+message of a version was packed (``Snapshot.capture``) when one source box goes to several destinations.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .launcher import interpreting, kernel_module, storage_view
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+MAGIC = 0x544C4454
+VERSION = 1
+KIND_DENSE = 0
+KIND_BITMASK = 1
+KIND_OFFSETS = 2
+KIND_NAMES = {KIND_DENSE: "dense", KIND_BITMASK: "bitmask", KIND_OFFSETS: "offsets"}
+ALIGN = 16
+HEADER_BYTES = 16
+DIRECTORY_ENTRY_BYTES = 8
+MAX_CHUNK_ELEMS = 1 << 16
+# Chosen from perf/bench_delta.py (docs/delta.md): 64 KiB of bf16; at 1-7 % changed its total is within
+# 0.05 percentage points (of dense) of 1 MiB chunks, and a chunk is one program of the kernels.
+DEFAULT_CHUNK_ELEMS = 1 << 15
+MAX_DIMS = 4
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# Block sizes: under the interpreter every loop step costs Python time, so it gets big blocks.
+INTERPRET_BLOCK = 4096
+CUDA_BLOCK = 1024
+
+
+def pad(n: torch.Tensor | int) -> torch.Tensor | int:
+    """``n`` rounded up to a multiple of ``ALIGN`` bytes."""
+    return (n + (ALIGN - 1)) // ALIGN * ALIGN
+
+
+def chunk_sizes(numel: torch.Tensor, count: torch.Tensor, elem_size: int | torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk (int64 tensors of chunk lengths and changed counts): (kind, encoded bytes incl. header) of
+    the smallest encoding; ties go to offsets, then bitmask, then dense."""
+    values = pad(count * elem_size)
+    offsets = HEADER_BYTES + pad(2 * count) + values
+    bitmask = HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values
+    dense = HEADER_BYTES + pad(numel * elem_size)
+    best, idx = torch.stack([offsets, bitmask, dense]).min(0)
+    kind = torch.tensor([KIND_OFFSETS, KIND_BITMASK, KIND_DENSE], device=numel.device)[idx]
+    return kind, best
+
+
+def chunks_start(num_chunks: int) -> int:
+    """Byte offset of the first chunk: message header + directory."""
+    return HEADER_BYTES + pad(DIRECTORY_ENTRY_BYTES * num_chunks)
+
+
+def max_message_bytes(numels: Sequence[int], elem_sizes: Sequence[int],
+                      chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
+    """The largest message that views of these sizes can produce (every chunk dense): a receive buffer
+    that always fits."""
+    total, nc = 0, 0
+    for n, e in zip(numels, elem_sizes, strict=True):
+        for a in range(0, n, chunk_elems):
+            total += HEADER_BYTES + pad(min(chunk_elems, n - a) * e)
+            nc += 1
+    return chunks_start(nc) + total
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    from . import bits  # the package's one bits() (imported late: the package imports this module)
+
+    return bits(t)
+
+
+def _check_chunk_elems(chunk_elems: int) -> None:
+    if not isinstance(chunk_elems, int) or not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
+        raise ValueError(f"chunk_elems must be an int in [1, {MAX_CHUNK_ELEMS}], got {chunk_elems!r}")
+
+
+def chunk_list(numels: Sequence[int], chunk_elems: int) -> list[tuple[int, int, int]]:
+    """``(view index, first element, length)`` of every chunk, in message order."""
+    return [(i, a, min(chunk_elems, n - a)) for i, n in enumerate(numels) for a in range(0, n, chunk_elems)]
+
+
+def _name(names: Sequence[str] | None, i: int) -> str:
+    return f"{names[i]!r}" if names is not None else f"#{i}"
+
+
+def validate_pairs(pairs: Sequence[Pair], names: Sequence[str] | None = None) -> torch.device:
+    """Same shape, dtype and device on both sides of every pair; a supported element size."""
+    device = None
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
+            raise TypeError(f"pair {_name(names, i)}: expected a (src, snapshot) pair of tensors")
+        src, snap = pair
+        if src.shape != snap.shape or src.dtype != snap.dtype:
+            raise ValueError(f"pair {_name(names, i)}: src {tuple(src.shape)} {src.dtype} vs snapshot "
+                             f"{tuple(snap.shape)} {snap.dtype}: shapes and dtypes must be equal")
+        if src.element_size() not in _INT:
+            raise ValueError(f"pair {_name(names, i)}: element size {src.element_size()} not supported")
+        device = device or src.device
+        if src.device != device or snap.device != device:
+            raise ValueError(f"pair {_name(names, i)}: mixed devices ({src.device}, {snap.device}, {device})")
+    if device is None:
+        raise ValueError("no pairs to pack")
+    return device
+
+
+def _message_layout(numel: torch.Tensor, count: torch.Tensor, esize: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(kind, nbytes, byte offset per chunk, message length): the length is the one host sync."""
+    kind, nbytes = chunk_sizes(numel, count, esize)
+    start = chunks_start(numel.numel())
+    offsets = start + torch.cumsum(nbytes, 0) - nbytes
+    total = start + (int(nbytes.sum()) if numel.numel() else 0)
+    return kind, nbytes, offsets, total
+
+
+def _write_headers(msg: torch.Tensor, chunk_elems: int, numel: torch.Tensor, count: torch.Tensor,
+                   esize: torch.Tensor, kind: torch.Tensor, nbytes: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Message header, directory and every chunk header (vectorized; on the message's device)."""
+    nc = numel.numel()
+    m32 = msg.view(torch.int32)
+    m32[:4] = torch.tensor([MAGIC, VERSION, nc, chunk_elems], dtype=torch.int32, device=msg.device)
+    if nc:
+        msg[HEADER_BYTES:HEADER_BYTES + 8 * nc].view(torch.int64).copy_(offsets)
+        words = torch.stack([kind | (esize << 8), numel, count, nbytes], 1).to(torch.int32)
+        idx = (offsets // 4)[:, None] + torch.arange(4, device=msg.device)
+        m32[idx.reshape(-1)] = words.reshape(-1)
+
+
+def _wrap(x: torch.Tensor, bits_: int, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative integers below 2**bits_ as the signed integer dtype of that width (two's complement)."""
+    half = 1 << (bits_ - 1)
+    return torch.where(x >= half, x - (1 << bits_), x).to(dtype)
+
+
+def ragged(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segments of ``lengths`` (int64): (segment of every item, its rank inside the segment)."""
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    return seg, torch.arange(seg.numel(), device=lengths.device) - first[seg]
+
+
+def _chunk_rows(flat: torch.Tensor, chunk_elems: int, nch: int) -> torch.Tensor:
+    """A flat vector cut into ``nch`` rows of ``chunk_elems`` (the last one zero-padded)."""
+    return torch.nn.functional.pad(flat, (0, nch * chunk_elems - flat.numel())).view(nch, chunk_elems)
+
+
+def _chunk_counts(mask: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """Set elements of a flat bool vector per chunk (int64; no widened copy of the mask)."""
+    full = mask.numel() // chunk_elems
+    parts = [mask[:full * chunk_elems].view(full, chunk_elems).count_nonzero(1)] if full else []
+    if mask.numel() > full * chunk_elems:
+        parts.append(mask[full * chunk_elems:].count_nonzero().reshape(1))
+    return torch.cat(parts)
+
+
+_BIT_WEIGHTS = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)
+
+
+def _value_base(kind: torch.Tensor, body: torch.Tensor, count: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
+    """Byte offset of each chunk's values (its body + the offsets or bitmask section)."""
+    return torch.where(kind == KIND_OFFSETS, body + pad(2 * count),
+                       torch.where(kind == KIND_BITMASK, body + pad(4 * ((numel + 31) // 32)), body))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch reference
+
+
+def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
+               names: Sequence[str] | None = None) -> torch.Tensor:
+    """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
+    snapshot is brought up to date with its source. Vectorized per pair (no per-chunk Python loop)."""
+    _check_chunk_elems(chunk_elems)
+    device = validate_pairs(pairs, names)
+    flat = [(_bits(s).reshape(-1), _bits(p).reshape(-1)) for s, p in pairs]
+    changed = [s != p for s, p in flat]
+    numels = [s.numel() for s, _ in flat]
+    chunks = chunk_list(numels, chunk_elems)
+    nchs = [-(-n // chunk_elems) for n in numels]
+    numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
+    esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64, device=device)
+    counts = [_chunk_counts(ch, chunk_elems) for ch, nc in zip(changed, nchs, strict=True) if nc]
+    count = torch.cat(counts) if counts else numel
+    kind, nbytes, offsets, total = _message_layout(numel, count, esize)
+    msg = torch.zeros(total, dtype=torch.uint8, device=device)
+    _write_headers(msg, chunk_elems, numel, count, esize, kind, nbytes, offsets)
+    m16 = msg.view(torch.int16)
+    c0 = 0
+    for (src, _), ch, nch in zip(flat, changed, nchs, strict=True):
+        if not nch:
+            continue
+        e = src.element_size()
+        mv = msg.view(_INT[e])
+        cs = slice(c0, c0 + nch)
+        c0 += nch
+        k, body, cnt, nel = kind[cs], offsets[cs] + HEADER_BYTES, count[cs], numel[cs]
+        vbase = _value_base(k, body, cnt, nel)
+        # changed elements of the sparse chunks, in order: per chunk one slice of values (and offsets)
+        sparse = [(c, int(b), int(v), int(x)) for c, b, v, x, kk in zip(range(nch), body.tolist(), vbase.tolist(),
+                                                                        cnt.tolist(), k.tolist(), strict=True)
+                  if kk != KIND_DENSE and x]
+        if sparse:
+            sel = ch
+            if len(sparse) < nch:  # leave the dense chunks' elements out
+                sel = ch.clone()
+                for c in (k == KIND_DENSE).nonzero().squeeze(1).tolist():
+                    sel[c * chunk_elems:(c + 1) * chunk_elems] = False
+            idx = sel.nonzero().squeeze(1)
+            vals = src[idx]
+            local = _wrap(idx % chunk_elems, 16, torch.int16)
+            first = 0
+            for c, b, v, x in sparse:
+                mv[v // e:v // e + x] = vals[first:first + x]
+                if int(k[c]) == KIND_OFFSETS:
+                    m16[b // 2:b // 2 + x] = local[first:first + x]
+                first += x
+        # bitmask words of the bitmask chunks, built as bytes (little-endian words, LSB first)
+        bc = (k == KIND_BITMASK).nonzero().squeeze(1)
+        if bc.numel():
+            nw = -(-chunk_elems // 32)
+            rows = _chunk_rows(ch, chunk_elems, nch)[bc].view(torch.uint8)
+            rows = torch.nn.functional.pad(rows, (0, 32 * nw - chunk_elems)).view(-1, 4 * nw, 8)
+            wbytes = (rows * _BIT_WEIGHTS.to(device)).sum(2, dtype=torch.uint8)
+            for r, (o, n) in enumerate(zip(body[bc].tolist(), nel[bc].tolist(), strict=True)):
+                msg[o:o + 4 * ((n + 31) // 32)] = wbytes[r, :4 * ((n + 31) // 32)]
+        # every element of the dense chunks: one slice copy each
+        for c in (k == KIND_DENSE).nonzero().squeeze(1).tolist():
+            o, n = int(body[c]), int(nel[c])
+            mv[o // e:o // e + n] = src[c * chunk_elems:c * chunk_elems + n]
+    if update:
+        for s, p in pairs:
+            _bits(p).copy_(_bits(s))
+    return msg
+
+
+@dataclass(frozen=True, slots=True)
+class Directory:
+    """A received message's chunks, checked against the destinations (device tensors, message order)."""
+
+    chunks: list[tuple[int, int, int]]  # (destination index, first element, length)
+    offsets: torch.Tensor  # int64 byte offset of each chunk header
+    kind: torch.Tensor  # int64
+    count: torch.Tensor  # int64
+
+
+def read_directory(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None
+                   ) -> Directory:
+    """Check every header of ``msg`` against ``dsts`` and its own bounds (one host sync); raise
+    ``ValueError`` naming the first bad chunk and its destination."""
+    if msg.dtype != torch.uint8 or msg.dim() != 1 or not msg.is_contiguous():
+        raise ValueError(f"a delta message is a contiguous 1-D uint8 tensor, got {msg.dtype} {tuple(msg.shape)}")
+    length = msg.numel()
+    if length < HEADER_BYTES or length % ALIGN:
+        raise ValueError(f"delta message of {length} bytes: shorter than its header or not a multiple of {ALIGN}")
+    for i, d in enumerate(dsts):
+        if d.element_size() not in _INT or d.device != msg.device:
+            raise ValueError(f"destination {_name(names, i)}: {d.dtype} on {d.device} (message on {msg.device})")
+    magic, version, nc, chunk_elems = (int(x) & 0xFFFFFFFF for x in msg[:16].view(torch.int32).tolist())
+    if magic != MAGIC or version != VERSION:
+        raise ValueError(f"not a delta message of version {VERSION} (magic {magic:#x}, version {version})")
+    if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
+        raise ValueError(f"delta message: chunk_elems {chunk_elems} out of range")
+    chunks = chunk_list([d.numel() for d in dsts], chunk_elems)
+    if nc != len(chunks):
+        raise ValueError(f"delta message has {nc} chunks; the destinations {[tuple(d.shape) for d in dsts]} "
+                         f"cut into chunks of {chunk_elems} elements make {len(chunks)}")
+    start = chunks_start(nc)
+    empty = torch.zeros(0, dtype=torch.int64, device=msg.device)
+    if not nc:
+        return Directory(chunks, empty, empty, empty)
+    if length < start:
+        raise ValueError(f"delta message of {length} bytes is shorter than its directory ({start} bytes)")
+    dev = msg.device
+    offsets = msg[HEADER_BYTES:HEADER_BYTES + 8 * nc].view(torch.int64).clone()
+    ok_off = (offsets >= start) & (offsets % ALIGN == 0) & (offsets <= length - HEADER_BYTES)
+    safe = torch.where(ok_off, offsets, torch.full_like(offsets, start if start < length else 0))
+    idx = (safe // 4)[:, None] + torch.arange(4, device=dev)
+    words = msg.view(torch.int32)[idx.reshape(-1)].view(nc, 4).to(torch.int64) & 0xFFFFFFFF
+    kind, esize, numel_m, count, nbytes = words[:, 0] & 0xFF, words[:, 0] >> 8, words[:, 1], words[:, 2], words[:, 3]
+    numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=dev)
+    esize_d = torch.tensor([dsts[i].element_size() for i, _, _ in chunks], dtype=torch.int64, device=dev)
+    values = pad(torch.minimum(count, numel) * esize_d)
+    want = torch.stack([HEADER_BYTES + pad(numel * esize_d),
+                        HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values,
+                        HEADER_BYTES + pad(2 * torch.minimum(count, numel)) + values])[
+        torch.clamp(kind, 0, 2), torch.arange(nc, device=dev)]
+    good = (ok_off & (kind <= KIND_OFFSETS) & (esize == esize_d) & (numel_m == numel) & (count <= numel)
+            & (nbytes == want) & (safe + nbytes <= length))
+    if not bool(good.all()):
+        c = int((~good).to(torch.int8).argmax())
+        i, a, n = chunks[c]
+        raise ValueError(
+            f"delta message: chunk {c} (destination {_name(names, i)}, elements {a}..{a + n - 1}) is "
+            f"inconsistent: offset {int(offsets[c])}, kind {int(kind[c])}, elem_size {int(esize[c])} "
+            f"(want {int(esize_d[c])}), numel {int(numel_m[c])} (want {n}), count {int(count[c])}, "
+            f"nbytes {int(nbytes[c])} (want {int(want[c])}), message {length} bytes")
+    return Directory(chunks, offsets, kind, count)
+
+
+def _write_flat(d: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
+    """``d`` (an integer view, any strides) at row-major positions ``pos`` ← ``vals``, in place."""
+    if d.dim() == 0:
+        d = d.unsqueeze(0)
+    d[torch.unravel_index(pos, d.shape)] = vals
+
+
+def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+    """Reference unpack: every chunk's values into its destination view, in place. The whole message
+    (headers and bodies) is checked before the first write. Vectorized per destination."""
+    dr = read_directory(msg, dsts, names)
+    if not dr.chunks:
+        return
+    dev = msg.device
+    numel = torch.tensor([n for _, _, n in dr.chunks], dtype=torch.int64, device=dev)
+    start = torch.tensor([a for _, a, _ in dr.chunks], dtype=torch.int64, device=dev)
+    m16 = msg.view(torch.int16)
+    per_dst = Counter(j for j, _, _ in dr.chunks)
+    writes = []
+    c0 = 0
+    for i, d in enumerate(dsts):
+        nch = per_dst.get(i, 0)
+        if not nch:
+            continue
+        cs = slice(c0, c0 + nch)
+        e, mv = d.element_size(), msg.view(_INT[d.element_size()])
+        k, body, cnt, nel, a = dr.kind[cs], dr.offsets[cs] + HEADER_BYTES, dr.count[cs], numel[cs], start[cs]
+        vbase = _value_base(k, body, cnt, nel)
+        zero = torch.zeros_like(cnt)
+        # offsets chunks
+        seg, r = ragged(torch.where(k == KIND_OFFSETS, cnt, zero))
+        o = m16[body[seg] // 2 + r].to(torch.int64) & 0xFFFF
+        bad_o = torch.zeros_like(cnt).index_add_(0, seg, (o >= nel[seg]).to(torch.int64))
+        pos, vals = [a[seg] + o], [mv[vbase[seg] // e + r]]
+        # bitmask chunks: popcount must be the header's count
+        isb = k == KIND_BITMASK
+        segw, w = ragged(torch.where(isb, 4 * ((nel + 31) // 32), zero))  # the bitmask bytes
+        wbytes = msg[body[segw] + w]
+        bitsm = (wbytes[:, None] >> _BIT_WEIGHTS.new_tensor(range(8)).to(dev)) & 1
+        pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1, dtype=torch.int64))
+        row, col = bitsm.nonzero(as_tuple=True)
+        sb = segw[row]
+        jb = w[row] * 8 + col
+        rank = torch.arange(sb.numel(), device=dev) - (torch.cumsum(pop, 0) - pop)[sb]
+        bad = (bad_o > 0) | (isb & (pop != cnt))
+        if bool(bad.any()):
+            c = c0 + int(bad.to(torch.int8).argmax())
+            j, a0, n0 = dr.chunks[c]
+            raise ValueError(f"delta message: chunk {c} (destination {_name(names, j)}, elements {a0}..{a0 + n0 - 1}): "
+                             f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
+        pos.append(a[sb] + jb)
+        vals.append(mv[vbase[sb] // e + rank])
+        # dense chunks: slice copies into a contiguous destination, else scattered like the rest
+        dense = [(int(x), int(y), int(z)) for x, y, z in zip(body[k == KIND_DENSE].tolist(),
+                                                              a[k == KIND_DENSE].tolist(),
+                                                              nel[k == KIND_DENSE].tolist(), strict=True)]
+        if not d.is_contiguous():
+            segd, jd = ragged(torch.where(k == KIND_DENSE, nel, zero))
+            pos.append(a[segd] + jd)
+            vals.append(mv[body[segd] // e + jd])
+            dense = []
+        writes.append((i, torch.cat(pos), torch.cat(vals), dense))
+        c0 += nch
+    for i, pos, vals, dense in writes:
+        d = _bits(dsts[i])
+        mv = msg.view(d.dtype)
+        if d.is_contiguous():
+            flat = d.view(-1)
+            flat[pos] = vals
+            for o, a0, n in dense:
+                flat[a0:a0 + n] = mv[o // d.element_size():o // d.element_size() + n]
+        else:
+            _write_flat(d, pos, vals)
+
+
+def describe(msg: torch.Tensor) -> list[dict]:
+    """Every chunk's header as a dict (kind name, elem_size, numel, count, nbytes): for tests and reports."""
+    nc = int(msg[:16].view(torch.int32)[2])
+    offs = msg[HEADER_BYTES:HEADER_BYTES + 8 * nc].view(torch.int64).tolist()
+    out = []
+    for o in offs:
+        w = [int(x) & 0xFFFFFFFF for x in msg[o:o + 16].view(torch.int32).tolist()]
+        out.append({"kind": KIND_NAMES[w[0] & 0xFF], "elem_size": w[0] >> 8, "numel": w[1], "count": w[2],
+                    "nbytes": w[3], "offset": o})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton launchers
+
+
+def _merge(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ...]]:
+    """``(size, stride, ...)`` per dimension, innermost first, after dropping size-1 dimensions and merging
+    neighbours contiguous on every side; the order of the dimensions (row-major) is kept."""
+    merged: list[tuple[int, ...]] = []
+    for dim in zip(shape, *strides, strict=True):
+        n = dim[0]
+        if n == 1:
+            continue
+        if merged and all(merged[-1][k] == n * dim[k] for k in range(1, len(dim))):
+            merged[-1] = (merged[-1][0] * n, *dim[1:])
+        else:
+            merged.append(dim)
+    return merged[::-1] or [(1, *(0 for _ in strides))]
+
+
+def _base(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensor whose storage starts lowest: its storage start is the group's base pointer."""
+    return min(tensors, key=lambda t: t.untyped_storage().data_ptr())
+
+
+def _elem_offset(t: torch.Tensor, base: torch.Tensor, what: str) -> int:
+    nbytes = t.data_ptr() - base.untyped_storage().data_ptr()
+    if nbytes % t.element_size():
+        raise ValueError(f"{what}: storage not aligned to its element size across the group")
+    return nbytes // t.element_size()
+
+
+def _check_device(device: torch.device) -> None:
+    if interpreting():
+        if device.type != "cpu":
+            raise ValueError(f"under TRITON_INTERPRET=1 the Triton delta kernels run on CPU tensors, got {device}")
+    elif device.type != "cuda":
+        raise ValueError(f"the Triton delta kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+
+
+def _block() -> int:
+    return INTERPRET_BLOCK if interpreting() else CUDA_BLOCK
+
+
+def _kernels():
+    from ..kernels import delta as kdelta  # triton is imported only by the Triton backend
+
+    return kernel_module(kdelta, "delta_pack_kernel")
+
+
+def triton_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
+                names: Sequence[str] | None = None) -> torch.Tensor:
+    """Pack with the Triton kernels: the same message as :func:`torch_pack`, bit for bit."""
+    _check_chunk_elems(chunk_elems)
+    device = validate_pairs(pairs, names)
+    _check_device(device)
+    k = _kernels()
+    chunks = chunk_list([s.numel() for s, _ in pairs], chunk_elems)
+    nc = len(chunks)
+    numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64)
+    esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64)
+    groups: dict[int, list[int]] = {}
+    for c, (i, _, _) in enumerate(chunks):
+        groups.setdefault(pairs[i][0].element_size(), []).append(c)
+    block = _block()
+    count = torch.zeros(nc, dtype=torch.int64, device=device)
+    launches = []
+    with torch.no_grad():
+        for e, members in groups.items():
+            used = sorted({chunks[c][0] for c in members})
+            sbase, pbase = _base([pairs[i][0] for i in used]), _base([pairs[i][1] for i in used])
+            rows = np.zeros((len(members), int(k.P_FIELDS)), dtype=np.int64)
+            geo = {}
+            for i in used:
+                src, snap = pairs[i]
+                dims = _merge(src.shape, src.stride(), snap.stride())
+                if len(dims) > MAX_DIMS:
+                    raise ValueError(f"pair {_name(names, i)}: {len(dims)} dimensions after merging; the delta "
+                                     f"kernels take {MAX_DIMS} (use the torch backend)")
+                geo[i] = (_elem_offset(src, sbase, f"source {_name(names, i)}"),
+                          _elem_offset(snap, pbase, f"snapshot {_name(names, i)}"), dims)
+            for r, c in enumerate(members):
+                i, a, n = chunks[c]
+                s_off, p_off, dims = geo[i]
+                rows[r, int(k.P_SRC)], rows[r, int(k.P_SNAP)] = s_off, p_off
+                rows[r, int(k.P_START)], rows[r, int(k.P_NUMEL)] = a, n
+                for d in range(MAX_DIMS):
+                    size, ss, ps = dims[d] if d < len(dims) else (1, 0, 0)
+                    rows[r, int(k.P_SIZE) + d] = size
+                    rows[r, int(k.P_SSTRIDE) + d], rows[r, int(k.P_PSTRIDE) + d] = ss, ps
+            table = torch.from_numpy(rows).to(device)
+            idx = torch.tensor(members, dtype=torch.int64, device=device)
+            gcount = torch.zeros(len(members), dtype=torch.int64, device=device)
+            src_p = storage_view(_bits(sbase), _INT[e])
+            snap_p = storage_view(_bits(pbase), _INT[e])
+            launches.append((e, members, table, idx, src_p, snap_p))
+            dummy = torch.zeros(16, dtype=torch.uint8, device=device)
+            k.delta_pack_kernel[(len(members),)](src_p, snap_p, dummy.view(_INT[e]), dummy.view(torch.int16),
+                                                 dummy.view(torch.int32), table, gcount, len(members),
+                                                 ESIZE=e, COUNT=True, UPDATE=False, BLOCK=block)
+            count[idx] = gcount
+        numel_d, esize_d = numel.to(device), esize.to(device)
+        kind, nbytes, offsets, total = _message_layout(numel_d, count, esize_d)
+        msg = torch.zeros(total, dtype=torch.uint8, device=device)
+        _write_headers(msg, chunk_elems, numel_d, count, esize_d, kind, nbytes, offsets)
+        for e, members, table, idx, src_p, snap_p in launches:
+            table[:, int(k.P_OUT)] = offsets[idx]
+            table[:, int(k.P_KIND)] = kind[idx]
+            table[:, int(k.P_COUNT)] = count[idx]
+            k.delta_pack_kernel[(len(members),)](
+                src_p, snap_p, msg.view(_INT[e]), msg.view(torch.int16), msg.view(torch.int32), table, count,
+                len(members), ESIZE=e, COUNT=False, UPDATE=update, BLOCK=block)
+    return msg
+
+
+def triton_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+    """Unpack with the Triton kernel (see :func:`torch_unpack`). Headers are checked before any write; a body
+    found inconsistent while writing raises after the launch (the destinations are then torn)."""
+    dr = read_directory(msg, dsts, names)
+    if not dr.chunks:
+        return
+    _check_device(msg.device)
+    k = _kernels()
+    device = msg.device
+    groups: dict[int, list[int]] = {}
+    for c, (i, _, _) in enumerate(dr.chunks):
+        groups.setdefault(dsts[i].element_size(), []).append(c)
+    block = _block()
+    bad = torch.zeros(len(dr.chunks), dtype=torch.int32, device=device)
+    with torch.no_grad():
+        for e, members in groups.items():
+            used = sorted({dr.chunks[c][0] for c in members})
+            base = _base([dsts[i] for i in used])
+            geo = {}
+            for i in used:
+                for n_, st in zip(dsts[i].shape, dsts[i].stride(), strict=True):
+                    if st == 0 and n_ > 1:
+                        raise ValueError(f"destination {_name(names, i)}: stride 0 writes elements more than once")
+                dims = _merge(dsts[i].shape, dsts[i].stride())
+                if len(dims) > MAX_DIMS:
+                    raise ValueError(f"destination {_name(names, i)}: {len(dims)} dimensions after merging; the "
+                                     f"delta kernels take {MAX_DIMS} (use the torch backend)")
+                geo[i] = (_elem_offset(dsts[i], base, f"destination {_name(names, i)}"), dims)
+            rows = np.zeros((len(members), int(k.U_FIELDS)), dtype=np.int64)
+            for r, c in enumerate(members):
+                i, a, n = dr.chunks[c]
+                off, dims = geo[i]
+                rows[r, int(k.U_DST)], rows[r, int(k.U_START)], rows[r, int(k.U_NUMEL)] = off, a, n
+                for d in range(MAX_DIMS):
+                    size, st = dims[d] if d < len(dims) else (1, 0)
+                    rows[r, int(k.U_SIZE) + d], rows[r, int(k.U_STRIDE) + d] = size, st
+            table = torch.from_numpy(rows).to(device)
+            idx = torch.tensor(members, dtype=torch.int64, device=device)
+            table[:, int(k.U_IN)] = dr.offsets[idx]
+            table[:, int(k.U_KIND)] = dr.kind[idx]
+            table[:, int(k.U_COUNT)] = dr.count[idx]
+            gbad = torch.zeros(len(members), dtype=torch.int32, device=device)
+            k.delta_unpack_kernel[(len(members),)](
+                storage_view(_bits(base), _INT[e]), msg.view(_INT[e]), msg.view(torch.int16),
+                msg.view(torch.int32), table, gbad, len(members), ESIZE=e, BLOCK=block)
+            bad[idx] = gbad
+    if bool(bad.any()):
+        c = int(bad.to(torch.int8).argmax())
+        i, a, n = dr.chunks[c]
+        raise ValueError(f"delta message: chunk {c} (destination {_name(names, i)}, elements {a}..{a + n - 1}): "
+                         "body inconsistent with its header; the destinations are torn (partly written)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _backend(device: torch.device, backend: str | None) -> str:
+    from . import resolve_backend
+
+    return resolve_backend(device, backend)
+
+
+def pack_delta(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
+               backend: str | None = None, names: Sequence[str] | None = None) -> torch.Tensor:
+    """The delta message of ``pairs`` (``(src, snapshot)`` views) with the chosen backend (as ``copy_views``:
+    argument > ``TRITON_RESHARD_BACKEND`` > Triton on CUDA, torch otherwise)."""
+    device = validate_pairs(pairs, names)
+    fn = triton_pack if _backend(device, backend) == "triton" else torch_pack
+    return fn(pairs, chunk_elems=chunk_elems, update=update, names=names)
+
+
+def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str | None = None,
+                 names: Sequence[str] | None = None) -> None:
+    """Scatter a delta message into ``dsts`` in place with the chosen backend."""
+    fn = triton_unpack if _backend(msg.device, backend) == "triton" else torch_unpack
+    fn(msg, dsts, names=names)
+
