@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, dtype_name
+from .layout import BlockQuant, ColumnarLayout, Fragment, Layout, LocalSpec, TensorSpec, columnar, dtype_name
 
 FORMAT = "triton_reshard.layout/1"
 _DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
@@ -108,9 +108,7 @@ def _quant_from(v, path: str) -> BlockQuant | None:
 
 def layout_to_dict(layout: Layout) -> dict:
     """A JSON-ready dict of ``layout`` (its tensors, fragments and local tensors; ``columnar``: whether to
-    rebuild it as a :class:`~triton_reshard.layout_index.ColumnarLayout`)."""
-    from .layout_index import ColumnarLayout
-
+    rebuild it as a :class:`~triton_reshard.layout.ColumnarLayout`)."""
     if not isinstance(layout, Layout):
         raise TypeError(f"layout_to_dict: expected a Layout, got {type(layout).__name__}")
     tensors = [t.name for t in layout.tensors]
@@ -166,8 +164,6 @@ def layout_from_dict(d, path: str = "layout") -> Layout:
         locs.append(_check(LocalSpec, p, _int(rank, f"{p}[0] (rank)"), ref(local, lnames, f"{p}[1] (name)"),
                            _ints(shape, f"{p}[2] (shape)"), dtype_from_name(dt, f"{p}[3] (dtype)")))
     if d["columnar"]:
-        from .layout_index import columnar
-
         lay = _check(columnar, path, specs, frags, locs)
     else:
         lay = _check(Layout, path, tuple(specs), tuple(frags), tuple(locs))

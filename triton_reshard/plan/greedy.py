@@ -35,6 +35,24 @@ def route_greedy(src: Layout, dst: Layout, gpus_per_node: int | None, relay: boo
     them. ``groups``: rank -> relay group (see ``check_relay_groups``)."""
     world = max(src.ranks + dst.ranks, default=0) + 1
     gpn = gpus_per_node
+    local, remote, nbytes, fans = _route_pieces(src, dst, gpn, relay, groups)
+    # a relayed part is charged to its source holder as what it replaces (the part once per destination of
+    # its group): holders are balanced as in the plan without relays, so relays take bytes off the network
+    # without moving other pieces to farther holders
+    weight = list(nbytes)
+    relays = choose_heads(fans, remote, nbytes, gpn, world, weight) if fans else []
+    chosen = _choose_holders(remote, nbytes, weight, relays, gpn, world)
+    wire = [make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
+    wire += relays
+    wire.sort(key=WIRE_ORDER)
+    local.sort(key=LOCAL_ORDER)
+    return local, wire
+
+
+def _route_pieces(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int] | None):
+    """Every destination box cut into pieces by the source boxes covering it: (local copies, remote pieces
+    (dst fragment, piece offsets, piece sizes, holders (see holders_of), wire dtype), their bytes, fan-out
+    groups for the relays)."""
     local: list[Transfer] = []
     # remote pieces: (dst fragment, piece offsets, piece sizes, holders (see holders_of), wire dtype)
     remote: list[tuple[Fragment, tuple, tuple, tuple, torch.dtype]] = []
@@ -84,12 +102,13 @@ def route_greedy(src: Layout, dst: Layout, gpus_per_node: int | None, relay: boo
                     else:
                         remote.append((df, p_off, p_size, holders, wdt))
                         nbytes.append(n)
-    # a relayed part is charged to its source holder as what it replaces (the part once per destination of
-    # its group): holders are balanced as in the plan without relays, so relays take bytes off the network
-    # without moving other pieces to farther holders
-    weight = list(nbytes)
-    relays = choose_heads(fans, remote, nbytes, gpn, world, weight) if fans else []
-    # choose holders: fixed ones first, then largest first onto the least loaded holder
+    return local, remote, nbytes, fans
+
+
+def _choose_holders(remote: list[tuple], nbytes: list[int], weight: list[int], relays: list[Transfer],
+                    gpn: int | None, world: int) -> list[Fragment | None]:
+    """The source fragment that sends each remote piece: fixed holders first, then largest first onto the
+    least loaded holder (one in the destination's node with ``gpn``, within the fair share)."""
     load = [0] * world
     chosen: list[Fragment | None] = [None] * len(remote)
     flexible = []
@@ -116,11 +135,7 @@ def route_greedy(src: Layout, dst: Layout, gpus_per_node: int | None, relay: boo
                     r = rn
         chosen[i] = best[r]
         load[r] += weight[i]
-    wire = [make_transfer(df.tensor, o, s, chosen[i], df, w) for i, (df, o, s, _h, w) in enumerate(remote)]
-    wire += relays
-    wire.sort(key=WIRE_ORDER)
-    local.sort(key=LOCAL_ORDER)
-    return local, wire
+    return chosen
 
 
 def _least_loaded(ranks: Sequence[int], load: list[int], dst_rank: int) -> int:

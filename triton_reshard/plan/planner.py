@@ -85,15 +85,7 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
-    check_gpus_per_node(gpus_per_node, "plan_reshard")
-    groups = check_relay_groups(relay_groups)
-    if relay is None:
-        relay = gpus_per_node is not None or bool(groups)
-    elif not isinstance(relay, bool):
-        raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
-    elif relay and gpus_per_node is None and relay_groups is None:
-        raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
-                         "node or a group)")
+    relay, groups = _relay_options(gpus_per_node, relay, relay_groups)
     # block-quantized destinations (plan/quant.py): routed in the source dtype, without their scales, then
     # every routed piece is cut on the block grid into source- and destination-quantized transfers
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
@@ -109,8 +101,29 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
         return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
     if rank is not None:
         raise ValueError("plan_reshard: rank plans need routing='local' (the greedy chooses over the whole world)")
+    return _plan_greedy(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {})
+
+
+def _relay_options(gpus_per_node: int | None, relay: bool | None,
+                   relay_groups: tuple[tuple[int, ...], ...] | None) -> tuple[bool, dict[int, int]]:
+    """``plan_reshard``'s topology options checked: (relay on?, the relay groups by rank)."""
+    check_gpus_per_node(gpus_per_node, "plan_reshard")
+    groups = check_relay_groups(relay_groups)
+    if relay is None:
+        relay = gpus_per_node is not None or bool(groups)
+    elif not isinstance(relay, bool):
+        raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
+    elif relay and gpus_per_node is None and relay_groups is None:
+        raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
+                         "node or a group)")
+    return relay, groups
+
+
+def _plan_greedy(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per_node: int | None,
+                 relay: bool, groups: dict[int, int]) -> Plan:
+    """The whole plan by the global greedy router (``routing="greedy"``), quantized transfers cut after."""
     with gc_paused():
-        local, wire = route_greedy(src, routed, gpus_per_node, relay, groups if relay else {})
+        local, wire = route_greedy(src, routed, gpus_per_node, relay, groups)
         if targets:
             local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
         return Plan(src, dst, tuple(wire), tuple(local))

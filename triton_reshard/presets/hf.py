@@ -31,8 +31,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ..layout import Layout, Replicate, gc_paused
-from ..layout_index import ColumnBuilder, LogicalTensors
+from ..layout import ColumnBuilder, Layout, LogicalTensors, Replicate, gc_paused
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -329,7 +328,7 @@ def _model_tensors(s: ModelSpec, dtype: torch.dtype) -> LogicalTensors:
 
 
 class LayoutBuilder(ColumnBuilder):
-    """Collects local tensors and boxes, then builds a :class:`~triton_reshard.layout_index.ColumnarLayout`.
+    """Collects local tensors and boxes, then builds a :class:`~triton_reshard.layout.ColumnarLayout`.
 
     Every local tensor is declared with its full shape (so padding, and local tensors holding no fragment at
     all, e.g. a vocab shard that is all padding, are still in the layout: ``named_parameters()`` has them).
@@ -337,7 +336,7 @@ class LayoutBuilder(ColumnBuilder):
     Each call takes one rank or a whole array of ranks (``rank`` an int or an int array; ``start``, ``at``,
     ``lead`` entries and even ``tensor``, a sequence of names, may differ per rank): the presets describe a
     model with one call per tensor family and group of alike ranks, so a 1,024-rank layout costs a few
-    thousand numpy calls, not a million Python objects (see ``layout_index``).
+    thousand numpy calls, not a million Python objects (see ``layout.columnar``).
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]] | LogicalTensors, dtype: torch.dtype,

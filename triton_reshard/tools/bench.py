@@ -31,15 +31,15 @@ from ..plan import plan_reshard
 from ..testing.launch import run_world
 from .baselines import allgather_refit
 from .demo import (
-    _expected,
-    _make_src,
-    _peak_rss,
-    _peak_rss_reset,
-    _poison,
-    _rss,
-    _verify,
+    current_rss,
     expected_quantized,
+    expected_tensors,
     fp8_layout,
+    make_src,
+    peak_rss,
+    poison,
+    reset_peak_rss,
+    verify_tensors,
 )
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
@@ -108,9 +108,9 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     src, dst, _cfg, dt = _layouts(case, size_bytes, dtype)
-    src_t = _make_src(src, rank, device)
+    src_t = make_src(src, rank, device)
     dst_t = dst.allocate(rank, device=device)
-    expected = _expected(dst, rank, device)
+    expected = expected_tensors(dst, rank, device)
     plan = plan_reshard(src, dst)
     methods = {
         "reshard": Resharder(plan, bucket_bytes=bucket, timeout=timeout),
@@ -171,9 +171,9 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
         for name, fn in fns.items():
             times, bad, peaks = acc[name]
             tensors, want = checked.get(name, (dst_t, expected))
-            _poison(tensors)
-            _peak_rss_reset()
-            rss0 = _rss()
+            poison(tensors)
+            reset_peak_rss()
+            rss0 = current_rss()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 mem0 = torch.cuda.memory_allocated(device)
@@ -184,9 +184,9 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
                 torch.cuda.synchronize(device)
             dist.barrier()
             dt_s = time.perf_counter() - t0
-            peak = (torch.cuda.max_memory_allocated(device) - mem0) if device.type == "cuda" else _peak_rss() - rss0
+            peak = (torch.cuda.max_memory_allocated(device) - mem0) if device.type == "cuda" else peak_rss() - rss0
             if name != "wire-limit":
-                bad[0] += _verify(want, tensors)
+                bad[0] += verify_tensors(want, tensors)
             if i:
                 times.append(dt_s)
                 peaks.append(peak)

@@ -23,8 +23,8 @@ from .cliutil import (
     HelpFormatter,
     OneLineParser,
     UsageError,
-    check_output_file,
     check_output_folder,
+    check_outputs,
     parse_dtype,
     parse_sizes,
 )
@@ -290,13 +290,7 @@ def plan_report(args) -> dict:
     if args.rank is not None and (args.plot or args.rank < 0):
         raise UsageError(f"--rank {args.rank}: " + ("--plot needs the whole plan (drop --rank)" if args.plot
                                                     else "must be >= 0"))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
-    check_output_file(args.plot, "--plot")
-    check_output_file(args.json, "--json")
+    check_outputs(args)
     base = PRESETS[args.preset]
     topo = Topology(
         gpus_per_node=args.gpus_per_node or base.gpus_per_node,

@@ -112,6 +112,17 @@ def check_output_file(path: str | os.PathLike | None, option: str, make_folder: 
         raise UsageError(f"{option} {path}: no permission to write there")
 
 
+def check_outputs(args) -> None:
+    """Before any work: ``--plot`` has matplotlib, and the ``--plot`` / ``--json`` files can be written."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
+    check_output_file(args.plot, "--plot")
+    check_output_file(args.json, "--json")
+
+
 def check_output_folder(path: str | os.PathLike | None, option: str) -> None:
     """Before any work: a folder ``path`` exists and is writable, or can be created (its nearest existing
     ancestor is a writable folder), else a :class:`UsageError` naming the option and the path."""

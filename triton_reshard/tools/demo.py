@@ -21,13 +21,13 @@ from ..plan import plan_reshard
 from ..testing import synthetic_box
 from ..testing.launch import WorldError, default_backend, run_world
 from .baselines import allgather_refit
-from .cliutil import DTYPE_HELP, UsageError, check_output_file, fmt_mib, parse_dtype, parse_sizes
+from .cliutil import DTYPE_HELP, UsageError, check_outputs, fmt_mib, parse_dtype, parse_sizes
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 POISON = float("nan")
 
 
-def _peak_rss_reset() -> None:
+def reset_peak_rss() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM (peak RSS) on Linux
@@ -47,11 +47,11 @@ def _proc_status_bytes(field: str) -> int:
     return 0
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     return _proc_status_bytes("VmHWM")
 
 
-def _rss() -> int:
+def current_rss() -> int:
     return _proc_status_bytes("VmRSS")
 
 
@@ -88,8 +88,8 @@ def fp8_layout(dst: Layout, block: int) -> Layout:
 
 
 def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
-    """As :func:`_expected` for a block-quantized destination: each quantized tensor quantized whole from the
-    synthetic source (the torch reference, ``quant.quantize_blocks``) and sliced, values and scales."""
+    """As :func:`expected_tensors` for a block-quantized destination: each quantized tensor quantized whole from the
+    synthetic source (the torch reference, ``ops.quantize.quantize_blocks``) and sliced, values and scales."""
     from ..ops.quantize import quantize_blocks
     from ..testing import synthetic_global
 
@@ -130,7 +130,7 @@ def build_layouts(args) -> tuple[Layout, Layout, dict]:
     return src, dst, cfg
 
 
-def _make_src(layout: Layout, rank: int, device) -> dict[str, torch.Tensor]:
+def make_src(layout: Layout, rank: int, device) -> dict[str, torch.Tensor]:
     out = layout.allocate(rank, device=device, fill=0)
     for f in layout.fragments:
         if f.rank != rank or not f.numel:
@@ -142,7 +142,7 @@ def _make_src(layout: Layout, rank: int, device) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expected(layout: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
+def expected_tensors(layout: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
     """Each destination fragment's expected contents, built once (as integer bit patterns)."""
     out = []
     for f in layout.fragments:
@@ -156,7 +156,7 @@ def _expected(layout: Layout, rank: int, device) -> list[tuple[str, tuple, torch
     return out
 
 
-def _verify(expected, tensors: dict[str, torch.Tensor]) -> int:
+def verify_tensors(expected, tensors: dict[str, torch.Tensor]) -> int:
     """Number of destination elements that differ from the global tensor (bit-exact)."""
     bad = 0
     for local, sl, exp in expected:
@@ -171,7 +171,7 @@ def _int_of(dtype: torch.dtype) -> torch.dtype:
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty((), dtype=dtype).element_size()]
 
 
-def _poison(tensors: dict[str, torch.Tensor]) -> None:
+def poison(tensors: dict[str, torch.Tensor]) -> None:
     for t in tensors.values():
         if t.dtype == QUANT_DTYPE:
             t.view(torch.uint8).fill_(0x7F)  # an fp8 NaN
@@ -202,26 +202,26 @@ def demo_worker(rank: int, world: int, args) -> dict:
     t_setup = time.perf_counter()
     say(f"{world} ranks up ({dist.get_backend()}); each builds the layouts, plans and fills its source tensors")
     src, dst, _cfg = build_layouts(args)
-    src_t = _make_src(src, rank, device)
+    src_t = make_src(src, rank, device)
     dst_t = dst.allocate(rank, device=device)
     bucket = int(args.bucket_mb * (1 << 20))
     t0 = time.perf_counter()
     plan = plan_reshard(src, dst)
     r = Resharder(plan, bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
     plan_s = time.perf_counter() - t0
-    expected = _expected(dst, rank, device)
+    expected = expected_tensors(dst, rank, device)
     out: dict = {"rank": rank, "plan_seconds": plan_s}
     rss_peaks = []
     check = [0.0]
 
     def measured(fn, tensors=dst_t, want=expected):
-        _poison(tensors)
-        _peak_rss_reset()
-        rss0 = _rss()
+        poison(tensors)
+        reset_peak_rss()
+        rss0 = current_rss()
         secs = _timed(fn, device)
-        rss_peaks.append(_peak_rss() - rss0)
+        rss_peaks.append(peak_rss() - rss0)
         t = time.perf_counter()
-        bad = _verify(want, tensors)
+        bad = verify_tensors(want, tensors)
         check[0] += time.perf_counter() - t
         return secs, bad
 
@@ -375,13 +375,7 @@ def _validate(args) -> tuple[Parallelism, Parallelism]:
         raise UsageError(f"--repeats {args.repeats}: must be >= 0")
     if getattr(args, "quant_block", 128) < 1:
         raise UsageError(f"--quant-block {args.quant_block}: must be >= 1")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib (pip install matplotlib, or the 'test' extra)") from None
-    check_output_file(args.plot, "--plot")
-    check_output_file(args.json, "--json")
+    check_outputs(args)
     if args.backend == "triton":
         _check_triton_backend(args.world)
     return sp, dp_

@@ -15,22 +15,18 @@ import hashlib
 import math
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import add, attrgetter, gt
+from operator import attrgetter
 
 import numpy as np
 import torch
 
-from .box import box_slices, boxes_overlap, find_overlap  # noqa: F401  (box_slices: re-exported for users of layout)
-from .fragment_table import FragmentTable, content_fingerprint
-from .specs import (  # noqa: F401  (the values a layout is made of: re-exported for users of layout)
+from ..box import box_slices
+from ..fragment_table import FragmentTable, content_fingerprint
+from ..specs import (
     FRAG_KEY,
-    MAX_TENSOR_BYTES,
-    QUANT_DTYPE,
-    SCALE_DTYPE,
-    BlockQuant,
     Fragment,
     LocalSpec,
     Placement,
@@ -38,21 +34,13 @@ from .specs import (  # noqa: F401  (the values a layout is made of: re-exported
     Shard,
     TensorSpec,
     as_shape,
-    block_scale_box,
-    check_bytes,
-    check_fragment,
     check_names,
-    chunk_range,
     dtype_name,
     gc_paused,
     itemsize_of,
-    misaligned_block,
     nested_box,
-    scale_shape,
-    slot_setters,
-    trusted_fragment,
-    validate_quant_fragments,
 )
+from .check import check_layout
 
 _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
 _TENSOR = attrgetter("tensor")
@@ -124,7 +112,7 @@ class Layout:
     @cached_property
     def fingerprint(self) -> str:
         """A content identity like ``digest`` (equal layouts, equal fingerprints, however they were built) that
-        a columnar layout (``layout_index``) computes from its arrays, without building every rank's objects
+        a columnar layout (``layout.columnar``) computes from its arrays, without building every rank's objects
         (~0.1 s for a 1,024-rank DeepSeek-V3 layout): what ranks compare before a rank plan runs."""
         frags = sorted(self.fragments, key=_RANK)  # stable: (rank, tensor, local, offsets, local offsets)
         names = sorted({s.name for s in self.locals} | {f.local for f in frags})
@@ -163,52 +151,7 @@ class Layout:
     # -- validation ---------------------------------------------------------------------------------
 
     def _validate(self) -> None:
-        specs: dict[str, TensorSpec] = {}
-        for t in self.tensors:
-            if t.name in specs:
-                raise ValueError(f"tensor {t.name!r} is declared twice")
-            specs[t.name] = t
-        locs: dict[tuple[int, str], LocalSpec] = {}
-        for s in self.locals:
-            if (s.rank, s.name) in locs:
-                raise ValueError(f"local tensor {s.name!r} on rank {s.rank} is declared twice")
-            locs[(s.rank, s.name)] = s
-        per_local: dict[tuple[int, str], list] = {}
-        for f in self.fragments:
-            key = (f.rank, f.local)
-            spec = specs.get(f.tensor)
-            loc = locs.get(key)
-            # fast check of everything check_fragment checks; it names the problem when one fails
-            if spec is None or loc is None or loc.dtype is not spec.dtype:
-                check_fragment(f, spec, loc)
-            else:
-                off, sizes, lo, lshape = f.offsets, f.sizes, f.local_offsets, loc.shape
-                if (len(off) != len(spec.shape) or len(lo) != len(lshape)
-                        or any(map(gt, map(add, off, sizes), spec.shape))
-                        or any(map(gt, map(add, lo, sizes if len(lo) == len(sizes) else f.local_sizes), lshape))):
-                    check_fragment(f, spec, loc)
-            group = per_local.get(key)
-            if group is None:
-                per_local[key] = [f]
-            else:
-                group.append(f)
-        for (rank, local), frs in per_local.items():
-            if len(frs) < 2:
-                continue
-            if len(frs) == 2:  # the common case (gate + up, k + v): no sweep needed
-                a, b = frs
-                if not (min(a.sizes, default=1) > 0 and min(b.sizes, default=1) > 0
-                        and boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
-                    continue
-            hit = find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
-            if hit is not None:
-                a, b = hit
-                raise ValueError(
-                    f"overlapping fragments on rank {rank} in local tensor {local!r}: tensor {a.tensor!r} box "
-                    f"{a.offsets}+{a.sizes} and tensor {b.tensor!r} box {b.offsets}+{b.sizes} share local memory"
-                )
-        if any(t.quant is not None for t in self.tensors):
-            validate_quant_fragments(specs, self.fragments)
+        check_layout(self.tensors, self.fragments, self.locals)
 
     # -- constructors -------------------------------------------------------------------------------
 
@@ -605,97 +548,3 @@ class Layout:
             s for s in self.locals if (s.rank, s.name) in used or (s.name in keep and (s.rank, s.name) not in used)
         )
         return Layout(tuple(t for t in self.tensors if t.name in keep), frags, locs)
-
-
-def block_quant_layout(
-    layout: Layout,
-    names: Iterable[str] | Callable[[TensorSpec], bool],
-    block: Sequence[int] = (128, 128),
-    ue8m0: bool = False,
-    scale_suffix: str = "_scale_inv",
-) -> Layout:
-    """``layout`` with some tensors block-quantized (block FP8): what an engine that loads an FP8 checkpoint
-    (``quantization_config`` ``fp8`` with ``weight_block_size``, vLLM / DeepSeek-V3) holds.
-
-    ``names``: the logical tensors to quantize (an iterable of names, or a predicate on TensorSpecs). Each
-    becomes ``float8_e4m3fn`` with a :class:`BlockQuant` of ``block`` (trailing dims; leading dims get 1) and a
-    float32 scale tensor ``name + scale_suffix`` of shape ``ceil(shape / block)``; every fragment gets the
-    scale fragment of its blocks, in local tensor ``local + scale_suffix`` at the weight's local offsets
-    divided by the block (e.g. vLLM's ``qkv_proj.weight`` -> ``qkv_proj.weight_scale_inv``, ``[ceil(rows /
-    128), ceil(cols / 128)]``; extra leading local dims, like stacked experts, unchanged). The local tensors
-    holding them become ``float8_e4m3fn``.
-
-    Raises ``ValueError`` naming the tensor and rank when a fragment is not block-aligned (it would split a
-    block between ranks, or put it at an unaligned local offset: vLLM refuses such shards too), when a local
-    tensor would mix quantized and plain tensors, or a scale name is already taken; ``KeyError`` for an
-    unknown name.
-    """
-    if not isinstance(layout, Layout):
-        raise TypeError(f"block_quant_layout: expected a Layout, got {type(layout).__name__}")
-    if callable(names):
-        chosen = {t.name for t in layout.tensors if names(t)}
-    else:
-        if isinstance(names, str):
-            raise TypeError(f"block_quant_layout: names must be an iterable of tensor names or a predicate, got "
-                            f"the string {names!r}")
-        chosen = set(names)
-        unknown = sorted(chosen - set(layout.specs))
-        if unknown:
-            raise KeyError(f"block_quant_layout: unknown tensor {unknown[0]!r}")
-    if not isinstance(scale_suffix, str) or not scale_suffix:
-        raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
-    block = tuple(block)
-    specs: dict[str, TensorSpec] = {}
-    for t in layout.tensors:
-        if t.name not in chosen:
-            specs[t.name] = t
-            continue
-        if t.quant is not None:
-            raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
-        q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
-        specs[t.name] = q
-    frags = list(layout.fragments)
-    locs = {(s.rank, s.name): s for s in layout.locals}
-    holds: dict[tuple[int, str], set[str]] = defaultdict(set)
-    for f in frags:
-        holds[(f.rank, f.local)].add(f.tensor)
-    qlocals: dict[tuple[int, str], tuple[int, ...]] = {}  # weight local -> the block of its tensors
-    for f in layout.fragments:
-        spec = specs[f.tensor]
-        if spec.quant is None:
-            continue
-        key = (f.rank, f.local)
-        plain = sorted(holds[key] - chosen)
-        if plain:
-            raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds quantized tensor "
-                             f"{f.tensor!r} and plain tensor {plain[0]!r}: one local tensor has one dtype")
-        if f.numel:
-            why = misaligned_block(f, spec)
-            if why is not None:
-                raise ValueError(f"block_quant_layout: fragment of tensor {f.tensor!r} on rank {f.rank} (box "
-                                 f"{f.offsets}+{f.sizes}) is not block-aligned for blocks {spec.quant.block}: it {why}")
-        prev = qlocals.get(key)
-        if prev is not None and prev != spec.quant.block[-len(prev):]:
-            raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds tensors with "
-                             f"different blocks")
-        qlocals[key] = spec.quant.block
-        off, sizes, lo = block_scale_box(f, spec.quant.block)
-        frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
-    for t in list(specs.values()):
-        if t.quant is not None:
-            if t.quant.scale in specs:
-                raise ValueError(f"block_quant_layout: the scale tensor name {t.quant.scale!r} of {t.name!r} is taken")
-            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, SCALE_DTYPE)
-    for (rank, local), blk in qlocals.items():
-        ls = locs[(rank, local)]
-        sname = local + scale_suffix
-        if (rank, sname) in locs:
-            raise ValueError(f"block_quant_layout: local tensor {sname!r} on rank {rank} already exists")
-        extra = len(ls.shape) - len(blk)
-        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
-        locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
-                                        SCALE_DTYPE)
-    with gc_paused():
-        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))

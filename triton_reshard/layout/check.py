@@ -1,0 +1,203 @@
+"""Layout validation: the eager checks a :class:`~triton_reshard.layout.Layout` runs on construction
+(:func:`check_layout`, which names the tensor and rank of any problem) and the same checks done vectorized on
+a columnar layout's columns (:func:`columns_valid`; on a failure the eager checks name the problem)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import add, gt
+
+import numpy as np
+
+from ..box import boxes_overlap, find_overlap
+from ..specs import (
+    Fragment,
+    LocalSpec,
+    TensorSpec,
+    check_fragment,
+    validate_quant_fragments,
+)
+from .columns import I64, Columns, LogicalTensors
+
+# --------------------------------------------------------------------------------------------------------
+# Eager validation (a Layout's constructor)
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_layout(tensors: Sequence[TensorSpec], fragments: Sequence[Fragment],
+                 locals_: Sequence[LocalSpec]) -> None:
+    """The eager checks of a Layout on construction (its tensors, fragments and local tensors): names declared
+    once, every fragment inside its tensor and its local tensor, no two fragments sharing local memory,
+    quantized tensors' scales consistent; a ValueError naming tensor and rank otherwise."""
+    specs: dict[str, TensorSpec] = {}
+    for t in tensors:
+        if t.name in specs:
+            raise ValueError(f"tensor {t.name!r} is declared twice")
+        specs[t.name] = t
+    locs: dict[tuple[int, str], LocalSpec] = {}
+    for s in locals_:
+        if (s.rank, s.name) in locs:
+            raise ValueError(f"local tensor {s.name!r} on rank {s.rank} is declared twice")
+        locs[(s.rank, s.name)] = s
+    per_local: dict[tuple[int, str], list] = {}
+    for f in fragments:
+        key = (f.rank, f.local)
+        spec = specs.get(f.tensor)
+        loc = locs.get(key)
+        # fast check of everything check_fragment checks; it names the problem when one fails
+        if spec is None or loc is None or loc.dtype is not spec.dtype:
+            check_fragment(f, spec, loc)
+        else:
+            off, sizes, lo, lshape = f.offsets, f.sizes, f.local_offsets, loc.shape
+            if (len(off) != len(spec.shape) or len(lo) != len(lshape)
+                    or any(map(gt, map(add, off, sizes), spec.shape))
+                    or any(map(gt, map(add, lo, sizes if len(lo) == len(sizes) else f.local_sizes), lshape))):
+                check_fragment(f, spec, loc)
+        group = per_local.get(key)
+        if group is None:
+            per_local[key] = [f]
+        else:
+            group.append(f)
+    for (rank, local), frs in per_local.items():
+        if len(frs) < 2:
+            continue
+        if len(frs) == 2:  # the common case (gate + up, k + v): no sweep needed
+            a, b = frs
+            if not (min(a.sizes, default=1) > 0 and min(b.sizes, default=1) > 0
+                    and boxes_overlap(a.local_offsets, a.local_sizes, b.local_offsets, b.local_sizes)):
+                continue
+        hit = find_overlap([(f.local_offsets, f.local_sizes, f) for f in frs])
+        if hit is not None:
+            a, b = hit
+            raise ValueError(
+                f"overlapping fragments on rank {rank} in local tensor {local!r}: tensor {a.tensor!r} box "
+                f"{a.offsets}+{a.sizes} and tensor {b.tensor!r} box {b.offsets}+{b.sizes} share local memory"
+            )
+    if any(t.quant is not None for t in tensors):
+        validate_quant_fragments(specs, fragments)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Vectorized validation (the eager Layout's checks; on a failure the eager validation names the problem)
+# --------------------------------------------------------------------------------------------------------
+
+
+def columns_valid(c: Columns, lt: LogicalTensors) -> bool:
+    """True if the columns pass every check of ``Layout._validate`` (exactly: no false alarms on layouts the
+    eager validation accepts, no layout it rejects passes)."""
+    n = c.nfrag
+    # local tensors declared once
+    if c.nlocal > 1 and ((c.lr[1:] == c.lr[:-1]) & (c.ln[1:] == c.ln[:-1])).any():
+        return False
+    if not n:
+        return True
+    if (c.foff < 0).any() or (c.fsz < 0).any() or (c.flo < -1).any() or (c.fr < 0).any():
+        return False  # (the eager Fragment refuses these)
+    D = c.foff.shape[1]
+    nd_t, shape_t = lt.shape_table(max(D, 1))
+    nd = nd_t[c.ft]
+    # the fragment's box inside its logical tensor (unused columns are 0 + 1 <= 1)
+    if D and (c.foff + c.fsz > shape_t[c.ft, :D]).any():
+        return False
+    # its local tensor exists on its rank
+    nl = max(len(c.lnames), 1)
+    lkey = c.lr.astype(I64) * nl + c.ln
+    fkey = c.fr.astype(I64) * nl + c.fl
+    li = np.searchsorted(lkey, fkey)
+    if (li >= len(lkey)).any() or (lkey[np.minimum(li, len(lkey) - 1)] != fkey).any():
+        return False
+    # same number of local dims, at least the box's
+    lnd = c.lnd[li]
+    if (c.flnd != lnd).any() or (lnd < nd).any():
+        return False
+    # dtypes: the local tensor's is the tensor's
+    key = ("dtype_ids", c.dtypes)
+    dt_t = lt.cache.get(key)
+    if dt_t is None:
+        did = {d: i for i, d in enumerate(c.dtypes)}
+        dt_t = lt.cache[key] = np.fromiter((did.get(d, -1) for d in lt.dtypes), I64, len(lt))
+    if (c.ldt[li] != dt_t[c.ft]).any():
+        return False
+    # inside the local tensor: local offsets + (1,)*(lnd-nd) + sizes <= local shape
+    L = c.flo.shape[1]
+    lsz = _local_sizes(c, nd, L)
+    lo = np.where(c.flo < 0, 0, c.flo)
+    lsh = c.lsh[li][:, :L] if L else np.zeros((n, 0), I64)
+    valid = np.arange(L)[None, :] < c.flnd[:, None]
+    if ((c.flo < 0) & valid).any() or ((lo + lsz > lsh) & valid).any():
+        return False
+    return overlap_free(li, lo, lsz, c.fsz)
+
+
+def _local_sizes(c: Columns, nd: np.ndarray, L: int) -> np.ndarray:
+    """``[n, L]`` each fragment's sizes in its local tensor's dims (lead dims 1; padding columns 1)."""
+    n = c.nfrag
+    out = np.ones((n, L), dtype=I64)
+    if not L or not c.fsz.shape[1]:
+        return out
+    col = np.arange(L)[None, :]
+    first = (c.flnd - nd)[:, None]  # where the logical dims start in the local dims
+    src = col - first
+    ok = (src >= 0) & (col < c.flnd[:, None])
+    vals = np.take_along_axis(c.fsz, np.clip(src, 0, c.fsz.shape[1] - 1), axis=1)
+    return np.where(ok, vals, 1)
+
+
+def overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.ndarray) -> bool:
+    """True if no two non-empty boxes ``lo``+``ls`` (``[n, L]``) with the same ``group`` share an element.
+
+    Exact and vectorized: per dim, the boxes of a group are split into clusters of chained overlapping
+    intervals; a box alone in its cluster overlaps nothing; a cluster whose intervals are all equal carries on
+    to the next dim as a group of its own; any other cluster is checked box against box (``find_overlap``).
+    Boxes equal in every dim overlap.
+    """
+    keep = np.flatnonzero((sizes > 0).all(axis=1)) if sizes.shape[1] else np.arange(len(group))
+    key = group[keep]
+    if len(key) < 2:
+        return True
+    # only groups of two or more boxes can overlap
+    srt = np.argsort(key, kind="stable")
+    keep, key = keep[srt], key[srt]
+    multi = np.zeros(len(key), bool)
+    multi[1:] |= key[1:] == key[:-1]
+    multi[:-1] |= key[1:] == key[:-1]
+    idx, key = keep[multi], key[multi]
+    L = lo.shape[1]
+    for d in range(L):
+        if len(idx) < 2:
+            return True
+        s, e = lo[idx, d], lo[idx, d] + ls[idx, d]
+        order = np.lexsort((s, key))
+        idx, s, e, key = idx[order], s[order], e[order], key[order]
+        m = len(idx)
+        u, inv = np.unique(np.concatenate([s, e]), return_inverse=True)
+        inv = inv.reshape(-1)
+        rs, re = inv[:m], inv[m:]
+        B = len(u) + 1
+        v = key.astype(I64) * B + re
+        cm = np.maximum.accumulate(v)
+        same = np.zeros(m, bool)
+        same[1:] = key[1:] == key[:-1]
+        prev = np.empty(m, I64)
+        prev[0] = -1
+        prev[1:] = cm[:-1] - key[1:] * B
+        joins = same & (prev > rs)  # overlaps (in dim d) some earlier box of its group
+        cid = np.cumsum(~joins) - 1
+        size = np.bincount(cid)
+        in_multi = size[cid] > 1
+        first = np.flatnonzero(~joins)
+        ident = (s == s[first[cid]]) & (e == e[first[cid]])
+        all_ident = np.ones(len(size), bool)
+        np.logical_and.at(all_ident, cid, ident)
+        hard = in_multi & ~all_ident[cid]
+        if hard.any():
+            rows = idx[hard]
+            cl = cid[hard]
+            for c_ in np.unique(cl):
+                members = rows[cl == c_]
+                boxes = [(tuple(lo[i, d:].tolist()), tuple(ls[i, d:].tolist()), int(i)) for i in members]
+                if find_overlap(boxes) is not None:
+                    return False
+        nxt = in_multi & all_ident[cid]
+        idx, key = idx[nxt], cid[nxt]
+    return len(idx) < 2
