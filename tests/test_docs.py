@@ -23,7 +23,7 @@ DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.pat
 # snippet uses (a module like ``torch``, one of our functions) must be imported or defined in it.
 PLACEHOLDERS = {
     "HOST", "PORT", "SECRET", "T", "W", "offset", "local_rank", "rank", "client", "local_tensors", "model", "hf_config",
-    "train_layout", "infer_layout", "train_tensors", "vllm_model", "g",
+    "train_layout", "infer_layout", "train_tensors", "vllm_model", "g", "TP", "step", "sglang_engine",
 }
 
 
