@@ -90,7 +90,7 @@ def fp8_layout(dst: Layout, block: int) -> Layout:
 def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
     """As :func:`_expected` for a block-quantized destination: each quantized tensor quantized whole from the
     synthetic source (the torch reference, ``quant.quantize_blocks``) and sliced, values and scales."""
-    from ..quant import quantize_blocks
+    from ..ops.quantize import quantize_blocks
     from ..testing import synthetic_global
 
     ref: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
