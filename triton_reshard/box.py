@@ -104,7 +104,7 @@ def is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple
     """Whether the sub-box ``off``+``size`` of the box starting at ``start`` (local coordinates; a local
     tensor may have extra leading dims, where the box has size 1) is one contiguous run of a contiguous
     tensor of ``shape``: every dim after its first dim of size > 1 is whole."""
-    full = (1,) * (len(shape) - len(size)) + tuple(size)
+    full = size if len(size) == len(shape) else (1,) * (len(shape) - len(size)) + tuple(size)
     seen = False
     for n, s in zip(full, shape, strict=True):
         if seen and n != s:

@@ -48,33 +48,43 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
     """One pair's stream cut into step loads: ``transfers`` ((index, transfer), in key order) cut into chunks
     of at most ``cap`` bytes, taken in order into loads of at most ``cap`` aligned bytes; a load is one packed
     message (its chunks at aligned offsets) followed by one message per chunk ``direct(index, offsets,
-    sizes)`` calls direct. Both ends of the pair build the same list."""
+    sizes)`` calls direct (asked once per transfer and chunk size: whether a sub-box is one contiguous run of
+    a local tensor depends on its sizes alone, ``is_contiguous_box``). Both ends of the pair build the same
+    list."""
     out: list[list[Message]] = []
     cs: list[Chunk] = []
     singles: list[Message] = []
     off = used = 0
     s = d = None
-
-    def close() -> None:
-        nonlocal cs, singles, off, used
-        load = [Message(s, d, off, tuple(cs))] if cs else []
-        out.append(load + singles)
-        cs, singles, off, used = [], [], 0, 0
-
     for i, t in transfers:
         s, d = t.src_rank, t.dst_rank
-        for o, sz, n in _chunks(t, cap):
+        if t.quant != "src":  # the common case, inline: a transfer that fits in one chunk is that chunk
+            sizes = t.sizes
+            n = math.prod(sizes) * itemsize_of(t.wire_dtype)
+            a = align_up(n)
+            if a <= cap or not sizes:
+                pieces = (((0,) * len(sizes), sizes, n),) if n else ()
+            else:
+                pieces = _chunks(t, cap)
+        else:
+            pieces = _chunks(t, cap)
+        seen: dict[tuple, bool] = {}  # the chunks of a transfer share a few sizes; contiguity reads only those
+        for o, sz, n in pieces:
             a = align_up(n)
             if used + a > cap and used:
-                close()
-            if direct(i, o, sz):
-                singles.append(Message(s, d, a, (Chunk(i, o, sz, n, 0),), direct=True))
+                out.append([Message(s, d, off, tuple(cs)), *singles] if cs else singles)
+                cs, singles, off, used = [], [], 0, 0
+            is_direct = seen.get(sz)
+            if is_direct is None:
+                is_direct = seen[sz] = direct(i, o, sz)
+            if is_direct:
+                singles.append(Message(s, d, a, (Chunk(i, o, sz, n, 0),), True))
             else:
                 cs.append(Chunk(i, o, sz, n, off))
                 off += a
             used += a
     if used:
-        close()
+        out.append([Message(s, d, off, tuple(cs)), *singles] if cs else singles)
     return out
 
 
@@ -110,7 +120,7 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             t = transfers[i]
             if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
                 return False
-            if isinstance(shapes, _Contiguity):
+            if type(shapes) is not tuple:
                 return shapes.direct(t, off, size)
             s_shape, d_shape = shapes
             return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (

@@ -117,7 +117,10 @@ class Message:
     @property
     def payload(self) -> int:
         """Bytes on the wire: up to the end of the last chunk (no trailing alignment padding)."""
-        return max((c.buffer_offset + c.nbytes for c in self.chunks), default=0)
+        cs = self.chunks
+        if len(cs) == 1:  # every direct message, and many packed ones
+            return cs[0].buffer_offset + cs[0].nbytes
+        return max((c.buffer_offset + c.nbytes for c in cs), default=0)
 
 
 @dataclass(frozen=True, slots=True)

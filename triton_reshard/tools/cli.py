@@ -510,8 +510,11 @@ def _print_report(r: dict) -> None:
 
 
 def run_plan(args) -> int:
+    from ..layout import gc_paused
+
     try:
-        r = plan_report(args)
+        with gc_paused():  # one command over millions of acyclic plan objects: the collector's passes only cost
+            r = plan_report(args)
     except UsageError:
         raise
     except (ValueError, TypeError) as e:  # an impossible layout: say why, without a traceback

@@ -22,6 +22,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 GB = 1e9
 
 
@@ -103,21 +105,48 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     """
     total, n_steps, worst, worst_rank, worst_port = 0.0, 0, -1.0, None, "nvlink"
     nvl_bytes = net_bytes = 0
-    for step in steps:
+    nvl_rate, net_rate = topo.nvlink_GBps * GB, topo.net_GBps * GB
+    for step in steps:  # per step, the port loads of all ranks as arrays (what ``port_loads`` gives, by rank)
         n_steps += 1
-        loads = port_loads(step, topo)
         t_step = 0.0
-        for r, load in loads.items():
-            t = load.seconds(topo)
-            if t > t_step:
-                t_step = t
-            if t > worst:
-                nvl = max(load.nvlink_send, load.nvlink_recv) / (topo.nvlink_GBps * GB)
-                worst, worst_rank, worst_port = t, r, "nvlink" if nvl >= t else "net"
-            nvl_bytes += load.nvlink_send
-            net_bytes += load.net_send
+        ports = _step_ports(step, topo.gpus_per_node)
+        if ports is not None:
+            nvl, net, nvl_sent, net_sent = ports
+            nvl_t, t = nvl / nvl_rate, np.maximum(nvl / nvl_rate, net / net_rate)
+            r = int(t.argmax())  # the first busiest rank, as a scan over the ranks in order finds it
+            t_step = float(t[r])
+            if t_step > worst:
+                worst, worst_rank, worst_port = t_step, r, "nvlink" if float(nvl_t[r]) >= t_step else "net"
+            nvl_bytes += nvl_sent
+            net_bytes += net_sent
         total += t_step + topo.step_latency_s
     return Prediction(total, n_steps, worst_rank, worst_port, nvl_bytes, net_bytes)
+
+
+def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
+    """One step's ``{(src, dst): bytes}`` as per-rank port loads: ``(max(NVLink send, receive), max(network
+    send, receive))`` arrays indexed by rank (exact: float64 sums of int64 bytes far below 2**53), and the
+    NVLink and network bytes sent; None when nothing leaves a rank."""
+    if not step:
+        return None
+    pairs = np.array(list(step), dtype=np.int64).reshape(-1, 2)
+    n = np.fromiter(step.values(), dtype=np.int64, count=len(step))
+    s, d = pairs[:, 0], pairs[:, 1]
+    keep = (s != d) & (n != 0)
+    if not keep.all():
+        s, d, n = s[keep], d[keep], n[keep]
+    if not len(n):
+        return None
+    size = int(max(s.max(), d.max())) + 1
+    net = (s // gpus_per_node) != (d // gpus_per_node)
+    nv = ~net
+
+    def port(ranks, sel):
+        return np.bincount(ranks[sel], weights=n[sel], minlength=size)
+
+    nvl = np.maximum(port(s, nv), port(d, nv))
+    netl = np.maximum(port(s, net), port(d, net))
+    return nvl, netl, int(n[nv].sum()), int(n[net].sum())
 
 
 def plan_pair_bytes(plan) -> dict[tuple[int, int], int]:
