@@ -98,8 +98,8 @@ def test_vllm_fp8_recorded_layout_is_the_preset(case):
     q = reps[0]["derived_quant"]
     assert sorted(q) == reps[0]["preset_quantized"]
     ue8m0 = CONFIGS[case.model]["quantization_config"].get("scale_fmt") == "ue8m0"
-    assert all(b.block[-2:] == tuple(fc.BLOCK) and b.scale == n + "_scale_inv" and b.ue8m0 == ue8m0
-               for n, b in q.items())
+    assert all(block[-2:] == tuple(fc.BLOCK) and scale == n + "_scale_inv" and u == ue8m0
+               for n, (block, scale, u) in q.items())
 
 
 def test_our_quantizer_is_vllms():

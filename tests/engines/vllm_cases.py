@@ -56,7 +56,7 @@ def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs:
     from safetensors.torch import load_file
 
     import triton_reshard
-    from triton_reshard import refit
+    from triton_reshard import refit, wire
     from triton_reshard.integrations import checkpoint_shapes
     from triton_reshard.integrations.vllm import layout_from_vllm, load_vllm_model, record_vllm
     from triton_reshard.presets import vllm_layout
@@ -85,7 +85,7 @@ def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs:
 
             t1 = time.perf_counter()
             rec = record_vllm(model, shapes, rank)
-            rep["record"] = rec
+            rep["record"] = wire.dumps(rec)  # run_world returns data only: the record as its wire JSON
             rep["seconds"]["record"] = time.perf_counter() - t1
             for n, p in params.items():  # the recorder must not have written anything
                 if not torch.equal(p, loaded[n]):

@@ -217,7 +217,8 @@ def run_cases(rank: int, world: int, cases: list[Case], root: str, configs: dict
             # recorded with a BF16 trainer's tensors (no scales; what the weight-transfer backend passes)
             rep["derived_from_bf16_digest"] = layout_from_vllm(
                 model, {n: v for n, v in shapes.items() if not n.endswith("_scale_inv")}).digest
-            rep["derived_quant"] = {n: t.quant for n, t in derived.quantized.items()}
+            rep["derived_quant"] = {n: (tuple(t.quant.block), t.quant.scale, t.quant.ue8m0)  # data only (run_world)
+                                    for n, t in derived.quantized.items()}
             got = derived.shard(sd, rank)
             for n in sorted(got):
                 bad = differs(got[n], loaded[n]) if n in loaded else -2
