@@ -81,7 +81,7 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
     rep["params"] = {n: (tuple(p.shape), str(p.dtype)) for n, p in params.items()}
     sd = {k: v.float() for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items()}
     shapes = checkpoint_shapes(ckpt)
-    rep["record"] = ts.record_sglang(model, shapes, rank)
+    ts.record_sglang(model, shapes, rank)  # a LoadRecord: not returned (run_world returns data only)
     for n, p in params.items():  # recording must not write anything
         if not torch.equal(p, loaded[n]):
             rep["problems"].append(f"rank {rank}: recording load_weights changed {n!r}")
