@@ -80,8 +80,8 @@ def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "s
     """Every crafted payload, then a join as each of ``ranks`` with a wrong secret and with none; the outcome
     in ``out[name]`` (``{"knocks": {payload: result}, "joins": {what: error text or "JOINED"}}``)."""
     from triton_reshard import RefitGroupError, init_refit_group
-    from triton_reshard.auth import _NO_SECRET
-    from triton_reshard.group import _connect
+    from triton_reshard.auth import NO_SECRET_KEY
+    from triton_reshard.group import connect_member
 
     res: dict = {"knocks": {}, "joins": {}}
     _wait_open(host, port, port_wait)
@@ -95,7 +95,7 @@ def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "s
                     init_refit_group(host, port, rank, world, secret=secret, timeout=timeout).destroy()
                 else:  # a client claiming rank 0 (init_refit_group would try to serve it), or without a secret
                     # as init_refit_group runs it (the environment may hold the test's own secret)
-                    _connect(host, port, secret or _NO_SECRET, timedelta(seconds=timeout), rank, world,
+                    connect_member(host, port, secret or NO_SECRET_KEY, timedelta(seconds=timeout), rank, world,
                              time.monotonic() + timeout, f"{host}:{port}").close()
                 res["joins"][f"rank {rank} {label}"] = "JOINED"
             except RefitGroupError as e:
@@ -115,11 +115,11 @@ def _wait_open(host: str, port: int, wait: float) -> None:
 
 def knock_control(host: str, port: int, out: dict, name: str = "control", port_wait: float = 60.0) -> dict:
     """The control plane's store: crafted bytes, and a client with a wrong secret and with none."""
-    from triton_reshard.auth import _NO_SECRET, AuthError, AuthStore
+    from triton_reshard.auth import NO_SECRET_KEY, AuthError, AuthStore
 
     _wait_open(host, port, port_wait)
     res: dict = {"knocks": {w: _knock(host, port, d) for w, d in payloads().items()}, "joins": {}}
-    for label, key in (("wrong", secrets.token_bytes(32)), ("none", _NO_SECRET)):
+    for label, key in (("wrong", secrets.token_bytes(32)), ("none", NO_SECRET_KEY)):
         t0 = time.monotonic()
         try:
             AuthStore(host, port, key, timedelta(seconds=5)).close()

@@ -57,7 +57,7 @@ MAX_PENDING_PER_HOST = 8  # of those, from one address (a stranger's host cannot
 MAGIC = b"TRSHv1\x00\x00"
 _HELLO = struct.Struct(">8s32sII")  # magic, client nonce, rank, world size
 _SHELLO = struct.Struct(">8s32s16s32s")  # magic, server nonce, group nonce, server proof
-_NO_SECRET = b"triton_reshard/v1/no-secret"  # the key without a secret: loopback or insecure=True only
+NO_SECRET_KEY = b"triton_reshard/v1/no-secret"  # the key without a secret: loopback or insecure=True only
 _LABEL = b"triton_reshard/v1/"
 NO_RANK = 0xFFFFFFFF  # a client that is no rank of a group (the control plane)
 
@@ -171,7 +171,7 @@ def group_key(host: str, secret: bytes | None, insecure: bool | None, *, where: 
     if secret is not None:
         return secret
     if is_loopback(host) or insecure_opt_in(insecure):
-        return _NO_SECRET
+        return NO_SECRET_KEY
     raise ValueError(
         f"{where}: {host!r} is not a loopback address and no secret is set: any process that reaches the port "
         f"could join the group, read the layouts and send or receive weights. Pass secret= or set "

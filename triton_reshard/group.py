@@ -226,7 +226,7 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
             raise RefitGroupError(f"rank 0 cannot open the refit group's rendezvous on {where}: "
                                   f"{e.strerror or e} (is the port taken?)") from e
     try:
-        store = _connect(host, port, key, td, rank, world_size, deadline, where)
+        store = connect_member(host, port, key, td, rank, world_size, deadline, where)
         try:
             g = _join(store, host, port, rank, world_size, backend, td, deadline, where)
         except BaseException:
@@ -240,7 +240,7 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
     return g
 
 
-def _connect(host, port, key, td, rank, world_size, deadline, where) -> AuthStore:
+def connect_member(host, port, key, td, rank, world_size, deadline, where) -> AuthStore:
     try:
         return AuthStore(host, port, key, td, rank=rank, world_size=world_size, connect_deadline=deadline)
     except AuthError as e:

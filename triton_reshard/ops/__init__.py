@@ -17,7 +17,6 @@ device; verify is a one-off check, not the per-step path).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -25,22 +24,8 @@ import torch
 from .copy import Pair, torch_copy_views
 from .delta import pack_delta as pack_delta
 from .delta import unpack_delta as unpack_delta
+from .launcher import BACKENDS, ENV_VAR, bits, resolve_backend  # noqa: F401  (the dispatch's names)
 from .snapshot import Snapshot as Snapshot
-
-BACKENDS = ("torch", "triton")
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-ENV_VAR = "TRITON_RESHARD_BACKEND"
-
-
-def resolve_backend(device: torch.device | str | None, backend: str | None = None) -> str:
-    """Pick the copy backend: explicit argument > ``TRITON_RESHARD_BACKEND`` > by device type."""
-    choice = backend or os.environ.get(ENV_VAR) or None
-    if choice is not None:
-        if choice not in BACKENDS:
-            raise ValueError(f"unknown copy backend {choice!r}; expected one of {BACKENDS}")
-        return choice
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return "triton" if dev.type == "cuda" else "torch"
 
 
 def copy_views(pairs: Sequence[Pair], backend: str = "torch", key: Hashable | None = None) -> None:
@@ -55,11 +40,6 @@ def copy_views(pairs: Sequence[Pair], backend: str = "torch", key: Hashable | No
         triton_copy_views(pairs, key=key)
     else:
         raise ValueError(f"unknown copy backend {backend!r}; expected one of {BACKENDS}")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as a signed integer view of the same element size (no copy; any strides)."""
-    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def _want(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

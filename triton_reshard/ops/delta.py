@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .launcher import interpreting, kernel_module, storage_view
+from .launcher import bits, interpreting, kernel_module, resolve_backend, storage_view
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -131,7 +131,6 @@ def max_message_bytes(numels: Sequence[int], elem_sizes: Sequence[int],
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    from . import bits  # the package's one bits() (imported late: the package imports this module)
 
     return bits(t)
 
@@ -623,7 +622,6 @@ def triton_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequen
 
 
 def _backend(device: torch.device, backend: str | None) -> str:
-    from . import resolve_backend
 
     return resolve_backend(device, backend)
 

@@ -4,11 +4,32 @@ mode, a group's base-pointer view, and the LRU cache of per-list device tables."
 from __future__ import annotations
 
 import importlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from types import ModuleType
 
 import torch
+
+BACKENDS = ("torch", "triton")
+ENV_VAR = "TRITON_RESHARD_BACKEND"
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def resolve_backend(device: torch.device | str | None, backend: str | None = None) -> str:
+    """Pick the copy backend: explicit argument > ``TRITON_RESHARD_BACKEND`` > by device type."""
+    choice = backend or os.environ.get(ENV_VAR) or None
+    if choice is not None:
+        if choice not in BACKENDS:
+            raise ValueError(f"unknown copy backend {choice!r}; expected one of {BACKENDS}")
+        return choice
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return "triton" if dev.type == "cuda" else "torch"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as a signed integer view of the same element size (no copy; any strides)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def interpreting() -> bool:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .delta import Pair
+from .launcher import bits
 
 
 class Snapshot:
@@ -54,7 +55,6 @@ class Snapshot:
     def capture(self, version: int) -> None:
         """Copy every tensor's current bits: the snapshot now holds ``version`` (after a dense refit, or
         after delta messages packed with ``update=False``)."""
-        from . import bits
 
         for name, t in self._src.items():
             bits(self._snap[name]).copy_(bits(t))
