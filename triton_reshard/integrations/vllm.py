@@ -120,6 +120,22 @@ def layout_from_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], *, gr
     return layout_from_records(r for r in recs if r is not None)
 
 
+def _amx_mla_unbuilt() -> bool:
+    """Whether vLLM would pick its AMX MLA backend on this CPU without the CPU build's kernels behind it: on an
+    AMX-capable x86 CPU vLLM's CpuPlatform prefers ``AMX_MLA``, whose post-load step calls
+    ``torch.ops._C.convert_weight_packed``, which only vLLM's CPU build ships (the PyPI wheel does not). Then
+    the reference ``CPU_MLA`` backend is the one that runs (it leaves the weights in the checkpoint format)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+        return False
+    try:
+        getattr(torch.ops._C, "convert_weight_packed")  # noqa: B009 (torch.ops raises AttributeError when absent)
+    except (AttributeError, RuntimeError):
+        return True
+    return False
+
+
 def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                     dtype: str | torch.dtype = "float32", init_groups: bool = True, **engine_args):
     """vLLM's model for ``checkpoint_dir``, built by vLLM's ``initialize_model`` and loaded by its
@@ -140,6 +156,8 @@ def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enabl
     args = dict(model=checkpoint_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                 skip_tokenizer_init=True, enforce_eager=True, enable_expert_parallel=enable_expert_parallel,
                 max_model_len=128)
+    if not {"attention_backend", "attention_config"} & set(engine_args) and _amx_mla_unbuilt():
+        args["attention_backend"] = "CPU_MLA"
     args.update(engine_args)
     vc = EngineArgs(**args).create_engine_config()
     with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype):
