@@ -601,3 +601,22 @@ def test_a_connection_accepted_while_the_server_closes_is_not_served(monkeypatch
     assert "store" not in out and "error" in out, out
     time.sleep(0.3)
     assert not srv._conns
+
+
+def _gather_records(rank: int, world: int) -> list:
+    from triton_reshard.integrations.record import LoadRecord
+
+    rec = None if rank == 1 else LoadRecord(rank=rank, unused=["w" * rank], problems=[f"p{rank}"])
+    return [None if r is None else (r.rank, list(r.unused), list(r.problems))
+            for r in wire.all_gather_data(rec, None, "load record")]
+
+
+@pytest.mark.slow
+def test_load_records_are_gathered_as_data_over_torch_distributed():
+    """layout_from_vllm / layout_from_sglang gather every rank's LoadRecord over the engine's own
+    torch.distributed group as wire JSON (torch's all_gather_object would unpickle what a peer sends)."""
+    from triton_reshard.testing.launch import run_world
+
+    want = [(0, [""], ["p0"]), None, (2, ["ww"], ["p2"])]
+    assert run_world(_gather_records, 3, backend="gloo", timeout=120) == [want] * 3
+    assert wire.all_gather_data({"a": (1, 2)}) == [{"a": (1, 2)}]  # no world: just the value

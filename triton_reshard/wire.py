@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from .layout import BlockQuant, ColumnarLayout, Fragment, Layout, LocalSpec, TensorSpec, columnar, dtype_name
 
@@ -343,3 +344,24 @@ def loads(data: bytes, what: str = "message"):
         return _dec(raw, what)
     except RecursionError:
         raise WireError(f"{what}: nested too deeply") from None
+
+
+def all_gather_data(obj, group=None, what: str = "all_gather_data") -> list:
+    """Every rank's ``obj`` (a value :func:`dumps` carries), in rank order, over the torch.distributed group
+    ``group`` (``None``: the default one; without an initialised world, ``[obj]``): ``dumps`` bytes as uint8
+    tensors, so nothing a peer sends is unpickled (``torch.distributed.all_gather_object`` would unpickle it)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    dev = (torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend(group)) == "nccl"
+           else torch.device("cpu"))
+    data = torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8).to(dev)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev), group=group)
+    lengths = [int(t.item()) for t in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+    padded[:data.numel()] = data
+    out = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(out, padded, group=group)
+    return [loads(bytes(t[:m].cpu().numpy()), f"{what} from rank {r}") for r, (t, m) in enumerate(zip(out, lengths, strict=True))]
+

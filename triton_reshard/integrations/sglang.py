@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..auth import secret_from
 from ..group import RefitGroup, init_refit_group
 from ..layout import Layout
@@ -82,11 +83,7 @@ def layout_from_sglang(model, checkpoint: str | Mapping[str, Sequence[int]], *,
     rec = None if model is None else record_sglang(model, checkpoint, rank)
     if rec is not None:
         rec.raise_on_problems()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        recs: list[LoadRecord | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(recs, rec, group=group)
-    else:
-        recs = [rec]
+    recs = wire.all_gather_data(rec, group, "load record")  # data only: nothing a peer sends is unpickled
     return layout_from_records(r for r in recs if r is not None)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import wire
 from ..layout import BlockQuant, Layout, scale_shape
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 
@@ -112,11 +113,7 @@ def layout_from_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], *, gr
     if rank is None:
         rank = dist.get_rank(group) if dist.is_initialized() else 0
     rec = None if model is None else record_vllm(model, checkpoint, rank)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        recs: list[LoadRecord | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(recs, rec, group=group)
-    else:
-        recs = [rec]
+    recs = wire.all_gather_data(rec, group, "load record")  # data only: nothing a peer sends is unpickled
     return layout_from_records(r for r in recs if r is not None)
 
 
