@@ -24,14 +24,13 @@ the engine's loader instead), quantized checkpoints (``quantization_config``).
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Sequence
 
 import torch
 
 from ..layout import Layout, gc_paused
 from .hf import model_spec
-from .vllm import VOCAB_PADDING, fused_layout, version_tuple
+from .vllm import VOCAB_PADDING, fused_layout, installed_version, version_tuple
 
 NEWEST_KNOWN = "0.5.23"  # the newest SGLang whose format the SGLang tier (tests/sglang) checked
 CHECKED_SINCE = (0, 5)  # the releases whose FusedMoE names are mlp.experts.w13_weight / w2_weight (read, checked: 0.5.23)
@@ -39,16 +38,13 @@ CHECKED_SINCE = (0, 5)  # the releases whose FusedMoE names are mlp.experts.w13_
 
 def installed_sglang_version() -> str | None:
     """The version of the SGLang installed here (from its metadata; SGLang is not imported), or None."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version("sglang")
 
 
 def resolve_sglang_version(sglang_version: str | None = None) -> str:
     """``sglang_version`` if given, else the installed SGLang's, else :data:`NEWEST_KNOWN`."""
     v = sglang_version or installed_sglang_version() or NEWEST_KNOWN
-    version_tuple(v)
+    version_tuple(v, "sglang_version")
     return v
 
 

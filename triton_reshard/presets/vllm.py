@@ -94,7 +94,7 @@ NEWEST_KNOWN = "0.33.0"  # the newest vLLM whose format the engine tier (tests/e
 ROUTED_EXPERTS_SINCE = (0, 24)  # FusedMoE weights under mlp.experts.routed_experts.* from this release on
 
 
-def version_tuple(v: str) -> tuple[int, ...]:
+def version_tuple(v: str, what: str = "vllm_version") -> tuple[int, ...]:
     out = []
     for part in str(v).split("+")[0].split("."):
         digits = "".join(itertools.takewhile(str.isdigit, part))
@@ -102,17 +102,22 @@ def version_tuple(v: str) -> tuple[int, ...]:
             break
         out.append(int(digits))
     if len(out) < 2:
-        raise ValueError(f"vllm_version={v!r} is not a version like '0.33.0'")
+        raise ValueError(f"{what}={v!r} is not a version like '0.33.0'")
     return tuple(out)
 
 
-def installed_vllm_version() -> str | None:
-    """The version of the vLLM installed in this environment (read from its metadata; vLLM is not imported),
-    or None."""
+def installed_version(package: str) -> str | None:
+    """The version of ``package`` installed in this environment (read from its metadata; the package is not
+    imported), or None."""
     try:
-        return importlib.metadata.version("vllm")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM installed here, or None (:func:`installed_version`)."""
+    return installed_version("vllm")
 
 
 def resolve_vllm_version(vllm_version: str | None = None) -> str:
