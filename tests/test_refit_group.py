@@ -187,3 +187,36 @@ def test_all_gather_object_over_the_store():
         t.join(60)
     for r in range(3):
         assert got[r] == [[{"rank": i, "x": list(range(i))} for i in range(3)], [0, 10, 20]]
+
+
+def test_rank_0_destroying_right_after_an_exchange_lets_the_others_read_it():
+    """Every rank raising the same refusal right after an exchange (the SGLang / vLLM plug-ins' refusals): rank
+    0 destroys its group at once; a member still reading that exchange's reply gets it (rank 0 lingers until
+    the members hang up), not a lost rendezvous."""
+    port = free_port()
+    got, errors = {}, {}
+
+    def run(r):
+        try:
+            g = init_refit_group("127.0.0.1", port, r, 3, timeout=20)
+            if r:  # slow readers: the reply is asked for well after rank 0 has read its own
+                fast = g._store.multi_get
+
+                def slow(keys):
+                    time.sleep(0.4 * r)
+                    return fast(keys)
+
+                g._store.multi_get = slow
+            got[r] = g.all_gather_object(("refused", f"rank {r}"))
+            g.destroy()
+        except BaseException as e:  # noqa: BLE001
+            errors[r] = e
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    for r in range(3):
+        assert got[r] == [("refused", f"rank {i}") for i in range(3)]

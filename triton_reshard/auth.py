@@ -299,7 +299,19 @@ class AuthStoreServer:
         self._thread = threading.Thread(target=self._accept, name="triton_reshard-store", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def members(self) -> int:
+        """Connections open now (members and handshakes in progress)."""
+        with self.cv:
+            return len(self._conns)
+
+    def close(self, linger: float = 0.0) -> None:
+        """Stop serving. ``linger``: first wait up to that many seconds for the connected members to hang up
+        (a member that read the last exchange's reply but has not processed it yet then does not see its
+        connection cut under it)."""
+        end = time.monotonic() + linger
+        with self.cv:
+            while self._conns and not self.closed and time.monotonic() < end:
+                self.cv.wait(min(0.05, max(0.0, end - time.monotonic())))
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -382,6 +394,7 @@ class AuthStoreServer:
         finally:
             with self.cv:
                 self._conns.discard(conn)
+                self.cv.notify_all()
             with contextlib.suppress(OSError):
                 conn.close()
 

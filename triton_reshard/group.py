@@ -30,6 +30,8 @@ import torch.distributed as dist
 from . import wire
 from .auth import AuthError, AuthStore, AuthStoreServer, group_key, resolve_secret
 
+CLOSE_LINGER_S = 2.0  # rank 0's destroy waits at most this long for the other members to hang up
+
 
 class RefitGroupError(RuntimeError):
     """The refit group could not be formed (port taken, a rank never arrived, ranks disagree)."""
@@ -159,8 +161,11 @@ class RefitGroup:
 
     def destroy(self) -> None:
         """Drop the group (idempotent). Do this after a timeout: the group is unusable then. On rank 0 this
-        also closes the rendezvous every rank's store rides: a rank still inside :meth:`all_gather_object`
-        then fails, so let the ranks meet (:meth:`barrier`) before rank 0 destroys a healthy group."""
+        also closes the rendezvous every rank's store rides, after waiting up to :data:`CLOSE_LINGER_S` for
+        the other members to hang up (when every rank raises the same refusal right after an exchange, a
+        member still reading that exchange's reply then gets it, not a lost connection); a rank still waiting
+        inside :meth:`all_gather_object` after that fails, so let the ranks meet (:meth:`barrier`) before rank
+        0 destroys a healthy group."""
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):
             with contextlib.suppress(Exception):  # best effort: a broken group may refuse
@@ -170,7 +175,7 @@ class RefitGroup:
             store.close()
         server, self._server = self._server, None
         if server is not None:
-            server.close()
+            server.close(linger=min(CLOSE_LINGER_S, self.timeout.total_seconds()))
 
 
 def as_transport(group) -> TorchGroup | RefitGroup:

@@ -24,6 +24,14 @@ from dataclasses import dataclass
 import torch
 
 CORRUPT = 7  # elements engine rank 0 corrupts before the second verify
+# bounds of every wait (a fresh CI machine is slower than a warm one; nothing waits unbounded)
+GROUP_TIMEOUT = 240.0  # the refit group's
+CONTROL_TIMEOUT = 480.0  # the control plane's (it spans a refit-group timeout)
+
+
+def mark(rep: dict, what: str) -> None:
+    """A timeline entry (wall clock, so the two jobs' entries interleave): printed when a case fails."""
+    rep.setdefault("timeline", []).append((round(time.time(), 3), what))
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ def engine_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_por
     for case in cases:
         rep: dict = {"problems": [], "seconds": {}, "events": []}
         out[case.id] = rep
+        mark(rep, f"engine rank {rank}: case starts")
         t0 = time.perf_counter()
         try:
             _engine_case(rank, world, case, os.path.join(ckpt_root, case.model), ctl_ports[case.id], rep)
@@ -76,6 +85,7 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
     t0 = time.perf_counter()
     model, mc, _sa = ts.load_sglang_model(ckpt, tp=world, ep=case.ep)
     rep["seconds"]["build"] = time.perf_counter() - t0
+    mark(rep, f"engine rank {rank}: model built")
     params = dict(model.named_parameters())
     loaded = {n: p.detach().clone() for n, p in params.items()}
     rep["params"] = {n: (tuple(p.shape), str(p.dtype)) for n, p in params.items()}
@@ -156,23 +166,35 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
 
     def update(payload):  # the control plane carries the control message as JSON: rebuild SGLang's tensor
         op = payload["control"]["op"]
+        mark(rep, f"engine rank {rank}: {op} starts")
         try:
             ok, msg = updater.update_weights_from_tensor(**sglang_update_kwargs(payload))
         except Exception as e:
             rep["events"].append((op, f"{type(e).__name__}: {e}"))
+            mark(rep, f"engine rank {rank}: {op} raised {type(e).__name__}")
             if case.refuse_quant and op == "init":
                 model.quant_config = saved_quant  # refused once; the real init follows
             raise
         if not ok:
             raise RuntimeError(msg)
         rep["events"].append((op, "ok"))
+        mark(rep, f"engine rank {rank}: {op} ok")
         post(op)
 
-    handlers = {"begin_weight_update": lambda _p: updater.begin_weight_update(),
+    def timed(what, fn):
+        def run(_payload):
+            mark(rep, f"engine rank {rank}: {what} starts")
+            fn()
+            mark(rep, f"engine rank {rank}: {what} done")
+        return run
+
+    handlers = {"begin_weight_update": timed("begin_weight_update", updater.begin_weight_update),
                 "update_weights_from_tensor": update,
-                "end_weight_update": lambda _p: updater.end_weight_update(run_post_load=False)}
+                "end_weight_update": timed("end_weight_update",
+                                           lambda: updater.end_weight_update(run_post_load=False))}
     t1 = time.perf_counter()
-    serve("127.0.0.1", ctl_port, rank, handlers, timeout=240)
+    mark(rep, f"engine rank {rank}: serving")
+    serve("127.0.0.1", ctl_port, rank, handlers, timeout=CONTROL_TIMEOUT)
     rep["seconds"]["served"] = time.perf_counter() - t1
 
 
@@ -189,15 +211,16 @@ def trainer_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_po
     for case in cases:
         rep: dict = {"problems": [], "refused": []}
         out[case.id] = rep
+        mark(rep, f"trainer rank {rank}: case starts")
         client = None
         try:
             cfg = get_config(case.model)
             layout = megatron_layout(cfg, tp=world, dtype=torch.float32)
             tensors = layout.shard(load_file(os.path.join(ckpt_root, case.model, "model.safetensors")), rank)
             if rank == 0:
-                client = SGLangStoreClient("127.0.0.1", ctl_ports[case.id], n_engine, timeout=240)
+                client = SGLangStoreClient("127.0.0.1", ctl_ports[case.id], n_engine, timeout=CONTROL_TIMEOUT)
             common = dict(rank=rank, num_trainer_ranks=world, num_engine_ranks=n_engine, host="127.0.0.1",
-                          engine=client, timeout=120)
+                          engine=client, timeout=GROUP_TIMEOUT)
             ports = iter(refit_ports[case.id])
             if case.bad_expect:  # vLLM 0.24+'s FusedMoE names: "another release" of the engine's layout
                 other = vllm_layout(cfg, tp=n_engine, enable_expert_parallel=case.ep > 1, dtype=torch.float32,
@@ -207,17 +230,21 @@ def trainer_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_po
                     rep["problems"].append("a trainer expecting another layout was not refused")
                 except Exception as e:  # noqa: BLE001
                     rep["refused"].append(f"{type(e).__name__}: {e}")
+                mark(rep, f"trainer rank {rank}: refused")
             if case.refuse_quant:
                 try:
                     SGLangTrainer(layout, port=next(ports), **common)
                     rep["problems"].append("a quantized engine was not refused")
                 except Exception as e:  # noqa: BLE001
                     rep["refused"].append(f"{type(e).__name__}: {e}")
+                mark(rep, f"trainer rank {rank}: refused")
             # the engine's layout on its refit-group ranks (after the trainer's)
             expect = sglang_layout(cfg, tp=n_engine, ep=case.ep, dtype=torch.float32, ranks=world) \
                 if case.preset else None
             rep["expect_digest"] = None if expect is None else expect.digest
+            mark(rep, f"trainer rank {rank}: joins")
             tr = SGLangTrainer(layout, port=next(ports), expect=expect, **common)
+            mark(rep, f"trainer rank {rank}: joined")
             t0 = time.perf_counter()
             tr.send_weights(tensors, version="step-1")
             rep["refit_s"] = time.perf_counter() - t0
@@ -227,6 +254,7 @@ def trainer_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_po
             rep["verify"] = [(v1.ok, v1.total_mismatches), (v2.ok, v2.total_mismatches)]
             rep["trainer_s"] = time.perf_counter() - t0
             tr.shutdown()
+            mark(rep, f"trainer rank {rank}: done")
         except Exception as e:  # noqa: BLE001
             import traceback
 

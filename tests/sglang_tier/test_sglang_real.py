@@ -67,11 +67,11 @@ def _run(tp: int) -> tuple[dict, dict]:
     cases = CASES[tp]
     ctl = {c.id: free_port() for c in cases}
     refit_ports = {c.id: [free_port() for _ in range(3)] for c in cases}
-    stores = [host_store("127.0.0.1", p, timeout=300) for p in ctl.values()]  # the control planes
+    stores = [host_store("127.0.0.1", p, timeout=sj.CONTROL_TIMEOUT) for p in ctl.values()]  # the control planes
     try:
         res = run_jobs({"engine": (sj.engine_job, tp, cases, _checkpoints(), ctl),
                         "trainer": (sj.trainer_job, TRAINERS, cases, _checkpoints(), ctl, refit_ports, tp)},
-                       timeout=600)
+                       timeout=1500)
     finally:
         for s in stores:
             s.close()
@@ -85,8 +85,21 @@ def test_sglang_case(case):
     engine, trainer = _run(case.tp)
     eng = [r[case.id] for r in engine]
     tr = [r[case.id] for r in trainer]
+    timeline = "\n".join(f"  {t:.3f} {what}" for t, what in sorted(e for r in eng + tr for e in r.get("timeline", ())))
+    # the refusals first: a refusal that came for another reason (a timeout, a lost rendezvous) says so here
+    if case.bad_expect:
+        for t in tr:
+            assert len(t["refused"]) == 1 and "mlp.experts.routed_experts.w" in t["refused"][0], \
+                (t["refused"], timeline)
+            assert "differs from the expected one" in t["refused"][0]
+    if case.refuse_quant:
+        for t in tr:
+            assert len(t["refused"]) == 1 and "quantized model (fp8) is not supported" in t["refused"][0], \
+                (t["refused"], timeline)
+            assert "\n" not in t["refused"][0].split(": ", 1)[1]
+        assert all(e[0] == ("init", e[0][1]) and "quantized" in e[0][1] for e in (r["events"] for r in eng))
     problems = [p for r in eng + tr for p in r["problems"]]
-    assert not problems, "\n".join(problems)
+    assert not problems, "\n".join(problems) + "\ntimeline:\n" + timeline
     # the preset, the layout recorded from SGLang's loader and the one the plug-in planned with: one digest
     # (on the engine's own world, and on the refit group's ranks, after the trainer's)
     digests = {r["derived_digest"] for r in eng}
@@ -106,14 +119,5 @@ def test_sglang_case(case):
         assert [tuple(v) for v in r["verify"]] == [(True, 0, 0), (False, sj.CORRUPT, 0)]
     for t in tr:
         assert [tuple(v) for v in t["verify"]] == [(True, 0), (False, sj.CORRUPT)]
-    if case.bad_expect:
-        for t in tr:
-            assert len(t["refused"]) == 1 and "mlp.experts.routed_experts.w" in t["refused"][0], t["refused"]
-            assert "differs from the expected one" in t["refused"][0]
-    if case.refuse_quant:
-        for t in tr:
-            assert len(t["refused"]) == 1 and "quantized model (fp8) is not supported" in t["refused"][0], t["refused"]
-            assert "\n" not in t["refused"][0].split(": ", 1)[1]
-        assert all(e[0] == ("init", e[0][1]) and "quantized" in e[0][1] for e in (r["events"] for r in eng))
     print(case.id, {k: round(v, 1) for k, v in eng[0]["seconds"].items()}, f"refit {tr[0]['refit_s']:.2f}s",
           f"trainer {tr[0]['trainer_s']:.1f}s")

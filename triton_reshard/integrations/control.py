@@ -13,6 +13,7 @@ nor plant code. Without a secret the control plane runs on loopback hosts only (
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -40,8 +41,13 @@ class StoreClient:
                  secret: bytes | str | None = None, insecure: bool | None = None):
         self.store = _connect(host, port, timeout, secret, insecure, "control StoreClient")
         self.workers, self.timeout, self.n = workers, timeout, 0
+        self._lock = threading.Lock()  # one call at a time: the workers run the calls in their order
 
     def _call(self, method: str, payload=None) -> None:
+        with self._lock:
+            self._call_locked(method, payload)
+
+    def _call_locked(self, method: str, payload) -> None:
         n, self.n = self.n, self.n + 1
         self.store.set(f"cmd/{n}", wire.dumps({"method": method, "payload": payload}))
         keys = [f"ack/{n}/{w}" for w in range(self.workers)]
