@@ -220,3 +220,35 @@ def test_rank_0_destroying_right_after_an_exchange_lets_the_others_read_it():
     assert not errors, errors
     for r in range(3):
         assert got[r] == [("refused", f"rank {i}") for i in range(3)]
+
+
+def test_a_self_connected_socket_is_not_taken_for_rank_0(monkeypatch):
+    """Retrying a loopback port in the ephemeral range while nobody listens can connect a socket to itself
+    (TCP simultaneous open); the retry loop drops such a socket and tries again until rank 0 listens."""
+    import socket
+
+    from triton_reshard import auth
+
+    real = socket.create_connection
+    tries = []
+
+    def first_to_itself(addr, timeout=None):
+        tries.append(addr)
+        if len(tries) == 1:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            s.connect(s.getsockname())  # a socket connected to itself, as the kernel can make one
+            return s
+        return real(addr, timeout=timeout)
+
+    port = free_port()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", port))
+    srv.listen()
+    monkeypatch.setattr(auth.socket, "create_connection", first_to_itself)
+    try:
+        sock = auth.AuthStore._connect("127.0.0.1", port, time.monotonic() + 5)
+        assert sock.getpeername() == ("127.0.0.1", port) and len(tries) == 2
+        sock.close()
+    finally:
+        srv.close()

@@ -535,6 +535,9 @@ class AuthStore(dist.Store):
             try:
                 sock = socket.create_connection((host.strip("[]"), port),
                                                 timeout=max(0.05, min(5.0, deadline - time.monotonic())))
+                if sock.getsockname() == sock.getpeername():  # TCP self-connect: retrying a loopback port in
+                    sock.close()  # the ephemeral range while nobody listens can connect the socket to itself
+                    raise ConnectionRefusedError(111, "connected to itself (nobody listens yet)")
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
             except OSError as e:
