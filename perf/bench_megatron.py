@@ -31,9 +31,12 @@ against the sliced global tensors (a mismatch fails the run). Prints a table (an
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -138,7 +141,11 @@ class _Phases:
         return out
 
 
-def world_main(rank: int, world: int, layers: int, warmup: int, refits: int, megatron_first: bool) -> dict:
+def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megatron_first: bool,
+               profile: bool = False) -> dict:
+    """One fresh world: build both models, time each side's first call, then ``warmup`` + ``refits`` rounds;
+    every call is checked bit-exact (raises ``AssertionError`` naming the rank and the tensors). ``profile``: rank 0
+    runs each side's first call under cProfile (the top functions by cumulative time come back as text)."""
     warnings.filterwarnings("ignore", module="megatron")  # Apex / absl / cuda-graph notices at import
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -154,7 +161,6 @@ def world_main(rank: int, world: int, layers: int, warmup: int, refits: int, meg
     _install_stubs()
     state_phases = None
     torch.cuda.current_stream = lambda *a, **k: _DummyStream()  # GlooCopyService.run waits on it (no CUDA)
-    cfg = bench_config(layers)
     ps.initialize_model_parallel(tensor_model_parallel_size=SRC["tp"], pipeline_model_parallel_size=SRC["pp"],
                                  distributed_timeout_minutes=2)
     try:
@@ -204,16 +210,27 @@ def world_main(rank: int, world: int, layers: int, warmup: int, refits: int, meg
 
         calls = {"megatron": call_megatron, "ours": call_ours}
 
-        def timed(side: str) -> tuple[float, dict[str, float]]:
+        profiles: dict[str, str] = {}
+
+        def timed(side: str, prof: bool = False) -> tuple[float, dict[str, float]]:
             with torch.no_grad():
                 for p in dst_params.values():
                     p.fill_(float("nan"))
             phases.take()
             dist.barrier()
+            pr = cProfile.Profile() if prof else None
             t = time.perf_counter()
+            if pr is not None:
+                pr.enable()
             calls[side]()
+            if pr is not None:
+                pr.disable()
             dist.barrier()
             dt = time.perf_counter() - t
+            if pr is not None:
+                out = io.StringIO()
+                pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(25)
+                profiles[side] = out.getvalue()
             ph = phases.take()
             bad = [n for n, p in dst_params.items() if not torch.equal(p, expect[n])]
             if bad:
@@ -222,7 +239,7 @@ def world_main(rank: int, world: int, layers: int, warmup: int, refits: int, meg
             return dt, ph
 
         order = list(SIDES) if megatron_first else list(reversed(SIDES))
-        first = {side: timed(side) for side in order}
+        first = {side: timed(side, profile and rank == 0) for side in order}
         steady: dict[str, list[float]] = {s: [] for s in SIDES}
         for i in range(warmup + refits):
             for side in order if i % 2 == 0 else reversed(order):
@@ -234,8 +251,8 @@ def world_main(rank: int, world: int, layers: int, warmup: int, refits: int, meg
         msent = sum(src_params[op.param_name][op.my_slice].numel() * 4 for op in mplan.send_ops
                     if op.peer_rank != rank)
         sent = {"megatron": msent, "ours": state["report"].sent_bytes}
-        return {"sent_bytes": sent, "first": {s: first[s][0] for s in SIDES}, "phases": {s: first[s][1] for s in SIDES},
-                "steady": steady, "order": order, "dst_bytes": wire, "src_bytes": src_bytes}
+        return {"sent_bytes": sent, "first": {s: first[s][0] for s in SIDES},
+                "phases": {s: first[s][1] for s in SIDES}, "profiles": profiles, "steady": steady, "order": order, "dst_bytes": wire, "src_bytes": src_bytes}
     finally:
         if state_phases is not None:
             state_phases.restore()
@@ -255,13 +272,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--refits", type=int, default=10, help="timed steady refits per side per run")
     ap.add_argument("--json", default=None, help="write the raw times here")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile each side's first call on rank 0 and print the top functions (slows both)")
     args = ap.parse_args()
     from triton_reshard.testing.launch import run_world
 
     runs = []
     for i in range(args.runs):
         t = time.perf_counter()
-        res = run_world(world_main, 8, args.layers, args.warmup, args.refits, i % 2 == 0, timeout=1800,
+        res = run_world(world_main, 8, bench_config(args.layers), args.warmup, args.refits, i % 2 == 0, args.profile,
+                        timeout=1800,
                         pg_timeout=300)
         r0 = res[0]
         runs.append(r0)
@@ -272,6 +292,8 @@ def main() -> int:
         for s in SIDES:
             print(f"    {s} first-call phases (rank 0): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r0["phases"][s].items()), flush=True)
+            if s in r0["profiles"]:
+                print(r0["profiles"][s], flush=True)
     sent = {s: [r["sent_bytes"][s] for r in res] for s in SIDES}
     src_mib = sum(r["src_bytes"] for r in res) / 2**20
     dst_mib = sum(r["dst_bytes"] for r in res) / 2**20
