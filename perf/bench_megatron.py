@@ -265,17 +265,29 @@ def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} s [{min(xs):.3f}–{max(xs):.3f}]"
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="fresh worlds (first calls per side)")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: ~420 MiB of fp32 weights)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers, even (PP2; 4: 428 MiB of fp32 weights)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--refits", type=int, default=10, help="timed steady refits per side per run")
     ap.add_argument("--json", default=None, help="write the raw times here")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile each side's first call on rank 0 and print the top functions (slows both)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from triton_reshard.testing.launch import run_world
+    from triton_reshard.tools.cliutil import UsageError, check_output_file
+
+    try:  # before any work: a bad count or an output path that cannot be written is one line, exit 2
+        check_output_file(args.json, "--json")
+        for opt, val, low in (("--runs", args.runs, 1), ("--refits", args.refits, 1), ("--warmup", args.warmup, 0),
+                              ("--layers", args.layers, 2)):
+            if val < low:
+                raise UsageError(f"{opt} must be >= {low}, got {val}")
+        if args.layers % SRC["pp"]:
+            raise UsageError(f"--layers {args.layers}: the source has pp={SRC['pp']} stages; give a multiple of it")
+    except UsageError as e:
+        ap.error(str(e))
 
     runs = []
     for i in range(args.runs):
