@@ -338,7 +338,7 @@ def test_fp8_demo_says_each_phase_and_counts_it_in_the_breakdown(monkeypatch, ca
 PERF_OUTPUTS = [  # (script, its output option, whether the script creates the missing folder itself)
     ("bench_planner", "--out", True), ("bench_planner", "--plot", False), ("bench_routing", "--out", True),
     ("bench_kernels", "--out", True), ("autotune", "--out", True), ("bench_quant", "--out", False),
-    ("bench_record", "--out", True),
+    ("bench_record", "--out", True), ("bench_megatron", "--json", False),
 ]
 
 

@@ -1,0 +1,337 @@
+"""Megatron-Core's own resharding against ours, between the same real GPTModels on this machine (CPU, gloo):
+
+    PYTHONPATH=$PWD /work/main/.venv-engines/bin/python perf/bench_megatron.py [--runs 5] [--layers 4]
+        [--refits 10] [--warmup 2] [--json out.json]
+
+Each run is a fresh world of 8 processes (fresh default process group). Every rank builds two real
+megatron-core 0.16.1 ``GPTModel`` s (local layer spec, fp32, Llama-shaped ``llama_demo`` with ``--layers``
+layers and a 32768-token vocab, so neither side pads the vocab):
+
+* the source, TP4 x PP2, from ``parallel_state.initialize_model_parallel`` (as a trainer builds it);
+* the destination, TP2 x DP4 (PP1), with its own ``ProcessGroupCollection`` (a ``HyperCommGrid``, as
+  Megatron's own ``tests/unit_tests/resharding/test_model_swap.py`` builds its target model).
+
+The source parameters are filled from seeded global (HF-named) tensors through our layout, so every rank
+knows the exact destination values: the global tensors sliced by the destination layout. Then, on the same
+two models:
+
+* ``megatron``: ``megatron.core.resharding.swap_model_weights(src, dst, "gloo")`` (its first call builds
+  the GlooCopyService, i.e. a new gloo group, and the centralized plan, then runs it; later calls reuse both);
+* ``ours``: ``triton_reshard.refit`` with ``layout_from_megatron(src_model, cfg)`` for the source and
+  ``megatron_layout(cfg, tp=2, dp=4, spec="local")`` for the destination, over a new gloo group (its first
+  call: the new group, both layouts, the plan, binding, the run; later calls: the cached Resharder).
+
+**First call**: each side's first call in the run (order alternates across runs: even runs Megatron first),
+timed on rank 0 between two barriers, with the phases of each. **Steady**: ``--warmup`` + ``--refits``
+rounds, both sides per round (order alternating), the per-refit median and the median of per-round ratios.
+Before every call the destination parameters are poisoned (NaN); after it every rank checks them bit for bit
+against the sliced global tensors (a mismatch fails the run). Prints a table (and ``--json`` the raw times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIDES = ("megatron", "ours")
+SRC, DST = dict(tp=4, pp=2), dict(tp=2, pp=1)  # TP4 x PP2 -> TP2 x DP4 on 8 ranks
+
+
+def bench_config(layers: int) -> dict:
+    from triton_reshard.presets import get_config
+
+    return {**get_config("llama_demo"), "num_hidden_layers": layers, "vocab_size": 32768}
+
+
+def global_tensors(cfg: dict) -> dict[str, torch.Tensor]:
+    """The model's HF tensors, seeded by name (the same on every rank)."""
+    from triton_reshard.presets import logical_tensors
+
+    out = {}
+    for name, shape in sorted(logical_tensors(cfg).items()):
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        out[name] = torch.randn(shape, generator=g, dtype=torch.float32)
+    return out
+
+
+def _dst_pg_collection(tp: int):
+    """The destination's process groups (TP ``tp``, PP 1, DP world / tp, Megatron's rank order), every group a
+    new gloo group; all ranks call this in the same order."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world = dist.get_world_size()
+    grid = HyperCommGrid([tp, 1, 1, 1, world // tp], ["tp", "cp", "ep", "pp", "dp"])
+    pp = grid.create_pg("pp")
+    pp_ranks = dist.get_process_group_ranks(pp)
+    return ProcessGroupCollection(
+        tp=grid.create_pg("tp"), cp=grid.create_pg("cp"), pp=pp, ep=grid.create_pg("ep"),
+        embd=dist.new_group(ranks=ps.default_embedding_ranks(pp_ranks)),
+        pos_embd=dist.new_group(ranks=ps.default_position_embedding_ranks(pp_ranks)),
+        dp=grid.create_pg("dp"), tp_cp=grid.create_pg(["tp", "cp"]), mp=grid.create_pg(["tp", "cp", "ep", "pp"]),
+        expt_tp=grid.get_pg("tp"), expt_dp=grid.get_pg("dp"), tp_ep=grid.create_pg(["tp", "ep"]),
+        tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]), dp_cp=grid.create_pg(["cp", "dp"]),
+        tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]),
+    )
+
+
+def _gpt(cfg: dict, tp: int, pp: int, pg_collection=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from tests.engines.megatron_worker import transformer_config
+
+    # initialized (overwritten below): with perform_initialization=False, use_cpu_initialization leaves the
+    # tensor_model_parallel / partition_dim attributes unset, and Megatron's resharding then copies whole shards
+    tc = transformer_config(cfg, tp, pp, 1, tp)
+    first = ps.is_pipeline_first_stage() if pg_collection is None else True
+    last = ps.is_pipeline_last_stage() if pg_collection is None else True
+    return GPTModel(tc, get_gpt_layer_local_spec(qk_layernorm=tc.qk_layernorm, normalization="RMSNorm"),
+                    vocab_size=cfg["vocab_size"], max_sequence_length=64, pre_process=first, post_process=last,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    pg_collection=pg_collection)
+
+
+class _Phases:
+    """Wall time of named calls (wrapped module attributes), per call, in the order they ran."""
+
+    def __init__(self):
+        self.log: list[tuple[str, float]] = []
+        self.saved: list[tuple[object, str, object]] = []
+
+    def wrap(self, obj, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+        self.saved.append((obj, attr, fn))
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.log.append((label, time.perf_counter() - t))
+
+        setattr(obj, attr, timed)
+
+    def restore(self) -> None:
+        while self.saved:
+            obj, attr, fn = self.saved.pop()
+            setattr(obj, attr, fn)
+
+    def take(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for label, s in self.log:
+            out[label] = out.get(label, 0.0) + s
+        self.log.clear()
+        return out
+
+
+def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megatron_first: bool,
+               profile: bool = False) -> dict:
+    """One fresh world: build both models, time each side's first call, then ``warmup`` + ``refits`` rounds;
+    every call is checked bit-exact (raises ``AssertionError`` naming the rank and the tensors). ``profile``: rank 0
+    runs each side's first call under cProfile (the top functions by cumulative time come back as text)."""
+    warnings.filterwarnings("ignore", module="megatron")  # Apex / absl / cuda-graph notices at import
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.resharding import refit as mrefit
+
+    from tests.engines.megatron_worker import _DummyStream, _install_stubs
+    from triton_reshard import refit
+    from triton_reshard.execute import resharder as ores
+    from triton_reshard.integrations import layout_from_megatron
+    from triton_reshard.presets import megatron_layout
+
+    orefit = importlib.import_module("triton_reshard.refit")  # the module (the package's ``refit`` is the function)
+    _install_stubs()
+    state_phases = None
+    torch.cuda.current_stream = lambda *a, **k: _DummyStream()  # GlooCopyService.run waits on it (no CUDA)
+    ps.initialize_model_parallel(tensor_model_parallel_size=SRC["tp"], pipeline_model_parallel_size=SRC["pp"],
+                                 distributed_timeout_minutes=2)
+    try:
+        src_model = _gpt(cfg, **SRC)
+        dst_model = _gpt(cfg, **DST, pg_collection=_dst_pg_collection(DST["tp"]))
+        src_layout0 = megatron_layout(cfg, tp=SRC["tp"], pp=SRC["pp"], dp=1, spec="local", dtype=torch.float32)
+        dst_layout0 = megatron_layout(cfg, tp=DST["tp"], pp=1, dp=world // DST["tp"], spec="local",
+                                      dtype=torch.float32)
+        hf = global_tensors(cfg)
+        src_params, dst_params = dict(src_model.named_parameters()), dict(dst_model.named_parameters())
+        for side, params, lay in (("source", src_params, src_layout0), ("destination", dst_params, dst_layout0)):
+            want = {n: (tuple(s.shape), s.dtype) for n, s in lay.local_specs(rank).items()}
+            got = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
+            if want != got:
+                raise AssertionError(f"rank {rank}: the {side} model's parameters are not the layout's: "
+                                     f"{sorted(set(want) ^ set(got))[:5]} ...")
+        with torch.no_grad():
+            for n, t in src_layout0.shard(hf, rank).items():
+                src_params[n].copy_(t)
+        expect = dst_layout0.shard(hf, rank)
+        del hf
+        wire = sum(t.numel() * t.element_size() for t in expect.values())
+
+        phases = state_phases = _Phases()
+        phases.wrap(mrefit, "get_or_create_service", "service (new gloo group)")
+        phases.wrap(mrefit, "build_centralized_reshard_plan", "plan")
+        phases.wrap(mrefit, "execute_reshard_plan", "run")
+        phases.wrap(orefit, "plan_reshard", "plan")
+        phases.wrap(ores.Resharder, "__init__", "resharder init")
+        phases.wrap(ores.Resharder, "_bind", "bind")
+        phases.wrap(ores.Resharder, "_execute", "run")
+        state: dict = {}
+
+        def call_megatron() -> None:
+            mrefit.swap_model_weights(src_model, dst_model, "gloo")
+
+        def call_ours() -> None:
+            if "group" not in state:  # the first call: a fresh group and both layouts, like Megatron's first
+                t = time.perf_counter()
+                state["group"] = dist.new_group(backend="gloo")
+                t1 = time.perf_counter()
+                state["src"] = layout_from_megatron(src_model, cfg)
+                state["dst"] = megatron_layout(cfg, tp=DST["tp"], pp=1, dp=world // DST["tp"], spec="local",
+                                               dtype=torch.float32)
+                phases.log += [("new gloo group", t1 - t), ("layouts", time.perf_counter() - t1)]
+            state["report"] = refit(src_params, dst_params, state["src"], state["dst"], group=state["group"])
+
+        calls = {"megatron": call_megatron, "ours": call_ours}
+
+        profiles: dict[str, str] = {}
+
+        def timed(side: str, prof: bool = False) -> tuple[float, dict[str, float]]:
+            with torch.no_grad():
+                for p in dst_params.values():
+                    p.fill_(float("nan"))
+            phases.take()
+            dist.barrier()
+            pr = cProfile.Profile() if prof else None
+            t = time.perf_counter()
+            if pr is not None:
+                pr.enable()
+            calls[side]()
+            if pr is not None:
+                pr.disable()
+            dist.barrier()
+            dt = time.perf_counter() - t
+            if pr is not None:
+                out = io.StringIO()
+                pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(25)
+                profiles[side] = out.getvalue()
+            ph = phases.take()
+            bad = [n for n, p in dst_params.items() if not torch.equal(p, expect[n])]
+            if bad:
+                raise AssertionError(f"rank {rank}: {side}: {len(bad)} destination parameters differ from the "
+                                     f"sliced global tensors, e.g. {bad[:3]}")
+            return dt, ph
+
+        order = list(SIDES) if megatron_first else list(reversed(SIDES))
+        first = {side: timed(side, profile and rank == 0) for side in order}
+        steady: dict[str, list[float]] = {s: [] for s in SIDES}
+        for i in range(warmup + refits):
+            for side in order if i % 2 == 0 else reversed(order):
+                dt, _ = timed(side)
+                if i >= warmup:
+                    steady[side].append(dt)
+        src_bytes = sum(p.numel() * p.element_size() for p in src_params.values())
+        mplan = dst_model._cached_reshard_plan  # Megatron's plan of this rank (cached by its first call)
+        msent = sum(src_params[op.param_name][op.my_slice].numel() * 4 for op in mplan.send_ops
+                    if op.peer_rank != rank)
+        sent = {"megatron": msent, "ours": state["report"].sent_bytes}
+        return {"sent_bytes": sent, "first": {s: first[s][0] for s in SIDES},
+                "phases": {s: first[s][1] for s in SIDES}, "profiles": profiles, "steady": steady, "order": order, "dst_bytes": wire, "src_bytes": src_bytes}
+    finally:
+        if state_phases is not None:
+            state_phases.restore()
+        mrefit.clear_service_cache()
+        orefit.clear_cache()
+        ps.destroy_model_parallel()
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} s [{min(xs):.3f}–{max(xs):.3f}]"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5, help="fresh worlds (first calls per side)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers, even (PP2; 4: 428 MiB of fp32 weights)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--refits", type=int, default=10, help="timed steady refits per side per run")
+    ap.add_argument("--json", default=None, help="write the raw times here")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile each side's first call on rank 0 and print the top functions (slows both)")
+    args = ap.parse_args(argv)
+    from triton_reshard.testing.launch import run_world
+    from triton_reshard.tools.cliutil import UsageError, check_output_file
+
+    try:  # before any work: a bad count or an output path that cannot be written is one line, exit 2
+        check_output_file(args.json, "--json")
+        for opt, val, low in (("--runs", args.runs, 1), ("--refits", args.refits, 1), ("--warmup", args.warmup, 0),
+                              ("--layers", args.layers, 2)):
+            if val < low:
+                raise UsageError(f"{opt} must be >= {low}, got {val}")
+        if args.layers % SRC["pp"]:
+            raise UsageError(f"--layers {args.layers}: the source has pp={SRC['pp']} stages; give a multiple of it")
+    except UsageError as e:
+        ap.error(str(e))
+
+    runs = []
+    for i in range(args.runs):
+        t = time.perf_counter()
+        res = run_world(world_main, 8, bench_config(args.layers), args.warmup, args.refits, i % 2 == 0, args.profile,
+                        timeout=1800,
+                        pg_timeout=300)
+        r0 = res[0]
+        runs.append(r0)
+        print(f"run {i} ({' then '.join(r0['order'])}, {time.perf_counter() - t:.0f} s): first call "
+              + ", ".join(f"{s} {r0['first'][s]:.3f} s" for s in SIDES)
+              + "; steady median " + ", ".join(f"{s} {statistics.median(r0['steady'][s]):.3f} s" for s in SIDES),
+              flush=True)
+        for s in SIDES:
+            print(f"    {s} first-call phases (rank 0): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r0["phases"][s].items()), flush=True)
+            if s in r0["profiles"]:
+                print(r0["profiles"][s], flush=True)
+    sent = {s: [r["sent_bytes"][s] for r in res] for s in SIDES}
+    src_mib = sum(r["src_bytes"] for r in res) / 2**20
+    dst_mib = sum(r["dst_bytes"] for r in res) / 2**20
+    first = {s: [r["first"][s] for r in runs] for s in SIDES}
+    first_ratio = [r["first"]["megatron"] / r["first"]["ours"] for r in runs]
+    steady = {s: [statistics.median(r["steady"][s]) for r in runs] for s in SIDES}
+    steady_ratio = [statistics.median([m / o for m, o in zip(r["steady"]["megatron"], r["steady"]["ours"],
+                                                             strict=True)]) for r in runs]
+    print(f"\nMegatron-Core GPTModel TP4xPP2 -> TP2xDP4, {args.layers} layers, fp32: source {src_mib:.0f} MiB "
+          f"(all ranks), destination {dst_mib:.0f} MiB (all ranks); {args.runs} fresh worlds of 8 gloo ranks")
+    print("| | Megatron-Core swap_model_weights | ours (refit) | Megatron / ours |")
+    print("|---|---|---|---|")
+    print(f"| first call: median [min–max] over runs | {_fmt(first['megatron'])} | {_fmt(first['ours'])} | "
+          f"{statistics.median(first_ratio):.2f}× [{min(first_ratio):.2f}–{max(first_ratio):.2f}] |")
+    print(f"| steady per refit: median of run medians [min–max] | {_fmt(steady['megatron'])} | "
+          f"{_fmt(steady['ours'])} | {statistics.median(steady_ratio):.2f}× "
+          f"[{min(steady_ratio):.2f}–{max(steady_ratio):.2f}] |")
+    print("| wire bytes: all ranks / busiest sender | "
+          + " | ".join(f"{sum(sent[s]) / 2**20:.0f} / {max(sent[s]) / 2**20:.0f} MiB" for s in SIDES) + " | |")
+    print(f"ours no slower on the first call in {sum(x >= 1 for x in first_ratio)} of {len(first_ratio)} runs; "
+          f"every call checked bit-exact against the sliced global tensors on every rank")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
