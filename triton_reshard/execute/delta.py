@@ -2,7 +2,7 @@
 carries only the elements whose bits changed since the version its destination holds.
 
 What changes against a dense run (``steps.py``), and only for *delta-able* messages (:func:`deltable`:
-no relay, no block-quantized chunk, wire dtype = destination dtype; both ends decide from the plan alone):
+no block-quantized chunk, wire dtype = destination dtype; both ends decide from the plan alone):
 
 - **Sender.** The dense pack still runs (it casts and gathers the boxes into the send buffer, or the
   message is the source tensor itself); the message's chunks are then diffed against the sender's
@@ -10,15 +10,16 @@ no relay, no block-quantized chunk, wire dtype = destination dtype; both ends de
   (``update=True``: the snapshot takes the new values). The snapshot is per *message*, not per source
   tensor: a cast (fp32 masters -> bf16) is diffed in the wire dtype, and a box sent to several
   destinations (DP replicas, instances without relays) has one snapshot per message, so no message diffs
-  against another's update. Cost: the dense bytes of this rank's delta-able sends, on the tensors' device.
+  against another's update; a relaying engine rank diffs what it forwards the same way. Cost: the dense
+  bytes of this rank's delta-able sends, on the tensors' device (an engine rank that relays holds a
+  snapshot of what it relays, e.g. (N-1)/N of its shard for N instances).
 - **Length round.** A delta message's size depends on the data: per step, one round of int64 lengths
   (one per delta message, same peers, same order) before the payload round. Why not max-size receives
   with a length prefix: NCCL needs matching sizes (gloo tolerates a larger receive), and the receive
   buffers would be dense-sized; the round costs ~70 us on gloo loopback (docs/delta.md).
 - **Receiver.** A delta message is received into a buffer of its announced size and scattered into the
   destination views by ``ops.unpack_delta`` (headers checked against the destinations before any write).
-- Everything else stays dense: local copies, relays (they forward what the relaying rank holds after
-  phase 0), non-delta-able messages.
+- Everything else stays dense: local copies and the non-delta-able messages.
 
 **Fencing** (:func:`fence`): before any byte moves, one all-gather over the group (with its timeout) of
 each rank's (reasons, snapshot version, held version, torn). A delta from base ``v`` runs only if every
@@ -63,10 +64,12 @@ class DeltaRequest:
 
 
 def deltable(plan, m) -> bool:
-    """Message ``m`` can go as a delta: plain chunks (no relay, no quantization) landing in their wire dtype."""
+    """Message ``m`` can go as a delta: plain chunks (no quantization) landing in their wire dtype. Relays
+    too: the relaying rank diffs what it forwards (its destination, already at the new version) against what
+    it forwarded last time, which is what the relay's destination holds."""
     for c in m.chunks:
         t = plan.transfers[c.transfer]
-        if t.relay or t.quant or plan.dst.spec(t.tensor).dtype != t.wire_dtype:
+        if t.quant or plan.dst.spec(t.tensor).dtype != t.wire_dtype:
             return False
     return True
 
