@@ -223,7 +223,9 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
     pk, up, um, wire_s, wire_r, qp, su = [], [], [], [], [], {}, []
     sm, rm = [], []
     for peer, at, m, vs, buf in sends:
-        if buf is not None:  # in place: one contiguous chunk, its bytes are the message
+        if any(transfers[c.transfer].quant for c in m.chunks):  # never a delta (fp8 values and scales)
+            sm.append(None)
+        elif buf is not None:  # in place: one contiguous chunk, its bytes are the message
             t = transfers[m.chunks[0].transfer]
             sm.append([buf.view(t.wire_dtype).view(m.chunks[0].sizes)])
         else:

@@ -244,9 +244,8 @@ class Resharder:
             self._broken = f"{type(e).__name__} in {e.what}"
             self._snap.version = None
             raise
-        if why is not None:
-            self._snap.version = None  # a dense refit now: it is captured afresh
-            if delta.strict:
+        if why is not None:  # a dense refit now, captured afresh (a failure drops the snapshot); strict: nothing
+            if delta.strict:  # moved, so the snapshot still holds what the destinations that are at its version hold
                 raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
                                         f"nothing was moved (delta=True falls back to a dense refit)")
         return base, why
