@@ -244,10 +244,11 @@ class Resharder:
             self._broken = f"{type(e).__name__} in {e.what}"
             self._snap.version = None
             raise
-        if why is not None:  # a dense refit now, captured afresh (a failure drops the snapshot); strict: nothing
-            if delta.strict:  # moved, so the snapshot still holds what the destinations that are at its version hold
-                raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
-                                        f"nothing was moved (delta=True falls back to a dense refit)")
+        # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
+        # nothing, so the snapshot still holds what the destinations at its version hold
+        if why is not None and delta.strict:
+            raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
+                                    f"nothing was moved (delta=True falls back to a dense refit)")
         return base, why
 
     def _execute(self, src_tensors, dst_tensors, tally: Tally | None, delta: DeltaRequest | None = None
