@@ -254,6 +254,14 @@ def fence_world(rank: int, world: int) -> dict:
     tr.step("adam")
     out["delta_again"] = _mode(_refit_world(rank, tr, dst, g, 8))
     out["delta_again_ok"] = _check(rank, tr, dst)
+    # ranks disagreeing on delta (rank 3 passes delta=False): refused in the handshake on every rank, nothing moved
+    tr.step("adam")
+    try:
+        _refit_world(rank, tr, dst, g, 9, delta=rank != 3)
+        out["mixed"] = {"error": None}
+    except Exception as e:
+        out["mixed"] = {"error": type(e).__name__, "message": str(e)}
+    out["mixed_state"] = _state()
     # 6: rank 2 fails while unpacking a delta (mid-delta): torn everywhere it wrote, snapshot dropped
     restore = _fail_on_unpack(lambda: (_ for _ in ()).throw(RuntimeError("injected failure"))) \
         if rank == 2 else (lambda: None)

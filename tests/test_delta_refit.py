@@ -86,6 +86,9 @@ def test_fence_fallbacks_and_failures():
         assert o["plain"]["mode"] == "dense"
         assert o["after_plain"]["mode"] == "dense-fallback" and "no snapshot" in o["after_plain"]["fallback"]
         assert o["after_plain_ok"] and o["delta_again"]["mode"] == "delta" and o["delta_again_ok"]
+        assert o["mixed"]["error"] == "ReshardError" and "different plans or options" in o["mixed"]["message"]
+        assert o["mixed_state"]["version"] == (8 if rank in (2, 3) else o["mixed_state"]["version"])
+        assert not o["mixed_state"]["torn"]
         # a failure mid-delta, then the repair: dense on a new group, then deltas again
         assert o["repair"]["mode"] == "dense-fallback" and o["repair_ok"] and not o["repair_state"]["torn"]
         assert o["after_repair"]["mode"] == "delta" and o["after_repair_ok"]

@@ -133,9 +133,10 @@ class MessageSnapshot:
 
 
 def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaRequest, has_dst: bool
-          ) -> tuple[int | None, str | None]:
-    """(base version, None) if every rank can take a delta, else (None, why): the same answer on every rank
-    (one all-gather). Raises nothing but transport errors; ``strict`` is the caller's to apply."""
+          ) -> tuple[int | None, str | None, bool]:
+    """(base version, None, strict) if every rank can take a delta, else (None, why, strict): the same answer
+    on every rank (one all-gather); ``strict``: some rank asked for a strict delta (then every rank refuses
+    together). Raises nothing but transport errors."""
     sender = elig.any_send
     reasons = _QUANT if plan.dst.quantized else 0
     if sender and snap.version is None:
@@ -145,13 +146,14 @@ def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaReq
     if has_dst and req.held is None:
         reasons |= _NO_HELD
     row = [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
-           NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst)]
+           NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
     rows = link.all_gather_row(row, "the delta fence") if link.wire else [row]
     ranks = link.ranks if link.wire else (link.rank,)
     by = dict(zip(ranks, rows, strict=True))
+    strict = any(r[5] for r in rows)
     if any(r[0] & _QUANT for r in rows):
         return None, (f"block-quantized destination tensors {sorted(plan.dst.quantized)}: a changed element "
-                      f"re-quantizes its whole block, so a delta saves nothing; sent dense")
+                      f"re-quantizes its whole block, so a delta saves nothing; sent dense"), strict
     why = []
     torn = [r for r, row in by.items() if row[0] & _TORN]
     if torn:
@@ -170,8 +172,8 @@ def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaReq
     if not why and not snaps:
         why.append("no message of this plan can go as a delta (local copies and relays only)")
     if why:
-        return None, "; ".join(why)
-    return next(iter(snaps.values())), None
+        return None, "; ".join(why), strict
+    return next(iter(snaps.values())), None, strict
 
 
 class CaptureLoop(StepLoop):

@@ -238,7 +238,8 @@ class Resharder:
         if not self.plan.dst.quantized and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
         try:
-            base, why = fence(self.link, self.plan, self.work, self._elig, self._snap, delta, bool(self._dst_specs))
+            base, why, strict = fence(self.link, self.plan, self.work, self._elig, self._snap, delta,
+                                      bool(self._dst_specs))
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
@@ -246,7 +247,7 @@ class Resharder:
             raise
         # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
         # nothing, so the snapshot still holds what the destinations at its version hold
-        if why is not None and delta.strict:
+        if why is not None and strict:
             raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
                                     f"nothing was moved (delta=True falls back to a dense refit)")
         return base, why
@@ -280,7 +281,7 @@ class Resharder:
         except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         try:
-            handshake(self.link, self.plan, self.options, error, verify)
+            handshake(self.link, self.plan, self.options, error, verify, delta is not None)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
