@@ -38,6 +38,7 @@ def test_delta_cases_world2():
     _check_cases(run_world(dc.run_delta_cases, 2, WORLD2, backend="gloo", timeout=300))
 
 
+@pytest.mark.slow
 def test_delta_cases_world4():
     _check_cases(run_world(dc.run_delta_cases, 4, WORLD4, backend="gloo", timeout=300))
 
