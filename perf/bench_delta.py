@@ -25,8 +25,17 @@ tensors (``synthetic``).
 Part 3 (``--part speed``): the torch reference of ``pack`` / ``unpack`` on CPU against a plain ``copy_`` of
 the same dense bytes into a preallocated buffer, same run, at several changed fractions.
 
+Part 4 (``--part refit``): the wired delta refit on a real gloo world of 4 processes: trainer TP2 (ranks
+0-1, rows) -> engine TP2 (ranks 2-3, columns: every rank sends to both engine ranks), ``--refit-tensors``
+bf16 tensors of ``--refit-rows`` x ``--refit-cols``. Per changed fraction (uniform random bit flips, which
+give the same encoded bytes as the real AdamW masks of part 1), one dense refit and one delta refit of the
+same change on the same ranks, each into its own destination (two Resharders of the same plan), timed
+(the slowest rank's ``RunReport.seconds``, median of ``--repeats``); the wire bytes summed over ranks
+against the dense lower bound (the payload a dense refit sends); the two destinations compared bit for bit.
+
     .venv/bin/python perf/bench_delta.py --part train --out perf/results/bench_delta_train.json
     .venv/bin/python perf/bench_delta.py --part speed --out perf/results/bench_delta_speed.json
+    .venv/bin/python perf/bench_delta.py --part refit --out perf/results/bench_delta_refit.json
 """
 
 from __future__ import annotations
@@ -275,9 +284,74 @@ def run_speed(args: argparse.Namespace) -> dict:
     return {"elems": n, "dtype": "bfloat16", "rows": rows}
 
 
+REFIT_FRACTIONS = (0.0, 0.01, 0.02, 0.03, 0.07, 0.25, 1.0)
+
+
+def refit_worker(rank: int, world: int, shapes: dict, fractions: list, repeats: int) -> dict:
+    from triton_reshard import Layout, Resharder, Shard, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+
+    src_l = Layout.from_placements(shapes, [0, 1], [Shard(0)], torch.bfloat16)
+    dst_l = Layout.from_placements(shapes, [2, 3], [Shard(1)], torch.bfloat16)
+    plan = plan_reshard(src_l, dst_l, rank=rank)
+    dense_r, delta_r = Resharder(plan, timeout=120), Resharder(plan, timeout=120)
+    g = torch.Generator().manual_seed(1)
+    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    src = src_l.shard(full, rank) if rank < 2 else {}
+    d_dense = dst_l.allocate(rank) if rank >= 2 else {}
+    d_delta = dst_l.allocate(rank) if rank >= 2 else {}
+    version = 0
+    dense_r.run(src, d_dense)
+    delta_r.run(src, d_delta, delta=DeltaRequest(version))  # the first delta refit is dense (captures)
+    rows = []
+    for frac in fractions:
+        for rep in range(repeats):
+            gen = torch.Generator().manual_seed(1000 * rep + int(frac * 1e4))
+            for t in src.values():  # flip the low bit of a uniform random `frac` of the elements
+                flip = torch.rand(t.shape, generator=gen) < frac
+                t.view(torch.int16)[flip] ^= 1
+            a = dense_r.run(src, d_dense)
+            b = delta_r.run(src, d_delta, delta=DeltaRequest(version + 1, held=version))
+            version += 1
+            same = all(torch.equal(d_dense[n].view(torch.int16), d_delta[n].view(torch.int16)) for n in d_dense)
+            rows.append({"fraction": frac, "repeat": rep, "dense_s": a.seconds, "delta_s": b.seconds,
+                         "dense_sent": a.sent_bytes, "delta_sent": b.sent_bytes, "mode": b.mode,
+                         "delta_pack_s": b.pack_seconds, "delta_wire_s": b.wire_seconds,
+                         "delta_unpack_s": b.unpack_seconds, "same": same})
+    return {"rows": rows, "snapshot_bytes": delta_r.snapshot_bytes}
+
+
+def run_refit(args: argparse.Namespace) -> dict:
+    from triton_reshard.testing.launch import run_world
+
+    shapes = {f"w{i}": (args.refit_rows, args.refit_cols) for i in range(args.refit_tensors)}
+    res = run_world(refit_worker, 4, shapes, list(REFIT_FRACTIONS), args.repeats, backend="gloo", timeout=3000)
+    lower = sum(math.prod(s) * 2 for s in shapes.values())  # every element crosses once (disaggregated)
+    out = []
+    for frac in REFIT_FRACTIONS:
+        per = [[r for r in res[k]["rows"] if r["fraction"] == frac] for k in range(4)]
+        reps = len(per[0])
+        dense_s = statistics.median(max(per[k][i]["dense_s"] for k in range(4)) for i in range(reps))
+        delta_s = statistics.median(max(per[k][i]["delta_s"] for k in range(4)) for i in range(reps))
+        sent = statistics.median(sum(per[k][i]["delta_sent"] for k in range(4)) for i in range(reps))
+        dense_sent = per[0][0]["dense_sent"] + per[1][0]["dense_sent"]
+        ok = all(per[k][i]["same"] for k in range(4) for i in range(reps))
+        modes = sorted({per[k][i]["mode"] for k in range(4) for i in range(reps)})
+        row = {"fraction": frac, "dense_lower_bound": lower, "dense_sent": dense_sent, "delta_sent": sent,
+               "delta_over_lower": sent / lower, "dense_s": dense_s, "delta_s": delta_s,
+               "delta_over_dense_time": delta_s / dense_s, "bit_exact": ok, "modes": modes,
+               "delta_pack_s": statistics.median(per[0][i]["delta_pack_s"] for i in range(reps)),
+               "delta_unpack_s": statistics.median(per[2][i]["delta_unpack_s"] for i in range(reps))}
+        out.append(row)
+        print(f"{100 * frac:5.1f} %: wire {sent / lower:.4f} of the dense lower bound ({sent} / {lower} B); time "
+              f"{delta_s:.3f} s delta vs {dense_s:.3f} s dense ({delta_s / dense_s:.2f}x); bit-exact {ok}; {modes}",
+              flush=True)
+    return {"shapes": shapes, "rows": out, "snapshot_bytes_by_rank": [r["snapshot_bytes"] for r in res]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("train", "speed"), required=True)
+    ap.add_argument("--part", choices=("train", "speed", "refit"), required=True)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=1024)
@@ -292,8 +366,11 @@ def main() -> None:
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     ap.add_argument("--speed-elems", type=int, default=1 << 24)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--refit-tensors", type=int, default=4)
+    ap.add_argument("--refit-rows", type=int, default=1024)
+    ap.add_argument("--refit-cols", type=int, default=2048)
     args = ap.parse_args()
-    res = run_train(args) if args.part == "train" else run_speed(args)
+    res = {"train": run_train, "speed": run_speed, "refit": run_refit}[args.part](args)
     res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "torch": torch.__version__, "platform": platform.platform(), "threads": args.threads}
     if args.out:

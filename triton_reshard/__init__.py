@@ -6,6 +6,8 @@ refit would leave the destination as it is.
 """
 
 from .execute import (
+    DeltaRefusedError,
+    DeltaRequest,
     Difference,
     ReshardAbortedError,
     ReshardConnectionError,
@@ -23,6 +25,8 @@ from .refit import RefitState, clear_cache, refit, refit_state, verify_refit
 
 __all__ = [
     "BlockQuant",
+    "DeltaRefusedError",
+    "DeltaRequest",
     "Difference",
     "Fragment",
     "Layout",

@@ -30,6 +30,7 @@ from .execute import (
     VerifyReport,
     refuse,
 )
+from .execute.delta import NO_VERSION, DeltaRequest
 from .group import RefitGroup, as_transport
 from .layout import Layout
 from .plan import plan_reshard
@@ -216,6 +217,19 @@ def _prepare(src_layout: Layout, dst_layout: Layout, group, dst_tensors: Tensors
     return r, dst, ignored
 
 
+def _delta_request(delta, version) -> DeltaRequest | None:
+    """The delta request of ``refit(..., delta=, version=)`` (without the destination's state)."""
+    if delta is False or delta is None:
+        return None
+    if delta is not True and delta != "strict":
+        raise ValueError(f"refit: delta must be False, True or 'strict', got {delta!r}")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"refit: delta={delta!r} needs an int version= (the fence compares versions), got {version!r}")
+    if not NO_VERSION < version < -NO_VERSION:
+        raise ValueError(f"refit: version {version} does not fit in int64")
+    return DeltaRequest(version, strict=delta == "strict")
+
+
 def refit(
     src_tensors: TensorsLike,
     dst_tensors: TensorsLike,
@@ -232,6 +246,7 @@ def refit(
     instances: int = 1,
     strict: bool = False,
     version: object = None,
+    delta: bool | str = False,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
 
@@ -266,15 +281,33 @@ def refit(
     refit left the destination torn (which tensors); a later successful refit clears it. After a failure part
     way (``ReshardTransportError``, ``ReshardAbortedError``) the group is unusable: destroy it, build a new one
     and refit again with the new group (the cache never returns a Resharder of a failed or destroyed group).
+
+    ``delta=True`` (with an int ``version``; every rank passes the same): send only the elements whose bits
+    changed since the last refit (docs/delta.md). The first refit, and any refit whose fence fails (a
+    destination rank at another version than the senders' snapshots, torn, or fresh / restarted; a
+    block-quantized destination; a sender without a snapshot, e.g. after a failure or a refit without
+    ``delta``), runs dense on every rank and says why: ``RunReport.mode`` is ``"delta"`` or
+    ``"dense-fallback"`` (``fallback``: the reason, ``delta_base``: the version a delta started from).
+    ``delta="strict"``: raise :class:`~triton_reshard.execute.delta.DeltaRefusedError` on every rank instead
+    of falling back (nothing moved). Cost on each sender: a snapshot of the dense bytes it sends in
+    delta-able messages (``Resharder.snapshot_bytes``), kept in the cached Resharder. A failed delta leaves
+    the destination torn, as a failed dense refit does; the repair is the next refit (dense, automatically).
     """
+    try:
+        request = _delta_request(delta, version)
+    except (TypeError, ValueError) as e:
+        refuse(group, e, timeout=timeout)
     r, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", timeout,
                                dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
                                     gpus_per_node=gpus_per_node, relay=relay, instances=instances))
     skey = (dst_layout, instances)
     state = _STATE.get(skey, RefitState())
     _STATE[skey] = dataclasses.replace(state, attempting=version)
+    if request is not None:
+        request = dataclasses.replace(request, held=state.version if isinstance(state.version, int) else None,
+                                      torn=state.torn)
     try:
-        report = r.run(_as_dict(src_tensors, "source"), dst)
+        report = r.run(_as_dict(src_tensors, "source"), dst, delta=request)
     except BaseException as e:
         torn = tuple(getattr(e, "torn", ()))
         if torn or not isinstance(e, (ReshardError, ValueError, TypeError)):  # unknown: assume the worst

@@ -87,7 +87,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, check_ckpt: str 
 
 
 def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port: int, ctl_port: int,
-                n_workers: int, secret_file: str | None = None) -> dict:
+                n_workers: int, secret_file: str | None = None, delta: bool = False) -> dict:
     """One trainer rank (Megatron TP layout over the trainer job's ranks), driving the backend as vLLM's
     trainer-side factory builds it; ``weights``: a safetensors file per round. ``secret_file``: where every
     member reads the refit group's secret (named in the init info; the workers read the file themselves);
@@ -113,9 +113,13 @@ def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port
         for n, t in layout.shard(full, rank).items():  # the training step's new weights, in place
             tensors[n].copy_(t)
         t0 = time.perf_counter()
-        eng.send_weights(version=f"step-{k}")
+        if delta:  # delta refits need an int version: the first is dense, the later ones deltas
+            eng.send_weights(version=k, delta=True)
+        else:
+            eng.send_weights(version=f"step-{k}")
         out["seconds"].append(time.perf_counter() - t0)
         out["sent"].append(eng.last_report.sent_bytes)
+        out.setdefault("modes", []).append(eng.last_report.mode)
     if client is not None:
         client.stop()
     dist.all_reduce(torch.ones(1))  # the trainer job's own world still works

@@ -1,6 +1,8 @@
 """Execute: buffers, transport, kernels. :class:`Resharder` (``resharder``) runs a plan on one rank; beside it
-its jobs: ``options``, ``checks``, ``transport``, ``bind``, ``steps``, ``reports``, ``errors``."""
+its jobs: ``options``, ``checks``, ``transport``, ``bind``, ``steps``, ``delta`` (delta refits), ``reports``,
+``errors``."""
 
+from .delta import DeltaRefusedError, DeltaRequest
 from .errors import (
     ReshardAbortedError,
     ReshardConnectionError,
@@ -16,6 +18,8 @@ from .transport import refuse
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_TIMEOUT",
+    "DeltaRefusedError",
+    "DeltaRequest",
     "Difference",
     "RefitOptions",
     "ReshardAbortedError",

@@ -40,6 +40,11 @@ class Bound:
     local_stage: list  # (source view, staging view) of local pieces of regions
     regions_due: dict  # step position (-1: after the local copies) -> region ids
     region_items: list  # per region: (block, ue8m0, item, (weight meta, scale meta))
+    # per step, per message (in ``wire`` order), for delta refits (execute/delta.py): a send's chunk views in
+    # its flat buffer (wire dtype, chunk shape; what the dense pack wrote there); a receive's destination view
+    # of each chunk and the range of ``unpacks[pos]`` that lands it when it goes dense (empty: in place)
+    send_msgs: list = ()
+    recv_msgs: list = ()
 
 
 class Staging:
@@ -216,7 +221,15 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
     meta of the unpacks, staging unpacks)."""
     work = views.work
     pk, up, um, wire_s, wire_r, qp, su = [], [], [], [], [], {}, []
+    sm, rm = [], []
     for peer, at, m, vs, buf in sends:
+        if any(transfers[c.transfer].quant for c in m.chunks):  # never a delta (fp8 values and scales)
+            sm.append(None)
+        elif buf is not None:  # in place: one contiguous chunk, its bytes are the message
+            t = transfers[m.chunks[0].transfer]
+            sm.append([buf.view(t.wire_dtype).view(m.chunks[0].sizes)])
+        else:
+            sm.append([buffer_view(send_area, at + s_base, c, transfers[c.transfer]) for c in m.chunks])
         if buf is None:
             at += s_base
             for c, v in zip(m.chunks, vs, strict=True):
@@ -229,6 +242,7 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
             buf = send_area[at:at + m.payload]
         wire_s.append((peer, buf))
     for peer, at, m, vs, buf in recvs:
+        first = len(up)
         if buf is None:
             at += r_base
             for c, v in zip(m.chunks, vs, strict=True):
@@ -246,8 +260,9 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                     if verify:
                         um.append(views.meta(t, c.offsets, c.sizes))
             buf = recv_area[at:at + m.payload]
+        rm.append((vs, first, len(up)))
         wire_r.append((peer, buf))
-    return pk, qp, (wire_s, wire_r), up, um, su
+    return pk, qp, (wire_s, wire_r), up, um, su, sm, rm
 
 
 def bind_regions(views: Views, plans) -> tuple[dict, list]:
@@ -292,9 +307,10 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     n_slots = min(work.slots, len(work.steps))
     send_area, recv_area = staging.areas(need_s * n_slots, need_r * n_slots, device)
     packs, qpacks, wire, unpacks, unpack_meta, stage_unpacks = [], [], [], [], [] if verify else None, []
+    send_msgs, recv_msgs = [], []
     for pos, (sends, recvs) in enumerate(plans):
         slot = pos % work.slots
-        pk, qp, w, up, um, su = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
+        pk, qp, w, up, um, su, sm, rm = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
                                           slot * need_r, verify)
         packs.append(pk)
         qpacks.append(qp)
@@ -303,6 +319,8 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
         if verify:
             unpack_meta.append(um)
         wire.append(w)
+        send_msgs.append(sm)
+        recv_msgs.append(rm)
     in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
                          if buf is not None)
     writes = [frozenset() if verify else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs
@@ -312,4 +330,4 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     regions_due, region_items = bind_regions(views, plans)
     return Bound(local, local_meta, packs, unpacks, unpack_meta, wire, need_s * n_slots, need_r * n_slots,
                  in_place_bytes, writes, local_writes, qpacks, stage_unpacks, local_q, local_q_meta, local_stage,
-                 regions_due, region_items)
+                 regions_due, region_items, send_msgs, recv_msgs)

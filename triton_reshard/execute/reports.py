@@ -35,6 +35,14 @@ class RunReport:
     local_seconds: float = 0.0
     in_place_bytes: int = 0  # of sent_bytes + recv_bytes: moved straight from/into the tensors, not staged
     ignored: tuple[str, ...] = ()
+    # delta refits (execute/delta.py): "dense" (no delta asked), "delta" (changed elements only, from version
+    # delta_base), "dense-fallback" (a delta was asked, the fence refused it: ``fallback`` says why, the same
+    # on every rank). ``dense_sent_bytes``: what a dense refit sends from this rank (0 when no delta was asked);
+    # with ``mode == "delta"``, ``sent_bytes`` counts the delta messages and their 8-byte length announcements
+    mode: str = "dense"
+    fallback: str | None = None
+    delta_base: int | None = None
+    dense_sent_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ the plan side hands over the rank's work (``plan.work.rank_work``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ from ..plan.local import RankPlan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
+from .delta import CaptureLoop, DeltaLoop, DeltaRefusedError, DeltaRequest, MessageSnapshot, eligible, fence
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
@@ -96,6 +98,8 @@ class Resharder:
         self.send_area_bytes = self.recv_area_bytes = 0
         self._bound_sig: tuple | None = None
         self._bound: Bound | None = None
+        self._elig = None  # delta refits: which messages can go as deltas (execute/delta.py), when first asked
+        self._snap = MessageSnapshot()
 
     # the options, as attributes (read-only)
     bucket_bytes = property(lambda self: self.options.bucket_bytes)
@@ -109,6 +113,17 @@ class Resharder:
     def broken(self) -> str | None:
         """Why this Resharder failed part way (its group is unusable then), or None."""
         return self._broken
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Device bytes of the delta snapshot (what this rank last sent in its delta-able messages; 0 until
+        a run with ``delta=`` captured it)."""
+        return self._snap.nbytes
+
+    @property
+    def snapshot_version(self) -> int | None:
+        """The version the delta snapshot holds (None: no delta refit can start from it)."""
+        return self._snap.version
 
     @property
     def transport(self):
@@ -157,15 +172,21 @@ class Resharder:
 
     # -- run and verify -------------------------------------------------------------------------------
 
-    def run(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> RunReport:
+    def run(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor], *,
+            delta: DeltaRequest | None = None) -> RunReport:
         """Reshard: read ``src_tensors`` (this rank's source local tensors), write ``dst_tensors`` in place.
 
         Pass an empty dict for a side this rank has no part in. Raises before any byte moves if any rank's
         input is invalid or ranks run different plans; raises :class:`ReshardTimeoutError` if a peer does
         not arrive within the timeout.
+
+        ``delta``: every rank passes one (or none does): send only the changed elements when the fence
+        passes (``execute/delta.py``), else run dense and say why (``RunReport.mode`` / ``fallback``), or
+        raise :class:`DeltaRefusedError` on every rank with ``delta.strict``. A run with ``delta`` keeps
+        the snapshot the next delta diffs against; a run without one drops it.
         """
         with self.link.exclusive("run", self.plan.digest):
-            return self._execute(src_tensors, dst_tensors, None)
+            return self._execute(src_tensors, dst_tensors, None, delta)
 
     def verify(self, src_tensors: Mapping[str, torch.Tensor], dst_tensors: Mapping[str, torch.Tensor]) -> VerifyReport:
         """Like :meth:`run`, but compare instead of write: how many destination elements differ, bit for bit,
@@ -206,7 +227,33 @@ class Resharder:
             stats=stats,
         )
 
-    def _execute(self, src_tensors, dst_tensors, tally: Tally | None) -> RunReport:
+    def _fence(self, delta: DeltaRequest | None, device) -> tuple[int | None, str | None]:
+        """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
+        why); without ``delta`` the snapshot is dropped (the destinations move past it)."""
+        if delta is None:
+            self._snap.version = None
+            return None, None
+        if self._elig is None:
+            self._elig = eligible(self.plan, self.work)
+        if not self.plan.dst.quantized and device is not None:
+            self._snap.ensure(self.plan, self.work, self._elig, device)
+        try:
+            base, why, strict = fence(self.link, self.plan, self.work, self._elig, self._snap, delta,
+                                      bool(self._dst_specs))
+        except ReshardTransportError as e:
+            e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
+            self._broken = f"{type(e).__name__} in {e.what}"
+            self._snap.version = None
+            raise
+        # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
+        # nothing, so the snapshot still holds what the destinations at its version hold
+        if why is not None and strict:
+            raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
+                                    f"nothing was moved (delta=True falls back to a dense refit)")
+        return base, why
+
+    def _execute(self, src_tensors, dst_tensors, tally: Tally | None, delta: DeltaRequest | None = None
+                 ) -> RunReport:
         """The loop ``run`` and ``verify`` share. ``tally``: None to write the destination (unpack and local
         copies), or verify mode's sink, which compares those same pairs instead.
 
@@ -234,19 +281,38 @@ class Resharder:
         except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         try:
-            handshake(self.link, self.plan, self.options, error, verify)
+            handshake(self.link, self.plan, self.options, error, verify, delta is not None)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
             raise
+        if not verify:
+            base, why = self._fence(delta, device)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
-            loop = StepLoop(self.work, b, self.link, backend, tally, touched, (id(self), hash(self._bound_sig)))
+            args = (self.work, b, self.link, backend, tally, touched, (id(self), hash(self._bound_sig)))
+            if verify or delta is None:
+                loop = StepLoop(*args)
+            elif base is not None:
+                loop = DeltaLoop(*args, elig=self._elig, snap=self._snap)
+            elif self._snap.device is not None:
+                loop = CaptureLoop(*args, elig=self._elig, snap=self._snap)
+            else:  # block-quantized: no snapshot
+                loop = StepLoop(*args)
             loop.run()
             if device is not None and device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
-            return loop.report(t0, b.send_area_bytes + b.recv_area_bytes + self._staging.region_bytes)
+            report = loop.report(t0, b.send_area_bytes + b.recv_area_bytes + self._staging.region_bytes)
+            if verify or delta is None:
+                return report
+            if self._snap.device is not None:
+                self._snap.version = delta.version
+            dense = sum(buf.numel() for sends, _r in b.wire for _p, buf in sends)
+            return dataclasses.replace(report, mode="delta" if base is not None else "dense-fallback",
+                                       fallback=why, delta_base=base, dense_sent_bytes=dense)
         except Exception as e:
+            if not verify:  # the destinations hold neither version: only a dense refit makes a base again
+                self._snap.version = None
             torn = tuple(sorted(touched))
             if isinstance(e, ReshardError):
                 err = e

@@ -38,7 +38,7 @@ def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(m
     comm = as_transport(group)
     if comm.wire:
         dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([0, 0, 0, 2, 0, 0, int(verify), 0, 0], dtype=torch.int64, device=dev)
+        mine = torch.tensor([0, 0, 0, 2, 0, 0, int(verify), 0, 0, 0], dtype=torch.int64, device=dev)  # the handshake row
         out = [torch.empty_like(mine) for _ in comm.ranks]
         try:
             work = comm.all_gather(out, mine)
@@ -162,9 +162,9 @@ class Link:
                 _RUNNING.pop(id(key_obj), None)
 
 
-def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False) -> None:
-    """All ranks: same plan digest and options? all running or all verifying? everyone's input valid?
-    Raises on every rank otherwise."""
+def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False) -> None:
+    """All ranks: same plan digest and options? all running or all verifying? all asking for a delta or
+    none (``delta``)? everyone's input valid? Raises on every rank otherwise."""
     if not link.wire:
         if error is not None:
             raise error
@@ -174,7 +174,8 @@ def handshake(link: Link, plan, options, error: Exception | None, verify: bool =
     bcode = BACKEND_CODES.get(requested, len(BACKEND_CODES))
     rows = link.all_gather_row(
         [d >> 32, d & 0xFFFFFFFF, options.bucket_bytes, 0 if error is None else 1, options.direct_min_bytes,
-         int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0],
+         int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0,
+         int(delta)],
         "the plan handshake")
     if error is not None:
         raise error
@@ -186,13 +187,13 @@ def handshake(link: Link, plan, options, error: Exception | None, verify: bool =
             f"nothing was moved"
         )
     digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(ranks, rows, strict=True)}
-    if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:8]) for row in rows}) > 1:
+    if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:8] + row[9:10]) for row in rows}) > 1:
         names = {v: k or "auto" for k, v in BACKEND_CODES.items()}
-        opts = [(row[2], row[4], bool(row[5]), "verify" if row[6] else "run", names.get(row[7], "invalid"))
-                for row in rows]
+        opts = [(row[2], row[4], bool(row[5]), "verify" if row[6] else "run", names.get(row[7], "invalid"),
+                 bool(row[9])) for row in rows]
         raise ReshardError(
             f"rank {link.rank}: ranks run different plans or options (plan digest by rank: {digests}; "
-            f"(bucket_bytes, direct_min_bytes, overlap, mode, backend) by rank: {opts}); they must agree; "
+            f"(bucket_bytes, direct_min_bytes, overlap, mode, backend, delta) by rank: {opts}); they must agree; "
             f"nothing was moved"
         )
     relays = {r: row[8] for r, row in zip(ranks, rows, strict=True) if row[8]}

@@ -305,7 +305,7 @@ def receive_weights(model, named_tensors) -> None:
         from sglang.srt.model_loader.loader import post_load_weights
 
         st.last_report = refit({}, params, st.src_layout, st.dst_layout, group=st.group, timeout=st.timeout,
-                               bucket_bytes=st.bucket_bytes, version=msg.get("version"))
+                               bucket_bytes=st.bucket_bytes, version=msg.get("version"), delta=msg.get("delta", False))
         # what the model's own load_weights does after loading (e.g. DeepSeek's MLA w_kc / w_vc from kv_b_proj);
         # SGLang's end_weight_update skips it once a load ran
         post_load_weights(model)
@@ -406,14 +406,18 @@ class SGLangTrainer:
     def _post(self, msg: Mapping) -> _Session:
         return _Session(self.engine, msg, self.timeout)
 
-    def send_weights(self, tensors: Mapping[str, torch.Tensor], version=None):
+    def send_weights(self, tensors: Mapping[str, torch.Tensor], version=None, delta: bool | str = False):
         """One refit: every trainer rank passes its local tensors (named as in the trainer layout); rank 0 also
         drives the engine (``begin_weight_update``, ``update_weights_from_tensor``, ``end_weight_update``).
-        ``version`` (e.g. the step) is recorded on every engine rank (:func:`sglang_refit_state`)."""
-        call = self._post({"op": "refit", "version": version}) if self.rank == 0 else None
+        ``version`` (e.g. the step) is recorded on every engine rank (:func:`sglang_refit_state`).
+        ``delta=True`` (or ``"strict"``; an int ``version``): only the changed elements travel after the first
+        refit (docs/delta.md); the engine ranks apply them in place to the live parameters; each trainer
+        rank's cached Resharder keeps a snapshot of the bytes it sends (``last_report.mode`` says which ran)."""
+        call = self._post({"op": "refit", "version": version, "delta": delta}) if self.rank == 0 else None
         try:
             self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,
-                                     timeout=self.timeout, bucket_bytes=self.bucket_bytes, version=version)
+                                     timeout=self.timeout, bucket_bytes=self.bucket_bytes, version=version,
+                                     delta=delta)
         finally:
             if call is not None:
                 call.join(self.timeout)

@@ -191,6 +191,13 @@ class TritonReshardCheckpointEngine(_Base):
     ``allow_cast``: as in :func:`~triton_reshard.refit`. ``secret_env`` / ``secret_file``: where this worker
     reads the refit group's secret; ``insecure``: run without one on a routable address (see
     :func:`~triton_reshard.init_refit_group`).
+
+    ``delta``: ``refit``'s ``delta`` (False, True or ``"strict"``; docs/delta.md) with verl's
+    ``global_steps`` as the version: after the first update only the changed elements travel. Every actor
+    rank's cached Resharder keeps a snapshot of the bytes it sends (1x them, on its device), and every
+    rollout worker keeps its receive buffers across updates (1x the bytes it receives, on its device, instead
+    of fresh buffers per update: a delta lands on the previous version). Needs the group kept across updates
+    (``rebuild_group=False``, the default): a new group means new Resharders, so a dense update.
     """
 
     wire_format = "named_tensors"
@@ -199,7 +206,9 @@ class TritonReshardCheckpointEngine(_Base):
                  senders: str = "all", host: str | None = None, port: int = 0, timeout: float = 300.0,
                  rebuild_group: bool = False, group_backend: str | None = None, device: str | None = None,
                  allow_cast: bool = False, fill: float | None = None, secret_env: str | None = SECRET_ENV,
-                 secret_file: str | None = None, insecure: bool | None = None) -> None:
+                 secret_file: str | None = None, insecure: bool | None = None, delta: bool | str = False) -> None:
+        if delta not in (False, True, "strict"):
+            raise ValueError(f"triton_reshard checkpoint engine: delta={delta!r} is not False, True or 'strict'")
         if senders not in ("all", "master"):
             raise ValueError(f"triton_reshard checkpoint engine: senders={senders!r} is not 'all' or 'master'")
         self.bucket_size = int(bucket_size)
@@ -218,6 +227,8 @@ class TritonReshardCheckpointEngine(_Base):
         self.world_size = self.num_senders = 0
         self.source: tuple[Layout, Mapping[str, torch.Tensor]] | None = None
         self.reports: list = []
+        self.delta, self._version = delta, None
+        self._kept: dict[Layout, dict[str, torch.Tensor]] = {}  # delta: the receive buffers, per bucket layout
 
     # -- verl's rendezvous -------------------------------------------------------------------------------
 
@@ -299,8 +310,9 @@ class TritonReshardCheckpointEngine(_Base):
 
     def _refit(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], src_layout: Layout,
                dst_layout: Layout):
+        kw = {"version": self._version, "delta": self.delta} if self.delta else {}
         rep = refit(src, dst, src_layout, dst_layout, group=self.group, bucket_bytes=self.bucket_size,
-                    timeout=self.timeout, allow_cast=self.allow_cast)
+                    timeout=self.timeout, allow_cast=self.allow_cast, **kw)
         self.reports.append(rep)
         return rep
 
@@ -345,6 +357,7 @@ class TritonReshardCheckpointEngine(_Base):
         if self.rank >= self.num_senders:
             raise RuntimeError("triton_reshard checkpoint engine: rollout workers do not send weights")
         self.reports = []
+        self._version = global_steps
         if self.rank < 0:  # outside the group: producing each weight is collective over the actor group
             async for _ in _aiter(weights):
                 pass
@@ -393,9 +406,19 @@ class TritonReshardCheckpointEngine(_Base):
         metas = actor[0]
         src_l = replicated_layout(metas, range(self.num_senders))
         dst_l = self._dst_layout(metas)
-        dst = dst_l.allocate(self.rank, dst_device, self.fill) if dst_device is not None else {}
+        dst = self._buffers(dst_l, dst_device) if dst_device is not None else {}
         self._refit(src, dst, src_l, dst_l)
         return [(n, dst[n]) for n, _, _ in metas if n in dst] if dst_device is not None else []
+
+    def _buffers(self, dst_l: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+        """This bucket's receive buffers: fresh each update, or with ``delta`` the ones kept from the last
+        update of the same bucket layout (a delta writes only what changed into them)."""
+        if not self.delta:
+            return dst_l.allocate(self.rank, device, self.fill)
+        kept = self._kept.get(dst_l)
+        if kept is None or any(t.device != device for t in kept.values()):
+            kept = self._kept[dst_l] = dst_l.allocate(self.rank, device, self.fill)
+        return kept
 
     async def receive_weights(self, global_steps: int | None = None):
         """Rollout side: an async generator of ``(name, tensor)``, full-shaped, bucket by bucket (with
@@ -404,10 +427,11 @@ class TritonReshardCheckpointEngine(_Base):
             raise RuntimeError("triton_reshard checkpoint engine: receive_weights on a worker that is not a "
                                "rollout rank of the refit group (init_process_group not called?)")
         self.reports = []
+        self._version = global_steps
         head = await self._thread(self._header, None)
         if head["mode"] == "layout":
             for src_l, dst_l in self._layout_buckets(head["layout"]):
-                dst = dst_l.allocate(self.rank, self.device, self.fill)
+                dst = self._buffers(dst_l, self.device)
                 await self._thread(self._refit, {}, dst, src_l, dst_l)
                 for n in dst:
                     yield n, dst[n]

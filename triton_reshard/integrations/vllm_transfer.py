@@ -85,6 +85,13 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
     return plan_pair(group, src_layout, layout_from_records(records))
 
 
+def _delta_kwargs(info) -> dict:
+    """``refit``'s ``version`` / ``delta`` from an update info: a delta needs the int version; a dense update
+    keeps the tag out of ``refit`` as before (it is vLLM's, for logs)."""
+    delta = getattr(info, "delta", False)
+    return {"version": info.version, "delta": delta} if delta else {}
+
+
 def plan_pair(group: RefitGroup, src_layout: Layout, dst_layout: Layout) -> tuple[Layout, Layout]:
     """The (trainer, engine) layouts to plan: the trainer may hold tensors no engine rank loads (e.g. an MTP
     layer the engine skips): plan only what both have, and say which were left out."""
@@ -133,9 +140,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per-update info: nothing is needed (the plan is fixed at init); a version tag for logs."""
+    """Per-update info: the plan is fixed at init. ``version``: a tag (an int such as the step for delta
+    refits); ``delta``: ``refit``'s ``delta`` (False, True or "strict"; docs/delta.md)."""
 
-    version: str | None = None
+    version: int | str | None = None
+    delta: bool | str = False
 
 
 if WeightTransferEngine is not None:
@@ -174,7 +183,7 @@ if WeightTransferEngine is not None:
                 raise RuntimeError("triton_reshard backend: init_transfer_engine was not called")
             self.last_report = refit({}, dict(self.model.named_parameters()), self.src_layout, self.dst_layout,
                                      group=self.group, bucket_bytes=self.info.bucket_bytes,
-                                     timeout=self.info.timeout)
+                                     timeout=self.info.timeout, **_delta_kwargs(update_info))
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -242,14 +251,19 @@ if WeightTransferEngine is not None:
                 rpc.join(init_info.timeout)
             return eng
 
-        def send_weights(self, version: str | None = None) -> None:
+        def send_weights(self, version: int | str | None = None, delta: bool | str = False) -> None:
+            """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
+            travel after the first update (docs/delta.md); each trainer rank's cached Resharder keeps a
+            snapshot of what it sends (``last_report.mode`` / ``fallback`` say whether the delta ran)."""
             tensors = dict(self.source.iter_local()) if self.source is not None else {}
             rpc = None
+            info = {"version": version, "delta": delta}
             if self.is_sender:
                 self.client.start_weight_update()
-                rpc = _Call(self.client.update_weights, {"version": version})
+                rpc = _Call(self.client.update_weights, info)
             self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,
-                                     bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout)
+                                     bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
+                                     **_delta_kwargs(ReshardUpdateInfo(**info)))
             if rpc is not None:
                 rpc.join(self.info.timeout)
                 self.client.finish_weight_update(version)
@@ -322,10 +336,12 @@ class RefitWorkerExtension:
                                           secret=secret, insecure=insecure)
         self._tr_layouts = _rendezvous(self._tr_group, None, self._model(), rank)
 
-    def refit_from_trainer(self) -> int:
+    def refit_from_trainer(self, version: int | None = None, delta: bool | str = False) -> int:
+        """One refit into this worker's parameters; ``version`` / ``delta`` as :func:`~triton_reshard.refit`
+        (the trainer ranks pass the same)."""
         src, dst = self._tr_layouts
         rep = refit({}, dict(self._model().named_parameters()), src, dst, group=self._tr_group,
-                    timeout=self._tr_timeout)
+                    timeout=self._tr_timeout, version=version, delta=delta)
         return rep.recv_bytes
 
 

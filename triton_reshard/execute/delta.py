@@ -1,0 +1,264 @@
+"""Delta refits (issue 24, docs/delta.md): the same boxes, peers and steps as a dense refit, but a message
+carries only the elements whose bits changed since the version its destination holds.
+
+What changes against a dense run (``steps.py``), and only for *delta-able* messages (:func:`deltable`:
+no block-quantized chunk, wire dtype = destination dtype; both ends decide from the plan alone):
+
+- **Sender.** The dense pack still runs (it casts and gathers the boxes into the send buffer, or the
+  message is the source tensor itself); the message's chunks are then diffed against the sender's
+  :class:`MessageSnapshot` (what this rank last sent in that message, wire dtype) by ``ops.pack_delta``
+  (``update=True``: the snapshot takes the new values). The snapshot is per *message*, not per source
+  tensor: a cast (fp32 masters -> bf16) is diffed in the wire dtype, and a box sent to several
+  destinations (DP replicas, instances without relays) has one snapshot per message, so no message diffs
+  against another's update; a relaying engine rank diffs what it forwards the same way. Cost: the dense
+  bytes of this rank's delta-able sends, on the tensors' device (an engine rank that relays holds a
+  snapshot of what it relays, e.g. (N-1)/N of its shard for N instances).
+- **Length round.** A delta message's size depends on the data: per step, one round of int64 lengths
+  (one per delta message, same peers, same order) before the payload round. Why not max-size receives
+  with a length prefix: NCCL needs matching sizes (gloo tolerates a larger receive), and the receive
+  buffers would be dense-sized; the round costs ~70 us on gloo loopback (docs/delta.md).
+- **Receiver.** A delta message is received into a buffer of its announced size and scattered into the
+  destination views by ``ops.unpack_delta`` (headers checked against the destinations before any write).
+- Everything else stays dense: local copies and the non-delta-able messages.
+
+**Fencing** (:func:`fence`): before any byte moves, one all-gather over the group (with its timeout) of
+each rank's (reasons, snapshot version, held version, torn). A delta from base ``v`` runs only if every
+sender of a delta-able message has a snapshot of ``v`` and every rank with destination tensors holds ``v``
+and is not torn, and the destination is not block-quantized; otherwise every rank runs the dense refit
+(and captures the snapshot as it packs), and the report says why (``RunReport.fallback``), or with
+``strict`` every rank raises :class:`DeltaRefusedError` naming the ranks and versions, nothing moved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..ops.delta import max_message_bytes
+from .bind import buffer_view
+from .errors import ReshardError
+from .steps import Pending, StepLoop, clock
+
+NO_VERSION = -(1 << 63)  # "no version" in the fence row
+_QUANT, _NO_SNAP, _TORN, _NO_HELD = 1, 2, 4, 8
+
+
+class DeltaRefusedError(ReshardError):
+    """A strict delta refit (``delta="strict"``) could not run as a delta; raised on every rank before any
+    byte moved (nothing written; the group stays usable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaRequest:
+    """Ask a run for a delta. ``version``: what this refit publishes (an int). ``held``: the version this
+    rank's destination tensors hold (``refit_state(...).version``; None: unknown, fresh or restarted),
+    ``torn``: whether a failed refit left them partly written. ``strict``: raise instead of a dense fallback."""
+
+    version: int
+    held: int | None = None
+    torn: bool = False
+    strict: bool = False
+
+
+def deltable(plan, m) -> bool:
+    """Message ``m`` can go as a delta: plain chunks (no quantization) landing in their wire dtype. Relays
+    too: the relaying rank diffs what it forwards (its destination, already at the new version) against what
+    it forwarded last time, which is what the relay's destination holds."""
+    for c in m.chunks:
+        t = plan.transfers[c.transfer]
+        if t.quant or plan.dst.spec(t.tensor).dtype != t.wire_dtype:
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Eligible:
+    """Per step position, per send / receive (in ``wire`` order): delta-able? and, per delta-able receive,
+    its largest possible size and the destination local names of its chunks."""
+
+    sends: tuple[tuple[bool, ...], ...]
+    recvs: tuple[tuple[bool, ...], ...]
+    max_bytes: dict
+    names: dict
+
+    @property
+    def any_send(self) -> bool:
+        return any(any(s) for s in self.sends)
+
+
+def eligible(plan, work) -> Eligible:
+    sends, recvs, max_bytes, names = [], [], {}, {}
+    for pos, (_i, step) in enumerate(work.steps):
+        sends.append(tuple(deltable(plan, m) for _p, _a, m in step.sends))
+        rs = []
+        for j, (_p, _a, m) in enumerate(step.recvs):
+            ok = deltable(plan, m)
+            rs.append(ok)
+            if ok:
+                ts = [plan.transfers[c.transfer] for c in m.chunks]
+                max_bytes[pos, j] = max_message_bytes([math.prod(c.sizes) for c in m.chunks],
+                                                      [t.wire_dtype.itemsize for t in ts])
+                names[pos, j] = [t.dst_local for t in ts]
+        recvs.append(tuple(rs))
+    return Eligible(tuple(sends), tuple(recvs), max_bytes, names)
+
+
+class MessageSnapshot:
+    """What this rank last sent in each delta-able message (wire dtype), and the version that was."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.device: torch.device | None = None
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.nbytes = 0
+
+    def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
+        """Allocate the buffers (once per device): one per delta-able send, its payload bytes."""
+        if self.device == device:
+            return
+        self._views, self.nbytes, self.version = {}, 0, None
+        for pos, (_i, step) in enumerate(work.steps):
+            for j, (_p, _a, m) in enumerate(step.sends):
+                if elig.sends[pos][j]:
+                    buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
+                    self._views[pos, j] = [buffer_view(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
+                    self.nbytes += m.payload
+        self.device = device
+
+    def views(self, pos: int, j: int) -> list[torch.Tensor]:
+        return self._views[pos, j]
+
+
+def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaRequest, has_dst: bool
+          ) -> tuple[int | None, str | None, bool]:
+    """(base version, None, strict) if every rank can take a delta, else (None, why, strict): the same answer
+    on every rank (one all-gather); ``strict``: some rank asked for a strict delta (then every rank refuses
+    together). Raises nothing but transport errors."""
+    sender = elig.any_send
+    reasons = _QUANT if plan.dst.quantized else 0
+    if sender and snap.version is None:
+        reasons |= _NO_SNAP
+    if has_dst and req.torn:
+        reasons |= _TORN
+    if has_dst and req.held is None:
+        reasons |= _NO_HELD
+    row = [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
+           NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
+    rows = link.all_gather_row(row, "the delta fence") if link.wire else [row]
+    ranks = link.ranks if link.wire else (link.rank,)
+    by = dict(zip(ranks, rows, strict=True))
+    strict = any(r[5] for r in rows)
+    if any(r[0] & _QUANT for r in rows):
+        return None, (f"block-quantized destination tensors {sorted(plan.dst.quantized)}: a changed element "
+                      f"re-quantizes its whole block, so a delta saves nothing; sent dense"), strict
+    why = []
+    torn = [r for r, row in by.items() if row[0] & _TORN]
+    if torn:
+        why.append(f"destination torn by a failed refit on rank(s) {torn}")
+    fresh = [r for r, row in by.items() if row[0] & _NO_HELD]
+    if fresh:
+        why.append(f"rank(s) {fresh} hold no refit version (fresh, restarted, or refitted without version=)")
+    nosnap = [r for r, row in by.items() if row[0] & _NO_SNAP]
+    if nosnap:
+        why.append(f"sender rank(s) {nosnap} hold no snapshot (first delta refit, or the last refit failed, "
+                   f"was dense without delta=, or used another Resharder)")
+    held = {r: row[2] for r, row in by.items() if row[4] and row[2] != NO_VERSION}
+    snaps = {r: row[1] for r, row in by.items() if row[3] and row[1] != NO_VERSION}
+    if not why and len(set(held.values()) | set(snaps.values())) > 1:
+        why.append(f"versions differ: destinations hold {held}, sender snapshots {snaps}")
+    if not why and not snaps:
+        why.append("no message of this plan can go as a delta (local copies and relays only)")
+    if why:
+        return None, "; ".join(why), strict
+    return next(iter(snaps.values())), None, strict
+
+
+class CaptureLoop(StepLoop):
+    """A dense run that also copies every delta-able message it sends into the snapshot."""
+
+    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
+        super().__init__(*args)
+        self.elig, self.snap = elig, snap
+
+    def pack_and_post(self, pos: int) -> Pending:
+        p = super().pack_and_post(pos)
+        t = clock()
+        pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok
+                 for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
+        ops.copy_views([(v, s) for v, s in pairs if v.numel()], self.backend)
+        self.timing.pack += clock() - t
+        return p
+
+
+class DeltaLoop(StepLoop):
+    """A delta run: delta-able messages carry ``ops.pack_delta`` messages, announced by a length round."""
+
+    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
+        super().__init__(*args)
+        self.elig, self.snap = elig, snap
+        self.inbox: dict[int, list[torch.Tensor]] = {}
+
+    def pack_and_post(self, pos: int) -> Pending:
+        i = self.work.steps[pos][0]
+        b, el = self.b, self.elig
+        what = self.what(pos)
+        t0 = clock()
+        ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        sends, recvs = b.wire[pos]
+        out_s, len_s = [], []
+        for j, (peer, buf) in enumerate(sends):
+            if el.sends[pos][j]:
+                msg = ops.pack_delta(list(zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)),
+                                     update=True, backend=self.backend)
+                out_s.append((peer, msg))
+                len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
+            else:
+                out_s.append((peer, buf))
+        self.timing.pack += clock() - t0
+        peers = {p for p, _ in sends} | {p for p, _ in recvs}
+        dev = (sends or recvs)[0][1].device
+        len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
+                 for j, (peer, _buf) in enumerate(recvs) if el.recvs[pos][j]]
+        if len_s or len_r:
+            t1 = clock()
+            works = self.link.call(self.link.post, f"{what} (delta lengths)", peers, len_s, len_r)
+            self.link.wait(works, f"{what} (delta lengths)", peers, t1)
+            self.timing.wire += clock() - t1
+        lens = iter(int(x) for _p, x in len_r)  # sent in message order: the k-th length is the k-th delta
+        out_r, inbox = [], []
+        for j, (peer, buf) in enumerate(recvs):
+            if el.recvs[pos][j]:
+                n = next(lens)
+                if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
+                    raise ValueError(f"rank {self.link.rank}: {what}: rank {peer} announced a delta message of "
+                                     f"{n} bytes (at most {el.max_bytes[pos, j]}, a multiple of 16)")
+                buf = torch.empty(n, dtype=torch.uint8, device=dev)
+                inbox.append(buf)
+            out_r.append((peer, buf))
+        self.inbox[pos] = inbox
+        self.touched.update(b.writes[pos])
+        posted = clock()
+        works = self.link.call(self.link.post, what, peers, out_s, out_r)
+        desc = [("receiving from", p) for p, _ in out_r] + [("sending to", p) for p, _ in out_s]
+        self.sent += sum(buf.numel() for _, buf in out_s) + 8 * len(len_s)
+        self.recvd += sum(buf.numel() for _, buf in out_r) + 8 * len(len_r)
+        return Pending(pos, works, peers, posted, desc)
+
+    def finish(self, p: Pending) -> None:
+        b, pos, el = self.b, p.pos, self.elig
+        t1 = clock()
+        self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
+        t2 = clock()
+        inbox = iter(self.inbox.pop(pos))
+        dense = []
+        for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
+            if el.recvs[pos][j]:
+                ops.unpack_delta(next(inbox), vs, backend=self.backend, names=el.names[pos, j])
+            else:
+                dense += b.unpacks[pos][a:z]
+        ops.copy_views(dense, self.backend)
+        self.timing.wire += t2 - t1
+        self.timing.unpack += clock() - t2
