@@ -174,6 +174,21 @@ class Schedule:
             out.append(RankStep(tuple(sends), tuple(recvs)))
         return tuple(out), send_area, recv_area
 
+    def step_phase(self, i: int) -> int:
+        """The phase of step ``i`` (0: from the source layout; 1: relays)."""
+        return self.steps[i].phase
+
+    def pair_bytes(self) -> list[dict[tuple[int, int], int]]:
+        """Per step, ``{(src, dst): payload bytes}`` (a pair may exchange several messages in one step)."""
+        out = []
+        for step in self.steps:
+            pairs: dict[tuple[int, int], int] = {}
+            for m in step.messages:
+                k = (m.src, m.dst)
+                pairs[k] = pairs.get(k, 0) + m.payload
+            out.append(pairs)
+        return out
+
     def peak_staging_bytes(self) -> int:
         """The largest staging memory (send + receive areas) any rank allocates."""
         ranks = {m.src for s in self.steps for m in s.messages} | {m.dst for s in self.steps for m in s.messages}

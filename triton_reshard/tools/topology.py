@@ -173,10 +173,4 @@ def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
 
 def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:
     """Per step of a schedule, ``{(src, dst): bytes}`` (payload bytes, without alignment padding)."""
-    out = []
-    for step in schedule.steps:
-        pairs: dict[tuple[int, int], int] = defaultdict(int)
-        for m in step.messages:  # a pair may exchange several messages in one step
-            pairs[(m.src, m.dst)] += m.payload
-        out.append(dict(pairs))
-    return out
+    return schedule.pair_bytes()  # (a pair-rule schedule answers from its columns)
