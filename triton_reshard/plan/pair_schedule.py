@@ -7,11 +7,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from ..box import align_up, is_contiguous_box, split_box
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
-from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, Transfer
+from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 
@@ -95,7 +98,8 @@ STEP_PEERS = 128
 STEP_GROUPING = "strided"
 
 
-def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, list[tuple[tuple, tuple, int, int]]]:
+@lru_cache(maxsize=1 << 14)  # tensors of one model share a few shapes
+def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, tuple[tuple[tuple, tuple, int, int], ...]]:
     """``split_box(sizes, isz, cap)`` (a box bigger than ``cap``) as runs: ``(repeats, [(offsets of its first
     chunk, chunk sizes, chunk bytes, count)])``: the chunk list is the runs' chunks in order, ``repeats`` times
     (once per index of the dims split into single indices; only the first repeat's offsets are given)."""
@@ -115,7 +119,7 @@ def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, list[t
         runs.append(((0,) * (d + 1) + zeros, lead + (rows,) + tail, rows * inner, q))
     if rem:
         runs.append(((0,) * d + (q * rows,) + zeros, lead + (rem,) + tail, rem * inner, 1))
-    return math.prod(sizes[:d]), runs
+    return math.prod(sizes[:d]), tuple(runs)
 
 
 def load_payloads(transfers: Sequence[tuple[int, Transfer]], cap: int,
@@ -213,7 +217,7 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
                 d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size))
 
-        steps: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+        cols: tuple[list[int], ...] = ([], [], [], [], [])  # per load: phase, step number, src, dst, payload
         firsts: dict[tuple[int, int, int], int] = {}  # pair -> the number of its first step (then every windows)
         for key, ts in pairs.items():
             phase, s, d = key
@@ -222,13 +226,21 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             k = (d - s) % world - 1
             w = k % windows if STEP_GROUPING == "strided" else k // peers
             firsts[key] = w
-            for m, payload in enumerate(load_payloads(ts, cap, direct)):
-                steps[(phase, m * windows + w)].append((s, d, payload))
-        numbers = sorted(steps)
-        for key in numbers:
-            steps[key].sort()
-        return PairSchedule(bucket_bytes, tuple(numbers), [steps[k] for k in numbers], pairs, firsts, windows, cap,
-                            direct)
+            pays = load_payloads(ts, cap, direct)
+            c = len(pays)
+            cols[0].extend([phase] * c)
+            cols[1].extend(range(w, w + c * windows, windows))
+            cols[2].extend([s] * c)
+            cols[3].extend([d] * c)
+            cols[4].extend(pays)
+        ph, num, src, dst, nb = (np.array(c, dtype=np.int64) for c in cols)
+        order = np.lexsort((dst, src, num, ph))
+        ph, num, src, dst, nb = ph[order], num[order], src[order], dst[order], nb[order]
+        cuts = np.flatnonzero((np.diff(ph) != 0) | (np.diff(num) != 0)) + 1
+        starts = np.concatenate(([0], cuts)).astype(np.int64) if len(nb) else np.zeros(0, np.int64)
+        numbers = tuple(zip(ph[starts].tolist(), num[starts].tolist(), strict=True))
+        bounds = np.append(starts, len(nb)).tolist()
+        return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), pairs, firsts, windows, cap, direct)
 
 
 class PairSchedule(Schedule):
@@ -237,12 +249,14 @@ class PairSchedule(Schedule):
     pair's messages (``pair_loads``) the first time a step or ``for_rank`` reads them, so a whole plan's
     prediction (``pair_bytes``) and one rank's part (``for_rank``) never build every message."""
 
-    def __init__(self, bucket_bytes: int, numbers: tuple[tuple[int, int], ...], step_pairs: list[list[tuple]],
+    def __init__(self, bucket_bytes: int, numbers: tuple[tuple[int, int], ...], bounds: list[int],
+                 columns: tuple[np.ndarray, np.ndarray, np.ndarray],
                  pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]], firsts: dict[tuple, int],
                  windows: int, cap: int, direct: Callable) -> None:
         object.__setattr__(self, "bucket_bytes", bucket_bytes)
-        object.__setattr__(self, "numbers", numbers)
-        object.__setattr__(self, "_step_pairs", step_pairs)
+        object.__setattr__(self, "numbers", numbers)  # per step: (phase, number)
+        object.__setattr__(self, "_bounds", bounds)  # step i's loads: rows bounds[i]:bounds[i + 1] of the columns
+        object.__setattr__(self, "_columns", columns)  # per load, by (phase, number, src, dst): src, dst, payload
         object.__setattr__(self, "_pairs", pairs)
         object.__setattr__(self, "_firsts", firsts)
         object.__setattr__(self, "_windows", windows)
@@ -263,9 +277,11 @@ class PairSchedule(Schedule):
     def __repr__(self) -> str:
         return f"PairSchedule(bucket_bytes={self.bucket_bytes}, {len(self.numbers)} steps)"
 
-    def pair_bytes(self) -> list[dict[tuple[int, int], int]]:
+    def pair_bytes(self) -> list[StepPairBytes]:
         """Per step, ``{(src, dst): payload bytes}`` (``topology.schedule_pair_bytes``), from the columns."""
-        return [{(s, d): n for s, d, n in pairs} for pairs in self._step_pairs]
+        src, dst, nb = self._columns
+        b = self._bounds
+        return [StepPairBytes(src[b[i]:b[i + 1]], dst[b[i]:b[i + 1]], nb[b[i]:b[i + 1]]) for i in range(len(b) - 1)]
 
     def step_phase(self, i: int) -> int:
         return self.numbers[i][0]
@@ -281,8 +297,11 @@ class PairSchedule(Schedule):
 
     def _step(self, i: int) -> NumberedStep:
         phase, number = self.numbers[i]
+        src, dst, _nb = self._columns
+        a, b = self._bounds[i], self._bounds[i + 1]
         with gc_paused():
-            msgs = [m for s, d, _n in self._step_pairs[i] for m in self._load(phase, number, s, d)]
+            msgs = [m for s, d in zip(src[a:b].tolist(), dst[a:b].tolist(), strict=True)
+                    for m in self._load(phase, number, s, d)]
         return NumberedStep(tuple(msgs), phase, number)
 
     def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:

@@ -7,9 +7,11 @@ checks (``validate``) build on them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..box import ALIGN, align_up  # noqa: F401  (ALIGN, align_up: part of the plan's API)
@@ -135,6 +137,35 @@ class RankStep:
 
     sends: tuple[tuple[int, int, Message], ...]  # (peer, offset in the send area, message)
     recvs: tuple[tuple[int, int, Message], ...]  # (peer, offset in the receive area, message)
+
+
+class StepPairBytes(Mapping):
+    """One step's ``{(src, dst): payload bytes}`` held as three int64 columns (``src``, ``dst``, ``nbytes``; one row
+    per pair, sorted by pair), what a pair-rule schedule's ``pair_bytes`` gives: ``topology.predict_seconds``
+    reads the columns, other callers the mapping."""
+
+    __slots__ = ("src", "dst", "nbytes", "_map")
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        self.src, self.dst, self.nbytes, self._map = src, dst, nbytes, None
+
+    def _as_dict(self) -> dict[tuple[int, int], int]:
+        if self._map is None:
+            self._map = dict(zip(zip(self.src.tolist(), self.dst.tolist(), strict=True), self.nbytes.tolist(),
+                                 strict=True))
+        return self._map
+
+    def __getitem__(self, key: tuple[int, int]) -> int:
+        return self._as_dict()[key]
+
+    def __iter__(self):
+        return iter(self._as_dict())
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def __repr__(self) -> str:
+        return repr(self._as_dict())
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..plan.types import StepPairBytes
+
 GB = 1e9
 
 
@@ -129,9 +131,12 @@ def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
     NVLink and network bytes sent; None when nothing leaves a rank."""
     if not step:
         return None
-    pairs = np.array(list(step), dtype=np.int64).reshape(-1, 2)
-    n = np.fromiter(step.values(), dtype=np.int64, count=len(step))
-    s, d = pairs[:, 0], pairs[:, 1]
+    if isinstance(step, StepPairBytes):  # a pair-rule schedule's step: already columns
+        s, d, n = step.src, step.dst, step.nbytes
+    else:
+        pairs = np.array(list(step), dtype=np.int64).reshape(-1, 2)
+        n = np.fromiter(step.values(), dtype=np.int64, count=len(step))
+        s, d = pairs[:, 0], pairs[:, 1]
     keep = (s != d) & (n != 0)
     if not keep.all():
         s, d, n = s[keep], d[keep], n[keep]
