@@ -151,10 +151,17 @@ class Plan:
 class _Contiguity:
     """``Plan._contiguity``: entry ``i`` computed (and kept) when first read."""
 
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_got")
+    __slots__ = ("_ts", "_src", "_dst", "_min", "_got", "_ranks")
 
     def __init__(self, transfers, src_locals, dst_locals, min_bytes: int) -> None:
         self._ts, self._src, self._dst, self._min, self._got = transfers, src_locals, dst_locals, min_bytes, {}
+        self._ranks: dict[tuple[bool, int], dict] = {}  # (destination side?, rank) -> its local specs
+
+    def _locals(self, dst_side: bool, rank: int) -> dict:
+        got = self._ranks.get((dst_side, rank))
+        if got is None:
+            got = self._ranks[(dst_side, rank)] = (self._dst if dst_side else self._src).get(rank, {})
+        return got
 
     def __len__(self) -> int:
         return len(self._ts)
@@ -167,9 +174,8 @@ class _Contiguity:
         if t.nbytes < self._min or t.quant == _quant.QUANT_SRC:  # the pack quantizes those: never direct
             out = None
         else:
-            empty: dict = {}
-            s = (self._dst if t.relay else self._src).get(t.src_rank, empty).get(t.src_local)
-            d = self._dst.get(t.dst_rank, empty).get(t.dst_local)
+            s = self._locals(t.relay, t.src_rank).get(t.src_local)
+            d = self._locals(True, t.dst_rank).get(t.dst_local)
             w = t.wire_dtype
             out = (s.shape if s is not None and s.dtype == w else None,
                    d.shape if d is not None and d.dtype == w else None)

@@ -123,10 +123,11 @@ def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, tuple[
 
 
 def load_payloads(transfers: Sequence[tuple[int, Transfer]], cap: int,
-                  direct: Callable[[int, tuple, tuple], bool]) -> list[int]:
+                  direct: Callable[[int, tuple, tuple], bool], min_bytes: int = 0) -> list[int]:
     """The payload bytes (``Message.payload`` summed over the load's messages) of each load :func:`pair_loads`
     cuts from the same stream: the same next fit over the same chunks, on integers (no chunk or message is
-    built; a run of equal chunks each more than half of ``cap`` closes one load per chunk at once)."""
+    built; a run of equal chunks each more than half of ``cap`` closes one load per chunk at once). ``direct``
+    is not asked for plain chunks under ``min_bytes`` (``direct_min_bytes``: it would answer no)."""
     out: list[int] = []
     used = off = last = dsum = 0  # last: end of the last packed chunk; dsum: bytes of the load's direct chunks
     for i, t in transfers:
@@ -144,12 +145,13 @@ def load_payloads(transfers: Sequence[tuple[int, Transfer]], cap: int,
         else:
             runs = [(o, sz, n, 1) for o, sz, n in _chunks(t, cap)]
         seen: dict[tuple, bool] = {}
+        plain = t.quant != "src"  # (a chunk's bytes are its elements' in the wire dtype)
         for _rep in range(reps):
             for o, sz, n, count in runs:
                 a = align_up(n)
                 is_direct = seen.get(sz)
                 if is_direct is None:
-                    is_direct = seen[sz] = direct(i, o, sz)
+                    is_direct = seen[sz] = False if plain and n < min_bytes else direct(i, o, sz)
                 if count > 1 and 2 * a > cap:  # each chunk of the run closes the load before it
                     if used + a > cap and used:
                         out.append(last + dsum)
@@ -226,7 +228,7 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             k = (d - s) % world - 1
             w = k % windows if STEP_GROUPING == "strided" else k // peers
             firsts[key] = w
-            pays = load_payloads(ts, cap, direct)
+            pays = load_payloads(ts, cap, direct, direct_min_bytes)
             c = len(pays)
             cols[0].extend([phase] * c)
             cols[1].extend(range(w, w + c * windows, windows))
