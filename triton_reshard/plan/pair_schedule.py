@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..box import align_up, is_contiguous_box, split_box
+from ..box import align_up, is_contiguous_box, split_box, split_rows
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
 from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
@@ -104,14 +104,9 @@ def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, tuple[
     chunk, chunk sizes, chunk bytes, count)])``: the chunk list is the runs' chunks in order, ``repeats`` times
     (once per index of the dims split into single indices; only the first repeat's offsets are given)."""
     nd = len(sizes)
-    d = nd - 1
-    for k in range(nd):
-        if align_up(math.prod(sizes[k + 1:]) * isz) <= cap:
-            d = k
-            break
+    d, rows = split_rows(sizes, isz, cap)
     tail = tuple(sizes[d + 1:])
     inner = math.prod(tail) * isz
-    rows = max(1, cap // inner) if inner else sizes[d]
     q, rem = divmod(sizes[d], rows)
     lead, zeros = (1,) * d, (0,) * (nd - d - 1)
     runs = []
