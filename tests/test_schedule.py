@@ -107,3 +107,36 @@ def test_schedule_is_cached_per_threshold():
     plan = _plan([Shard(0)], [Shard(0)], dst_ranks=(3, 2))
     assert plan.schedule(4096, 0) is plan.schedule(4096, 0)
     assert plan.schedule(4096, 0) is not plan.schedule(4096)
+
+
+@pytest.mark.parametrize("bucket", [16 * ALIGN, 4096, 1 << 20])
+@pytest.mark.parametrize("direct_min", [0, 1024, DIRECT_MIN_BYTES])
+def test_pair_schedule_columns_agree_with_its_messages(bucket, direct_min):
+    """The pair-rule schedule's columns (per load: step, pair, payload; found without building messages) say
+    what its messages say: ``pair_bytes`` per step, ``step_phase``, and ``for_rank`` built from one rank's pairs
+    equals the generic ``Schedule.for_rank`` over the materialized steps. Small buckets cut big transfers into
+    runs of chunks (each more than half a load: one load per chunk)."""
+    from triton_reshard.plan.pair_schedule import PairSchedule
+    from triton_reshard.plan.types import Schedule
+
+    shapes = {"w": (96, 37), "b": (301,), "e": (5, 24, 8)}
+    src = Layout.from_placements(shapes, [0, 1], [Replicate()], F32)
+    dst = Layout.from_placements(shapes, [2, 3, 4], [Shard(0)], F32)
+    plan = plan_reshard(src, dst)
+    sched = plan.schedule(bucket, direct_min_bytes=direct_min)
+    assert isinstance(sched, PairSchedule)
+    ranks = plan.ranks
+    first = {r: sched.for_rank(r) for r in ranks}  # before any step is built
+    pb = sched.pair_bytes()
+    steps = list(sched.steps)
+    assert len(pb) == len(steps) == len(sched.steps) > 0
+    for i, step in enumerate(steps):
+        want: dict = {}
+        for m in step.messages:
+            want[(m.src, m.dst)] = want.get((m.src, m.dst), 0) + m.payload
+        assert dict(pb[i]) == want and len(pb[i]) == len(want)
+        assert sched.step_phase(i) == step.phase
+    generic = Schedule(sched.bucket_bytes, tuple(steps))
+    for r in ranks:
+        assert first[r] == generic.for_rank(r) == sched.for_rank(r)
+    assert sched == generic and sched.steps[-1] is steps[-1]

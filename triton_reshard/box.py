@@ -78,19 +78,26 @@ def contains(outer_off, outer_size, off, size) -> bool:
     return all(map(le, outer_off, off)) and all(map(le, map(add, off, size), map(add, outer_off, outer_size)))
 
 
-def split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a box (relative offsets) into sub-boxes of at most ``cap`` bytes once aligned."""
-    if align_up(math.prod(sizes) * itemsize) <= cap or not sizes:
-        return [((0,) * len(sizes), tuple(sizes))]
+def split_rows(sizes: tuple[int, ...], itemsize: int, cap: int) -> tuple[int, int]:
+    """How :func:`split_box` cuts a box bigger than ``cap``: ``(d, rows)``: dims before ``d`` into single
+    indices, dim ``d`` into runs of ``rows`` indices (the last run shorter), dims after it whole."""
+    # smallest d such that one slice along dims > d fits
     nd = len(sizes)
-    # smallest d such that one slice along dims > d fits; split dims < d into single indices
     d = nd - 1
     for k in range(nd):
         if align_up(math.prod(sizes[k + 1:]) * itemsize) <= cap:
             d = k
             break
     inner = math.prod(sizes[d + 1:]) * itemsize
-    rows = max(1, cap // inner) if inner else sizes[d]  # cap is a multiple of ALIGN
+    return d, (max(1, cap // inner) if inner else sizes[d])  # cap is a multiple of ALIGN
+
+
+def split_box(sizes: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a box (relative offsets) into sub-boxes of at most ``cap`` bytes once aligned."""
+    if align_up(math.prod(sizes) * itemsize) <= cap or not sizes:
+        return [((0,) * len(sizes), tuple(sizes))]
+    nd = len(sizes)
+    d, rows = split_rows(sizes, itemsize, cap)
     out = []
     for outer in itertools.product(*[range(n) for n in sizes[:d]]):
         for start in range(0, sizes[d], rows):

@@ -120,24 +120,12 @@ class Plan:
             )
         return self._cache[key]
 
-    def _contiguity(self, min_bytes: int = 0) -> list[tuple | None]:
-        """Per wire transfer: (source local shape or None, destination local shape or None): the local tensor
-        on the side where its bytes could move in place (wire dtype == local dtype), for direct messages.
-        None for transfers under ``min_bytes`` (never direct)."""
-        src_locals, dst_locals = self.src._locals_by_rank, self.dst._locals_by_rank
-        empty: dict = {}
-        out: list[tuple | None] = []
-        with gc_paused():
-            for t in self.transfers:
-                if t.nbytes < min_bytes or t.quant == _quant.QUANT_SRC:  # the pack quantizes those: never direct
-                    out.append(None)
-                    continue
-                s = (dst_locals if t.relay else src_locals).get(t.src_rank, empty).get(t.src_local)
-                d = dst_locals.get(t.dst_rank, empty).get(t.dst_local)
-                w = t.wire_dtype
-                out.append((s.shape if s is not None and s.dtype == w else None,
-                            d.shape if d is not None and d.dtype == w else None))
-        return out
+    def _contiguity(self, min_bytes: int = 0) -> _Contiguity:
+        """Per wire transfer (a sequence, each entry looked up when first read: the schedule reads only the
+        transfers with chunks of at least ``min_bytes``): (source local shape or None, destination local shape
+        or None): the local tensor on the side where its bytes could move in place (wire dtype == local dtype),
+        for direct messages. None for transfers under ``min_bytes`` (never direct)."""
+        return _Contiguity(self.transfers, self.src._locals_by_rank, self.dst._locals_by_rank, min_bytes)
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -158,3 +146,38 @@ class Plan:
         return "\n".join(lines)
 
     __str__ = describe
+
+
+class _Contiguity:
+    """``Plan._contiguity``: entry ``i`` computed (and kept) when first read."""
+
+    __slots__ = ("_ts", "_src", "_dst", "_min", "_got", "_ranks")
+
+    def __init__(self, transfers, src_locals, dst_locals, min_bytes: int) -> None:
+        self._ts, self._src, self._dst, self._min, self._got = transfers, src_locals, dst_locals, min_bytes, {}
+        self._ranks: dict[tuple[bool, int], dict] = {}  # (destination side?, rank) -> its local specs
+
+    def _locals(self, dst_side: bool, rank: int) -> dict:
+        got = self._ranks.get((dst_side, rank))
+        if got is None:
+            got = self._ranks[(dst_side, rank)] = (self._dst if dst_side else self._src).get(rank, {})
+        return got
+
+    def __len__(self) -> int:
+        return len(self._ts)
+
+    def __getitem__(self, i: int) -> tuple | None:
+        got = self._got
+        if i in got:
+            return got[i]
+        t = self._ts[i]
+        if t.nbytes < self._min or t.quant == _quant.QUANT_SRC:  # the pack quantizes those: never direct
+            out = None
+        else:
+            s = self._locals(t.relay, t.src_rank).get(t.src_local)
+            d = self._locals(True, t.dst_rank).get(t.dst_local)
+            w = t.wire_dtype
+            out = (s.shape if s is not None and s.dtype == w else None,
+                   d.shape if d is not None and d.dtype == w else None)
+        got[i] = out
+        return out

@@ -61,7 +61,9 @@ class TensorIndex:
                 self._table = layout.table(name)
                 self._frags: dict[int, Fragment] = {}
                 return
-            frags = layout.table(name).fragments  # the whole plan reads every fragment: built in one go
+            # the whole plan reads every fragment (and its validation builds them all): sliced from the layout's
+            # fragments, built in one go (``route_all`` builds them first), instead of a table per tensor
+            frags = layout.fragments_by_tensor.get(name, ())
         else:
             frags = layout.fragments_by_tensor.get(name, ())
         for f in frags:

@@ -291,6 +291,7 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
     """Every rank's transfers: ``route_box`` over every destination box of every tensor."""
     local: list[Transfer] = []
     wire: list[Transfer] = []
+    src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see tensor_index(whole=True))
     for spec in dst.tensors:
         dix = tensor_index(dst, spec.name, True)
         if not dix.boxes:

@@ -7,11 +7,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-from ..box import align_up, is_contiguous_box, split_box
+import numpy as np
+
+from ..box import align_up, is_contiguous_box, split_box, split_rows
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
-from .types import ALIGN, Chunk, Message, Schedule, Step, Transfer
+from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 
@@ -95,10 +98,95 @@ STEP_PEERS = 128
 STEP_GROUPING = "strided"
 
 
+@lru_cache(maxsize=1 << 14)  # tensors of one model share a few shapes
+def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, tuple[tuple[tuple, tuple, int, int], ...]]:
+    """``split_box(sizes, isz, cap)`` (a box bigger than ``cap``) as runs: ``(repeats, [(offsets of its first
+    chunk, chunk sizes, chunk bytes, count)])``: the chunk list is the runs' chunks in order, ``repeats`` times
+    (once per index of the dims split into single indices; only the first repeat's offsets are given)."""
+    nd = len(sizes)
+    d, rows = split_rows(sizes, isz, cap)
+    tail = tuple(sizes[d + 1:])
+    inner = math.prod(tail) * isz
+    q, rem = divmod(sizes[d], rows)
+    lead, zeros = (1,) * d, (0,) * (nd - d - 1)
+    runs = []
+    if q:
+        runs.append(((0,) * (d + 1) + zeros, lead + (rows,) + tail, rows * inner, q))
+    if rem:
+        runs.append(((0,) * d + (q * rows,) + zeros, lead + (rem,) + tail, rem * inner, 1))
+    return math.prod(sizes[:d]), tuple(runs)
+
+
+def load_payloads(transfers: Sequence[tuple[int, Transfer]], cap: int,
+                  direct: Callable[[int, tuple, tuple], bool], min_bytes: int = 0) -> list[int]:
+    """The payload bytes (``Message.payload`` summed over the load's messages) of each load :func:`pair_loads`
+    cuts from the same stream: the same next fit over the same chunks, on integers (no chunk or message is
+    built; a run of equal chunks each more than half of ``cap`` closes one load per chunk at once). ``direct``
+    is not asked for plain chunks under ``min_bytes`` (``direct_min_bytes``: it would answer no)."""
+    out: list[int] = []
+    used = off = last = dsum = 0  # last: end of the last packed chunk; dsum: bytes of the load's direct chunks
+    for i, t in transfers:
+        reps, runs = 1, None
+        if t.quant != "src":
+            sizes = t.sizes
+            isz = itemsize_of(t.wire_dtype)
+            n = math.prod(sizes) * isz
+            if align_up(n) <= cap or not sizes:
+                if not n:
+                    continue
+                runs = (((0,) * len(sizes), sizes, n, 1),)
+            else:
+                reps, runs = _split_runs(sizes, isz, cap)
+        else:
+            runs = [(o, sz, n, 1) for o, sz, n in _chunks(t, cap)]
+        seen: dict[tuple, bool] = {}
+        plain = t.quant != "src"  # (a chunk's bytes are its elements' in the wire dtype)
+        for _rep in range(reps):
+            for o, sz, n, count in runs:
+                a = align_up(n)
+                is_direct = seen.get(sz)
+                if is_direct is None:
+                    is_direct = seen[sz] = False if plain and n < min_bytes else direct(i, o, sz)
+                if count > 1 and 2 * a > cap:  # each chunk of the run closes the load before it
+                    if used + a > cap and used:
+                        out.append(last + dsum)
+                        used = off = last = dsum = 0
+                    out.append(last + dsum + n if is_direct else off + n + dsum)  # the load ending with the first
+                    out.extend([n] * (count - 2))
+                    used, off, last, dsum = (a, 0, 0, n) if is_direct else (a, a, n, 0)
+                    continue
+                for _ in range(count):
+                    if used + a > cap and used:
+                        out.append(last + dsum)
+                        used = off = last = dsum = 0
+                    if is_direct:
+                        dsum += n
+                    else:
+                        last = off + n
+                        off += a
+                    used += a
+    if used:
+        out.append(last + dsum)
+    return out
+
+
+def _in_key_order(ts: list[tuple[int, Transfer]]) -> bool:
+    """Whether one pair's transfers are already in ``Transfer.key`` order: within a pair the key starts with
+    (tensor, offsets), so a strictly increasing (tensor, offsets) is key order (a plan lists them so)."""
+    prev = None
+    for _i, t in ts:
+        k = (t.tensor, t.offsets)
+        if prev is not None and not prev < k:
+            return False
+        prev = k
+    return True
+
+
 def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None,
-                        direct_min_bytes: int, world: int) -> Schedule:
+                        direct_min_bytes: int, world: int) -> PairSchedule:
     """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
-    its number (``Step.number``), in (phase, number) order."""
+    its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
+    are built only for the pairs a caller reads)."""
     if bucket_bytes < 16 * ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
     if direct_min_bytes < 0:
@@ -114,11 +202,11 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
         def direct(i: int, off, size) -> bool:
             if contiguity is None:
                 return False
-            shapes = contiguity[i]
-            if shapes is None:
-                return False
             t = transfers[i]
             if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
+                return False
+            shapes = contiguity[i]
+            if shapes is None:
                 return False
             if type(shapes) is not tuple:
                 return shapes.direct(t, off, size)
@@ -126,18 +214,171 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
             return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
                 d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size))
 
-        steps: dict[tuple[int, int], list[Message]] = defaultdict(list)
-        for (phase, s, d), ts in pairs.items():
-            ts.sort(key=lambda it: it[1].key())
+        cols: tuple[list[int], ...] = ([], [], [], [], [])  # per load: phase, step number, src, dst, payload
+        firsts: dict[tuple[int, int, int], int] = {}  # pair -> the number of its first step (then every windows)
+        for key, ts in pairs.items():
+            phase, s, d = key
+            if not _in_key_order(ts):
+                ts.sort(key=lambda it: it[1].key())
             k = (d - s) % world - 1
             w = k % windows if STEP_GROUPING == "strided" else k // peers
-            for m, load in enumerate(pair_loads(ts, cap, direct)):
-                steps[(phase, m * windows + w)].extend(load)
-        out = []
-        for (phase, number) in sorted(steps):
-            msgs = sorted(steps[(phase, number)], key=lambda m: (m.src, m.dst, m.direct))  # stable
-            out.append(NumberedStep(tuple(msgs), phase, number))
-        return Schedule(bucket_bytes, tuple(out))
+            firsts[key] = w
+            pays = load_payloads(ts, cap, direct, direct_min_bytes)
+            c = len(pays)
+            cols[0].extend([phase] * c)
+            cols[1].extend(range(w, w + c * windows, windows))
+            cols[2].extend([s] * c)
+            cols[3].extend([d] * c)
+            cols[4].extend(pays)
+        ph, num, src, dst, nb = (np.array(c, dtype=np.int64) for c in cols)
+        order = np.lexsort((dst, src, num, ph))
+        ph, num, src, dst, nb = ph[order], num[order], src[order], dst[order], nb[order]
+        cuts = np.flatnonzero((np.diff(ph) != 0) | (np.diff(num) != 0)) + 1
+        starts = np.concatenate(([0], cuts)).astype(np.int64) if len(nb) else np.zeros(0, np.int64)
+        numbers = tuple(zip(ph[starts].tolist(), num[starts].tolist(), strict=True))
+        bounds = np.append(starts, len(nb)).tolist()
+        return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), pairs, firsts, windows, cap, direct)
+
+
+class PairSchedule(Schedule):
+    """A schedule of the pair rule held as columns: per step, its (phase, number) and its pairs' ``(src, dst,
+    payload bytes)``; per pair, its transfers. ``steps`` (a lazy sequence of :class:`NumberedStep`) builds a
+    pair's messages (``pair_loads``) the first time a step or ``for_rank`` reads them, so a whole plan's
+    prediction (``pair_bytes``) and one rank's part (``for_rank``) never build every message."""
+
+    def __init__(self, bucket_bytes: int, numbers: tuple[tuple[int, int], ...], bounds: list[int],
+                 columns: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]], firsts: dict[tuple, int],
+                 windows: int, cap: int, direct: Callable) -> None:
+        object.__setattr__(self, "bucket_bytes", bucket_bytes)
+        object.__setattr__(self, "numbers", numbers)  # per step: (phase, number)
+        object.__setattr__(self, "_bounds", bounds)  # step i's loads: rows bounds[i]:bounds[i + 1] of the columns
+        object.__setattr__(self, "_columns", columns)  # per load, by (phase, number, src, dst): src, dst, payload
+        object.__setattr__(self, "_pairs", pairs)
+        object.__setattr__(self, "_firsts", firsts)
+        object.__setattr__(self, "_windows", windows)
+        object.__setattr__(self, "_cap", cap)
+        object.__setattr__(self, "_direct", direct)
+        object.__setattr__(self, "_loads", {})
+        object.__setattr__(self, "_by_rank", None)
+        object.__setattr__(self, "steps", _LazySteps(self))
+
+    def __eq__(self, other) -> bool:  # as a Schedule: the same bucket and steps (builds the messages)
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return self.bucket_bytes == other.bucket_bytes and tuple(self.steps) == tuple(other.steps)
+
+    def __hash__(self) -> int:
+        return hash((self.bucket_bytes, tuple(self.steps)))
+
+    def __repr__(self) -> str:
+        return f"PairSchedule(bucket_bytes={self.bucket_bytes}, {len(self.numbers)} steps)"
+
+    def pair_bytes(self) -> list[StepPairBytes]:
+        """Per step, ``{(src, dst): payload bytes}`` (``topology.schedule_pair_bytes``), from the columns."""
+        src, dst, nb = self._columns
+        b = self._bounds
+        return [StepPairBytes(src[b[i]:b[i + 1]], dst[b[i]:b[i + 1]], nb[b[i]:b[i + 1]]) for i in range(len(b) - 1)]
+
+    def step_phase(self, i: int) -> int:
+        return self.numbers[i][0]
+
+    def _pair_loads(self, key: tuple[int, int, int]) -> list[list[Message]]:
+        got = self._loads.get(key)
+        if got is None:
+            got = self._loads[key] = pair_loads(self._pairs[key], self._cap, self._direct)
+        return got
+
+    def _load(self, phase: int, number: int, s: int, d: int) -> list[Message]:
+        return self._pair_loads((phase, s, d))[(number - self._firsts[(phase, s, d)]) // self._windows]
+
+    def _step(self, i: int) -> NumberedStep:
+        phase, number = self.numbers[i]
+        src, dst, _nb = self._columns
+        a, b = self._bounds[i], self._bounds[i + 1]
+        with gc_paused():
+            msgs = [m for s, d in zip(src[a:b].tolist(), dst[a:b].tolist(), strict=True)
+                    for m in self._load(phase, number, s, d)]
+        return NumberedStep(tuple(msgs), phase, number)
+
+    def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
+        by_rank = self._by_rank
+        if by_rank is None:
+            by_rank = defaultdict(list)
+            for (phase, s, d) in self._pairs:
+                by_rank[s].append((phase, s, d))
+                by_rank[d].append((phase, s, d))
+            object.__setattr__(self, "_by_rank", by_rank)
+        pos = {k: i for i, k in enumerate(self.numbers)}
+        sends: dict[int, list] = defaultdict(list)  # step index -> [(peer, load)]
+        recvs: dict[int, list] = defaultdict(list)
+        for key in by_rank.get(rank, ()):
+            phase, s, d = key
+            w = self._firsts[key]
+            for m, load in enumerate(self._pair_loads(key)):
+                i = pos[(phase, m * self._windows + w)]
+                if s == rank:
+                    sends[i].append((d, load))
+                if d == rank:
+                    recvs[i].append((s, load))
+        out, send_area, recv_area = [], 0, 0
+        empty = RankStep((), ())
+        for i in range(len(self.numbers)):
+            ss, rr = sends.get(i), recvs.get(i)
+            if not ss and not rr:
+                out.append(empty)
+                continue
+            s_list, s_off = _place(sorted(ss, key=_PEER) if ss else ())
+            r_list, r_off = _place(sorted(rr, key=_PEER) if rr else ())
+            send_area, recv_area = max(send_area, s_off), max(recv_area, r_off)
+            out.append(RankStep(s_list, r_list))
+        return tuple(out), send_area, recv_area
+
+
+_PEER = lambda pl: pl[0]  # noqa: E731
+
+
+def _place(loads) -> tuple[tuple[tuple[int, int, Message], ...], int]:
+    """One side of a rank's step (``Schedule.for_rank``): its packed messages by peer, then its direct ones,
+    each at the next offset of the staging area; and the area's size."""
+    out, off = [], 0
+    for direct in (False, True):
+        for peer, load in loads:
+            for m in load:
+                if m.direct == direct:
+                    out.append((peer, off, m))
+                    off += m.nbytes
+    return tuple(out), off
+
+
+class _LazySteps(Sequence):
+    """``PairSchedule.steps``: the steps, each built (with its pairs' messages) when first read."""
+
+    __slots__ = ("_sched", "_built")
+
+    def __init__(self, sched: PairSchedule) -> None:
+        self._sched, self._built = sched, {}
+
+    def __len__(self) -> int:
+        return len(self._sched.numbers)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"step {i} out of range ({n} steps)")
+        i %= n
+        st = self._built.get(i)
+        if st is None:
+            st = self._built[i] = self._sched._step(i)
+        return st
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} steps>"
 
 
 def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int,

@@ -7,9 +7,11 @@ checks (``validate``) build on them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..box import ALIGN, align_up  # noqa: F401  (ALIGN, align_up: part of the plan's API)
@@ -137,6 +139,35 @@ class RankStep:
     recvs: tuple[tuple[int, int, Message], ...]  # (peer, offset in the receive area, message)
 
 
+class StepPairBytes(Mapping):
+    """One step's ``{(src, dst): payload bytes}`` held as three int64 columns (``src``, ``dst``, ``nbytes``; one row
+    per pair, sorted by pair), what a pair-rule schedule's ``pair_bytes`` gives: ``topology.predict_seconds``
+    reads the columns, other callers the mapping."""
+
+    __slots__ = ("src", "dst", "nbytes", "_map")
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        self.src, self.dst, self.nbytes, self._map = src, dst, nbytes, None
+
+    def _as_dict(self) -> dict[tuple[int, int], int]:
+        if self._map is None:
+            self._map = dict(zip(zip(self.src.tolist(), self.dst.tolist(), strict=True), self.nbytes.tolist(),
+                                 strict=True))
+        return self._map
+
+    def __getitem__(self, key: tuple[int, int]) -> int:
+        return self._as_dict()[key]
+
+    def __iter__(self):
+        return iter(self._as_dict())
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def __repr__(self) -> str:
+        return repr(self._as_dict())
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Wire transfers cut into steps; per step each rank sends at most ``bucket_bytes // 2`` bytes and
@@ -173,6 +204,21 @@ class Schedule:
             send_area, recv_area = max(send_area, s_off), max(recv_area, r_off)
             out.append(RankStep(tuple(sends), tuple(recvs)))
         return tuple(out), send_area, recv_area
+
+    def step_phase(self, i: int) -> int:
+        """The phase of step ``i`` (0: from the source layout; 1: relays)."""
+        return self.steps[i].phase
+
+    def pair_bytes(self) -> list[dict[tuple[int, int], int]]:
+        """Per step, ``{(src, dst): payload bytes}`` (a pair may exchange several messages in one step)."""
+        out = []
+        for step in self.steps:
+            pairs: dict[tuple[int, int], int] = {}
+            for m in step.messages:
+                k = (m.src, m.dst)
+                pairs[k] = pairs.get(k, 0) + m.payload
+            out.append(pairs)
+        return out
 
     def peak_staging_bytes(self) -> int:
         """The largest staging memory (send + receive areas) any rank allocates."""

@@ -84,7 +84,7 @@ def rank_work(plan, rank: int, slots: int, slot_bytes: int, direct_min_bytes: in
     local = tuple(plan.local_copies[i] for i in local_idx)
     return RankWork(
         rank=rank, slots=slots, slot_bytes=slot_bytes, schedule=schedule, steps=steps,
-        phases=tuple(schedule.steps[i].phase for i, _st in steps), local=local,
+        phases=tuple(schedule.step_phase(i) for i, _st in steps), local=local,
         local_bytes=sum(t.nbytes for t in local), regions=regions, wire_region=wire_region,
         local_region=tuple(of_local.get(i) for i in local_idx),
         ue8m0={n: s.quant.ue8m0 for n, s in plan.dst.quantized.items()},

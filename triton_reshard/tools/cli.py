@@ -255,7 +255,7 @@ def routing_figures(plan, sched, topo) -> dict:
         "relay_bytes": st.relay_bytes,
         "num_relays": st.num_relays,
         "steps": len(sched.steps),
-        "relay_steps": sum(1 for step in sched.steps if step.phase == 1),
+        "relay_steps": sum(sched.step_phase(i) == 1 for i in range(len(sched.steps))),  # (builds no message)
         "predicted_seconds": {"unbucketed": bound.seconds, "scheduled": stepped.seconds,
                               "bottleneck_rank": stepped.busiest_rank, "bottleneck_port": stepped.busiest_port},
     }

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..plan.types import StepPairBytes
+
 GB = 1e9
 
 
@@ -129,9 +131,12 @@ def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
     NVLink and network bytes sent; None when nothing leaves a rank."""
     if not step:
         return None
-    pairs = np.array(list(step), dtype=np.int64).reshape(-1, 2)
-    n = np.fromiter(step.values(), dtype=np.int64, count=len(step))
-    s, d = pairs[:, 0], pairs[:, 1]
+    if isinstance(step, StepPairBytes):  # a pair-rule schedule's step: already columns
+        s, d, n = step.src, step.dst, step.nbytes
+    else:
+        pairs = np.array(list(step), dtype=np.int64).reshape(-1, 2)
+        n = np.fromiter(step.values(), dtype=np.int64, count=len(step))
+        s, d = pairs[:, 0], pairs[:, 1]
     keep = (s != d) & (n != 0)
     if not keep.all():
         s, d, n = s[keep], d[keep], n[keep]
@@ -173,10 +178,4 @@ def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
 
 def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:
     """Per step of a schedule, ``{(src, dst): bytes}`` (payload bytes, without alignment padding)."""
-    out = []
-    for step in schedule.steps:
-        pairs: dict[tuple[int, int], int] = defaultdict(int)
-        for m in step.messages:  # a pair may exchange several messages in one step
-            pairs[(m.src, m.dst)] += m.payload
-        out.append(dict(pairs))
-    return out
+    return schedule.pair_bytes()  # (a pair-rule schedule answers from its columns)
