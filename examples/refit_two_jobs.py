@@ -76,16 +76,15 @@ def engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float:
         want = engine.dst_layout.shard(step_weights(ckpt, step[0]), engine.group.rank)
         params = dict(model.named_parameters())
         bad = [n for n, t in want.items() if not torch.equal(params[n], t)]
-        print(f"engine rank {rank}: {info['version']}: received {engine.last_report.recv_bytes / 2**20:.2f} MiB "
-              f"in {dt * 1e3:.0f} ms; {OK_LINE if not bad else f'WRONG: {bad}'}",
-              flush=True)
+        say(f"engine rank {rank}: {info['version']}: received {engine.last_report.recv_bytes / 2**20:.2f} MiB "
+              f"in {dt * 1e3:.0f} ms; {OK_LINE if not bad else f'WRONG: {bad}'}")
         if bad:
             raise RuntimeError(f"wrong parameters after {info['version']}: {bad}")
 
     def init(d):
         engine.init_transfer_engine(engine.parse_init_info(d))
-        print(f"engine rank {rank}: joined the refit group as rank {engine.group.rank} of {engine.group.size}; "
-              f"destination layout {engine.dst_layout.digest} recorded from vLLM's loader", flush=True)
+        say(f"engine rank {rank}: joined the refit group as rank {engine.group.rank} of {engine.group.size}; "
+              f"destination layout {engine.dst_layout.digest} recorded from vLLM's loader")
 
     def in_vllm(fn):
         def call(payload):
@@ -130,8 +129,8 @@ def trainer_rank(rank: int, world: int, ckpt: str, refit_port: int, ctl_port: in
         eng.send_weights(version=f"step {step}")
         dt = time.perf_counter() - t0
         total += dt
-        print(f"trainer rank {rank}: step {step}: sent {eng.last_report.sent_bytes / 2**20:.2f} MiB "
-              f"in {dt * 1e3:.0f} ms", flush=True)
+        say(f"trainer rank {rank}: step {step}: sent {eng.last_report.sent_bytes / 2**20:.2f} MiB "
+              f"in {dt * 1e3:.0f} ms")
     dist.barrier()  # the trainer job's own world is untouched by the refit group
     if client is not None:
         client.stop()
@@ -159,8 +158,8 @@ def sglang_engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float
             raise RuntimeError(msg)
         st, op = ts.engine_state(model), payload["control"]["op"]
         if op == "init":
-            print(f"engine rank {rank}: joined the refit group as rank {st.group.rank} of {st.group.size}; "
-                  f"destination layout {st.dst_layout.digest} recorded from SGLang's loader", flush=True)
+            say(f"engine rank {rank}: joined the refit group as rank {st.group.rank} of {st.group.size}; "
+                  f"destination layout {st.dst_layout.digest} recorded from SGLang's loader")
         if op != "refit":  # init, verify, close
             return
         dt = time.perf_counter() - t0
@@ -169,9 +168,8 @@ def sglang_engine_rank(rank: int, world: int, ckpt: str, ctl_port: int) -> float
         params = dict(model.named_parameters())
         bad = [n for n, t in want.items() if not torch.equal(params[n], t)]
         version = ts.sglang_refit_state(model).version
-        print(f"engine rank {rank}: {version}: received {st.last_report.recv_bytes / 2**20:.2f} MiB in "
-              f"{dt * 1e3:.0f} ms; {SGLANG_OK_LINE if not bad else f'WRONG: {bad}'}",
-              flush=True)
+        say(f"engine rank {rank}: {version}: received {st.last_report.recv_bytes / 2**20:.2f} MiB in "
+              f"{dt * 1e3:.0f} ms; {SGLANG_OK_LINE if not bad else f'WRONG: {bad}'}")
         if bad:
             raise RuntimeError(f"wrong parameters after {version}: {bad}")
 
@@ -206,8 +204,8 @@ def sglang_trainer_rank(rank: int, world: int, ckpt: str, refit_port: int, ctl_p
         trainer.send_weights(tensors, version=f"step {step}")
         dt = time.perf_counter() - t0
         total += dt
-        print(f"trainer rank {rank}: step {step}: sent {trainer.last_report.sent_bytes / 2**20:.2f} MiB "
-              f"in {dt * 1e3:.0f} ms", flush=True)
+        say(f"trainer rank {rank}: step {step}: sent {trainer.last_report.sent_bytes / 2**20:.2f} MiB "
+              f"in {dt * 1e3:.0f} ms")
     dist.barrier()  # the trainer job's own world is untouched by the refit group
     trainer.shutdown()
     if engine is not None:
@@ -283,12 +281,18 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def say(line: str) -> None:
+    """One line in one write (the ranks of a job share its stdout pipe: a write under 4 KiB is not split)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _relay(stream, passed: list) -> None:
-    """Print a job's output as it comes; keep the lines that say an engine rank's check passed."""
+    """Print a job's output as it comes; keep the lines that say an engine rank's check passed (counted as they
+    occur: the engine ranks share one pipe, so two ranks' lines can arrive run together on one line)."""
     for line in stream:
         print(line, end="", flush=True)
-        if line.rstrip().endswith((OK_LINE, SGLANG_OK_LINE)):
-            passed.append(line)
+        passed.extend([line] * (line.count(OK_LINE) + line.count(SGLANG_OK_LINE)))
 
 
 if __name__ == "__main__":
