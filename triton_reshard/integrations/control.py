@@ -61,7 +61,8 @@ class StoreClient:
             if err:
                 errors.append(err)
         if errors:
-            raise RuntimeError(f"engine workers failed {method}: {errors[0]}")
+            others = "".join(f"\n(also {e.splitlines()[0]})" for e in errors[1:])  # each other worker's reason, one line
+            raise RuntimeError(f"engine workers failed {method}: {errors[0]}{others}")
 
     def call(self, method: str, payload=None) -> None:
         """Run ``method`` on every worker (any handler name ``serve`` knows, e.g. SGLang's update API)."""

@@ -397,7 +397,9 @@ class SGLangTrainer:
             if call is not None:
                 call.join(timeout, quiet=True)
                 if call.error is not None and not isinstance(e, (ValueError, NotImplementedError)):
-                    raise call.error from e  # the engine's own reason (it never joined, say)
+                    # the engine's own reason (it never joined, say), with this rank's beside it
+                    call.error.add_note(f"trainer rank {rank}: {type(e).__name__}: {e}")
+                    raise call.error from e
             raise
         if call is not None:
             call.join(timeout)
