@@ -252,3 +252,18 @@ def test_a_self_connected_socket_is_not_taken_for_rank_0(monkeypatch):
         sock.close()
     finally:
         srv.close()
+
+
+def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice():
+    """A free port in the kernel's ephemeral range can be given to any outgoing connection before rank 0 binds
+    it (rank 0 then fails: port taken), and retrying it before anyone listens can self-connect: free_port
+    takes ports below that range, each once per process, each bindable when handed out."""
+    import socket
+
+    from triton_reshard.group import _ephemeral_range
+
+    lo = _ephemeral_range()[0]
+    ports = [free_port() for _ in range(100)]
+    assert len(set(ports)) == 100 and all(20000 <= p < lo for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))

@@ -19,6 +19,7 @@ all ride it. The tensors themselves travel over gloo/NCCL, which neither encrypt
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -238,8 +239,8 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
             store.close()
             raise
     except BaseException:
-        if server is not None:
-            server.close()
+        if server is not None:  # let the members read why (e.g. the sizes they disagree on) before it goes
+            server.close(linger=min(CLOSE_LINGER_S, td.total_seconds()))
         raise
     g._server = server
     return g
@@ -299,8 +300,38 @@ def _sizes(store) -> dict[int, int]:
     return out
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process (not handed out twice)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 65535  # Linux's default start; IANA's range (49152-) lies inside
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` now (for tests and examples)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    """A TCP port that is free on ``host`` now (for tests, examples and a rank 0 that picks its own port),
+    taken from below the kernel's ephemeral range: a port in that range, free now, can be handed by the
+    kernel to any outgoing connection before it is bound (which then holds it: rank 0's bind fails), and a
+    member retrying it while nobody listens can connect to itself."""
+    lo = 20000
+    hi = min(_ephemeral_range()[0], 65536)
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    rng = random.Random()
+    for _ in range(200) if hi - lo > 100 else ():
+        p = rng.randrange(lo, hi)
+        if p in _GIVEN:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host.strip("[]"), p))
+            except OSError:
+                continue
+        _GIVEN.add(p)
+        return p
+    with socket.socket(family, socket.SOCK_STREAM) as s:  # no room below the ephemeral range: the kernel's pick
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -17,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..group import free_port as _free_port
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for the world's rendezvous (:func:`triton_reshard.group.free_port`)."""
+    return _free_port("127.0.0.1")
 
 
 def default_backend(world_size: int) -> str:
