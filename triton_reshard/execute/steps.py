@@ -110,9 +110,12 @@ class StepLoop:
         if b.qpacks[pos]:  # source-quantized chunks: quantized straight into the send buffer
             self.quantize(b.qpacks[pos], None, (self.key, "pack-quant", i))
         self.timing.pack += clock() - t0
-        sends, recvs = b.wire[pos]
+        return self.post(pos, *b.wire[pos])
+
+    def post(self, pos: int, sends, recvs) -> Pending:
+        """Post step ``pos``'s payload round: ``sends`` / ``recvs`` as (peer, buffer), in the plan's order."""
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
-        self.touched.update(b.writes[pos])  # in-place receives may land as soon as they are posted
+        self.touched.update(self.b.writes[pos])  # in-place receives may land as soon as they are posted
         posted = clock()
         works = self.link.call(self.link.post, self.what(pos), peers, sends, recvs)
         desc = [("receiving from", p) for p, _ in recvs] + [("sending to", p) for p, _ in sends]
