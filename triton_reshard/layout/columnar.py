@@ -289,6 +289,22 @@ class ColumnarLayout(Layout):
     def local_specs(self, rank: int) -> dict[str, LocalSpec]:
         return dict(self._locals_by_rank[rank]) if rank in self._locals_by_rank else {}
 
+    @cached_property
+    def _lname_id(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self._root._cols.lnames)}
+
+    def local_spec(self, rank: int, name: str) -> LocalSpec | None:  # from the columns: one binary search
+        sp = self._split(rank)
+        lid = self._lname_id.get(name)
+        if sp is None or lid is None:
+            return None
+        c = self._root._cols
+        rows = c.locals_of_rank(sp[1])  # a rank's locals sorted by name id (ids in name order)
+        j = rows.start + int(np.searchsorted(c.ln[rows.start:rows.stop], lid))
+        if j >= rows.stop or int(c.ln[j]) != lid:
+            return None
+        return trusted_local(rank, name, tuple(c.lsh[j, :int(c.lnd[j])].tolist()), c.dtypes[int(c.ldt[j])])
+
     def fragments_on_rank(self, rank: int) -> tuple[Fragment, ...]:
         cache = self.__dict__.setdefault("_frags_on_rank", {})
         out = cache.get(rank)

@@ -415,7 +415,7 @@ class Layout:
         return out
 
     @cached_property
-    def _fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
+    def fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
         """``(tensor, rank, local) -> fragments``, in layout order."""
         frags = self.fragments
         with gc_paused():
@@ -436,6 +436,17 @@ class Layout:
     def local_specs(self, rank: int) -> dict[str, LocalSpec]:
         """The local tensors ``rank`` holds (name -> LocalSpec); empty if the rank has no part."""
         return dict(self._locals_by_rank.get(rank, {}))
+
+    def local_spec(self, rank: int, name: str) -> LocalSpec | None:
+        """Rank ``rank``'s local tensor ``name``, None if it has none of that name (one lookup: what the schedule
+        asks of a peer's local tensor, without copying the peer's whole ``local_specs``)."""
+        return self._locals_by_rank.get(rank, {}).get(name)
+
+    @cached_property
+    def memo(self) -> dict:
+        """Values derived from this (immutable) layout by its readers, keyed by the reader (the planner keeps its
+        per-tensor indexes here): built once per layout, gone with it."""
+        return {}
 
     def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Shapes of the local tensors ``rank`` holds."""

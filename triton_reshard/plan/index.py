@@ -4,7 +4,6 @@ rank's): the fragments of a tensor overlapping a box, the holders of a box, a ra
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -181,11 +180,10 @@ def check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | No
 def tensor_index(layout: Layout, name: str, whole: bool = False) -> TensorIndex:
     """The tensor's index (cached on the layout); ``whole``: for planning every rank (all its fragments built
     at once) rather than one rank's share (a columnar layout's table, rows built on demand)."""
-    key = "_local_index_all" if whole and layout.lazy_tables else "_local_index"
-    cache = layout.__dict__.get(key)
+    key = "plan.index.all" if whole and layout.lazy_tables else "plan.index"
+    cache = layout.memo.get(key)
     if cache is None:
-        cache = {}
-        object.__setattr__(layout, key, cache)
+        cache = layout.memo[key] = {}
     ix = cache.get(name)
     if ix is None:
         ix = cache[name] = TensorIndex(layout, name, whole)
@@ -194,14 +192,4 @@ def tensor_index(layout: Layout, name: str, whole: bool = False) -> TensorIndex:
 
 def rank_fragments(layout: Layout, rank: int) -> list[Fragment]:
     """The nonempty fragments ``rank`` holds, in layout order."""
-    on_rank = getattr(layout, "fragments_on_rank", None)
-    if on_rank is not None:
-        return [f for f in on_rank(rank) if 0 not in f.sizes]
-    by_rank = layout.__dict__.get("_local_by_rank")
-    if by_rank is None:
-        by_rank = defaultdict(list)
-        for f in layout.fragments:
-            if 0 not in f.sizes:
-                by_rank[f.rank].append(f)
-        object.__setattr__(layout, "_local_by_rank", by_rank)
-    return by_rank.get(rank, [])
+    return [f for f in layout.fragments_on_rank(rank) if 0 not in f.sizes]

@@ -199,6 +199,8 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
         for i, t in enumerate(transfers):
             pairs[(1 if t.relay else 0, t.src_rank, t.dst_rank)].append((i, t))
 
+        seen: dict[tuple, bool] = {}  # (local shapes, chunk sizes) -> contiguous (``is_contiguous_box`` reads no more)
+
         def direct(i: int, off, size) -> bool:
             if contiguity is None:
                 return False
@@ -210,9 +212,13 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
                 return False
             if type(shapes) is not tuple:
                 return shapes.direct(t, off, size)
-            s_shape, d_shape = shapes
-            return (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size)) or (
-                d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size))
+            got = seen.get((shapes, size))
+            if got is None:
+                s_shape, d_shape = shapes
+                got = seen[(shapes, size)] = (
+                    (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size))
+                    or (d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size)))
+            return got
 
         cols: tuple[list[int], ...] = ([], [], [], [], [])  # per load: phase, step number, src, dst, payload
         firsts: dict[tuple[int, int, int], int] = {}  # pair -> the number of its first step (then every windows)
@@ -394,15 +400,13 @@ class _Contiguity:
 
     def __init__(self, transfers, src, dst, min_bytes, rank) -> None:
         self._ts, self._src, self._dst, self._min, self._rank = transfers, src, dst, min_bytes, rank
-        self._cache: dict[tuple[int, int], object] = {}
+        self._cache: dict[tuple[int, int, str], object] = {}  # (destination side?, rank, local) -> its spec
 
     def _shape(self, k: int, rank: int, local: str, wdt) -> tuple | None:
-        got = self._cache.get((k, rank))
-        if got is None:
-            layout = self._dst if k else self._src
-            one = getattr(layout, "local_spec", None)
-            got = self._cache[(k, rank)] = _OneSpec(one, rank) if one is not None else layout.local_specs(rank)
-        spec = got.get(local)
+        key = (k, rank, local)
+        spec = self._cache.get(key, self)
+        if spec is self:
+            spec = self._cache[key] = (self._dst if k else self._src).local_spec(rank, local)
         return spec.shape if spec is not None and spec.dtype == wdt else None
 
     def __len__(self) -> int:
@@ -424,18 +428,6 @@ class _Contiguity:
             if shape is not None and is_contiguous_box(shape, start, off, size):
                 return True
         return False
-
-
-class _OneSpec:
-    """``local_specs(rank)``'s ``get`` through a layout's ``local_spec(rank, name)`` (one local tensor at a time)."""
-
-    __slots__ = ("_one", "_rank")
-
-    def __init__(self, one, rank: int) -> None:
-        self._one, self._rank = one, rank
-
-    def get(self, name: str):
-        return self._one(self._rank, name)
 
 
 def world_of(src: Layout, dst: Layout) -> int:

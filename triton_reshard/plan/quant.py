@@ -223,7 +223,7 @@ def _union_numel(boxes: Sequence[Box]) -> int:
 
 def _dst_fragment(dst: Layout, t: Transfer) -> Fragment:
     """The destination fragment transfer ``t`` writes into (the one whose box and local place contain it)."""
-    for f in dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()):
+    for f in dst.fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()):
         if f.local_box(t.offsets, t.sizes)[0] == t.dst_offsets and all(
                 fo <= o and o + n <= fo + fn for o, n, fo, fn in zip(t.offsets, t.sizes, f.offsets, f.sizes, strict=True)):
             return f

@@ -50,7 +50,7 @@ def validate_plan(plan: PlanLike) -> None:
     both read and written by relays are compared.
     """
     src, dst = plan.src, plan.dst
-    s_index, d_index = src._fragments_by_local, dst._fragments_by_local
+    s_index, d_index = src.fragments_by_local, dst.fragments_by_local
     written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
     relay_reads: list[tuple[Fragment, Transfer]] = []  # (the sender's destination fragment, the relay)
     relay_written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the relays writing into it
@@ -122,7 +122,7 @@ def _check_cover(plan: PlanLike) -> None:
     covered: dict[tuple[int, str], list] = defaultdict(list)
     for t in plan.transfers + plan.local_copies:
         if t.numel:
-            df = reading_fragment(plan.dst._fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
+            df = reading_fragment(plan.dst.fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
                         t.sizes, t.dst_offsets)
             covered[(t.dst_rank, t.dst_local)].append(df.local_box(t.offsets, t.sizes) + (t,))
     for (rank, local), boxes in covered.items():
