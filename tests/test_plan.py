@@ -632,9 +632,12 @@ def test_first_fit_matches_reference(items, cap):
     assert first_fit(chunks, order, cap) == _first_fit_reference(chunks, order, cap)
 
 
+# Plan digests below were re-pinned on 2026-12-02 when ``Plan.digest`` came to take the layouts' fingerprints
+# instead of their digests (0.06 s instead of 0.8 s at 128 ranks); the transfers and local copies of all eight
+# plans were compared (their repr) before and after the change: identical.
 PINNED = {  # (layout digests, plan digest) of the greedy routing, computed by the planner before its speed-up
-    "small_qwen3_moe": ("59f7fea40f33cb41", "c6789c0524cfb11b", "2fe39cc3cd8ebca5"),
-    "llama-3-8b": ("eec65a5b98e6276e", "20f89bb1d041a69b", "dc8b73b426519f87"),
+    "small_qwen3_moe": ("59f7fea40f33cb41", "c6789c0524cfb11b", "dc2cd22c3d5317da"),
+    "llama-3-8b": ("eec65a5b98e6276e", "20f89bb1d041a69b", "e1c64c226e943685"),
 }
 
 
@@ -651,7 +654,7 @@ def _pinned_layouts(name: str):
 
 # the default local routing (plan/local.py), pinned when it replaced the greedy: its holder choice differs
 # (quotas per piece instead of the least loaded holder), the layouts and the wire bytes do not
-PINNED_LOCAL = {"small_qwen3_moe": "e513cfc602d35a96", "llama-3-8b": "1f8372259cc1f4c0"}
+PINNED_LOCAL = {"small_qwen3_moe": "7a6f2ab9f4cb275e", "llama-3-8b": "3a8938b8c1f149b7"}
 
 
 @pytest.mark.parametrize("name", list(PINNED))
@@ -1023,8 +1026,8 @@ def test_property_split_relay_routing(problem, gpus_per_node):
 
 
 NODE_AWARE_PINNED = {  # plan digests of the node-aware greedy routing, computed before relays existed
-    ("small_qwen3_moe", 2): "9d3d7c58b7126bf7", ("small_qwen3_moe", 4): "2fe39cc3cd8ebca5",
-    ("llama-3-8b", 2): "216cadd619ad1ab5", ("llama-3-8b", 4): "dc8b73b426519f87",
+    ("small_qwen3_moe", 2): "cb3b3bc47c49f18c", ("small_qwen3_moe", 4): "dc2cd22c3d5317da",
+    ("llama-3-8b", 2): "be33c6d46b1b69c3", ("llama-3-8b", 4): "e1c64c226e943685",
 }
 
 

@@ -110,7 +110,8 @@ def is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple
                       size: tuple[int, ...]) -> bool:
     """Whether the sub-box ``off``+``size`` of the box starting at ``start`` (local coordinates; a local
     tensor may have extra leading dims, where the box has size 1) is one contiguous run of a contiguous
-    tensor of ``shape``: every dim after its first dim of size > 1 is whole."""
+    tensor of ``shape``: every dim after its first dim of size > 1 is whole. (It depends on ``shape`` and ``size``
+    alone, which the schedule's memo of it relies on; ``start`` and ``off`` are the box's place, for the reader.)"""
     full = size if len(size) == len(shape) else (1,) * (len(shape) - len(size)) + tuple(size)
     seen = False
     for n, s in zip(full, shape, strict=True):

@@ -7,7 +7,7 @@ checks (``validate``) build on them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -224,6 +224,30 @@ class Schedule:
         """The largest staging memory (send + receive areas) any rank allocates."""
         ranks = {m.src for s in self.steps for m in s.messages} | {m.dst for s in self.steps for m in s.messages}
         return max((sum(self.for_rank(r)[1:]) for r in ranks), default=0)
+
+
+class TransferColumns:
+    """The wire transfers of a plan as numpy columns, one row per transfer in the plan's order: ``src`` / ``dst``
+    ranks, payload ``nbytes`` (``Transfer.nbytes``), ``relay`` and ``quant`` (0 plain, 1 source-quantized, 2
+    destination-quantized). Built in one pass (``Plan.columns``); the statistics run on it."""
+
+    __slots__ = ("src", "dst", "nbytes", "relay", "quant")
+
+    QUANT_CODES = {"": 0, "src": 1, "dst": 2}
+
+    def __init__(self, transfers: Sequence[Transfer]) -> None:
+        n = len(transfers)
+        codes = self.QUANT_CODES
+        self.src = np.fromiter((t.src_rank for t in transfers), np.int64, n)
+        self.dst = np.fromiter((t.dst_rank for t in transfers), np.int64, n)
+        self.nbytes = np.fromiter((t.nbytes for t in transfers), np.int64, n)
+        self.relay = np.fromiter((t.relay for t in transfers), np.bool_, n)
+        self.quant = np.fromiter((codes[t.quant] for t in transfers), np.int8, n)
+        for a in (self.src, self.dst, self.nbytes, self.relay, self.quant):
+            a.setflags(write=False)
+
+    def __len__(self) -> int:
+        return len(self.src)
 
 
 @dataclass(frozen=True, slots=True)
