@@ -81,6 +81,10 @@ class FragmentTable:
     def local_offsets(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(row[:k]) for row, k in zip(self._loff.tolist(), self._lnd.tolist(), strict=True))
 
+    def local_offsets_of(self, rows: np.ndarray) -> list[tuple[int, ...]]:
+        """``local_offsets`` of rows ``rows`` only."""
+        return [tuple(lo[:k]) for lo, k in zip(self._loff[rows].tolist(), self._lnd[rows].tolist(), strict=True)]
+
     @property
     def local_starts(self) -> np.ndarray:
         nd = self.offsets.shape[1]

@@ -490,10 +490,14 @@ class Layout:
 
     TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
 
-    def table(self, name: str) -> FragmentTable:
+    def table(self, name: str, keep: bool = True) -> FragmentTable:
         """The fragments of tensor ``name`` as a :class:`FragmentTable` (built on first use; the last
         ``TABLE_CACHE`` used are kept: rebuilding one costs ~0.1 ms, keeping all of a 46,000-tensor model's
-        at 1,024 ranks would cost GBs)."""
+        at 1,024 ranks would cost GBs). ``keep=False``: built for a caller that reads it once (a rank plan, tensor
+        by tensor), not kept."""
+        if not keep:
+            got = self.__dict__.get("_tables")
+            return got[name] if got is not None and name in got else self._build_table(name)
         cache = self.__dict__.get("_tables")
         if cache is None:
             cache = self.__dict__["_tables"] = OrderedDict()

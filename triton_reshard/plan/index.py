@@ -47,17 +47,16 @@ class TensorIndex:
     lazily: from ``fragments_by_tensor`` on an eager layout, from the per-tensor table (``Layout.table``:
     numpy columns, an interval index) on a columnar one, which then never builds other tensors' fragments."""
 
-    __slots__ = ("_boxes", "by_box", "_table", "_frags", "_groups", "_cols")
+    __slots__ = ("_boxes", "by_box", "_table", "_frags", "_groups")
 
-    def __init__(self, layout: Layout, name: str, whole: bool = False) -> None:
+    def __init__(self, layout: Layout, name: str, whole: bool = False, keep: bool = True) -> None:
         self._table = None
         self._boxes: list[tuple] | None = None
         self.by_box: dict[tuple, list[Fragment]] = {}
         self._groups: dict[tuple, DstGroup] = {}
-        self._cols = None
         if layout.lazy_tables:
             if not whole:
-                self._table = layout.table(name)
+                self._table = layout.table(name, keep)
                 self._frags: dict[int, Fragment] = {}
                 return
             # the whole plan reads every fragment (and its validation builds them all): sliced from the layout's
@@ -108,8 +107,14 @@ class TensorIndex:
                 if len(set(ranks)) < len(ranks):
                     DstGroup.of(name, [self._fragment(i) for i in rows])  # raises: one box twice on a rank
 
-                def frag(r: int, rows=rows, ranks=ranks) -> Fragment:
-                    return self._fragment(rows[bisect_left(ranks, r)])
+                def frag(r: int, rows=rows, ranks=ranks, tb=self._table, got=self._frags) -> Fragment:
+                    # (no reference to the index: a cycle through its own groups would outlive it while the
+                    # planner runs with the collector paused, a thousand ranks' rows per tensor)
+                    i = rows[bisect_left(ranks, r)]
+                    f = got.get(i)
+                    if f is None:
+                        f = got[i] = tb.fragment(i)
+                    return f
 
                 g = DstGroup(ranks, frag)
             else:
@@ -120,17 +125,13 @@ class TensorIndex:
     def overlapping(self, off, size) -> list:
         """The fragments sharing an element with the box (on a columnar layout light stand-ins, ``FragmentRef``,
         with a fragment's fields: the planner builds the real one only for the transfers it keeps)."""
-        if self._table is not None:
-            cols = self._cols
-            if cols is None:
-                tb = self._table
-                cols = self._cols = (tb.ranks.tolist(), [tuple(o) for o in tb.offsets.tolist()],
-                                     [tuple(z) for z in tb.sizes.tolist()],
-                                     [tb.local_names[k] for k in tb.local_ids.tolist()], tb.local_offsets)
-            rk, of, sz, lc, lo = cols
-            name = self._table.spec.name
-            return [FragmentRef(name, rk[i], of[i], sz[i], lc[i], lo[i], self, i)
-                    for i in self._table.overlapping(off, size).tolist()]
+        if self._table is not None:  # the rows overlapping only (a box meets a few of a thousand ranks' rows)
+            tb = self._table
+            rows = tb.overlapping(off, size)
+            names, name = tb.local_names, tb.spec.name
+            return [FragmentRef(name, r, tuple(o), tuple(z), names[k], lo, self, i) for i, r, o, z, k, lo in zip(
+                rows.tolist(), tb.ranks[rows].tolist(), tb.offsets[rows].tolist(), tb.sizes[rows].tolist(),
+                tb.local_ids[rows].tolist(), tb.local_offsets_of(rows), strict=True)]
         out: list[Fragment] = []
         for b in self.boxes:
             if boxes_meet(b[0], b[1], off, size):

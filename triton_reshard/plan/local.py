@@ -44,7 +44,7 @@ from ..box import find_overlap
 from ..layout import Fragment, Layout, gc_paused, itemsize_of
 from . import quant
 from .core import Plan
-from .index import DstGroup, check_own_overlaps, rank_fragments, tensor_index
+from .index import DstGroup, TensorIndex, check_own_overlaps, rank_fragments, tensor_index
 from .pair_schedule import build_pair_schedule, contiguity, world_of
 from .relay import relay_dtype, split_piece
 from .routing import (
@@ -58,6 +58,7 @@ from .types import DIRECT_MIN_BYTES, Schedule, Transfer, make_transfer
 from .validate import quant_scales, reading_fragment
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
+_FIRST = lambda kv: kv[0]  # noqa: E731
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
             check_own_overlaps(dst, name, frs)
     for sf in rank_fragments(src, rank):
         if sf.tensor in dst.specs:
-            for box in tensor_index(dst, sf.tensor).boxes_overlapping(sf.offsets, sf.sizes):
+            for box in TensorIndex(dst, sf.tensor, keep=False).boxes_overlapping(sf.offsets, sf.sizes):
                 todo[(sf.tensor, box)] = None
     local: list[Transfer] = []
     wire: list[Transfer] = []
@@ -339,12 +340,15 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     def keep(s: int, d: int) -> bool:
         return s == rank or d == rank
 
-    opts: dict[str, tuple] = {}
-    for name, box in todo:
-        o = opts.get(name)
-        if o is None:
-            o = opts[name] = _options(src, dst, name, relay)
-        route_box(name, box, tensor_index(dst, name).group(name, box), tensor_index(src, name).overlapping(*box), o[0], o[1], gpn,
+    # tensor by tensor (the result does not depend on the order), each tensor's two indexes built for it alone and
+    # dropped after it: a rank reads each tensor once, and keeping a thousand ranks' rows of every tensor cost more
+    # memory than the rank plan itself
+    current, dix, six, o = None, None, None, None
+    for name, box in sorted(todo, key=_FIRST):
+        if name != current:
+            current, o = name, _options(src, dst, name, relay)
+            dix, six = TensorIndex(dst, name, keep=False), TensorIndex(src, name, keep=False)
+        route_box(name, box, dix.group(name, box), six.overlapping(*box), o[0], o[1], gpn,
                   groups, local, wire, None if name in whole else keep, o[2], None if name in whole else rank)
     return local, wire
 
