@@ -29,7 +29,6 @@ import torch.distributed as dist
 from .. import ops
 from ..group import RefitGroup, as_transport
 from ..plan import DIRECT_MIN_BYTES, Plan
-from ..plan.local import RankPlan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
@@ -66,8 +65,8 @@ class Resharder:
         *,
         options: RefitOptions | None = None,
     ) -> None:
-        if not isinstance(plan, (Plan, RankPlan)):
-            raise TypeError(f"Resharder needs a Plan or a RankPlan, got {type(plan).__name__}")
+        if not isinstance(plan, Plan):
+            raise TypeError(f"Resharder needs a Plan (the whole plan or this rank's share), got {type(plan).__name__}")
         if options is None:
             options = RefitOptions.of(bucket_bytes, timeout, backend, overlap, direct_min_bytes)
         self.options = options
@@ -76,8 +75,8 @@ class Resharder:
         check_chunk_count(plan, options.slot_bytes)
         self.link = Link(as_transport(group), options.timeout)  # a torch.distributed group (global ranks) or a RefitGroup
         self.rank, self.group_ranks = self.link.rank, self.link.ranks
-        if isinstance(plan, RankPlan) and plan.rank != self.rank:
-            raise ValueError(f"rank {self.rank}: got the rank plan of rank {plan.rank}; each rank runs its own share "
+        if plan.rank is not None and plan.rank != self.rank:
+            raise ValueError(f"rank {self.rank}: got the share of rank {plan.rank}; each rank runs its own share "
                              f"(plan_reshard(..., rank={self.rank}))")
         missing = sorted(set(plan.ranks) - set(self.group_ranks))
         if missing:

@@ -17,21 +17,49 @@ import numpy as np
 
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant as _quant
+from .pair_schedule import build_pair_schedule, contiguity, world_of
 from .routing import check_gpus_per_node, lower_bound_bytes
-from .schedule import build_schedule
 from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer, TransferColumns
-from .validate import validate_plan
+from .validate import validate_plan, validate_share
+
+RULE_VERSION = "local-1"  # in the rank shares' digest: ranks running different rules must not agree
+
+
+def identity_digest(src: Layout, dst: Layout, options: tuple) -> str:
+    """What every rank of a rank-planned reshard computes alike: the two layouts (their content fingerprints),
+    the planner options and the rule version (the plan is a pure function of them)."""
+    h = hashlib.sha256()
+    h.update(src.fingerprint.encode())
+    h.update(dst.fingerprint.encode())
+    h.update(repr((RULE_VERSION,) + options).encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """Who sends which box to whom. Validated on construction: every destination element covered exactly once,
-    every transfer read from a box its source rank really holds."""
+    """Who sends which box to whom: the whole plan (``rank=None``: every rank's transfers) or one rank's share of
+    it (``rank=r``: the wire transfers with rank ``r`` at one end, sends, receives and relays, in the whole plan's
+    order, and its local copies; what ``plan_reshard(..., rank=r)`` returns, without planning anyone else's).
+    The shares of all ranks are exactly the whole plan cut by rank, and their schedules the whole schedule's.
+
+    Validated on construction. The whole plan: every destination element covered exactly once, every transfer
+    read from a box its source rank really holds. A share, cheaply: every transfer has its rank at one end; what
+    it sends lies inside its own source fragments (relays: its destination fragments); what it receives lies
+    inside its own destination fragments and covers each of them exactly once.
+
+    ``options``: the planner's options (``plan_reshard``'s local rules), None for a plan built otherwise (by
+    hand, or by the greedy router). ``digest``: the whole plan's, a hash of the layouts and every transfer; a
+    share's, the same on every rank of one reshard (``identity_digest``: the layouts, ``options`` and the rule
+    version), what the executor's handshake compares. ``schedule``: the pair rule (``plan/pair_schedule.py``),
+    for every plan; a share gets its own steps, numbered as in the whole plan's schedule.
+    """
 
     src: Layout
     dst: Layout
     transfers: tuple[Transfer, ...]  # over the wire (src_rank != dst_rank)
     local_copies: tuple[Transfer, ...]  # src_rank == dst_rank, never on the wire
+    rank: int | None = None  # None: the whole plan; r: rank r's share
+    options: tuple | None = None  # plan_reshard's options (local rules); None: built by hand or by the greedy
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -41,6 +69,11 @@ class Plan:
         for t in self.local_copies:
             if not t.is_local:
                 raise ValueError(f"plan: local copy {t} crosses ranks")
+        if self.rank is not None:
+            if self.options is None:
+                raise ValueError(f"plan: the share of rank {self.rank} needs the planner's options (its digest)")
+            validate_share(self)
+            return
         validate_plan(self)
         if self.dst.quantized:
             _quant.validate_quant(self)  # block-quantized destinations: the scales' cover, the modes
@@ -48,9 +81,12 @@ class Plan:
     @property
     def digest(self) -> str:
         if "digest" not in self._cache:
+            if self.rank is not None:
+                self._cache["digest"] = identity_digest(self.src, self.dst, self.options)
+                return self._cache["digest"]
             h = hashlib.sha256()
             # the layouts by their content fingerprints (from their columns: 0.06 s at 128 ranks, where their
-            # ``digest``, the repr of every fragment, took 0.8 s), as a rank plan's identity digest takes them
+            # ``digest``, the repr of every fragment, took 0.8 s), as a share's identity digest takes them
             h.update(self.src.fingerprint.encode())
             h.update(self.dst.fingerprint.encode())
             with gc_paused():  # millions of short-lived tuples: collector passes would dominate
@@ -58,6 +94,22 @@ class Plan:
                 h.update("".join([repr(t.key()) for t in self.transfers + self.local_copies]).encode())
             self._cache["digest"] = h.hexdigest()[:16]
         return self._cache["digest"]
+
+    @property
+    def sent_bytes(self) -> int:
+        """A share's: the bytes its rank sends (the whole plan's per rank: ``stats().sent_bytes``)."""
+        return int(self.columns.nbytes[self.columns.src == self._share_rank("sent_bytes")].sum())
+
+    @property
+    def recv_bytes(self) -> int:
+        """A share's: the bytes its rank receives (the whole plan's per rank: ``stats().recv_bytes``)."""
+        return int(self.columns.nbytes[self.columns.dst == self._share_rank("recv_bytes")].sum())
+
+    def _share_rank(self, what: str) -> int:
+        if self.rank is None:
+            raise ValueError(f"Plan.{what}: a share's (plan_reshard(..., rank=r)); the whole plan has it per rank "
+                             f"in stats()")
+        return self.rank
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -68,6 +120,9 @@ class Plan:
         of that many consecutive ranks) and NVLink (inside a node) bytes; relays are counted in both the
         totals and ``relay_bytes``."""
         check_gpus_per_node(gpus_per_node, "Plan.stats")
+        if self.rank is not None:
+            raise ValueError(f"Plan.stats: the whole plan's (this is rank {self.rank}'s share: sent_bytes, "
+                             f"recv_bytes)")
         key = ("stats", gpus_per_node)
         if key not in self._cache:
             c = self.columns
@@ -109,15 +164,21 @@ class Plan:
         return got
 
     def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
-        """Cut the wire transfers into steps within ``bucket_bytes`` of staging per rank (cached).
+        """The wire transfers in steps by the pair rule (``plan/pair_schedule.py``; cached): per step each rank
+        sends to at most ``STEP_PEERS`` peers and receives from as many, each message within its share of
+        ``bucket_bytes``, so a rank's staging stays within one bucket. Steps carry their rule number
+        (``Step.number``); a share's steps (only those its rank takes part in) have the whole plan's numbers.
 
         Chunks of at least ``direct_min_bytes`` that are contiguous in their source or destination local
         tensor become direct messages (sent or received in place by the executor)."""
         key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
         if key not in self._cache:
-            self._cache[key] = build_schedule(
-                self.transfers, int(bucket_bytes), self._contiguity(int(direct_min_bytes)), int(direct_min_bytes)
-            )
+            n = int(direct_min_bytes)
+            cont = (self._contiguity(n) if self.rank is None
+                    else contiguity(self.transfers, self.src, self.dst, n, self.rank))
+            with gc_paused():
+                self._cache[key] = build_pair_schedule(self.transfers, int(bucket_bytes), cont, n,
+                                                       world_of(self.src, self.dst))
         return self._cache[key]
 
     def _contiguity(self, min_bytes: int = 0) -> _Contiguity:
@@ -128,6 +189,9 @@ class Plan:
         return _Contiguity(self.transfers, self.src, self.dst, min_bytes)
 
     def __repr__(self) -> str:
+        if self.rank is not None:
+            return (f"Plan(rank={self.rank}, digest={self.digest}, {len(self.transfers)} wire transfers (sends "
+                    f"{self.sent_bytes} B, receives {self.recv_bytes} B), {len(self.local_copies)} local copies)")
         s = self.stats()
         return (
             f"Plan(digest={self.digest}, {len(self.transfers)} wire transfers ({s.wire_bytes} B, lower bound "

@@ -31,21 +31,16 @@ still pending always has both ends of its messages posted).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from bisect import bisect_left
-from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from ..box import find_overlap
 from ..layout import Fragment, Layout, gc_paused, itemsize_of
 from . import quant
 from .core import Plan
 from .index import DstGroup, TensorIndex, check_own_overlaps, rank_fragments, tensor_index
-from .pair_schedule import build_pair_schedule, contiguity, world_of
 from .relay import relay_dtype, split_piece
 from .routing import (
     LOCAL_ORDER,
@@ -54,8 +49,7 @@ from .routing import (
     holders_of,
     wire_dtype_of,
 )
-from .types import DIRECT_MIN_BYTES, Schedule, Transfer, make_transfer
-from .validate import quant_scales, reading_fragment
+from .types import Transfer, make_transfer
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 _FIRST = lambda kv: kv[0]  # noqa: E731
@@ -354,163 +348,13 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
 
 
 # --------------------------------------------------------------------------------------------------------
-# Rank plans
+# Entry point (``plan_reshard(..., routing="local")``)
 # --------------------------------------------------------------------------------------------------------
-
-RULE_VERSION = "local-1"  # in the rank plans' digest: ranks running different rules must not agree
-
-
-def identity_digest(src: Layout, dst: Layout, options: tuple) -> str:
-    """What every rank of a rank-planned reshard computes alike: the two layouts, the planner options and the
-    rule version (the plan is a pure function of them)."""
-    h = hashlib.sha256()
-    h.update(src.fingerprint.encode())
-    h.update(dst.fingerprint.encode())
-    h.update(repr((RULE_VERSION,) + options).encode())
-    return h.hexdigest()[:16]
-
-
-@dataclass(frozen=True, eq=False, repr=False)
-class RankPlan:
-    """Rank ``rank``'s share of a plan (``plan_reshard(..., rank=r)``): its wire transfers (sends, receives and
-    relays, in the whole plan's order) and its local copies, decided by the local rules, so that the rank
-    plans of all ranks are exactly the whole plan (``plan_reshard`` without ``rank``) cut by rank.
-
-    Validated on construction, cheaply: every transfer has this rank at one end; what it sends lies inside its
-    own source fragments (relays: its destination fragments); what it receives lies inside its own
-    destination fragments and covers each of them exactly once. ``schedule`` gives this rank's steps, numbered
-    as in the whole plan's schedule. ``digest``: the same on every rank of one reshard (see
-    ``identity_digest``), what the executor's handshake compares."""
-
-    src: Layout
-    dst: Layout
-    rank: int
-    transfers: tuple[Transfer, ...]
-    local_copies: tuple[Transfer, ...]
-    options: tuple = ()
-    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _validate_rank_plan(self)
-
-    @property
-    def digest(self) -> str:
-        if "digest" not in self._cache:
-            self._cache["digest"] = identity_digest(self.src, self.dst, self.options)
-        return self._cache["digest"]
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.src.ranks) | set(self.dst.ranks)))
-
-    @property
-    def sent_bytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers if t.src_rank == self.rank)
-
-    @property
-    def recv_bytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers if t.dst_rank == self.rank)
-
-    def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
-        """This rank's steps (only those it takes part in), by the pair rule: the same messages, at the same
-        step numbers, as the whole plan's ``schedule`` gives its pairs (cached)."""
-        key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
-        if key not in self._cache:
-            with gc_paused():
-                self._cache[key] = build_pair_schedule(
-                    self.transfers, int(bucket_bytes),
-                    contiguity(self.transfers, self.src, self.dst, int(direct_min_bytes), self.rank),
-                    int(direct_min_bytes),
-                    world_of(self.src, self.dst))
-        return self._cache[key]
-
-    def __repr__(self) -> str:
-        return (f"RankPlan(rank={self.rank}, digest={self.digest}, {len(self.transfers)} wire transfers "
-                f"(sends {self.sent_bytes} B, receives {self.recv_bytes} B), {len(self.local_copies)} local copies)")
-
-    describe = Plan.describe  # the same listing: it reads only repr, transfers and local_copies
-    __str__ = describe
-
-
-def _validate_rank_plan(p: RankPlan) -> None:
-    """The cheap self-check of a rank plan: see ``RankPlan``. (Whether a relay this rank receives reads a box
-    its sender got from a non-relay is the sender's check; the whole plan checks everything at once.)"""
-    r = p.rank
-    mine_s: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    mine_d: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    for f in rank_fragments(p.src, r):
-        mine_s[(f.tensor, f.local)].append(f)
-    dfrags = rank_fragments(p.dst, r)
-    for f in dfrags:
-        mine_d[(f.tensor, f.local)].append(f)
-    written: dict[int, list[Transfer]] = {}
-    with gc_paused():
-        for t in p.transfers + p.local_copies:
-            local = t.src_rank == t.dst_rank
-            if t.src_rank != r and t.dst_rank != r:
-                raise ValueError(f"rank plan of rank {r}: transfer {t} does not involve rank {r}")
-            if local and t not in p.local_copies:
-                raise ValueError(f"rank plan of rank {r}: wire transfer {t} stays on one rank")
-            if t.src_rank == r:
-                frs = (mine_d if t.relay else mine_s).get((t.tensor, t.src_local), ())
-                if reading_fragment(frs, t.offsets, t.sizes, t.src_offsets) is None:
-                    side = "destination" if t.relay else "source"
-                    raise ValueError(f"rank plan of rank {r}: transfer {t} reads a box outside rank {r}'s {side} "
-                                     f"fragments of tensor {t.tensor!r}")
-            if t.dst_rank == r:
-                df = reading_fragment(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
-                if df is None:
-                    raise ValueError(f"rank plan of rank {r}: transfer {t} writes outside rank {r}'s destination "
-                                     f"fragments of tensor {t.tensor!r}")
-                if 0 not in t.sizes:
-                    written.setdefault(id(df), []).append(t)
-        for t in p.local_copies:
-            if t.src_rank != r or t.dst_rank != r:
-                raise ValueError(f"rank plan of rank {r}: local copy {t} is not on rank {r}")
-        scales = quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
-        for f in dfrags:
-            ts = written.get(id(f))
-            if ts is None:
-                exact = f.tensor in scales
-            elif len(ts) == 1:
-                exact = ts[0].sizes == f.sizes
-            else:
-                exact = (sum(t.numel for t in ts) == f.numel
-                         and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
-            if not exact:
-                raise ValueError(f"rank plan of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
-                                 f"covered exactly once by its receives and local copies")
-    if scales:
-        quant.validate_quant(p, ranks=(r,))
-
-
-# --------------------------------------------------------------------------------------------------------
-# Entry points (``plan_reshard(..., routing="local")``)
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False, repr=False)
-class LocalPlan(Plan):
-    """A whole plan by the local rules (``plan_reshard``'s default): a :class:`Plan` (validated the same way)
-    whose ``schedule`` follows the pair rule, so its rank ``r`` part is exactly ``plan_reshard(..., rank=r)``."""
-
-    def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
-        """The wire transfers in steps by the pair rule (see ``plan/local.py``; cached): per step each rank
-        sends at most one message and receives at most one, each within ``bucket_bytes // 2``. Steps carry
-        their rule number (``Step.number``); the rank plans' steps have the same numbers."""
-        key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
-        if key not in self._cache:
-            with gc_paused():
-                self._cache[key] = build_pair_schedule(
-                    self.transfers, int(bucket_bytes), self._contiguity(int(direct_min_bytes)),
-                    int(direct_min_bytes), world_of(self.src, self.dst))
-        return self._cache[key]
 
 
 def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per_node: int | None, relay: bool,
                groups: dict[int, int], options: tuple, rank: int | None):
-    """The whole plan (``rank=None``: a :class:`LocalPlan`) or rank ``rank``'s :class:`RankPlan`, routed by the
-    local rules on ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
+    """The whole plan (``rank=None``) or rank ``rank``'s share, a :class:`Plan`, routed by the local rules on ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
     with gc_paused():
         if rank is None:
@@ -526,6 +370,4 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
                 wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
         wire.sort(key=WIRE_ORDER)
         local.sort(key=LOCAL_ORDER)
-        if rank is None:
-            return LocalPlan(src, dst, tuple(wire), tuple(local))
-        return RankPlan(src, dst, rank, tuple(wire), tuple(local), options)
+        return Plan(src, dst, tuple(wire), tuple(local), rank, options)

@@ -25,13 +25,13 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     ``routing="local"`` (the default, ``plan/local.py``): every choice is a rule a rank evaluates for its own
     transfers from the two layouts alone, and its peers evaluate identically: a piece's receivers are spread
     over its holders by quotas (``local.assign``, same-node holders first with ``gpus_per_node``), fan-out
-    parts go to heads in rotation, and the steps follow the pair rule (``LocalPlan.schedule``: per step each
-    rank sends to at most ``local.STEP_PEERS`` peers and receives from as many, within the bucket). ``rank=r`` then returns rank ``r``'s share alone, a
-    :class:`~triton_reshard.plan.local.RankPlan` (its transfers and schedule, without planning anyone else's;
-    the :class:`~triton_reshard.execute.Resharder` runs from it); the rank plans of all ranks are exactly the
-    whole plan cut by rank. ``routing="greedy"``: the global greedy of earlier versions (fixed sources
-    first, then the rest largest first onto the least loaded holder; steps by first fit over the whole
-    world; no ``rank``), kept for comparison. Both send exactly the lower bound of wire bytes.
+    parts go to heads in rotation. ``rank=r`` then returns rank ``r``'s share alone, a :class:`Plan` with
+    ``rank=r`` (its transfers and schedule, without planning anyone else's; the
+    :class:`~triton_reshard.execute.Resharder` runs from it); the shares of all ranks are exactly the whole plan
+    cut by rank. Every plan's steps follow the pair rule (``Plan.schedule``: per step each rank sends to at most
+    ``STEP_PEERS`` peers and receives from as many, within the bucket). ``routing="greedy"``: the global greedy
+    of earlier versions (fixed sources first, then the rest largest first onto the least loaded holder; no
+    ``rank``), kept for comparison (``plan/greedy.py``; its first-fit steps: ``plan.build_schedule``). Both send exactly the lower bound of wire bytes.
 
     ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
     source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that

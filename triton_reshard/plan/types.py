@@ -326,7 +326,7 @@ def make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype,
 
 
 class PlanLike(Protocol):
-    """What the plan's checks and derived tables read of a plan: a ``Plan``, a ``LocalPlan`` or a ``RankPlan``."""
+    """What the plan's checks and derived tables read of a plan (a ``Plan``: the whole plan or one rank's share)."""
 
     src: Layout
     dst: Layout

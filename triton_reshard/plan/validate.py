@@ -10,7 +10,8 @@ from operator import add, le, sub
 
 from ..box import boxes_meet, find_overlap
 from ..layout import Fragment, gc_paused
-from .quant import plan_targets
+from .index import rank_fragments
+from .quant import plan_targets, validate_quant
 from .types import PlanLike, Transfer
 
 
@@ -151,3 +152,55 @@ def quant_scales(plan: PlanLike) -> frozenset[str]:
     if not plan.dst.quantized:
         return frozenset()
     return frozenset(spec.quant.scale for spec in plan_targets(plan).values())
+
+
+def validate_share(p: PlanLike) -> None:
+    """The cheap self-check of one rank's share of a plan (``Plan(..., rank=r)``): every transfer has rank ``r``
+    at one end; what it sends lies inside its own source fragments (relays: its destination fragments); what it
+    receives lies inside its own destination fragments and covers each of them exactly once. (Whether a relay
+    this rank receives reads a box its sender got from a non-relay is the sender's check; the whole plan checks
+    everything at once.)"""
+    r = p.rank
+    mine_s: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
+    mine_d: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
+    for f in rank_fragments(p.src, r):
+        mine_s[(f.tensor, f.local)].append(f)
+    dfrags = rank_fragments(p.dst, r)
+    for f in dfrags:
+        mine_d[(f.tensor, f.local)].append(f)
+    written: dict[int, list[Transfer]] = {}
+    with gc_paused():
+        for t in p.transfers + p.local_copies:
+            if t.src_rank != r and t.dst_rank != r:
+                raise ValueError(f"share of rank {r}: transfer {t} does not involve rank {r}")
+            if t.src_rank == r:
+                frs = (mine_d if t.relay else mine_s).get((t.tensor, t.src_local), ())
+                if reading_fragment(frs, t.offsets, t.sizes, t.src_offsets) is None:
+                    side = "destination" if t.relay else "source"
+                    raise ValueError(f"share of rank {r}: transfer {t} reads a box outside rank {r}'s {side} "
+                                     f"fragments of tensor {t.tensor!r}")
+            if t.dst_rank == r:
+                df = reading_fragment(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
+                if df is None:
+                    raise ValueError(f"share of rank {r}: transfer {t} writes outside rank {r}'s destination "
+                                     f"fragments of tensor {t.tensor!r}")
+                if 0 not in t.sizes:
+                    written.setdefault(id(df), []).append(t)
+        for t in p.local_copies:
+            if t.src_rank != r or t.dst_rank != r:
+                raise ValueError(f"share of rank {r}: local copy {t} is not on rank {r}")
+        scales = quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
+        for f in dfrags:
+            ts = written.get(id(f))
+            if ts is None:
+                exact = f.tensor in scales
+            elif len(ts) == 1:
+                exact = ts[0].sizes == f.sizes
+            else:
+                exact = (sum(t.numel for t in ts) == f.numel
+                         and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
+            if not exact:
+                raise ValueError(f"share of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
+                                 f"covered exactly once by its receives and local copies")
+    if scales:
+        validate_quant(p, ranks=(r,))

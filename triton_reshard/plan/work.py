@@ -67,7 +67,7 @@ def check_chunk_count(plan, slot_bytes: int) -> None:
 
 
 def rank_work(plan, rank: int, slots: int, slot_bytes: int, direct_min_bytes: int) -> RankWork:
-    """The work of ``rank`` in ``plan`` (a ``Plan`` or its ``RankPlan``) with ``slots`` staging slots of
+    """The work of ``rank`` in ``plan`` (the whole ``Plan`` or ``rank``'s share of it) with ``slots`` staging slots of
     ``slot_bytes`` (the schedule's per-step cap; see :func:`check_chunk_count` for the plans it refuses)."""
     schedule = plan.schedule(slot_bytes, direct_min_bytes)
     mine, _send_area, _recv_area = schedule.for_rank(rank)
