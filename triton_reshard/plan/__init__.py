@@ -1,18 +1,19 @@
 """Plan: two layouts in, transfers out (pure, deterministic, immutable).
 
+One plan type, :class:`Plan`: the whole plan (``rank=None``) or one rank's share (``plan_reshard(..., rank=r)``).
 Modules, each importing only the ones before it: ``types`` (values, constants) <- ``quant`` (block-quantized
-destinations) <- ``schedule`` (first-fit steps), ``relay`` (fan-out) <- ``routing`` (holders, pieces, checks,
-the lower bound) <- ``validate`` (exact cover) <- ``core`` (``Plan``) <- ``local`` (the local rules: the
-default planner, rank plans, the pair schedule), ``greedy`` (the greedy router, kept for comparison) <-
-``planner`` (``plan_reshard``); ``work``: what one rank's executor needs of a plan. Box geometry:
-``triton_reshard.box``.
+destinations) <- ``schedule`` (first-fit steps, for the greedy), ``pair_schedule`` (the pair rule: every plan's
+steps), ``relay`` (fan-out) <- ``routing`` (holders, pieces, checks, the lower bound) <- ``index`` (per-tensor
+queries on a layout) <- ``validate`` (exact cover, a share's check) <- ``core`` (``Plan``) <- ``local`` (the local
+rules: the planner), ``greedy`` (the greedy router, kept for comparison) <- ``planner`` (``plan_reshard``);
+``work``: what one rank's executor needs of a plan. Box geometry: ``triton_reshard.box``.
 """
 
 from .core import Plan
 from .planner import plan_reshard
 from .routing import lower_bound_bytes
 from .schedule import build_schedule
-from .types import ALIGN, DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
+from .types import ALIGN, DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer, TransferColumns
 
 __all__ = [
     "ALIGN",
@@ -21,6 +22,7 @@ __all__ = [
     "PlanStats",
     "Schedule",
     "Transfer",
+    "TransferColumns",
     "build_schedule",
     "lower_bound_bytes",
     "plan_reshard",

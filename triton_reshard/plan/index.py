@@ -88,12 +88,13 @@ class TensorIndex:
         return f
 
     def _exact_rows(self, box: tuple) -> np.ndarray:
+        """The rows whose box is exactly ``box`` (one pass over the table; an empty box has none)."""
         tb = self._table
-        rows = tb.overlapping(*box)
-        if len(rows):
-            off, size = np.asarray(box[0], np.int64), np.asarray(box[1], np.int64)
-            rows = rows[(tb.offsets[rows] == off).all(axis=1) & (tb.sizes[rows] == size).all(axis=1)]
-        return rows
+        if 0 in box[1]:
+            return np.zeros(0, np.int64)
+        if not tb.offsets.shape[1]:  # 0-d tensor: every row holds its one element
+            return np.arange(tb.n)
+        return np.flatnonzero((tb.offsets == box[0]).all(axis=1) & (tb.sizes == box[1]).all(axis=1))
 
     def group(self, name: str, box: tuple) -> DstGroup:
         """The fragments whose box is exactly ``box``, as a :class:`DstGroup`."""
@@ -160,35 +161,11 @@ class FragmentRef:
         return self._ix._fragment(self._row).local_box(off, size)
 
 
-def check_own_overlaps(layout: Layout, name: str, frags: Sequence[Fragment] | None = None) -> None:
-    """Destination boxes of tensor ``name`` overlapping on one rank raise (``routing.check_dst_overlap``):
-    ``frags`` (one rank's), or every rank's (read from the table's ranks first: nothing is built unless a
-    rank holds two boxes)."""
-    if frags is None:
-        ix = tensor_index(layout, name)
-        if ix._table is not None:
-            tb = ix._table
-            ranks = tb.ranks[(tb.sizes > 0).all(axis=1)]
-            if len(np.unique(ranks)) == len(ranks):
-                return
-            frags = [f for f in tb.fragments if 0 not in f.sizes]
-        else:
-            frags = [f for b in ix.boxes for f in ix.by_box[b]]
+def check_own_overlaps(name: str, frags: Sequence[Fragment]) -> None:
+    """Destination boxes of tensor ``name`` (``frags``) overlapping on one rank raise
+    (``routing.check_dst_overlap``)."""
     if len({f.rank for f in frags}) < len(frags):
         check_dst_overlap(name, frags)
-
-
-def tensor_index(layout: Layout, name: str, whole: bool = False) -> TensorIndex:
-    """The tensor's index (cached on the layout); ``whole``: for planning every rank (all its fragments built
-    at once) rather than one rank's share (a columnar layout's table, rows built on demand)."""
-    key = "plan.index.all" if whole and layout.lazy_tables else "plan.index"
-    cache = layout.memo.get(key)
-    if cache is None:
-        cache = layout.memo[key] = {}
-    ix = cache.get(name)
-    if ix is None:
-        ix = cache[name] = TensorIndex(layout, name, whole)
-    return ix
 
 
 def rank_fragments(layout: Layout, rank: int) -> list[Fragment]:

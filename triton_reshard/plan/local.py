@@ -40,7 +40,7 @@ import torch
 from ..layout import Fragment, Layout, gc_paused, itemsize_of
 from . import quant
 from .core import Plan
-from .index import DstGroup, TensorIndex, check_own_overlaps, rank_fragments, tensor_index
+from .index import DstGroup, TensorIndex, check_own_overlaps, rank_fragments
 from .relay import relay_dtype, split_piece
 from .routing import (
     LOCAL_ORDER,
@@ -296,14 +296,14 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
     """Every rank's transfers: ``route_box`` over every destination box of every tensor."""
     local: list[Transfer] = []
     wire: list[Transfer] = []
-    src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see tensor_index(whole=True))
-    for spec in dst.tensors:
-        dix = tensor_index(dst, spec.name, True)
+    src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see TensorIndex(whole=True))
+    for spec in dst.tensors:  # each tensor's indexes built for it and dropped after it (kept, they cost more than
+        dix = TensorIndex(dst, spec.name, True)  # the transfers: ~0.5 KB per transfer)
         if not dix.boxes:
             continue
-        check_own_overlaps(dst, spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
+        check_own_overlaps(spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
         wdt, rdt, base = _options(src, dst, spec.name, relay)
-        six = tensor_index(src, spec.name, True)
+        six = TensorIndex(src, spec.name, True)
         for box in dix.boxes:
             route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
@@ -323,7 +323,7 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
         mine.setdefault(df.tensor, []).append(df)
     for name, frs in mine.items():
         if len(frs) > 1:
-            check_own_overlaps(dst, name, frs)
+            check_own_overlaps(name, frs)
     for sf in rank_fragments(src, rank):
         if sf.tensor in dst.specs:
             for box in TensorIndex(dst, sf.tensor, keep=False).boxes_overlapping(sf.offsets, sf.sizes):

@@ -5,6 +5,7 @@ input checks, and the lower bound of the wire bytes. Fan-out (relays) is in ``re
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -50,8 +51,6 @@ def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tupl
                 mask |= 1 << i
         return [(tuple(box_off), tuple(box_size), mask)]
     # label every cell
-    import itertools
-
     labels: dict[tuple[int, ...], int] = {}
     for idx in itertools.product(*[range(n) for n in shape]):
         lo = tuple(cuts[d][i] for d, i in enumerate(idx))
