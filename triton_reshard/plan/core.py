@@ -221,12 +221,13 @@ def _sums(ranks: np.ndarray, nbytes: np.ndarray, world: int) -> list[int]:
 
 
 class _Contiguity:
-    """``Plan._contiguity``: entry ``i`` computed (and kept) when first read."""
+    """``Plan._contiguity``: entry ``i`` computed when read (not kept: the schedule asks once per transfer and
+    chunk size, and a cache of every answer cost ~150 B per transfer for the schedule's lifetime)."""
 
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_got", "_specs")
+    __slots__ = ("_ts", "_src", "_dst", "_min", "_specs")
 
     def __init__(self, transfers, src: Layout, dst: Layout, min_bytes: int) -> None:
-        self._ts, self._src, self._dst, self._min, self._got = transfers, src, dst, min_bytes, {}
+        self._ts, self._src, self._dst, self._min = transfers, src, dst, min_bytes
         self._specs: dict[tuple[bool, int], dict] = {}  # (destination side?, rank) -> its local specs
 
     def _spec(self, dst_side: bool, rank: int, local: str):
@@ -239,17 +240,11 @@ class _Contiguity:
         return len(self._ts)
 
     def __getitem__(self, i: int) -> tuple | None:
-        got = self._got
-        if i in got:
-            return got[i]
         t = self._ts[i]
         if t.quant == _quant.QUANT_SRC or t.numel * itemsize_of(t.wire_dtype) < self._min:  # (pack quantizes: never direct)
-            out = None
-        else:
-            s = self._spec(t.relay, t.src_rank, t.src_local)
-            d = self._spec(True, t.dst_rank, t.dst_local)
-            w = t.wire_dtype
-            out = (s.shape if s is not None and s.dtype == w else None,
-                   d.shape if d is not None and d.dtype == w else None)
-        got[i] = out
-        return out
+            return None
+        s = self._spec(t.relay, t.src_rank, t.src_local)
+        d = self._spec(True, t.dst_rank, t.dst_local)
+        w = t.wire_dtype
+        return (s.shape if s is not None and s.dtype == w else None,
+                d.shape if d is not None and d.dtype == w else None)
