@@ -228,13 +228,9 @@ class _Contiguity:
 
     def __init__(self, transfers, src: Layout, dst: Layout, min_bytes: int) -> None:
         self._ts, self._src, self._dst, self._min = transfers, src, dst, min_bytes
-        self._specs: dict[tuple[bool, int], dict] = {}  # (destination side?, rank) -> its local specs
-
-    def _spec(self, dst_side: bool, rank: int, local: str):
-        got = self._specs.get((dst_side, rank))
-        if got is None:  # every rank's locals are read (whole plan): one dict per rank beats a search per local
-            got = self._specs[(dst_side, rank)] = (self._dst if dst_side else self._src).local_specs(rank)
-        return got.get(local)
+        # (destination side?, rank) -> its local specs: every rank's locals are read (the whole plan), so one dict
+        # per rank beats a search per local
+        self._specs: dict[tuple[bool, int], dict] = {}
 
     def __len__(self) -> int:
         return len(self._ts)
@@ -243,8 +239,14 @@ class _Contiguity:
         t = self._ts[i]
         if t.quant == _quant.QUANT_SRC or t.numel * itemsize_of(t.wire_dtype) < self._min:  # (pack quantizes: never direct)
             return None
-        s = self._spec(t.relay, t.src_rank, t.src_local)
-        d = self._spec(True, t.dst_rank, t.dst_local)
+        specs = self._specs  # (``_spec`` inlined: it runs twice per big transfer)
+        ss = specs.get((t.relay, t.src_rank))
+        if ss is None:
+            ss = specs[(t.relay, t.src_rank)] = (self._dst if t.relay else self._src).local_specs(t.src_rank)
+        ds = specs.get((True, t.dst_rank))
+        if ds is None:
+            ds = specs[(True, t.dst_rank)] = self._dst.local_specs(t.dst_rank)
+        s, d = ss.get(t.src_local), ds.get(t.dst_local)
         w = t.wire_dtype
         return (s.shape if s is not None and s.dtype == w else None,
                 d.shape if d is not None and d.dtype == w else None)
