@@ -1203,3 +1203,107 @@ def test_rank_plans_of_columnar_preset_layouts(kw):
     if groups:
         assert st_.num_relays > 0
     check_rank_plans(plan, False, gpn, None, groups)
+
+
+# --------------------------------------------------------------------------------------------------------
+# One plan type (issue 21): the whole plan and a rank's share are both a Plan
+# --------------------------------------------------------------------------------------------------------
+
+
+def _tiny_preset_layouts(eager: bool = False):
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config("tiny_qwen3_moe")
+    src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8), dtype=torch.bfloat16)
+    dst = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=range(4, 8), dtype=torch.bfloat16).instances(2)
+    if eager:
+        src, dst = (Layout(x.tensors, x.fragments, x.locals) for x in (src, dst))
+    return src, dst
+
+
+def test_a_share_is_a_plan_with_its_rank_and_the_whole_plan_cut_by_it():
+    src, dst = _tiny_preset_layouts()
+    whole = plan_reshard(src, dst)
+    assert type(whole) is Plan and whole.rank is None and whole.options is not None
+    total_sent = 0
+    for r in whole.ranks:
+        share = plan_reshard(src, dst, rank=r)
+        assert type(share) is Plan and share.rank == r
+        assert share.transfers == tuple(t for t in whole.transfers if r in (t.src_rank, t.dst_rank))
+        assert share.local_copies == tuple(t for t in whole.local_copies if t.dst_rank == r)
+        assert share.sent_bytes == whole.stats().sent_bytes[r] and share.recv_bytes == whole.stats().recv_bytes[r]
+        total_sent += share.sent_bytes
+        assert f"rank={r}" in repr(share) and share.describe().startswith(repr(share))
+    assert total_sent == whole.stats().wire_bytes
+    # the shares' digests are one identity (what the handshake compares), the whole plan's hashes its transfers
+    assert len({plan_reshard(src, dst, rank=r).digest for r in whole.ranks}) == 1
+    assert whole.digest != plan_reshard(src, dst, rank=0).digest
+
+
+def test_what_a_share_cannot_answer_is_refused_by_name():
+    src, dst = _tiny_preset_layouts()
+    share, whole = plan_reshard(src, dst, rank=5), plan_reshard(src, dst)
+    with pytest.raises(ValueError, match="rank 5's share"):
+        share.stats()
+    with pytest.raises(ValueError, match="a share's"):
+        whole.sent_bytes  # noqa: B018
+    with pytest.raises(ValueError, match="needs the planner's options"):
+        Plan(src, dst, share.transfers, share.local_copies, rank=5)
+    with pytest.raises(ValueError, match="does not involve rank 5"):  # another rank's transfer in a share
+        other = next(t for t in whole.transfers if 5 not in (t.src_rank, t.dst_rank))
+        Plan(src, dst, share.transfers + (other,), share.local_copies, rank=5, options=share.options)
+
+
+def test_every_plan_is_scheduled_by_the_pair_rule():
+    """The greedy's plan and a plan built by hand get the same kind of schedule as the local rules' (numbered
+    steps, every rank within the bucket); first fit stays callable for comparison."""
+    from triton_reshard.plan import build_schedule
+    from triton_reshard.plan.pair_schedule import PairSchedule
+
+    src, dst = _tiny_preset_layouts()
+    for plan in (plan_reshard(src, dst, routing="greedy"), Plan(src, dst, plan_reshard(src, dst).transfers,
+                                                                 plan_reshard(src, dst).local_copies)):
+        sched = plan.schedule(1 << 20)
+        assert isinstance(sched, PairSchedule)
+        assert sum(m.payload for st_ in sched.steps for m in st_.messages) == plan.stats().wire_bytes
+        assert len(build_schedule(plan.transfers, 1 << 20).steps) > 0
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["columnar", "eager"])
+def test_the_layout_queries_the_planner_uses_agree_on_both_storages(eager):
+    src, dst = _tiny_preset_layouts(eager)
+    col_src, col_dst = _tiny_preset_layouts(False)
+    for lay, col in ((src, col_src), (dst, col_dst)):
+        assert lay.fingerprint == col.fingerprint
+        for r in lay.ranks:
+            specs = lay.local_specs(r)
+            assert specs == col.local_specs(r)
+            for name, spec in specs.items():
+                assert lay.local_spec(r, name) == spec
+            assert lay.local_spec(r, "no such local") is None
+            assert lay.fragments_on_rank(r) == col.fragments_on_rank(r)
+        assert lay.local_spec(10_000, next(iter(lay.local_specs(lay.ranks[0])))) is None
+        assert dict(lay.fragments_by_local) == dict(col.fragments_by_local)
+        assert lay.tensor_order() == col.tensor_order()
+        assert isinstance(lay.memo, dict) and lay.memo is lay.memo
+
+
+def test_a_share_leaves_no_reference_cycle_behind():
+    """The planner runs with the cyclic collector paused: a cycle it makes lives until the collector runs. A
+    destination group's fragment lookup once closed over its tensor index (index -> groups -> lookup -> index),
+    which kept every tensor's rows of a thousand ranks alive for the whole rank plan."""
+    import gc
+
+    src, dst = _tiny_preset_layouts()
+    plan_reshard.cache_clear()
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for r in (0, 5):
+            plan_reshard(src, dst, rank=r).schedule(1 << 20)
+        plan_reshard(src, dst)
+        assert gc.collect() == 0
+    finally:
+        if was:
+            gc.enable()
