@@ -589,8 +589,8 @@ def boxes_in(draw, ndim=None, n=(0, 5)):
 @HYP
 @given(boxes_in())
 def test_fast_pieces_and_held_numel_match_decompose(problem):
-    from triton_reshard.box import boxes_meet
-    from triton_reshard.plan.routing import cover_pieces, decompose_box, held_numel
+    from triton_reshard.box import boxes_meet, decompose_box
+    from triton_reshard.plan.routing import cover_pieces, held_numel
 
     (off, size), cands = problem
     cands = [c for c in cands if boxes_meet(c[0], c[1], off, size)]

@@ -472,7 +472,7 @@ def test_union_boxes_is_canonical_and_exact(seed):
     """The regions a receiver stages come from ``union_boxes`` over the blocks its pieces touch; the sender
     cuts its pieces by the same regions from another set of boxes with the same union: the decomposition must
     depend on the union alone, cover it exactly, and be disjoint."""
-    from triton_reshard.plan.quant import union_boxes
+    from triton_reshard.box import union_boxes
 
     rnd = random.Random(seed)
     nd = rnd.choice([1, 2, 3])

@@ -1,5 +1,6 @@
 """Box geometry, written once: a box is ``(offsets, sizes)`` of a tensor (one entry per dim). Slicing,
-intersection, overlap, containment, splitting to a byte cap, contiguity. Used by layout, plan and execute.
+intersection, overlap, containment, splitting to a byte cap, contiguity, a box cut by others into
+pieces (``decompose_box``), a box less another, the union of boxes. Used by layout, plan and execute.
 """
 
 from __future__ import annotations
@@ -120,3 +121,137 @@ def is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple
         if n > 1:
             seen = True
     return True
+
+
+def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
+    """Split ``box`` into sub-boxes, each labelled with the set (bitmask) of candidate boxes containing it.
+
+    Cells of the grid made by all candidate boundaries are merged greedily into larger boxes with the same
+    label. A label of 0 means no candidate holds that part.
+    """
+    nd = len(box_off)
+    if nd == 0:
+        mask = 0
+        for i, _ in enumerate(cands):
+            mask |= 1 << i
+        return [((), (), mask)]
+    cuts = []
+    for d in range(nd):
+        lo, hi = box_off[d], box_off[d] + box_size[d]
+        pts = {lo, hi}
+        for c_off, c_size in cands:
+            for p in (c_off[d], c_off[d] + c_size[d]):
+                if lo < p < hi:
+                    pts.add(p)
+        cuts.append(sorted(pts))
+    shape = [len(c) - 1 for c in cuts]
+    if math.prod(shape) == 1:
+        mask = 0
+        for i, (c_off, c_size) in enumerate(cands):
+            if contains(c_off, c_size, box_off, box_size):
+                mask |= 1 << i
+        return [(tuple(box_off), tuple(box_size), mask)]
+    # label every cell
+    labels: dict[tuple[int, ...], int] = {}
+    for idx in itertools.product(*[range(n) for n in shape]):
+        lo = tuple(cuts[d][i] for d, i in enumerate(idx))
+        mask = 0
+        for ci, (c_off, c_size) in enumerate(cands):
+            if all(c_off[d] <= lo[d] < c_off[d] + c_size[d] for d in range(nd)):
+                mask |= 1 << ci
+        labels[idx] = mask
+    done: set[tuple[int, ...]] = set()
+    out = []
+    for idx in itertools.product(*[range(n) for n in shape]):
+        if idx in done:
+            continue
+        lab = labels[idx]
+        hi = list(idx)
+        # grow along each dim, last dim first, while every cell of the slab has the same label
+        for d in reversed(range(nd)):
+            while hi[d] + 1 < shape[d]:
+                ranges = [range(idx[k], hi[k] + 1) if k != d else range(hi[d] + 1, hi[d] + 2) for k in range(nd)]
+                slab = list(itertools.product(*ranges))
+                if all(labels[c] == lab and c not in done for c in slab):
+                    hi[d] += 1
+                else:
+                    break
+        for c in itertools.product(*[range(idx[k], hi[k] + 1) for k in range(nd)]):
+            done.add(c)
+        off = tuple(cuts[d][idx[d]] for d in range(nd))
+        size = tuple(cuts[d][hi[d] + 1] - cuts[d][idx[d]] for d in range(nd))
+        out.append((off, size, lab))
+    return out
+
+
+def subtract_box(off, size, inner: Box | None) -> list[Box]:
+    """Box ``off``+``size`` minus its sub-box ``inner``: disjoint slabs (dims before ``d`` cut to the inner
+    range, dim ``d`` outside it, the later dims whole)."""
+    if inner is None:
+        return [(tuple(off), tuple(size))]
+    out = []
+    cur_off, cur_size = list(off), list(size)
+    for d in range(len(off)):
+        io, isz = inner[0][d], inner[1][d]
+        lo, hi = cur_off[d], cur_off[d] + cur_size[d]
+        if io > lo:
+            out.append((tuple(cur_off[:d]) + (lo,) + tuple(cur_off[d + 1:]),
+                        tuple(cur_size[:d]) + (io - lo,) + tuple(cur_size[d + 1:])))
+        if io + isz < hi:
+            out.append((tuple(cur_off[:d]) + (io + isz,) + tuple(cur_off[d + 1:]),
+                        tuple(cur_size[:d]) + (hi - io - isz,) + tuple(cur_size[d + 1:])))
+        cur_off[d], cur_size[d] = io, isz
+    return out
+
+
+def union_boxes(boxes: Sequence[Box]) -> list[Box]:
+    """The union of ``boxes`` as disjoint boxes, in a canonical form: the same set gives the same boxes
+    whatever boxes it came from (grid lines where the set does not change are dropped, then the cells are
+    merged greedily, last dim first, in row-major order)."""
+    boxes = [b for b in boxes if min(b[1], default=1) > 0]
+    if len(boxes) <= 1:
+        return [(tuple(b[0]), tuple(b[1])) for b in boxes]
+    nd = len(boxes[0][0])
+    cuts = [sorted({p for o, s in boxes for p in (o[d], o[d] + s[d])}) for d in range(nd)]
+    shape = [len(c) - 1 for c in cuts]
+
+    def inside(idx) -> bool:
+        lo = [cuts[d][i] for d, i in enumerate(idx)]
+        return any(all(o[d] <= lo[d] < o[d] + s[d] for d in range(nd)) for o, s in boxes)
+
+    cells = {idx: inside(idx) for idx in itertools.product(*[range(n) for n in shape])}
+    # canonical grid: drop every cut line across which no cell changes
+    keep = []
+    for d in range(nd):
+        k = [0]
+        for i in range(1, shape[d]):
+            if any(cells[idx] != cells[idx[:d] + (i - 1,) + idx[d + 1:]]
+                   for idx in itertools.product(*[range(n) if e != d else (i,) for e, n in enumerate(shape)])):
+                k.append(i)
+        keep.append(k)
+    g_cuts = [[cuts[d][i] for i in keep[d]] + [cuts[d][-1]] for d in range(nd)]
+    g_shape = [len(k) for k in keep]
+    lab = {idx: cells[tuple(keep[d][i] for d, i in enumerate(idx))]
+           for idx in itertools.product(*[range(n) for n in g_shape])}
+    done: set = set()
+    out = []
+    for idx in itertools.product(*[range(n) for n in g_shape]):
+        if idx in done or not lab[idx]:
+            continue
+        hi = list(idx)
+        for d in reversed(range(nd)):
+            while hi[d] + 1 < g_shape[d]:
+                slab = itertools.product(*[range(idx[k], hi[k] + 1) if k != d else (hi[d] + 1,) for k in range(nd)])
+                if all(lab[c] and c not in done for c in slab):
+                    hi[d] += 1
+                else:
+                    break
+        done.update(itertools.product(*[range(idx[k], hi[k] + 1) for k in range(nd)]))
+        out.append((tuple(g_cuts[d][idx[d]] for d in range(nd)),
+                    tuple(g_cuts[d][hi[d] + 1] - g_cuts[d][idx[d]] for d in range(nd))))
+    return out
+
+
+def union_numel(boxes: Sequence[Box]) -> int:
+    """Elements in the union of ``boxes``."""
+    return sum(math.prod(s) for _o, s in union_boxes(boxes))

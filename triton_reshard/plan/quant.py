@@ -22,7 +22,6 @@ way needs no post-pass (fp8 values and scales are copied as plain tensors); a di
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -30,7 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..box import Box, align_up, find_overlap, intersect_boxes, split_box
+from ..box import (
+    Box,
+    align_up,
+    find_overlap,
+    intersect_boxes,
+    split_box,
+    subtract_box,
+    union_boxes,
+    union_numel,
+)
 from ..layout import (
     QUANT_DTYPE,
     Fragment,
@@ -137,83 +145,11 @@ def _inner(off, size, block, shape) -> Box | None:
     return tuple(lo), tuple(sz)
 
 
-def _outside(off, size, inner: Box | None) -> list[Box]:
-    """Box ``off``+``size`` minus its sub-box ``inner``: disjoint slabs (dims before ``d`` cut to the inner
-    range, dim ``d`` outside it, the later dims whole)."""
-    if inner is None:
-        return [(tuple(off), tuple(size))]
-    out = []
-    cur_off, cur_size = list(off), list(size)
-    for d in range(len(off)):
-        io, isz = inner[0][d], inner[1][d]
-        lo, hi = cur_off[d], cur_off[d] + cur_size[d]
-        if io > lo:
-            out.append((tuple(cur_off[:d]) + (lo,) + tuple(cur_off[d + 1:]),
-                        tuple(cur_size[:d]) + (io - lo,) + tuple(cur_size[d + 1:])))
-        if io + isz < hi:
-            out.append((tuple(cur_off[:d]) + (io + isz,) + tuple(cur_off[d + 1:]),
-                        tuple(cur_size[:d]) + (hi - io - isz,) + tuple(cur_size[d + 1:])))
-        cur_off[d], cur_size[d] = io, isz
-    return out
-
-
 def _expand(off, size, block, shape) -> Box:
     """The blocks box ``off``+``size`` touches (clipped to the tensor)."""
     lo = tuple(o // b * b for o, b in zip(off, block, strict=True))
     hi = tuple(min(-(-(o + n) // b) * b, g) for o, n, b, g in zip(off, size, block, shape, strict=True))
     return lo, tuple(h - a for h, a in zip(hi, lo, strict=True))
-
-
-def union_boxes(boxes: Sequence[Box]) -> list[Box]:
-    """The union of ``boxes`` as disjoint boxes, in a canonical form: the same set gives the same boxes
-    whatever boxes it came from (grid lines where the set does not change are dropped, then the cells are
-    merged greedily, last dim first, in row-major order)."""
-    boxes = [b for b in boxes if min(b[1], default=1) > 0]
-    if len(boxes) <= 1:
-        return [(tuple(b[0]), tuple(b[1])) for b in boxes]
-    nd = len(boxes[0][0])
-    cuts = [sorted({p for o, s in boxes for p in (o[d], o[d] + s[d])}) for d in range(nd)]
-    shape = [len(c) - 1 for c in cuts]
-
-    def inside(idx) -> bool:
-        lo = [cuts[d][i] for d, i in enumerate(idx)]
-        return any(all(o[d] <= lo[d] < o[d] + s[d] for d in range(nd)) for o, s in boxes)
-
-    cells = {idx: inside(idx) for idx in itertools.product(*[range(n) for n in shape])}
-    # canonical grid: drop every cut line across which no cell changes
-    keep = []
-    for d in range(nd):
-        k = [0]
-        for i in range(1, shape[d]):
-            if any(cells[idx] != cells[idx[:d] + (i - 1,) + idx[d + 1:]]
-                   for idx in itertools.product(*[range(n) if e != d else (i,) for e, n in enumerate(shape)])):
-                k.append(i)
-        keep.append(k)
-    g_cuts = [[cuts[d][i] for i in keep[d]] + [cuts[d][-1]] for d in range(nd)]
-    g_shape = [len(k) for k in keep]
-    lab = {idx: cells[tuple(keep[d][i] for d, i in enumerate(idx))]
-           for idx in itertools.product(*[range(n) for n in g_shape])}
-    done: set = set()
-    out = []
-    for idx in itertools.product(*[range(n) for n in g_shape]):
-        if idx in done or not lab[idx]:
-            continue
-        hi = list(idx)
-        for d in reversed(range(nd)):
-            while hi[d] + 1 < g_shape[d]:
-                slab = itertools.product(*[range(idx[k], hi[k] + 1) if k != d else (hi[d] + 1,) for k in range(nd)])
-                if all(lab[c] and c not in done for c in slab):
-                    hi[d] += 1
-                else:
-                    break
-        done.update(itertools.product(*[range(idx[k], hi[k] + 1) for k in range(nd)]))
-        out.append((tuple(g_cuts[d][idx[d]] for d in range(nd)),
-                    tuple(g_cuts[d][hi[d] + 1] - g_cuts[d][idx[d]] for d in range(nd))))
-    return out
-
-
-def _union_numel(boxes: Sequence[Box]) -> int:
-    return sum(math.prod(s) for _o, s in union_boxes(boxes))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -292,7 +228,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
             if inner is not None:
                 out[kind].append(_sub(t, inner[0], inner[1], QUANT_DTYPE, QUANT_SRC, block, sf.local,
                                       _scale_place(df, sf, inner[0], block)))
-            rest = _outside(t.offsets, t.sizes, inner)
+            rest = subtract_box(t.offsets, t.sizes, inner)
             if rest:
                 entry = pending.setdefault(id(df), (df, []))
                 entry[1].extend((kind, t, r) for r in rest)
@@ -476,7 +412,7 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
                 continue
             missing = _missing(box, held)
             grid = [_to_blocks(_expand(o, s, block, shape), block) for o, s in missing]
-            total += _union_numel(grid) * SCALE_BYTES
+            total += union_numel(grid) * SCALE_BYTES
     return total
 
 
@@ -492,7 +428,7 @@ def _missing(box: Box, held: Sequence[Box]) -> list[Box]:
         nxt = []
         for r in rest:
             cut = intersect_boxes(r, h)
-            nxt.extend([r] if cut is None else _outside(r[0], r[1], cut))
+            nxt.extend([r] if cut is None else subtract_box(r[0], r[1], cut))
         rest = nxt
     return rest
 

@@ -5,7 +5,6 @@ input checks, and the lower bound of the wire bytes. Fan-out (relays) is in ``re
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -13,74 +12,13 @@ from operator import attrgetter
 
 import torch
 
-from ..box import boxes_meet, contains, find_overlap, intersect
+from ..box import boxes_meet, contains, decompose_box, find_overlap, intersect
 from ..layout import Fragment, Layout, TensorSpec, dtype_name, gc_paused, itemsize_of
 from .quant import scale_lower_bound
 
 # --------------------------------------------------------------------------------------------------------
 # Geometry helpers
 # --------------------------------------------------------------------------------------------------------
-
-
-def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):
-    """Split ``box`` into sub-boxes, each labelled with the set (bitmask) of candidate boxes containing it.
-
-    Cells of the grid made by all candidate boundaries are merged greedily into larger boxes with the same
-    label. A label of 0 means no candidate holds that part.
-    """
-    nd = len(box_off)
-    if nd == 0:
-        mask = 0
-        for i, _ in enumerate(cands):
-            mask |= 1 << i
-        return [((), (), mask)]
-    cuts = []
-    for d in range(nd):
-        lo, hi = box_off[d], box_off[d] + box_size[d]
-        pts = {lo, hi}
-        for c_off, c_size in cands:
-            for p in (c_off[d], c_off[d] + c_size[d]):
-                if lo < p < hi:
-                    pts.add(p)
-        cuts.append(sorted(pts))
-    shape = [len(c) - 1 for c in cuts]
-    if math.prod(shape) == 1:
-        mask = 0
-        for i, (c_off, c_size) in enumerate(cands):
-            if contains(c_off, c_size, box_off, box_size):
-                mask |= 1 << i
-        return [(tuple(box_off), tuple(box_size), mask)]
-    # label every cell
-    labels: dict[tuple[int, ...], int] = {}
-    for idx in itertools.product(*[range(n) for n in shape]):
-        lo = tuple(cuts[d][i] for d, i in enumerate(idx))
-        mask = 0
-        for ci, (c_off, c_size) in enumerate(cands):
-            if all(c_off[d] <= lo[d] < c_off[d] + c_size[d] for d in range(nd)):
-                mask |= 1 << ci
-        labels[idx] = mask
-    done: set[tuple[int, ...]] = set()
-    out = []
-    for idx in itertools.product(*[range(n) for n in shape]):
-        if idx in done:
-            continue
-        lab = labels[idx]
-        hi = list(idx)
-        # grow along each dim, last dim first, while every cell of the slab has the same label
-        for d in reversed(range(nd)):
-            while hi[d] + 1 < shape[d]:
-                ranges = [range(idx[k], hi[k] + 1) if k != d else range(hi[d] + 1, hi[d] + 2) for k in range(nd)]
-                slab = list(itertools.product(*ranges))
-                if all(labels[c] == lab and c not in done for c in slab):
-                    hi[d] += 1
-                else:
-                    break
-        for c in itertools.product(*[range(idx[k], hi[k] + 1) for k in range(nd)]):
-            done.add(c)
-        off = tuple(cuts[d][idx[d]] for d in range(nd))
-        size = tuple(cuts[d][hi[d] + 1] - cuts[d][idx[d]] for d in range(nd))
-        out.append((off, size, lab))
-    return out
 
 
 def distinct_boxes(frags: Iterable[Fragment]) -> dict[tuple, list[Fragment]]:
