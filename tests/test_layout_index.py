@@ -340,3 +340,22 @@ def test_from_placements_layout_as_columns():
     eager = Layout.from_placements(shapes, [[3, 1, 0], [2, 5, 4]], pl)
     col = columnar(eager.tensors, eager.fragments, eager.locals)
     _check_queries(col, eager, random.Random(8))
+
+
+def test_tensor_rows_hold_each_tensors_fragments_on_both_storages():
+    """``Layout.tensor_rows(names)`` (what a rank plan queries in batches): per tensor exactly its fragments, on a
+    columnar layout, its tiled copies (engine instances) and the same layouts made eager."""
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config("tiny_qwen3_moe")
+    src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2, etp=1, ranks=range(8), dtype=torch.bfloat16)
+    dst = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=range(4, 8), dtype=torch.bfloat16).instances(3)
+    key = lambda f: (f.rank, f.local, f.offsets, f.local_offsets)  # noqa: E731
+    for lay in (src, dst):
+        names = [t.name for t in lay.tensors][::-3]  # not in layout order
+        for view in (lay, Layout(lay.tensors, lay.fragments, lay.locals)):
+            rows = view.tensor_rows(names)
+            assert list(rows.names) == names and len(rows) == rows.starts[-1]
+            for k, n in enumerate(names):
+                got = [rows.fragment(i, k) for i in range(rows.starts[k], rows.starts[k + 1])]
+                assert sorted(got, key=key) == sorted(lay.fragments_by_tensor.get(n, ()), key=key), n

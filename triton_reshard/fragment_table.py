@@ -81,10 +81,6 @@ class FragmentTable:
     def local_offsets(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(row[:k]) for row, k in zip(self._loff.tolist(), self._lnd.tolist(), strict=True))
 
-    def local_offsets_of(self, rows: np.ndarray) -> list[tuple[int, ...]]:
-        """``local_offsets`` of rows ``rows`` only."""
-        return [tuple(lo[:k]) for lo, k in zip(self._loff[rows].tolist(), self._lnd[rows].tolist(), strict=True)]
-
     @property
     def local_starts(self) -> np.ndarray:
         nd = self.offsets.shape[1]
@@ -172,6 +168,58 @@ class FragmentTable:
                 u, inv = np.unique(np.concatenate([self.offsets, self.sizes], axis=1), axis=0, return_inverse=True)
                 self._boxes = (u[:, :nd], u[:, nd:], inv.reshape(-1))
         return self._boxes
+
+
+class TensorRows:
+    """The fragments of several logical tensors as numpy columns (``Layout.tensor_rows(names)``), rows grouped
+    by tensor in the order asked: rows ``starts[k]:starts[k + 1]`` are tensor ``names[k]``'s (within a tensor,
+    in no particular order). ``ranks [n]``; ``offsets`` / ``sizes [n, D]`` (``D``: at least the largest rank of
+    these tensors; a tensor's unused dims are 0 / 1, so a box padded the same way compares as it would in its
+    own dims); ``local_ids [n]`` into ``local_names``. What a rank plan queries for every tensor it touches in
+    a few vectorized passes instead of one table per tensor; ``fragment(i)`` builds row ``i``'s fragment."""
+
+    __slots__ = ("names", "ndims", "starts", "ranks", "offsets", "sizes", "local_ids", "local_names", "_loff",
+                 "_lnd")
+
+    def __init__(self, names: Sequence[str], ndims: Sequence[int], starts, ranks, offsets, sizes, local_ids,
+                 local_names: Sequence[str], loff, lnd) -> None:
+        self.names, self.ndims, self.starts = tuple(names), tuple(ndims), starts
+        self.ranks, self.offsets, self.sizes, self.local_ids = ranks, offsets, sizes, local_ids
+        self.local_names = tuple(local_names)
+        self._loff, self._lnd = loff, lnd  # [n, L] left-aligned, -1 padded; per-row number of local dims
+
+    @classmethod
+    def from_fragments(cls, groups: Sequence[tuple[str, int, Sequence[Fragment]]]) -> TensorRows:
+        """The rows of ``groups``: per tensor ``(name, number of dims, its fragments)``."""
+        frags = [f for _n, _d, fs in groups for f in fs]
+        n = len(frags)
+        D = max((d for _n, d, _fs in groups), default=0)
+        L = max((len(f.local_offsets) for f in frags), default=0)
+        off, sz = np.zeros((n, D), np.int64), np.ones((n, D), np.int64)
+        loff = np.full((n, L), -1, np.int64)
+        names = sorted({f.local for f in frags})
+        ids = {x: i for i, x in enumerate(names)}
+        for i, f in enumerate(frags):
+            k = len(f.offsets)
+            off[i, :k], sz[i, :k], loff[i, :len(f.local_offsets)] = f.offsets, f.sizes, f.local_offsets
+        starts = np.cumsum([0] + [len(fs) for _n, _d, fs in groups])
+        return cls([g[0] for g in groups], [g[1] for g in groups], starts,
+                   np.fromiter((f.rank for f in frags), np.int64, n), off, sz,
+                   np.fromiter((ids[f.local] for f in frags), np.int64, n), names, loff,
+                   np.fromiter((len(f.local_offsets) for f in frags), np.int64, n))
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def local_offsets_of(self, rows: np.ndarray) -> list[tuple[int, ...]]:
+        return [tuple(lo[:k]) for lo, k in zip(self._loff[rows].tolist(), self._lnd[rows].tolist(), strict=True)]
+
+    def fragment(self, i: int, k: int) -> Fragment:
+        """Row ``i``'s fragment (row ``i`` is one of tensor ``names[k]``'s)."""
+        nd, m = self.ndims[k], int(self._lnd[i])
+        return trusted_fragment(self.names[k], int(self.ranks[i]), tuple(self.offsets[i, :nd].tolist()),
+                                tuple(self.sizes[i, :nd].tolist()), self.local_names[int(self.local_ids[i])],
+                                tuple(self._loff[i, :m].tolist()))
 
 
 def content_fingerprint(tensors: tuple, lnames: Sequence[str], copies: Sequence[tuple], locals_: Sequence[tuple],

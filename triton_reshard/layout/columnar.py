@@ -22,7 +22,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..fragment_table import FragmentTable, content_fingerprint
+from ..fragment_table import FragmentTable, TensorRows, content_fingerprint
 from ..specs import (
     FRAG_KEY,
     Fragment,
@@ -362,6 +362,26 @@ class ColumnarLayout(Layout):
         # fits), int64 where they are not: a copy of six columns per table cost a rank plan ~0.1 s at 1,024 ranks
         return FragmentTable(spec, _ints(ranks), _ints(off), _ints(sz), fl if fl.dtype == np.int32 else fl.astype(np.int32),
                              c.lnames, _ints(flo), _ints(flnd))
+
+    def tensor_rows(self, names: Sequence[str]) -> TensorRows:
+        """From the columns: every row of these tensors in one gather (copies: their ranks shifted)."""
+        root = self._root
+        c = root._cols
+        tid = np.fromiter((root._tid[n] for n in names), I64, len(names))
+        a, b = c.tstart[tid].astype(I64), c.tstart[tid + 1].astype(I64)
+        n = 1 if self._base is None else self._copies
+        counts = (b - a) * n  # each tensor's rows, once per copy
+        starts = np.concatenate(([0], np.cumsum(counts))).astype(I64)
+        seg = np.repeat(np.arange(len(tid), dtype=I64), counts)
+        pos = np.arange(int(starts[-1]), dtype=I64) - starts[:-1][seg]
+        per = (b - a)[seg]
+        rows = a[seg] + (pos % np.maximum(per, 1))
+        ranks = c.fr[rows].astype(I64)
+        if n > 1:
+            ranks += (pos // np.maximum(per, 1)) * self._stride
+        shapes = root._lt.shapes
+        return TensorRows(names, [len(shapes[t]) for t in tid.tolist()], starts, ranks, c.foff[rows], c.fsz[rows],
+                          c.fl[rows], c.lnames, c.flo[rows], c.flnd[rows])
 
     def nbytes(self, rank: int | None = None) -> int:
         c = self._root._cols

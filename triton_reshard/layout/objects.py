@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..box import box_slices
-from ..fragment_table import FragmentTable, content_fingerprint
+from ..fragment_table import FragmentTable, TensorRows, content_fingerprint
 from ..specs import (
     FRAG_KEY,
     Fragment,
@@ -490,14 +490,10 @@ class Layout:
 
     TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
 
-    def table(self, name: str, keep: bool = True) -> FragmentTable:
+    def table(self, name: str) -> FragmentTable:
         """The fragments of tensor ``name`` as a :class:`FragmentTable` (built on first use; the last
         ``TABLE_CACHE`` used are kept: rebuilding one costs ~0.1 ms, keeping all of a 46,000-tensor model's
-        at 1,024 ranks would cost GBs). ``keep=False``: built for a caller that reads it once (a rank plan, tensor
-        by tensor), not kept."""
-        if not keep:
-            got = self.__dict__.get("_tables")
-            return got[name] if got is not None and name in got else self._build_table(name)
+        at 1,024 ranks would cost GBs)."""
         cache = self.__dict__.get("_tables")
         if cache is None:
             cache = self.__dict__["_tables"] = OrderedDict()
@@ -512,6 +508,12 @@ class Layout:
 
     def _build_table(self, name: str) -> FragmentTable:
         return FragmentTable.from_fragments(self.spec(name), self.fragments_by_tensor.get(name, ()))
+
+    def tensor_rows(self, names: Sequence[str]) -> TensorRows:
+        """The fragments of the tensors ``names`` (each a tensor of this layout) as one set of numpy columns,
+        grouped by tensor in that order (see :class:`TensorRows`)."""
+        by = self.fragments_by_tensor
+        return TensorRows.from_fragments([(n, len(self.spec(n).shape), by.get(n, ())) for n in names])
 
     def overlapping(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
         """Rows of ``table(name)`` whose box shares an element with ``offsets``+``sizes`` (ascending)."""

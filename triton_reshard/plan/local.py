@@ -40,7 +40,7 @@ import torch
 from ..layout import Fragment, Layout, gc_paused, itemsize_of
 from . import quant
 from .core import Plan
-from .index import DstGroup, TensorIndex, check_own_overlaps, rank_fragments
+from .index import DstGroup, TensorIndex, boxes_meeting, check_own_overlaps, rank_fragments, share_queries
 from .relay import relay_dtype, split_piece
 from .routing import (
     LOCAL_ORDER,
@@ -296,14 +296,14 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
     """Every rank's transfers: ``route_box`` over every destination box of every tensor."""
     local: list[Transfer] = []
     wire: list[Transfer] = []
-    src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see TensorIndex(whole=True))
+    src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see TensorIndex)
     for spec in dst.tensors:  # each tensor's indexes built for it and dropped after it (kept, they cost more than
-        dix = TensorIndex(dst, spec.name, True)  # the transfers: ~0.5 KB per transfer)
+        dix = TensorIndex(dst, spec.name)  # the transfers: ~0.5 KB per transfer)
         if not dix.boxes:
             continue
         check_own_overlaps(spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
         wdt, rdt, base = _options(src, dst, spec.name, relay)
-        six = TensorIndex(src, spec.name, True)
+        six = TensorIndex(src, spec.name)
         for box in dix.boxes:
             route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
@@ -324,26 +324,22 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     for name, frs in mine.items():
         if len(frs) > 1:
             check_own_overlaps(name, frs)
-    for sf in rank_fragments(src, rank):
-        if sf.tensor in dst.specs:
-            for box in TensorIndex(dst, sf.tensor, keep=False).boxes_overlapping(sf.offsets, sf.sizes):
-                todo[(sf.tensor, box)] = None
+    for key in boxes_meeting(dst, [sf for sf in rank_fragments(src, rank) if sf.tensor in dst.specs]):
+        todo[key] = None
     local: list[Transfer] = []
     wire: list[Transfer] = []
 
     def keep(s: int, d: int) -> bool:
         return s == rank or d == rank
 
-    # tensor by tensor (the result does not depend on the order), each tensor's two indexes built for it alone and
-    # dropped after it: a rank reads each tensor once, and keeping a thousand ranks' rows of every tensor cost more
-    # memory than the rank plan itself
-    current, dix, six, o = None, None, None, None
-    for name, box in sorted(todo, key=_FIRST):
+    # tensor by tensor (the result does not depend on the order), the rows of a batch of tensors queried at once
+    # and dropped after it: a rank reads each tensor once
+    current, o = None, None
+    for name, box, dgroup, sfrags in share_queries(src, dst, sorted(todo, key=_FIRST)):
         if name != current:
             current, o = name, _options(src, dst, name, relay)
-            dix, six = TensorIndex(dst, name, keep=False), TensorIndex(src, name, keep=False)
-        route_box(name, box, dix.group(name, box), six.overlapping(*box), o[0], o[1], gpn,
-                  groups, local, wire, None if name in whole else keep, o[2], None if name in whole else rank)
+        route_box(name, box, dgroup, sfrags, o[0], o[1], gpn, groups, local, wire, None if name in whole else keep,
+                  o[2], None if name in whole else rank)
     return local, wire
 
 
