@@ -332,7 +332,7 @@ class Case:
 
 def case_plan(case: Case, rank: int | None = None):
     """The plan of ``case``, with its node size and relay choice (what every tier of the tests runs); with
-    ``rank``, that rank's share alone (``plan_reshard(..., rank=rank)``, a RankPlan)."""
+    ``rank``, that rank's share alone (``plan_reshard(..., rank=rank)``, a Plan with rank=rank)."""
     return plan_reshard(side_layout(case.src), side_layout(case.dst), case.allow_cast, case.gpus_per_node,
                         case.relay, case.relay_groups, rank=rank)
 
