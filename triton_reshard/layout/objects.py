@@ -444,8 +444,8 @@ class Layout:
 
     @cached_property
     def memo(self) -> dict:
-        """Values derived from this (immutable) layout by its readers, keyed by the reader (the planner keeps its
-        per-tensor indexes here): built once per layout, gone with it."""
+        """Values derived from this (immutable) layout by its readers, keyed by the reader (the planner keeps the
+        tensor order its salts use here): built once per layout, gone with it."""
         return {}
 
     def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:

@@ -150,8 +150,8 @@ class Plan:
                 gpus_per_node=gpus_per_node,
                 net_bytes=net if gpus_per_node else None,
                 nvlink_bytes=wire - net if gpus_per_node else None,
-                quant_src_bytes=int(c.nbytes[c.quant == 1].sum()),
-                quant_dst_bytes=int(c.nbytes[c.quant == 2].sum()),
+                quant_src_bytes=int(c.nbytes[c.quant == c.QUANT_CODES[_quant.QUANT_SRC]].sum()),
+                quant_dst_bytes=int(c.nbytes[c.quant == c.QUANT_CODES[_quant.QUANT_DST]].sum()),
             )
         return self._cache[key]
 

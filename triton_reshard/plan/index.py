@@ -15,9 +15,6 @@ from .routing import (
     check_dst_overlap,
 )
 
-_RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
-
-
 # --------------------------------------------------------------------------------------------------------
 # Per-tensor queries on a layout: what a rank plan reads (the tensors of one rank, never every rank's)
 # --------------------------------------------------------------------------------------------------------

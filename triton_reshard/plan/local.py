@@ -350,7 +350,8 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
 
 def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per_node: int | None, relay: bool,
                groups: dict[int, int], options: tuple, rank: int | None):
-    """The whole plan (``rank=None``) or rank ``rank``'s share, a :class:`Plan`, routed by the local rules on ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
+    """The whole plan (``rank=None``) or rank ``rank``'s share, a :class:`Plan`, routed by the local rules on
+    ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
     with gc_paused():
         if rank is None:

@@ -16,9 +16,6 @@ from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
 from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
-_RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
-
-
 # --------------------------------------------------------------------------------------------------------
 # Steps
 # --------------------------------------------------------------------------------------------------------
