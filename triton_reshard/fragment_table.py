@@ -211,6 +211,11 @@ class TensorRows:
     def __len__(self) -> int:
         return len(self.ranks)
 
+    @property
+    def local_offset_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(local offsets [n, L] left-aligned, padded with -1; their count per row [n])``."""
+        return self._loff, self._lnd
+
     def local_offsets_of(self, rows: np.ndarray) -> list[tuple[int, ...]]:
         return [tuple(lo[:k]) for lo, k in zip(self._loff[rows].tolist(), self._lnd[rows].tolist(), strict=True)]
 

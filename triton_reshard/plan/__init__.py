@@ -13,7 +13,8 @@ from .core import Plan
 from .planner import plan_reshard
 from .routing import lower_bound_bytes
 from .schedule import build_schedule
-from .types import ALIGN, DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer, TransferColumns
+from .table import TransferTable
+from .types import ALIGN, DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
 
 __all__ = [
     "ALIGN",
@@ -22,7 +23,7 @@ __all__ = [
     "PlanStats",
     "Schedule",
     "Transfer",
-    "TransferColumns",
+    "TransferTable",
     "build_schedule",
     "lower_bound_bytes",
     "plan_reshard",

@@ -19,7 +19,8 @@ from ..layout import Layout, gc_paused, itemsize_of
 from . import quant as _quant
 from .pair_schedule import build_pair_schedule, contiguity, world_of
 from .routing import check_gpus_per_node, lower_bound_bytes
-from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer, TransferColumns
+from .table import TransferTable
+from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
 from .validate import validate_plan, validate_share
 
 RULE_VERSION = "local-1"  # in the rank shares' digest: ranks running different rules must not agree
@@ -56,19 +57,22 @@ class Plan:
 
     src: Layout
     dst: Layout
-    transfers: tuple[Transfer, ...]  # over the wire (src_rank != dst_rank)
-    local_copies: tuple[Transfer, ...]  # src_rank == dst_rank, never on the wire
+    transfers: TransferTable  # over the wire (src_rank != dst_rank); given as Transfers or a table
+    local_copies: TransferTable  # src_rank == dst_rank, never on the wire
     rank: int | None = None  # None: the whole plan; r: rank r's share
     options: tuple | None = None  # plan_reshard's options (local rules); None: built by hand or by the greedy
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for t in self.transfers:
-            if t.is_local:
-                raise ValueError(f"plan: wire transfer {t} stays on one rank")
-        for t in self.local_copies:
-            if not t.is_local:
-                raise ValueError(f"plan: local copy {t} crosses ranks")
+        wire, local = TransferTable.of(self.transfers), TransferTable.of(self.local_copies)
+        object.__setattr__(self, "transfers", wire)
+        object.__setattr__(self, "local_copies", local)
+        bad = np.flatnonzero(wire.src == wire.dst)
+        if len(bad):
+            raise ValueError(f"plan: wire transfer {wire[int(bad[0])]} stays on one rank")
+        bad = np.flatnonzero(local.src != local.dst)
+        if len(bad):
+            raise ValueError(f"plan: local copy {local[int(bad[0])]} crosses ranks")
         if self.rank is not None:
             if self.options is None:
                 raise ValueError(f"plan: the share of rank {self.rank} needs the planner's options (its digest)")
@@ -89,9 +93,9 @@ class Plan:
             # ``digest``, the repr of every fragment, took 0.8 s), as a share's identity digest takes them
             h.update(self.src.fingerprint.encode())
             h.update(self.dst.fingerprint.encode())
-            with gc_paused():  # millions of short-lived tuples: collector passes would dominate
-                # one update of the keys' reprs joined: the same bytes as one update per transfer, faster
-                h.update("".join([repr(t.key()) for t in self.transfers + self.local_copies]).encode())
+            # every transfer, from the columns in a canonical form (``TransferTable.keys_digest``)
+            h.update(self.transfers.keys_digest().encode())
+            h.update(self.local_copies.keys_digest().encode())
             self._cache["digest"] = h.hexdigest()[:16]
         return self._cache["digest"]
 
@@ -139,7 +143,7 @@ class Plan:
             wire = int(c.nbytes.sum())
             self._cache[key] = PlanStats(
                 wire_bytes=wire,
-                local_bytes=sum(t.nbytes for t in self.local_copies),
+                local_bytes=int(self.local_copies.nbytes.sum()),
                 lower_bound_bytes=self._cache["lower_bound"],
                 sent_bytes={r: sent[r] for r in sorted(set(ranks) | set(np.unique(c.src).tolist()))},
                 recv_bytes={r: recv[r] for r in sorted(set(ranks) | set(np.unique(c.dst).tolist()))},
@@ -156,12 +160,10 @@ class Plan:
         return self._cache[key]
 
     @property
-    def columns(self) -> TransferColumns:
-        """The wire transfers as numpy columns (ranks, bytes, relay, quantization; built once)."""
-        got = self._cache.get("columns")
-        if got is None:
-            got = self._cache["columns"] = TransferColumns(self.transfers)
-        return got
+    def columns(self) -> TransferTable:
+        """The wire transfers' columns (``transfers`` itself: ranks ``src`` / ``dst``, ``nbytes``, ``relay``,
+        ``quant``, ...)."""
+        return self.transfers
 
     def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
         """The wire transfers in steps by the pair rule (``plan/pair_schedule.py``; cached): per step each rank
@@ -182,9 +184,8 @@ class Plan:
         return self._cache[key]
 
     def _contiguity(self, min_bytes: int = 0) -> _Contiguity:
-        """Per wire transfer (a sequence, each entry looked up when first read: the schedule reads only the
-        transfers with chunks of at least ``min_bytes``): (source local shape or None, destination local shape
-        or None): the local tensor on the side where its bytes could move in place (wire dtype == local dtype),
+        """Per wire transfer (``shapes(t)``, looked up when asked: the schedule asks only for the transfers
+        with chunks of at least ``min_bytes``): (source local shape or None, destination local shape or None): the local tensor on the side where its bytes could move in place (wire dtype == local dtype),
         for direct messages. None for transfers under ``min_bytes`` (never direct)."""
         return _Contiguity(self.transfers, self.src, self.dst, min_bytes)
 
@@ -221,7 +222,7 @@ def _sums(ranks: np.ndarray, nbytes: np.ndarray, world: int) -> list[int]:
 
 
 class _Contiguity:
-    """``Plan._contiguity``: entry ``i`` computed when read (not kept: the schedule asks once per transfer and
+    """``Plan._contiguity``: ``shapes(t)`` computed when asked (not kept: the schedule asks once per transfer and
     chunk size, and a cache of every answer cost ~150 B per transfer for the schedule's lifetime)."""
 
     __slots__ = ("_ts", "_src", "_dst", "_min", "_specs")
@@ -232,11 +233,7 @@ class _Contiguity:
         # per rank beats a search per local
         self._specs: dict[tuple[bool, int], dict] = {}
 
-    def __len__(self) -> int:
-        return len(self._ts)
-
-    def __getitem__(self, i: int) -> tuple | None:
-        t = self._ts[i]
+    def shapes(self, t: Transfer) -> tuple | None:
         if t.quant == _quant.QUANT_SRC or t.numel * itemsize_of(t.wire_dtype) < self._min:  # (pack quantizes: never direct)
             return None
         specs = self._specs  # (``_spec`` inlined: it runs twice per big transfer)

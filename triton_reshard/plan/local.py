@@ -49,7 +49,10 @@ from .routing import (
     holders_of,
     wire_dtype_of,
 )
+from .table import TransferTable
 from .types import Transfer, make_transfer
+
+ROUTE_CHUNK = 1 << 16  # the whole plan's transfers turn into columns about this many at a time
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 _FIRST = lambda kv: kv[0]  # noqa: E731
@@ -292,10 +295,14 @@ def _options(src: Layout, dst: Layout, name: str, relay: bool):
     return wdt, (relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None), _tensor_order(dst)[name]
 
 
-def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int]):
-    """Every rank's transfers: ``route_box`` over every destination box of every tensor."""
+def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
+              chunk: int | None = None):
+    """Every rank's transfers: ``route_box`` over every destination box of every tensor. ``chunk``: as
+    :class:`TransferTable` s, the objects turned into columns every ``chunk`` transfers (a tensor's at once)
+    and dropped, so the whole plan never holds every transfer as an object; None: as lists of objects."""
     local: list[Transfer] = []
     wire: list[Transfer] = []
+    tables: tuple[list[TransferTable], list[TransferTable]] = ([], [])
     src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see TensorIndex)
     for spec in dst.tensors:  # each tensor's indexes built for it and dropped after it (kept, they cost more than
         dix = TensorIndex(dst, spec.name)  # the transfers: ~0.5 KB per transfer)
@@ -307,7 +314,14 @@ def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: di
         for box in dix.boxes:
             route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
-    return local, wire
+        if chunk is not None and len(wire) + len(local) >= chunk:
+            tables[0].append(TransferTable.of(local))
+            tables[1].append(TransferTable.of(wire))
+            local, wire = [], []
+    if chunk is None:
+        return local, wire
+    return (TransferTable.concat(tables[0] + [TransferTable.of(local)]),
+            TransferTable.concat(tables[1] + [TransferTable.of(wire)]))
 
 
 def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool, groups: dict[int, int],
@@ -354,6 +368,9 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
     with gc_paused():
+        if rank is None and not targets:  # columns from the start (the block-quantization post-pass reads objects)
+            local, wire = route_all(src, routed, gpus_per_node, relay, groups, ROUTE_CHUNK)
+            return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
         if rank is None:
             local, wire = route_all(src, routed, gpus_per_node, relay, groups)
         else:

@@ -14,6 +14,7 @@ import numpy as np
 from ..box import align_up, is_contiguous_box, split_box, split_rows
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
+from .table import TransferTable
 from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
 # --------------------------------------------------------------------------------------------------------
@@ -47,8 +48,8 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
                direct: Callable[[int, tuple, tuple], bool]) -> list[list[Message]]:
     """One pair's stream cut into step loads: ``transfers`` ((index, transfer), in key order) cut into chunks
     of at most ``cap`` bytes, taken in order into loads of at most ``cap`` aligned bytes; a load is one packed
-    message (its chunks at aligned offsets) followed by one message per chunk ``direct(index, offsets,
-    sizes)`` calls direct (asked once per transfer and chunk size: whether a sub-box is one contiguous run of
+    message (its chunks at aligned offsets) followed by one message per chunk ``direct(index, transfer,
+    offsets, sizes)`` calls direct (asked once per transfer and chunk size: whether a sub-box is one contiguous run of
     a local tensor depends on its sizes alone, ``is_contiguous_box``). Both ends of the pair build the same
     list."""
     out: list[list[Message]] = []
@@ -76,7 +77,7 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
                 cs, singles, off, used = [], [], 0, 0
             is_direct = seen.get(sz)
             if is_direct is None:
-                is_direct = seen[sz] = direct(i, o, sz)
+                is_direct = seen[sz] = direct(i, t, o, sz)
             if is_direct:
                 singles.append(Message(s, d, a, (Chunk(i, o, sz, n, 0),), True))
             else:
@@ -143,7 +144,7 @@ def load_payloads(transfers: Sequence[tuple[int, Transfer]], cap: int,
                 a = align_up(n)
                 is_direct = seen.get(sz)
                 if is_direct is None:
-                    is_direct = seen[sz] = False if plain and n < min_bytes else direct(i, o, sz)
+                    is_direct = seen[sz] = False if plain and n < min_bytes else direct(i, t, o, sz)
                 if count > 1 and 2 * a > cap:  # each chunk of the run closes the load before it
                     if used + a > cap and used:
                         out.append(last + dsum)
@@ -179,7 +180,16 @@ def _in_key_order(ts: list[tuple[int, Transfer]]) -> bool:
     return True
 
 
-def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None,
+def pair_transfers(table: TransferTable, rows: np.ndarray) -> list[tuple[int, Transfer]]:
+    """One pair's ``(row, transfer)`` in ``Transfer.key`` order (rows in plan order; a plan lists a pair's
+    transfers in key order, a hand-built one may not)."""
+    ts = list(zip(rows.tolist(), table.objects_at(rows), strict=True))
+    if not _in_key_order(ts):
+        ts.sort(key=lambda it: it[1].key())
+    return ts
+
+
+def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Sequence[tuple] | None,
                         direct_min_bytes: int, world: int) -> PairSchedule:
     """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
     its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
@@ -191,20 +201,29 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
     peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)
     windows = -(-(world - 1) // peers) if world > 1 else 1
     cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
+    table = TransferTable.of(transfers)
     with gc_paused():
-        pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]] = defaultdict(list)
-        for i, t in enumerate(transfers):
-            pairs[(1 if t.relay else 0, t.src_rank, t.dst_rank)].append((i, t))
+        # the pairs from the columns: per (phase, source, destination), its rows in plan order (the objects of a
+        # pair are built when its loads are cut, and dropped after: a schedule keeps row numbers, not objects)
+        n = len(table)
+        order = np.lexsort((table.dst, table.src, table.relay)) if n else np.zeros(0, np.int64)
+        ph, ss, dd = table.relay[order].astype(np.int64), table.src[order], table.dst[order]
+        cut = np.flatnonzero((np.diff(ph) != 0) | (np.diff(ss) != 0) | (np.diff(dd) != 0)) + 1 if n else []
+        edges = np.concatenate(([0], cut, [n])).astype(np.int64).tolist() if n else [0]
+        heads = order[np.asarray(edges[:-1], np.int64)] if n else order
+        pairs: dict[tuple[int, int, int], np.ndarray] = {
+            (int(p), int(a), int(b)): order[edges[k]:edges[k + 1]]
+            for k, (p, a, b) in enumerate(zip(table.relay[heads].tolist(), table.src[heads].tolist(),
+                                              table.dst[heads].tolist(), strict=True))}
 
         seen: dict[tuple, bool] = {}  # (local shapes, chunk sizes) -> contiguous (``is_contiguous_box`` reads no more)
 
-        def direct(i: int, off, size) -> bool:
+        def direct(i: int, t: Transfer, off, size) -> bool:
             if contiguity is None:
                 return False
-            t = transfers[i]
             if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
                 return False
-            shapes = contiguity[i]
+            shapes = contiguity.shapes(t)
             if shapes is None:
                 return False
             if type(shapes) is not tuple:
@@ -219,10 +238,9 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
 
         cols: tuple[list[int], ...] = ([], [], [], [], [])  # per load: phase, step number, src, dst, payload
         firsts: dict[tuple[int, int, int], int] = {}  # pair -> the number of its first step (then every windows)
-        for key, ts in pairs.items():
+        for key, rows in pairs.items():
             phase, s, d = key
-            if not _in_key_order(ts):
-                ts.sort(key=lambda it: it[1].key())
+            ts = pair_transfers(table, rows)
             k = (d - s) % world - 1
             w = k % windows if STEP_GROUPING == "strided" else k // peers
             firsts[key] = w
@@ -240,7 +258,7 @@ def build_pair_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contig
         starts = np.concatenate(([0], cuts)).astype(np.int64) if len(nb) else np.zeros(0, np.int64)
         numbers = tuple(zip(ph[starts].tolist(), num[starts].tolist(), strict=True))
         bounds = np.append(starts, len(nb)).tolist()
-        return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), pairs, firsts, windows, cap, direct)
+        return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), table, pairs, firsts, windows, cap, direct)
 
 
 class PairSchedule(Schedule):
@@ -250,14 +268,15 @@ class PairSchedule(Schedule):
     prediction (``pair_bytes``) and one rank's part (``for_rank``) never build every message."""
 
     def __init__(self, bucket_bytes: int, numbers: tuple[tuple[int, int], ...], bounds: list[int],
-                 columns: tuple[np.ndarray, np.ndarray, np.ndarray],
-                 pairs: dict[tuple[int, int, int], list[tuple[int, Transfer]]], firsts: dict[tuple, int],
+                 columns: tuple[np.ndarray, np.ndarray, np.ndarray], table: TransferTable,
+                 pairs: dict[tuple[int, int, int], np.ndarray], firsts: dict[tuple, int],
                  windows: int, cap: int, direct: Callable) -> None:
         object.__setattr__(self, "bucket_bytes", bucket_bytes)
         object.__setattr__(self, "numbers", numbers)  # per step: (phase, number)
         object.__setattr__(self, "_bounds", bounds)  # step i's loads: rows bounds[i]:bounds[i + 1] of the columns
         object.__setattr__(self, "_columns", columns)  # per load, by (phase, number, src, dst): src, dst, payload
-        object.__setattr__(self, "_pairs", pairs)
+        object.__setattr__(self, "_table", table)
+        object.__setattr__(self, "_pairs", pairs)  # per pair its rows of the table
         object.__setattr__(self, "_firsts", firsts)
         object.__setattr__(self, "_windows", windows)
         object.__setattr__(self, "_cap", cap)
@@ -289,7 +308,8 @@ class PairSchedule(Schedule):
     def _pair_loads(self, key: tuple[int, int, int]) -> list[list[Message]]:
         got = self._loads.get(key)
         if got is None:
-            got = self._loads[key] = pair_loads(self._pairs[key], self._cap, self._direct)
+            got = self._loads[key] = pair_loads(pair_transfers(self._table, self._pairs[key]), self._cap,
+                                                self._direct)
         return got
 
     def _load(self, phase: int, number: int, s: int, d: int) -> list[Message]:
@@ -409,9 +429,10 @@ class _Contiguity:
     def __len__(self) -> int:
         return len(self._ts)
 
-    def __getitem__(self, i: int):
-        t = self._ts[i]  # a source-quantized transfer is quantized by the pack: never direct
-        return None if t.nbytes < self._min or getattr(t, "quant", "") == "src" else self
+    def shapes(self, t: Transfer):
+        """None when ``t`` is never direct (under the minimum, or source-quantized: the pack quantizes it), else
+        this object (its ``direct`` answers per sub-box)."""
+        return None if t.nbytes < self._min or t.quant == "src" else self
 
     def direct(self, t: Transfer, off, size) -> bool:
         """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor

@@ -99,7 +99,8 @@ def _build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity
         i, off, size, n, _s, _d = chunks[k]
         if contiguity is None or n < direct_min_bytes:
             return False
-        t, shapes = transfers[i], contiguity[i]
+        t = transfers[i]
+        shapes = contiguity.shapes(t)
         if shapes is None:
             return False
         s_shape, d_shape = shapes

@@ -8,6 +8,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from operator import add, le, sub
 
+import numpy as np
+
 from ..box import boxes_meet, find_overlap
 from ..layout import Fragment, gc_paused
 from .index import rank_fragments
@@ -49,7 +51,12 @@ def validate_plan(plan: PlanLike) -> None:
     inside one destination fragment of its sender; once the cover is exact, the box it reads was written
     entirely by non-relays exactly when no relay writes into that box, so only the (rare) fragments that are
     both read and written by relays are compared.
+
+    The check runs on the transfers' columns first (``table_valid``, vectorized); only a plan it does not pass is
+    checked transfer by transfer, which names the problem.
     """
+    if table_valid(plan):
+        return
     src, dst = plan.src, plan.dst
     s_index, d_index = src.fragments_by_local, dst.fragments_by_local
     written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
@@ -204,3 +211,161 @@ def validate_share(p: PlanLike) -> None:
                                  f"covered exactly once by its receives and local copies")
     if scales:
         validate_quant(p, ranks=(r,))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The whole plan's check on the columns
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Frags:
+    """One layout's fragments of some tensors (``Layout.tensor_rows``) sorted by (tensor, rank, local tensor),
+    for locating the fragment that holds each transfer's box."""
+
+    def __init__(self, layout, names: Sequence[str], world: int) -> None:
+        tr = self.rows = layout.tensor_rows(list(names))
+        self.group = {n: k for k, n in enumerate(tr.names)}
+        self.lid = {n: i for i, n in enumerate(tr.local_names)}
+        self.world, self.nl = world, max(len(tr.local_names), 1)
+        n = len(tr)
+        self.tensor_of = np.repeat(np.arange(len(tr.names), dtype=np.int64), np.diff(np.asarray(tr.starts)))
+        self.ndim_of_group = np.asarray(tr.ndims, np.int64)
+        key = (self.tensor_of * world + tr.ranks.astype(np.int64)) * self.nl + tr.local_ids.astype(np.int64)
+        self.order = np.argsort(key, kind="stable") if n else np.zeros(0, np.int64)
+        self.keys = key[self.order]
+        self.loff, self.lnd = (np.asarray(a, np.int64) for a in tr.local_offset_columns)
+
+    def locate(self, names: tuple, tcode: np.ndarray, rank: np.ndarray, locals_: tuple, lcode: np.ndarray, ndim,
+               offsets, sizes, loffs, lnds) -> np.ndarray:
+        """Per row, the fragment (row of ``rows``) of its tensor, rank and local tensor holding its box at its
+        local offsets, -1 where none does (``reading_fragment``'s answer, on columns)."""
+        m = len(tcode)
+        g = np.array([self.group.get(x, -1) for x in names] or [0], np.int64)[tcode]
+        li = np.array([self.lid.get(x, -1) for x in locals_] or [0], np.int64)[lcode]
+        out = np.full(m, -1, np.int64)
+        ok = (g >= 0) & (li >= 0) & (rank >= 0) & (rank < self.world)
+        key = (g * self.world + rank) * self.nl + li
+        lo = np.searchsorted(self.keys, key, "left")
+        hi = np.searchsorted(self.keys, key, "right")
+        cand = np.flatnonzero(ok & (hi > lo))
+        j = 0
+        tr = self.rows
+        D = max(offsets.shape[1], tr.offsets.shape[1])
+        L = max(loffs.shape[1], self.loff.shape[1]) + D
+        while len(cand):
+            f = self.order[lo[cand] + j]
+            nd = ndim[cand].astype(np.int64)
+            fit = nd == self.ndim_of_group[self.tensor_of[f]]
+            off, sz = _widen(offsets[cand], D, 0), _widen(sizes[cand], D, 1)
+            fo, fs = _widen(tr.offsets[f], D, 0), _widen(tr.sizes[f], D, 1)
+            dims = np.arange(D)[None, :] < nd[:, None]
+            fit &= ~((dims & ((fo > off) | (off + sz > fo + fs))).any(axis=1))
+            flnd = self.lnd[f]
+            fit &= lnds[cand].astype(np.int64) == flnd
+            extra = flnd - nd
+            fit &= extra >= 0
+            want = _widen(self.loff[f], L, 0)
+            rows = np.repeat(np.arange(len(cand)), D)
+            cols = (np.maximum(extra, 0)[:, None] + np.arange(D)[None, :]).reshape(-1)
+            delta = np.where(dims, off - fo, 0).reshape(-1)
+            np.add.at(want, (rows, np.minimum(cols, L - 1)), delta)
+            have = _widen(loffs[cand], L, 0)
+            width = np.arange(L)[None, :] < flnd[:, None]
+            fit &= ~((width & (want != have)).any(axis=1))
+            out[cand[fit]] = f[fit]
+            j += 1
+            cand = cand[~fit & (hi[cand] - lo[cand] > j)]
+        return out
+
+
+def _widen(a: np.ndarray, w: int, fill: int) -> np.ndarray:
+    a = np.asarray(a, np.int64)
+    if a.shape[1] == w:
+        return a.copy()
+    return np.concatenate([a, np.full((len(a), w - a.shape[1]), fill, np.int64)], axis=1)
+
+
+def table_valid(plan: PlanLike) -> bool:
+    """``validate_plan``'s checks on the transfers' columns (``TransferTable``): True when they pass; False when
+    one might fail (the caller then runs ``validate_plan``, which names the problem, or passes in the rare case
+    this check is stricter: a relay reading a box its rank got from several non-relays)."""
+    src, dst = plan.src, plan.dst
+    wire, local = plan.transfers, plan.local_copies
+    if local.relay.any():
+        return False
+    world = max(max(src.ranks, default=0), max(dst.ranks, default=0),
+                int(wire.src.max(initial=0)), int(wire.dst.max(initial=0)),
+                int(local.dst.max(initial=0))) + 1
+    dnames = [t.name for t in dst.tensors]
+    dfr = _Frags(dst, dnames, world)
+    snames = sorted(set(wire.names[i] for i in np.unique(wire.tensor[~wire.relay]).tolist())
+                    | set(local.names[i] for i in np.unique(local.tensor).tolist()))
+    if any(n not in src.specs for n in snames):
+        return False
+    sfr = _Frags(src, snames, world)
+    d_of = []
+    for tb in (wire, local):
+        plain = ~tb.relay
+        # the source side: the source layout's fragments (relays: the sender's destination fragments)
+        for sel, fr in ((np.flatnonzero(plain), sfr), (np.flatnonzero(~plain), dfr)):
+            if len(sel):
+                got = fr.locate(tb.names, tb.tensor[sel], tb.src[sel], tb.locals, tb.src_local[sel], tb.ndim[sel],
+                                tb.offsets[sel], tb.sizes[sel], tb.src_offsets[sel], tb.src_ndim[sel])
+                if (got < 0).any():
+                    return False
+                if fr is dfr:
+                    relay_src = got
+        d = dfr.locate(tb.names, tb.tensor, tb.dst, tb.locals, tb.dst_local, tb.ndim, tb.offsets, tb.sizes,
+                       tb.dst_offsets, tb.dst_ndim)
+        if (d < 0).any():
+            return False
+        d_of.append(d)
+    # the cover: per destination fragment, the elements its (nonempty) writes add up to, and no two overlapping
+    nf = len(dfr.rows)
+    fnumel = dfr.rows.sizes.astype(np.int64).prod(axis=1)
+    cnt = np.zeros(nf, np.int64)
+    got = np.zeros(nf, np.int64)
+    for tb, d in zip((wire, local), d_of, strict=True):
+        n = tb.numel
+        nz = n > 0
+        np.add.at(cnt, d[nz], 1)
+        np.add.at(got, d[nz], n[nz])
+    scales = quant_scales(plan)
+    if scales:
+        sk = [dfr.group[s] for s in scales if s in dfr.group]
+        exempt = np.isin(dfr.tensor_of, np.array(sk, np.int64))
+        fine = np.where(cnt == 0, (fnumel == 0) | exempt, got == fnumel)
+    else:
+        fine = np.where(cnt == 0, fnumel == 0, got == fnumel)
+    if not fine.all():
+        return False
+    multi = np.flatnonzero(cnt > 1)
+    if len(multi):
+        rows = [(tb, np.flatnonzero(np.isin(d, multi) & (tb.numel > 0)), d) for tb, d in zip((wire, local), d_of, strict=True)]
+        boxes: dict[int, list] = defaultdict(list)
+        for tb, sel, d in rows:
+            for fi, o, s, k in zip(d[sel].tolist(), tb.offsets[sel].tolist(), tb.sizes[sel].tolist(),
+                                   tb.ndim[sel].tolist(), strict=True):
+                boxes[fi].append((tuple(o[:k]), tuple(s[:k]), None))
+        for bs in boxes.values():
+            if find_overlap(bs) is not None:
+                return False
+    # relays read boxes their rank got from non-relays: when relays also write the fragment a relay reads, the box
+    # it reads must be exactly one that a non-relay wrote (the planner's relays read the part their rank received)
+    rl = np.flatnonzero(wire.relay & (wire.numel > 0))
+    if len(rl):
+        dw = d_of[0]
+        relay_written = np.zeros(nf, np.bool_)
+        relay_written[dw[rl]] = True
+        rs = relay_src[wire.numel[wire.relay] > 0]  # (``relay_src``: the relays' read fragments, in row order)
+        hit = relay_written[rs]
+        if hit.any():
+            plain_w = {}
+            for tb, d in zip((wire, local), d_of, strict=True):
+                sel = np.flatnonzero(~tb.relay & relay_written[d] & (tb.numel > 0))
+                for fi, o, s in zip(d[sel].tolist(), tb.offsets[sel].tolist(), tb.sizes[sel].tolist(), strict=True):
+                    plain_w.setdefault(fi, set()).add((tuple(o), tuple(s)))
+            for i, fi in zip(rl[hit].tolist(), rs[hit].tolist(), strict=True):
+                if (tuple(wire.offsets[i].tolist()), tuple(wire.sizes[i].tolist())) not in plain_w.get(fi, ()):
+                    return False
+    return True
