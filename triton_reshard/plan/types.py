@@ -7,9 +7,8 @@ checks (``validate``) build on them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Protocol
 
 import numpy as np
@@ -225,40 +224,6 @@ class Schedule:
         """The largest staging memory (send + receive areas) any rank allocates."""
         ranks = {m.src for s in self.steps for m in s.messages} | {m.dst for s in self.steps for m in s.messages}
         return max((sum(self.for_rank(r)[1:]) for r in ranks), default=0)
-
-
-_COLUMN_FIELDS = attrgetter("src_rank", "dst_rank", "relay", "quant", "wire_dtype", "sizes")
-
-
-class TransferColumns:
-    """The wire transfers of a plan as numpy columns, one row per transfer in the plan's order: ``src`` / ``dst``
-    ranks, payload ``nbytes`` (``Transfer.nbytes``), ``relay`` and ``quant`` (0 plain, 1 source-quantized, 2
-    destination-quantized). Built in one pass (``Plan.columns``); the statistics run on it."""
-
-    __slots__ = ("src", "dst", "nbytes", "relay", "quant")
-
-    QUANT_CODES = {"": 0, "src": 1, "dst": 2}
-
-    def __init__(self, transfers: Sequence[Transfer]) -> None:
-        n = len(transfers)
-        if n:  # one pass over the objects (C-level getters), then whole columns; its tuples are acyclic: the
-            with gc_paused():  # collector's passes over a heap of millions of plan objects would dominate
-                src, dst, relay, quant, wdt, sizes = zip(*map(_COLUMN_FIELDS, transfers), strict=True)
-        else:
-            src = dst = relay = quant = wdt = sizes = ()
-        self.src = np.fromiter(src, np.int64, n)
-        self.dst = np.fromiter(dst, np.int64, n)
-        self.relay = np.fromiter(relay, np.bool_, n)
-        self.quant = np.fromiter(map(self.QUANT_CODES.__getitem__, quant), np.int8, n)
-        isz = {d: itemsize_of(d) for d in set(wdt)}
-        self.nbytes = np.fromiter(map(math.prod, sizes), np.int64, n) * np.fromiter(map(isz.__getitem__, wdt), np.int64, n)
-        for i in np.flatnonzero(self.quant == 1).tolist():  # fp8 values and their scales (``Transfer.nbytes``)
-            self.nbytes[i] = transfers[i].nbytes
-        for a in (self.src, self.dst, self.nbytes, self.relay, self.quant):
-            a.setflags(write=False)
-
-    def __len__(self) -> int:
-        return len(self.src)
 
 
 @dataclass(frozen=True, slots=True)
