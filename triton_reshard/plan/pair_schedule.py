@@ -184,7 +184,11 @@ def _in_key_order(ts: list[tuple[int, Transfer]]) -> bool:
 def pair_transfers(table: TransferTable, rows: np.ndarray) -> list[tuple[int, Transfer]]:
     """One pair's ``(row, transfer)`` in ``Transfer.key`` order (rows in plan order; a plan lists a pair's
     transfers in key order, a hand-built one may not)."""
-    ts = list(zip(rows.tolist(), table.objects_at(rows), strict=True))
+    return _keyed(list(zip(rows.tolist(), table.objects_at(rows), strict=True)))
+
+
+def _keyed(ts: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
+    """``ts`` in ``Transfer.key`` order (sorted in place only when it is not already)."""
     if not _in_key_order(ts):
         ts.sort(key=lambda it: it[1].key())
     return ts
@@ -251,9 +255,7 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
                 blk_lo = a
                 blk_hi = edges[min(max(int(np.searchsorted(edge_arr, a + _OBJECT_BLOCK)), k + 1), len(edges) - 1)]
                 objs = table.objects_at(order[blk_lo:blk_hi])
-            ts = list(zip(rows.tolist(), objs[a - blk_lo:b - blk_lo], strict=True))
-            if not _in_key_order(ts):
-                ts.sort(key=lambda it: it[1].key())
+            ts = _keyed(list(zip(rows.tolist(), objs[a - blk_lo:b - blk_lo], strict=True)))
             k = (d - s) % world - 1
             w = k % windows if STEP_GROUPING == "strided" else k // peers
             firsts[key] = w

@@ -55,6 +55,12 @@ def _padded(tuples: Sequence[tuple[int, ...]], n: int, fill: int) -> tuple[np.nd
     return out, lens
 
 
+def widen(a: np.ndarray, w: int, fill: int) -> np.ndarray:
+    """``[n, k]`` ints as int64 ``[n, w]`` (``w >= k``), padded with ``fill`` (``a`` itself when already so)."""
+    a = np.asarray(a, I64)
+    return a if a.shape[1] == w else np.concatenate([a, np.full((len(a), w - a.shape[1]), fill, I64)], 1)
+
+
 class TransferTable(Sequence):
     """A plan's transfers as columns (see the module doc). Build with :meth:`of` (from ``Transfer`` objects),
     :meth:`concat` and :meth:`take`; never written after."""
@@ -139,9 +145,6 @@ class TransferTable(Sequence):
                                for d, vals in ((names, t.names), (locs, t.locals), (dts, t.dtypes))))
         D = max(t.offsets.shape[1] for t in tables)
         L = max(max(t.src_offsets.shape[1], t.dst_offsets.shape[1]) for t in tables)
-
-        def widen(a: np.ndarray, w: int, fill: int) -> np.ndarray:
-            return a if a.shape[1] == w else np.concatenate([a, np.full((len(a), w - a.shape[1]), fill, I64)], 1)
 
         cols = dict(
             tensor=np.concatenate([m[0][t.tensor] for t, m in zip(tables, remap, strict=True)]),

@@ -14,6 +14,7 @@ from ..box import boxes_meet, find_overlap
 from ..layout import Fragment, gc_paused
 from .index import rank_fragments
 from .quant import plan_targets, validate_quant
+from .table import widen
 from .types import PlanLike, Transfer
 
 
@@ -256,33 +257,26 @@ class _Frags:
             f = self.order[lo[cand] + j]
             nd = ndim[cand].astype(np.int64)
             fit = nd == self.ndim_of_group[self.tensor_of[f]]
-            off, sz = _widen(offsets[cand], D, 0), _widen(sizes[cand], D, 1)
-            fo, fs = _widen(tr.offsets[f], D, 0), _widen(tr.sizes[f], D, 1)
+            off, sz = widen(offsets[cand], D, 0), widen(sizes[cand], D, 1)
+            fo, fs = widen(tr.offsets[f], D, 0), widen(tr.sizes[f], D, 1)
             dims = np.arange(D)[None, :] < nd[:, None]
             fit &= ~((dims & ((fo > off) | (off + sz > fo + fs))).any(axis=1))
             flnd = self.lnd[f]
             fit &= lnds[cand].astype(np.int64) == flnd
             extra = flnd - nd
             fit &= extra >= 0
-            want = _widen(self.loff[f], L, 0)
+            want = widen(self.loff[f], L, 0)
             rows = np.repeat(np.arange(len(cand)), D)
             cols = (np.maximum(extra, 0)[:, None] + np.arange(D)[None, :]).reshape(-1)
             delta = np.where(dims, off - fo, 0).reshape(-1)
             np.add.at(want, (rows, np.minimum(cols, L - 1)), delta)
-            have = _widen(loffs[cand], L, 0)
+            have = widen(loffs[cand], L, 0)
             width = np.arange(L)[None, :] < flnd[:, None]
             fit &= ~((width & (want != have)).any(axis=1))
             out[cand[fit]] = f[fit]
             j += 1
             cand = cand[~fit & (hi[cand] - lo[cand] > j)]
         return out
-
-
-def _widen(a: np.ndarray, w: int, fill: int) -> np.ndarray:
-    a = np.asarray(a, np.int64)
-    if a.shape[1] == w:
-        return a.copy()
-    return np.concatenate([a, np.full((len(a), w - a.shape[1]), fill, np.int64)], axis=1)
 
 
 def table_valid(plan: PlanLike) -> bool:
