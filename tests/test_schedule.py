@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triton_reshard import Layout, Replicate, Shard, plan_reshard
 from triton_reshard.box import is_contiguous_box
@@ -141,3 +143,109 @@ def test_pair_schedule_columns_agree_with_its_messages(bucket, direct_min):
     for r in ranks:
         assert first[r] == generic.for_rank(r) == sched.for_rank(r)
     assert sched == generic and sched.steps[-1] is steps[-1]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The schedule on the columns equals the schedule over the objects
+# --------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=0, max_size=4).flatmap(
+    lambda shape: st.tuples(st.just(tuple(shape)), st.tuples(*[st.integers(1, n) for n in shape]),
+                            st.integers(0, 2))))
+def test_contiguous_columns_equal_is_contiguous_box(case):
+    """``pair_schedule._contiguous`` (right-aligned shapes, left-aligned padded sizes) answers as
+    ``is_contiguous_box`` on every (local shape, sub-box sizes), with extra leading dims in the local tensor."""
+    import numpy as np
+
+    from triton_reshard.plan.pair_schedule import _contiguous
+
+    shape, size, extra = case
+    local = (2,) * extra + shape
+    want = is_contiguous_box(local, (0,) * len(local), (0,) * len(size), size)
+    W, D = len(local) + 1, len(size) + 2  # wider than needed: padding must not change the answer
+    shapes = np.ones((1, W), np.int64)
+    if local:
+        shapes[0, W - len(local):] = local
+    sizes = np.ones((1, D), np.int64)
+    sizes[0, :len(size)] = size
+    assert bool(_contiguous(shapes, sizes, np.array([len(size)]))[0]) is want
+
+
+def _preset_plans():
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config("qwen3-30b-a3b")
+    src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=4, etp=1, ranks=range(8), dtype=BF16)
+    dst = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=0, dtype=BF16, instances=2)
+    return [("presets, two instances", plan_reshard(src, dst)),
+            ("presets, relays", plan_reshard(src, dst, gpus_per_node=4)),
+            ("presets, rank 5's share", plan_reshard(src, dst, gpus_per_node=4, rank=5))]
+
+
+@pytest.mark.parametrize("bucket", [1 << 22, 1 << 30])
+def test_column_loads_equal_the_object_loads_on_every_pair(bucket):
+    """Each pair's loads cut on the columns (``_column_payloads``: chunks, contiguity by the layouts' batched
+    ``local_shape_columns``, the next fit as arrays) are the loads ``load_payloads`` cuts over the pair's
+    objects with the per-object contiguity, on preset layouts (tiled engine instances, relays, a share)."""
+    from triton_reshard.plan.pair_schedule import (
+        _column_payloads,
+        _Pairs,
+        contiguity,
+        load_payloads,
+        world_of,
+    )
+
+    for what, plan in _preset_plans():
+        world = world_of(plan.src, plan.dst)
+        sched = plan.schedule(bucket, direct_min_bytes=1 << 12)
+        pairs, cap, direct = sched._pairs, sched._cap, sched._direct
+        assert isinstance(pairs, _Pairs) and pairs.fast.all(), what
+        cont = (plan._contiguity(1 << 12) if plan.rank is None
+                else contiguity(plan.transfers, plan.src, plan.dst, 1 << 12, plan.rank))
+        lp, pays = _column_payloads(plan.transfers, _Pairs.of(plan.transfers, world), cap, cont, 1 << 12)
+        n_direct = 0
+        for j in range(len(pairs)):
+            want = load_payloads(pairs.transfers(plan.transfers, j), cap, direct, 1 << 12)
+            assert pays[lp == j].tolist() == want, (what, j)
+            n_direct += sum(m.direct for load in sched._pair_loads(j) for m in load)
+        assert len(pays) and n_direct > 0, what  # the direct path is exercised
+
+
+def test_local_shape_columns_agree_on_both_storages():
+    """``Layout.local_shape_columns`` (the schedule's batched local-tensor query): a columnar layout's vectorized
+    answer (engine instances included) equals the generic one from ``local_spec``, missing ranks and names -1."""
+    import numpy as np
+
+    from triton_reshard.presets import get_config, vllm_layout
+
+    cfg = get_config("qwen3-30b-a3b")
+    lay = vllm_layout(cfg, tp=2, dp=2, enable_expert_parallel=True, ranks=0, dtype=BF16, instances=3)
+    names = sorted(lay.local_specs(0)) + sorted(lay.local_specs(5))[:3] + ["no.such.local"]
+    rng = np.random.default_rng(0)
+    ranks = rng.choice(list(lay.ranks) + [99], 500)
+    codes = rng.integers(0, len(names), 500)
+    got = lay.local_shape_columns(ranks, names, codes)
+    want = Layout.local_shape_columns(lay, ranks, names, codes)
+
+    def rows(res):
+        shp, code, dts = res
+        return [None if c < 0 else (tuple(int(v) for v in s), dts[c]) for s, c in zip(shp, code.tolist(), strict=True)]
+
+    def strip(r):
+        if r is None:
+            return None
+        sh = list(r[0])
+        while len(sh) > 1 and sh[0] == 1:
+            sh.pop(0)
+        return tuple(sh), r[1]
+
+    g, w = [strip(r) for r in rows(got)], [strip(r) for r in rows(want)]
+    assert g == w
+    assert 0 < sum(r is not None for r in g) < len(g)
+    for r, c, row in zip(ranks.tolist(), codes.tolist(), g, strict=True):
+        spec = lay.local_spec(r, names[c])
+        assert (row is None) == (spec is None)
+        if spec is not None:
+            assert row[1] == spec.dtype and row[0][-len(spec.shape):] == spec.shape

@@ -309,6 +309,40 @@ class ColumnarLayout(Layout):
             return None
         return trusted_local(rank, name, tuple(c.lsh[j, :int(c.lnd[j])].tolist()), c.dtypes[int(c.ldt[j])])
 
+    def same_tensors(self, other: Layout) -> bool:  # one LogicalTensors (the presets share it per model)
+        return isinstance(other, ColumnarLayout) and other._lt is self._lt
+
+    @cached_property
+    def _local_keys(self) -> np.ndarray:
+        """Per local row of the root columns ``rank * len(lnames) + name id``: sorted (locals are in (rank, name)
+        order), for the batched lookups of ``local_shape_columns``."""
+        c = self._root._cols
+        return c.lr.astype(I64) * len(c.lnames) + c.ln
+
+    def local_shape_columns(self, ranks: np.ndarray, names: Sequence[str], codes: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray, tuple[torch.dtype, ...]]:
+        # vectorized: a name's id, a rank's copy (instances), one binary search over the sorted (rank, name) keys
+        c = self._root._cols
+        ranks = np.asarray(ranks, I64)
+        lid = np.array([self._lname_id.get(n, -1) for n in names] or [-1], I64)[np.asarray(codes, I64)]
+        if self._base is None:
+            base = ranks
+        else:
+            base = np.full(len(ranks), -1, I64)
+            for i in range(self._copies):  # the first copy holding the rank (``_split``)
+                r = ranks - i * self._stride
+                hit = (base < 0) & np.isin(r, c.ranks)
+                base[hit] = r[hit]
+        keys = self._local_keys
+        q = base * len(c.lnames) + lid
+        j = np.minimum(np.searchsorted(keys, q), max(len(keys) - 1, 0))
+        found = (lid >= 0) & (base >= 0) & (keys[j] == q) if len(keys) else np.zeros(len(q), np.bool_)
+        S = c.lsh.shape[1]
+        nd = np.where(found, c.lnd[j], 0).astype(I64)
+        col = np.arange(S)[None, :] - (S - nd)[:, None]  # right-aligned: column k holds dim k - (S - nd)
+        shp = np.where(col >= 0, np.take_along_axis(c.lsh[j].astype(I64), np.maximum(col, 0), 1), 1)
+        return shp, np.where(found, c.ldt[j], -1).astype(np.int16), tuple(c.dtypes)
+
     def fragments_on_rank(self, rank: int) -> tuple[Fragment, ...]:
         cache = self.__dict__.setdefault("_frags_on_rank", {})
         out = cache.get(rank)

@@ -442,6 +442,32 @@ class Layout:
         asks of a peer's local tensor, without copying the peer's whole ``local_specs``)."""
         return self._locals_by_rank.get(rank, {}).get(name)
 
+    def same_tensors(self, other: Layout) -> bool:
+        """Whether ``other`` is known, without comparing, to hold the same logical tensors (names, shapes, dtypes)
+        as this layout: True when both read one set of specs (a preset's source and destination layouts of one
+        model share it); False means "not known", not "different"."""
+        return self.tensors is other.tensors
+
+    def local_shape_columns(self, ranks: np.ndarray, names: Sequence[str], codes: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray, tuple[torch.dtype, ...]]:
+        """Row ``i``: rank ``ranks[i]``'s local tensor ``names[codes[i]]``, as columns: ``(shapes, dtype codes,
+        dtypes)``: ``shapes`` ``[m, S]`` int64, each shape right-aligned and padded with 1 on the left (S: the
+        longest); ``dtype codes`` ``[m]`` int16 into ``dtypes``, -1 where the rank has no such local tensor (its
+        shape row is all 1). What the schedule asks of many transfers' local tensors at once (contiguity)."""
+        m = len(ranks)
+        keys = np.stack([np.asarray(ranks, np.int64), np.asarray(codes, np.int64)], 1) if m else np.zeros((0, 2), np.int64)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        specs = [self.local_spec(r, names[c]) for r, c in uniq.tolist()]
+        dts: dict = {}
+        dcode = np.array([-1 if s is None else dts.setdefault(s.dtype, len(dts)) for s in specs] or [0], np.int16)
+        width = max((len(s.shape) for s in specs if s is not None), default=0)
+        shp = np.ones((len(specs), width), np.int64)
+        for i, s in enumerate(specs):
+            if s is not None and s.shape:
+                shp[i, width - len(s.shape):] = s.shape
+        inv = inv.reshape(-1)
+        return shp[inv], dcode[inv] if m else np.zeros(0, np.int16), tuple(dts)
+
     @cached_property
     def memo(self) -> dict:
         """Values derived from this (immutable) layout by its readers, keyed by the reader (the planner keeps the

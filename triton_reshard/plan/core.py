@@ -17,7 +17,7 @@ import numpy as np
 
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant as _quant
-from .pair_schedule import build_pair_schedule, contiguity, world_of
+from .pair_schedule import build_pair_schedule, contiguity, direct_columns, world_of
 from .routing import check_gpus_per_node, lower_bound_bytes
 from .table import TransferTable
 from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
@@ -232,6 +232,10 @@ class _Contiguity:
         # (destination side?, rank) -> its local specs: every rank's locals are read (the whole plan), so one dict
         # per rank beats a search per local
         self._specs: dict[tuple[bool, int], dict] = {}
+
+    def direct_columns(self, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Whether each chunk may travel in place, on the columns (``pair_schedule.direct_columns``)."""
+        return direct_columns(self._src, self._dst, table, rows, sizes)
 
     def shapes(self, t: Transfer) -> tuple | None:
         if t.quant == _quant.QUANT_SRC or t.numel * itemsize_of(t.wire_dtype) < self._min:  # (pack quantizes: never direct)

@@ -17,6 +17,8 @@ from . import quant
 from .table import TransferTable
 from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
+I64 = np.int64
+
 # --------------------------------------------------------------------------------------------------------
 # Steps
 # --------------------------------------------------------------------------------------------------------
@@ -94,7 +96,6 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
 # the greedy's first fit; 16 peers: 2.1 s, 64: 0.79 s); beyond, windows of 128 offsets
 STEP_PEERS = 128
 STEP_GROUPING = "strided"
-_OBJECT_BLOCK = 1 << 16  # rows whose objects the schedule builds at once
 
 
 @lru_cache(maxsize=1 << 14)  # tensors of one model share a few shapes
@@ -198,7 +199,11 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
                         direct_min_bytes: int, world: int) -> PairSchedule:
     """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
     its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
-    are built only for the pairs a caller reads)."""
+    are built only for the pairs a caller reads).
+
+    The loads are cut on the columns (``_column_payloads``: chunks, contiguity and the next fit as arrays, the
+    same as :func:`load_payloads` over the objects); a pair whose rows are not in key order, or that carries
+    source-quantized rows, is cut over its objects."""
     if bucket_bytes < 16 * ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
     if direct_min_bytes < 0:
@@ -208,19 +213,7 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
     cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
     table = TransferTable.of(transfers)
     with gc_paused():
-        # the pairs from the columns: per (phase, source, destination), its rows in plan order (the objects of a
-        # pair are built when its loads are cut, and dropped after: a schedule keeps row numbers, not objects)
-        n = len(table)
-        order = np.lexsort((table.dst, table.src, table.relay)) if n else np.zeros(0, np.int64)
-        ph, ss, dd = table.relay[order].astype(np.int64), table.src[order], table.dst[order]
-        cut = np.flatnonzero((np.diff(ph) != 0) | (np.diff(ss) != 0) | (np.diff(dd) != 0)) + 1 if n else []
-        edges = np.concatenate(([0], cut, [n])).astype(np.int64).tolist() if n else [0]
-        heads = order[np.asarray(edges[:-1], np.int64)] if n else order
-        pairs: dict[tuple[int, int, int], np.ndarray] = {
-            (int(p), int(a), int(b)): order[edges[k]:edges[k + 1]]
-            for k, (p, a, b) in enumerate(zip(table.relay[heads].tolist(), table.src[heads].tolist(),
-                                              table.dst[heads].tolist(), strict=True))}
-
+        pairs = _Pairs.of(table, world)
         seen: dict[tuple, bool] = {}  # (local shapes, chunk sizes) -> contiguous (``is_contiguous_box`` reads no more)
 
         def direct(i: int, t: Transfer, off, size) -> bool:
@@ -241,39 +234,295 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
                     or (d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size)))
             return got
 
-        cols: tuple[list[int], ...] = ([], [], [], [], [])  # per load: phase, step number, src, dst, payload
-        firsts: dict[tuple[int, int, int], int] = {}  # pair -> the number of its first step (then every windows)
-        # the objects built a block of pairs at a time (one gather per ~65,536 rows, not one per pair: a
-        # 1,024-rank plan has ~a million pairs), each pair's list a slice of its block
-        edge_arr = np.asarray(edges, np.int64)
-        blk_lo = blk_hi = 0
-        objs: list[Transfer] = []
-        for k, (key, rows) in enumerate(pairs.items()):
-            phase, s, d = key
-            a, b = edges[k], edges[k + 1]
-            if b > blk_hi:
-                blk_lo = a
-                blk_hi = edges[min(max(int(np.searchsorted(edge_arr, a + _OBJECT_BLOCK)), k + 1), len(edges) - 1)]
-                objs = table.objects_at(order[blk_lo:blk_hi])
-            ts = _keyed(list(zip(rows.tolist(), objs[a - blk_lo:b - blk_lo], strict=True)))
-            k = (d - s) % world - 1
-            w = k % windows if STEP_GROUPING == "strided" else k // peers
-            firsts[key] = w
-            pays = load_payloads(ts, cap, direct, direct_min_bytes)
-            c = len(pays)
-            cols[0].extend([phase] * c)
-            cols[1].extend(range(w, w + c * windows, windows))
-            cols[2].extend([s] * c)
-            cols[3].extend([d] * c)
-            cols[4].extend(pays)
-        ph, num, src, dst, nb = (np.array(c, dtype=np.int64) for c in cols)
+        # per pair its first step number (then one every ``windows``): the pair's offset d - s round the world
+        k = (pairs.dst - pairs.src) % world - 1
+        firsts = k % windows if STEP_GROUPING == "strided" else k // peers
+        # the loads' payloads: the columns' pairs at once, the others over their objects
+        lp, pays = _column_payloads(table, pairs, cap, contiguity, direct_min_bytes)
+        slow = np.flatnonzero(~pairs.fast).tolist()
+        if slow:
+            extra_p, extra_b = [], []
+            for j in slow:
+                got = load_payloads(pairs.transfers(table, j), cap, direct, direct_min_bytes)
+                extra_p.extend([j] * len(got))
+                extra_b.extend(got)
+            lp = np.concatenate([lp, np.array(extra_p, I64)])
+            pays = np.concatenate([pays, np.array(extra_b, I64)])
+            o = np.argsort(lp, kind="stable")  # a pair's loads stay in their order
+            lp, pays = lp[o], pays[o]
+        # per load: its index among its pair's loads -> its step number
+        first_load = np.searchsorted(lp, lp, side="left") if len(lp) else lp
+        m = np.arange(len(lp), dtype=I64) - first_load
+        ph = pairs.phase[lp]
+        num = firsts[lp] + m * windows
+        src, dst, nb = pairs.src[lp], pairs.dst[lp], pays
         order = np.lexsort((dst, src, num, ph))
         ph, num, src, dst, nb = ph[order], num[order], src[order], dst[order], nb[order]
         cuts = np.flatnonzero((np.diff(ph) != 0) | (np.diff(num) != 0)) + 1
-        starts = np.concatenate(([0], cuts)).astype(np.int64) if len(nb) else np.zeros(0, np.int64)
+        starts = np.concatenate(([0], cuts)).astype(I64) if len(nb) else np.zeros(0, I64)
         numbers = tuple(zip(ph[starts].tolist(), num[starts].tolist(), strict=True))
         bounds = np.append(starts, len(nb)).tolist()
         return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), table, pairs, firsts, windows, cap, direct)
+
+
+class _Pairs:
+    """A table's rows grouped by pair ``(phase, src, dst)`` (phase: 1 for relays), pairs in that order, each
+    pair's rows in plan order: ``order`` (rows), ``edges`` (pair ``j``'s rows are ``order[edges[j]:edges[j+1]]``),
+    per pair ``phase`` / ``src`` / ``dst`` and ``fast`` (its rows in ``Transfer.key`` order and none
+    source-quantized: cut on the columns)."""
+
+    __slots__ = ("order", "edges", "phase", "src", "dst", "fast", "codes", "world", "_by")
+
+    @classmethod
+    def of(cls, table: TransferTable, world: int) -> _Pairs:
+        self = cls()
+        n = len(table)
+        self.world = max(world, 1)
+        order = np.lexsort((table.dst, table.src, table.relay)) if n else np.zeros(0, I64)
+        ph, ss, dd = table.relay[order].astype(I64), table.src[order], table.dst[order]
+        codes = (ph * self.world + ss) * self.world + dd  # increasing along the pairs
+        new = np.ones(n, np.bool_)
+        if n:
+            new[1:] = codes[1:] != codes[:-1]
+        heads = np.flatnonzero(new)
+        self.order, self.edges = order, np.append(heads, n).astype(I64)
+        self.codes, self.phase, self.src, self.dst = codes[heads], ph[heads], ss[heads], dd[heads]
+        # key order inside a pair: (tensor name, offsets) strictly increasing from row to row
+        bad = np.zeros(n, np.bool_)
+        if n > 1:
+            name_rank = np.empty(len(table.names), I64)
+            name_rank[np.argsort(np.array(table.names, dtype=object), kind="stable")] = np.arange(len(table.names))
+            keys = np.concatenate([name_rank[table.tensor[order]][:, None], table.offsets[order]], 1)
+            dk = keys[1:] - keys[:-1]
+            nz = dk != 0
+            first = np.argmax(nz, 1)
+            up = nz.any(1) & (dk[np.arange(n - 1), first] > 0)
+            bad[1:] = ~up & ~new[1:]
+        bad |= table.quant[order] == QUANT_CODES_SRC
+        pair_of = np.cumsum(new) - 1
+        fast = np.ones(len(heads), np.bool_)
+        fast[pair_of[bad]] = False
+        self.fast = fast
+        self._by = {}
+        return self
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def find(self, phase: int, s: int, d: int) -> int:
+        """The index of pair ``(phase, s, d)`` (``KeyError`` if it has no rows)."""
+        code = (phase * self.world + s) * self.world + d
+        j = int(np.searchsorted(self.codes, code))
+        if j == len(self.codes) or int(self.codes[j]) != code:
+            raise KeyError((phase, s, d))
+        return j
+
+    def rows(self, j: int) -> np.ndarray:
+        return self.order[self.edges[j]:self.edges[j + 1]]
+
+    def transfers(self, table: TransferTable, j: int) -> list[tuple[int, Transfer]]:
+        return pair_transfers(table, self.rows(j))
+
+    def of_rank(self, rank: int) -> list[int]:
+        """The pairs with ``rank`` at one end, in pair order."""
+        got = []
+        for side in ("src", "dst"):
+            by = self._by.get(side)
+            if by is None:
+                col = getattr(self, side)
+                o = np.argsort(col, kind="stable")
+                by = self._by[side] = (o, col[o])
+            o, col = by
+            got.append(o[np.searchsorted(col, rank):np.searchsorted(col, rank, side="right")])
+        return np.unique(np.concatenate(got)).tolist()
+
+
+QUANT_CODES_SRC = TransferTable.QUANT_CODES["src"]
+
+
+def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, min_bytes: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The loads of the fast pairs (``_Pairs.fast``), from the columns: ``(pair of each load, its payload)``,
+    a pair's loads in order. The same as :func:`load_payloads` over the pair's objects: each row cut into chunks
+    of at most ``cap`` aligned bytes (one chunk when it fits, else ``split_box``'s, by ``_split_runs``), each
+    chunk direct when it has ``min_bytes`` or more and is contiguous in a local tensor (``direct_columns``),
+    then the next fit: a load takes chunks while their aligned bytes stay within ``cap``; its payload is its
+    direct chunks' bytes plus the end of its last packed one."""
+    fast_rows = np.repeat(pairs.fast, np.diff(pairs.edges))
+    rows = pairs.order[fast_rows]
+    pair_of = np.repeat(np.arange(len(pairs), dtype=I64), np.diff(pairs.edges))[fast_rows]
+    nb = table.nbytes[rows]
+    fits = (_align(nb) <= cap) | (table.ndim[rows] == 0)
+    keep = nb > 0
+    # chunks: one per fitting row, a template's per big row (grouped by sizes and itemsize)
+    counts = np.where(fits, 1, 0) * keep
+    big = np.flatnonzero(~fits & keep)
+    D = table.sizes.shape[1]
+    tmpl_n: list[np.ndarray] = []
+    tmpl_sz: list[np.ndarray] = []
+    tstart = [0]
+    big_t = np.zeros(0, I64)
+    if len(big):
+        isz = _itemsizes(table)[table.wdt[rows[big]]]
+        keyrows = np.concatenate([table.sizes[rows[big]], table.ndim[rows[big]][:, None].astype(I64), isz[:, None]], 1)
+        uniq, big_t = _unique_rows(keyrows)
+        for u in uniq.tolist():
+            nd, it = u[D], u[D + 1]
+            reps, runs = _split_runs(tuple(u[:nd]), it, cap)
+            ns = [n for _o, _sz, n, c in runs for _ in range(c)] * reps
+            szs = [tuple(sz) + (1,) * (D - nd) for _o, sz, _n, c in runs for _ in range(c)] * reps
+            tmpl_n.append(np.array(ns, I64))
+            tmpl_sz.append(np.array(szs, I64).reshape(len(szs), D))
+            tstart.append(tstart[-1] + len(ns))
+        counts[big] = np.diff(tstart)[big_t]
+    ci = np.repeat(np.arange(len(rows), dtype=I64), counts)  # chunk -> its row among ``rows``
+    cn = nb[ci]
+    if len(big):
+        flat_n = np.concatenate(tmpl_n)
+        is_big = ~fits[ci]
+        first = np.cumsum(counts) - counts  # each row's first chunk
+        within = np.arange(len(ci), dtype=I64) - first[ci]
+        tpos = np.asarray(tstart, I64)[:-1]
+        fidx = np.zeros(len(ci), I64)
+        bt = np.zeros(len(rows), I64)
+        bt[big] = big_t
+        fidx[is_big] = tpos[bt[ci[is_big]]] + within[is_big]
+        cn = np.where(is_big, flat_n[fidx], cn)
+    # direct chunks: at least min_bytes, contiguous in a local tensor (on either end)
+    cd = np.zeros(len(ci), np.bool_)
+    cand = np.flatnonzero(cn >= min_bytes) if contiguity is not None else np.zeros(0, I64)
+    if len(cand):
+        csz = table.sizes[rows[ci[cand]]]
+        if len(big):
+            flat_sz = np.concatenate(tmpl_sz)
+            b = is_big[cand]
+            csz[b] = flat_sz[fidx[cand[b]]]
+        cd[cand] = contiguity.direct_columns(table, rows[ci[cand]], csz)
+    # the next fit, every pair at once: a load from chunk j takes chunks while the aligned bytes stay <= cap
+    ca = _align(cn)
+    cp = pair_of[ci]
+    nch = len(ci)
+    cum = np.concatenate(([0], np.cumsum(ca)))  # cum[j]: aligned bytes before chunk j (over all pairs)
+    packed = ~cd
+    pa = np.concatenate(([0], np.cumsum(np.where(packed, ca, 0))))
+    dn = np.concatenate(([0], np.cumsum(np.where(cd, cn, 0))))
+    lastp = np.maximum.accumulate(np.where(packed, np.arange(nch, dtype=I64), -1)) if nch else np.zeros(0, I64)
+    pstart = np.searchsorted(cp, np.arange(len(pairs)))
+    pend = np.searchsorted(cp, np.arange(len(pairs)), side="right")
+    cur = pstart[pstart < pend]
+    stop = pend[pstart < pend]
+    # runs of equal chunks (a big row's chunks): a load starting inside one, with more of the run after its k-th
+    # chunk, takes exactly k = cap // a chunks, so such loads are taken at once (one round per run, not per load)
+    brk = np.flatnonzero((np.diff(ca) != 0) | (np.diff(cp) != 0)) + 1
+    run_end = np.append(brk, nch)[np.searchsorted(brk, np.arange(nch, dtype=I64), side="right")]
+    loads_a: list[np.ndarray] = []
+    loads_b: list[np.ndarray] = []
+    while len(cur):
+        k = cap // ca[cur]
+        q = (run_end[cur] - cur - 1) // k
+        ff = np.flatnonzero(q > 1)
+        if len(ff):
+            c0, kk, qq = cur[ff], k[ff], q[ff]
+            first = np.cumsum(qq) - qq
+            step = np.arange(int(qq.sum()), dtype=I64) - np.repeat(first, qq)
+            a = np.repeat(c0, qq) + step * np.repeat(kk, qq)
+            loads_a.append(a)
+            loads_b.append(a + np.repeat(kk, qq))
+            cur = cur.copy()
+            cur[ff] = c0 + qq * kk  # still inside the run (< run_end <= stop)
+        end = np.minimum(np.searchsorted(cum, cum[cur] + cap, side="right") - 1, stop)
+        end = np.maximum(end, cur + 1)
+        loads_a.append(cur)
+        loads_b.append(end)
+        more = end < stop
+        cur, stop = end[more], stop[more]
+    if not loads_a:
+        return np.zeros(0, I64), np.zeros(0, I64)
+    la, lb = np.concatenate(loads_a), np.concatenate(loads_b)
+    o = np.argsort(la, kind="stable")  # chunk order = pair order, then the loads' order inside a pair
+    la, lb = la[o], lb[o]
+    q = lastp[lb - 1]
+    has = q >= la
+    qq = np.maximum(q, 0)
+    pay = dn[lb] - dn[la] + np.where(has, pa[qq] - pa[la] + cn[qq], 0)
+    return cp[la], pay
+
+
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, axis=0, return_inverse=True)`` for int rows, by a 64-bit hash of each row (one 1-D sort
+    instead of a sort of row records), checked: a collision falls back to the row sort."""
+    if not len(a):
+        return a[:0], np.zeros(0, I64)
+    h = np.zeros(len(a), np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(a.shape[1]):
+            h = (h ^ a[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
+    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    if not (a[first][inv] == a).all():
+        uniq, inv = np.unique(a, axis=0, return_inverse=True)
+        return uniq, inv.reshape(-1)
+    return a[first], inv
+
+
+def _align(n: np.ndarray) -> np.ndarray:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _itemsizes(table: TransferTable) -> np.ndarray:
+    return np.array([itemsize_of(d) for d in table.dtypes] or [0], I64)
+
+
+def direct_columns(src: Layout, dst: Layout, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per chunk (row ``rows[i]`` of ``table``, a sub-box of sizes ``sizes[i]``, ``[m, D]`` padded with 1): whether
+    it is one contiguous run of its source or its destination local tensor in the wire dtype (``is_contiguous_box``
+    on either end; a relay's source is a destination-layout local tensor), from the layouts' batched
+    ``local_shape_columns``. The caller has left out chunks under the minimum and source-quantized rows."""
+    m = len(rows)
+    out = np.zeros(m, np.bool_)
+    if not m:
+        return out
+    # the local tensors looked up once per row, not per chunk (a row's chunks are consecutive)
+    new = np.ones(m, np.bool_)
+    new[1:] = rows[1:] != rows[:-1]
+    inv = np.cumsum(new) - 1
+    rows = rows[new]
+    nd = table.ndim[rows].astype(I64)[inv]
+    wdt = table.wdt[rows]
+    relay = table.relay[rows]
+    u = len(rows)
+    sides = [(table.src[rows], table.src_local[rows], relay, True), (table.dst[rows], table.dst_local[rows], None, False)]
+    for ranks, locs, rel, is_src in sides:
+        parts = [(np.flatnonzero(~rel), src), (np.flatnonzero(rel), dst)] if is_src else [(np.arange(u), dst)]
+        for sel, lay in parts:
+            if not len(sel):
+                continue
+            shp, dcode, dts = lay.local_shape_columns(ranks[sel], table.locals, locs[sel])
+            same = np.array([[a == b for b in table.dtypes] for a in dts] or [[False] * len(table.dtypes)], np.bool_)
+            ok = dcode >= 0
+            ok[ok] = same[dcode[ok], wdt[sel][ok]]
+            shapes = np.ones((u, shp.shape[1]), I64)
+            shapes[sel] = shp
+            good = np.zeros(u, np.bool_)
+            good[sel] = ok
+            g = good[inv]  # per chunk
+            out[g] |= _contiguous(shapes[inv[g]], sizes[g], nd[g])
+    return out
+
+
+def _contiguous(shapes: np.ndarray, sizes: np.ndarray, nd: np.ndarray) -> np.ndarray:
+    """``is_contiguous_box`` per row: ``shapes`` right-aligned (padded with 1 on the left), ``sizes`` the box's
+    first ``nd`` columns (left-aligned): every dim after the first dim of size > 1 is whole."""
+    m = len(nd)
+    W = max(shapes.shape[1], sizes.shape[1])
+    sh = np.concatenate([np.ones((m, W - shapes.shape[1]), I64), shapes], 1)
+    col = np.arange(W)[None, :] - (W - nd)[:, None]  # right-aligned sizes: column k holds dim k - (W - nd)
+    sz = np.where(col >= 0, np.take_along_axis(sizes, np.clip(col, 0, max(sizes.shape[1] - 1, 0)), 1)
+                  if sizes.shape[1] else 1, 1)
+    big = sz > 1
+    before = np.zeros_like(big)
+    before[:, 1:] = np.logical_or.accumulate(big, 1)[:, :-1]
+    return ~(before & (sz != sh)).any(1)
 
 
 class PairSchedule(Schedule):
@@ -284,20 +533,18 @@ class PairSchedule(Schedule):
 
     def __init__(self, bucket_bytes: int, numbers: tuple[tuple[int, int], ...], bounds: list[int],
                  columns: tuple[np.ndarray, np.ndarray, np.ndarray], table: TransferTable,
-                 pairs: dict[tuple[int, int, int], np.ndarray], firsts: dict[tuple, int],
-                 windows: int, cap: int, direct: Callable) -> None:
+                 pairs: _Pairs, firsts: np.ndarray, windows: int, cap: int, direct: Callable) -> None:
         object.__setattr__(self, "bucket_bytes", bucket_bytes)
         object.__setattr__(self, "numbers", numbers)  # per step: (phase, number)
         object.__setattr__(self, "_bounds", bounds)  # step i's loads: rows bounds[i]:bounds[i + 1] of the columns
         object.__setattr__(self, "_columns", columns)  # per load, by (phase, number, src, dst): src, dst, payload
         object.__setattr__(self, "_table", table)
-        object.__setattr__(self, "_pairs", pairs)  # per pair its rows of the table
-        object.__setattr__(self, "_firsts", firsts)
+        object.__setattr__(self, "_pairs", pairs)  # the pairs and their rows of the table
+        object.__setattr__(self, "_firsts", firsts)  # per pair the number of its first step
         object.__setattr__(self, "_windows", windows)
         object.__setattr__(self, "_cap", cap)
         object.__setattr__(self, "_direct", direct)
         object.__setattr__(self, "_loads", {})
-        object.__setattr__(self, "_by_rank", None)
         object.__setattr__(self, "steps", _LazySteps(self))
 
     def __eq__(self, other) -> bool:  # as a Schedule: the same bucket and steps (builds the messages)
@@ -320,15 +567,16 @@ class PairSchedule(Schedule):
     def step_phase(self, i: int) -> int:
         return self.numbers[i][0]
 
-    def _pair_loads(self, key: tuple[int, int, int]) -> list[list[Message]]:
-        got = self._loads.get(key)
+    def _pair_loads(self, j: int) -> list[list[Message]]:
+        """Pair ``j``'s loads as messages (built on first read)."""
+        got = self._loads.get(j)
         if got is None:
-            got = self._loads[key] = pair_loads(pair_transfers(self._table, self._pairs[key]), self._cap,
-                                                self._direct)
+            got = self._loads[j] = pair_loads(self._pairs.transfers(self._table, j), self._cap, self._direct)
         return got
 
     def _load(self, phase: int, number: int, s: int, d: int) -> list[Message]:
-        return self._pair_loads((phase, s, d))[(number - self._firsts[(phase, s, d)]) // self._windows]
+        j = self._pairs.find(phase, s, d)
+        return self._pair_loads(j)[(number - int(self._firsts[j])) // self._windows]
 
     def _step(self, i: int) -> NumberedStep:
         phase, number = self.numbers[i]
@@ -340,20 +588,14 @@ class PairSchedule(Schedule):
         return NumberedStep(tuple(msgs), phase, number)
 
     def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
-        by_rank = self._by_rank
-        if by_rank is None:
-            by_rank = defaultdict(list)
-            for (phase, s, d) in self._pairs:
-                by_rank[s].append((phase, s, d))
-                by_rank[d].append((phase, s, d))
-            object.__setattr__(self, "_by_rank", by_rank)
+        pairs = self._pairs
         pos = {k: i for i, k in enumerate(self.numbers)}
         sends: dict[int, list] = defaultdict(list)  # step index -> [(peer, load)]
         recvs: dict[int, list] = defaultdict(list)
-        for key in by_rank.get(rank, ()):
-            phase, s, d = key
-            w = self._firsts[key]
-            for m, load in enumerate(self._pair_loads(key)):
+        for j in pairs.of_rank(rank):
+            phase, s, d = int(pairs.phase[j]), int(pairs.src[j]), int(pairs.dst[j])
+            w = int(self._firsts[j])
+            for m, load in enumerate(self._pair_loads(j)):
                 i = pos[(phase, m * self._windows + w)]
                 if s == rank:
                     sends[i].append((d, load))
@@ -448,6 +690,10 @@ class _Contiguity:
         """None when ``t`` is never direct (under the minimum, or source-quantized: the pack quantizes it), else
         this object (its ``direct`` answers per sub-box)."""
         return None if t.nbytes < self._min or t.quant == "src" else self
+
+    def direct_columns(self, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """``direct`` per chunk, on the columns (``pair_schedule.direct_columns``)."""
+        return direct_columns(self._src, self._dst, table, rows, sizes)
 
     def direct(self, t: Transfer, off, size) -> bool:
         """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor
