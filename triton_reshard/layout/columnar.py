@@ -157,6 +157,18 @@ class ColumnarLayout(Layout):
 
     # -- eager views, built on first use ------------------------------------------------------------------
 
+    _OBJECT_VIEWS = ("fragments", "locals", "_key", "fragments_by_tensor", "fragments_by_local", "_fragments_by_rank",
+                     "_locals_by_rank", "_tables")
+
+    @property
+    def objects_built(self) -> bool:
+        return "fragments" in self.__dict__
+
+    def release_objects(self) -> None:
+        # the eager views are caches of the columns: dropped, they are built again on the next read
+        for k in self._OBJECT_VIEWS:
+            self.__dict__.pop(k, None)
+
     @cached_property
     def fragments(self) -> tuple[Fragment, ...]:  # type: ignore[override]
         c = self._cols

@@ -47,6 +47,7 @@ from .routing import (
     WIRE_ORDER,
     cover_pieces,
     holders_of,
+    lower_bound_bytes,
     wire_dtype_of,
 )
 from .table import TransferTable
@@ -369,8 +370,17 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     (``targets``) transfer by transfer."""
     with gc_paused():
         if rank is None and not targets:  # columns from the start (the block-quantization post-pass reads objects)
+            built = [lay for lay in (src, dst) if not lay.objects_built]
             local, wire = route_all(src, routed, gpus_per_node, relay, groups, ROUTE_CHUNK)
-            return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
+            # the lower bound (``stats()``) reads the same fragment objects: taken now, then the objects this
+            # routing built are released (~0.6 GB at 1,024 ranks, not kept on the layouts for the plan's lifetime)
+            lower = lower_bound_bytes(src, dst) if built else None
+            for lay in built:
+                lay.release_objects()
+            plan = Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
+            if lower is not None:
+                plan._cache["lower_bound"] = lower
+            return plan
         if rank is None:
             local, wire = route_all(src, routed, gpus_per_node, relay, groups)
         else:

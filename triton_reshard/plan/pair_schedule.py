@@ -96,6 +96,7 @@ def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
 # the greedy's first fit; 16 peers: 2.1 s, 64: 0.79 s); beyond, windows of 128 offsets
 STEP_PEERS = 128
 STEP_GROUPING = "strided"
+_DIRECT_BLOCK = 1 << 18  # chunks whose contiguity is tested at once
 
 
 @lru_cache(maxsize=1 << 14)  # tensors of one model share a few shapes
@@ -377,6 +378,7 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
         counts[big] = np.diff(tstart)[big_t]
     ci = np.repeat(np.arange(len(rows), dtype=I64), counts)  # chunk -> its row among ``rows``
     cn = nb[ci]
+    fidx = None
     if len(big):
         flat_n = np.concatenate(tmpl_n)
         is_big = ~fits[ci]
@@ -391,13 +393,15 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
     # direct chunks: at least min_bytes, contiguous in a local tensor (on either end)
     cd = np.zeros(len(ci), np.bool_)
     cand = np.flatnonzero(cn >= min_bytes) if contiguity is not None else np.zeros(0, I64)
-    if len(cand):
-        csz = table.sizes[rows[ci[cand]]]
-        if len(big):
-            flat_sz = np.concatenate(tmpl_sz)
-            b = is_big[cand]
-            csz[b] = flat_sz[fidx[cand[b]]]
-        cd[cand] = contiguity.direct_columns(table, rows[ci[cand]], csz)
+    flat_sz = np.concatenate(tmpl_sz) if len(big) else None
+    for lo in range(0, len(cand), _DIRECT_BLOCK):  # in blocks: the contiguity test's [m, D] temporaries stay small
+        cb = cand[lo:lo + _DIRECT_BLOCK]
+        csz = table.sizes[rows[ci[cb]]]
+        if flat_sz is not None:
+            b = is_big[cb]
+            csz[b] = flat_sz[fidx[cb[b]]]
+        cd[cb] = contiguity.direct_columns(table, rows[ci[cb]], csz)
+    del cand, fidx
     # the next fit, every pair at once: a load from chunk j takes chunks while the aligned bytes stay <= cap
     ca = _align(cn)
     cp = pair_of[ci]
