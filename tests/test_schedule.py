@@ -155,11 +155,11 @@ def test_pair_schedule_columns_agree_with_its_messages(bucket, direct_min):
     lambda shape: st.tuples(st.just(tuple(shape)), st.tuples(*[st.integers(1, n) for n in shape]),
                             st.integers(0, 2))))
 def test_contiguous_columns_equal_is_contiguous_box(case):
-    """``pair_schedule._contiguous`` (right-aligned shapes, left-aligned padded sizes) answers as
+    """``box.contiguous_boxes`` (right-aligned shapes, left-aligned padded sizes) answers as
     ``is_contiguous_box`` on every (local shape, sub-box sizes), with extra leading dims in the local tensor."""
     import numpy as np
 
-    from triton_reshard.plan.pair_schedule import _contiguous
+    from triton_reshard.box import contiguous_boxes
 
     shape, size, extra = case
     local = (2,) * extra + shape
@@ -170,7 +170,7 @@ def test_contiguous_columns_equal_is_contiguous_box(case):
         shapes[0, W - len(local):] = local
     sizes = np.ones((1, D), np.int64)
     sizes[0, :len(size)] = size
-    assert bool(_contiguous(shapes, sizes, np.array([len(size)]))[0]) is want
+    assert bool(contiguous_boxes(shapes, sizes, np.array([len(size)]))[0]) is want
 
 
 def _preset_plans():

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from operator import add, gt, itemgetter, le, lt
 
+import numpy as np
+
 ALIGN = 16  # byte alignment of every chunk inside a message buffer (lets any dtype view the bytes)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -121,6 +123,22 @@ def is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple
         if n > 1:
             seen = True
     return True
+
+
+def contiguous_boxes(shapes: np.ndarray, sizes: np.ndarray, nd: np.ndarray) -> np.ndarray:
+    """:func:`is_contiguous_box` per row, on arrays (the schedule's many chunks at once): ``shapes`` ``[m, S]``
+    right-aligned (padded with 1 on the left), ``sizes`` ``[m, D]`` the boxes' first ``nd`` columns (left-aligned):
+    every dim after the first dim of size > 1 is whole."""
+    m = len(nd)
+    W = max(shapes.shape[1], sizes.shape[1])
+    sh = np.concatenate([np.ones((m, W - shapes.shape[1]), np.int64), shapes], 1)
+    col = np.arange(W)[None, :] - (W - nd)[:, None]  # right-aligned sizes: column k holds dim k - (W - nd)
+    sz = np.where(col >= 0, np.take_along_axis(sizes, np.clip(col, 0, max(sizes.shape[1] - 1, 0)), 1)
+                  if sizes.shape[1] else 1, 1)
+    big = sz > 1
+    before = np.zeros_like(big)
+    before[:, 1:] = np.logical_or.accumulate(big, 1)[:, :-1]
+    return ~(before & (sz != sh)).any(1)
 
 
 def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):

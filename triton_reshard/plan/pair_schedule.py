@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..box import align_up, is_contiguous_box, split_box, split_rows
+from ..box import align_up, contiguous_boxes, is_contiguous_box, split_box, split_rows
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
 from .table import TransferTable
@@ -510,23 +510,8 @@ def direct_columns(src: Layout, dst: Layout, table: TransferTable, rows: np.ndar
             good = np.zeros(u, np.bool_)
             good[sel] = ok
             g = good[inv]  # per chunk
-            out[g] |= _contiguous(shapes[inv[g]], sizes[g], nd[g])
+            out[g] |= contiguous_boxes(shapes[inv[g]], sizes[g], nd[g])
     return out
-
-
-def _contiguous(shapes: np.ndarray, sizes: np.ndarray, nd: np.ndarray) -> np.ndarray:
-    """``is_contiguous_box`` per row: ``shapes`` right-aligned (padded with 1 on the left), ``sizes`` the box's
-    first ``nd`` columns (left-aligned): every dim after the first dim of size > 1 is whole."""
-    m = len(nd)
-    W = max(shapes.shape[1], sizes.shape[1])
-    sh = np.concatenate([np.ones((m, W - shapes.shape[1]), I64), shapes], 1)
-    col = np.arange(W)[None, :] - (W - nd)[:, None]  # right-aligned sizes: column k holds dim k - (W - nd)
-    sz = np.where(col >= 0, np.take_along_axis(sizes, np.clip(col, 0, max(sizes.shape[1] - 1, 0)), 1)
-                  if sizes.shape[1] else 1, 1)
-    big = sz > 1
-    before = np.zeros_like(big)
-    before[:, 1:] = np.logical_or.accumulate(big, 1)[:, :-1]
-    return ~(before & (sz != sh)).any(1)
 
 
 class PairSchedule(Schedule):
