@@ -249,3 +249,16 @@ def test_local_shape_columns_agree_on_both_storages():
         assert (row is None) == (spec is None)
         if spec is not None:
             assert row[1] == spec.dtype and row[0][-len(spec.shape):] == spec.shape
+
+
+def test_local_shape_columns_of_a_layout_without_local_tensors():
+    """A columnar layout that holds no local tensor answers "none" for every row (it used to index an empty
+    column)."""
+    import numpy as np
+
+    from triton_reshard.layout import TensorSpec
+    from triton_reshard.layout.columnar import columnar
+
+    lay = columnar([TensorSpec("w", (0,), F32)], [], [])
+    shapes, codes, _dts = lay.local_shape_columns(np.array([0, 3]), ["w"], np.array([0, 0]))
+    assert codes.tolist() == [-1, -1] and len(shapes) == 2

@@ -346,9 +346,11 @@ class ColumnarLayout(Layout):
                 hit = (base < 0) & np.isin(r, c.ranks)
                 base[hit] = r[hit]
         keys = self._local_keys
+        if not len(keys):  # no local tensor at all
+            return np.ones((len(ranks), 0), I64), np.full(len(ranks), -1, np.int16), tuple(c.dtypes)
         q = base * len(c.lnames) + lid
-        j = np.minimum(np.searchsorted(keys, q), max(len(keys) - 1, 0))
-        found = (lid >= 0) & (base >= 0) & (keys[j] == q) if len(keys) else np.zeros(len(q), np.bool_)
+        j = np.minimum(np.searchsorted(keys, q), len(keys) - 1)
+        found = (lid >= 0) & (base >= 0) & (keys[j] == q)
         S = c.lsh.shape[1]
         nd = np.where(found, c.lnd[j], 0).astype(I64)
         col = np.arange(S)[None, :] - (S - nd)[:, None]  # right-aligned: column k holds dim k - (S - nd)

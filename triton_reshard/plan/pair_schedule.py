@@ -278,7 +278,8 @@ class _Pairs:
     def of(cls, table: TransferTable, world: int) -> _Pairs:
         self = cls()
         n = len(table)
-        self.world = max(world, 1)
+        # pair codes need every rank below ``world`` (else two pairs could share a code)
+        self.world = max(world, 1, int(table.src.max()) + 1 if n else 0, int(table.dst.max()) + 1 if n else 0)
         order = np.lexsort((table.dst, table.src, table.relay)) if n else np.zeros(0, I64)
         ph, ss, dd = table.relay[order].astype(I64), table.src[order], table.dst[order]
         codes = (ph * self.world + ss) * self.world + dd  # increasing along the pairs
