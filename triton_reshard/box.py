@@ -19,8 +19,8 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 _BOX_START = itemgetter(0)
 
 
-def align_up(n: int) -> int:
-    """``n`` rounded up to a multiple of ``ALIGN``."""
+def align_up(n):
+    """``n`` (an int, or an int array elementwise) rounded up to a multiple of ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -125,6 +125,15 @@ def is_contiguous_box(shape: tuple[int, ...], start: tuple[int, ...], off: tuple
     return True
 
 
+def right_align(a: np.ndarray, nd: np.ndarray, width: int) -> np.ndarray:
+    """Rows of ``a`` (``[m, k]``, row ``i``'s values in its first ``nd[i]`` columns) right-aligned in ``[m, width]``
+    int64, padded with 1 on the left: shapes and box sizes laid so that their last dims line up."""
+    col = np.arange(width)[None, :] - (width - np.asarray(nd, np.int64))[:, None]  # column c holds value c - pad
+    if not a.shape[1]:
+        return np.ones((len(nd), width), np.int64)
+    return np.where(col >= 0, np.take_along_axis(np.asarray(a, np.int64), np.clip(col, 0, a.shape[1] - 1), 1), 1)
+
+
 def contiguous_boxes(shapes: np.ndarray, sizes: np.ndarray, nd: np.ndarray) -> np.ndarray:
     """:func:`is_contiguous_box` per row, on arrays (the schedule's many chunks at once): ``shapes`` ``[m, S]``
     right-aligned (padded with 1 on the left), ``sizes`` ``[m, D]`` the boxes' first ``nd`` columns (left-aligned):
@@ -132,9 +141,7 @@ def contiguous_boxes(shapes: np.ndarray, sizes: np.ndarray, nd: np.ndarray) -> n
     m = len(nd)
     W = max(shapes.shape[1], sizes.shape[1])
     sh = np.concatenate([np.ones((m, W - shapes.shape[1]), np.int64), shapes], 1)
-    col = np.arange(W)[None, :] - (W - nd)[:, None]  # right-aligned sizes: column k holds dim k - (W - nd)
-    sz = np.where(col >= 0, np.take_along_axis(sizes, np.clip(col, 0, max(sizes.shape[1] - 1, 0)), 1)
-                  if sizes.shape[1] else 1, 1)
+    sz = right_align(sizes, nd, W)
     big = sz > 1
     before = np.zeros_like(big)
     before[:, 1:] = np.logical_or.accumulate(big, 1)[:, :-1]

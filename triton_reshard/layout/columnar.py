@@ -22,6 +22,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ..box import right_align
 from ..fragment_table import FragmentTable, TensorRows, content_fingerprint
 from ..specs import (
     FRAG_KEY,
@@ -351,10 +352,7 @@ class ColumnarLayout(Layout):
         q = base * len(c.lnames) + lid
         j = np.minimum(np.searchsorted(keys, q), len(keys) - 1)
         found = (lid >= 0) & (base >= 0) & (keys[j] == q)
-        S = c.lsh.shape[1]
-        nd = np.where(found, c.lnd[j], 0).astype(I64)
-        col = np.arange(S)[None, :] - (S - nd)[:, None]  # right-aligned: column k holds dim k - (S - nd)
-        shp = np.where(col >= 0, np.take_along_axis(c.lsh[j].astype(I64), np.maximum(col, 0), 1), 1)
+        shp = right_align(c.lsh[j], np.where(found, c.lnd[j], 0), c.lsh.shape[1])
         return shp, np.where(found, c.ldt[j], -1).astype(np.int16), tuple(c.dtypes)
 
     def fragments_on_rank(self, rank: int) -> tuple[Fragment, ...]:

@@ -14,10 +14,8 @@ import numpy as np
 from ..box import align_up, contiguous_boxes, is_contiguous_box, split_box, split_rows
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
-from .table import TransferTable
+from .table import I64, TransferTable
 from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
-
-I64 = np.int64
 
 # --------------------------------------------------------------------------------------------------------
 # Steps
@@ -354,7 +352,7 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
     rows = pairs.order[fast_rows]
     pair_of = np.repeat(np.arange(len(pairs), dtype=I64), np.diff(pairs.edges))[fast_rows]
     nb = table.nbytes[rows]
-    fits = (_align(nb) <= cap) | (table.ndim[rows] == 0)
+    fits = (align_up(nb) <= cap) | (table.ndim[rows] == 0)
     keep = nb > 0
     # chunks: one per fitting row, a template's per big row (grouped by sizes and itemsize)
     counts = np.where(fits, 1, 0) * keep
@@ -363,9 +361,8 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
     tmpl_n: list[np.ndarray] = []
     tmpl_sz: list[np.ndarray] = []
     tstart = [0]
-    big_t = np.zeros(0, I64)
     if len(big):
-        isz = _itemsizes(table)[table.wdt[rows[big]]]
+        isz = table.itemsizes[table.wdt[rows[big]]]
         keyrows = np.concatenate([table.sizes[rows[big]], table.ndim[rows[big]][:, None].astype(I64), isz[:, None]], 1)
         uniq, big_t = _unique_rows(keyrows)
         for u in uniq.tolist():
@@ -404,7 +401,7 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
         cd[cb] = contiguity.direct_columns(table, rows[ci[cb]], csz)
     del cand, fidx
     # the next fit, every pair at once: a load from chunk j takes chunks while the aligned bytes stay <= cap
-    ca = _align(cn)
+    ca = align_up(cn)
     cp = pair_of[ci]
     nch = len(ci)
     cum = np.concatenate(([0], np.cumsum(ca)))  # cum[j]: aligned bytes before chunk j (over all pairs)
@@ -468,14 +465,6 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         uniq, inv = np.unique(a, axis=0, return_inverse=True)
         return uniq, inv.reshape(-1)
     return a[first], inv
-
-
-def _align(n: np.ndarray) -> np.ndarray:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _itemsizes(table: TransferTable) -> np.ndarray:
-    return np.array([itemsize_of(d) for d in table.dtypes] or [0], I64)
 
 
 def direct_columns(src: Layout, dst: Layout, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -116,7 +116,7 @@ class TransferTable(Sequence):
                 dst_ndim=dnd, dst_offsets=do_a,
                 wdt=dcodes.astype(np.int8), relay=np.fromiter(relay, np.bool_, n), quant=q,
                 nbytes=np.zeros(n, I64)), extras)
-        nb = table.sizes.prod(axis=1, dtype=I64) * np.array([itemsize_of(d) for d in dts] or [0], I64)[table.wdt]
+        nb = table.sizes.prod(axis=1, dtype=I64) * table.itemsizes[table.wdt]
         for i in extras:  # fp8 values and one fp32 scale per block (``Transfer.nbytes``)
             if q[i] == 1:
                 nb[i] = ts[i].nbytes
@@ -317,6 +317,11 @@ class TransferTable(Sequence):
         if self.extras:
             h.update(repr(sorted(self.extras.items())).encode())
         return h.hexdigest()
+
+    @property
+    def itemsizes(self) -> np.ndarray:
+        """Per wire-dtype code its element size in bytes (index it with ``wdt``)."""
+        return np.array([itemsize_of(d) for d in self.dtypes] or [0], I64)
 
     @property
     def numel(self) -> np.ndarray:
