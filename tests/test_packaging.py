@@ -1,0 +1,82 @@
+"""A wheel built from the tree holds every module, the console script and the plug-in entry points.
+
+``pip install -e`` puts the source tree on the path, so a package left out of the packaged list goes unseen
+there; once ``triton_reshard.layout`` was missing from every built wheel. This builds a real wheel (pip, the
+project's own build backend) from a copy of the tree and compares. The installed-wheel check (fresh venv,
+import of every module, the CLI and a refit from outside the tree) is ``.ci/wheel_check.sh``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.packaging.wheel_contents import declared_entry_points, problems, tree_files, wheel_entry_points
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _copy_tree(dst: Path) -> None:
+    """The files git would check out (tracked and untracked-not-ignored), or the tree less caches without git."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+        files = [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {"__pycache__", ".git", "build", "dist", ".pytest_cache", ".hypothesis"}
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                 if p.is_file() and not skip & set(p.relative_to(ROOT).parts)
+                 and not any(part.startswith(".venv") or part.endswith(".egg-info") for part in p.parts)]
+    for f in files:
+        (dst / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dst / f)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("src")
+    out = tmp_path_factory.mktemp("dist")
+    _copy_tree(src)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"pip wheel failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    (whl,) = out.glob("triton_reshard-*.whl")
+    return whl
+
+
+def test_wheel_holds_every_module_and_entry_point(wheel):
+    assert problems(ROOT, wheel) == []
+
+
+def test_every_subpackage_of_the_tree_is_a_package_in_the_wheel(wheel):
+    """Every folder of Python files in the tree arrives with its __init__.py (the layout package did not)."""
+    want = {p.rsplit("/", 1)[0] for p in tree_files(ROOT) if p.endswith("/__init__.py")}
+    assert {"triton_reshard", "triton_reshard/layout", "triton_reshard/kernels", "triton_reshard/plan"} <= want
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert sorted(d for d in want if f"{d}/__init__.py" not in names) == []
+
+
+def test_wheel_entry_points_are_the_declared_ones(wheel):
+    got = wheel_entry_points(wheel)
+    assert got["console_scripts"]["triton-reshard"] == "triton_reshard.tools.cli:main"
+    assert "triton_reshard" in got["vllm.general_plugins"]
+    assert "triton_reshard" in got["sglang.srt.plugins"]
+    assert {g: got.get(g) for g in declared_entry_points(ROOT)} == declared_entry_points(ROOT)
+
+
+def test_the_check_names_a_dropped_subpackage(wheel, tmp_path):
+    """The comparison itself fails, by file name, on a wheel that lost a subpackage (as the old list did)."""
+    cut = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as zin, zipfile.ZipFile(cut, "w") as zout:
+        for item in zin.infolist():
+            if not item.filename.startswith("triton_reshard/layout/"):
+                zout.writestr(item, zin.read(item.filename))
+    lines = problems(ROOT, cut)
+    assert lines and all("triton_reshard/layout/" in line for line in lines)
+    assert any(line.endswith("triton_reshard/layout/__init__.py is in the source tree but not in the wheel")
+               for line in lines)
