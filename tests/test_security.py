@@ -435,9 +435,29 @@ def test_control_plane_refuses_a_malformed_call():
     try:
         poster = AuthStore("127.0.0.1", port, SECRET, timedelta(seconds=5))
         poster.set("cmd/0", wire.dumps({"method": "__import__", "payload": "os"}))
-        with pytest.raises(wire.WireError, match=r"worker 0: control call 0.method: '__import__' is not one of"):
-            control.serve("127.0.0.1", port, 0, {}, timeout=5, secret=SECRET)
+        with pytest.raises(wire.WireError,
+                           match=r"worker 0: control call 0.method: '__import__' is not one of \['update_weights', 'stop'\]"):
+            control.serve("127.0.0.1", port, 0, {"update_weights": print}, timeout=5, secret=SECRET)
         poster.close()
+    finally:
+        srv.close()
+
+
+def test_control_plane_runs_a_worker_s_own_method_names_and_only_those():
+    """A worker may serve methods beyond the standard ones (perf/bench_sglang.py's ``sglang_update``): a call
+    naming one of its handlers runs with its JSON payload; the same name at a worker without it is refused."""
+    port = free_port()
+    srv = control.host_store("127.0.0.1", port, secret=SECRET)
+    got = []
+    try:
+        client = control.StoreClient("127.0.0.1", port, workers=1, timeout=20, secret=SECRET)
+        t = threading.Thread(target=lambda: control.serve("127.0.0.1", port, 0, {"sglang_update": got.append},
+                                                          timeout=20, secret=SECRET))
+        t.start()
+        client.call("sglang_update", {"names": ["w"], "load_format": None})
+        client.stop()
+        t.join(20)
+        assert got == [{"names": ["w"], "load_format": None}]
     finally:
         srv.close()
 

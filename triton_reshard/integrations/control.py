@@ -22,8 +22,10 @@ from .. import wire
 from ..auth import AuthStore, AuthStoreServer, group_key, resolve_secret
 from .sglang import decode_control, encode_control
 
+# The calls the clients below post (the last three: SGLang's). A worker runs only the methods it was given
+# handlers for (and "stop"): any other name is refused by name before anything runs.
 METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "stop",
-           "begin_weight_update", "update_weights_from_tensor", "end_weight_update")  # the last three: SGLang's
+           "begin_weight_update", "update_weights_from_tensor", "end_weight_update")
 
 
 def _key(host: str, secret, insecure, where: str) -> bytes:
@@ -108,27 +110,29 @@ def sglang_update_kwargs(payload) -> dict:
     return {"named_tensors": encode_control(payload["control"]), "load_format": payload["load_format"]}
 
 
-def _command(raw: bytes, n: int, worker: int) -> tuple[str, object]:
+def _command(raw: bytes, n: int, worker: int, known: tuple[str, ...]) -> tuple[str, object]:
     what = f"worker {worker}: control call {n}"
     msg = wire.loads(raw, what)
     if not isinstance(msg, dict) or set(msg) != {"method", "payload"}:
         raise wire.WireError(f"{what}: expected an object with fields 'method' and 'payload', got "
                              f"{sorted(msg) if isinstance(msg, dict) else type(msg).__name__}")
-    if msg["method"] not in METHODS:
-        raise wire.WireError(f"{what}.method: {msg['method']!r} is not one of {list(METHODS)}")
+    if not isinstance(msg["method"], str) or msg["method"] not in known:
+        raise wire.WireError(f"{what}.method: {msg['method']!r} is not one of {list(known)}")
     return msg["method"], msg["payload"]
 
 
 def serve(host: str, port: int, worker: int, handlers: Mapping[str, Callable], timeout: float = 300.0, *,
           secret: bytes | str | None = None, insecure: bool | None = None) -> int:
     """An engine worker's loop: run each posted call (``handlers[method](payload)``), acknowledge it, until
-    ``stop``; returns the number of calls. A call that does not match the schema is an error."""
+    ``stop``; returns the number of calls. ``handlers`` may name any methods (the standard ones are
+    :data:`METHODS`); a call that does not match the schema or names a method without a handler is an error."""
+    known = tuple(dict.fromkeys([*handlers, "stop"]))
     store = _connect(host, port, timeout, secret, insecure, f"control serve (worker {worker})")
     n = 0
     try:
         while True:
             store.wait([f"cmd/{n}"], timedelta(seconds=timeout))
-            method, payload = _command(store.get(f"cmd/{n}"), n, worker)
+            method, payload = _command(store.get(f"cmd/{n}"), n, worker, known)
             err = ""
             if method != "stop":
                 try:
