@@ -1,0 +1,17 @@
+"""The perf/ benchmarks that need this tier's environment, run small (perf/smoke.py, tier "engines")."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+import smoke  # noqa: E402
+
+
+@pytest.mark.parametrize("key", smoke.entries("engines"))
+def test_perf_script_runs_small(key, tmp_path):
+    ok, tail, _secs = smoke.run_one(key, str(tmp_path))
+    assert ok, tail
