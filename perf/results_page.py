@@ -287,26 +287,43 @@ def _planner(res: Results) -> Section:
     for case in dict.fromkeys([*shares, *whole]):
         s = max(shares.get(case, []), key=lambda r: r["cpu_seconds"], default=None)
         w, b = whole.get(case), before.get(case)
-        rows.append([case, f"{s['world']:,}" if s else f"{w['world']:,}",
-                     f"{s['cpu_seconds']:.2f} s, +{s['peak_above_import_mb']:.0f} MB" if s else "—",
-                     f"{w['cpu_seconds']:.1f} s, +{w['peak_above_import_mb']:,.0f} MB" if w else "—",
-                     f"{b['cpu_seconds']:.1f} s" if b and "cpu_seconds" in b else (b or {}).get("note", "—"),
-                     f"{w['steps']:,}, {w['predicted_seconds_h100']:.2f} s" if w else "—",
-                     ("yes" if w["wire_bytes"] == w["lower_bound_bytes"] else "**no**") if w else "—"])
+        row = [case, f"{(s or w)['world']:,}",
+               f"{s['cpu_seconds']:.2f} s ({' / '.join(f'{v:.2f}' for v in s['cpu'].values())}), "
+               f"+{s['peak_above_import_mb']:.0f} MB" if s else "—",
+               f"{w['cpu_seconds']:.1f} s ({' / '.join(f'{v:.2f}' for v in w['cpu'].values())}), "
+               f"+{w['peak_above_import_mb']:,.0f} MB" if w else "—"]
+        if before:
+            row.append(f"{b['cpu_seconds']:.1f} s" if b and "cpu_seconds" in b else (b or {}).get("note", "—"))
+        row += [f"{w['steps']:,}, {w['predicted_seconds_h100']:.2f} s" if w else "—",
+                ("yes" if w["wire_bytes"] == w["lower_bound_bytes"] else "**no**") if w else "—"]
+        rows.append(row)
+    s0 = next((r for r in d["results"] if r["kind"] == "share"), None)
+    w0 = next((r for r in d["results"] if r["kind"] == "whole"), None)
+    phases = (f"share: {' / '.join(s0['cpu'])}" if s0 else "") + ("; " if s0 and w0 else "") + \
+        (f"whole: {' / '.join(w0['cpu'])}" if w0 else "")
+    big = max(rows, key=lambda r: int(r[1].replace(",", "")))
+    if before:
+        against = "the planner before the rank plans (whole plan only: a rank's share was the whole plan then)"
+        note = ("This JSON predates the later planner work (transfers and the schedule as columns), timed as "
+                "before/after pairs without a JSON here: see HISTORY.md. ")
+    else:
+        against = ("no baseline in this run: the current tree's CPU seconds (the before/after pairs of each planner "
+                   "change and the issue's targets are in HISTORY.md)")
+        note = ("CPU seconds are the process's own, pinned to one core: the load moves them less than wall time, "
+                "but not by nothing. ")
     return Section(
         title="Planner (`perf/bench_planner.py --scaling`)",
-        what=f"planning a {d['meta']['model']} refit, Megatron → vLLM, colocated, 128 to 1,024 ranks: one rank's "
-             "share (both layouts, its plan and schedule) and the whole plan (plan, stats, schedule, predicted "
-             "time), CPU seconds of one fresh process; memory above the post-import RSS",
-        against="the planner before the rank plans (whole plan only: a rank's share was the whole plan then)",
-        headline=f"a rank's share at {rows[-1][1]} ranks: {rows[-1][2]}",
-        table=[["case", "ranks", "rank share (slower of first/last rank)", "whole plan", "whole plan before",
-                "steps, predicted refit (H100 model)", "wire = lower bound"], *rows],
-        note="This JSON predates the planner work of issue 21 (transfers as columns, the schedule on columns): "
-             "later sittings were timed as before/after pairs without a JSON here; their story is in "
-             "HISTORY.md. Cases (Megatron → vLLM, the instances of the vLLM side): "
-             + "; ".join(f"`{k}` {_kw(v[0])} → {_kw(v[1])}" for k, v in d["meta"]["cases"].items() if k in shares or k in whole)
-             + ".",
+        what=f"planning a {d['meta']['model']} refit, Megatron → vLLM, colocated: one rank's share (both "
+             "layouts, its plan and schedule) and the whole plan (layouts, plan, stats, schedule, predicted time), "
+             "CPU seconds of one fresh process, per phase in brackets; memory above the post-import RSS",
+        against=against,
+        headline=f"at {big[1]} ranks: a rank's share {big[2].split(' (')[0]}, the whole plan {big[3].split(' (')[0]}",
+        table=[["case", "ranks", "rank share, slower of the first/last rank", "whole plan",
+                *(["whole plan before"] if before else []), "steps, predicted refit (H100 model)",
+                "wire = lower bound"], *rows],
+        note=note + f"Phases: {phases}. Cases (Megatron → vLLM): "
+             + "; ".join(f"`{k}` {_kw(v[0])} → {_kw(v[1])}" for k, v in d["meta"]["cases"].items()
+                         if k in shares or k in whole) + ".",
         history="Scaling to 1,024 ranks", **res.provenance(name))
 
 
