@@ -44,7 +44,11 @@ PROVENANCE = "provenance.json"
 # ---- formatting -------------------------------------------------------------------------------------------
 
 def ratio(x: float) -> str:
-    return f"{x:.2f}×"
+    return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
+
+
+def gbps(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
 
 
 def secs(x: float) -> str:
@@ -144,7 +148,7 @@ def _machine(meta: dict, d: dict) -> str | None:
     if "cpus" in meta:
         return f"CPU ({meta.get('machine', '?')}), {meta['cpus']} cores, Python {meta.get('python', '?')}"
     if d.get("device_type") == "cpu":
-        return f"CPU ({d.get('device')}), {d.get('cpu_threads')} torch threads, torch {d.get('torch')}"
+        return f"CPU ({d.get('device')}), torch threads: {d.get('cpu_threads')}, torch {d.get('torch')}"
     if d.get("device_type") == "cuda":
         return f"GPU {d.get('device')}, torch {d.get('torch')}, triton {d.get('triton')}"
     return None
@@ -163,16 +167,17 @@ def summarizer(key: str) -> Callable:
     return deco
 
 
-# Published numbers with no JSON behind them: named here (no number), with the HISTORY.md heading to read.
-HISTORICAL: list[tuple[str, str]] = [
-    ("`triton-reshard demo`, ours vs the all-gather on the demo's model (no JSON output)", "Demo — "),
+# Published numbers with no JSON behind them: named here (no number), with the HISTORY.md heading to read, and
+# the JSON file that, once a run writes it, brings the number onto the page (the entry then drops out).
+HISTORICAL: list[tuple[str, str, str | None]] = [
+    ("`triton-reshard demo`, ours vs the all-gather on the demo's model (no JSON output)", "Demo — ", None),
     ("Block-FP8 destinations, BF16 vs FP8 wire and time (`triton-reshard bench --dst-dtype fp8-block`, "
-     "run without `--out`)", "Block-FP8 destinations"),
+     "run without `--out`)", "Block-FP8 destinations", "bench_refit_fp8.json"),
     ("Several engine instances, the trainer's busiest send with and without relays (`triton-reshard plan "
-     "--instances N` prints it)", "Several engine instances"),
+     "--instances N` prints it)", "Several engine instances", None),
     ("The planner's later sittings (transfers and schedule as columns: `triton-reshard plan` end to end, rank "
-     "shares, whole plans, each before/after in one sitting)",
-     "2026-12-02 16:31"),
+     "shares, whole plans, each before/after in one sitting)", "2026-12-02 16:31", None),
+    ("Copy kernels, the per-slice torch path against a plain copy (CPU)", "Copy kernels", "bench_kernels_cpu.json"),
 ]
 
 
@@ -208,6 +213,40 @@ def _refit(res: Results) -> Section:
              "copies what no transport can receive in place (local shards, chunks contiguous on neither side): "
              "that is the gap to the wire limit on this CPU, where the copies and gloo share the cores.",
         history="End-to-end refit", **res.provenance("bench_refit.json"))
+
+
+@summarizer("bench_refit_fp8")
+def _fp8(res: Results) -> Section | None:
+    name = "bench_refit_fp8.json"
+    if not res.exists(name):
+        return None
+    d = res.load(name)
+    rows = []
+    for r in d["results"]:
+        m, st, q = r["methods"], r["stats"], r["stats_fp8"]
+        rows.append([r["name"], mib(st["wire_bytes"]), mib(q["wire_bytes"]), ratio(q["wire_bytes"] / st["wire_bytes"]),
+                     ratio(q["wire_bytes"] / q["lower_bound_bytes"]),
+                     f"{mib(q['quant_src_bytes'])} / {mib(q['quant_dst_bytes'])}",
+                     secs(m["reshard"]["median_s"]), secs(m["reshard-fp8"]["median_s"]),
+                     ratio(m["reshard-fp8"]["median_s"] / m["reshard"]["median_s"]),
+                     "yes" if all(v["bad_elements"] == 0 for v in m.values()) else "**no**"])
+    r0 = d["results"][0]
+    return Section(
+        title="Block-FP8 destinations (`triton-reshard bench --dst-dtype fp8-block`)",
+        what=f"the refit into block-FP8 inference weights (every Linear weight of the destination in "
+             f"{r0['quant_block']}×{r0['quant_block']} blocks, fp32 scales) beside the plain {r0['dtype']} refit, "
+             f"~{r0['size_gb']:g} GiB, {r0['world']} gloo ranks; every fp8 byte and scale checked against the "
+             "reference quantization of the whole tensor",
+        against=f"the plain {r0['dtype']} refit of the same layouts (wire bytes and time, same run)",
+        headline="FP8 wire " + ", ".join(r[3] for r in rows) + f" of {r0['dtype']}; time " +
+                 ", ".join(r[8] for r in rows) + " (CPU)",
+        table=[["case", f"{r0['dtype']} wire", "FP8 wire", f"FP8 / {r0['dtype']} wire", "FP8 / its lower bound",
+                "sender- / receiver-quantized", f"{r0['dtype']} time", "FP8 time", "FP8 / plain time",
+                "bit-exact"], *rows],
+        note="Embeddings, the output layer and norms stay in the source dtype, so the wire shrinks less than the "
+             "Linear weights do. On CPU the torch reference quantization runs on the cores the ranks share with "
+             "gloo, so the FP8 refit is slower here; on CUDA the one-launch Triton kernel quantizes (not measured).",
+        history="Block-FP8 destinations", **res.provenance(name))
 
 
 @summarizer("bench_sglang")
@@ -418,20 +457,22 @@ def _kernels(res: Results) -> Section | None:
     for c in d["cases"]:
         r = c["results"]
         rows.append([c["scenario"], c["direction"], f"{c['regions']:,}", f"{c['bytes_moved'] / 1e6:,.0f}",
-                     *(f"{r[b]['gbps']:.1f}" if b in r else "—" for b in ("triton", "torch", "ceiling")),
+                     *(gbps(r[b]["gbps"]) if b in r else "—" for b in ("triton", "torch", "ceiling")),
                      ratio(r["torch"]["gbps"] / r["ceiling"]["gbps"]),
                      {True: "yes", False: "**no**"}.get(r.get("triton", {}).get("matches_torch"), "—")])
+    timed = sorted((r for r in rows if "interpreter" not in r[0]), key=lambda r: float(r[-2].rstrip("×")))
+    lo, hi = timed[0], timed[-1]
     return Section(
         title="Copy kernels (`perf/bench_kernels.py`)",
         what=f"pack and unpack GB/s (bytes read + written) of one refit step's slices ({d['model']['name']} "
              "TP4 → TP2), many tiny regions and a few huge ones",
         against="one contiguous `copy_` of the same bytes (the ceiling), same run",
-        headline="the per-slice torch path at " + ", ".join(f"{r[-2]} ({r[0].split('-')[0]} {r[1]})" for r in rows
-                                                            if "interpreter" not in r[0]) + " of the ceiling",
+        headline=f"the per-slice torch path at {lo[-2]} ({lo[0]} {lo[1]}) to {hi[-2]} ({hi[0]} {hi[1]}) of the "
+                 "ceiling",
         table=[["scenario", "direction", "regions", "MB moved", "Triton GB/s", "torch GB/s", "ceiling GB/s",
                 "torch / ceiling", "Triton = torch bits"], *rows],
         note="CPU only: the Triton kernel runs on CPU only under the interpreter (a tiny model, to show it runs "
-             "and matches); its GPU bandwidth is not measured (no GPU lent to the sessions so far).",
+             "and matches); its GPU bandwidth is not measured here.",
         history="Copy kernels", **res.provenance(name))
 
 
@@ -500,7 +541,8 @@ def render(folder: Path = RESULTS, history: Path = HISTORY) -> str:
             + (f"{s.note}\n\n" if s.note else "")
             + f"Data: {', '.join(f'[`{n}`](results/{n})' for n in s.sources)}."
             + (f" The story: {_history_link(s.history, headings)}." if s.history else "") + "\n")
-    hist = "\n".join(f"- {what}: {_history_link(h, headings)}" for what, h in HISTORICAL)
+    hist = "\n".join(f"- {what}: {_history_link(h, headings)}" for what, h, json_name in HISTORICAL
+                      if json_name is None or not (folder / json_name).exists())
     parts.append("## Historical numbers (no JSON)\n\nPublished once, with no JSON behind them here; read them with "
                  f"their date and conditions in the history, and re-run with `--out` to bring them onto this page:\n\n"
                  f"{hist}\n")
