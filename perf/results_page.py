@@ -238,10 +238,10 @@ def _fp8(res: Results) -> Section | None:
              f"~{r0['size_gb']:g} GiB, {r0['world']} gloo ranks; every fp8 byte and scale checked against the "
              "reference quantization of the whole tensor",
         against=f"the plain {r0['dtype']} refit of the same layouts (wire bytes and time, same run)",
-        headline="FP8 wire " + ", ".join(r[3] for r in rows) + f" of {r0['dtype']}; time " +
-                 ", ".join(r[8] for r in rows) + " (CPU)",
+        headline="the FP8 wire at " + ", ".join(r[3] for r in rows) + f" of the {r0['dtype']} wire; the FP8 refit "
+                 "takes " + ", ".join(r[8] for r in rows) + " the plain one's time (CPU)",
         table=[["case", f"{r0['dtype']} wire", "FP8 wire", f"FP8 / {r0['dtype']} wire", "FP8 / its lower bound",
-                "sender- / receiver-quantized", f"{r0['dtype']} time", "FP8 time", "FP8 / plain time",
+                "sender- / receiver-quantized", f"{r0['dtype']} time", "FP8 time", "FP8 / plain time (medians)",
                 "bit-exact"], *rows],
         note="Embeddings, the output layer and norms stay in the source dtype, so the wire shrinks less than the "
              "Linear weights do. On CPU the torch reference quantization runs on the cores the ranks share with "
