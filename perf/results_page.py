@@ -105,6 +105,10 @@ class Results:
     def exists(self, name: str) -> bool:
         return (self.folder / name).exists()
 
+    def names(self, pattern: str) -> list[str]:
+        """The result files matching a glob pattern, sorted (a benchmark with one file per case)."""
+        return sorted(p.name for p in self.folder.glob(pattern))
+
     def provenance(self, *names: str) -> dict:
         """command, date, machine and sources of the files behind a section: from each JSON's own meta, the gaps
         filled from perf/results/provenance.json (an entry whose date is not the JSON's is for an older run and
@@ -173,8 +177,8 @@ HISTORICAL: list[tuple[str, str, str | None]] = [
     ("`triton-reshard demo`, ours vs the all-gather on the demo's model (no JSON output)", "Demo — ", None),
     ("Block-FP8 destinations, BF16 vs FP8 wire and time (`triton-reshard bench --dst-dtype fp8-block`, "
      "run without `--out`)", "Block-FP8 destinations", "bench_refit_fp8.json"),
-    ("Several engine instances, the trainer's busiest send with and without relays (`triton-reshard plan "
-     "--instances N` prints it)", "Several engine instances", None),
+    ("Several engine instances: the `Qwen3-30B-A3B` rows (`triton-reshard plan --instances N`, run without "
+     "`--json`)", "Several engine instances", None),
     ("The planner's later sittings (transfers and schedule as columns: `triton-reshard plan` end to end, rank "
      "shares, whole plans, each before/after in one sitting)", "2026-12-02 16:31", None),
     ("Copy kernels, the per-slice torch path against a plain copy (CPU)", "Copy kernels", "bench_kernels_cpu.json"),
@@ -400,6 +404,45 @@ def _routing(res: Results) -> Section:
         note="A model's prediction, not a measurement; on GB200-like domains relays do not help the predicted time "
              "(the greedy balances each rank's total bytes, not its network bytes).",
         history="Topology-aware routing", **res.provenance("bench_routing.json"))
+
+
+def _par(side: dict) -> str:
+    """A layout's parallel sizes as `TP4×PP2×DP2` (sizes of one left out)."""
+    return "×".join(f"{k.upper()}{side[k]}" for k in ("tp", "pp", "dp", "ep") if side.get(k, 1) > 1)
+
+
+@summarizer("plan_instances")
+def _instances(res: Results) -> Section | None:
+    names = res.names("plan_instances_*.json")
+    if not names:
+        return None
+    rows = []
+    for n in names:
+        d = res.load(n)
+        src, dst, nr = d["src"], d["dst"], d["without_relay"]
+        rows.append([f"{d['model']} {src['layout']} {_par(src)} ({src['ranks']}) → {dst['instances']} × "
+                     f"{dst['layout']} {_par(dst)} ({dst['ranks']})",
+                     "nodes, then engines" if d["topology_aware"] else "engines",
+                     f"{nr['trainer_sent_bytes']['max'] / 2**30:.2f} → **{d['trainer_sent_bytes']['max'] / 2**30:.2f}** GiB",
+                     ratio(nr["trainer_sent_bytes"]["max"] / d["trainer_sent_bytes"]["max"]),
+                     f"{1e3 * nr['predicted_seconds']['scheduled']:.1f} → "
+                     f"{1e3 * d['predicted_seconds']['scheduled']:.1f}",
+                     f"{d['times']['plan_without_relay']:.2f} / {d['times']['plan']:.2f} s",
+                     "yes" if d["wire_bytes"] == d["lower_bound_bytes"] else "**no**"])
+    return Section(
+        title="Several engine instances (`triton-reshard plan --instances N`)",
+        what="one trainer feeding several vLLM engines (each a full copy of the destination layout on the next "
+             "block of ranks), planned with relays: a piece several engines need leaves the trainer once, split "
+             "into parts, and the engines relay the parts among themselves; refit times from the topology model "
+             f"({d['topology']['preset']} preset)",
+        against="the same plan without relays (every trainer holder sends each byte once per engine)",
+        headline="the trainer's busiest send " + ", ".join(f"{r[3]} smaller ({r[1]})" for r in rows) + " with relays",
+        table=[["trainer → engines", "relay groups", "trainer busiest send, no relay → relay", "no relay / relay",
+                "predicted ms, no relay → relay", "plan s (no relay / relay)", "wire = lower bound"], *rows],
+        note="A plan and a model's prediction, not a measured refit. The relay phase runs after the direct one, "
+             "so when the trainer is as large as all engines together the spread moves the bottleneck to the "
+             "engines' relay sends rather than removing it.",
+        history="Several engine instances", **res.provenance(*names))
 
 
 @summarizer("bench_delta")
