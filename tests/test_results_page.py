@@ -63,11 +63,11 @@ def test_a_new_json_file_shows_up_until_summarized_or_listed(copy):
 
 
 def test_a_result_without_provenance_names_the_file(copy):
-    f = copy / "results" / "bench_record.json"
+    f = copy / "results" / "bench_megatron_quiet.json"
     d = json.loads(f.read_text())
-    d["date"] = "2099-01-01"  # provenance.json's entry is for another run now: no command, machine
+    d["meta"] = {"date": "2099-01-01"}  # provenance.json's entry is for another run now: no command, machine
     f.write_text(json.dumps(d))
-    with pytest.raises(RuntimeError, match=r"bench_record.*bench_record\.json: no command, machine"):
+    with pytest.raises(RuntimeError, match=r"bench_megatron.*bench_megatron_quiet\.json: no command, machine"):
         results_page.render(copy / "results", copy / "HISTORY.md")
 
 
