@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "cases": rows,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "meta": {"argv": ["perf/bench_kernels.py", *(sys.argv[1:] if argv is None else argv)],
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg())},
     }
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

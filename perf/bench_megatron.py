@@ -329,7 +329,10 @@ def main(argv=None) -> int:
           f"every call checked bit-exact against the sliced global tensors on every rank")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+            meta = {"argv": ["perf/bench_megatron.py", *(sys.argv[1:] if argv is None else argv)],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
+                    "machine": f"CPU, {os.cpu_count()} cores, 8 gloo ranks"}
+            json.dump({"args": vars(args), "runs": runs, "meta": meta}, f, indent=1)
     return 0
 
 

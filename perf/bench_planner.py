@@ -345,6 +345,12 @@ def plot_scaling(rows: list[dict], path: str) -> str:
     return path
 
 
+def _run_meta() -> dict:
+    """The command, date and load of this run, for perf/results_page.py."""
+    return {"argv": ["perf/bench_planner.py", *sys.argv[1:]], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average": list(os.getloadavg())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help="comma list of preset configs")
@@ -376,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         print(scaling_table(rows))
         if args.out:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                    "bucket_bytes": SCALING_BUCKET, "model": SCALING_MODEL, "cases": {k: [repr(a), repr(b)] for k, (a, b)
+            meta = {**_run_meta(), "python": platform.python_version(), "machine": platform.machine(),
+                    "cpus": os.cpu_count(), "bucket_bytes": SCALING_BUCKET, "model": SCALING_MODEL, "cases": {k: [repr(a), repr(b)] for k, (a, b)
                                                                                        in SCALING.items()}}
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "results": rows}, f, indent=1)
@@ -403,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                "bucket_bytes": BUCKET}
+        meta = {**_run_meta(), "python": platform.python_version(), "machine": platform.machine(),
+                "cpus": os.cpu_count(), "bucket_bytes": BUCKET}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
     return 0

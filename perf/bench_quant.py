@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -109,7 +110,9 @@ def main(argv=None) -> int:
     else:
         rows = run(device, args.scale, args.repeats, ["triton", "torch"])
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        meta = {"argv": ["perf/bench_quant.py", *(sys.argv[1:] if argv is None else argv)],
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 "torch": torch.__version__}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

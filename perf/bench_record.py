@@ -76,7 +76,10 @@ def main() -> int:
         ckpt_bytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
         res = run_world(_rank, args.tp, d, cfg, backend="gloo", timeout=900)
     rows = {"model": args.model, "tp": args.tp, "checkpoint_bytes": ckpt_bytes, "ranks": res,
-            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["perf/bench_record.py", *sys.argv[1:]])}
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["perf/bench_record.py", *sys.argv[1:]]),
+            "meta": {"argv": ["perf/bench_record.py", *sys.argv[1:]],
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
+                     "machine": f"CPU, {os.cpu_count()} cores, gloo", "torch": torch.__version__}}
     print(f"{args.model} ({ckpt_bytes / 2**30:.2f} GiB fp32 checkpoint), vLLM TP{args.tp}:")
     print("rank | vLLM load_weights (real weights) | layout_from_vllm (record + gather) | ratio | digest = preset")
     for r, x in enumerate(res):

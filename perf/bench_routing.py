@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        meta = {"argv": ["perf/bench_routing.py", *sys.argv[1:]],
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
+                "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
                 "bucket_bytes": BUCKET, "topologies": {t: repr(PRESETS[t]) for t in topologies}}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": rows, "skipped": skipped}, f, indent=1)

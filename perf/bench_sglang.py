@@ -16,7 +16,11 @@ source both paths start from). Each repeat runs, interleaved, on the same engine
 
 Time: the trainer's wall time per refit, control round trips included; wire bytes: what the engine ranks
 receive (SGLang's path: every full tensor on every rank; ours: each rank's own boxes, the lower bound).
-Prints a table with medians and the ratio to SGLang's faster mode.
+Prints a table with medians and the ratio to SGLang's faster mode; ``--out FILE`` also writes them as JSON (every
+repeat's times, the wire bytes, and a ``meta`` with the command, date, versions and machine), which
+``perf/results_page.py`` turns into the SGLang section of perf/RESULTS.md:
+
+    .venv-sglang/bin/python perf/bench_sglang.py --tp 4 --repeats 5 --out perf/results/bench_sglang.json
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -149,8 +154,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--out", default=None, help="write the results as JSON to this path")
     args = ap.parse_args()
     import transformers
+
+    from triton_reshard.tools.cliutil import check_output_file
+
+    if args.out:
+        check_output_file(args.out, "--out", make_folder=True)
 
     from triton_reshard.group import free_port
     from triton_reshard.integrations.control import host_store
@@ -190,7 +201,28 @@ def main() -> int:
               f"{', '.join(f'{t:.2f}' for t in tr['times'][m])} | {med['sglang-bucket'] / med[m]:.2f}x |")
     print(f"ours vs SGLang's faster mode ({min(MODES[:2], key=med.get)}): "
           f"{min(med['sglang'], med['sglang-bucket']) / med['ours']:.2f}x faster; trainer sent {tr['sent'] / 2**20:.0f} MiB")
+    if args.out:
+        _write_json(args, cfg, tr, recv, med, time.perf_counter() - t0)
     return 0
+
+
+def _write_json(args, cfg: dict, tr: dict, recv: dict, med: dict, total_s: float) -> None:
+    """The run as JSON: per path its wire bytes into the engine ranks, every repeat's time and the median."""
+    import sglang
+
+    fastest = min(MODES[:2], key=med.get)
+    res = {"config": cfg, "tp": args.tp, "repeats": args.repeats, "model_bytes": tr["model_bytes"],
+           "trainer_sent_bytes": tr["sent"], "total_s": total_s,
+           "paths": {m: {"recv_bytes": recv[m], "times_s": list(tr["times"][m]), "median_s": med[m]} for m in MODES},
+           "sglang_faster_mode": fastest, "ours_speedup_vs_sglang_faster": med[fastest] / med["ours"],
+           "meta": {"argv": ["perf/bench_sglang.py", *sys.argv[1:]],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "machine": f"CPU, {os.cpu_count()} cores, gloo",
+                    "load_average": list(os.getloadavg()), "python": platform.python_version(),
+                    "torch": torch.__version__, "sglang": getattr(sglang, "__version__", "?"),
+                    "platform": platform.platform()}}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

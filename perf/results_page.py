@@ -1,0 +1,669 @@
+"""perf/RESULTS.md, generated from the JSON under perf/results/, so the page cannot drift from the data:
+
+    python perf/results_page.py            # rewrite perf/RESULTS.md from perf/results/*.json
+    python perf/results_page.py --check    # exit 1 naming each section that differs from what the JSON gives
+
+Every number on the page comes from a JSON file a benchmark wrote (``--out`` / ``--json``); nothing is typed in
+here but words. ``SUMMARIZERS`` holds one function per benchmark: it reads its JSON through ``Results`` and
+returns a ``Section`` (the latest side-by-side table, the headline ratio, the command, date and machine, a
+short note on what bounds the number, and the heading of perf/HISTORY.md that tells its story). Adding a
+benchmark is one decorated function, e.g.::
+
+    @summarizer("bench_cluster")
+    def _cluster(res: Results) -> Section:
+        d = res.load("bench_cluster.json")
+        rows = [[r["case"], secs(r["ours_s"]), secs(r["base_s"]), ratio(r["base_s"] / r["ours_s"])]
+                for r in d["results"]]
+        return Section(title="...", what="...", against="...", headline=f"{rows[0][-1]} faster",
+                       table=[["case", "ours", "baseline", "baseline / ours"], *rows], **res.provenance("bench_cluster.json"))
+
+A JSON file's command, date and machine come from its own ``meta`` (or top-level ``date`` / ``machine`` /
+``args``); for files written before the benchmarks recorded them, from ``perf/results/provenance.json``
+(copied from perf/HISTORY.md, where each run was first written up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PERF = Path(__file__).resolve().parent
+RESULTS = PERF / "results"
+PAGE = PERF / "RESULTS.md"
+HISTORY = PERF / "HISTORY.md"
+PROVENANCE = "provenance.json"
+
+
+# ---- formatting -------------------------------------------------------------------------------------------
+
+def ratio(x: float) -> str:
+    return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
+
+
+def gbps(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
+
+
+def secs(x: float) -> str:
+    return f"{x:.3f} s" if x < 10 else f"{x:.1f} s"
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:,.0f} MiB"
+
+
+def gib(b: float) -> str:
+    return f"{b / 2**30:,.1f} GiB"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def span(xs: list[float], fmt: Callable[[float], str] = secs) -> str:
+    """median [min–max]"""
+    return f"{fmt(statistics.median(xs))} [{fmt(min(xs)).split()[0]}–{fmt(max(xs))}]"
+
+
+# ---- the model of the page --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Section:
+    title: str            # the benchmark, as a user asks for it
+    what: str             # what runs, on what model and world
+    against: str          # whom it is compared with
+    headline: str         # the ratio in one line (goes into the summary table too)
+    table: list[list[str]]  # header row first
+    command: str
+    date: str
+    machine: str
+    sources: tuple[str, ...]
+    note: str = ""        # 1-3 lines: what bounds the number, caveats (words, no numbers)
+    history: str = ""     # the start of the perf/HISTORY.md heading that tells the story
+
+
+class Results:
+    """The JSON folder; remembers which files a summarizer read (the page lists the ones nobody read)."""
+
+    def __init__(self, folder: Path = RESULTS):
+        self.folder = folder
+        self.read: set[str] = set()
+        prov = folder / PROVENANCE
+        self._prov = json.loads(prov.read_text()) if prov.exists() else {}
+
+    def load(self, name: str) -> dict:
+        self.read.add(name)
+        return json.loads((self.folder / name).read_text())
+
+    def exists(self, name: str) -> bool:
+        return (self.folder / name).exists()
+
+    def names(self, pattern: str) -> list[str]:
+        """The result files matching a glob pattern, sorted (a benchmark with one file per case)."""
+        return sorted(p.name for p in self.folder.glob(pattern))
+
+    def provenance(self, *names: str) -> dict:
+        """command, date, machine and sources of the files behind a section: from each JSON's own meta, the gaps
+        filled from perf/results/provenance.json (an entry whose date is not the JSON's is for an older run and
+        is ignored); several files: their commands one a line, the first file's date and machine."""
+        cmds: list[str] = []
+        first: dict = {}
+        for name in names:
+            d = self.load(name)
+            meta = d["meta"] if isinstance(d.get("meta"), dict) else {}
+            date = meta.get("date") or d.get("date") or d.get("created")
+            prov = self._prov.get(name, {})
+            if date and prov.get("date") not in (None, date):
+                prov = {}
+            cmd = _command(meta, d) or prov.get("command")
+            machine = meta.get("machine") if " " in str(meta.get("machine", "")) else None
+            machine = machine or d.get("machine") or _machine(meta, d) or prov.get("machine")
+            if machine and meta.get("load_average"):
+                machine += f"; load average {meta['load_average'][0]:.1f} at the end of the run"
+            if machine and prov.get("conditions"):
+                machine += f"; {prov['conditions']}"
+            got = {"command": cmd, "date": date or prov.get("date"), "machine": machine}
+            missing = [k for k, v in got.items() if not v]
+            if missing:
+                raise KeyError(f"{name}: no {', '.join(missing)} in its meta nor in perf/results/{PROVENANCE}")
+            cmds += [c for c in cmd.splitlines() if c not in cmds]
+            first = first or got
+        return {"command": "\n".join(cmds), "date": first["date"], "machine": first["machine"], "sources": names}
+
+
+def _command(meta: dict, d: dict) -> str | None:
+    if meta.get("argv"):
+        argv = list(meta["argv"])
+        argv[0] = "perf/" + Path(argv[0]).name if argv[0].endswith(".py") else argv[0]
+        return "python " + " ".join(argv)
+    if meta.get("commands"):
+        return "\n".join(meta["commands"])
+    return None
+
+
+def _machine(meta: dict, d: dict) -> str | None:
+    if "cpus" in meta:
+        return f"CPU ({meta.get('machine', '?')}), {meta['cpus']} cores, Python {meta.get('python', '?')}"
+    if d.get("device_type") == "cpu":
+        return f"CPU ({d.get('device')}), torch threads: {d.get('cpu_threads')}, torch {d.get('torch')}"
+    if d.get("device_type") == "cuda":
+        return f"GPU {d.get('device')}, torch {d.get('torch')}, triton {d.get('triton')}"
+    return None
+
+
+SUMMARIZERS: dict[str, Callable[[Results], Section | None]] = {}
+
+
+def summarizer(key: str) -> Callable:
+    """Register a benchmark's summarizer; the page shows the sections in registration order."""
+    def deco(fn: Callable[[Results], Section | None]) -> Callable[[Results], Section | None]:
+        if key in SUMMARIZERS:
+            raise ValueError(f"summarizer {key!r} registered twice")
+        SUMMARIZERS[key] = fn
+        return fn
+    return deco
+
+
+# Published numbers with no JSON behind them: named here (no number), with the HISTORY.md heading to read, and
+# the JSON file that, once a run writes it, brings the number onto the page (the entry then drops out).
+HISTORICAL: list[tuple[str, str, str | None]] = [
+    ("`triton-reshard demo`, ours vs the all-gather on the demo's model", "Demo — ", "demo.json"),
+    ("Block-FP8 destinations, BF16 vs FP8 wire and time (`triton-reshard bench --dst-dtype fp8-block`, "
+     "run without `--out`)", "Block-FP8 destinations", "bench_refit_fp8.json"),
+    ("Several engine instances: the `Qwen3-30B-A3B` rows (`triton-reshard plan --instances N`, run without "
+     "`--json`)", "Several engine instances", None),
+    ("The planner's later sittings (transfers and schedule as columns: `triton-reshard plan` end to end, rank "
+     "shares, whole plans, each before/after in one sitting)", "2026-12-02 16:31", None),
+    ("Copy kernels, the per-slice torch path against a plain copy (CPU)", "Copy kernels", "bench_kernels_cpu.json"),
+]
+
+
+# ---- the summarizers --------------------------------------------------------------------------------------
+
+@summarizer("bench_refit")
+def _refit(res: Results) -> Section:
+    d = res.load("bench_refit.json")
+    rows = []
+    for r in d["results"]:
+        m = r["methods"]
+        dt = m.get("dtensor")
+        exact = all(v["bad_elements"] == 0 for v in m.values()) and r["stats"]["wire_bytes"] == \
+            r["stats"]["lower_bound_bytes"]
+        rows.append([r["name"], secs(m["reshard"]["median_s"]), secs(m["allgather"]["median_s"]),
+                     secs(m["wire-limit"]["median_s"]), secs(dt["median_s"]) if dt else "—",
+                     f"**{ratio(m['reshard']['speedup_vs_allgather'])}**", ratio(m["reshard"]["vs_wire_limit"]),
+                     f"{mib(r['staging_bytes']['reshard'])} / {mib(m['allgather']['peak_extra_bytes'])}",
+                     "yes" if exact else "**no**"])
+    r0 = d["results"][0]
+    size = f"~{r0['size_gb']:g} GiB {r0['dtype']} Llama-shaped, {r0['world']} gloo ranks, bucket {r0['bucket_mb']} MiB"
+    best = [r[5] for r in rows]
+    return Section(
+        title="End-to-end refit (`triton-reshard bench`)",
+        what=f"one refit of {size}, {len(rows)} layout pairs; wall time of the slowest rank, median over rounds",
+        against="the all-gather refit (every tensor to full size on every rank, then sliced), the wire limit "
+                "(the same bytes as plain isend/irecv, no copies) and `DTensor.redistribute` (one-mesh case)",
+        headline=f"{best[0].strip('*')}–{max(best, key=lambda s: float(s.strip('*×'))).strip('*')} faster than "
+                 "the all-gather",
+        table=[["case", "ours", "all-gather", "wire limit", "DTensor", "ours vs all-gather", "ours / wire limit",
+                "staging: ours / all-gather peak", "bit-exact, wire = lower bound"], *rows],
+        note="Ratios are medians of per-round ratios (every method runs once per round, back to back). Ours still "
+             "copies what no transport can receive in place (local shards, chunks contiguous on neither side): "
+             "that is the gap to the wire limit on this CPU, where the copies and gloo share the cores.",
+        history="End-to-end refit", **res.provenance("bench_refit.json"))
+
+
+@summarizer("demo")
+def _demo(res: Results) -> Section | None:
+    if not res.exists("demo.json"):
+        return None
+    d = res.load("demo.json")
+    a, st, ranks = d["args"], d["stats"], d["ranks"]
+    n = len(ranks[0]["ours_seconds"])
+    ours = statistics.median(max(r["ours_seconds"][i] for r in ranks) for i in range(n))
+    base = statistics.median(max(r["base_seconds"][i] for r in ranks) for i in range(n))
+    base_wire = sum(r["base_recv_bytes"] for r in ranks)
+    rows = [["ours", secs(ours), mib(st["wire_bytes"]), mib(max(r["ours_staging_bytes"] for r in ranks)),
+             mib(max(r["ours_peak_extra_rss"] for r in ranks)), str(sum(r["ours_bad"] for r in ranks))],
+            ["all-gather", secs(base), mib(base_wire), mib(max(r["base_peak_extra_bytes"] for r in ranks)),
+             mib(max(r["base_peak_extra_rss"] for r in ranks)), str(sum(r["base_bad"] for r in ranks))]]
+    return Section(
+        title="Demo (`triton-reshard demo`)",
+        what=f"{a['layouts']}: {a['src']} → {a['dst']} on {a['world']} gloo ranks, ~{a['size_gb']:g} GiB "
+             f"{a['dtype']} Llama-shaped, bucket {a['bucket_mb']} MiB; one refit, the slowest rank's wall time, "
+             f"median of {n} after a first run; every destination element checked bit for bit",
+        against="the all-gather refit (every tensor to full size on every rank, then sliced)",
+        headline=f"{ratio(base / ours)} faster than the all-gather, with {ratio(base_wire / st['wire_bytes'])} "
+                 f"fewer wire bytes (ours: {ratio(st['wire_bytes'] / st['lower_bound_bytes'])} the lower bound)",
+        table=[["method", "time", "on the wire", "staging / rank", "RSS growth", "wrong elements"], *rows],
+        note="The demo is one run of the end-to-end case above at a smaller size, as a new user first sees it.",
+        history="Demo — ", **res.provenance("demo.json"))
+
+
+@summarizer("bench_refit_fp8")
+def _fp8(res: Results) -> Section | None:
+    name = "bench_refit_fp8.json"
+    if not res.exists(name):
+        return None
+    d = res.load(name)
+    rows = []
+    for r in d["results"]:
+        m, st, q = r["methods"], r["stats"], r["stats_fp8"]
+        rows.append([r["name"], mib(st["wire_bytes"]), mib(q["wire_bytes"]), ratio(q["wire_bytes"] / st["wire_bytes"]),
+                     ratio(q["wire_bytes"] / q["lower_bound_bytes"]),
+                     f"{mib(q['quant_src_bytes'])} / {mib(q['quant_dst_bytes'])}",
+                     secs(m["reshard"]["median_s"]), secs(m["reshard-fp8"]["median_s"]),
+                     ratio(m["reshard-fp8"]["median_s"] / m["reshard"]["median_s"]),
+                     "yes" if all(v["bad_elements"] == 0 for v in m.values()) else "**no**"])
+    r0 = d["results"][0]
+    return Section(
+        title="Block-FP8 destinations (`triton-reshard bench --dst-dtype fp8-block`)",
+        what=f"the refit into block-FP8 inference weights (every Linear weight of the destination in "
+             f"{r0['quant_block']}×{r0['quant_block']} blocks, fp32 scales) beside the plain {r0['dtype']} refit, "
+             f"~{r0['size_gb']:g} GiB, {r0['world']} gloo ranks; every fp8 byte and scale checked against the "
+             "reference quantization of the whole tensor",
+        against=f"the plain {r0['dtype']} refit of the same layouts (wire bytes and time, same run)",
+        headline="the FP8 wire at " + ", ".join(r[3] for r in rows) + f" of the {r0['dtype']} wire; the FP8 refit "
+                 "takes " + ", ".join(r[8] for r in rows) + " the plain one's time (CPU)",
+        table=[["case", f"{r0['dtype']} wire", "FP8 wire", f"FP8 / {r0['dtype']} wire", "FP8 / its lower bound",
+                "sender- / receiver-quantized", f"{r0['dtype']} time", "FP8 time", "FP8 / plain time (medians)",
+                "bit-exact"], *rows],
+        note="Embeddings, the output layer and norms stay in the source dtype, so the wire shrinks less than the "
+             "Linear weights do. On CPU the torch reference quantization runs on the cores the ranks share with "
+             "gloo, so the FP8 refit is slower here; on CUDA the one-launch Triton kernel quantizes (not measured).",
+        history="Block-FP8 destinations", **res.provenance(name))
+
+
+@summarizer("bench_sglang")
+def _sglang(res: Results) -> Section | None:
+    if not res.exists("bench_sglang.json"):
+        return None
+    d = res.load("bench_sglang.json")
+    p, cfg = d["paths"], d["config"]
+    rows = [[m, mib(v["recv_bytes"]), f"{v['recv_bytes'] / d['model_bytes']:.2f}", secs(v["median_s"]),
+             ", ".join(f"{t:.2f}" for t in v["times_s"]), ratio(v["median_s"] / p["ours"]["median_s"])]
+            for m, v in p.items()]
+    return Section(
+        title="SGLang: its `update_weights_from_distributed` vs our plug-in (`perf/bench_sglang.py`)",
+        what=f"refits of a Qwen3-style model (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+             f"bf16, {mib(d['model_bytes'])}) from one trainer process into the same SGLang TP{d['tp']} engine "
+             f"ranks (SGLang's `get_model` and `WeightUpdater`), the paths interleaved, median of {d['repeats']}",
+        against="SGLang's own path as its scheduler runs it (`sglang`: a broadcast of every full tensor; "
+                "`sglang-bucket`: `load_format=\"flattened_bucket\"`)",
+        headline=f"{ratio(d['ours_speedup_vs_sglang_faster'])} faster than SGLang's faster mode "
+                 f"({d['sglang_faster_mode']})",
+        table=[["path", "wire bytes into the engine ranks", "× model", "refit (median)", "all repeats (s)",
+                "time / ours"], *rows],
+        note="SGLang moves every full tensor to each engine rank; ours each byte once (the lower bound). On CPU "
+             "the flattened bucket is SGLang's slower mode; with NCCL on GPUs the ranking may differ.",
+        history="SGLang: its", **res.provenance("bench_sglang.json"))
+
+
+@summarizer("bench_megatron")
+def _megatron(res: Results) -> Section:
+    name = "bench_megatron_quiet.json"
+    d = res.load(name)
+    runs = d["runs"]
+    first = {s: [r["first"][s] for r in runs] for s in ("megatron", "ours")}
+    first_ratio = [r["first"]["megatron"] / r["first"]["ours"] for r in runs]
+    steady = {s: [statistics.median(r["steady"][s]) for r in runs] for s in ("megatron", "ours")}
+    steady_ratio = [statistics.median([m / o for m, o in zip(r["steady"]["megatron"], r["steady"]["ours"],
+                                                                   strict=True)])
+                    for r in runs]
+    sent = {s: [r["sent_bytes"][s] for r in runs] for s in ("megatron", "ours")}
+    n = len(runs)
+    rows = [[f"first call, median [min–max] of {n} fresh worlds", span(first["megatron"]), span(first["ours"]),
+             f"**{span(first_ratio, ratio)}**"],
+            [f"steady per refit, median of the {n} run medians [min–max]", span(steady["megatron"]),
+             span(steady["ours"]), f"**{span(steady_ratio, ratio)}** (per-refit ratios)"],
+            ["wire bytes rank 0 sends per refit", mib(sent["megatron"][0]), mib(sent["ours"][0]),
+             ratio(sent["megatron"][0] / sent["ours"][0])]]
+    a = d["args"]
+    return Section(
+        title="Megatron-Core's own resharding vs ours (`perf/bench_megatron.py`)",
+        what=f"real Megatron-Core `GPTModel`s ({a['layers']} layers, fp32; rank 0's destination shard "
+             f"{mib(runs[0]['dst_bytes'])}), TP4×PP2 → TP2×DP4 on 8 gloo ranks, {a['runs']} fresh worlds, "
+             f"{a['warmup']} warm-up + {a['refits']} timed refits per side; every call checked bit-exact",
+        against="`megatron.core.resharding.swap_model_weights` between the same models",
+        headline=f"first call {ratio(statistics.median(first_ratio))}, steady "
+                 f"{ratio(statistics.median(steady_ratio))} faster than Megatron-Core",
+        table=[["", "Megatron-Core `swap_model_weights`", "ours (`refit`)", "Megatron / ours"], *rows],
+        note="Ours is bounded by the run itself (the wire and the copies); the layouts and the plan are a small "
+             "part of the first call.",
+        history="Megatron-Core's own", **res.provenance(name))
+
+
+@summarizer("bench_planner")
+def _planner(res: Results) -> Section:
+    name = next(n for n in ("bench_planner_scaling_latest.json", "bench_planner_scaling.json") if res.exists(n))
+    d = res.load(name)
+    shares: dict[str, list[dict]] = {}
+    whole: dict[str, dict] = {}
+    before: dict[str, dict] = {}
+    for r in d["results"]:
+        if r["kind"] == "share":
+            shares.setdefault(r["case"], []).append(r)
+        elif r["kind"] == "whole":
+            whole[r["case"]] = r
+        elif r["kind"] == "before":
+            before[r["case"]] = r
+    rows = []
+    for case in dict.fromkeys([*shares, *whole]):
+        s = max(shares.get(case, []), key=lambda r: r["cpu_seconds"], default=None)
+        w, b = whole.get(case), before.get(case)
+        row = [case, f"{(s or w)['world']:,}",
+               f"{s['cpu_seconds']:.2f} s ({' / '.join(f'{v:.2f}' for v in s['cpu'].values())}), "
+               f"+{s['peak_above_import_mb']:.0f} MB" if s else "—",
+               f"{w['cpu_seconds']:.1f} s ({' / '.join(f'{v:.2f}' for v in w['cpu'].values())}), "
+               f"+{w['peak_above_import_mb']:,.0f} MB" if w else "—"]
+        if before:
+            row.append(f"{b['cpu_seconds']:.1f} s" if b and "cpu_seconds" in b else (b or {}).get("note", "—"))
+        row += [f"{w['steps']:,}, {w['predicted_seconds_h100']:.2f} s" if w else "—",
+                ("yes" if w["wire_bytes"] == w["lower_bound_bytes"] else "**no**") if w else "—"]
+        rows.append(row)
+    s0 = next((r for r in d["results"] if r["kind"] == "share"), None)
+    w0 = next((r for r in d["results"] if r["kind"] == "whole"), None)
+    phases = (f"share: {' / '.join(s0['cpu'])}" if s0 else "") + ("; " if s0 and w0 else "") + \
+        (f"whole: {' / '.join(w0['cpu'])}" if w0 else "")
+    big = max(rows, key=lambda r: int(r[1].replace(",", "")))
+    if before:
+        against = "the planner before the rank plans (whole plan only: a rank's share was the whole plan then)"
+        note = ("This JSON predates the later planner work (transfers and the schedule as columns), timed as "
+                "before/after pairs without a JSON here: see HISTORY.md. ")
+    else:
+        against = ("no baseline in this run: the current tree's CPU seconds (the before/after pairs of each planner "
+                   "change and the issue's targets are in HISTORY.md)")
+        note = ("CPU seconds are the process's own, pinned to one core: the load moves them less than wall time, "
+                "but not by nothing. ")
+    return Section(
+        title="Planner (`perf/bench_planner.py --scaling`)",
+        what=f"planning a {d['meta']['model']} refit, Megatron → vLLM, colocated: one rank's share (both "
+             "layouts, its plan and schedule) and the whole plan (layouts, plan, stats, schedule, predicted time), "
+             "CPU seconds of one fresh process, per phase in brackets; memory above the post-import RSS",
+        against=against,
+        headline=f"at {big[1]} ranks: a rank's share {big[2].split(' (')[0]}, the whole plan {big[3].split(' (')[0]}",
+        table=[["case", "ranks", "rank share, slower of the first/last rank", "whole plan",
+                *(["whole plan before"] if before else []), "steps, predicted refit (H100 model)",
+                "wire = lower bound"], *rows],
+        note=note + f"Phases: {phases}. Cases (Megatron → vLLM): "
+             + "; ".join(f"`{k}` {_kw(v[0])} → {_kw(v[1])}" for k, v in d["meta"]["cases"].items()
+                         if k in shares or k in whole) + ".",
+        history="Scaling to 1,024 ranks", **res.provenance(name))
+
+
+def _kw(text: str) -> str:
+    """A case's keyword repr ("{'tp': 8, 'ep': True}") as `tp=8, ep`; tuples (layers per stage) left out."""
+    import ast
+
+    kw = ast.literal_eval(text)
+    return ", ".join(k.replace("enable_expert_parallel", "ep") if v is True else f"{k}={v}"
+                     for k, v in kw.items() if not isinstance(v, (tuple, list)) and v is not False)
+
+
+@summarizer("bench_routing")
+def _routing(res: Results) -> Section:
+    d = res.load("bench_routing.json")
+    by: dict[tuple, dict] = {}
+    for r in d["results"]:
+        by.setdefault((r["model"], r["pair"], r["topology"]), {})[r["mode"]] = r
+    rows = []
+    for (model, pair, topo), m in by.items():
+        modes = [k for k in ("none", "near", "relay") if k in m]
+        rows.append([f"{model}, vLLM {pair}", topo, " → ".join(f"{m[k]['net_bytes'] / 2**30:,.0f}" for k in modes),
+                     " → ".join(f"{1e3 * m[k]['predicted_seconds']['scheduled']:.1f}" for k in modes),
+                     ratio(m["none"]["predicted_seconds"]["scheduled"] / m[modes[-1]]["predicted_seconds"]["scheduled"]),
+                     "yes" if all(v["wire_bytes"] == v["lower_bound_bytes"] for v in m.values()) else "**no**"])
+    return Section(
+        title="Topology-aware routing (`perf/bench_routing.py`)",
+        what="predicted refit time of 128 → 128 rank plans from the topology model (per GPU one NVLink and one "
+             "network port; a step lasts as long as its busiest port), three routings of the same layouts",
+        against="the plan with no topology (`none`), then `near` (a source in the destination's node sends) and "
+                "`relay` (fan-out over the network once per node, then NVLink)",
+        headline="relay vs no topology, predicted: " + ", ".join(r[4] for r in rows if r[1] == "h100") + " (H100 nodes)",
+        table=[["model, vLLM side", "topology", "network GiB none → near → relay",
+                "predicted ms none → near → relay", "none / relay", "wire = lower bound"], *rows],
+        note="A model's prediction, not a measurement; on GB200-like domains relays do not help the predicted time "
+             "(the greedy balances each rank's total bytes, not its network bytes).",
+        history="Topology-aware routing", **res.provenance("bench_routing.json"))
+
+
+def _par(side: dict) -> str:
+    """A layout's parallel sizes as `TP4×PP2×DP2` (sizes of one left out)."""
+    return "×".join(f"{k.upper()}{side[k]}" for k in ("tp", "pp", "dp", "ep") if side.get(k, 1) > 1)
+
+
+@summarizer("plan_instances")
+def _instances(res: Results) -> Section | None:
+    names = res.names("plan_instances_*.json")
+    if not names:
+        return None
+    rows = []
+    for n in names:
+        d = res.load(n)
+        src, dst, nr = d["src"], d["dst"], d["without_relay"]
+        rows.append([f"{d['model']} {src['layout']} {_par(src)} ({src['ranks']}) → {dst['instances']} × "
+                     f"{dst['layout']} {_par(dst)} ({dst['ranks']})",
+                     "nodes, then engines" if d["topology_aware"] else "engines",
+                     f"{nr['trainer_sent_bytes']['max'] / 2**30:.2f} → **{d['trainer_sent_bytes']['max'] / 2**30:.2f}** GiB",
+                     ratio(nr["trainer_sent_bytes"]["max"] / d["trainer_sent_bytes"]["max"]),
+                     f"{1e3 * nr['predicted_seconds']['scheduled']:.1f} → "
+                     f"{1e3 * d['predicted_seconds']['scheduled']:.1f}",
+                     f"{d['times']['plan_without_relay']:.2f} / {d['times']['plan']:.2f} s",
+                     "yes" if d["wire_bytes"] == d["lower_bound_bytes"] else "**no**"])
+    return Section(
+        title="Several engine instances (`triton-reshard plan --instances N`)",
+        what="one trainer feeding several vLLM engines (each a full copy of the destination layout on the next "
+             "block of ranks), planned with relays: a piece several engines need leaves the trainer once, split "
+             "into parts, and the engines relay the parts among themselves; refit times from the topology model "
+             f"({d['topology']['preset']} preset)",
+        against="the same plan without relays (every trainer holder sends each byte once per engine)",
+        headline="the trainer's busiest send " + ", ".join(f"{r[3]} smaller ({r[1]})" for r in rows) + " with relays",
+        table=[["trainer → engines", "relay groups", "trainer busiest send, no relay → relay", "no relay / relay",
+                "predicted ms, no relay → relay", "plan s (no relay / relay)", "wire = lower bound"], *rows],
+        note="A plan and a model's prediction, not a measured refit. The relay phase runs after the direct one, "
+             "so when the trainer is as large as all engines together the spread moves the bottleneck to the "
+             "engines' relay sends rather than removing it.",
+        history="Several engine instances", **res.provenance(*names))
+
+
+@summarizer("bench_delta")
+def _delta(res: Results) -> Section:
+    two_target = 0.02
+    d = res.load("bench_delta_refit.json")
+    t = res.load("bench_delta_train.json")
+    sp = min(res.load("bench_delta_speed.json")["rows"], key=lambda r: abs(r["fraction"] - two_target))
+    rows = [[pct(r["fraction"]), pct(r["delta_over_lower"]), f"{r['delta_sent']:,} B",
+             f"{secs(r['delta_s'])} / {secs(r['dense_s'])} ({ratio(r['delta_over_dense_time'])})",
+             "yes" if r["bit_exact"] else "**no**"] for r in d["rows"]]
+    two = min(d["rows"], key=lambda r: abs(r["fraction"] - two_target))
+    lrs = ", ".join(f"lr {lr}: {pct(v['steps_10_30']['changed_fraction_mean'])}" for lr, v in t["lrs"].items())
+    n = len(d["shapes"])
+    shape = next(iter(d["shapes"].values()))
+    return Section(
+        title="Delta refit (`perf/bench_delta.py --part refit`)",
+        what=f"a world of 4, trainer TP2 → engine TP2, {n} bf16 tensors of {shape[0]} × {shape[1]}; per changed "
+             "fraction one dense and one delta refit of the same change, both checked bit for bit",
+        against="the dense refit of the same tensors (its wire bytes are the dense lower bound)",
+        headline=f"{pct(two['delta_over_lower'])} of the dense bytes at {pct(two['fraction'])} changed",
+        table=[["changed", "delta wire / dense lower bound", "delta wire", "delta / dense time", "bit-exact"], *rows],
+        note="On loopback gloo the wire is a memory copy, so a delta saves bytes, not time, here (the torch "
+             f"reference's passes cost more than the copy). Changed fraction per step of a real AdamW loop, steps "
+             f"10-30 (`--part train`, {t['meta']['date']}): {lrs}. The torch reference against a plain copy of "
+             f"the same dense bytes at {pct(sp['fraction'])} changed (`--part speed`): pack "
+             f"{ratio(sp['pack_over_copy'])}, unpack {ratio(sp['unpack_over_copy'])} the copy's time.",
+        history="Delta refit, wired", **res.provenance("bench_delta_refit.json", "bench_delta_train.json", "bench_delta_speed.json"))
+
+
+@summarizer("bench_record")
+def _record(res: Results) -> Section:
+    d = res.load("bench_record.json")
+    rows = [[str(i), secs(r["load_s"]), secs(r["record_s"]), "yes" if r["same_digest"] else "**no**"]
+            for i, r in enumerate(d["ranks"])]
+    return Section(
+        title="Layouts read off vLLM's loader (`perf/bench_record.py`)",
+        what=f"vLLM TP{d['tp']}, `{d['model']}` ({mib(d['checkpoint_bytes'])} checkpoint): `layout_from_vllm` "
+             "(vLLM's `load_weights` on meta tensors under the recorder, plus the all-gather of the records)",
+        against="vLLM's `DefaultModelLoader.load_weights` of the real weights, page cache warm",
+        headline=f"`layout_from_vllm` takes {ratio(d['ranks'][0]['record_s'] / d['ranks'][0]['load_s'])} the "
+                 "time of vLLM's own load on rank 0",
+        table=[["rank", "vLLM load (real weights)", "`layout_from_vllm`", "recorded = preset"], *rows],
+        note="Rank 1's time includes waiting for rank 0 in the gather.",
+        history="Layouts read off", **res.provenance("bench_record.json"))
+
+
+@summarizer("bench_kernels")
+def _kernels(res: Results) -> Section | None:
+    name = "bench_kernels_cpu.json"
+    if not res.exists(name):
+        return None
+    d = res.load(name)
+    rows = []
+    for c in d["cases"]:
+        r = c["results"]
+        rows.append([c["scenario"], c["direction"], f"{c['regions']:,}", f"{c['bytes_moved'] / 1e6:,.0f}",
+                     *(gbps(r[b]["gbps"]) if b in r else "—" for b in ("triton", "torch", "ceiling")),
+                     ratio(r["torch"]["gbps"] / r["ceiling"]["gbps"]),
+                     {True: "yes", False: "**no**"}.get(r.get("triton", {}).get("matches_torch"), "—")])
+    timed = sorted((r for r in rows if "interpreter" not in r[0]), key=lambda r: float(r[-2].rstrip("×")))
+    lo, hi = timed[0], timed[-1]
+    return Section(
+        title="Copy kernels (`perf/bench_kernels.py`)",
+        what=f"pack and unpack GB/s (bytes read + written) of one refit step's slices ({d['model']['name']} "
+             "TP4 → TP2), many tiny regions and a few huge ones",
+        against="one contiguous `copy_` of the same bytes (the ceiling), same run",
+        headline=f"the per-slice torch path at {lo[-2]} ({lo[0]} {lo[1]}) to {hi[-2]} ({hi[0]} {hi[1]}) of the "
+                 "ceiling",
+        table=[["scenario", "direction", "regions", "MB moved", "Triton GB/s", "torch GB/s", "ceiling GB/s",
+                "torch / ceiling", "Triton = torch bits"], *rows],
+        note="CPU only: the Triton kernel runs on CPU only under the interpreter (a tiny model, to show it runs "
+             "and matches); its GPU bandwidth is not measured here.",
+        history="Copy kernels", **res.provenance(name))
+
+
+# ---- the page ---------------------------------------------------------------------------------------------
+
+INTRO = """\
+# Results
+
+The latest side-by-side run of every benchmark: what ran, against whom, the ratio, the exact command, date and
+machine. **Generated** by `python perf/results_page.py` from the JSON in [`results/`](results/) (`--check`, run
+by `tests/test_results_page.py`, fails when this page and the JSON differ): edit the JSON or the generator,
+never this file. How each number came to be, sitting by sitting: [HISTORY.md](HISTORY.md).
+
+How to read them. Unless a section names a GPU, its times come from a small CPU development machine (a few
+cores shared by every rank, gloo over loopback, often shared with other jobs; each section names its machine
+and load): absolute times move a lot with the load, so **compare only ratios taken in one run**, side by side,
+never times across sections or dates. A ratio is the baseline's time over ours (above one: ours is faster)
+unless its column says otherwise. The Triton kernels' GPU bandwidth and the NCCL path appear here only once
+`bash perf/gpu_check.sh OUT` has run on an NVIDIA machine and its JSON is added to `results/`.
+"""
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _history_link(prefix: str, headings: list[str]) -> str:
+    for h in headings:
+        if h.startswith(prefix):
+            return f"[HISTORY.md, “{h.split(' — ')[0].split(': ')[0]}”](HISTORY.md#{_slug(h)})"
+    raise KeyError(f"perf/HISTORY.md has no heading starting {prefix!r}")
+
+
+def _table(rows: list[list[str]]) -> str:
+    esc = [[str(c).replace("|", "\\|").replace("\n", " ") for c in r] for r in rows]
+    lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
+    return "\n".join(lines)
+
+
+def sections(res: Results) -> list[Section]:
+    out = []
+    for key, fn in SUMMARIZERS.items():
+        try:
+            s = fn(res)
+        except (KeyError, ValueError, TypeError, OSError) as e:
+            raise RuntimeError(f"summarizer {key!r}: {type(e).__name__}: {e}") from e
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def render(folder: Path = RESULTS, history: Path = HISTORY) -> str:
+    res = Results(folder)
+    secs_ = sections(res)
+    headings = [re.sub(r"^#+\s*", "", line) for line in history.read_text().splitlines() if line.startswith("#")]
+    parts = [INTRO, "## Summary\n", _table([["benchmark", "against", "result", "date"],
+                                           *[[s.title.split(" (")[0], s.against.split(" (")[0], s.headline, s.date]
+                                             for s in secs_]]) + "\n"]
+    for s in secs_:
+        cmd = "\n".join(f"    {c}" for c in s.command.splitlines())
+        parts.append(
+            f"## {s.title}\n\n**What**: {s.what}. **Against**: {s.against}. **Result**: {s.headline}.\n\n"
+            f"{_table(s.table)}\n\n{s.date}; {s.machine}. Command:\n\n{cmd}\n\n"
+            + (f"{s.note}\n\n" if s.note else "")
+            + f"Data: {', '.join(f'[`{n}`](results/{n})' for n in s.sources)}."
+            + (f" The story: {_history_link(s.history, headings)}." if s.history else "") + "\n")
+    hist = "\n".join(f"- {what}: {_history_link(h, headings)}" for what, h, json_name in HISTORICAL
+                      if json_name is None or not (folder / json_name).exists())
+    parts.append("## Historical numbers (no JSON)\n\nPublished once, with no JSON behind them here; read them with "
+                 f"their date and conditions in the history, and re-run with `--out` to bring them onto this page:\n\n"
+                 f"{hist}\n")
+    unread = sorted(p.name for p in folder.glob("*.json") if p.name not in res.read and p.name != PROVENANCE)
+    if unread:
+        parts.append("## Other raw data\n\nIn `results/` but not read for this page (older or superseded runs, kept "
+                 "for the history): "
+                     + ", ".join(f"[`{n}`](results/{n})" for n in unread) + ".\n")
+    return "\n".join(parts)
+
+
+def split_sections(text: str) -> dict[str, str]:
+    """'## ' heading -> its text (the intro under '')."""
+    out: dict[str, str] = {}
+    key = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            key = line[3:].strip()
+        out[key] = out.get(key, "") + line + "\n"
+    return out
+
+
+def check(page: Path = PAGE, folder: Path = RESULTS, history: Path = HISTORY) -> list[str]:
+    """Names of the sections where ``page`` differs from what the JSON generates (empty: up to date)."""
+    want = split_sections(render(folder, history))
+    have = split_sections(page.read_text()) if page.exists() else {}
+    bad = [f"{k or 'intro'}: differs" for k in want if k in have and want[k] != have[k]]
+    bad += [f"{k or 'intro'}: missing from {page.name}" for k in want if k not in have]
+    bad += [f"{k or 'intro'}: on {page.name} but not generated from the JSON" for k in have if k not in want]
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 naming each section that differs")
+    ap.add_argument("--page", type=Path, default=PAGE)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.check:
+        bad = check(args.page)
+        for b in bad:
+            print(f"{args.page.name} is out of date: {b}")
+        if bad:
+            print("regenerate it: python perf/results_page.py")
+            return 1
+        print(f"{args.page.name} matches perf/results/*.json ({time.perf_counter() - t0:.2f} s)")
+        return 0
+    args.page.write_text(render())
+    print(f"wrote {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
