@@ -60,32 +60,34 @@ class StepLoop:
             self.tally.compare(pairs, meta)
 
     def quantize(self, groups: dict, metas: dict | None, list_key) -> None:
-        """Quantize ``{(block, ue8m0): [(source, fp8 out, scale out)]}`` into the outputs; in verify mode
-        (``metas`` given) into temporaries compared with the outputs instead."""
-        for (block, ue8m0), items in groups.items():
+        """Quantize ``{(format, block, ue8m0): [(source, values out, scales out)]}`` into the outputs (the
+        format picks the quantizer); in verify mode (``metas`` given) into temporaries compared with the
+        outputs instead."""
+        for qk, items in groups.items():
+            fmt, block, ue8m0 = qk
             if metas is None:
-                quant.quantize_views(items, block, ue8m0, backend=self.backend, key=(list_key, block, ue8m0))
+                quant.quantize_views(items, block, ue8m0, backend=self.backend, key=(list_key, qk), fmt=fmt)
                 continue
             temps = [(x, torch.empty(q.shape, dtype=q.dtype, device=q.device),
                       torch.empty(sc.shape, dtype=sc.dtype, device=sc.device)) for x, q, sc in items]
-            quant.quantize_views(temps, block, ue8m0, backend=self.backend)
+            quant.quantize_views(temps, block, ue8m0, backend=self.backend, fmt=fmt)
             pairs, meta = [], []
-            for (_x, tq, ts), (_y, q, sc), (mq, ms) in zip(temps, items, metas[(block, ue8m0)], strict=True):
+            for (_x, tq, ts), (_y, q, sc), (mq, ms) in zip(temps, items, metas[qk], strict=True):
                 pairs += [(tq, q), (ts, sc)]
                 meta += [mq, ms]
             self.tally.compare(pairs, meta)
 
     def regions(self, pos: int) -> None:
         """Quantize the staged regions whose last piece arrived in step ``pos`` (-1: the local copies)."""
-        ks = self.b.regions_due.get(pos)
+        ks = self.b.quant.regions_due.get(pos)
         if not ks:
             return
         groups: dict = {}
         metas: dict = {}
         for k in ks:
-            block, ue8m0, item, meta = self.b.region_items[k]
-            groups.setdefault((block, ue8m0), []).append(item)
-            metas.setdefault((block, ue8m0), []).append(meta)
+            qk, item, meta = self.b.quant.region_items[k]
+            groups.setdefault(qk, []).append(item)
+            metas.setdefault(qk, []).append(meta)
             if not self.verify:
                 self.touched.update((meta[0][0], meta[1][0]))
         self.quantize(groups, metas if self.verify else None, (self.key, "regions", pos))
@@ -95,10 +97,11 @@ class StepLoop:
         b = self.b
         self.touched.update(b.local_writes)
         self.land(b.local, b.local_meta, (self.key, "local"))
-        if b.local_stage:
-            ops.copy_views(b.local_stage, self.backend, key=(self.key, "local-stage"))
-        if b.local_q:
-            self.quantize(b.local_q, b.local_q_meta if self.verify else None, (self.key, "local-quant"))
+        bq = b.quant
+        if bq.local_stage:
+            ops.copy_views(bq.local_stage, self.backend, key=(self.key, "local-stage"))
+        if bq.local:
+            self.quantize(bq.local, bq.local_meta if self.verify else None, (self.key, "local-quant"))
         self.regions(-1)
         self.timing.local = clock() - t
 
@@ -107,8 +110,8 @@ class StepLoop:
         b = self.b
         t0 = clock()
         ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
-        if b.qpacks[pos]:  # source-quantized chunks: quantized straight into the send buffer
-            self.quantize(b.qpacks[pos], None, (self.key, "pack-quant", i))
+        if b.quant.packs[pos]:  # source-quantized chunks: quantized straight into the send buffer
+            self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
         self.timing.pack += clock() - t0
         return self.post(pos, *b.wire[pos])
 
@@ -131,8 +134,8 @@ class StepLoop:
         self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
         t2 = clock()
         self.land(b.unpacks[pos], b.unpack_meta[pos] if self.verify else None, (self.key, "unpack", i))
-        if b.stage_unpacks[pos]:
-            ops.copy_views(b.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
+        if b.quant.stage_unpacks[pos]:
+            ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2

@@ -1,5 +1,6 @@
-"""Block-quantized layouts: :func:`block_quant_layout` turns chosen tensors of a layout into FP8 tensors with
-a per-block scale tensor beside each (the DeepSeek-V3 / vLLM block-FP8 format)."""
+"""Block-quantized layouts: :func:`block_quant_layout` turns chosen tensors of a layout into quantized tensors
+with a per-block scale tensor beside each, in one :class:`~triton_reshard.specs.QuantFormat` (the DeepSeek-V3 /
+vLLM block-FP8 format, MXFP8, NVFP4)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..specs import (
-    QUANT_DTYPE,
-    SCALE_DTYPE,
+    FP8_BLOCK,
     BlockQuant,
+    QuantFormat,
     Fragment,
     LocalSpec,
     TensorSpec,
@@ -17,6 +18,7 @@ from ..specs import (
     dtype_name,
     gc_paused,
     misaligned_block,
+    quant_format,
     scale_shape,
 )
 from .objects import Layout
@@ -25,9 +27,10 @@ from .objects import Layout
 def block_quant_layout(
     layout: Layout,
     names: Iterable[str] | Callable[[TensorSpec], bool],
-    block: Sequence[int] = (128, 128),
+    block: Sequence[int] | None = (128, 128),
     ue8m0: bool = False,
-    scale_suffix: str = "_scale_inv",
+    scale_suffix: str | None = None,
+    format: QuantFormat | str = FP8_BLOCK,
 ) -> Layout:
     """``layout`` with some tensors block-quantized (block FP8): what an engine that loads an FP8 checkpoint
     (``quantization_config`` ``fp8`` with ``weight_block_size``, vLLM / DeepSeek-V3) holds.
@@ -40,6 +43,11 @@ def block_quant_layout(
     128), ceil(cols / 128)]``; extra leading local dims, like stacked experts, unchanged). The local tensors
     holding them become ``float8_e4m3fn``.
 
+    ``format``: the :class:`~triton_reshard.specs.QuantFormat` (or its name). Block FP8 takes ``block`` and
+    ``ue8m0``; MXFP8 blocks 1x32 along the last dim with one E8M0 byte per block (uint8 scales, vLLM's
+    ``weight_scale``; ``block`` is ignored). ``scale_suffix`` defaults to ``"_scale_inv"`` for block FP8 and
+    ``"_scale"`` for the other formats (the engines' names).
+
     Raises ``ValueError`` naming the tensor and rank when a fragment is not block-aligned (it would split a
     block between ranks, or put it at an unaligned local offset: vLLM refuses such shards too), when a local
     tensor would mix quantized and plain tensors, or a scale name is already taken; ``KeyError`` for an
@@ -48,25 +56,32 @@ def block_quant_layout(
     if not isinstance(layout, Layout):
         raise TypeError(f"block_quant_layout: expected a Layout, got {type(layout).__name__}")
     chosen = _chosen(layout, names)
+    fmt = quant_format(format)
+    if fmt.pack != 1 or fmt.global_scale:
+        raise NotImplementedError(f"block_quant_layout: format {fmt.name!r} is built by its own layout function")
+    if scale_suffix is None:
+        scale_suffix = "_scale_inv" if fmt is FP8_BLOCK else "_scale"
+    if fmt.block is not None:
+        block = (fmt.block,)
     if not isinstance(scale_suffix, str) or not scale_suffix:
         raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
-    specs = _quantized_specs(layout, chosen, tuple(block), scale_suffix, ue8m0)
+    specs = _quantized_specs(layout, chosen, tuple(block), scale_suffix, ue8m0, fmt)
     frags, qlocals = _with_scale_fragments(layout, specs, chosen, scale_suffix)
     locs = {(s.rank, s.name): s for s in layout.locals}
     for t in list(specs.values()):
         if t.quant is not None:
             if t.quant.scale in specs:
                 raise ValueError(f"block_quant_layout: the scale tensor name {t.quant.scale!r} of {t.name!r} is taken")
-            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, SCALE_DTYPE)
+            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, fmt.scale_dtype)
     for (rank, local), blk in qlocals.items():
         ls = locs[(rank, local)]
         sname = local + scale_suffix
         if (rank, sname) in locs:
             raise ValueError(f"block_quant_layout: local tensor {sname!r} on rank {rank} already exists")
         extra = len(ls.shape) - len(blk)
-        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
+        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, fmt.value_dtype)
         locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
-                                        SCALE_DTYPE)
+                                        fmt.scale_dtype)
     with gc_paused():
         return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
 
@@ -87,8 +102,8 @@ def _chosen(layout: Layout, names: Iterable[str] | Callable[[TensorSpec], bool])
 
 
 def _quantized_specs(layout: Layout, chosen: set[str], block: tuple[int, ...], scale_suffix: str,
-                     ue8m0: bool) -> dict[str, TensorSpec]:
-    """The layout's tensor specs by name, the chosen ones FP8 with their :class:`BlockQuant`."""
+                     ue8m0: bool, fmt: QuantFormat) -> dict[str, TensorSpec]:
+    """The layout's tensor specs by name, the chosen ones quantized with their :class:`BlockQuant`."""
     specs: dict[str, TensorSpec] = {}
     for t in layout.tensors:
         if t.name not in chosen:
@@ -98,7 +113,10 @@ def _quantized_specs(layout: Layout, chosen: set[str], block: tuple[int, ...], s
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
         if not t.dtype.is_floating_point:
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
-        q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
+        if fmt.block is not None and t.shape and t.shape[-1] % fmt.block:
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} {t.shape}: {fmt.name} needs a last dim of whole "
+                             f"blocks of {fmt.block} (vLLM refuses it too)")
+        q = TensorSpec(t.name, t.shape, fmt.value_dtype, BlockQuant(block, t.name + scale_suffix, ue8m0, fmt))
         specs[t.name] = q
     return specs
 

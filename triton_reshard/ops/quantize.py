@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..specs import FP8_BLOCK, QuantFormat, quant_format
 from . import BACKENDS, resolve_backend
 from .launcher import cached_table, interpreting, kernel_module, storage_view
 
@@ -140,6 +141,50 @@ def quantize_blocks(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False
     return q, sf.reshape(sshape)
 
 
+def quantize_blocks_ref(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
+                        global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8's reference in the :class:`~triton_reshard.specs.QuantFormat` signature (:func:`quantize_blocks`)."""
+    return quantize_blocks(x, block, ue8m0)
+
+
+E8M0_NAN = 0xFF  # the E8M0 scale byte of a block holding a NaN (the OCP MX encoding of NaN)
+FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_mxfp8(x: torch.Tensor, block: Sequence[int] = (32,), ue8m0: bool = False,
+                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (OCP MX, E4M3 values, one E8M0 byte per 32 elements along the last dim): ``(q, scale)``, ``q``
+    float8_e4m3fn of ``x.shape``, ``scale`` uint8 ``[..., K // 32]``; the dequantized value is ``q * 2^(scale -
+    127)``. vLLM 0.33's ``_mxfp8_e4m3_quantize_torch`` (``mxfp8_utils.py``) bit for bit on finite inputs:
+
+    - ``amax = max |x|`` in float32, clamped to the smallest normal float32 (an all-zero block gets scale byte
+      0, i.e. 2^-127, and zeros);
+    - ``scale = clamp(ceil(log2(amax / 448)) + 127, 0, 254)`` (torch's float32 ``log2``; ``amax / 448`` an IEEE
+      division); ``q = fp8(x / 2^(scale - 127))`` (exact scaling by a power of two, then torch's cast:
+      round to nearest even);
+    - non-finite: a block with ±inf gets scale 254 (as vLLM: its infinities saturate to ±448, its finite values
+      flush towards 0); a block with a NaN gets scale byte 0xFF (E8M0's NaN; vLLM casts a NaN float to uint8
+      there, which C leaves undefined: 0 on x86) and every value NaN (0x7F, as vLLM).
+
+    ``block`` must be ``(..., 1, 32)`` (what :class:`~triton_reshard.specs.BlockQuant` stores for MXFP8); the last
+    dim a multiple of 32 (vLLM asserts it)."""
+    _check_source(x, "x")
+    blk = normalize_block(block, x.dim())
+    if blk[-1] != 32 or any(b != 1 for b in blk[:-1]):
+        raise ValueError(f"MXFP8 blocks 1x32 along the last dim, got block {blk}")
+    if x.shape[-1] % 32:
+        raise ValueError(f"MXFP8: the last dim ({x.shape[-1]}) must be a multiple of 32")
+    nb = x.shape[-1] // 32
+    xb = x.float().reshape(*x.shape[:-1], nb, 32)
+    amax = xb.abs().amax(dim=-1).clamp(min=FP32_TINY)
+    sb = torch.ceil(torch.log2(amax / torch.full((), FP8_MAX, dtype=torch.float32, device=x.device))) + 127.0
+    sb = sb.clamp(0, 254)
+    nan = torch.isnan(sb)
+    scale = sb.nan_to_num(0.0).to(torch.uint8).masked_fill(nan, E8M0_NAN)
+    q = (xb / torch.exp2(sb - 127.0).unsqueeze(-1)).reshape(x.shape).to(FP8_DTYPE)
+    return q, scale
+
+
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q.float() * scale`` with every scale broadcast over its block, cast to ``dtype``."""
@@ -158,7 +203,8 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int]
 # validation
 
 
-def validate_items(items: Sequence[Item], block: Sequence[int]) -> tuple[torch.device | None, list[tuple[int, ...]]]:
+def validate_items(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_BLOCK,
+                   ) -> tuple[torch.device | None, list[tuple[int, ...]]]:
     """Check every ``(src, q_out, s_out)`` item; return the common device and each item's normalized block.
 
     Raises TypeError / ValueError naming the item (by index) before anything is written.
@@ -174,17 +220,21 @@ def validate_items(items: Sequence[Item], block: Sequence[int]) -> tuple[torch.d
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"item {i}: {name} must be a tensor, got {type(t).__name__}")
         _check_source(src, f"item {i}: src")
-        if q.dtype not in Q_DTYPES:
-            raise TypeError(f"item {i}: q_out has dtype {q.dtype}; expected float8_e4m3fn or a uint8 view "
+        if q.dtype not in (fmt.value_dtype, torch.uint8):
+            raise TypeError(f"item {i}: q_out has dtype {q.dtype}; expected {fmt.value_dtype} or a uint8 view "
                             "of the same bytes")
-        if s.dtype != torch.float32:
-            raise TypeError(f"item {i}: s_out has dtype {s.dtype}; expected float32")
+        if s.dtype != fmt.scale_dtype:
+            raise TypeError(f"item {i}: s_out has dtype {s.dtype}; expected {fmt.scale_dtype} ({fmt.name} scales)")
         try:
             blk = normalize_block(block, src.dim())
         except (TypeError, ValueError) as e:
             raise type(e)(f"item {i}: {e}") from None
-        if q.shape != src.shape:
+        if fmt.pack == 1 and q.shape != src.shape:
             raise ValueError(f"item {i}: q_out shape {tuple(q.shape)} != src shape {tuple(src.shape)}")
+        want_q = tuple(src.shape[:-1]) + (src.shape[-1] // fmt.pack,)
+        if tuple(q.shape) != want_q:
+            raise ValueError(f"item {i}: q_out shape {tuple(q.shape)}; src {tuple(src.shape)} in {fmt.name} is "
+                             f"{want_q}")
         want = scale_shape(src.shape, blk)
         if tuple(s.shape) != want:
             raise ValueError(f"item {i}: s_out shape {tuple(s.shape)}; src {tuple(src.shape)} with block {blk} "
@@ -447,11 +497,11 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
         _torch_items([items[i] for i in table.fallback], block, ue8m0)
 
 
-def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool) -> None:
+def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:
     for src, q, s in items:
         if src.numel() == 0:
             continue
-        qq, ss = quantize_blocks(src, block, ue8m0)
+        qq, ss = fmt.quantize(src, block, ue8m0)
         q.copy_(qq.view(torch.uint8) if q.dtype == torch.uint8 else qq)
         s.copy_(ss)
 
@@ -460,7 +510,8 @@ _CACHE: OrderedDict[Hashable, QuantTable] = OrderedDict()
 
 
 def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = False,
-                   backend: str | None = "torch", key: Hashable | None = None) -> None:
+                   backend: str | None = "torch", key: Hashable | None = None,
+                   fmt: QuantFormat | str = FP8_BLOCK) -> None:
     """Quantize every ``(src, q_out, s_out)`` item per block into its caller-owned outputs.
 
     ``src``: bf16 / fp16 / fp32 view, any strides and storage offset; ``q_out``: float8_e4m3fn view or a
@@ -474,9 +525,13 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
     blocks of all items; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``None`` (as
     :func:`triton_reshard.ops.resolve_backend`). ``key``: as in ``triton_copy_views``, a hashable naming a
     list that recurs; its block table is cached and rebuilt when any pointer, shape or stride changed.
+
+    ``fmt``: the :class:`~triton_reshard.specs.QuantFormat` (or its name) picks the quantizer: block FP8 (above),
+    MXFP8 (``q_out`` float8_e4m3fn, ``s_out`` uint8 E8M0 of ``[..., K // 32]``; ``block`` ``(..., 1, 32)``).
     """
     if not items:
         return
+    fmt = quant_format(fmt)
     if backend is None:
         first = items[0][0] if isinstance(items[0], (tuple, list)) and items[0] else None
         backend = resolve_backend(first.device if isinstance(first, torch.Tensor) else None)
@@ -484,8 +539,12 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
         raise ValueError(f"unknown quantize backend {backend!r}; expected one of {BACKENDS}")
     with torch.no_grad():
         if backend == "torch":
-            validate_items(items, block)
-            _torch_items(items, block, ue8m0)
+            validate_items(items, block, fmt)
+            _torch_items(items, block, ue8m0, fmt)
+            return
+        if fmt is not FP8_BLOCK:
+            validate_items(items, block, fmt)
+            _torch_items(items, block, ue8m0, fmt)  # TODO kernel
             return
         if key is None:
             launch(prepare(items, block), items, ue8m0, block)

@@ -40,7 +40,7 @@ from ..box import (
     union_numel,
 )
 from ..layout import (
-    QUANT_DTYPE,
+    QUANT_FORMATS,
     Fragment,
     Layout,
     LocalSpec,
@@ -53,7 +53,7 @@ from .types import PlanLike, Transfer
 
 QUANT_SRC = "src"  # the sender quantizes (fp8 + scales on the wire)
 QUANT_DST = "dst"  # the receiver stages the source dtype and quantizes whole regions
-SCALE_BYTES = 4  # one float32 scale per block
+SCALE_BYTES = 4  # one float32 scale per block (block FP8; other formats: ``QuantFormat.scale_bytes``)
 
 
 
@@ -188,7 +188,8 @@ def _scale_place(df: Fragment, sf: Fragment, off, block) -> tuple[int, ...]:
         lo + (o - fo) // b for lo, o, fo, b in zip(sf.local_offsets[extra:], off, df.offsets, block, strict=True))
 
 
-def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_local: str, scale_offsets) -> Transfer:
+def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_local: str, scale_offsets,
+         fmt: str) -> Transfer:
     """Sub-box ``off``+``size`` (logical) of ``t`` as a quantized transfer."""
     def shift(start):
         extra = len(start) - len(off)
@@ -196,7 +197,7 @@ def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_loca
 
     return Transfer(t.tensor, tuple(off), tuple(size), t.src_rank, t.src_local, shift(t.src_offsets), t.dst_rank,
                     t.dst_local, shift(t.dst_offsets), wire, t.relay, mode, tuple(block), scale_local,
-                    tuple(scale_offsets))
+                    tuple(scale_offsets), fmt)
 
 
 def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec], local: Sequence[Transfer],
@@ -225,9 +226,10 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
             df = _dst_fragment(dst, t)
             sf = scales.of(df, block)
             inner = _inner(t.offsets, t.sizes, block, shape)
+            fmt = spec.quant.format
             if inner is not None:
-                out[kind].append(_sub(t, inner[0], inner[1], QUANT_DTYPE, QUANT_SRC, block, sf.local,
-                                      _scale_place(df, sf, inner[0], block)))
+                out[kind].append(_sub(t, inner[0], inner[1], fmt.value_dtype, QUANT_SRC, block, sf.local,
+                                      _scale_place(df, sf, inner[0], block), fmt.name))
             rest = subtract_box(t.offsets, t.sizes, inner)
             if rest:
                 entry = pending.setdefault(id(df), (df, []))
@@ -242,7 +244,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
                 hit = intersect_boxes(box, reg)
                 if hit is not None:
                     out[kind].append(_sub(t, hit[0], hit[1], t.wire_dtype, QUANT_DST, block, sf.local,
-                                          _scale_place(df, sf, reg[0], block)))
+                                          _scale_place(df, sf, reg[0], block), spec.quant.format.name))
     order = (lambda t: (t.dst_rank, t.tensor, t.offsets, t.dst_local),
              lambda t: (t.src_rank, t.dst_rank, t.tensor, t.offsets))
     return sorted(out[0], key=order[0]), sorted(out[1], key=order[1])
@@ -258,7 +260,7 @@ class QuantRegion:
     """A block-aligned box of quantized tensor ``tensor`` that destination rank ``rank`` receives in the source
     dtype (``dtype``) by ``dst`` transfers (``wire``: indices into ``Plan.transfers``; ``local``: into
     ``Plan.local_copies``), stages, and quantizes once all of them are in: fp8 values into ``dst_local`` at
-    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``."""
+    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``; ``fmt``: the format's name."""
 
     tensor: str
     rank: int
@@ -274,6 +276,7 @@ class QuantRegion:
     dtype: torch.dtype
     wire: tuple[int, ...]
     local: tuple[int, ...]
+    fmt: str = "fp8-block"
 
     @property
     def numel(self) -> int:
@@ -313,7 +316,8 @@ def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
             out[df.rank].append(QuantRegion(
                 df.tensor, df.rank, reg[0], reg[1], df.local, df.local_box(reg[0], reg[1])[0], spec.quant.scale,
                 t0.scale_local, scale_off, block, spec.quant.ue8m0, t0.wire_dtype,
-                tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0)))
+                tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0),
+                spec.quant.format.name))
     res = {r: tuple(v) for r, v in sorted(out.items())}
     plan._cache["quant_regions"] = res
     return res
@@ -338,12 +342,15 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
             if t.quant:
                 raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
             continue
-        if t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block:
+        if (t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block
+                or t.fmt != spec.quant.format.name):
             raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
                              f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
         if t.quant == QUANT_SRC:
-            if t.wire_dtype != QUANT_DTYPE or _inner(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes):
-                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in fp8")
+            if (t.wire_dtype != spec.quant.format.value_dtype
+                    or _inner(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes)):
+                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in "
+                                 f"{dtype_name(spec.quant.format.value_dtype)}")
             written[(t.dst_rank, t.scale_local)].append((t.scale_offsets, _lead(t.scale_offsets, scale_sizes(t.sizes, t.block)), t))
         elif t.wire_dtype != src.specs[t.tensor].dtype:
             raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
@@ -396,6 +403,7 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
     total = 0
     for name, spec in quant_targets(src, dst).items():
         block, shape = spec.quant.block, spec.shape
+        sbytes = spec.quant.format.scale_bytes
         own: dict[int, dict[Box, None]] = {}
         for f in src.fragments_by_tensor.get(name, ()):
             if f.numel:
@@ -406,13 +414,13 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
             box = (df.offsets, df.sizes)
             held = [h for h in (intersect_boxes(b, box) for b in own.get(df.rank, ())) if h is not None]
             if not held:
-                total += num_blocks(df.sizes, block) * SCALE_BYTES
+                total += num_blocks(df.sizes, block) * sbytes
                 continue
             if any(h == box for h in held):
                 continue
             missing = _missing(box, held)
             grid = [_to_blocks(_expand(o, s, block, shape), block) for o, s in missing]
-            total += union_numel(grid) * SCALE_BYTES
+            total += union_numel(grid) * sbytes
     return total
 
 
@@ -435,16 +443,17 @@ def _missing(box: Box, held: Sequence[Box]) -> list[Box]:
 
 def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """A source-quantized transfer cut for the schedule, only at block multiples: ``[(offsets relative to the
-    transfer, sizes, chunk bytes)]``, chunk bytes = fp8 values (padded to ``ALIGN``) + the fp32 scales, each at
-    most ``cap`` unless one block alone is bigger (then one block per chunk)."""
+    transfer, sizes, chunk bytes)]``, chunk bytes = the quantized values (padded to ``ALIGN``) + the scales,
+    each at most ``cap`` unless one block alone is bigger (then one block per chunk)."""
     block = t.block
+    fmt = QUANT_FORMATS[t.fmt]
     grid = scale_sizes(t.sizes, block)
-    per_block = math.prod(block) + SCALE_BYTES + 16
+    per_block = fmt.value_bytes(math.prod(block)) + fmt.scale_bytes + 16
     out = []
     for g_off, g_size in split_box(grid, per_block, cap):
         off = tuple(o * b for o, b in zip(g_off, block, strict=True))
         size = tuple(min(n * b, s - o) for n, b, s, o in zip(g_size, block, t.sizes, off, strict=True))
         n = math.prod(size)
         if n:
-            out.append((off, size, align_up(n) + num_blocks(size, block) * SCALE_BYTES))
+            out.append((off, size, align_up(fmt.value_bytes(n)) + num_blocks(size, block) * fmt.scale_bytes))
     return out

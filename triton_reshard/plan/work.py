@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..box import split_box
+from ..layout import BlockQuant
 from .quant import QUANT_SRC, QuantRegion, quant_regions, split_src_chunks
 from .types import ALIGN, RankStep, Schedule, Transfer
 
@@ -26,7 +27,8 @@ class RankWork:
     those uses staging slot ``k % slots``); ``phases``: their phases (1: relays). ``local``: its local
     copies (destination on this rank). ``regions``: the quantization regions it stages (``plan/quant.py``);
     ``wire_region``: transfer index -> region of its destination-quantized received pieces; ``local_region``:
-    per local copy, its region (None for others). ``ue8m0`` / ``scale_name``: per quantized destination tensor.
+    per local copy, its region (None for others). ``quant``: the :class:`~triton_reshard.layout.BlockQuant` of
+    each quantized destination tensor (format, block, scale rule, scale tensor).
     """
 
     rank: int
@@ -40,8 +42,7 @@ class RankWork:
     regions: tuple[QuantRegion, ...]
     wire_region: Mapping[int, int]
     local_region: tuple[int | None, ...]
-    ue8m0: Mapping[str, bool]
-    scale_name: Mapping[str, str]
+    quant: Mapping[str, BlockQuant]
 
     @property
     def verify_cap(self) -> int:
@@ -87,6 +88,5 @@ def rank_work(plan, rank: int, slots: int, slot_bytes: int, direct_min_bytes: in
         phases=tuple(schedule.step_phase(i) for i, _st in steps), local=local,
         local_bytes=sum(t.nbytes for t in local), regions=regions, wire_region=wire_region,
         local_region=tuple(of_local.get(i) for i in local_idx),
-        ue8m0={n: s.quant.ue8m0 for n, s in plan.dst.quantized.items()},
-        scale_name={n: s.quant.scale for n, s in plan.dst.quantized.items()},
+        quant={n: s.quant for n, s in plan.dst.quantized.items()},
     )
