@@ -133,11 +133,36 @@ def _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16: tl.constexp
 
 @triton.jit
 def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16: tl.constexpr,
-                 FULL_WIDTH: tl.constexpr):
-    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits."""
+                 FULL_WIDTH: tl.constexpr, nan_block=0):
+    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits (``nan_block``:
+    every value the NaN 0x7F)."""
     x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, FULL_WIDTH)
-    code = _e4m3fn_bits(x * inv)
+    code = tl.where(nan_block > 0, 0x7F, _e4m3fn_bits(x * inv))
     tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + c * qcs), code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _mx_scale(amax, has_nan, thr_ptr):
+    """MXFP8's E8M0 scale byte and the reciprocal of its power of two, for a block amax (vLLM's
+    ``clamp(ceil(log2(max(amax, tiny) / 448)) + 127, 0, 254)``; NaN: byte 0xFF and a NaN reciprocal).
+
+    ``y = amax / 448`` (IEEE). A normal ``y`` with biased exponent ``e`` and mantissa ``m`` has ``ceil(log2 y) + 127
+    = e + (m >= thr[e])`` (``thr``: torch's rounding of ``log2``, measured as for UE8M0). A subnormal ``y`` (amax
+    below ~2^-117) gives 1 when ``y > 2^-127`` and 0 otherwise; inf gives 254."""
+    tiny = _f32(0x00800000)
+    a = tl.where(amax < tiny, tiny, amax)
+    y = tl.math.div_rn(a, _f32(FP8_MAX_BITS))
+    b = y.to(tl.int32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    t = tl.load(thr_ptr + e)
+    sb = tl.where(e == 0, (m > 0x400000).to(tl.int32), e + (m >= t).to(tl.int32))
+    sb = tl.minimum(tl.where(e == 255, 254, sb), 254)
+    # 2^(127 - sb): biased exponent 254 - sb; sb = 254 (an inf block) is the subnormal 2^-127
+    inv = tl.where(sb == 254, 0x00400000, (254 - sb) << 23).to(tl.float32, bitcast=True)
+    inv = tl.where(has_nan > 0, float("nan"), inv)
+    sb = tl.where(has_nan > 0, 255, sb)
+    return sb, inv
 
 
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
@@ -156,11 +181,13 @@ def quant_blocks_kernel(
     CONTIG: tl.constexpr,
     SRC_ALIGN: tl.constexpr,
     Q_ALIGN: tl.constexpr,
+    FMT: tl.constexpr = 0,
 ):
     """Quantize block ``program_id`` of the block table (layout in the module docstring).
 
     ``src_ptr``: the source storage (int16 bits when ``SRC_BF16``, else float16 / float32);
-    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales;
+    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales (``FMT`` 0, block
+    FP8) or uint8 storage of E8M0 bytes (``FMT`` 1, MXFP8: ``_mx_scale``, thresholds always read);
     ``thr_ptr``: the UE8M0 thresholds (read only when ``UE8M0``); ``BM`` x ``BN``: the tile.
 
     The block is walked in chunks of ``RB`` rows, twice: once for the amax, once to quantize and store
@@ -208,19 +235,27 @@ def quant_blocks_kernel(
                 x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, False)
             amax = tl.maximum(amax, tl.reduce(tl.abs(x), None, tl.standard._elementwise_max))
             has_nan = tl.maximum(has_nan, tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max))
-        amax = tl.where(has_nan > 0, float("nan"), amax)
-        floor = _f32(AMAX_FLOOR_BITS)
-        amax = tl.where(amax < floor, floor, amax)
-        sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
-        if UE8M0:
-            sf = _ue8m0(sf, thr_ptr)
-        inv = tl.math.div_rn(_f32(0x3F800000), sf)
+        nan_block = tl.full([], 0, tl.int32)
+        if FMT == 1:
+            sb, inv = _mx_scale(amax, has_nan, thr_ptr)
+            nan_block = has_nan
+        else:
+            amax = tl.where(has_nan > 0, float("nan"), amax)
+            floor = _f32(AMAX_FLOOR_BITS)
+            amax = tl.where(amax < floor, floor, amax)
+            sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
+            if UE8M0:
+                sf = _ue8m0(sf, thr_ptr)
+            inv = tl.math.div_rn(_f32(0x3F800000), sf)
         # Pass 2: quantize and store.
         for r0 in range(0, rows, RB):
             if cols == BN:
                 _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
-                             True)
+                             True, nan_block)
             else:
                 _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
-                             False)
-        tl.store(s_ptr + s0, sf)
+                             False, nan_block)
+        if FMT == 1:
+            tl.store(s_ptr + s0, sb.to(tl.uint8))
+        else:
+            tl.store(s_ptr + s0, sf)

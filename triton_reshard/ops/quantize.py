@@ -181,8 +181,10 @@ def quantize_mxfp8(x: torch.Tensor, block: Sequence[int] = (32,), ue8m0: bool = 
     sb = sb.clamp(0, 254)
     nan = torch.isnan(sb)
     scale = sb.nan_to_num(0.0).to(torch.uint8).masked_fill(nan, E8M0_NAN)
-    q = (xb / torch.exp2(sb - 127.0).unsqueeze(-1)).reshape(x.shape).to(FP8_DTYPE)
-    return q, scale
+    q = (xb / torch.exp2(sb - 127.0).unsqueeze(-1)).to(FP8_DTYPE)
+    if bool(nan.any()):  # every value of a NaN block is the positive NaN 0x7F (whatever sign its NaNs carry)
+        q = q.view(torch.uint8).masked_fill(nan.unsqueeze(-1), 0x7F).view(FP8_DTYPE)
+    return q.reshape(x.shape), scale
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
@@ -259,7 +261,7 @@ def validate_items(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat
 _THRESHOLDS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def ue8m0_thresholds(device: torch.device | str) -> torch.Tensor:
+def ue8m0_thresholds(device: torch.device | str, full: bool = False) -> torch.Tensor:
     """int32[256]: for each biased float32 exponent ``e``, the first mantissa that torch's
     :func:`ue8m0_pow2` on ``device`` rounds up to ``2^(e - 126)`` (below it: ``2^(e - 127)``).
 
@@ -269,11 +271,12 @@ def ue8m0_thresholds(device: torch.device | str) -> torch.Tensor:
     ends torch is taken to round up: checked over every float32 of the range on this machine's CPU
     (``tests/test_quant.py``, slow)."""
     dev = torch.device(device)
-    cache_key = (dev.type, dev.index)
+    cache_key = (dev.type, dev.index, full)
     cached = _THRESHOLDS.get(cache_key)
     if cached is not None:
         return cached
-    lo = int(np.float32(np.float32(AMAX_FLOOR) / np.float32(FP8_MAX)).view(np.int32)) >> 23
+    # ``full``: every normal exponent (MXFP8's ``ceil(log2(amax / 448))`` reaches them all)
+    lo = 1 if full else int(np.float32(np.float32(AMAX_FLOOR) / np.float32(FP8_MAX)).view(np.int32)) >> 23
     exps = torch.arange(lo, 255, dtype=torch.int64)
     mant = torch.cat([torch.arange(UE8M0_PROBE), torch.arange((1 << 23) - UE8M0_PROBE, 1 << 23)])
     bits = ((exps[:, None] << 23) | mant[None, :]).to(torch.int32)
@@ -385,13 +388,14 @@ def _base(tensors: list[torch.Tensor]) -> int:
     return min(range(len(tensors)), key=lambda j: tensors[j].untyped_storage().data_ptr())
 
 
-def prepare(items: Sequence[Item], block: Sequence[int]) -> QuantTable:
+def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_BLOCK) -> QuantTable:
     """Validate ``items`` and build the block table of every source-dtype group (on the device)."""
-    device, blocks = validate_items(items, block)
+    device, blocks = validate_items(items, block, fmt)
+    ssz = fmt.scale_bytes
     if device is None:
         raise ValueError("no items to quantize")
     _check_triton(device, blocks)
-    table = QuantTable(signature=(tuple(block), signature(items)), device=device, tile=tile_of(blocks[0]))
+    table = QuantTable(signature=(tuple(block), fmt.name, signature(items)), device=device, tile=tile_of(blocks[0]))
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, (src, _q, _s) in enumerate(items):
         if src.numel():
@@ -408,10 +412,10 @@ def prepare(items: Sequence[Item], block: Sequence[int]) -> QuantTable:
         for i in members:
             src, q, s = items[i]
             sbytes, qbytes, abytes = src.data_ptr() - sp0, q.data_ptr() - qp0, s.data_ptr() - ap0
-            if sbytes % src.element_size() or abytes % 4:
+            if sbytes % src.element_size() or abytes % ssz:
                 table.fallback.append(i)  # not a whole number of elements from the base: torch does it
                 continue
-            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // 4))
+            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // ssz))
         if rows:
             t = np.concatenate(rows)
             host.append(t.reshape(-1))
@@ -467,19 +471,27 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
-def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int]) -> None:
+KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1}  # the formats quant_blocks_kernel takes (its FMT)
+
+
+def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int],
+           fmt: QuantFormat = FP8_BLOCK) -> None:
     """Run the blocks described by ``table`` (built from ``items`` or an identical list)."""
     if table.groups:
         kernel = get_kernel()
         bm, bn = table.tile
         rb, warps = launch_params(bm, bn)
-        thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
+        mx = KERNEL_FMT[fmt.name]
+        if mx:
+            thr = ue8m0_thresholds(table.device, full=True)
+        else:
+            thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
             kernel[(g.num_blocks,)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
-                storage_view(items[g.s_base][2], torch.float32),
+                storage_view(items[g.s_base][2], fmt.scale_dtype),
                 g.table,
                 thr,
                 g.num_blocks,
@@ -491,10 +503,11 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 CONTIG=g.contig,
                 SRC_ALIGN=g.src_align,
                 Q_ALIGN=g.q_align,
+                FMT=mx,
                 num_warps=warps,
             )
     if table.fallback:
-        _torch_items([items[i] for i in table.fallback], block, ue8m0)
+        _torch_items([items[i] for i in table.fallback], block, ue8m0, fmt)
 
 
 def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:
@@ -542,16 +555,18 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
             validate_items(items, block, fmt)
             _torch_items(items, block, ue8m0, fmt)
             return
-        if fmt is not FP8_BLOCK:
-            validate_items(items, block, fmt)
-            _torch_items(items, block, ue8m0, fmt)  # TODO kernel
-            return
+        if fmt.name not in KERNEL_FMT:
+            return _other_kernels(items, block, fmt, key)
         if key is None:
-            launch(prepare(items, block), items, ue8m0, block)
+            launch(prepare(items, block, fmt), items, ue8m0, block, fmt)
             return
-        table = cached_table(_CACHE, key, lambda: (tuple(block), signature(items)), lambda: prepare(items, block),
-                             CACHE_SIZE)
-        launch(table, items, ue8m0, block)
+        table = cached_table(_CACHE, key, lambda: (tuple(block), fmt.name, signature(items)),
+                             lambda: prepare(items, block, fmt), CACHE_SIZE)
+        launch(table, items, ue8m0, block, fmt)
+
+
+def _other_kernels(items, block, fmt: QuantFormat, key) -> None:
+    raise NotImplementedError(f"no Triton quantizer for format {fmt.name!r} yet; use backend='torch'")
 
 
 def clear_cache() -> None:
