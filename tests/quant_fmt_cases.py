@@ -47,20 +47,23 @@ WIDE = dict(intermediate_size=128, moe_intermediate_size=64)
 
 def _cases() -> list[FCase]:
     c = []
-    for fmt in ("mxfp8",):
+    for fmt in ("mxfp8", "nvfp4"):
+        # ETP4 experts' w2 shards (16 columns) straddle MXFP8's 1x32 blocks; NVFP4's 1x16 fit them
+        straddle = ("src", "dst") if fmt == "mxfp8" else ("src",)
         c.append(FCase(f"{fmt}-dense-tp2pp2-to-vllm-tp2dp2-colocated", 4, fmt, "preset", "tiny_llama", WIDE,
                        dict(tp=2, pp=2, ranks=range(4)), dict(tp=2, dp=2, ranks=range(4))))
-        # Megatron ETP4 experts' w2 shards are 16 columns: 1x32 blocks straddle them (receiver quantizes)
         c.append(FCase(f"{fmt}-moe-tp4-to-vllm-tp2dp2-ep-colocated", 4, fmt, "preset", "tiny_qwen3_moe", WIDE,
                        dict(tp=4, ranks=range(4)), dict(tp=2, dp=2, enable_expert_parallel=True, ranks=range(4)),
-                       modes=("src", "dst")))
+                       modes=straddle))
+        # column shards of 48 (MXFP8) / 24 (NVFP4) values: blocks straddle them
         c.append(FCase(f"{fmt}-raw-fp32-cols48-to-rows", 4, fmt, "raw", "", {},
-                       dict(shapes={"a.proj.weight": (40, 96), "b.proj.weight": (8, 64)}, mesh=[0, 1], pl=[Shard(1)]),
+                       dict(shapes={"a.proj.weight": (40, 96), "b.proj.weight": (8, 64)},
+                            mesh=[0, 1] if fmt == "mxfp8" else [0, 1, 2, 3], pl=[Shard(1)]),
                        dict(shapes={"a.proj.weight": (40, 96), "b.proj.weight": (8, 64)}, mesh=[2, 3], pl=[Shard(0)]),
                        modes=("src", "dst"), src_dtype=torch.float32, bucket_bytes=1024))
         c.append(FCase(f"{fmt}-moe-tp4pp2-to-vllm-tp2dp4-colocated", 8, fmt, "preset", "tiny_qwen3_moe", WIDE,
                        dict(tp=4, pp=2, ranks=range(8)),
-                       dict(tp=2, dp=4, enable_expert_parallel=True, ranks=range(8)), modes=("src", "dst")))
+                       dict(tp=2, dp=4, enable_expert_parallel=True, ranks=range(8)), modes=straddle))
         c.append(FCase(f"{fmt}-moe-tp2pp2-ep2-to-vllm-tp2dp2-ep-disagg", 8, fmt, "preset", "tiny_qwen3_moe", WIDE,
                        dict(tp=2, pp=2, ep=2, etp=1, ranks=range(4)),
                        dict(tp=2, dp=2, enable_expert_parallel=True, ranks=range(4, 8))))
@@ -114,11 +117,27 @@ def expected(case: FCase, dst: Layout, rank: int, data, pattern: int = 0) -> dic
     """What ``rank``'s destination tensors must hold: poison, then every weight box filled with the format's
     reference quantization of the whole logical tensor (values, and scales at ``offset // block`` in ``local +
     "_scale"``), plain tensors with the data cast."""
+    from triton_reshard.ops.quantize import nvfp4_global_scale
+
     fmt = quant_format(case.fmt)
     out = dst_locals(dst, rank, pattern)
     ref: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    gscale: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (gs, weight_scale_2)
+    if fmt.global_scale:
+        amax: dict[str, torch.Tensor] = {}
+        for t in dst.quantized.values():
+            a = data[t.name].abs().amax().float()
+            g = t.quant.global_group
+            amax[g] = torch.maximum(amax[g], a) if g in amax else a
+        gscale = {g: nvfp4_global_scale(a) for g, a in amax.items()}
+        owner = {t.quant.global_scale: t for t in dst.quantized.values()}
     for f in dst.fragments:
         if f.rank != rank or not f.numel or f.tensor.endswith(SUFFIX):
+            continue
+        if f.tensor.endswith(SUFFIX + "_2"):  # the global scale: weight_scale_2 of the tensor's group
+            loc = out[f.local]
+            loc[f.local_offsets[:loc.dim() - 1] + (slice(f.local_offsets[-1], f.local_offsets[-1] + 1),)] = \
+                gscale[owner[f.tensor].quant.global_group][1]
             continue
         box = tuple(slice(o, o + n) for o, n in zip(f.offsets, f.sizes, strict=True))
         loc = out[f.local]
@@ -133,7 +152,8 @@ def expected(case: FCase, dst: Layout, rank: int, data, pattern: int = 0) -> dic
         b = (1,) * (len(spec.shape) - 1) + (fmt.block // fmt.pack,)
         assert spec.quant.block == b
         if f.tensor not in ref:
-            ref[f.tensor] = fmt.quantize(data[f.tensor], (fmt.block,))
+            gs = gscale[spec.quant.global_group][0] if fmt.global_scale else None
+            ref[f.tensor] = fmt.quantize(data[f.tensor], (fmt.block,), global_scale=gs)
         q, s = ref[f.tensor]
         loc.view(torch.uint8)[lidx] = q.view(torch.uint8)[box]
         s_box = tuple(slice(o // k, -(-(o + n) // k)) for o, n, k in zip(f.offsets, f.sizes, b, strict=True))
@@ -180,7 +200,7 @@ def run_case(case: FCase, rank: int) -> dict:
         problems.append(f"{case.id}: verify after refit: {v}")
     fmt = quant_format(case.fmt)
     qnames = sorted(n for n, s in dst_l.local_specs(rank).items()
-                    if s.dtype == fmt.value_dtype and not n.endswith(SUFFIX) and (n + SUFFIX) in dst_t
+                    if s.dtype == fmt.value_dtype and not n.endswith((SUFFIX, SUFFIX + "_2")) and (n + SUFFIX) in dst_t
                     and math.prod(s.shape))
     flipped = {}
     if qnames:

@@ -278,6 +278,7 @@ class BlockQuant:
     ue8m0: bool = False
     format: QuantFormat = FP8_BLOCK
     global_scale: str = ""
+    global_group: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, (tuple, list)) or not self.block or not all(
@@ -301,6 +302,10 @@ class BlockQuant:
                                  f"block (..., 1, {want})), got {self.block}")
         if not isinstance(self.global_scale, str):
             raise TypeError(f"BlockQuant: global_scale must be a tensor name, got {self.global_scale!r}")
+        if not isinstance(self.global_group, str):
+            raise TypeError(f"BlockQuant: global_group must be a str, got {self.global_group!r}")
+        if self.global_scale and not self.global_group:
+            object.__setattr__(self, "global_group", self.global_scale)
         if bool(self.global_scale) != fmt.global_scale:
             raise ValueError(f"BlockQuant: format {fmt.name!r} "
                              f"{'needs' if fmt.global_scale else 'has no'} a global-scale tensor "
@@ -314,7 +319,7 @@ class BlockQuant:
 
     def key(self) -> tuple:
         k = (self.block, self.scale, self.ue8m0)
-        return k if self.format is FP8_BLOCK else k + (self.format.name, self.global_scale)
+        return k if self.format is FP8_BLOCK else k + (self.format.name, self.global_scale, self.global_group)
 
 
 def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
@@ -353,7 +358,8 @@ class TensorSpec:
                                  f"than the tensor")
             if len(q.block) < nd:
                 object.__setattr__(self, "quant", BlockQuant((1,) * (nd - len(q.block)) + q.block, q.scale,
-                                                             q.ue8m0, q.format, q.global_scale))
+                                                             q.ue8m0, q.format, q.global_scale,
+                                                             q.global_group))
             if q.scale == self.name:
                 raise ValueError(f"tensor {self.name!r}: its scale tensor needs another name")
 

@@ -21,8 +21,9 @@ from ..plan.work import RankWork
 class BoundQuant:
     """The quantization part of a :class:`Bound` (block-quantized destinations, see plan/quant.py).
 
-    Quantize items are ``(source, values out, scales out)``, grouped by quantizer key ``(format name, block,
-    ue8m0)`` (:func:`qkey`): ``{key: items}``; the ops pick the quantizer by the format."""
+    Quantize items are ``(source, values out, scales out)`` (formats with a global scale: plus the group's
+    global-scale tensor), grouped by quantizer key ``(format name, block, ue8m0)`` (:func:`qkey`): ``{key:
+    items}``; the ops pick the quantizer by the format."""
 
     packs: list  # per step: {key: items} the pack quantizes
     stage_unpacks: list  # per step: (receive buffer, staging view) pairs
@@ -31,6 +32,18 @@ class BoundQuant:
     local_stage: list  # (source view, staging view) of local pieces of regions
     regions_due: dict  # step position (-1: after the local copies) -> region ids
     region_items: list  # per region: (key, item, (weight meta, scale meta))
+    # formats with a global scale: per group its float32 (1,) quantization multiplier on the device (filled by
+    # the amax exchange before any pack), this rank's amax inputs (group, source view), and the global-scale
+    # destination views it writes (group, view, verify meta)
+    globals: dict = None
+    amax_views: list = ()
+    global_out: list = ()
+
+
+def with_global(item: tuple, views, tensor: str) -> tuple:
+    """A quantize item with its tensor's global scale appended (formats that have one)."""
+    q = views.work.quant[tensor]
+    return item + (views.globals[q.global_group],) if q.global_group else item
 
 
 def qkey(fmt: str, block: tuple[int, ...], ue8m0: bool) -> tuple:
@@ -149,6 +162,7 @@ class Views:
     src: dict
     dst: dict
     stage: list
+    globals: dict  # global group -> its (1,) float32 global scale (formats with one)
 
     def source(self, t, off, size) -> torch.Tensor:  # a relay reads what this rank received as destination
         return sub_view((self.dst if t.relay else self.src)[t.src_local], t.src_offsets, off, size)
@@ -198,7 +212,7 @@ def bind_local(views: Views, verify: bool) -> tuple[list, list | None, dict, dic
             group = qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0)
             for off, size in work.local_chunks(t, 1) if verify else [(z, t.sizes)]:
                 q, sc = views.dest(t, off, size)
-                local_q.setdefault(group, []).append((views.source(t, off, size), q, sc))
+                local_q.setdefault(group, []).append(with_global((views.source(t, off, size), q, sc), views, t.tensor))
                 if verify:
                     local_q_meta.setdefault(group, []).append((views.meta(t, off, size), views.scale_meta(t, off, size)))
     for t in work.local:
@@ -261,7 +275,8 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                 t = transfers[c.transfer]
                 if t.quant == QUANT_SRC:  # the pack quantizes: fp8 values and scales into the buffer
                     qb, sb = quant_buffers(send_area, at, c, t)
-                    qp.setdefault(qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0), []).append((v, qb, sb))
+                    qp.setdefault(qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0), []).append(
+                        with_global((v, qb, sb), views, t.tensor))
                 else:
                     pk.append((v, buffer_view(send_area, at, c, t)))
             buf = send_area[at:at + m.payload]
@@ -314,7 +329,7 @@ def bind_regions(views: Views, plans) -> tuple[dict, list]:
                  start_of(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p))),
                 (g.scale_local, g.scale_tensor, tuple(o // b for o, b in zip(g.offsets, g.block, strict=True)),
                  start_of(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes)))
-        region_items.append((qkey(g.fmt, g.block, g.ue8m0), (views.stage[k], q, sc), meta))
+        region_items.append((qkey(g.fmt, g.block, g.ue8m0), with_global((views.stage[k], q, sc), views, g.tensor), meta))
     return regions_due, region_items
 
 
@@ -328,7 +343,8 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     every received message is staged (the destination is compared, never written), and the local copies
     are split into sub-boxes within half a bucket, so the compares' temporaries stay bounded too.
     """
-    views = Views(work, src_tensors, dst_tensors, staging.region_tensors(work, device))
+    globals_ = {g: torch.ones(1, dtype=torch.float32, device=device) for g in work.global_groups}
+    views = Views(work, src_tensors, dst_tensors, staging.region_tensors(work, device), globals_)
     local, local_meta, local_q, local_q_meta, local_stage = bind_local(views, verify)
     plans, need_s, need_r = route_messages(views, transfers, verify)
     n_slots = min(work.slots, len(work.steps))
@@ -355,6 +371,10 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     local_writes = frozenset() if verify else frozenset(
         [t.dst_local for t in work.local] + [t.scale_local for t in work.local if t.quant == QUANT_SRC])
     regions_due, region_items = bind_regions(views, plans)
-    quant = BoundQuant(qpacks, stage_unpacks, local_q, local_q_meta, local_stage, regions_due, region_items)
+    amax_views = [(g, sub_view(src_tensors[loc], lo, (0,) * len(sz), sz)) for g, loc, lo, sz in work.amax_sources]
+    global_out = [(g, sub_view(dst_tensors[loc], lo, (0,), (1,)), (loc, name, (0,), start_of(dst_tensors[loc], lo, (0,), (1,))))
+                  for g, name, loc, lo in work.global_dst]
+    quant = BoundQuant(qpacks, stage_unpacks, local_q, local_q_meta, local_stage, regions_due, region_items,
+                       globals_, amax_views, global_out)
     return Bound(local, local_meta, packs, unpacks, unpack_meta, wire, need_s * n_slots, need_r * n_slots,
                  in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs)

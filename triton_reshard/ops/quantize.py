@@ -187,6 +187,93 @@ def quantize_mxfp8(x: torch.Tensor, block: Sequence[int] = (32,), ue8m0: bool = 
     return q.reshape(x.shape), scale
 
 
+E2M1_MAX = 6.0
+NVFP4_GLOBAL_NUM = E2M1_MAX * FP8_MAX  # 2688: global scale = 2688 / amax (ModelOpt, vLLM)
+NVFP4_AMAX_FLOOR = 1e-8  # vLLM's online NVFP4 path clamps the tensor amax here
+# E2M1 magnitudes by code (0..7); bit 3 of a nibble is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(global_scale, weight_scale_2)`` float32 of a tensor (group) amax: ``gs = 2688 / max(amax, 1e-8)``, the
+    quantization multiplier ``ref_nvfp4_quant`` takes, and ``weight_scale_2 = 1 / gs``, the per-tensor decode
+    multiplier a ModelOpt checkpoint stores (vLLM 0.33's ``online/nvfp4.py`` computes both so)."""
+    a = amax.float().clamp_min(NVFP4_AMAX_FLOOR)
+    gs = torch.full_like(a, NVFP4_GLOBAL_NUM) / a
+    return gs, torch.ones_like(gs) / gs
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``get_reciprocal``: ``1 / (x + (x == 0) * 1e8)``."""
+    return 1.0 / (x + (x == 0) * 1e8)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (sign in bit 3, kept for -0.0) of float values that are E2M1 values (``cast_to_fp4``'s
+    output)."""
+    mag = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for k, m in enumerate(E2M1_VALUES[1:], 1):
+        code = torch.where(mag == m, k, code).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def quantize_nvfp4(x: torch.Tensor, block: Sequence[int] = (16,), ue8m0: bool = False,
+                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 (ModelOpt, as vLLM loads it): ``(packed, scale)``: ``packed`` uint8 ``[..., K/2]``, two E2M1 codes a
+    byte (element ``2i`` in the low nibble, ``2i+1`` in the high one: vLLM's ``break_fp4_bytes``), ``scale``
+    float8_e4m3fn ``[..., K/16]``; ``global_scale``: the float32 quantization multiplier of the tensor (group)
+    (:func:`nvfp4_global_scale`). The values and scales are vLLM 0.33's ``ref_nvfp4_quant(x, global_scale, 16)``
+    (``nvfp4_emulation_utils.py``) bit for bit, the same torch ops in the same order:
+
+    - ``scale = e4m3(clamp(gs * (max|x| * fp32(1/6)), -448, 448))`` per block of 16 along the last dim;
+    - ``x * 1 / (scale * 1/gs)`` (``get_reciprocal``: a zero scale gives ``1e-8``), clamped to +-6, rounded to
+      E2M1 by ``cast_to_fp4``'s thresholds (ties to the even code);
+    - a value that rounds to zero keeps its sign bit (``-0.0`` -> nibble 0x8; vLLM's float output carries it as
+      ``-0.0``). Non-finite inputs are refused before this (the global amax would be inf/NaN).
+    """
+    _check_source(x, "x")
+    blk = normalize_block(block, x.dim())
+    if blk[-1] != 16 or any(b != 1 for b in blk[:-1]):
+        raise ValueError(f"NVFP4 blocks 1x16 along the last dim, got block {blk}")
+    if x.shape[-1] % 16:
+        raise ValueError(f"NVFP4: the last dim ({x.shape[-1]}) must be a multiple of 16")
+    if global_scale is None:
+        raise ValueError("NVFP4 needs the tensor's global scale (nvfp4_global_scale of its amax)")
+    gs = global_scale.float().reshape(()).to(x.device)
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, x.shape[-1] // 16, 16)
+    vec_max = torch.max(torch.abs(xb), dim=-1, keepdim=True)[0].to(torch.float32)
+    scale = gs * (vec_max * (1 / E2M1_MAX))
+    scale = torch.clamp(scale, max=448, min=-448)
+    scale = scale.to(torch.float8_e4m3fn).to(torch.float32)
+    output_scale = _reciprocal(scale * _reciprocal(gs))
+    scaled = xb.to(torch.float32) * output_scale
+    v = torch.clamp(scaled, -6.0, 6.0)
+    sign = torch.sign(v)
+    a = torch.abs(v)
+    a = torch.where((a >= 0.0) & (a <= 0.25), 0.0, a)
+    a = torch.where((a > 0.25) & (a < 0.75), 0.5, a)
+    a = torch.where((a >= 0.75) & (a <= 1.25), 1.0, a)
+    a = torch.where((a > 1.25) & (a < 1.75), 1.5, a)
+    a = torch.where((a >= 1.75) & (a <= 2.5), 2.0, a)
+    a = torch.where((a > 2.5) & (a < 3.5), 3.0, a)
+    a = torch.where((a >= 3.5) & (a <= 5.0), 4.0, a)
+    a = torch.where(a > 5.0, 6.0, a)
+    codes = e2m1_codes(a * sign).reshape(*lead, x.shape[-1])
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), scale.to(torch.float8_e4m3fn).reshape(*lead, x.shape[-1] // 16)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """float32 values of NVFP4 data: ``e2m1 * scale * weight_scale_2`` (vLLM's dequantization)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1).long()
+    v = lut[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
+    s = scale.float().repeat_interleave(16, dim=-1)
+    return v * s * weight_scale_2.float().reshape(())
+
+
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q.float() * scale`` with every scale broadcast over its block, cast to ``dtype``."""
@@ -213,11 +300,18 @@ def validate_items(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat
     """
     device = None
     blocks = []
+    n_fields = 4 if fmt.global_scale else 3
     for i, item in enumerate(items):
-        if not isinstance(item, (tuple, list)) or len(item) != 3:
+        if not isinstance(item, (tuple, list)) or len(item) != n_fields:
+            if fmt.global_scale:
+                raise TypeError(f"item {i}: {fmt.name} takes (src, q_out, s_out, global_scale) tensors, got "
+                                f"{type(item).__name__} of {len(item) if isinstance(item, (tuple, list)) else '?'}")
             raise TypeError(f"item {i}: expected a (src, q_out, s_out) triple of tensors, got "
                             f"{type(item).__name__}")
-        src, q, s = item
+        src, q, s = item[:3]
+        if fmt.global_scale and (not isinstance(item[3], torch.Tensor) or item[3].numel() != 1
+                                 or item[3].dtype != torch.float32):
+            raise TypeError(f"item {i}: the global scale must be a one-element float32 tensor")
         for name, t in (("src", src), ("q_out", q), ("s_out", s)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"item {i}: {name} must be a tensor, got {type(t).__name__}")
@@ -511,10 +605,10 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
 
 
 def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:
-    for src, q, s in items:
+    for src, q, s, *g in items:
         if src.numel() == 0:
             continue
-        qq, ss = fmt.quantize(src, block, ue8m0)
+        qq, ss = fmt.quantize(src, block, ue8m0, global_scale=g[0] if g else None)
         q.copy_(qq.view(torch.uint8) if q.dtype == torch.uint8 else qq)
         s.copy_(ss)
 
@@ -540,7 +634,10 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
     list that recurs; its block table is cached and rebuilt when any pointer, shape or stride changed.
 
     ``fmt``: the :class:`~triton_reshard.specs.QuantFormat` (or its name) picks the quantizer: block FP8 (above),
-    MXFP8 (``q_out`` float8_e4m3fn, ``s_out`` uint8 E8M0 of ``[..., K // 32]``; ``block`` ``(..., 1, 32)``).
+    MXFP8 (``q_out`` float8_e4m3fn, ``s_out`` uint8 E8M0 of ``[..., K // 32]``; ``block`` ``(..., 1, 32)``),
+    NVFP4 (items ``(src, q_out, s_out, global_scale)``: ``q_out`` uint8 ``[..., K/2]`` packed pairs, ``s_out``
+    float8_e4m3fn ``[..., K/16]``, ``global_scale`` the float32 one-element multiplier of the item's tensor;
+    ``block`` ``(..., 1, 16)`` in logical elements).
     """
     if not items:
         return

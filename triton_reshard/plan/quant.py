@@ -66,12 +66,56 @@ def scale_sizes(sizes: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     return tuple(-(-s // b) for s, b in zip(sizes, block, strict=True))
 
 
+@dataclass(frozen=True, slots=True)
+class LogicalQuant:
+    """A :class:`~triton_reshard.layout.BlockQuant` in logical (unpacked) elements: ``block`` is the logical block
+    (NVFP4: 16 along the last dim where the layout stores 8 bytes)."""
+
+    block: tuple[int, ...]
+    scale: str
+    ue8m0: bool
+    format: object
+    global_scale: str
+    global_group: str
+
+
+@dataclass(frozen=True, slots=True)
+class QTarget:
+    """A destination tensor the plan quantizes, as routing and the block grid see it: its logical shape (the
+    source's), its logical block, and its format (``quant``). For an unpacked format these are the layout's."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    quant: LogicalQuant
+
+    @property
+    def pack(self) -> int:
+        return self.quant.format.pack
+
+
+def logical_target(spec: TensorSpec) -> QTarget:
+    q = spec.quant
+    p = q.format.pack
+    shape = spec.shape if p == 1 else spec.shape[:-1] + (spec.shape[-1] * p,)
+    return QTarget(spec.name, shape, spec.dtype,
+                   LogicalQuant(q.logical_block, q.scale, q.ue8m0, q.format, q.global_scale, q.global_group))
+
+
+def unpack_fragment(f: Fragment, pack: int) -> Fragment:
+    """A stored fragment of a packed tensor in logical elements (its last dims times ``pack``)."""
+    if pack == 1:
+        return f
+    m = lambda b: b[:-1] + (b[-1] * pack,) if b else b  # noqa: E731
+    return Fragment(f.tensor, f.rank, m(f.offsets), m(f.sizes), f.local, m(f.local_offsets))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Which tensors, and the layout routing sees
 # --------------------------------------------------------------------------------------------------------
 
 
-def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
+def quant_targets(src: Layout, dst: Layout) -> dict[str, QTarget]:
     """Destination tensors this plan quantizes: block-quantized in ``dst``, plain floating point in ``src``.
 
     A tensor the source holds quantized the same way (block, scale name, ue8m0) is copied as it is (its scale
@@ -89,17 +133,20 @@ def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
         if not s.dtype.is_floating_point or s.dtype.itemsize < 2:
             raise ValueError(f"tensor {name!r}: a block-quantized destination needs a float16/bfloat16/float32 "
                              f"source, got {dtype_name(s.dtype)}")
-        if s.shape != spec.shape:
-            raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {spec.shape}")
-        out[name] = spec
+        tg = logical_target(spec)
+        if s.shape != tg.shape:
+            raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {tg.shape}"
+                             + (f" ({spec.shape} stored, {tg.pack} values a byte)" if tg.pack > 1 else ""))
+        out[name] = tg
     return out
 
 
 def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> Layout:
     """``dst`` as routing sees it: every target tensor a plain tensor in its source dtype (its local tensors
     too), the scale tensors of the targets (and the local tensors holding them) left out."""
-    scales = {targets[n].quant.scale for n in targets}
-    specs = [TensorSpec(t.name, t.shape, src.specs[t.name].dtype) if t.name in targets else t
+    scales = {targets[n].quant.scale for n in targets} | {targets[n].quant.global_scale for n in targets
+                                                            if targets[n].quant.global_scale}
+    specs = [TensorSpec(t.name, targets[t.name].shape, src.specs[t.name].dtype) if t.name in targets else t
              for t in dst.tensors if t.name not in scales]
     holds: dict[tuple[int, str], set[str]] = defaultdict(set)
     for f in dst.fragments:
@@ -116,12 +163,15 @@ def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> La
         q = names & targets.keys()
         if q:
             dtypes = {src.specs[n].dtype for n in q}
-            if names - q or len(dtypes) > 1:
+            packs = {targets[n].pack for n in q}
+            if names - q or len(dtypes) > 1 or len(packs) > 1:
                 raise ValueError(f"local tensor {s.name!r} on rank {s.rank} holds quantized tensor {sorted(q)[0]!r} "
                                  f"with tensors of other source dtypes or quantization")
-            s = LocalSpec(s.rank, s.name, s.shape, dtypes.pop())
+            p = packs.pop()
+            s = LocalSpec(s.rank, s.name, s.shape if p == 1 else s.shape[:-1] + (s.shape[-1] * p,), dtypes.pop())
         locs.append(s)
-    frags = tuple(f for f in dst.fragments if f.tensor not in scales)
+    frags = tuple(unpack_fragment(f, targets[f.tensor].pack) if f.tensor in targets else f
+                  for f in dst.fragments if f.tensor not in scales)
     with gc_paused():
         return Layout(tuple(specs), frags, tuple(locs))
 
@@ -157,9 +207,11 @@ def _expand(off, size, block, shape) -> Box:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _dst_fragment(dst: Layout, t: Transfer) -> Fragment:
-    """The destination fragment transfer ``t`` writes into (the one whose box and local place contain it)."""
+def _dst_fragment(dst: Layout, t: Transfer, pack: int = 1) -> Fragment:
+    """The destination fragment transfer ``t`` writes into (the one whose box and local place contain it), in
+    logical elements."""
     for f in dst.fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()):
+        f = unpack_fragment(f, pack)
         if f.local_box(t.offsets, t.sizes)[0] == t.dst_offsets and all(
                 fo <= o and o + n <= fo + fn for o, n, fo, fn in zip(t.offsets, t.sizes, f.offsets, f.sizes, strict=True)):
             return f
@@ -209,7 +261,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
         return list(local), list(wire)
     scales = _ScaleIndex(dst, targets)
     out = ([], [])
-    pending: dict[int, tuple[Fragment, list]] = {}  # id(dst fragment) -> (fragment, [(kind, t, box)])
+    pending: dict[tuple, tuple[Fragment, list]] = {}  # dst fragment key -> (fragment, [(kind, t, box)])
     for kind, ts in enumerate((local, wire)):
         for t in ts:
             spec = targets.get(t.tensor)
@@ -223,7 +275,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
             if not t.numel:
                 continue
             block, shape = spec.quant.block, spec.shape
-            df = _dst_fragment(dst, t)
+            df = _dst_fragment(dst, t, spec.pack)
             sf = scales.of(df, block)
             inner = _inner(t.offsets, t.sizes, block, shape)
             fmt = spec.quant.format
@@ -232,7 +284,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
                                       _scale_place(df, sf, inner[0], block), fmt.name))
             rest = subtract_box(t.offsets, t.sizes, inner)
             if rest:
-                entry = pending.setdefault(id(df), (df, []))
+                entry = pending.setdefault((df.rank, df.tensor, df.local, df.offsets, df.local_offsets), (df, []))
                 entry[1].extend((kind, t, r) for r in rest)
     for df, parts in pending.values():
         spec = targets[df.tensor]
@@ -294,15 +346,16 @@ def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
     if cached is not None:
         return cached
     dst = plan.dst
-    groups: dict[int, tuple[Fragment, list]] = {}
+    targets = plan_targets(plan)
+    groups: dict[tuple, tuple[Fragment, list]] = {}
     for kind, ts in enumerate((plan.local_copies, plan.transfers)):
         for i, t in enumerate(ts):
             if t.quant == QUANT_DST:
-                df = _dst_fragment(dst, t)
-                groups.setdefault(id(df), (df, []))[1].append((kind, i, t))
+                df = _dst_fragment(dst, t, targets[t.tensor].pack)
+                groups.setdefault((df.rank, df.tensor, df.local, df.offsets, df.local_offsets), (df, []))[1].append((kind, i, t))
     out: dict[int, list[QuantRegion]] = defaultdict(list)
     for df, items in groups.values():
-        spec = dst.specs[df.tensor]
+        spec = targets[df.tensor]
         block, shape = spec.quant.block, spec.shape
         regions = union_boxes([_expand(t.offsets, t.sizes, block, shape) for _k, _i, t in items])
         for reg in regions:
@@ -334,7 +387,7 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
     transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
     scale cover of these destination ranks only (a rank plan: its own), default all."""
     src, dst = plan.src, plan.dst
-    quantized = dst.quantized
+    quantized = {n: logical_target(s) for n, s in dst.quantized.items()}
     written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
     for t in plan.transfers + plan.local_copies:
         spec = quantized.get(t.tensor)
@@ -359,7 +412,7 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
         if keep is not None and rank not in keep:
             continue
         for g in regions:
-            if _inner(g.offsets, g.sizes, g.block, dst.specs[g.tensor].shape) != (g.offsets, g.sizes):
+            if _inner(g.offsets, g.sizes, g.block, quantized[g.tensor].shape) != (g.offsets, g.sizes):
                 raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
                                  f"block-aligned")
             written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
@@ -411,6 +464,7 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
         for df in dst.fragments_by_tensor.get(name, ()):
             if not df.numel:
                 continue
+            df = unpack_fragment(df, spec.pack)
             box = (df.offsets, df.sizes)
             held = [h for h in (intersect_boxes(b, box) for b in own.get(df.rank, ())) if h is not None]
             if not held:
