@@ -195,12 +195,14 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(global_scale, weight_scale_2)`` float32 of a tensor (group) amax: ``gs = 2688 / max(amax, 1e-8)``, the
+    """``(global_scale, weight_scale_2)`` float32 of a tensor (group) amax: ``gs = 2688 / max(amax, 1e-8)`` (the
+    very torch expression vLLM uses: a Python float over a tensor, which torch computes as ``reciprocal * 2688``,
+    one ulp off an IEEE division at times), the
     quantization multiplier ``ref_nvfp4_quant`` takes, and ``weight_scale_2 = 1 / gs``, the per-tensor decode
     multiplier a ModelOpt checkpoint stores (vLLM 0.33's ``online/nvfp4.py`` computes both so)."""
     a = amax.float().clamp_min(NVFP4_AMAX_FLOOR)
-    gs = torch.full_like(a, NVFP4_GLOBAL_NUM) / a
-    return gs, torch.ones_like(gs) / gs
+    gs = NVFP4_GLOBAL_NUM / a  # torch: a.reciprocal() * 2688 (a float / tensor), as vLLM writes it
+    return gs, (1.0 / gs).to(torch.float32)
 
 
 def _reciprocal(x: torch.Tensor) -> torch.Tensor:
@@ -266,12 +268,12 @@ def quantize_nvfp4(x: torch.Tensor, block: Sequence[int] = (16,), ue8m0: bool = 
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """float32 values of NVFP4 data: ``e2m1 * scale * weight_scale_2`` (vLLM's dequantization)."""
+    """float32 values of NVFP4 data: ``e2m1 * (scale * weight_scale_2)`` (vLLM's ``dequantize_to_dtype``)."""
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1).long()
     v = lut[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
-    s = scale.float().repeat_interleave(16, dim=-1)
-    return v * s * weight_scale_2.float().reshape(())
+    s = (scale.float() * weight_scale_2.float().reshape(())).repeat_interleave(16, dim=-1)
+    return v * s
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
