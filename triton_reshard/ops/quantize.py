@@ -231,8 +231,9 @@ def quantize_nvfp4(x: torch.Tensor, block: Sequence[int] = (16,), ue8m0: bool = 
     - ``scale = e4m3(clamp(gs * (max|x| * fp32(1/6)), -448, 448))`` per block of 16 along the last dim;
     - ``x * 1 / (scale * 1/gs)`` (``get_reciprocal``: a zero scale gives ``1e-8``), clamped to +-6, rounded to
       E2M1 by ``cast_to_fp4``'s thresholds (ties to the even code);
-    - a value that rounds to zero keeps its sign bit (``-0.0`` -> nibble 0x8; vLLM's float output carries it as
-      ``-0.0``). Non-finite inputs are refused before this (the global amax would be inf/NaN).
+    - a negative value that rounds to zero keeps its sign bit (nibble 0x8: vLLM's float output is ``-0.0``
+      there); an input ``-0.0`` gives 0x0 (vLLM multiplies by ``torch.sign(-0.0)``, which is ``0``).
+      Non-finite inputs are refused before this (the global amax would be inf/NaN).
     """
     _check_source(x, "x")
     blk = normalize_block(block, x.dim())
