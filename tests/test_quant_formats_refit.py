@@ -41,7 +41,7 @@ def _spawn(world: int, ids: list[str], triton: bool = False) -> list:
 
 _WORLDS: dict = {}
 # the interpreter runs one program per block: the small raw case (both modes, fp32 source)
-TRITON_IDS = ["mxfp8-raw-fp32-cols48-to-rows"]
+TRITON_IDS = ["mxfp8-raw-fp32-cols48-to-rows", "nvfp4-raw-fp32-cols48-to-rows"]
 
 
 def _world(key: tuple) -> list[dict]:

@@ -110,3 +110,78 @@ def test_layout_refuses_misaligned_and_bad_shapes():
     v = Layout.from_placements({"v.weight": (8, 40)}, [0], [Replicate()], torch.bfloat16)
     with pytest.raises(ValueError, match="whole blocks of 16"):
         block_quant_layout(v, ["v.weight"], None, format="nvfp4")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    Q.clear_cache()
+    yield
+    Q.clear_cache()
+
+
+def _nv_items(shapes, dtype, seed, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for k, sh in enumerate(shapes):
+        x = (torch.randn(sh, generator=g) * torch.logspace(-3, 3, sh[-1])).to(dtype)
+        x.view(-1)[:16] = 0  # a zero block
+        if strided:
+            x = x.t().contiguous().t()
+        gs, _ = Q.nvfp4_global_scale(x.abs().amax().float() * (1 + k))  # one item with headroom: small scales
+        q = torch.full(sh[:-1] + (sh[-1] // 2,), 0x5A, dtype=torch.uint8)
+        s = torch.full(sh[:-1] + (sh[-1] // 16,), 0x5A, dtype=torch.uint8).view(FP8)
+        items.append((x, q, s, gs.reshape(1)))
+    return items
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_triton_matches_reference(interpret, dtype, strided):
+    items = _nv_items([(5, 64), (3, 32), (2, 16)], dtype, 1, strided)
+    Q.quantize_views(items, (1, 16), backend="triton", fmt="nvfp4", key="nv")
+    for x, q, s, gs in items:
+        rq, rs = Q.quantize_nvfp4(x, (16,), global_scale=gs)
+        assert torch.equal(q, rq)
+        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+
+
+def test_triton_rounding_boundaries_and_tiny_scales(interpret):
+    """Values on and next to every E2M1 rounding threshold (gs = 1, block scale 1), and blocks whose scale
+    underflows e4m3 (the 1e8 rule), through the kernel = the reference."""
+    th = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    bits = th.view(torch.int32)
+    vals = torch.cat([(bits + d).view(torch.float32) for d in (-1, 0, 1)] + [th.new_tensor([6.0, 7.0, 0.0])])
+    x = torch.zeros(4, 32)
+    x[0, :24] = vals
+    x[1, :24] = -vals
+    x[2, :] = torch.linspace(-1e-6, 1e-6, 32)  # tiny blocks
+    x[3, :] = torch.linspace(-6.0, 6.0, 32)
+    x[:2, 31] = 6.0  # amax 6 in every block of rows 0-1
+    x[:2, 15] = 6.0
+    gs = torch.ones(1)
+    q = torch.empty(4, 16, dtype=torch.uint8)
+    s = torch.empty(4, 2, dtype=FP8)
+    Q.quantize_views([(x, q, s, gs)], (16,), backend="triton", fmt=NVFP4)
+    rq, rs = Q.quantize_nvfp4(x, (16,), global_scale=gs)
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+
+
+def test_one_launch_for_many_items(interpret, monkeypatch):
+    calls = []
+    kernel = Q.get_kernel()
+
+    class Counter:
+        def __getitem__(self, grid):
+            def run(*a, **k):
+                calls.append(k["FMT"])
+                return kernel[grid](*a, **k)
+            return run
+
+    monkeypatch.setattr(Q, "get_kernel", lambda: Counter())
+    items = _nv_items([(2, 64), (4, 32), (1, 128)], torch.bfloat16, 2)
+    Q.quantize_views(items, (1, 16), backend="triton", fmt="nvfp4")
+    assert calls == [2]
+    for x, q, s, gs in items:
+        rq, rs = Q.quantize_nvfp4(x, (16,), global_scale=gs)
+        assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))

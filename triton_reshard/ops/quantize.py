@@ -437,6 +437,7 @@ class QuantGroup:
     contig: bool = False  # every item has column stride 1 on both sides
     src_align: int = 1  # every block start and row stride is a multiple of this (source elements)
     q_align: int = 1  # the same for q (bytes)
+    g_base: int | None = None  # item whose global-scale storage is the global-scale base pointer (NVFP4)
 
 
 @dataclass(slots=True)
@@ -454,8 +455,9 @@ def signature(items: Sequence[Item]) -> tuple:
 
 
 def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[int, ...],
-                src_off: int, q_off: int, s_off: int) -> np.ndarray:
-    """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases."""
+                src_off: int, q_off: int, s_off: int, pack: int = 1, g_off: int = 0) -> np.ndarray:
+    """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases (``pack``:
+    logical elements a q byte holds; ``g_off``: its global scale's offset)."""
     from ..kernels import quant as k
 
     sshape = tuple(s.shape)
@@ -465,10 +467,12 @@ def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[
     soff = np.full(n, src_off, dtype=np.int64)
     qoff = np.full(n, q_off, dtype=np.int64)
     aoff = np.full(n, s_off, dtype=np.int64)
+    qblk = blk[:-1] + (blk[-1] // pack,)
     for d in range(src.dim()):
         soff += idx[d] * (blk[d] * src.stride(d))
-        qoff += idx[d] * (blk[d] * q.stride(d))
+        qoff += idx[d] * (qblk[d] * q.stride(d))
         aoff += idx[d] * s.stride(d)
+    rows[:, int(k.F_G)] = g_off
     rows[:, int(k.F_SRC)], rows[:, int(k.F_Q)], rows[:, int(k.F_S)] = soff, qoff, aoff
     ncol = src.shape[-1]
     rows[:, int(k.F_COLS)] = np.minimum(blk[-1], ncol - idx[-1] * blk[-1])
@@ -494,7 +498,7 @@ def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_
     _check_triton(device, blocks)
     table = QuantTable(signature=(tuple(block), fmt.name, signature(items)), device=device, tile=tile_of(blocks[0]))
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (src, _q, _s) in enumerate(items):
+    for i, (src, _q, _s, *_g) in enumerate(items):
         if src.numel():
             by_dtype.setdefault(src.dtype, []).append(i)
     host, built = [], []
@@ -505,26 +509,30 @@ def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_
         sp0 = items[sb][0].untyped_storage().data_ptr()
         qp0 = items[qb][1].untyped_storage().data_ptr()
         ap0 = items[ab][2].untyped_storage().data_ptr()
+        gb = members[_base([items[i][3] for i in members])] if fmt.global_scale else None
+        gp0 = items[gb][3].untyped_storage().data_ptr() if fmt.global_scale else 0
         rows = []
         for i in members:
-            src, q, s = items[i]
+            src, q, s = items[i][:3]
+            gbytes = items[i][3].data_ptr() - gp0 if fmt.global_scale else 0
             sbytes, qbytes, abytes = src.data_ptr() - sp0, q.data_ptr() - qp0, s.data_ptr() - ap0
-            if sbytes % src.element_size() or abytes % ssz:
+            if sbytes % src.element_size() or abytes % ssz or gbytes % 4:
                 table.fallback.append(i)  # not a whole number of elements from the base: torch does it
                 continue
-            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // ssz))
+            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // ssz,
+                                    fmt.pack, gbytes // 4))
         if rows:
             t = np.concatenate(rows)
             host.append(t.reshape(-1))
-            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype)))
+            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype), gb))
     table.fallback.sort()
     if built:
         flat = torch.from_numpy(np.concatenate(host)).to(device)
         off = 0
-        for dtype, sb, qb, ab, shape, align in built:
+        for dtype, sb, qb, ab, shape, align, gb in built:
             t = flat[off:off + shape[0] * shape[1]].view(shape)
             off += t.numel()
-            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align))
+            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align, g_base=gb))
     return table
 
 
@@ -539,7 +547,7 @@ def _alignment(rows: np.ndarray, items: Sequence[Item], dtype: torch.dtype) -> t
     widths of at most 16 bytes that every block start and row stride allow."""
     from ..kernels import quant as k
 
-    if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, _ in items if src.numel()):
+    if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, *_ in items if src.numel()):
         return False, 1, 1
     src_vals = np.concatenate([rows[:, int(k.F_SRC)], rows[:, int(k.F_SRS)]])
     q_vals = np.concatenate([rows[:, int(k.F_Q)], rows[:, int(k.F_QRS)]])
@@ -568,7 +576,7 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
-KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1}  # the formats quant_blocks_kernel takes (its FMT)
+KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # the formats quant_blocks_kernel takes (its FMT)
 
 
 def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int],
@@ -579,7 +587,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
         bm, bn = table.tile
         rb, warps = launch_params(bm, bn)
         mx = KERNEL_FMT[fmt.name]
-        if mx:
+        if mx == 1:
             thr = ue8m0_thresholds(table.device, full=True)
         else:
             thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
@@ -588,7 +596,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
             kernel[(g.num_blocks,)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
-                storage_view(items[g.s_base][2], fmt.scale_dtype),
+                storage_view(items[g.s_base][2], torch.float32 if fmt.scale_bytes == 4 else torch.uint8),
                 g.table,
                 thr,
                 g.num_blocks,
@@ -601,6 +609,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 SRC_ALIGN=g.src_align,
                 Q_ALIGN=g.q_align,
                 FMT=mx,
+                g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
                 num_warps=warps,
             )
     if table.fallback:
