@@ -61,6 +61,8 @@ def _cases() -> list[FCase]:
                             mesh=[0, 1] if fmt == "mxfp8" else [0, 1, 2, 3], pl=[Shard(1)]),
                        dict(shapes={"a.proj.weight": (40, 96), "b.proj.weight": (8, 64)}, mesh=[2, 3], pl=[Shard(0)]),
                        modes=("src", "dst"), src_dtype=torch.float32, bucket_bytes=1024))
+        c.append(FCase(f"{fmt}-moe-tp2-to-vllm-modelopt-config-tp2-disagg", 4, fmt, "preset-cfg", "tiny_qwen3_moe",
+                       WIDE, dict(tp=2, ranks=range(2)), dict(tp=2, dp=1, ranks=range(2, 4))))
         c.append(FCase(f"{fmt}-moe-tp4pp2-to-vllm-tp2dp4-colocated", 8, fmt, "preset", "tiny_qwen3_moe", WIDE,
                        dict(tp=4, pp=2, ranks=range(8)),
                        dict(tp=2, dp=4, enable_expert_parallel=True, ranks=range(8)), modes=straddle))
@@ -86,6 +88,11 @@ def layouts(case: FCase) -> tuple[Layout, Layout]:
 
         cfg = dict(get_config(case.model), **case.cfg)
         src = megatron_layout(cfg, dtype=case.src_dtype, **case.src)
+        if case.kind == "preset-cfg":  # vLLM's own preset of a ModelOpt config (the router gate quantized too)
+            cfg["quantization_config"] = {"quant_method": "modelopt", "quantization": {
+                "quant_algo": case.fmt.upper(), "group_size": 16, "kv_cache_quant_algo": None,
+                "exclude_modules": ["lm_head"]}}
+            return src, vllm_layout(cfg, dtype=BF16, vllm_version="0.33.0", **case.dst)
         plain = vllm_layout(cfg, dtype=BF16, vllm_version="0.33.0", **case.dst)
     else:
         s, d = case.src, case.dst

@@ -185,3 +185,26 @@ def test_one_launch_for_many_items(interpret, monkeypatch):
     for x, q, s, gs in items:
         rq, rs = Q.quantize_nvfp4(x, (16,), global_scale=gs)
         assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("algo", ["MXFP8", "NVFP4"])
+def test_vllm_preset_of_a_modelopt_config(algo):
+    """``vllm_layout`` of a ModelOpt config = ``block_quant_layout`` over the plain layout of every linear weight
+    vLLM builds with the quantization config (Qwen3-MoE's router gate included), minus ``exclude_modules`` (exact
+    names, contained names, wildcards)."""
+    from triton_reshard.presets import get_config, vllm_layout
+
+    base = dict(get_config("tiny_qwen3_moe"), intermediate_size=128, moe_intermediate_size=64)
+    cfg = dict(base, quantization_config={"quant_method": "modelopt", "quantization": {
+        "quant_algo": algo, "group_size": 16, "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head", "model.layers.1.self_attn*", "model.layers.0.mlp.experts"]}})
+    got = vllm_layout(cfg, tp=2, ranks=range(2), enable_expert_parallel=True, vllm_version="0.33.0")
+    plain = vllm_layout(base, tp=2, ranks=range(2), enable_expert_parallel=True, vllm_version="0.33.0")
+    want = [t.name for t in plain.tensors if t.name.endswith(("proj.weight", "mlp.gate.weight"))
+            and not t.name.startswith(("model.layers.1.self_attn", "model.layers.0.mlp.experts"))]
+    assert got == block_quant_layout(plain, want, None, format=algo.lower())
+    flat = dict(base, quantization_config={"quant_method": "mxfp8", "ignored_layers": ["lm_head"]})
+    assert vllm_layout(flat, tp=2, ranks=range(2), vllm_version="0.33.0").quantized
+    bad = dict(base, quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32})
+    with pytest.raises(NotImplementedError, match="group_size"):
+        vllm_layout(bad, tp=2, ranks=range(2), vllm_version="0.33.0")
