@@ -10,7 +10,8 @@ tensor's fp8 bytes, then its float32 scales, 16-byte aligned) as the executor's 
 bytes read + fp8 and scale bytes written. Median of ``--repeats`` runs after warm-up, 20/80% quantiles.
 Every Triton result is checked bit for bit against the reference before timing. MXFP8 (1x32 blocks, E8M0 byte
 scales) and NVFP4 (1x16 blocks, packed E2M1 bytes, e4m3 scales, one global scale per tensor) quantize the same
-tensors (on CPU the interpreter runs them on shapes divided by 4x more: one program per 16/32 values).
+tensors (on CPU the interpreter runs them on the dense layer only, its shapes divided by 256: one program per
+16/32 values).
 
     python perf/bench_quant.py --device cuda --out perf/results/quant_cuda.json
     python perf/bench_quant.py --device cpu --scale 16      # CPU: torch only, plus the interpreter on
@@ -75,11 +76,12 @@ def check(items, fmt: str = "fp8-block") -> None:
             f"Triton differs from the {fmt} reference"
 
 
-def run(device: torch.device, scale: int, repeats: int, backends: list[str], fmt: str = "fp8-block") -> list[dict]:
+def run(device: torch.device, scale: int, repeats: int, backends: list[str], fmt: str = "fp8-block",
+        experts: bool = True) -> list[dict]:
     rows = []
     block = BLOCKS[fmt]
-    for name, shapes in (("qwen3-8b-layer", DENSE), ("qwen3-30b-a3b-w13", EXPERTS)):
-        shapes = {n: tuple(max(32, d // scale) if i >= len(s) - 2 else d for i, d in enumerate(s))
+    for name, shapes in (("qwen3-8b-layer", DENSE), ("qwen3-30b-a3b-w13", EXPERTS))[:2 if experts else 1]:
+        shapes = {n: tuple(max(32, d // scale // 32 * 32) if i >= len(s) - 2 else d for i, d in enumerate(s))
                   for n, s in shapes.items()}
         items = make_items(shapes, device, fmt=fmt)
         nbytes = traffic(items)
@@ -127,8 +129,10 @@ def main(argv=None) -> int:
         if device.type == "cpu":
             rows += run(device, args.scale, args.repeats, ["torch"], fmt)
             os.environ["TRITON_INTERPRET"] = "1"
-            # the interpreter: that it runs, not speed (MXFP8/NVFP4: one program per 32/16 values, shapes / 64)
-            rows += run(device, max(args.scale, 16 if fmt == "fp8-block" else 64), 1, ["triton"], fmt)
+            # the interpreter: that it runs, not speed (MXFP8/NVFP4: one program per 32/16 values: the dense layer
+            # only, its shapes / 256)
+            fp8 = fmt == "fp8-block"
+            rows += run(device, max(args.scale, 16 if fp8 else 256), 1, ["triton"], fmt, experts=fp8)
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             rows += run(device, args.scale, args.repeats, ["triton", "torch"], fmt)
