@@ -6,7 +6,9 @@ A quantized block must be re-sent whole (values and scale) when any of its eleme
 with it every value, may change. Per step, per block shape (1x16 NVFP4, 1x32 MXFP8, 128x128 block FP8, along
 the weights' last dim, as the destination layouts block them), the touched-block fraction and the bytes a
 block delta would carry against the dense quantized refit (touched blocks + a 4-byte block index each, vs all
-blocks). Uniform random masks at 1 / 2 / 3 % beside them (a touched fraction of ``1 - (1 - p)^block``).
+blocks). Uniform random masks at 1 / 2 / 3 % beside them (a touched fraction of ``1 - (1 - p)^block``). And
+the fraction of weight tensors whose bf16 amax changed in the step: NVFP4's global scale follows it, and a
+changed global scale re-quantizes every block of the tensor (a block delta would send it all).
 
     python perf/bench_quant_delta.py --out perf/results/bench_quant_delta.json [--steps 40 --warmup 150]
 """
@@ -42,8 +44,12 @@ def touched(mask: torch.Tensor, block: tuple[int, int]) -> tuple[int, int]:
     return int(t.sum()), t.numel()
 
 
-def step_blocks(masks: dict[str, torch.Tensor]) -> dict:
+def step_blocks(masks: dict[str, torch.Tensor], cur=None, prev=None) -> dict:
     out = {"changed_fraction": sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())}
+    if cur is not None:  # NVFP4's global scale follows the tensor's amax: a changed amax re-quantizes every block
+        quantized = [n for n, m in masks.items() if m.dim() == 2 and m.shape[-1] % 16 == 0]
+        amax = lambda b: b.view(torch.bfloat16).abs().amax()  # noqa: E731
+        out["amax_changed_tensors"] = sum(bool(amax(cur[n]) != amax(prev[n])) for n in quantized) / len(quantized)
     for name, blk in BLOCKS.items():
         hit = tot = 0
         for m in masks.values():
@@ -74,14 +80,16 @@ def run(args) -> dict:
         for _ in range(args.steps):
             train_step(model, opt, task, args)
             cur = bf16_bits(model)
-            steps.append(step_blocks({n: cur[n] != prev[n] for n in cur}))
+            steps.append(step_blocks({n: cur[n] != prev[n] for n in cur}, cur, prev))
             prev = cur
         win = steps[min(9, len(steps) - 1):]
-        summ = {"changed_fraction": statistics.fmean(s["changed_fraction"] for s in win)}
+        summ = {"changed_fraction": statistics.fmean(s["changed_fraction"] for s in win),
+                "amax_changed_tensors": statistics.fmean(s["amax_changed_tensors"] for s in win)}
         for name in BLOCKS:
             summ[name] = {k: statistics.fmean(s[name][k] for s in win) for k in win[0][name]}
         res["lrs"][str(lr)] = summ
-        print(f"lr {lr:g}: changed {100 * summ['changed_fraction']:.2f} %; touched blocks "
+        print(f"lr {lr:g}: changed {100 * summ['changed_fraction']:.2f} %; amax changed in "
+              f"{100 * summ['amax_changed_tensors']:.1f} % of the weights; touched blocks "
               + ", ".join(f"{n} {100 * summ[n]['touched_fraction']:.1f} % (delta {summ[n]['delta_vs_dense_bytes']:.2f}x"
                           f" dense)" for n in BLOCKS), flush=True)
     shapes = {n: p.shape for n, p in model.named_parameters()}

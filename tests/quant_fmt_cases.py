@@ -243,3 +243,24 @@ def fmt_world_main(rank: int, world: int, ids: list[str]) -> dict:
             out[cid] = {"problems": [f"{cid}: rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"]}
             break
     return out
+
+
+def nonfinite_main(rank: int, world: int, value: float) -> dict:
+    """NVFP4 refit from a source holding ``value`` (inf / NaN) on rank 1: every rank raises naming the tensor
+    group, before any byte of the refit moves (the destinations keep their poison)."""
+    from triton_reshard import refit
+
+    src = Layout.from_placements({"w.proj.weight": (8, 64)}, [0, 1], [Shard(0)], BF16)
+    dst = block_quant_layout(Layout.from_placements({"w.proj.weight": (8, 64)}, [0, 1], [Shard(1)], BF16),
+                             ["w.proj.weight"], None, format="nvfp4")
+    data = {"w.proj.weight": torch.ones(8, 64, dtype=BF16)}
+    data["w.proj.weight"][5, 3] = value
+    src_t = src_locals(src, rank, data)
+    dst_t = dst_locals(dst, rank)
+    before = {n: t.clone() for n, t in dst_t.items()}
+    try:
+        refit(src_t, dst_t, src, dst, timeout=30)
+    except Exception as e:  # noqa: BLE001
+        untouched = all(torch.equal(before[n].view(torch.uint8), t.view(torch.uint8)) for n, t in dst_t.items())
+        return {"error": f"{type(e).__name__}: {e}", "untouched": untouched}
+    return {"error": None}

@@ -84,3 +84,14 @@ def test_case_uses_the_modes_it_claims(case_id):
         assert st.wire_bytes == st.lower_bound_bytes
     else:
         assert st.quant_dst_bytes > 0 and st.wire_bytes > st.lower_bound_bytes
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_nvfp4_non_finite_source_refused_on_every_rank(value):
+    from triton_reshard.testing.launch import run_world
+
+    out = run_world(qc.nonfinite_main, 2, value, timeout=300, pg_timeout=60, allow_errors=True)
+    for r in out:
+        assert isinstance(r, dict) and r["error"], out
+        assert "'w.proj.weight'" in r["error"] and ("inf" in r["error"] or "NaN" in r["error"]), r["error"]
+        assert "nothing was moved" in r["error"] and r["untouched"], r
