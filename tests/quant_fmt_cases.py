@@ -245,9 +245,14 @@ def fmt_world_main(rank: int, world: int, ids: list[str]) -> dict:
     return out
 
 
-def nonfinite_main(rank: int, world: int, value: float) -> dict:
-    """NVFP4 refit from a source holding ``value`` (inf / NaN) on rank 1: every rank raises naming the tensor
-    group, before any byte of the refit moves (the destinations keep their poison)."""
+def nonfinite_main(rank: int, world: int, values: list[float]) -> list[dict]:
+    """Per value of ``values`` (inf, NaN), an NVFP4 refit from a source holding it on rank 1 (a fresh Resharder
+    each: a refused one is broken): every rank raises naming the tensor group, before any byte of the refit
+    moves (the destinations keep their poison)."""
+    return [_nonfinite(rank, v) for v in values]
+
+
+def _nonfinite(rank: int, value: float) -> dict:
     from triton_reshard import refit
 
     src = Layout.from_placements({"w.proj.weight": (8, 64)}, [0, 1], [Shard(0)], BF16)

@@ -86,12 +86,13 @@ def test_case_uses_the_modes_it_claims(case_id):
         assert st.quant_dst_bytes > 0 and st.wire_bytes > st.lower_bound_bytes
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("nan")])
-def test_nvfp4_non_finite_source_refused_on_every_rank(value):
+def test_nvfp4_non_finite_source_refused_on_every_rank():
     from triton_reshard.testing.launch import run_world
 
-    out = run_world(qc.nonfinite_main, 2, value, timeout=300, pg_timeout=60, allow_errors=True)
-    for r in out:
+    out = run_world(qc.nonfinite_main, 2, [float("inf"), float("nan")], timeout=300, pg_timeout=60,
+                    allow_errors=True)
+    assert all(isinstance(r, list) and len(r) == 2 for r in out), out
+    for r in (x for rank in out for x in rank):
         assert isinstance(r, dict) and r["error"], out
         assert "'w.proj.weight'" in r["error"] and ("inf" in r["error"] or "NaN" in r["error"]), r["error"]
         assert "nothing was moved" in r["error"] and r["untouched"], r
