@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triton_reshard import Layout, Replicate, Shard, block_quant_layout, plan_reshard
+from triton_reshard import Layout, Shard, block_quant_layout, plan_reshard
 from triton_reshard.layout import quant_format
 
 from .quant_cases import BF16, global_data, is_linear, mismatch, poison_, src_locals

@@ -22,7 +22,17 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .layout import QUANT_FORMATS, BlockQuant, ColumnarLayout, Fragment, Layout, LocalSpec, TensorSpec, columnar, dtype_name
+from .layout import (
+    QUANT_FORMATS,
+    BlockQuant,
+    ColumnarLayout,
+    Fragment,
+    Layout,
+    LocalSpec,
+    TensorSpec,
+    columnar,
+    dtype_name,
+)
 
 FORMAT = "triton_reshard.layout/1"
 _DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..box import box_slices
-from ..plan import ALIGN
 from ..layout import QUANT_FORMATS
+from ..plan import ALIGN
 from ..plan.quant import QUANT_DST, QUANT_SRC
 from ..plan.work import RankWork
 

@@ -20,19 +20,19 @@ Two storages behind one query interface (``table``, ``fragments_on_rank``, ``ten
 from ..box import box_slices, boxes_overlap, find_overlap
 from ..fragment_table import FragmentTable, content_fingerprint
 from ..specs import (
+    FP8_BLOCK,
     FRAG_KEY,
     MAX_TENSOR_BYTES,
-    FP8_BLOCK,
     MXFP8,
     NVFP4,
     QUANT_DTYPE,
     QUANT_FORMATS,
     SCALE_DTYPE,
     BlockQuant,
-    QuantFormat,
     Fragment,
     LocalSpec,
     Placement,
+    QuantFormat,
     Replicate,
     Shard,
     TensorSpec,

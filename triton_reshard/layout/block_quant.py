@@ -12,9 +12,9 @@ import torch
 from ..specs import (
     FP8_BLOCK,
     BlockQuant,
-    QuantFormat,
     Fragment,
     LocalSpec,
+    QuantFormat,
     TensorSpec,
     block_scale_box,
     dtype_name,
