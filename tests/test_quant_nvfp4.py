@@ -208,3 +208,22 @@ def test_vllm_preset_of_a_modelopt_config(algo):
     bad = dict(base, quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32})
     with pytest.raises(NotImplementedError, match="group_size"):
         vllm_layout(bad, tp=2, ranks=range(2), vllm_version="0.33.0")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_layout_round_trips_through_the_wire_format(fmt):
+    """A quantized layout sent as JSON (``triton_reshard.wire``) comes back equal, its format and global scales
+    included (block FP8 keeps its three-entry encoding)."""
+    import json
+
+    from triton_reshard.wire import layout_from_dict, layout_to_dict
+
+    w = Layout.from_placements({"a.proj.weight": (8, 64), "b.proj.weight": (4, 32)}, [0, 1], [Shard(0)],
+                               torch.bfloat16)
+    q = block_quant_layout(w, ["a.proj.weight", "b.proj.weight"], None, format=fmt)
+    d = layout_to_dict(q)
+    back = layout_from_dict(json.loads(json.dumps(d)))
+    assert back == q and back.digest == q.digest
+    assert back.specs["a.proj.weight"].quant.format.name == fmt
+    f8 = layout_to_dict(block_quant_layout(w, ["a.proj.weight"], (4, 16)))
+    assert all(len(t[3]) == 3 for t in f8["tensors"] if t[3] is not None)
