@@ -25,7 +25,8 @@ Block table: ``int64[num_blocks, FIELDS]``, one row per block, fields at the ``F
 - ``F_S``: element offset of the block's scale from ``s_ptr`` (float32);
 - ``F_ROWS`` / ``F_COLS``: the block's real extents (< BM / BN only for blocks at a tensor's edge);
 - ``F_SRS`` / ``F_SCS``: source element strides of the block's row / column dimension;
-- ``F_QRS`` / ``F_QCS``: the same for q (bytes = elements: fp8 is one byte).
+- ``F_QRS`` / ``F_QCS``: the same for q (bytes = elements: fp8 is one byte; NVFP4: packed bytes);
+- ``F_G``: element offset of the block's global scale from ``g_ptr`` (float32; NVFP4 only).
 
 The fp32 -> e4m3fn conversion is done on the bits (``_e4m3fn_bits``): it reproduces torch's
 ``Tensor.to(torch.float8_e4m3fn)`` (c10 ``fp8e4m3fn_from_fp32_value``: round to nearest even, subnormals
@@ -49,7 +50,8 @@ F_SRS = tl.constexpr(5)
 F_SCS = tl.constexpr(6)
 F_QRS = tl.constexpr(7)
 F_QCS = tl.constexpr(8)
-FIELDS = tl.constexpr(9)
+F_G = tl.constexpr(9)
+FIELDS = tl.constexpr(10)
 # Largest tile (BM * BN elements) one program takes: a 128x128 block.
 MAX_TILE = 16384
 # fp32 bits of the constants: 448.0 (float8_e4m3fn max) and float32(1e-4) (the amax floor, what torch's
@@ -133,11 +135,65 @@ def _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16: tl.constexp
 
 @triton.jit
 def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16: tl.constexpr,
-                 FULL_WIDTH: tl.constexpr):
-    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits."""
+                 FULL_WIDTH: tl.constexpr, nan_block=0):
+    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits (``nan_block``:
+    every value the NaN 0x7F)."""
     x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, FULL_WIDTH)
-    code = _e4m3fn_bits(x * inv)
+    code = tl.where(nan_block > 0, 0x7F, _e4m3fn_bits(x * inv))
     tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + c * qcs), code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _mx_scale(amax, has_nan, thr_ptr):
+    """MXFP8's E8M0 scale byte and the reciprocal of its power of two, for a block amax (vLLM's
+    ``clamp(ceil(log2(max(amax, tiny) / 448)) + 127, 0, 254)``; NaN: byte 0xFF and a NaN reciprocal).
+
+    ``y = amax / 448`` (IEEE). A normal ``y`` with biased exponent ``e`` and mantissa ``m`` has ``ceil(log2 y) + 127
+    = e + (m >= thr[e])`` (``thr``: torch's rounding of ``log2``, measured as for UE8M0). A subnormal ``y`` (amax
+    below ~2^-117) gives 1 when ``y > 2^-127`` and 0 otherwise; inf gives 254."""
+    tiny = _f32(0x00800000)
+    a = tl.where(amax < tiny, tiny, amax)
+    y = tl.math.div_rn(a, _f32(FP8_MAX_BITS))
+    b = y.to(tl.int32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    t = tl.load(thr_ptr + e)
+    sb = tl.where(e == 0, (m > 0x400000).to(tl.int32), e + (m >= t).to(tl.int32))
+    sb = tl.minimum(tl.where(e == 255, 254, sb), 254)
+    # 2^(127 - sb): biased exponent 254 - sb; sb = 254 (an inf block) is the subnormal 2^-127
+    inv = tl.where(sb == 254, 0x00400000, (254 - sb) << 23).to(tl.float32, bitcast=True)
+    inv = tl.where(has_nan > 0, float("nan"), inv)
+    sb = tl.where(has_nan > 0, 255, sb)
+    return sb, inv
+
+
+@triton.jit
+def _e4m3_value(code):
+    """float32 value of float8_e4m3fn bits ``code`` (0..0x7E; exact)."""
+    e = (code >> 3) & 0xF
+    m = code & 0x7
+    nrm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * _f32(0x3B000000)  # m * 2^-9
+    return tl.where(e == 0, sub, nrm)
+
+
+@triton.jit
+def _nvfp4_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, os, SRC_BF16: tl.constexpr,
+                 BN: tl.constexpr):
+    """NVFP4: rows ``r`` of a block times ``os`` (vLLM's ``output_scale``), clamped to +-6, rounded to E2M1 by
+    ``cast_to_fp4``'s thresholds (ties to the even code), the sign bit for values below zero, two codes a byte
+    (the even element in the low nibble)."""
+    x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, False)
+    y = tl.minimum(tl.maximum(x * os, -6.0), 6.0)
+    a = tl.abs(y)
+    code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(
+        a < 1.75, 3, tl.where(a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
+    code = code | tl.where(y < 0, 8, 0)
+    pairs = tl.reshape(code, (r.shape[0], BN // 2, 2))
+    lo, hi = tl.split(pairs)
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    cc = tl.arange(0, BN // 2)[None, :].to(tl.int64)
+    tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + cc * qcs), byte, mask=(r < rows) & (cc * 2 < cols))
 
 
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
@@ -156,11 +212,14 @@ def quant_blocks_kernel(
     CONTIG: tl.constexpr,
     SRC_ALIGN: tl.constexpr,
     Q_ALIGN: tl.constexpr,
+    FMT: tl.constexpr = 0,
+    g_ptr=None,
 ):
     """Quantize block ``program_id`` of the block table (layout in the module docstring).
 
     ``src_ptr``: the source storage (int16 bits when ``SRC_BF16``, else float16 / float32);
-    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales;
+    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales (``FMT`` 0, block
+    FP8) or uint8 storage of E8M0 bytes (``FMT`` 1, MXFP8: ``_mx_scale``, thresholds always read);
     ``thr_ptr``: the UE8M0 thresholds (read only when ``UE8M0``); ``BM`` x ``BN``: the tile.
 
     The block is walked in chunks of ``RB`` rows, twice: once for the amax, once to quantize and store
@@ -208,19 +267,42 @@ def quant_blocks_kernel(
                 x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, False)
             amax = tl.maximum(amax, tl.reduce(tl.abs(x), None, tl.standard._elementwise_max))
             has_nan = tl.maximum(has_nan, tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max))
-        amax = tl.where(has_nan > 0, float("nan"), amax)
-        floor = _f32(AMAX_FLOOR_BITS)
-        amax = tl.where(amax < floor, floor, amax)
-        sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
-        if UE8M0:
-            sf = _ue8m0(sf, thr_ptr)
-        inv = tl.math.div_rn(_f32(0x3F800000), sf)
-        # Pass 2: quantize and store.
-        for r0 in range(0, rows, RB):
-            if cols == BN:
-                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
-                             True)
+        nan_block = tl.full([], 0, tl.int32)
+        if FMT == 2:
+            # NVFP4 (vLLM's ref_nvfp4_quant): scale = e4m3(min(gs * (amax * fp32(1/6)), 448)); output_scale =
+            # 1 / (scale * (1 / gs)), a zero product replaced by 1e8 (get_reciprocal)
+            gs = tl.load(g_ptr + tl.load(row + F_G))
+            sv = gs * (amax * _f32(0x3E2AAAAB))
+            sv = tl.minimum(sv, _f32(FP8_MAX_BITS))
+            s8 = _e4m3fn_bits(sv)
+            sf = _e4m3_value(s8)
+            t = sf * tl.math.div_rn(_f32(0x3F800000), gs)
+            t = tl.where(t == 0, _f32(0x4CBEBC20), t)
+            os = tl.math.div_rn(_f32(0x3F800000), t)
+            for r0 in range(0, rows, RB):
+                _nvfp4_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, os, SRC_BF16, BN)
+            tl.store(s_ptr + s0, s8.to(tl.uint8))
+        else:
+            if FMT == 1:
+                sb, inv = _mx_scale(amax, has_nan, thr_ptr)
+                nan_block = has_nan
             else:
-                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
-                             False)
-        tl.store(s_ptr + s0, sf)
+                amax = tl.where(has_nan > 0, float("nan"), amax)
+                floor = _f32(AMAX_FLOOR_BITS)
+                amax = tl.where(amax < floor, floor, amax)
+                sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
+                if UE8M0:
+                    sf = _ue8m0(sf, thr_ptr)
+                inv = tl.math.div_rn(_f32(0x3F800000), sf)
+            # Pass 2: quantize and store.
+            for r0 in range(0, rows, RB):
+                if cols == BN:
+                    _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
+                                 True, nan_block)
+                else:
+                    _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
+                                 False, nan_block)
+            if FMT == 1:
+                tl.store(s_ptr + s0, sb.to(tl.uint8))
+            else:
+                tl.store(s_ptr + s0, sf)

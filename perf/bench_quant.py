@@ -1,5 +1,6 @@
-"""Benchmark of block-FP8 quantization: GB/s of ``quantize_views`` (Triton, one launch) vs the torch reference
-per tensor vs a ceiling (one contiguous copy of the same number of bytes into a preallocated buffer).
+"""Benchmark of block quantization (block FP8, MXFP8, NVFP4: ``--formats``): GB/s of ``quantize_views`` (Triton,
+one launch) vs the torch reference per tensor vs a ceiling (one contiguous copy of the same number of bytes into
+a preallocated buffer).
 
 Tensors: one decoder layer of Qwen3-8B (``Qwen/Qwen3-8B`` config.json: hidden 4096, 32 heads and 8 KV
 heads of 128, intermediate 12288: fused qkv [6144, 4096], o [4096, 4096], gate_up [24576, 4096], down
@@ -7,7 +8,10 @@ heads of 128, intermediate 12288: fused qkv [6144, 4096], o [4096, 4096], gate_u
 hidden 2048: [128, 1536, 2048], block (1, 128, 128)), bf16, quantized into one message buffer (each
 tensor's fp8 bytes, then its float32 scales, 16-byte aligned) as the executor's pack does. Traffic = bf16
 bytes read + fp8 and scale bytes written. Median of ``--repeats`` runs after warm-up, 20/80% quantiles.
-Every Triton result is checked bit for bit against the reference before timing.
+Every Triton result is checked bit for bit against the reference before timing. MXFP8 (1x32 blocks, E8M0 byte
+scales) and NVFP4 (1x16 blocks, packed E2M1 bytes, e4m3 scales, one global scale per tensor) quantize the same
+tensors (on CPU the interpreter runs them on the dense layer only, its shapes divided by 256: one program per
+16/32 values).
 
     python perf/bench_quant.py --device cuda --out perf/results/quant_cuda.json
     python perf/bench_quant.py --device cpu --scale 16      # CPU: torch only, plus the interpreter on
@@ -29,58 +33,71 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import measure  # noqa: E402
 
+from triton_reshard.layout import quant_format  # noqa: E402
 from triton_reshard.ops import quantize as Q  # noqa: E402
 from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
 
 DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 EXPERTS = {"w13": (128, 1536, 2048)}
 BLOCK = (128, 128)
+BLOCKS = {"fp8-block": BLOCK, "mxfp8": (32,), "nvfp4": (16,)}
 
 
-def make_items(shapes: dict[str, tuple[int, ...]], device, seed=0):
+def make_items(shapes: dict[str, tuple[int, ...]], device, seed=0, fmt: str = "fp8-block"):
+    f = quant_format(fmt)
+    block = BLOCKS[fmt]
     g = torch.Generator(device="cpu").manual_seed(seed)
     srcs = {n: torch.randn(s, generator=g).to(torch.bfloat16).to(device) for n, s in shapes.items()}
     align = lambda n: -(-n // 16) * 16  # noqa: E731
-    sizes = [(x.numel(), Q.blocks_count(x.shape, BLOCK) * 4) for x in srcs.values()]
+    sizes = [(f.value_bytes(x.numel()), Q.blocks_count(x.shape, block) * f.scale_bytes) for x in srcs.values()]
     buf = torch.empty(sum(align(a) + align(b) for a, b in sizes), dtype=torch.uint8, device=device)
     items, off = [], 0
     for x, (nq, ns) in zip(srcs.values(), sizes, strict=True):
-        q = buf[off:off + nq].view(x.shape)
+        q = buf[off:off + nq].view(x.shape[:-1] + (x.shape[-1] // f.pack,))
         off += align(nq)
-        s = buf[off:off + ns].view(torch.float32).view(Q.scale_shape(x.shape, BLOCK))
+        s = buf[off:off + ns].view(f.scale_dtype).view(Q.scale_shape(x.shape, block))
         off += align(ns)
-        items.append((x, q, s))
+        if f.global_scale:
+            items.append((x, q, s, Q.nvfp4_global_scale(x.abs().amax().float())[0].reshape(1)))
+        else:
+            items.append((x, q, s))
     return items
 
 
 def traffic(items) -> int:
-    return sum(x.numel() * x.element_size() + q.numel() + s.numel() * 4 for x, q, s in items)
+    return sum(it[0].numel() * it[0].element_size() + it[1].numel() + it[2].numel() * it[2].element_size()
+               for it in items)
 
 
-def check(items) -> None:
-    for x, q, s in items:
-        rq, rs = Q.quantize_blocks(x, BLOCK)
-        assert torch.equal(q, rq.view(torch.uint8)) and torch.equal(s, rs), "Triton differs from the reference"
+def check(items, fmt: str = "fp8-block") -> None:
+    f = quant_format(fmt)
+    for x, q, s, *g in items:
+        rq, rs = f.quantize(x, BLOCKS[fmt], global_scale=g[0] if g else None)
+        assert torch.equal(q, rq.view(torch.uint8)) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), \
+            f"Triton differs from the {fmt} reference"
 
 
-def run(device: torch.device, scale: int, repeats: int, backends: list[str]) -> list[dict]:
+def run(device: torch.device, scale: int, repeats: int, backends: list[str], fmt: str = "fp8-block",
+        experts: bool = True) -> list[dict]:
     rows = []
-    for name, shapes in (("qwen3-8b-layer", DENSE), ("qwen3-30b-a3b-w13", EXPERTS)):
-        shapes = {n: tuple(max(1, d // scale) if i >= len(s) - 2 else d for i, d in enumerate(s))
+    block = BLOCKS[fmt]
+    for name, shapes in (("qwen3-8b-layer", DENSE), ("qwen3-30b-a3b-w13", EXPERTS))[:2 if experts else 1]:
+        shapes = {n: tuple(max(32, d // scale // 32 * 32) if i >= len(s) - 2 else d for i, d in enumerate(s))
                   for n, s in shapes.items()}
-        items = make_items(shapes, device)
+        items = make_items(shapes, device, fmt=fmt)
         nbytes = traffic(items)
-        blocks = sum(Q.blocks_count(x.shape, BLOCK) for x, _, _ in items)
+        blocks = sum(Q.blocks_count(it[0].shape, block) for it in items)
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         ceiling = measure(lambda d=dst, s=src: d.copy_(s), device, repeats, 2)
-        row = {"case": name, "tensors": len(items), "blocks": blocks, "bytes": nbytes,
+        row = {"case": name, "format": fmt, "tensors": len(items), "blocks": blocks, "bytes": nbytes,
                "ceiling_GBps": nbytes / ceiling["median_ms"] / 1e6}
         for backend in backends:
-            fn = lambda b=backend, it=items, k=("bench", name): Q.quantize_views(it, BLOCK, backend=b, key=k)  # noqa: E731
+            fn = lambda b=backend, it=items, k=("bench", name, fmt): Q.quantize_views(  # noqa: E731
+                it, block, backend=b, key=k, fmt=fmt)
             fn()
             if backend == "triton":
-                check(items)
+                check(items, fmt)
             t = measure(fn, device, repeats, 1)
             row[f"{backend}_ms"] = t["median_ms"]
             row[f"{backend}_p20_ms"], row[f"{backend}_p80_ms"] = t["p20_ms"], t["p80_ms"]
@@ -96,19 +113,30 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--scale", type=int, default=1, help="divide the two blocked dims by this")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--formats", default="fp8-block,mxfp8,nvfp4", help="comma-separated: fp8-block, mxfp8, nvfp4")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in BLOCKS]
+    if bad:
+        p.error(f"--formats: unknown format {bad[0]!r} (fp8-block, mxfp8, nvfp4)")
     try:  # before any work: an output path that cannot be written is one line, exit 2
         check_output_file(args.out, '--out')
     except UsageError as e:
         p.error(str(e))
     device = torch.device(args.device)
-    if device.type == "cpu":
-        rows = run(device, args.scale, args.repeats, ["torch"])
-        os.environ["TRITON_INTERPRET"] = "1"
-        rows += run(device, max(args.scale, 16), 1, ["triton"])  # the interpreter: that it runs, not speed
-    else:
-        rows = run(device, args.scale, args.repeats, ["triton", "torch"])
+    rows = []
+    for fmt in formats:
+        if device.type == "cpu":
+            rows += run(device, args.scale, args.repeats, ["torch"], fmt)
+            os.environ["TRITON_INTERPRET"] = "1"
+            # the interpreter: that it runs, not speed (MXFP8/NVFP4: one program per 32/16 values: the dense layer
+            # only, its shapes / 256)
+            fp8 = fmt == "fp8-block"
+            rows += run(device, max(args.scale, 16 if fp8 else 256), 1, ["triton"], fmt, experts=fp8)
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            rows += run(device, args.scale, args.repeats, ["triton", "torch"], fmt)
     if args.out:
         meta = {"argv": ["perf/bench_quant.py", *(sys.argv[1:] if argv is None else argv)],
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),

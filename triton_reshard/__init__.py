@@ -19,11 +19,28 @@ from .execute import (
     VerifyReport,
 )
 from .group import RefitGroup, RefitGroupError, init_refit_group
-from .layout import BlockQuant, Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec, block_quant_layout
+from .layout import (
+    FP8_BLOCK,
+    MXFP8,
+    NVFP4,
+    BlockQuant,
+    Fragment,
+    Layout,
+    LocalSpec,
+    QuantFormat,
+    Replicate,
+    Shard,
+    TensorSpec,
+    block_quant_layout,
+)
 from .plan import Plan, PlanStats, Schedule, Transfer, plan_reshard
 from .refit import RefitState, clear_cache, refit, refit_state, verify_refit
 
 __all__ = [
+    "FP8_BLOCK",
+    "MXFP8",
+    "NVFP4",
+    "QuantFormat",
     "BlockQuant",
     "DeltaRefusedError",
     "DeltaRequest",

@@ -185,21 +185,89 @@ def as_shape(shape: object, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-# the dtype of a block-quantized tensor's values (vLLM / DeepSeek block FP8) and of its scales
+# the dtype of a block-FP8 tensor's values (vLLM / DeepSeek block FP8) and of its scales
 QUANT_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True, slots=True)
-class BlockQuant:
-    """Block quantization of a logical tensor (block FP8, e.g. DeepSeek-V3 / vLLM ``weight_block_size``).
+class QuantFormat:
+    """A block quantization format: everything the planner, the executor and the kernels need to know of it.
 
-    The tensor's values are ``float8_e4m3fn``; each block of ``block`` elements (one extent per logical dim,
-    blocks laid from index 0; the last block along a dim may be partial) has one float32 scale, the
-    dequantization multiplier (vLLM's ``weight_scale_inv``: ``x ~= q * scale``). The scales are a logical
-    tensor of their own, named ``scale``, of shape ``ceil(shape / block)`` per dim, laid out like the weight:
-    the rank holding a (block-aligned) box of the weight holds the box of its blocks' scales.
-    ``ue8m0``: scales rounded up to powers of two (DeepGEMM / SGLang), still stored as float32.
+    ``value_dtype``: the dtype of the stored values (``uint8`` for packed sub-byte elements); ``pack``: logical
+    elements per stored element along the last dim (2 for FP4 pairs: the low nibble holds the even element);
+    ``value_bits``: bits per logical element; ``scale_dtype``: the stored dtype of one scale per block, and
+    ``scale_encoding`` what it means (``"fp32"``: the dequantization multiplier; ``"e8m0"``: a biased power-of-
+    two exponent byte, 2^(s-127); ``"e4m3"``: an fp8 multiplier of the global scale); ``block``: the fixed block
+    extent along the last dim in *logical* elements (None: the tensor's :class:`BlockQuant` gives the block);
+    ``rounding``: the scale rule, named; ``global_scale``: one float32 per tensor (group) beside the block
+    scales, computed from the whole tensor's amax; ``reference``: the torch reference quantizer
+    (``triton_reshard.ops.quantize.<reference>``)."""
+
+    name: str
+    value_dtype: torch.dtype
+    pack: int
+    value_bits: int
+    scale_dtype: torch.dtype
+    scale_encoding: str
+    block: int | None
+    rounding: str
+    global_scale: bool
+    reference: str
+
+    @property
+    def scale_bytes(self) -> int:
+        return itemsize_of(self.scale_dtype)
+
+    def value_bytes(self, numel: int) -> int:
+        """Stored bytes of ``numel`` logical elements (whole stored elements)."""
+        return -(-numel * self.value_bits // 8)
+
+    def quantize(self, x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
+                 global_scale: torch.Tensor | None = None):
+        """The torch reference: ``(values, scales)`` of ``x`` (its logical, unpacked shape)."""
+        from .ops import quantize as q  # the layout room names it; the ops room holds the torch code
+
+        return getattr(q, self.reference)(x, block, ue8m0=ue8m0, global_scale=global_scale)
+
+
+# vLLM / DeepSeek-V3 block FP8: e4m3 values, one fp32 scale (amax / 448, optionally a power of two) per block
+FP8_BLOCK = QuantFormat("fp8-block", torch.float8_e4m3fn, 1, 8, torch.float32, "fp32", None, "amax/448",
+                        False, "quantize_blocks_ref")
+# OCP MX FP8 (vLLM 0.33 ``mxfp8_utils``): e4m3 values, one E8M0 byte per 1x32 block along the last dim
+MXFP8 = QuantFormat("mxfp8", torch.float8_e4m3fn, 1, 8, torch.uint8, "e8m0", 32, "ceil(log2(amax/448))",
+                    False, "quantize_mxfp8")
+# NVIDIA NVFP4 (ModelOpt, vLLM's ``ref_nvfp4_quant``): packed E2M1 pairs, one e4m3 scale per 1x16 block, and an
+# fp32 per-tensor ``weight_scale_2``
+NVFP4 = QuantFormat("nvfp4", torch.uint8, 2, 4, torch.float8_e4m3fn, "e4m3", 16, "e4m3(gs*amax/6)", True,
+                    "quantize_nvfp4")
+QUANT_FORMATS = {f.name: f for f in (FP8_BLOCK, MXFP8, NVFP4)}
+
+
+def quant_format(name: str | QuantFormat) -> QuantFormat:
+    """The format called ``name`` (a :class:`QuantFormat` passes through)."""
+    if isinstance(name, QuantFormat):
+        return name
+    f = QUANT_FORMATS.get(name)
+    if f is None:
+        raise ValueError(f"unknown quantization format {name!r}; expected one of {sorted(QUANT_FORMATS)}")
+    return f
+
+
+@dataclass(frozen=True, slots=True)
+class BlockQuant:
+    """Block quantization of a logical tensor (block FP8, MXFP8, NVFP4: ``format``, a :class:`QuantFormat`).
+
+    The tensor's values are ``format.value_dtype``; each block of ``block`` stored elements (one extent per
+    logical dim, blocks laid from index 0; the last block along a dim may be partial) has one scale of
+    ``format.scale_dtype`` (block FP8: the float32 dequantization multiplier, vLLM's ``weight_scale_inv``:
+    ``x ~= q * scale``). The scales are a logical tensor of their own, named ``scale``, of shape
+    ``ceil(shape / block)`` per dim, laid out like the weight: the rank holding a (block-aligned) box of the
+    weight holds the box of its blocks' scales. ``ue8m0`` (block FP8 only): scales rounded up to powers of two
+    (DeepGEMM / SGLang), still stored as float32. A packed format's tensor is in stored elements (NVFP4:
+    ``[N, K/2]`` uint8) and so is ``block`` (``(1, 8)``: 16 FP4 values). ``global_scale`` (formats with a
+    per-tensor scale): the name of the float32 global-scale tensor (shape ``(1,)``); tensors naming the same
+    one share it (the engine's fused tensors) and it is computed from the amax of all of them.
 
     A shorter ``block`` applies to the trailing dims (leading dims get blocks of 1: ``(128, 128)`` on an
     ``[E, r, c]`` tensor is ``(1, 128, 128)``); ``TensorSpec`` stores it normalized to its number of dims.
@@ -208,6 +276,9 @@ class BlockQuant:
     block: tuple[int, ...]
     scale: str
     ue8m0: bool = False
+    format: QuantFormat = FP8_BLOCK
+    global_scale: str = ""
+    global_group: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, (tuple, list)) or not self.block or not all(
@@ -218,9 +289,37 @@ class BlockQuant:
             raise TypeError(f"BlockQuant: scale must be the non-empty name of the scale tensor, got {self.scale!r}")
         if not isinstance(self.ue8m0, bool):
             raise TypeError(f"BlockQuant: ue8m0 must be a bool, got {self.ue8m0!r}")
+        fmt = quant_format(self.format) if isinstance(self.format, str) else self.format
+        if not isinstance(fmt, QuantFormat):
+            raise TypeError(f"BlockQuant: format must be a QuantFormat or its name, got {self.format!r}")
+        object.__setattr__(self, "format", fmt)
+        if self.ue8m0 and fmt is not FP8_BLOCK:
+            raise ValueError(f"BlockQuant: ue8m0 is a block-FP8 scale rule; format {fmt.name!r} has its own")
+        if fmt.block is not None:
+            want = fmt.block // fmt.pack
+            if self.block[-1] != want or any(b != 1 for b in self.block[:-1]):
+                raise ValueError(f"BlockQuant: format {fmt.name!r} blocks 1x{fmt.block} along the last dim (stored "
+                                 f"block (..., 1, {want})), got {self.block}")
+        if not isinstance(self.global_scale, str):
+            raise TypeError(f"BlockQuant: global_scale must be a tensor name, got {self.global_scale!r}")
+        if not isinstance(self.global_group, str):
+            raise TypeError(f"BlockQuant: global_group must be a str, got {self.global_group!r}")
+        if self.global_scale and not self.global_group:
+            object.__setattr__(self, "global_group", self.global_scale)
+        if bool(self.global_scale) != fmt.global_scale:
+            raise ValueError(f"BlockQuant: format {fmt.name!r} "
+                             f"{'needs' if fmt.global_scale else 'has no'} a global-scale tensor "
+                             f"(global_scale={self.global_scale!r})")
+
+    @property
+    def logical_block(self) -> tuple[int, ...]:
+        """The block in logical (unpacked) elements."""
+        p = self.format.pack
+        return self.block if p == 1 else self.block[:-1] + (self.block[-1] * p,)
 
     def key(self) -> tuple:
-        return (self.block, self.scale, self.ue8m0)
+        k = (self.block, self.scale, self.ue8m0)
+        return k if self.format is FP8_BLOCK else k + (self.format.name, self.global_scale, self.global_group)
 
 
 def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
@@ -230,8 +329,8 @@ def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A logical tensor: its global shape and dtype; ``quant``: its block quantization (dtype
-    ``float8_e4m3fn``; see :class:`BlockQuant`), None for a plain tensor."""
+    """A logical tensor: its global shape and dtype; ``quant``: its block quantization (dtype its format's
+    ``value_dtype``; see :class:`BlockQuant`), None for a plain tensor."""
 
     name: str
     shape: tuple[int, ...]
@@ -250,16 +349,17 @@ class TensorSpec:
         if q is not None:
             if not isinstance(q, BlockQuant):
                 raise TypeError(f"tensor {self.name!r}: quant must be a BlockQuant or None, got {q!r}")
-            if self.dtype != QUANT_DTYPE:
-                raise ValueError(f"tensor {self.name!r}: a block-quantized tensor is {dtype_name(QUANT_DTYPE)}, "
-                                 f"got {dtype_name(self.dtype)}")
+            if self.dtype != q.format.value_dtype:
+                raise ValueError(f"tensor {self.name!r}: a {q.format.name} tensor is "
+                                 f"{dtype_name(q.format.value_dtype)}, got {dtype_name(self.dtype)}")
             nd = len(self.shape)
             if not nd or len(q.block) > nd:
                 raise ValueError(f"tensor {self.name!r} of shape {self.shape}: block {q.block} has more dims "
                                  f"than the tensor")
             if len(q.block) < nd:
                 object.__setattr__(self, "quant", BlockQuant((1,) * (nd - len(q.block)) + q.block, q.scale,
-                                                             q.ue8m0))
+                                                             q.ue8m0, q.format, q.global_scale,
+                                                             q.global_group))
             if q.scale == self.name:
                 raise ValueError(f"tensor {self.name!r}: its scale tensor needs another name")
 
@@ -451,11 +551,20 @@ def validate_quant_fragments(specs: Mapping[str, TensorSpec], fragments: Sequenc
         s = specs.get(q.scale)
         if s is None:
             raise ValueError(f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is not declared")
-        if s.quant is not None or s.dtype != SCALE_DTYPE or s.shape != t.scale_shape:
+        sdt = q.format.scale_dtype
+        if s.quant is not None or s.dtype != sdt or s.shape != t.scale_shape:
             raise ValueError(
                 f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is {s.shape} {dtype_name(s.dtype)}"
                 f"{' (quantized itself)' if s.quant is not None else ''}; blocks {q.block} of {t.shape} need a plain "
-                f"{t.scale_shape} {dtype_name(SCALE_DTYPE)}")
+                f"{t.scale_shape} {dtype_name(sdt)}")
+        if q.format.pack > 1 and t.shape[-1] * q.format.pack % q.format.block:
+            raise ValueError(f"quantized tensor {t.name!r}: a {q.format.name} tensor's last dim must be whole "
+                             f"blocks of {q.format.block} values, got {t.shape[-1] * q.format.pack}")
+        if q.global_scale:
+            g = specs.get(q.global_scale)
+            if g is None or g.quant is not None or g.dtype != torch.float32 or g.shape != (1,):
+                raise ValueError(f"quantized tensor {t.name!r}: its global-scale tensor {q.global_scale!r} must be "
+                                 f"a declared plain float32 tensor of shape (1,), got {g}")
         if q.scale in scale_of:
             raise ValueError(f"tensors {scale_of[q.scale]!r} and {t.name!r} name the same scale tensor {q.scale!r}")
         scale_of[q.scale] = t.name

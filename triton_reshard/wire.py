@@ -22,7 +22,17 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .layout import BlockQuant, ColumnarLayout, Fragment, Layout, LocalSpec, TensorSpec, columnar, dtype_name
+from .layout import (
+    QUANT_FORMATS,
+    BlockQuant,
+    ColumnarLayout,
+    Fragment,
+    Layout,
+    LocalSpec,
+    TensorSpec,
+    columnar,
+    dtype_name,
+)
 
 FORMAT = "triton_reshard.layout/1"
 _DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
@@ -95,16 +105,30 @@ def _check(fn, path: str, *args):
 # ---------------------------------------------------------------------------------------------------------
 
 def _quant_to(q: BlockQuant | None):
-    return None if q is None else [list(q.block), q.scale, q.ue8m0]
+    if q is None:
+        return None
+    out = [list(q.block), q.scale, q.ue8m0]  # block FP8: three entries (its encoding before other formats)
+    return out if q.format.name == "fp8-block" else out + [q.format.name, q.global_scale, q.global_group]
 
 
 def _quant_from(v, path: str) -> BlockQuant | None:
     if v is None:
         return None
-    block, scale, ue8m0 = _list(v, path, 3)
+    n = len(v) if isinstance(v, list) else 3
+    if n == 6:
+        block, scale, ue8m0, fmt, gscale, ggroup = _list(v, path, 6)
+        extra = (_str(fmt, f"{path}[3] (format)"), _str(gscale, f"{path}[4] (global scale)"),
+                 _str(ggroup, f"{path}[5] (global group)"))
+        if extra[0] not in QUANT_FORMATS:
+            raise _fail(f"{path}[3] (format)", f"one of {sorted(QUANT_FORMATS)}", extra[0])
+        extra = (QUANT_FORMATS[extra[0]],) + extra[1:]
+    else:
+        block, scale, ue8m0 = _list(v, path, 3)
+        extra = ()
     if not isinstance(ue8m0, bool):
         raise _fail(f"{path}[2] (ue8m0)", "a bool", ue8m0)
-    return _check(BlockQuant, path, _ints(block, f"{path}[0] (block)"), _str(scale, f"{path}[1] (scale)"), ue8m0)
+    return _check(BlockQuant, path, _ints(block, f"{path}[0] (block)"), _str(scale, f"{path}[1] (scale)"), ue8m0,
+                  *extra)
 
 
 def layout_to_dict(layout: Layout) -> dict:

@@ -11,9 +11,44 @@ from dataclasses import dataclass
 import torch
 
 from ..box import box_slices
+from ..layout import QUANT_FORMATS
 from ..plan import ALIGN
-from ..plan.quant import QUANT_DST, QUANT_SRC, SCALE_BYTES
+from ..plan.quant import QUANT_DST, QUANT_SRC
 from ..plan.work import RankWork
+
+
+@dataclass(frozen=True, slots=True)
+class BoundQuant:
+    """The quantization part of a :class:`Bound` (block-quantized destinations, see plan/quant.py).
+
+    Quantize items are ``(source, values out, scales out)`` (formats with a global scale: plus the group's
+    global-scale tensor), grouped by quantizer key ``(format name, block, ue8m0)`` (:func:`qkey`): ``{key:
+    items}``; the ops pick the quantizer by the format."""
+
+    packs: list  # per step: {key: items} the pack quantizes
+    stage_unpacks: list  # per step: (receive buffer, staging view) pairs
+    local: dict  # {key: items} local copies quantized in place
+    local_meta: dict  # verify: {key: [(weight meta, scale meta)]}
+    local_stage: list  # (source view, staging view) of local pieces of regions
+    regions_due: dict  # step position (-1: after the local copies) -> region ids
+    region_items: list  # per region: (key, item, (weight meta, scale meta))
+    # formats with a global scale: per group its float32 (1,) quantization multiplier on the device (filled by
+    # the amax exchange before any pack), this rank's amax inputs (group, source view), and the global-scale
+    # destination views it writes (group, view, verify meta)
+    globals: dict = None
+    amax_views: list = ()
+    global_out: list = ()
+
+
+def with_global(item: tuple, views, tensor: str) -> tuple:
+    """A quantize item with its tensor's global scale appended (formats that have one)."""
+    q = views.work.quant[tensor]
+    return item + (views.globals[q.global_group],) if q.global_group else item
+
+
+def qkey(fmt: str, block: tuple[int, ...], ue8m0: bool) -> tuple:
+    """The quantizer key of a group of quantize items."""
+    return (fmt, tuple(block), bool(ue8m0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +67,7 @@ class Bound:
     in_place_bytes: int
     writes: list  # per step: names of the destination tensors it writes
     local_writes: frozenset  # destination tensors the local copies write
-    # block-quantized destinations (see plan/quant.py); quantize items are (source, fp8 out, scale out)
-    qpacks: list  # per step: {(block, ue8m0): items} the pack quantizes
-    stage_unpacks: list  # per step: (receive buffer, staging view) pairs
-    local_q: dict  # {(block, ue8m0): items} local copies quantized in place
-    local_q_meta: dict  # verify: {(block, ue8m0): [(weight meta, scale meta)]}
-    local_stage: list  # (source view, staging view) of local pieces of regions
-    regions_due: dict  # step position (-1: after the local copies) -> region ids
-    region_items: list  # per region: (block, ue8m0, item, (weight meta, scale meta))
+    quant: BoundQuant  # block-quantized destinations
     # per step, per message (in ``wire`` order), for delta refits (execute/delta.py): a send's chunk views in
     # its flat buffer (wire dtype, chunk shape; what the dense pack wrote there); a receive's destination view
     # of each chunk and the range of ``unpacks[pos]`` that lands it when it goes dense (empty: in place)
@@ -93,13 +121,21 @@ def scale_box(t, off, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def quant_buffers(area: torch.Tensor, at: int, c, t) -> tuple[torch.Tensor, torch.Tensor]:
-    """A source-quantized chunk in a message: its fp8 bytes (uint8), then at the next ALIGN its scales."""
-    n = math.prod(c.sizes)
+    """A source-quantized chunk in a message: its value bytes (uint8, the stored shape: a packed format's
+    last dim divided by its pack), then at the next ALIGN its scales (the format's scale dtype)."""
+    fmt = QUANT_FORMATS[t.fmt]
+    sizes = stored(c.sizes, fmt.pack)
+    n = math.prod(sizes)
     start = at + c.buffer_offset
-    q = area[start:start + n].view(c.sizes)
+    q = area[start:start + n].view(sizes)
     s_size = scale_box(t, (0,) * len(c.sizes), c.sizes)[1]
     s0 = start + (n + ALIGN - 1) // ALIGN * ALIGN
-    return q, area[s0:s0 + math.prod(s_size) * SCALE_BYTES].view(torch.float32).view(s_size)
+    return q, area[s0:s0 + math.prod(s_size) * fmt.scale_bytes].view(fmt.scale_dtype).view(s_size)
+
+
+def stored(box: tuple[int, ...], pack: int) -> tuple[int, ...]:
+    """Logical offsets or sizes in stored elements (a packed format's last dim divided by its pack)."""
+    return box if pack == 1 else box[:-1] + (box[-1] // pack,)
 
 
 def buffer_view(area: torch.Tensor, at: int, chunk, t) -> torch.Tensor:
@@ -126,6 +162,7 @@ class Views:
     src: dict
     dst: dict
     stage: list
+    globals: dict  # global group -> its (1,) float32 global scale (formats with one)
 
     def source(self, t, off, size) -> torch.Tensor:  # a relay reads what this rank received as destination
         return sub_view((self.dst if t.relay else self.src)[t.src_local], t.src_offsets, off, size)
@@ -141,19 +178,21 @@ class Views:
         (of region ``k``) for a destination-quantized one."""
         if t.quant == QUANT_DST:
             return self.staged(t, k, off, size)
-        v = sub_view(self.dst[t.dst_local], t.dst_offsets, off, size)
         if t.quant == QUANT_SRC:
+            p = QUANT_FORMATS[t.fmt].pack
+            v = sub_view(self.dst[t.dst_local], stored(t.dst_offsets, p), stored(off, p), stored(size, p))
             return v, sub_view(self.dst[t.scale_local], t.scale_offsets, *scale_box(t, off, size))
-        return v
+        return sub_view(self.dst[t.dst_local], t.dst_offsets, off, size)
 
     def meta(self, t, off, size) -> tuple:  # what verify reports about a compared box
-        return (t.dst_local, t.tensor, tuple(a + b for a, b in zip(t.offsets, off, strict=True)),
-                start_of(self.dst[t.dst_local], t.dst_offsets, off, size))
+        p = QUANT_FORMATS[t.fmt].pack if t.quant else 1
+        return (t.dst_local, t.tensor, stored(tuple(a + b for a, b in zip(t.offsets, off, strict=True)), p),
+                start_of(self.dst[t.dst_local], stored(t.dst_offsets, p), stored(off, p), stored(size, p)))
 
     def scale_meta(self, t, off, size) -> tuple:  # the same for the scales of a source-quantized sub-box
         s_off, s_size = scale_box(t, off, size)
         base = tuple(o // b for o, b in zip(t.offsets, t.block, strict=True))
-        return (t.scale_local, self.work.scale_name[t.tensor], tuple(a + b for a, b in zip(base, s_off, strict=True)),
+        return (t.scale_local, self.work.quant[t.tensor].scale, tuple(a + b for a, b in zip(base, s_off, strict=True)),
                 start_of(self.dst[t.scale_local], t.scale_offsets, s_off, s_size))
 
 
@@ -162,18 +201,18 @@ def bind_local(views: Views, verify: bool) -> tuple[list, list | None, dict, dic
     staging copies of destination-quantized pieces."""
     work = views.work
     local, local_meta = [], [] if verify else None
-    local_q: dict = {}  # {(block, ue8m0): [(source view, fp8 view, scale view)]}
-    local_q_meta: dict = {}  # verify: {(block, ue8m0): [(weight meta, scale meta)]}
+    local_q: dict = {}  # {quantizer key: [(source view, values view, scale view)]}
+    local_q_meta: dict = {}  # verify: {quantizer key: [(weight meta, scale meta)]}
     local_stage = []
     for t, k in zip(work.local, work.local_region, strict=True):
         z = (0,) * len(t.sizes)
         if t.quant == QUANT_DST:
             local_stage.append((views.source(t, z, t.sizes), views.staged(t, k, z, t.sizes)))
         elif t.quant == QUANT_SRC:  # verify: within half a bucket, like the plain local copies below
-            group = (t.block, work.ue8m0[t.tensor])
+            group = qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0)
             for off, size in work.local_chunks(t, 1) if verify else [(z, t.sizes)]:
                 q, sc = views.dest(t, off, size)
-                local_q.setdefault(group, []).append((views.source(t, off, size), q, sc))
+                local_q.setdefault(group, []).append(with_global((views.source(t, off, size), q, sc), views, t.tensor))
                 if verify:
                     local_q_meta.setdefault(group, []).append((views.meta(t, off, size), views.scale_meta(t, off, size)))
     for t in work.local:
@@ -236,7 +275,8 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                 t = transfers[c.transfer]
                 if t.quant == QUANT_SRC:  # the pack quantizes: fp8 values and scales into the buffer
                     qb, sb = quant_buffers(send_area, at, c, t)
-                    qp.setdefault((t.block, work.ue8m0[t.tensor]), []).append((v, qb, sb))
+                    qp.setdefault(qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0), []).append(
+                        with_global((v, qb, sb), views, t.tensor))
                 else:
                     pk.append((v, buffer_view(send_area, at, c, t)))
             buf = send_area[at:at + m.payload]
@@ -282,12 +322,14 @@ def bind_regions(views: Views, plans) -> tuple[dict, list]:
     for k, g in enumerate(work.regions):
         regions_due.setdefault(last[k], []).append(k)
         z = (0,) * len(g.sizes)
-        q = sub_view(dst[g.dst_local], g.dst_offsets, z, g.sizes)
+        p = QUANT_FORMATS[g.fmt].pack
+        q = sub_view(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p))
         sc = sub_view(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes)
-        meta = ((g.dst_local, g.tensor, g.offsets, start_of(dst[g.dst_local], g.dst_offsets, z, g.sizes)),
+        meta = ((g.dst_local, g.tensor, stored(g.offsets, p),
+                 start_of(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p))),
                 (g.scale_local, g.scale_tensor, tuple(o // b for o, b in zip(g.offsets, g.block, strict=True)),
                  start_of(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes)))
-        region_items.append((g.block, g.ue8m0, (views.stage[k], q, sc), meta))
+        region_items.append((qkey(g.fmt, g.block, g.ue8m0), with_global((views.stage[k], q, sc), views, g.tensor), meta))
     return regions_due, region_items
 
 
@@ -301,7 +343,8 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     every received message is staged (the destination is compared, never written), and the local copies
     are split into sub-boxes within half a bucket, so the compares' temporaries stay bounded too.
     """
-    views = Views(work, src_tensors, dst_tensors, staging.region_tensors(work, device))
+    globals_ = {g: torch.ones(1, dtype=torch.float32, device=device) for g in work.global_groups}
+    views = Views(work, src_tensors, dst_tensors, staging.region_tensors(work, device), globals_)
     local, local_meta, local_q, local_q_meta, local_stage = bind_local(views, verify)
     plans, need_s, need_r = route_messages(views, transfers, verify)
     n_slots = min(work.slots, len(work.steps))
@@ -328,6 +371,10 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     local_writes = frozenset() if verify else frozenset(
         [t.dst_local for t in work.local] + [t.scale_local for t in work.local if t.quant == QUANT_SRC])
     regions_due, region_items = bind_regions(views, plans)
+    amax_views = [(g, sub_view(src_tensors[loc], lo, (0,) * len(sz), sz)) for g, loc, lo, sz in work.amax_sources]
+    global_out = [(g, sub_view(dst_tensors[loc], lo, (0,), (1,)), (loc, name, (0,), start_of(dst_tensors[loc], lo, (0,), (1,))))
+                  for g, name, loc, lo in work.global_dst]
+    quant = BoundQuant(qpacks, stage_unpacks, local_q, local_q_meta, local_stage, regions_due, region_items,
+                       globals_, amax_views, global_out)
     return Bound(local, local_meta, packs, unpacks, unpack_meta, wire, need_s * n_slots, need_r * n_slots,
-                 in_place_bytes, writes, local_writes, qpacks, stage_unpacks, local_q, local_q_meta, local_stage,
-                 regions_due, region_items, send_msgs, recv_msgs)
+                 in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs)

@@ -60,32 +60,74 @@ class StepLoop:
             self.tally.compare(pairs, meta)
 
     def quantize(self, groups: dict, metas: dict | None, list_key) -> None:
-        """Quantize ``{(block, ue8m0): [(source, fp8 out, scale out)]}`` into the outputs; in verify mode
-        (``metas`` given) into temporaries compared with the outputs instead."""
-        for (block, ue8m0), items in groups.items():
+        """Quantize ``{(format, block, ue8m0): [(source, values out, scales out)]}`` into the outputs (the
+        format picks the quantizer); in verify mode (``metas`` given) into temporaries compared with the
+        outputs instead."""
+        for qk, items in groups.items():
+            fmt, block, ue8m0 = qk
             if metas is None:
-                quant.quantize_views(items, block, ue8m0, backend=self.backend, key=(list_key, block, ue8m0))
+                quant.quantize_views(items, block, ue8m0, backend=self.backend, key=(list_key, qk), fmt=fmt)
                 continue
             temps = [(x, torch.empty(q.shape, dtype=q.dtype, device=q.device),
-                      torch.empty(sc.shape, dtype=sc.dtype, device=sc.device)) for x, q, sc in items]
-            quant.quantize_views(temps, block, ue8m0, backend=self.backend)
+                      torch.empty(sc.shape, dtype=sc.dtype, device=sc.device), *g) for x, q, sc, *g in items]
+            quant.quantize_views(temps, block, ue8m0, backend=self.backend, fmt=fmt)
             pairs, meta = [], []
-            for (_x, tq, ts), (_y, q, sc), (mq, ms) in zip(temps, items, metas[(block, ue8m0)], strict=True):
+            for (_x, tq, ts, *_g), (_y, q, sc, *_h), (mq, ms) in zip(temps, items, metas[qk], strict=True):
                 pairs += [(tq, q), (ts, sc)]
                 meta += [mq, ms]
             self.tally.compare(pairs, meta)
 
+    def global_scales(self) -> None:
+        """Formats with a global scale (NVFP4): each group's amax over every source holder (one all-gather of
+        this rank's amax per group, the float32 bits as ints: for non-negative floats their order is the
+        floats'), then its global scale into the bound state (before any pack reads it) and ``weight_scale_2``
+        (``1 / gs``) into the destination's global-scale tensors (verify: compared). A group whose amax is inf or
+        NaN raises ``ValueError`` naming it on every rank alike, before any byte of the refit moves."""
+        bq = self.b.quant
+        groups = self.work.global_groups
+        if not groups:
+            return
+        pos = {g: i for i, g in enumerate(groups)}
+        amax = torch.zeros(len(groups), dtype=torch.float32)
+        for g, v in bq.amax_views:
+            if v.numel():
+                m = v.abs().amax().float().cpu()
+                amax[pos[g]] = torch.maximum(amax[pos[g]], m) if not torch.isnan(m) else m
+        row = amax.view(torch.int32).to(torch.int64)
+        row = torch.where(torch.isnan(amax), 0x7FC00000, row)
+        if self.link.wire:
+            rows = torch.tensor(self.link.all_gather_row(row.tolist(), "the global-scale amax exchange"))
+            row = rows.max(dim=0).values
+        bits = row.to(torch.int32)
+        if bool((bits >= 0x7F800000).any()):
+            bad = [g for g, b in zip(groups, bits.tolist(), strict=True) if b >= 0x7F800000]
+            raise ValueError(f"rank {self.link.rank}: tensor group {bad[0]!r} holds inf or NaN (amax "
+                             f"{'inf' if int(bits[pos[bad[0]]]) == 0x7F800000 else 'NaN'}): NVFP4's global scale "
+                             f"needs a finite amax; nothing was moved")
+        gs, ws2 = quant.nvfp4_global_scale(bits.view(torch.float32))
+        for g, t in bq.globals.items():
+            t.copy_(gs[pos[g]:pos[g] + 1])
+        if not bq.global_out:
+            return
+        pairs = [(ws2[pos[g]:pos[g] + 1].to(v.device), v) for g, v, _m in bq.global_out]
+        if self.tally is None:
+            for a, v in pairs:
+                v.copy_(a)
+            self.touched.update(m[0] for _g, _v, m in bq.global_out)
+        else:
+            self.tally.compare(pairs, [m for _g, _v, m in bq.global_out])
+
     def regions(self, pos: int) -> None:
         """Quantize the staged regions whose last piece arrived in step ``pos`` (-1: the local copies)."""
-        ks = self.b.regions_due.get(pos)
+        ks = self.b.quant.regions_due.get(pos)
         if not ks:
             return
         groups: dict = {}
         metas: dict = {}
         for k in ks:
-            block, ue8m0, item, meta = self.b.region_items[k]
-            groups.setdefault((block, ue8m0), []).append(item)
-            metas.setdefault((block, ue8m0), []).append(meta)
+            qk, item, meta = self.b.quant.region_items[k]
+            groups.setdefault(qk, []).append(item)
+            metas.setdefault(qk, []).append(meta)
             if not self.verify:
                 self.touched.update((meta[0][0], meta[1][0]))
         self.quantize(groups, metas if self.verify else None, (self.key, "regions", pos))
@@ -95,10 +137,11 @@ class StepLoop:
         b = self.b
         self.touched.update(b.local_writes)
         self.land(b.local, b.local_meta, (self.key, "local"))
-        if b.local_stage:
-            ops.copy_views(b.local_stage, self.backend, key=(self.key, "local-stage"))
-        if b.local_q:
-            self.quantize(b.local_q, b.local_q_meta if self.verify else None, (self.key, "local-quant"))
+        bq = b.quant
+        if bq.local_stage:
+            ops.copy_views(bq.local_stage, self.backend, key=(self.key, "local-stage"))
+        if bq.local:
+            self.quantize(bq.local, bq.local_meta if self.verify else None, (self.key, "local-quant"))
         self.regions(-1)
         self.timing.local = clock() - t
 
@@ -107,8 +150,8 @@ class StepLoop:
         b = self.b
         t0 = clock()
         ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
-        if b.qpacks[pos]:  # source-quantized chunks: quantized straight into the send buffer
-            self.quantize(b.qpacks[pos], None, (self.key, "pack-quant", i))
+        if b.quant.packs[pos]:  # source-quantized chunks: quantized straight into the send buffer
+            self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
         self.timing.pack += clock() - t0
         return self.post(pos, *b.wire[pos])
 
@@ -131,8 +174,8 @@ class StepLoop:
         self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
         t2 = clock()
         self.land(b.unpacks[pos], b.unpack_meta[pos] if self.verify else None, (self.key, "unpack", i))
-        if b.stage_unpacks[pos]:
-            ops.copy_views(b.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
+        if b.quant.stage_unpacks[pos]:
+            ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2
@@ -144,6 +187,7 @@ class StepLoop:
         phases, slots = self.work.phases, self.work.slots
         pending: Pending | None = None
         with torch.no_grad():
+            self.global_scales()
             for pos in range(len(self.work.steps)):
                 if pending is not None and (slots == 1 or phases[pending.pos] != phases[pos]):
                     # one slot: the previous step's buffers are reused; a new phase: relays read what the

@@ -14,20 +14,25 @@ Two storages behind one query interface (``table``, ``fragments_on_rank``, ``ten
 - ``columnar``: :class:`ColumnarLayout`, the same layout as numpy columns (``columns``) for thousand-rank
   worlds, built per family of tensors by :class:`ColumnBuilder` (``builder``);
 - ``check``: the validation of both (eager, and the same checks vectorized);
-- ``block_quant``: :func:`block_quant_layout`, the block-FP8 form of a layout.
+- ``block_quant``: :func:`block_quant_layout`, the block-quantized form of a layout (block FP8, MXFP8, NVFP4).
 """
 
 from ..box import box_slices, boxes_overlap, find_overlap
 from ..fragment_table import FragmentTable, content_fingerprint
 from ..specs import (
+    FP8_BLOCK,
     FRAG_KEY,
     MAX_TENSOR_BYTES,
+    MXFP8,
+    NVFP4,
     QUANT_DTYPE,
+    QUANT_FORMATS,
     SCALE_DTYPE,
     BlockQuant,
     Fragment,
     LocalSpec,
     Placement,
+    QuantFormat,
     Replicate,
     Shard,
     TensorSpec,
@@ -42,6 +47,7 @@ from ..specs import (
     itemsize_of,
     misaligned_block,
     nested_box,
+    quant_format,
     scale_shape,
     slot_setters,
     trusted_fragment,
@@ -55,7 +61,8 @@ from .columns import LogicalTensors, numel_of, trusted_spec
 from .objects import Layout
 
 __all__ = [
-    "FRAG_KEY", "MAX_TENSOR_BYTES", "QUANT_DTYPE", "SCALE_DTYPE", "BlockQuant", "ColumnBuilder", "ColumnarLayout",
+    "FP8_BLOCK", "FRAG_KEY", "MAX_TENSOR_BYTES", "MXFP8", "NVFP4", "QUANT_DTYPE", "QUANT_FORMATS", "QuantFormat",
+    "SCALE_DTYPE", "quant_format", "BlockQuant", "ColumnBuilder", "ColumnarLayout",
     "Fragment", "FragmentTable", "Layout", "LocalSpec", "LogicalTensors", "Placement", "Replicate", "Shard",
     "TensorSpec", "as_shape", "block_quant_layout", "block_scale_box", "box_slices", "boxes_overlap",
     "check_bytes", "check_fragment", "check_layout", "check_names", "chunk_range", "columnar",

@@ -1,22 +1,26 @@
-"""Block-quantized layouts: :func:`block_quant_layout` turns chosen tensors of a layout into FP8 tensors with
-a per-block scale tensor beside each (the DeepSeek-V3 / vLLM block-FP8 format)."""
+"""Block-quantized layouts: :func:`block_quant_layout` turns chosen tensors of a layout into quantized tensors
+with a per-block scale tensor beside each, in one :class:`~triton_reshard.specs.QuantFormat` (the DeepSeek-V3 /
+vLLM block-FP8 format, MXFP8, NVFP4)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import torch
+
 from ..specs import (
-    QUANT_DTYPE,
-    SCALE_DTYPE,
+    FP8_BLOCK,
     BlockQuant,
     Fragment,
     LocalSpec,
+    QuantFormat,
     TensorSpec,
     block_scale_box,
     dtype_name,
     gc_paused,
     misaligned_block,
+    quant_format,
     scale_shape,
 )
 from .objects import Layout
@@ -25,9 +29,10 @@ from .objects import Layout
 def block_quant_layout(
     layout: Layout,
     names: Iterable[str] | Callable[[TensorSpec], bool],
-    block: Sequence[int] = (128, 128),
+    block: Sequence[int] | None = (128, 128),
     ue8m0: bool = False,
-    scale_suffix: str = "_scale_inv",
+    scale_suffix: str | None = None,
+    format: QuantFormat | str = FP8_BLOCK,
 ) -> Layout:
     """``layout`` with some tensors block-quantized (block FP8): what an engine that loads an FP8 checkpoint
     (``quantization_config`` ``fp8`` with ``weight_block_size``, vLLM / DeepSeek-V3) holds.
@@ -40,6 +45,18 @@ def block_quant_layout(
     128), ceil(cols / 128)]``; extra leading local dims, like stacked experts, unchanged). The local tensors
     holding them become ``float8_e4m3fn``.
 
+    ``format``: the :class:`~triton_reshard.specs.QuantFormat` (or its name). Block FP8 takes ``block`` and
+    ``ue8m0``; MXFP8 blocks 1x32 along the last dim with one E8M0 byte per block (uint8 scales, vLLM's
+    ``weight_scale``; ``block`` is ignored). NVFP4 (ModelOpt, as vLLM and SGLang load it): each tensor becomes
+    packed E2M1 pairs, uint8 ``[..., K/2]`` (its fragments and local tensors in stored elements: the last dim
+    halved), float8_e4m3fn scales ``name + "_scale"`` ``[..., K/16]`` and a float32 global scale ``name +
+    "_scale_2"`` of shape ``(1,)``, held by every rank holding the weight in local tensor ``local + "_scale_2"``:
+    ``[n]`` for a local tensor fusing ``n`` tensors (vLLM's ``qkv_proj.weight_scale_2`` ``[3]``, in the order the
+    parts sit in the local tensor), extra leading dims kept (``w13_weight_scale_2`` ``[E, 2]``, ``w2_weight_scale_2``
+    ``[E]``). Tensors fused in one local tensor share one global scale (``BlockQuant.global_group``: ModelOpt's
+    rule, which vLLM's loader expects: it takes their max and requires w1 = w3). ``scale_suffix`` defaults to ``"_scale_inv"`` for block FP8 and
+    ``"_scale"`` for the other formats (the engines' names).
+
     Raises ``ValueError`` naming the tensor and rank when a fragment is not block-aligned (it would split a
     block between ranks, or put it at an unaligned local offset: vLLM refuses such shards too), when a local
     tensor would mix quantized and plain tensors, or a scale name is already taken; ``KeyError`` for an
@@ -48,25 +65,32 @@ def block_quant_layout(
     if not isinstance(layout, Layout):
         raise TypeError(f"block_quant_layout: expected a Layout, got {type(layout).__name__}")
     chosen = _chosen(layout, names)
+    fmt = quant_format(format)
+    if fmt.pack != 1 or fmt.global_scale:
+        return _packed_layout(layout, chosen, fmt, scale_suffix or "_scale")
+    if scale_suffix is None:
+        scale_suffix = "_scale_inv" if fmt is FP8_BLOCK else "_scale"
+    if fmt.block is not None:
+        block = (fmt.block,)
     if not isinstance(scale_suffix, str) or not scale_suffix:
         raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
-    specs = _quantized_specs(layout, chosen, tuple(block), scale_suffix, ue8m0)
+    specs = _quantized_specs(layout, chosen, tuple(block), scale_suffix, ue8m0, fmt)
     frags, qlocals = _with_scale_fragments(layout, specs, chosen, scale_suffix)
     locs = {(s.rank, s.name): s for s in layout.locals}
     for t in list(specs.values()):
         if t.quant is not None:
             if t.quant.scale in specs:
                 raise ValueError(f"block_quant_layout: the scale tensor name {t.quant.scale!r} of {t.name!r} is taken")
-            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, SCALE_DTYPE)
+            specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, fmt.scale_dtype)
     for (rank, local), blk in qlocals.items():
         ls = locs[(rank, local)]
         sname = local + scale_suffix
         if (rank, sname) in locs:
             raise ValueError(f"block_quant_layout: local tensor {sname!r} on rank {rank} already exists")
         extra = len(ls.shape) - len(blk)
-        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, QUANT_DTYPE)
+        locs[(rank, local)] = LocalSpec(rank, local, ls.shape, fmt.value_dtype)
         locs[(rank, sname)] = LocalSpec(rank, sname, ls.shape[:extra] + scale_shape(ls.shape[extra:], blk),
-                                        SCALE_DTYPE)
+                                        fmt.scale_dtype)
     with gc_paused():
         return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
 
@@ -87,8 +111,8 @@ def _chosen(layout: Layout, names: Iterable[str] | Callable[[TensorSpec], bool])
 
 
 def _quantized_specs(layout: Layout, chosen: set[str], block: tuple[int, ...], scale_suffix: str,
-                     ue8m0: bool) -> dict[str, TensorSpec]:
-    """The layout's tensor specs by name, the chosen ones FP8 with their :class:`BlockQuant`."""
+                     ue8m0: bool, fmt: QuantFormat) -> dict[str, TensorSpec]:
+    """The layout's tensor specs by name, the chosen ones quantized with their :class:`BlockQuant`."""
     specs: dict[str, TensorSpec] = {}
     for t in layout.tensors:
         if t.name not in chosen:
@@ -98,7 +122,10 @@ def _quantized_specs(layout: Layout, chosen: set[str], block: tuple[int, ...], s
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
         if not t.dtype.is_floating_point:
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
-        q = TensorSpec(t.name, t.shape, QUANT_DTYPE, BlockQuant(block, t.name + scale_suffix, ue8m0))
+        if fmt.block is not None and t.shape and t.shape[-1] % fmt.block:
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} {t.shape}: {fmt.name} needs a last dim of whole "
+                             f"blocks of {fmt.block} (vLLM refuses it too)")
+        q = TensorSpec(t.name, t.shape, fmt.value_dtype, BlockQuant(block, t.name + scale_suffix, ue8m0, fmt))
         specs[t.name] = q
     return specs
 
@@ -134,3 +161,114 @@ def _with_scale_fragments(layout: Layout, specs: Mapping[str, TensorSpec], chose
         off, sizes, lo = block_scale_box(f, spec.quant.block)
         frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
     return frags, qlocals
+
+
+def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suffix: str) -> Layout:
+    """:func:`block_quant_layout` for a packed format with a global scale (NVFP4)."""
+    gsuffix = scale_suffix + "_2"
+    lb = fmt.block  # logical block along the last dim
+    sb = lb // fmt.pack  # stored block
+    holds: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for f in layout.fragments:
+        holds[(f.rank, f.local)].add(f.tensor)
+    locs = {(s.rank, s.name): s for s in layout.locals}
+    # parts: per (rank, local, leading index), the chosen tensors in the order they sit in the local tensor
+    parts: dict[tuple[int, str, tuple], dict[str, int]] = defaultdict(dict)
+    frags_of: dict[str, list] = defaultdict(list)
+    for f in layout.fragments:
+        if f.tensor not in chosen:
+            continue
+        spec = layout.specs[f.tensor]
+        plain = sorted(holds[(f.rank, f.local)] - chosen)
+        if plain:
+            raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds quantized tensor "
+                             f"{f.tensor!r} and plain tensor {plain[0]!r}: one local tensor has one dtype")
+        if not spec.dtype.is_floating_point:
+            raise ValueError(f"block_quant_layout: tensor {f.tensor!r} is {dtype_name(spec.dtype)}, not floating point")
+        if not spec.shape or spec.shape[-1] % lb:
+            raise ValueError(f"block_quant_layout: tensor {f.tensor!r} {spec.shape}: {fmt.name} needs a last dim of "
+                             f"whole blocks of {lb} (vLLM refuses it too)")
+        if f.numel and (f.offsets[-1] % lb or f.sizes[-1] % lb or f.local_offsets[-1] % lb):
+            raise ValueError(f"block_quant_layout: fragment of tensor {f.tensor!r} on rank {f.rank} (box {f.offsets}+"
+                             f"{f.sizes}, local offsets {f.local_offsets}) is not block-aligned for {fmt.name} blocks "
+                             f"of {lb} along the last dim (a block would be split between ranks)")
+        extra = len(f.local_offsets) - len(f.offsets)
+        lead = f.local_offsets[:extra]
+        parts[(f.rank, f.local, lead)].setdefault(f.tensor, f.local_offsets[extra] if f.offsets else 0)
+        frags_of[f.tensor].append(f)
+    # groups: tensors fused in one local tensor share a global scale (union over every rank's locals)
+    root = {n: n for n in chosen}
+
+    def find(n):
+        while root[n] != n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+
+    for members in parts.values():
+        names = sorted(members)
+        for n in names[1:]:
+            a, b = find(names[0]), find(n)
+            if a != b:
+                root[max(a, b)] = min(a, b)
+    n_parts: dict[tuple[int, str], int] = defaultdict(lambda: 1)
+    for (r, lname, _lead), m in parts.items():
+        n_parts[(r, lname)] = max(n_parts[(r, lname)], len(m))
+    specs: dict[str, TensorSpec] = {}
+    for t in layout.tensors:
+        if t.name not in chosen:
+            specs[t.name] = t
+            continue
+        if t.quant is not None:
+            raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
+        stored = t.shape[:-1] + (t.shape[-1] // fmt.pack,)
+        q = BlockQuant((sb,), t.name + scale_suffix, False, fmt, t.name + gsuffix, find(t.name))
+        specs[t.name] = TensorSpec(t.name, stored, fmt.value_dtype, q)
+    for name in sorted(chosen):
+        t = specs[name]
+        for extra_name in (t.quant.scale, t.quant.global_scale):
+            if extra_name in specs:
+                raise ValueError(f"block_quant_layout: the scale tensor name {extra_name!r} of {name!r} is taken")
+        specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, fmt.scale_dtype)
+        specs[t.quant.global_scale] = TensorSpec(t.quant.global_scale, (1,), torch.float32)
+    frags = [f for f in layout.fragments if f.tensor not in chosen]
+    seen_g: set = set()
+    for name in sorted(frags_of):
+        spec = specs[name]
+        for f in frags_of[name]:
+            sf = Fragment(name, f.rank, _half(f.offsets, fmt.pack), _half(f.sizes, fmt.pack), f.local,
+                          _half(f.local_offsets, fmt.pack))
+            frags.append(sf)
+            off, sizes, lo = block_scale_box(sf, spec.quant.block)
+            frags.append(Fragment(spec.quant.scale, f.rank, off, sizes, f.local + scale_suffix, lo))
+            extra = len(f.local_offsets) - len(f.offsets)
+            lead = f.local_offsets[:extra]
+            members = parts[(f.rank, f.local, lead)]
+            gkey = (f.rank, f.local, lead, name)
+            if gkey in seen_g:
+                continue
+            seen_g.add(gkey)
+            order = sorted(members, key=lambda n, m=members: (m[n], n))
+            glo = lead + ((order.index(name),) if n_parts[(f.rank, f.local)] > 1 or not lead else ())
+            frags.append(Fragment(spec.quant.global_scale, f.rank, (0,), (1,), f.local + gsuffix, glo))
+    for (rank, local), names in holds.items():
+        if not names & chosen:
+            continue
+        ls = locs[(rank, local)]
+        extra = len(ls.shape) - len(layout.specs[next(iter(names))].shape)
+        locs[(rank, local)] = LocalSpec(rank, local, _half(ls.shape, fmt.pack), fmt.value_dtype)
+        for nm in (local + scale_suffix, local + gsuffix):
+            if (rank, nm) in locs:
+                raise ValueError(f"block_quant_layout: local tensor {nm!r} on rank {rank} already exists")
+        locs[(rank, local + scale_suffix)] = LocalSpec(
+            rank, local + scale_suffix, ls.shape[:-1] + (ls.shape[-1] // lb,), fmt.scale_dtype)
+        n = n_parts[(rank, local)]
+        lead_shape = ls.shape[:extra]
+        gshape = lead_shape + (n,) if (n > 1 or not lead_shape) else lead_shape
+        locs[(rank, local + gsuffix)] = LocalSpec(rank, local + gsuffix, gshape, torch.float32)
+    with gc_paused():
+        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
+
+
+def _half(box: tuple[int, ...], pack: int) -> tuple[int, ...]:
+    return box[:-1] + (box[-1] // pack,) if box else box

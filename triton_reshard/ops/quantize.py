@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..specs import FP8_BLOCK, QuantFormat, quant_format
 from . import BACKENDS, resolve_backend
 from .launcher import cached_table, interpreting, kernel_module, storage_view
 
@@ -140,6 +141,142 @@ def quantize_blocks(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False
     return q, sf.reshape(sshape)
 
 
+def quantize_blocks_ref(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
+                        global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8's reference in the :class:`~triton_reshard.specs.QuantFormat` signature (:func:`quantize_blocks`)."""
+    return quantize_blocks(x, block, ue8m0)
+
+
+E8M0_NAN = 0xFF  # the E8M0 scale byte of a block holding a NaN (the OCP MX encoding of NaN)
+FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_mxfp8(x: torch.Tensor, block: Sequence[int] = (32,), ue8m0: bool = False,
+                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (OCP MX, E4M3 values, one E8M0 byte per 32 elements along the last dim): ``(q, scale)``, ``q``
+    float8_e4m3fn of ``x.shape``, ``scale`` uint8 ``[..., K // 32]``; the dequantized value is ``q * 2^(scale -
+    127)``. vLLM 0.33's ``_mxfp8_e4m3_quantize_torch`` (``mxfp8_utils.py``) bit for bit on finite inputs:
+
+    - ``amax = max |x|`` in float32, clamped to the smallest normal float32 (an all-zero block gets scale byte
+      0, i.e. 2^-127, and zeros);
+    - ``scale = clamp(ceil(log2(amax / 448)) + 127, 0, 254)`` (torch's float32 ``log2``; ``amax / 448`` an IEEE
+      division); ``q = fp8(x / 2^(scale - 127))`` (exact scaling by a power of two, then torch's cast:
+      round to nearest even);
+    - non-finite: a block with ±inf gets scale 254 (as vLLM: its infinities saturate to ±448, its finite values
+      flush towards 0); a block with a NaN gets scale byte 0xFF (E8M0's NaN; vLLM casts a NaN float to uint8
+      there, which C leaves undefined: 0 on x86) and every value NaN (0x7F, as vLLM).
+
+    ``block`` must be ``(..., 1, 32)`` (what :class:`~triton_reshard.specs.BlockQuant` stores for MXFP8); the last
+    dim a multiple of 32 (vLLM asserts it)."""
+    _check_source(x, "x")
+    blk = normalize_block(block, x.dim())
+    if blk[-1] != 32 or any(b != 1 for b in blk[:-1]):
+        raise ValueError(f"MXFP8 blocks 1x32 along the last dim, got block {blk}")
+    if x.shape[-1] % 32:
+        raise ValueError(f"MXFP8: the last dim ({x.shape[-1]}) must be a multiple of 32")
+    nb = x.shape[-1] // 32
+    xb = x.float().reshape(*x.shape[:-1], nb, 32)
+    amax = xb.abs().amax(dim=-1).clamp(min=FP32_TINY)
+    sb = torch.ceil(torch.log2(amax / torch.full((), FP8_MAX, dtype=torch.float32, device=x.device))) + 127.0
+    sb = sb.clamp(0, 254)
+    nan = torch.isnan(sb)
+    scale = sb.nan_to_num(0.0).to(torch.uint8).masked_fill(nan, E8M0_NAN)
+    q = (xb / torch.exp2(sb - 127.0).unsqueeze(-1)).to(FP8_DTYPE)
+    if bool(nan.any()):  # every value of a NaN block is the positive NaN 0x7F (whatever sign its NaNs carry)
+        q = q.view(torch.uint8).masked_fill(nan.unsqueeze(-1), 0x7F).view(FP8_DTYPE)
+    return q.reshape(x.shape), scale
+
+
+E2M1_MAX = 6.0
+NVFP4_GLOBAL_NUM = E2M1_MAX * FP8_MAX  # 2688: global scale = 2688 / amax (ModelOpt, vLLM)
+NVFP4_AMAX_FLOOR = 1e-8  # vLLM's online NVFP4 path clamps the tensor amax here
+# E2M1 magnitudes by code (0..7); bit 3 of a nibble is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(global_scale, weight_scale_2)`` float32 of a tensor (group) amax: ``gs = 2688 / max(amax, 1e-8)`` (the
+    very torch expression vLLM uses: a Python float over a tensor, which torch computes as ``reciprocal * 2688``,
+    one ulp off an IEEE division at times), the
+    quantization multiplier ``ref_nvfp4_quant`` takes, and ``weight_scale_2 = 1 / gs``, the per-tensor decode
+    multiplier a ModelOpt checkpoint stores (vLLM 0.33's ``online/nvfp4.py`` computes both so)."""
+    a = amax.float().clamp_min(NVFP4_AMAX_FLOOR)
+    gs = NVFP4_GLOBAL_NUM / a  # torch: a.reciprocal() * 2688 (a float / tensor), as vLLM writes it
+    return gs, (1.0 / gs).to(torch.float32)
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``get_reciprocal``: ``1 / (x + (x == 0) * 1e8)``."""
+    return 1.0 / (x + (x == 0) * 1e8)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (sign in bit 3, kept for -0.0) of float values that are E2M1 values (``cast_to_fp4``'s
+    output)."""
+    mag = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for k, m in enumerate(E2M1_VALUES[1:], 1):
+        code = torch.where(mag == m, k, code).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def quantize_nvfp4(x: torch.Tensor, block: Sequence[int] = (16,), ue8m0: bool = False,
+                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 (ModelOpt, as vLLM loads it): ``(packed, scale)``: ``packed`` uint8 ``[..., K/2]``, two E2M1 codes a
+    byte (element ``2i`` in the low nibble, ``2i+1`` in the high one: vLLM's ``break_fp4_bytes``), ``scale``
+    float8_e4m3fn ``[..., K/16]``; ``global_scale``: the float32 quantization multiplier of the tensor (group)
+    (:func:`nvfp4_global_scale`). The values and scales are vLLM 0.33's ``ref_nvfp4_quant(x, global_scale, 16)``
+    (``nvfp4_emulation_utils.py``) bit for bit, the same torch ops in the same order:
+
+    - ``scale = e4m3(clamp(gs * (max|x| * fp32(1/6)), -448, 448))`` per block of 16 along the last dim;
+    - ``x * 1 / (scale * 1/gs)`` (``get_reciprocal``: a zero scale gives ``1e-8``), clamped to +-6, rounded to
+      E2M1 by ``cast_to_fp4``'s thresholds (ties to the even code);
+    - a negative value that rounds to zero keeps its sign bit (nibble 0x8: vLLM's float output is ``-0.0``
+      there); an input ``-0.0`` gives 0x0 (vLLM multiplies by ``torch.sign(-0.0)``, which is ``0``).
+      Non-finite inputs are refused before this (the global amax would be inf/NaN).
+    """
+    _check_source(x, "x")
+    blk = normalize_block(block, x.dim())
+    if blk[-1] != 16 or any(b != 1 for b in blk[:-1]):
+        raise ValueError(f"NVFP4 blocks 1x16 along the last dim, got block {blk}")
+    if x.shape[-1] % 16:
+        raise ValueError(f"NVFP4: the last dim ({x.shape[-1]}) must be a multiple of 16")
+    if global_scale is None:
+        raise ValueError("NVFP4 needs the tensor's global scale (nvfp4_global_scale of its amax)")
+    gs = global_scale.float().reshape(()).to(x.device)
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, x.shape[-1] // 16, 16)
+    vec_max = torch.max(torch.abs(xb), dim=-1, keepdim=True)[0].to(torch.float32)
+    scale = gs * (vec_max * (1 / E2M1_MAX))
+    scale = torch.clamp(scale, max=448, min=-448)
+    scale = scale.to(torch.float8_e4m3fn).to(torch.float32)
+    output_scale = _reciprocal(scale * _reciprocal(gs))
+    scaled = xb.to(torch.float32) * output_scale
+    v = torch.clamp(scaled, -6.0, 6.0)
+    sign = torch.sign(v)
+    a = torch.abs(v)
+    a = torch.where((a >= 0.0) & (a <= 0.25), 0.0, a)
+    a = torch.where((a > 0.25) & (a < 0.75), 0.5, a)
+    a = torch.where((a >= 0.75) & (a <= 1.25), 1.0, a)
+    a = torch.where((a > 1.25) & (a < 1.75), 1.5, a)
+    a = torch.where((a >= 1.75) & (a <= 2.5), 2.0, a)
+    a = torch.where((a > 2.5) & (a < 3.5), 3.0, a)
+    a = torch.where((a >= 3.5) & (a <= 5.0), 4.0, a)
+    a = torch.where(a > 5.0, 6.0, a)
+    codes = e2m1_codes(a * sign).reshape(*lead, x.shape[-1])
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), scale.to(torch.float8_e4m3fn).reshape(*lead, x.shape[-1] // 16)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """float32 values of NVFP4 data: ``e2m1 * (scale * weight_scale_2)`` (vLLM's ``dequantize_to_dtype``)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1).long()
+    v = lut[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
+    s = (scale.float() * weight_scale_2.float().reshape(())).repeat_interleave(16, dim=-1)
+    return v * s
+
+
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q.float() * scale`` with every scale broadcast over its block, cast to ``dtype``."""
@@ -158,33 +295,45 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int]
 # validation
 
 
-def validate_items(items: Sequence[Item], block: Sequence[int]) -> tuple[torch.device | None, list[tuple[int, ...]]]:
+def validate_items(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_BLOCK,
+                   ) -> tuple[torch.device | None, list[tuple[int, ...]]]:
     """Check every ``(src, q_out, s_out)`` item; return the common device and each item's normalized block.
 
     Raises TypeError / ValueError naming the item (by index) before anything is written.
     """
     device = None
     blocks = []
+    n_fields = 4 if fmt.global_scale else 3
     for i, item in enumerate(items):
-        if not isinstance(item, (tuple, list)) or len(item) != 3:
+        if not isinstance(item, (tuple, list)) or len(item) != n_fields:
+            if fmt.global_scale:
+                raise TypeError(f"item {i}: {fmt.name} takes (src, q_out, s_out, global_scale) tensors, got "
+                                f"{type(item).__name__} of {len(item) if isinstance(item, (tuple, list)) else '?'}")
             raise TypeError(f"item {i}: expected a (src, q_out, s_out) triple of tensors, got "
                             f"{type(item).__name__}")
-        src, q, s = item
+        src, q, s = item[:3]
+        if fmt.global_scale and (not isinstance(item[3], torch.Tensor) or item[3].numel() != 1
+                                 or item[3].dtype != torch.float32):
+            raise TypeError(f"item {i}: the global scale must be a one-element float32 tensor")
         for name, t in (("src", src), ("q_out", q), ("s_out", s)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"item {i}: {name} must be a tensor, got {type(t).__name__}")
         _check_source(src, f"item {i}: src")
-        if q.dtype not in Q_DTYPES:
-            raise TypeError(f"item {i}: q_out has dtype {q.dtype}; expected float8_e4m3fn or a uint8 view "
+        if q.dtype not in (fmt.value_dtype, torch.uint8):
+            raise TypeError(f"item {i}: q_out has dtype {q.dtype}; expected {fmt.value_dtype} or a uint8 view "
                             "of the same bytes")
-        if s.dtype != torch.float32:
-            raise TypeError(f"item {i}: s_out has dtype {s.dtype}; expected float32")
+        if s.dtype != fmt.scale_dtype:
+            raise TypeError(f"item {i}: s_out has dtype {s.dtype}; expected {fmt.scale_dtype} ({fmt.name} scales)")
         try:
             blk = normalize_block(block, src.dim())
         except (TypeError, ValueError) as e:
             raise type(e)(f"item {i}: {e}") from None
-        if q.shape != src.shape:
+        if fmt.pack == 1 and q.shape != src.shape:
             raise ValueError(f"item {i}: q_out shape {tuple(q.shape)} != src shape {tuple(src.shape)}")
+        want_q = tuple(src.shape[:-1]) + (src.shape[-1] // fmt.pack,)
+        if tuple(q.shape) != want_q:
+            raise ValueError(f"item {i}: q_out shape {tuple(q.shape)}; src {tuple(src.shape)} in {fmt.name} is "
+                             f"{want_q}")
         want = scale_shape(src.shape, blk)
         if tuple(s.shape) != want:
             raise ValueError(f"item {i}: s_out shape {tuple(s.shape)}; src {tuple(src.shape)} with block {blk} "
@@ -209,7 +358,7 @@ def validate_items(items: Sequence[Item], block: Sequence[int]) -> tuple[torch.d
 _THRESHOLDS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def ue8m0_thresholds(device: torch.device | str) -> torch.Tensor:
+def ue8m0_thresholds(device: torch.device | str, full: bool = False) -> torch.Tensor:
     """int32[256]: for each biased float32 exponent ``e``, the first mantissa that torch's
     :func:`ue8m0_pow2` on ``device`` rounds up to ``2^(e - 126)`` (below it: ``2^(e - 127)``).
 
@@ -219,11 +368,12 @@ def ue8m0_thresholds(device: torch.device | str) -> torch.Tensor:
     ends torch is taken to round up: checked over every float32 of the range on this machine's CPU
     (``tests/test_quant.py``, slow)."""
     dev = torch.device(device)
-    cache_key = (dev.type, dev.index)
+    cache_key = (dev.type, dev.index, full)
     cached = _THRESHOLDS.get(cache_key)
     if cached is not None:
         return cached
-    lo = int(np.float32(np.float32(AMAX_FLOOR) / np.float32(FP8_MAX)).view(np.int32)) >> 23
+    # ``full``: every normal exponent (MXFP8's ``ceil(log2(amax / 448))`` reaches them all)
+    lo = 1 if full else int(np.float32(np.float32(AMAX_FLOOR) / np.float32(FP8_MAX)).view(np.int32)) >> 23
     exps = torch.arange(lo, 255, dtype=torch.int64)
     mant = torch.cat([torch.arange(UE8M0_PROBE), torch.arange((1 << 23) - UE8M0_PROBE, 1 << 23)])
     bits = ((exps[:, None] << 23) | mant[None, :]).to(torch.int32)
@@ -287,6 +437,7 @@ class QuantGroup:
     contig: bool = False  # every item has column stride 1 on both sides
     src_align: int = 1  # every block start and row stride is a multiple of this (source elements)
     q_align: int = 1  # the same for q (bytes)
+    g_base: int | None = None  # item whose global-scale storage is the global-scale base pointer (NVFP4)
 
 
 @dataclass(slots=True)
@@ -304,8 +455,9 @@ def signature(items: Sequence[Item]) -> tuple:
 
 
 def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[int, ...],
-                src_off: int, q_off: int, s_off: int) -> np.ndarray:
-    """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases."""
+                src_off: int, q_off: int, s_off: int, pack: int = 1, g_off: int = 0) -> np.ndarray:
+    """Block rows (``kernels/quant.py`` layout) of one item, offsets relative to the group's bases (``pack``:
+    logical elements a q byte holds; ``g_off``: its global scale's offset)."""
     from ..kernels import quant as k
 
     sshape = tuple(s.shape)
@@ -315,10 +467,12 @@ def _block_rows(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blk: tuple[
     soff = np.full(n, src_off, dtype=np.int64)
     qoff = np.full(n, q_off, dtype=np.int64)
     aoff = np.full(n, s_off, dtype=np.int64)
+    qblk = blk[:-1] + (blk[-1] // pack,)
     for d in range(src.dim()):
         soff += idx[d] * (blk[d] * src.stride(d))
-        qoff += idx[d] * (blk[d] * q.stride(d))
+        qoff += idx[d] * (qblk[d] * q.stride(d))
         aoff += idx[d] * s.stride(d)
+    rows[:, int(k.F_G)] = g_off
     rows[:, int(k.F_SRC)], rows[:, int(k.F_Q)], rows[:, int(k.F_S)] = soff, qoff, aoff
     ncol = src.shape[-1]
     rows[:, int(k.F_COLS)] = np.minimum(blk[-1], ncol - idx[-1] * blk[-1])
@@ -335,15 +489,16 @@ def _base(tensors: list[torch.Tensor]) -> int:
     return min(range(len(tensors)), key=lambda j: tensors[j].untyped_storage().data_ptr())
 
 
-def prepare(items: Sequence[Item], block: Sequence[int]) -> QuantTable:
+def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_BLOCK) -> QuantTable:
     """Validate ``items`` and build the block table of every source-dtype group (on the device)."""
-    device, blocks = validate_items(items, block)
+    device, blocks = validate_items(items, block, fmt)
+    ssz = fmt.scale_bytes
     if device is None:
         raise ValueError("no items to quantize")
     _check_triton(device, blocks)
-    table = QuantTable(signature=(tuple(block), signature(items)), device=device, tile=tile_of(blocks[0]))
+    table = QuantTable(signature=(tuple(block), fmt.name, signature(items)), device=device, tile=tile_of(blocks[0]))
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (src, _q, _s) in enumerate(items):
+    for i, (src, _q, _s, *_g) in enumerate(items):
         if src.numel():
             by_dtype.setdefault(src.dtype, []).append(i)
     host, built = [], []
@@ -354,26 +509,30 @@ def prepare(items: Sequence[Item], block: Sequence[int]) -> QuantTable:
         sp0 = items[sb][0].untyped_storage().data_ptr()
         qp0 = items[qb][1].untyped_storage().data_ptr()
         ap0 = items[ab][2].untyped_storage().data_ptr()
+        gb = members[_base([items[i][3] for i in members])] if fmt.global_scale else None
+        gp0 = items[gb][3].untyped_storage().data_ptr() if fmt.global_scale else 0
         rows = []
         for i in members:
-            src, q, s = items[i]
+            src, q, s = items[i][:3]
+            gbytes = items[i][3].data_ptr() - gp0 if fmt.global_scale else 0
             sbytes, qbytes, abytes = src.data_ptr() - sp0, q.data_ptr() - qp0, s.data_ptr() - ap0
-            if sbytes % src.element_size() or abytes % 4:
+            if sbytes % src.element_size() or abytes % ssz or gbytes % 4:
                 table.fallback.append(i)  # not a whole number of elements from the base: torch does it
                 continue
-            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // 4))
+            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // ssz,
+                                    fmt.pack, gbytes // 4))
         if rows:
             t = np.concatenate(rows)
             host.append(t.reshape(-1))
-            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype)))
+            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype), gb))
     table.fallback.sort()
     if built:
         flat = torch.from_numpy(np.concatenate(host)).to(device)
         off = 0
-        for dtype, sb, qb, ab, shape, align in built:
+        for dtype, sb, qb, ab, shape, align, gb in built:
             t = flat[off:off + shape[0] * shape[1]].view(shape)
             off += t.numel()
-            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align))
+            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align, g_base=gb))
     return table
 
 
@@ -388,7 +547,7 @@ def _alignment(rows: np.ndarray, items: Sequence[Item], dtype: torch.dtype) -> t
     widths of at most 16 bytes that every block start and row stride allow."""
     from ..kernels import quant as k
 
-    if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, _ in items if src.numel()):
+    if not all(src.stride(-1) == 1 and q.stride(-1) == 1 for src, q, *_ in items if src.numel()):
         return False, 1, 1
     src_vals = np.concatenate([rows[:, int(k.F_SRC)], rows[:, int(k.F_SRS)]])
     q_vals = np.concatenate([rows[:, int(k.F_Q)], rows[:, int(k.F_QRS)]])
@@ -417,19 +576,27 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
-def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int]) -> None:
+KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # the formats quant_blocks_kernel takes (its FMT)
+
+
+def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int],
+           fmt: QuantFormat = FP8_BLOCK) -> None:
     """Run the blocks described by ``table`` (built from ``items`` or an identical list)."""
     if table.groups:
         kernel = get_kernel()
         bm, bn = table.tile
         rb, warps = launch_params(bm, bn)
-        thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
+        mx = KERNEL_FMT[fmt.name]
+        if mx == 1:
+            thr = ue8m0_thresholds(table.device, full=True)
+        else:
+            thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
             kernel[(g.num_blocks,)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
-                storage_view(items[g.s_base][2], torch.float32),
+                storage_view(items[g.s_base][2], torch.float32 if fmt.scale_bytes == 4 else torch.uint8),
                 g.table,
                 thr,
                 g.num_blocks,
@@ -441,17 +608,19 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 CONTIG=g.contig,
                 SRC_ALIGN=g.src_align,
                 Q_ALIGN=g.q_align,
+                FMT=mx,
+                g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
                 num_warps=warps,
             )
     if table.fallback:
-        _torch_items([items[i] for i in table.fallback], block, ue8m0)
+        _torch_items([items[i] for i in table.fallback], block, ue8m0, fmt)
 
 
-def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool) -> None:
-    for src, q, s in items:
+def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:
+    for src, q, s, *g in items:
         if src.numel() == 0:
             continue
-        qq, ss = quantize_blocks(src, block, ue8m0)
+        qq, ss = fmt.quantize(src, block, ue8m0, global_scale=g[0] if g else None)
         q.copy_(qq.view(torch.uint8) if q.dtype == torch.uint8 else qq)
         s.copy_(ss)
 
@@ -460,7 +629,8 @@ _CACHE: OrderedDict[Hashable, QuantTable] = OrderedDict()
 
 
 def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = False,
-                   backend: str | None = "torch", key: Hashable | None = None) -> None:
+                   backend: str | None = "torch", key: Hashable | None = None,
+                   fmt: QuantFormat | str = FP8_BLOCK) -> None:
     """Quantize every ``(src, q_out, s_out)`` item per block into its caller-owned outputs.
 
     ``src``: bf16 / fp16 / fp32 view, any strides and storage offset; ``q_out``: float8_e4m3fn view or a
@@ -474,9 +644,16 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
     blocks of all items; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``None`` (as
     :func:`triton_reshard.ops.resolve_backend`). ``key``: as in ``triton_copy_views``, a hashable naming a
     list that recurs; its block table is cached and rebuilt when any pointer, shape or stride changed.
+
+    ``fmt``: the :class:`~triton_reshard.specs.QuantFormat` (or its name) picks the quantizer: block FP8 (above),
+    MXFP8 (``q_out`` float8_e4m3fn, ``s_out`` uint8 E8M0 of ``[..., K // 32]``; ``block`` ``(..., 1, 32)``),
+    NVFP4 (items ``(src, q_out, s_out, global_scale)``: ``q_out`` uint8 ``[..., K/2]`` packed pairs, ``s_out``
+    float8_e4m3fn ``[..., K/16]``, ``global_scale`` the float32 one-element multiplier of the item's tensor;
+    ``block`` ``(..., 1, 16)`` in logical elements).
     """
     if not items:
         return
+    fmt = quant_format(fmt)
     if backend is None:
         first = items[0][0] if isinstance(items[0], (tuple, list)) and items[0] else None
         backend = resolve_backend(first.device if isinstance(first, torch.Tensor) else None)
@@ -484,15 +661,21 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
         raise ValueError(f"unknown quantize backend {backend!r}; expected one of {BACKENDS}")
     with torch.no_grad():
         if backend == "torch":
-            validate_items(items, block)
-            _torch_items(items, block, ue8m0)
+            validate_items(items, block, fmt)
+            _torch_items(items, block, ue8m0, fmt)
             return
+        if fmt.name not in KERNEL_FMT:
+            return _other_kernels(items, block, fmt, key)
         if key is None:
-            launch(prepare(items, block), items, ue8m0, block)
+            launch(prepare(items, block, fmt), items, ue8m0, block, fmt)
             return
-        table = cached_table(_CACHE, key, lambda: (tuple(block), signature(items)), lambda: prepare(items, block),
-                             CACHE_SIZE)
-        launch(table, items, ue8m0, block)
+        table = cached_table(_CACHE, key, lambda: (tuple(block), fmt.name, signature(items)),
+                             lambda: prepare(items, block, fmt), CACHE_SIZE)
+        launch(table, items, ue8m0, block, fmt)
+
+
+def _other_kernels(items, block, fmt: QuantFormat, key) -> None:
+    raise NotImplementedError(f"no Triton quantizer for format {fmt.name!r} yet; use backend='torch'")
 
 
 def clear_cache() -> None:

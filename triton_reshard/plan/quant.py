@@ -40,7 +40,7 @@ from ..box import (
     union_numel,
 )
 from ..layout import (
-    QUANT_DTYPE,
+    QUANT_FORMATS,
     Fragment,
     Layout,
     LocalSpec,
@@ -53,7 +53,7 @@ from .types import PlanLike, Transfer
 
 QUANT_SRC = "src"  # the sender quantizes (fp8 + scales on the wire)
 QUANT_DST = "dst"  # the receiver stages the source dtype and quantizes whole regions
-SCALE_BYTES = 4  # one float32 scale per block
+SCALE_BYTES = 4  # one float32 scale per block (block FP8; other formats: ``QuantFormat.scale_bytes``)
 
 
 
@@ -66,12 +66,56 @@ def scale_sizes(sizes: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     return tuple(-(-s // b) for s, b in zip(sizes, block, strict=True))
 
 
+@dataclass(frozen=True, slots=True)
+class LogicalQuant:
+    """A :class:`~triton_reshard.layout.BlockQuant` in logical (unpacked) elements: ``block`` is the logical block
+    (NVFP4: 16 along the last dim where the layout stores 8 bytes)."""
+
+    block: tuple[int, ...]
+    scale: str
+    ue8m0: bool
+    format: object
+    global_scale: str
+    global_group: str
+
+
+@dataclass(frozen=True, slots=True)
+class QTarget:
+    """A destination tensor the plan quantizes, as routing and the block grid see it: its logical shape (the
+    source's), its logical block, and its format (``quant``). For an unpacked format these are the layout's."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    quant: LogicalQuant
+
+    @property
+    def pack(self) -> int:
+        return self.quant.format.pack
+
+
+def logical_target(spec: TensorSpec) -> QTarget:
+    q = spec.quant
+    p = q.format.pack
+    shape = spec.shape if p == 1 else spec.shape[:-1] + (spec.shape[-1] * p,)
+    return QTarget(spec.name, shape, spec.dtype,
+                   LogicalQuant(q.logical_block, q.scale, q.ue8m0, q.format, q.global_scale, q.global_group))
+
+
+def unpack_fragment(f: Fragment, pack: int) -> Fragment:
+    """A stored fragment of a packed tensor in logical elements (its last dims times ``pack``)."""
+    if pack == 1:
+        return f
+    m = lambda b: b[:-1] + (b[-1] * pack,) if b else b  # noqa: E731
+    return Fragment(f.tensor, f.rank, m(f.offsets), m(f.sizes), f.local, m(f.local_offsets))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Which tensors, and the layout routing sees
 # --------------------------------------------------------------------------------------------------------
 
 
-def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
+def quant_targets(src: Layout, dst: Layout) -> dict[str, QTarget]:
     """Destination tensors this plan quantizes: block-quantized in ``dst``, plain floating point in ``src``.
 
     A tensor the source holds quantized the same way (block, scale name, ue8m0) is copied as it is (its scale
@@ -89,17 +133,20 @@ def quant_targets(src: Layout, dst: Layout) -> dict[str, TensorSpec]:
         if not s.dtype.is_floating_point or s.dtype.itemsize < 2:
             raise ValueError(f"tensor {name!r}: a block-quantized destination needs a float16/bfloat16/float32 "
                              f"source, got {dtype_name(s.dtype)}")
-        if s.shape != spec.shape:
-            raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {spec.shape}")
-        out[name] = spec
+        tg = logical_target(spec)
+        if s.shape != tg.shape:
+            raise ValueError(f"tensor {name!r}: source global shape {s.shape} != destination global shape {tg.shape}"
+                             + (f" ({spec.shape} stored, {tg.pack} values a byte)" if tg.pack > 1 else ""))
+        out[name] = tg
     return out
 
 
 def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> Layout:
     """``dst`` as routing sees it: every target tensor a plain tensor in its source dtype (its local tensors
     too), the scale tensors of the targets (and the local tensors holding them) left out."""
-    scales = {targets[n].quant.scale for n in targets}
-    specs = [TensorSpec(t.name, t.shape, src.specs[t.name].dtype) if t.name in targets else t
+    scales = {targets[n].quant.scale for n in targets} | {targets[n].quant.global_scale for n in targets
+                                                            if targets[n].quant.global_scale}
+    specs = [TensorSpec(t.name, targets[t.name].shape, src.specs[t.name].dtype) if t.name in targets else t
              for t in dst.tensors if t.name not in scales]
     holds: dict[tuple[int, str], set[str]] = defaultdict(set)
     for f in dst.fragments:
@@ -116,12 +163,15 @@ def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> La
         q = names & targets.keys()
         if q:
             dtypes = {src.specs[n].dtype for n in q}
-            if names - q or len(dtypes) > 1:
+            packs = {targets[n].pack for n in q}
+            if names - q or len(dtypes) > 1 or len(packs) > 1:
                 raise ValueError(f"local tensor {s.name!r} on rank {s.rank} holds quantized tensor {sorted(q)[0]!r} "
                                  f"with tensors of other source dtypes or quantization")
-            s = LocalSpec(s.rank, s.name, s.shape, dtypes.pop())
+            p = packs.pop()
+            s = LocalSpec(s.rank, s.name, s.shape if p == 1 else s.shape[:-1] + (s.shape[-1] * p,), dtypes.pop())
         locs.append(s)
-    frags = tuple(f for f in dst.fragments if f.tensor not in scales)
+    frags = tuple(unpack_fragment(f, targets[f.tensor].pack) if f.tensor in targets else f
+                  for f in dst.fragments if f.tensor not in scales)
     with gc_paused():
         return Layout(tuple(specs), frags, tuple(locs))
 
@@ -157,9 +207,11 @@ def _expand(off, size, block, shape) -> Box:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _dst_fragment(dst: Layout, t: Transfer) -> Fragment:
-    """The destination fragment transfer ``t`` writes into (the one whose box and local place contain it)."""
+def _dst_fragment(dst: Layout, t: Transfer, pack: int = 1) -> Fragment:
+    """The destination fragment transfer ``t`` writes into (the one whose box and local place contain it), in
+    logical elements."""
     for f in dst.fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()):
+        f = unpack_fragment(f, pack)
         if f.local_box(t.offsets, t.sizes)[0] == t.dst_offsets and all(
                 fo <= o and o + n <= fo + fn for o, n, fo, fn in zip(t.offsets, t.sizes, f.offsets, f.sizes, strict=True)):
             return f
@@ -188,7 +240,8 @@ def _scale_place(df: Fragment, sf: Fragment, off, block) -> tuple[int, ...]:
         lo + (o - fo) // b for lo, o, fo, b in zip(sf.local_offsets[extra:], off, df.offsets, block, strict=True))
 
 
-def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_local: str, scale_offsets) -> Transfer:
+def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_local: str, scale_offsets,
+         fmt: str) -> Transfer:
     """Sub-box ``off``+``size`` (logical) of ``t`` as a quantized transfer."""
     def shift(start):
         extra = len(start) - len(off)
@@ -196,7 +249,7 @@ def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_loca
 
     return Transfer(t.tensor, tuple(off), tuple(size), t.src_rank, t.src_local, shift(t.src_offsets), t.dst_rank,
                     t.dst_local, shift(t.dst_offsets), wire, t.relay, mode, tuple(block), scale_local,
-                    tuple(scale_offsets))
+                    tuple(scale_offsets), fmt)
 
 
 def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec], local: Sequence[Transfer],
@@ -208,7 +261,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
         return list(local), list(wire)
     scales = _ScaleIndex(dst, targets)
     out = ([], [])
-    pending: dict[int, tuple[Fragment, list]] = {}  # id(dst fragment) -> (fragment, [(kind, t, box)])
+    pending: dict[tuple, tuple[Fragment, list]] = {}  # dst fragment key -> (fragment, [(kind, t, box)])
     for kind, ts in enumerate((local, wire)):
         for t in ts:
             spec = targets.get(t.tensor)
@@ -222,15 +275,16 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
             if not t.numel:
                 continue
             block, shape = spec.quant.block, spec.shape
-            df = _dst_fragment(dst, t)
+            df = _dst_fragment(dst, t, spec.pack)
             sf = scales.of(df, block)
             inner = _inner(t.offsets, t.sizes, block, shape)
+            fmt = spec.quant.format
             if inner is not None:
-                out[kind].append(_sub(t, inner[0], inner[1], QUANT_DTYPE, QUANT_SRC, block, sf.local,
-                                      _scale_place(df, sf, inner[0], block)))
+                out[kind].append(_sub(t, inner[0], inner[1], fmt.value_dtype, QUANT_SRC, block, sf.local,
+                                      _scale_place(df, sf, inner[0], block), fmt.name))
             rest = subtract_box(t.offsets, t.sizes, inner)
             if rest:
-                entry = pending.setdefault(id(df), (df, []))
+                entry = pending.setdefault((df.rank, df.tensor, df.local, df.offsets, df.local_offsets), (df, []))
                 entry[1].extend((kind, t, r) for r in rest)
     for df, parts in pending.values():
         spec = targets[df.tensor]
@@ -242,7 +296,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
                 hit = intersect_boxes(box, reg)
                 if hit is not None:
                     out[kind].append(_sub(t, hit[0], hit[1], t.wire_dtype, QUANT_DST, block, sf.local,
-                                          _scale_place(df, sf, reg[0], block)))
+                                          _scale_place(df, sf, reg[0], block), spec.quant.format.name))
     order = (lambda t: (t.dst_rank, t.tensor, t.offsets, t.dst_local),
              lambda t: (t.src_rank, t.dst_rank, t.tensor, t.offsets))
     return sorted(out[0], key=order[0]), sorted(out[1], key=order[1])
@@ -258,7 +312,7 @@ class QuantRegion:
     """A block-aligned box of quantized tensor ``tensor`` that destination rank ``rank`` receives in the source
     dtype (``dtype``) by ``dst`` transfers (``wire``: indices into ``Plan.transfers``; ``local``: into
     ``Plan.local_copies``), stages, and quantizes once all of them are in: fp8 values into ``dst_local`` at
-    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``."""
+    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``; ``fmt``: the format's name."""
 
     tensor: str
     rank: int
@@ -274,6 +328,7 @@ class QuantRegion:
     dtype: torch.dtype
     wire: tuple[int, ...]
     local: tuple[int, ...]
+    fmt: str = "fp8-block"
 
     @property
     def numel(self) -> int:
@@ -291,15 +346,16 @@ def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
     if cached is not None:
         return cached
     dst = plan.dst
-    groups: dict[int, tuple[Fragment, list]] = {}
+    targets = plan_targets(plan)
+    groups: dict[tuple, tuple[Fragment, list]] = {}
     for kind, ts in enumerate((plan.local_copies, plan.transfers)):
         for i, t in enumerate(ts):
             if t.quant == QUANT_DST:
-                df = _dst_fragment(dst, t)
-                groups.setdefault(id(df), (df, []))[1].append((kind, i, t))
+                df = _dst_fragment(dst, t, targets[t.tensor].pack)
+                groups.setdefault((df.rank, df.tensor, df.local, df.offsets, df.local_offsets), (df, []))[1].append((kind, i, t))
     out: dict[int, list[QuantRegion]] = defaultdict(list)
     for df, items in groups.values():
-        spec = dst.specs[df.tensor]
+        spec = targets[df.tensor]
         block, shape = spec.quant.block, spec.shape
         regions = union_boxes([_expand(t.offsets, t.sizes, block, shape) for _k, _i, t in items])
         for reg in regions:
@@ -313,7 +369,8 @@ def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
             out[df.rank].append(QuantRegion(
                 df.tensor, df.rank, reg[0], reg[1], df.local, df.local_box(reg[0], reg[1])[0], spec.quant.scale,
                 t0.scale_local, scale_off, block, spec.quant.ue8m0, t0.wire_dtype,
-                tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0)))
+                tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0),
+                spec.quant.format.name))
     res = {r: tuple(v) for r, v in sorted(out.items())}
     plan._cache["quant_regions"] = res
     return res
@@ -330,7 +387,7 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
     transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
     scale cover of these destination ranks only (a rank plan: its own), default all."""
     src, dst = plan.src, plan.dst
-    quantized = dst.quantized
+    quantized = {n: logical_target(s) for n, s in dst.quantized.items()}
     written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
     for t in plan.transfers + plan.local_copies:
         spec = quantized.get(t.tensor)
@@ -338,12 +395,15 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
             if t.quant:
                 raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
             continue
-        if t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block:
+        if (t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block
+                or t.fmt != spec.quant.format.name):
             raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
                              f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
         if t.quant == QUANT_SRC:
-            if t.wire_dtype != QUANT_DTYPE or _inner(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes):
-                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in fp8")
+            if (t.wire_dtype != spec.quant.format.value_dtype
+                    or _inner(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes)):
+                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in "
+                                 f"{dtype_name(spec.quant.format.value_dtype)}")
             written[(t.dst_rank, t.scale_local)].append((t.scale_offsets, _lead(t.scale_offsets, scale_sizes(t.sizes, t.block)), t))
         elif t.wire_dtype != src.specs[t.tensor].dtype:
             raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
@@ -352,7 +412,7 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
         if keep is not None and rank not in keep:
             continue
         for g in regions:
-            if _inner(g.offsets, g.sizes, g.block, dst.specs[g.tensor].shape) != (g.offsets, g.sizes):
+            if _inner(g.offsets, g.sizes, g.block, quantized[g.tensor].shape) != (g.offsets, g.sizes):
                 raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
                                  f"block-aligned")
             written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
@@ -396,6 +456,7 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
     total = 0
     for name, spec in quant_targets(src, dst).items():
         block, shape = spec.quant.block, spec.shape
+        sbytes = spec.quant.format.scale_bytes
         own: dict[int, dict[Box, None]] = {}
         for f in src.fragments_by_tensor.get(name, ()):
             if f.numel:
@@ -403,16 +464,17 @@ def scale_lower_bound(src: Layout, dst: Layout) -> int:
         for df in dst.fragments_by_tensor.get(name, ()):
             if not df.numel:
                 continue
+            df = unpack_fragment(df, spec.pack)
             box = (df.offsets, df.sizes)
             held = [h for h in (intersect_boxes(b, box) for b in own.get(df.rank, ())) if h is not None]
             if not held:
-                total += num_blocks(df.sizes, block) * SCALE_BYTES
+                total += num_blocks(df.sizes, block) * sbytes
                 continue
             if any(h == box for h in held):
                 continue
             missing = _missing(box, held)
             grid = [_to_blocks(_expand(o, s, block, shape), block) for o, s in missing]
-            total += union_numel(grid) * SCALE_BYTES
+            total += union_numel(grid) * sbytes
     return total
 
 
@@ -435,16 +497,17 @@ def _missing(box: Box, held: Sequence[Box]) -> list[Box]:
 
 def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """A source-quantized transfer cut for the schedule, only at block multiples: ``[(offsets relative to the
-    transfer, sizes, chunk bytes)]``, chunk bytes = fp8 values (padded to ``ALIGN``) + the fp32 scales, each at
-    most ``cap`` unless one block alone is bigger (then one block per chunk)."""
+    transfer, sizes, chunk bytes)]``, chunk bytes = the quantized values (padded to ``ALIGN``) + the scales,
+    each at most ``cap`` unless one block alone is bigger (then one block per chunk)."""
     block = t.block
+    fmt = QUANT_FORMATS[t.fmt]
     grid = scale_sizes(t.sizes, block)
-    per_block = math.prod(block) + SCALE_BYTES + 16
+    per_block = fmt.value_bytes(math.prod(block)) + fmt.scale_bytes + 16
     out = []
     for g_off, g_size in split_box(grid, per_block, cap):
         off = tuple(o * b for o, b in zip(g_off, block, strict=True))
         size = tuple(min(n * b, s - o) for n, b, s, o in zip(g_size, block, t.sizes, off, strict=True))
         n = math.prod(size)
         if n:
-            out.append((off, size, align_up(n) + num_blocks(size, block) * SCALE_BYTES))
+            out.append((off, size, align_up(fmt.value_bytes(n)) + num_blocks(size, block) * fmt.scale_bytes))
     return out

@@ -14,7 +14,7 @@ import torch
 
 from ..box import boxes_meet, contains, decompose_box, find_overlap, intersect
 from ..layout import Fragment, Layout, TensorSpec, dtype_name, gc_paused, itemsize_of
-from .quant import scale_lower_bound
+from .quant import scale_lower_bound, unpack_fragment
 
 # --------------------------------------------------------------------------------------------------------
 # Geometry helpers
@@ -161,12 +161,16 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
             if sspec is None:
                 continue
             isz = itemsize_of(wire_dtype_of(sspec, spec))
+            pack, bits = 1, 8 * isz
+            if spec.quant is not None and sspec.quant is None and spec.quant.format.pack > 1:
+                pack, bits = spec.quant.format.pack, spec.quant.format.value_bits  # packed: logical elements
             own: dict[int, dict[tuple, None]] = {}  # rank -> its distinct nonempty boxes, in layout order
             for f in src.fragments_by_tensor.get(spec.name, ()):
                 if min(f.sizes, default=1) > 0:
                     own.setdefault(f.rank, {})[(f.offsets, f.sizes)] = None
             missing = 0
             for df in dst.fragments_by_tensor.get(spec.name, ()):
+                df = unpack_fragment(df, pack)
                 mine = own.get(df.rank)
                 n = df.numel
                 if not n:
@@ -176,7 +180,7 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
                     if boxes:
                         n -= held_numel(df.offsets, df.sizes, boxes)
                 missing += n
-            total += missing * isz
+            total += missing * isz if pack == 1 else -(-missing * bits // 8)
         if dst.quantized:  # block-quantized destinations: plus one fp32 scale per block with a missing element
             total += scale_lower_bound(src, dst)
     return total

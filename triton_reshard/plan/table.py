@@ -27,6 +27,13 @@ from .types import Transfer
 
 I64 = np.int64
 QUANT_CODES = {"": 0, "src": 1, "dst": 2}
+
+
+def _extra(t) -> tuple:
+    """A quantized row's extras: block, scale local, scale offsets, and the format unless block FP8 (so
+    block-FP8 tables keep their digests)."""
+    e = (t.block, t.scale_local, t.scale_offsets)
+    return e if t.fmt == "fp8-block" else e + (t.fmt,)
 _QUANT_NAMES = ("", "src", "dst")
 _FIELDS = attrgetter("tensor", "offsets", "sizes", "src_rank", "src_local", "src_offsets", "dst_rank", "dst_local",
                      "dst_offsets", "wire_dtype", "relay", "quant")
@@ -77,7 +84,7 @@ class TransferTable(Sequence):
         for k, a in cols.items():
             a.setflags(write=False)
             setattr(self, k, a)
-        self.extras = extras  # row -> (block, scale_local, scale_offsets) of its quantized rows
+        self.extras = extras  # row -> (block, scale_local, scale_offsets[, fmt]) of its quantized rows
         self._objs: tuple[Transfer, ...] | None = None
 
     # -- building ---------------------------------------------------------------------------------------
@@ -107,7 +114,7 @@ class TransferTable(Sequence):
             so_a, snd = _padded(so, n, 0)
             do_a, dnd = _padded(do, n, 0)
             q = np.fromiter(map(QUANT_CODES.__getitem__, quant), np.int8, n)
-            extras = {i: (ts[i].block, ts[i].scale_local, ts[i].scale_offsets) for i in np.flatnonzero(q).tolist()}
+            extras = {i: _extra(ts[i]) for i in np.flatnonzero(q).tolist()}
             table = cls(names, locs, dts, dict(
                 tensor=tcodes, ndim=nd, offsets=offsets, sizes=sizes,
                 src=np.fromiter(sr, I64, n), src_local=np.fromiter(map(lid.__getitem__, sl), np.int32, n),
@@ -223,9 +230,8 @@ class TransferTable(Sequence):
                     self.wdt[a:b].tolist(), self.relay[a:b].tolist(), self.quant[a:b].tolist(), nd, snd, dnd,
                     strict=True), a):
                 if q:
-                    block, sc, sco = extras[i]
                     out.append(Transfer(names[t], tuple(o[:k]), tuple(s[:k]), sr, locs[sl], tuple(so[:ks]), dr,
-                                        locs[dl], tuple(do[:kd]), dts[w], rl, _QUANT_NAMES[q], block, sc, sco))
+                                        locs[dl], tuple(do[:kd]), dts[w], rl, _QUANT_NAMES[q], *extras[i]))
                 else:
                     out.append(Transfer(names[t], tuple(o[:k]), tuple(s[:k]), sr, locs[sl], tuple(so[:ks]), dr,
                                         locs[dl], tuple(do[:kd]), dts[w], rl))

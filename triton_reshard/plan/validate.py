@@ -58,7 +58,7 @@ def validate_plan(plan: PlanLike) -> None:
     """
     if table_valid(plan):
         return
-    src, dst = plan.src, plan.dst
+    src, dst = plan.src, cover_dst(plan)
     s_index, d_index = src.fragments_by_local, dst.fragments_by_local
     written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
     relay_reads: list[tuple[Fragment, Transfer]] = []  # (the sender's destination fragment, the relay)
@@ -131,7 +131,7 @@ def _check_cover(plan: PlanLike) -> None:
     covered: dict[tuple[int, str], list] = defaultdict(list)
     for t in plan.transfers + plan.local_copies:
         if t.numel:
-            df = reading_fragment(plan.dst.fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
+            df = reading_fragment(cover_dst(plan).fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
                         t.sizes, t.dst_offsets)
             covered[(t.dst_rank, t.dst_local)].append(df.local_box(t.offsets, t.sizes) + (t,))
     for (rank, local), boxes in covered.items():
@@ -143,7 +143,7 @@ def _check_cover(plan: PlanLike) -> None:
             )
     need: dict[tuple[int, str], int] = defaultdict(int)
     scales = quant_scales(plan)
-    for f in plan.dst.fragments:
+    for f in cover_dst(plan).fragments:
         if f.tensor not in scales:
             need[(f.rank, f.local)] += f.numel
     got = {k: sum(math.prod(b[1]) for b in v) for k, v in covered.items()}
@@ -155,11 +155,26 @@ def _check_cover(plan: PlanLike) -> None:
             )
 
 
+def cover_dst(plan: PlanLike):
+    """The destination layout transfers are checked against: ``plan.dst``, or, when it holds packed quantized
+    tensors (NVFP4: their layout is in stored bytes, the transfers in logical elements), the routing view of it
+    (every quantized tensor in logical elements, the scales left out: ``validate_quant`` checks those)."""
+    if not any(s.quant.format.pack > 1 for s in plan.dst.quantized.values()):
+        return plan.dst
+    v = plan._cache.get("cover_dst")
+    if v is None:
+        from .quant import routing_view
+        v = plan._cache["cover_dst"] = routing_view(plan.src, plan.dst, plan_targets(plan))
+    return v
+
+
 def quant_scales(plan: PlanLike) -> frozenset[str]:
-    """The scale tensors the plan writes by quantizing (plan/quant.py), not by transfers."""
+    """The scale tensors the plan writes by quantizing (plan/quant.py), not by transfers (the global scales of
+    formats that have them too: the executor writes them from the amax exchange)."""
     if not plan.dst.quantized:
         return frozenset()
-    return frozenset(spec.quant.scale for spec in plan_targets(plan).values())
+    out = {spec.quant.scale for spec in plan_targets(plan).values()}
+    return frozenset(out | {spec.quant.global_scale for spec in plan_targets(plan).values() if spec.quant.global_scale})
 
 
 def validate_share(p: PlanLike) -> None:
@@ -173,7 +188,7 @@ def validate_share(p: PlanLike) -> None:
     mine_d: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
     for f in rank_fragments(p.src, r):
         mine_s[(f.tensor, f.local)].append(f)
-    dfrags = rank_fragments(p.dst, r)
+    dfrags = rank_fragments(cover_dst(p), r)
     for f in dfrags:
         mine_d[(f.tensor, f.local)].append(f)
     written: dict[int, list[Transfer]] = {}
@@ -283,7 +298,7 @@ def table_valid(plan: PlanLike) -> bool:
     """``validate_plan``'s checks on the transfers' columns (``TransferTable``): True when they pass; False when
     one might fail (the caller then runs ``validate_plan``, which names the problem, or passes in the rare case
     this check is stricter: a relay reading a box its rank got from several non-relays)."""
-    src, dst = plan.src, plan.dst
+    src, dst = plan.src, cover_dst(plan)
     wire, local = plan.transfers, plan.local_copies
     if local.relay.any():
         return False

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..box import split_box
-from .quant import QUANT_SRC, QuantRegion, quant_regions, split_src_chunks
+from ..layout import BlockQuant
+from .quant import QUANT_SRC, QuantRegion, plan_targets, quant_regions, split_src_chunks
 from .types import ALIGN, RankStep, Schedule, Transfer
 
 MAX_CHUNKS = 1 << 22  # a plan cut into more chunks than this is refused (scheduling it would not finish)
@@ -26,7 +27,8 @@ class RankWork:
     those uses staging slot ``k % slots``); ``phases``: their phases (1: relays). ``local``: its local
     copies (destination on this rank). ``regions``: the quantization regions it stages (``plan/quant.py``);
     ``wire_region``: transfer index -> region of its destination-quantized received pieces; ``local_region``:
-    per local copy, its region (None for others). ``ue8m0`` / ``scale_name``: per quantized destination tensor.
+    per local copy, its region (None for others). ``quant``: the :class:`~triton_reshard.layout.BlockQuant` of
+    each quantized destination tensor (format, block, scale rule, scale tensor).
     """
 
     rank: int
@@ -40,8 +42,13 @@ class RankWork:
     regions: tuple[QuantRegion, ...]
     wire_region: Mapping[int, int]
     local_region: tuple[int | None, ...]
-    ue8m0: Mapping[str, bool]
-    scale_name: Mapping[str, str]
+    quant: Mapping[str, BlockQuant]
+    # formats with a global scale (NVFP4): every group of the plan (sorted: the same on every rank), this rank's
+    # source boxes of each group's tensors (group, source local, local offsets, sizes: its amax inputs), and the
+    # global-scale fragments it holds (group, global-scale tensor, destination local, local offsets)
+    global_groups: tuple[str, ...] = ()
+    amax_sources: tuple[tuple, ...] = ()
+    global_dst: tuple[tuple, ...] = ()
 
     @property
     def verify_cap(self) -> int:
@@ -87,6 +94,24 @@ def rank_work(plan, rank: int, slots: int, slot_bytes: int, direct_min_bytes: in
         phases=tuple(schedule.step_phase(i) for i, _st in steps), local=local,
         local_bytes=sum(t.nbytes for t in local), regions=regions, wire_region=wire_region,
         local_region=tuple(of_local.get(i) for i in local_idx),
-        ue8m0={n: s.quant.ue8m0 for n, s in plan.dst.quantized.items()},
-        scale_name={n: s.quant.scale for n, s in plan.dst.quantized.items()},
+        quant={n: s.quant for n, s in plan.dst.quantized.items()},
+        **_globals(plan, rank),
     )
+
+
+def _globals(plan, rank: int) -> dict:
+    """``rank_work``'s global-scale fields (empty for plans without a global-scale format)."""
+    if not any(s.quant.global_scale for s in plan.dst.quantized.values()):
+        return {}
+    targets = plan_targets(plan)
+    groups = sorted({t.quant.global_group for t in targets.values() if t.quant.global_group})
+    src_of, dst_of = [], []
+    for name in sorted(targets):
+        q = targets[name].quant
+        if not q.global_group:
+            continue
+        src_of += [(q.global_group, f.local, f.local_offsets, f.sizes)
+                   for f in plan.src.fragments_by_tensor.get(name, ()) if f.rank == rank and f.numel]
+        dst_of += [(q.global_group, q.global_scale, f.local, f.local_offsets)
+                   for f in plan.dst.fragments_by_tensor.get(q.global_scale, ()) if f.rank == rank]
+    return dict(global_groups=tuple(groups), amax_sources=tuple(src_of), global_dst=tuple(dst_of))

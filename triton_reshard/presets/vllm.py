@@ -74,6 +74,7 @@ import importlib.metadata
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 import numpy as np
 import torch
@@ -199,6 +200,53 @@ def block_fp8_config(config) -> BlockFp8 | None:
     return BlockFp8((int(wbs[0]), int(wbs[1])), tuple(ignored), scale_fmt == "ue8m0")
 
 
+@dataclass(frozen=True)
+class ModelOptQuant:
+    """A ModelOpt ``quantization_config`` of MXFP8 or NVFP4 as vLLM 0.33 reads it (``ModelOptMxFp8Config`` /
+    ``ModelOptNvFp4Config``): the format and ``exclude_modules`` (wildcards)."""
+
+    format: str  # "mxfp8" or "nvfp4"
+    excluded: tuple[str, ...] = ()
+
+
+def modelopt_config(config) -> ModelOptQuant | None:
+    """The ModelOpt MXFP8 / NVFP4 ``quantization_config`` of ``config`` (None: not one). Accepted as vLLM 0.33
+    takes them: ``{"quant_method": "modelopt", "quantization": {"quant_algo": "MXFP8" | "NVFP4", "group_size":
+    16, "exclude_modules": [...]}}``, the flat form (``quant_algo`` beside ``quant_method``), and MiniMax-style
+    ``{"quant_method": "mxfp8", "ignored_layers": [...]}``. NVFP4 takes ``group_size`` 16 only."""
+    c = model_spec(config).raw or {}
+    qc = c.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "mxfp8" and "quant_algo" not in qc and "quantization" not in qc:
+        return ModelOptQuant("mxfp8", tuple(qc.get("ignored_layers") or ()))
+    if method != "modelopt":
+        return None
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), Mapping) else qc
+    algo = str(inner.get("quant_algo", "")).upper()
+    if algo not in ("MXFP8", "NVFP4"):
+        raise NotImplementedError(f"vllm_layout: ModelOpt quant_algo={algo!r} is not supported (MXFP8, NVFP4)")
+    if algo == "NVFP4" and int(inner.get("group_size", 16)) != 16:
+        raise NotImplementedError(f"vllm_layout: NVFP4 group_size={inner.get('group_size')!r}: 16 only")
+    excluded = inner.get("exclude_modules") or ()
+    if isinstance(excluded, str) or not all(isinstance(x, str) for x in excluded):
+        raise ValueError(f"vllm_layout: exclude_modules={excluded!r} must be a list of module names / wildcards")
+    return ModelOptQuant(algo.lower(), tuple(excluded))
+
+
+def _modelopt_skipped(module: str, shards: Sequence[str], excluded: Sequence[str]) -> bool:
+    """vLLM 0.33 ``ModelOptQuantConfigBase.is_layer_excluded``: the exact rule (fused shards), then a listed name
+    contained in the module's name, then a wildcard (``fnmatch``)."""
+    if not excluded:
+        return False
+    if _fp8_skipped(module, shards, excluded):
+        return True
+    return any((x != module and x in module) or fnmatch(module, x) for x in excluded)
+
+
 def _fp8_skipped(module: str, shards: Sequence[str], ignored: Sequence[str]) -> bool:
     """vLLM 0.33 ``is_layer_skipped`` (``match_mode="exact"``) for module ``module`` (HF naming);
     ``shards``: the checkpoint modules of a fused one (``packed_modules_mapping``)."""
@@ -229,12 +277,18 @@ def fp8_tensors(config, fp8: BlockFp8 | None = None) -> list[str]:
     fp8 = fp8 or block_fp8_config(s)
     if fp8 is None:
         return []
+    return quantized_linear_tensors(s, lambda module, shards: _fp8_skipped(module, shards, fp8.ignored))
+
+
+def quantized_linear_tensors(s: ModelSpec, skipped) -> list[str]:
+    """The weights of the linear layers vLLM 0.33 builds with a quantization config (see :func:`fp8_tensors`),
+    minus those ``skipped(module, shard modules)`` says the config leaves unquantized."""
     out: list[str] = []
 
     def linear(module: str, shards: Sequence[str] = ()) -> None:
         parent = module.rsplit(".", 1)[0]
         full = [f"{parent}.{sh}" for sh in shards]
-        if not _fp8_skipped(module, full, fp8.ignored):
+        if not skipped(module, full):
             out.extend(f"{m}.weight" for m in (full or [module]))
 
     for i in range(s.layers):
@@ -256,7 +310,7 @@ def fp8_tensors(config, fp8: BlockFp8 | None = None) -> list[str]:
             mlps = [f"{p}.mlp.shared_experts"] if s.shared_intermediate else []
             if s.family == "qwen3_moe":  # Qwen3MoeSparseMoeBlock: GateLinear(..., quant_config=quant_config)
                 linear(f"{p}.mlp.gate")
-            if not _fp8_skipped(f"{p}.mlp.experts", (), fp8.ignored):
+            if not skipped(f"{p}.mlp.experts", ()):
                 out.extend(n for e in range(s.experts) for n in expert_names(i, e))
         for mlp in mlps:
             linear(f"{mlp}.gate_up_proj", ("gate_proj", "up_proj"))
@@ -292,7 +346,11 @@ def vllm_layout(
 
     A ``quantization_config`` of block FP8 in ``config`` is honoured as vLLM does (module docstring: which
     layers are FP8, the ``..._scale_inv`` scale tensors); ``dtype`` is then the dtype of the unquantized rest.
-    Other quantization methods raise ``NotImplementedError``.
+    So is a ModelOpt MXFP8 / NVFP4 one (:func:`modelopt_config`): the same linear layers (minus
+    ``exclude_modules``) become ``block_quant_layout(..., format="mxfp8" | "nvfp4")`` (``weight`` /
+    ``weight_scale`` [/ ``weight_scale_2``], as vLLM's ModelOpt linear and MoE methods create them; NVFP4's
+    calibrated ``input_scale`` is not a weight and is left to the engine: no refit touches it). Other
+    quantization methods raise ``NotImplementedError``.
 
     ``instances``: that many independent engines, each a full copy of this layout (``Layout.instances``):
     engine ``i`` on ``ranks`` shifted by ``i * span`` (``span = max(ranks) - min(ranks) + 1``: ``tp * dp`` for
@@ -304,7 +362,8 @@ def vllm_layout(
     s = model_spec(config)
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"vllm_layout: model_type {s.family!r} is not supported")
-    fp8 = block_fp8_config(s)
+    mo = modelopt_config(s)
+    fp8 = None if mo is not None else block_fp8_config(s)
     layout = fused_layout(s, tp=tp, dp=dp, enable_expert_parallel=enable_expert_parallel, ranks=ranks, dtype=dtype,
                           vocab_padding=vocab_padding, sequence_parallel_moe=sequence_parallel_moe,
                           moe_prefix=fused_moe_prefix(vllm_version) if any(s.moe_layers) else "", who="vllm_layout")
@@ -317,6 +376,13 @@ def vllm_layout(
                     "parallelism or a TP size whose partitions are whole blocks)")
             raise ValueError(f"vllm_layout(tp={tp}, dp={dp}, enable_expert_parallel={enable_expert_parallel}): "
                              f"block FP8 {list(fp8.block)}: {e}{hint}") from None
+    if mo is not None:
+        names = quantized_linear_tensors(s, lambda module, shards: _modelopt_skipped(module, shards, mo.excluded))
+        try:
+            layout = block_quant_layout(layout, names, None, format=mo.format)
+        except ValueError as e:  # a TP shard that splits a 1x32 / 1x16 block: vLLM refuses it too
+            raise ValueError(f"vllm_layout(tp={tp}, dp={dp}, enable_expert_parallel={enable_expert_parallel}): "
+                             f"{mo.format}: {e}") from None
     return layout.instances(instances)
 
 
