@@ -179,3 +179,17 @@ def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
 def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:
     """Per step of a schedule, ``{(src, dst): bytes}`` (payload bytes, without alignment padding)."""
     return schedule.pair_bytes()  # (a pair-rule schedule answers from its columns)
+
+
+def node_link_bytes(pair_bytes: Mapping[tuple[int, int], int], ranks_per_node: int,
+                    nodes: int | None = None) -> list[tuple[int, int]]:
+    """Per node, ``(bytes sent to other nodes, bytes received from other nodes)`` of ``{(src, dst): bytes}``
+    with ranks ``[k*n, (k+1)*n)`` on node ``k``: what each node's link carries (payload, no protocol)."""
+    n_nodes = nodes if nodes is not None else 1 + max((max(s, d) // ranks_per_node for s, d in pair_bytes), default=0)
+    out = [[0, 0] for _ in range(n_nodes)]
+    for (s, d), n in pair_bytes.items():
+        a, b = s // ranks_per_node, d // ranks_per_node
+        if a != b and n:
+            out[a][0] += n
+            out[b][1] += n
+    return [(tx, rx) for tx, rx in out]
