@@ -10,6 +10,10 @@ what the first phase delivered, so they form a second phase: later steps of a sc
 the unbucketed bound. The model ignores congestion inside the network and the copy kernels (pack/unpack
 run at HBM speed, far above these links).
 
+``shared_nic=True`` gives each node one network link instead, shared by its ranks: a node's network time is
+the sum of its ranks' network bytes (each direction) over ``net_GBps``. That is the emulated cluster of
+:mod:`triton_reshard.testing.cluster` (one shaped veth per node) and any node with one NIC.
+
 Figures (per GPU, per direction, decimal GB/s):
 
 * ``h100``: 8 GPUs per node, NVLink 4 at 450 GB/s, one 400 Gb/s NIC per GPU = 50 GB/s.
@@ -37,6 +41,9 @@ class Topology:
     nvlink_GBps: float = 900.0
     net_GBps: float = 50.0
     step_latency_s: float = 50e-6  # per step: posting the sends/receives and waiting for the slowest peer
+    # True: one network link per node, of net_GBps each way, shared by the node's ranks (a node with one NIC,
+    # or an emulated node of testing.cluster); False: one NIC of net_GBps per GPU
+    shared_nic: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -111,7 +118,7 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     for step in steps:  # per step, the port loads of all ranks as arrays (what ``port_loads`` gives, by rank)
         n_steps += 1
         t_step = 0.0
-        ports = _step_ports(step, topo.gpus_per_node)
+        ports = _step_ports(step, topo.gpus_per_node, topo.shared_nic)
         if ports is not None:
             nvl, net, nvl_sent, net_sent = ports
             nvl_t, t = nvl / nvl_rate, np.maximum(nvl / nvl_rate, net / net_rate)
@@ -125,10 +132,11 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     return Prediction(total, n_steps, worst_rank, worst_port, nvl_bytes, net_bytes)
 
 
-def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
+def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int, shared_nic: bool = False):
     """One step's ``{(src, dst): bytes}`` as per-rank port loads: ``(max(NVLink send, receive), max(network
     send, receive))`` arrays indexed by rank (exact: float64 sums of int64 bytes far below 2**53), and the
-    NVLink and network bytes sent; None when nothing leaves a rank."""
+    NVLink and network bytes sent; None when nothing leaves a rank. ``shared_nic``: a rank's network load is
+    its node's (the sum over the node's ranks, each direction)."""
     if not step:
         return None
     if isinstance(step, StepPairBytes):  # a pair-rule schedule's step: already columns
@@ -150,7 +158,14 @@ def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
         return np.bincount(ranks[sel], weights=n[sel], minlength=size)
 
     nvl = np.maximum(port(s, nv), port(d, nv))
-    netl = np.maximum(port(s, net), port(d, net))
+    if shared_nic:
+        nodes = size // gpus_per_node + 1
+        sn, dn = s // gpus_per_node, d // gpus_per_node
+        per_node = np.maximum(np.bincount(sn[net], weights=n[net], minlength=nodes),
+                              np.bincount(dn[net], weights=n[net], minlength=nodes))
+        netl = per_node[np.arange(size) // gpus_per_node]
+    else:
+        netl = np.maximum(port(s, net), port(d, net))
     return nvl, netl, int(n[nv].sum()), int(n[net].sum())
 
 
