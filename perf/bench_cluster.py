@@ -3,19 +3,23 @@
 
 Settings (each a fresh cluster; every ratio below comes from one run of one cluster):
 
-* 2 nodes (trainer node 0 -> engine node 1) and 4 nodes (trainer nodes 0-1 -> two engine instances on nodes
-  2 and 3), ``--ranks-per-node`` ranks each (default 2), links of ``--rates`` (default 1 and 10 Gbit/s).
+* 2 nodes (trainer node 0 -> engine node 1), 3 nodes (trainer node 0 -> two engine instances on nodes 1 and
+  2) and 4 nodes (trainer nodes 0-1 -> two engine instances on nodes 2 and 3), ``--ranks-per-node`` ranks each
+  (default 2), links of ``--rates`` (default 1 and 10 Gbit/s).
   ``--latencies``: one-way delay added per link (netem); kernels without netem run only with none added (the
   veth's own latency, whose round trip is measured and reported).
 * models: the presets' ``small_llama`` (Megatron TP -> vLLM TP) and ``small_qwen3_moe`` (Megatron TPxEP ->
   vLLM TP with expert parallelism), bf16; 4 nodes add PP2 on the trainer.
+* ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over one link
+  (a 32 MiB send), the round trip of a small message as each step's latency, and the time of a refit that
+  moves 64 bytes, less that round trip, as the fixed cost of a refit (``Topology.refit_latency_s``).
 
 Methods, each timed between barriers on every rank (the slowest rank's wall time; median of ``--repeats``),
 each into poisoned destinations checked bit for bit once, each with the bytes every node's interface counted:
 
 * ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing; with two engine
   instances: relays spread the trainer's sends over the engines); ``ours-no-topology``: the same without
-  (4 nodes only: every byte from the trainer over its link, once per engine);
+  (3 and 4 nodes: every byte from the trainer over its links, once per engine);
 * ``allgather``: all-gather to full size on every rank, then slice (``tools.baselines.allgather_refit``);
 * ``gather-bcast``: gather every tensor on trainer rank 0, broadcast it to every engine rank, slice
   (``tools.baselines.gather_broadcast_refit``: what SGLang's ``update_weights_from_distributed``, TRL and
@@ -60,21 +64,20 @@ FRACTIONS = (0.005, 0.01, 0.02, 0.05)
 
 
 def layouts(model: str, nodes: int, rpn: int):
-    """(src layout, one engine's layout, engine instances) of ``model`` on ``nodes`` nodes of ``rpn`` ranks."""
+    """(src layout, one engine's layout, engine instances) of ``model`` on ``nodes`` nodes of ``rpn`` ranks:
+    the trainer on the first ``nodes // 2`` nodes (Megatron TP = ``rpn``, PP = its nodes, EP = ``rpn`` for
+    MoE), one vLLM engine (TP = ``rpn``, EP for MoE) on each other node."""
     from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
     cfg = get_config(model)
     moe = "moe" in model
-    trainer_ranks = rpn * (nodes // 2)
-    if nodes == 2:
-        src = megatron_layout(cfg, tp=rpn, ep=rpn if moe else 1, etp=1 if moe else None, ranks=range(rpn),
-                              dtype=torch.bfloat16)
-    else:
-        src = megatron_layout(cfg, tp=rpn, pp=nodes // 2, ep=rpn if moe else 1, etp=1 if moe else None,
-                              ranks=range(trainer_ranks), dtype=torch.bfloat16)
+    trainer_nodes = nodes // 2
+    trainer_ranks = rpn * trainer_nodes
+    src = megatron_layout(cfg, tp=rpn, pp=trainer_nodes, ep=rpn if moe else 1, etp=1 if moe else None,
+                          ranks=range(trainer_ranks), dtype=torch.bfloat16)
     dst = vllm_layout(cfg, tp=rpn, enable_expert_parallel=moe, ranks=range(trainer_ranks, trainer_ranks + rpn),
                       dtype=torch.bfloat16)
-    return src, dst, nodes // 2
+    return src, dst, nodes - trainer_nodes
 
 
 def globals_for(model: str, src) -> dict[str, torch.Tensor]:
@@ -247,6 +250,19 @@ def _probe(rank: int, rpn: int) -> dict:
     return out
 
 
+def _tiny(rank: int, world: int, rpn: int, timeout: float) -> list[float]:
+    """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
+    of one refit step (handshake, a round of messages, the barriers around it)."""
+    from triton_reshard import Layout, Shard, refit
+
+    src = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn)), [Shard(0)], torch.bfloat16)
+    dst = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn, 2 * rpn)), [Shard(1)], torch.bfloat16)
+    s = {"t": torch.zeros(2, 16, dtype=torch.bfloat16)} if rank < rpn else {}
+    d = dst.allocate(rank) if rpn <= rank < 2 * rpn else {}
+    refit(s, d, src, dst, timeout=timeout)
+    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), 7)["seconds"]
+
+
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
@@ -254,7 +270,7 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
     from triton_reshard.tools.baselines import allgather_refit, gather_broadcast_refit
 
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
-    out: dict = {"rank": rank, "probe": _probe(rank, rpn), "models": {}}
+    out: dict = {"rank": rank, "probe": _probe(rank, rpn), "models": {}, "tiny": _tiny(rank, world, rpn, timeout)}
     for model in spec["models"]:
         src, dst, inst = layouts(model, nodes, rpn)
         full_dst = dst.instances(inst) if inst > 1 else dst
@@ -312,8 +328,9 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
         for n, t in (src.shard(pub, rank) if rank in src.ranks else {}).items():
             src_t[n].copy_(t)
         a = _timed(lambda: r_dense.run(src_t, d_dense), 1)
-        rep = {}
-        b = _timed(lambda: rep.setdefault("r", r_delta.run(src_t, d_delta, delta=DeltaRequest(v, held=v - 1))), 1)
+        rep: dict = {}
+        b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
+                                                                       delta=DeltaRequest(v, held=v - 1))), 1)
         r = rep["r"]
         rows.append({**row, "dense": a, "delta": b, "mode": r.mode, "sent": r.sent_bytes,
                      "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds, "wire_s": r.wire_seconds,
@@ -321,11 +338,50 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
     return rows
 
 
+def big_rank(rank: int, world: int, spec: dict) -> dict:
+    """``--big-model``: dense vs delta refits of a larger preset model on 2 nodes, the changes uniform low-bit
+    flips of ``fraction`` of each source shard's elements (seeded per rank and version: part 1 of
+    ``perf/bench_delta.py`` showed such masks give the bytes of real AdamW masks); the delta destination is
+    compared bit for bit with the dense one after every refit."""
+    from triton_reshard import Resharder, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+
+    rpn, timeout = spec["rpn"], spec["timeout"]
+    src, dst, _ = layouts(spec["model"], 2, rpn)
+    plan = plan_reshard(src, dst, False, rpn, None, None, rank=rank)
+    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
+    g = torch.Generator().manual_seed(rank)
+    src_t = {n: (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) for n, t in src.allocate(rank).items()} \
+        if rank in src.ranks else {}
+    d_dense = _poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    d_delta = _poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    r_dense.run(src_t, d_dense)
+    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))
+    rows, v = [], 0
+    for frac in spec["fractions"]:
+        for _ in range(spec["repeats"]):
+            v += 1
+            gf = torch.Generator().manual_seed(1000 * v + rank)
+            for t in src_t.values():
+                t.view(torch.int16)[torch.rand(t.shape, generator=gf) < frac] ^= 1
+            a = _timed(lambda: r_dense.run(src_t, d_dense), 1)
+            rep: dict = {}
+            b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
+                                                                           delta=DeltaRequest(v, held=v - 1))), 1)
+            r = rep["r"]
+            same = all(torch.equal(d_dense[n].view(torch.int16), d_delta[n].view(torch.int16)) for n in d_dense)
+            rows.append({"target": frac, "changed": frac, "version": v, "dense": a, "delta": b, "mode": r.mode,
+                         "sent": r.sent_bytes, "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds,
+                         "wire_s": r.wire_seconds, "unpack_s": r.unpack_seconds, "exact": same})
+    return {"rank": rank, "delta": rows}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # parent
 
 
-def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float) -> dict:
+def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float,
+              calib: dict | None = None) -> dict:
     from triton_reshard import plan_reshard
     from triton_reshard.tools.topology import Topology, plan_phase_pair_bytes, predict_seconds
 
@@ -338,6 +394,11 @@ def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: f
         topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=rate_bps / 8 / 1e9,
                         step_latency_s=latency_s, shared_nic=shared)
         out[name] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+    if calib:  # the link rate gloo reached and the measured cost of a refit step, from the same cluster
+        topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=calib["link_Bps"] / 1e9,
+                        step_latency_s=calib["rtt_s"], refit_latency_s=max(0.0, calib["step_s"] - calib["rtt_s"]),
+                        shared_nic=True)
+        out["calibrated"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
     out["link_limit_bytes"] = link_limit_bytes(full, rpn)
     out["model_bytes"] = sum(math.prod(s.shape) * s.dtype.itemsize for s in src.tensors)
     return out
@@ -353,7 +414,8 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
         pr = preds[model]
         limit = pr["link_limit_bytes"] * 8 / rate
         row = {"link_limit_s": limit, "model_bytes": pr["model_bytes"], "link_limit_bytes": pr["link_limit_bytes"],
-               "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"], "methods": {}}
+               "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
+               "predicted_calibrated_s": pr.get("calibrated"), "methods": {}}
         for m in per[0]:
             if m == "delta":
                 continue
@@ -364,43 +426,48 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
                 "node_tx": [per[n * rpn][m]["link"]["tx"] for n in range(nodes)],
                 "node_rx": [per[n * rpn][m]["link"]["rx"] for n in range(nodes)]}
         if "delta" in per[0]:
-            drows = []
-            for i, d in enumerate(per[0]["delta"]):
-                dense = max(p["delta"][i]["dense"]["seconds"][0] for p in per)
-                delta = max(p["delta"][i]["delta"]["seconds"][0] for p in per)
-                drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
-                              "dense_s": dense, "delta_s": delta,
-                              "sent": sum(p["delta"][i]["sent"] for p in per),
-                              "dense_sent": sum(p["delta"][i]["dense_sent"] for p in per),
-                              "modes": sorted({p["delta"][i]["mode"] for p in per}),
-                              "exact": all(p["delta"][i]["exact"] for p in per),
-                              "pack_s": max(p["delta"][i]["pack_s"] for p in per),
-                              "unpack_s": max(p["delta"][i]["unpack_s"] for p in per),
-                              "wire_s": max(p["delta"][i]["wire_s"] for p in per)})
-            by = {}
-            for d in drows:
-                by.setdefault(d["target"], []).append(d)
-            row["delta"] = {"rows": drows, "by_fraction": {
-                str(f): {"changed": statistics.fmean(d["changed"] for d in ds),
-                         "dense_s": statistics.median(d["dense_s"] for d in ds),
-                         "delta_s": statistics.median(d["delta_s"] for d in ds),
-                         "speedup": statistics.median(d["dense_s"] for d in ds)
-                         / statistics.median(d["delta_s"] for d in ds),
-                         "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
-                         "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]})}
-                for f, ds in by.items()}}
+            row["delta"] = summarize_delta(per)
         out[model] = row
     return out
+
+
+def summarize_delta(per: list) -> dict:
+    """Delta rows of every rank (``per[rank]["delta"]``) as the slowest rank's times per version, and per
+    changed fraction the medians and the speed-up."""
+    drows = []
+    for i, d in enumerate(per[0]["delta"]):
+        drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
+                      "dense_s": max(p["delta"][i]["dense"]["seconds"][0] for p in per),
+                      "delta_s": max(p["delta"][i]["delta"]["seconds"][0] for p in per),
+                      "sent": sum(p["delta"][i]["sent"] for p in per),
+                      "dense_sent": sum(p["delta"][i]["dense_sent"] for p in per),
+                      "modes": sorted({p["delta"][i]["mode"] for p in per}),
+                      "exact": all(p["delta"][i]["exact"] for p in per),
+                      "pack_s": max(p["delta"][i]["pack_s"] for p in per),
+                      "unpack_s": max(p["delta"][i]["unpack_s"] for p in per),
+                      "wire_s": max(p["delta"][i]["wire_s"] for p in per)})
+    by: dict = {}
+    for d in drows:
+        by.setdefault(d["target"], []).append(d)
+    return {"rows": drows, "by_fraction": {
+        str(f): {"changed": statistics.fmean(d["changed"] for d in ds),
+                 "dense_s": statistics.median(d["dense_s"] for d in ds),
+                 "delta_s": statistics.median(d["delta_s"] for d in ds),
+                 "speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(d["delta_s"] for d in ds),
+                 "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
+                 "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]})}
+        for f, ds in by.items()}}
 
 
 def print_setting(s: dict, summ: dict) -> None:
     print(f"== {s['nodes']} nodes x {s['rpn']} ranks, {s['rate_bps'] / 1e9:g} Gbit/s, latency "
           f"{s['latency_s'] * 1e6:g} us added (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
-          f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s "
-          f"measured)", flush=True)
+          f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
+          f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
     for model, row in summ.items():
         print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms, "
-              f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f})")
+              f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f}; "
+              f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f})")
         for m, r in row["methods"].items():
             print(f"    {m:18s} {r['seconds'] * 1e3:8.1f} ms  {r['over_link_limit']:5.2f}x link limit  exact "
                   f"{r['exact']}  node tx {[round(x / 1e6, 2) for x in r['node_tx']]} MB")
@@ -432,7 +499,7 @@ def run(args) -> dict:
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
     out = {"settings": [], "delta_versions": delta["versions"] if delta else None}
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'perf'}:{os.environ.get('PYTHONPATH', '')}"}
-    for nodes in args.nodes:
+    for nodes in ([] if args.skip_settings else args.nodes):
         for rate in args.rates:
             for lat in lats:
                 rate_bps = parse_rate(rate)
@@ -446,11 +513,31 @@ def run(args) -> dict:
                 probe.update({k: v for k, v in r.results[1]["probe"].items() if k not in probe})
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
+                tiny = [max(x["tiny"][i] for x in r.results) for i in range(len(r.results[0]["tiny"]))]
+                probe["refit_step_s"] = statistics.median(tiny)
+                calib = {"link_Bps": probe.get("link", rate_bps / 8), "step_s": probe["refit_step_s"],
+                         "rtt_s": probe["rtt_s"]}
                 preds = {m: predicted(m, nodes, args.ranks_per_node, rate_bps, probe.get("loopback", 5e9),
-                                      lat + 50e-6) for m in args.models}
+                                      lat + 50e-6, calib) for m in args.models}
                 summ = summarize(setting, r.results, preds)
                 print_setting(setting, summ)
                 out["settings"].append({**setting, "models": summ})
+    if args.big_model:
+        spec = {"rpn": args.ranks_per_node, "timeout": args.timeout, "model": args.big_model,
+                "fractions": args.fractions, "repeats": args.delta_repeats}
+        rate_bps = parse_rate(args.rates[0])
+        with Cluster(2, args.ranks_per_node, rate=rate_bps) as c:
+            r = c.run("bench_cluster:big_rank", spec, timeout=args.timeout * 10, pg_timeout=args.timeout, env=env)
+        src, _, _ = layouts(args.big_model, 2, args.ranks_per_node)
+        mbytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in src.tensors)
+        rows = summarize_delta([{"delta": x["delta"]} for x in r.results])
+        out["big"] = {"model": args.big_model, "model_bytes": mbytes, "rate_bps": rate_bps,
+                      "link_limit_s": mbytes * 8 / rate_bps, **rows}
+        print(f"== {args.big_model} ({mbytes / 1e6:.0f} MB), 2 nodes, {rate_bps / 1e9:g} Gbit/s, uniform flips:")
+        for f, d in rows["by_fraction"].items():
+            print(f"    delta {100 * float(f):4.1f} %: {d['delta_s'] * 1e3:.1f} ms vs dense {d['dense_s'] * 1e3:.1f} ms "
+                  f"= {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of dense, exact {d['exact']} "
+                  f"{d['modes']}", flush=True)
     return out
 
 
@@ -482,7 +569,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     ap.add_argument("--latencies", nargs="+", default=["0", "1ms"])
@@ -492,11 +579,18 @@ def main(argv=None) -> int:
     ap.add_argument("--delta-repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--big-model", default="", help="also dense vs delta (uniform flips) of this preset on 2 nodes "
+                                                     "at the first rate, e.g. llama_demo (~400 MB bf16)")
+    ap.add_argument("--skip-settings", action="store_true", help="only --big-model")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--smoke", action="store_true", help="CI: 2 nodes, 1 Gbit/s, small_llama, 1 repeat")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
+    for opt, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None and not path.resolve().parent.is_dir():
+            print(f"bench_cluster: {opt} {path}: folder {path.resolve().parent} does not exist", file=sys.stderr)
+            return 2
     if args.smoke:
         args.nodes, args.rates, args.latencies, args.models = [2], ["1gbit"], ["0"], ["small_llama"]
         args.fractions, args.delta_repeats, args.warmup, args.repeats = [0.02], 1, 3, 1
@@ -511,6 +605,8 @@ def main(argv=None) -> int:
            for k, r in row["methods"].items() if not r["exact"]]
     bad += [(s["nodes"], s["rate_bps"], m, "delta") for s in res["settings"] for m, row in s["models"].items()
             if "delta" in row and not all(d["exact"] for d in row["delta"]["rows"])]
+    if "big" in res and not all(d["exact"] for d in res["big"]["rows"]):
+        bad.append(("big", res["big"]["model"]))
     if bad:
         print(f"bench_cluster: NOT bit-exact: {bad}", flush=True)
         return 1

@@ -177,3 +177,20 @@ def test_lossy_link_completes_exactly_or_fails_named(need_cluster):
         if r is not None:
             assert all(row["bad"] == [] for row in r["rows"])
     assert time.monotonic() - t0 < 180
+
+
+def test_bench_cluster_smoke(need_cluster, tmp_path):
+    """perf/bench_cluster.py --smoke (what CI runs of it): 2 nodes, 1 Gbit/s, small_llama; every method and the
+    delta refit bit-exact (its exit code), the JSON has every method."""
+    import json
+    import sys
+
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(Path(ROOT) / "perf" / "bench_cluster.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    row = res["settings"][0]["models"]["small_llama"]
+    assert set(row["methods"]) == {"ours", "allgather", "gather-bcast"}
+    assert row["methods"]["ours"]["node_tx"][0] >= row["link_limit_bytes"]
+    assert all(d["modes"] == ["delta"] for d in row["delta"]["rows"])

@@ -242,3 +242,12 @@ def test_shared_nic_adds_up_the_ranks_of_a_node():
     p = predict_seconds([step], shared)
     assert p.seconds == pytest.approx(2.0) and p.busiest_port == "net" and p.net_bytes == 2 * 10**9
     assert predict_seconds([{(2, 3): 10**9}], shared).seconds == pytest.approx(0.1)
+
+
+def test_refit_latency_is_paid_once():
+    topo = Topology(gpus_per_node=2, nvlink_GBps=10.0, net_GBps=1.0, step_latency_s=0.001, refit_latency_s=0.01,
+                    shared_nic=True)
+    steps = [{(0, 2): 10**9}, {(2, 3): 10**9}]
+    assert predict_seconds(steps, topo).seconds == pytest.approx(0.01 + 1.0 + 0.001 + 0.1 + 0.001)
+    with pytest.raises(ValueError, match="refit_latency_s=-1"):
+        Topology(refit_latency_s=-1)

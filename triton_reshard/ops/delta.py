@@ -63,7 +63,6 @@ message of a version was packed (``Snapshot.capture``) when one source box goes 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -254,13 +253,15 @@ def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
     numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
     esizes = [s.element_size() for s, _ in flat]
     esize = torch.tensor([esizes[i] for i, _, _ in chunks], dtype=torch.int64, device=device)
-    mask = torch.zeros(nc * ce, dtype=torch.bool, device=device)
-    for (s, p), c0 in zip(flat, c0s, strict=False):
+    mask = torch.empty(nc * ce, dtype=torch.bool, device=device)  # every element written below, once
+    for (s, p), c0, nch in zip(flat, c0s, nchs, strict=False):
         if s.numel():
             torch.ne(s, p, out=mask[c0 * ce:c0 * ce + s.numel()])
+            mask[c0 * ce + s.numel():(c0 + nch) * ce] = False  # the last chunk's padding
     rows = mask.view(nc, ce)
     idx = _nonzero(mask)  # every changed element (padded position): counts per chunk from it
-    ch = idx // ce
+    shift = ce.bit_length() - 1 if ce & (ce - 1) == 0 else None  # the default chunk is a power of two
+    ch = idx >> shift if shift is not None else idx // ce
     count = torch.bincount(ch, minlength=nc) if nc else numel
     kind, nbytes, offsets, total = _message_layout(numel, count, esize)
     msg = torch.zeros(total, dtype=torch.uint8, device=device)
@@ -273,9 +274,7 @@ def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
     bc = (kind == KIND_BITMASK).nonzero().squeeze(1)
     if bc.numel():
         nw = -(-ce // 32)
-        brow = rows[bc].view(torch.uint8)
-        brow = torch.nn.functional.pad(brow, (0, 32 * nw - ce)).view(-1, 4 * nw, 8)
-        wbytes = (brow * _BIT_WEIGHTS.to(device)).sum(2, dtype=torch.uint8)
+        wbytes = _packbits(rows[bc], 32 * nw)
         col = torch.arange(4 * nw, device=device)
         keep = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
         msg[(body[bc][:, None] + col[None, :])[keep]] = wbytes[keep]
@@ -291,7 +290,7 @@ def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
         idx, ch = idx[keep], ch[keep]
     # the changed elements of the sparse chunks, in order: their offsets and values, scattered at once
     if idx.numel():
-        local = idx - ch * ce
+        local = idx & (ce - 1) if shift is not None else idx - ch * ce
         sparse_count = torch.where(kind == KIND_DENSE, torch.zeros_like(count), count)
         r = torch.arange(idx.numel(), device=device) - (torch.cumsum(sparse_count, 0) - sparse_count)[ch]
         off = kind[ch] == KIND_OFFSETS
@@ -314,6 +313,24 @@ def _nonzero(mask: torch.Tensor) -> torch.Tensor:
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.numpy())).to(torch.int64)
     return mask.nonzero().squeeze(1)
+
+
+def _packbits(rows: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Bool rows (k, n <= nbits) as little-endian bit bytes (k, nbits // 8), LSB first; numpy's on CPU."""
+    if rows.device.type == "cpu":
+        return torch.from_numpy(np.packbits(rows.numpy(), axis=1, bitorder="little")).reshape(rows.shape[0], -1) \
+            if rows.shape[1] == nbits else \
+            torch.from_numpy(np.packbits(torch.nn.functional.pad(rows.view(torch.uint8), (0, nbits - rows.shape[1]))
+                                         .numpy(), axis=1, bitorder="little"))
+    brow = torch.nn.functional.pad(rows.view(torch.uint8), (0, nbits - rows.shape[1])).view(-1, nbits // 8, 8)
+    return (brow * _BIT_WEIGHTS.to(rows.device)).sum(2, dtype=torch.uint8)
+
+
+def _unpackbits(b: torch.Tensor) -> torch.Tensor:
+    """Bytes (n,) as their bits (n, 8) uint8, LSB first; numpy's on CPU."""
+    if b.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(b.numpy(), bitorder="little")).view(-1, 8)
+    return (b[:, None] >> torch.arange(8, dtype=torch.uint8, device=b.device)) & 1
 
 
 def _finish_pack(msg: torch.Tensor, pairs: Sequence[Pair], update: bool) -> torch.Tensor:
@@ -419,11 +436,12 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
     isb = k == KIND_BITMASK
     segw, w = ragged(torch.where(isb, 4 * ((nel + 31) // 32), zero))  # the bitmask bytes
     wbytes = msg[body[segw] + w]
-    bitsm = (wbytes[:, None] >> _BIT_WEIGHTS.new_tensor(range(8)).to(dev)) & 1
+    bitsm = _unpackbits(wbytes)  # (bytes, 8) uint8, LSB first
     pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1, dtype=torch.int64))
-    row, col = bitsm.nonzero(as_tuple=True)
+    flat_bits = _nonzero(bitsm.view(-1))
+    row = flat_bits // 8
     sb = segw[row]
-    jb = w[row] * 8 + col
+    jb = w[row] * 8 + (flat_bits - row * 8)
     rank = torch.arange(sb.numel(), device=dev) - (torch.cumsum(pop, 0) - pop)[sb]
     bad = (bad_o > 0) | (isb & (pop != cnt))
     if bool(bad.any()):
@@ -433,34 +451,29 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
                          f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
     # dense chunks: slice copies into contiguous destinations, scattered like the rest into the others
     isd = k == KIND_DENSE
+    groups = [(seg, o, r), (sb, jb, rank)]  # (chunk, element in the chunk, index among its values) per item
     dense = []
     if bool(isd.any()):
         scatter = isd & ~torch.tensor(contiguous, dtype=torch.bool, device=dev)[owner]
         segd, jd = ragged(torch.where(scatter, nel, zero))
-        seg, o, r = torch.cat([seg, segd]), torch.cat([o, jd]), torch.cat([r, jd])
-        dense = [c for c in (isd & ~scatter).nonzero().squeeze(1).tolist()]
-    items_chunk = torch.cat([seg, sb])
-    items_pos = start[items_chunk] + torch.cat([o, jb])  # element index in the destination (row-major)
-    items_r = torch.cat([r, rank])  # index among the chunk's values
-    dst_of = owner[items_chunk]
-    order = torch.argsort(dst_of, stable=True)
-    items_chunk, items_pos, items_r = items_chunk[order], items_pos[order], items_r[order]
-    per_dst = torch.bincount(dst_of, minlength=len(dsts)).tolist()
-    vals_by_size = {}
-    for e in sorted(set(esizes)):  # values read as integers of their element size (with several sizes, the
-        # items of the other sizes read clamped garbage here, never used: each destination takes its own size's)
-        vals_by_size[e] = msg.view(_INT[e])[(vbase[items_chunk] // e + items_r).clamp(max=msg.numel() // e - 1)]
-    first = 0
-    for i, n in enumerate(per_dst):
-        if not n:
+        groups.append((segd, jd, jd))
+        dense = (isd & ~scatter).nonzero().squeeze(1).tolist()
+    bounds = torch.arange(len(dsts) + 1, dtype=torch.int64, device=dev)
+    for chunk, elem, ridx in groups:  # items sorted by chunk, chunks by destination: one slice per destination
+        if not chunk.numel():
             continue
-        d = bit_views[i]
-        pos, vals = items_pos[first:first + n], vals_by_size[esizes[i]][first:first + n]
-        first += n
-        if contiguous[i]:
-            d.view(-1)[pos] = vals
-        else:
-            _write_flat(d, pos, vals)
+        cut = torch.searchsorted(owner[chunk], bounds).tolist()
+        pos = start[chunk] + elem  # element index in the destination (row-major)
+        at = vbase[chunk]
+        for i, (lo, hi) in enumerate(zip(cut[:-1], cut[1:], strict=True)):
+            if hi == lo:
+                continue
+            e = esizes[i]
+            vals = msg.view(_INT[e])[at[lo:hi] // e + ridx[lo:hi]]
+            if contiguous[i]:
+                bit_views[i].view(-1)[pos[lo:hi]] = vals
+            else:
+                _write_flat(bit_views[i], pos[lo:hi], vals)
     for c in dense:
         i, a0, n0 = dr.chunks[c]
         e = esizes[i]

@@ -44,14 +44,19 @@ class Topology:
     # True: one network link per node, of net_GBps each way, shared by the node's ranks (a node with one NIC,
     # or an emulated node of testing.cluster); False: one NIC of net_GBps per GPU
     shared_nic: bool = False
+    # once per refit, before its first step: the handshake (an all-gather over every rank) and what a caller
+    # times around it; measured on an emulated cluster as a refit of 64 bytes less one step's latency
+    refit_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an int >= 1")
-        if not (self.nvlink_GBps > 0 and self.net_GBps > 0 and self.step_latency_s >= 0):
+        if not (self.nvlink_GBps > 0 and self.net_GBps > 0 and self.step_latency_s >= 0
+                and self.refit_latency_s >= 0):
             raise ValueError(
-                f"bandwidths must be > 0 and the latency >= 0, got nvlink_GBps={self.nvlink_GBps}, "
-                f"net_GBps={self.net_GBps}, step_latency_s={self.step_latency_s}"
+                f"bandwidths must be > 0 and the latencies >= 0, got nvlink_GBps={self.nvlink_GBps}, "
+                f"net_GBps={self.net_GBps}, step_latency_s={self.step_latency_s}, "
+                f"refit_latency_s={self.refit_latency_s}"
             )
 
     def node(self, rank: int) -> int:
@@ -108,11 +113,11 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     """Predicted time of a reshard that moves ``steps[i][(src, dst)]`` bytes in step ``i``.
 
     Pure: per step, the busiest port (``max over ranks of max(send, receive) / bandwidth`` for NVLink and the
-    network separately) plus ``topo.step_latency_s``; steps add up. Pass one mapping with all bytes for the
+    network separately) plus ``topo.step_latency_s``; steps add up, after ``topo.refit_latency_s`` once. Pass one mapping with all bytes for the
     unbucketed bound (``plan_phase_pair_bytes(plan)``: one mapping, or two when the plan relays), or one per
     schedule step (``schedule_pair_bytes``; a schedule's relay steps come after all others, phase 1).
     """
-    total, n_steps, worst, worst_rank, worst_port = 0.0, 0, -1.0, None, "nvlink"
+    total, n_steps, worst, worst_rank, worst_port = topo.refit_latency_s, 0, -1.0, None, "nvlink"
     nvl_bytes = net_bytes = 0
     nvl_rate, net_rate = topo.nvlink_GBps * GB, topo.net_GBps * GB
     for step in steps:  # per step, the port loads of all ranks as arrays (what ``port_loads`` gives, by rank)
