@@ -230,3 +230,24 @@ def test_cli_plan_instances_spread_the_trainer_sends(tmp_path, capsys):
     assert "without relay:" not in capsys.readouterr().out
     assert main(args[:-6] + ["--instances", "0"]) == 2
     assert "--instances 0" in capsys.readouterr().err
+
+
+def test_shared_nic_adds_up_the_ranks_of_a_node():
+    """One link per node (testing.cluster's nodes): two ranks of node 0 sending 1 GB each to node 1 take 2 s
+    at 1 GB/s, not 1 s as with a NIC per GPU; NVLink (inside a node) stays per rank."""
+    step = {(0, 2): 10**9, (1, 3): 10**9, (2, 3): 10**9}
+    per_gpu = Topology(gpus_per_node=2, nvlink_GBps=10.0, net_GBps=1.0, step_latency_s=0.0)
+    shared = Topology(gpus_per_node=2, nvlink_GBps=10.0, net_GBps=1.0, step_latency_s=0.0, shared_nic=True)
+    assert predict_seconds([step], per_gpu).seconds == pytest.approx(1.0)
+    p = predict_seconds([step], shared)
+    assert p.seconds == pytest.approx(2.0) and p.busiest_port == "net" and p.net_bytes == 2 * 10**9
+    assert predict_seconds([{(2, 3): 10**9}], shared).seconds == pytest.approx(0.1)
+
+
+def test_refit_latency_is_paid_once():
+    topo = Topology(gpus_per_node=2, nvlink_GBps=10.0, net_GBps=1.0, step_latency_s=0.001, refit_latency_s=0.01,
+                    shared_nic=True)
+    steps = [{(0, 2): 10**9}, {(2, 3): 10**9}]
+    assert predict_seconds(steps, topo).seconds == pytest.approx(0.01 + 1.0 + 0.001 + 0.1 + 0.001)
+    with pytest.raises(ValueError, match="refit_latency_s=-1"):
+        Topology(refit_latency_s=-1)

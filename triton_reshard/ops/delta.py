@@ -63,7 +63,6 @@ message of a version was packed (``Snapshot.capture``) when one source box goes 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -235,64 +234,106 @@ def _value_base(kind: torch.Tensor, body: torch.Tensor, count: torch.Tensor, num
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
                names: Sequence[str] | None = None) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source. Vectorized per pair (no per-chunk Python loop)."""
+    snapshot is brought up to date with its source. Vectorized over all pairs at once: the change masks of
+    every pair go into one buffer cut into whole chunks (each pair's last chunk zero-padded), so counting,
+    choosing the kinds, the bitmasks, the offsets and the value positions are a fixed number of tensor ops
+    whatever the number of pairs; per pair only its compare and its value gather remain (many small
+    tensors of a model cost ~2 ops each, not ~30)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
+    ce = chunk_elems
     flat = [(_bits(s).reshape(-1), _bits(p).reshape(-1)) for s, p in pairs]
-    changed = [s != p for s, p in flat]
     numels = [s.numel() for s, _ in flat]
-    chunks = chunk_list(numels, chunk_elems)
-    nchs = [-(-n // chunk_elems) for n in numels]
+    nchs = [-(-n // ce) for n in numels]
+    c0s = [0]
+    for nch in nchs:
+        c0s.append(c0s[-1] + nch)
+    nc = c0s[-1]
+    chunks = chunk_list(numels, ce)
     numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
-    esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64, device=device)
-    counts = [_chunk_counts(ch, chunk_elems) for ch, nc in zip(changed, nchs, strict=True) if nc]
-    count = torch.cat(counts) if counts else numel
+    esizes = [s.element_size() for s, _ in flat]
+    esize = torch.tensor([esizes[i] for i, _, _ in chunks], dtype=torch.int64, device=device)
+    mask = torch.empty(nc * ce, dtype=torch.bool, device=device)  # every element written below, once
+    for (s, p), c0, nch in zip(flat, c0s, nchs, strict=False):
+        if s.numel():
+            torch.ne(s, p, out=mask[c0 * ce:c0 * ce + s.numel()])
+            mask[c0 * ce + s.numel():(c0 + nch) * ce] = False  # the last chunk's padding
+    rows = mask.view(nc, ce)
+    idx = _nonzero(mask)  # every changed element (padded position): counts per chunk from it
+    shift = ce.bit_length() - 1 if ce & (ce - 1) == 0 else None  # the default chunk is a power of two
+    ch = idx >> shift if shift is not None else idx // ce
+    count = torch.bincount(ch, minlength=nc) if nc else numel
     kind, nbytes, offsets, total = _message_layout(numel, count, esize)
     msg = torch.zeros(total, dtype=torch.uint8, device=device)
-    _write_headers(msg, chunk_elems, numel, count, esize, kind, nbytes, offsets)
-    m16 = msg.view(torch.int16)
-    c0 = 0
-    for (src, _), ch, nch in zip(flat, changed, nchs, strict=True):
-        if not nch:
-            continue
-        e = src.element_size()
-        mv = msg.view(_INT[e])
-        cs = slice(c0, c0 + nch)
-        c0 += nch
-        k, body, cnt, nel = kind[cs], offsets[cs] + HEADER_BYTES, count[cs], numel[cs]
-        vbase = _value_base(k, body, cnt, nel)
-        # changed elements of the sparse chunks, in order: per chunk one slice of values (and offsets)
-        sparse = [(c, int(b), int(v), int(x)) for c, b, v, x, kk in zip(range(nch), body.tolist(), vbase.tolist(),
-                                                                        cnt.tolist(), k.tolist(), strict=True)
-                  if kk != KIND_DENSE and x]
-        if sparse:
-            sel = ch
-            if len(sparse) < nch:  # leave the dense chunks' elements out
-                sel = ch.clone()
-                for c in (k == KIND_DENSE).nonzero().squeeze(1).tolist():
-                    sel[c * chunk_elems:(c + 1) * chunk_elems] = False
-            idx = sel.nonzero().squeeze(1)
-            vals = src[idx]
-            local = _wrap(idx % chunk_elems, 16, torch.int16)
-            first = 0
-            for c, b, v, x in sparse:
-                mv[v // e:v // e + x] = vals[first:first + x]
-                if int(k[c]) == KIND_OFFSETS:
-                    m16[b // 2:b // 2 + x] = local[first:first + x]
-                first += x
-        # bitmask words of the bitmask chunks, built as bytes (little-endian words, LSB first)
-        bc = (k == KIND_BITMASK).nonzero().squeeze(1)
-        if bc.numel():
-            nw = -(-chunk_elems // 32)
-            rows = _chunk_rows(ch, chunk_elems, nch)[bc].view(torch.uint8)
-            rows = torch.nn.functional.pad(rows, (0, 32 * nw - chunk_elems)).view(-1, 4 * nw, 8)
-            wbytes = (rows * _BIT_WEIGHTS.to(device)).sum(2, dtype=torch.uint8)
-            for r, (o, n) in enumerate(zip(body[bc].tolist(), nel[bc].tolist(), strict=True)):
-                msg[o:o + 4 * ((n + 31) // 32)] = wbytes[r, :4 * ((n + 31) // 32)]
-        # every element of the dense chunks: one slice copy each
-        for c in (k == KIND_DENSE).nonzero().squeeze(1).tolist():
-            o, n = int(body[c]), int(nel[c])
-            mv[o // e:o // e + n] = src[c * chunk_elems:c * chunk_elems + n]
+    _write_headers(msg, ce, numel, count, esize, kind, nbytes, offsets)
+    if not nc:
+        return _finish_pack(msg, pairs, update)
+    body = offsets + HEADER_BYTES
+    vbase = _value_base(kind, body, count, numel)
+    # bitmask words of the bitmask chunks, built as bytes (little-endian words, LSB first), written at once
+    bc = (kind == KIND_BITMASK).nonzero().squeeze(1)
+    if bc.numel():
+        nw = -(-ce // 32)
+        wbytes = _packbits(rows[bc], 32 * nw)
+        col = torch.arange(4 * nw, device=device)
+        keep = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
+        msg[(body[bc][:, None] + col[None, :])[keep]] = wbytes[keep]
+    # every element of the dense chunks: one slice copy each; then their elements leave the sparse list
+    dense = (kind == KIND_DENSE).nonzero().squeeze(1).tolist()
+    for c in dense:
+        i, a, n = chunks[c]
+        e = esizes[i]
+        o = int(body[c])
+        msg.view(_INT[e])[o // e:o // e + n] = flat[i][0][a:a + n]
+    if dense:
+        keep = kind[ch] != KIND_DENSE
+        idx, ch = idx[keep], ch[keep]
+    # the changed elements of the sparse chunks, in order: their offsets and values, scattered at once
+    if idx.numel():
+        local = idx & (ce - 1) if shift is not None else idx - ch * ce
+        sparse_count = torch.where(kind == KIND_DENSE, torch.zeros_like(count), count)
+        r = torch.arange(idx.numel(), device=device) - (torch.cumsum(sparse_count, 0) - sparse_count)[ch]
+        off = kind[ch] == KIND_OFFSETS
+        msg.view(torch.int16)[(body[ch] // 2 + r)[off]] = _wrap(local[off], 16, torch.int16)
+        bounds = torch.searchsorted(idx, torch.tensor(c0s, dtype=torch.int64, device=device) * ce).tolist()
+        by_size: dict[int, list[tuple[int, int, int]]] = {}
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            if hi > lo:
+                by_size.setdefault(esizes[i], []).append((i, lo, hi))
+        for e, parts in by_size.items():
+            vals = torch.cat([flat[i][0][idx[lo:hi] - c0s[i] * ce] for i, lo, hi in parts])
+            sel = torch.cat([torch.arange(lo, hi, device=device) for _, lo, hi in parts]) if len(by_size) > 1 \
+                else slice(None)
+            msg.view(_INT[e])[(vbase[ch] // e + r)[sel]] = vals
+    return _finish_pack(msg, pairs, update)
+
+
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the set elements of a 1-D bool tensor (int64); on CPU numpy's, ~4x faster than torch's."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy())).to(torch.int64)
+    return mask.nonzero().squeeze(1)
+
+
+def _packbits(rows: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Bool rows (k, n <= nbits) as little-endian bit bytes (k, nbits // 8), LSB first; numpy's on CPU."""
+    if rows.device.type == "cpu":
+        return torch.from_numpy(np.packbits(rows.numpy(), axis=1, bitorder="little")).reshape(rows.shape[0], -1) \
+            if rows.shape[1] == nbits else \
+            torch.from_numpy(np.packbits(torch.nn.functional.pad(rows.view(torch.uint8), (0, nbits - rows.shape[1]))
+                                         .numpy(), axis=1, bitorder="little"))
+    brow = torch.nn.functional.pad(rows.view(torch.uint8), (0, nbits - rows.shape[1])).view(-1, nbits // 8, 8)
+    return (brow * _BIT_WEIGHTS.to(rows.device)).sum(2, dtype=torch.uint8)
+
+
+def _unpackbits(b: torch.Tensor) -> torch.Tensor:
+    """Bytes (n,) as their bits (n, 8) uint8, LSB first; numpy's on CPU."""
+    if b.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(b.numpy(), bitorder="little")).view(-1, 8)
+    return (b[:, None] >> torch.arange(8, dtype=torch.uint8, device=b.device)) & 1
+
+
+def _finish_pack(msg: torch.Tensor, pairs: Sequence[Pair], update: bool) -> torch.Tensor:
     if update:
         for s, p in pairs:
             _bits(p).copy_(_bits(s))
@@ -372,70 +413,72 @@ def _write_flat(d: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
 
 def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
     """Reference unpack: every chunk's values into its destination view, in place. The whole message
-    (headers and bodies) is checked before the first write. Vectorized per destination."""
+    (headers and bodies) is checked before the first write. Vectorized over all chunks of the message at
+    once; per destination one scatter (and a slice copy per dense chunk)."""
     dr = read_directory(msg, dsts, names)
     if not dr.chunks:
         return
     dev = msg.device
     numel = torch.tensor([n for _, _, n in dr.chunks], dtype=torch.int64, device=dev)
     start = torch.tensor([a for _, a, _ in dr.chunks], dtype=torch.int64, device=dev)
-    m16 = msg.view(torch.int16)
-    per_dst = Counter(j for j, _, _ in dr.chunks)
-    writes = []
-    c0 = 0
-    for i, d in enumerate(dsts):
-        nch = per_dst.get(i, 0)
-        if not nch:
+    owner = torch.tensor([i for i, _, _ in dr.chunks], dtype=torch.int64, device=dev)
+    bit_views = [_bits(d) for d in dsts]
+    contiguous = [d.is_contiguous() for d in bit_views]
+    esizes = [d.element_size() for d in dsts]
+    k, body, cnt, nel = dr.kind, dr.offsets + HEADER_BYTES, dr.count, numel
+    vbase = _value_base(k, body, cnt, nel)
+    zero = torch.zeros_like(cnt)
+    # offsets chunks
+    seg, r = ragged(torch.where(k == KIND_OFFSETS, cnt, zero))
+    o = msg.view(torch.int16)[body[seg] // 2 + r].to(torch.int64) & 0xFFFF
+    bad_o = torch.zeros_like(cnt).index_add_(0, seg, (o >= nel[seg]).to(torch.int64))
+    # bitmask chunks: popcount must be the header's count
+    isb = k == KIND_BITMASK
+    segw, w = ragged(torch.where(isb, 4 * ((nel + 31) // 32), zero))  # the bitmask bytes
+    wbytes = msg[body[segw] + w]
+    bitsm = _unpackbits(wbytes)  # (bytes, 8) uint8, LSB first
+    pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1, dtype=torch.int64))
+    flat_bits = _nonzero(bitsm.view(-1))
+    row = flat_bits // 8
+    sb = segw[row]
+    jb = w[row] * 8 + (flat_bits - row * 8)
+    rank = torch.arange(sb.numel(), device=dev) - (torch.cumsum(pop, 0) - pop)[sb]
+    bad = (bad_o > 0) | (isb & (pop != cnt))
+    if bool(bad.any()):
+        c = int(bad.to(torch.int8).argmax())
+        j, a0, n0 = dr.chunks[c]
+        raise ValueError(f"delta message: chunk {c} (destination {_name(names, j)}, elements {a0}..{a0 + n0 - 1}): "
+                         f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
+    # dense chunks: slice copies into contiguous destinations, scattered like the rest into the others
+    isd = k == KIND_DENSE
+    groups = [(seg, o, r), (sb, jb, rank)]  # (chunk, element in the chunk, index among its values) per item
+    dense = []
+    if bool(isd.any()):
+        scatter = isd & ~torch.tensor(contiguous, dtype=torch.bool, device=dev)[owner]
+        segd, jd = ragged(torch.where(scatter, nel, zero))
+        groups.append((segd, jd, jd))
+        dense = (isd & ~scatter).nonzero().squeeze(1).tolist()
+    bounds = torch.arange(len(dsts) + 1, dtype=torch.int64, device=dev)
+    for chunk, elem, ridx in groups:  # items sorted by chunk, chunks by destination: one slice per destination
+        if not chunk.numel():
             continue
-        cs = slice(c0, c0 + nch)
-        e, mv = d.element_size(), msg.view(_INT[d.element_size()])
-        k, body, cnt, nel, a = dr.kind[cs], dr.offsets[cs] + HEADER_BYTES, dr.count[cs], numel[cs], start[cs]
-        vbase = _value_base(k, body, cnt, nel)
-        zero = torch.zeros_like(cnt)
-        # offsets chunks
-        seg, r = ragged(torch.where(k == KIND_OFFSETS, cnt, zero))
-        o = m16[body[seg] // 2 + r].to(torch.int64) & 0xFFFF
-        bad_o = torch.zeros_like(cnt).index_add_(0, seg, (o >= nel[seg]).to(torch.int64))
-        pos, vals = [a[seg] + o], [mv[vbase[seg] // e + r]]
-        # bitmask chunks: popcount must be the header's count
-        isb = k == KIND_BITMASK
-        segw, w = ragged(torch.where(isb, 4 * ((nel + 31) // 32), zero))  # the bitmask bytes
-        wbytes = msg[body[segw] + w]
-        bitsm = (wbytes[:, None] >> _BIT_WEIGHTS.new_tensor(range(8)).to(dev)) & 1
-        pop = torch.zeros_like(cnt).index_add_(0, segw, bitsm.sum(1, dtype=torch.int64))
-        row, col = bitsm.nonzero(as_tuple=True)
-        sb = segw[row]
-        jb = w[row] * 8 + col
-        rank = torch.arange(sb.numel(), device=dev) - (torch.cumsum(pop, 0) - pop)[sb]
-        bad = (bad_o > 0) | (isb & (pop != cnt))
-        if bool(bad.any()):
-            c = c0 + int(bad.to(torch.int8).argmax())
-            j, a0, n0 = dr.chunks[c]
-            raise ValueError(f"delta message: chunk {c} (destination {_name(names, j)}, elements {a0}..{a0 + n0 - 1}): "
-                             f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
-        pos.append(a[sb] + jb)
-        vals.append(mv[vbase[sb] // e + rank])
-        # dense chunks: slice copies into a contiguous destination, else scattered like the rest
-        dense = [(int(x), int(y), int(z)) for x, y, z in zip(body[k == KIND_DENSE].tolist(),
-                                                              a[k == KIND_DENSE].tolist(),
-                                                              nel[k == KIND_DENSE].tolist(), strict=True)]
-        if not d.is_contiguous():
-            segd, jd = ragged(torch.where(k == KIND_DENSE, nel, zero))
-            pos.append(a[segd] + jd)
-            vals.append(mv[body[segd] // e + jd])
-            dense = []
-        writes.append((i, torch.cat(pos), torch.cat(vals), dense))
-        c0 += nch
-    for i, pos, vals, dense in writes:
-        d = _bits(dsts[i])
-        mv = msg.view(d.dtype)
-        if d.is_contiguous():
-            flat = d.view(-1)
-            flat[pos] = vals
-            for o, a0, n in dense:
-                flat[a0:a0 + n] = mv[o // d.element_size():o // d.element_size() + n]
-        else:
-            _write_flat(d, pos, vals)
+        cut = torch.searchsorted(owner[chunk], bounds).tolist()
+        pos = start[chunk] + elem  # element index in the destination (row-major)
+        at = vbase[chunk]
+        for i, (lo, hi) in enumerate(zip(cut[:-1], cut[1:], strict=True)):
+            if hi == lo:
+                continue
+            e = esizes[i]
+            vals = msg.view(_INT[e])[at[lo:hi] // e + ridx[lo:hi]]
+            if contiguous[i]:
+                bit_views[i].view(-1)[pos[lo:hi]] = vals
+            else:
+                _write_flat(bit_views[i], pos[lo:hi], vals)
+    for c in dense:
+        i, a0, n0 = dr.chunks[c]
+        e = esizes[i]
+        ob = int(body[c])
+        bit_views[i].view(-1)[a0:a0 + n0] = msg.view(_INT[e])[ob // e:ob // e + n0]
 
 
 def describe(msg: torch.Tensor) -> list[dict]:

@@ -10,6 +10,10 @@ what the first phase delivered, so they form a second phase: later steps of a sc
 the unbucketed bound. The model ignores congestion inside the network and the copy kernels (pack/unpack
 run at HBM speed, far above these links).
 
+``shared_nic=True`` gives each node one network link instead, shared by its ranks: a node's network time is
+the sum of its ranks' network bytes (each direction) over ``net_GBps``. That is the emulated cluster of
+:mod:`triton_reshard.testing.cluster` (one shaped veth per node) and any node with one NIC.
+
 Figures (per GPU, per direction, decimal GB/s):
 
 * ``h100``: 8 GPUs per node, NVLink 4 at 450 GB/s, one 400 Gb/s NIC per GPU = 50 GB/s.
@@ -37,14 +41,22 @@ class Topology:
     nvlink_GBps: float = 900.0
     net_GBps: float = 50.0
     step_latency_s: float = 50e-6  # per step: posting the sends/receives and waiting for the slowest peer
+    # True: one network link per node, of net_GBps each way, shared by the node's ranks (a node with one NIC,
+    # or an emulated node of testing.cluster); False: one NIC of net_GBps per GPU
+    shared_nic: bool = False
+    # once per refit, before its first step: the handshake (an all-gather over every rank) and what a caller
+    # times around it; measured on an emulated cluster as a refit of 64 bytes less one step's latency
+    refit_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an int >= 1")
-        if not (self.nvlink_GBps > 0 and self.net_GBps > 0 and self.step_latency_s >= 0):
+        if not (self.nvlink_GBps > 0 and self.net_GBps > 0 and self.step_latency_s >= 0
+                and self.refit_latency_s >= 0):
             raise ValueError(
-                f"bandwidths must be > 0 and the latency >= 0, got nvlink_GBps={self.nvlink_GBps}, "
-                f"net_GBps={self.net_GBps}, step_latency_s={self.step_latency_s}"
+                f"bandwidths must be > 0 and the latencies >= 0, got nvlink_GBps={self.nvlink_GBps}, "
+                f"net_GBps={self.net_GBps}, step_latency_s={self.step_latency_s}, "
+                f"refit_latency_s={self.refit_latency_s}"
             )
 
     def node(self, rank: int) -> int:
@@ -101,17 +113,17 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     """Predicted time of a reshard that moves ``steps[i][(src, dst)]`` bytes in step ``i``.
 
     Pure: per step, the busiest port (``max over ranks of max(send, receive) / bandwidth`` for NVLink and the
-    network separately) plus ``topo.step_latency_s``; steps add up. Pass one mapping with all bytes for the
+    network separately) plus ``topo.step_latency_s``; steps add up, after ``topo.refit_latency_s`` once. Pass one mapping with all bytes for the
     unbucketed bound (``plan_phase_pair_bytes(plan)``: one mapping, or two when the plan relays), or one per
     schedule step (``schedule_pair_bytes``; a schedule's relay steps come after all others, phase 1).
     """
-    total, n_steps, worst, worst_rank, worst_port = 0.0, 0, -1.0, None, "nvlink"
+    total, n_steps, worst, worst_rank, worst_port = topo.refit_latency_s, 0, -1.0, None, "nvlink"
     nvl_bytes = net_bytes = 0
     nvl_rate, net_rate = topo.nvlink_GBps * GB, topo.net_GBps * GB
     for step in steps:  # per step, the port loads of all ranks as arrays (what ``port_loads`` gives, by rank)
         n_steps += 1
         t_step = 0.0
-        ports = _step_ports(step, topo.gpus_per_node)
+        ports = _step_ports(step, topo.gpus_per_node, topo.shared_nic)
         if ports is not None:
             nvl, net, nvl_sent, net_sent = ports
             nvl_t, t = nvl / nvl_rate, np.maximum(nvl / nvl_rate, net / net_rate)
@@ -125,10 +137,11 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     return Prediction(total, n_steps, worst_rank, worst_port, nvl_bytes, net_bytes)
 
 
-def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
+def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int, shared_nic: bool = False):
     """One step's ``{(src, dst): bytes}`` as per-rank port loads: ``(max(NVLink send, receive), max(network
     send, receive))`` arrays indexed by rank (exact: float64 sums of int64 bytes far below 2**53), and the
-    NVLink and network bytes sent; None when nothing leaves a rank."""
+    NVLink and network bytes sent; None when nothing leaves a rank. ``shared_nic``: a rank's network load is
+    its node's (the sum over the node's ranks, each direction)."""
     if not step:
         return None
     if isinstance(step, StepPairBytes):  # a pair-rule schedule's step: already columns
@@ -150,7 +163,14 @@ def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int):
         return np.bincount(ranks[sel], weights=n[sel], minlength=size)
 
     nvl = np.maximum(port(s, nv), port(d, nv))
-    netl = np.maximum(port(s, net), port(d, net))
+    if shared_nic:
+        nodes = size // gpus_per_node + 1
+        sn, dn = s // gpus_per_node, d // gpus_per_node
+        per_node = np.maximum(np.bincount(sn[net], weights=n[net], minlength=nodes),
+                              np.bincount(dn[net], weights=n[net], minlength=nodes))
+        netl = per_node[np.arange(size) // gpus_per_node]
+    else:
+        netl = np.maximum(port(s, net), port(d, net))
     return nvl, netl, int(n[nv].sum()), int(n[net].sum())
 
 
@@ -179,3 +199,17 @@ def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
 def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:
     """Per step of a schedule, ``{(src, dst): bytes}`` (payload bytes, without alignment padding)."""
     return schedule.pair_bytes()  # (a pair-rule schedule answers from its columns)
+
+
+def node_link_bytes(pair_bytes: Mapping[tuple[int, int], int], ranks_per_node: int,
+                    nodes: int | None = None) -> list[tuple[int, int]]:
+    """Per node, ``(bytes sent to other nodes, bytes received from other nodes)`` of ``{(src, dst): bytes}``
+    with ranks ``[k*n, (k+1)*n)`` on node ``k``: what each node's link carries (payload, no protocol)."""
+    n_nodes = nodes if nodes is not None else 1 + max((max(s, d) // ranks_per_node for s, d in pair_bytes), default=0)
+    out = [[0, 0] for _ in range(n_nodes)]
+    for (s, d), n in pair_bytes.items():
+        a, b = s // ranks_per_node, d // ranks_per_node
+        if a != b and n:
+            out[a][0] += n
+            out[b][1] += n
+    return [(tx, rx) for tx, rx in out]

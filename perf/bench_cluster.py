@@ -1,0 +1,617 @@
+"""Refit across an emulated cluster (``triton_reshard.testing.cluster``): nodes as network namespaces behind
+``tbf``-shaped links, ranks inside them talking gloo over the node's link (between nodes) or loopback (inside).
+
+Settings (each a fresh cluster; every ratio below comes from one run of one cluster):
+
+* 2 nodes (trainer node 0 -> engine node 1), 3 nodes (trainer node 0 -> two engine instances on nodes 1 and
+  2) and 4 nodes (trainer nodes 0-1 -> two engine instances on nodes 2 and 3), ``--ranks-per-node`` ranks each
+  (default 2), links of ``--rates`` (default 1 and 10 Gbit/s).
+  ``--latencies``: one-way delay added per link (netem); kernels without netem run only with none added (the
+  veth's own latency, whose round trip is measured and reported).
+* models: the presets' ``small_llama`` (Megatron TP -> vLLM TP) and ``small_qwen3_moe`` (Megatron TPxEP ->
+  vLLM TP with expert parallelism), bf16; 4 nodes add PP2 on the trainer.
+* ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over one link
+  (a 32 MiB send), the round trip of a small message as each step's latency, and the time of a refit that
+  moves 64 bytes, less that round trip, as the fixed cost of a refit (``Topology.refit_latency_s``).
+
+Methods, each timed between barriers on every rank (the slowest rank's wall time; median of ``--repeats``),
+each into poisoned destinations checked bit for bit once, each with the bytes every node's interface counted:
+
+* ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing; with two engine
+  instances: relays spread the trainer's sends over the engines); ``ours-no-topology``: the same without
+  (3 and 4 nodes: every byte from the trainer over its links, once per engine);
+* ``allgather``: all-gather to full size on every rank, then slice (``tools.baselines.allgather_refit``);
+* ``gather-bcast``: gather every tensor on trainer rank 0, broadcast it to every engine rank, slice
+  (``tools.baselines.gather_broadcast_refit``: what SGLang's ``update_weights_from_distributed``, TRL and
+  OpenRLHF do);
+* ``link-limit``: the bytes the busiest node must receive from other nodes (each destination element once per
+  node) over the link rate;
+* ``delta`` (small_llama): real AdamW diffs: the HF Llama of the preset's config trained as in
+  ``perf/bench_delta.py`` (a Markov next-token task), then chains of ``--repeats`` optimizer steps at a learning
+  rate calibrated (bisection) so one step changes ``--fractions`` of the bf16 elements; per step a dense
+  refit and a delta refit of the same change on the same ranks (two Resharders), both checked bit for bit;
+* ``predicted``: the planner's time model (``tools.topology.predict_seconds``) for ``ours``, with the node's one
+  link shared by its ranks (``shared_nic=True``, what the emulation is) and, to show what that fixes, with a
+  NIC per rank; loopback bandwidth (inside a node) measured in the same run.
+
+    python perf/bench_cluster.py --out perf/results/bench_cluster.json --plot perf/results/bench_cluster.png
+    python perf/bench_cluster.py --smoke        # CI: 2 nodes, 1 Gbit/s, small_llama, one repeat (~1 min)
+
+Needs root and iproute2 (``triton_reshard.testing.cluster.available()`` says why not, in one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FRACTIONS = (0.005, 0.01, 0.02, 0.05)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layouts (the parent and every rank build the same ones)
+
+
+def layouts(model: str, nodes: int, rpn: int):
+    """(src layout, one engine's layout, engine instances) of ``model`` on ``nodes`` nodes of ``rpn`` ranks:
+    the trainer on the first ``nodes // 2`` nodes (Megatron TP = ``rpn``, PP = its nodes, EP = ``rpn`` for
+    MoE), one vLLM engine (TP = ``rpn``, EP for MoE) on each other node."""
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config(model)
+    moe = "moe" in model
+    trainer_nodes = nodes // 2
+    trainer_ranks = rpn * trainer_nodes
+    src = megatron_layout(cfg, tp=rpn, pp=trainer_nodes, ep=rpn if moe else 1, etp=1 if moe else None,
+                          ranks=range(trainer_ranks), dtype=torch.bfloat16)
+    dst = vllm_layout(cfg, tp=rpn, enable_expert_parallel=moe, ranks=range(trainer_ranks, trainer_ranks + rpn),
+                      dtype=torch.bfloat16)
+    return src, dst, nodes - trainer_nodes
+
+
+def globals_for(model: str, src) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {s.name: (torch.randn(s.shape, generator=g) * 0.02).to(s.dtype) for s in src.tensors}
+
+
+def link_limit_bytes(dst_full, rpn: int) -> int:
+    """The most bytes one node must receive from other nodes: every destination element its ranks hold, once
+    per node (the source ranks are on other nodes)."""
+    per_node: dict[int, int] = {}
+    for spec in dst_full.tensors:
+        masks: dict[int, torch.Tensor] = {}
+        for f in dst_full.fragments_by_tensor.get(spec.name, ()):
+            if not f.numel:
+                continue
+            m = masks.setdefault(f.rank // rpn, torch.zeros(spec.shape, dtype=torch.bool))
+            m[tuple(slice(o, o + n) for o, n in zip(f.offsets, f.sizes, strict=True))] = True
+        for node, m in masks.items():
+            per_node[node] = per_node.get(node, 0) + int(m.sum()) * spec.dtype.itemsize
+    return max(per_node.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# real AdamW diffs (small_llama): versions of the global tensors, chained
+
+
+def make_versions(model: str, fractions, repeats: int, warmup: int, path: str) -> dict:
+    """Train the HF model of ``model``'s config, then per fraction ``repeats`` AdamW steps at a learning rate
+    that changes about that fraction of the bf16 elements; write every version's bf16 tensors to ``path``
+    (safetensors) and return the versions' measured changed fractions."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "perf"))
+    from bench_delta import MarkovTask, bf16_bits
+
+    from triton_reshard.presets import get_config
+
+    cfg = {k: v for k, v in get_config(model).items() if k != "model_type"}
+    torch.set_num_threads(1)  # on a shared 2-core machine more threads spin: one step 0.16 s -> 3-7 s
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(LlamaConfig(**cfg, max_position_embeddings=64)).float()
+    task = MarkovTask(cfg["vocab_size"])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step(opt) -> None:
+        x = task.batch(8, 32)
+        loss = net(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step(opt)
+
+    def changed_after(lr: float) -> float:  # one step from a copy of the state, undone afterwards
+        saved = {n: p.detach().clone() for n, p in net.named_parameters()}
+        st = {k: v for k, v in opt.state_dict().items()}
+        before = bf16_bits(net)
+        o = torch.optim.AdamW(net.parameters(), lr=lr)
+        o.load_state_dict(st)
+        for gr in o.param_groups:
+            gr["lr"] = lr
+        step(o)
+        after = bf16_bits(net)
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                p.copy_(saved[n])
+        opt.load_state_dict(st)
+        return sum(int((after[n] != before[n]).sum()) for n in after) / sum(t.numel() for t in after.values())
+
+    tensors = {f"v0/{n}": p.detach().to(torch.bfloat16).contiguous() for n, p in net.named_parameters()}
+    prev = bf16_bits(net)
+    rows, v = [], 0
+    for frac in fractions:
+        lo, hi = 1e-9, 1e-3
+        for _ in range(10):  # bisection in log space on the learning rate
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if changed_after(mid) < frac else (lo, mid)
+        lr = math.sqrt(lo * hi)
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        for _ in range(repeats):
+            step(opt)
+            v += 1
+            cur = bf16_bits(net)
+            ch = sum(int((cur[n] != prev[n]).sum()) for n in cur) / sum(t.numel() for t in cur.values())
+            prev = cur
+            tensors.update({f"v{v}/{n}": p.detach().to(torch.bfloat16).contiguous()
+                            for n, p in net.named_parameters()})
+            rows.append({"version": v, "target": frac, "lr": lr, "changed": ch})
+    save_file(tensors, path)
+    return {"path": path, "versions": rows}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rank side
+
+
+def _timed(fn, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    from triton_reshard.testing.cluster import link_counters
+
+    secs, link = [], None
+    for _ in range(repeats):
+        dist.barrier()
+        c0 = link_counters()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        secs.append(time.perf_counter() - t0)
+        link = (link_counters() - c0).as_dict()
+    return {"seconds": secs, "link": link}
+
+
+def _exact(layout, rank: int, dst: dict, pub: dict) -> bool:
+    """Every element ``layout`` puts on ``rank`` equals the global tensor's, bit for bit (padding is not
+    compared: nobody writes it)."""
+    from triton_reshard.layout import box_slices
+
+    for f in layout.fragments_on_rank(rank):
+        if not f.numel:
+            continue
+        loff, lsize = f.local_box(f.offsets, f.sizes)
+        got = dst[f.local][box_slices(loff, lsize)].reshape(f.sizes)
+        if not torch.equal(got.view(torch.int16), pub[f.tensor][box_slices(f.offsets, f.sizes)].view(torch.int16)):
+            return False
+    return True
+
+
+def _poison(tensors: dict) -> dict:
+    for t in tensors.values():
+        t.view(torch.int16).fill_(-1)
+    return tensors
+
+
+def _probe(rank: int, rpn: int) -> dict:
+    """Loopback (rank 0 -> 1, same node) and link (rank 0 -> rpn, next node) bandwidth, 32 MiB each."""
+    import torch.distributed as dist
+
+    out = {}
+    buf = torch.zeros(8 << 20)
+    for name, peer in (("loopback", 1), ("link", rpn)):
+        if peer >= dist.get_world_size() or (name == "loopback" and rpn < 2):
+            continue
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, peer)
+            dist.recv(buf[:1], peer)
+        elif rank == peer:
+            dist.recv(buf, 0)
+            dist.send(buf[:1], 0)
+        out[name] = buf.numel() * 4 / (time.perf_counter() - t0)
+        dist.barrier()
+    # round trip of a small message over the link
+    small = torch.zeros(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        if rank == 0:
+            dist.send(small, rpn)
+            dist.recv(small, rpn)
+        elif rank == rpn:
+            dist.recv(small, 0)
+            dist.send(small, 0)
+    out["rtt_s"] = (time.perf_counter() - t0) / 20
+    return out
+
+
+def _tiny(rank: int, world: int, rpn: int, timeout: float) -> list[float]:
+    """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
+    of one refit step (handshake, a round of messages, the barriers around it)."""
+    from triton_reshard import Layout, Shard, refit
+
+    src = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn)), [Shard(0)], torch.bfloat16)
+    dst = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn, 2 * rpn)), [Shard(1)], torch.bfloat16)
+    s = {"t": torch.zeros(2, 16, dtype=torch.bfloat16)} if rank < rpn else {}
+    d = dst.allocate(rank) if rpn <= rank < 2 * rpn else {}
+    refit(s, d, src, dst, timeout=timeout)
+    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), 7)["seconds"]
+
+
+def bench_rank(rank: int, world: int, spec: dict) -> dict:
+    import torch.distributed as dist
+
+    from triton_reshard import refit
+    from triton_reshard.tools.baselines import allgather_refit, gather_broadcast_refit
+
+    nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
+    out: dict = {"rank": rank, "probe": _probe(rank, rpn), "models": {}, "tiny": _tiny(rank, world, rpn, timeout)}
+    for model in spec["models"]:
+        src, dst, inst = layouts(model, nodes, rpn)
+        full_dst = dst.instances(inst) if inst > 1 else dst
+        pub = globals_for(model, src)
+        src_t = src.shard(pub, rank) if rank in src.ranks else {}
+        res: dict = {}
+        methods = {"ours": dict(gpus_per_node=rpn, instances=inst)}
+        if inst > 1:
+            methods["ours-no-topology"] = dict(gpus_per_node=None, relay=False, instances=inst)
+        for name, kw in methods.items():
+            d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+            refit(src_t, d, src, dst, timeout=timeout, **kw)  # warm: plan, buffers, connections
+            ok = _exact(full_dst, rank, d, pub)
+            res[name] = {**_timed(lambda d=d, kw=kw, s=src_t, a=src, b=dst: refit(s, d, a, b, timeout=timeout, **kw),
+                                  reps),
+                         "exact": ok}
+        for name, fn in (("allgather", allgather_refit), ("gather-bcast", gather_broadcast_refit)):
+            d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+            fn(src_t, d, src, full_dst, timeout=timeout)
+            ok = _exact(full_dst, rank, d, pub)
+            res[name] = {**_timed(lambda d=d, fn=fn, s=src_t, a=src, b=full_dst: fn(s, d, a, b, timeout=timeout),
+                                  max(1, reps // 2)), "exact": ok}
+        if spec.get("delta") and model == spec["delta"]["model"]:
+            res["delta"] = _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout)
+        out["models"][model] = res
+        dist.barrier()
+    return out
+
+
+def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
+    from safetensors.torch import load_file
+
+    from triton_reshard import Resharder, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+
+    data = load_file(spec["delta"]["path"])
+    versions = spec["delta"]["versions"]
+
+    def version(v: int) -> dict:
+        return {n.split("/", 1)[1]: t for n, t in data.items() if n.startswith(f"v{v}/")}
+
+    groups = dst.instance_groups(inst) if inst > 1 else None
+    plan = plan_reshard(src, full_dst, False, rpn, None, groups, rank=rank)
+    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
+    pub = version(0)
+    src_t = src.shard(pub, rank) if rank in src.ranks else {}
+    d_dense = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_delta = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    r_dense.run(src_t, d_dense)
+    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))  # the first is dense: it captures the snapshot
+    rows = []
+    for row in versions:
+        v = row["version"]
+        pub = version(v)
+        for n, t in (src.shard(pub, rank) if rank in src.ranks else {}).items():
+            src_t[n].copy_(t)
+        a = _timed(lambda: r_dense.run(src_t, d_dense), 1)
+        rep: dict = {}
+        b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
+                                                                       delta=DeltaRequest(v, held=v - 1))), 1)
+        r = rep["r"]
+        rows.append({**row, "dense": a, "delta": b, "mode": r.mode, "sent": r.sent_bytes,
+                     "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds, "wire_s": r.wire_seconds,
+                     "unpack_s": r.unpack_seconds, "exact": _exact(full_dst, rank, d_dense, pub) and _exact(full_dst, rank, d_delta, pub)})
+    return rows
+
+
+def big_rank(rank: int, world: int, spec: dict) -> dict:
+    """``--big-model``: dense vs delta refits of a larger preset model on 2 nodes, the changes uniform low-bit
+    flips of ``fraction`` of each source shard's elements (seeded per rank and version: part 1 of
+    ``perf/bench_delta.py`` showed such masks give the bytes of real AdamW masks); the delta destination is
+    compared bit for bit with the dense one after every refit."""
+    from triton_reshard import Resharder, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+
+    rpn, timeout = spec["rpn"], spec["timeout"]
+    src, dst, _ = layouts(spec["model"], 2, rpn)
+    plan = plan_reshard(src, dst, False, rpn, None, None, rank=rank)
+    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
+    g = torch.Generator().manual_seed(rank)
+    src_t = {n: (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) for n, t in src.allocate(rank).items()} \
+        if rank in src.ranks else {}
+    d_dense = _poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    d_delta = _poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    r_dense.run(src_t, d_dense)
+    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))
+    rows, v = [], 0
+    for frac in spec["fractions"]:
+        for _ in range(spec["repeats"]):
+            v += 1
+            gf = torch.Generator().manual_seed(1000 * v + rank)
+            for t in src_t.values():
+                t.view(torch.int16)[torch.rand(t.shape, generator=gf) < frac] ^= 1
+            a = _timed(lambda: r_dense.run(src_t, d_dense), 1)
+            rep: dict = {}
+            b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
+                                                                           delta=DeltaRequest(v, held=v - 1))), 1)
+            r = rep["r"]
+            same = all(torch.equal(d_dense[n].view(torch.int16), d_delta[n].view(torch.int16)) for n in d_dense)
+            rows.append({"target": frac, "changed": frac, "version": v, "dense": a, "delta": b, "mode": r.mode,
+                         "sent": r.sent_bytes, "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds,
+                         "wire_s": r.wire_seconds, "unpack_s": r.unpack_seconds, "exact": same})
+    return {"rank": rank, "delta": rows}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parent
+
+
+def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float,
+              calib: dict | None = None) -> dict:
+    from triton_reshard import plan_reshard
+    from triton_reshard.tools.topology import Topology, plan_phase_pair_bytes, predict_seconds
+
+    src, dst, inst = layouts(model, nodes, rpn)
+    groups = dst.instance_groups(inst) if inst > 1 else None
+    full = dst.instances(inst) if inst > 1 else dst
+    plan = plan_reshard(src, full, False, rpn, None, groups)
+    out = {}
+    for name, shared in (("shared_link", True), ("nic_per_rank", False)):
+        topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=rate_bps / 8 / 1e9,
+                        step_latency_s=latency_s, shared_nic=shared)
+        out[name] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+    if calib:  # the link rate gloo reached and the measured cost of a refit step, from the same cluster
+        topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=calib["link_Bps"] / 1e9,
+                        step_latency_s=calib["rtt_s"], refit_latency_s=max(0.0, calib["step_s"] - calib["rtt_s"]),
+                        shared_nic=True)
+        out["calibrated"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+    out["link_limit_bytes"] = link_limit_bytes(full, rpn)
+    out["model_bytes"] = sum(math.prod(s.shape) * s.dtype.itemsize for s in src.tensors)
+    return out
+
+
+def summarize(setting: dict, results: list, preds: dict) -> dict:
+    """Per model and method: the slowest rank's median seconds, per-node link bytes, exactness, ratios."""
+    nodes, rpn = setting["nodes"], setting["rpn"]
+    rate = setting["rate_bps"]
+    out = {}
+    for model in results[0]["models"]:
+        per = [r["models"][model] for r in results]
+        pr = preds[model]
+        limit = pr["link_limit_bytes"] * 8 / rate
+        row = {"link_limit_s": limit, "model_bytes": pr["model_bytes"], "link_limit_bytes": pr["link_limit_bytes"],
+               "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
+               "predicted_calibrated_s": pr.get("calibrated"), "methods": {}}
+        for m in per[0]:
+            if m == "delta":
+                continue
+            reps = len(per[0][m]["seconds"])
+            secs = statistics.median(max(p[m]["seconds"][i] for p in per) for i in range(reps))
+            row["methods"][m] = {
+                "seconds": secs, "over_link_limit": secs / limit, "exact": all(p[m]["exact"] for p in per),
+                "node_tx": [per[n * rpn][m]["link"]["tx"] for n in range(nodes)],
+                "node_rx": [per[n * rpn][m]["link"]["rx"] for n in range(nodes)]}
+        if "delta" in per[0]:
+            row["delta"] = summarize_delta(per)
+        out[model] = row
+    return out
+
+
+def summarize_delta(per: list) -> dict:
+    """Delta rows of every rank (``per[rank]["delta"]``) as the slowest rank's times per version, and per
+    changed fraction the medians and the speed-up."""
+    drows = []
+    for i, d in enumerate(per[0]["delta"]):
+        drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
+                      "dense_s": max(p["delta"][i]["dense"]["seconds"][0] for p in per),
+                      "delta_s": max(p["delta"][i]["delta"]["seconds"][0] for p in per),
+                      "sent": sum(p["delta"][i]["sent"] for p in per),
+                      "dense_sent": sum(p["delta"][i]["dense_sent"] for p in per),
+                      "modes": sorted({p["delta"][i]["mode"] for p in per}),
+                      "exact": all(p["delta"][i]["exact"] for p in per),
+                      "pack_s": max(p["delta"][i]["pack_s"] for p in per),
+                      "unpack_s": max(p["delta"][i]["unpack_s"] for p in per),
+                      "wire_s": max(p["delta"][i]["wire_s"] for p in per)})
+    by: dict = {}
+    for d in drows:
+        by.setdefault(d["target"], []).append(d)
+    return {"rows": drows, "by_fraction": {
+        str(f): {"changed": statistics.fmean(d["changed"] for d in ds),
+                 "dense_s": statistics.median(d["dense_s"] for d in ds),
+                 "delta_s": statistics.median(d["delta_s"] for d in ds),
+                 "speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(d["delta_s"] for d in ds),
+                 "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
+                 "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]})}
+        for f, ds in by.items()}}
+
+
+def print_setting(s: dict, summ: dict) -> None:
+    print(f"== {s['nodes']} nodes x {s['rpn']} ranks, {s['rate_bps'] / 1e9:g} Gbit/s, latency "
+          f"{s['latency_s'] * 1e6:g} us added (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
+          f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
+          f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
+    for model, row in summ.items():
+        print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms, "
+              f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f}; "
+              f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f})")
+        for m, r in row["methods"].items():
+            print(f"    {m:18s} {r['seconds'] * 1e3:8.1f} ms  {r['over_link_limit']:5.2f}x link limit  exact "
+                  f"{r['exact']}  node tx {[round(x / 1e6, 2) for x in r['node_tx']]} MB")
+        for f, d in row.get("delta", {}).get("by_fraction", {}).items():
+            print(f"    delta {100 * float(f):4.1f} % (measured {100 * d['changed']:.2f} %): {d['delta_s'] * 1e3:.1f} ms vs "
+                  f"dense {d['dense_s'] * 1e3:.1f} ms = {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of "
+                  f"dense, exact {d['exact']} {d['modes']}", flush=True)
+
+
+def run(args) -> dict:
+    from triton_reshard.testing.cluster import Cluster, available, capabilities, parse_rate, parse_seconds
+
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"bench_cluster: {why}")
+    lats = [parse_seconds(x) for x in args.latencies]
+    if any(lats) and not capabilities()["netem"]:
+        print(f"bench_cluster: latencies {[x for x, v in zip(args.latencies, lats, strict=True) if v]} skipped: this "
+              f"kernel has no netem", flush=True)
+        lats = [x for x in lats if not x] or [0.0]
+    tmp = tempfile.mkdtemp(prefix="bench_cluster-")
+    delta = None
+    if args.delta_model:
+        t0 = time.perf_counter()
+        delta = make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
+                              os.path.join(tmp, "versions.safetensors"))
+        delta["model"] = args.delta_model
+        print(f"versions: {[(r['version'], round(100 * r['changed'], 2)) for r in delta['versions']]} "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    out = {"settings": [], "delta_versions": delta["versions"] if delta else None}
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'perf'}:{os.environ.get('PYTHONPATH', '')}"}
+    for nodes in ([] if args.skip_settings else args.nodes):
+        for rate in args.rates:
+            for lat in lats:
+                rate_bps = parse_rate(rate)
+                spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats,
+                        "timeout": args.timeout, "models": args.models, "delta": delta}
+                t0 = time.perf_counter()
+                with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat) as c:
+                    r = c.run("bench_cluster:bench_rank", spec, timeout=args.timeout * 6, pg_timeout=args.timeout,
+                              env=env)
+                probe = r.results[0]["probe"]
+                probe.update({k: v for k, v in r.results[1]["probe"].items() if k not in probe})
+                setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
+                           "probe": probe, "wall_s": time.perf_counter() - t0}
+                tiny = [max(x["tiny"][i] for x in r.results) for i in range(len(r.results[0]["tiny"]))]
+                probe["refit_step_s"] = statistics.median(tiny)
+                calib = {"link_Bps": probe.get("link", rate_bps / 8), "step_s": probe["refit_step_s"],
+                         "rtt_s": probe["rtt_s"]}
+                preds = {m: predicted(m, nodes, args.ranks_per_node, rate_bps, probe.get("loopback", 5e9),
+                                      lat + 50e-6, calib) for m in args.models}
+                summ = summarize(setting, r.results, preds)
+                print_setting(setting, summ)
+                out["settings"].append({**setting, "models": summ})
+    if args.big_model:
+        spec = {"rpn": args.ranks_per_node, "timeout": args.timeout, "model": args.big_model,
+                "fractions": args.fractions, "repeats": args.delta_repeats}
+        rate_bps = parse_rate(args.rates[0])
+        with Cluster(2, args.ranks_per_node, rate=rate_bps) as c:
+            r = c.run("bench_cluster:big_rank", spec, timeout=args.timeout * 10, pg_timeout=args.timeout, env=env)
+        src, _, _ = layouts(args.big_model, 2, args.ranks_per_node)
+        mbytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in src.tensors)
+        rows = summarize_delta([{"delta": x["delta"]} for x in r.results])
+        out["big"] = {"model": args.big_model, "model_bytes": mbytes, "rate_bps": rate_bps,
+                      "link_limit_s": mbytes * 8 / rate_bps, **rows}
+        print(f"== {args.big_model} ({mbytes / 1e6:.0f} MB), 2 nodes, {rate_bps / 1e9:g} Gbit/s, uniform flips:")
+        for f, d in rows["by_fraction"].items():
+            print(f"    delta {100 * float(f):4.1f} %: {d['delta_s'] * 1e3:.1f} ms vs dense {d['dense_s'] * 1e3:.1f} ms "
+                  f"= {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of dense, exact {d['exact']} "
+                  f"{d['modes']}", flush=True)
+    return out
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = res["settings"]
+    models = list(sets[0]["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    methods = ["ours", "ours-no-topology", "gather-bcast", "allgather"]
+    for ax, model in zip(axes[0], models, strict=True):
+        labels = [f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G" for s in sets]
+        w = 0.8 / len(methods)
+        for k, m in enumerate(methods):
+            ys = [s["models"][model]["methods"].get(m, {}).get("over_link_limit", 0) for s in sets]
+            ax.bar([i + k * w for i in range(len(sets))], ys, w, label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="link limit")
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(sets))], labels)
+        ax.set_ylabel("refit time / link limit")
+        ax.set_yscale("log")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+    ap.add_argument("--latencies", nargs="+", default=["0", "1ms"])
+    ap.add_argument("--models", nargs="+", default=["small_llama", "small_qwen3_moe"])
+    ap.add_argument("--delta-model", default="small_llama", help="'' for none")
+    ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    ap.add_argument("--delta-repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--big-model", default="", help="also dense vs delta (uniform flips) of this preset on 2 nodes "
+                                                     "at the first rate, e.g. llama_demo (~400 MB bf16)")
+    ap.add_argument("--skip-settings", action="store_true", help="only --big-model")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--smoke", action="store_true", help="CI: 2 nodes, 1 Gbit/s, small_llama, 1 repeat")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args(argv)
+    for opt, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None and not path.resolve().parent.is_dir():
+            print(f"bench_cluster: {opt} {path}: folder {path.resolve().parent} does not exist", file=sys.stderr)
+            return 2
+    if args.smoke:
+        args.nodes, args.rates, args.latencies, args.models = [2], ["1gbit"], ["0"], ["small_llama"]
+        args.fractions, args.delta_repeats, args.warmup, args.repeats = [0.02], 1, 3, 1
+    res = run(args)
+    res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "torch": torch.__version__, "platform": platform.platform()}
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1, default=str))
+    if args.plot:
+        plot(res, str(args.plot))
+    bad = [(s["nodes"], s["rate_bps"], m, k) for s in res["settings"] for m, row in s["models"].items()
+           for k, r in row["methods"].items() if not r["exact"]]
+    bad += [(s["nodes"], s["rate_bps"], m, "delta") for s in res["settings"] for m, row in s["models"].items()
+            if "delta" in row and not all(d["exact"] for d in row["delta"]["rows"])]
+    if "big" in res and not all(d["exact"] for d in res["big"]["rows"]):
+        bad.append(("big", res["big"]["model"]))
+    if bad:
+        print(f"bench_cluster: NOT bit-exact: {bad}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
