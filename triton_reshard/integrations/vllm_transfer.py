@@ -33,6 +33,7 @@ post-processing to see whether the parameters still hold it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -85,17 +86,24 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
     shapes = {t.name: t.shape for t in src_layout.tensors}
     part = None
     if model is not None:
-        mode = choose_mode(model, mode, group.rank)
-        if mode == "reload":
-            with model_format_params(model):
+        try:
+            mode = choose_mode(model, mode, group.rank)
+            if mode == "reload":
+                with model_format_params(model):
+                    rec = record_vllm(model, shapes, rank_in_group)
+                rec.raise_on_problems()
+                rec = staging_record(rec)
+            else:
                 rec = record_vllm(model, shapes, rank_in_group)
-            rec.raise_on_problems()
-            rec = staging_record(rec)
-        else:
-            rec = record_vllm(model, shapes, rank_in_group)
-            rec.raise_on_problems()
-        part = (rec, mode)
+                rec.raise_on_problems()
+            part = (rec, mode)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+            part = ("error", f"{type(e).__name__}: {e}")  # every member learns why, nobody waits for a timeout
     got = [r for r in group.all_gather_object(part) if r is not None]
+    errors = [r[1] for r in got if r[0] == "error"]
+    if errors:
+        raise RuntimeError(f"rank {group.rank}: the refit group's rendezvous was refused by the engine workers: "
+                           + " | ".join(errors))
     modes = {m for _, m in got}
     mode = "reload" if "reload" in modes else "inplace"
     src, dst = plan_pair(group, src_layout, layout_from_records([r for r, _ in got]))
@@ -368,8 +376,13 @@ if WeightTransferEngine is not None:
             self.group = init_refit_group(init_info.host, init_info.port, rank, init_info.world_size,
                                           backend=init_info.group_backend, timeout=init_info.timeout,
                                           secret=secret, insecure=init_info.insecure)
-            self.src_layout, self.dst_layout, self.mode = _rendezvous(self.group, None, self.model, rank,
-                                                                     init_info.mode)
+            try:
+                self.src_layout, self.dst_layout, self.mode = _rendezvous(self.group, None, self.model, rank,
+                                                                         init_info.mode)
+            except BaseException:
+                self.group.destroy()
+                self.group = None
+                raise
             self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode)
             self.last_report = None
             self.last_update: dict = {"mode": self.mode}
@@ -563,7 +576,15 @@ if WeightTransferEngine is not None:
                                          backend=init_info.group_backend, timeout=init_info.timeout,
                                          secret=secret, insecure=init_info.insecure)
             part = (init_info.layout,) if eng.is_sender else None
-            eng.src_layout, eng.dst_layout, eng.mode = _rendezvous(eng.group, part, None, init_info.rank)
+            try:
+                eng.src_layout, eng.dst_layout, eng.mode = _rendezvous(eng.group, part, None, init_info.rank)
+            except BaseException:
+                if rpc is not None:  # the workers fail the same init: let their answer arrive, then raise ours
+                    with contextlib.suppress(BaseException):
+                        rpc.join(min(init_info.timeout, 30.0))
+                eng.group.destroy()
+                eng.group = None
+                raise
             eng.groups = group_layouts(eng.src_layout, eng.dst_layout, eng.mode)
             if rpc is not None:
                 rpc.join(init_info.timeout)
