@@ -162,7 +162,8 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
         rows.append(row)
         log(f"[{method}] iter {it}: reward {row['reward']:.3f}  gen {t_gen:.2f}s  train {t_train:.2f}s  "
             f"refit {t_refit:.3f}s ({100 * row['refit_share']:.1f} %)  sent {row['sent_bytes'] / 1e6:.2f} MB  "
-            f"changed {100 * row['changed_frac']:.2f} %  mismatch max {row['mismatch_max']:.3f} "
+            f"changed {100 * row['changed_frac']:.2f} %  worker wire {row['worker_refit_s']:.3f}s load "
+            f"{row['worker_load_s']:.3f}s  mismatch max {row['mismatch_max']:.3f} "
             f"mean {row['mismatch_mean']:.4f}")
     return rows
 
@@ -188,7 +189,7 @@ def setup(args, tmp: str):
     model.save_pretrained(ckpt)
     llm = ej.start_engine(ckpt, args.tp, max_model_len=64)
     trainer = Trainer(model, args.lr)
-    eng = ej.trainer_engine(llm, trainer.tensors(), args.mode, timeout=300)
+    eng = ej.trainer_engine(llm, trainer.tensors(), args.mode, timeout=300, staging_bytes=args.staging_mb << 20)
     return llm, trainer, eng, ckpt
 
 
@@ -205,6 +206,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", default="reshard", choices=["reshard", "delta", "broadcast"])
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"], help="the workers' mode")
+    ap.add_argument("--staging-mb", type=int, default=64,
+                    help="reload mode: layer groups merged up to this many MB of checkpoint per refit")
     ap.add_argument("--verify", action="store_true",
                     help="at the end, check the engine against vLLM's own reload of the trainer's weights")
     ap.add_argument("--json", default=None, help="write the per-iteration rows here")
@@ -212,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import engine_jobs as ej
+
     args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rl_loop_") as tmp:
         llm, trainer, eng, ckpt = setup(args, tmp)
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
               f"{sum(t.numel() for t in trainer.tensors().values()) / 1e6:.1f}M parameters")
         rows = run(llm, eng, trainer, args, args.method)
         verified = verify(llm, trainer, tmp, ckpt) if args.verify else None
-        eng.shutdown()
+        ej.stop(llm, eng)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "verified": verified}, f, indent=1)

@@ -84,7 +84,9 @@ def main(argv=None) -> int:
             trainer.__init__(trainer.model, args.lr)  # fresh masters and optimizer
             eng.send_weights(version=f"reset-{m}")  # the engine back to the initial weights
             rows += rl_loop.run(llm, eng, trainer, args, m)
-        eng.shutdown()
+        import engine_jobs
+
+        engine_jobs.stop(llm, eng)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     print(f"bench_rl_loop: {time.perf_counter() - t00:.0f} s in all")

@@ -93,7 +93,7 @@ def hf_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
     return lp[torch.arange(len(ids)), torch.tensor(ids)].tolist()
 
 
-def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.0):
+def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.0, staging_bytes: int = 64 << 20):
     """The trainer side (one rank holding every tensor in full): our backend's trainer engine through vLLM's
     trainer factory, meeting the engine's workers in a refit group."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -106,9 +106,23 @@ def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.
     tp = llm.llm_engine.vllm_config.parallel_config.world_size
     layout = replicated_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], [0])
     info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=free_port(), world_size=1 + tp,
-                                     num_trainer_ranks=1, layout=layout, timeout=timeout, mode=mode)
+                                     num_trainer_ranks=1, layout=layout, timeout=timeout, mode=mode,
+                                     staging_bytes=staging_bytes)
     return WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm),
                                                      source=vt.TensorsSource(tensors))
+
+
+def stop(llm, eng=None) -> None:
+    """Close the refit group on both sides (the workers through vLLM's ``shutdown_weight_transfer_engine``),
+    then the engine's processes (explicitly: leaving it to interpreter exit hung once, waiting for them)."""
+    if eng is not None:
+        eng.shutdown()
+    try:
+        llm.shutdown_weight_transfer_engine()
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
 
 def two_jobs(args) -> dict:
@@ -139,7 +153,7 @@ def two_jobs(args) -> dict:
         out["inplace_refusal_s"] = time.perf_counter() - t0
         out["after_refusal_serves"] = generate(llm, PROMPTS) == before
     try:
-        eng = trainer_engine(llm, tensors, args.mode)
+        eng = trainer_engine(llm, tensors, args.mode, staging_bytes=64 << 10)  # one refit per layer group
     except Exception as e:  # noqa: BLE001 (a refusal is a result the test checks)
         out["init_error"] = f"{type(e).__name__}: {e}"
         return out
@@ -202,7 +216,7 @@ def two_jobs(args) -> dict:
         got = generate(llm, PROMPTS)
         llm.collective_rpc("reload_weights", kwargs={"weights_path": e, "is_checkpoint_format": True})
         out["broadcast_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
-    eng.shutdown()
+    stop(llm, eng)
     return out
 
 

@@ -253,12 +253,27 @@ def stage_groups(layout: Layout) -> list[list[str]]:
     return groups + ([post] if post else [])
 
 
-def group_layouts(src: Layout, dst: Layout, mode: str) -> list[tuple[list[str], Layout, Layout]]:
-    """The refits of one update: one for the whole model in place; one per layer group in reload mode (both
-    sides compute the same list from the same layouts)."""
+def group_layouts(src: Layout, dst: Layout, mode: str, staging_bytes: int = 64 << 20
+                  ) -> list[tuple[list[str], Layout, Layout]]:
+    """The refits of one update: one for the whole model in place; in reload mode consecutive layer groups
+    (:func:`stage_groups`) merged while their checkpoint tensors' bytes stay within ``staging_bytes`` (a group
+    bigger than that is one refit of its own): staging holds at most that much (or one layer group), and a
+    refit's fixed cost (its handshake) is paid once per merged group, not once per layer. Both sides compute
+    the same list from the same layouts."""
     if mode != "reload":
         return [([t.name for t in dst.tensors], src, dst)]
-    return [(g, src.restrict(g), dst.restrict(g)) for g in stage_groups(dst)]
+    size = {t.name: math.prod(t.shape) * t.dtype.itemsize for t in dst.tensors}
+    merged: list[list[str]] = []
+    acc = staging_bytes + 1
+    for g in stage_groups(dst):
+        b = sum(size[n] for n in g)
+        if merged and acc + b <= staging_bytes:
+            merged[-1] += g
+            acc += b
+        else:
+            merged.append(list(g))
+            acc = b
+    return [(g, src.restrict(g), dst.restrict(g)) for g in merged]
 
 
 def _delta_kwargs(info) -> dict:
@@ -313,6 +328,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     secret_file: str | None = None
     insecure: bool | None = None  # no secret on a routable host: accept any process (see init_refit_group)
     mode: str = "auto"  # "auto" | "inplace" | "reload" (see choose_mode)
+    staging_bytes: int = 64 << 20  # reload mode: layer groups merged up to this many checkpoint bytes per refit
 
 
 @dataclass
@@ -383,7 +399,7 @@ if WeightTransferEngine is not None:
                 self.group.destroy()
                 self.group = None
                 raise
-            self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode)
+            self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode, init_info.staging_bytes)
             self.last_report = None
             self.last_update: dict = {"mode": self.mode}
             self._mirror: dict[str, torch.Tensor] | None = None  # reload mode with delta: the staged checkpoint
@@ -538,6 +554,7 @@ if WeightTransferEngine is not None:
         secret_file: str | None = None
         insecure: bool | None = None
         mode: str = "auto"  # the workers' receive mode: "auto" | "inplace" | "reload" (see choose_mode)
+        staging_bytes: int = 64 << 20  # reload mode: the checkpoint bytes of one refit (see group_layouts)
 
     def _trainer_engine_kwargs(is_sender: bool, rank: int) -> dict:
         """vLLM 0.33's ``TrainerWeightTransferEngine.__init__`` takes ``rank=``; 0.32's does not."""
@@ -568,7 +585,8 @@ if WeightTransferEngine is not None:
                                world_size=init_info.world_size, timeout=init_info.timeout,
                                bucket_bytes=init_info.bucket_bytes, group_backend=init_info.group_backend,
                                secret_env=init_info.secret_env, secret_file=init_info.secret_file,
-                               insecure=init_info.insecure, mode=init_info.mode)
+                               insecure=init_info.insecure, mode=init_info.mode,
+                               staging_bytes=init_info.staging_bytes)
             secret = init_info.secret if init_info.secret is not None else secret_from(
                 init_info.secret_env, init_info.secret_file, where=f"triton_reshard trainer rank {init_info.rank}")
             rpc = _Call(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
@@ -585,7 +603,7 @@ if WeightTransferEngine is not None:
                 eng.group.destroy()
                 eng.group = None
                 raise
-            eng.groups = group_layouts(eng.src_layout, eng.dst_layout, eng.mode)
+            eng.groups = group_layouts(eng.src_layout, eng.dst_layout, eng.mode, init_info.staging_bytes)
             if rpc is not None:
                 rpc.join(init_info.timeout)
             return eng
