@@ -229,9 +229,10 @@ def staging_record(rec):
 
 
 def stage_groups(layout: Layout) -> list[list[str]]:
-    """The checkpoint tensors per decoder layer, in the order vLLM's layerwise reload processes them (vLLM's
-    ``layerwise_groups``: keyed on the outermost integer segment; embeddings first, final norm / head last):
-    the unit of one reload-mode refit, so staging holds one layer at a time."""
+    """The checkpoint tensors per decoder layer (vLLM's ``layerwise_groups`` rule: keyed on the outermost integer
+    segment, layers in index order; un-indexed names go before or after them by their position in the layout's
+    name-sorted order, e.g. ``lm_head`` and the embeddings first, the final norm last): the unit of one
+    reload-mode refit, so staging holds whole layers, which vLLM's layerwise reload processes once complete."""
     names = [t.name for t in layout.tensors]
     pre, post, stacks, order = [], [], {}, []
     for n in names:
