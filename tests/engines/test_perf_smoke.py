@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("megatron.core", reason="Megatron-Core is not installed here: the engine tier runs in the env tests/engines/install.sh builds")
+pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier runs in the env tests/engines/install.sh builds")
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 import smoke  # noqa: E402
 
