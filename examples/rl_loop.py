@@ -113,7 +113,6 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
     import random
 
     import engine_jobs as ej
-    import torch
 
     rng = random.Random(args.seed)
     vocab = trainer.model.config.vocab_size

@@ -196,7 +196,7 @@ def two_jobs(args) -> dict:
         # method (every full tensor from trainer rank 0 into vLLM's loader): each checked against vLLM's reload
         gen = torch.Generator().manual_seed(5)
         rounds = []
-        for k, name in ((10, "c"), (11, "d")):
+        for k, _name in ((10, "c"), (11, "d")):
             for t in tensors.values():  # an RL-like step: about 1 % of the elements change
                 m = torch.rand(t.shape, generator=gen) < 0.01
                 t[m] = (t[m].float() + 0.01).to(t.dtype)

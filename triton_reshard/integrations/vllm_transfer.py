@@ -465,7 +465,7 @@ if WeightTransferEngine is not None:
                 load_s = [0.0]
 
                 def staged():
-                    for names, src, dst in self.groups:
+                    for _names, src, dst in self.groups:
                         mine = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in dst.locals
                                 if s.rank == self.group.rank}
                         t1 = time.perf_counter()
