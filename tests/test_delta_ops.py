@@ -18,7 +18,7 @@ import torch
 from triton_reshard.ops import delta as D
 from triton_reshard.ops.snapshot import Snapshot
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "tensor", "triton")  # torch on CPU = its numpy path; "tensor": its torch-ops path
 INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FP8 = torch.float8_e4m3fn
 
@@ -33,11 +33,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(backend, pairs, **kw):
-    return (D.triton_pack if backend == "triton" else D.torch_pack)(pairs, **kw)
+    fn = {"triton": D.triton_pack, "tensor": D._tensor_pack}.get(backend, D.torch_pack)
+    return fn(pairs, **kw)
 
 
 def unpack(backend, msg, dsts, **kw):
-    return (D.triton_unpack if backend == "triton" else D.torch_unpack)(msg, dsts, **kw)
+    fn = {"triton": D.triton_unpack, "tensor": D._tensor_unpack}.get(backend, D.torch_unpack)
+    return fn(msg, dsts, **kw)
 
 
 def random_bits(shape, dtype, g) -> torch.Tensor:

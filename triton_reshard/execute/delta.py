@@ -4,8 +4,9 @@ carries only the elements whose bits changed since the version its destination h
 What changes against a dense run (``steps.py``), and only for *delta-able* messages (:func:`deltable`:
 no block-quantized chunk, wire dtype = destination dtype; both ends decide from the plan alone):
 
-- **Sender.** The dense pack still runs (it casts and gathers the boxes into the send buffer, or the
-  message is the source tensor itself); the message's chunks are then diffed against the sender's
+- **Sender.** A message whose chunks are plain copies (source dtype = wire dtype) is diffed straight from
+  the source views (no dense staging copy first); one that casts is packed dense into its send buffer first
+  (the diff is in the wire dtype). The message's chunks are diffed against the sender's
   :class:`MessageSnapshot` (what this rank last sent in that message, wire dtype) by ``ops.pack_delta``
   (``update=True``: the snapshot takes the new values). The snapshot is per *message*, not per source
   tensor: a cast (fp32 masters -> bf16) is diffed in the wire dtype, and a box sent to several
@@ -21,8 +22,8 @@ no block-quantized chunk, wire dtype = destination dtype; both ends decide from 
   destination views by ``ops.unpack_delta`` (headers checked against the destinations before any write).
 - Everything else stays dense: local copies and the non-delta-able messages.
 
-**Fencing** (:func:`fence`): before any byte moves, one all-gather over the group (with its timeout) of
-each rank's (reasons, snapshot version, held version, torn). A delta from base ``v`` runs only if every
+**Fencing** (:func:`fence`): before any byte moves, each rank's (reasons, snapshot version, held version,
+torn) rides on the plan handshake's all-gather (:func:`fence_row`: no round of its own). A delta from base ``v`` runs only if every
 sender of a delta-able message has a snapshot of ``v`` and every rank with destination tensors holds ``v``
 and is not torn, and the destination is not block-quantized; otherwise every rank runs the dense refit
 (and captures the snapshot as it packs), and the report says why (``RunReport.fallback``), or with
@@ -41,6 +42,7 @@ from ..ops.delta import max_message_bytes
 from .bind import buffer_view
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
+from .transport import FENCE_FIELDS
 
 NO_VERSION = -(1 << 63)  # "no version" in the fence row
 _QUANT, _NO_SNAP, _TORN, _NO_HELD = 1, 2, 4, 8
@@ -132,11 +134,12 @@ class MessageSnapshot:
         return self._views[pos, j]
 
 
-def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaRequest, has_dst: bool
-          ) -> tuple[int | None, str | None, bool]:
-    """(base version, None, strict) if every rank can take a delta, else (None, why, strict): the same answer
-    on every rank (one all-gather); ``strict``: some rank asked for a strict delta (then every rank refuses
-    together). Raises nothing but transport errors."""
+def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
+              ) -> list[int]:
+    """This rank's fence columns, sent with the plan handshake (no round of its own): (reasons, snapshot
+    version, held version, sender?, has destinations?, strict?). Without a delta request: zeros."""
+    if req is None or elig is None:
+        return [0] * FENCE_FIELDS
     sender = elig.any_send
     reasons = _QUANT if plan.dst.quantized else 0
     if sender and snap.version is None:
@@ -145,10 +148,14 @@ def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaReq
         reasons |= _TORN
     if has_dst and req.held is None:
         reasons |= _NO_HELD
-    row = [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
-           NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
-    rows = link.all_gather_row(row, "the delta fence") if link.wire else [row]
-    ranks = link.ranks if link.wire else (link.rank,)
+    return [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
+            NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
+
+
+def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
+    """From every rank's :func:`fence_row` (gathered by the handshake, in ``ranks`` order): (base version,
+    None, strict) if every rank can take a delta, else (None, why, strict): the same answer on every rank;
+    ``strict``: some rank asked for a strict delta (then every rank refuses together)."""
     by = dict(zip(ranks, rows, strict=True))
     strict = any(r[5] for r in rows)
     if any(r[0] & _QUANT for r in rows):
@@ -206,12 +213,27 @@ class DeltaLoop(StepLoop):
         b, el = self.b, self.elig
         what = self.what(pos)
         t0 = clock()
-        ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        # a delta-able message whose chunks are plain copies is diffed straight from its sources: no dense
+        # staging copy first; the rest is packed as in a dense run
+        srcs = [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)] \
+            if b.send_srcs else [None] * len(el.sends[pos])
+        skip = [rng for s in srcs if s is not None for rng in (s[1],) if rng[1] > rng[0]]
+        if skip:
+            packs, lo = [], 0
+            for a, z in skip:
+                packs += b.packs[pos][lo:a]
+                lo = z
+            packs += b.packs[pos][lo:]
+            if packs:
+                ops.copy_views(packs, self.backend, key=(self.key, "delta-pack", i))
+        else:
+            ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
         sends, recvs = b.wire[pos]
         out_s, len_s = [], []
         for j, (peer, buf) in enumerate(sends):
             if el.sends[pos][j]:
-                msg = ops.pack_delta(list(zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)),
+                views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
+                msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
                                      update=True, backend=self.backend)
                 out_s.append((peer, msg))
                 len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
