@@ -14,10 +14,12 @@ no block-quantized chunk, wire dtype = destination dtype; both ends decide from 
   against another's update; a relaying engine rank diffs what it forwards the same way. Cost: the dense
   bytes of this rank's delta-able sends, on the tensors' device (an engine rank that relays holds a
   snapshot of what it relays, e.g. (N-1)/N of its shard for N instances).
-- **Length round.** A delta message's size depends on the data: per step, one round of int64 lengths
-  (one per delta message, same peers, same order) before the payload round. Why not max-size receives
-  with a length prefix: NCCL needs matching sizes (gloo tolerates a larger receive), and the receive
-  buffers would be dense-sized; the round costs ~70 us on gloo loopback (docs/delta.md).
+- **Length round (NCCL only).** A delta message's size depends on the data. NCCL needs matching sizes: per
+  step, one round of int64 lengths (one per delta message, same peers, same order) before the payload
+  round. Gloo takes a message into a larger buffer, so there each delta message is received into a buffer
+  of its largest possible size (``max_message_bytes``: at most the step's dense payload plus the chunk
+  headers; one area per slot kept by the snapshot across runs) and its directory says its length: no
+  round (issue 32: a round is one more wait on a peer, a few ms between emulated nodes under load).
 - **Receiver.** A delta message is received into a buffer of its announced size and scattered into the
   destination views by ``ops.unpack_delta`` (headers checked against the destinations before any write).
 - Everything else stays dense: local copies and the non-delta-able messages.
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..ops.delta import max_message_bytes
+from ..ops.delta import max_message_bytes, message_length
 from .bind import buffer_view
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
@@ -115,6 +117,7 @@ class MessageSnapshot:
         self.version: int | None = None
         self.device: torch.device | None = None
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._inbox: dict[int, torch.Tensor] = {}
         self.nbytes = 0
 
     def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
@@ -132,6 +135,15 @@ class MessageSnapshot:
 
     def views(self, pos: int, j: int) -> list[torch.Tensor]:
         return self._views[pos, j]
+
+    def inbox(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The receive area of a step's delta messages on gloo (kept across runs, grown when too small): each
+        message is received into the most bytes it can have (``max_message_bytes``), at most a step's dense
+        payload plus the chunk headers, so no length round is needed first."""
+        buf = self._inbox.get(slot)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            self._inbox[slot] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
 
 
 def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
@@ -201,7 +213,9 @@ class CaptureLoop(StepLoop):
 
 
 class DeltaLoop(StepLoop):
-    """A delta run: delta-able messages carry ``ops.pack_delta`` messages, announced by a length round."""
+    """A delta run: delta-able messages carry ``ops.pack_delta`` messages; on NCCL (sizes must match) each
+    step's are announced by a length round first, on gloo they are received into buffers of their largest
+    possible size (a message says its own length)."""
 
     def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
         super().__init__(*args)
@@ -242,6 +256,19 @@ class DeltaLoop(StepLoop):
         self.timing.pack += clock() - t0
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
         dev = (sends or recvs)[0][1].device
+        if not self.link.is_nccl:  # gloo takes a message into a larger buffer: no length round (see finish)
+            out_r, inbox, at = [], [], 0
+            want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
+            area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
+            for j, (peer, buf) in enumerate(recvs):
+                if el.recvs[pos][j]:
+                    n = el.max_bytes[pos, j]
+                    buf = area[at:at + n]
+                    at += n
+                    inbox.append(buf)
+                out_r.append((peer, buf))
+            self.inbox[pos] = inbox
+            return self.post(pos, out_s, out_r)
         len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
                  for j, (peer, _buf) in enumerate(recvs) if el.recvs[pos][j]]
         if len_s or len_r:
@@ -274,7 +301,10 @@ class DeltaLoop(StepLoop):
         dense = []
         for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
             if el.recvs[pos][j]:
-                ops.unpack_delta(next(inbox), vs, backend=self.backend, names=el.names[pos, j])
+                msg = next(inbox)
+                ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
+                if not self.link.is_nccl:  # received into a buffer of the largest size: count what came
+                    self.recvd -= msg.numel() - message_length(msg)
             else:
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, self.backend)

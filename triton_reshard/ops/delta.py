@@ -722,6 +722,17 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
     return _tensor_unpack(msg, dsts, names)
 
 
+def message_length(msg: torch.Tensor) -> int:
+    """The length a delta message's own header and directory give (its last chunk's end; a message with no
+    chunks is its header and directory): the bytes that arrived when it was received into a larger buffer.
+    Call after :func:`read_directory` (or an unpack) accepted it."""
+    nc = int(msg[:16].view(torch.int32)[2])
+    if not nc:
+        return chunks_start(0)
+    last = int(msg[HEADER_BYTES + 8 * (nc - 1):HEADER_BYTES + 8 * nc].view(torch.int64)[0])
+    return last + (int(msg[last + 12:last + 16].view(torch.int32)[0]) & 0xFFFFFFFF)
+
+
 def describe(msg: torch.Tensor) -> list[dict]:
     """Every chunk's header as a dict (kind name, elem_size, numel, count, nbytes): for tests and reports."""
     nc = int(msg[:16].view(torch.int32)[2])
