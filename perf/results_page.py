@@ -547,6 +547,11 @@ def _kernels(res: Results) -> Section | None:
 
 
 
+def _cluster_span(xs: list[float]) -> str:
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return f"{lo}×" if lo == hi else f"{lo}–{hi}×"
+
+
 def _cluster_setting(st: dict) -> str:
     lat = f", +{st['latency_s'] * 1e3:g} ms" if st.get("latency_s") else ""
     return f"{st['nodes']} nodes × {st['rpn']}, {st['rate_bps'] / 1e9:g} Gbit/s{lat}"
@@ -585,8 +590,8 @@ def _cluster(res: Results) -> Section | None:
              "the presets' small bf16 models, every method bit-exact into poisoned destinations",
         against="the all-gather baseline, gather-to-one-then-broadcast (SGLang's `update_weights_from_distributed`, "
                 "TRL, OpenRLHF) and the link limit (the busiest node's cross-node bytes over the link rate)",
-        headline=f"{min(vs_gb):.2f}–{max(vs_gb):.2f}× faster than gather-then-broadcast; "
-                 + (f"{min(over):.2f}–{max(over):.2f}× the link limit on 2 nodes at 1 Gbit/s" if over else ""),
+        headline=f"{_cluster_span(vs_gb)} faster than gather-then-broadcast; "
+                 + (f"{_cluster_span(over)} the link limit on 2 nodes at 1 Gbit/s" if over else ""),
         table=[["setting", "model", "ours", "ours / link limit", "all-gather / ours", "gather-bcast / ours",
                 "routing: no topology / ours, relays forced / ours", "bit-exact"], *rows],
         note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (a handshake all-gather and one "

@@ -20,14 +20,16 @@ no block-quantized chunk, wire dtype = destination dtype; both ends decide from 
   of its largest possible size (``max_message_bytes``: at most the step's dense payload plus the chunk
   headers; one area per slot kept by the snapshot across runs) and its directory says its length: no
   round (issue 32: a round is one more wait on a peer, a few ms between emulated nodes under load).
-- **Receiver.** A delta message is received into a buffer of its announced size and scattered into the
-  destination views by ``ops.unpack_delta`` (headers checked against the destinations before any write).
+- **Receiver.** A delta message is received (into a buffer of its announced size on NCCL, of its largest
+  size on gloo) and scattered into the destination views by ``ops.unpack_delta`` (headers checked against
+  the destinations before any write).
 - Everything else stays dense: local copies and the non-delta-able messages.
 
 **Fencing** (:func:`fence`): before any byte moves, each rank's (reasons, snapshot version, held version,
-torn) rides on the plan handshake's all-gather (:func:`fence_row`: no round of its own). A delta from base ``v`` runs only if every
-sender of a delta-able message has a snapshot of ``v`` and every rank with destination tensors holds ``v``
-and is not torn, and the destination is not block-quantized; otherwise every rank runs the dense refit
+torn) rides on the plan handshake's all-gather (:func:`fence_row`: no round of its own). A delta from base
+``v`` runs only if every sender of a delta-able message has a snapshot of ``v`` and every rank with
+destination tensors holds ``v`` and is not torn, and the destination is not block-quantized; otherwise every
+rank runs the dense refit
 (and captures the snapshot as it packs), and the report says why (``RunReport.fallback``), or with
 ``strict`` every rank raises :class:`DeltaRefusedError` naming the ranks and versions, nothing moved.
 """
