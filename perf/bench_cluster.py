@@ -17,9 +17,11 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
 Methods, each timed between barriers on every rank (the slowest rank's wall time; median of ``--repeats``),
 each into poisoned destinations checked bit for bit once, each with the bytes every node's interface counted:
 
-* ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing; with two engine
-  instances: relays spread the trainer's sends over the engines); ``ours-no-topology``: the same without
-  (3 and 4 nodes: every byte from the trainer over its links, once per engine);
+* ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing); with two engine
+  instances relays (which spread the trainer's sends over the engines) only when the time model predicts them
+  faster (``tools.topology.choose_relay`` with the nominal link rate, 1 ms per round, one link per node);
+  ``ours-relay``: relays forced on; ``ours-no-topology``: neither (3 and 4 nodes: every byte from the
+  trainer over its links, once per engine);
 * ``allgather``: all-gather to full size on every rank, then slice (``tools.baselines.allgather_refit``);
 * ``gather-bcast``: gather every tensor on trainer rank 0, broadcast it to every engine rank, slice
   (``tools.baselines.gather_broadcast_refit``: what SGLang's ``update_weights_from_distributed``, TRL and
@@ -268,6 +270,7 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
 
     from triton_reshard import refit
     from triton_reshard.tools.baselines import allgather_refit, gather_broadcast_refit
+    from triton_reshard.tools.topology import Topology, choose_relay
 
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
     out: dict = {"rank": rank, "probe": _probe(rank, rpn), "models": {}, "tiny": _tiny(rank, world, rpn, timeout)}
@@ -278,7 +281,14 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
         src_t = src.shard(pub, rank) if rank in src.ranks else {}
         res: dict = {}
         methods = {"ours": dict(gpus_per_node=rpn, instances=inst)}
-        if inst > 1:
+        if inst > 1:  # ours: relay or not as the time model predicts faster (tools.topology.choose_relay)
+            topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec["rate_bps"] / 8e9,
+                            step_latency_s=1e-3, shared_nic=True)
+            choice = choose_relay(src, dst, topo, instances=inst)
+            res["relay_choice"] = {"relay": choice.relay, "with_relay_s": choice.with_relay_s,
+                                   "without_relay_s": choice.without_relay_s}
+            methods["ours"]["relay"] = choice.relay
+            methods["ours-relay"] = dict(gpus_per_node=rpn, relay=True, instances=inst)
             methods["ours-no-topology"] = dict(gpus_per_node=None, relay=False, instances=inst)
         for name, kw in methods.items():
             d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
@@ -417,7 +427,7 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
                "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
                "predicted_calibrated_s": pr.get("calibrated"), "methods": {}}
         for m in per[0]:
-            if m == "delta":
+            if m in ("delta", "relay_choice"):
                 continue
             reps = len(per[0][m]["seconds"])
             secs = statistics.median(max(p[m]["seconds"][i] for p in per) for i in range(reps))
@@ -427,6 +437,8 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
                 "node_rx": [per[n * rpn][m]["link"]["rx"] for n in range(nodes)]}
         if "delta" in per[0]:
             row["delta"] = summarize_delta(per)
+        if "relay_choice" in per[0]:
+            row["relay_choice"] = per[0]["relay_choice"]
         out[model] = row
     return out
 
@@ -468,6 +480,10 @@ def print_setting(s: dict, summ: dict) -> None:
         print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms, "
               f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f}; "
               f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f})")
+        if "relay_choice" in row:
+            c = row["relay_choice"]
+            print(f"    time model: relay {c['relay']} (predicted {c['with_relay_s'] * 1e3:.1f} ms with relays, "
+                  f"{c['without_relay_s'] * 1e3:.1f} without)")
         for m, r in row["methods"].items():
             print(f"    {m:18s} {r['seconds'] * 1e3:8.1f} ms  {r['over_link_limit']:5.2f}x link limit  exact "
                   f"{r['exact']}  node tx {[round(x / 1e6, 2) for x in r['node_tx']]} MB")
@@ -503,7 +519,7 @@ def run(args) -> dict:
         for rate in args.rates:
             for lat in lats:
                 rate_bps = parse_rate(rate)
-                spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats,
+                spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats, "rate_bps": rate_bps,
                         "timeout": args.timeout, "models": args.models, "delta": delta}
                 t0 = time.perf_counter()
                 with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat) as c:
@@ -541,7 +557,9 @@ def run(args) -> dict:
     return out
 
 
-def plot(res: dict, path: str) -> None:
+def plot(res: dict, path: str, extra_big: tuple = ()) -> None:
+    """Per model, each method's time over the link limit per setting; a last panel: delta speed-ups (also of
+    ``extra_big``, the ``big`` entries of other result files)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -549,9 +567,25 @@ def plot(res: dict, path: str) -> None:
 
     sets = res["settings"]
     models = list(sets[0]["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    methods = ["ours", "ours-no-topology", "gather-bcast", "allgather"]
-    for ax, model in zip(axes[0], models, strict=True):
+    deltas = [(f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G {m}", row["delta"]["by_fraction"]) for s in sets
+              for m, row in s["models"].items() if "delta" in row]
+    big = [res[k] for k in ("big",) if res.get(k)] + [b for b in extra_big if b]
+    deltas += [(f"2n {b['rate_bps'] / 1e9:g}G {b['model']} ({b['model_bytes'] / 1e6:.0f} MB)", b["by_fraction"])
+               for b in big]
+    panels = len(models) + bool(deltas)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    if deltas:  # dense time / delta time against the changed fraction
+        ax = axes[0][-1]
+        for label, by in deltas:
+            fs = sorted(by, key=float)
+            ax.plot([100 * float(f) for f in fs], [by[f]["speedup"] for f in fs], marker="o", label=label)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xlabel("changed elements (%)")
+        ax.set_ylabel("dense time / delta time")
+        ax.set_title("delta vs dense refit")
+        ax.legend(fontsize=6)
+    methods = ["ours", "ours-relay", "ours-no-topology", "gather-bcast", "allgather"]
+    for ax, model in zip(axes[0], models, strict=False):
         labels = [f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G" for s in sets]
         w = 0.8 / len(methods)
         for k, m in enumerate(methods):
@@ -586,7 +620,15 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CI: 2 nodes, 1 Gbit/s, small_llama, 1 repeat")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--replot", type=Path, nargs="+", help="only draw --plot from these result files (the first "
+                                                              "with the settings, others add their --big-model rows)")
     args = ap.parse_args(argv)
+    if args.replot:
+        if args.plot is None:
+            ap.error("--replot needs --plot")
+        first, *rest = [json.loads(p.read_text()) for p in args.replot]
+        plot(first, str(args.plot), tuple(r.get("big") for r in rest))
+        return 0
     for opt, path in (("--out", args.out), ("--plot", args.plot)):
         if path is not None and not path.resolve().parent.is_dir():
             print(f"bench_cluster: {opt} {path}: folder {path.resolve().parent} does not exist", file=sys.stderr)
@@ -596,7 +638,9 @@ def main(argv=None) -> int:
         args.fractions, args.delta_repeats, args.warmup, args.repeats = [0.02], 1, 3, 1
     res = run(args)
     res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "torch": torch.__version__, "platform": platform.platform()}
+                   "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),
+                   "machine": platform.machine(), "python": platform.python_version(),
+                   "load_average": list(os.getloadavg())}
     if args.out:
         args.out.write_text(json.dumps(res, indent=1, default=str))
     if args.plot:

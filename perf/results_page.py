@@ -142,7 +142,7 @@ def _command(meta: dict, d: dict) -> str | None:
     if meta.get("argv"):
         argv = list(meta["argv"])
         argv[0] = "perf/" + Path(argv[0]).name if argv[0].endswith(".py") else argv[0]
-        return "python " + " ".join(argv)
+        return "python " + " ".join(a if a else "''" for a in argv)
     if meta.get("commands"):
         return "\n".join(meta["commands"])
     return None
@@ -545,6 +545,105 @@ def _kernels(res: Results) -> Section | None:
              "and matches); its GPU bandwidth is not measured here.",
         history="Copy kernels", **res.provenance(name))
 
+
+
+def _cluster_span(xs: list[float]) -> str:
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return f"{lo}×" if lo == hi else f"{lo}–{hi}×"
+
+
+def _cluster_setting(st: dict) -> str:
+    lat = f", +{st['latency_s'] * 1e3:g} ms" if st.get("latency_s") else ""
+    return f"{st['nodes']} nodes × {st['rpn']}, {st['rate_bps'] / 1e9:g} Gbit/s{lat}"
+
+
+@summarizer("bench_cluster")
+def _cluster(res: Results) -> Section | None:
+    """Refit across emulated nodes (perf/bench_cluster.py): ours against the baselines and the link limit,
+    routing on and off; the delta rows are the next section's."""
+    name = "bench_cluster.json"
+    if not res.exists(name):
+        return None
+    d = res.load(name)
+    rows, vs_gb, over = [], [], []
+    for st in d["settings"]:
+        for model, row in st["models"].items():
+            m = row["methods"]
+            ours = m["ours"]["seconds"]
+            ch = row.get("relay_choice")
+            route = "—"
+            if "ours-no-topology" in m:
+                route = (f"{ratio(m['ours-no-topology']['seconds'] / ours)} / "
+                         f"{ratio(m['ours-relay']['seconds'] / ours) if 'ours-relay' in m else '—'}"
+                         + (f" (relays {'on' if ch['relay'] else 'off'})" if ch else ""))
+            exact = all(v["exact"] for v in m.values())
+            rows.append([_cluster_setting(st), model, secs(ours), ratio(m["ours"]["over_link_limit"]),
+                         ratio(m["allgather"]["seconds"] / ours), ratio(m["gather-bcast"]["seconds"] / ours), route,
+                         "yes" if exact else "**no**"])
+            vs_gb.append(m["gather-bcast"]["seconds"] / ours)
+            if st["nodes"] == 2 and st["rate_bps"] == 1e9:
+                over.append(m["ours"]["over_link_limit"])
+    return Section(
+        title="Refit across an emulated cluster (`perf/bench_cluster.py`)",
+        what="nodes as network namespaces behind `tbf`-shaped links (`triton_reshard.testing.cluster`), 2 ranks per "
+             "node, gloo across them: trainer (Megatron TP2, PP = its nodes) → one vLLM TP2 engine per engine node, "
+             "the presets' small bf16 models, every method bit-exact into poisoned destinations",
+        against="the all-gather baseline, gather-to-one-then-broadcast (SGLang's `update_weights_from_distributed`, "
+                "TRL, OpenRLHF) and the link limit (the busiest node's cross-node bytes over the link rate)",
+        headline=f"{_cluster_span(vs_gb)} faster than gather-then-broadcast; "
+                 + (f"{_cluster_span(over)} the link limit on 2 nodes at 1 Gbit/s" if over else ""),
+        table=[["setting", "model", "ours", "ours / link limit", "all-gather / ours", "gather-bcast / ours",
+                "routing: no topology / ours, relays forced / ours", "bit-exact"], *rows],
+        note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (a handshake all-gather and one "
+             "round per step, each a few round trips on this loaded machine), not by the link. With two engine "
+             "nodes, `ours` relays only when the time model predicts it faster (`tools.topology.choose_relay`): "
+             "with two trainer nodes the engine links carry the whole model either way, so relays only add a phase.",
+        history="Refit across an emulated cluster", **res.provenance(name))
+
+
+@summarizer("bench_cluster_delta")
+def _cluster_delta(res: Results) -> Section | None:
+    """Delta against dense refits across emulated nodes (perf/bench_cluster.py: small_llama with real AdamW
+    diffs in every setting; ``--big-model``: a 402 MB model with uniform flips, 2 nodes)."""
+    names = [n for n in ("bench_cluster.json", "bench_cluster_big.json") if res.exists(n)]
+    if not names:
+        return None
+    rows, two = [], []
+    for n in names:
+        d = res.load(n)
+        for st in d.get("settings", []):
+            for model, row in st["models"].items():
+                for f, x in row.get("delta", {}).get("by_fraction", {}).items():
+                    rows.append([_cluster_setting(st), f"{model}, AdamW", f"{pct(float(f))} ({pct(x['changed'])})",
+                                 secs(x["delta_s"]), secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]),
+                                 "yes" if x["exact"] else "**no**"])
+                    if float(f) == 0.02 and st["nodes"] == 2 and st["rate_bps"] == 1e9:
+                        two.append((model, x["speedup"]))
+        b = d.get("big")
+        if b:
+            mb = f"{b['model']} ({b['model_bytes'] / 1e6:.0f} MB), uniform flips"
+            for f, x in b["by_fraction"].items():
+                rows.append([f"2 nodes × 2, {b['rate_bps'] / 1e9:g} Gbit/s", mb, pct(float(f)), secs(x["delta_s"]),
+                             secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]),
+                             "yes" if x["exact"] else "**no**"])
+                if float(f) == 0.02:
+                    two.append((b["model"], x["speedup"]))
+    if not rows:
+        return None
+    return Section(
+        title="Delta refit across an emulated cluster (`perf/bench_cluster.py`)",
+        what="per changed fraction, a dense and a delta refit of the same change on the same ranks (two "
+             "Resharders), both checked bit for bit: small_llama with real AdamW steps (learning rate calibrated "
+             "to the fraction), and `--big-model` with uniform flips on 2 nodes",
+        against="the dense refit of the same change (ratio: dense time / delta time)",
+        headline="at 2 % changed on 2 nodes, 1 Gbit/s: " + ", ".join(f"{ratio(x)} faster than dense ({m})"
+                                                                    for m, x in two),
+        table=[["setting", "model", "changed (measured)", "delta", "dense", "dense / delta", "delta bytes / dense",
+                "bit-exact"], *rows],
+        note="A delta refit pays the dense refit's fixed cost plus a length round per step and the CPU diff and "
+             "scatter (numpy on CPU ranks, which share two cores here), so small models gain little and a "
+             "delta wins where the link, not the fixed cost, bounds the dense refit.",
+        history="Refit across an emulated cluster", **res.provenance(*names))
 
 # ---- the page ---------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 from triton_reshard.ops import delta as D
 from triton_reshard.ops.snapshot import Snapshot
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "tensor", "triton")  # torch on CPU = its numpy path; "tensor": its torch-ops path
 INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FP8 = torch.float8_e4m3fn
 
@@ -33,11 +33,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(backend, pairs, **kw):
-    return (D.triton_pack if backend == "triton" else D.torch_pack)(pairs, **kw)
+    fn = {"triton": D.triton_pack, "tensor": D._tensor_pack}.get(backend, D.torch_pack)
+    return fn(pairs, **kw)
 
 
 def unpack(backend, msg, dsts, **kw):
-    return (D.triton_unpack if backend == "triton" else D.torch_unpack)(msg, dsts, **kw)
+    fn = {"triton": D.triton_unpack, "tensor": D._tensor_unpack}.get(backend, D.torch_unpack)
+    return fn(msg, dsts, **kw)
 
 
 def random_bits(shape, dtype, g) -> torch.Tensor:
@@ -389,3 +391,23 @@ def test_delta_refits_over_adamw_steps(backend, steps):
             assert torch.equal(bits(d), bits(b))
         changed.append(sum(c["count"] for m in msgs for c in D.describe(m)))
     assert 0 < sum(changed) < steps * shard.numel()
+
+
+def test_cpu_blocks_span_chunks_and_tensors():
+    """The CPU pack compares a contiguous pair in blocks of ``_NP_BLOCK`` elements: pairs longer than a block
+    (not a multiple of it nor of the chunk), a strided one between them, at 2 % changed: the same bytes as the
+    torch-ops reference, the snapshot updated exactly, and unpack lands every change."""
+    g = torch.Generator().manual_seed(3)
+    n = 2 * D._NP_BLOCK + 12345
+    srcs = [random_bits((n,), torch.bfloat16, g), random_bits((64, 999), torch.float32, g).t(),
+            random_bits((n + 7,), torch.bfloat16, g)]
+    snaps = [s.clone() for s in srcs]
+    news = [changed_copy(s, torch.rand(s.shape, generator=g) < 0.02, g) for s in srcs]
+    ref = D._tensor_pack([(a, b.clone()) for a, b in zip(news, snaps, strict=True)], update=False)
+    msg = D.torch_pack(list(zip(news, snaps, strict=True)), update=True)
+    assert torch.equal(msg, ref)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(news, snaps, strict=True))
+    dsts = [s.clone() for s in srcs]
+    D.torch_unpack(msg, dsts)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(news, dsts, strict=True))
+    assert D.message_length(msg) == msg.numel()

@@ -251,3 +251,31 @@ def test_refit_latency_is_paid_once():
     assert predict_seconds(steps, topo).seconds == pytest.approx(0.01 + 1.0 + 0.001 + 0.1 + 0.001)
     with pytest.raises(ValueError, match="refit_latency_s=-1"):
         Topology(refit_latency_s=-1)
+
+
+def _cluster_layouts(nodes: int):
+    """The emulated cluster's layouts (perf/bench_cluster.py): small_llama, Megatron TP2 over the first
+    nodes // 2 nodes (PP = that many), one vLLM TP2 engine on each other node."""
+    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+    cfg = get_config("small_llama")
+    tn = nodes // 2
+    src = megatron_layout(cfg, tp=2, pp=tn, ranks=range(2 * tn), dtype=torch.bfloat16)
+    dst = vllm_layout(cfg, tp=2, ranks=range(2 * tn, 2 * tn + 2), dtype=torch.bfloat16)
+    return src, dst, nodes - tn
+
+
+@pytest.mark.parametrize("nodes,want", [(3, True), (4, False)])
+def test_choose_relay_by_the_time_model(nodes, want):
+    """One trainer node feeding two engine nodes: relays halve the trainer link's bytes, chosen. Two trainer
+    nodes feeding two engine nodes: each engine node's link carries the whole model either way, so a relay
+    phase only adds a round: not chosen (measured slower on the emulated cluster, issue 32)."""
+    from triton_reshard.tools.topology import choose_relay
+
+    src, dst, inst = _cluster_layouts(nodes)
+    topo = Topology(gpus_per_node=2, nvlink_GBps=1.0, net_GBps=0.125, step_latency_s=1e-3, shared_nic=True)
+    c = choose_relay(src, dst, topo, instances=inst)
+    assert c.relay is want, c
+    assert (c.with_relay_s < 0.95 * c.without_relay_s) is want
+    with pytest.raises(ValueError, match="margin"):
+        choose_relay(src, dst, topo, instances=inst, margin=1.5)

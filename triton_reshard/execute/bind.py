@@ -73,6 +73,10 @@ class Bound:
     # of each chunk and the range of ``unpacks[pos]`` that lands it when it goes dense (empty: in place)
     send_msgs: list = ()
     recv_msgs: list = ()
+    # per step, per send (``wire`` order): (source view of each chunk, range of ``packs[pos]`` that stages
+    # it) when every chunk is a plain copy in the wire dtype (a delta diffs the sources themselves, no staging
+    # copy first), else None
+    send_srcs: list = ()
 
 
 class Staging:
@@ -260,8 +264,9 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
     meta of the unpacks, staging unpacks)."""
     work = views.work
     pk, up, um, wire_s, wire_r, qp, su = [], [], [], [], [], {}, []
-    sm, rm = [], []
+    sm, rm, ss = [], [], []
     for peer, at, m, vs, buf in sends:
+        first = len(pk)
         if any(transfers[c.transfer].quant for c in m.chunks):  # never a delta (fp8 values and scales)
             sm.append(None)
         elif buf is not None:  # in place: one contiguous chunk, its bytes are the message
@@ -280,6 +285,9 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                 else:
                     pk.append((v, buffer_view(send_area, at, c, t)))
             buf = send_area[at:at + m.payload]
+        plain = sm[-1] is not None and all(v.dtype == transfers[c.transfer].wire_dtype
+                                           for c, v in zip(m.chunks, vs, strict=True))
+        ss.append((vs, (first, len(pk))) if plain else None)
         wire_s.append((peer, buf))
     for peer, at, m, vs, buf in recvs:
         first = len(up)
@@ -302,7 +310,7 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
             buf = recv_area[at:at + m.payload]
         rm.append((vs, first, len(up)))
         wire_r.append((peer, buf))
-    return pk, qp, (wire_s, wire_r), up, um, su, sm, rm
+    return pk, qp, (wire_s, wire_r), up, um, su, sm, rm, ss
 
 
 def bind_regions(views: Views, plans) -> tuple[dict, list]:
@@ -350,10 +358,10 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     n_slots = min(work.slots, len(work.steps))
     send_area, recv_area = staging.areas(need_s * n_slots, need_r * n_slots, device)
     packs, qpacks, wire, unpacks, unpack_meta, stage_unpacks = [], [], [], [], [] if verify else None, []
-    send_msgs, recv_msgs = [], []
+    send_msgs, recv_msgs, send_srcs = [], [], []
     for pos, (sends, recvs) in enumerate(plans):
         slot = pos % work.slots
-        pk, qp, w, up, um, su, sm, rm = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
+        pk, qp, w, up, um, su, sm, rm, ss = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
                                           slot * need_r, verify)
         packs.append(pk)
         qpacks.append(qp)
@@ -364,6 +372,7 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
         wire.append(w)
         send_msgs.append(sm)
         recv_msgs.append(rm)
+        send_srcs.append(ss)
     in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
                          if buf is not None)
     writes = [frozenset() if verify else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs
@@ -377,4 +386,4 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     quant = BoundQuant(qpacks, stage_unpacks, local_q, local_q_meta, local_stage, regions_due, region_items,
                        globals_, amax_views, global_out)
     return Bound(local, local_meta, packs, unpacks, unpack_meta, wire, need_s * n_slots, need_r * n_slots,
-                 in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs)
+                 in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs, send_srcs)

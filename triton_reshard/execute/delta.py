@@ -4,8 +4,9 @@ carries only the elements whose bits changed since the version its destination h
 What changes against a dense run (``steps.py``), and only for *delta-able* messages (:func:`deltable`:
 no block-quantized chunk, wire dtype = destination dtype; both ends decide from the plan alone):
 
-- **Sender.** The dense pack still runs (it casts and gathers the boxes into the send buffer, or the
-  message is the source tensor itself); the message's chunks are then diffed against the sender's
+- **Sender.** A message whose chunks are plain copies (source dtype = wire dtype) is diffed straight from
+  the source views (no dense staging copy first); one that casts is packed dense into its send buffer first
+  (the diff is in the wire dtype). The message's chunks are diffed against the sender's
   :class:`MessageSnapshot` (what this rank last sent in that message, wire dtype) by ``ops.pack_delta``
   (``update=True``: the snapshot takes the new values). The snapshot is per *message*, not per source
   tensor: a cast (fp32 masters -> bf16) is diffed in the wire dtype, and a box sent to several
@@ -13,18 +14,22 @@ no block-quantized chunk, wire dtype = destination dtype; both ends decide from 
   against another's update; a relaying engine rank diffs what it forwards the same way. Cost: the dense
   bytes of this rank's delta-able sends, on the tensors' device (an engine rank that relays holds a
   snapshot of what it relays, e.g. (N-1)/N of its shard for N instances).
-- **Length round.** A delta message's size depends on the data: per step, one round of int64 lengths
-  (one per delta message, same peers, same order) before the payload round. Why not max-size receives
-  with a length prefix: NCCL needs matching sizes (gloo tolerates a larger receive), and the receive
-  buffers would be dense-sized; the round costs ~70 us on gloo loopback (docs/delta.md).
-- **Receiver.** A delta message is received into a buffer of its announced size and scattered into the
-  destination views by ``ops.unpack_delta`` (headers checked against the destinations before any write).
+- **Length round (NCCL only).** A delta message's size depends on the data. NCCL needs matching sizes: per
+  step, one round of int64 lengths (one per delta message, same peers, same order) before the payload
+  round. Gloo takes a message into a larger buffer, so there each delta message is received into a buffer
+  of its largest possible size (``max_message_bytes``: at most the step's dense payload plus the chunk
+  headers; one area per slot kept by the snapshot across runs) and its directory says its length: no
+  round (issue 32: a round is one more wait on a peer, a few ms between emulated nodes under load).
+- **Receiver.** A delta message is received (into a buffer of its announced size on NCCL, of its largest
+  size on gloo) and scattered into the destination views by ``ops.unpack_delta`` (headers checked against
+  the destinations before any write).
 - Everything else stays dense: local copies and the non-delta-able messages.
 
-**Fencing** (:func:`fence`): before any byte moves, one all-gather over the group (with its timeout) of
-each rank's (reasons, snapshot version, held version, torn). A delta from base ``v`` runs only if every
-sender of a delta-able message has a snapshot of ``v`` and every rank with destination tensors holds ``v``
-and is not torn, and the destination is not block-quantized; otherwise every rank runs the dense refit
+**Fencing** (:func:`fence`): before any byte moves, each rank's (reasons, snapshot version, held version,
+torn) rides on the plan handshake's all-gather (:func:`fence_row`: no round of its own). A delta from base
+``v`` runs only if every sender of a delta-able message has a snapshot of ``v`` and every rank with
+destination tensors holds ``v`` and is not torn, and the destination is not block-quantized; otherwise every
+rank runs the dense refit
 (and captures the snapshot as it packs), and the report says why (``RunReport.fallback``), or with
 ``strict`` every rank raises :class:`DeltaRefusedError` naming the ranks and versions, nothing moved.
 """
@@ -37,10 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..ops.delta import max_message_bytes
+from ..ops.delta import max_message_bytes, message_length
 from .bind import buffer_view
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
+from .transport import FENCE_FIELDS
 
 NO_VERSION = -(1 << 63)  # "no version" in the fence row
 _QUANT, _NO_SNAP, _TORN, _NO_HELD = 1, 2, 4, 8
@@ -113,6 +119,7 @@ class MessageSnapshot:
         self.version: int | None = None
         self.device: torch.device | None = None
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._inbox: dict[int, torch.Tensor] = {}
         self.nbytes = 0
 
     def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
@@ -131,12 +138,22 @@ class MessageSnapshot:
     def views(self, pos: int, j: int) -> list[torch.Tensor]:
         return self._views[pos, j]
 
+    def inbox(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The receive area of a step's delta messages on gloo (kept across runs, grown when too small): each
+        message is received into the most bytes it can have (``max_message_bytes``), at most a step's dense
+        payload plus the chunk headers, so no length round is needed first."""
+        buf = self._inbox.get(slot)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            self._inbox[slot] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
 
-def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaRequest, has_dst: bool
-          ) -> tuple[int | None, str | None, bool]:
-    """(base version, None, strict) if every rank can take a delta, else (None, why, strict): the same answer
-    on every rank (one all-gather); ``strict``: some rank asked for a strict delta (then every rank refuses
-    together). Raises nothing but transport errors."""
+
+def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
+              ) -> list[int]:
+    """This rank's fence columns, sent with the plan handshake (no round of its own): (reasons, snapshot
+    version, held version, sender?, has destinations?, strict?). Without a delta request: zeros."""
+    if req is None or elig is None:
+        return [0] * FENCE_FIELDS
     sender = elig.any_send
     reasons = _QUANT if plan.dst.quantized else 0
     if sender and snap.version is None:
@@ -145,10 +162,14 @@ def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaReq
         reasons |= _TORN
     if has_dst and req.held is None:
         reasons |= _NO_HELD
-    row = [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
-           NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
-    rows = link.all_gather_row(row, "the delta fence") if link.wire else [row]
-    ranks = link.ranks if link.wire else (link.rank,)
+    return [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
+            NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
+
+
+def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
+    """From every rank's :func:`fence_row` (gathered by the handshake, in ``ranks`` order): (base version,
+    None, strict) if every rank can take a delta, else (None, why, strict): the same answer on every rank;
+    ``strict``: some rank asked for a strict delta (then every rank refuses together)."""
     by = dict(zip(ranks, rows, strict=True))
     strict = any(r[5] for r in rows)
     if any(r[0] & _QUANT for r in rows):
@@ -194,7 +215,9 @@ class CaptureLoop(StepLoop):
 
 
 class DeltaLoop(StepLoop):
-    """A delta run: delta-able messages carry ``ops.pack_delta`` messages, announced by a length round."""
+    """A delta run: delta-able messages carry ``ops.pack_delta`` messages; on NCCL (sizes must match) each
+    step's are announced by a length round first, on gloo they are received into buffers of their largest
+    possible size (a message says its own length)."""
 
     def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
         super().__init__(*args)
@@ -206,12 +229,27 @@ class DeltaLoop(StepLoop):
         b, el = self.b, self.elig
         what = self.what(pos)
         t0 = clock()
-        ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        # a delta-able message whose chunks are plain copies is diffed straight from its sources: no dense
+        # staging copy first; the rest is packed as in a dense run
+        srcs = [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)] \
+            if b.send_srcs else [None] * len(el.sends[pos])
+        skip = [rng for s in srcs if s is not None for rng in (s[1],) if rng[1] > rng[0]]
+        if skip:
+            packs, lo = [], 0
+            for a, z in skip:
+                packs += b.packs[pos][lo:a]
+                lo = z
+            packs += b.packs[pos][lo:]
+            if packs:
+                ops.copy_views(packs, self.backend, key=(self.key, "delta-pack", i))
+        else:
+            ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
         sends, recvs = b.wire[pos]
         out_s, len_s = [], []
         for j, (peer, buf) in enumerate(sends):
             if el.sends[pos][j]:
-                msg = ops.pack_delta(list(zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)),
+                views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
+                msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
                                      update=True, backend=self.backend)
                 out_s.append((peer, msg))
                 len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
@@ -220,6 +258,19 @@ class DeltaLoop(StepLoop):
         self.timing.pack += clock() - t0
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
         dev = (sends or recvs)[0][1].device
+        if not self.link.is_nccl:  # gloo takes a message into a larger buffer: no length round (see finish)
+            out_r, inbox, at = [], [], 0
+            want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
+            area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
+            for j, (peer, buf) in enumerate(recvs):
+                if el.recvs[pos][j]:
+                    n = el.max_bytes[pos, j]
+                    buf = area[at:at + n]
+                    at += n
+                    inbox.append(buf)
+                out_r.append((peer, buf))
+            self.inbox[pos] = inbox
+            return self.post(pos, out_s, out_r)
         len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
                  for j, (peer, _buf) in enumerate(recvs) if el.recvs[pos][j]]
         if len_s or len_r:
@@ -252,7 +303,10 @@ class DeltaLoop(StepLoop):
         dense = []
         for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
             if el.recvs[pos][j]:
-                ops.unpack_delta(next(inbox), vs, backend=self.backend, names=el.names[pos, j])
+                msg = next(inbox)
+                ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
+                if not self.link.is_nccl:  # received into a buffer of the largest size: count what came
+                    self.recvd -= msg.numel() - message_length(msg)
             else:
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, self.backend)

@@ -32,7 +32,16 @@ from ..plan import DIRECT_MIN_BYTES, Plan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
-from .delta import CaptureLoop, DeltaLoop, DeltaRefusedError, DeltaRequest, MessageSnapshot, eligible, fence
+from .delta import (
+    CaptureLoop,
+    DeltaLoop,
+    DeltaRefusedError,
+    DeltaRequest,
+    MessageSnapshot,
+    eligible,
+    fence,
+    fence_row,
+)
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
@@ -226,24 +235,25 @@ class Resharder:
             stats=stats,
         )
 
-    def _fence(self, delta: DeltaRequest | None, device) -> tuple[int | None, str | None]:
-        """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
-        why); without ``delta`` the snapshot is dropped (the destinations move past it)."""
-        if delta is None:
-            self._snap.version = None
-            return None, None
+    def _fence_row(self, delta: DeltaRequest | None, device, verify: bool) -> list[int]:
+        """Before the handshake: this rank's delta fence columns (they ride on the handshake's all-gather);
+        allocates the snapshot buffers on the first delta request."""
+        if verify or delta is None:
+            return fence_row(self.plan, None, self._snap, None, False)
         if self._elig is None:
             self._elig = eligible(self.plan, self.work)
         if not self.plan.dst.quantized and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
-        try:
-            base, why, strict = fence(self.link, self.plan, self.work, self._elig, self._snap, delta,
-                                      bool(self._dst_specs))
-        except ReshardTransportError as e:
-            e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
-            self._broken = f"{type(e).__name__} in {e.what}"
+        return fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
+
+    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]]) -> tuple[int | None, str | None]:
+        """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
+        why), from every rank's fence columns; without ``delta`` the snapshot is dropped (the destinations
+        move past it)."""
+        if delta is None:
             self._snap.version = None
-            raise
+            return None, None
+        base, why, strict = fence(self.plan, self.link.ranks if self.link.wire else (self.rank,), rows)
         # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
         # nothing, so the snapshot still holds what the destinations at its version hold
         if why is not None and strict:
@@ -266,6 +276,7 @@ class Resharder:
                                f"{GROUP_DEAD}; nothing was moved")
         error: Exception | None = None
         device = backend = b = None
+        frow = fence_row(self.plan, None, self._snap, None, False)  # this rank's delta fence columns
         try:
             device = self._check_inputs(src_tensors, dst_tensors, verify)
             backend = ops.resolve_backend(device, self.backend)
@@ -275,18 +286,21 @@ class Resharder:
             if isinstance(self.link.comm, RefitGroup) and self.link.wire:
                 self.link.comm._live()
             b = self._bind(src_tensors, dst_tensors, device, verify)
+            frow = self._fence_row(delta, device, verify)
         except (ValueError, TypeError) as e:
             error = e
         except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         try:
-            handshake(self.link, self.plan, self.options, error, verify, delta is not None)
+            rows = handshake(self.link, self.plan, self.options, error, verify, delta is not None, frow)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
+            if delta is not None:
+                self._snap.version = None
             raise
         if not verify:
-            base, why = self._fence(delta, device)
+            base, why = self._fence(delta, rows)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
             args = (self.work, b, self.link, backend, tally, touched, (id(self), hash(self._bound_sig)))

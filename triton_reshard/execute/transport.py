@@ -23,6 +23,7 @@ from .errors import (
 )
 from .options import to_timedelta
 
+FENCE_FIELDS = 6  # the delta fence's columns of the handshake row (execute/delta.py: fence_row)
 BACKEND_CODES = {None: 0, "torch": 1, "triton": 2}  # the copy backend a rank asked for (None: by device)
 
 # one run or verify at a time per process group in this process: two would match each other's messages
@@ -38,7 +39,8 @@ def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(m
     comm = as_transport(group)
     if comm.wire:
         dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([0, 0, 0, 2, 0, 0, int(verify), 0, 0, 0], dtype=torch.int64, device=dev)  # the handshake row
+        row = [0, 0, 0, 2, 0, 0, int(verify), 0, 0, 0] + [0] * FENCE_FIELDS  # the handshake row
+        mine = torch.tensor(row, dtype=torch.int64, device=dev)
         out = [torch.empty_like(mine) for _ in comm.ranks]
         try:
             work = comm.all_gather(out, mine)
@@ -162,20 +164,26 @@ class Link:
                 _RUNNING.pop(id(key_obj), None)
 
 
-def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False) -> None:
+def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False,
+              fence: list[int] | None = None) -> list[list[int]]:
     """All ranks: same plan digest and options? all running or all verifying? all asking for a delta or
-    none (``delta``)? everyone's input valid? Raises on every rank otherwise."""
+    none (``delta``)? everyone's input valid? Raises on every rank otherwise. ``fence``: this rank's delta
+    fence columns (``execute/delta.py``), carried in the same all-gather; returns every rank's (in
+    ``link.ranks`` order), so a delta refit costs no extra round before its first byte."""
+    fence = list(fence) if fence is not None else [0] * FENCE_FIELDS
+    if len(fence) != FENCE_FIELDS:
+        raise ValueError(f"fence row of {len(fence)} fields, want {FENCE_FIELDS}")
     if not link.wire:
         if error is not None:
             raise error
-        return
+        return [fence]
     d = int(plan.digest, 16)
     requested = options.backend or os.environ.get(ops.ENV_VAR) or None
     bcode = BACKEND_CODES.get(requested, len(BACKEND_CODES))
     rows = link.all_gather_row(
         [d >> 32, d & 0xFFFFFFFF, options.bucket_bytes, 0 if error is None else 1, options.direct_min_bytes,
          int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0,
-         int(delta)],
+         int(delta)] + fence,
         "the plan handshake")
     if error is not None:
         raise error
@@ -209,3 +217,4 @@ def handshake(link: Link, plan, options, error: Exception | None, verify: bool =
             f"rank {link.rank}: rank(s) {bad} rejected their input (see the error on those ranks); "
             f"nothing was moved"
         )
+    return [row[10:] for row in rows]

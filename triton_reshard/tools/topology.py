@@ -213,3 +213,41 @@ def node_link_bytes(pair_bytes: Mapping[tuple[int, int], int], ranks_per_node: i
             out[a][0] += n
             out[b][1] += n
     return [(tx, rx) for tx, rx in out]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayChoice:
+    """What :func:`choose_relay` decided and why: the predicted seconds of the whole plan with and without
+    relays under the same topology."""
+
+    relay: bool
+    with_relay_s: float
+    without_relay_s: float
+    margin: float
+
+
+def choose_relay(src, dst, topo: Topology, instances: int = 1, allow_cast: bool = False,
+                 margin: float = 0.05) -> RelayChoice:
+    """Relay or not, by the time model: plan the whole refit of ``src`` -> ``instances`` copies of ``dst``
+    (``gpus_per_node`` = ``topo.gpus_per_node``) with and without relays, predict both
+    (``plan_phase_pair_bytes`` + :func:`predict_seconds`) and relay only when that is predicted faster by more
+    than ``margin`` (a relay phase is one more round on the wire, and the model leaves out its CPU work).
+
+    Why it is needed (issue 32, measured on the emulated cluster): with one trainer node feeding two engine
+    nodes relays halve the trainer link's bytes (faster); with two trainer nodes feeding two engine nodes the
+    engine nodes' links carry the whole model either way, so relays only add a phase (slower: 92 against 80
+    ms for ``small_llama`` at 1 Gbit/s). Every rank gets the same answer (whole plans of the same layouts);
+    the two whole plans cost what planning both costs (``perf/bench_planner.py``), so call it once per job and
+    pass ``relay=`` to ``refit``.
+    """
+    from ..plan import plan_reshard
+
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r} must be in [0, 1)")
+    groups = dst.instance_groups(instances) if instances > 1 else None
+    full = dst.instances(instances) if instances > 1 else dst
+    t = {}
+    for relay in (True, False):
+        plan = plan_reshard(src, full, allow_cast, topo.gpus_per_node, relay, groups)
+        t[relay] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+    return RelayChoice(t[True] < (1 - margin) * t[False], t[True], t[False], margin)
