@@ -150,7 +150,8 @@ def _mx_scale(amax, has_nan, thr_ptr):
 
     ``y = amax / 448`` (IEEE). A normal ``y`` with biased exponent ``e`` and mantissa ``m`` has ``ceil(log2 y) + 127
     = e + (m >= thr[e])`` (``thr``: torch's rounding of ``log2``, measured as for UE8M0). A subnormal ``y`` (amax
-    below ~2^-117) gives 1 when ``y > 2^-127`` and 0 otherwise; inf gives 254."""
+    below ~2^-117) has ``e = 0``: 1 from the measured mantissa ``thr[0]`` on (torch's ``log2`` rounds a few
+    mantissas above 2^-127 to -127; the exact rule would start at ``0x400001``), else 0; inf gives 254."""
     tiny = _f32(0x00800000)
     a = tl.where(amax < tiny, tiny, amax)
     y = tl.math.div_rn(a, _f32(FP8_MAX_BITS))
@@ -158,7 +159,7 @@ def _mx_scale(amax, has_nan, thr_ptr):
     e = (b >> 23) & 0xFF
     m = b & 0x7FFFFF
     t = tl.load(thr_ptr + e)
-    sb = tl.where(e == 0, (m > 0x400000).to(tl.int32), e + (m >= t).to(tl.int32))
+    sb = tl.where(e == 0, (m >= t).to(tl.int32), e + (m >= t).to(tl.int32))
     sb = tl.minimum(tl.where(e == 255, 254, sb), 254)
     # 2^(127 - sb): biased exponent 254 - sb; sb = 254 (an inf block) is the subnormal 2^-127
     inv = tl.where(sb == 254, 0x00400000, (254 - sb) << 23).to(tl.float32, bitcast=True)

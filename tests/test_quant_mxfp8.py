@@ -195,3 +195,22 @@ def test_bad_items_name_the_format():
         Q.quantize_views([(x, torch.empty(2, 64, dtype=FP8), torch.empty(2, 2))], (1, 32), fmt="mxfp8")
     with pytest.raises(ValueError, match="unknown quantization format"):
         Q.quantize_views([(x, torch.empty(2, 64, dtype=FP8), torch.empty(2, 2))], (1, 32), fmt="mxfp9")
+
+
+def test_triton_fp32_amax_whose_scale_is_subnormal():
+    """fp32 amaxes whose ``amax / 448`` is a float32 subnormal just above 2^-127 (amax ~2.6e-36): torch's float32
+    ``log2`` rounds the first dozen of them to -127 (scale byte 0), the exact rule would give byte 1. The kernel
+    follows torch there too (a review found it took the exact rule for subnormal scales)."""
+    ys = torch.arange(0x400000 - 4, 0x400000 + 40, dtype=torch.int32).view(torch.float32)
+    amax = ys * torch.tensor(448.0)
+    assert torch.equal(amax / torch.tensor(448.0), ys)  # each one divides back to its subnormal
+    x = torch.zeros(amax.numel(), 32)
+    x[:, 3] = amax
+    x[:, 5] = -amax / 2
+    q = torch.empty(x.shape, dtype=FP8)
+    s = torch.empty(amax.numel(), 1, dtype=torch.uint8)
+    Q.quantize_views([(x, q, s)], (32,), backend="triton", fmt="mxfp8")
+    rq, rs = Q.quantize_mxfp8(x)
+    assert 0 in rs.view(-1).tolist() and 1 in rs.view(-1).tolist()
+    assert torch.equal(s, rs), (s.view(-1) != rs.view(-1)).nonzero().view(-1)[:5]
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))

@@ -391,9 +391,26 @@ def ue8m0_thresholds(device: torch.device | str, full: bool = False) -> torch.Te
                            "the Triton UE8M0 path can reproduce")
     table = torch.ones(256, dtype=torch.int32)
     table[lo:255] = thr.to(torch.int32)
+    if full:
+        table[0] = _subnormal_threshold(dev)
     table = table.to(dev)
     _THRESHOLDS[cache_key] = table
     return table
+
+
+def _subnormal_threshold(dev: torch.device) -> int:
+    """MXFP8 on a subnormal ``y = amax / 448`` (amax below ~2^-117): the first mantissa (of ``y``'s bits) whose
+    ``ceil(log2(y)) + 127`` torch gives as 1, not 0 (the exact rule: ``0x400001``, just above 2^-127; torch's
+    float32 ``log2`` rounds the next few to -127 on this machine's CPU). Raises if torch's results are not 0
+    below it and 1 from it on (the kernel could not reproduce them)."""
+    m = torch.arange(1, 1 << 23, dtype=torch.int32)
+    got = (torch.ceil(torch.log2(m.view(torch.float32).to(dev))) + 127.0).clamp(0, 254).cpu()
+    ones = (got == 1).nonzero()
+    t = int(ones[0]) + 1 if len(ones) else 1 << 23
+    if not (bool((got[:t - 1] == 0).all()) and bool((got[t - 1:] == 1).all())):
+        raise RuntimeError(f"torch's ceil(log2(y)) on {dev} for subnormal float32 y is not a threshold rule the "
+                           "Triton MXFP8 path can reproduce")
+    return t
 
 
 # ---------------------------------------------------------------------------------------------------------
