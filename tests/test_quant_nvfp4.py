@@ -210,6 +210,20 @@ def test_vllm_preset_of_a_modelopt_config(algo):
         vllm_layout(bad, tp=2, ranks=range(2), vllm_version="0.33.0")
 
 
+@pytest.mark.parametrize("algo,why", [("NVFP4", "VocabParallelEmbedding"), ("MXFP8", "weight_scale_inv")])
+def test_sglang_preset_refuses_modelopt_configs_saying_why(algo, why):
+    """SGLang 0.5.23 does not load ModelOpt NVFP4 / MXFP8 checkpoints as vLLM does (checked with its model classes
+    on CPU): ``sglang_layout`` refuses them, naming the format and what SGLang does instead."""
+    from triton_reshard.presets import get_config, sglang_layout
+
+    cfg = dict(get_config("tiny_llama"), quantization_config={"quant_method": "modelopt", "quantization": {
+        "quant_algo": algo, "group_size": 16, "exclude_modules": ["lm_head"]}})
+    with pytest.raises(NotImplementedError, match=f"ModelOpt {algo}.*{why}"):
+        sglang_layout(cfg, tp=2)
+    with pytest.raises(NotImplementedError, match="quant_method='fp8'"):
+        sglang_layout(dict(get_config("tiny_llama"), quantization_config={"quant_method": "fp8"}), tp=2)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_layout_round_trips_through_the_wire_format(fmt):
     """A quantized layout sent as JSON (``triton_reshard.wire``) comes back equal, its format and global scales
