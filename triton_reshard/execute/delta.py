@@ -37,8 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..layout import QUANT_FORMATS
+from ..ops.block_delta import max_block_message_bytes, pack_block_delta, unpack_block_delta
 from ..ops.delta import max_message_bytes
-from .bind import buffer_view
+from .bind import block_chunks, buffer_view, quant_buffers
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
 
@@ -74,36 +76,60 @@ def deltable(plan, m) -> bool:
     return True
 
 
+def block_deltable(plan, m) -> bool:
+    """Message ``m`` can go as a *block* delta (``ops/block_delta.py``): every chunk source-quantized in a format
+    with 1 x B blocks (MXFP8, NVFP4). Other quantized messages (destination-quantized pieces, block FP8) go dense."""
+    return block_chunks(plan.transfers, m)
+
+
+def quant_blocks_delta(plan) -> bool:
+    """A destination tensor quantized in a format without 1 x B blocks (block FP8: a changed element re-quantizes a
+    128 x 128 block; measured: every block touched) makes the whole refit dense."""
+    return any(q.quant.format.block is None for q in plan.dst.quantized.values())
+
+
 @dataclass(frozen=True, slots=True)
 class Eligible:
-    """Per step position, per send / receive (in ``wire`` order): delta-able? and, per delta-able receive,
-    its largest possible size and the destination local names of its chunks."""
+    """Per step position, per send / receive (in ``wire`` order): delta-able? block-delta-able? and, per such
+    receive, its largest possible size and the destination local names of its chunks."""
 
     sends: tuple[tuple[bool, ...], ...]
     recvs: tuple[tuple[bool, ...], ...]
     max_bytes: dict
     names: dict
+    bsends: tuple[tuple[bool, ...], ...] = ()
+    brecvs: tuple[tuple[bool, ...], ...] = ()
 
     @property
     def any_send(self) -> bool:
-        return any(any(s) for s in self.sends)
+        return any(any(s) for s in self.sends) or any(any(s) for s in self.bsends)
 
 
 def eligible(plan, work) -> Eligible:
-    sends, recvs, max_bytes, names = [], [], {}, {}
+    sends, recvs, max_bytes, names, bsends, brecvs = [], [], {}, {}, [], []
     for pos, (_i, step) in enumerate(work.steps):
         sends.append(tuple(deltable(plan, m) for _p, _a, m in step.sends))
-        rs = []
+        bsends.append(tuple(block_deltable(plan, m) for _p, _a, m in step.sends))
+        rs, brs = [], []
         for j, (_p, _a, m) in enumerate(step.recvs):
             ok = deltable(plan, m)
+            bok = block_deltable(plan, m)
             rs.append(ok)
+            brs.append(bok)
+            ts = [plan.transfers[c.transfer] for c in m.chunks]
             if ok:
-                ts = [plan.transfers[c.transfer] for c in m.chunks]
                 max_bytes[pos, j] = max_message_bytes([math.prod(c.sizes) for c in m.chunks],
                                                       [t.wire_dtype.itemsize for t in ts])
                 names[pos, j] = [t.dst_local for t in ts]
+            elif bok:
+                fmts = [QUANT_FORMATS[t.fmt] for t in ts]
+                max_bytes[pos, j] = max_block_message_bytes(
+                    [(f.value_bytes(math.prod(c.sizes)), math.prod(c.sizes) // f.block * f.scale_bytes)
+                     for c, f in zip(m.chunks, fmts, strict=True)])
+                names[pos, j] = [t.dst_local for t in ts]
         recvs.append(tuple(rs))
-    return Eligible(tuple(sends), tuple(recvs), max_bytes, names)
+        brecvs.append(tuple(brs))
+    return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs))
 
 
 class MessageSnapshot:
@@ -113,23 +139,32 @@ class MessageSnapshot:
         self.version: int | None = None
         self.device: torch.device | None = None
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._qviews: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.globals: dict[str, int] = {}  # NVFP4: each group's global scale (float32 bits) at the snapshot
         self.nbytes = 0
 
     def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
         """Allocate the buffers (once per device): one per delta-able send, its payload bytes."""
         if self.device == device:
             return
-        self._views, self.nbytes, self.version = {}, 0, None
+        self._views, self._qviews, self.globals, self.nbytes, self.version = {}, {}, {}, 0, None
         for pos, (_i, step) in enumerate(work.steps):
             for j, (_p, _a, m) in enumerate(step.sends):
                 if elig.sends[pos][j]:
                     buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
                     self._views[pos, j] = [buffer_view(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
                     self.nbytes += m.payload
+                elif elig.bsends and elig.bsends[pos][j]:  # the quantized bytes last sent (values, scales)
+                    buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
+                    self._qviews[pos, j] = [quant_buffers(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
+                    self.nbytes += m.payload
         self.device = device
 
     def views(self, pos: int, j: int) -> list[torch.Tensor]:
         return self._views[pos, j]
+
+    def qviews(self, pos: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._qviews[pos, j]
 
 
 def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaRequest, has_dst: bool
@@ -138,7 +173,7 @@ def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaReq
     on every rank (one all-gather); ``strict``: some rank asked for a strict delta (then every rank refuses
     together). Raises nothing but transport errors."""
     sender = elig.any_send
-    reasons = _QUANT if plan.dst.quantized else 0
+    reasons = _QUANT if quant_blocks_delta(plan) else 0
     if sender and snap.version is None:
         reasons |= _NO_SNAP
     if has_dst and req.torn:
@@ -153,7 +188,8 @@ def fence(link, plan, work, elig: Eligible, snap: MessageSnapshot, req: DeltaReq
     strict = any(r[5] for r in rows)
     if any(r[0] & _QUANT for r in rows):
         return None, (f"block-quantized destination tensors {sorted(plan.dst.quantized)}: a changed element "
-                      f"re-quantizes its whole block, so a delta saves nothing; sent dense"), strict
+                      f"re-quantizes its whole block, so a delta saves nothing; sent dense"
+                      f" (MXFP8 / NVFP4 1 x B blocks go as block deltas; block FP8 does not)"), strict
     why = []
     torn = [r for r, row in by.items() if row[0] & _TORN]
     if torn:
@@ -188,9 +224,24 @@ class CaptureLoop(StepLoop):
         t = clock()
         pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok
                  for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
+        pairs += [pair for j, ok in enumerate(self.elig.bsends[pos] if self.elig.bsends else ()) if ok
+                  for (q, s), (sq, ss) in zip(self.b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
+                  for pair in ((q, sq), (s, ss))]
         ops.copy_views([(v, s) for v, s in pairs if v.numel()], self.backend)
         self.timing.pack += clock() - t
         return p
+
+    def global_scales(self) -> None:
+        super().global_scales()
+        self.snap.globals = {g: int(t.view(torch.int32).item()) for g, t in self.b.quant.globals.items()}
+
+
+def _rescaled(loop) -> None:
+    """A delta run's NVFP4 groups whose global scale moved since the snapshot (every block of them changes,
+    so their chunks go dense inside the block-delta messages): ``loop.rescaled``; the snapshot takes the new."""
+    now = {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
+    loop.rescaled = tuple(sorted(g for g, v in now.items() if loop.snap.globals.get(g) != v))
+    loop.snap.globals = now
 
 
 class DeltaLoop(StepLoop):
@@ -200,6 +251,11 @@ class DeltaLoop(StepLoop):
         super().__init__(*args)
         self.elig, self.snap = elig, snap
         self.inbox: dict[int, list[torch.Tensor]] = {}
+        self.rescaled: tuple[str, ...] = ()
+
+    def global_scales(self) -> None:
+        super().global_scales()
+        _rescaled(self)
 
     def pack_and_post(self, pos: int) -> Pending:
         i = self.work.steps[pos][0]
@@ -207,12 +263,18 @@ class DeltaLoop(StepLoop):
         what = self.what(pos)
         t0 = clock()
         ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        if b.quant.packs[pos]:  # source-quantized chunks: quantized into the send buffer, as a dense run
+            self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
+        bsends = el.bsends[pos] if el.bsends else ()
         sends, recvs = b.wire[pos]
         out_s, len_s = [], []
         for j, (peer, buf) in enumerate(sends):
-            if el.sends[pos][j]:
-                msg = ops.pack_delta(list(zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)),
-                                     update=True, backend=self.backend)
+            if el.sends[pos][j] or (bsends and bsends[j]):
+                if el.sends[pos][j]:
+                    msg = ops.pack_delta(list(zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)),
+                                         update=True, backend=self.backend)
+                else:
+                    msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
                 out_s.append((peer, msg))
                 len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
@@ -220,8 +282,10 @@ class DeltaLoop(StepLoop):
         self.timing.pack += clock() - t0
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
         dev = (sends or recvs)[0][1].device
+        brecvs = el.brecvs[pos] if el.brecvs else (False,) * len(recvs)
+        delta_r = [el.recvs[pos][j] or brecvs[j] for j in range(len(recvs))]
         len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
-                 for j, (peer, _buf) in enumerate(recvs) if el.recvs[pos][j]]
+                 for j, (peer, _buf) in enumerate(recvs) if delta_r[j]]
         if len_s or len_r:
             t1 = clock()
             works = self.link.call(self.link.post, f"{what} (delta lengths)", peers, len_s, len_r)
@@ -230,7 +294,7 @@ class DeltaLoop(StepLoop):
         lens = iter(int(x) for _p, x in len_r)  # sent in message order: the k-th length is the k-th delta
         out_r, inbox = [], []
         for j, (peer, buf) in enumerate(recvs):
-            if el.recvs[pos][j]:
+            if delta_r[j]:
                 n = next(lens)
                 if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
                     raise ValueError(f"rank {self.link.rank}: {what}: rank {peer} announced a delta message of "
@@ -250,11 +314,17 @@ class DeltaLoop(StepLoop):
         t2 = clock()
         inbox = iter(self.inbox.pop(pos))
         dense = []
+        brecvs = el.brecvs[pos] if el.brecvs else ()
         for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
             if el.recvs[pos][j]:
                 ops.unpack_delta(next(inbox), vs, backend=self.backend, names=el.names[pos, j])
+            elif brecvs and brecvs[j]:
+                unpack_block_delta(next(inbox), b.recv_qmsgs[pos][j], names=el.names[pos, j])
             else:
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, self.backend)
+        if b.quant.stage_unpacks[pos]:  # destination-quantized pieces: always dense, staged, then quantized
+            ops.copy_views(b.quant.stage_unpacks[pos], self.backend)
+        self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2

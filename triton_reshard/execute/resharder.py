@@ -32,7 +32,16 @@ from ..plan import DIRECT_MIN_BYTES, Plan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
-from .delta import CaptureLoop, DeltaLoop, DeltaRefusedError, DeltaRequest, MessageSnapshot, eligible, fence
+from .delta import (
+    CaptureLoop,
+    DeltaLoop,
+    DeltaRefusedError,
+    DeltaRequest,
+    MessageSnapshot,
+    eligible,
+    fence,
+    quant_blocks_delta,
+)
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
@@ -234,7 +243,7 @@ class Resharder:
             return None, None
         if self._elig is None:
             self._elig = eligible(self.plan, self.work)
-        if not self.plan.dst.quantized and device is not None:
+        if not quant_blocks_delta(self.plan) and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
         try:
             base, why, strict = fence(self.link, self.plan, self.work, self._elig, self._snap, delta,
@@ -308,7 +317,8 @@ class Resharder:
                 self._snap.version = delta.version
             dense = sum(buf.numel() for sends, _r in b.wire for _p, buf in sends)
             return dataclasses.replace(report, mode="delta" if base is not None else "dense-fallback",
-                                       fallback=why, delta_base=base, dense_sent_bytes=dense)
+                                       fallback=why, delta_base=base, dense_sent_bytes=dense,
+                                       rescaled=getattr(loop, "rescaled", ()))
         except Exception as e:
             if not verify:  # the destinations hold neither version: only a dense refit makes a base again
                 self._snap.version = None
