@@ -307,3 +307,70 @@ def quant_blocks_kernel(
                 tl.store(s_ptr + s0, sb.to(tl.uint8))
             else:
                 tl.store(s_ptr + s0, sf)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
+def quant_rows_kernel(
+    src_ptr,
+    q_ptr,
+    s_ptr,
+    table_ptr,
+    thr_ptr,
+    num_blocks,
+    SRC_BF16: tl.constexpr,
+    BN: tl.constexpr,
+    G: tl.constexpr,
+    CONTIG: tl.constexpr,
+    FMT: tl.constexpr,
+    g_ptr=None,
+):
+    """MXFP8 (``FMT`` 1) and NVFP4 (``FMT`` 2) blocks of one row (1 x ``BN``, every block whole): **``G`` blocks per
+    program**, block rows ``program_id * G ..`` of the same table as :func:`quant_blocks_kernel`, as one
+    ``[G, BN]`` tile. The numbers are that kernel's, block by block (each row's amax, scale and values depend on
+    its own row only); a row past ``num_blocks`` is masked."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid * G + tl.arange(0, G).to(tl.int64)
+    live = g < num_blocks
+    row = table_ptr + g * FIELDS
+    src0 = tl.load(row + F_SRC, mask=live, other=0)
+    q0 = tl.load(row + F_Q, mask=live, other=0)
+    s0 = tl.load(row + F_S, mask=live, other=0)
+    if CONTIG:
+        scs = tl.full([G], 1, tl.int64)
+        qcs = tl.full([G], 1, tl.int64)
+    else:
+        scs = tl.load(row + F_SCS, mask=live, other=0)
+        qcs = tl.load(row + F_QCS, mask=live, other=0)
+    c = tl.arange(0, BN)[None, :].to(tl.int64)
+    mask = live[:, None] & (c < BN)
+    x = tl.load(src_ptr + (src0[:, None] + c * scs[:, None]), mask=mask, other=0)
+    if SRC_BF16:
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
+    amax = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max)
+    has_nan = tl.reduce((x != x).to(tl.int32), 1, tl.standard._elementwise_max)
+    if FMT == 2:
+        gs = tl.load(g_ptr + tl.load(row + F_G, mask=live, other=0), mask=live, other=1.0)
+        sv = gs * (amax * _f32(0x3E2AAAAB))
+        sv = tl.minimum(sv, _f32(FP8_MAX_BITS))
+        s8 = _e4m3fn_bits(sv)
+        sf = _e4m3_value(s8)
+        t = sf * tl.math.div_rn(tl.full([G], 1.0, tl.float32), gs)
+        t = tl.where(t == 0, _f32(0x4CBEBC20), t)
+        os = tl.math.div_rn(tl.full([G], 1.0, tl.float32), t)
+        y = tl.minimum(tl.maximum(x * os[:, None], -6.0), 6.0)
+        a = tl.abs(y)
+        code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(
+            a < 1.75, 3, tl.where(a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
+        code = code | tl.where(y < 0, 8, 0)
+        lo, hi = tl.split(tl.reshape(code, (G, BN // 2, 2)))
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        cc = tl.arange(0, BN // 2)[None, :].to(tl.int64)
+        tl.store(q_ptr + (q0[:, None] + cc * qcs[:, None]), byte, mask=live[:, None] & (cc < BN // 2))
+        tl.store(s_ptr + s0, s8.to(tl.uint8), mask=live)
+    else:
+        sb, inv = _mx_scale(amax, has_nan, thr_ptr)
+        code = tl.where(has_nan[:, None] > 0, 0x7F, _e4m3fn_bits(x * inv[:, None]))
+        tl.store(q_ptr + (q0[:, None] + c * qcs[:, None]), code.to(tl.uint8), mask=mask)
+        tl.store(s_ptr + s0, sb.to(tl.uint8), mask=live)

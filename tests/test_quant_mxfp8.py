@@ -170,20 +170,24 @@ def test_triton_fp32_amax_near_powers_of_two():
 
 
 def test_one_launch_for_many_items(monkeypatch):
+    """One launch of the 1 x B kernel for every block of every item, many blocks per program (its grid: the
+    blocks over G, not one program per block)."""
     calls = []
-    kernel = Q.get_kernel()
+    kernel = Q.get_rows_kernel()
 
     class Counter:
         def __getitem__(self, grid):
             def run(*a, **k):
-                calls.append(k["FMT"])
+                calls.append((k["FMT"], grid, k["G"]))
                 return kernel[grid](*a, **k)
             return run
 
-    monkeypatch.setattr(Q, "get_kernel", lambda: Counter())
-    items = _items([(2, 64), (4, 32), (1, 128)], torch.bfloat16, seed=1)
+    monkeypatch.setattr(Q, "get_rows_kernel", lambda: Counter())
+    items = _items([(2, 64), (4, 32), (1, 128), (300, 64)], torch.bfloat16, seed=1)
     Q.quantize_views(items, (1, 32), backend="triton", fmt="mxfp8", key="k")
-    assert calls == [1]
+    blocks = 4 + 4 + 4 + 600
+    assert len(calls) == 1 and calls[0][0] == 1 and calls[0][2] > 1
+    assert calls[0][1] == (-(-blocks // calls[0][2]),)
     for x, q, s in items:
         rq, rs = Q.quantize_mxfp8(x)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)

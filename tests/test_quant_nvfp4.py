@@ -168,20 +168,24 @@ def test_triton_rounding_boundaries_and_tiny_scales(interpret):
 
 
 def test_one_launch_for_many_items(interpret, monkeypatch):
+    """One launch of the 1 x B kernel for every block of every item, many blocks per program (its grid: the
+    blocks over G, not one program per block)."""
     calls = []
-    kernel = Q.get_kernel()
+    kernel = Q.get_rows_kernel()
 
     class Counter:
         def __getitem__(self, grid):
             def run(*a, **k):
-                calls.append(k["FMT"])
+                calls.append((k["FMT"], grid, k["G"]))
                 return kernel[grid](*a, **k)
             return run
 
-    monkeypatch.setattr(Q, "get_kernel", lambda: Counter())
-    items = _nv_items([(2, 64), (4, 32), (1, 128)], torch.bfloat16, 2)
+    monkeypatch.setattr(Q, "get_rows_kernel", lambda: Counter())
+    items = _nv_items([(2, 64), (4, 32), (1, 128), (300, 64)], torch.bfloat16, 2)
     Q.quantize_views(items, (1, 16), backend="triton", fmt="nvfp4")
-    assert calls == [2]
+    blocks = 8 + 8 + 8 + 1200
+    assert len(calls) == 1 and calls[0][0] == 2 and calls[0][2] > 1
+    assert calls[0][1] == (-(-blocks // calls[0][2]),)
     for x, q, s, gs in items:
         rq, rs = Q.quantize_nvfp4(x, (16,), global_scale=gs)
         assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))

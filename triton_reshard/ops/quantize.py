@@ -596,10 +596,48 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
 KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # the formats quant_blocks_kernel takes (its FMT)
 
 
+def get_rows_kernel():
+    """The many-blocks-per-program kernel of 1 x B blocks (MXFP8, NVFP4: ``kernels/quant.quant_rows_kernel``)."""
+    from ..kernels import quant as kquant
+
+    return kernel_module(kquant, "quant_rows_kernel").quant_rows_kernel
+
+
+def rows_per_program(bn: int) -> tuple[int, int]:
+    """``(G, num_warps)`` of the 1 x B kernel: ``G`` blocks a program (a ``[G, bn]`` tile of ``GPU_CHUNK``
+    elements on a GPU, 4 warps; under the interpreter 8x that: each program costs Python time there)."""
+    g = max(1, GPU_CHUNK // bn)
+    return (g * 8, 1) if interpreting() else (g, max(1, min(8, GPU_CHUNK // (32 * GPU_PER_THREAD))))
+
+
 def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int],
            fmt: QuantFormat = FP8_BLOCK) -> None:
     """Run the blocks described by ``table`` (built from ``items`` or an identical list)."""
-    if table.groups:
+    if table.groups and fmt.block is not None:  # 1 x B blocks (MXFP8, NVFP4): many blocks per program
+        kernel = get_rows_kernel()
+        _bm, bn = table.tile
+        g_rows, warps = rows_per_program(bn)
+        mx = KERNEL_FMT[fmt.name]
+        thr = ue8m0_thresholds(table.device, full=True) if mx == 1 else torch.ones(1, dtype=torch.int32,
+                                                                                     device=table.device)
+        for g in table.groups:
+            bf16 = g.src_dtype == torch.bfloat16
+            kernel[(triton_cdiv(g.num_blocks, g_rows),)](
+                storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
+                storage_view(items[g.q_base][1], torch.uint8),
+                storage_view(items[g.s_base][2], torch.uint8),
+                g.table,
+                thr,
+                g.num_blocks,
+                SRC_BF16=bf16,
+                BN=bn,
+                G=g_rows,
+                CONTIG=g.contig,
+                FMT=mx,
+                g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
+                num_warps=warps,
+            )
+    elif table.groups:
         kernel = get_kernel()
         bm, bn = table.tile
         rb, warps = launch_params(bm, bn)
@@ -631,6 +669,10 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
             )
     if table.fallback:
         _torch_items([items[i] for i in table.fallback], block, ue8m0, fmt)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:
