@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -160,6 +162,11 @@ def run(args) -> dict:
     return res
 
 
+def machine(threads: int) -> str:
+    return (f"CPU ({platform.machine()}, {platform.system()}), {os.cpu_count()} cores, {threads} torch thread(s), "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_train_args(ap, steps=30, lrs=[1e-6, 2e-6, 3e-6])
@@ -167,7 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     res = run(args)
     res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "torch": torch.__version__}
+                   "torch": torch.__version__, "machine": machine(args.threads), "load_average": os.getloadavg()}
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
 

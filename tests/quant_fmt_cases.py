@@ -21,6 +21,7 @@ from triton_reshard import Layout, Shard, block_quant_layout, plan_reshard
 from triton_reshard.layout import quant_format
 
 from .quant_cases import BF16, global_data, is_linear, mismatch, poison_, src_locals
+from .quant_cases import Worlds as Worlds  # the world cache of the refit tests
 
 SUFFIX = "_scale"
 
