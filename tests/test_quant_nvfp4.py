@@ -245,3 +245,32 @@ def test_layout_round_trips_through_the_wire_format(fmt):
     assert back.specs["a.proj.weight"].quant.format.name == fmt
     f8 = layout_to_dict(block_quant_layout(w, ["a.proj.weight"], (4, 16)))
     assert all(len(t[3]) == 3 for t in f8["tensors"] if t[3] is not None)
+
+
+@pytest.mark.parametrize(("fmt", "bn", "g"), [(1, 32, 64), (2, 16, 128)], ids=["mxfp8", "nvfp4"])
+def test_rows_kernel_compiles_for_hopper_and_blackwell(monkeypatch, fmt, bn, g):
+    """The interpreter accepts code the compiler rejects: compile the many-blocks-per-program kernel (MXFP8 and
+    NVFP4, bf16 source, the GPU's G) for sm_90 and sm_100 (no GPU needed)."""
+    import importlib
+
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from triton_reshard.kernels import quant as kq
+
+    kq = importlib.reload(kq)
+    try:
+        sig = {"src_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "table_ptr": "*i64", "thr_ptr": "*i32",
+               "num_blocks": "i64", "g_ptr": "*fp32" if fmt == 2 else "constexpr"}
+        cx = {"SRC_BF16": True, "BN": bn, "G": g, "CONTIG": True, "FMT": fmt, **({} if fmt == 2 else {"g_ptr": None})}
+        sig.update(dict.fromkeys([k for k in cx if k != "g_ptr"], "constexpr"))
+        src = ASTSource(fn=kq.quant_rows_kernel, signature=sig, constexprs=cx)
+        for cap in (90, 100):
+            compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+            assert "st.global" in compiled.asm["ptx"]
+    finally:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        importlib.reload(kq)
