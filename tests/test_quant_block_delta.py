@@ -54,6 +54,7 @@ def _world():
     return run_world(qc.delta_world_main, 4, list(qc.DELTA_IDS), timeout=600, pg_timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id", qc.DELTA_IDS)
 def test_block_delta_refit_bit_exact(case_id):
     reps = [r[case_id] for r in _world()]
