@@ -247,30 +247,37 @@ def test_layout_round_trips_through_the_wire_format(fmt):
     assert all(len(t[3]) == 3 for t in f8["tensors"] if t[3] is not None)
 
 
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton_reshard.kernels import quant as kq
+
+fmt, bn, g = (int(a) for a in sys.argv[1:4])
+sig = {"src_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "table_ptr": "*i64", "thr_ptr": "*i32",
+       "num_blocks": "i64", "g_ptr": "*fp32" if fmt == 2 else "constexpr"}
+cx = {"SRC_BF16": True, "BN": bn, "G": g, "CONTIG": True, "FMT": fmt, **({} if fmt == 2 else {"g_ptr": None})}
+sig.update(dict.fromkeys([k for k in cx if k != "g_ptr"], "constexpr"))
+src = ASTSource(fn=kq.quant_rows_kernel, signature=sig, constexprs=cx)
+for cap in (90, 100):
+    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+    assert "st.global" in compiled.asm["ptx"], cap
+print("compiled")
+"""
+
+
 @pytest.mark.parametrize(("fmt", "bn", "g"), [(1, 32, 64), (2, 16, 128)], ids=["mxfp8", "nvfp4"])
-def test_rows_kernel_compiles_for_hopper_and_blackwell(monkeypatch, fmt, bn, g):
+def test_rows_kernel_compiles_for_hopper_and_blackwell(fmt, bn, g, tmp_path):
     """The interpreter accepts code the compiler rejects: compile the many-blocks-per-program kernel (MXFP8 and
-    NVFP4, bf16 source, the GPU's G) for sm_90 and sm_100 (no GPU needed)."""
-    import importlib
+    NVFP4, bf16 source, the GPU's G) for sm_90 and sm_100 (no GPU needed), in a fresh process (triton.language
+    imported in compiled mode) with an empty Triton cache (a cache hit would compile nothing)."""
+    import os
+    import subprocess
+    import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from triton_reshard.kernels import quant as kq
-
-    kq = importlib.reload(kq)
-    try:
-        sig = {"src_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "table_ptr": "*i64", "thr_ptr": "*i32",
-               "num_blocks": "i64", "g_ptr": "*fp32" if fmt == 2 else "constexpr"}
-        cx = {"SRC_BF16": True, "BN": bn, "G": g, "CONTIG": True, "FMT": fmt, **({} if fmt == 2 else {"g_ptr": None})}
-        sig.update(dict.fromkeys([k for k in cx if k != "g_ptr"], "constexpr"))
-        src = ASTSource(fn=kq.quant_rows_kernel, signature=sig, constexprs=cx)
-        for cap in (90, 100):
-            compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
-            assert "st.global" in compiled.asm["ptx"]
-    finally:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        importlib.reload(kq)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(fmt), str(bn), str(g)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]

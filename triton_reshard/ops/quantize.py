@@ -593,7 +593,7 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
-KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # the formats quant_blocks_kernel takes (its FMT)
+KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # formats with a kernel (quant_rows_kernel's FMT: 1, 2)
 
 
 def get_rows_kernel():
@@ -637,21 +637,17 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
                 num_warps=warps,
             )
-    elif table.groups:
+    elif table.groups:  # block FP8: one program per block
         kernel = get_kernel()
         bm, bn = table.tile
         rb, warps = launch_params(bm, bn)
-        mx = KERNEL_FMT[fmt.name]
-        if mx == 1:
-            thr = ue8m0_thresholds(table.device, full=True)
-        else:
-            thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
+        thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
             kernel[(g.num_blocks,)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
-                storage_view(items[g.s_base][2], torch.float32 if fmt.scale_bytes == 4 else torch.uint8),
+                storage_view(items[g.s_base][2], torch.float32),
                 g.table,
                 thr,
                 g.num_blocks,
@@ -663,8 +659,6 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 CONTIG=g.contig,
                 SRC_ALIGN=g.src_align,
                 Q_ALIGN=g.q_align,
-                FMT=mx,
-                g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
                 num_warps=warps,
             )
     if table.fallback:
