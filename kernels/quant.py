@@ -135,11 +135,10 @@ def _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16: tl.constexp
 
 @triton.jit
 def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16: tl.constexpr,
-                 FULL_WIDTH: tl.constexpr, nan_block=0):
-    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits (``nan_block``:
-    every value the NaN 0x7F)."""
+                 FULL_WIDTH: tl.constexpr):
+    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits."""
     x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, FULL_WIDTH)
-    code = tl.where(nan_block > 0, 0x7F, _e4m3fn_bits(x * inv))
+    code = _e4m3fn_bits(x * inv)
     tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + c * qcs), code.to(tl.uint8), mask=mask)
 
 
@@ -150,7 +149,8 @@ def _mx_scale(amax, has_nan, thr_ptr):
 
     ``y = amax / 448`` (IEEE). A normal ``y`` with biased exponent ``e`` and mantissa ``m`` has ``ceil(log2 y) + 127
     = e + (m >= thr[e])`` (``thr``: torch's rounding of ``log2``, measured as for UE8M0). A subnormal ``y`` (amax
-    below ~2^-117) gives 1 when ``y > 2^-127`` and 0 otherwise; inf gives 254."""
+    below ~2^-117) has ``e = 0``: 1 from the measured mantissa ``thr[0]`` on (torch's ``log2`` rounds a few
+    mantissas above 2^-127 to -127; the exact rule would start at ``0x400001``), else 0; inf gives 254."""
     tiny = _f32(0x00800000)
     a = tl.where(amax < tiny, tiny, amax)
     y = tl.math.div_rn(a, _f32(FP8_MAX_BITS))
@@ -158,7 +158,7 @@ def _mx_scale(amax, has_nan, thr_ptr):
     e = (b >> 23) & 0xFF
     m = b & 0x7FFFFF
     t = tl.load(thr_ptr + e)
-    sb = tl.where(e == 0, (m > 0x400000).to(tl.int32), e + (m >= t).to(tl.int32))
+    sb = tl.where(e == 0, (m >= t).to(tl.int32), e + (m >= t).to(tl.int32))
     sb = tl.minimum(tl.where(e == 255, 254, sb), 254)
     # 2^(127 - sb): biased exponent 254 - sb; sb = 254 (an inf block) is the subnormal 2^-127
     inv = tl.where(sb == 254, 0x00400000, (254 - sb) << 23).to(tl.float32, bitcast=True)
@@ -177,25 +177,6 @@ def _e4m3_value(code):
     return tl.where(e == 0, sub, nrm)
 
 
-@triton.jit
-def _nvfp4_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, os, SRC_BF16: tl.constexpr,
-                 BN: tl.constexpr):
-    """NVFP4: rows ``r`` of a block times ``os`` (vLLM's ``output_scale``), clamped to +-6, rounded to E2M1 by
-    ``cast_to_fp4``'s thresholds (ties to the even code), the sign bit for values below zero, two codes a byte
-    (the even element in the low nibble)."""
-    x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, False)
-    y = tl.minimum(tl.maximum(x * os, -6.0), 6.0)
-    a = tl.abs(y)
-    code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(
-        a < 1.75, 3, tl.where(a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
-    code = code | tl.where(y < 0, 8, 0)
-    pairs = tl.reshape(code, (r.shape[0], BN // 2, 2))
-    lo, hi = tl.split(pairs)
-    byte = (lo | (hi << 4)).to(tl.uint8)
-    cc = tl.arange(0, BN // 2)[None, :].to(tl.int64)
-    tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + cc * qcs), byte, mask=(r < rows) & (cc * 2 < cols))
-
-
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
 def quant_blocks_kernel(
     src_ptr,
@@ -212,14 +193,12 @@ def quant_blocks_kernel(
     CONTIG: tl.constexpr,
     SRC_ALIGN: tl.constexpr,
     Q_ALIGN: tl.constexpr,
-    FMT: tl.constexpr = 0,
-    g_ptr=None,
 ):
-    """Quantize block ``program_id`` of the block table (layout in the module docstring).
+    """Quantize block ``program_id`` of the block table (layout in the module docstring): block FP8 (MXFP8 and
+    NVFP4, 1 x B blocks, run many blocks a program in :func:`quant_rows_kernel`).
 
     ``src_ptr``: the source storage (int16 bits when ``SRC_BF16``, else float16 / float32);
-    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales (``FMT`` 0, block
-    FP8) or uint8 storage of E8M0 bytes (``FMT`` 1, MXFP8: ``_mx_scale``, thresholds always read);
+    ``q_ptr``: uint8 storage of the quantized bytes; ``s_ptr``: float32 storage of the scales;
     ``thr_ptr``: the UE8M0 thresholds (read only when ``UE8M0``); ``BM`` x ``BN``: the tile.
 
     The block is walked in chunks of ``RB`` rows, twice: once for the amax, once to quantize and store
@@ -267,42 +246,84 @@ def quant_blocks_kernel(
                 x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, False)
             amax = tl.maximum(amax, tl.reduce(tl.abs(x), None, tl.standard._elementwise_max))
             has_nan = tl.maximum(has_nan, tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max))
-        nan_block = tl.full([], 0, tl.int32)
-        if FMT == 2:
-            # NVFP4 (vLLM's ref_nvfp4_quant): scale = e4m3(min(gs * (amax * fp32(1/6)), 448)); output_scale =
-            # 1 / (scale * (1 / gs)), a zero product replaced by 1e8 (get_reciprocal)
-            gs = tl.load(g_ptr + tl.load(row + F_G))
-            sv = gs * (amax * _f32(0x3E2AAAAB))
-            sv = tl.minimum(sv, _f32(FP8_MAX_BITS))
-            s8 = _e4m3fn_bits(sv)
-            sf = _e4m3_value(s8)
-            t = sf * tl.math.div_rn(_f32(0x3F800000), gs)
-            t = tl.where(t == 0, _f32(0x4CBEBC20), t)
-            os = tl.math.div_rn(_f32(0x3F800000), t)
-            for r0 in range(0, rows, RB):
-                _nvfp4_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, os, SRC_BF16, BN)
-            tl.store(s_ptr + s0, s8.to(tl.uint8))
-        else:
-            if FMT == 1:
-                sb, inv = _mx_scale(amax, has_nan, thr_ptr)
-                nan_block = has_nan
+        amax = tl.where(has_nan > 0, float("nan"), amax)
+        floor = _f32(AMAX_FLOOR_BITS)
+        amax = tl.where(amax < floor, floor, amax)
+        sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
+        if UE8M0:
+            sf = _ue8m0(sf, thr_ptr)
+        inv = tl.math.div_rn(_f32(0x3F800000), sf)
+        # Pass 2: quantize and store.
+        for r0 in range(0, rows, RB):
+            if cols == BN:
+                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16, True)
             else:
-                amax = tl.where(has_nan > 0, float("nan"), amax)
-                floor = _f32(AMAX_FLOOR_BITS)
-                amax = tl.where(amax < floor, floor, amax)
-                sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
-                if UE8M0:
-                    sf = _ue8m0(sf, thr_ptr)
-                inv = tl.math.div_rn(_f32(0x3F800000), sf)
-            # Pass 2: quantize and store.
-            for r0 in range(0, rows, RB):
-                if cols == BN:
-                    _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
-                                 True, nan_block)
-                else:
-                    _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16,
-                                 False, nan_block)
-            if FMT == 1:
-                tl.store(s_ptr + s0, sb.to(tl.uint8))
-            else:
-                tl.store(s_ptr + s0, sf)
+                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16, False)
+        tl.store(s_ptr + s0, sf)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
+def quant_rows_kernel(
+    src_ptr,
+    q_ptr,
+    s_ptr,
+    table_ptr,
+    thr_ptr,
+    num_blocks,
+    SRC_BF16: tl.constexpr,
+    BN: tl.constexpr,
+    G: tl.constexpr,
+    CONTIG: tl.constexpr,
+    FMT: tl.constexpr,
+    g_ptr=None,
+):
+    """MXFP8 (``FMT`` 1) and NVFP4 (``FMT`` 2) blocks of one row (1 x ``BN``, every block whole): **``G`` blocks per
+    program**, block rows ``program_id * G ..`` of the same table as :func:`quant_blocks_kernel`, as one
+    ``[G, BN]`` tile. The numbers are that kernel's, block by block (each row's amax, scale and values depend on
+    its own row only); a row past ``num_blocks`` is masked."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid * G + tl.arange(0, G).to(tl.int64)
+    live = g < num_blocks
+    row = table_ptr + g * FIELDS
+    src0 = tl.load(row + F_SRC, mask=live, other=0)
+    q0 = tl.load(row + F_Q, mask=live, other=0)
+    s0 = tl.load(row + F_S, mask=live, other=0)
+    if CONTIG:
+        scs = tl.full([G], 1, tl.int64)
+        qcs = tl.full([G], 1, tl.int64)
+    else:
+        scs = tl.load(row + F_SCS, mask=live, other=0)
+        qcs = tl.load(row + F_QCS, mask=live, other=0)
+    c = tl.arange(0, BN)[None, :].to(tl.int64)
+    mask = live[:, None] & (c < BN)
+    x = tl.load(src_ptr + (src0[:, None] + c * scs[:, None]), mask=mask, other=0)
+    if SRC_BF16:
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
+    amax = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max)
+    has_nan = tl.reduce((x != x).to(tl.int32), 1, tl.standard._elementwise_max)
+    if FMT == 2:
+        gs = tl.load(g_ptr + tl.load(row + F_G, mask=live, other=0), mask=live, other=1.0)
+        sv = gs * (amax * _f32(0x3E2AAAAB))
+        sv = tl.minimum(sv, _f32(FP8_MAX_BITS))
+        s8 = _e4m3fn_bits(sv)
+        sf = _e4m3_value(s8)
+        t = sf * tl.math.div_rn(tl.full([G], 1.0, tl.float32), gs)
+        t = tl.where(t == 0, _f32(0x4CBEBC20), t)
+        os = tl.math.div_rn(tl.full([G], 1.0, tl.float32), t)
+        y = tl.minimum(tl.maximum(x * os[:, None], -6.0), 6.0)
+        a = tl.abs(y)
+        code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(
+            a < 1.75, 3, tl.where(a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
+        code = code | tl.where(y < 0, 8, 0)
+        lo, hi = tl.split(tl.reshape(code, (G, BN // 2, 2)))
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        cc = tl.arange(0, BN // 2)[None, :].to(tl.int64)
+        tl.store(q_ptr + (q0[:, None] + cc * qcs[:, None]), byte, mask=live[:, None] & (cc < BN // 2))
+        tl.store(s_ptr + s0, s8.to(tl.uint8), mask=live)
+    else:
+        sb, inv = _mx_scale(amax, has_nan, thr_ptr)
+        code = tl.where(has_nan[:, None] > 0, 0x7F, _e4m3fn_bits(x * inv[:, None]))
+        tl.store(q_ptr + (q0[:, None] + c * qcs[:, None]), code.to(tl.uint8), mask=mask)
+        tl.store(s_ptr + s0, sb.to(tl.uint8), mask=live)

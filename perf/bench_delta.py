@@ -349,9 +349,9 @@ def run_refit(args: argparse.Namespace) -> dict:
     return {"shapes": shapes, "rows": out, "snapshot_bytes_by_rank": [r["snapshot_bytes"] for r in res]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("train", "speed", "refit"), required=True)
+def add_train_args(ap: argparse.ArgumentParser, steps: int = 150, lrs=LRS) -> None:
+    """The training run's arguments (the model, the task, warm-up, RL-like steps), shared with
+    ``bench_quant_delta.py``."""
     ap.add_argument("--out", type=Path)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=1024)
@@ -362,8 +362,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument("--warmup-lr", type=float, default=1e-3)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--lrs", type=float, nargs="+", default=list(lrs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("train", "speed", "refit"), required=True)
+    add_train_args(ap)
     ap.add_argument("--speed-elems", type=int, default=1 << 24)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--refit-tensors", type=int, default=4)

@@ -10,8 +10,8 @@ tensor's fp8 bytes, then its float32 scales, 16-byte aligned) as the executor's 
 bytes read + fp8 and scale bytes written. Median of ``--repeats`` runs after warm-up, 20/80% quantiles.
 Every Triton result is checked bit for bit against the reference before timing. MXFP8 (1x32 blocks, E8M0 byte
 scales) and NVFP4 (1x16 blocks, packed E2M1 bytes, e4m3 scales, one global scale per tensor) quantize the same
-tensors (on CPU the interpreter runs them on the dense layer only, its shapes divided by 256: one program per
-16/32 values).
+tensors (on CPU the interpreter runs them on the dense layer only, its shapes divided by 256; their kernel takes
+many 1x32 / 1x16 blocks per program).
 
     python perf/bench_quant.py --device cuda --out perf/results/quant_cuda.json
     python perf/bench_quant.py --device cpu --scale 16      # CPU: torch only, plus the interpreter on

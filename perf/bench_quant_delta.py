@@ -10,6 +10,10 @@ blocks). Uniform random masks at 1 / 2 / 3 % beside them (a touched fraction of 
 the fraction of weight tensors whose bf16 amax changed in the step: NVFP4's global scale follows it, and a
 changed global scale re-quantizes every block of the tensor (a block delta would send it all).
 
+Then the implemented block deltas (``ops/block_delta.py``, what a delta refit into MXFP8 / NVFP4 sends) on
+``--measured`` of those steps: the message's bytes against the dense quantized bytes, and the seconds to pack and
+unpack it against a dense copy.
+
     python perf/bench_quant_delta.py --out perf/results/bench_quant_delta.json [--steps 40 --warmup 150]
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -25,7 +31,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_delta import MarkovTask, bf16_bits, make_model, train_step  # noqa: E402
+from bench_delta import MarkovTask, add_train_args, bf16_bits, make_model, train_step  # noqa: E402
+
+from triton_reshard.ops.block_delta import pack_block_delta, unpack_block_delta  # noqa: E402
+from triton_reshard.ops.quantize import nvfp4_global_scale, quantize_mxfp8, quantize_nvfp4  # noqa: E402
 
 BLOCKS = {"nvfp4-1x16": (1, 16), "mxfp8-1x32": (1, 32), "fp8-128x128": (128, 128)}
 # bytes per block in the destination format: values + scale (NVFP4: 16 x 4 bits + 1; MXFP8: 32 + 1; FP8: 16 Ki + 4)
@@ -61,6 +70,48 @@ def step_blocks(masks: dict[str, torch.Tensor], cur=None, prev=None) -> dict:
     return out
 
 
+def quantized(w: dict[str, torch.Tensor], fmt: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The weights a destination would quantize (2-D, last dim whole 1x32 blocks), in ``fmt`` (torch reference;
+    NVFP4 with each tensor's own global scale)."""
+    out = {}
+    for n, b in w.items():
+        if b.dim() == 2 and b.shape[-1] % 32 == 0:
+            x = b.view(torch.bfloat16)
+            if fmt == "mxfp8":
+                q, s = quantize_mxfp8(x)
+                out[n] = (q.view(torch.uint8), s)
+            else:
+                out[n] = quantize_nvfp4(x, global_scale=nvfp4_global_scale(x.abs().amax())[0])
+    return out
+
+
+def measured_step(cur: dict, prev: dict, fmt: str, repeats: int = 3) -> dict:
+    """The implemented block delta (``ops/block_delta.py``) between two versions' quantized weights, one chunk
+    per tensor: message bytes vs dense (values + scales), and the seconds to pack (diff + gather) and unpack
+    (scatter) it vs a dense copy of the same bytes (best of ``repeats``; the quantization itself is the dense
+    refit's too and is not counted)."""
+    qc, qp = quantized(cur, fmt), quantized(prev, fmt)
+    chunks = [qc[n] for n in sorted(qc)]
+    dense = sum(q.numel() + s.numel() for q, s in chunks)
+    snaps = [(q.clone(), s.clone()) for n in sorted(qp) for q, s in [qp[n]]]
+    dst = [(q.clone(), s.clone()) for q, s in snaps]
+    best = {"pack": 1e9, "unpack": 1e9, "dense_copy": 1e9}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        msg = pack_block_delta(chunks, snaps, update=False)
+        best["pack"] = min(best["pack"], time.perf_counter() - t)
+        t = time.perf_counter()
+        unpack_block_delta(msg, dst)
+        best["unpack"] = min(best["unpack"], time.perf_counter() - t)
+        t = time.perf_counter()
+        for (q, s), (dq, ds) in zip(chunks, dst, strict=True):
+            dq.copy_(q)
+            ds.copy_(s)
+        best["dense_copy"] = min(best["dense_copy"], time.perf_counter() - t)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for (a, _), (b, _) in zip(chunks, dst, strict=True))
+    return {"message_vs_dense_bytes": msg.numel() / dense, **{f"{k}_s": v for k, v in best.items()}}
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     model = make_model(args)
@@ -81,12 +132,21 @@ def run(args) -> dict:
             train_step(model, opt, task, args)
             cur = bf16_bits(model)
             steps.append(step_blocks({n: cur[n] != prev[n] for n in cur}, cur, prev))
+            if len(steps) > min(9, args.steps - 1) and len(steps) <= min(9, args.steps - 1) + args.measured:
+                steps[-1]["measured"] = {f: measured_step(cur, prev, f) for f in ("nvfp4", "mxfp8")}
             prev = cur
         win = steps[min(9, len(steps) - 1):]
         summ = {"changed_fraction": statistics.fmean(s["changed_fraction"] for s in win),
                 "amax_changed_tensors": statistics.fmean(s["amax_changed_tensors"] for s in win)}
         for name in BLOCKS:
             summ[name] = {k: statistics.fmean(s[name][k] for s in win) for k in win[0][name]}
+        meas = [s["measured"] for s in win if "measured" in s]
+        if meas:
+            summ["measured"] = {f: {k: statistics.fmean(m[f][k] for m in meas) for k in meas[0][f]} for f in meas[0]}
+            print(f"lr {lr:g} measured block deltas: " + ", ".join(
+                f"{f} {v['message_vs_dense_bytes']:.2f}x dense bytes, pack {1e3 * v['pack_s']:.1f} ms + unpack "
+                f"{1e3 * v['unpack_s']:.1f} ms vs dense copy {1e3 * v['dense_copy_s']:.1f} ms"
+                for f, v in summ["measured"].items()), flush=True)
         res["lrs"][str(lr)] = summ
         print(f"lr {lr:g}: changed {100 * summ['changed_fraction']:.2f} %; amax changed in "
               f"{100 * summ['amax_changed_tensors']:.1f} % of the weights; touched blocks "
@@ -102,24 +162,19 @@ def run(args) -> dict:
     return res
 
 
+def machine(threads: int) -> str:
+    return (f"CPU ({platform.machine()}, {platform.system()}), {os.cpu_count()} cores, {threads} torch thread(s), "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=704)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=150)
-    ap.add_argument("--warmup-lr", type=float, default=1e-3)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 2e-6, 3e-6])
+    add_train_args(ap, steps=30, lrs=[1e-6, 2e-6, 3e-6])
+    ap.add_argument("--measured", type=int, default=3, help="steps per lr whose block deltas are built and timed")
     args = ap.parse_args()
     res = run(args)
     res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "torch": torch.__version__}
+                   "torch": torch.__version__, "machine": machine(args.threads), "load_average": os.getloadavg()}
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
 

@@ -640,10 +640,44 @@ def _cluster_delta(res: Results) -> Section | None:
                                                                     for m, x in two),
         table=[["setting", "model", "changed (measured)", "delta", "dense", "dense / delta", "delta bytes / dense",
                 "bit-exact"], *rows],
-        note="A delta refit pays the dense refit's fixed cost plus a length round per step and the CPU diff and "
+        note="A delta refit pays the dense refit's fixed cost and the CPU diff and "
              "scatter (numpy on CPU ranks, which share two cores here), so small models gain little and a "
              "delta wins where the link, not the fixed cost, bounds the dense refit.",
         history="Refit across an emulated cluster", **res.provenance(*names))
+
+
+@summarizer("bench_quant_delta")
+def _quant_delta(res: Results) -> Section | None:
+    name = "bench_quant_delta.json"
+    if not res.exists(name):
+        return None
+    d = res.load(name)
+    lrs = {lr: v for lr, v in d["lrs"].items() if "measured" in v}
+    if not lrs:
+        return None
+    rows = []
+    for lr, v in lrs.items():
+        m = v["measured"]
+        rows.append([lr, pct(v["changed_fraction"]),
+                     *[x for f, b in (("nvfp4", "nvfp4-1x16"), ("mxfp8", "mxfp8-1x32")) for x in (
+                         pct(v[b]["touched_fraction"]), ratio(m[f]["message_vs_dense_bytes"]),
+                         ratio((m[f]["pack_s"] + m[f]["unpack_s"]) / m[f]["dense_copy_s"]))]])
+    worst = max(max(v["measured"][f]["message_vs_dense_bytes"] for f in ("nvfp4", "mxfp8")) for v in lrs.values())
+    return Section(
+        title="Block deltas into MXFP8 / NVFP4 (`perf/bench_quant_delta.py`)",
+        what="the real AdamW steps of `perf/bench_delta.py`'s training run (a small Llama, RL-like learning rates); "
+             "per step the weights quantized in each format (torch reference), then the block delta a refit sends "
+             "(`ops/block_delta.py`: the 1×16 / 1×32 blocks whose bytes changed, each with its scale)",
+        against="the dense quantized bytes (values + scales) of the same weights, and a dense copy of them",
+        headline=f"at most {ratio(worst)} the dense quantized bytes",
+        table=[["lr", "bf16 changed", "NVFP4 blocks with a changed bf16 element", "NVFP4 delta / dense bytes",
+                "NVFP4 pack+unpack / copy time", "MXFP8 blocks with a changed bf16 element",
+                "MXFP8 delta / dense bytes", "MXFP8 pack+unpack / copy time"], *rows],
+        note="A changed bf16 element rarely changes its quantized code or its block's scale (an E2M1 / E4M3 step is "
+             "far wider than a bf16 ulp), so far fewer blocks change than are touched. The torch ops' time against a "
+             "plain copy is CPU compute; the saving is in wire bytes.",
+        history="MXFP8 / NVFP4 destinations", **res.provenance(name))
+
 
 # ---- the page ---------------------------------------------------------------------------------------------
 

@@ -305,3 +305,46 @@ def quant_world_main(rank: int, world: int, ids: list[str]) -> dict:
             out[cid] = {"problems": [f"{cid}: rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"]}
             break
     return out
+
+
+class Worlds:
+    """The gloo worlds of a case worker (``main(rank, world, ids)``), spawned once per ``(world size, triton)`` and
+    cached: the torch copy backend, or the Triton kernels under ``TRITON_INTERPRET=1`` for ``triton_ids``. The
+    block-FP8 and the MXFP8 / NVFP4 refit tests share it."""
+
+    def __init__(self, main, case_ids, triton_ids) -> None:
+        self.main, self.case_ids, self.triton_ids = main, case_ids, triton_ids
+        self.cache: dict = {}
+
+    def spawn(self, world: int, ids: list[str], triton: bool) -> list:
+        import os
+
+        from triton_reshard.testing.launch import run_world
+
+        keys = ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")
+        saved = {k: os.environ.get(k) for k in keys}
+        if triton:
+            os.environ["TRITON_INTERPRET"] = "1"
+            os.environ["TRITON_RESHARD_BACKEND"] = "triton"
+        else:
+            os.environ.pop("TRITON_RESHARD_BACKEND", None)
+        try:
+            return run_world(self.main, world, ids, timeout=900, pg_timeout=120, allow_errors=True)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def __call__(self, key: tuple) -> list[dict]:
+        import pytest
+
+        if key not in self.cache:
+            world, triton = key
+            self.cache[key] = self.spawn(world, self.triton_ids if triton else self.case_ids(world), triton)
+        results = self.cache[key]
+        failed = {r: v for r, v in enumerate(results) if not isinstance(v, dict)}
+        if failed:
+            pytest.fail(f"world {key} failed: " + "\n".join(f"rank {r}: {v}" for r, v in failed.items()))
+        return results

@@ -21,6 +21,7 @@ from triton_reshard import Layout, Shard, block_quant_layout, plan_reshard
 from triton_reshard.layout import quant_format
 
 from .quant_cases import BF16, global_data, is_linear, mismatch, poison_, src_locals
+from .quant_cases import Worlds as Worlds  # the world cache of the refit tests
 
 SUFFIX = "_scale"
 
@@ -269,3 +270,73 @@ def _nonfinite(rank: int, value: float) -> dict:
         untouched = all(torch.equal(before[n].view(torch.uint8), t.view(torch.uint8)) for n, t in dst_t.items())
         return {"error": f"{type(e).__name__}: {e}", "untouched": untouched}
     return {"error": None}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# block deltas (MXFP8 / NVFP4): only the touched blocks travel, bit-exact with a dense quantized refit
+
+DELTA_IDS = ("mxfp8-dense-tp2pp2-to-vllm-tp2dp2-colocated", "nvfp4-moe-tp4-to-vllm-tp2dp2-ep-colocated",
+             "mxfp8-raw-fp32-cols48-to-rows", "nvfp4-raw-fp32-cols48-to-rows")
+
+
+def sparse_change(data: dict, frac: float, seed: int, keep_amax: bool = True) -> dict:
+    """``data`` with ``frac`` of every tensor's elements moved by one ulp (their lowest mantissa bit flipped),
+    never the elements at the tensor's amax when ``keep_amax`` (NVFP4's global scale then stays)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in data.items():
+        t = t.clone()
+        flat = t.view(-1)
+        k = max(1, int(flat.numel() * frac))
+        idx = torch.randperm(flat.numel(), generator=g)[:k]
+        if keep_amax:
+            idx = idx[flat[idx].abs() < flat.abs().max()]
+        ib = flat.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+        ib[idx] ^= 1
+        out[n] = t
+    return out
+
+
+def delta_case(case: FCase, rank: int) -> dict:
+    """Versions 0..3 through one Resharder with ``delta=``: 0 dense (captures the snapshot) into poisoned
+    destinations; 1 and 2 about 2 % of the elements moved by one ulp (block deltas); 3 one tensor's amax
+    doubled (NVFP4: its group's global scale moves, its blocks all change and go dense, named in
+    ``RunReport.rescaled``). Every version compared byte for byte with the reference of the whole tensors."""
+    from triton_reshard import Resharder
+    from triton_reshard.execute.delta import DeltaRequest
+
+    src_l, dst_l = layouts(case)
+    plan = case_plan(case)
+    r = Resharder(plan, bucket_bytes=case.bucket_bytes, timeout=60)
+    data = global_data(src_l, 0)
+    src_t = src_locals(src_l, rank, data)
+    dst_t = dst_locals(dst_l, rank)
+    problems, reps = [], []
+    held = None
+    for v in range(4):
+        if v in (1, 2):
+            data = sparse_change(data, 0.02, 100 + v)
+        elif v == 3:
+            name = sorted(dst_l.quantized)[0]
+            data = dict(data)
+            data[name] = data[name].clone()
+            data[name].view(-1)[0] = data[name].abs().max() * 2
+        for n, t in src_locals(src_l, rank, data).items():
+            src_t[n].copy_(t)
+        rep = r.run(src_t, dst_t, delta=DeltaRequest(v, held=held))
+        held = v
+        reps.append({"mode": rep.mode, "fallback": rep.fallback, "sent": rep.sent_bytes,
+                     "dense": rep.dense_sent_bytes, "rescaled": list(rep.rescaled)})
+        problems += _check(case, dst_l, rank, dst_t, data, 0, f"delta version {v}")
+    return {"problems": problems, "reps": reps, "changed": sorted(dst_l.quantized)[0]}
+
+
+def delta_world_main(rank: int, world: int, ids: list[str]) -> dict:
+    out = {}
+    for cid in ids:
+        try:
+            out[cid] = delta_case(CASES[cid], rank)
+        except Exception as e:  # noqa: BLE001
+            out[cid] = {"problems": [f"{cid}: rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"]}
+            break
+    return out

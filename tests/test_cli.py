@@ -335,6 +335,22 @@ def test_fp8_demo_says_each_phase_and_counts_it_in_the_breakdown(monkeypatch, ca
     assert lines[-1].startswith("OK: every destination element equals the global tensor"), lines[-1]
 
 
+@pytest.mark.parametrize(("fmt", "label"), [("mxfp8", "MXFP8"), ("nvfp4", "NVFP4")])
+def test_demo_refits_into_mxfp8_and_nvfp4(monkeypatch, capsys, fmt, label):
+    """``--dst-dtype mxfp8 | nvfp4``: the demo's refit into those weights, every value byte, scale and (NVFP4) global
+    scale checked against the format's reference of the whole tensor (poisoned destinations)."""
+    from triton_reshard.tools import demo
+
+    monkeypatch.setattr(demo, "run_world", _one_rank_world)
+    argv = ["demo", "--layouts", "simple", "--src", "tp=1", "--dst", "tp=1", "--size-gb", "0.005", "--dtype", "bf16",
+            "--dst-dtype", fmt, "--repeats", "1", "--no-baseline"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{label} run 1/1" in out and "0 wrong bytes or scales on rank 0" in out, out
+    assert any(line.split()[:3] == ["ours", "->", fmt] and line.split()[-1] == "0" for line in out.splitlines()), out
+    assert out.splitlines()[-1].startswith("OK: every destination element equals the global tensor")
+
+
 PERF_OUTPUTS = [  # (script, its output option, whether the script creates the missing folder itself)
     ("bench_planner", "--out", True), ("bench_planner", "--plot", False), ("bench_routing", "--out", True),
     ("bench_kernels", "--out", True), ("autotune", "--out", True), ("bench_quant", "--out", False),

@@ -168,20 +168,24 @@ def test_triton_rounding_boundaries_and_tiny_scales(interpret):
 
 
 def test_one_launch_for_many_items(interpret, monkeypatch):
+    """One launch of the 1 x B kernel for every block of every item, many blocks per program (its grid: the
+    blocks over G, not one program per block)."""
     calls = []
-    kernel = Q.get_kernel()
+    kernel = Q.get_rows_kernel()
 
     class Counter:
         def __getitem__(self, grid):
             def run(*a, **k):
-                calls.append(k["FMT"])
+                calls.append((k["FMT"], grid, k["G"]))
                 return kernel[grid](*a, **k)
             return run
 
-    monkeypatch.setattr(Q, "get_kernel", lambda: Counter())
-    items = _nv_items([(2, 64), (4, 32), (1, 128)], torch.bfloat16, 2)
+    monkeypatch.setattr(Q, "get_rows_kernel", lambda: Counter())
+    items = _nv_items([(2, 64), (4, 32), (1, 128), (300, 64)], torch.bfloat16, 2)
     Q.quantize_views(items, (1, 16), backend="triton", fmt="nvfp4")
-    assert calls == [2]
+    blocks = 8 + 8 + 8 + 1200
+    assert len(calls) == 1 and calls[0][0] == 2 and calls[0][2] > 1
+    assert calls[0][1] == (-(-blocks // calls[0][2]),)
     for x, q, s, gs in items:
         rq, rs = Q.quantize_nvfp4(x, (16,), global_scale=gs)
         assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
@@ -210,6 +214,20 @@ def test_vllm_preset_of_a_modelopt_config(algo):
         vllm_layout(bad, tp=2, ranks=range(2), vllm_version="0.33.0")
 
 
+@pytest.mark.parametrize("algo,why", [("NVFP4", "VocabParallelEmbedding"), ("MXFP8", "weight_scale_inv")])
+def test_sglang_preset_refuses_modelopt_configs_saying_why(algo, why):
+    """SGLang 0.5.23 does not load ModelOpt NVFP4 / MXFP8 checkpoints as vLLM does (checked with its model classes
+    on CPU): ``sglang_layout`` refuses them, naming the format and what SGLang does instead."""
+    from triton_reshard.presets import get_config, sglang_layout
+
+    cfg = dict(get_config("tiny_llama"), quantization_config={"quant_method": "modelopt", "quantization": {
+        "quant_algo": algo, "group_size": 16, "exclude_modules": ["lm_head"]}})
+    with pytest.raises(NotImplementedError, match=f"ModelOpt {algo}.*{why}"):
+        sglang_layout(cfg, tp=2)
+    with pytest.raises(NotImplementedError, match="quant_method='fp8'"):
+        sglang_layout(dict(get_config("tiny_llama"), quantization_config={"quant_method": "fp8"}), tp=2)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_layout_round_trips_through_the_wire_format(fmt):
     """A quantized layout sent as JSON (``triton_reshard.wire``) comes back equal, its format and global scales
@@ -227,3 +245,39 @@ def test_layout_round_trips_through_the_wire_format(fmt):
     assert back.specs["a.proj.weight"].quant.format.name == fmt
     f8 = layout_to_dict(block_quant_layout(w, ["a.proj.weight"], (4, 16)))
     assert all(len(t[3]) == 3 for t in f8["tensors"] if t[3] is not None)
+
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton_reshard.kernels import quant as kq
+
+fmt, bn, g = (int(a) for a in sys.argv[1:4])
+sig = {"src_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "table_ptr": "*i64", "thr_ptr": "*i32",
+       "num_blocks": "i64", "g_ptr": "*fp32" if fmt == 2 else "constexpr"}
+cx = {"SRC_BF16": True, "BN": bn, "G": g, "CONTIG": True, "FMT": fmt, **({} if fmt == 2 else {"g_ptr": None})}
+sig.update(dict.fromkeys([k for k in cx if k != "g_ptr"], "constexpr"))
+src = ASTSource(fn=kq.quant_rows_kernel, signature=sig, constexprs=cx)
+for cap in (90, 100):
+    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+    assert "st.global" in compiled.asm["ptx"], cap
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize(("fmt", "bn", "g"), [(1, 32, 64), (2, 16, 128)], ids=["mxfp8", "nvfp4"])
+def test_rows_kernel_compiles_for_hopper_and_blackwell(fmt, bn, g, tmp_path):
+    """The interpreter accepts code the compiler rejects: compile the many-blocks-per-program kernel (MXFP8 and
+    NVFP4, bf16 source, the GPU's G) for sm_90 and sm_100 (no GPU needed), in a fresh process (triton.language
+    imported in compiled mode) with an empty Triton cache (a cache hit would compile nothing)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(fmt), str(bn), str(g)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]

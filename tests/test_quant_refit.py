@@ -11,53 +11,16 @@ worlds, the Triton kernels (``TRITON_INTERPRET=1``: copies and quantization) in 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from . import quant_cases as qc
 
 pytestmark = pytest.mark.slow
 
-
-def _spawn(world: int, ids: list[str], triton: bool = False) -> list:
-    from triton_reshard.testing.launch import run_world
-
-    keys = ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")
-    saved = {k: os.environ.get(k) for k in keys}
-    if triton:
-        os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["TRITON_RESHARD_BACKEND"] = "triton"
-    else:
-        os.environ.pop("TRITON_RESHARD_BACKEND", None)
-    try:
-        return run_world(qc.quant_world_main, world, ids, timeout=900, pg_timeout=120, allow_errors=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-_WORLDS: dict = {}
-
-
-def _world(key: tuple) -> list[dict]:
-    if key not in _WORLDS:
-        world, triton = key
-        ids = TRITON_IDS if triton else qc.case_ids(world)
-        _WORLDS[key] = _spawn(world, ids, triton)
-    results = _WORLDS[key]
-    failed = {r: v for r, v in enumerate(results) if not isinstance(v, dict)}
-    if failed:
-        pytest.fail(f"world {key} failed: " + "\n".join(f"rank {r}: {v}" for r, v in failed.items()))
-    return results
-
-
-# the Triton interpreter runs one program per block, one after another: two cases that cover both modes, local
+# the Triton interpreter runs one program per block (block FP8), one after another: two cases that cover both modes, local
 # quantization, fp32 sources and UE8M0 (~2 min on 2 cores)
 TRITON_IDS = ["moe-tp4-to-vllm-tp2dp2-ep-colocated", "raw-fp32-rows24-to-cols-ue8m0"]
+_world = qc.Worlds(qc.quant_world_main, qc.case_ids, TRITON_IDS)
 PARAMS = [pytest.param(c.world, False, c.id, id=f"w{c.world}-torch-{c.id}") for c in qc.CASES.values()]
 PARAMS += [pytest.param(4, True, cid, id=f"w4-triton-{cid}") for cid in TRITON_IDS]
 

@@ -77,6 +77,17 @@ class Bound:
     # it) when every chunk is a plain copy in the wire dtype (a delta diffs the sources themselves, no staging
     # copy first), else None
     send_srcs: list = ()
+    # per step, per message, for block deltas (ops/block_delta.py): a message of source-quantized chunks in a
+    # format with 1 x B blocks: its chunks' (values, scales) in the send buffer / destination; else None
+    send_qmsgs: list = ()
+    recv_qmsgs: list = ()
+
+
+def block_chunks(transfers, m) -> bool:
+    """Message ``m`` is all source-quantized chunks of formats with 1 x B blocks (MXFP8, NVFP4): a block delta
+    can carry it."""
+    return all(transfers[c.transfer].quant == QUANT_SRC and QUANT_FORMATS[transfers[c.transfer].fmt].block is not None
+               for c in m.chunks)
 
 
 class Staging:
@@ -264,9 +275,11 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
     meta of the unpacks, staging unpacks)."""
     work = views.work
     pk, up, um, wire_s, wire_r, qp, su = [], [], [], [], [], {}, []
-    sm, rm, ss = [], [], []
+    sm, rm, ss, sq, rq = [], [], [], [], []
     for peer, at, m, vs, buf in sends:
         first = len(pk)
+        qm = [] if buf is None and block_chunks(transfers, m) else None
+        sq.append(qm)
         if any(transfers[c.transfer].quant for c in m.chunks):  # never a delta (fp8 values and scales)
             sm.append(None)
         elif buf is not None:  # in place: one contiguous chunk, its bytes are the message
@@ -280,6 +293,8 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                 t = transfers[c.transfer]
                 if t.quant == QUANT_SRC:  # the pack quantizes: fp8 values and scales into the buffer
                     qb, sb = quant_buffers(send_area, at, c, t)
+                    if qm is not None:
+                        qm.append((qb, sb))
                     qp.setdefault(qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0), []).append(
                         with_global((v, qb, sb), views, t.tensor))
                 else:
@@ -291,6 +306,7 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
         wire_s.append((peer, buf))
     for peer, at, m, vs, buf in recvs:
         first = len(up)
+        rq.append(list(vs) if buf is None and block_chunks(transfers, m) else None)
         if buf is None:
             at += r_base
             for c, v in zip(m.chunks, vs, strict=True):
@@ -310,7 +326,7 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
             buf = recv_area[at:at + m.payload]
         rm.append((vs, first, len(up)))
         wire_r.append((peer, buf))
-    return pk, qp, (wire_s, wire_r), up, um, su, sm, rm, ss
+    return pk, qp, (wire_s, wire_r), up, um, su, sm, rm, ss, sq, rq
 
 
 def bind_regions(views: Views, plans) -> tuple[dict, list]:
@@ -358,10 +374,10 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     n_slots = min(work.slots, len(work.steps))
     send_area, recv_area = staging.areas(need_s * n_slots, need_r * n_slots, device)
     packs, qpacks, wire, unpacks, unpack_meta, stage_unpacks = [], [], [], [], [] if verify else None, []
-    send_msgs, recv_msgs, send_srcs = [], [], []
+    send_msgs, recv_msgs, send_srcs, send_q, recv_q = [], [], [], [], []
     for pos, (sends, recvs) in enumerate(plans):
         slot = pos % work.slots
-        pk, qp, w, up, um, su, sm, rm, ss = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
+        pk, qp, w, up, um, su, sm, rm, ss, sq, rq = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
                                           slot * need_r, verify)
         packs.append(pk)
         qpacks.append(qp)
@@ -373,6 +389,8 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
         send_msgs.append(sm)
         recv_msgs.append(rm)
         send_srcs.append(ss)
+        send_q.append(sq)
+        recv_q.append(rq)
     in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
                          if buf is not None)
     writes = [frozenset() if verify else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs
@@ -386,4 +404,4 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     quant = BoundQuant(qpacks, stage_unpacks, local_q, local_q_meta, local_stage, regions_due, region_items,
                        globals_, amax_views, global_out)
     return Bound(local, local_meta, packs, unpacks, unpack_meta, wire, need_s * n_slots, need_r * n_slots,
-                 in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs, send_srcs)
+                 in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs, send_srcs, send_q, recv_q)

@@ -42,8 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..layout import QUANT_FORMATS
+from ..ops.block_delta import max_block_message_bytes, pack_block_delta, unpack_block_delta
 from ..ops.delta import max_message_bytes, message_length
-from .bind import buffer_view
+from .bind import block_chunks, buffer_view, quant_buffers
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
 from .transport import FENCE_FIELDS
@@ -80,36 +82,64 @@ def deltable(plan, m) -> bool:
     return True
 
 
+def block_deltable(plan, m) -> bool:
+    """Message ``m`` can go as a *block* delta (``ops/block_delta.py``): every chunk source-quantized in a format
+    with 1 x B blocks (MXFP8, NVFP4). Other quantized messages (destination-quantized pieces, block FP8) go dense."""
+    return block_chunks(plan.transfers, m)
+
+
+def quant_blocks_delta(plan) -> bool:
+    """A destination tensor quantized in a format without 1 x B blocks (block FP8: a changed element re-quantizes a
+    128 x 128 block; measured: every block touched) makes the whole refit dense."""
+    return any(q.quant.format.block is None for q in plan.dst.quantized.values())
+
+
 @dataclass(frozen=True, slots=True)
 class Eligible:
-    """Per step position, per send / receive (in ``wire`` order): delta-able? and, per delta-able receive,
-    its largest possible size and the destination local names of its chunks."""
+    """Per step position, per send / receive (in ``wire`` order): delta-able? block-delta-able? and, per such
+    receive, its largest possible size and the destination local names of its chunks."""
 
     sends: tuple[tuple[bool, ...], ...]
     recvs: tuple[tuple[bool, ...], ...]
     max_bytes: dict
     names: dict
+    bsends: tuple[tuple[bool, ...], ...] = ()
+    brecvs: tuple[tuple[bool, ...], ...] = ()
+    # the destination has MXFP8 / NVFP4 tensors (block deltas possible somewhere in the plan): the same on
+    # every rank, so all ranks agree on the length round (block delta messages are announced by length)
+    blocks: bool = False
 
     @property
     def any_send(self) -> bool:
-        return any(any(s) for s in self.sends)
+        return any(any(s) for s in self.sends) or any(any(s) for s in self.bsends)
 
 
 def eligible(plan, work) -> Eligible:
-    sends, recvs, max_bytes, names = [], [], {}, {}
+    sends, recvs, max_bytes, names, bsends, brecvs = [], [], {}, {}, [], []
     for pos, (_i, step) in enumerate(work.steps):
         sends.append(tuple(deltable(plan, m) for _p, _a, m in step.sends))
-        rs = []
+        bsends.append(tuple(block_deltable(plan, m) for _p, _a, m in step.sends))
+        rs, brs = [], []
         for j, (_p, _a, m) in enumerate(step.recvs):
             ok = deltable(plan, m)
+            bok = block_deltable(plan, m)
             rs.append(ok)
+            brs.append(bok)
+            ts = [plan.transfers[c.transfer] for c in m.chunks]
             if ok:
-                ts = [plan.transfers[c.transfer] for c in m.chunks]
                 max_bytes[pos, j] = max_message_bytes([math.prod(c.sizes) for c in m.chunks],
                                                       [t.wire_dtype.itemsize for t in ts])
                 names[pos, j] = [t.dst_local for t in ts]
+            elif bok:
+                fmts = [QUANT_FORMATS[t.fmt] for t in ts]
+                max_bytes[pos, j] = max_block_message_bytes(
+                    [(f.value_bytes(math.prod(c.sizes)), math.prod(c.sizes) // f.block * f.scale_bytes)
+                     for c, f in zip(m.chunks, fmts, strict=True)])
+                names[pos, j] = [t.dst_local for t in ts]
         recvs.append(tuple(rs))
-    return Eligible(tuple(sends), tuple(recvs), max_bytes, names)
+        brecvs.append(tuple(brs))
+    blocks = any(q.quant.format.block is not None for q in plan.dst.quantized.values())
+    return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks)
 
 
 class MessageSnapshot:
@@ -120,18 +150,24 @@ class MessageSnapshot:
         self.device: torch.device | None = None
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._inbox: dict[int, torch.Tensor] = {}
+        self._qviews: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.globals: dict[str, int] = {}  # NVFP4: each group's global scale (float32 bits) at the snapshot
         self.nbytes = 0
 
     def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
         """Allocate the buffers (once per device): one per delta-able send, its payload bytes."""
         if self.device == device:
             return
-        self._views, self.nbytes, self.version = {}, 0, None
+        self._views, self._qviews, self.globals, self.nbytes, self.version = {}, {}, {}, 0, None
         for pos, (_i, step) in enumerate(work.steps):
             for j, (_p, _a, m) in enumerate(step.sends):
                 if elig.sends[pos][j]:
                     buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
                     self._views[pos, j] = [buffer_view(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
+                    self.nbytes += m.payload
+                elif elig.bsends and elig.bsends[pos][j]:  # the quantized bytes last sent (values, scales)
+                    buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
+                    self._qviews[pos, j] = [quant_buffers(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
                     self.nbytes += m.payload
         self.device = device
 
@@ -147,6 +183,9 @@ class MessageSnapshot:
             self._inbox[slot] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf
 
+    def qviews(self, pos: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._qviews[pos, j]
+
 
 def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
               ) -> list[int]:
@@ -155,7 +194,7 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
     if req is None or elig is None:
         return [0] * FENCE_FIELDS
     sender = elig.any_send
-    reasons = _QUANT if plan.dst.quantized else 0
+    reasons = _QUANT if quant_blocks_delta(plan) else 0
     if sender and snap.version is None:
         reasons |= _NO_SNAP
     if has_dst and req.torn:
@@ -174,7 +213,8 @@ def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, b
     strict = any(r[5] for r in rows)
     if any(r[0] & _QUANT for r in rows):
         return None, (f"block-quantized destination tensors {sorted(plan.dst.quantized)}: a changed element "
-                      f"re-quantizes its whole block, so a delta saves nothing; sent dense"), strict
+                      f"re-quantizes its whole block, so a delta saves nothing; sent dense"
+                      f" (MXFP8 / NVFP4 1 x B blocks go as block deltas; block FP8 does not)"), strict
     why = []
     torn = [r for r, row in by.items() if row[0] & _TORN]
     if torn:
@@ -209,20 +249,44 @@ class CaptureLoop(StepLoop):
         t = clock()
         pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok
                  for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
+        pairs += [pair for j, ok in enumerate(self.elig.bsends[pos] if self.elig.bsends else ()) if ok
+                  for (q, s), (sq, ss) in zip(self.b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
+                  for pair in ((q, sq), (s, ss))]
         ops.copy_views([(v, s) for v, s in pairs if v.numel()], self.backend)
         self.timing.pack += clock() - t
         return p
 
+    def global_scales(self) -> None:
+        super().global_scales()
+        self.snap.globals = {g: int(t.view(torch.int32).item()) for g, t in self.b.quant.globals.items()}
+
+
+def _rescaled(loop) -> None:
+    """A delta run's NVFP4 groups whose global scale moved since the snapshot (every block of them changes,
+    so their chunks go dense inside the block-delta messages): ``loop.rescaled``; the snapshot takes the new."""
+    now = {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
+    loop.rescaled = tuple(sorted(g for g, v in now.items() if loop.snap.globals.get(g) != v))
+    loop.snap.globals = now
+
 
 class DeltaLoop(StepLoop):
-    """A delta run: delta-able messages carry ``ops.pack_delta`` messages; on NCCL (sizes must match) each
-    step's are announced by a length round first, on gloo they are received into buffers of their largest
-    possible size (a message says its own length)."""
+    """A delta run: delta-able messages carry ``ops.pack_delta`` messages (``ops.block_delta`` ones for MXFP8 /
+    NVFP4 chunks); on NCCL (sizes must match) and with block deltas each step's are announced by a length
+    round first, otherwise (gloo) they are received into buffers of their largest possible size (a message
+    says its own length)."""
 
     def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
         super().__init__(*args)
         self.elig, self.snap = elig, snap
         self.inbox: dict[int, list[torch.Tensor]] = {}
+        self.rescaled: tuple[str, ...] = ()
+        # gloo without block deltas: delta messages received into buffers of their largest size, no length
+        # round; NCCL (counts must match) and plans with block deltas announce each delta's length first
+        self.inbox_mode = not self.link.is_nccl and not elig.blocks
+
+    def global_scales(self) -> None:
+        super().global_scales()
+        _rescaled(self)
 
     def pack_and_post(self, pos: int) -> Pending:
         i = self.work.steps[pos][0]
@@ -244,13 +308,19 @@ class DeltaLoop(StepLoop):
                 ops.copy_views(packs, self.backend, key=(self.key, "delta-pack", i))
         else:
             ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        if b.quant.packs[pos]:  # source-quantized chunks: quantized into the send buffer, as a dense run
+            self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
+        bsends = el.bsends[pos] if el.bsends else ()
         sends, recvs = b.wire[pos]
         out_s, len_s = [], []
         for j, (peer, buf) in enumerate(sends):
-            if el.sends[pos][j]:
-                views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
-                msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
-                                     update=True, backend=self.backend)
+            if el.sends[pos][j] or (bsends and bsends[j]):
+                if el.sends[pos][j]:
+                    views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
+                    msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
+                                         update=True, backend=self.backend)
+                else:
+                    msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
                 out_s.append((peer, msg))
                 len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
@@ -258,7 +328,9 @@ class DeltaLoop(StepLoop):
         self.timing.pack += clock() - t0
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
         dev = (sends or recvs)[0][1].device
-        if not self.link.is_nccl:  # gloo takes a message into a larger buffer: no length round (see finish)
+        brecvs = el.brecvs[pos] if el.brecvs else (False,) * len(recvs)
+        delta_r = [el.recvs[pos][j] or brecvs[j] for j in range(len(recvs))]
+        if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see finish)
             out_r, inbox, at = [], [], 0
             want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
             area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
@@ -272,7 +344,7 @@ class DeltaLoop(StepLoop):
             self.inbox[pos] = inbox
             return self.post(pos, out_s, out_r)
         len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
-                 for j, (peer, _buf) in enumerate(recvs) if el.recvs[pos][j]]
+                 for j, (peer, _buf) in enumerate(recvs) if delta_r[j]]
         if len_s or len_r:
             t1 = clock()
             works = self.link.call(self.link.post, f"{what} (delta lengths)", peers, len_s, len_r)
@@ -281,7 +353,7 @@ class DeltaLoop(StepLoop):
         lens = iter(int(x) for _p, x in len_r)  # sent in message order: the k-th length is the k-th delta
         out_r, inbox = [], []
         for j, (peer, buf) in enumerate(recvs):
-            if el.recvs[pos][j]:
+            if delta_r[j]:
                 n = next(lens)
                 if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
                     raise ValueError(f"rank {self.link.rank}: {what}: rank {peer} announced a delta message of "
@@ -301,14 +373,20 @@ class DeltaLoop(StepLoop):
         t2 = clock()
         inbox = iter(self.inbox.pop(pos))
         dense = []
+        brecvs = el.brecvs[pos] if el.brecvs else ()
         for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
             if el.recvs[pos][j]:
                 msg = next(inbox)
                 ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
-                if not self.link.is_nccl:  # received into a buffer of the largest size: count what came
+                if self.inbox_mode:  # received into a buffer of the largest size: count what came
                     self.recvd -= msg.numel() - message_length(msg)
+            elif brecvs and brecvs[j]:
+                unpack_block_delta(next(inbox), b.recv_qmsgs[pos][j], names=el.names[pos, j])
             else:
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, self.backend)
+        if b.quant.stage_unpacks[pos]:  # destination-quantized pieces: always dense, staged, then quantized
+            ops.copy_views(b.quant.stage_unpacks[pos], self.backend)
+        self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2

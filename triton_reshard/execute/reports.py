@@ -43,6 +43,9 @@ class RunReport:
     fallback: str | None = None
     delta_base: int | None = None
     dense_sent_bytes: int = 0
+    # a delta into NVFP4 destinations: the global-scale groups whose per-tensor scale moved since the snapshot
+    # (every block of those tensors changed: their chunks went dense inside the block-delta messages)
+    rescaled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from .delta import (
     eligible,
     fence,
     fence_row,
+    quant_blocks_delta,
 )
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
@@ -242,7 +243,7 @@ class Resharder:
             return fence_row(self.plan, None, self._snap, None, False)
         if self._elig is None:
             self._elig = eligible(self.plan, self.work)
-        if not self.plan.dst.quantized and device is not None:
+        if not quant_blocks_delta(self.plan) and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
         return fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
 
@@ -322,7 +323,8 @@ class Resharder:
                 self._snap.version = delta.version
             dense = sum(buf.numel() for sends, _r in b.wire for _p, buf in sends)
             return dataclasses.replace(report, mode="delta" if base is not None else "dense-fallback",
-                                       fallback=why, delta_base=base, dense_sent_bytes=dense)
+                                       fallback=why, delta_base=base, dense_sent_bytes=dense,
+                                       rescaled=getattr(loop, "rescaled", ()))
         except Exception as e:
             if not verify:  # the destinations hold neither version: only a dense refit makes a base again
                 self._snap.version = None

@@ -74,7 +74,8 @@ def block_quant_layout(
         block = (fmt.block,)
     if not isinstance(scale_suffix, str) or not scale_suffix:
         raise ValueError(f"block_quant_layout: scale_suffix must be a non-empty str, got {scale_suffix!r}")
-    specs = _quantized_specs(layout, chosen, tuple(block), scale_suffix, ue8m0, fmt)
+    specs = _quantized_specs(layout, chosen, fmt,
+                             lambda t: BlockQuant(tuple(block), t.name + scale_suffix, ue8m0, fmt))
     frags, qlocals = _with_scale_fragments(layout, specs, chosen, scale_suffix)
     locs = {(s.rank, s.name): s for s in layout.locals}
     for t in list(specs.values()):
@@ -110,24 +111,26 @@ def _chosen(layout: Layout, names: Iterable[str] | Callable[[TensorSpec], bool])
     return chosen
 
 
-def _quantized_specs(layout: Layout, chosen: set[str], block: tuple[int, ...], scale_suffix: str,
-                     ue8m0: bool, fmt: QuantFormat) -> dict[str, TensorSpec]:
-    """The layout's tensor specs by name, the chosen ones quantized with their :class:`BlockQuant`."""
-    specs: dict[str, TensorSpec] = {}
+def _quantized_specs(layout: Layout, chosen: set[str], fmt: QuantFormat,
+                     quant_of: Callable[[TensorSpec], BlockQuant] | None) -> dict[str, TensorSpec]:
+    """The layout's tensor specs by name, the chosen ones quantized with ``quant_of(spec)`` (their stored shape:
+    a packed format's last dim divided by its pack). Each chosen tensor is checked first (``quant_of=None``: only
+    checked)."""
     for t in layout.tensors:
         if t.name not in chosen:
-            specs[t.name] = t
             continue
         if t.quant is not None:
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
         if not t.dtype.is_floating_point:
             raise ValueError(f"block_quant_layout: tensor {t.name!r} is {dtype_name(t.dtype)}, not floating point")
-        if fmt.block is not None and t.shape and t.shape[-1] % fmt.block:
+        if fmt.block is not None and (not t.shape or t.shape[-1] % fmt.block):
             raise ValueError(f"block_quant_layout: tensor {t.name!r} {t.shape}: {fmt.name} needs a last dim of whole "
                              f"blocks of {fmt.block} (vLLM refuses it too)")
-        q = TensorSpec(t.name, t.shape, fmt.value_dtype, BlockQuant(block, t.name + scale_suffix, ue8m0, fmt))
-        specs[t.name] = q
-    return specs
+    if quant_of is None:
+        return {}
+    stored = lambda t: t.shape if fmt.pack == 1 else t.shape[:-1] + (t.shape[-1] // fmt.pack,)  # noqa: E731
+    return {t.name: TensorSpec(t.name, stored(t), fmt.value_dtype, quant_of(t)) if t.name in chosen else t
+            for t in layout.tensors}
 
 
 def _with_scale_fragments(layout: Layout, specs: Mapping[str, TensorSpec], chosen: set[str], scale_suffix: str,
@@ -175,19 +178,14 @@ def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suf
     # parts: per (rank, local, leading index), the chosen tensors in the order they sit in the local tensor
     parts: dict[tuple[int, str, tuple], dict[str, int]] = defaultdict(dict)
     frags_of: dict[str, list] = defaultdict(list)
+    _quantized_specs(layout, chosen, fmt, None)  # each chosen tensor checked before any fragment is
     for f in layout.fragments:
         if f.tensor not in chosen:
             continue
-        spec = layout.specs[f.tensor]
         plain = sorted(holds[(f.rank, f.local)] - chosen)
         if plain:
             raise ValueError(f"block_quant_layout: local tensor {f.local!r} on rank {f.rank} holds quantized tensor "
                              f"{f.tensor!r} and plain tensor {plain[0]!r}: one local tensor has one dtype")
-        if not spec.dtype.is_floating_point:
-            raise ValueError(f"block_quant_layout: tensor {f.tensor!r} is {dtype_name(spec.dtype)}, not floating point")
-        if not spec.shape or spec.shape[-1] % lb:
-            raise ValueError(f"block_quant_layout: tensor {f.tensor!r} {spec.shape}: {fmt.name} needs a last dim of "
-                             f"whole blocks of {lb} (vLLM refuses it too)")
         if f.numel and (f.offsets[-1] % lb or f.sizes[-1] % lb or f.local_offsets[-1] % lb):
             raise ValueError(f"block_quant_layout: fragment of tensor {f.tensor!r} on rank {f.rank} (box {f.offsets}+"
                              f"{f.sizes}, local offsets {f.local_offsets}) is not block-aligned for {fmt.name} blocks "
@@ -214,16 +212,8 @@ def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suf
     n_parts: dict[tuple[int, str], int] = defaultdict(lambda: 1)
     for (r, lname, _lead), m in parts.items():
         n_parts[(r, lname)] = max(n_parts[(r, lname)], len(m))
-    specs: dict[str, TensorSpec] = {}
-    for t in layout.tensors:
-        if t.name not in chosen:
-            specs[t.name] = t
-            continue
-        if t.quant is not None:
-            raise ValueError(f"block_quant_layout: tensor {t.name!r} is already quantized")
-        stored = t.shape[:-1] + (t.shape[-1] // fmt.pack,)
-        q = BlockQuant((sb,), t.name + scale_suffix, False, fmt, t.name + gsuffix, find(t.name))
-        specs[t.name] = TensorSpec(t.name, stored, fmt.value_dtype, q)
+    specs = _quantized_specs(layout, chosen, fmt, lambda t: BlockQuant(
+        (sb,), t.name + scale_suffix, False, fmt, t.name + gsuffix, find(t.name)))
     for name in sorted(chosen):
         t = specs[name]
         for extra_name in (t.quant.scale, t.quant.global_scale):

@@ -391,9 +391,26 @@ def ue8m0_thresholds(device: torch.device | str, full: bool = False) -> torch.Te
                            "the Triton UE8M0 path can reproduce")
     table = torch.ones(256, dtype=torch.int32)
     table[lo:255] = thr.to(torch.int32)
+    if full:
+        table[0] = _subnormal_threshold(dev)
     table = table.to(dev)
     _THRESHOLDS[cache_key] = table
     return table
+
+
+def _subnormal_threshold(dev: torch.device) -> int:
+    """MXFP8 on a subnormal ``y = amax / 448`` (amax below ~2^-117): the first mantissa (of ``y``'s bits) whose
+    ``ceil(log2(y)) + 127`` torch gives as 1, not 0 (the exact rule: ``0x400001``, just above 2^-127; torch's
+    float32 ``log2`` rounds the next few to -127 on this machine's CPU). Raises if torch's results are not 0
+    below it and 1 from it on (the kernel could not reproduce them)."""
+    m = torch.arange(1, 1 << 23, dtype=torch.int32)
+    got = (torch.ceil(torch.log2(m.view(torch.float32).to(dev))) + 127.0).clamp(0, 254).cpu()
+    ones = (got == 1).nonzero()
+    t = int(ones[0]) + 1 if len(ones) else 1 << 23
+    if not (bool((got[:t - 1] == 0).all()) and bool((got[t - 1:] == 1).all())):
+        raise RuntimeError(f"torch's ceil(log2(y)) on {dev} for subnormal float32 y is not a threshold rule the "
+                           "Triton MXFP8 path can reproduce")
+    return t
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -576,27 +593,61 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
-KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # the formats quant_blocks_kernel takes (its FMT)
+KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # formats with a kernel (quant_rows_kernel's FMT: 1, 2)
+
+
+def get_rows_kernel():
+    """The many-blocks-per-program kernel of 1 x B blocks (MXFP8, NVFP4: ``kernels/quant.quant_rows_kernel``)."""
+    from ..kernels import quant as kquant
+
+    return kernel_module(kquant, "quant_rows_kernel").quant_rows_kernel
+
+
+def rows_per_program(bn: int) -> tuple[int, int]:
+    """``(G, num_warps)`` of the 1 x B kernel: ``G`` blocks a program (a ``[G, bn]`` tile of ``GPU_CHUNK``
+    elements on a GPU, 4 warps; under the interpreter 8x that: each program costs Python time there)."""
+    g = max(1, GPU_CHUNK // bn)
+    return (g * 8, 1) if interpreting() else (g, max(1, min(8, GPU_CHUNK // (32 * GPU_PER_THREAD))))
 
 
 def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int],
            fmt: QuantFormat = FP8_BLOCK) -> None:
     """Run the blocks described by ``table`` (built from ``items`` or an identical list)."""
-    if table.groups:
+    if table.groups and fmt.block is not None:  # 1 x B blocks (MXFP8, NVFP4): many blocks per program
+        kernel = get_rows_kernel()
+        _bm, bn = table.tile
+        g_rows, warps = rows_per_program(bn)
+        mx = KERNEL_FMT[fmt.name]
+        thr = ue8m0_thresholds(table.device, full=True) if mx == 1 else torch.ones(1, dtype=torch.int32,
+                                                                                     device=table.device)
+        for g in table.groups:
+            bf16 = g.src_dtype == torch.bfloat16
+            kernel[(triton_cdiv(g.num_blocks, g_rows),)](
+                storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
+                storage_view(items[g.q_base][1], torch.uint8),
+                storage_view(items[g.s_base][2], torch.uint8),
+                g.table,
+                thr,
+                g.num_blocks,
+                SRC_BF16=bf16,
+                BN=bn,
+                G=g_rows,
+                CONTIG=g.contig,
+                FMT=mx,
+                g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
+                num_warps=warps,
+            )
+    elif table.groups:  # block FP8: one program per block
         kernel = get_kernel()
         bm, bn = table.tile
         rb, warps = launch_params(bm, bn)
-        mx = KERNEL_FMT[fmt.name]
-        if mx == 1:
-            thr = ue8m0_thresholds(table.device, full=True)
-        else:
-            thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
+        thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
             kernel[(g.num_blocks,)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
-                storage_view(items[g.s_base][2], torch.float32 if fmt.scale_bytes == 4 else torch.uint8),
+                storage_view(items[g.s_base][2], torch.float32),
                 g.table,
                 thr,
                 g.num_blocks,
@@ -608,12 +659,14 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 CONTIG=g.contig,
                 SRC_ALIGN=g.src_align,
                 Q_ALIGN=g.q_align,
-                FMT=mx,
-                g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
                 num_warps=warps,
             )
     if table.fallback:
         _torch_items([items[i] for i in table.fallback], block, ue8m0, fmt)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:

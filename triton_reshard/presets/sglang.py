@@ -19,7 +19,8 @@ formats (``qkv_proj = [q_tp; k_tp; v_tp]`` with KV heads replicated when ``tp > 
 
 Not covered by the preset (refused with one line): DeepSeek-V3 / MLA (SGLang fuses ``q_a_proj`` and
 ``kv_a_proj_with_mqa`` as ``fused_qkv_a_proj_with_mqa`` and derives ``w_kc``/``w_vc`` after loading; record
-the engine's loader instead), quantized checkpoints (``quantization_config``).
+the engine's loader instead), quantized checkpoints (``quantization_config``; for ModelOpt NVFP4 / MXFP8 the
+refusal says what SGLang 0.5.23's own classes did with them on CPU, docs/quant_formats.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from ..layout import Layout, gc_paused
 from .hf import model_spec
-from .vllm import VOCAB_PADDING, fused_layout, installed_version, version_tuple
+from .vllm import VOCAB_PADDING, fused_layout, installed_version, modelopt_config, version_tuple
 
 NEWEST_KNOWN = "0.5.23"  # the newest SGLang whose format the SGLang tier (tests/sglang) checked
 CHECKED_SINCE = (0, 5)  # the releases whose FusedMoE names are mlp.experts.w13_weight / w2_weight (read, checked: 0.5.23)
@@ -56,6 +57,25 @@ def fused_moe_prefix(sglang_version: str | None = None) -> str:
         raise NotImplementedError(f"sglang_layout: SGLang {v}'s parameter names were not checked (0.5 and later "
                                   f"are); record the engine's loader instead (layout_from_sglang)")
     return "experts"
+
+
+def _quant_refusal(s) -> str:
+    """Why a quantized checkpoint has no SGLang preset (measured with SGLang 0.5.23's model classes on CPU)."""
+    qc = s.raw["quantization_config"]
+    mo = modelopt_config(s)
+    if mo is not None and mo.format == "nvfp4":
+        return ("ModelOpt NVFP4 checkpoints are not described: SGLang 0.5.23's ModelOptFp4Config does not load "
+                "them as vLLM does (a tiny Llama whose embed_tokens / lm_head are BF16 fails in "
+                "VocabParallelEmbedding.weight_loader, the embedding built packed), and its NVFP4 FusedMoE refuses "
+                "to build without a Blackwell GPU (or marlin on SM80+), so the layout could not be checked; record "
+                "the engine's loader instead (integrations.sglang.layout_from_sglang)")
+    if mo is not None and mo.format == "mxfp8":
+        return ("ModelOpt MXFP8 checkpoints are not described: SGLang 0.5.23 reads them through its own 'mxfp8' "
+                "Fp8Config (scales named weight_scale_inv, not vLLM's weight_scale; exclude_modules wildcards not "
+                "applied as vLLM applies them), a format this preset does not produce; record the engine's loader "
+                "instead (integrations.sglang.layout_from_sglang)")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return f"quantized checkpoints (quantization_config quant_method={method!r}) are not supported"
 
 
 @gc_paused()
@@ -84,7 +104,7 @@ def sglang_layout(
         raise NotImplementedError(f"sglang_layout: model_type {s.family!r} is not supported (record the engine's "
                                   f"loader instead: integrations.sglang.layout_from_sglang)")
     if (s.raw or {}).get("quantization_config") is not None:
-        raise NotImplementedError("sglang_layout: quantized checkpoints (quantization_config) are not supported")
+        raise NotImplementedError(f"sglang_layout: {_quant_refusal(s)}")
     if enable_dp_attention:
         raise NotImplementedError("sglang_layout: attention data parallelism (enable_dp_attention) is not supported")
     for name, v in (("tp", tp), ("dp", dp), ("ep", ep)):

@@ -31,13 +31,14 @@ from ..plan import plan_reshard
 from ..testing.launch import run_world
 from .baselines import allgather_refit
 from .demo import (
+    QUANT_DST_DTYPES,
     current_rss,
     expected_quantized,
     expected_tensors,
-    fp8_layout,
     make_src,
     peak_rss,
     poison,
+    quant_layout,
     reset_peak_rss,
     verify_tensors,
 )
@@ -99,6 +100,11 @@ def _wire_limit(bufs: list, timeout) -> None:
             w.wait(timeout=timeout)
 
 
+def quant_method(dst_dtype: str) -> str:
+    """The method name of the refit into ``dst_dtype`` weights (``reshard-fp8`` for block FP8, as before)."""
+    return "reshard-fp8" if dst_dtype == "fp8-block" else f"reshard-{dst_dtype}"
+
+
 def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name: str, bucket: int, repeats: int,
                  timeout: float, dst_dtype: str = "same", quant_block: int = 128) -> dict:
     import logging
@@ -134,13 +140,14 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
         "wire-limit": lambda: _wire_limit(wire_bufs, timedelta(seconds=timeout)),
     }
     checked = {}  # method -> (its destination tensors, their expected bits), when not dst_t / expected
-    if dst_dtype == "fp8-block":
-        dst_q = fp8_layout(dst, quant_block)
+    if dst_dtype in QUANT_DST_DTYPES:
+        dst_q = quant_layout(dst, dst_dtype, quant_block)
         rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=timeout)
         dst_qt = dst_q.allocate(rank, device=device)
-        methods["reshard-fp8"] = rq
-        fns["reshard-fp8"] = lambda: rq.run(src_t, dst_qt)
-        checked["reshard-fp8"] = (dst_qt, expected_quantized(dst_q, src, rank, device))
+        mq = quant_method(dst_dtype)
+        methods[mq] = rq
+        fns[mq] = lambda: rq.run(src_t, dst_qt)
+        checked[mq] = (dst_qt, expected_quantized(dst_q, src, rank, device))
     if dt is not None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor
@@ -201,7 +208,8 @@ def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", b
               repeats: int = 3, timeout: float = 120.0, out_dir: str | None = None, progress=print,
               dst_dtype: str = "same", quant_block: int = 128) -> dict:
     """``dst_dtype="fp8-block"``: also time ``reshard-fp8``, the refit into block-FP8 inference weights
-    (``quant_block`` square blocks); each row then has ``stats_fp8`` (its plan's stats) beside ``stats``."""
+    (``quant_block`` square blocks); ``"mxfp8"`` / ``"nvfp4"``: ``reshard-mxfp8`` / ``reshard-nvfp4`` into those
+    formats. Each row then has ``stats_fp8`` (the quantized plan's stats, whatever the format) beside ``stats``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = []
     for cname in cases:
@@ -214,8 +222,8 @@ def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", b
             plan_s = time.perf_counter() - t0
             st = plan.stats()
             qst = None
-            if dst_dtype == "fp8-block":
-                qst = plan_reshard(src, fp8_layout(dst, quant_block)).stats()
+            if dst_dtype in QUANT_DST_DTYPES:
+                qst = plan_reshard(src, quant_layout(dst, dst_dtype, quant_block)).stats()
             progress(f"[{case.name}, {gb:g} GiB] plan: {st.num_transfers} transfers, wire "
                      f"{st.wire_bytes / 2**20:.0f} MiB (lower bound {st.lower_bound_bytes / 2**20:.0f} MiB), "
                      f"planned in {plan_s:.2f} s; running {case.world} ranks ...")
@@ -224,7 +232,8 @@ def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", b
             row = {"case": cname, "name": case.name, "size_gb": gb, "model": cfg, "dtype": dtype,
                    "bucket_mb": bucket_mb, "world": case.world, "plan_seconds": plan_s, "stats": st.as_dict(),
                    "methods": {}, "stats_fp8": qst.as_dict() if qst is not None else None,
-                   "quant_block": quant_block if qst is not None else None}
+                   "quant_block": quant_block if qst is not None else None,
+                   "dst_dtype": dst_dtype if qst is not None else None}
             names = [k for k in per_rank[0] if isinstance(per_rank[0][k], dict) and "seconds" in per_rank[0][k]]
             walls = {m: [max(r[m]["seconds"][i] for r in per_rank) for i in range(repeats)] for m in names}
             for m in names:
@@ -279,8 +288,9 @@ def format_row(row: dict) -> str:
                  f"(bucket {row['bucket_mb']:g} MiB)")
     q = row.get("stats_fp8")
     if q:
-        t_plain, t_q = ms["reshard"]["median_s"], ms["reshard-fp8"]["median_s"]
-        lines.append(f"  fp8-block{row['quant_block']}: wire {q['wire_bytes'] / 2**20:.1f} MiB = "
+        qd = row.get("dst_dtype", "fp8-block")
+        t_plain, t_q = ms["reshard"]["median_s"], ms[quant_method(qd)]["median_s"]
+        lines.append(f"  {qd}{row['quant_block'] if qd == 'fp8-block' else ''}: wire {q['wire_bytes'] / 2**20:.1f} MiB = "
                      f"{q['wire_bytes'] / max(1, s['wire_bytes']):.3f} x the {row['dtype']} wire "
                      f"({q['quant_src_bytes'] / 2**20:.1f} MiB quantized by senders, {q['quant_dst_bytes'] / 2**20:.1f} "
                      f"MiB in {row['dtype']} for receivers to quantize) = {q['wire_bytes'] / max(1, q['lower_bound_bytes']):.3f}"

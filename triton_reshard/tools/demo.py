@@ -82,24 +82,56 @@ def is_linear_weight(t) -> bool:
     return t.name.endswith("proj.weight") and len(t.shape) == 2
 
 
+QUANT_DST_DTYPES = ("fp8-block", "mxfp8", "nvfp4")  # --dst-dtype's quantized destinations
+QUANT_LABEL = {"fp8-block": "block-FP8", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}
+
+
+def quant_layout(dst: Layout, dst_dtype: str, block: int = 128) -> Layout:
+    """``dst`` with every Linear weight quantized: ``"fp8-block"`` (``block`` x ``block`` blocks, fp32
+    ``*_scale_inv``), ``"mxfp8"`` (1x32 blocks, E8M0 ``*_scale``) or ``"nvfp4"`` (packed E2M1, 1x16 e4m3 ``*_scale``,
+    ``*_scale_2`` per tensor group)."""
+    if dst_dtype == "fp8-block":
+        return block_quant_layout(dst, is_linear_weight, (block, block))
+    return block_quant_layout(dst, is_linear_weight, None, format=dst_dtype)
+
+
 def fp8_layout(dst: Layout, block: int) -> Layout:
     """``dst`` with every Linear weight block-FP8 (``block`` x ``block`` blocks, fp32 ``*_scale_inv`` scales)."""
-    return block_quant_layout(dst, is_linear_weight, (block, block))
+    return quant_layout(dst, "fp8-block", block)
 
 
 def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
     """As :func:`expected_tensors` for a block-quantized destination: each quantized tensor quantized whole from the
-    synthetic source (the torch reference, ``ops.quantize.quantize_blocks``) and sliced, values and scales."""
-    from ..ops.quantize import quantize_blocks
+    synthetic source (the format's torch reference: ``ops.quantize.quantize_blocks`` for block FP8) and sliced,
+    values and scales; NVFP4's global scales from the amax of each tensor group, as the refit's exchange."""
+    from ..layout import FP8_BLOCK
+    from ..ops.quantize import nvfp4_global_scale, quantize_blocks
     from ..testing import synthetic_global
 
     ref: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    gscale: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    owner = {t.quant.global_scale: t for t in dst.quantized.values() if t.quant.global_scale}
+
+    def logical(name: str) -> torch.Tensor:
+        sspec = src.specs[name]
+        return synthetic_global(name, sspec.shape, sspec.dtype).to(device)
+
+    def gs_of(group: str):
+        if group not in gscale:
+            amax = max(logical(t.name).abs().amax().float() for t in dst.quantized.values()
+                       if t.quant.global_group == group)
+            gscale[group] = nvfp4_global_scale(amax)
+        return gscale[group]
 
     def of(name: str):
         if name not in ref:
-            spec, sspec = dst.specs[name], src.specs[name]
-            ref[name] = quantize_blocks(synthetic_global(name, spec.shape, sspec.dtype).to(device), spec.quant.block,
-                                        spec.quant.ue8m0)
+            q = dst.specs[name].quant
+            if q.format is FP8_BLOCK:
+                ref[name] = quantize_blocks(logical(name), q.block, q.ue8m0)
+            else:
+                f = q.format
+                ref[name] = f.quantize(logical(name), (f.block,),
+                                       global_scale=gs_of(q.global_group)[0] if f.global_scale else None)
         return ref[name]
 
     out = []
@@ -112,6 +144,8 @@ def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tupl
             exp = of(f.tensor)[0][box]
         elif f.tensor in dst.scale_of:
             exp = of(dst.scale_of[f.tensor])[1][box]
+        elif f.tensor in owner:  # NVFP4's weight_scale_2: 1 / the group's global scale
+            exp = gs_of(owner[f.tensor].quant.global_group)[1].reshape(1)
         else:
             spec = dst.specs[f.tensor]
             exp = synthetic_box(f.tensor, spec.shape, spec.dtype, f.offsets, f.sizes, device=device)
@@ -175,6 +209,8 @@ def poison(tensors: dict[str, torch.Tensor]) -> None:
     for t in tensors.values():
         if t.dtype == QUANT_DTYPE:
             t.view(torch.uint8).fill_(0x7F)  # an fp8 NaN
+        elif t.dtype == torch.uint8:  # packed E2M1 / E8M0 scales: a byte no refit writes everywhere
+            t.fill_(0xA5)
         elif t.dtype.is_floating_point:
             t.fill_(POISON)
         else:
@@ -241,17 +277,20 @@ def demo_worker(rank: int, world: int, args) -> dict:
     out["ours_total_seconds"] = time.perf_counter() - t_ours
     out["ours_peak_extra_rss"] = max(rss_peaks)
     out["ours_staging_bytes"] = r.send_area_bytes + r.recv_area_bytes
-    if getattr(args, "dst_dtype", "same") == "fp8-block":  # the same refit into block-FP8 inference weights, checked the same way
-        say("block-FP8 destination: each rank plans it, allocates its tensors and quantizes the reference it checks "
+    qd = getattr(args, "dst_dtype", "same")
+    if qd in QUANT_DST_DTYPES:  # the same refit into quantized inference weights, checked the same way
+        label = QUANT_LABEL[qd]
+        say(f"{label} destination: each rank plans it, allocates its tensors and quantizes the reference it checks "
             "against (every Linear weight, whole, with the torch reference) ...")
         t_q = time.perf_counter()
-        dst_q = fp8_layout(dst, args.quant_block)
+        dst_q = quant_layout(dst, qd, args.quant_block)
         rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
         dst_qt = dst_q.allocate(rank, device=device)
+        poison(dst_qt)
         want_q = expected_quantized(dst_q, src, rank, device)
         dist.barrier()
         out["fp8_setup_seconds"] = time.perf_counter() - t_q  # the slowest rank's, as the user waits for it
-        say(f"block-FP8 set up in {out['fp8_setup_seconds']:.1f} s; first run (binds, allocates the staging "
+        say(f"{label} set up in {out['fp8_setup_seconds']:.1f} s; first run (binds, allocates the staging "
             f"and the straddling blocks' regions) ...")
         out["fp8_first_seconds"], out["fp8_bad"] = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
         qtimes = []
@@ -259,7 +298,7 @@ def demo_worker(rank: int, world: int, args) -> dict:
             secs, bad = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
             qtimes.append(secs)
             out["fp8_bad"] += bad
-            say(f"block-FP8 run {i + 1}/{args.repeats}: {secs:.3f} s, {bad} wrong bytes or scales on rank 0")
+            say(f"{label} run {i + 1}/{args.repeats}: {secs:.3f} s, {bad} wrong bytes or scales on rank 0")
         out["fp8_seconds"] = qtimes
         out["fp8_total_seconds"] = time.perf_counter() - t_q
         out["fp8_staging_bytes"] = rq.send_area_bytes + rq.recv_area_bytes + sum(
@@ -318,9 +357,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write a rank x rank heatmap of who sends how much to whom (PNG; needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to this path")
-    p.add_argument("--dst-dtype", choices=["same", "fp8-block"], default="same",
+    p.add_argument("--dst-dtype", choices=["same", *QUANT_DST_DTYPES], default="same",
                    help="'fp8-block': also refit into block-FP8 inference weights (every Linear weight "
-                        "float8_e4m3fn + one fp32 scale per --quant-block square block, vLLM's weight_scale_inv), "
+                        "float8_e4m3fn + one fp32 scale per --quant-block square block, vLLM's weight_scale_inv); "
+                        "'mxfp8' / 'nvfp4': into MXFP8 (1x32 blocks, E8M0 scales) or NVFP4 (packed E2M1, 1x16 e4m3 "
+                        "scales, a global scale per tensor group) weights, as vLLM loads ModelOpt checkpoints; "
                         "checked against the reference quantization of the whole tensor, and print its wire bytes "
                         "and time beside the plain refit's (default same: the --dtype of the source)")
     p.add_argument("--quant-block", type=int, default=128,
@@ -400,14 +441,14 @@ def _check_triton_backend(world: int) -> None:
                          f"ranks run on CUDA; unset TRITON_INTERPRET")
 
 
-def time_breakdown(r0: dict, total: float, prep_s: float, world_s: float) -> str:
+def time_breakdown(r0: dict, total: float, prep_s: float, world_s: float, label: str = "block-FP8") -> str:
     """The demo's time in its phases, from rank 0's timers (``r0``): the parent's layouts and plan, then the
     world: spawn and per-rank setup (the rest), our runs, the block-FP8 setup and runs, the all-gather's runs."""
     fp8 = r0.get("fp8_total_seconds")
     parts = [("reshard runs", r0["ours_total_seconds"])]
     if fp8 is not None:
         setup = r0["fp8_setup_seconds"]
-        parts += [("block-FP8 setup (its plan and reference quantization)", setup), ("block-FP8 runs", fp8 - setup)]
+        parts += [(f"{label} setup (its plan and reference quantization)", setup), (f"{label} runs", fp8 - setup)]
     if "base_total_seconds" in r0:
         parts.append(("all-gather runs", r0["base_total_seconds"]))
     rest = world_s - sum(v for _k, v in parts)
@@ -427,7 +468,8 @@ def run_demo(args) -> int:
     try:
         src, dst, cfg = build_layouts(args)
         plan = plan_reshard(src, dst)
-        qplan = plan_reshard(src, fp8_layout(dst, args.quant_block)) if getattr(args, "dst_dtype", "same") == "fp8-block" else None
+        qd = getattr(args, "dst_dtype", "same")
+        qplan = plan_reshard(src, quant_layout(dst, qd, args.quant_block)) if qd in QUANT_DST_DTYPES else None
     except (ValueError, TypeError) as e:  # a layout the model cannot take: one line, no traceback
         raise UsageError(f"--src {args.src} -> --dst {args.dst}: {e}") from None
     st = plan.stats()
@@ -472,7 +514,8 @@ def run_demo(args) -> int:
         qst = qplan.stats()
         q_time = (statistics.median(max(r["fp8_seconds"][i] for r in res) for i in range(n_rep)) if n_rep
                   else max(r["fp8_first_seconds"] for r in res))
-        rows.append((f"ours -> fp8-block{args.quant_block}", q_time, qst.wire_bytes, qst.max_recv_bytes,
+        rows.append((f"ours -> {qd}{args.quant_block if qd == 'fp8-block' else ''}", q_time, qst.wire_bytes,
+                     qst.max_recv_bytes,
                      max(r["fp8_staging_bytes"] for r in res), max(r["fp8_peak_extra_rss"] for r in res),
                      sum(r["fp8_bad"] for r in res)))
     if not args.no_baseline:
@@ -497,10 +540,12 @@ def run_demo(args) -> int:
   wrong         destination elements that differ from the global tensor, bit for bit, over all ranks""")
     print()
     if qplan is not None:
-        print(f"block-FP8 destination ({args.quant_block}x{args.quant_block} blocks, fp32 scales, every Linear "
+        fmt_words = (f"{args.quant_block}x{args.quant_block} blocks, fp32 scales" if qd == "fp8-block" else
+                     {"mxfp8": "1x32 blocks, E8M0 scales", "nvfp4": "packed E2M1, 1x16 blocks, e4m3 scales"}[qd])
+        print(f"{QUANT_LABEL[qd]} destination ({fmt_words}, every Linear "
               f"weight): {_fmt_bytes(qst.wire_bytes)} on the wire vs {_fmt_bytes(st.wire_bytes)} for "
               f"{_dtype_name(args)} ({qst.wire_bytes / max(1, st.wire_bytes):.2f}x); {_fmt_bytes(qst.quant_src_bytes)} "
-              f"of it quantized by the senders (fp8 + scales), {_fmt_bytes(qst.quant_dst_bytes)} sent in "
+              f"of it quantized by the senders (values + scales), {_fmt_bytes(qst.quant_dst_bytes)} sent in "
               f"{_dtype_name(args)} for the receivers to quantize (blocks split between training shards); lower "
               f"bound {_fmt_bytes(qst.lower_bound_bytes)} ({qst.wire_bytes / max(1, qst.lower_bound_bytes):.3f}x); "
               f"time {rows[1][1]:.3f} s vs {rows[0][1]:.3f} s")
@@ -534,7 +579,8 @@ def run_demo(args) -> int:
     print(f"first run: {first:.3f} s, not in the median (it binds the tensors: builds the copy lists and "
           f"allocates the staging buffers once; later runs reuse them; noise on a shared machine can make it "
           f"faster than a later run)")
-    print(time_breakdown(res[0], time.time() - args.started_at, prep_s, elapsed))
+    print(time_breakdown(res[0], time.time() - args.started_at, prep_s, elapsed,
+                         QUANT_LABEL.get(getattr(args, "dst_dtype", "same"), "block-FP8")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "stats": st.as_dict(), "ranks": res,
