@@ -23,8 +23,11 @@ import numpy as np
 import torch
 
 from ..box import right_align
-from ..fragment_table import FragmentTable, TensorRows, content_fingerprint
-from ..specs import (
+from .check import columns_valid
+from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
+from .fragment_table import FragmentTable, TensorRows, content_fingerprint
+from .objects import Layout
+from .specs import (
     FRAG_KEY,
     Fragment,
     LocalSpec,
@@ -34,9 +37,6 @@ from ..specs import (
     itemsize_of,
     trusted_fragment,
 )
-from .check import columns_valid
-from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
-from .objects import Layout
 
 # --------------------------------------------------------------------------------------------------------
 # Lazy mappings (what the planner reads off ``fragments_by_tensor`` / ``_locals_by_rank``)

@@ -1,5 +1,5 @@
 """The column storage of a columnar layout: its logical tensors (:class:`LogicalTensors`, each
-:class:`~triton_reshard.specs.TensorSpec` built on first use), the numpy columns of its fragments and local
+:class:`~triton_reshard.layout.specs.TensorSpec` built on first use), the numpy columns of its fragments and local
 tensors (:class:`Columns`, in Layout order), and the unchecked spec constructors the builders use."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..specs import (
+from .specs import (
     MAX_TENSOR_BYTES,
     LocalSpec,
     TensorSpec,
