@@ -223,7 +223,7 @@ class ColumnarLayout(Layout):
             if self._stride < span:  # interleaved copies: the full columns
                 c, tiled = self._cols, False
         L = int(c.flnd.max()) if c.nfrag else 0
-        order = c._rank_order[0]
+        order = c.rank_order[0]
         fr, rest = c.fr[order], (c.ft[order], c.fl[order], c.foff[order], c.fsz[order], c.flo[order][:, :L])
         n = self._copies if tiled else 1
         copies = [(fr.astype(I64) + i * self._stride, *rest) for i in range(n)]
