@@ -244,7 +244,7 @@ def main() -> int:
                   args.ctl_port, backend="gloo", timeout=300)
         return 0
 
-    from triton_reshard.group import free_port
+    from triton_reshard.comm.group import free_port
     from triton_reshard.integrations.control import host_store
 
     t0 = time.perf_counter()

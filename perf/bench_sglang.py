@@ -163,7 +163,7 @@ def main() -> int:
     if args.out:
         check_output_file(args.out, "--out", make_folder=True)
 
-    from triton_reshard.group import free_port
+    from triton_reshard.comm.group import free_port
     from triton_reshard.integrations.control import host_store
     from triton_reshard.testing.launch import run_jobs
 

@@ -146,6 +146,30 @@ def main() -> None:
     func_imports = sum(1 for a, b, _, f in imports(mods) if f and b in mods)
     print(f"\nfunction-level imports of package modules: {func_imports}")
 
+    # x._name where x is not self / cls, and _name is not a member the same module defines (another instance
+    # of its own class): reach-through into another room's privates, or into a third-party library's
+    own: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.setdefault(m, set()).add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                own.setdefault(m, set()).add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.setdefault(m, set()).add(node.id)
+    ours_all = set().union(*own.values())
+    reach: dict[str, list[str]] = {"ours": [], "third-party": []}
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and node.attr not in own.get(m, ())):
+                reach["ours" if node.attr in ours_all else "third-party"].append(f"{m}:{node.lineno} .{node.attr}")
+    for kind, sites in reach.items():
+        print(f"\nprivate attribute reach-through into {kind} objects (x._name, x not self/cls): {len(sites)}")
+        for line in sorted(sites)[: args.top]:
+            print(f"  {line}")
+
     outside = []  # tests, examples, perf: imports of _private names from the package
     for d in ("tests", "examples", "perf"):
         for path in sorted((ROOT / d).rglob("*.py")):

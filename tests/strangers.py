@@ -30,7 +30,7 @@ class _Evil:
 
 
 def payloads() -> dict[str, bytes]:
-    from triton_reshard.auth import MAGIC
+    from triton_reshard.comm.auth import MAGIC
 
     evil = pickle.dumps(_Evil())
     return {
@@ -80,8 +80,8 @@ def knock_all(host: str, port: int, world: int, ranks, out: dict, name: str = "s
     """Every crafted payload, then a join as each of ``ranks`` with a wrong secret and with none; the outcome
     in ``out[name]`` (``{"knocks": {payload: result}, "joins": {what: error text or "JOINED"}}``)."""
     from triton_reshard import RefitGroupError, init_refit_group
-    from triton_reshard.auth import NO_SECRET_KEY
-    from triton_reshard.group import connect_member
+    from triton_reshard.comm.auth import NO_SECRET_KEY
+    from triton_reshard.comm.group import connect_member
 
     res: dict = {"knocks": {}, "joins": {}}
     _wait_open(host, port, port_wait)
@@ -115,7 +115,7 @@ def _wait_open(host: str, port: int, wait: float) -> None:
 
 def knock_control(host: str, port: int, out: dict, name: str = "control", port_wait: float = 60.0) -> dict:
     """The control plane's store: crafted bytes, and a client with a wrong secret and with none."""
-    from triton_reshard.auth import NO_SECRET_KEY, AuthError, AuthStore
+    from triton_reshard.comm.auth import NO_SECRET_KEY, AuthError, AuthStore
 
     _wait_open(host, port, port_wait)
     res: dict = {"knocks": {w: _knock(host, port, d) for w, d in payloads().items()}, "joins": {}}
@@ -166,7 +166,7 @@ def assert_refused(res: dict) -> None:
 if __name__ == "__main__":
     host, port, world, ranks, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     out: dict = {}
-    import triton_reshard.group  # noqa: F401  (imports done: the stranger is ready)
+    import triton_reshard.comm.group  # noqa: F401  (imports done: the stranger is ready)
 
     open(path + ".ready", "w").close()
     knock_all(host, port, world, [int(r) for r in ranks.split(",")], out)

@@ -121,6 +121,27 @@ def _one_rank():
     return r, src_t, dst_t
 
 
+@pytest.mark.parametrize("bucket, overlap, need", [(100, False, 256), (300, True, 512), (511, True, 512)])
+def test_bucket_too_small_is_named_with_the_users_value_before_planning(bucket, overlap, need, monkeypatch):
+    """One minimum (a staging slot of plan.MIN_STEP_BYTES), checked where the options are resolved, naming the
+    value the user passed (not the halved slot of overlap=True); the planner is never reached."""
+    import sys
+
+    from triton_reshard.refit import get_resharder
+
+    refit_mod = sys.modules["triton_reshard.refit"]
+
+    src, dst = Layout.from_placements({"w": (6, 4)}, [0], [Replicate()]), Layout.from_placements({"w": (6, 4)}, [0], [Replicate()])
+    monkeypatch.setattr(refit_mod, "plan_reshard", lambda *a, **k: pytest.fail("planned with a bad option"))
+    msg = rf"bucket_bytes={bucket} is too small: at least {need} B" + (r" with overlap=True" if overlap else "")
+    with pytest.raises(ValueError, match=msg):
+        Resharder(plan_reshard(src, dst), bucket_bytes=bucket, overlap=overlap)
+    if not overlap:
+        with pytest.raises(ValueError, match=msg):
+            get_resharder(src, dst, bucket_bytes=bucket)
+    Resharder(plan_reshard(src, dst), bucket_bytes=need, overlap=overlap)  # the minimum itself is fine
+
+
 def _meta(t):
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from triton_reshard.group import free_port
+from triton_reshard.comm.group import free_port
 from triton_reshard.integrations.control import StoreClient, host_store, serve
 
 

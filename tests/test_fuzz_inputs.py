@@ -171,7 +171,7 @@ def test_placements_for_an_unknown_tensor(name, typo):
 
 
 def test_unknown_names_say_the_nearest_real_one():
-    from triton_reshard.layout_index import LogicalTensors
+    from triton_reshard.layout import LogicalTensors
 
     shapes = {"model.layers.0.mlp.up_proj.weight": (8, 4), "model.norm.weight": (4,)}
     with pytest.raises(ValueError, match=r"placements: 'model.layers.0.mlp.up_prj.weight' is not a tensor of the "

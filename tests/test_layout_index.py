@@ -1,4 +1,4 @@
-"""Columnar layouts and the per-tensor / per-rank queries (``triton_reshard.layout_index``, ``Layout.table``).
+"""Columnar layouts and the per-tensor / per-rank queries (``triton_reshard.layout``, ``Layout.table``).
 
 * The vectorized presets build exactly the layouts of the per-rank builders they replaced: their digests on
   42 preset cases (Megatron TE/local specs, PP, EP/ETP, tied embeddings, Qwen2 bias, Qwen3-MoE, DeepSeek-V3
@@ -23,8 +23,7 @@ import torch
 
 from triton_reshard import Fragment, Layout, LocalSpec, Replicate, Shard, TensorSpec
 from triton_reshard.box import boxes_overlap
-from triton_reshard.layout import FragmentTable
-from triton_reshard.layout_index import ColumnarLayout, ColumnBuilder, columnar, overlap_free
+from triton_reshard.layout import ColumnarLayout, ColumnBuilder, FragmentTable, columnar, overlap_free
 from triton_reshard.plan import plan_reshard
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 

@@ -230,11 +230,11 @@ def test_sglang_preset_refuses_modelopt_configs_saying_why(algo, why):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_layout_round_trips_through_the_wire_format(fmt):
-    """A quantized layout sent as JSON (``triton_reshard.wire``) comes back equal, its format and global scales
+    """A quantized layout sent as JSON (``triton_reshard.comm.wire``) comes back equal, its format and global scales
     included (block FP8 keeps its three-entry encoding)."""
     import json
 
-    from triton_reshard.wire import layout_from_dict, layout_to_dict
+    from triton_reshard.comm.wire import layout_from_dict, layout_to_dict
 
     w = Layout.from_placements({"a.proj.weight": (8, 64), "b.proj.weight": (4, 32)}, [0, 1], [Shard(0)],
                                torch.bfloat16)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from triton_reshard import RefitGroupError, Resharder, init_refit_group, plan_reshard, refit, verify_refit
-from triton_reshard.group import free_port
+from triton_reshard.comm.group import free_port
 from triton_reshard.presets import get_config, logical_tensors, megatron_layout, vllm_layout
 from triton_reshard.testing.launch import run_jobs
 
@@ -227,7 +227,7 @@ def test_a_self_connected_socket_is_not_taken_for_rank_0(monkeypatch):
     (TCP simultaneous open); the retry loop drops such a socket and tries again until rank 0 listens."""
     import socket
 
-    from triton_reshard import auth
+    from triton_reshard.comm import auth
 
     real = socket.create_connection
     tries = []
@@ -260,7 +260,7 @@ def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice():
     takes ports below that range, each once per process, each bindable when handed out."""
     import socket
 
-    from triton_reshard.group import _ephemeral_range
+    from triton_reshard.comm.group import _ephemeral_range
 
     lo = _ephemeral_range()[0]
     ports = [free_port() for _ in range(100)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from triton_reshard import Fragment, Layout, Replicate, Resharder, ReshardError, plan_reshard
-from triton_reshard.group import free_port, init_refit_group
+from triton_reshard.comm.group import free_port, init_refit_group
 
 F32 = torch.float32
 

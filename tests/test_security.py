@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from tests import strangers
-from triton_reshard import RefitGroupError, init_refit_group, refit, wire
-from triton_reshard.auth import AuthError, AuthStore, AuthStoreServer, resolve_secret
-from triton_reshard.group import free_port
+from triton_reshard import RefitGroupError, init_refit_group, refit
+from triton_reshard.comm import wire
+from triton_reshard.comm.auth import AuthError, AuthStore, AuthStoreServer, resolve_secret
+from triton_reshard.comm.group import free_port
 from triton_reshard.integrations import control
 from triton_reshard.layout import BlockQuant, Fragment, Layout, Replicate, Shard, TensorSpec
 
@@ -135,7 +136,7 @@ def _layouts() -> list[Layout]:
 
 
 def test_layouts_round_trip_through_json(tmp_path):
-    from triton_reshard.layout_index import ColumnarLayout
+    from triton_reshard.layout import ColumnarLayout
 
     lays = _layouts()
     assert any(isinstance(x, ColumnarLayout) for x in lays) and any(x.quantized for x in lays)
@@ -187,6 +188,33 @@ def test_malformed_layouts_and_messages_are_named():
                       (b'{"$": "pickle", "v": "x"}', "unknown type tag 'pickle'")):
         with pytest.raises(wire.WireError, match=what):
             wire.loads(raw, "rank 3's thing")
+
+
+def test_registered_codecs_only():
+    """A type outside the control plane crosses only through the codec its own module registers
+    (``LoadRecord`` does, in ``integrations/record``): a registered tag round-trips and is checked field by
+    field, an unregistered object is refused by name on send, a built-in tag cannot be taken over."""
+    from triton_reshard.integrations.record import LoadRecord
+
+    rec = LoadRecord(rank=2, tensors={"w": ((4, 6), torch.bfloat16)}, locals={"w": ((2, 6), torch.bfloat16)},
+                     fragments=[Fragment("w", 2, (0, 0), (2, 6), "w")], problems=[], uncovered=[], unused=["x"],
+                     fills=1, quant={})
+    back = wire.loads(wire.dumps({"r": rec}))["r"]
+    assert isinstance(back, LoadRecord) and back == rec
+    raw = json.loads(wire.dumps(rec))
+    raw["v"]["fills"] = -1
+    with pytest.raises(wire.WireError, match=r"<LoadRecord>\.fills"):
+        wire.loads(json.dumps(raw).encode())
+
+    class Stranger:
+        pass
+
+    with pytest.raises(TypeError, match="cannot send a Stranger .*LoadRecord"):
+        wire.dumps(Stranger())
+    with pytest.raises(ValueError, match="'Layout' is already taken"):
+        wire.register_codec("Layout", Stranger, lambda x: 0, lambda v, p: Stranger())
+    with pytest.raises(ValueError, match="'LoadRecord' is already taken"):
+        wire.register_codec("LoadRecord", Stranger, lambda x: 0, lambda v, p: Stranger())
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -356,7 +384,7 @@ def test_forged_replayed_and_oversized_frames_close_the_connection():
     """A man in the middle who cannot make the MAC: flip a bit, replay a frame, announce a huge frame."""
     import struct
 
-    from triton_reshard import auth
+    from triton_reshard.comm import auth
 
     srv = AuthStoreServer("127.0.0.1", 0, SECRET)
     try:
@@ -466,7 +494,7 @@ def test_a_flood_of_idle_connections_delays_a_member_but_does_not_stop_it(monkey
     """Strangers hold more connections open than the server takes in its handshake at once, sending nothing:
     the extra ones are closed at once, the holders at the handshake timeout; a member keeps trying until its
     own deadline and gets in."""
-    from triton_reshard import auth
+    from triton_reshard.comm import auth
 
     monkeypatch.setattr(auth, "MAX_PENDING", 4)
     monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 1.0)
@@ -518,7 +546,7 @@ def test_a_members_malformed_request_is_an_error_reply_not_a_dead_connection():
     """The server parses an authenticated request's fields strictly: a malformed integer ("--5": it passed
     the old digit check, then int() raised in the server's thread and killed the member's connection) is an
     error reply to that member, whose connection stays usable."""
-    from triton_reshard import auth
+    from triton_reshard.comm import auth
 
     srv = AuthStoreServer("127.0.0.1", 0, SECRET)
     s = AuthStore("127.0.0.1", srv.port, SECRET, timedelta(seconds=5))
@@ -537,7 +565,7 @@ def test_a_members_malformed_request_is_an_error_reply_not_a_dead_connection():
 def test_a_world_writable_secret_file_is_refused_and_a_world_readable_one_warned(tmp_path, monkeypatch):
     import warnings
 
-    from triton_reshard.auth import secret_from
+    from triton_reshard.comm.auth import secret_from
 
     f = tmp_path / "secret"
     f.write_text("q" * 40 + "\n")
@@ -564,7 +592,7 @@ def test_a_stranger_host_cannot_take_every_handshake_slot(monkeypatch):
     """Idle connections from one stranger address (127.0.0.2 here) hold at most MAX_PENDING_PER_HOST of the
     server's handshake slots, so a member from another address gets in at once instead of waiting out the
     strangers' handshake timeout (here longer than the member's own deadline: it failed before the cap)."""
-    from triton_reshard import auth
+    from triton_reshard.comm import auth
 
     monkeypatch.setattr(auth, "MAX_PENDING", 8)
     monkeypatch.setattr(auth, "MAX_PENDING_PER_HOST", 4, raising=False)
@@ -590,7 +618,7 @@ def test_a_connection_accepted_while_the_server_closes_is_not_served(monkeypatch
     """A connection that the accept loop takes just as :meth:`AuthStoreServer.close` runs is closed with the
     rest (it was served by a thread close() never saw: the client completed its handshake with a closed
     server, and the thread lived on)."""
-    from triton_reshard import auth
+    from triton_reshard.comm import auth
 
     accepted, closed = threading.Event(), threading.Event()
 

@@ -93,7 +93,7 @@ def test_group_options_one_place(monkeypatch):
 def test_the_control_plane_carries_the_sglang_control_message_as_data():
     """SGLangStoreClient sends the plug-in's control message through the data-only control plane (JSON, one of
     control.METHODS); the engine rank's sglang_update_kwargs rebuilds the tensor SGLang passes our loader."""
-    from triton_reshard import wire
+    from triton_reshard.comm import wire
     from triton_reshard.integrations import control
 
     sent = []

@@ -9,7 +9,7 @@ import torch
 from triton_reshard.integrations.record import LoadRecord
 from triton_reshard.integrations.verl import replicated_layout
 from triton_reshard.integrations.vllm_transfer import group_layouts, stage_groups, staging_record
-from triton_reshard.specs import Fragment
+from triton_reshard.layout.specs import Fragment
 
 NAMES = ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight",
          "model.norm.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight",

@@ -5,6 +5,7 @@ kernels). ``refit`` wraps the three for a training loop; ``verify_refit`` checks
 refit would leave the destination as it is.
 """
 
+from .comm.group import RefitGroup, RefitGroupError, init_refit_group
 from .execute import (
     DeltaRefusedError,
     DeltaRequest,
@@ -18,7 +19,6 @@ from .execute import (
     RunReport,
     VerifyReport,
 )
-from .group import RefitGroup, RefitGroupError, init_refit_group
 from .layout import (
     FP8_BLOCK,
     MXFP8,

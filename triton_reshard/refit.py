@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .comm.group import RefitGroup, as_transport
 from .execute import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT,
@@ -31,7 +32,6 @@ from .execute import (
     refuse,
 )
 from .execute.delta import NO_VERSION, DeltaRequest
-from .group import RefitGroup, as_transport
 from .layout import Layout
 from .plan import plan_reshard
 

@@ -35,9 +35,9 @@ pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed here
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests import strangers  # noqa: E402
-from triton_reshard import wire  # noqa: E402
-from triton_reshard.auth import AuthStore, AuthStoreServer, resolve_secret  # noqa: E402
-from triton_reshard.group import free_port  # noqa: E402
+from triton_reshard.comm import wire  # noqa: E402
+from triton_reshard.comm.auth import AuthStore, AuthStoreServer, resolve_secret  # noqa: E402
+from triton_reshard.comm.group import free_port  # noqa: E402
 from triton_reshard.layout import Layout, Replicate, Shard  # noqa: E402
 from triton_reshard.testing.launch import run_world  # noqa: E402
 

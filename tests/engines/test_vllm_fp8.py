@@ -149,7 +149,7 @@ def test_weight_transfer_backend_into_fp8_engine():
     scales) stays poisoned."""
     if not E2E:
         pytest.skip("this triton_reshard has no block-quant planner (triton_reshard.plan.quant)")
-    from triton_reshard.group import free_port
+    from triton_reshard.comm.group import free_port
     from triton_reshard.integrations.control import host_store
     from triton_reshard.presets import vllm_layout
     from triton_reshard.testing.launch import run_jobs

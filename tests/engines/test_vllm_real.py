@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.engines import vllm_cases as vc  # noqa: E402
-from triton_reshard import wire  # noqa: E402
+from triton_reshard.comm import wire  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
 from triton_reshard.testing.launch import run_world  # noqa: E402
 

@@ -56,7 +56,8 @@ def run_cases(rank: int, world: int, cases: list[Case], ckpt_root: str, configs:
     from safetensors.torch import load_file
 
     import triton_reshard
-    from triton_reshard import refit, wire
+    from triton_reshard import refit
+    from triton_reshard.comm import wire
     from triton_reshard.integrations import checkpoint_shapes
     from triton_reshard.integrations.vllm import layout_from_vllm, load_vllm_model, record_vllm
     from triton_reshard.presets import vllm_layout

@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.sglang_tier import sglang_jobs as sj  # noqa: E402
-from triton_reshard.group import free_port  # noqa: E402
+from triton_reshard.comm.group import free_port  # noqa: E402
 from triton_reshard.integrations.control import host_store  # noqa: E402
 from triton_reshard.presets import get_config  # noqa: E402
 from triton_reshard.testing.launch import run_jobs  # noqa: E402

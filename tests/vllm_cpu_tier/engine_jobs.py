@@ -98,7 +98,7 @@ def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.
     trainer factory, meeting the engine's workers in a refit group."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from triton_reshard.group import free_port
+    from triton_reshard.comm.group import free_port
     from triton_reshard.integrations import vllm_transfer as vt
     from triton_reshard.integrations.verl import replicated_layout
 

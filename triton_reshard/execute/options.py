@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .. import ops
-from ..plan import ALIGN, DIRECT_MIN_BYTES
+from ..plan import DIRECT_MIN_BYTES, MIN_STEP_BYTES
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -70,9 +70,10 @@ class RefitOptions:
         direct_min_bytes = as_int(direct_min_bytes, "Resharder: direct_min_bytes", 0)
         opts = cls(bucket_bytes, timeout, backend, bool(overlap), direct_min_bytes, bool(allow_cast), gpus_per_node,
                    relay, instances)
-        if opts.slot_bytes < ALIGN:
-            raise ValueError(f"Resharder: bucket_bytes={bucket_bytes} leaves {opts.slot_bytes} B per staging slot, "
-                             f"less than one {ALIGN}-byte chunk")
+        if opts.slot_bytes < MIN_STEP_BYTES:  # the one minimum: the schedule's per-step cap (plan.MIN_STEP_BYTES)
+            need = MIN_STEP_BYTES * opts.slots
+            raise ValueError(f"Resharder: bucket_bytes={bucket_bytes} is too small: at least {need} B"
+                             + (f" with overlap=True (two staging slots of {MIN_STEP_BYTES} B)" if overlap else ""))
         return opts
 
     @property

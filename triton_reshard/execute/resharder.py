@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..group import RefitGroup, as_transport
+from ..comm.group import RefitGroup, as_transport
 from ..plan import DIRECT_MIN_BYTES, Plan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
@@ -140,8 +140,10 @@ class Resharder:
         return self.link.comm
 
     @property
-    def _stage(self) -> list[torch.Tensor]:  # the region staging tensors (tools report their bytes)
-        return self._staging.regions
+    def staging_bytes(self) -> int:
+        """Bytes this rank holds for the refit beyond the user's tensors: the send and receive areas of the
+        last bind plus the region staging tensors (0 before the first run)."""
+        return self.send_area_bytes + self.recv_area_bytes + self._staging.region_bytes
 
     # -- checks -------------------------------------------------------------------------------------
 
@@ -285,7 +287,7 @@ class Resharder:
                 raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
                                  f"the tensors are on {device}")
             if isinstance(self.link.comm, RefitGroup) and self.link.wire:
-                self.link.comm._live()
+                self.link.comm.check_live()
             b = self._bind(src_tensors, dst_tensors, device, verify)
             frow = self._fence_row(delta, device, verify)
         except (ValueError, TypeError) as e:

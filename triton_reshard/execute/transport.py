@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 
 from .. import ops
-from ..group import RefitGroup, as_transport
+from ..comm.group import RefitGroup, as_transport
 from .errors import (
     GROUP_DEAD,
     ReshardConnectionError,

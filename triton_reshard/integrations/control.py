@@ -5,9 +5,9 @@ routes, Ray actors, ``LLM.collective_rpc``): a ``VLLMWeightSyncClient``. Here :c
 client, and :func:`serve` is the engine worker's side: the trainer posts a call, every worker runs it and
 acknowledges, the client waits for all (errors come back with the worker's traceback).
 
-The store is :class:`~triton_reshard.auth.AuthStoreServer` (:func:`host_store`): every party proves the
+The store is :class:`~triton_reshard.comm.auth.AuthStoreServer` (:func:`host_store`): every party proves the
 secret (``secret=``, or ``TRITON_RESHARD_SECRET`` / ``TRITON_RESHARD_SECRET_FILE``) before it can post or read
-a call, and the calls are data-only JSON (:mod:`triton_reshard.wire`), so a stranger can neither run a handler
+a call, and the calls are data-only JSON (:mod:`triton_reshard.comm.wire`), so a stranger can neither run a handler
 nor plant code. Without a secret the control plane runs on loopback hosts only (or with ``insecure=True``).
 """
 
@@ -18,8 +18,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
-from .. import wire
-from ..auth import AuthStore, AuthStoreServer, group_key, resolve_secret
+from ..comm import wire
+from ..comm.auth import AuthStore, AuthStoreServer, group_key, resolve_secret
 from .sglang import decode_control, encode_control
 
 # The calls the clients below post (the last three: SGLang's). A worker runs only the methods it was given

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec
+from ..comm import wire
+from ..layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, dtype_name
 
 
 @dataclass
@@ -53,6 +54,49 @@ class LoadRecord:
                 f"rank {self.rank}: the loader wrote parameters in ways that are not box copies of checkpoint "
                 f"tensors, so no layout is derived: {shown}{more}"
             )
+
+
+# The record crosses from each engine worker to the trainer as data only (no pickle): its own wire codec.
+
+def _record_to_data(r: LoadRecord) -> dict:
+    return {"rank": r.rank, "tensors": {n: [list(s), dtype_name(d)] for n, (s, d) in r.tensors.items()},
+            "locals": {n: [list(s), dtype_name(d)] for n, (s, d) in r.locals.items()},
+            "fragments": [wire.encode(f) for f in r.fragments], "problems": list(r.problems),
+            "uncovered": list(r.uncovered), "unused": list(r.unused), "fills": r.fills,
+            "quant": {n: wire.quant_to_data(q) for n, q in r.quant.items()}}
+
+
+def _record_from_data(v, path: str) -> LoadRecord:
+    keys = {"rank", "tensors", "locals", "fragments", "problems", "uncovered", "unused", "fills", "quant"}
+    v = wire.expect_dict(v, path, keys)
+
+    def shapes(m, p):
+        if not isinstance(m, dict):
+            raise wire.fail(p, "an object", m)
+        out = {}
+        for n, sd in m.items():
+            s, d = wire.expect_list(sd, f"{p}[{n!r}]", 2)
+            out[n] = (wire.expect_ints(s, f"{p}[{n!r}][0] (shape)"), wire.dtype_from_name(d, f"{p}[{n!r}][1] (dtype)"))
+        return out
+
+    def strs(m, p):
+        return [wire.expect_str(x, f"{p}[{i}]") for i, x in enumerate(wire.expect_list(m, p))]
+
+    frags = [wire.decode(f, f"{path}.fragments[{i}]") for i, f in enumerate(wire.expect_list(v["fragments"], f"{path}.fragments"))]
+    for i, f in enumerate(frags):
+        if not isinstance(f, Fragment):
+            raise wire.fail(f"{path}.fragments[{i}]", "a Fragment", f)
+    if not isinstance(v["quant"], dict):
+        raise wire.fail(f"{path}.quant", "an object", v["quant"])
+    return LoadRecord(rank=wire.expect_int(v["rank"], f"{path}.rank"), tensors=shapes(v["tensors"], f"{path}.tensors"),
+                      locals=shapes(v["locals"], f"{path}.locals"), fragments=frags,
+                      problems=strs(v["problems"], f"{path}.problems"),
+                      uncovered=strs(v["uncovered"], f"{path}.uncovered"), unused=strs(v["unused"], f"{path}.unused"),
+                      fills=wire.expect_int(v["fills"], f"{path}.fills"),
+                      quant={n: wire.quant_from_data(q, f"{path}.quant[{n!r}]") for n, q in v["quant"].items()})
+
+
+wire.register_codec("LoadRecord", LoadRecord, _record_to_data, _record_from_data)
 
 
 def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:

@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import wire
-from ..auth import secret_from
-from ..group import RefitGroup, init_refit_group
+from ..comm import wire
+from ..comm.auth import secret_from
+from ..comm.group import RefitGroup, init_refit_group
 from ..layout import Layout
 from ..refit import RefitState, refit, refit_state, verify_refit
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load

@@ -30,7 +30,7 @@ How verl's interface maps onto ours (``CheckpointEngineManager.update_weights``,
   ``dst_layout``, only the box of each tensor its own loader reads (the bounding box of its fragments in a
   destination :class:`~triton_reshard.Layout` over rollout ranks ``0..W-1`` in the checkpoint's names, e.g.
   recorded off the vLLM workers with :func:`~triton_reshard.integrations.vllm.layout_from_vllm` /
-  :func:`~triton_reshard.integrations.vllm.record_vllm` and saved with :func:`triton_reshard.wire.save_layout`,
+  :func:`~triton_reshard.integrations.vllm.record_vllm` and saved with :func:`triton_reshard.comm.wire.save_layout`,
   a JSON file: nothing in it is run when it is read): the tensors it
   yields have the full shape, the boxes the loader narrows to are exact and the rest is never sent (left
   uninitialised), so a TP-``k`` rollout receives ~1/k of the bytes.
@@ -60,8 +60,8 @@ from typing import Any
 
 import torch
 
-from ..auth import SECRET_ENV, secret_from
-from ..group import RefitGroup, free_port, init_refit_group
+from ..comm.auth import SECRET_ENV, secret_from
+from ..comm.group import RefitGroup, free_port, init_refit_group
 from ..layout import Fragment, Layout, TensorSpec
 from ..refit import refit
 
@@ -152,10 +152,10 @@ def _meta(name: str, t: torch.Tensor) -> Meta:
 
 
 def _load_layout(obj: Layout | str | os.PathLike | None) -> Layout | None:
-    """A Layout, or one read from a JSON layout file (:func:`triton_reshard.wire.save_layout`)."""
+    """A Layout, or one read from a JSON layout file (:func:`triton_reshard.comm.wire.save_layout`)."""
     if obj is None or isinstance(obj, Layout):
         return obj
-    from ..wire import load_layout
+    from ..comm.wire import load_layout
 
     return load_layout(os.fspath(obj))
 
@@ -181,7 +181,7 @@ class TritonReshardCheckpointEngine(_Base):
 
     ``bucket_size``: bytes of tensors per refit (verl's ``update_weights_bucket_megabytes``); also refit's
     staging bound. ``dst_layout``: a destination Layout (or a JSON file of one,
-    :func:`triton_reshard.wire.save_layout`) over rollout ranks ``0..W-1`` in the checkpoint's names; ``None``: every rollout rank receives the full tensors.
+    :func:`triton_reshard.comm.wire.save_layout`) over rollout ranks ``0..W-1`` in the checkpoint's names; ``None``: every rollout rank receives the full tensors.
     ``senders``: ``"all"`` (every actor worker sends a share: verl's generator yields the full tensors on
     each) or ``"master"`` (actor rank 0 sends everything; the others only drain the generator).
     ``host``: the address the master's rendezvous listens on (default: Ray's node IP, else this host's

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import wire
+from ..comm import wire
 from ..layout import BlockQuant, Layout, scale_shape
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 

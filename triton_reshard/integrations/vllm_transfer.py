@@ -43,8 +43,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..auth import SECRET_ENV, secret_from
-from ..group import RefitGroup, init_refit_group
+from ..comm.auth import SECRET_ENV, secret_from
+from ..comm.group import RefitGroup, init_refit_group
 from ..layout import Layout
 from ..refit import refit
 from .record import layout_from_records
@@ -213,7 +213,7 @@ def staging_record(rec):
     """A worker's record in the checkpoint's coordinates: each checkpoint tensor it loads from becomes one local
     staging tensor of the checkpoint's full shape, named like it, holding exactly the boxes the loader reads
     (same offsets); the boxes two parameters read (a tied embedding) are received once."""
-    from ..specs import Fragment
+    from ..layout.specs import Fragment
     from .record import LoadRecord
 
     out = LoadRecord(rec.rank, tensors=dict(rec.tensors), quant=dict(rec.quant), fills=rec.fills)

@@ -18,8 +18,14 @@ Two storages behind one query interface (``table``, ``fragments_on_rank``, ``ten
 """
 
 from ..box import box_slices, boxes_overlap, find_overlap
-from ..fragment_table import FragmentTable, content_fingerprint
-from ..specs import (
+from .block_quant import block_quant_layout
+from .builder import ColumnBuilder
+from .check import check_layout, overlap_free
+from .columnar import ColumnarLayout, columnar
+from .columns import LogicalTensors, numel_of, trusted_spec
+from .fragment_table import FragmentTable, content_fingerprint
+from .objects import Layout
+from .specs import (
     FP8_BLOCK,
     FRAG_KEY,
     MAX_TENSOR_BYTES,
@@ -53,12 +59,6 @@ from ..specs import (
     trusted_fragment,
     validate_quant_fragments,
 )
-from .block_quant import block_quant_layout
-from .builder import ColumnBuilder
-from .check import check_layout, overlap_free
-from .columnar import ColumnarLayout, columnar
-from .columns import LogicalTensors, numel_of, trusted_spec
-from .objects import Layout
 
 __all__ = [
     "FP8_BLOCK", "FRAG_KEY", "MAX_TENSOR_BYTES", "MXFP8", "NVFP4", "QUANT_DTYPE", "QUANT_FORMATS", "QuantFormat",

@@ -1,5 +1,5 @@
 """Block-quantized layouts: :func:`block_quant_layout` turns chosen tensors of a layout into quantized tensors
-with a per-block scale tensor beside each, in one :class:`~triton_reshard.specs.QuantFormat` (the DeepSeek-V3 /
+with a per-block scale tensor beside each, in one :class:`~triton_reshard.layout.specs.QuantFormat` (the DeepSeek-V3 /
 vLLM block-FP8 format, MXFP8, NVFP4)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..specs import (
+from .objects import Layout
+from .specs import (
     FP8_BLOCK,
     BlockQuant,
     Fragment,
@@ -23,7 +24,6 @@ from ..specs import (
     quant_format,
     scale_shape,
 )
-from .objects import Layout
 
 
 def block_quant_layout(
@@ -45,7 +45,7 @@ def block_quant_layout(
     128), ceil(cols / 128)]``; extra leading local dims, like stacked experts, unchanged). The local tensors
     holding them become ``float8_e4m3fn``.
 
-    ``format``: the :class:`~triton_reshard.specs.QuantFormat` (or its name). Block FP8 takes ``block`` and
+    ``format``: the :class:`~triton_reshard.layout.specs.QuantFormat` (or its name). Block FP8 takes ``block`` and
     ``ue8m0``; MXFP8 blocks 1x32 along the last dim with one E8M0 byte per block (uint8 scales, vLLM's
     ``weight_scale``; ``block`` is ignored). NVFP4 (ModelOpt, as vLLM and SGLang load it): each tensor becomes
     packed E2M1 pairs, uint8 ``[..., K/2]`` (its fragments and local tensors in stored elements: the last dim

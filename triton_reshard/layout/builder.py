@@ -10,11 +10,11 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..specs import (
-    TensorSpec,
-)
 from .columnar import ColumnarLayout
 from .columns import I64, Columns, LogicalTensors, compact, frag_order
+from .specs import (
+    TensorSpec,
+)
 
 # --------------------------------------------------------------------------------------------------------
 # Builder: boxes for whole arrays of ranks at once

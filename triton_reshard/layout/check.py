@@ -10,14 +10,14 @@ from operator import add, gt
 import numpy as np
 
 from ..box import boxes_overlap, find_overlap
-from ..specs import (
+from .columns import I64, Columns, LogicalTensors
+from .specs import (
     Fragment,
     LocalSpec,
     TensorSpec,
     check_fragment,
     validate_quant_fragments,
 )
-from .columns import I64, Columns, LogicalTensors
 
 # --------------------------------------------------------------------------------------------------------
 # Eager validation (a Layout's constructor)

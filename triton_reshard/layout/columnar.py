@@ -23,8 +23,11 @@ import numpy as np
 import torch
 
 from ..box import right_align
-from ..fragment_table import FragmentTable, TensorRows, content_fingerprint
-from ..specs import (
+from .check import columns_valid
+from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
+from .fragment_table import FragmentTable, TensorRows, content_fingerprint
+from .objects import Layout
+from .specs import (
     FRAG_KEY,
     Fragment,
     LocalSpec,
@@ -34,9 +37,6 @@ from ..specs import (
     itemsize_of,
     trusted_fragment,
 )
-from .check import columns_valid
-from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
-from .objects import Layout
 
 # --------------------------------------------------------------------------------------------------------
 # Lazy mappings (what the planner reads off ``fragments_by_tensor`` / ``_locals_by_rank``)
@@ -223,7 +223,7 @@ class ColumnarLayout(Layout):
             if self._stride < span:  # interleaved copies: the full columns
                 c, tiled = self._cols, False
         L = int(c.flnd.max()) if c.nfrag else 0
-        order = c._rank_order[0]
+        order = c.rank_order[0]
         fr, rest = c.fr[order], (c.ft[order], c.fl[order], c.foff[order], c.fsz[order], c.flo[order][:, :L])
         n = self._copies if tiled else 1
         copies = [(fr.astype(I64) + i * self._stride, *rest) for i in range(n)]

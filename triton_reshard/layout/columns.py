@@ -1,5 +1,5 @@
 """The column storage of a columnar layout: its logical tensors (:class:`LogicalTensors`, each
-:class:`~triton_reshard.specs.TensorSpec` built on first use), the numpy columns of its fragments and local
+:class:`~triton_reshard.layout.specs.TensorSpec` built on first use), the numpy columns of its fragments and local
 tensors (:class:`Columns`, in Layout order), and the unchecked spec constructors the builders use."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..specs import (
+from .specs import (
     MAX_TENSOR_BYTES,
     LocalSpec,
     TensorSpec,
@@ -142,14 +142,14 @@ class Columns:
         return len(self.lr)
 
     @cached_property
-    def _rank_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def rank_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(fragment rows sorted by rank, stable; the distinct ranks; their starts)."""
         order = np.argsort(self.fr, kind="stable")
         ranks, starts = np.unique(self.fr[order], return_index=True)
         return order, ranks, np.append(starts, len(order))
 
     def rows_of_rank(self, rank: int) -> np.ndarray:
-        order, ranks, starts = self._rank_order
+        order, ranks, starts = self.rank_order
         i = int(np.searchsorted(ranks, rank))
         if i == len(ranks) or ranks[i] != rank:
             return order[:0]

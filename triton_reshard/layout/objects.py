@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from ..box import box_slices
-from ..fragment_table import FragmentTable, TensorRows, content_fingerprint
-from ..specs import (
+from .check import check_layout
+from .fragment_table import FragmentTable, TensorRows, content_fingerprint
+from .specs import (
     FRAG_KEY,
     Fragment,
     LocalSpec,
@@ -40,7 +41,6 @@ from ..specs import (
     itemsize_of,
     nested_box,
 )
-from .check import check_layout
 
 _FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
 _TENSOR = attrgetter("tensor")

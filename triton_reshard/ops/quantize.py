@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..specs import FP8_BLOCK, QuantFormat, quant_format
+from ..layout.specs import FP8_BLOCK, QuantFormat, quant_format
 from . import BACKENDS, resolve_backend
 from .launcher import cached_table, interpreting, kernel_module, storage_view
 
@@ -143,7 +143,7 @@ def quantize_blocks(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False
 
 def quantize_blocks_ref(x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
                         global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block FP8's reference in the :class:`~triton_reshard.specs.QuantFormat` signature (:func:`quantize_blocks`)."""
+    """Block FP8's reference in the :class:`~triton_reshard.layout.specs.QuantFormat` signature (:func:`quantize_blocks`)."""
     return quantize_blocks(x, block, ue8m0)
 
 
@@ -166,7 +166,7 @@ def quantize_mxfp8(x: torch.Tensor, block: Sequence[int] = (32,), ue8m0: bool = 
       flush towards 0); a block with a NaN gets scale byte 0xFF (E8M0's NaN; vLLM casts a NaN float to uint8
       there, which C leaves undefined: 0 on x86) and every value NaN (0x7F, as vLLM).
 
-    ``block`` must be ``(..., 1, 32)`` (what :class:`~triton_reshard.specs.BlockQuant` stores for MXFP8); the last
+    ``block`` must be ``(..., 1, 32)`` (what :class:`~triton_reshard.layout.specs.BlockQuant` stores for MXFP8); the last
     dim a multiple of 32 (vLLM asserts it)."""
     _check_source(x, "x")
     blk = normalize_block(block, x.dim())
@@ -698,7 +698,7 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
     :func:`triton_reshard.ops.resolve_backend`). ``key``: as in ``triton_copy_views``, a hashable naming a
     list that recurs; its block table is cached and rebuilt when any pointer, shape or stride changed.
 
-    ``fmt``: the :class:`~triton_reshard.specs.QuantFormat` (or its name) picks the quantizer: block FP8 (above),
+    ``fmt``: the :class:`~triton_reshard.layout.specs.QuantFormat` (or its name) picks the quantizer: block FP8 (above),
     MXFP8 (``q_out`` float8_e4m3fn, ``s_out`` uint8 E8M0 of ``[..., K // 32]``; ``block`` ``(..., 1, 32)``),
     NVFP4 (items ``(src, q_out, s_out, global_scale)``: ``q_out`` uint8 ``[..., K/2]`` packed pairs, ``s_out``
     float8_e4m3fn ``[..., K/16]``, ``global_scale`` the float32 one-element multiplier of the item's tensor;

@@ -14,10 +14,11 @@ from .planner import plan_reshard
 from .routing import lower_bound_bytes
 from .schedule import build_schedule
 from .table import TransferTable
-from .types import ALIGN, DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
+from .types import ALIGN, DIRECT_MIN_BYTES, MIN_STEP_BYTES, PlanStats, Schedule, Transfer
 
 __all__ = [
     "ALIGN",
+    "MIN_STEP_BYTES",
     "DIRECT_MIN_BYTES",
     "Plan",
     "PlanStats",

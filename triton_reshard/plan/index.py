@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..fragment_table import TensorRows
 from ..layout import Fragment, Layout
+from ..layout.fragment_table import TensorRows
 from .routing import (
     boxes_meet,
     check_dst_overlap,

@@ -15,7 +15,7 @@ from ..box import align_up, contiguous_boxes, is_contiguous_box, split_box, spli
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
 from .table import I64, TransferTable
-from .types import ALIGN, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
+from .types import ALIGN, MIN_STEP_BYTES, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
 # --------------------------------------------------------------------------------------------------------
 # Steps
@@ -203,8 +203,8 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
     The loads are cut on the columns (``_column_payloads``: chunks, contiguity and the next fit as arrays, the
     same as :func:`load_payloads` over the objects); a pair whose rows are not in key order, or that carries
     source-quantized rows, is cut over its objects."""
-    if bucket_bytes < 16 * ALIGN:
-        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
+    if bucket_bytes < MIN_STEP_BYTES:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {MIN_STEP_BYTES})")
     if direct_min_bytes < 0:
         raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
     peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..box import align_up, is_contiguous_box, split_box
 from ..layout import gc_paused, itemsize_of
 from .quant import split_src_chunks
-from .types import ALIGN, DIRECT_MIN_BYTES, Chunk, Message, Schedule, Step, Transfer
+from .types import ALIGN, DIRECT_MIN_BYTES, MIN_STEP_BYTES, Chunk, Message, Schedule, Step, Transfer
 
 
 def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None = None,
@@ -21,8 +21,8 @@ def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity:
     ``Plan._contiguity``); chunks of at least ``direct_min_bytes`` contiguous on one of those sides become
     direct messages. None: every message is packed.
     """
-    if bucket_bytes < 16 * ALIGN:
-        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {16 * ALIGN})")
+    if bucket_bytes < MIN_STEP_BYTES:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {MIN_STEP_BYTES})")
     if direct_min_bytes < 0:
         raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
     with gc_paused():

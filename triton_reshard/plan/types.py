@@ -22,6 +22,7 @@ from ..layout import QUANT_FORMATS, Fragment, Layout, dtype_name, gc_paused, ite
 # destination (no pack or unpack copy on that side). Below it, one packed message per peer costs less than a
 # message per chunk (each message has a fixed cost on the transport).
 DIRECT_MIN_BYTES = 1 << 20
+MIN_STEP_BYTES = 16 * ALIGN  # the smallest per-step cap (one staging slot) a schedule accepts
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..group import free_port as _free_port
+from ..comm.group import free_port as _free_port
 
 
 def free_port() -> int:
-    """A free loopback port for the world's rendezvous (:func:`triton_reshard.group.free_port`)."""
+    """A free loopback port for the world's rendezvous (:func:`triton_reshard.comm.group.free_port`)."""
     return _free_port("127.0.0.1")
 
 

@@ -199,8 +199,7 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
                 peaks.append(peak)
     for name, (times, bad, peaks) in acc.items():
         res[name] = {"seconds": times, "bad": bad[0], "peak_extra_bytes": max(peaks)}
-    res["staging_bytes"] = {k: r.send_area_bytes + r.recv_area_bytes + sum(t.numel() * t.element_size() for t in r._stage)
-                            for k, r in methods.items()}
+    res["staging_bytes"] = {k: r.staging_bytes for k, r in methods.items()}
     return res
 
 

@@ -301,8 +301,7 @@ def demo_worker(rank: int, world: int, args) -> dict:
             say(f"{label} run {i + 1}/{args.repeats}: {secs:.3f} s, {bad} wrong bytes or scales on rank 0")
         out["fp8_seconds"] = qtimes
         out["fp8_total_seconds"] = time.perf_counter() - t_q
-        out["fp8_staging_bytes"] = rq.send_area_bytes + rq.recv_area_bytes + sum(
-            t.numel() * t.element_size() for t in rq._stage)
+        out["fp8_staging_bytes"] = rq.staging_bytes
         out["fp8_peak_extra_rss"] = max(rss_peaks[-(args.repeats + 1):])
 
     if not args.no_baseline:

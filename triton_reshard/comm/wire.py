@@ -5,7 +5,8 @@ Nothing that crosses a process boundary is unpickled. :func:`dumps` / :func:`loa
 strict schema check that names the field that is wrong: tuples, ``torch.dtype`` (by name, only real dtypes),
 :class:`~triton_reshard.Layout` (eager or columnar; :func:`layout_to_dict` / :func:`layout_from_dict`),
 :class:`~triton_reshard.layout.TensorSpec`, :class:`~triton_reshard.layout.BlockQuant`,
-:class:`~triton_reshard.layout.Fragment` and :class:`~triton_reshard.integrations.record.LoadRecord`.
+:class:`~triton_reshard.layout.Fragment`, and the types other rooms register with :func:`register_codec`
+(:class:`~triton_reshard.integrations.record.LoadRecord` registers itself).
 A tagged value is ``{"$": type, "v": ...}``; a plain dict with a ``"$"`` key or keys that are not strings is
 sent as ``{"$": "dict", "v": [[key, value], ...]}``.
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from .layout import (
+from ..layout import (
     QUANT_FORMATS,
     BlockQuant,
     ColumnarLayout,
@@ -46,38 +47,38 @@ class WireError(ValueError):
 # checks
 # ---------------------------------------------------------------------------------------------------------
 
-def _fail(path: str, what: str, v) -> WireError:
+def fail(path: str, what: str, v) -> WireError:
     r = repr(v)
     return WireError(f"{path}: expected {what}, got {r[:80]}{'...' if len(r) > 80 else ''}")
 
 
-def _str(v, path: str) -> str:
+def expect_str(v, path: str) -> str:
     if not isinstance(v, str):
-        raise _fail(path, "a string", v)
+        raise fail(path, "a string", v)
     return v
 
 
-def _int(v, path: str, lo: int = 0) -> int:
+def expect_int(v, path: str, lo: int = 0) -> int:
     if type(v) is not int or v < lo:
-        raise _fail(path, f"an int >= {lo}", v)
+        raise fail(path, f"an int >= {lo}", v)
     return v
 
 
-def _ints(v, path: str) -> tuple[int, ...]:
+def expect_ints(v, path: str) -> tuple[int, ...]:
     if not isinstance(v, list):
-        raise _fail(path, "a list of ints >= 0", v)
-    return tuple(_int(x, f"{path}[{i}]") for i, x in enumerate(v))
+        raise fail(path, "a list of ints >= 0", v)
+    return tuple(expect_int(x, f"{path}[{i}]") for i, x in enumerate(v))
 
 
-def _list(v, path: str, n: int | None = None) -> list:
+def expect_list(v, path: str, n: int | None = None) -> list:
     if not isinstance(v, list) or (n is not None and len(v) != n):
-        raise _fail(path, "a list" if n is None else f"a list of {n} items", v)
+        raise fail(path, "a list" if n is None else f"a list of {n} items", v)
     return v
 
 
-def _dict(v, path: str, keys: set[str], optional: set[str] = frozenset()) -> dict:
+def expect_dict(v, path: str, keys: set[str], optional: set[str] = frozenset()) -> dict:
     if not isinstance(v, dict):
-        raise _fail(path, "an object", v)
+        raise fail(path, "an object", v)
     missing, extra = keys - v.keys(), v.keys() - keys - optional
     if missing or extra:
         raise WireError(f"{path}: " + "; ".join(
@@ -88,7 +89,7 @@ def _dict(v, path: str, keys: set[str], optional: set[str] = frozenset()) -> dic
 
 def dtype_from_name(v, path: str) -> torch.dtype:
     if not isinstance(v, str) or v not in _DTYPES:
-        raise _fail(path, "a torch dtype name (e.g. 'bfloat16')", v)
+        raise fail(path, "a torch dtype name (e.g. 'bfloat16')", v)
     return _DTYPES[v]
 
 
@@ -104,30 +105,30 @@ def _check(fn, path: str, *args):
 # layouts
 # ---------------------------------------------------------------------------------------------------------
 
-def _quant_to(q: BlockQuant | None):
+def quant_to_data(q: BlockQuant | None):
     if q is None:
         return None
     out = [list(q.block), q.scale, q.ue8m0]  # block FP8: three entries (its encoding before other formats)
     return out if q.format.name == "fp8-block" else out + [q.format.name, q.global_scale, q.global_group]
 
 
-def _quant_from(v, path: str) -> BlockQuant | None:
+def quant_from_data(v, path: str) -> BlockQuant | None:
     if v is None:
         return None
     n = len(v) if isinstance(v, list) else 3
     if n == 6:
-        block, scale, ue8m0, fmt, gscale, ggroup = _list(v, path, 6)
-        extra = (_str(fmt, f"{path}[3] (format)"), _str(gscale, f"{path}[4] (global scale)"),
-                 _str(ggroup, f"{path}[5] (global group)"))
+        block, scale, ue8m0, fmt, gscale, ggroup = expect_list(v, path, 6)
+        extra = (expect_str(fmt, f"{path}[3] (format)"), expect_str(gscale, f"{path}[4] (global scale)"),
+                 expect_str(ggroup, f"{path}[5] (global group)"))
         if extra[0] not in QUANT_FORMATS:
-            raise _fail(f"{path}[3] (format)", f"one of {sorted(QUANT_FORMATS)}", extra[0])
+            raise fail(f"{path}[3] (format)", f"one of {sorted(QUANT_FORMATS)}", extra[0])
         extra = (QUANT_FORMATS[extra[0]],) + extra[1:]
     else:
-        block, scale, ue8m0 = _list(v, path, 3)
+        block, scale, ue8m0 = expect_list(v, path, 3)
         extra = ()
     if not isinstance(ue8m0, bool):
-        raise _fail(f"{path}[2] (ue8m0)", "a bool", ue8m0)
-    return _check(BlockQuant, path, _ints(block, f"{path}[0] (block)"), _str(scale, f"{path}[1] (scale)"), ue8m0,
+        raise fail(f"{path}[2] (ue8m0)", "a bool", ue8m0)
+    return _check(BlockQuant, path, expect_ints(block, f"{path}[0] (block)"), expect_str(scale, f"{path}[1] (scale)"), ue8m0,
                   *extra)
 
 
@@ -144,7 +145,7 @@ def layout_to_dict(layout: Layout) -> dict:
     return {
         "format": FORMAT,
         "columnar": isinstance(layout, ColumnarLayout),
-        "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), _quant_to(t.quant)] for t in layout.tensors],
+        "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), quant_to_data(t.quant)] for t in layout.tensors],
         "local_names": lnames,
         "fragments": [[tid[f.tensor], f.rank, list(f.offsets), list(f.sizes), lid[f.local], list(f.local_offsets)]
                       for f in layout.fragments],
@@ -156,38 +157,38 @@ def layout_to_dict(layout: Layout) -> dict:
 def layout_from_dict(d, path: str = "layout") -> Layout:
     """The Layout of a :func:`layout_to_dict` dict, checked field by field (then by the Layout's own
     validation); a mismatch raises :class:`WireError` naming the field."""
-    d = _dict(d, path, {"format", "columnar", "tensors", "local_names", "fragments", "locals", "digest"})
+    d = expect_dict(d, path, {"format", "columnar", "tensors", "local_names", "fragments", "locals", "digest"})
     if d["format"] != FORMAT:
-        raise _fail(f"{path}.format", repr(FORMAT), d["format"])
+        raise fail(f"{path}.format", repr(FORMAT), d["format"])
     if not isinstance(d["columnar"], bool):
-        raise _fail(f"{path}.columnar", "a bool", d["columnar"])
+        raise fail(f"{path}.columnar", "a bool", d["columnar"])
     specs = []
-    for i, t in enumerate(_list(d["tensors"], f"{path}.tensors")):
+    for i, t in enumerate(expect_list(d["tensors"], f"{path}.tensors")):
         p = f"{path}.tensors[{i}]"
-        name, shape, dt, q = _list(t, p, 4)
-        specs.append(_check(TensorSpec, p, _str(name, f"{p}[0] (name)"), _ints(shape, f"{p}[1] (shape)"),
-                            dtype_from_name(dt, f"{p}[2] (dtype)"), _quant_from(q, f"{p}[3] (quant)")))
-    lnames = [_str(n, f"{path}.local_names[{i}]") for i, n in enumerate(_list(d["local_names"], f"{path}.local_names"))]
+        name, shape, dt, q = expect_list(t, p, 4)
+        specs.append(_check(TensorSpec, p, expect_str(name, f"{p}[0] (name)"), expect_ints(shape, f"{p}[1] (shape)"),
+                            dtype_from_name(dt, f"{p}[2] (dtype)"), quant_from_data(q, f"{p}[3] (quant)")))
+    lnames = [expect_str(n, f"{path}.local_names[{i}]") for i, n in enumerate(expect_list(d["local_names"], f"{path}.local_names"))]
 
     def ref(v, table, p):
         if type(v) is not int or not 0 <= v < len(table):
-            raise _fail(p, f"an index into a table of {len(table)}", v)
+            raise fail(p, f"an index into a table of {len(table)}", v)
         return table[v]
 
     names = [s.name for s in specs]
     frags = []
-    for i, f in enumerate(_list(d["fragments"], f"{path}.fragments")):
+    for i, f in enumerate(expect_list(d["fragments"], f"{path}.fragments")):
         p = f"{path}.fragments[{i}]"
-        t, rank, off, size, local, lo = _list(f, p, 6)
-        frags.append(_check(Fragment, p, ref(t, names, f"{p}[0] (tensor)"), _int(rank, f"{p}[1] (rank)"),
-                            _ints(off, f"{p}[2] (offsets)"), _ints(size, f"{p}[3] (sizes)"),
-                            ref(local, lnames, f"{p}[4] (local)"), _ints(lo, f"{p}[5] (local_offsets)")))
+        t, rank, off, size, local, lo = expect_list(f, p, 6)
+        frags.append(_check(Fragment, p, ref(t, names, f"{p}[0] (tensor)"), expect_int(rank, f"{p}[1] (rank)"),
+                            expect_ints(off, f"{p}[2] (offsets)"), expect_ints(size, f"{p}[3] (sizes)"),
+                            ref(local, lnames, f"{p}[4] (local)"), expect_ints(lo, f"{p}[5] (local_offsets)")))
     locs = []
-    for i, x in enumerate(_list(d["locals"], f"{path}.locals")):
+    for i, x in enumerate(expect_list(d["locals"], f"{path}.locals")):
         p = f"{path}.locals[{i}]"
-        rank, local, shape, dt = _list(x, p, 4)
-        locs.append(_check(LocalSpec, p, _int(rank, f"{p}[0] (rank)"), ref(local, lnames, f"{p}[1] (name)"),
-                           _ints(shape, f"{p}[2] (shape)"), dtype_from_name(dt, f"{p}[3] (dtype)")))
+        rank, local, shape, dt = expect_list(x, p, 4)
+        locs.append(_check(LocalSpec, p, expect_int(rank, f"{p}[0] (rank)"), ref(local, lnames, f"{p}[1] (name)"),
+                           expect_ints(shape, f"{p}[2] (shape)"), dtype_from_name(dt, f"{p}[3] (dtype)")))
     if d["columnar"]:
         lay = _check(columnar, path, specs, frags, locs)
     else:
@@ -211,7 +212,7 @@ def load_layout(path: str | os.PathLike) -> Layout:
             d = json.loads(f.read())
     except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or an int of over 4300 digits
         raise WireError(f"layout file {os.fspath(path)!r} is not JSON ({e}); write it with "
-                        f"triton_reshard.wire.save_layout") from None
+                        f"triton_reshard.comm.wire.save_layout") from None
     return layout_from_dict(d, f"layout file {os.fspath(path)!r}")
 
 
@@ -219,49 +220,21 @@ def load_layout(path: str | os.PathLike) -> Layout:
 # values
 # ---------------------------------------------------------------------------------------------------------
 
-def _record_to(r) -> dict:
-    return {"rank": r.rank, "tensors": {n: [list(s), dtype_name(d)] for n, (s, d) in r.tensors.items()},
-            "locals": {n: [list(s), dtype_name(d)] for n, (s, d) in r.locals.items()},
-            "fragments": [_enc(f) for f in r.fragments], "problems": list(r.problems),
-            "uncovered": list(r.uncovered), "unused": list(r.unused), "fills": r.fills,
-            "quant": {n: _quant_to(q) for n, q in r.quant.items()}}
+_BUILTIN_TAGS = ("tuple", "dict", "float", "dtype", "Layout", "Fragment", "TensorSpec", "BlockQuant")
+_CODECS: dict[str, tuple[type, Callable, Callable]] = {}
 
 
-def _record_from(v, path: str):
-    from .integrations.record import LoadRecord
-
-    keys = {"rank", "tensors", "locals", "fragments", "problems", "uncovered", "unused", "fills", "quant"}
-    v = _dict(v, path, keys)
-
-    def shapes(m, p):
-        if not isinstance(m, dict):
-            raise _fail(p, "an object", m)
-        out = {}
-        for n, sd in m.items():
-            s, d = _list(sd, f"{p}[{n!r}]", 2)
-            out[n] = (_ints(s, f"{p}[{n!r}][0] (shape)"), dtype_from_name(d, f"{p}[{n!r}][1] (dtype)"))
-        return out
-
-    def strs(m, p):
-        return [_str(x, f"{p}[{i}]") for i, x in enumerate(_list(m, p))]
-
-    frags = [_dec(f, f"{path}.fragments[{i}]") for i, f in enumerate(_list(v["fragments"], f"{path}.fragments"))]
-    for i, f in enumerate(frags):
-        if not isinstance(f, Fragment):
-            raise _fail(f"{path}.fragments[{i}]", "a Fragment", f)
-    if not isinstance(v["quant"], dict):
-        raise _fail(f"{path}.quant", "an object", v["quant"])
-    return LoadRecord(rank=_int(v["rank"], f"{path}.rank"), tensors=shapes(v["tensors"], f"{path}.tensors"),
-                      locals=shapes(v["locals"], f"{path}.locals"), fragments=frags,
-                      problems=strs(v["problems"], f"{path}.problems"),
-                      uncovered=strs(v["uncovered"], f"{path}.uncovered"), unused=strs(v["unused"], f"{path}.unused"),
-                      fills=_int(v["fills"], f"{path}.fills"),
-                      quant={n: _quant_from(q, f"{path}.quant[{n!r}]") for n, q in v["quant"].items()})
+def register_codec(tag: str, cls: type, to_data: Callable, from_data: Callable) -> None:
+    """Let a module outside the control plane send its own data type: ``to_data(x)`` gives JSON values (use
+    :func:`encode` for nested values), ``from_data(v, path)`` checks them field by field (the ``expect_*``
+    helpers, :func:`fail`) and rebuilds the object. Nothing else is ever decoded: an unregistered tag is
+    refused by name. Registering a tag twice with another class is an error."""
+    if tag in _BUILTIN_TAGS or (tag in _CODECS and _CODECS[tag][0] is not cls):
+        raise ValueError(f"wire tag {tag!r} is already taken")
+    _CODECS[tag] = (cls, to_data, from_data)
 
 
-def _enc(x):
-    from .integrations.record import LoadRecord
-
+def encode(x):
     if x is None or isinstance(x, (bool, str)):
         return x
     if isinstance(x, int):
@@ -269,13 +242,13 @@ def _enc(x):
     if isinstance(x, float):
         return x if math.isfinite(x) else {"$": "float", "v": repr(x)}
     if isinstance(x, list):
-        return [_enc(v) for v in x]
+        return [encode(v) for v in x]
     if isinstance(x, tuple):
-        return {"$": "tuple", "v": [_enc(v) for v in x]}
+        return {"$": "tuple", "v": [encode(v) for v in x]}
     if isinstance(x, Mapping):
         if all(isinstance(k, str) for k in x) and "$" not in x:
-            return {k: _enc(v) for k, v in x.items()}
-        return {"$": "dict", "v": [[_enc(k), _enc(v)] for k, v in x.items()]}
+            return {k: encode(v) for k, v in x.items()}
+        return {"$": "dict", "v": [[encode(k), encode(v)] for k, v in x.items()]}
     if isinstance(x, torch.dtype):
         return {"$": "dtype", "v": dtype_name(x)}
     if isinstance(x, Layout):
@@ -284,67 +257,68 @@ def _enc(x):
         return {"$": "Fragment", "v": [x.tensor, x.rank, list(x.offsets), list(x.sizes), x.local,
                                        list(x.local_offsets)]}
     if isinstance(x, TensorSpec):
-        return {"$": "TensorSpec", "v": [x.name, list(x.shape), dtype_name(x.dtype), _quant_to(x.quant)]}
+        return {"$": "TensorSpec", "v": [x.name, list(x.shape), dtype_name(x.dtype), quant_to_data(x.quant)]}
     if isinstance(x, BlockQuant):
-        return {"$": "BlockQuant", "v": _quant_to(x)}
-    if isinstance(x, LoadRecord):
-        return {"$": "LoadRecord", "v": _record_to(x)}
-    raise TypeError(f"cannot send a {type(x).__name__} (data only: JSON values, tuples, dtypes, Layout, "
-                    f"TensorSpec, Fragment, BlockQuant, LoadRecord)")
+        return {"$": "BlockQuant", "v": quant_to_data(x)}
+    for tag, (cls, to_data, _) in _CODECS.items():
+        if isinstance(x, cls):
+            return {"$": tag, "v": to_data(x)}
+    raise TypeError(f"cannot send a {type(x).__name__} (data only: JSON values, tuples, dtypes, "
+                    f"{', '.join([*_BUILTIN_TAGS[3:], *_CODECS])})")
 
 
 def _hashable(k, path: str):
     try:
         hash(k)
     except TypeError:
-        raise _fail(path, "a hashable key", k) from None
+        raise fail(path, "a hashable key", k) from None
     return k
 
 
-def _dec(x, path: str):
+def decode(x, path: str):
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, list):
-        return [_dec(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        return [decode(v, f"{path}[{i}]") for i, v in enumerate(x)]
     if not isinstance(x, dict):
-        raise _fail(path, "a JSON value", x)
+        raise fail(path, "a JSON value", x)
     if "$" not in x:
-        return {k: _dec(v, f"{path}[{k!r}]") for k, v in x.items()}
-    x = _dict(x, path, {"$", "v"})
+        return {k: decode(v, f"{path}[{k!r}]") for k, v in x.items()}
+    x = expect_dict(x, path, {"$", "v"})
     tag, v = x["$"], x["v"]
     p = f"{path}<{tag}>"
     if tag == "tuple":
-        return tuple(_dec(e, f"{p}[{i}]") for i, e in enumerate(_list(v, p)))
+        return tuple(decode(e, f"{p}[{i}]") for i, e in enumerate(expect_list(v, p)))
     if tag == "dict":
         out = {}
-        for i, kv in enumerate(_list(v, p)):
-            k, val = _list(kv, f"{p}[{i}]", 2)
-            out[_hashable(_dec(k, f"{p}[{i}][0]"), f"{p}[{i}][0]")] = _dec(val, f"{p}[{i}][1]")
+        for i, kv in enumerate(expect_list(v, p)):
+            k, val = expect_list(kv, f"{p}[{i}]", 2)
+            out[_hashable(decode(k, f"{p}[{i}][0]"), f"{p}[{i}][0]")] = decode(val, f"{p}[{i}][1]")
         return out
     if tag == "float":
         if v not in ("nan", "inf", "-inf"):
-            raise _fail(p, "'nan', 'inf' or '-inf'", v)
+            raise fail(p, "'nan', 'inf' or '-inf'", v)
         return float(v)
     if tag == "dtype":
         return dtype_from_name(v, p)
     if tag == "Layout":
         return layout_from_dict(v, p)
     if tag == "Fragment":
-        t, rank, off, size, local, lo = _list(v, p, 6)
-        return _check(Fragment, p, _str(t, f"{p}[0] (tensor)"), _int(rank, f"{p}[1] (rank)"),
-                      _ints(off, f"{p}[2] (offsets)"), _ints(size, f"{p}[3] (sizes)"), _str(local, f"{p}[4] (local)"),
-                      _ints(lo, f"{p}[5] (local_offsets)"))
+        t, rank, off, size, local, lo = expect_list(v, p, 6)
+        return _check(Fragment, p, expect_str(t, f"{p}[0] (tensor)"), expect_int(rank, f"{p}[1] (rank)"),
+                      expect_ints(off, f"{p}[2] (offsets)"), expect_ints(size, f"{p}[3] (sizes)"), expect_str(local, f"{p}[4] (local)"),
+                      expect_ints(lo, f"{p}[5] (local_offsets)"))
     if tag == "TensorSpec":
-        name, shape, dt, q = _list(v, p, 4)
-        return _check(TensorSpec, p, _str(name, f"{p}[0] (name)"), _ints(shape, f"{p}[1] (shape)"),
-                      dtype_from_name(dt, f"{p}[2] (dtype)"), _quant_from(q, f"{p}[3] (quant)"))
+        name, shape, dt, q = expect_list(v, p, 4)
+        return _check(TensorSpec, p, expect_str(name, f"{p}[0] (name)"), expect_ints(shape, f"{p}[1] (shape)"),
+                      dtype_from_name(dt, f"{p}[2] (dtype)"), quant_from_data(q, f"{p}[3] (quant)"))
     if tag == "BlockQuant":
-        q = _quant_from(v, p)
+        q = quant_from_data(v, p)
         if q is None:
-            raise _fail(p, "a block quantization", v)
+            raise fail(p, "a block quantization", v)
         return q
-    if tag == "LoadRecord":
-        return _record_from(v, p)
+    if tag in _CODECS:
+        return _CODECS[tag][2](v, p)
     raise WireError(f"{path}: unknown type tag {tag!r}")
 
 
@@ -354,7 +328,7 @@ def _no_constant(c: str):
 
 def dumps(obj) -> bytes:
     """``obj`` as data-only JSON bytes (see the module docstring for the types it carries)."""
-    return json.dumps(_enc(obj), separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(encode(obj), separators=(",", ":"), allow_nan=False).encode()
 
 
 def loads(data: bytes, what: str = "message"):
@@ -365,7 +339,7 @@ def loads(data: bytes, what: str = "message"):
     except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or an int of over 4300 digits
         raise WireError(f"{what}: not a data-only JSON message ({type(e).__name__}: {str(e)[:120]})") from None
     try:
-        return _dec(raw, what)
+        return decode(raw, what)
     except RecursionError:
         raise WireError(f"{what}: nested too deeply") from None
 

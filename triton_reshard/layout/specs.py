@@ -226,7 +226,7 @@ class QuantFormat:
     def quantize(self, x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
                  global_scale: torch.Tensor | None = None):
         """The torch reference: ``(values, scales)`` of ``x`` (its logical, unpacked shape)."""
-        from .ops import quantize as q  # the layout room names it; the ops room holds the torch code
+        from ..ops import quantize as q  # the layout room names it; the ops room holds the torch code
 
         return getattr(q, self.reference)(x, block, ue8m0=ue8m0, global_scale=global_scale)
 

@@ -103,6 +103,10 @@ class RefitGroup:
     def wire(self) -> bool:
         return self.size > 1
 
+    def check_live(self) -> None:
+        """Raise :class:`RefitGroupError` naming this rank if the group was destroyed (nothing is sent)."""
+        self._live()
+
     def _live(self):
         if self.pg is None:
             raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")
@@ -128,7 +132,7 @@ class RefitGroup:
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, through the group's authenticated rendezvous store (for small
         control data such as layouts and load records; bounded by the group's timeout). Data only: JSON
-        values, tuples, dtypes, Layouts, load records (:mod:`triton_reshard.wire`); nothing is unpickled. A
+        values, tuples, dtypes, Layouts, load records (:mod:`triton_reshard.comm.wire`); nothing is unpickled. A
         message that does not match its schema raises :class:`RefitGroupError` naming the rank and field."""
         if self._store is None:
             raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")

@@ -1,0 +1,19 @@
+"""The control plane: who is in a refit group and proves it (``auth``), the group itself with its store,
+liveness and versions (``group``), and the data-only messages ranks and layout files exchange (``wire``).
+Nothing here moves weights; the data plane is :mod:`triton_reshard.execute`."""
+
+from .auth import AuthError
+from .group import RefitGroup, RefitGroupError, init_refit_group
+from .wire import WireError, dumps, load_layout, loads, save_layout
+
+__all__ = [
+    "AuthError",
+    "RefitGroup",
+    "RefitGroupError",
+    "WireError",
+    "dumps",
+    "init_refit_group",
+    "load_layout",
+    "loads",
+    "save_layout",
+]
