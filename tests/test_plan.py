@@ -1196,7 +1196,7 @@ def test_property_instance_relays(problem, n, gpus_per_node):
 @pytest.mark.parametrize("kw", [{}, {"relay": True}, {"gpus_per_node": 4}, {"gpus_per_node": 4, "relay": True}],
                          ids=["plain", "instances", "nodes", "nodes+instances"])
 def test_rank_plans_of_columnar_preset_layouts(kw):
-    """The presets' columnar layouts (``layout_index``, two vLLM instances as a tiled copy): the whole plan is the
+    """The presets' columnar layouts (``layout.columnar``, two vLLM instances as a tiled copy): the whole plan is the
     one of the same layouts made eager, and the rank plans, read through the per-tensor tables, assemble into it
     (relays over the instances included)."""
     from triton_reshard.presets import get_config, megatron_layout, vllm_layout
