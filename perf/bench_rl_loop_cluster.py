@@ -78,7 +78,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     init = {k: t.clone() for k, t in trainer.tensors().items()}
     host, port = _recv((2,), torch.int64, 1).tolist()
     info = vt.ReshardTrainerInitInfo(rank=1, host=".".join(str(host >> s & 255) for s in (24, 16, 8, 0)), port=port,
-                                     world_size=2 + a.tp, num_trainer_ranks=2, layout=_layout(init), timeout=300)
+                                     world_size=2 + a.tp, num_trainer_ranks=2, layout=_layout(init), timeout=120)
     eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=vt.TensorsSource(trainer.tensors()))
     before = {k: t.clone() for k, t in trainer.tensors().items()}
     steps = 0
@@ -144,7 +144,14 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
     tmp = tempfile.mkdtemp(prefix="rl_cluster_")
     model = rl_loop.policy(a.size, a.seed)  # the same initial weights as the trainer's (same seed)
     ckpt = os.path.join(tmp, "init")
-    model.save_pretrained(ckpt)
+    # transformers' save_pretrained writes files only on torch.distributed rank 0 (whatever is_main_process
+    # says), and this process is rank 1 of the cluster's group: write the checkpoint ourselves
+    from safetensors.torch import save_file
+
+    os.makedirs(ckpt)
+    model.config.to_json_file(os.path.join(ckpt, "config.json"))
+    save_file({k: t.detach().contiguous() for k, t in model.state_dict().items()},
+              os.path.join(ckpt, "model.safetensors"))
     metas = {k: t.detach() for k, t in model.named_parameters()}
     vocab = model.config.vocab_size
     del model
@@ -155,7 +162,7 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
     host = sum(int(p) << s for p, s in zip(addr.split("."), (24, 16, 8, 0), strict=True))
     _send(torch.tensor([host, port], dtype=torch.int64), 0)
     info = vt.ReshardTrainerInitInfo(rank=0, host=addr, port=port, world_size=2 + a.tp, num_trainer_ranks=2,
-                                     layout=_layout(metas), timeout=300)
+                                     layout=_layout(metas), timeout=120)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm), source=vt.TensorsSource({}))
 
     def refit(version: int, method: str) -> tuple[float, int, int, dict]:
@@ -249,11 +256,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t00 = time.perf_counter()
-    env = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "perf"), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "perf"), os.environ.get("PYTHONPATH", "")]),
+           # the refit group's secret (its addresses are not loopback): the same in both jobs, from the environment
+           "TRITON_RESHARD_SECRET": os.environ.get("TRITON_RESHARD_SECRET") or os.urandom(32).hex()}
     with Cluster(nodes=2, ranks_per_node=1, rate=args.rate) as c:
         env["TRITON_RESHARD_CLUSTER_ADDR"] = c.address(1)
-        run = c.run("bench_rl_loop_cluster:job", vars(args), timeout=args.timeout, pg_timeout=args.timeout, env=env)
+        run = c.run("bench_rl_loop_cluster:job", vars(args), timeout=args.timeout, pg_timeout=args.timeout, env=env,
+                    allow_errors=True)
         link = [lb.as_dict() for lb in run.link_bytes]
+    if run.errors:
+        for r, (node, text) in sorted(run.errors.items()):
+            print(f"== node {node} rank {r} failed:\n{text}", file=sys.stderr)
+        return 1
     res = run.results[1]
     rows = res["rows"]
     summary = bench_rl_loop.summarize(rows)

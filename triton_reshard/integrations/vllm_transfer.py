@@ -410,6 +410,20 @@ def _log_warning(msg: str) -> None:
     logging.getLogger("triton_reshard").warning(msg)
 
 
+def broadcast_root(src: Layout, num_trainer_ranks: int) -> int:
+    """The trainer rank the baseline (``method="broadcast"``) sends from: the lowest that holds every tensor in
+    full (where RL stacks gather the weights); every rank computes it from the same layout."""
+    full: dict[int, set] = {}
+    shapes = {t.name: tuple(t.shape) for t in src.tensors}
+    for f in src.fragments:
+        if f.rank < num_trainer_ranks and tuple(f.sizes) == shapes[f.tensor]:
+            full.setdefault(f.rank, set()).add(f.tensor)
+    for r in sorted(full):
+        if len(full[r]) == len(shapes):
+            return r
+    raise ValueError("method 'broadcast' needs one trainer rank holding every tensor in full; none does")
+
+
 def _add_report(phases: dict, rep) -> None:
     """Sum a refit's own breakdown into an update's phases (``refits``: how many refits, each with a handshake;
     ``pack_s`` / ``wire_s``: this rank's packing copies and the waits from posting a step to its completion)."""
@@ -720,12 +734,14 @@ if WeightTransferEngine is not None:
             loader_s = [0.0]
             clock = _PhaseClock()
 
+            root = broadcast_root(self.src_layout, self.info.rank_offset)
+
             def received():
                 for spec in self.src_layout.tensors:
                     t1 = time.perf_counter()
                     buf = torch.empty(spec.shape, dtype=spec.dtype)
                     t2 = time.perf_counter()
-                    _wait_all(self.group.post([], [(0, buf)]), self.info.timeout,
+                    _wait_all(self.group.post([], [(root, buf)]), self.info.timeout,
                               f"worker {self.group.rank}: broadcast of {spec.name}")
                     stats["alloc_s"] += t2 - t1
                     stats["refit_s"] += time.perf_counter() - t2
@@ -958,11 +974,12 @@ if WeightTransferEngine is not None:
                 "re-init the trainer engine if its refit group broke, then send_weights again") from cause
 
         def _send_broadcast(self, tensors: dict) -> int:
-            if self.group.rank != 0:
+            root = broadcast_root(self.src_layout, self.info.num_trainer_ranks)
+            if self.group.rank != root:
                 return 0
             missing = [t.name for t in self.src_layout.tensors if t.name not in tensors]
             if missing:
-                raise ValueError(f"trainer rank 0: method 'broadcast' needs every full tensor here; missing "
+                raise ValueError(f"trainer rank {root}: method 'broadcast' needs every full tensor here; missing "
                                  f"{missing[:4]}")
             workers = range(self.info.num_trainer_ranks, self.info.world_size)
             sent = 0
