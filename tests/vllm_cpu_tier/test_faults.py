@@ -5,8 +5,9 @@
   worker reports ``torn`` (the version and the reason) and its model refuses a forward (``TornWeightsError``);
   the engine stays **paused** (vLLM's level-0 sleep, mode "keep", taken by the trainer before the update): a
   generation asked now waits instead of being served from torn weights. Why paused, not refused: a request
-  refused inside a worker's forward would kill vLLM's EngineCore (a worker exception in ``execute_model`` is
-  fatal), so the refusal is the last line; the pause keeps the engine alive and loses no request.
+  refused inside a worker's forward would end vLLM's EngineCore (an exception from a model step leaves its busy
+  loop: read in its source, not run here), so the refusal is the last line; the pause keeps the engine alive and
+  loses no request.
 * **The repair**: a new trainer rank, a new refit group, the same update again; the worker first resets vLLM's
   unfinished layerwise reload (a half-loaded layer would otherwise mix versions and drop the new loads as
   "excessive"). Afterwards: no worker torn, no refusal, the waiting generation completed, and what the engine
