@@ -268,6 +268,7 @@ def trainer_rank1(args) -> int:
     info = vt.ReshardTrainerInitInfo(rank=1, host="127.0.0.1", port=args.port, world_size=args.world,
                                      num_trainer_ranks=2, layout=split_layout(tensors), timeout=args.timeout,
                                      staging_bytes=64 << 10)
+    print("trainer rank 1: ready", flush=True)  # imports done: rank 0 starts the rendezvous (its timeout) now
     eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=None)
     for v in (int(x) for x in args.versions.split(",")):
         mine = {n: t for n, t in version_tensors(args.ckpt, v).items() if ".layers.1." in n}
@@ -331,6 +332,13 @@ def fault(args) -> dict:
         if die is not None:
             cmd += ["--die", str(die)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc.head = []  # its output up to "ready" (importing vLLM takes longer than the group's timeout on a
+        for line in proc.stdout:  # loaded machine: the rendezvous starts once rank 1 can join it)
+            proc.head.append(line)
+            if "trainer rank 1: ready" in line:
+                break
+        else:
+            raise RuntimeError("trainer rank 1 exited before joining: " + "".join(proc.head)[-2000:])
         tensors = {n: t for n, t in version_tensors(b, 1).items() if ".layers.1." not in n}
         info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=port, world_size=world, num_trainer_ranks=2,
                                          layout=split_layout(version_tensors(b, 1)), timeout=args.timeout,
@@ -356,7 +364,7 @@ def fault(args) -> dict:
     except Exception as e:  # noqa: BLE001 (the failure is what the test checks)
         out["killed_update_error"] = f"{type(e).__name__}: {e}"[:1500]
     out["failure_detected_s"] = time.perf_counter() - t0
-    out["rank1_output"] = proc.communicate(timeout=60)[0][-800:]
+    out["rank1_output"] = ("".join(proc.head) + proc.communicate(timeout=60)[0])[-800:]
     out["rank1_rc"] = proc.returncode
     out["torn_stats"] = [w.get("torn") for w in llm.collective_rpc("weight_transfer_stats")]
     out["forward_refused"] = llm.collective_rpc("forward_refused")
