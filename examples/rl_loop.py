@@ -145,6 +145,8 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
         t0 = time.perf_counter()
         if method == "broadcast":
             eng.send_weights(version=it + 1, method="broadcast")
+        elif method == "reshard-prefetch":  # ours, receiving layer group k+1 while vLLM loads group k
+            eng.send_weights(version=it + 1, prefetch=True)
         else:
             eng.send_weights(version=it + 1, delta=method == "delta")
         t_refit = time.perf_counter() - t0
@@ -157,7 +159,8 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
                "delta_mode": getattr(eng.last_report, "mode", None) if method == "delta" else None,
                "worker_refit_s": max(w.get("refit_s", 0.0) for w in workers),
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
-               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers)}
+               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers),
+               "phases": phases(eng.last_update, workers)}
         rows.append(row)
         log(f"[{method}] iter {it}: reward {row['reward']:.3f}  gen {t_gen:.2f}s  train {t_train:.2f}s  "
             f"refit {t_refit:.3f}s ({100 * row['refit_share']:.1f} %)  sent {row['sent_bytes'] / 1e6:.2f} MB  "
@@ -165,6 +168,23 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
             f"{row['worker_load_s']:.3f}s  mismatch max {row['mismatch_max']:.3f} "
             f"mean {row['mismatch_mean']:.4f}")
     return rows
+
+
+TRAINER_PHASES = ("pause_s", "start_s", "send_s", "pack_s", "wire_s", "refits", "wait_workers_s", "finish_s",
+                  "resume_s")
+WORKER_PHASES = ("start_s", "alloc_s", "refit_s", "unpack_s", "load_s", "process_s", "finalize_s",
+                 "finalize_process_s")
+
+
+def phases(trainer_update: dict, workers: list[dict]) -> dict:
+    """One refit's phases in seconds: the trainer's (``t_``: pause the engine, start RPC, its sends (of them
+    packing copies and wire waits; ``refits``: how many, each with a handshake), waiting for the workers' update
+    RPC, finish RPC, resume) and the slowest worker's (``w_``: initialize_layerwise_reload,
+    staging allocation, refit = handshake + wire + unpack into staging, of it unpack, the loader between our
+    yields, of it vLLM's per-layer post-processing, finalize, of it post-processing)."""
+    out = {f"t_{k}": trainer_update.get(k, 0.0) for k in TRAINER_PHASES}
+    out.update({f"w_{k}": max(w.get(k, 0.0) for w in workers) for k in WORKER_PHASES})
+    return out
 
 
 def verify(llm, trainer: Trainer, tmp: str, like: str) -> bool:
@@ -188,7 +208,8 @@ def setup(args, tmp: str):
     model.save_pretrained(ckpt)
     llm = ej.start_engine(ckpt, args.tp, max_model_len=64)
     trainer = Trainer(model, args.lr)
-    eng = ej.trainer_engine(llm, trainer.tensors(), args.mode, timeout=300, staging_bytes=args.staging_mb << 20)
+    eng = ej.trainer_engine(llm, trainer.tensors(), args.mode, timeout=300, staging_bytes=args.staging_mb << 20,
+                            prefetch=args.prefetch)
     return llm, trainer, eng, ckpt
 
 
@@ -203,10 +224,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=int, default=4, help="the reward counts tokens whose id is a multiple of it")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--method", default="reshard", choices=["reshard", "delta", "broadcast"])
+    ap.add_argument("--method", default="reshard", choices=["reshard", "delta", "broadcast", "reshard-prefetch"])
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"], help="the workers' mode")
     ap.add_argument("--staging-mb", type=int, default=64,
                     help="reload mode: layer groups merged up to this many MB of checkpoint per refit")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="reload mode: receive layer group k+1 while vLLM loads group k")
     ap.add_argument("--verify", action="store_true",
                     help="at the end, check the engine against vLLM's own reload of the trainer's weights")
     ap.add_argument("--json", default=None, help="write the per-iteration rows here")

