@@ -63,6 +63,15 @@ class Plan:
     options: tuple | None = None  # plan_reshard's options (local rules); None: built by hand or by the greedy
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def memo(self, key: str, compute):
+        """A table derived from this (immutable) plan, computed once by ``compute()`` and kept with it: the
+        plan's derived tables (quantized regions, the cover view, the lower bound) live with the plan that
+        owns them, not in each caller."""
+        v = self._cache.get(key)
+        if v is None:
+            v = self._cache[key] = compute()
+        return v
+
     def __post_init__(self) -> None:
         wire, local = TransferTable.of(self.transfers), TransferTable.of(self.local_copies)
         object.__setattr__(self, "transfers", wire)

@@ -379,7 +379,7 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
                 lay.release_objects()
             plan = Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
             if lower is not None:
-                plan._cache["lower_bound"] = lower
+                plan.memo("lower_bound", lambda: lower)
             return plan
         if rank is None:
             local, wire = route_all(src, routed, gpus_per_node, relay, groups)

@@ -340,11 +340,12 @@ class QuantRegion:
 
 
 def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
-    """Per destination rank, the regions its ``dst`` transfers fill (cached on the plan; derived from the
+    """Per destination rank, the regions its ``dst`` transfers fill (kept by the plan; derived from the
     transfers alone, so every rank computes the same)."""
-    cached = plan._cache.get("quant_regions")
-    if cached is not None:
-        return cached
+    return plan.memo("quant_regions", lambda: _quant_regions(plan))
+
+
+def _quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
     dst = plan.dst
     targets = plan_targets(plan)
     groups: dict[tuple, tuple[Fragment, list]] = {}
@@ -371,9 +372,7 @@ def quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
                 t0.scale_local, scale_off, block, spec.quant.ue8m0, t0.wire_dtype,
                 tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0),
                 spec.quant.format.name))
-    res = {r: tuple(v) for r, v in sorted(out.items())}
-    plan._cache["quant_regions"] = res
-    return res
+    return {r: tuple(v) for r, v in sorted(out.items())}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -443,10 +442,7 @@ def _lead(local_offsets, sizes) -> tuple[int, ...]:
 
 
 def plan_targets(plan: PlanLike) -> dict[str, TensorSpec]:
-    t = plan._cache.get("quant_targets")
-    if t is None:
-        t = plan._cache["quant_targets"] = quant_targets(plan.src, plan.dst)
-    return t
+    return plan.memo("quant_targets", lambda: quant_targets(plan.src, plan.dst))
 
 
 def scale_lower_bound(src: Layout, dst: Layout) -> int:

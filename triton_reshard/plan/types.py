@@ -317,3 +317,5 @@ class PlanLike(Protocol):
     dst: Layout
     transfers: tuple[Transfer, ...]
     local_copies: tuple[Transfer, ...]
+
+    def memo(self, key: str, compute): ...

@@ -161,11 +161,8 @@ def cover_dst(plan: PlanLike):
     (every quantized tensor in logical elements, the scales left out: ``validate_quant`` checks those)."""
     if not any(s.quant.format.pack > 1 for s in plan.dst.quantized.values()):
         return plan.dst
-    v = plan._cache.get("cover_dst")
-    if v is None:
-        from .quant import routing_view
-        v = plan._cache["cover_dst"] = routing_view(plan.src, plan.dst, plan_targets(plan))
-    return v
+    from .quant import routing_view
+    return plan.memo("cover_dst", lambda: routing_view(plan.src, plan.dst, plan_targets(plan)))
 
 
 def quant_scales(plan: PlanLike) -> frozenset[str]:
