@@ -271,6 +271,10 @@ def trainer_rank1(args) -> int:
     print("trainer rank 1: ready", flush=True)  # imports done: rank 0 starts the rendezvous (its timeout) now
     eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=None)
     for v in (int(x) for x in args.versions.split(",")):
+        # rank 0 says when it sends update v (a line on stdin): between two updates it may generate, reload and
+        # step the engine for longer than the group's timeout, which a rank waiting in the handshake would hit
+        if sys.stdin.readline().strip() != f"go {v}":
+            raise RuntimeError(f"trainer rank 1: expected 'go {v}' from rank 0")
         mine = {n: t for n, t in version_tensors(args.ckpt, v).items() if ".layers.1." in n}
         eng.source = vt.TensorsSource(mine)
         calls = [0]
@@ -331,7 +335,8 @@ def fault(args) -> dict:
                "--world", str(world), "--ckpt", b, "--versions", versions, "--timeout", str(args.timeout)]
         if die is not None:
             cmd += ["--die", str(die)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
         proc.head = []  # its output up to "ready" (importing vLLM takes longer than the group's timeout on a
         for line in proc.stdout:  # loaded machine: the rendezvous starts once rank 1 can join it)
             proc.head.append(line)
@@ -350,6 +355,8 @@ def fault(args) -> dict:
         return eng, proc
 
     def send(eng, v):
+        proc.stdin.write(f"go {v}\n")  # trainer rank 1 joins this update now
+        proc.stdin.flush()
         eng.source = vt.TensorsSource({n: t for n, t in version_tensors(b, v).items() if ".layers.1." not in n})
         eng.send_weights(version=v)
 
