@@ -44,6 +44,10 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_record.py": ("engines", ["--model", "llama_demo", "--tp", "2", "--out", "{out}/record.json"], 600),
     "bench_megatron.py": ("engines", ["--runs", "1", "--layers", "2", "--warmup", "0", "--refits", "1",
                                       "--json", "{out}/megatron.json"], 600),
+    # needs root + iproute2 (triton_reshard.testing.cluster): tests/engines/test_perf_smoke.py skips it elsewhere
+    "bench_megatron.py#cluster": ("engines", ["--cluster", "2x2", "--dst-tp", "1", "--runs", "1", "--layers", "1",
+                                              "--vocab", "1024", "--warmup", "0", "--refits", "1",
+                                              "--json", "{out}/megatron_cluster.json"], 600),
     "bench_sglang.py": ("sglang", ["--tp", "2", "--repeats", "1", "--layers", "2", "--hidden", "256",
                                    "--out", "{out}/sglang.json"], 600),
     "results_page.py": ("main", ["--check"], 60),
