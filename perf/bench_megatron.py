@@ -523,6 +523,11 @@ def main(argv=None) -> int:
             ap.error(f"--cluster {args.cluster!r}: give NODESxRANKS, e.g. 2x2")
         if nodes != 2 or rpn < 1:
             ap.error(f"--cluster {args.cluster}: only 2 nodes (trainer node -> engine node), >= 1 rank each")
+        from triton_reshard.testing.cluster import available
+
+        can, why = available()
+        if not can:
+            ap.error(f"--cluster: {why}")
         args.dst_tp = args.dst_tp or rpn
         if rpn % args.dst_tp:
             ap.error(f"--dst-tp {args.dst_tp} does not divide the {rpn} ranks per node")

@@ -21,6 +21,14 @@ repeat's times, the wire bytes, and a ``meta`` with the command, date, versions 
 ``perf/results_page.py`` turns into the SGLang section of perf/RESULTS.md:
 
     .venv-sglang/bin/python perf/bench_sglang.py --tp 4 --repeats 5 --out perf/results/bench_sglang.json
+
+``--cluster 2xR --rate 1gbit`` (root): the same across two emulated nodes (``triton_reshard.testing.cluster``):
+the trainer job (hosting the control store) on node 0, the SGLang TP R engine job on node 1 (its own default
+group over that node), the control store and the groups keyed by a fresh secret (off loopback); the JSON adds the
+trainer link's bytes per refit and the link rate::
+
+    PYTHONPATH=$PWD .venv-sglang/bin/python perf/bench_sglang.py --cluster 2x2 --rate 1gbit --repeats 5 \
+        --layers 4 --hidden 1024 --out perf/results/bench_sglang_cluster.json
 """
 
 from __future__ import annotations
@@ -198,6 +206,11 @@ def main() -> int:
             ap.error(f"--cluster {args.cluster!r}: give NODESxRANKS, e.g. 2x2")
         if nodes != 2:
             ap.error(f"--cluster {args.cluster}: only 2 nodes (trainer node -> engine node)")
+        from triton_reshard.testing.cluster import available
+
+        can, why = available()
+        if not can:
+            ap.error(f"--cluster: {why}")
     import transformers
 
     from triton_reshard.testing.cluster import parse_rate

@@ -17,13 +17,10 @@ import smoke  # noqa: E402
 
 @pytest.mark.parametrize("key", smoke.entries("engines"))
 def test_perf_script_runs_small(key, tmp_path):
-    if "--cluster" in smoke.SMOKE[key][1]:  # emulated nodes: root + iproute2; in CI (root) a skip is a failure
-        from triton_reshard.testing.cluster import available
-
-        can, why = available()
-        if not can:
-            if os.environ.get("CI") == "true":
-                pytest.fail(f"CI=true but the cluster harness cannot run: {why}")
-            pytest.skip(why)
+    why = smoke.cluster_unavailable(key)  # emulated nodes need root + iproute2; CI runs as root
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the cluster harness cannot run: {why}")
+        pytest.skip(why)
     ok, tail, _secs = smoke.run_one(key, str(tmp_path))
     assert ok, tail
