@@ -405,10 +405,10 @@ def _megatron_cluster(res: Results) -> Section | None:
         table=[["setting", "model", "link limit", "Megatron-Core (× limit)", "ours (× limit)", "Megatron / ours",
                 "trainer link tx per refit, Megatron / ours", "predicted cross-node payload, Megatron's plan / ours",
                 "first call, Megatron / ours"], *rows],
-        note="When every engine rank needs a different shard, both send each byte across once and both run at "
-             "the link; when the engine's ranks replicate (DP), Megatron's plan sends every replica its own copy "
-             "over the link and ours sends one per node and fans it out over the node's loopback "
-             "(`gpus_per_node`).",
+        note="When every engine rank needs a different shard, both send each byte across once (on the slow link "
+             "both run at it; on the fast one the copies on this loaded CPU bound both); when the engine's ranks "
+             "replicate (DP), Megatron's plan sends every replica its own copy over the link and ours sends one per "
+             "node and fans it out over the node's loopback (`gpus_per_node`).",
         history="Megatron-Core's resharding across emulated nodes", **res.provenance(*names))
 
 
