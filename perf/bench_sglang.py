@@ -21,6 +21,14 @@ repeat's times, the wire bytes, and a ``meta`` with the command, date, versions 
 ``perf/results_page.py`` turns into the SGLang section of perf/RESULTS.md:
 
     .venv-sglang/bin/python perf/bench_sglang.py --tp 4 --repeats 5 --out perf/results/bench_sglang.json
+
+``--cluster 2xR --rate 1gbit`` (root): the same across two emulated nodes (``triton_reshard.testing.cluster``):
+the trainer job (hosting the control store) on node 0, the SGLang TP R engine job on node 1 (its own default
+group over that node), the control store and the groups keyed by a fresh secret (off loopback); the JSON adds the
+trainer link's bytes per refit and the link rate::
+
+    PYTHONPATH=$PWD .venv-sglang/bin/python perf/bench_sglang.py --cluster 2x2 --rate 1gbit --repeats 5 \
+        --layers 4 --hidden 1024 --out perf/results/bench_sglang_cluster.json
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ def _config(args) -> dict:
             "vocab_size": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
-def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -> dict:
+def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int, host: str = "127.0.0.1") -> dict:
     import logging
 
     logging.disable(logging.WARNING)
@@ -55,7 +63,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -
 
     model, mc, _ = ts.load_sglang_model(ckpt, tp=world, dtype="bfloat16")
     updater = ts.sglang_weight_updater(model, mc)
-    updater.init_weights_update_group("127.0.0.1", upd_port, 1, world + 1, "bench", backend="gloo")
+    updater.init_weights_update_group(host, upd_port, 1, world + 1, "bench", backend="gloo")
     recv: dict[str, int] = {}
 
     def sglang_update(p):  # what SGLang's scheduler does for update_weights_from_distributed
@@ -76,7 +84,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -
         if st is not None and st.last_report is not None:
             recv["ours"] = st.last_report.recv_bytes
 
-    serve("127.0.0.1", ctl_port, rank, {"sglang_update": sglang_update,
+    serve(host, ctl_port, rank, {"sglang_update": sglang_update,
                                         "begin_weight_update": lambda _p: updater.begin_weight_update(),
                                         "update_weights_from_tensor": update,
                                         "end_weight_update": lambda _p: updater.end_weight_update(run_post_load=False)},
@@ -85,7 +93,7 @@ def engine_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int) -
 
 
 def trainer_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int, refit_port: int, tp: int,
-                repeats: int) -> dict:
+                repeats: int, host: str = "127.0.0.1") -> dict:
     from safetensors.torch import load_file
     from sglang.srt.utils.common import init_custom_process_group
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -98,11 +106,11 @@ def trainer_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int, 
         cfg = json.load(f)
     full = load_file(os.path.join(ckpt, "model.safetensors"))
     names = sorted(full)
-    client = SGLangStoreClient("127.0.0.1", ctl_port, tp, timeout=600)
-    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{upd_port}", world_size=tp + 1,
+    client = SGLangStoreClient(host, ctl_port, tp, timeout=600)
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://{host}:{upd_port}", world_size=tp + 1,
                                    rank=0, group_name="bench")
     layout = hf_layout(cfg, ranks=0, dtype=torch.bfloat16)
-    ours = SGLangTrainer(layout, rank=0, num_trainer_ranks=1, num_engine_ranks=tp, host="127.0.0.1",
+    ours = SGLangTrainer(layout, rank=0, num_trainer_ranks=1, num_engine_ranks=tp, host=host,
                          port=refit_port, engine=client, timeout=600)
     meta = {"names": names, "dtypes": [str(full[n].dtype).removeprefix("torch.") for n in names],
             "shapes": [list(full[n].shape) for n in names]}
@@ -125,9 +133,13 @@ def trainer_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int, 
         if err:
             raise err[0]
 
+    from triton_reshard.testing.cluster import current_node, link_counters
+
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    link: dict[str, list[int]] = {m: [] for m in MODES}  # inside a cluster: the trainer node's tx per refit
     for k in range(repeats + 1):  # the first round warms up (plans, buffers) and is not timed
         for mode in MODES:
+            c0 = link_counters() if current_node() is not None else None
             t0 = time.perf_counter()
             if mode == "ours":
                 ours.send_weights(full, version=k)
@@ -135,10 +147,37 @@ def trainer_job(rank: int, world: int, ckpt: str, ctl_port: int, upd_port: int, 
                 sglang("flattened_bucket" if mode == "sglang-bucket" else None)
             if k:
                 times[mode].append(time.perf_counter() - t0)
+                if c0 is not None:
+                    link[mode].append((link_counters() - c0).tx)
     sent = ours.last_report.sent_bytes
     ours.shutdown()
     client.stop()
-    return {"times": times, "model_bytes": sum(t.numel() * t.element_size() for t in full.values()), "sent": sent}
+    return {"times": times, "model_bytes": sum(t.numel() * t.element_size() for t in full.values()), "sent": sent,
+            "link_tx": link}
+
+
+def cluster_rank(rank: int, world: int, ckpt: str, addr0: str, addr1: str, repeats: int) -> dict | None:
+    """``--cluster``: one rank of a 2-node cluster run. Rank 0 (node 0) is the trainer job (and hosts the
+    control store), the ranks of node 1 the SGLang engine job (TP = ranks per node, its own default group over
+    node 1); node 0's other ranks idle. Each job leaves the harness's world for its own, as separate jobs do."""
+    import torch.distributed as dist
+
+    from triton_reshard.integrations.control import host_store
+
+    rpn = world // 2
+    ctl, upd, refit_port, eng = 29611, 29612, 29613, 29614  # fixed: the namespaces are this run's alone
+    dist.destroy_process_group()
+    if rank == 0:
+        store = host_store(addr0, ctl, timeout=600)
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr0}:{eng}", rank=0, world_size=1)
+            return trainer_job(0, 1, ckpt, ctl, upd, refit_port, rpn, repeats, host=addr0)
+        finally:
+            store.close()
+    if rank < rpn:
+        return None
+    dist.init_process_group("gloo", init_method=f"tcp://{addr1}:{eng}", rank=rank - rpn, world_size=rpn)
+    return engine_job(rank - rpn, rpn, ckpt, ctl, upd, host=addr0)
 
 
 def _run(err, fn, *a):
@@ -155,9 +194,26 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--out", default=None, help="write the results as JSON to this path")
+    ap.add_argument("--cluster", default=None, metavar="2xR",
+                    help="the trainer on node 0, SGLang TP R on node 1 of an emulated cluster "
+                         "(triton_reshard.testing.cluster, root); --tp is then R")
+    ap.add_argument("--rate", default="1gbit", help="--cluster: each node's link rate")
     args = ap.parse_args()
+    if args.cluster:
+        try:
+            nodes, args.tp = (int(x) for x in args.cluster.lower().split("x"))
+        except ValueError:
+            ap.error(f"--cluster {args.cluster!r}: give NODESxRANKS, e.g. 2x2")
+        if nodes != 2:
+            ap.error(f"--cluster {args.cluster}: only 2 nodes (trainer node -> engine node)")
+        from triton_reshard.testing.cluster import available
+
+        can, why = available()
+        if not can:
+            ap.error(f"--cluster: {why}")
     import transformers
 
+    from triton_reshard.testing.cluster import parse_rate
     from triton_reshard.tools.cliutil import check_output_file
 
     if args.out:
@@ -173,15 +229,18 @@ def main() -> int:
         torch.manual_seed(0)
         kw = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
         transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(torch.bfloat16).save_pretrained(ckpt)
-        ctl, upd, refit_port = free_port(), free_port(), free_port()
-        store = host_store("127.0.0.1", ctl, timeout=600)
         t0 = time.perf_counter()
-        try:
-            res = run_jobs({"engine": (engine_job, args.tp, ckpt, ctl, upd),
-                            "trainer": (trainer_job, 1, ckpt, ctl, upd, refit_port, args.tp, args.repeats)},
-                           timeout=1200)
-        finally:
-            store.close()
+        if args.cluster:
+            res = _cluster_jobs(args, d, ckpt)
+        else:
+            ctl, upd, refit_port = free_port(), free_port(), free_port()
+            store = host_store("127.0.0.1", ctl, timeout=600)
+            try:
+                res = run_jobs({"engine": (engine_job, args.tp, ckpt, ctl, upd),
+                                "trainer": (trainer_job, 1, ckpt, ctl, upd, refit_port, args.tp, args.repeats)},
+                               timeout=1200)
+            finally:
+                store.close()
     for name in ("engine", "trainer"):
         if isinstance(res[name], Exception):
             print(f"{name} job failed: {res[name]}", file=sys.stderr)
@@ -201,23 +260,52 @@ def main() -> int:
               f"{', '.join(f'{t:.2f}' for t in tr['times'][m])} | {med['sglang-bucket'] / med[m]:.2f}x |")
     print(f"ours vs SGLang's faster mode ({min(MODES[:2], key=med.get)}): "
           f"{min(med['sglang'], med['sglang-bucket']) / med['ours']:.2f}x faster; trainer sent {tr['sent'] / 2**20:.0f} MiB")
+    if args.cluster:
+        lim = mb * 8 / parse_rate(args.rate)
+        print(f"across {args.cluster} emulated nodes at {args.rate}: link limit {lim:.3f} s (the model once); "
+              + "; ".join(f"{m} {med[m] / lim:.2f}x the limit, trainer link tx "
+                          f"{statistics.median(tr['link_tx'][m]) / mb:.2f}x model" for m in MODES))
     if args.out:
         _write_json(args, cfg, tr, recv, med, time.perf_counter() - t0)
     return 0
+
+
+def _cluster_jobs(args, tmp: str, ckpt: str) -> dict:
+    """Both jobs on a fresh 2-node cluster at ``--rate``; the control store and the groups need a secret off
+    loopback (a fresh one, given to the ranks in their environment)."""
+    import secrets
+
+    from triton_reshard.testing.cluster import Cluster
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+           "TRITON_RESHARD_SECRET": secrets.token_hex(16)}
+    with Cluster(nodes=2, ranks_per_node=args.tp, rate=args.rate) as c:
+        run = c.run("perf.bench_sglang:cluster_rank", ckpt, c.address(0), c.address(1), args.repeats,
+                    timeout=1200, pg_timeout=600, env=env)
+    args.link_bytes = [lb.as_dict() for lb in run.link_bytes]
+    return {"trainer": [run.results[0]], "engine": run.results[args.tp:]}
 
 
 def _write_json(args, cfg: dict, tr: dict, recv: dict, med: dict, total_s: float) -> None:
     """The run as JSON: per path its wire bytes into the engine ranks, every repeat's time and the median."""
     import sglang
 
+    from triton_reshard.testing.cluster import parse_rate
+
     fastest = min(MODES[:2], key=med.get)
     res = {"config": cfg, "tp": args.tp, "repeats": args.repeats, "model_bytes": tr["model_bytes"],
            "trainer_sent_bytes": tr["sent"], "total_s": total_s,
            "paths": {m: {"recv_bytes": recv[m], "times_s": list(tr["times"][m]), "median_s": med[m]} for m in MODES},
+           **({"cluster": {"nodes": 2, "ranks_per_node": args.tp, "rate": args.rate,
+                           "rate_bps": parse_rate(args.rate),
+                           "trainer_tx_bytes": tr["link_tx"], "run_link_bytes": args.link_bytes}}
+              if args.cluster else {}),
            "sglang_faster_mode": fastest, "ours_speedup_vs_sglang_faster": med[fastest] / med["ours"],
            "meta": {"argv": ["perf/bench_sglang.py", *sys.argv[1:]],
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "machine": f"CPU, {os.cpu_count()} cores, gloo",
+                    "machine": f"CPU, {os.cpu_count()} cores, gloo"
+                               + (f", {args.cluster} emulated nodes at {args.rate}" if args.cluster else ""),
                     "load_average": list(os.getloadavg()), "python": platform.python_version(),
                     "torch": torch.__version__, "sglang": getattr(sglang, "__version__", "?"),
                     "platform": platform.platform()}}

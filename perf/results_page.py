@@ -305,6 +305,38 @@ def _sglang(res: Results) -> Section | None:
         history="SGLang: its", **res.provenance("bench_sglang.json"))
 
 
+@summarizer("bench_sglang_cluster")
+def _sglang_cluster(res: Results) -> Section | None:
+    """SGLang's ``update_weights_from_distributed`` vs our plug-in with the trainer and the engine on two emulated
+    nodes (``perf/bench_sglang.py --cluster``)."""
+    name = "bench_sglang_cluster.json"
+    if not res.exists(name):
+        return None
+    d = res.load(name)
+    p, cfg, cl = d["paths"], d["config"], d["cluster"]
+    mb = d["model_bytes"]
+    limit = mb * 8 / cl["rate_bps"]
+    rows = [[m, f"{statistics.median(cl['trainer_tx_bytes'][m]) / mb:.2f}", secs(v["median_s"]),
+             ratio(v["median_s"] / limit), ", ".join(f"{t:.2f}" for t in v["times_s"]),
+             ratio(v["median_s"] / p["ours"]["median_s"])] for m, v in p.items()]
+    return Section(
+        title="SGLang's `update_weights_from_distributed` vs our plug-in across emulated nodes "
+              "(`perf/bench_sglang.py --cluster`)",
+        what=f"the trainer job on node 0 and the SGLang TP{d['tp']} engine job (SGLang's `get_model` and "
+             f"`WeightUpdater`) on node 1 of `triton_reshard.testing.cluster`, "
+             f"{cl['rate_bps'] / 1e9:g} Gbit/s links; a Qwen3-style model (hidden {cfg['hidden_size']}, "
+             f"{cfg['num_hidden_layers']} layers, bf16, {mib(mb)}), the paths interleaved, median of {d['repeats']}",
+        against=f"SGLang's own path as its scheduler runs it (a broadcast of every full tensor; "
+                f"`flattened_bucket`) and the link limit ({secs(limit)}: the model once over the link)",
+        headline=f"{ratio(d['ours_speedup_vs_sglang_faster'])} faster than SGLang's faster mode "
+                 f"({d['sglang_faster_mode']})",
+        table=[["path", "trainer link tx per refit, × model", "refit (median)", "× link limit", "all repeats (s)",
+                "time / ours"], *rows],
+        note="SGLang's broadcast sends every full tensor to each engine rank, so each one crosses the link once per "
+             "rank; ours sends each rank its own boxes, each byte once.",
+        history="SGLang across emulated nodes", **res.provenance(name))
+
+
 @summarizer("bench_megatron")
 def _megatron(res: Results) -> Section:
     name = "bench_megatron_quiet.json"
@@ -337,6 +369,47 @@ def _megatron(res: Results) -> Section:
         note="Ours is bounded by the run itself (the wire and the copies); the layouts and the plan are a small "
              "part of the first call.",
         history="Megatron-Core's own", **res.provenance(name))
+
+
+@summarizer("bench_megatron_cluster")
+def _megatron_cluster(res: Results) -> Section | None:
+    """Megatron-Core's ``swap_model_weights`` vs ours with the trainer and the engine on two emulated nodes
+    (``perf/bench_megatron.py --cluster``): one file per destination layout."""
+    names = res.names("bench_megatron_cluster*.json")
+    if not names:
+        return None
+    rows, ratios = [], []
+    for n in names:
+        d = res.load(n)
+        s = d["summary"]
+        st = s["steady_s"]
+        ratios.append(s["megatron_over_ours"])
+        tx = s["trainer_tx_bytes"]
+        rows.append([f"{s['src']} → {s['dst']}, {s['nodes']} nodes × {s['ranks_per_node']}, "
+                     f"{s['rate_bps'] / 1e9:g} Gbit/s", f"{s['model_bytes'] / 1e6:.1f} MB",
+                     secs(s["link_limit_s"]), f"{secs(st['megatron'])} ({ratio(s['over_link_limit']['megatron'])})",
+                     f"{secs(st['ours'])} ({ratio(s['over_link_limit']['ours'])})", f"**{ratio(s['megatron_over_ours'])}**",
+                     f"{tx['megatron'] / 1e6:.2f} / {tx['ours'] / 1e6:.2f} MB",
+                     f"{s['megatron_plan_cross_bytes'] / 1e6:.2f} / {s['predicted_node_bytes']['ours'] / 1e6:.2f} MB",
+                     f"{secs(s['first_s']['megatron'])} / {secs(s['first_s']['ours'])}"])
+    a = res.load(names[0])["args"]
+    return Section(
+        title="Megatron-Core's own resharding vs ours across emulated nodes (`perf/bench_megatron.py --cluster`)",
+        what=f"real Megatron-Core `GPTModel`s ({a['layers']} layers, vocab {a['vocab']}, fp32), the trainer's on "
+             f"node 0 and the engine's on node 1 of `triton_reshard.testing.cluster` (each rank holds only its own "
+             f"side's model), {a['runs']} fresh clusters, {a['warmup']} warm-up + {a['refits']} timed refits per "
+             f"side, every call checked bit-exact on the engine's ranks",
+        against="`megatron.core.resharding.swap_model_weights(src, dst, \"gloo\")` between the same models, and "
+                "the link limit (the model's bytes over the link rate: node 1 must receive every element once)",
+        headline=f"{_cluster_span(ratios)} faster than Megatron-Core (steady, median)",
+        table=[["setting", "model", "link limit", "Megatron-Core (× limit)", "ours (× limit)", "Megatron / ours",
+                "trainer link tx per refit, Megatron / ours", "predicted cross-node payload, Megatron's plan / ours",
+                "first call, Megatron / ours"], *rows],
+        note="When every engine rank needs a different shard, both send each byte across once (on the slow link "
+             "both run at it; on the fast one the copies on this loaded CPU bound both); when the engine's ranks "
+             "replicate (DP), Megatron's plan sends every replica its own copy over the link and ours sends one per "
+             "node and fans it out over the node's loopback (`gpus_per_node`).",
+        history="Megatron-Core's resharding across emulated nodes", **res.provenance(*names))
 
 
 @summarizer("bench_planner")

@@ -44,8 +44,14 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_record.py": ("engines", ["--model", "llama_demo", "--tp", "2", "--out", "{out}/record.json"], 600),
     "bench_megatron.py": ("engines", ["--runs", "1", "--layers", "2", "--warmup", "0", "--refits", "1",
                                       "--json", "{out}/megatron.json"], 600),
+    # "--cluster" entries need root + iproute2 (triton_reshard.testing.cluster): see cluster_unavailable
+    "bench_megatron.py#cluster": ("engines", ["--cluster", "2x2", "--dst-tp", "1", "--runs", "1", "--layers", "1",
+                                              "--vocab", "1024", "--warmup", "0", "--refits", "1",
+                                              "--json", "{out}/megatron_cluster.json"], 600),
     "bench_sglang.py": ("sglang", ["--tp", "2", "--repeats", "1", "--layers", "2", "--hidden", "256",
                                    "--out", "{out}/sglang.json"], 600),
+    "bench_sglang.py#cluster": ("sglang", ["--cluster", "2x2", "--repeats", "1", "--layers", "2", "--hidden", "256",
+                                           "--out", "{out}/sglang_cluster.json"], 600),  # root, as the one above
     "results_page.py": ("main", ["--check"], 60),
     "bench_quant_delta.py": ("main", ["--vocab", "64", "--hidden", "64", "--intermediate", "128", "--layers", "1",
                                       "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "12", "--lrs", "1e-5",
@@ -64,6 +70,17 @@ def scripts_without_smoke() -> list[str]:
     """perf/*.py files that no SMOKE entry runs (a new benchmark must add one)."""
     have = {k.split("#")[0] for k in SMOKE}
     return sorted(p.name for p in PERF.glob("*.py") if p.name not in have)
+
+
+def cluster_unavailable(key: str) -> str | None:
+    """Why a ``--cluster`` entry (emulated nodes: root and iproute2) cannot run here, in one line; None if it can
+    or the entry needs no cluster. The tiers' tests skip on it, except under ``CI=true`` (root): a failure."""
+    if "--cluster" not in SMOKE[key][1]:
+        return None
+    from triton_reshard.testing.cluster import available
+
+    ok, why = available()
+    return None if ok else why
 
 
 def entries(tier: str) -> list[str]:
