@@ -258,13 +258,18 @@ class CaptureLoop(StepLoop):
 
     def global_scales(self) -> None:
         super().global_scales()
-        self.snap.globals = {g: int(t.view(torch.int32).item()) for g, t in self.b.quant.globals.items()}
+        self.snap.globals = _global_bits(self)
+
+
+def _global_bits(loop) -> dict[str, int]:
+    """Each NVFP4 group's global scale of this run, as its float32 bits."""
+    return {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
 
 
 def _rescaled(loop) -> None:
     """A delta run's NVFP4 groups whose global scale moved since the snapshot (every block of them changes,
     so their chunks go dense inside the block-delta messages): ``loop.rescaled``; the snapshot takes the new."""
-    now = {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
+    now = _global_bits(loop)
     loop.rescaled = tuple(sorted(g for g, v in now.items() if loop.snap.globals.get(g) != v))
     loop.snap.globals = now
 

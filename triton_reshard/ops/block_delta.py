@@ -26,7 +26,6 @@ before the first byte is written (``ValueError`` naming the chunk).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -44,10 +43,6 @@ def _flat(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     qb = q.reshape(nb, -1) if nb else q.reshape(0, 1)
     sb = s.contiguous().view(torch.uint8).reshape(nb, -1) if nb else s.reshape(0, 1).view(torch.uint8)
     return qb.view(torch.uint8), sb
-
-
-def chunk_dense_bytes(q: torch.Tensor, s: torch.Tensor) -> int:
-    return _pad(q.numel() * q.element_size()) + _pad(s.numel() * s.element_size())
 
 
 def max_block_message_bytes(chunks: Sequence[tuple[int, int]]) -> int:
@@ -160,15 +155,3 @@ def unpack_block_delta(msg: torch.Tensor, dsts: Sequence[Chunk], names: Sequence
         where = torch.unravel_index(idx, tuple(s.shape))
         qd.unflatten(-1, (s.shape[-1], bb))[where] = vals.to(q.device)
         sd[where] = scs.to(q.device)
-
-
-def block_delta_bytes(msg: torch.Tensor, count: int) -> dict:
-    """What a message of ``count`` chunks carries: ``{"dense": chunks sent dense, "blocks": blocks sent as a
-    delta}`` (a summary for reports and benchmarks)."""
-    head = msg[:8 * count].cpu().view(torch.int64).tolist() if count else []
-    return {"dense": sum(1 for h in head if h == -1), "blocks": sum(h for h in head if h >= 0)}
-
-
-def blocks_of(sizes: Sequence[int], block: int) -> int:
-    """Blocks of a box of ``sizes`` (logical) with 1 x ``block`` blocks along the last dim."""
-    return math.prod(sizes[:-1]) * (sizes[-1] // block) if sizes else 0
