@@ -72,3 +72,32 @@ def test_block_delta_refit_bit_exact(case_id):
         assert not any(r["reps"][v]["rescaled"] for r in reps for v in (1, 2))
     else:
         assert not rescaled
+
+
+@pytest.mark.slow
+def test_bench_quant_delta_small_run_measures_block_deltas(tmp_path):
+    """perf/bench_quant_delta.py, small (its perf/smoke.py arguments): real AdamW steps of a tiny model, each
+    format's block-delta message applied and checked bit-exact by the script itself; the JSON says that both
+    1 x B formats send less than dense and that block FP8's 128 x 128 blocks are all touched."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    perf = Path(__file__).resolve().parents[1] / "perf"
+    sys.path.insert(0, str(perf))
+    import smoke
+
+    _tier, args, limit = smoke.SMOKE["bench_quant_delta.py"]
+    out = tmp_path / "quant_delta.json"
+    argv = [a.format(out=tmp_path) for a in args]
+    p = subprocess.run([sys.executable, str(perf / "bench_quant_delta.py"), *argv], capture_output=True, text=True,
+                       timeout=limit, cwd=perf.parent)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    runs = json.loads(out.read_text())["lrs"]
+    assert runs, "no learning rate measured"
+    for lr, r in runs.items():
+        for fmt in ("mxfp8", "nvfp4"):
+            ratio = r["measured"][fmt]["message_vs_dense_bytes"]
+            assert 0 < ratio < 1, (lr, fmt, ratio)
+        assert r["fp8-128x128"]["touched_fraction"] == 1.0, (lr, r["fp8-128x128"])
