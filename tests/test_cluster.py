@@ -169,8 +169,9 @@ def test_lossy_link_completes_exactly_or_fails_named(need_cluster):
     t0 = time.monotonic()
     with C.Cluster(2, RANKS_PER_NODE, rate="1gbit", loss=0.01) as c:
         run = c.run("tests.cluster_cases:lossy", 6, timeout=170, env=ENV, allow_errors=True)
-    lb = run.link_bytes  # bytes dropped between node 0's interface and node 1's: the loss happened (~800
-    assert lb[0].tx > lb[1].rx, lb  # packets: P(none of them dropped) = 0.99**800 < 0.1 %)
+    # the loss happened: counted where the packets die (netem on the sender's egress, whose eth0 counters never
+    # see them, or the nftables rule at the switch port); ~1,300 packets each way, P(none dropped) < 1e-5
+    assert run.dropped[0] > 0 and run.dropped[1] > 0, (run.dropped, run.link_bytes)
     for r, (node, text) in run.errors.items():  # failing is allowed, but named
         assert "Error" in text.splitlines()[0], (node, r, text)
     for r in run.results:

@@ -103,12 +103,14 @@ class LinkBytes:
 class ClusterRun:
     """What :meth:`Cluster.run` gives back: ``results`` by rank (the JSON each rank returned, or None where it
     failed), ``errors`` {rank: (node, text)} (empty unless ``allow_errors``), ``link_bytes`` per node over the
-    whole run (rendezvous and connection setup included) and the wall ``seconds``."""
+    whole run (rendezvous and connection setup included), the wall ``seconds`` and, per node, the packets its
+    link's ``loss`` ``dropped`` during the run (:meth:`Cluster.dropped`)."""
 
     results: list
     errors: dict[int, tuple[int, str]] = field(default_factory=dict)
     link_bytes: list[LinkBytes] = field(default_factory=list)
     seconds: float = 0.0
+    dropped: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -402,7 +404,7 @@ class Cluster:
             # does not see it, as with a lossy cable)
             per_10k = max(1, round(link.loss * 10000))
             rules = (f'table netdev trsh_loss {{ chain p{i} {{ type filter hook ingress device "p{i}" priority 0; '
-                     f'policy accept; numgen random mod 10000 < {per_10k} drop ; }} ; }}')
+                     f'policy accept; numgen random mod 10000 < {per_10k} counter drop ; }} ; }}')
             cmds.append(["ip", "netns", "exec", self.switch, "nft", rules])
         for cmd in cmds:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -431,6 +433,26 @@ class Cluster:
             self._old_term = None
 
     # -- counters -----------------------------------------------------------------------------------------
+
+    def dropped(self) -> list[int]:
+        """Per node, the packets its link's ``loss`` has dropped so far (0 for a node without loss): netem's
+        drop count on the node's egress, or the nftables rule's counter at the switch port. The interface
+        counters cannot show this loss: netem drops before the node's ``eth0`` counts a packet as sent."""
+        out = []
+        for i, ns in enumerate(self.node_ns):
+            n = 0
+            if self.links[i].loss:
+                if capabilities()["netem"]:
+                    r = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev", IFNAME],
+                                       capture_output=True, text=True, timeout=30, check=True)
+                    n = sum(int(q.get("drops", 0)) for q in json.loads(r.stdout) if q.get("kind") == "netem")
+                else:
+                    r = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-j", "list", "chain", "netdev",
+                                        "trsh_loss", f"p{i}"], capture_output=True, text=True, timeout=30, check=True)
+                    n = sum(int(x["counter"]["packets"]) for item in json.loads(r.stdout)["nftables"]
+                            for x in item.get("rule", {}).get("expr", []) if "counter" in x)
+            out.append(n)
+        return out
 
     def link_bytes(self) -> list[LinkBytes]:
         """Per node, the byte and packet counters of its ``eth0`` now (since the cluster was built)."""
@@ -464,6 +486,7 @@ class Cluster:
         base_env = {**os.environ, **(env or {})}
         base_env.setdefault("OMP_NUM_THREADS", "1")
         before = self.link_bytes()
+        dropped_before = self.dropped()
         t0 = time.perf_counter()
         procs = []
         logs = []
@@ -502,6 +525,7 @@ class Cluster:
             self._procs = [p for p in self._procs if p not in procs]
         seconds = time.perf_counter() - t0
         after = self.link_bytes()
+        dropped = [a - b for a, b in zip(self.dropped(), dropped_before, strict=True)]
         results: list = [None] * world
         errors: dict[int, tuple[int, str]] = {}
         for rank, p in enumerate(procs):
@@ -521,7 +545,7 @@ class Cluster:
         shutil.rmtree(run_dir, ignore_errors=True)
         if errors and not allow_errors:
             raise ClusterRankError(errors)
-        return ClusterRun(results, errors, [a - b for a, b in zip(after, before, strict=True)], seconds)
+        return ClusterRun(results, errors, [a - b for a, b in zip(after, before, strict=True)], seconds, dropped)
 
 
 def _raise_exit(signum, frame) -> None:
