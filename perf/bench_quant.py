@@ -72,7 +72,7 @@ def traffic(items) -> int:
 def check(items, fmt: str = "fp8-block") -> None:
     f = quant_format(fmt)
     for x, q, s, *g in items:
-        rq, rs = f.quantize(x, BLOCKS[fmt], global_scale=g[0] if g else None)
+        rq, rs = Q.reference(f, x, BLOCKS[fmt], global_scale=g[0] if g else None)
         assert torch.equal(q, rq.view(torch.uint8)) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), \
             f"Triton differs from the {fmt} reference"
 

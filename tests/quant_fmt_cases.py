@@ -125,7 +125,7 @@ def expected(case: FCase, dst: Layout, rank: int, data, pattern: int = 0) -> dic
     """What ``rank``'s destination tensors must hold: poison, then every weight box filled with the format's
     reference quantization of the whole logical tensor (values, and scales at ``offset // block`` in ``local +
     "_scale"``), plain tensors with the data cast."""
-    from triton_reshard.ops.quantize import nvfp4_global_scale
+    from triton_reshard.ops.quantize import nvfp4_global_scale, reference
 
     fmt = quant_format(case.fmt)
     out = dst_locals(dst, rank, pattern)
@@ -161,7 +161,7 @@ def expected(case: FCase, dst: Layout, rank: int, data, pattern: int = 0) -> dic
         assert spec.quant.block == b
         if f.tensor not in ref:
             gs = gscale[spec.quant.global_group][0] if fmt.global_scale else None
-            ref[f.tensor] = fmt.quantize(data[f.tensor], (fmt.block,), global_scale=gs)
+            ref[f.tensor] = reference(fmt, data[f.tensor], (fmt.block,), global_scale=gs)
         q, s = ref[f.tensor]
         loc.view(torch.uint8)[lidx] = q.view(torch.uint8)[box]
         s_box = tuple(slice(o // k, -(-(o + n) // k)) for o, n, k in zip(f.offsets, f.sizes, b, strict=True))

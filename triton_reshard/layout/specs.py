@@ -201,8 +201,8 @@ class QuantFormat:
     two exponent byte, 2^(s-127); ``"e4m3"``: an fp8 multiplier of the global scale); ``block``: the fixed block
     extent along the last dim in *logical* elements (None: the tensor's :class:`BlockQuant` gives the block);
     ``rounding``: the scale rule, named; ``global_scale``: one float32 per tensor (group) beside the block
-    scales, computed from the whole tensor's amax; ``reference``: the torch reference quantizer
-    (``triton_reshard.ops.quantize.<reference>``)."""
+    scales, computed from the whole tensor's amax; ``reference``: the name of the torch reference quantizer
+    in ``triton_reshard.ops.quantize`` (called through :func:`triton_reshard.ops.quantize.reference`)."""
 
     name: str
     value_dtype: torch.dtype
@@ -222,13 +222,6 @@ class QuantFormat:
     def value_bytes(self, numel: int) -> int:
         """Stored bytes of ``numel`` logical elements (whole stored elements)."""
         return -(-numel * self.value_bits // 8)
-
-    def quantize(self, x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
-                 global_scale: torch.Tensor | None = None):
-        """The torch reference: ``(values, scales)`` of ``x`` (its logical, unpacked shape)."""
-        from ..ops import quantize as q  # the layout room names it; the ops room holds the torch code
-
-        return getattr(q, self.reference)(x, block, ue8m0=ue8m0, global_scale=global_scale)
 
 
 # vLLM / DeepSeek-V3 block FP8: e4m3 values, one fp32 scale (amax / 448, optionally a power of two) per block

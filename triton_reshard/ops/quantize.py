@@ -669,11 +669,19 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def reference(fmt: QuantFormat | str, x: torch.Tensor, block: Sequence[int], ue8m0: bool = False,
+              global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference quantizer of format ``fmt``: ``(values, scales)`` of ``x`` (its logical, unpacked
+    shape). The format value (layout room) names its reference; this room holds the code."""
+    fmt = quant_format(fmt)
+    return globals()[fmt.reference](x, block, ue8m0=ue8m0, global_scale=global_scale)
+
+
 def _torch_items(items: Sequence[Item], block: Sequence[int], ue8m0: bool, fmt: QuantFormat = FP8_BLOCK) -> None:
     for src, q, s, *g in items:
         if src.numel() == 0:
             continue
-        qq, ss = fmt.quantize(src, block, ue8m0, global_scale=g[0] if g else None)
+        qq, ss = reference(fmt, src, block, ue8m0, global_scale=g[0] if g else None)
         q.copy_(qq.view(torch.uint8) if q.dtype == torch.uint8 else qq)
         s.copy_(ss)
 

@@ -106,6 +106,7 @@ def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tupl
     values and scales; NVFP4's global scales from the amax of each tensor group, as the refit's exchange."""
     from ..layout import FP8_BLOCK
     from ..ops.quantize import nvfp4_global_scale, quantize_blocks
+    from ..ops.quantize import reference as quant_reference
     from ..testing import synthetic_global
 
     ref: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -130,8 +131,8 @@ def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tupl
                 ref[name] = quantize_blocks(logical(name), q.block, q.ue8m0)
             else:
                 f = q.format
-                ref[name] = f.quantize(logical(name), (f.block,),
-                                       global_scale=gs_of(q.global_group)[0] if f.global_scale else None)
+                ref[name] = quant_reference(f, logical(name), (f.block,),
+                                            global_scale=gs_of(q.global_group)[0] if f.global_scale else None)
         return ref[name]
 
     out = []
