@@ -188,7 +188,8 @@ def measure(fn: Callable[[], None], device: torch.device, repeats: int, warmup: 
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e3)
-    q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
+    # "inclusive": quantiles within the measured times (the default extrapolates: a negative p20 from two runs)
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
     return {"median_ms": statistics.median(times), "p20_ms": q[0], "p80_ms": q[3], "repeats": len(times)}
 
 
