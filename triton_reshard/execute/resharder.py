@@ -315,7 +315,7 @@ class Resharder:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap)
             elif self._snap.device is not None:
                 loop = CaptureLoop(*args, elig=self._elig, snap=self._snap)
-            else:  # block-quantized: no snapshot
+            else:  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
                 loop = StepLoop(*args)
             loop.run()
             if device is not None and device.type == "cuda":
