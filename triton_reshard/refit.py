@@ -160,8 +160,9 @@ def refit(
     ``"dense-fallback"`` (``fallback``: the reason, ``delta_base``: the version a delta started from).
     ``delta="strict"``: raise :class:`~triton_reshard.execute.delta.DeltaRefusedError` on every rank instead
     of falling back (nothing moved). Cost on each sender: a snapshot of the dense bytes it sends in
-    delta-able messages (``Resharder.snapshot_bytes``), kept in the cached Resharder. A failed delta leaves
-    the destination torn, as a failed dense refit does; the repair is the next refit (dense, automatically).
+    delta-able messages (``Resharder.snapshot_bytes``), kept with the cached Resharder in its refit session
+    (``execute/session.py``). A failed delta leaves the destination torn, as a failed dense refit does; the
+    repair is the next refit (dense, automatically).
     """
     try:
         request = _delta_request(delta, version)
