@@ -12,7 +12,6 @@ one element changed.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import time
@@ -23,6 +22,7 @@ import torch
 from tests.dist_cases import CASES, build_locals, case_plan, mismatch, side_specs
 from triton_reshard import Layout, Resharder, Shard, refit, refit_state
 from triton_reshard.execute.delta import DeltaRefusedError, DeltaRequest
+from triton_reshard.refit import forget_refit_state
 
 LR = 3e-6
 # per refit after the first: "adam" (an optimizer step), "same" (nothing changed), "all" (every element
@@ -215,10 +215,10 @@ def fence_world(rank: int, world: int) -> dict:
     out["second"] = _mode(_refit_world(rank, tr, dst, g, 1))
     out["second_ok"] = _check(rank, tr, dst)
     # 2: strict with a destination rank at the wrong base version (rank 3 believes it holds version 99)
-    rmod = importlib.import_module("triton_reshard.refit")  # refit_state's store (the package's `refit` is the function)
+    from triton_reshard.execute.session import SESSIONS, RefitState  # refit_state's store
 
     if rank == 3:
-        rmod._STATE[(DST, 1)] = rmod.RefitState(99)
+        SESSIONS.destination(DST, 1).state = RefitState(99)
     tr.step("adam")
     try:
         _refit_world(rank, tr, dst, g, 2, delta="strict")
@@ -234,13 +234,13 @@ def fence_world(rank: int, world: int) -> dict:
     out["after_wrong_base_ok"] = _check(rank, tr, dst)
     # 3: a torn destination (as a failed refit leaves it) -> dense
     if rank == 2:
-        rmod._STATE[(DST, 1)] = rmod.RefitState(3, True, ("w",), 4, "injected")
+        SESSIONS.destination(DST, 1).state = RefitState(3, True, ("w",), 4, "injected")
     tr.step("adam")
     out["torn"] = _mode(_refit_world(rank, tr, dst, g, 4))
     out["torn_ok"] = _check(rank, tr, dst)
     # 4: a restarted destination (fresh process: no state, fresh tensors) -> dense
     if rank == 3:
-        rmod._STATE.pop((DST, 1), None)
+        forget_refit_state(DST)
         dst = {n: torch.full(s.shape, float("nan"), dtype=s.dtype) for n, s in DST.local_specs(rank).items()}
     tr.step("adam")
     out["restarted"] = _mode(_refit_world(rank, tr, dst, g, 5))

@@ -129,10 +129,10 @@ def test_bucket_too_small_is_named_with_the_users_value_before_planning(bucket, 
 
     from triton_reshard.refit import get_resharder
 
-    refit_mod = sys.modules["triton_reshard.refit"]
+    session_mod = sys.modules["triton_reshard.execute.session"]
 
     src, dst = Layout.from_placements({"w": (6, 4)}, [0], [Replicate()]), Layout.from_placements({"w": (6, 4)}, [0], [Replicate()])
-    monkeypatch.setattr(refit_mod, "plan_reshard", lambda *a, **k: pytest.fail("planned with a bad option"))
+    monkeypatch.setattr(session_mod, "plan_reshard", lambda *a, **k: pytest.fail("planned with a bad option"))
     msg = rf"bucket_bytes={bucket} is too small: at least {need} B" + (r" with overlap=True" if overlap else "")
     with pytest.raises(ValueError, match=msg):
         Resharder(plan_reshard(src, dst), bucket_bytes=bucket, overlap=overlap)
@@ -140,6 +140,67 @@ def test_bucket_too_small_is_named_with_the_users_value_before_planning(bucket, 
         with pytest.raises(ValueError, match=msg):
             get_resharder(src, dst, bucket_bytes=bucket)
     Resharder(plan_reshard(src, dst), bucket_bytes=need, overlap=overlap)  # the minimum itself is fine
+
+
+BAD_OPTIONS = [
+    pytest.param({"bucket_bytes": "1M"}, TypeError, "bucket_bytes must be an int, got '1M'", id="bucket-str"),
+    pytest.param({"bucket_bytes": 0}, ValueError, "bucket_bytes must be >= 1, got 0", id="bucket-zero"),
+    pytest.param({"timeout": -1}, TypeError, "got -1", id="timeout-negative"),
+    pytest.param({"backend": "cuda"}, ValueError, "unknown copy backend 'cuda'", id="backend"),
+    pytest.param({"gpus_per_node": 0}, ValueError, "gpus_per_node=0 must be", id="gpus-zero"),
+    pytest.param({"gpus_per_node": True}, ValueError, "gpus_per_node=True must be", id="gpus-bool"),
+    pytest.param({"gpus_per_node": 4.0}, ValueError, "gpus_per_node=4.0 must be", id="gpus-float"),
+    pytest.param({"relay": "yes"}, TypeError, "relay='yes' must be a bool or None", id="relay-str"),
+    pytest.param({"relay": True}, ValueError, "relay=True needs gpus_per_node or instances", id="relay-nowhere"),
+    pytest.param({"instances": 0}, ValueError, "instances=0 must be an int >= 1", id="instances-zero"),
+    pytest.param({"instances": 2.0}, ValueError, "instances=2.0 must be an int >= 1", id="instances-float"),
+    pytest.param({"bucket": 1 << 20}, TypeError, "unexpected keyword argument 'bucket'", id="unknown-option"),
+]
+
+
+@pytest.mark.parametrize("entry", ["get_resharder", "refit", "verify_refit"])
+@pytest.mark.parametrize(("options", "exc", "msg"), BAD_OPTIONS)
+def test_bad_option_is_named_with_the_users_value_before_planning(entry, options, exc, msg, monkeypatch):
+    """Every option of the public entry points is checked where the options are resolved (RefitOptions.of),
+    the message naming the option and the value the user passed; the planner is never reached."""
+    import sys
+
+    import triton_reshard as ts
+    from triton_reshard.refit import get_resharder
+
+    session_mod = sys.modules["triton_reshard.execute.session"]
+    monkeypatch.setattr(session_mod, "plan_reshard", lambda *a, **k: pytest.fail("planned with a bad option"))
+    lay = Layout.from_placements({"w": (6, 4)}, [0], [Replicate()])
+    tensors = ({"w": torch.zeros(6, 4)}, {"w": torch.zeros(6, 4)})
+    call = {"get_resharder": lambda: get_resharder(lay, lay, **options),
+            "refit": lambda: ts.refit(*tensors, lay, lay, **options),
+            "verify_refit": lambda: ts.verify_refit(*tensors, lay, lay, **options)}[entry]
+    with pytest.raises(exc, match=re.escape(msg)):
+        call()
+
+
+def test_entry_point_signatures_are_the_options_definition():
+    """refit, verify_refit and get_resharder take exactly RefitOptions' refit options, with its defaults (the
+    signature is built from the one definition); Resharder takes the executor ones, with the same defaults."""
+    import inspect
+    from dataclasses import fields
+
+    import triton_reshard as ts
+    from triton_reshard.execute.options import EXECUTOR_OPTIONS, REFIT_OPTIONS, RefitOptions
+    from triton_reshard.refit import get_resharder
+
+    defaults = {f.name: f.default for f in fields(RefitOptions)}
+    assert set(REFIT_OPTIONS) | set(EXECUTOR_OPTIONS) == set(defaults)
+    for fn in (ts.refit, ts.verify_refit, get_resharder):
+        params = inspect.signature(fn).parameters
+        opts = [n for n in params if n in defaults]
+        assert opts == list(REFIT_OPTIONS), (fn.__name__, opts)
+        assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY and params[n].default == defaults[n]
+                   for n in opts), fn.__name__
+        assert "options" not in params
+    params = inspect.signature(Resharder).parameters
+    assert [n for n in params if n in defaults] == list(EXECUTOR_OPTIONS)
+    assert all(params[n].default == defaults[n] for n in EXECUTOR_OPTIONS)
 
 
 def _meta(t):

@@ -11,33 +11,21 @@ tensors really hold (e.g. once at startup, after trainer and engine each loaded 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .comm.group import RefitGroup, as_transport
-from .execute import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_TIMEOUT,
-    RefitOptions,
-    Resharder,
-    ReshardError,
-    RunReport,
-    VerifyReport,
-    refuse,
-)
+from .comm.group import RefitGroup
+from .execute import DEFAULT_TIMEOUT, RefitOptions, Resharder, RunReport, VerifyReport, refuse
 from .execute.delta import NO_VERSION, DeltaRequest
+from .execute.options import takes_options
+from .execute.session import SESSIONS, RefitSession, RefitState
 from .layout import Layout
 from .plan import plan_reshard
 
-_CACHE: OrderedDict[tuple, Resharder] = OrderedDict()
-_CACHE_SIZE = 8
-_WARNED: weakref.WeakKeyDictionary[Resharder, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
+__all__ = ["RefitState", "clear_cache", "forget_refit_state", "get_resharder", "refit", "refit_state",
+           "verify_refit"]
 
 TensorsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None
 
@@ -59,19 +47,9 @@ def _as_dict(tensors: TensorsLike, side: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def get_resharder(
-    src_layout: Layout,
-    dst_layout: Layout,
-    *,
-    group: dist.ProcessGroup | RefitGroup | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    timeout: float | timedelta = DEFAULT_TIMEOUT,
-    backend: str | None = None,
-    allow_cast: bool = False,
-    gpus_per_node: int | None = None,
-    relay: bool | None = None,
-    instances: int = 1,
-) -> Resharder:
+@takes_options
+def get_resharder(src_layout: Layout, dst_layout: Layout, *, group: dist.ProcessGroup | RefitGroup | None = None,
+                  **options) -> Resharder:
     """The cached Resharder for these layouts and options (plan and buffers reused across calls).
 
     The cache key is ``(src_layout, dst_layout, group, bucket_bytes, timeout, backend, allow_cast,
@@ -86,142 +64,32 @@ def get_resharder(
     ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
     (see :func:`refit`). Raises what :func:`~triton_reshard.plan_reshard` and ``Resharder`` raise for layouts
     or options that cannot work (``ValueError`` / ``TypeError``, naming the tensor or option)."""
-    opts = RefitOptions.of(bucket_bytes, timeout, backend, allow_cast=allow_cast, gpus_per_node=gpus_per_node,
-                           relay=relay, instances=instances)
-    return resharder_for(src_layout, dst_layout, group, opts)
-
-
-def resharder_for(src_layout: Layout, dst_layout: Layout, group, opts: RefitOptions) -> Resharder:
-    """:func:`get_resharder` with validated options."""
-    key = (src_layout, dst_layout, _group_key(group), opts)
-    hit = _CACHE.get(key)
-    if hit is not None and _usable(hit):
-        _CACHE.move_to_end(key)
-        return hit
-    _CACHE.pop(key, None)
-    groups = None
-    relay, instances = opts.relay, opts.instances
-    if relay is None and dst_layout.quantized and (opts.gpus_per_node is not None or instances != 1):
-        relay = False  # block-quantized destinations are not relayed (plan/quant.py): every rank gets its own
-    if instances != 1:
-        groups = dst_layout.instance_groups(instances)
-        dst_layout = dst_layout.instances(instances)
-    # this rank's share only (plan/local.py): its transfers and steps, computed from the layouts without
-    # planning the other ranks'; its peers compute the matching halves
-    plan = plan_reshard(src_layout, dst_layout, opts.allow_cast, opts.gpus_per_node, relay, groups,
-                        rank=as_transport(group).rank)
-    r = Resharder(plan, group=group, options=opts)
-    _CACHE[key] = r
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return r
-
-
-class _GroupKey:
-    """A cache key for a group: equal only for the very same live object. It holds the group, so while the
-    entry lives no other group can take the object's id."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def __hash__(self) -> int:
-        return id(self.group)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _GroupKey) and other.group is self.group
-
-
-def _group_key(group) -> _GroupKey:
-    if group is None and dist.is_available() and dist.is_initialized():
-        group = dist.group.WORLD  # the default group of now, not of when a Resharder was cached
-    return _GroupKey(group)
-
-
-def _usable(r: Resharder) -> bool:
-    """A cached Resharder can be reused: it never failed part way, and its group was not destroyed."""
-    if r.broken is not None:
-        return False
-    g = r.group
-    if isinstance(g, RefitGroup):
-        return g.pg is not None
-    if g is None:
-        g = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        return r.transport.key is g
-    try:
-        dist.get_process_group_ranks(g)
-    except Exception:  # destroyed (torch forgets it)
-        return False
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class RefitState:
-    """What ``refit`` wrote into one destination (``refit_state(dst_layout)``), on this rank.
-
-    ``version``: the last version fully written (``refit(..., version=v)``; None before the first, or when
-    refits pass no version). ``torn``: a refit failed after writing part of the destination: the tensors hold a
-    mix of versions until a refit succeeds; do not sample from them. ``torn_tensors``: the destination local
-    tensors that may be partly written. ``failed_version``: the version that failed. ``error``: its message.
-    ``attempting``: a version whose refit is in progress (None when none is). Ranks are independent: a peer
-    may be torn while this rank completed, so agree across the engine (e.g. all-reduce ``torn``) before use.
-    """
-
-    version: object = None
-    torn: bool = False
-    torn_tensors: tuple[str, ...] = ()
-    failed_version: object = None
-    error: str | None = None
-    attempting: object = None
-
-
-_STATE: dict[tuple, RefitState] = {}
+    return SESSIONS.get(src_layout, dst_layout, group, RefitOptions.of(**options)).resharder
 
 
 def refit_state(dst_layout: Layout, *, instances: int = 1) -> RefitState:
     """The state of the destination tensors of ``dst_layout`` on this rank (see :class:`RefitState`)."""
-    return _STATE.get((dst_layout, instances), RefitState())
+    return SESSIONS.state(dst_layout, instances)
 
 
 def forget_refit_state(dst_layout: Layout, *, instances: int = 1) -> None:
     """The destination tensors of ``dst_layout`` on this rank were replaced by new, unwritten ones (e.g. a
     receiver's staging area allocated again): forget what ``refit`` wrote, so the next delta into them runs
     dense (the fence's "fresh destination") instead of patching bytes that are not there."""
-    _STATE.pop((dst_layout, instances), None)
-
-
-def _drop_uncovered(r: Resharder, dst: dict[str, torch.Tensor], strict: bool, what: str):
-    """The destination tensors the layout covers on this rank, and the sorted names of the others (ignored,
-    with one warning per Resharder and set of names). ``strict``: keep them all (``run`` then rejects them)."""
-    if strict:
-        return dst, ()
-    specs = r.plan.dst.local_specs(r.rank)
-    ignored = tuple(sorted(n for n in dst if n not in specs))
-    if not ignored:
-        return dst, ()
-    seen = _WARNED.setdefault(r, set())
-    if ignored not in seen:
-        seen.add(ignored)
-        warnings.warn(
-            f"{what}: rank {r.rank}: ignoring {len(ignored)} destination tensor(s) that the destination layout "
-            f"does not cover on this rank: {list(ignored)} (strict=True makes this an error)",
-            stacklevel=4,
-        )
-    return {n: t for n, t in dst.items() if n in specs}, ignored
+    SESSIONS.forget(dst_layout, instances)
 
 
 def _prepare(src_layout: Layout, dst_layout: Layout, group, dst_tensors: TensorsLike, strict: bool, what: str,
-             timeout, options: dict) -> tuple[Resharder, dict[str, torch.Tensor], tuple[str, ...]]:
-    """The preamble ``refit`` and ``verify_refit`` share: validate the options once, get the cached Resharder,
+             options: dict) -> tuple[RefitSession, dict[str, torch.Tensor], tuple[str, ...]]:
+    """The preamble ``refit`` and ``verify_refit`` share: validate the options once, get the cached session,
     keep the destination tensors the layout covers. A rejected layout or option is raised after telling the
     peers waiting in the handshake (``refuse``)."""
     try:
-        r = resharder_for(src_layout, dst_layout, group, RefitOptions.of(**options))
-        dst, ignored = _drop_uncovered(r, _as_dict(dst_tensors, "destination"), strict, what)
+        s = SESSIONS.get(src_layout, dst_layout, group, RefitOptions.of(**options), verify=what == "verify_refit")
+        dst, ignored = s.covered(_as_dict(dst_tensors, "destination"), strict, what)
     except (ValueError, TypeError) as e:  # tell the peers waiting in the handshake, then raise it here
-        refuse(group, e, verify=what == "verify_refit", timeout=timeout)
-    return r, dst, ignored
+        refuse(group, e, verify=what == "verify_refit", timeout=options.get("timeout", DEFAULT_TIMEOUT))
+    return s, dst, ignored
 
 
 def _delta_request(delta, version) -> DeltaRequest | None:
@@ -237,6 +105,7 @@ def _delta_request(delta, version) -> DeltaRequest | None:
     return DeltaRequest(version, strict=delta == "strict")
 
 
+@takes_options
 def refit(
     src_tensors: TensorsLike,
     dst_tensors: TensorsLike,
@@ -244,16 +113,10 @@ def refit(
     dst_layout: Layout,
     *,
     group: dist.ProcessGroup | RefitGroup | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    timeout: float | timedelta = DEFAULT_TIMEOUT,
-    backend: str | None = None,
-    allow_cast: bool = False,
-    gpus_per_node: int | None = None,
-    relay: bool | None = None,
-    instances: int = 1,
     strict: bool = False,
     version: object = None,
     delta: bool | str = False,
+    **options,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
 
@@ -297,36 +160,20 @@ def refit(
     ``"dense-fallback"`` (``fallback``: the reason, ``delta_base``: the version a delta started from).
     ``delta="strict"``: raise :class:`~triton_reshard.execute.delta.DeltaRefusedError` on every rank instead
     of falling back (nothing moved). Cost on each sender: a snapshot of the dense bytes it sends in
-    delta-able messages (``Resharder.snapshot_bytes``), kept in the cached Resharder. A failed delta leaves
-    the destination torn, as a failed dense refit does; the repair is the next refit (dense, automatically).
+    delta-able messages (``Resharder.snapshot_bytes``), kept with the cached Resharder in its refit session
+    (``execute/session.py``). A failed delta leaves the destination torn, as a failed dense refit does; the
+    repair is the next refit (dense, automatically).
     """
     try:
         request = _delta_request(delta, version)
     except (TypeError, ValueError) as e:
-        refuse(group, e, timeout=timeout)
-    r, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", timeout,
-                               dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
-                                    gpus_per_node=gpus_per_node, relay=relay, instances=instances))
-    skey = (dst_layout, instances)
-    state = _STATE.get(skey, RefitState())
-    _STATE[skey] = dataclasses.replace(state, attempting=version)
-    if request is not None:
-        request = dataclasses.replace(request, held=state.version if isinstance(state.version, int) else None,
-                                      torn=state.torn)
-    try:
-        report = r.run(_as_dict(src_tensors, "source"), dst, delta=request)
-    except BaseException as e:
-        torn = tuple(getattr(e, "torn", ()))
-        if torn or not isinstance(e, (ReshardError, ValueError, TypeError)):  # unknown: assume the worst
-            torn = tuple(sorted(set(torn or dst) | set(state.torn_tensors)))
-            _STATE[skey] = RefitState(state.version, True, torn, version, f"{type(e).__name__}: {e}")
-        else:  # nothing written: the state stays what it was
-            _STATE[skey] = dataclasses.replace(state, attempting=None)
-        raise
-    _STATE[skey] = RefitState(version if version is not None else state.version)
+        refuse(group, e, timeout=options.get("timeout", DEFAULT_TIMEOUT))
+    session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", options)
+    report = session.run(_as_dict(src_tensors, "source"), dst, version, request)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
 
 
+@takes_options
 def verify_refit(
     src_tensors: TensorsLike,
     dst_tensors: TensorsLike,
@@ -334,14 +181,8 @@ def verify_refit(
     dst_layout: Layout,
     *,
     group: dist.ProcessGroup | RefitGroup | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    timeout: float | timedelta = DEFAULT_TIMEOUT,
-    backend: str | None = None,
-    allow_cast: bool = False,
-    gpus_per_node: int | None = None,
-    relay: bool | None = None,
-    instances: int = 1,
     strict: bool = False,
+    **options,
 ) -> VerifyReport:
     """Check, without writing anything, that ``refit`` with these arguments would leave ``dst_tensors``
     exactly as they are. Call on every rank of ``group``; the report's ``ok`` is the same on every rank.
@@ -365,16 +206,13 @@ def verify_refit(
     comes from a source rank; the same holders otherwise, more bytes over the network, once). Options and ``strict`` as in
     :func:`refit`; ignored destination tensors are listed in ``VerifyReport.ignored``.
     """
-    if gpus_per_node is not None or instances != 1:
-        relay = False  # relays would read the tensors under test (relay=True without either still fails)
-    r, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "verify_refit", timeout,
-                               dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
-                                    gpus_per_node=gpus_per_node, relay=relay, instances=instances))
-    report = r.verify(_as_dict(src_tensors, "source"), dst)
+    session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "verify_refit", options)
+    report = session.verify(_as_dict(src_tensors, "source"), dst)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
 
 
 def clear_cache() -> None:
-    """Drop cached plans and buffers (a destroyed or failed group's are dropped anyway)."""
-    _CACHE.clear()
+    """Drop cached plans and buffers (a destroyed or failed group's are dropped anyway); what ``refit_state``
+    says of each destination stays."""
+    SESSIONS.clear()
     plan_reshard.cache_clear()

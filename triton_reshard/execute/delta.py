@@ -108,6 +108,9 @@ class Eligible:
     # the destination has MXFP8 / NVFP4 tensors (block deltas possible somewhere in the plan): the same on
     # every rank, so all ranks agree on the length round (block delta messages are announced by length)
     blocks: bool = False
+    # the whole refit goes dense (quant_blocks_delta: a block-FP8 destination): decided here, once per plan;
+    # no snapshot is kept and the fence refuses every delta
+    dense: bool = False
 
     @property
     def any_send(self) -> bool:
@@ -139,7 +142,8 @@ def eligible(plan, work) -> Eligible:
         recvs.append(tuple(rs))
         brecvs.append(tuple(brs))
     blocks = any(q.quant.format.block is not None for q in plan.dst.quantized.values())
-    return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks)
+    return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks,
+                    quant_blocks_delta(plan))
 
 
 class MessageSnapshot:
@@ -194,7 +198,7 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
     if req is None or elig is None:
         return [0] * FENCE_FIELDS
     sender = elig.any_send
-    reasons = _QUANT if quant_blocks_delta(plan) else 0
+    reasons = _QUANT if elig.dense else 0
     if sender and snap.version is None:
         reasons |= _NO_SNAP
     if has_dst and req.torn:

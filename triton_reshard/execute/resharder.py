@@ -41,7 +41,6 @@ from .delta import (
     eligible,
     fence,
     fence_row,
-    quant_blocks_delta,
 )
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
@@ -74,11 +73,13 @@ class Resharder:
         direct_min_bytes: int = DIRECT_MIN_BYTES,
         *,
         options: RefitOptions | None = None,
+        snapshot: MessageSnapshot | None = None,
     ) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan (the whole plan or this rank's share), got {type(plan).__name__}")
         if options is None:
-            options = RefitOptions.of(bucket_bytes, timeout, backend, overlap, direct_min_bytes)
+            options = RefitOptions.of(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, overlap=overlap,
+                                      direct_min_bytes=direct_min_bytes)
         self.options = options
         self.plan = plan
         self.group = group
@@ -108,7 +109,8 @@ class Resharder:
         self._bound_sig: tuple | None = None
         self._bound: Bound | None = None
         self._elig = None  # delta refits: which messages can go as deltas (execute/delta.py), when first asked
-        self._snap = MessageSnapshot()
+        # what this rank last sent in its delta-able messages (a refit session owns it and hands it over)
+        self._snap = MessageSnapshot() if snapshot is None else snapshot
 
     # the options, as attributes (read-only)
     bucket_bytes = property(lambda self: self.options.bucket_bytes)
@@ -245,7 +247,7 @@ class Resharder:
             return fence_row(self.plan, None, self._snap, None, False)
         if self._elig is None:
             self._elig = eligible(self.plan, self.work)
-        if not quant_blocks_delta(self.plan) and device is not None:
+        if not self._elig.dense and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
         return fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
 
@@ -313,7 +315,7 @@ class Resharder:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap)
             elif self._snap.device is not None:
                 loop = CaptureLoop(*args, elig=self._elig, snap=self._snap)
-            else:  # block-quantized: no snapshot
+            else:  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
                 loop = StepLoop(*args)
             loop.run()
             if device is not None and device.type == "cuda":

@@ -109,14 +109,29 @@ def _relay_options(gpus_per_node: int | None, relay: bool | None,
     """``plan_reshard``'s topology options checked: (relay on?, the relay groups by rank)."""
     check_gpus_per_node(gpus_per_node, "plan_reshard")
     groups = check_relay_groups(relay_groups)
-    if relay is None:
-        relay = gpus_per_node is not None or bool(groups)
-    elif not isinstance(relay, bool):
+    if relay is not None and not isinstance(relay, bool):
         raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
-    elif relay and gpus_per_node is None and relay_groups is None:
+    if relay and gpus_per_node is None and relay_groups is None:
         raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
                          "node or a group)")
-    return relay, groups
+    return default_relay(relay, gpus_per_node, bool(groups)), groups
+
+
+def default_relay(relay: bool | None, gpus_per_node: int | None, grouped: bool, *, quantized: bool = False,
+                  verify: bool = False) -> bool:
+    """Whether to relay: the one place the defaults are decided (``plan_reshard``, ``refit``,
+    ``verify_refit``). ``relay`` as given (None: the default), ``grouped``: relay groups are given (e.g.
+    ``instances > 1``). Relays need somewhere to fan out (a node or a group); the default is on exactly then,
+    except for a block-quantized destination (``quantized``: ``refit``'s default is off there, plan/quant.py
+    refuses relays of quantized tensors). ``verify``: never (a relay forwards the relaying rank's destination
+    tensor, the very thing ``verify_refit`` checks), whatever ``relay`` says, whenever there is somewhere to
+    fan out."""
+    fans_out = gpus_per_node is not None or grouped
+    if verify and fans_out:
+        return False
+    if relay is None:
+        return fans_out and not quantized
+    return relay
 
 
 def _plan_greedy(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per_node: int | None,
