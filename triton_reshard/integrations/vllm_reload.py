@@ -180,7 +180,7 @@ def group_layouts(src: Layout, dst: Layout, mode: str, staging_bytes: int = 64 <
     return [(g, src.restrict(g), dst.restrict(g)) for g in merged]
 
 
-def _no_mtp_check():
+def no_mtp_check():
     try:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     except ImportError:
@@ -190,7 +190,7 @@ def _no_mtp_check():
     return disable_mtp_completeness_check()
 
 
-class _PhaseClock:
+class PhaseClock:
     """Seconds spent in vLLM's per-layer post-processing (``_layerwise_process``: materialize, load the buffered
     weights, ``process_weights_after_loading``, copy back) while a reload runs: the part of ``load_weights``
     that is the engine's own repacking, told apart from the loader's copies (for the phase table)."""

@@ -17,17 +17,17 @@ from ..refit import refit
 from .engine import join_group, plugin_secret
 from .vllm_reload import MODES, group_layouts
 from .vllm_update import (
+    ControlCall,
     ReshardUpdateInfo,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
-    _add_report,
-    _Call,
-    _delta_kwargs,
-    _group_broken,
-    _rendezvous,
-    _wait_all,
+    add_report,
     broadcast_root,
     commit_vote,
+    delta_kwargs,
+    group_broken,
+    rendezvous,
+    wait_all,
 )
 
 BACKEND = "triton_reshard"
@@ -100,13 +100,13 @@ if TrainerWeightTransferEngine is not None:
                                staging_bytes=init_info.staging_bytes, prefetch=init_info.prefetch)
             secret = plugin_secret(init_info.secret, init_info.secret_env, init_info.secret_file,
                                    where=f"triton_reshard trainer rank {init_info.rank}")
-            rpc = _Call(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
+            rpc = ControlCall(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
             eng.group = join_group(init_info.host, init_info.port, init_info.rank, init_info.world_size,
                                    backend=init_info.group_backend, timeout=init_info.timeout,
                                    secret=secret, insecure=init_info.insecure)
             part = (init_info.layout,) if eng.is_sender else None
             try:
-                eng.src_layout, eng.dst_layout, eng.mode = _rendezvous(eng.group, part, None, init_info.rank)
+                eng.src_layout, eng.dst_layout, eng.mode = rendezvous(eng.group, part, None, init_info.rank)
             except BaseException:
                 if rpc is not None:  # the workers fail the same init: let their answer arrive, then raise ours
                     with contextlib.suppress(BaseException):
@@ -143,11 +143,11 @@ if TrainerWeightTransferEngine is not None:
             phases["pause_s"] = t1 - t0
             if self.is_sender:
                 self.client.start_weight_update()
-                rpc = _Call(self.client.update_weights, info)
+                rpc = ControlCall(self.client.update_weights, info)
             t2 = time.perf_counter()
             phases["start_s"] = t2 - t1
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
-                      **_delta_kwargs(ReshardUpdateInfo(**info)))
+                      **delta_kwargs(ReshardUpdateInfo(**info)))
             sent = 0
             err: BaseException | None = None
             bad: list[int] = []
@@ -160,14 +160,14 @@ if TrainerWeightTransferEngine is not None:
                         self.last_report = refit({n: t for n, t in tensors.items() if n in mine}, {}, src, dst,
                                                  **kw)
                         sent += self.last_report.sent_bytes
-                        _add_report(phases, self.last_report)
+                        add_report(phases, self.last_report)
                 else:
                     self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, **kw)
                     sent = self.last_report.sent_bytes
-                    _add_report(phases, self.last_report)
+                    add_report(phases, self.last_report)
             except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the workers' answer)
                 err = e
-            if err is None or not _group_broken(err):
+            if err is None or not group_broken(err):
                 try:  # every rank's word, the workers' too: one may have failed where we completed
                     words = commit_vote(self.group, err is None, self.info.timeout, f"trainer rank {self.rank}")
                     bad = [r for r, w in enumerate(words) if not w]
@@ -228,7 +228,7 @@ if TrainerWeightTransferEngine is not None:
                 if tuple(t.shape) != tuple(spec.shape):
                     raise ValueError(f"trainer rank 0: {spec.name}: shape {tuple(t.shape)}, the layout says "
                                      f"{tuple(spec.shape)}")
-                _wait_all(self.group.post([(w, t) for w in workers], []), self.info.timeout,
+                wait_all(self.group.post([(w, t) for w in workers], []), self.info.timeout,
                           f"trainer rank 0: broadcast of {spec.name}")
                 sent += t.nbytes * len(workers)
             return sent
@@ -288,5 +288,5 @@ def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout
     :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
     group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
                        secret_env=None, insecure=insecure)
-    src, dst, _ = _rendezvous(group, (layout,) if rank == 0 else None, None, rank)
+    src, dst, _ = rendezvous(group, (layout,) if rank == 0 else None, None, rank)
     return group, src, dst

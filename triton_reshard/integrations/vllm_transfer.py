@@ -54,10 +54,9 @@ from .vllm_update import (
     ReshardUpdateInfo,
     TornWeightsError,
     WeightTransferEngine,
-    _delta_kwargs,  # noqa: F401 (the plug-ins' tests read it here)
-    _rendezvous,  # noqa: F401
     broadcast_root,
     commit_vote,
+    delta_kwargs,
 )
 from .vllm_worker import RefitWorkerExtension
 
@@ -73,6 +72,7 @@ __all__ = [
     "broadcast_root",
     "choose_mode",
     "commit_vote",
+    "delta_kwargs",
     "group_layouts",
     "model_format_params",
     "plan_pair",
@@ -89,6 +89,7 @@ if WeightTransferEngine is not None:  # the engine classes subclass vLLM's: only
 
     __all__ += ["ReshardTrainerInitInfo", "TritonReshardTrainerEngine", "TritonReshardWeightTransferEngine"]
 
+_delta_kwargs = delta_kwargs  # its name before the split (tests/test_delta_plugins.py reads it here)
 _REGISTERED = False
 
 

@@ -69,7 +69,7 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
 
 
-def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
+def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
                 mode: str = "inplace", records: dict | None = None) -> tuple[Layout, Layout, str]:
     """The kit's rendezvous (:func:`~.engine.exchange_layouts`): trainer rank 0 shares its layout; the workers
     share their load records and receive modes (``"inplace"``: the boxes land in the live parameters;
@@ -120,19 +120,19 @@ def _record(model, shapes: dict, mode: str, rank_in_group: int) -> tuple:
     return rec, mode
 
 
-def _delta_kwargs(info) -> dict:
+def delta_kwargs(info) -> dict:
     """``refit``'s ``version`` / ``delta`` from an update info (:func:`~.engine.delta_options`): a delta needs
     the int version; a dense update keeps the tag out of ``refit`` as before (it is vLLM's, for logs)."""
     return delta_options(info.version, getattr(info, "delta", False))
 
 
-def _wait_all(works, timeout: float, what: str) -> None:
+def wait_all(works, timeout: float, what: str) -> None:
     for w in works:
         if not w.wait(timeout=__import__("datetime").timedelta(seconds=timeout)):
             raise TimeoutError(f"{what}: not done within {timeout:g}s")
 
 
-def _log_warning(msg: str) -> None:
+def log_warning(msg: str) -> None:
     import logging
 
     logging.getLogger("triton_reshard").warning(msg)
@@ -152,7 +152,7 @@ def broadcast_root(src: Layout, num_trainer_ranks: int) -> int:
     raise ValueError("method 'broadcast' needs one trainer rank holding every tensor in full; none does")
 
 
-def _add_report(phases: dict, rep) -> None:
+def add_report(phases: dict, rep) -> None:
     """Sum a refit's own breakdown into an update's phases (``refits``: how many refits, each with a handshake;
     ``pack_s`` / ``wire_s``: this rank's packing copies and the waits from posting a step to its completion)."""
     phases["refits"] = phases.get("refits", 0) + 1
@@ -160,7 +160,7 @@ def _add_report(phases: dict, rep) -> None:
     phases["wire_s"] = phases.get("wire_s", 0.0) + rep.wire_seconds
 
 
-def _group_broken(e: BaseException) -> bool:
+def group_broken(e: BaseException) -> bool:
     """The refit group cannot carry another collective after this error (a lost peer, a timeout, an abort)."""
     from ..comm.group import RefitGroupError
     from ..execute.errors import ReshardAbortedError, ReshardTransportError
@@ -187,7 +187,7 @@ class TornWeightsError(RuntimeError):
     versions (in reload mode some sit on the meta device). Raised instead of generating from them."""
 
 
-class _Call:
+class ControlCall:
     """Run a control-plane RPC in a thread (it returns only once the workers have run their side, which
     needs the trainer's side running at the same time); ``join`` re-raises its error."""
 

@@ -13,19 +13,19 @@ from ..comm.auth import SECRET_ENV
 from ..comm.group import RefitGroup
 from ..refit import refit
 from .engine import join_group, plugin_secret
-from .vllm_reload import _no_mtp_check, _PhaseClock, group_layouts
+from .vllm_reload import PhaseClock, group_layouts, no_mtp_check
 from .vllm_update import (
     ReshardInitInfo,
     ReshardUpdateInfo,
     TornWeightsError,
     WeightTransferEngine,
-    _delta_kwargs,
-    _group_broken,
-    _log_warning,
-    _rendezvous,
-    _wait_all,
     broadcast_root,
     commit_vote,
+    delta_kwargs,
+    group_broken,
+    log_warning,
+    rendezvous,
+    wait_all,
 )
 
 if WeightTransferEngine is not None:
@@ -77,7 +77,7 @@ if WeightTransferEngine is not None:
             if not hasattr(self, "_records"):
                 self._records: dict = {}
             try:
-                self.src_layout, self.dst_layout, self.mode = _rendezvous(self.group, None, self.model, rank,
+                self.src_layout, self.dst_layout, self.mode = rendezvous(self.group, None, self.model, rank,
                                                                          init_info.mode, self._records)
             except BaseException:
                 self.group.destroy()
@@ -169,7 +169,7 @@ if WeightTransferEngine is not None:
                     self._receive_reshard(update_info)
             except Exception as e:  # noqa: BLE001 (recorded as the torn state, reported to the trainer)
                 err = e
-            if err is None or not _group_broken(err):
+            if err is None or not group_broken(err):
                 try:  # every rank's word: a peer may have failed where this worker completed
                     words = commit_vote(self.group, err is None, self.info.timeout, f"worker {self.group.rank}")
                     if err is None and not all(words):
@@ -186,7 +186,7 @@ if WeightTransferEngine is not None:
                 self._mark_torn(update_info, e)
                 if update_info.delta or self._mirror is not None:
                     self._drop_mirror()
-                _log_warning(f"triton_reshard worker {self.group.rank if self.group else '?'}: the update to "
+                log_warning(f"triton_reshard worker {self.group.rank if self.group else '?'}: the update to "
                              f"version {update_info.version!r} failed, weights torn, generation refused until a "
                              f"repair update completes: {self.torn['reason']}")
 
@@ -195,7 +195,7 @@ if WeightTransferEngine is not None:
 
             t0 = time.perf_counter()
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
-                      **_delta_kwargs(update_info))
+                      **delta_kwargs(update_info))
             if self.mode == "inplace":
                 self.last_report = refit({}, dict(self.model.named_parameters()), self.src_layout,
                                          self.dst_layout, **kw)
@@ -207,7 +207,7 @@ if WeightTransferEngine is not None:
             stats = {"mode": "reload", "method": "reshard", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0,
                      "groups": len(self.groups), "start_s": getattr(self, "_start_s", 0.0), "alloc_s": 0.0,
                      "unpack_s": 0.0}
-            clock = _PhaseClock()
+            clock = PhaseClock()
             if update_info.delta:
                 # a delta patches what the destination held: keep the staged checkpoint boxes between updates
                 if self._mirror is None:
@@ -224,7 +224,7 @@ if WeightTransferEngine is not None:
                                                for f in self.dst_layout.fragments if f.rank == self.group.rank),
                              delta_mode=self.last_report.mode)
                 t2 = time.perf_counter()
-                with _no_mtp_check(), clock.timing():
+                with no_mtp_check(), clock.timing():
                     self.model.load_weights(iter(list(self._mirror.items())))
                 stats["load_s"] = time.perf_counter() - t2
             else:
@@ -282,7 +282,7 @@ if WeightTransferEngine is not None:
                             del mine
                             held[0] -= box
 
-                with _no_mtp_check(), clock.timing():
+                with no_mtp_check(), clock.timing():
                     self.model.load_weights(staged())
                 stats["load_s"] = loader_s[0]
                 stats["staging_bytes"] = held[1]
@@ -302,7 +302,7 @@ if WeightTransferEngine is not None:
             stats = {"mode": "reload", "method": "broadcast", "recv_bytes": 0, "staging_bytes": 0, "refit_s": 0.0,
                      "start_s": getattr(self, "_start_s", 0.0) + time.perf_counter() - t0, "alloc_s": 0.0}
             loader_s = [0.0]
-            clock = _PhaseClock()
+            clock = PhaseClock()
 
             root = broadcast_root(self.src_layout, self.info.rank_offset)
 
@@ -311,7 +311,7 @@ if WeightTransferEngine is not None:
                     t1 = time.perf_counter()
                     buf = torch.empty(spec.shape, dtype=spec.dtype)
                     t2 = time.perf_counter()
-                    _wait_all(self.group.post([], [(root, buf)]), self.info.timeout,
+                    wait_all(self.group.post([], [(root, buf)]), self.info.timeout,
                               f"worker {self.group.rank}: broadcast of {spec.name}")
                     stats["alloc_s"] += t2 - t1
                     stats["refit_s"] += time.perf_counter() - t2
@@ -321,7 +321,7 @@ if WeightTransferEngine is not None:
                     yield spec.name, buf
                     loader_s[0] += time.perf_counter() - t4
 
-            with _no_mtp_check(), clock.timing():
+            with no_mtp_check(), clock.timing():
                 self.model.load_weights(received())
             stats["seconds"] = time.perf_counter() - t0
             stats["load_s"] = loader_s[0]
@@ -344,7 +344,7 @@ if WeightTransferEngine is not None:
                 # forward refused); vLLM's session closes, the next start_weight_update repairs
                 return
             t0 = time.perf_counter()
-            with _PhaseClock().timing() as clock:
+            with PhaseClock().timing() as clock:
                 if self._reloading:
                     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -391,7 +391,7 @@ class RefitWorkerExtension:
         self._tr_group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
                                     secret_env=secret_env, secret_file=secret_file, insecure=insecure,
                                     where=f"triton_reshard worker {rank}")
-        self._tr_layouts = _rendezvous(self._tr_group, None, self._model(), rank)[:2]
+        self._tr_layouts = rendezvous(self._tr_group, None, self._model(), rank)[:2]
 
     def weight_transfer_stats(self) -> dict:
         """What the weight-transfer backend's last update did on this worker (``last_update``: mode, method,
