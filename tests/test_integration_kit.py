@@ -118,7 +118,7 @@ def test_the_secret_is_looked_up_once_on_the_way_to_the_group(monkeypatch, tmp_p
     # the group's own default names a file too: a second lookup would read it
     monkeypatch.setenv(auth.SECRET_FILE_ENV, str(f))
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)
-    resolved = auth.plugin_secret(None, None, f, where="kit test")
+    resolved = kit.plugin_secret(None, None, f, where="kit test")
     assert resolved.value == SECRET.encode() and SECRET not in repr(resolved)
     assert auth.resolve_secret(resolved) == SECRET.encode()
     assert len(reads) == 1
@@ -141,13 +141,13 @@ def test_a_resolved_absent_secret_is_not_looked_up_again(monkeypatch):
 def test_plugin_secret_keeps_the_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("KIT_SECRET", SECRET)
     monkeypatch.setenv(auth.SECRET_ENV, "y" * 20)
-    assert auth.plugin_secret("x" * 20).value == b"x" * 20  # secret= first
-    assert auth.plugin_secret(None, "KIT_SECRET").value == SECRET.encode()  # then where the config points
-    assert auth.plugin_secret(None, "KIT_UNSET").value == b"y" * 20  # then the group's default
+    assert kit.plugin_secret("x" * 20).value == b"x" * 20  # secret= first
+    assert kit.plugin_secret(None, "KIT_SECRET").value == SECRET.encode()  # then where the config points
+    assert kit.plugin_secret(None, "KIT_UNSET").value == b"y" * 20  # then the group's default
     monkeypatch.delenv(auth.SECRET_ENV)
-    assert auth.plugin_secret(None, "KIT_UNSET").value is None
+    assert kit.plugin_secret(None, "KIT_UNSET").value is None
     with pytest.raises(ValueError, match=r"init_refit_group: the secret \(secret=\) is 3 bytes"):
-        auth.plugin_secret("abc")
+        kit.plugin_secret("abc")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class StoreTimeout(TimeoutError):
 
 @dataclass(frozen=True)
 class ResolvedSecret:
-    """A secret already looked up and checked (:func:`plugin_secret`): :func:`resolve_secret` hands its
+    """A secret already looked up and checked (a plug-in's, ``integrations.engine.plugin_secret``): :func:`resolve_secret` hands its
     ``value`` back as it is, so the group uses it without looking anything up again. ``value`` None means
     looked up and found nowhere (the loopback rule applies). The repr never shows the secret."""
 
@@ -134,20 +134,6 @@ def secret_from(env: str | None = SECRET_ENV, file: str | os.PathLike | None = N
     if env is not None and os.environ.get(env) is not None:
         return resolve_secret(os.environ[env], where=f"{where} (environment variable {env})")
     return None
-
-
-def plugin_secret(secret: bytes | str | ResolvedSecret | None = None, env: str | None = SECRET_ENV,
-                  file: str | os.PathLike | None = None, *, where: str = "init_refit_group") -> ResolvedSecret:
-    """A plug-in's secret, looked up once on its way to the group: ``secret`` itself if given, else
-    :func:`secret_from` ``(env, file)`` (where the plug-in's config points), else the group's own default
-    (:func:`resolve_secret`: ``TRITON_RESHARD_SECRET`` / ``_FILE``). Each source is read once; pass the result
-    as ``init_refit_group(secret=...)``, which then looks nothing up again."""
-    if isinstance(secret, ResolvedSecret):
-        return secret
-    if secret is not None:
-        return ResolvedSecret(resolve_secret(secret))
-    found = secret_from(env, file, where=where)
-    return ResolvedSecret(found if found is not None else resolve_secret(None))
 
 
 def read_secret_file(path: str | os.PathLike, *, where: str = "init_refit_group") -> bytes:

@@ -212,7 +212,7 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
     the port could take a rank, read the layouts and send or receive weights; ``insecure=True`` (or
     ``TRITON_RESHARD_INSECURE=1``) accepts that risk explicitly. What the secret does not protect (the
     tensors on gloo/NCCL's wire): ``docs/security.md``. A :class:`~triton_reshard.comm.auth.ResolvedSecret`
-    (what a plug-in looked up already, :func:`~triton_reshard.comm.auth.plugin_secret`) is used as it is.
+    (what a plug-in looked up already, ``integrations.engine.plugin_secret``) is used as it is.
     """
     td = _td(timeout)
     for name, v in (("rank", rank), ("world_size", world_size), ("port", port)):

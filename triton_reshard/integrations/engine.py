@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch
 
-from ..comm.auth import SECRET_ENV, ResolvedSecret, plugin_secret
+from ..comm.auth import SECRET_ENV, ResolvedSecret, resolve_secret, secret_from
 from ..comm.group import RefitGroup, init_refit_group
 from ..layout import Layout
 
@@ -52,6 +52,21 @@ def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str
     resolved = plugin_secret(secret, secret_env, secret_file, where=where)
     return init_refit_group(host, port, rank, world_size, backend=backend, timeout=timeout, secret=resolved,
                             insecure=insecure)
+
+
+def plugin_secret(secret: bytes | str | ResolvedSecret | None = None, env: str | None = SECRET_ENV,
+                  file: str | os.PathLike | None = None, *, where: str = "init_refit_group") -> ResolvedSecret:
+    """A plug-in's secret, looked up once on its way to the group: ``secret`` itself if given, else
+    :func:`~triton_reshard.comm.auth.secret_from` ``(env, file)`` (where the plug-in's config points), else
+    the group's own default (:func:`~triton_reshard.comm.auth.resolve_secret`: ``TRITON_RESHARD_SECRET`` /
+    ``_FILE``). Each source is read once; the result, passed as ``init_refit_group(secret=...)``, is used as
+    it is (a :class:`~triton_reshard.comm.auth.ResolvedSecret`, whose repr hides the secret)."""
+    if isinstance(secret, ResolvedSecret):
+        return secret
+    if secret is not None:
+        return ResolvedSecret(resolve_secret(secret))
+    found = secret_from(env, file, where=where)
+    return ResolvedSecret(found if found is not None else resolve_secret(None))
 
 
 def exchange_layouts(group: RefitGroup, trainer_part: tuple | None,
