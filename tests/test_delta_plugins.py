@@ -13,6 +13,7 @@ from triton_reshard import Layout, Replicate
 from triton_reshard.integrations import sglang as sg
 from triton_reshard.integrations import verl as vr
 from triton_reshard.integrations import vllm_transfer as vt
+from triton_reshard.integrations import vllm_worker
 
 LAYOUT = Layout.from_placements({"w": (4, 3)}, [0], [Replicate()])
 
@@ -29,7 +30,7 @@ class Recorder:
 @pytest.fixture
 def rec(monkeypatch):
     r = Recorder()
-    for mod in (sg, vr, vt):
+    for mod in (sg, vr, vllm_worker):  # each plug-in module that calls refit (vllm_transfer re-exports)
         monkeypatch.setattr(mod, "refit", r)
     return r
 

@@ -12,7 +12,6 @@ did not write, or one it wrote outside its view, shows up as a difference.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 
@@ -31,6 +30,7 @@ from triton_reshard.ops.copy import (
     prepare,
     triton_copy_views,
 )
+from triton_reshard.ops.launcher import kernel_module
 
 CUDA = torch.cuda.is_available()
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -567,6 +567,22 @@ def _compile_for_hopper(module, plan: DtypePlan, block: int = 2048):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def test_kernel_module_switches_mode_without_reloading(monkeypatch):
+    """A process that changes TRITON_INTERPRET after importing the kernels gets a twin in the other mode: the
+    imported module is never reloaded (what was taken from it stays), and switching back compiles nothing."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    before = kcopy.copy_regions_kernel
+    got = {}
+    for mode in ("0", "1", "0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", mode)
+        m = kernel_module(kcopy, "copy_regions_kernel")
+        assert isinstance(m.copy_regions_kernel, InterpretedFunction) == (mode == "1")
+        assert got.setdefault(mode, m) is m  # the same module (and its compiled kernels) every time
+    assert got["0"] is not got["1"] and kcopy in got.values()
+    assert kcopy.copy_regions_kernel is before
+
+
 @pytest.mark.parametrize(("src_dtype", "dst_dtype"), [(torch.bfloat16, torch.bfloat16),
                                                       (torch.float32, torch.bfloat16),
                                                       (torch.float64, torch.float16)],
@@ -576,7 +592,7 @@ def test_kernel_compiles_for_hopper_with_16_byte_accesses(monkeypatch, src_dtype
     the real kernel for sm_90 (no GPU needed) and check that the aligned path uses 16-byte accesses."""
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    module = importlib.reload(kcopy)
+    module = kernel_module(kcopy, "copy_regions_kernel")  # the compiled kernel, whatever mode imported it
     compiled = _compile_for_hopper(module, plan_dtypes(src_dtype, dst_dtype))
     ops_used = set(re.findall(r"(?:ld|st)\.global(?:\.\w+)*", compiled.asm["ptx"]))
     assert "ld.global.v4.b32" in ops_used or "ld.global.v2.b64" in ops_used, ops_used

@@ -21,19 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _copy_tree(dst: Path) -> None:
-    """The files git would check out (tracked and untracked-not-ignored), or the tree less caches without git."""
+    """The files git would check out (tracked and untracked-not-ignored, symlinks as symlinks), or the tree less
+    caches without git."""
     try:
         out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                              capture_output=True).stdout
-        files = [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+        files = [f for f in out.decode().split("\0") if f and ((ROOT / f).is_file() or (ROOT / f).is_symlink())]
     except (OSError, subprocess.CalledProcessError):
         skip = {"__pycache__", ".git", "build", "dist", ".pytest_cache", ".hypothesis"}
         files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-                 if p.is_file() and not skip & set(p.relative_to(ROOT).parts)
+                 if (p.is_file() or p.is_symlink()) and not skip & set(p.relative_to(ROOT).parts)
                  and not any(part.startswith(".venv") or part.endswith(".egg-info") for part in p.parts)]
     for f in files:
         (dst / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, dst / f)
+        if (ROOT / f).is_symlink():  # as git checks it out (triton_reshard/kernels -> ../kernels)
+            (dst / f).symlink_to(Path((ROOT / f).readlink()))
+        else:
+            shutil.copy2(ROOT / f, dst / f)
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +84,15 @@ def test_the_check_names_a_dropped_subpackage(wheel, tmp_path):
     assert lines and all("triton_reshard/layout/" in line for line in lines)
     assert any(line.endswith("triton_reshard/layout/__init__.py is in the source tree but not in the wheel")
                for line in lines)
+
+
+def test_a_checkout_on_the_path_imports_its_own_kernels():
+    """The kernels are the package triton_reshard.kernels wherever triton_reshard comes from: a checkout on
+    PYTHONPATH finds its own kernels/ (no install, no package-dir remap, no other tree's editable finder)."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            f"sys.path.insert(0, {str(ROOT)!r}); "
+            "import triton_reshard, triton_reshard.kernels.copy as k; print(triton_reshard.__file__); print(k.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    pkg, kern = (Path(p).resolve() for p in out.stdout.split())
+    assert pkg == ROOT / "triton_reshard" / "__init__.py" and kern == ROOT / "kernels" / "copy.py"

@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PACKAGE = "triton_reshard"
-KERNELS_DIR = "kernels"  # installs as triton_reshard/kernels
+KERNELS_DIR = "kernels"  # installs as triton_reshard/kernels (triton_reshard/kernels links to it)
 
 
 def tree_files(root: Path) -> set[str]:

@@ -261,6 +261,7 @@ def trainer_rank1(args) -> int:
     (the workers have then processed the layers of the first two groups: a refit killed mid-way)."""
     import signal
 
+    from triton_reshard.integrations import vllm_trainer
     from triton_reshard.integrations import vllm_transfer as vt
 
     os.environ.setdefault("TRITON_RESHARD_SECRET", os.environ.get("TRITON_RESHARD_SECRET", ""))
@@ -278,7 +279,7 @@ def trainer_rank1(args) -> int:
         mine = {n: t for n, t in version_tensors(args.ckpt, v).items() if ".layers.1." in n}
         eng.source = vt.TensorsSource(mine)
         calls = [0]
-        real = vt.refit
+        real = vllm_trainer.refit  # the trainer side's refit (vllm_transfer re-exports the classes)
 
         def refit(*a, _v=v, calls=calls, real=real, **kw):
             calls[0] += 1
@@ -287,11 +288,11 @@ def trainer_rank1(args) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **kw)
 
-        vt.refit = refit
+        vllm_trainer.refit = refit
         try:
             eng.send_weights(version=v)
         finally:
-            vt.refit = real
+            vllm_trainer.refit = real
         print(f"trainer rank 1: sent update {v}", flush=True)
     eng.shutdown()
     return 0

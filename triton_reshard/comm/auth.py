@@ -41,6 +41,7 @@ import struct
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -82,11 +83,23 @@ class StoreTimeout(TimeoutError):
 # secrets and addresses
 # ---------------------------------------------------------------------------------------------------------
 
-def resolve_secret(secret: bytes | str | None = None, *, env: str = SECRET_ENV,
+@dataclass(frozen=True)
+class ResolvedSecret:
+    """A secret already looked up and checked (a plug-in's, ``integrations.engine.plugin_secret``): :func:`resolve_secret` hands its
+    ``value`` back as it is, so the group uses it without looking anything up again. ``value`` None means
+    looked up and found nowhere (the loopback rule applies). The repr never shows the secret."""
+
+    value: bytes | None = field(repr=False)
+
+
+def resolve_secret(secret: bytes | str | ResolvedSecret | None = None, *, env: str = SECRET_ENV,
                    file_env: str = SECRET_FILE_ENV, where: str = "init_refit_group") -> bytes | None:
     """The secret as bytes: ``secret`` itself, else the environment variable ``env`` (the secret), else
     ``file_env`` (a path to a file holding it; trailing whitespace stripped); ``None`` when none is set.
-    An empty or short secret (under :data:`MIN_SECRET_BYTES` bytes) is refused: it would be guessed."""
+    An empty or short secret (under :data:`MIN_SECRET_BYTES` bytes) is refused: it would be guessed.
+    A :class:`ResolvedSecret` was resolved before: its value, as it is."""
+    if isinstance(secret, ResolvedSecret):
+        return secret.value
     origin = "secret="
     if secret is None:
         if os.environ.get(env) is not None and os.environ.get(file_env) is not None:

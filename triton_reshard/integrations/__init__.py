@@ -1,7 +1,9 @@
 """Integrations with live frameworks: layouts read off real engines, framework plug-ins.
 
 Framework knowledge lives here and in ``presets``, never in the planner or the kernels. Nothing here imports
-a framework at module import time: each integration imports it when called.
+a framework at module import time: each integration imports it when called. What every plug-in does the same
+way (join the refit group, exchange layouts, plan the pair, delta options) is the integration kit,
+:mod:`.engine`.
 """
 
 from .megatron import layout_from_megatron, megatron_layout_args

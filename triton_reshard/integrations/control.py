@@ -20,7 +20,7 @@ from datetime import timedelta
 
 from ..comm import wire
 from ..comm.auth import AuthStore, AuthStoreServer, group_key, resolve_secret
-from .sglang import decode_control, encode_control
+from .engine import message_tensors, tensor_message
 
 # The calls the clients below post (the last three: SGLang's). A worker runs only the methods it was given
 # handlers for (and "stop"): any other name is refused by name before anything runs.
@@ -90,15 +90,16 @@ class StoreClient:
 class SGLangStoreClient(StoreClient):
     """The trainer's handle on an SGLang engine's weight-update API (what ``sglang.Engine`` offers), over the
     store: each call runs on every engine rank (``serve`` with handlers of these names). The only tensor our
-    plug-in passes SGLang is its JSON control message (``integrations.sglang.encode_control``): it travels
-    here as that JSON (data only), and the engine side rebuilds the tensor with ``encode_control``."""
+    plug-in passes SGLang is its JSON control message (the kit's :func:`~.engine.message_tensors`, as
+    ``integrations.sglang.encode_control`` makes it): it travels here as that JSON with its tensor's name
+    (data only), and the engine side rebuilds the tensor (:func:`sglang_update_kwargs`)."""
 
     def begin_weight_update(self) -> None:
         self._call("begin_weight_update")
 
     def update_weights_from_tensor(self, named_tensors, load_format=None) -> None:
-        self._call("update_weights_from_tensor", {"control": decode_control(named_tensors),
-                                                  "load_format": load_format})
+        name, msg = tensor_message(named_tensors, what="SGLangStoreClient.update_weights_from_tensor")
+        self._call("update_weights_from_tensor", {"name": name, "control": msg, "load_format": load_format})
 
     def end_weight_update(self) -> None:
         self._call("end_weight_update")
@@ -107,7 +108,8 @@ class SGLangStoreClient(StoreClient):
 def sglang_update_kwargs(payload) -> dict:
     """An engine rank's side of :meth:`SGLangStoreClient.update_weights_from_tensor`: the keyword arguments of
     SGLang's own ``update_weights_from_tensor`` (the control message back as the plug-in's named tensor)."""
-    return {"named_tensors": encode_control(payload["control"]), "load_format": payload["load_format"]}
+    return {"named_tensors": message_tensors(str(payload["name"]), payload["control"]),
+            "load_format": payload["load_format"]}
 
 
 def _command(raw: bytes, n: int, worker: int, known: tuple[str, ...]) -> tuple[str, object]:

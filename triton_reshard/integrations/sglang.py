@@ -38,7 +38,6 @@ run on CPU, its model classes, loaders and ``WeightUpdater`` do (../shared/FACTS
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -48,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm import wire
-from ..comm.auth import secret_from
-from ..comm.group import RefitGroup, init_refit_group
+from ..comm.auth import ResolvedSecret, secret_from
+from ..comm.group import RefitGroup
 from ..layout import Layout
 from ..refit import RefitState, refit, refit_state, verify_refit
+from .engine import exchange_layouts, join_group, message_tensors, plan_pair, tensor_message
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 
 LOAD_FORMAT = "triton_reshard.integrations.sglang.receive_weights"  # --custom-weight-loader / load_format
@@ -213,19 +213,11 @@ def unsupported(model) -> str | None:
 
 def encode_control(msg: Mapping) -> list[tuple[str, torch.Tensor]]:
     """The ``named_tensors`` to pass to SGLang's ``update_weights_from_tensor`` for one control message."""
-    data = json.dumps(dict(msg), sort_keys=True).encode()
-    return [(CONTROL, torch.frombuffer(bytearray(data), dtype=torch.uint8))]
+    return message_tensors(CONTROL, msg)
 
 
 def decode_control(named_tensors) -> dict:
-    items = list(named_tensors)
-    if len(items) != 1 or items[0][0] != CONTROL:
-        raise ValueError(f"load_format={LOAD_FORMAT!r}: expected one tensor named {CONTROL!r} (a control message), "
-                         f"got {[n for n, _ in items][:4]}")
-    t = items[0][1]
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
-        raise ValueError(f"{CONTROL!r} must be a 1-D uint8 tensor of JSON")
-    msg = json.loads(bytes(t.cpu().numpy()).decode())
+    _, msg = tensor_message(named_tensors, CONTROL, what=f"load_format={LOAD_FORMAT!r}")
     if not isinstance(msg, dict) or msg.get("op") not in ("init", "refit", "verify", "close"):
         raise ValueError(f"{CONTROL!r}: unknown control message {str(msg)[:120]!r}")
     return msg
@@ -242,7 +234,7 @@ def group_options(g: Mapping) -> dict:
         raise ValueError(f"refit group: the secret's environment variable {env!r} is not set")
     secret = secret_from(str(env) if env else None, file, where="SGLang refit group")
     if secret is not None:  # else init_refit_group's own default: TRITON_RESHARD_SECRET(_FILE), or loopback only
-        opts["secret"] = secret
+        opts["secret"] = ResolvedSecret(secret)  # looked up here, not again by the group
     if g.get("insecure") is not None:
         opts["insecure"] = bool(g["insecure"])
     return opts
@@ -250,7 +242,7 @@ def group_options(g: Mapping) -> dict:
 
 def _join(opts: dict, rank: int) -> RefitGroup:
     o = dict(opts)
-    return init_refit_group(o.pop("host"), o.pop("port"), rank, o.pop("world_size"), **o)
+    return join_group(o.pop("host"), o.pop("port"), rank, o.pop("world_size"), secret_env=None, **o)
 
 
 @dataclass
@@ -329,30 +321,26 @@ def sglang_refit_state(model) -> RefitState:
 
 def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank: int,
                 refusal: str | None = None) -> tuple[Layout, Layout]:
-    """Round 1: trainer rank 0 shares its layout (and the engine layout it expects, if any); round 2: the
-    engine ranks share their load records (or why they refuse: ``refusal``, one line); every rank plans the
-    same reshard, or raises the same refusal, before any weight byte moves."""
-    from .vllm_transfer import plan_pair
+    """The kit's rendezvous (:func:`~.engine.exchange_layouts`): trainer rank 0 shares its layout (and the
+    engine layout it expects, if any); the engine ranks share their load records (or why they refuse:
+    ``refusal``, one line); every rank plans the same reshard, or raises the same refusal, before any weight
+    byte moves."""
 
-    first = group.all_gather_object(trainer_part)
-    parts = [p for p in first if p is not None]
-    if len(parts) != 1:
-        raise RuntimeError(f"rank {group.rank}: expected one trainer layout in the refit group, got {len(parts)}")
-    src_layout, expected = parts[0]
-    shapes = {t.name: t.shape for t in src_layout.tensors}
-    mine: object = None
-    if refusal is not None:
-        mine = ("refused", refusal)
-    elif model is not None:
-        rec = record_sglang(model, shapes, rank)
-        mine = ("problems", f"rank {rank}: " + "; ".join(rec.problems[:4])) if rec.problems else rec
-    gathered = group.all_gather_object(mine)
+    def engine_part(first: tuple) -> object:
+        if refusal is not None:
+            return ("refused", refusal)
+        if model is None:
+            return None
+        rec = record_sglang(model, {t.name: t.shape for t in first[0].tensors}, rank)
+        return ("problems", f"rank {rank}: " + "; ".join(rec.problems[:4])) if rec.problems else rec
+
+    (src_layout, expected), gathered = exchange_layouts(group, trainer_part, engine_part)
     for kind, why in (e for e in gathered if isinstance(e, tuple)):
         if kind == "refused":
             raise NotImplementedError(why)
         raise ValueError(f"SGLang's loader wrote parameters in ways that are not box copies of checkpoint "
                          f"tensors, so no layout is derived: {why}")
-    dst_layout = layout_from_records(r for r in gathered if r is not None)
+    dst_layout = layout_from_records(gathered)
     if expected is not None:
         why = layout_difference(expected, dst_layout)
         if why is not None:

@@ -60,10 +60,11 @@ from typing import Any
 
 import torch
 
-from ..comm.auth import SECRET_ENV, secret_from
-from ..comm.group import RefitGroup, free_port, init_refit_group
+from ..comm.auth import SECRET_ENV
+from ..comm.group import RefitGroup, free_port
 from ..layout import Fragment, Layout, TensorSpec
 from ..refit import refit
+from .engine import delta_options, join_group
 
 BACKEND = "triton_reshard"
 
@@ -288,9 +289,9 @@ class TritonReshardCheckpointEngine(_Base):
         if self.group is not None:
             self.group.destroy()
         self._where = (host, port)
-        secret = secret_from(self.secret_env, self.secret_file, where=f"triton_reshard checkpoint engine rank {rank}")
-        self.group = init_refit_group(host, port, rank, world_size, backend=self.group_backend,
-                                      timeout=self.timeout, secret=secret, insecure=self.insecure)
+        self.group = join_group(host, port, rank, world_size, backend=self.group_backend, timeout=self.timeout,
+                                secret_env=self.secret_env, secret_file=self.secret_file, insecure=self.insecure,
+                                where=f"triton_reshard checkpoint engine rank {rank}")
 
     def finalize(self) -> None:
         """Drop the step's state; destroy the group only with ``rebuild_group``."""
@@ -310,7 +311,7 @@ class TritonReshardCheckpointEngine(_Base):
 
     def _refit(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], src_layout: Layout,
                dst_layout: Layout):
-        kw = {"version": self._version, "delta": self.delta} if self.delta else {}
+        kw = delta_options(self._version, self.delta)
         rep = refit(src, dst, src_layout, dst_layout, group=self.group, bucket_bytes=self.bucket_size,
                     timeout=self.timeout, allow_cast=self.allow_cast, **kw)
         self.reports.append(rep)

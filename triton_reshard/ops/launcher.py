@@ -3,8 +3,9 @@ mode, a group's base-pointer view, and the LRU cache of per-list device tables."
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from types import ModuleType
@@ -39,17 +40,34 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-def kernel_module(module: ModuleType, kernel: str) -> ModuleType:
-    """``module`` (a ``kernels/`` module) with its ``@triton.jit`` functions in the current mode.
+_TWINS: dict[tuple[str, bool], ModuleType] = {}  # (kernel module, interpreted) -> its twin in that mode
 
-    ``@triton.jit`` picks compiled or interpreted when the module is imported; if the mode changed since
-    (``TRITON_INTERPRET`` set after the import, as the kernel tests do), the module is reloaded so that the
-    kernel ``kernel`` and the device functions it calls agree with the mode."""
+
+def kernel_module(module: ModuleType, kernel: str) -> ModuleType:
+    """``module`` (a ``triton_reshard.kernels`` module, imported as usual) with its ``@triton.jit`` functions
+    in the current mode.
+
+    ``@triton.jit`` picks compiled or interpreted when a module runs. A process whose mode is the one it
+    imported the kernels in (every process that sets ``TRITON_INTERPRET`` before it starts) gets ``module``
+    itself. One that changed ``TRITON_INTERPRET`` after the import (the kernel tests switch per test) gets the
+    module's twin in the other mode: the same file run once more under its own name and kept, so that
+    ``kernel`` and the device functions it calls agree with the mode. Nothing is reloaded: the imported module
+    and every object taken from it stay as they are, and switching back and forth compiles nothing again."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(getattr(module, kernel), InterpretedFunction) != interpreting():
-        module = importlib.reload(module)
-    return module
+    mode = interpreting()
+    if isinstance(getattr(module, kernel), InterpretedFunction) == mode:
+        return module
+    key = (module.__name__, mode)
+    twin = _TWINS.get(key)
+    if twin is None:
+        name = f"{module.__name__}.__{'interpreted' if mode else 'compiled'}__"
+        spec = importlib.util.spec_from_file_location(name, module.__file__)
+        twin = importlib.util.module_from_spec(spec)
+        sys.modules[name] = twin  # as an import would: inspect and triton find the module by name
+        spec.loader.exec_module(twin)
+        _TWINS[key] = twin
+    return twin
 
 
 def storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The integration kit: the pieces every engine plug-in does the same way, so that a new plug-in is one file.
+
+A plug-in joins the trainer ranks and the engine's ranks in one refit group, agrees with them on the two
+layouts, and then runs :func:`~triton_reshard.refit` every update. The framework-specific parts (how the
+engine is reached, how its loader is recorded, what it refuses) stay in the plug-in; these are the rest:
+
+* :func:`join_group`: join (rank 0: open) the refit group, the secret looked up once on the way
+  (:func:`plugin_secret`: ``secret=`` itself, else where the plug-in's config points, ``secret_env`` /
+  ``secret_file``, else ``TRITON_RESHARD_SECRET`` / ``_FILE``; the group then looks nothing up again). The
+  secret itself never travels in a plug-in's init info, only those names. A plug-in that must fail on a
+  bad secret before it calls its engine (a worker would wait for the group otherwise) calls
+  :func:`plugin_secret` first and passes its result to :func:`join_group`.
+* :func:`exchange_layouts`: the two-round rendezvous. Round 1: trainer rank 0 shares its part (a tuple whose
+  first item is the trainer's layout), every other rank ``None``; round 2: each engine rank shares what its
+  ``engine_part`` makes of that (its load record, or why it refuses), the trainer ranks ``None``. Every rank
+  gets the same answer, so every rank plans the same reshard or raises the same refusal before a byte moves.
+* :func:`plan_pair`: the (trainer, engine) layouts to plan: only the tensors both have.
+* :func:`delta_options`: ``refit``'s ``version`` / ``delta`` for an update (docs/delta.md).
+* :func:`message_tensors` / :func:`tensor_message`: a JSON control message as the one small uint8 tensor an
+  engine API that takes ``named_tensors`` can carry (SGLang's ``update_weights_from_tensor``); data only,
+  never a pickle.
+
+The plug-ins built on it: :mod:`.vllm_transfer` (vLLM's weight-transfer backend), :mod:`.sglang`, :mod:`.verl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+
+import torch
+
+from ..comm.auth import SECRET_ENV, ResolvedSecret, resolve_secret, secret_from
+from ..comm.group import RefitGroup, init_refit_group
+from ..layout import Layout
+
+__all__ = ["delta_options", "exchange_layouts", "join_group", "message_tensors", "plan_pair", "plugin_secret",
+           "tensor_message"]
+
+
+def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
+               timeout: float | timedelta = 300.0, secret: bytes | str | ResolvedSecret | None = None,
+               secret_env: str | None = SECRET_ENV, secret_file: str | os.PathLike | None = None,
+               insecure: bool | None = None, where: str = "init_refit_group") -> RefitGroup:
+    """Join the refit group at ``host:port`` as ``rank`` of ``world_size``
+    (:func:`~triton_reshard.init_refit_group`). The secret: ``secret`` if given, else the file
+    ``secret_file``, else the environment variable ``secret_env``, else the group's default; looked up once
+    (``where`` names this member in what a bad secret raises)."""
+    resolved = plugin_secret(secret, secret_env, secret_file, where=where)
+    return init_refit_group(host, port, rank, world_size, backend=backend, timeout=timeout, secret=resolved,
+                            insecure=insecure)
+
+
+def plugin_secret(secret: bytes | str | ResolvedSecret | None = None, env: str | None = SECRET_ENV,
+                  file: str | os.PathLike | None = None, *, where: str = "init_refit_group") -> ResolvedSecret:
+    """A plug-in's secret, looked up once on its way to the group: ``secret`` itself if given, else
+    :func:`~triton_reshard.comm.auth.secret_from` ``(env, file)`` (where the plug-in's config points), else
+    the group's own default (:func:`~triton_reshard.comm.auth.resolve_secret`: ``TRITON_RESHARD_SECRET`` /
+    ``_FILE``). Each source is read once; the result, passed as ``init_refit_group(secret=...)``, is used as
+    it is (a :class:`~triton_reshard.comm.auth.ResolvedSecret`, whose repr hides the secret)."""
+    if isinstance(secret, ResolvedSecret):
+        return secret
+    if secret is not None:
+        return ResolvedSecret(resolve_secret(secret))
+    found = secret_from(env, file, where=where)
+    return ResolvedSecret(found if found is not None else resolve_secret(None))
+
+
+def exchange_layouts(group: RefitGroup, trainer_part: tuple | None,
+                     engine_part: Callable[[tuple], object] | None = None) -> tuple[tuple, list]:
+    """The rendezvous, two ``all_gather_object`` rounds over the refit group (module docstring). Returns
+    ``(trainer rank 0's part, the engine ranks' parts in rank order)``; ``None`` parts are left out. Raises
+    on every rank if not exactly one rank shared a trainer part."""
+    parts = [p for p in group.all_gather_object(trainer_part) if p is not None]
+    if len(parts) != 1:
+        raise RuntimeError(f"rank {group.rank}: expected one trainer layout in the refit group, got {len(parts)}")
+    mine = engine_part(parts[0]) if engine_part is not None else None
+    return parts[0], [r for r in group.all_gather_object(mine) if r is not None]
+
+
+def plan_pair(group: RefitGroup, src_layout: Layout, dst_layout: Layout) -> tuple[Layout, Layout]:
+    """The (trainer, engine) layouts to plan: the trainer may hold tensors no engine rank loads (e.g. an MTP
+    layer the engine skips): plan only what both have, and say which were left out."""
+    keep = {t.name for t in dst_layout.tensors}
+    unused = sorted({t.name for t in src_layout.tensors} - keep)
+    if unused:
+        warnings.warn(f"rank {group.rank}: {len(unused)} trainer tensors are loaded by no engine worker and are not "
+                      f"sent: {unused[:6]}{' ...' if len(unused) > 6 else ''}", stacklevel=3)
+        src_layout = src_layout.restrict(keep)
+    return src_layout, dst_layout
+
+
+def delta_options(version, delta: bool | str) -> dict:
+    """``refit``'s ``version`` / ``delta`` keywords for one update: a delta needs the (int) version; a dense
+    update keeps the version out of ``refit`` (where it is the engine's own tag, e.g. vLLM's, for logs)."""
+    return {"version": version, "delta": delta} if delta else {}
+
+
+def message_tensors(name: str, msg: Mapping) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, a 1-D uint8 tensor of msg as JSON)]``: a control message as an engine's ``named_tensors``."""
+    data = json.dumps(dict(msg), sort_keys=True).encode()
+    return [(name, torch.frombuffer(bytearray(data), dtype=torch.uint8))]
+
+
+def tensor_message(named_tensors, name: str | None = None, *, what: str = "control message") -> tuple[str, object]:
+    """The ``(name, message)`` of :func:`message_tensors`' output: exactly one tensor (named ``name`` when
+    given), 1-D uint8, JSON (parsed as data, never executed); ``what`` heads the error otherwise."""
+    items = list(named_tensors)
+    if len(items) != 1 or (name is not None and items[0][0] != name):
+        named = f" named {name!r}" if name is not None else ""
+        raise ValueError(f"{what}: expected one tensor{named} (a control message), got {[n for n, _ in items][:4]}")
+    got, t = items[0]
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        raise ValueError(f"{got!r} must be a 1-D uint8 tensor of JSON")
+    return got, json.loads(bytes(t.cpu().numpy()).decode())

@@ -1,0 +1,292 @@
+"""The trainer side of the vLLM backend: :class:`TritonReshardTrainerEngine` (vLLM's weight-transfer API), the
+sources and clients it takes, and :func:`trainer_refit_group` (for vLLMs without the API). See
+:mod:`.vllm_transfer` for the whole backend."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..comm.auth import SECRET_ENV
+from ..layout import Layout
+from ..refit import refit
+from .engine import join_group, plugin_secret
+from .vllm_reload import MODES, group_layouts
+from .vllm_update import (
+    ControlCall,
+    ReshardUpdateInfo,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    add_report,
+    broadcast_root,
+    commit_vote,
+    delta_kwargs,
+    group_broken,
+    rendezvous,
+    wait_all,
+)
+
+BACKEND = "triton_reshard"
+
+if TrainerWeightTransferEngine is not None:
+
+    @dataclass
+    class ReshardTrainerInitInfo(TrainerInitInfo):
+        """Trainer-side init info (one per trainer rank; ``rank`` is this trainer rank, 0 the sender)."""
+
+        backend: ClassVar[str] = BACKEND
+        host: str = "127.0.0.1"
+        port: int = 0
+        world_size: int = 0  # trainer ranks + all workers
+        num_trainer_ranks: int = 1
+        layout: Layout | None = None  # the trainer's layout on refit ranks 0..num_trainer_ranks-1
+        timeout: float = 300.0
+        bucket_bytes: int = 256 << 20
+        group_backend: str | None = None
+        extra: dict = field(default_factory=dict)
+        # the refit group's secret: ``secret`` itself (kept out of repr), else read from ``secret_file`` or the
+        # environment variable ``secret_env``; the workers are told only ``secret_env`` / ``secret_file``
+        secret: bytes | str | None = field(default=None, repr=False)
+        secret_env: str | None = SECRET_ENV
+        secret_file: str | None = None
+        insecure: bool | None = None
+        mode: str = "auto"  # the workers' receive mode: "auto" | "inplace" | "reload" (see choose_mode)
+        staging_bytes: int = 64 << 20  # reload mode: the checkpoint bytes of one refit (see group_layouts)
+        prefetch: bool = False  # reload mode: workers receive group k+1 while loading group k (2 groups staged)
+        # pause the engine's scheduler from before each update until it completed, through the client's
+        # pause_generation(mode) / resume_generation (LLMClient: vLLM's level-0 sleep / wake_up): no engine step
+        # runs between the update's RPCs (a reload has layers on the meta device then), and an update that fails
+        # leaves the engine paused, not serving torn weights. False: the caller guarantees no request runs
+        # during an update. ``pause_mode`` (vLLM's): "wait" (requests in flight finish on the old weights first,
+        # new ones queue: every request sees one version), "keep" (requests in flight are held and continue on
+        # the new weights, attending to KV cache the old weights computed), "abort" (they are aborted).
+        pause: bool = True
+        pause_mode: str = "wait"
+
+    def _trainer_engine_kwargs(is_sender: bool, rank: int) -> dict:
+        """vLLM 0.33's ``TrainerWeightTransferEngine.__init__`` takes ``rank=``; 0.32's does not."""
+        import inspect
+
+        params = inspect.signature(TrainerWeightTransferEngine.__init__).parameters
+        return {"is_sender": is_sender, **({"rank": rank} if "rank" in params else {})}
+
+    class TritonReshardTrainerEngine(TrainerWeightTransferEngine):
+        """The trainer side: every trainer rank sends the boxes it holds, straight from its local tensors.
+
+        ``source``: a ``WeightSource`` whose ``iter_local()`` yields this rank's local tensors under the
+        trainer layout's local names (:class:`TensorsSource` wraps a dict such as
+        ``dict(megatron_model.named_parameters())``). ``mode``: the workers' receive mode, agreed at init."""
+
+        init_info_cls = ReshardTrainerInitInfo
+
+        @classmethod
+        def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None):
+            if init_info.layout is None:
+                raise ValueError("ReshardTrainerInitInfo.layout: the trainer's Layout is required")
+            if init_info.mode not in MODES:
+                raise ValueError(f"ReshardTrainerInitInfo.mode must be one of {MODES}, got {init_info.mode!r}")
+            eng = cls(client=client, source=source, **_trainer_engine_kwargs(init_info.rank == 0, init_info.rank))
+            eng.rank = init_info.rank
+            eng.info = init_info
+            worker_info = dict(host=init_info.host, port=init_info.port, rank_offset=init_info.num_trainer_ranks,
+                               world_size=init_info.world_size, timeout=init_info.timeout,
+                               bucket_bytes=init_info.bucket_bytes, group_backend=init_info.group_backend,
+                               secret_env=init_info.secret_env, secret_file=init_info.secret_file,
+                               insecure=init_info.insecure, mode=init_info.mode,
+                               staging_bytes=init_info.staging_bytes, prefetch=init_info.prefetch)
+            secret = plugin_secret(init_info.secret, init_info.secret_env, init_info.secret_file,
+                                   where=f"triton_reshard trainer rank {init_info.rank}")
+            rpc = ControlCall(client.init_weight_transfer_engine, worker_info) if eng.is_sender else None
+            eng.group = join_group(init_info.host, init_info.port, init_info.rank, init_info.world_size,
+                                   backend=init_info.group_backend, timeout=init_info.timeout,
+                                   secret=secret, insecure=init_info.insecure)
+            part = (init_info.layout,) if eng.is_sender else None
+            try:
+                eng.src_layout, eng.dst_layout, eng.mode = rendezvous(eng.group, part, None, init_info.rank)
+            except BaseException:
+                if rpc is not None:  # the workers fail the same init: let their answer arrive, then raise ours
+                    with contextlib.suppress(BaseException):
+                        rpc.join(min(init_info.timeout, 30.0))
+                eng.group.destroy()
+                eng.group = None
+                raise
+            eng.groups = group_layouts(eng.src_layout, eng.dst_layout, eng.mode, init_info.staging_bytes)
+            if rpc is not None:
+                rpc.join(init_info.timeout)
+            return eng
+
+        def send_weights(self, version: int | str | None = None, delta: bool | str = False,
+                         method: str = "reshard", prefetch: bool | None = None) -> None:
+            """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
+            travel after the first update (docs/delta.md); each trainer rank's cached Resharder keeps a
+            snapshot of what it sends (``last_report.mode`` / ``fallback`` say whether the delta ran).
+            In reload mode a dense update is one refit per layer group (the workers stage one layer at a
+            time), a delta update one refit (the workers keep the staged checkpoint to patch).
+            ``method="broadcast"``: the baseline (:class:`ReshardUpdateInfo`); needs every full tensor on
+            trainer rank 0 (a one-rank trainer)."""
+            import time
+
+            tensors = dict(self.source.iter_local()) if self.source is not None else {}
+            rpc = None
+            info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch}
+            phases = {"pause_s": 0.0, "start_s": 0.0, "send_s": 0.0, "wait_workers_s": 0.0, "finish_s": 0.0,
+                      "resume_s": 0.0}
+            t0 = time.perf_counter()
+            pause = getattr(self.client, "pause_generation", None) if self.is_sender and self.info.pause else None
+            if pause is not None:
+                pause(self.info.pause_mode)
+            t1 = time.perf_counter()
+            phases["pause_s"] = t1 - t0
+            if self.is_sender:
+                self.client.start_weight_update()
+                rpc = ControlCall(self.client.update_weights, info)
+            t2 = time.perf_counter()
+            phases["start_s"] = t2 - t1
+            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
+                      **delta_kwargs(ReshardUpdateInfo(**info)))
+            sent = 0
+            err: BaseException | None = None
+            bad: list[int] = []
+            try:
+                if method == "broadcast":
+                    sent = self._send_broadcast(tensors)
+                elif self.mode == "reload" and not delta:
+                    for _names, src, dst in self.groups:
+                        mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}
+                        self.last_report = refit({n: t for n, t in tensors.items() if n in mine}, {}, src, dst,
+                                                 **kw)
+                        sent += self.last_report.sent_bytes
+                        add_report(phases, self.last_report)
+                else:
+                    self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, **kw)
+                    sent = self.last_report.sent_bytes
+                    add_report(phases, self.last_report)
+            except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the workers' answer)
+                err = e
+            if err is None or not group_broken(err):
+                try:  # every rank's word, the workers' too: one may have failed where we completed
+                    words = commit_vote(self.group, err is None, self.info.timeout, f"trainer rank {self.rank}")
+                    bad = [r for r, w in enumerate(words) if not w]
+                except Exception as e:  # noqa: BLE001
+                    err = err or e
+            t3 = time.perf_counter()
+            phases["send_s"] = t3 - t2
+            if rpc is not None:
+                try:
+                    rpc.join(self.info.timeout)
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
+            phases["wait_workers_s"] = time.perf_counter() - t3
+            t4 = time.perf_counter()
+            if err is not None:
+                self._failed(version, method, f"{type(err).__name__}: {err}", err)
+            if bad:  # a worker failed on its own (e.g. in the engine's loader) while our sends completed
+                self._failed(version, method, f"rank(s) {bad} of the refit group failed their part (see their log)",
+                             None)
+            if rpc is not None:
+                self.client.finish_weight_update(None if version is None else str(version))
+            t5 = time.perf_counter()
+            phases["finish_s"] = t5 - t4
+            if pause is not None:
+                self.client.resume_generation()
+            phases["resume_s"] = time.perf_counter() - t5
+            self.last_update = {"mode": self.mode, "method": method, "sent_bytes": sent,
+                                "seconds": time.perf_counter() - t0, **phases}
+
+        def _failed(self, version, method: str, reason: str, cause: BaseException | None):
+            """A failed update: close vLLM's update session on the workers (they keep their torn state: nothing
+            is finalized, the forward stays refused) and raise, leaving the engine paused."""
+            self.last_update = {"mode": self.mode, "method": method, "failed": reason[:400]}
+            if self.is_sender:
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update(None)
+            if cause is not None and not (self.is_sender and self.info.pause
+                                          and getattr(self.client, "pause_generation", None)):
+                raise cause
+            raise RuntimeError(
+                f"triton_reshard trainer rank {self.rank}: the weight update to version {version!r} failed "
+                f"({reason}); the engine's workers hold torn weights and refuse a forward, and the engine stays "
+                "paused (queued requests wait, none is served from torn weights) until a repair update completes: "
+                "re-init the trainer engine if its refit group broke, then send_weights again") from cause
+
+        def _send_broadcast(self, tensors: dict) -> int:
+            root = broadcast_root(self.src_layout, self.info.num_trainer_ranks)
+            if self.group.rank != root:
+                return 0
+            missing = [t.name for t in self.src_layout.tensors if t.name not in tensors]
+            if missing:
+                raise ValueError(f"trainer rank {root}: method 'broadcast' needs every full tensor here; missing "
+                                 f"{missing[:4]}")
+            workers = range(self.info.num_trainer_ranks, self.info.world_size)
+            sent = 0
+            for spec in self.src_layout.tensors:
+                t = tensors[spec.name].detach().to(spec.dtype).contiguous()
+                if tuple(t.shape) != tuple(spec.shape):
+                    raise ValueError(f"trainer rank 0: {spec.name}: shape {tuple(t.shape)}, the layout says "
+                                     f"{tuple(spec.shape)}")
+                wait_all(self.group.post([(w, t) for w in workers], []), self.info.timeout,
+                          f"trainer rank 0: broadcast of {spec.name}")
+                sent += t.nbytes * len(workers)
+            return sent
+
+        def shutdown(self) -> None:
+            if getattr(self, "group", None) is not None:
+                self.group.destroy()
+                self.group = None
+
+
+class TensorsSource:
+    """A minimal ``WeightSource`` over a dict of this rank's local tensors (``iter_local`` only)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def iter_local(self):
+        return iter(self._tensors.items())
+
+
+class LLMClient:
+    """The trainer's ``VLLMWeightSyncClient`` for a ``vllm.LLM`` it holds (vLLM's offline engine: its EngineCore
+    and TP workers run in their own processes, so the trainer and the engine stay separate jobs): the four
+    weight-sync calls of vLLM's RL API (``LLM.init_weight_transfer_engine`` ... ``finish_weight_update``),
+    which reach every worker through vLLM's ``collective_rpc``."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """vLLM's level-0 sleep: the scheduler stops between two engine steps, new requests queue; ``mode``
+        (vLLM's pause modes): "wait" returns once the requests in flight have finished, "keep" holds them
+        (they continue after ``resume_generation``), "abort" aborts them."""
+        self.llm.sleep(level=0, mode=mode)
+
+    def resume_generation(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
+
+
+def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout: Layout, *,
+                        timeout: float = 300.0, group_backend: str | None = None,
+                        secret: bytes | str | None = None, insecure: bool | None = None):
+    """The trainer ranks' half of :class:`RefitWorkerExtension`'s rendezvous: returns ``(group, src_layout,
+    dst_layout)`` for ``refit(tensors, {}, src_layout, dst_layout, group=group)``. ``secret``: as
+    :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
+    group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
+                       secret_env=None, insecure=insecure)
+    src, dst, _ = rendezvous(group, (layout,) if rank == 0 else None, None, rank)
+    return group, src, dst
