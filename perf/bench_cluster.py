@@ -315,6 +315,7 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
 
     from triton_reshard import Resharder, plan_reshard
     from triton_reshard.execute.delta import DeltaRequest
+    from triton_reshard.tools.topology import Topology
 
     data = load_file(spec["delta"]["path"])
     versions = spec["delta"]["versions"]
@@ -324,13 +325,18 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
 
     groups = dst.instance_groups(inst) if inst > 1 else None
     plan = plan_reshard(src, full_dst, False, rpn, None, groups, rank=rank)
-    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
+    r_dense, r_delta, r_auto = (Resharder(plan, timeout=timeout) for _ in range(3))
+    # auto: the delta request knows the cluster (nominal link rate, one link per node, loopback as NVLink):
+    # a refit the last delta's measured costs predict slower than dense goes dense (execute/delta.py cost_row)
+    topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec["rate_bps"] / 8e9, shared_nic=True)
     pub = version(0)
     src_t = src.shard(pub, rank) if rank in src.ranks else {}
     d_dense = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
     d_delta = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_auto = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
     r_dense.run(src_t, d_dense)
     r_delta.run(src_t, d_delta, delta=DeltaRequest(0))  # the first is dense: it captures the snapshot
+    r_auto.run(src_t, d_auto, delta=DeltaRequest(0, topology=topo))
     rows = []
     for row in versions:
         v = row["version"]
@@ -341,10 +347,14 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
         rep: dict = {}
         b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
                                                                        delta=DeltaRequest(v, held=v - 1))), 1)
+        c = _timed(lambda v=v, rep=rep: rep.setdefault("a", r_auto.run(src_t, d_auto, delta=DeltaRequest(
+            v, held=v - 1, topology=topo))), 1)
         r = rep["r"]
-        rows.append({**row, "dense": a, "delta": b, "mode": r.mode, "sent": r.sent_bytes,
+        rows.append({**row, "dense": a, "delta": b, "auto": c, "mode": r.mode, "auto_mode": rep["a"].mode,
+                     "auto_why": rep["a"].fallback, "sent": r.sent_bytes,
                      "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds, "wire_s": r.wire_seconds,
-                     "unpack_s": r.unpack_seconds, "exact": _exact(full_dst, rank, d_dense, pub) and _exact(full_dst, rank, d_delta, pub)})
+                     "unpack_s": r.unpack_seconds, "exact": all(_exact(full_dst, rank, d, pub)
+                                                                for d in (d_dense, d_delta, d_auto))})
     return rows
 
 
@@ -451,6 +461,9 @@ def summarize_delta(per: list) -> dict:
         drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
                       "dense_s": max(p["delta"][i]["dense"]["seconds"][0] for p in per),
                       "delta_s": max(p["delta"][i]["delta"]["seconds"][0] for p in per),
+                      **({"auto_s": max(p["delta"][i]["auto"]["seconds"][0] for p in per),
+                          "auto_modes": sorted({p["delta"][i]["auto_mode"] for p in per})}
+                         if "auto" in per[0]["delta"][i] else {}),
                       "sent": sum(p["delta"][i]["sent"] for p in per),
                       "dense_sent": sum(p["delta"][i]["dense_sent"] for p in per),
                       "modes": sorted({p["delta"][i]["mode"] for p in per}),
@@ -467,7 +480,11 @@ def summarize_delta(per: list) -> dict:
                  "delta_s": statistics.median(d["delta_s"] for d in ds),
                  "speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(d["delta_s"] for d in ds),
                  "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
-                 "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]})}
+                 "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]}),
+                 **({"auto_s": statistics.median(d["auto_s"] for d in ds),
+                     "auto_speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(
+                         d["auto_s"] for d in ds),
+                     "auto_modes": [m for d in ds for m in d["auto_modes"]]} if "auto_s" in ds[0] else {})}
         for f, ds in by.items()}}
 
 
@@ -491,6 +508,9 @@ def print_setting(s: dict, summ: dict) -> None:
             print(f"    delta {100 * float(f):4.1f} % (measured {100 * d['changed']:.2f} %): {d['delta_s'] * 1e3:.1f} ms vs "
                   f"dense {d['dense_s'] * 1e3:.1f} ms = {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of "
                   f"dense, exact {d['exact']} {d['modes']}", flush=True)
+            if "auto_s" in d:
+                print(f"          with the cost model: {d['auto_s'] * 1e3:.1f} ms = {d['auto_speedup']:.2f}x faster "
+                      f"than dense {d['auto_modes']}", flush=True)
 
 
 def run(args) -> dict:
