@@ -32,11 +32,17 @@ destination tensors holds ``v`` and is not torn, and the destination is not bloc
 rank runs the dense refit
 (and captures the snapshot as it packs), and the report says why (``RunReport.fallback``), or with
 ``strict`` every rank raises :class:`DeltaRefusedError` naming the ranks and versions, nothing moved.
+
+**Cost** (:func:`cost_row`, :func:`cost_choice`; ``DeltaRequest.topology``): each rank also puts its predicted
+dense wire time and its last delta's measured diff, delta wire and apply times in the handshake row; a refit
+every rank then predicts slower as a delta runs plain dense (no snapshot copy; the snapshot is dropped), and
+after ``PROBE_EVERY`` of those a snapshot is captured and a delta measures again (docs/delta.md).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +222,9 @@ class DeltaCost:
     send_ratio: float = 0.0
     recv_ratio: float = 0.0
     asked: int = 0
+    # the last few deltas' (diff, apply) seconds: pack_s / unpack_s are their medians (one refit slowed by a
+    # busy machine must not turn the next PROBE_EVERY refits dense)
+    history: tuple[tuple[float, float], ...] = ()
 
 
 PROBE_EVERY = 8
@@ -384,7 +393,9 @@ class DeltaLoop(StepLoop):
     def run(self) -> None:
         super().run()
         d_s, s_s, d_r, s_r = self.bytes
-        self.snap.cost = DeltaCost(self.diff_s, self.apply_s, d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0)
+        hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
+        self.snap.cost = DeltaCost(statistics.median(h[0] for h in hist), statistics.median(h[1] for h in hist),
+                                   d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0, history=hist)
 
     def pack_and_post(self, pos: int) -> Pending:
         i = self.work.steps[pos][0]
