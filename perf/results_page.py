@@ -667,10 +667,13 @@ def _cluster(res: Results) -> Section | None:
                  + (f"{_cluster_span(over)} the link limit on 2 nodes at 1 Gbit/s" if over else ""),
         table=[["setting", "model", "ours", "ours / link limit", "all-gather / ours", "gather-bcast / ours",
                 "routing: no topology / ours, relays forced / ours", "bit-exact"], *rows],
-        note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (a handshake all-gather and one "
-             "round per step, each a few round trips on this loaded machine), not by the link. With two engine "
-             "nodes, `ours` relays only when the time model predicts it faster (`tools.topology.choose_relay`): "
-             "with two trainer nodes the engine links carry the whole model either way, so relays only add a phase.",
+        note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (the handshake, one round of "
+             "point-to-point rows since stop 38 where it was a ring all-gather of n - 1 hops, and one round per "
+             "step, each a few ms on this loaded machine), not by the link. `ours` relays only when the time "
+             "model predicts it faster (`tools.topology.choose_relay`): with two trainer nodes the engine links "
+             "carry the whole model either way, so relays only add a phase; with one engine node a relay of the "
+             "replicated norms saves a few KB for a second phase. 3-node settings: the previous run's "
+             "`bench_cluster_s37.json` (this run did 2 and 4 nodes).",
         history="Refit across an emulated cluster", **res.provenance(name))
 
 
