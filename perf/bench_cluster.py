@@ -17,9 +17,10 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
 Methods, each timed between barriers on every rank (the slowest rank's wall time; median of ``--repeats``),
 each into poisoned destinations checked bit for bit once, each with the bytes every node's interface counted:
 
-* ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing); with two engine
-  instances relays (which spread the trainer's sends over the engines) only when the time model predicts them
-  faster (``tools.topology.choose_relay`` with the nominal link rate, 1 ms per round, one link per node);
+* ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing), relays (which spread
+  the trainer's sends over two engine instances, or fan a replicated piece out inside one engine's node) only
+  when the time model predicts them faster (``tools.topology.choose_relay`` with the nominal link rate, 1 ms
+  per round, one link per node);
   ``ours-relay``: relays forced on; ``ours-no-topology``: neither (3 and 4 nodes: every byte from the
   trainer over its links, once per engine);
 * ``allgather``: all-gather to full size on every rank, then slice (``tools.baselines.allgather_refit``);
@@ -31,7 +32,9 @@ each into poisoned destinations checked bit for bit once, each with the bytes ev
 * ``delta`` (small_llama): real AdamW diffs: the HF Llama of the preset's config trained as in
   ``perf/bench_delta.py`` (a Markov next-token task), then chains of ``--repeats`` optimizer steps at a learning
   rate calibrated (bisection) so one step changes ``--fractions`` of the bf16 elements; per step a dense
-  refit and a delta refit of the same change on the same ranks (two Resharders), both checked bit for bit;
+  refit, a delta refit and a delta refit that knows the cluster (``DeltaRequest(topology=...)``: dense when
+  the cost model predicts that faster) of the same change on the same ranks (three Resharders, relays as
+  ``ours`` chose), each checked bit for bit; each Resharder's chain of versions runs on its own;
 * ``predicted``: the planner's time model (``tools.topology.predict_seconds``) for ``ours``, with the node's one
   link shared by its ranks (``shared_nic=True``, what the emulation is) and, to show what that fixes, with a
   NIC per rank; loopback bandwidth (inside a node) measured in the same run.
@@ -55,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cluster_delta as cd  # the delta part (its functions read this module's at call time)
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,79 +105,6 @@ def link_limit_bytes(dst_full, rpn: int) -> int:
         for node, m in masks.items():
             per_node[node] = per_node.get(node, 0) + int(m.sum()) * spec.dtype.itemsize
     return max(per_node.values())
-
-
-# ---------------------------------------------------------------------------------------------------------
-# real AdamW diffs (small_llama): versions of the global tensors, chained
-
-
-def make_versions(model: str, fractions, repeats: int, warmup: int, path: str) -> dict:
-    """Train the HF model of ``model``'s config, then per fraction ``repeats`` AdamW steps at a learning rate
-    that changes about that fraction of the bf16 elements; write every version's bf16 tensors to ``path``
-    (safetensors) and return the versions' measured changed fractions."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(ROOT / "perf"))
-    from bench_delta import MarkovTask, bf16_bits
-
-    from triton_reshard.presets import get_config
-
-    cfg = {k: v for k, v in get_config(model).items() if k != "model_type"}
-    torch.set_num_threads(1)  # on a shared 2-core machine more threads spin: one step 0.16 s -> 3-7 s
-    torch.manual_seed(0)
-    net = LlamaForCausalLM(LlamaConfig(**cfg, max_position_embeddings=64)).float()
-    task = MarkovTask(cfg["vocab_size"])
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-
-    def step(opt) -> None:
-        x = task.batch(8, 32)
-        loss = net(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    for _ in range(warmup):
-        step(opt)
-
-    def changed_after(lr: float) -> float:  # one step from a copy of the state, undone afterwards
-        saved = {n: p.detach().clone() for n, p in net.named_parameters()}
-        st = {k: v for k, v in opt.state_dict().items()}
-        before = bf16_bits(net)
-        o = torch.optim.AdamW(net.parameters(), lr=lr)
-        o.load_state_dict(st)
-        for gr in o.param_groups:
-            gr["lr"] = lr
-        step(o)
-        after = bf16_bits(net)
-        with torch.no_grad():
-            for n, p in net.named_parameters():
-                p.copy_(saved[n])
-        opt.load_state_dict(st)
-        return sum(int((after[n] != before[n]).sum()) for n in after) / sum(t.numel() for t in after.values())
-
-    tensors = {f"v0/{n}": p.detach().to(torch.bfloat16).contiguous() for n, p in net.named_parameters()}
-    prev = bf16_bits(net)
-    rows, v = [], 0
-    for frac in fractions:
-        lo, hi = 1e-9, 1e-3
-        for _ in range(10):  # bisection in log space on the learning rate
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if changed_after(mid) < frac else (lo, mid)
-        lr = math.sqrt(lo * hi)
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        for _ in range(repeats):
-            step(opt)
-            v += 1
-            cur = bf16_bits(net)
-            ch = sum(int((cur[n] != prev[n]).sum()) for n in cur) / sum(t.numel() for t in cur.values())
-            prev = cur
-            tensors.update({f"v{v}/{n}": p.detach().to(torch.bfloat16).contiguous()
-                            for n, p in net.named_parameters()})
-            rows.append({"version": v, "target": frac, "lr": lr, "changed": ch})
-    save_file(tensors, path)
-    return {"path": path, "versions": rows}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,13 +212,16 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
         src_t = src.shard(pub, rank) if rank in src.ranks else {}
         res: dict = {}
         methods = {"ours": dict(gpus_per_node=rpn, instances=inst)}
-        if inst > 1:  # ours: relay or not as the time model predicts faster (tools.topology.choose_relay)
-            topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec["rate_bps"] / 8e9,
-                            step_latency_s=1e-3, shared_nic=True)
-            choice = choose_relay(src, dst, topo, instances=inst)
-            res["relay_choice"] = {"relay": choice.relay, "with_relay_s": choice.with_relay_s,
-                                   "without_relay_s": choice.without_relay_s}
-            methods["ours"]["relay"] = choice.relay
+        # ours: relay or not as the time model predicts faster (tools.topology.choose_relay); with one engine
+        # a relay fans a replicated piece out inside the engine node: a second phase that waits for the
+        # slowest engine rank's first, to save a few KB of link (the norms of small_llama)
+        topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec["rate_bps"] / 8e9,
+                        step_latency_s=1e-3, shared_nic=True)
+        choice = choose_relay(src, dst, topo, instances=inst)
+        res["relay_choice"] = {"relay": choice.relay, "with_relay_s": choice.with_relay_s,
+                               "without_relay_s": choice.without_relay_s}
+        methods["ours"]["relay"] = choice.relay
+        if inst > 1:
             methods["ours-relay"] = dict(gpus_per_node=rpn, relay=True, instances=inst)
             methods["ours-no-topology"] = dict(gpus_per_node=None, relay=False, instances=inst)
         for name, kw in methods.items():
@@ -304,86 +238,10 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
             res[name] = {**_timed(lambda d=d, fn=fn, s=src_t, a=src, b=full_dst: fn(s, d, a, b, timeout=timeout),
                                   max(1, reps // 2)), "exact": ok}
         if spec.get("delta") and model == spec["delta"]["model"]:
-            res["delta"] = _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout)
+            res["delta"] = cd._delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, choice.relay)
         out["models"][model] = res
         dist.barrier()
     return out
-
-
-def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout) -> list:
-    from safetensors.torch import load_file
-
-    from triton_reshard import Resharder, plan_reshard
-    from triton_reshard.execute.delta import DeltaRequest
-
-    data = load_file(spec["delta"]["path"])
-    versions = spec["delta"]["versions"]
-
-    def version(v: int) -> dict:
-        return {n.split("/", 1)[1]: t for n, t in data.items() if n.startswith(f"v{v}/")}
-
-    groups = dst.instance_groups(inst) if inst > 1 else None
-    plan = plan_reshard(src, full_dst, False, rpn, None, groups, rank=rank)
-    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
-    pub = version(0)
-    src_t = src.shard(pub, rank) if rank in src.ranks else {}
-    d_dense = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
-    d_delta = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
-    r_dense.run(src_t, d_dense)
-    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))  # the first is dense: it captures the snapshot
-    rows = []
-    for row in versions:
-        v = row["version"]
-        pub = version(v)
-        for n, t in (src.shard(pub, rank) if rank in src.ranks else {}).items():
-            src_t[n].copy_(t)
-        a = _timed(lambda: r_dense.run(src_t, d_dense), 1)
-        rep: dict = {}
-        b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
-                                                                       delta=DeltaRequest(v, held=v - 1))), 1)
-        r = rep["r"]
-        rows.append({**row, "dense": a, "delta": b, "mode": r.mode, "sent": r.sent_bytes,
-                     "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds, "wire_s": r.wire_seconds,
-                     "unpack_s": r.unpack_seconds, "exact": _exact(full_dst, rank, d_dense, pub) and _exact(full_dst, rank, d_delta, pub)})
-    return rows
-
-
-def big_rank(rank: int, world: int, spec: dict) -> dict:
-    """``--big-model``: dense vs delta refits of a larger preset model on 2 nodes, the changes uniform low-bit
-    flips of ``fraction`` of each source shard's elements (seeded per rank and version: part 1 of
-    ``perf/bench_delta.py`` showed such masks give the bytes of real AdamW masks); the delta destination is
-    compared bit for bit with the dense one after every refit."""
-    from triton_reshard import Resharder, plan_reshard
-    from triton_reshard.execute.delta import DeltaRequest
-
-    rpn, timeout = spec["rpn"], spec["timeout"]
-    src, dst, _ = layouts(spec["model"], 2, rpn)
-    plan = plan_reshard(src, dst, False, rpn, None, None, rank=rank)
-    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
-    g = torch.Generator().manual_seed(rank)
-    src_t = {n: (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) for n, t in src.allocate(rank).items()} \
-        if rank in src.ranks else {}
-    d_dense = _poison(dst.allocate(rank)) if rank in dst.ranks else {}
-    d_delta = _poison(dst.allocate(rank)) if rank in dst.ranks else {}
-    r_dense.run(src_t, d_dense)
-    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))
-    rows, v = [], 0
-    for frac in spec["fractions"]:
-        for _ in range(spec["repeats"]):
-            v += 1
-            gf = torch.Generator().manual_seed(1000 * v + rank)
-            for t in src_t.values():
-                t.view(torch.int16)[torch.rand(t.shape, generator=gf) < frac] ^= 1
-            a = _timed(lambda: r_dense.run(src_t, d_dense), 1)
-            rep: dict = {}
-            b = _timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
-                                                                           delta=DeltaRequest(v, held=v - 1))), 1)
-            r = rep["r"]
-            same = all(torch.equal(d_dense[n].view(torch.int16), d_delta[n].view(torch.int16)) for n in d_dense)
-            rows.append({"target": frac, "changed": frac, "version": v, "dense": a, "delta": b, "mode": r.mode,
-                         "sent": r.sent_bytes, "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds,
-                         "wire_s": r.wire_seconds, "unpack_s": r.unpack_seconds, "exact": same})
-    return {"rank": rank, "delta": rows}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -436,39 +294,11 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
                 "node_tx": [per[n * rpn][m]["link"]["tx"] for n in range(nodes)],
                 "node_rx": [per[n * rpn][m]["link"]["rx"] for n in range(nodes)]}
         if "delta" in per[0]:
-            row["delta"] = summarize_delta(per)
+            row["delta"] = cd.summarize_delta(per)
         if "relay_choice" in per[0]:
             row["relay_choice"] = per[0]["relay_choice"]
         out[model] = row
     return out
-
-
-def summarize_delta(per: list) -> dict:
-    """Delta rows of every rank (``per[rank]["delta"]``) as the slowest rank's times per version, and per
-    changed fraction the medians and the speed-up."""
-    drows = []
-    for i, d in enumerate(per[0]["delta"]):
-        drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
-                      "dense_s": max(p["delta"][i]["dense"]["seconds"][0] for p in per),
-                      "delta_s": max(p["delta"][i]["delta"]["seconds"][0] for p in per),
-                      "sent": sum(p["delta"][i]["sent"] for p in per),
-                      "dense_sent": sum(p["delta"][i]["dense_sent"] for p in per),
-                      "modes": sorted({p["delta"][i]["mode"] for p in per}),
-                      "exact": all(p["delta"][i]["exact"] for p in per),
-                      "pack_s": max(p["delta"][i]["pack_s"] for p in per),
-                      "unpack_s": max(p["delta"][i]["unpack_s"] for p in per),
-                      "wire_s": max(p["delta"][i]["wire_s"] for p in per)})
-    by: dict = {}
-    for d in drows:
-        by.setdefault(d["target"], []).append(d)
-    return {"rows": drows, "by_fraction": {
-        str(f): {"changed": statistics.fmean(d["changed"] for d in ds),
-                 "dense_s": statistics.median(d["dense_s"] for d in ds),
-                 "delta_s": statistics.median(d["delta_s"] for d in ds),
-                 "speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(d["delta_s"] for d in ds),
-                 "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
-                 "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]})}
-        for f, ds in by.items()}}
 
 
 def print_setting(s: dict, summ: dict) -> None:
@@ -491,6 +321,9 @@ def print_setting(s: dict, summ: dict) -> None:
             print(f"    delta {100 * float(f):4.1f} % (measured {100 * d['changed']:.2f} %): {d['delta_s'] * 1e3:.1f} ms vs "
                   f"dense {d['dense_s'] * 1e3:.1f} ms = {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of "
                   f"dense, exact {d['exact']} {d['modes']}", flush=True)
+            if "auto_s" in d:
+                print(f"          with the cost model: {d['auto_s'] * 1e3:.1f} ms = {d['auto_speedup']:.2f}x faster "
+                      f"than dense {d['auto_modes']}", flush=True)
 
 
 def run(args) -> dict:
@@ -508,7 +341,7 @@ def run(args) -> dict:
     delta = None
     if args.delta_model:
         t0 = time.perf_counter()
-        delta = make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
+        delta = cd.make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
                               os.path.join(tmp, "versions.safetensors"))
         delta["model"] = args.delta_model
         print(f"versions: {[(r['version'], round(100 * r['changed'], 2)) for r in delta['versions']]} "
@@ -543,10 +376,10 @@ def run(args) -> dict:
                 "fractions": args.fractions, "repeats": args.delta_repeats}
         rate_bps = parse_rate(args.rates[0])
         with Cluster(2, args.ranks_per_node, rate=rate_bps) as c:
-            r = c.run("bench_cluster:big_rank", spec, timeout=args.timeout * 10, pg_timeout=args.timeout, env=env)
+            r = c.run("cluster_delta:big_rank", spec, timeout=args.timeout * 10, pg_timeout=args.timeout, env=env)
         src, _, _ = layouts(args.big_model, 2, args.ranks_per_node)
         mbytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in src.tensors)
-        rows = summarize_delta([{"delta": x["delta"]} for x in r.results])
+        rows = cd.summarize_delta([{"delta": x["delta"]} for x in r.results])
         out["big"] = {"model": args.big_model, "model_bytes": mbytes, "rate_bps": rate_bps,
                       "link_limit_s": mbytes * 8 / rate_bps, **rows}
         print(f"== {args.big_model} ({mbytes / 1e6:.0f} MB), 2 nodes, {rate_bps / 1e9:g} Gbit/s, uniform flips:")

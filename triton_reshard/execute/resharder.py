@@ -33,6 +33,7 @@ from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
 from .delta import (
+    COST_WHY,
     CaptureLoop,
     DeltaLoop,
     DeltaRefusedError,
@@ -313,8 +314,9 @@ class Resharder:
                 loop = StepLoop(*args)
             elif base is not None:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap)
-            elif self._snap.device is not None:
-                loop = CaptureLoop(*args, elig=self._elig, snap=self._snap)
+            elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
+                loop = CaptureLoop(*args, elig=self._elig, snap=self._snap,
+                                   capture=not (why or "").startswith(COST_WHY))
             else:  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
                 loop = StepLoop(*args)
             loop.run()
@@ -324,7 +326,7 @@ class Resharder:
             if verify or delta is None:
                 return report
             if self._snap.device is not None:
-                self._snap.version = delta.version
+                self._snap.version = delta.version if getattr(loop, "capture", True) else None
             dense = sum(buf.numel() for sends, _r in b.wire for _p, buf in sends)
             return dataclasses.replace(report, mode="delta" if base is not None else "dense-fallback",
                                        fallback=why, delta_base=base, dense_sent_bytes=dense,

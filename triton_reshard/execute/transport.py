@@ -23,7 +23,7 @@ from .errors import (
 )
 from .options import to_timedelta
 
-FENCE_FIELDS = 6  # the delta fence's columns of the handshake row (execute/delta.py: fence_row)
+FENCE_FIELDS = 10  # the delta fence's columns of the handshake row (execute/delta.py: fence_row, cost_row)
 BACKEND_CODES = {None: 0, "torch": 1, "triton": 2}  # the copy backend a rank asked for (None: by device)
 
 # one run or verify at a time per process group in this process: two would match each other's messages
@@ -41,13 +41,32 @@ def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(m
         dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
         row = [0, 0, 0, 2, 0, 0, int(verify), 0, 0, 0] + [0] * FENCE_FIELDS  # the handshake row
         mine = torch.tensor(row, dtype=torch.int64, device=dev)
-        out = [torch.empty_like(mine) for _ in comm.ranks]
         try:
-            work = comm.all_gather(out, mine)
-            work.wait(timeout=to_timedelta(timeout))
+            out, works = post_rows(comm, mine)
+            for w in works:
+                w.wait(timeout=to_timedelta(timeout))
         except Exception:  # the peers' view of it is theirs to report; ours is the original error
             pass
     raise error
+
+
+DIRECT_ROWS_MAX_RANKS = 64  # up to this group size the rows go peer to peer in one round (see post_rows)
+
+
+def post_rows(comm, mine: torch.Tensor) -> tuple[list[torch.Tensor], list]:
+    """Start the exchange of every rank's small row ``mine`` (the plan handshake, the verify counts): (every
+    rank's row in ``comm.ranks`` order, the works to wait for). Up to ``DIRECT_ROWS_MAX_RANKS`` ranks each row
+    goes straight to every peer, all in one round: one network latency, where gloo's ring all-gather waits
+    ``n - 1`` hops in turn (issue 32: ~3 ms a hop between emulated nodes, 3 hops at 4 ranks, on every refit).
+    Larger groups use the all-gather (``n - 1`` messages per rank would cost more than the hops saved)."""
+    ranks = tuple(comm.ranks)
+    out = [torch.empty_like(mine) for _ in ranks]
+    if len(ranks) > DIRECT_ROWS_MAX_RANKS:
+        return out, [comm.all_gather(out, mine)]
+    me = ranks.index(comm.rank)
+    out[me].copy_(mine)
+    peers = [(r, out[k]) for k, r in enumerate(ranks) if k != me]
+    return out, comm.post([(r, mine) for r, _ in peers], peers)
 
 
 class Link:
@@ -124,12 +143,11 @@ class Link:
                 raise self.error(what, peers, started, None, peer, op)
 
     def all_gather_row(self, row: list[int], what: str) -> list[list[int]]:
-        """Every rank's ``row`` (one all-gather over the group, with the timeout)."""
+        """Every rank's ``row`` (one exchange over the group, :func:`post_rows`, with the timeout)."""
         mine = torch.tensor(row, dtype=torch.int64, device=self.device())
-        out = [torch.empty_like(mine) for _ in self.ranks]
         t0 = time.perf_counter()
-        work = self.call(self.comm.all_gather, what, self.ranks, out, mine)
-        self.wait([work], what, self.ranks, t0)
+        out, works = self.call(post_rows, what, self.ranks, self.comm, mine)
+        self.wait(works, what, self.ranks, t0)
         return [o.tolist() for o in out]
 
     def all_counts(self, mine: int) -> dict[int, int]:

@@ -1,0 +1,211 @@
+"""Delta refits of ``perf/bench_cluster.py`` (split from it to keep files short): the versions (real AdamW diffs
+of the preset's HF Llama), the rank side of dense / delta / cost-model delta chains, the ``--big-model`` rank
+side (uniform flips), and their summary. Imported by ``bench_cluster`` (and by its ranks, ``perf`` on the path).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+
+import bench_cluster as bc  # attributes read at call time (bench_cluster imports this module too)
+import torch
+
+# ---------------------------------------------------------------------------------------------------------
+# real AdamW diffs (small_llama): versions of the global tensors, chained
+
+
+def make_versions(model: str, fractions, repeats: int, warmup: int, path: str) -> dict:
+    """Train the HF model of ``model``'s config, then per fraction ``repeats`` AdamW steps at a learning rate
+    that changes about that fraction of the bf16 elements; write every version's bf16 tensors to ``path``
+    (safetensors) and return the versions' measured changed fractions."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(bc.ROOT / "perf"))
+    from bench_delta import MarkovTask, bf16_bits
+
+    from triton_reshard.presets import get_config
+
+    cfg = {k: v for k, v in get_config(model).items() if k != "model_type"}
+    torch.set_num_threads(1)  # on a shared 2-core machine more threads spin: one step 0.16 s -> 3-7 s
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(LlamaConfig(**cfg, max_position_embeddings=64)).float()
+    task = MarkovTask(cfg["vocab_size"])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step(opt) -> None:
+        x = task.batch(8, 32)
+        loss = net(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step(opt)
+
+    def changed_after(lr: float) -> float:  # one step from a copy of the state, undone afterwards
+        saved = {n: p.detach().clone() for n, p in net.named_parameters()}
+        st = {k: v for k, v in opt.state_dict().items()}
+        before = bf16_bits(net)
+        o = torch.optim.AdamW(net.parameters(), lr=lr)
+        o.load_state_dict(st)
+        for gr in o.param_groups:
+            gr["lr"] = lr
+        step(o)
+        after = bf16_bits(net)
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                p.copy_(saved[n])
+        opt.load_state_dict(st)
+        return sum(int((after[n] != before[n]).sum()) for n in after) / sum(t.numel() for t in after.values())
+
+    tensors = {f"v0/{n}": p.detach().to(torch.bfloat16).contiguous() for n, p in net.named_parameters()}
+    prev = bf16_bits(net)
+    rows, v = [], 0
+    for frac in fractions:
+        lo, hi = 1e-9, 1e-3
+        for _ in range(10):  # bisection in log space on the learning rate
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if changed_after(mid) < frac else (lo, mid)
+        lr = math.sqrt(lo * hi)
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        for _ in range(repeats):
+            step(opt)
+            v += 1
+            cur = bf16_bits(net)
+            ch = sum(int((cur[n] != prev[n]).sum()) for n in cur) / sum(t.numel() for t in cur.values())
+            prev = cur
+            tensors.update({f"v{v}/{n}": p.detach().to(torch.bfloat16).contiguous()
+                            for n, p in net.named_parameters()})
+            rows.append({"version": v, "target": frac, "lr": lr, "changed": ch})
+    save_file(tensors, path)
+    return {"path": path, "versions": rows}
+
+
+def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) -> list:
+    from safetensors.torch import load_file
+
+    from triton_reshard import Resharder, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+    from triton_reshard.tools.topology import Topology
+
+    data = load_file(spec["delta"]["path"])
+    versions = spec["delta"]["versions"]
+
+    def version(v: int) -> dict:
+        return {n.split("/", 1)[1]: t for n, t in data.items() if n.startswith(f"v{v}/")}
+
+    groups = dst.instance_groups(inst) if inst > 1 else None
+    plan = plan_reshard(src, full_dst, False, rpn, relay, groups, rank=rank)  # relays as "ours" chose
+    r_dense, r_delta, r_auto = (Resharder(plan, timeout=timeout) for _ in range(3))
+    # auto: the delta request knows the cluster (nominal link rate, one link per node, loopback as NVLink):
+    # a refit the last delta's measured costs predict slower than dense goes dense (execute/delta.py cost_row)
+    topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec["rate_bps"] / 8e9, shared_nic=True)
+    pub = version(0)
+    src_t = src.shard(pub, rank) if rank in src.ranks else {}
+    d_dense = bc._poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_delta = bc._poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_auto = bc._poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    r_dense.run(src_t, d_dense)
+    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))  # the first is dense: it captures the snapshot
+    auto = "topology" in DeltaRequest.__dataclass_fields__  # (a tree before the cost model: auto = delta)
+    r_auto.run(src_t, d_auto, delta=DeltaRequest(0, topology=topo) if auto else DeltaRequest(0))
+    # each method's chain of versions runs on its own: a refit follows its own kind (a dense refit right after
+    # a delta one starts from the TCP congestion window the small delta messages left: seen ~1.5-2x slower
+    # at 10 Gbit/s, which is the order, not the method)
+    timed: dict = {}
+    for name, res, d, req in (("dense", r_dense, d_dense, None), ("delta", r_delta, d_delta, {}),
+                              ("auto", r_auto, d_auto, {"topology": topo} if auto else {})):
+        for row in versions:
+            v = row["version"]
+            for n, t in (src.shard(version(v), rank) if rank in src.ranks else {}).items():
+                src_t[n].copy_(t)
+            rep: dict = {}
+            dr = None if req is None else DeltaRequest(v, held=v - 1, **req)
+            t = bc._timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
+            timed[name, v] = (t, rep["r"], bc._exact(full_dst, rank, d, version(v)))
+    rows = []
+    for row in versions:
+        v = row["version"]
+        (a, _ra, ea), (b, r, eb), (c, rc, ec) = (timed[k, v] for k in ("dense", "delta", "auto"))
+        rows.append({**row, "dense": a, "delta": b, "auto": c, "mode": r.mode, "auto_mode": rc.mode,
+                     "auto_why": rc.fallback, "sent": r.sent_bytes,
+                     "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds, "wire_s": r.wire_seconds,
+                     "unpack_s": r.unpack_seconds, "exact": ea and eb and ec})
+    return rows
+
+
+def big_rank(rank: int, world: int, spec: dict) -> dict:
+    """``--big-model``: dense vs delta refits of a larger preset model on 2 nodes, the changes uniform low-bit
+    flips of ``fraction`` of each source shard's elements (seeded per rank and version: part 1 of
+    ``perf/bench_delta.py`` showed such masks give the bytes of real AdamW masks); the delta destination is
+    compared bit for bit with the dense one after every refit."""
+    from triton_reshard import Resharder, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+
+    rpn, timeout = spec["rpn"], spec["timeout"]
+    src, dst, _ = bc.layouts(spec["model"], 2, rpn)
+    plan = plan_reshard(src, dst, False, rpn, None, None, rank=rank)
+    r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
+    g = torch.Generator().manual_seed(rank)
+    src_t = {n: (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) for n, t in src.allocate(rank).items()} \
+        if rank in src.ranks else {}
+    d_dense = bc._poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    d_delta = bc._poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    r_dense.run(src_t, d_dense)
+    r_delta.run(src_t, d_delta, delta=DeltaRequest(0))
+    rows, v = [], 0
+    for frac in spec["fractions"]:
+        for _ in range(spec["repeats"]):
+            v += 1
+            gf = torch.Generator().manual_seed(1000 * v + rank)
+            for t in src_t.values():
+                t.view(torch.int16)[torch.rand(t.shape, generator=gf) < frac] ^= 1
+            a = bc._timed(lambda: r_dense.run(src_t, d_dense), 1)
+            rep: dict = {}
+            b = bc._timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
+                                                                           delta=DeltaRequest(v, held=v - 1))), 1)
+            r = rep["r"]
+            same = all(torch.equal(d_dense[n].view(torch.int16), d_delta[n].view(torch.int16)) for n in d_dense)
+            rows.append({"target": frac, "changed": frac, "version": v, "dense": a, "delta": b, "mode": r.mode,
+                         "sent": r.sent_bytes, "dense_sent": r.dense_sent_bytes, "pack_s": r.pack_seconds,
+                         "wire_s": r.wire_seconds, "unpack_s": r.unpack_seconds, "exact": same})
+    return {"rank": rank, "delta": rows}
+
+
+def summarize_delta(per: list) -> dict:
+    """Delta rows of every rank (``per[rank]["delta"]``) as the slowest rank's times per version, and per
+    changed fraction the medians and the speed-up."""
+    drows = []
+    for i, d in enumerate(per[0]["delta"]):
+        drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
+                      "dense_s": max(p["delta"][i]["dense"]["seconds"][0] for p in per),
+                      "delta_s": max(p["delta"][i]["delta"]["seconds"][0] for p in per),
+                      **({"auto_s": max(p["delta"][i]["auto"]["seconds"][0] for p in per),
+                          "auto_modes": sorted({p["delta"][i]["auto_mode"] for p in per})}
+                         if "auto" in per[0]["delta"][i] else {}),
+                      "sent": sum(p["delta"][i]["sent"] for p in per),
+                      "dense_sent": sum(p["delta"][i]["dense_sent"] for p in per),
+                      "modes": sorted({p["delta"][i]["mode"] for p in per}),
+                      "exact": all(p["delta"][i]["exact"] for p in per),
+                      "pack_s": max(p["delta"][i]["pack_s"] for p in per),
+                      "unpack_s": max(p["delta"][i]["unpack_s"] for p in per),
+                      "wire_s": max(p["delta"][i]["wire_s"] for p in per)})
+    by: dict = {}
+    for d in drows:
+        by.setdefault(d["target"], []).append(d)
+    return {"rows": drows, "by_fraction": {
+        str(f): {"changed": statistics.fmean(d["changed"] for d in ds),
+                 "dense_s": statistics.median(d["dense_s"] for d in ds),
+                 "delta_s": statistics.median(d["delta_s"] for d in ds),
+                 "speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(d["delta_s"] for d in ds),
+                 "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
+                 "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]}),
+                 **({"auto_s": statistics.median(d["auto_s"] for d in ds),
+                     "auto_speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(
+                         d["auto_s"] for d in ds),
+                     "auto_modes": [m for d in ds for m in d["auto_modes"]]} if "auto_s" in ds[0] else {})}
+        for f, ds in by.items()}}
