@@ -12,7 +12,7 @@ import torch
 
 from triton_reshard.box import boxes_meet, find_overlap
 from triton_reshard.plan import plan_reshard
-from triton_reshard.plan.local import _tensor_order, route_all, route_rank
+from triton_reshard.plan.local import _tensor_order, route_all
 from triton_reshard.plan.routing import check_relay_groups, held_numel
 from triton_reshard.plan.rows import missing_elements, route_tables
 from triton_reshard.plan.table import TransferTable
@@ -34,7 +34,7 @@ def _same(table: TransferTable, objects: list) -> None:
 
 
 @pytest.mark.parametrize("gpn,relay,inst", [(None, False, 1), (4, True, 1), (4, False, 1), (None, True, 2)])
-def test_rows_equal_objects_whole_and_shares(gpn, relay, inst):
+def test_rows_equal_objects_and_cut_into_shares(gpn, relay, inst):
     src, one = _pair()
     dst = one.instances(inst)
     groups = check_relay_groups(one.instance_groups(inst)) if inst > 1 else {}
@@ -43,11 +43,13 @@ def test_rows_equal_objects_whole_and_shares(gpn, relay, inst):
     lo, wo = route_all(src, dst, gpn, relay, groups)
     _same(lt, lo)
     _same(wt, wo)
-    for r in (0, 5, max(dst.ranks)):
-        lt, wt = route_tables(src, dst, gpn, relay, groups, order, None, r)
-        lo, wo = route_rank(src, dst, r, gpn, relay, groups)
-        _same(lt, lo)
-        _same(wt, wo)
+    whole = plan_reshard(src, dst, gpus_per_node=gpn, relay=relay,
+                         relay_groups=one.instance_groups(inst) if inst > 1 else None)
+    for r in (0, 5, max(dst.ranks)):  # the shares (objects, route_rank) cut the whole plan (rows)
+        share = plan_reshard(src, dst, gpus_per_node=gpn, relay=relay,
+                             relay_groups=one.instance_groups(inst) if inst > 1 else None, rank=r)
+        assert set(share.transfers) == {t for t in whole.transfers if r in (t.src_rank, t.dst_rank)}
+        assert set(share.local_copies) == {t for t in whole.local_copies if t.dst_rank == r}
 
 
 @pytest.mark.parametrize("model", ["llama-3-8b", "qwen3-30b-a3b"])

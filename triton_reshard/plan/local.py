@@ -49,8 +49,7 @@ from .routing import (
     holders_of,
     wire_dtype_of,
 )
-from .rows import Fallback, route_tables
-from .table import TransferTable
+from .rows import route_tables
 from .types import Transfer, make_transfer
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
@@ -361,31 +360,21 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
     with gc_paused():
-        local, wire = _route(src, routed, gpus_per_node, relay, groups, rank, frozenset(targets))
-        if not targets:  # as rows, never one object per transfer
-            return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), rank, options)
-        local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
-        mine = targets if rank is None else {n: s for n, s in targets.items()
-                                             if any(t.tensor == n for t in local + wire)}
-        local, wire = quant.quantize_transfers(src, dst, mine, local, wire)
-        if rank is not None:
-            local = [t for t in local if t.dst_rank == rank]
-            wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
+        if rank is None:  # as rows, never one object per transfer
+            local, wire = route_tables(src, routed, gpus_per_node, relay, groups, _tensor_order(routed),
+                                       lambda names: route_all(src, routed, gpus_per_node, relay, groups, names))
+            if not targets:
+                return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
+            local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
+        else:  # a rank's share: its few transfers (the rows of every box it touches would cost it more)
+            local, wire = route_rank(src, routed, rank, gpus_per_node, relay, groups, targets)
+        if targets:
+            mine = targets if rank is None else {n: s for n, s in targets.items()
+                                                 if any(t.tensor == n for t in local + wire)}
+            local, wire = quant.quantize_transfers(src, dst, mine, local, wire)
+            if rank is not None:
+                local = [t for t in local if t.dst_rank == rank]
+                wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
         wire.sort(key=WIRE_ORDER)
         local.sort(key=LOCAL_ORDER)
         return Plan(src, dst, tuple(wire), tuple(local), rank, options)
-
-
-def _route(src: Layout, routed: Layout, gpn: int | None, relay: bool, groups: dict[int, int], rank: int | None,
-           whole: frozenset[str]):
-    """``(local copies, wire transfers)`` as tables (``rows.route_tables``); bad input in a rank's share is
-    raised by the object routing of the share (``route_rank``), in its words."""
-    order = _tensor_order(routed)
-    if rank is None:
-        return route_tables(src, routed, gpn, relay, groups, order,
-                            lambda names: route_all(src, routed, gpn, relay, groups, names))
-    try:
-        return route_tables(src, routed, gpn, relay, groups, order, None, rank, whole)
-    except Fallback:
-        local, wire = route_rank(src, routed, rank, gpn, relay, groups, whole)
-        return TransferTable.of(local), TransferTable.of(wire)

@@ -40,24 +40,13 @@ def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
     return {n: dt for n, (_shape, dt) in layout.shapes_and_dtypes().items()}
 
 
-class Fallback(Exception):
-    """A rank's share met bad input: the object routing of the share raises its message."""
-
-
 def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
-                 order: dict[str, int], make_objects, me: int | None = None,
-                 whole: frozenset[str] = frozenset()) -> tuple[TransferTable, TransferTable]:
-    """``(local copies, wire transfers)`` as tables, unsorted: every rank's (``me`` None) or rank ``me``'s (its
-    sends, receives, relays and local copies, from the boxes of its own tensors; every transfer of those boxes
-    for the tensors in ``whole``). ``order``: tensor name -> its index among ``dst``'s tensors (the salt's
-    base, and the order tensors are checked in); ``make_objects(names)``: the object routing of those tensors
-    (called only to raise the error of bad input; a share raises :class:`Fallback` instead)."""
+                 order: dict[str, int], make_objects) -> tuple[TransferTable, TransferTable]:
+    """Every rank's ``(local copies, wire transfers)`` as tables, unsorted. ``order``: tensor name -> its index
+    among ``dst``'s tensors (the salt's base, and the order tensors are checked in); ``make_objects(names)``:
+    the object routing of those tensors (called only to raise the error of bad input, in its words)."""
     sdt, ddt = _dtypes(src), _dtypes(dst)
-    if me is None:
-        names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
-    else:
-        touched = set(dst.tensor_names_on_rank(me)) | set(src.tensor_names_on_rank(me))
-        names = sorted((n for n in touched if n in sdt and n in order), key=order.__getitem__)
+    names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
     opts: dict[tuple, tuple] = {}
     locals_, wires = [], []
     for b in range(0, len(names), ROW_BATCH):
@@ -70,8 +59,7 @@ def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups:
                 w = wire_dtype_of_dtypes(*key)
                 o = opts[key] = (w, relay_dtype(key[0], key[1], w) if relay else None)
             kinds.append(o)
-        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, make_objects, me,
-                              [n in whole for n in part])
+        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, make_objects)
         locals_.append(lt)
         wires.append(wt)
     return TransferTable.concat(locals_), TransferTable.concat(wires)
@@ -89,11 +77,20 @@ def wire_dtype_of_dtypes(s: torch.dtype, d: torch.dtype) -> torch.dtype:
 
 
 def _boxes(k: np.ndarray, off: np.ndarray, sz: np.ndarray):
-    """Distinct ``(tensor, offsets, sizes)`` (sorted: tensor, then the box as tuples compare) and each row's."""
-    key = np.concatenate([k[:, None], off, sz], 1)
-    u, inv = np.unique(key, axis=0, return_inverse=True)
-    D = off.shape[1]
-    return u[:, 0], u[:, 1:1 + D], u[:, 1 + D:], inv.reshape(-1)
+    """Distinct ``(tensor, offsets, sizes)`` (sorted: tensor, then the box as tuples compare) and each row's
+    (one lexsort of the columns: ``np.unique(axis=0)`` sorts row views, several times slower)."""
+    cols = [k, *off.T, *sz.T]
+    o = np.lexsort(cols[::-1])
+    new = np.ones(len(o), bool)
+    for c in cols:
+        cs = c[o]
+        new[1:] &= cs[1:] == cs[:-1]
+    new = ~new
+    new[:1] = True
+    inv = np.empty(len(o), I64)
+    inv[o] = np.cumsum(new) - 1
+    u = o[new]
+    return k[u], off[u], sz[u], inv
 
 
 def _segments(sorted_ids: np.ndarray, n: int) -> np.ndarray:
@@ -108,7 +105,7 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return seg, starts[seg] + pos
 
 
-def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects, me, whole):
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
     K = len(part)
     dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
     D = max(dr.offsets.shape[1], sr.offsets.shape[1])
@@ -119,7 +116,7 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects, me, wh
     dn = np.flatnonzero((dsz > 0).all(1))
     sn = np.flatnonzero((ssz > 0).all(1))
     drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
-    W = int(max(drank.max(initial=0), srank.max(initial=0), me or 0)) + 1
+    W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
 
     # destination boxes, their rows by (box, rank)
     bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
@@ -130,8 +127,7 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects, me, wh
     dstart = _segments(dbox, B)
     # a rank with two boxes of one tensor: its boxes must not overlap (checked on objects, tensor by tensor)
     kr = np.sort(dk[dn] * W + drank[dn])
-    dup = kr[1:][kr[1:] == kr[:-1]]
-    flagged = set((dup // W).tolist() if me is None else (dup[dup % W == me] // W).tolist())
+    flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
 
     # source boxes, their rows by (box, rank, local name, local offsets)
     sbk, sboff, sbsz, sinv = _boxes(sk[sn], soff[sn], ssz[sn])
@@ -154,17 +150,7 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects, me, wh
     nmeet = np.bincount(pd, minlength=B)
     ncont = np.bincount(pd[cont], minlength=B)
     uncovered = nmeet == 0
-    want = np.ones(B, bool)
-    if me is not None:  # a share: the boxes on ``me`` and those meeting a source box ``me`` holds
-        want = np.zeros(B, bool)
-        want[dbox[dranks == me]] = True
-        mine = np.zeros(S, bool)
-        mine[sbox[srank[srows] == me]] = True
-        want[pd[mine[ps]]] = True
-        twice = (dbox[1:] == dbox[:-1]) & (dranks[1:] == dranks[:-1])
-        if (uncovered & want).any() or want[dbox[1:][twice]].any():
-            raise Fallback
-    plain = ~uncovered & want & (gpn is None) & np.array([kinds[k][1] is None for k in bk.tolist()] or [], bool)
+    plain = ~uncovered & (gpn is None) & np.array([kinds[k][1] is None for k in bk.tolist()] or [], bool)
     simple = plain & (nmeet == ncont)
 
     out = _Rows()
@@ -182,28 +168,18 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects, me, wh
         salt = np.asarray(bases, I64)[bk[pbox]] + (poff // psz).sum(1)
         out.pieces = (bk[pbox], poff, psz)
         _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dranks, dstart, W)
-    slow = np.flatnonzero(~plain & ~uncovered & want)
+    slow = np.flatnonzero(~plain & ~uncovered)
     if len(slow):
         out.bad |= _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart,
-                              kinds, bases, gpn, groups, me, whole)
+                              kinds, bases, gpn, groups)
     uncov = set(bk[uncovered].tolist())
     for k in sorted(flagged | uncov | out.bad):  # bad input: the object routing of the tensor raises its message
         if k in flagged:
-            frags = [dr.fragment(i, k) for i in _layout_order(dk, dn, binv, k)]
-            try:
-                check_own_overlaps(part[k], frags if me is None else [f for f in frags if f.rank == me])
-            except ValueError:
-                if me is not None:
-                    raise Fallback from None
-                raise
+            check_own_overlaps(part[k], [dr.fragment(i, k) for i in _layout_order(dk, dn, binv, k)])
         if k in uncov or k in out.bad:
-            if me is not None:
-                raise Fallback
             make_objects([part[k]])
             raise RuntimeError(f"tensor {part[k]!r}: the row router found an element no source rank holds, "
                                f"the object router none")
-    if me is not None:
-        out.keep(me, np.array(whole, bool))
     return out.tables(part, kinds, dr, sr, D)
 
 
@@ -296,7 +272,7 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
 
 
 def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart, kinds,
-                bases, gpn, groups, me=None, whole=()) -> set[int]:
+                bases, gpn, groups) -> set[int]:
     """The other boxes, one by one through ``local.route_box`` on row references. Returns the tensors (batch
     indices) with an element no source holds."""
     from .local import route_box
@@ -325,11 +301,8 @@ def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, p
         box = (tuple(boff[b, :nd].tolist()), tuple(bsz[b, :nd].tolist()))
         wdt, rdt = kinds[k]
         lo_, wi_ = [], []
-        cut = me is not None and not whole[k]
         try:
-            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_,
-                      (lambda s, d: s == me or d == me) if cut else None, bases[k], me if cut else None,
-                      make=_make_row)
+            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, base=bases[k], make=_make_row)
         except ValueError:
             bad.add(k)
             continue
@@ -357,18 +330,6 @@ class _Rows:
     def add_slow(self, k: int, lo: list, wi: list) -> None:
         self.slow[True].extend((k, *t) for t in lo)
         self.slow[False].extend((k, *t) for t in wi)
-
-    def keep(self, me: int, whole: np.ndarray) -> None:
-        """A share: only ``me``'s fast rows (a local copy into it, a wire transfer from or to it), all of those
-        of the tensors in ``whole`` (the slow ones were cut by ``route_box``)."""
-        for local, got in self.fast.items():
-            kept = []
-            for box, srow, drow, sranks, dranks in got:
-                ok = whole[self.pieces[0][box]] | (dranks == me)
-                if not local:
-                    ok |= sranks == me
-                kept.append((box[ok], srow[ok], drow[ok], sranks[ok], dranks[ok]))
-            self.fast[local] = kept
 
     def tables(self, part, kinds, dr, sr, D):
         return tuple(self._table(local, part, kinds, dr, sr, D) for local in (True, False))
