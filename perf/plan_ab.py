@@ -66,11 +66,16 @@ def record(src, dst, kw: dict, ranks_whole=True) -> dict:
     return out
 
 
-def cases():
+def cases(only: list[str] | None = None):
+    """``(name, src, dst, plan_reshard keywords)`` of every case (``only``: the names starting with one of
+    these; the layouts of the others are not built)."""
+    def wanted(name: str) -> bool:
+        return not only or any(name.startswith(p) or p.startswith(name + "/") for p in only)
+
     for model in MODELS:
         for world in WORLDS:
             kw = case_kwargs(model, world)
-            if kw is None:
+            if kw is None or not wanted(f"{model}/{world}"):
                 continue
             cfg = get_config(model)
             src = megatron_layout(cfg, **kw[0], ranks=range(world), dtype=torch.bfloat16)
@@ -90,8 +95,9 @@ def cases():
                     q = None
                 if q is not None:
                     yield f"{model}/{world}/fp8", src, q, {}
-    src, dst = _layouts("t128")
-    yield "t128", src, dst, {}
+    if wanted("t128"):
+        src, dst = _layouts("t128")
+        yield "t128", src, dst, {}
 
 
 def main(argv=None) -> int:
@@ -101,7 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma list of case-name prefixes")
     args = ap.parse_args(argv)
     got = {}
-    for name, src, dst, kw in cases():
+    only = args.only.split(",") if args.only else None
+    for name, src, dst, kw in cases(only):
         if args.only and not any(name.startswith(x) for x in args.only.split(",")):
             continue
         t = time.process_time()
