@@ -30,7 +30,7 @@ import torch
 from ..layout import Layout, itemsize_of
 from .index import DstGroup, FragmentRef, check_own_overlaps
 from .relay import relay_dtype
-from .routing import cover_pieces, wire_dtype_of
+from .routing import cover_pieces
 from .table import I64, TransferTable, widen
 
 ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
@@ -65,15 +65,9 @@ def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups:
     return TransferTable.concat(locals_), TransferTable.concat(wires)
 
 
-class _Spec:
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype) -> None:
-        self.dtype = dtype
-
-
 def wire_dtype_of_dtypes(s: torch.dtype, d: torch.dtype) -> torch.dtype:
-    return wire_dtype_of(_Spec(s), _Spec(d))
+    """``routing.wire_dtype_of`` of a source and destination dtype: the narrower, the source's on a tie."""
+    return d if itemsize_of(d) < itemsize_of(s) else s
 
 
 def _boxes(k: np.ndarray, off: np.ndarray, sz: np.ndarray):
