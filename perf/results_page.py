@@ -419,6 +419,7 @@ def _planner(res: Results) -> Section:
     shares: dict[str, list[dict]] = {}
     whole: dict[str, dict] = {}
     before: dict[str, dict] = {}
+    before_share: dict[str, list[dict]] = {}
     for r in d["results"]:
         if r["kind"] == "share":
             shares.setdefault(r["case"], []).append(r)
@@ -426,6 +427,8 @@ def _planner(res: Results) -> Section:
             whole[r["case"]] = r
         elif r["kind"] == "before":
             before[r["case"]] = r
+        elif r["kind"] == "before_share":
+            before_share.setdefault(r["case"], []).append(r)
     rows = []
     for case in dict.fromkeys([*shares, *whole]):
         s = max(shares.get(case, []), key=lambda r: r["cpu_seconds"], default=None)
@@ -436,7 +439,12 @@ def _planner(res: Results) -> Section:
                f"{w['cpu_seconds']:.1f} s ({' / '.join(f'{v:.2f}' for v in w['cpu'].values())}), "
                f"+{w['peak_above_import_mb']:,.0f} MB" if w else "—"]
         if before:
-            row.append(f"{b['cpu_seconds']:.1f} s" if b and "cpu_seconds" in b else (b or {}).get("note", "—"))
+            bs = max(before_share.get(case, []), key=lambda r: r["cpu_seconds"], default=None)
+            if before_share:
+                row.insert(3, f"{bs['cpu_seconds']:.2f} s, +{bs['peak_above_import_mb']:.0f} MB" if bs else "—")
+            row.append(f"{b['cpu_seconds']:.1f} s" + (f", +{b['peak_above_import_mb']:,.0f} MB"
+                                                      if "peak_above_import_mb" in b else "")
+                       if b and "cpu_seconds" in b else (b or {}).get("note", "—"))
         row += [f"{w['steps']:,}, {w['predicted_seconds_h100']:.2f} s" if w else "—",
                 ("yes" if w["wire_bytes"] == w["lower_bound_bytes"] else "**no**") if w else "—"]
         rows.append(row)
@@ -445,7 +453,11 @@ def _planner(res: Results) -> Section:
     phases = (f"share: {' / '.join(s0['cpu'])}" if s0 else "") + ("; " if s0 and w0 else "") + \
         (f"whole: {' / '.join(w0['cpu'])}" if w0 else "")
     big = max(rows, key=lambda r: int(r[1].replace(",", "")))
-    if before:
+    if before and d["meta"].get("before"):  # a side-by-side run: the older tree's whole plans, same sitting
+        against = d["meta"]["before"]
+        note = ("CPU seconds are the process's own, pinned to one core: the load moves them less than wall time, "
+                "but not by nothing. ")
+    elif before:
         against = "the planner before the rank plans (whole plan only: a rank's share was the whole plan then)"
         note = ("This JSON predates the later planner work (transfers and the schedule as columns), timed as "
                 "before/after pairs without a JSON here: see HISTORY.md. ")
@@ -460,8 +472,11 @@ def _planner(res: Results) -> Section:
              "layouts, its plan and schedule) and the whole plan (layouts, plan, stats, schedule, predicted time), "
              "CPU seconds of one fresh process, per phase in brackets; memory above the post-import RSS",
         against=against,
-        headline=f"at {big[1]} ranks: a rank's share {big[2].split(' (')[0]}, the whole plan {big[3].split(' (')[0]}",
-        table=[["case", "ranks", "rank share, slower of the first/last rank", "whole plan",
+        headline=f"at {big[1]} ranks: a rank's share {big[2].split(' (')[0]}, the whole plan "
+                 f"{big[4 if before_share else 3].split(' (')[0]}"
+                 + (f" (before: {big[3].split(',')[0]} and {big[5].split(',')[0]})" if before_share else ""),
+        table=[["case", "ranks", "rank share, slower of the first/last rank",
+                *(["rank share before"] if before_share else []), "whole plan",
                 *(["whole plan before"] if before else []), "steps, predicted refit (H100 model)",
                 "wire = lower bound"], *rows],
         note=note + f"Phases: {phases}. Cases (Megatron → vLLM): "

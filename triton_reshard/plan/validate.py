@@ -291,6 +291,51 @@ class _Frags:
         return out
 
 
+PAIR_CHUNK = 1 << 22  # pairs of boxes tested at once
+BIG_GROUP = 64  # a fragment written by more transfers than this: ``find_overlap`` (a sweep) instead of all pairs
+
+
+def _writes_disjoint(cnt: np.ndarray, tables, d_of) -> bool:
+    """Whether the nonempty boxes each destination fragment written more than once gets (``cnt``: writes per
+    fragment; ``d_of``: per table each row's fragment) share no element: every pair of a fragment's boxes
+    tested on arrays, a fragment with many writes by ``find_overlap``."""
+    fi, off, sz, nd = [], [], [], []
+    D = max(tb.offsets.shape[1] for tb in tables)
+    for tb, d in zip(tables, d_of, strict=True):
+        sel = np.flatnonzero((cnt[d] > 1) & (tb.numel > 0))
+        fi.append(d[sel])
+        off.append(widen(tb.offsets[sel], D, 0))
+        sz.append(widen(tb.sizes[sel], D, 1))
+        nd.append(tb.ndim[sel])
+    fi, off, sz, nd = (np.concatenate(x) for x in (fi, off, sz, nd))
+    o = np.argsort(fi, kind="stable")
+    fi, off, sz, nd = fi[o], off[o], sz[o], nd[o]
+    end = off + sz
+    starts = np.flatnonzero(np.concatenate(([True], fi[1:] != fi[:-1])))
+    c = np.diff(np.concatenate((starts, [len(fi)])))
+    big = c > BIG_GROUP
+    for a, n in zip(starts[big].tolist(), c[big].tolist(), strict=True):
+        k = int(nd[a])
+        if find_overlap([(tuple(off[i, :k].tolist()), tuple(sz[i, :k].tolist()), None)
+                         for i in range(a, a + n)]) is not None:
+            return False
+    # every pair (i, j), i < j, of the small groups: element i's partners are the rest of its group
+    grp = np.repeat(np.arange(len(c)), c)
+    small = ~big[grp]
+    rest = (starts[grp] + c[grp] - 1 - np.arange(len(fi))) * small
+    lo = 0
+    while lo < len(fi):
+        acc = np.cumsum(rest[lo:])
+        hi = lo + max(1, int(np.searchsorted(acc, PAIR_CHUNK, side="right")))
+        seg = np.repeat(np.arange(lo, hi), rest[lo:hi])
+        first = np.concatenate(([0], np.cumsum(rest[lo:hi])[:-1]))
+        j = seg + 1 + (np.arange(len(seg)) - first[seg - lo])
+        if ((off[seg] < end[j]) & (off[j] < end[seg])).all(axis=1).any():
+            return False
+        lo = hi
+    return True
+
+
 def table_valid(plan: PlanLike) -> bool:
     """``validate_plan``'s checks on the transfers' columns (``TransferTable``): True when they pass; False when
     one might fail (the caller then runs ``validate_plan``, which names the problem, or passes in the rare case
@@ -345,17 +390,8 @@ def table_valid(plan: PlanLike) -> bool:
         fine = np.where(cnt == 0, fnumel == 0, got == fnumel)
     if not fine.all():
         return False
-    multi = np.flatnonzero(cnt > 1)
-    if len(multi):
-        rows = [(tb, np.flatnonzero(np.isin(d, multi) & (tb.numel > 0)), d) for tb, d in zip((wire, local), d_of, strict=True)]
-        boxes: dict[int, list] = defaultdict(list)
-        for tb, sel, d in rows:
-            for fi, o, s, k in zip(d[sel].tolist(), tb.offsets[sel].tolist(), tb.sizes[sel].tolist(),
-                                   tb.ndim[sel].tolist(), strict=True):
-                boxes[fi].append((tuple(o[:k]), tuple(s[:k]), None))
-        for bs in boxes.values():
-            if find_overlap(bs) is not None:
-                return False
+    if (cnt > 1).any() and not _writes_disjoint(cnt, (wire, local), d_of):
+        return False
     # relays read boxes their rank got from non-relays: when relays also write the fragment a relay reads, the box
     # it reads must be exactly one that a non-relay wrote (the planner's relays read the part their rank received)
     rl = np.flatnonzero(wire.relay & (wire.numel > 0))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..plan.table import TransferTable
 from ..plan.types import StepPairBytes
 
 GB = 1e9
@@ -174,12 +175,26 @@ def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int, shared_
     return nvl, netl, int(n[nv].sum()), int(n[net].sum())
 
 
+def _pair_sums(table, sel=None) -> dict[tuple[int, int], int]:
+    """``{(src, dst): bytes}`` of the rows ``sel`` (a mask; None: all) of a transfer table, pairs in order of
+    first appearance (as a loop over the transfers adds them)."""
+    s, d, n = table.src, table.dst, table.nbytes
+    if sel is not None:
+        s, d, n = s[sel], d[sel], n[sel]
+    if not len(s):
+        return {}
+    w = int(max(s.max(), d.max())) + 1
+    keys, first, inv = np.unique(s * w + d, return_index=True, return_inverse=True)
+    sums = np.zeros(len(keys), np.int64)
+    np.add.at(sums, inv.reshape(-1), n)
+    order = np.argsort(first, kind="stable")
+    return dict(zip(zip((keys[order] // w).tolist(), (keys[order] % w).tolist(), strict=True), sums[order].tolist(),
+                    strict=True))
+
+
 def plan_pair_bytes(plan) -> dict[tuple[int, int], int]:
     """``{(src, dst): bytes}`` of a plan's wire transfers (relays included): what each link carries in all."""
-    out: dict[tuple[int, int], int] = defaultdict(int)
-    for t in plan.transfers:
-        out[(t.src_rank, t.dst_rank)] += t.nbytes
-    return dict(out)
+    return _pair_sums(TransferTable.of(plan.transfers))
 
 
 def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
@@ -189,11 +204,9 @@ def plan_phase_pair_bytes(plan) -> list[dict[tuple[int, int], int]]:
     ``predict_seconds(plan_phase_pair_bytes(plan), topo)`` is the unbucketed bound of a plan with relays: the
     phases add up like steps. (One mapping of all the bytes would let relays overlap the network phase.)
     """
-    first: dict[tuple[int, int], int] = defaultdict(int)
-    relays: dict[tuple[int, int], int] = defaultdict(int)
-    for t in plan.transfers:
-        (relays if t.relay else first)[(t.src_rank, t.dst_rank)] += t.nbytes
-    return [dict(first), dict(relays)] if relays else [dict(first)]
+    t = TransferTable.of(plan.transfers)
+    first = _pair_sums(t, ~t.relay)
+    return [first, _pair_sums(t, t.relay)] if t.relay.any() else [first]
 
 
 def schedule_pair_bytes(schedule) -> list[dict[tuple[int, int], int]]:

@@ -1,0 +1,100 @@
+"""Routing as rows (``plan/rows.py``) and the checks it feeds: the same transfers as the object router
+(``local.route_box`` through ``route_all`` / ``route_rank``), and the vectorized disjointness check of
+``validate.table_valid`` against ``find_overlap``."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from triton_reshard.box import boxes_meet, find_overlap
+from triton_reshard.plan import plan_reshard
+from triton_reshard.plan.local import _tensor_order, route_all
+from triton_reshard.plan.routing import check_relay_groups, held_numel
+from triton_reshard.plan.rows import missing_elements, route_tables
+from triton_reshard.plan.table import TransferTable
+from triton_reshard.plan.validate import _writes_disjoint
+from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+
+def _pair(model="qwen3-30b-a3b"):
+    cfg = get_config(model)
+    moe = model == "qwen3-30b-a3b"
+    src = megatron_layout(cfg, tp=2, pp=2, dp=2, ep=2 if moe else 1, etp=1 if moe else None, ranks=range(8),
+                          dtype=torch.bfloat16)
+    dst = vllm_layout(cfg, tp=4, dp=2, enable_expert_parallel=moe, ranks=range(8), dtype=torch.bfloat16)
+    return src, dst
+
+
+def _same(table: TransferTable, objects: list) -> None:
+    assert table.sorted("wire").keys_digest() == TransferTable.of(objects).sorted("wire").keys_digest()
+
+
+@pytest.mark.parametrize("gpn,relay,inst", [(None, False, 1), (4, True, 1), (4, False, 1), (None, True, 2)])
+def test_rows_equal_objects_and_cut_into_shares(gpn, relay, inst):
+    src, one = _pair()
+    dst = one.instances(inst)
+    groups = check_relay_groups(one.instance_groups(inst)) if inst > 1 else {}
+    order = _tensor_order(dst)
+    lt, wt = route_tables(src, dst, gpn, relay, groups, order, None)
+    lo, wo = route_all(src, dst, gpn, relay, groups)
+    _same(lt, lo)
+    _same(wt, wo)
+    whole = plan_reshard(src, dst, gpus_per_node=gpn, relay=relay,
+                         relay_groups=one.instance_groups(inst) if inst > 1 else None)
+    for r in (0, 5, max(dst.ranks)):  # the shares (objects, route_rank) cut the whole plan (rows)
+        share = plan_reshard(src, dst, gpus_per_node=gpn, relay=relay,
+                             relay_groups=one.instance_groups(inst) if inst > 1 else None, rank=r)
+        assert set(share.transfers) == {t for t in whole.transfers if r in (t.src_rank, t.dst_rank)}
+        assert set(share.local_copies) == {t for t in whole.local_copies if t.dst_rank == r}
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen3-30b-a3b"])
+def test_missing_elements_equal_the_object_count(model):
+    src, dst = _pair(model)
+    names = [t.name for t in dst.tensors]
+    got = missing_elements(src, dst, names)
+    for k, n in enumerate(names):  # per fragment: its elements less those of its rank's source boxes (objects)
+        want = 0
+        for df in dst.fragments_by_tensor[n]:
+            own = {(f.offsets, f.sizes) for f in src.fragments_by_tensor[n] if f.rank == df.rank and f.numel}
+            boxes = [b for b in own if boxes_meet(b[0], b[1], df.offsets, df.sizes)]
+            want += df.numel - (held_numel(df.offsets, df.sizes, boxes) if boxes else 0)
+        assert got[k] == want, n
+    st = plan_reshard(src, dst).stats()
+    assert st.lower_bound_bytes == st.wire_bytes
+
+
+def _writes(boxes_per_frag):
+    """A one-table layout of writes: per fragment its boxes, as ``_writes_disjoint`` reads them."""
+    rows = [(fi, o, s) for fi, bs in enumerate(boxes_per_frag) for o, s in bs]
+
+    class T:
+        offsets = np.array([o for _f, o, _s in rows], np.int64).reshape(len(rows), -1)
+        sizes = np.array([s for _f, _o, s in rows], np.int64).reshape(len(rows), -1)
+        ndim = np.full(len(rows), offsets.shape[1], np.int8)
+        numel = sizes.prod(axis=1)
+
+    d = np.array([f for f, _o, _s in rows], np.int64)
+    cnt = np.bincount(d, minlength=len(boxes_per_frag))
+    return _writes_disjoint(cnt, (T,), (d,))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_writes_disjoint_agrees_with_find_overlap(seed):
+    rng = random.Random(seed)
+    frags = []
+    for _ in range(rng.randint(1, 6)):
+        n = rng.choice([1, 2, 3, 5, 70])  # 70: more than BIG_GROUP, the sweep
+        bs = []
+        for _ in range(n):
+            o = (rng.randrange(0, 40), rng.randrange(0, 40))
+            bs.append((o, (rng.randint(1, 6), rng.randint(1, 6))))
+        if rng.random() < 0.5:  # a disjoint grid
+            bs = [((i * 7, j), (7, 1)) for i in range(n) for j in range(1)][:n]
+        frags.append(bs)
+    want = all(find_overlap([(o, s, None) for o, s in bs]) is None for bs in frags)
+    assert _writes(frags) is want

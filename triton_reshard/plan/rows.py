@@ -1,0 +1,478 @@
+"""Routing as rows: the whole plan's transfers emitted as numpy columns per batch of tensors, straight from the
+layouts' fragment rows (``Layout.tensor_rows``), never as one Python object per transfer.
+
+The rules are ``local``'s (see its module doc); this module evaluates them on arrays. Per batch of tensors:
+
+* the distinct nonempty destination boxes and source boxes (``np.unique`` over ``(tensor, offsets, sizes)``),
+  every (destination box, source box) pair of one tensor that shares an element;
+* a destination box every meeting source box contains is one piece held by all their fragments (the common
+  case: replicas of one shard, or a larger shard); without topology or relays its transfers are computed
+  vectorized: per holder rank its first fragment (local copies read it: the smallest source box, then local
+  name, then local offsets) and its best one (senders read it: the smallest local name, then box, then local
+  offsets), local copies where a destination rank holds the piece, and receiver ``i`` of the others (ascending
+  ranks) gets holder ``(salt + i) % h`` (``local.assign`` without ``gpus_per_node``);
+* every other box (pieces cut by ``decompose_box``, or any box with ``gpus_per_node`` or relays) goes through
+  ``local.route_box`` itself on row references, its ``make`` emitting rows, so the rules stay one code;
+* the rows become a :class:`~triton_reshard.plan.table.TransferTable` (local offsets from the fragments' local
+  offsets plus the piece's offset in the fragment, as ``Fragment.local_box``).
+
+Bad input (overlapping destination boxes on a rank, an element no source holds) is detected here and raised
+by the object routing of the same tensor, so the message and the tensor it names stay the object router's.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+import torch
+
+from ..layout import Layout, itemsize_of
+from .index import DstGroup, FragmentRef, check_own_overlaps
+from .relay import relay_dtype
+from .routing import cover_pieces
+from .table import I64, TransferTable, widen
+
+ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
+
+
+def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
+    return {n: dt for n, (_shape, dt) in layout.shapes_and_dtypes().items()}
+
+
+def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
+                 order: dict[str, int], make_objects) -> tuple[TransferTable, TransferTable]:
+    """Every rank's ``(local copies, wire transfers)`` as tables, unsorted. ``order``: tensor name -> its index
+    among ``dst``'s tensors (the salt's base, and the order tensors are checked in); ``make_objects(names)``:
+    the object routing of those tensors (called only to raise the error of bad input, in its words)."""
+    sdt, ddt = _dtypes(src), _dtypes(dst)
+    names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
+    opts: dict[tuple, tuple] = {}
+    locals_, wires = [], []
+    for b in range(0, len(names), ROW_BATCH):
+        part = names[b:b + ROW_BATCH]
+        kinds = []
+        for n in part:
+            key = (sdt[n], ddt[n])
+            o = opts.get(key)
+            if o is None:
+                w = wire_dtype_of_dtypes(*key)
+                o = opts[key] = (w, relay_dtype(key[0], key[1], w) if relay else None)
+            kinds.append(o)
+        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, make_objects)
+        locals_.append(lt)
+        wires.append(wt)
+    return TransferTable.concat(locals_), TransferTable.concat(wires)
+
+
+def wire_dtype_of_dtypes(s: torch.dtype, d: torch.dtype) -> torch.dtype:
+    """``routing.wire_dtype_of`` of a source and destination dtype: the narrower, the source's on a tie."""
+    return d if itemsize_of(d) < itemsize_of(s) else s
+
+
+def _boxes(k: np.ndarray, off: np.ndarray, sz: np.ndarray):
+    """Distinct ``(tensor, offsets, sizes)`` (sorted: tensor, then the box as tuples compare) and each row's
+    (one lexsort of the columns: ``np.unique(axis=0)`` sorts row views, several times slower)."""
+    cols = [k, *off.T, *sz.T]
+    o = np.lexsort(cols[::-1])
+    new = np.ones(len(o), bool)
+    for c in cols:
+        cs = c[o]
+        new[1:] &= cs[1:] == cs[:-1]
+    new = ~new
+    new[:1] = True
+    inv = np.empty(len(o), I64)
+    inv[o] = np.cumsum(new) - 1
+    u = o[new]
+    return k[u], off[u], sz[u], inv
+
+
+def _segments(sorted_ids: np.ndarray, n: int) -> np.ndarray:
+    return np.searchsorted(sorted_ids, np.arange(n + 1))
+
+
+def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(segment of each element, starts[segment] + position in it)`` for segments of ``counts``."""
+    seg = np.repeat(np.arange(len(counts)), counts)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else np.zeros(0, I64)
+    pos = np.arange(int(counts.sum())) - first[seg]
+    return seg, starts[seg] + pos
+
+
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
+    K = len(part)
+    dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
+    D = max(dr.offsets.shape[1], sr.offsets.shape[1])
+    doff, dsz = widen(dr.offsets, D, 0), widen(dr.sizes, D, 1)
+    soff, ssz = widen(sr.offsets, D, 0), widen(sr.sizes, D, 1)
+    dk = np.repeat(np.arange(K), np.diff(dr.starts))
+    sk = np.repeat(np.arange(K), np.diff(sr.starts))
+    dn = np.flatnonzero((dsz > 0).all(1))
+    sn = np.flatnonzero((ssz > 0).all(1))
+    drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
+    W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
+
+    # destination boxes, their rows by (box, rank)
+    bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+    B = len(bk)
+    o = np.lexsort((drank[dn], binv))
+    drows, dbox = dn[o], binv[o]
+    dranks = drank[drows]
+    dstart = _segments(dbox, B)
+    # a rank with two boxes of one tensor: its boxes must not overlap (checked on objects, tensor by tensor)
+    kr = np.sort(dk[dn] * W + drank[dn])
+    flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+
+    # source boxes, their rows by (box, rank, local name, local offsets)
+    sbk, sboff, sbsz, sinv = _boxes(sk[sn], soff[sn], ssz[sn])
+    S = len(sbk)
+    loff, lnd = sr.local_offset_columns
+    lid = np.asarray(sr.local_ids, I64)
+    keys = [loff[sn, j] for j in range(loff.shape[1] - 1, -1, -1)]
+    o = np.lexsort((*keys, lid[sn], srank[sn], sinv))
+    srows, sbox = sn[o], sinv[o]
+    sstart = _segments(sbox, S)
+
+    # (destination box, source box) pairs of one tensor sharing an element
+    sA = _segments(sbk, K)
+    ns = (sA[1:] - sA[:-1])[bk]
+    pd, ps = _expand(sA[bk], ns)
+    bend, send = boff + bsz, sboff + sbsz
+    meet = ((sboff[ps] < bend[pd]) & (send[ps] > boff[pd])).all(1)
+    pd, ps = pd[meet], ps[meet]
+    cont = ((sboff[ps] <= boff[pd]) & (send[ps] >= bend[pd])).all(1)
+    nmeet = np.bincount(pd, minlength=B)
+    ncont = np.bincount(pd[cont], minlength=B)
+    uncovered = nmeet == 0
+    plain = ~uncovered & (gpn is None) & np.array([kinds[k][1] is None for k in bk.tolist()] or [], bool)
+    simple = plain & (nmeet == ncont)
+
+    out = _Rows()
+    # pieces routed on arrays: a simple box is one piece; a box some meeting source box does not contain is cut
+    # (``routing.cover_pieces``, per box in Python: few boxes), each piece held by the source boxes of its mask
+    pieces, pairs = _simple_pieces(simple, pd, ps, boff, bsz)
+    cut = np.flatnonzero(plain & ~simple)
+    if len(cut):
+        more, more_pairs, bad = _cut_pieces(cut, pd, ps, boff, bsz, sboff, sbsz, bk, dr.ndims, len(pieces[0]))
+        out.bad |= bad
+        pieces = tuple(np.concatenate([a, b]) for a, b in zip(pieces, more, strict=True))
+        pairs = tuple(np.concatenate([a, b]) for a, b in zip(pairs, more_pairs, strict=True))
+    if len(pieces[0]):
+        pbox, poff, psz = pieces
+        salt = np.asarray(bases, I64)[bk[pbox]] + (poff // psz).sum(1)
+        out.pieces = (bk[pbox], poff, psz)
+        _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dranks, dstart, W)
+    slow = np.flatnonzero(~plain & ~uncovered)
+    if len(slow):
+        out.bad |= _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart,
+                              kinds, bases, gpn, groups)
+    uncov = set(bk[uncovered].tolist())
+    for k in sorted(flagged | uncov | out.bad):  # bad input: the object routing of the tensor raises its message
+        if k in flagged:
+            check_own_overlaps(part[k], [dr.fragment(i, k) for i in _layout_order(dk, dn, binv, k)])
+        if k in uncov or k in out.bad:
+            make_objects([part[k]])
+            raise RuntimeError(f"tensor {part[k]!r}: the row router found an element no source rank holds, "
+                               f"the object router none")
+    return out.tables(part, kinds, dr, sr, D)
+
+
+def _layout_order(dk, dn, binv, k) -> list[int]:
+    """Tensor ``k``'s nonempty destination rows as ``TensorIndex`` lists them: by box (first appearance), then
+    row order."""
+    rows = dn[dk[dn] == k]
+    boxes = binv[dk[dn] == k]
+    first: dict[int, int] = {}
+    for b in boxes.tolist():
+        first.setdefault(b, len(first))
+    rank = np.array([first[b] for b in boxes.tolist()], I64)
+    return rows[np.argsort(rank, kind="stable")].tolist()
+
+
+def _simple_pieces(simple, pd, ps, boff, bsz):
+    """The boxes ``simple`` as pieces ``(box, offsets, sizes)`` and their ``(piece, source box)`` pairs."""
+    fast = np.flatnonzero(simple)
+    at = np.full(len(simple), -1, I64)
+    at[fast] = np.arange(len(fast))
+    sel = simple[pd]
+    return (fast, boff[fast], bsz[fast]), (at[pd[sel]], ps[sel])
+
+
+def _cut_pieces(cut, pd, ps, boff, bsz, sboff, sbsz, bk, ndims, base):
+    """The pieces of the boxes ``cut`` (``routing.cover_pieces`` on the meeting source boxes, sorted as tuples:
+    their ids' order), numbered from ``base``, their pairs, and the tensors with an element no source holds."""
+    D = boff.shape[1]
+    pstart = _segments(pd, len(boff))
+    pb, po, pz, qp, qs = [], [], [], [], []
+    bad: set[int] = set()
+    for b in cut.tolist():
+        nd = ndims[int(bk[b])]
+        cands = ps[pstart[b]:pstart[b + 1]].tolist()
+        boxes = [(tuple(sboff[c, :nd].tolist()), tuple(sbsz[c, :nd].tolist())) for c in cands]
+        for p_off, p_size, mask in cover_pieces(tuple(boff[b, :nd].tolist()), tuple(bsz[b, :nd].tolist()), boxes):
+            if not mask:
+                bad.add(int(bk[b]))
+                continue
+            j = base + len(pb)
+            pb.append(b)
+            po.append(p_off + (0,) * (D - nd))
+            pz.append(p_size + (1,) * (D - nd))
+            for i, c in enumerate(cands):
+                if mask >> i & 1:
+                    qp.append(j)
+                    qs.append(c)
+    arr = lambda x: np.array(x, I64).reshape(len(x), -1) if x else np.zeros((0, D), I64)  # noqa: E731
+    return ((np.array(pb, I64), arr(po), arr(pz)), (np.array(qp, I64), np.array(qs, I64)), bad)
+
+
+def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dranks, dstart, W):
+    """Route the pieces (``pbox``: each one's destination box; ``pairs``: ``(piece, source box)`` ascending, the
+    source boxes holding it), without topology or relays: local copies from each holder rank's first fragment
+    where a destination rank holds the piece, and receiver ``i`` of the others gets holder ``(salt + i) % h``'s
+    best fragment (``local.assign``). Appends them to ``out``."""
+    fpd, fps = pairs
+    cnt = sstart[fps + 1] - sstart[fps]
+    seg, at = _expand(sstart[fps], cnt)
+    eb, er = fpd[seg], srows[at]  # (piece, source row): piece, source box, rank, local, local offsets order
+    ek = srank[er]
+    o1 = np.lexsort((ek, eb))  # stable: within (piece, rank) the smallest source box, local, local offsets first
+    o2 = np.lexsort((lid[er], ek, eb))  # within (piece, rank) the smallest local, then source box, local offsets
+    gb, gr = eb[o1], ek[o1]
+    head = np.ones(len(gb), bool)
+    head[1:] = (gb[1:] != gb[:-1]) | (gr[1:] != gr[:-1])
+    hb, hr, hfirst = gb[head], gr[head], er[o1][head]
+    hbest = er[o2][head]  # (o2 groups the same (piece, rank) runs in the same order)
+    hkey = hb * W + hr
+    P = len(pbox)
+    hstart = _segments(hb, P)
+    h = hstart[1:] - hstart[:-1]
+    # destination rows of the pieces (those of their box)
+    nd = dstart[pbox + 1] - dstart[pbox]
+    db, dat = _expand(dstart[pbox], nd)
+    drow, drk = drows[dat], dranks[dat]
+    dkey = db * W + drk
+    pos = np.minimum(np.searchsorted(hkey, dkey), max(len(hkey) - 1, 0))
+    held = hkey[pos] == dkey if len(hkey) else np.zeros(len(dkey), bool)
+    hs = hfirst[pos[held]]
+    out.add_fast(True, db[held], hs, drow[held], srank[hs], drk[held])
+    recv = ~held
+    c = np.cumsum(recv) - recv  # receivers before each row
+    first = np.concatenate(([0], np.cumsum(nd)[:-1]))
+    i = c - c[first][db]
+    rb = db[recv]
+    pick = hstart[rb] + (salt[rb] + i[recv]) % h[rb]
+    ws = hbest[pick]
+    out.add_fast(False, rb, ws, drow[recv], srank[ws], drk[recv])
+
+
+def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart, kinds,
+                bases, gpn, groups) -> set[int]:
+    """The other boxes, one by one through ``local.route_box`` on row references. Returns the tensors (batch
+    indices) with an element no source holds."""
+    from .local import route_box
+
+    bad: set[int] = set()
+    refs: dict[int, list] = {}
+    loff, lnd = sr.local_offset_columns
+    pstart = _segments(pd, len(bk))
+    for b in slow.tolist():
+        k = int(bk[b])
+        name, nd = part[k], dr.ndims[k]
+        sfrags = []
+        for s in ps[pstart[b]:pstart[b + 1]].tolist():
+            got = refs.get(s)
+            if got is None:
+                rows = srows[sstart[s]:sstart[s + 1]]
+                got = refs[s] = [
+                    FragmentRef(name, r, tuple(off[:nd]), tuple(z[:nd]), sr.local_names[li], tuple(lo[:m]), None, row)
+                    for row, r, off, z, li, lo, m in zip(
+                        rows.tolist(), sr.ranks[rows].tolist(), sr.offsets[rows].tolist(), sr.sizes[rows].tolist(),
+                        sr.local_ids[rows].tolist(), loff[rows].tolist(), lnd[rows].tolist(), strict=True)]
+            sfrags.extend(got)
+        a, e = dstart[b], dstart[b + 1]
+        ranks, rows = dranks[a:e].tolist(), drows[a:e].tolist()
+        group = DstGroup(ranks, lambda r, ranks=ranks, rows=rows: rows[bisect_left(ranks, r)])
+        box = (tuple(boff[b, :nd].tolist()), tuple(bsz[b, :nd].tolist()))
+        wdt, rdt = kinds[k]
+        lo_, wi_ = [], []
+        try:
+            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, base=bases[k], make=_make_row)
+        except ValueError:
+            bad.add(k)
+            continue
+        out.add_slow(k, lo_, wi_)
+    return bad
+
+
+def _make_row(name, off, size, sf, df, dt, relay=False):
+    return (off, size, sf if relay else sf._row, df, dt, relay)
+
+
+class _Rows:
+    """Rows gathered for one batch: fast ones as arrays (a box's piece), slow ones as tuples."""
+
+    def __init__(self) -> None:
+        self.fast: dict[bool, list] = {True: [], False: []}
+        self.slow: dict[bool, list] = {True: [], False: []}
+        self.bad: set[int] = set()
+        self.pieces = None  # (tensor, offsets, sizes) per piece of the fast rows
+
+    def add_fast(self, local: bool, box, srow, drow, sranks, dranks) -> None:
+        if len(box):
+            self.fast[local].append((box, srow, drow, sranks, dranks))
+
+    def add_slow(self, k: int, lo: list, wi: list) -> None:
+        self.slow[True].extend((k, *t) for t in lo)
+        self.slow[False].extend((k, *t) for t in wi)
+
+    def tables(self, part, kinds, dr, sr, D):
+        return tuple(self._table(local, part, kinds, dr, sr, D) for local in (True, False))
+
+    def _table(self, local, part, kinds, dr, sr, D):
+        fast, slow = self.fast[local], self.slow[local]
+        if not fast and not slow:
+            return TransferTable.empty()
+        dts: dict[torch.dtype, int] = {}
+        wcode = np.array([dts.setdefault(w, len(dts)) for w, _r in kinds], np.int8)
+        fb = np.concatenate([f[0] for f in fast]) if fast else np.zeros(0, I64)
+        pk, poff, psz = self.pieces if fast else (np.zeros(0, I64), np.zeros((0, D), I64), np.ones((0, D), I64))
+        k = [pk[fb]]
+        off, sz = [poff[fb]], [psz[fb]]
+        srow = [np.concatenate([f[1] for f in fast]) if fast else np.zeros(0, I64)]
+        drow = [np.concatenate([f[2] for f in fast]) if fast else np.zeros(0, I64)]
+        rel = [np.zeros(len(fb), bool)]
+        wdt = [wcode[pk[fb]]]
+        if slow:
+            n = len(slow)
+            ks, offs, szs, srs, drs, dtl, rls = zip(*slow, strict=True)
+            ka = np.array(ks, I64)
+            k.append(ka)
+            o2, z2 = np.zeros((n, D), I64), np.ones((n, D), I64)
+            for i, (a, z) in enumerate(zip(offs, szs, strict=True)):
+                o2[i, :len(a)], z2[i, :len(z)] = a, z
+            off.append(o2)
+            sz.append(z2)
+            srow.append(np.array(srs, I64))
+            drow.append(np.array(drs, I64))
+            rel.append(np.array(rls, bool))
+            wdt.append(np.array([dts.setdefault(d, len(dts)) for d in dtl], np.int8))
+        k, off, sz = np.concatenate(k), np.concatenate(off), np.concatenate(sz)
+        srow, drow, rel, wdt = (np.concatenate(x) for x in (srow, drow, rel, wdt))
+        return _build(part, tuple(dts), k, off, sz, srow, drow, rel, wdt, dr, sr)
+
+
+def _build(part, dtypes, k, off, sz, srow, drow, rel, wdt, dr, sr) -> TransferTable:
+    """The table of the rows: tensor ``k`` (batch index), piece ``off`` / ``sz`` ([n, D] padded 0 / 1), source row
+    (of ``sr``, of ``dr`` for relays), destination row (of ``dr``), relay flag, wire dtype code."""
+    n = len(k)
+    ndim = np.array(dr.ndims, np.int8)[k] if n else np.zeros(0, np.int8)
+    D = off.shape[1]
+    # the trailing dims of a local tensor hold the box: only the tensor's own dims count (pad dims are 0 / +0)
+    dD = widen(dr.offsets, D, 0)
+    sD = widen(sr.offsets, D, 0)
+    plain = ~rel
+    s_lid, s_m = np.zeros(n, I64), np.zeros(n, I64)
+    parts = []
+    for mask, rows, origin in ((plain, sr, sD), (rel, dr, dD)):
+        at = srow[mask]
+        parts.append((mask, *_local_fields_nd(rows, at, off[mask], origin[at], ndim[mask])))
+    L = max([p[2].shape[1] for p in parts] + [0])
+    s_lo = np.zeros((n, L), I64)
+    for mask, lid, lo, m in parts:
+        s_lid[mask], s_m[mask] = lid, m
+        s_lo[mask, :lo.shape[1]] = lo
+    d_lid, d_lo, d_m = _local_fields_nd(dr, drow, off, dD[drow], ndim)
+    # local names of both layouts as one sorted tuple of the names used
+    sl, dl = np.asarray(sr.local_names, object), np.asarray(dr.local_names, object)
+    used_s, inv_s = np.unique(s_lid[plain], return_inverse=True)
+    used_r, inv_r = np.unique(s_lid[rel], return_inverse=True)
+    used_d, inv_d = np.unique(d_lid, return_inverse=True)
+    names = sorted(set(sl[used_s].tolist()) | set(dl[used_r].tolist()) | set(dl[used_d].tolist()))
+    at = {x: i for i, x in enumerate(names)}
+    src_local = np.zeros(n, np.int32)
+    src_local[plain] = np.array([at[x] for x in sl[used_s].tolist()] or [0], np.int32)[inv_s.reshape(-1)]
+    src_local[rel] = np.array([at[x] for x in dl[used_r].tolist()] or [0], np.int32)[inv_r.reshape(-1)]
+    dst_local = np.array([at[x] for x in dl[used_d].tolist()] or [0], np.int32)[inv_d.reshape(-1)]
+    src = np.zeros(n, I64)
+    src[plain], src[rel] = np.asarray(sr.ranks, I64)[srow[plain]], np.asarray(dr.ranks, I64)[srow[rel]]
+    item = np.array([itemsize_of(d) for d in dtypes] or [0], I64)
+    cols = dict(tensor=np.asarray(k, np.int32), ndim=ndim, offsets=np.asarray(off, I64), sizes=np.asarray(sz, I64),
+                src=np.asarray(src, I64), src_local=src_local, src_ndim=s_m.astype(np.int8), src_offsets=s_lo,
+                dst=np.asarray(dr.ranks, I64)[drow], dst_local=dst_local, dst_ndim=d_m.astype(np.int8),
+                dst_offsets=d_lo, wdt=np.asarray(wdt, np.int8), relay=np.asarray(rel, np.bool_),
+                quant=np.zeros(n, np.int8), nbytes=np.asarray(sz, I64).prod(axis=1, dtype=I64) * item[wdt])
+    return TransferTable(tuple(part), tuple(names), dtypes, cols, {})
+
+
+def _local_fields_nd(rows, at, off, origin, ndim):
+    """``_local_fields`` with per-row tensor dims ``ndim`` (the pad dims of a box are not the local tensor's)."""
+    loff, lnd = rows.local_offset_columns
+    lo = np.array(loff[at], I64)
+    m = np.asarray(lnd[at], I64)
+    n, L = lo.shape
+    lo[np.arange(L)[None, :] >= m[:, None]] = 0
+    D = off.shape[1]
+    if n and D:
+        nd = np.asarray(ndim, I64)
+        j = np.arange(D)[None, :]
+        col = (m - nd)[:, None] + j
+        ok = j < nd[:, None]
+        ii = np.broadcast_to(np.arange(n)[:, None], col.shape)
+        lo[ii[ok], col[ok]] += (off - origin)[ok]
+    return np.asarray(rows.local_ids[at], I64), lo, m
+
+
+
+# --------------------------------------------------------------------------------------------------------
+# The lower bound of the wire bytes, from the rows (``routing.lower_bound_bytes``)
+# --------------------------------------------------------------------------------------------------------
+
+
+def missing_elements(src: Layout, dst: Layout, names: list[str]) -> np.ndarray:
+    """Per tensor of ``names`` (each in both layouts), the elements of its destination fragments that their
+    rank does not hold as source: each fragment's elements less those inside the union of its rank's distinct
+    source boxes of the tensor (``routing.held_numel``; a fragment meeting several of them, rare, is counted
+    by it)."""
+    from .routing import held_numel
+
+    out = np.zeros(len(names), I64)
+    for b in range(0, len(names), ROW_BATCH):
+        part = names[b:b + ROW_BATCH]
+        K = len(part)
+        dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
+        D = max(dr.offsets.shape[1], sr.offsets.shape[1])
+        doff, dsz = widen(dr.offsets, D, 0), widen(dr.sizes, D, 1)
+        soff, ssz = widen(sr.offsets, D, 0), widen(sr.sizes, D, 1)
+        dk = np.repeat(np.arange(K), np.diff(dr.starts))
+        sk = np.repeat(np.arange(K), np.diff(sr.starts))
+        dn = np.flatnonzero((dsz > 0).all(1))
+        sn = np.flatnonzero((ssz > 0).all(1))
+        drank, srank = np.asarray(dr.ranks, I64)[dn], np.asarray(sr.ranks, I64)[sn]
+        W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
+        dkey = dk[dn] * W + drank
+        # each rank's distinct source boxes of each tensor, by (tensor, rank)
+        u = np.unique(np.concatenate([(sk[sn] * W + srank)[:, None], soff[sn], ssz[sn]], 1), axis=0)
+        ukey, uoff, usz = u[:, 0], u[:, 1:1 + D], u[:, 1 + D:]
+        lo, hi = np.searchsorted(ukey, dkey), np.searchsorted(ukey, dkey, side="right")
+        seg, at = _expand(lo, hi - lo)
+        o, e = doff[dn][seg], doff[dn][seg] + dsz[dn][seg]
+        io, ie = np.maximum(o, uoff[at]), np.minimum(e, uoff[at] + usz[at])
+        meet = (ie > io).all(1)
+        n = dsz[dn].prod(1, dtype=I64)
+        nmeet = np.bincount(seg[meet], minlength=len(dn))
+        one = meet & (nmeet[seg] == 1)
+        held = np.zeros(len(dn), I64)
+        held[seg[one]] = (ie[one] - io[one]).prod(1, dtype=I64)
+        for i in np.flatnonzero(nmeet > 1).tolist():  # several boxes: their union
+            nd = dr.ndims[int(dk[dn][i])]
+            sel = at[(seg == i) & meet]
+            held[i] = held_numel(tuple(doff[dn][i, :nd].tolist()), tuple(dsz[dn][i, :nd].tolist()),
+                                 [(tuple(uoff[j, :nd].tolist()), tuple(usz[j, :nd].tolist())) for j in sel.tolist()])
+        out[b:b + K] = _sum_by(dk[dn], n - held, K)
+    return out
+
+
+def _sum_by(k: np.ndarray, v: np.ndarray, K: int) -> np.ndarray:
+    out = np.zeros(K, I64)
+    np.add.at(out, k, v)
+    return out
