@@ -104,3 +104,42 @@ def test_cost_row_and_choice():
     why = D.cost_choice([[3000, 100, 2000, 0], [0, 0, 0, 2000]])
     assert why.startswith("predicted faster dense: 3.00 ms") and "4.00 ms diff" not in why
     assert D.cost_choice([[3000, 100, 2000, 0], [-1, -1, -1, -1]]) is None  # a rank unsure: delta
+
+
+def refit_world(rank: int, world: int) -> list:
+    """The same choice through ``refit(..., delta=True, topology=)``: the public entry point passes the topology
+    into the delta request (first dense, then a delta that measures, then the fast link's cost fallback)."""
+    from triton_reshard import clear_cache, refit
+
+    src_l = Layout.from_placements(SHAPES, [0], [Shard(0)], torch.bfloat16)
+    dst_l = Layout.from_placements(SHAPES, [1], [Shard(1)], torch.bfloat16)
+    src = src_l.shard(_pub(0), rank) if rank == 0 else {}
+    dst = dst_l.allocate(rank) if rank == 1 else {}
+    for t in dst.values():
+        t.view(torch.int16).fill_(-1)
+    out = []
+    try:
+        try:
+            refit(src, dst, src_l, dst_l, delta=True, version=0, topology="fast", timeout=60)
+        except TypeError as e:
+            out.append(str(e))
+        for version in range(3):
+            if rank == 0:
+                for n, t in src_l.shard(_pub(version), rank).items():
+                    src[n].copy_(t)
+            rep = refit(src, dst, src_l, dst_l, delta=True, version=version, topology=FAST, timeout=60)
+            ok = all(torch.equal(dst[n].view(torch.int16), t.view(torch.int16))
+                     for n, t in dst_l.shard(_pub(version), rank).items()) if rank == 1 else True
+            out.append([rep.mode, rep.fallback or "", ok])
+    finally:
+        clear_cache()
+    return out
+
+
+def test_refit_passes_the_topology_to_the_delta_request():
+    res = run_world(refit_world, 2, backend="gloo", timeout=300)
+    for rows in res:
+        assert "topology='fast'" in rows[0], rows[0]
+        assert all(ok for _, _, ok in rows[1:]), rows
+        assert [m for m, _, _ in rows[1:]] == ["dense-fallback", "delta", "dense-fallback"], rows
+        assert rows[3][1].startswith(D.COST_WHY), rows[3]

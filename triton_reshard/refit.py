@@ -92,8 +92,13 @@ def _prepare(src_layout: Layout, dst_layout: Layout, group, dst_tensors: Tensors
     return s, dst, ignored
 
 
-def _delta_request(delta, version) -> DeltaRequest | None:
-    """The delta request of ``refit(..., delta=, version=)`` (without the destination's state)."""
+_TOPOLOGY_FIELDS = ("gpus_per_node", "nvlink_GBps", "net_GBps", "shared_nic", "same_node")
+
+
+def _delta_request(delta, version, topology=None) -> DeltaRequest | None:
+    """The delta request of ``refit(..., delta=, version=, topology=)`` (without the destination's state)."""
+    if topology is not None and not all(hasattr(topology, a) for a in _TOPOLOGY_FIELDS):
+        raise TypeError(f"refit: topology={topology!r} must be a triton_reshard.tools.topology.Topology or None")
     if delta is False or delta is None:
         return None
     if delta is not True and delta != "strict":
@@ -102,7 +107,7 @@ def _delta_request(delta, version) -> DeltaRequest | None:
         raise TypeError(f"refit: delta={delta!r} needs an int version= (the fence compares versions), got {version!r}")
     if not NO_VERSION < version < -NO_VERSION:
         raise ValueError(f"refit: version {version} does not fit in int64")
-    return DeltaRequest(version, strict=delta == "strict")
+    return DeltaRequest(version, strict=delta == "strict", topology=topology)
 
 
 @takes_options
@@ -116,6 +121,7 @@ def refit(
     strict: bool = False,
     version: object = None,
     delta: bool | str = False,
+    topology: object = None,
     **options,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
@@ -162,10 +168,14 @@ def refit(
     of falling back (nothing moved). Cost on each sender: a snapshot of the dense bytes it sends in
     delta-able messages (``Resharder.snapshot_bytes``), kept with the cached Resharder in its refit session
     (``execute/session.py``). A failed delta leaves the destination torn, as a failed dense refit does; the
-    repair is the next refit (dense, automatically).
+    repair is the next refit (dense, automatically). ``topology`` (a
+    :class:`~triton_reshard.tools.topology.Topology`: ranks per node, link rates; the same on every rank): with
+    ``delta``, every rank predicts from what its last delta refit measured whether a delta beats a dense refit,
+    and a refit predicted slower as a delta runs dense (``fallback`` starts "predicted faster dense"; one refit
+    in a few probes a delta again). Without it every refit whose fence passes is a delta.
     """
     try:
-        request = _delta_request(delta, version)
+        request = _delta_request(delta, version, topology)
     except (TypeError, ValueError) as e:
         refuse(group, e, timeout=options.get("timeout", DEFAULT_TIMEOUT))
     session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", options)
