@@ -1325,7 +1325,7 @@ def test_whole_plan_releases_the_fragment_objects_it_built():
     """The whole plan routes from every fragment as an object, built from a columnar layout's columns for it,
     and releases them after (~0.6 GB at 1,024 ranks): the layouts are left as they came, the lower bound
     (taken while the objects existed) equals one computed afresh, and the plan is the same either way."""
-    from triton_reshard.plan.routing import lower_bound_bytes
+    from triton_reshard.plan.rows import lower_bound_bytes
     from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
     cfg = get_config("qwen3-30b-a3b")

@@ -11,7 +11,7 @@ rules: the planner), ``greedy`` (the greedy router, kept for comparison) <- ``pl
 
 from .core import Plan
 from .planner import plan_reshard
-from .routing import lower_bound_bytes
+from .rows import lower_bound_bytes
 from .schedule import build_schedule
 from .table import TransferTable
 from .types import ALIGN, DIRECT_MIN_BYTES, MIN_STEP_BYTES, PlanStats, Schedule, Transfer

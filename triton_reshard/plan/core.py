@@ -18,7 +18,8 @@ import numpy as np
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant as _quant
 from .pair_schedule import build_pair_schedule, contiguity, direct_columns, world_of
-from .routing import check_gpus_per_node, lower_bound_bytes
+from .routing import check_gpus_per_node
+from .rows import lower_bound_bytes
 from .table import TransferTable
 from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
 from .validate import validate_plan, validate_share

@@ -79,14 +79,14 @@ class FragmentRef:
     """A fragment's fields (row ``row`` of a :class:`TensorRows`), for routing; ``local_box`` builds the
     fragment (``build(row)``): the planner builds real fragments only for the transfers it keeps."""
 
-    __slots__ = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets", "_build", "_row")
+    __slots__ = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets", "_build", "row")
 
     def __init__(self, tensor, rank, offsets, sizes, local, local_offsets, build, row) -> None:
         self.tensor, self.rank, self.offsets, self.sizes = tensor, rank, offsets, sizes
-        self.local, self.local_offsets, self._build, self._row = local, local_offsets, build, row
+        self.local, self.local_offsets, self._build, self.row = local, local_offsets, build, row
 
     def local_box(self, off, size):
-        return self._build(self._row).local_box(off, size)
+        return self._build(self.row).local_box(off, size)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -10,12 +10,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
-import numpy as np
 import torch
 
 from ..box import boxes_meet, contains, decompose_box, find_overlap, intersect
-from ..layout import Fragment, Layout, TensorSpec, dtype_name, gc_paused, itemsize_of
-from .quant import scale_lower_bound, unpack_fragment
+from ..layout import Fragment, Layout, TensorSpec, dtype_name, itemsize_of
 
 # --------------------------------------------------------------------------------------------------------
 # Geometry helpers
@@ -148,48 +146,3 @@ def holders_of(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Frag
             elif h.local < b.local:
                 best[h.rank] = h
     return first, (tuple(sorted(best)), best, next(iter(first.values())))
-
-
-def lower_bound_bytes(src: Layout, dst: Layout) -> int:
-    """Least possible wire bytes: for each destination fragment, the bytes its rank does not hold as source.
-
-    Computed from the layouts alone (independently of the transfers a plan chose).
-    """
-    from .rows import missing_elements, wire_dtype_of_dtypes
-
-    total = 0
-    with gc_paused():
-        quantized = dst.quantized
-        have = {n: dt for n, (_s, dt) in src.shapes_and_dtypes().items()}
-        plain = [(n, dt) for n, (_s, dt) in dst.shapes_and_dtypes().items() if n in have and n not in quantized]
-        if plain:  # as rows, vectorized: every tensor but the block-quantized ones
-            isz = np.array([itemsize_of(wire_dtype_of_dtypes(have[n], dt)) for n, dt in plain], np.int64)
-            total += int((missing_elements(src, dst, [n for n, _dt in plain]) * isz).sum())
-        for spec in quantized.values():
-            sspec = src.specs.get(spec.name)
-            if sspec is None:
-                continue
-            isz = itemsize_of(wire_dtype_of(sspec, spec))
-            pack, bits = 1, 8 * isz
-            if spec.quant is not None and sspec.quant is None and spec.quant.format.pack > 1:
-                pack, bits = spec.quant.format.pack, spec.quant.format.value_bits  # packed: logical elements
-            own: dict[int, dict[tuple, None]] = {}  # rank -> its distinct nonempty boxes, in layout order
-            for f in src.fragments_by_tensor.get(spec.name, ()):
-                if min(f.sizes, default=1) > 0:
-                    own.setdefault(f.rank, {})[(f.offsets, f.sizes)] = None
-            missing = 0
-            for df in dst.fragments_by_tensor.get(spec.name, ()):
-                df = unpack_fragment(df, pack)
-                mine = own.get(df.rank)
-                n = df.numel
-                if not n:
-                    continue
-                if mine:
-                    boxes = [b for b in mine if boxes_meet(b[0], b[1], df.offsets, df.sizes)]
-                    if boxes:
-                        n -= held_numel(df.offsets, df.sizes, boxes)
-                missing += n
-            total += missing * isz if pack == 1 else -(-missing * bits // 8)
-        if dst.quantized:  # block-quantized destinations: plus one fp32 scale per block with a missing element
-            total += scale_lower_bound(src, dst)
-    return total

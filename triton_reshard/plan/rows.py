@@ -10,9 +10,9 @@ The rules are ``local``'s (see its module doc); this module evaluates them on ar
   vectorized: per holder rank its first fragment (local copies read it: the smallest source box, then local
   name, then local offsets) and its best one (senders read it: the smallest local name, then box, then local
   offsets), local copies where a destination rank holds the piece, and receiver ``i`` of the others (ascending
-  ranks) gets holder ``(salt + i) % h`` (``local.assign`` without ``gpus_per_node``);
+  ranks) gets holder ``(salt + i) % h`` (``holders.assign`` without ``gpus_per_node``);
 * every other box (pieces cut by ``decompose_box``, or any box with ``gpus_per_node`` or relays) goes through
-  ``local.route_box`` itself on row references, its ``make`` emitting rows, so the rules stay one code;
+  ``holders.route_box`` itself on row references, its ``make`` emitting rows, so the rules stay one code;
 * the rows become a :class:`~triton_reshard.plan.table.TransferTable` (local offsets from the fragments' local
   offsets plus the piece's offset in the fragment, as ``Fragment.local_box``).
 
@@ -27,10 +27,13 @@ from bisect import bisect_left
 import numpy as np
 import torch
 
-from ..layout import Layout, itemsize_of
+from ..box import boxes_meet
+from ..layout import Layout, gc_paused, itemsize_of
+from .holders import route_box
 from .index import DstGroup, FragmentRef, check_own_overlaps
+from .quant import scale_lower_bound, unpack_fragment
 from .relay import relay_dtype
-from .routing import cover_pieces
+from .routing import cover_pieces, held_numel, wire_dtype_of
 from .table import I64, TransferTable, widen
 
 ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
@@ -99,16 +102,23 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return seg, starts[seg] + pos
 
 
-def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
-    K = len(part)
+def _batch_rows(src: Layout, dst: Layout, part: list[str]):
+    """Both layouts' rows of the tensors ``part``, widened to one ndim ``D``: ``(dr, sr, D, doff, dsz, soff,
+    ssz, dk, sk, dn, sn)``: each row's tensor index in ``part`` (``dk`` / ``sk``) and the nonempty rows
+    (``dn`` / ``sn``)."""
     dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
     D = max(dr.offsets.shape[1], sr.offsets.shape[1])
     doff, dsz = widen(dr.offsets, D, 0), widen(dr.sizes, D, 1)
     soff, ssz = widen(sr.offsets, D, 0), widen(sr.sizes, D, 1)
-    dk = np.repeat(np.arange(K), np.diff(dr.starts))
-    sk = np.repeat(np.arange(K), np.diff(sr.starts))
-    dn = np.flatnonzero((dsz > 0).all(1))
-    sn = np.flatnonzero((ssz > 0).all(1))
+    dk = np.repeat(np.arange(len(part)), np.diff(dr.starts))
+    sk = np.repeat(np.arange(len(part)), np.diff(sr.starts))
+    return (dr, sr, D, doff, dsz, soff, ssz, dk, sk, np.flatnonzero((dsz > 0).all(1)),
+            np.flatnonzero((ssz > 0).all(1)))
+
+
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
+    K = len(part)
+    dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
     drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
     W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
 
@@ -229,7 +239,7 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     """Route the pieces (``pbox``: each one's destination box; ``pairs``: ``(piece, source box)`` ascending, the
     source boxes holding it), without topology or relays: local copies from each holder rank's first fragment
     where a destination rank holds the piece, and receiver ``i`` of the others gets holder ``(salt + i) % h``'s
-    best fragment (``local.assign``). Appends them to ``out``."""
+    best fragment (``holders.assign``). Appends them to ``out``."""
     fpd, fps = pairs
     cnt = sstart[fps + 1] - sstart[fps]
     seg, at = _expand(sstart[fps], cnt)
@@ -267,9 +277,8 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
 
 def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart, kinds,
                 bases, gpn, groups) -> set[int]:
-    """The other boxes, one by one through ``local.route_box`` on row references. Returns the tensors (batch
+    """The other boxes, one by one through ``holders.route_box`` on row references. Returns the tensors (batch
     indices) with an element no source holds."""
-    from .local import route_box
 
     bad: set[int] = set()
     refs: dict[int, list] = {}
@@ -305,7 +314,7 @@ def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, p
 
 
 def _make_row(name, off, size, sf, df, dt, relay=False):
-    return (off, size, sf if relay else sf._row, df, dt, relay)
+    return (off, size, sf if relay else sf.row, df, dt, relay)
 
 
 class _Rows:
@@ -424,8 +433,51 @@ def _local_fields_nd(rows, at, off, origin, ndim):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The lower bound of the wire bytes, from the rows (``routing.lower_bound_bytes``)
+# The lower bound of the wire bytes, from the rows
 # --------------------------------------------------------------------------------------------------------
+
+
+def lower_bound_bytes(src: Layout, dst: Layout) -> int:
+    """Least possible wire bytes: for each destination fragment, the bytes its rank does not hold as source.
+
+    Computed from the layouts alone (independently of the transfers a plan chose).
+    """
+    total = 0
+    with gc_paused():
+        quantized = dst.quantized
+        have = {n: dt for n, (_s, dt) in src.shapes_and_dtypes().items()}
+        plain = [(n, dt) for n, (_s, dt) in dst.shapes_and_dtypes().items() if n in have and n not in quantized]
+        if plain:  # as rows, vectorized: every tensor but the block-quantized ones
+            isz = np.array([itemsize_of(wire_dtype_of_dtypes(have[n], dt)) for n, dt in plain], np.int64)
+            total += int((missing_elements(src, dst, [n for n, _dt in plain]) * isz).sum())
+        for spec in quantized.values():
+            sspec = src.specs.get(spec.name)
+            if sspec is None:
+                continue
+            isz = itemsize_of(wire_dtype_of(sspec, spec))
+            pack, bits = 1, 8 * isz
+            if spec.quant is not None and sspec.quant is None and spec.quant.format.pack > 1:
+                pack, bits = spec.quant.format.pack, spec.quant.format.value_bits  # packed: logical elements
+            own: dict[int, dict[tuple, None]] = {}  # rank -> its distinct nonempty boxes, in layout order
+            for f in src.fragments_by_tensor.get(spec.name, ()):
+                if min(f.sizes, default=1) > 0:
+                    own.setdefault(f.rank, {})[(f.offsets, f.sizes)] = None
+            missing = 0
+            for df in dst.fragments_by_tensor.get(spec.name, ()):
+                df = unpack_fragment(df, pack)
+                mine = own.get(df.rank)
+                n = df.numel
+                if not n:
+                    continue
+                if mine:
+                    boxes = [b for b in mine if boxes_meet(b[0], b[1], df.offsets, df.sizes)]
+                    if boxes:
+                        n -= held_numel(df.offsets, df.sizes, boxes)
+                missing += n
+            total += missing * isz if pack == 1 else -(-missing * bits // 8)
+        if dst.quantized:  # block-quantized destinations: plus one fp32 scale per block with a missing element
+            total += scale_lower_bound(src, dst)
+    return total
 
 
 def missing_elements(src: Layout, dst: Layout, names: list[str]) -> np.ndarray:
@@ -433,20 +485,11 @@ def missing_elements(src: Layout, dst: Layout, names: list[str]) -> np.ndarray:
     rank does not hold as source: each fragment's elements less those inside the union of its rank's distinct
     source boxes of the tensor (``routing.held_numel``; a fragment meeting several of them, rare, is counted
     by it)."""
-    from .routing import held_numel
-
     out = np.zeros(len(names), I64)
     for b in range(0, len(names), ROW_BATCH):
         part = names[b:b + ROW_BATCH]
         K = len(part)
-        dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
-        D = max(dr.offsets.shape[1], sr.offsets.shape[1])
-        doff, dsz = widen(dr.offsets, D, 0), widen(dr.sizes, D, 1)
-        soff, ssz = widen(sr.offsets, D, 0), widen(sr.sizes, D, 1)
-        dk = np.repeat(np.arange(K), np.diff(dr.starts))
-        sk = np.repeat(np.arange(K), np.diff(sr.starts))
-        dn = np.flatnonzero((dsz > 0).all(1))
-        sn = np.flatnonzero((ssz > 0).all(1))
+        dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
         drank, srank = np.asarray(dr.ranks, I64)[dn], np.asarray(sr.ranks, I64)[sn]
         W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
         dkey = dk[dn] * W + drank
