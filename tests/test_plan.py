@@ -21,6 +21,7 @@ from triton_reshard.plan import ALIGN
 
 from . import dist_cases as dc
 from .dist_cases import S0, S1, P, R
+from .oracles.greedy import greedy_plan
 
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.int64]
@@ -90,18 +91,18 @@ def reshard_problems(draw):
 
 
 def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=None, relay_groups=None,
-               routing="local"):
+               routing="local"):  # routing="greedy": the greedy router of tests/oracles
     """Exact cover, no double writes, correct values, wire bytes == lower bound == independent count; relays
     (when the plan has any) checked by ``check_relays``; with the local routing (the default), the rank plans
     of all ranks assembled are the whole plan (``check_rank_plans``)."""
     src_l, dst_l = dc.side_layout(src_side), dc.side_layout(dst_side)
-    kw = {} if routing == "local" else {"routing": routing}
+    plan_fn = plan_reshard if routing == "local" else greedy_plan
     if gpus_per_node is None and relay is None and relay_groups is None:
-        plan = plan_reshard(src_l, dst_l, allow_cast, **kw)
+        plan = plan_fn(src_l, dst_l, allow_cast)
     elif relay_groups is None:  # (the same call as the tests' own: one cache entry)
-        plan = plan_reshard(src_l, dst_l, allow_cast, gpus_per_node, relay, **kw)
+        plan = plan_fn(src_l, dst_l, allow_cast, gpus_per_node, relay)
     else:
-        plan = plan_reshard(src_l, dst_l, allow_cast, gpus_per_node, relay, relay_groups, **kw)
+        plan = plan_fn(src_l, dst_l, allow_cast, gpus_per_node, relay, relay_groups)
     if routing == "local":
         check_rank_plans(plan, allow_cast, gpus_per_node, relay, relay_groups)
     ranks = dc.case_ranks(src_side, dst_side)
@@ -626,7 +627,7 @@ def _first_fit_reference(chunks, order, cap):
                 max_size=60),
        st.sampled_from([256, 272, 512]))
 def test_first_fit_matches_reference(items, cap):
-    from triton_reshard.plan.schedule import first_fit
+    from .oracles.first_fit import first_fit
 
     chunks = [(i, (), (), n, s, d) for i, (n, s, d) in enumerate(items)]
     order = sorted(range(len(chunks)), key=lambda k: (-(-(-chunks[k][3] // ALIGN) * ALIGN), k))
@@ -672,7 +673,7 @@ PINNED_LOCAL = {"small_qwen3_moe": "7a6f2ab9f4cb275e", "llama-3-8b": "3a8938b8c1
 @pytest.mark.parametrize("name", list(PINNED))
 def test_preset_plans_are_pinned(name):
     src, dst = _pinned_layouts(name)
-    plan = plan_reshard(src, dst, routing="greedy")
+    plan = greedy_plan(src, dst)
     assert (src.digest, dst.digest, _keys_digest(plan)) == PINNED[name]
     local = plan_reshard(src, dst)
     assert _keys_digest(local) == PINNED_LOCAL[name]
@@ -713,7 +714,7 @@ def test_topology_aware_routing_sends_inside_the_node():
     plan = check_plan(src, dst, routing="greedy")
     assert _net_bytes(plan, 4) > 0  # balanced without regard to nodes
     src_l, dst_l = dc.side_layout(src), dc.side_layout(dst)
-    near = plan_reshard(src_l, dst_l, gpus_per_node=4, routing="greedy")
+    near = greedy_plan(src_l, dst_l, gpus_per_node=4)
     assert sorted((t.src_rank, t.dst_rank) for t in near.transfers) == [(0, 1), (0, 2), (4, 5), (4, 6)]
     assert _net_bytes(near, 4) == 0
     with pytest.raises(ValueError, match="gpus_per_node"):
@@ -765,7 +766,7 @@ def test_relay_fans_out_dp_replicas_inside_the_node():
     wire = sorted((t.tensor, t.src_rank, t.dst_rank) for t in plan.transfers if not t.relay)
     assert wire == sorted([("w", 0, 2), ("w", 1, 3), ("b", 0, 2), ("b", 1, 3),  # node 0: NVLink
                            ("w", 0, 4), ("w", 1, 5), ("b", 0, 6), ("b", 1, 7)])  # node 1: once each, network
-    near = plan_reshard(dc.side_layout(case.src), dc.side_layout(case.dst), False, 4, False, routing="greedy")
+    near = greedy_plan(dc.side_layout(case.src), dc.side_layout(case.dst), False, 4, False)
     a, b = near.stats(4), plan.stats(4)
     shard = 6 * 10 * 4 + 6 * 4  # one TP shard of w and of b
     assert (a.net_bytes, a.nvlink_bytes) == (4 * shard, 2 * shard)
@@ -988,8 +989,8 @@ def test_split_fan_out_keeps_small_pieces_whole():
 def test_split_fan_out_catalogue_case():
     """The gloo case with split fan-out: w's shards in four parts, e's (too small for four) in two (greedy)."""
     case = dc.CASES["relay-split-tp2-to-replicated-gpn4"]
-    plan = plan_reshard(dc.side_layout(case.src), dc.side_layout(case.dst), case.allow_cast, case.gpus_per_node,
-                        case.relay, case.relay_groups, routing="greedy")
+    plan = greedy_plan(dc.side_layout(case.src), dc.side_layout(case.dst), case.allow_cast, case.gpus_per_node,
+                        case.relay, case.relay_groups)
     net = [t for t in plan.transfers if not t.relay and t.dst_rank >= 4]
     assert sorted((t.tensor, t.sizes) for t in net) == sorted(
         [("w", (512, 512))] * 8 + [("e", (1025, 516)), ("e", (1024, 516)), ("e", (1025, 515)), ("e", (1024, 515))])
@@ -1049,9 +1050,9 @@ def test_relay_off_keeps_the_node_aware_plans(name):
     fan out the replicated pieces and still reach the lower bound."""
     src, dst = _pinned_layouts(name)
     for gpn in (2, 4):
-        near = plan_reshard(src, dst, False, gpn, False, routing="greedy")
+        near = greedy_plan(src, dst, False, gpn, False)
         assert _keys_digest(near) == NODE_AWARE_PINNED[(name, gpn)]
-        fan = plan_reshard(src, dst, False, gpn, routing="greedy")
+        fan = greedy_plan(src, dst, False, gpn)
         st_ = fan.stats(gpn)
         assert st_.num_relays > 0 and st_.wire_bytes == st_.lower_bound_bytes == near.stats().wire_bytes
         assert st_.net_bytes < near.stats(gpn).net_bytes
@@ -1269,11 +1270,12 @@ def test_what_a_share_cannot_answer_is_refused_by_name():
 def test_every_plan_is_scheduled_by_the_pair_rule():
     """The greedy's plan and a plan built by hand get the same kind of schedule as the local rules' (numbered
     steps, every rank within the bucket); first fit stays callable for comparison."""
-    from triton_reshard.plan import build_schedule
     from triton_reshard.plan.pair_schedule import PairSchedule
 
+    from .oracles.first_fit import build_schedule
+
     src, dst = _tiny_preset_layouts()
-    for plan in (plan_reshard(src, dst, routing="greedy"), Plan(src, dst, plan_reshard(src, dst).transfers,
+    for plan in (greedy_plan(src, dst), Plan(src, dst, plan_reshard(src, dst).transfers,
                                                                  plan_reshard(src, dst).local_copies)):
         sched = plan.schedule(1 << 20)
         assert isinstance(sched, PairSchedule)

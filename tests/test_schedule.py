@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from triton_reshard import Layout, Replicate, Shard, plan_reshard
 from triton_reshard.box import is_contiguous_box
-from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES, build_schedule
+from triton_reshard.plan import ALIGN, DIRECT_MIN_BYTES
+
+from .oracles.first_fit import build_schedule
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -112,8 +112,9 @@ def _relay_plans():
 
     case = dc.CASES["relay-disagg-tp2-to-tp2xdp3-gpn4"]
     src, dst = dc.side_layout(case.src), dc.side_layout(case.dst)
-    return (plan_reshard(src, dst, False, 4, False, routing="greedy"),
-            plan_reshard(src, dst, False, 4, True, routing="greedy"))
+    from .oracles.greedy import greedy_plan
+
+    return greedy_plan(src, dst, False, 4, False), greedy_plan(src, dst, False, 4, True)
 
 
 def test_relay_phases_and_their_prediction():

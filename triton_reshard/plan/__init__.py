@@ -2,17 +2,16 @@
 
 One plan type, :class:`Plan`: the whole plan (``rank=None``) or one rank's share (``plan_reshard(..., rank=r)``).
 Modules, each importing only the ones before it: ``types`` (values, constants) <- ``quant`` (block-quantized
-destinations) <- ``schedule`` (first-fit steps, for the greedy), ``pair_schedule`` (the pair rule: every plan's
-steps), ``relay`` (fan-out) <- ``routing`` (holders, pieces, checks, the lower bound) <- ``index`` (per-tensor
-queries on a layout) <- ``validate`` (exact cover, a share's check) <- ``core`` (``Plan``) <- ``local`` (the local
-rules: the planner), ``greedy`` (the greedy router, kept for comparison) <- ``planner`` (``plan_reshard``);
+destinations) <- ``pair_schedule`` (the pair rule: every plan's steps), ``relay`` (fan-out) <- ``routing``
+(pieces, checks) <- ``index`` (per-tensor queries on a layout) <- ``validate`` (exact cover, a share's check) <-
+``core`` (``Plan``) <- ``holders`` (the holder rule, one box at a time) <- ``rows`` (the whole plan as numpy
+rows, the lower bound) <- ``local`` (a rank's share) <- ``planner`` (``plan_reshard``);
 ``work``: what one rank's executor needs of a plan. Box geometry: ``triton_reshard.box``.
 """
 
 from .core import Plan
 from .planner import plan_reshard
 from .rows import lower_bound_bytes
-from .schedule import build_schedule
 from .table import TransferTable
 from .types import ALIGN, DIRECT_MIN_BYTES, MIN_STEP_BYTES, PlanStats, Schedule, Transfer
 
@@ -25,7 +24,6 @@ __all__ = [
     "Schedule",
     "Transfer",
     "TransferTable",
-    "build_schedule",
     "lower_bound_bytes",
     "plan_reshard",
 ]

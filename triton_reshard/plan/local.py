@@ -1,5 +1,5 @@
 """Locally computable routing and steps: what every rank can decide for its own sends and receives from the
-two layouts alone, identically to its peers (``plan_reshard``'s default ``routing="local"``).
+two layouts alone, identically to its peers (``plan_reshard``'s routing).
 
 **Holders and fan-out** (:mod:`.holders`): which source rank sends each piece, and relays.
 
@@ -105,7 +105,7 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
 
 
 # --------------------------------------------------------------------------------------------------------
-# Entry point (``plan_reshard(..., routing="local")``)
+# Entry point (``plan_reshard``)
 # --------------------------------------------------------------------------------------------------------
 
 

@@ -1,14 +1,13 @@
 """``plan_reshard``: two layouts in, a :class:`~triton_reshard.plan.core.Plan` (or a rank's share) out,
-routed by the local rules (``local``) or, for comparison, the greedy router (``greedy.route_greedy``)."""
+routed by the local rules (``local``, ``holders``, ``rows``)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from ..layout import Layout, gc_paused
+from ..layout import Layout
 from . import quant as _quant
 from .core import Plan
-from .greedy import route_greedy
 from .local import plan_local
 from .routing import check_gpus_per_node, check_relay_groups, check_specs
 
@@ -16,22 +15,21 @@ from .routing import check_gpus_per_node, check_relay_groups, check_specs
 @lru_cache(maxsize=64)
 def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
                  relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None, *,
-                 routing: str = "local", rank: int | None = None) -> Plan:
+                 rank: int | None = None) -> Plan:
     """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
 
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
     element, it is copied locally (never on the wire); otherwise one source holder sends it.
 
-    ``routing="local"`` (the default, ``plan/local.py``): every choice is a rule a rank evaluates for its own
+    Routing (``plan/holders.py``, ``plan/rows.py``): every choice is a rule a rank evaluates for its own
     transfers from the two layouts alone, and its peers evaluate identically: a piece's receivers are spread
-    over its holders by quotas (``local.assign``, same-node holders first with ``gpus_per_node``), fan-out
+    over its holders by quotas (``holders.assign``, same-node holders first with ``gpus_per_node``), fan-out
     parts go to heads in rotation. ``rank=r`` then returns rank ``r``'s share alone, a :class:`Plan` with
     ``rank=r`` (its transfers and schedule, without planning anyone else's; the
     :class:`~triton_reshard.execute.Resharder` runs from it); the shares of all ranks are exactly the whole plan
     cut by rank. Every plan's steps follow the pair rule (``Plan.schedule``: per step each rank sends to at most
-    ``STEP_PEERS`` peers and receives from as many, within the bucket). ``routing="greedy"``: the global greedy
-    of earlier versions (fixed sources first, then the rest largest first onto the least loaded holder; no
-    ``rank``), kept for comparison (``plan/greedy.py``; its first-fit steps: ``plan.build_schedule``). Both send exactly the lower bound of wire bytes.
+    ``STEP_PEERS`` peers and receives from as many, within the bucket). The wire bytes are exactly the lower bound (the
+    greedy router of earlier versions, which the tests compare against, is in ``tests/oracles``).
 
     ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
     source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that
@@ -85,26 +83,20 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
-    relay, groups = _relay_options(gpus_per_node, relay, relay_groups)
+    relay, groups = relay_options(gpus_per_node, relay, relay_groups)
     # block-quantized destinations (plan/quant.py): routed in the source dtype, without their scales, then
     # every routed piece is cut on the block grid into source- and destination-quantized transfers
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
     routed = _quant.routing_view(src, dst, targets) if targets else dst
-    if routing != "local" or not _specs_agree(src, routed, allow_cast):
+    if not _specs_agree(src, routed, allow_cast):
         check_specs(src, routed, allow_cast)  # (the full check also words the error)
-    if routing not in ("local", "greedy"):
-        raise ValueError(f"plan_reshard: routing={routing!r} must be 'local' or 'greedy'")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
         raise TypeError(f"plan_reshard: rank={rank!r} must be an int >= 0 or None")
-    if routing == "local":
-        options = (allow_cast, gpus_per_node, relay, relay_groups if relay else None)
-        return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
-    if rank is not None:
-        raise ValueError("plan_reshard: rank plans need routing='local' (the greedy chooses over the whole world)")
-    return _plan_greedy(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {})
+    options = (allow_cast, gpus_per_node, relay, relay_groups if relay else None)
+    return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
 
 
-def _relay_options(gpus_per_node: int | None, relay: bool | None,
+def relay_options(gpus_per_node: int | None, relay: bool | None,
                    relay_groups: tuple[tuple[int, ...], ...] | None) -> tuple[bool, dict[int, int]]:
     """``plan_reshard``'s topology options checked: (relay on?, the relay groups by rank)."""
     check_gpus_per_node(gpus_per_node, "plan_reshard")
@@ -132,16 +124,6 @@ def default_relay(relay: bool | None, gpus_per_node: int | None, grouped: bool, 
     if relay is None:
         return fans_out and not quantized
     return relay
-
-
-def _plan_greedy(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per_node: int | None,
-                 relay: bool, groups: dict[int, int]) -> Plan:
-    """The whole plan by the global greedy router (``routing="greedy"``), quantized transfers cut after."""
-    with gc_paused():
-        local, wire = route_greedy(src, routed, gpus_per_node, relay, groups)
-        if targets:
-            local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
-        return Plan(src, dst, tuple(wire), tuple(local))
 
 
 def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:

@@ -1,6 +1,6 @@
-"""Routing helpers shared by the local rules (``local``) and the greedy router (``greedy``): the
-decomposition of destination boxes into pieces that the same source ranks hold, holders, wire dtypes, the
-input checks, and the lower bound of the wire bytes. Fan-out (relays) is in ``relay``.
+"""Routing helpers of the planner (``holders``, ``rows``, ``local``): the decomposition of destination boxes
+into pieces that the same source ranks hold, holders, wire dtypes and the input checks. Fan-out (relays) is in
+``relay``; the lower bound of the wire bytes in ``rows``.
 """
 
 from __future__ import annotations
@@ -18,19 +18,6 @@ from ..layout import Fragment, Layout, TensorSpec, dtype_name, itemsize_of
 # --------------------------------------------------------------------------------------------------------
 # Geometry helpers
 # --------------------------------------------------------------------------------------------------------
-
-
-def distinct_boxes(frags: Iterable[Fragment]) -> dict[tuple, list[Fragment]]:
-    out: dict[tuple, list[Fragment]] = {}
-    for f in frags:
-        if 0 not in f.sizes:
-            key = (f.offsets, f.sizes)
-            group = out.get(key)
-            if group is None:
-                out[key] = [f]
-            else:
-                group.append(f)
-    return out
 
 
 def cover_pieces(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]):

@@ -1,4 +1,6 @@
-"""Schedule: wire transfers cut into memory-bounded steps of per-pair messages (first-fit decreasing)."""
+"""The first-fit schedule of earlier versions, a reference the tests compare against (not part of the package):
+wire transfers cut into memory-bounded steps of per-pair messages (first-fit decreasing). The package's plans
+are scheduled by the pair rule (``plan/pair_schedule.py``, ``Plan.schedule``)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,19 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..box import align_up, is_contiguous_box, split_box
-from ..layout import gc_paused, itemsize_of
-from .quant import split_src_chunks
-from .types import ALIGN, DIRECT_MIN_BYTES, MIN_STEP_BYTES, Chunk, Message, Schedule, Step, Transfer
+from triton_reshard.box import align_up, is_contiguous_box, split_box
+from triton_reshard.layout import gc_paused, itemsize_of
+from triton_reshard.plan.quant import split_src_chunks
+from triton_reshard.plan.types import (
+    ALIGN,
+    DIRECT_MIN_BYTES,
+    MIN_STEP_BYTES,
+    Chunk,
+    Message,
+    Schedule,
+    Step,
+    Transfer,
+)
 
 
 def build_schedule(transfers: Sequence[Transfer], bucket_bytes: int, contiguity: Sequence[tuple] | None = None,
