@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import types
 
 import numpy as np
 import pytest
@@ -98,3 +100,27 @@ def test_writes_disjoint_agrees_with_find_overlap(seed):
         frags.append(bs)
     want = all(find_overlap([(o, s, None) for o, s in bs]) is None for bs in frags)
     assert _writes(frags) is want
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 18])
+def test_table_valid_in_chunks(monkeypatch, chunk):
+    """``table_valid`` locates rows and tests pairs of writes in chunks (memory at 1,024 ranks): tiny chunks give
+    the same answers as whole columns, on a valid plan and on one with a wire transfer moved one row down (its
+    destination fragment then gets an element twice and another none)."""
+    from triton_reshard.plan import validate
+    from triton_reshard.plan.table import TransferTable as TT
+
+    monkeypatch.setattr(validate, "LOCATE_CHUNK", chunk)
+    monkeypatch.setattr(validate, "PAIR_CHUNK", chunk)
+    src, dst = _pair("llama-3-8b")
+    plan = plan_reshard(src, dst)
+    assert validate.table_valid(plan)
+    ts = list(plan.transfers)
+    k = next(i for i, t in enumerate(ts) if t.sizes[0] > 1)
+    t = ts[k]
+    ts[k] = dataclasses.replace(t, offsets=(t.offsets[0] + 1, *t.offsets[1:]),
+                                dst_offsets=(t.dst_offsets[0] + 1, *t.dst_offsets[1:]),
+                                src_offsets=(t.src_offsets[0] + 1, *t.src_offsets[1:]),
+                                sizes=(t.sizes[0] - 1, *t.sizes[1:]))
+    bad = types.SimpleNamespace(src=src, dst=dst, transfers=TT.of(ts), local_copies=plan.local_copies)
+    assert not validate.table_valid(bad)  # (Plan itself would refuse it: validate_plan names the problem)

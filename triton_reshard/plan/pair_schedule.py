@@ -376,6 +376,7 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
         counts[big] = np.diff(tstart)[big_t]
     ci = np.repeat(np.arange(len(rows), dtype=I64), counts)  # chunk -> its row among ``rows``
     cn = nb[ci]
+    del fast_rows, nb, keep  # (at 1,024 ranks every full-length column here is ~19 MB: dead ones go early)
     fidx = None
     if len(big):
         flat_n = np.concatenate(tmpl_n)
@@ -388,6 +389,7 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
         bt[big] = big_t
         fidx[is_big] = tpos[bt[ci[is_big]]] + within[is_big]
         cn = np.where(is_big, flat_n[fidx], cn)
+        del flat_n, first, within, bt
     # direct chunks: at least min_bytes, contiguous in a local tensor (on either end)
     cd = np.zeros(len(ci), np.bool_)
     cand = np.flatnonzero(cn >= min_bytes) if contiguity is not None else np.zeros(0, I64)
@@ -400,10 +402,11 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
             csz[b] = flat_sz[fidx[cb[b]]]
         cd[cb] = contiguity.direct_columns(table, rows[ci[cb]], csz)
     del cand, fidx
+    cp = pair_of[ci]
+    del rows, ci, pair_of, fits, counts
     # the next fit, every pair at once: a load from chunk j takes chunks while the aligned bytes stay <= cap
     ca = align_up(cn)
-    cp = pair_of[ci]
-    nch = len(ci)
+    nch = len(cp)
     cum = np.concatenate(([0], np.cumsum(ca)))  # cum[j]: aligned bytes before chunk j (over all pairs)
     packed = ~cd
     pa = np.concatenate(([0], np.cumsum(np.where(packed, ca, 0))))

@@ -231,6 +231,9 @@ def validate_share(p: PlanLike) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+LOCATE_CHUNK = 1 << 18  # rows located at once (``_Frags.locate``)
+
+
 class _Frags:
     """One layout's fragments of some tensors (``Layout.tensor_rows``) sorted by (tensor, rank, local tensor),
     for locating the fragment that holds each transfer's box."""
@@ -251,8 +254,16 @@ class _Frags:
     def locate(self, names: tuple, tcode: np.ndarray, rank: np.ndarray, locals_: tuple, lcode: np.ndarray, ndim,
                offsets, sizes, loffs, lnds) -> np.ndarray:
         """Per row, the fragment (row of ``rows``) of its tensor, rank and local tensor holding its box at its
-        local offsets, -1 where none does (``reading_fragment``'s answer, on columns)."""
+        local offsets, -1 where none does (``reading_fragment``'s answer, on columns). Row by row independent:
+        done in chunks of ``LOCATE_CHUNK`` rows, so its [rows, dims] temporaries stay small (at 1,024 ranks the
+        whole wire table at once took ~0.9 GB of them, the plan's peak)."""
         m = len(tcode)
+        if m > LOCATE_CHUNK:
+            return np.concatenate([self.locate(names, tcode[a:a + LOCATE_CHUNK], rank[a:a + LOCATE_CHUNK], locals_,
+                                               lcode[a:a + LOCATE_CHUNK], ndim[a:a + LOCATE_CHUNK],
+                                               offsets[a:a + LOCATE_CHUNK], sizes[a:a + LOCATE_CHUNK],
+                                               loffs[a:a + LOCATE_CHUNK], lnds[a:a + LOCATE_CHUNK])
+                                   for a in range(0, m, LOCATE_CHUNK)])
         g = np.array([self.group.get(x, -1) for x in names] or [0], np.int64)[tcode]
         li = np.array([self.lid.get(x, -1) for x in locals_] or [0], np.int64)[lcode]
         out = np.full(m, -1, np.int64)
@@ -291,7 +302,7 @@ class _Frags:
         return out
 
 
-PAIR_CHUNK = 1 << 22  # pairs of boxes tested at once
+PAIR_CHUNK = 1 << 20  # pairs of boxes tested at once (4 [pairs, dims] int64 temporaries: ~100 MB at 3 dims)
 BIG_GROUP = 64  # a fragment written by more transfers than this: ``find_overlap`` (a sweep) instead of all pairs
 
 
@@ -360,8 +371,11 @@ def table_valid(plan: PlanLike) -> bool:
         # the source side: the source layout's fragments (relays: the sender's destination fragments)
         for sel, fr in ((np.flatnonzero(plain), sfr), (np.flatnonzero(~plain), dfr)):
             if len(sel):
-                got = fr.locate(tb.names, tb.tensor[sel], tb.src[sel], tb.locals, tb.src_local[sel], tb.ndim[sel],
-                                tb.offsets[sel], tb.sizes[sel], tb.src_offsets[sel], tb.src_ndim[sel])
+                # in chunks of rows: the selected columns' copies stay one chunk's size
+                got = np.concatenate([
+                    fr.locate(tb.names, tb.tensor[c], tb.src[c], tb.locals, tb.src_local[c], tb.ndim[c],
+                              tb.offsets[c], tb.sizes[c], tb.src_offsets[c], tb.src_ndim[c])
+                    for c in (sel[a:a + LOCATE_CHUNK] for a in range(0, len(sel), LOCATE_CHUNK))])
                 if (got < 0).any():
                     return False
                 if fr is dfr:
