@@ -170,8 +170,9 @@ def test_lossy_link_completes_exactly_or_fails_named(need_cluster):
     with C.Cluster(2, RANKS_PER_NODE, rate="1gbit", loss=0.01) as c:
         run = c.run("tests.cluster_cases:lossy", 6, timeout=170, env=ENV, allow_errors=True)
     # the loss happened: counted where the packets die (netem on the sender's egress, whose eth0 counters never
-    # see them, or the nftables rule at the switch port); ~1,300 packets each way, P(none dropped) < 1e-5
-    assert run.dropped[0] > 0 and run.dropped[1] > 0, (run.dropped, run.link_bytes)
+    # see them, or the nftables rule at the switch port); ~680 packets each way (GSO: one per ~25 KB), so
+    # P(no drop on one link) ~ 0.1 %, P(none on either) ~ 1e-6
+    assert sum(run.dropped) > 0, (run.dropped, run.link_bytes)
     for r, (node, text) in run.errors.items():  # failing is allowed, but named
         assert "Error" in text.splitlines()[0], (node, r, text)
     for r in run.results:
