@@ -317,25 +317,10 @@ class Worlds:
         self.cache: dict = {}
 
     def spawn(self, world: int, ids: list[str], triton: bool) -> list:
-        import os
-
         from triton_reshard.testing.launch import run_world
 
-        keys = ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")
-        saved = {k: os.environ.get(k) for k in keys}
-        if triton:
-            os.environ["TRITON_INTERPRET"] = "1"
-            os.environ["TRITON_RESHARD_BACKEND"] = "triton"
-        else:
-            os.environ.pop("TRITON_RESHARD_BACKEND", None)
-        try:
-            return run_world(self.main, world, ids, timeout=900, pg_timeout=120, allow_errors=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        env = {"TRITON_INTERPRET": "1", "TRITON_RESHARD_BACKEND": "triton"} if triton else {"TRITON_RESHARD_BACKEND": None}
+        return run_world(self.main, world, ids, timeout=900, pg_timeout=120, allow_errors=True, env=env)
 
     def __call__(self, key: tuple) -> list[dict]:
         import pytest

@@ -121,21 +121,11 @@ def test_refit_named_parameters(world, sides):
 
 @pytest.fixture(scope="module")
 def triton_world():
-    import os
 
     from triton_reshard.testing.launch import run_world
 
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")}
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["TRITON_RESHARD_BACKEND"] = "triton"
-    try:
-        return run_world(dc.world_main_triton, 4, dc.case_ids(4), timeout=600, pg_timeout=120, allow_errors=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return run_world(dc.world_main_triton, 4, dc.case_ids(4), timeout=600, pg_timeout=120, allow_errors=True,
+                     env={"TRITON_INTERPRET": "1", "TRITON_RESHARD_BACKEND": "triton"})
 
 
 def test_reshard_with_triton_backend(triton_world):

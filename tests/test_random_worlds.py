@@ -144,18 +144,10 @@ class RandomWorld:
         if world not in cls._results:
             from triton_reshard.testing.launch import run_world
 
-            saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_RESHARD_BACKEND")}
-            os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned ranks before they import triton
-            os.environ.pop("TRITON_RESHARD_BACKEND", None)
-            try:
-                cls._results[world] = run_world(random_world_main, world, CASES[world], timeout=300,
-                                                pg_timeout=60, allow_errors=True)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            # TRITON_INTERPRET inherited by the spawned ranks before they import triton
+            cls._results[world] = run_world(random_world_main, world, CASES[world], timeout=300, pg_timeout=60,
+                                            allow_errors=True,
+                                            env={"TRITON_INTERPRET": "1", "TRITON_RESHARD_BACKEND": None})
         return cls._results[world]
 
 

@@ -112,17 +112,6 @@ def build_checkpoints(root: str, configs: dict[str, dict]) -> None:
             json.dump(c, f, indent=1)
 
 
-def _sgl_gemm_unbuilt() -> bool:
-    """An AMX-capable CPU (vLLM then picks its sgl-kernel GEMM for small bf16 weights) without the op it needs."""
-    if not torch.cpu._is_amx_tile_supported():
-        return False
-    try:
-        getattr(torch.ops._C, "convert_weight_packed")  # noqa: B009 (torch.ops raises AttributeError when absent)
-    except (AttributeError, RuntimeError):
-        return True
-    return False
-
-
 @contextlib.contextmanager
 def no_quant_kernels():
     """Let vLLM's ModelOpt NVFP4 / MXFP8 methods build on a CPU with no such GEMM: kernel selection returns a
@@ -145,7 +134,9 @@ def no_quant_kernels():
                (mo, "select_nvfp4_moe_backend", lambda *a, **kw: (None, None)),
                (mo, "select_mxfp8_moe_backend", lambda *a, **kw: (None, None)),
                (mo, "is_global_sf_supported_for_nvfp4_backend", lambda *a, **kw: False)]
-    if _sgl_gemm_unbuilt():
+    from triton_reshard.integrations.vllm import amx_packing_unbuilt
+
+    if amx_packing_unbuilt():
         import vllm.model_executor.layers.utils as lu
 
         # on an AMX CPU vLLM's post-load step packs small bf16 GEMM weights with torch.ops._C.convert_weight_packed,

@@ -117,20 +117,27 @@ def layout_from_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], *, gr
     return layout_from_records(r for r in recs if r is not None)
 
 
-def _amx_mla_unbuilt() -> bool:
-    """Whether vLLM would pick its AMX MLA backend on this CPU without the CPU build's kernels behind it: on an
-    AMX-capable x86 CPU vLLM's CpuPlatform prefers ``AMX_MLA``, whose post-load step calls
-    ``torch.ops._C.convert_weight_packed``, which only vLLM's CPU build ships (the PyPI wheel does not). Then
-    the reference ``CPU_MLA`` backend is the one that runs (it leaves the weights in the checkpoint format)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+def amx_packing_unbuilt() -> bool:
+    """An AMX-capable CPU without ``torch.ops._C.convert_weight_packed``, the weight packing vLLM picks on such a
+    CPU (its AMX MLA backend, its sgl-kernel GEMM for small bf16 weights) and only vLLM's CPU build ships (the
+    PyPI wheel does not)."""
+    if not torch.cpu._is_amx_tile_supported():
         return False
     try:
         getattr(torch.ops._C, "convert_weight_packed")  # noqa: B009 (torch.ops raises AttributeError when absent)
     except (AttributeError, RuntimeError):
         return True
     return False
+
+
+def _amx_mla_unbuilt() -> bool:
+    """Whether vLLM would pick its AMX MLA backend on this CPU without the CPU build's kernels behind it: on an
+    AMX-capable x86 CPU vLLM's CpuPlatform prefers ``AMX_MLA``, whose post-load step packs the weights
+    (:func:`amx_packing_unbuilt`). Then the reference ``CPU_MLA`` backend is the one that runs (it leaves the
+    weights in the checkpoint format)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and amx_packing_unbuilt()
 
 
 def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,

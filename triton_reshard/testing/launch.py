@@ -63,6 +63,14 @@ class WorldError(RuntimeError):
         super().__init__(f"ranks {sorted(errors)} failed; rank {first}:\n{errors[first]}")
 
 
+def _set_env(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def run_world(
     fn: Callable,
     world_size: int,
@@ -71,8 +79,12 @@ def run_world(
     timeout: float = 300.0,
     pg_timeout: float = 120.0,
     allow_errors: bool = False,
+    env: dict[str, str | None] | None = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return the results by rank.
+
+    ``env``: environment variables the ranks start with (None: unset), e.g. ``TRITON_INTERPRET=1`` before they
+    import triton; this process's environment is as before once they are started.
 
     ``fn`` must be importable (a module-level function). If a rank raises, :class:`WorldError` is raised
     (or, with ``allow_errors=True``, the error text is returned in that rank's slot and the other results are
@@ -87,8 +99,13 @@ def run_world(
         ctx.Process(target=_worker, args=(r, world_size, port, backend, pg_timeout, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    try:
+        _set_env(env or {})
+        for p in procs:
+            p.start()
+    finally:
+        _set_env(saved)
     results: dict[int, tuple[bool, object]] = {}
     import queue as _q
     import time
