@@ -15,6 +15,7 @@ import torch
 
 from triton_reshard import Layout, Replicate, Shard
 from triton_reshard.comm import auth
+from triton_reshard.comm import secret as secret_mod
 from triton_reshard.comm.group import free_port, init_refit_group
 from triton_reshard.integrations import engine as kit
 
@@ -113,8 +114,8 @@ def test_the_secret_is_looked_up_once_on_the_way_to_the_group(monkeypatch, tmp_p
     f.write_text(SECRET + "\n")
     f.chmod(0o600)
     reads = []
-    real = auth.read_secret_file
-    monkeypatch.setattr(auth, "read_secret_file", lambda *a, **k: reads.append(a) or real(*a, **k))
+    real = secret_mod.read_secret_file
+    monkeypatch.setattr(secret_mod, "read_secret_file", lambda *a, **k: reads.append(a) or real(*a, **k))
     # the group's own default names a file too: a second lookup would read it
     monkeypatch.setenv(auth.SECRET_FILE_ENV, str(f))
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)

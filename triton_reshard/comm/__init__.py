@@ -1,4 +1,5 @@
-"""The control plane: who is in a refit group and proves it (``auth``), the group itself with its store,
+"""The control plane: who is in a refit group and proves it (``secret``: where the job's secret comes
+from; ``auth``: the store its members prove it to), the group itself with its store,
 liveness and versions (``group``), and the data-only messages ranks and layout files exchange (``wire``).
 Nothing here moves weights; the data plane is :mod:`triton_reshard.execute`."""
 

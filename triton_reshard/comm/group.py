@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import wire
-from .auth import AuthError, AuthStore, AuthStoreServer, ResolvedSecret, group_key, resolve_secret
+from .auth import AuthError, AuthStore, AuthStoreServer
+from .secret import ResolvedSecret, group_key, resolve_secret
 
 CLOSE_LINGER_S = 2.0  # rank 0's destroy waits at most this long for the other members to hang up
 
@@ -211,7 +212,7 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
     ``localhost``: only this machine's processes reach it), because on a routable address anyone who reaches
     the port could take a rank, read the layouts and send or receive weights; ``insecure=True`` (or
     ``TRITON_RESHARD_INSECURE=1``) accepts that risk explicitly. What the secret does not protect (the
-    tensors on gloo/NCCL's wire): ``docs/security.md``. A :class:`~triton_reshard.comm.auth.ResolvedSecret`
+    tensors on gloo/NCCL's wire): ``docs/security.md``. A :class:`~triton_reshard.comm.secret.ResolvedSecret`
     (what a plug-in looked up already, ``integrations.engine.plugin_secret``) is used as it is.
     """
     td = _td(timeout)

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 from ..comm import wire
-from ..comm.auth import AuthStore, AuthStoreServer, group_key, resolve_secret
+from ..comm.auth import AuthStore, AuthStoreServer
+from ..comm.secret import group_key, resolve_secret
 from .engine import message_tensors, tensor_message
 
 # The calls the clients below post (the last three: SGLang's). A worker runs only the methods it was given

@@ -33,8 +33,8 @@ from datetime import timedelta
 
 import torch
 
-from ..comm.auth import SECRET_ENV, ResolvedSecret, resolve_secret, secret_from
 from ..comm.group import RefitGroup, init_refit_group
+from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_from
 from ..layout import Layout
 
 __all__ = ["delta_options", "exchange_layouts", "join_group", "message_tensors", "plan_pair", "plugin_secret",
@@ -57,10 +57,10 @@ def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str
 def plugin_secret(secret: bytes | str | ResolvedSecret | None = None, env: str | None = SECRET_ENV,
                   file: str | os.PathLike | None = None, *, where: str = "init_refit_group") -> ResolvedSecret:
     """A plug-in's secret, looked up once on its way to the group: ``secret`` itself if given, else
-    :func:`~triton_reshard.comm.auth.secret_from` ``(env, file)`` (where the plug-in's config points), else
-    the group's own default (:func:`~triton_reshard.comm.auth.resolve_secret`: ``TRITON_RESHARD_SECRET`` /
+    :func:`~triton_reshard.comm.secret.secret_from` ``(env, file)`` (where the plug-in's config points), else
+    the group's own default (:func:`~triton_reshard.comm.secret.resolve_secret`: ``TRITON_RESHARD_SECRET`` /
     ``_FILE``). Each source is read once; the result, passed as ``init_refit_group(secret=...)``, is used as
-    it is (a :class:`~triton_reshard.comm.auth.ResolvedSecret`, whose repr hides the secret)."""
+    it is (a :class:`~triton_reshard.comm.secret.ResolvedSecret`, whose repr hides the secret)."""
     if isinstance(secret, ResolvedSecret):
         return secret
     if secret is not None:

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import wire
-from ..comm.auth import ResolvedSecret, secret_from
 from ..comm.group import RefitGroup
+from ..comm.secret import ResolvedSecret, secret_from
 from ..layout import Layout
 from ..refit import RefitState, refit, refit_state, verify_refit
 from .engine import exchange_layouts, join_group, message_tensors, plan_pair, tensor_message

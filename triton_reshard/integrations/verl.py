@@ -60,8 +60,8 @@ from typing import Any
 
 import torch
 
-from ..comm.auth import SECRET_ENV
 from ..comm.group import RefitGroup, free_port
+from ..comm.secret import SECRET_ENV
 from ..layout import Fragment, Layout, TensorSpec
 from ..refit import refit
 from .engine import delta_options, join_group

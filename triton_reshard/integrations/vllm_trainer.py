@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from ..comm.auth import SECRET_ENV
+from ..comm.secret import SECRET_ENV
 from ..layout import Layout
 from ..refit import refit
 from .engine import join_group, plugin_secret

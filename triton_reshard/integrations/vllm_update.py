@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.auth import SECRET_ENV
 from ..comm.group import RefitGroup
+from ..comm.secret import SECRET_ENV
 from ..layout import Layout
 from .engine import delta_options, exchange_layouts, plan_pair
 from .record import layout_from_records

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..comm.auth import SECRET_ENV
 from ..comm.group import RefitGroup
+from ..comm.secret import SECRET_ENV
 from ..refit import refit
 from .engine import join_group, plugin_secret
 from .vllm_reload import PhaseClock, group_layouts, no_mtp_check
