@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -20,8 +19,10 @@ from ..layout import QUANT_DTYPE, Layout, block_quant_layout, box_slices
 from ..plan import plan_reshard
 from ..testing import synthetic_box
 from ..testing.launch import WorldError, default_backend, run_world
+from . import demo_report as report
 from .baselines import allgather_refit
-from .cliutil import DTYPE_HELP, UsageError, check_outputs, fmt_mib, parse_dtype, parse_sizes
+from .cliutil import DTYPE_HELP, UsageError, check_outputs, parse_dtype, parse_sizes
+from .demo_report import QUANT_LABEL
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 POISON = float("nan")
@@ -83,7 +84,6 @@ def is_linear_weight(t) -> bool:
 
 
 QUANT_DST_DTYPES = ("fp8-block", "mxfp8", "nvfp4")  # --dst-dtype's quantized destinations
-QUANT_LABEL = {"fp8-block": "block-FP8", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}
 
 
 def quant_layout(dst: Layout, dst_dtype: str, block: int = 128) -> Layout:
@@ -324,14 +324,6 @@ def demo_worker(rank: int, world: int, args) -> dict:
     return out
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=None,
                    help="number of ranks to spawn (default: as many as the layouts use, 8 for the defaults)")
@@ -382,7 +374,7 @@ def _model_line(cfg: dict, args, model_bytes: int) -> str:
         c = cfg
         shape = (f"Llama-shaped, {c['layers']} layers: hidden {c['hidden']}, {c['heads']} heads "
                  f"({c['kv_heads']} KV), intermediate {c['intermediate']}, vocab {c['vocab']}")
-    return f"model: {shape}; {_dtype_name(args)} weights, {_fmt_bytes(model_bytes)} in all"
+    return f"model: {shape}; {_dtype_name(args)} weights, {report.fmt_bytes(model_bytes)} in all"
 
 
 def _layout_words(text: str, kind: str, offset_rank: int, ranks: int) -> str:
@@ -441,27 +433,6 @@ def _check_triton_backend(world: int) -> None:
                          f"ranks run on CUDA; unset TRITON_INTERPRET")
 
 
-def time_breakdown(r0: dict, total: float, prep_s: float, world_s: float, label: str = "block-FP8") -> str:
-    """The demo's time in its phases, from rank 0's timers (``r0``): the parent's layouts and plan, then the
-    world: spawn and per-rank setup (the rest), our runs, the block-FP8 setup and runs, the all-gather's runs."""
-    fp8 = r0.get("fp8_total_seconds")
-    parts = [("reshard runs", r0["ours_total_seconds"])]
-    if fp8 is not None:
-        setup = r0["fp8_setup_seconds"]
-        parts += [(f"{label} setup (its plan and reference quantization)", setup), (f"{label} runs", fp8 - setup)]
-    if "base_total_seconds" in r0:
-        parts.append(("all-gather runs", r0["base_total_seconds"]))
-    rest = world_s - sum(v for _k, v in parts)
-    return (f"demo time {total:.1f} s: layouts and plan {prep_s:.1f} s; the world {world_s:.1f} s = spawn and "
-            f"per-rank setup {rest:.1f} s, " + ", ".join(f"{k} {v:.1f} s" for k, v in parts)
-            + f" (checking every element: {r0['check_seconds']:.1f} s of these, rank 0)")
-
-
-def _baseline_broadcasts(src: Layout) -> int:
-    """How many broadcasts the all-gather baseline makes: one per distinct source box of each tensor."""
-    return sum(len({(f.offsets, f.sizes) for f in fr if f.numel}) for fr in src.fragments_by_tensor.values())
-
-
 def run_demo(args) -> int:
     args.started_at = time.time()
     sp, dp_ = _validate(args)
@@ -485,7 +456,7 @@ def run_demo(args) -> int:
         from .plot import plot_traffic
 
         plot_traffic(plan, args.plot, f"triton-reshard demo: {args.src} -> {args.dst} ({args.layouts})",
-                     f"{_fmt_bytes(model_bytes)} of {_dtype_name(args)} weights on {args.world} ranks")
+                     f"{report.fmt_bytes(model_bytes)} of {_dtype_name(args)} weights on {args.world} ranks")
         _say(args, f"traffic heatmap written to {args.plot}")
     _say(args, f"spawning {args.world} ranks (each imports torch; ~10-30 s on a small machine) ...")
     t0 = time.perf_counter()
@@ -500,91 +471,26 @@ def run_demo(args) -> int:
         print(f"triton-reshard demo: rank {first} failed: {lines[0] if lines else '?'}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - t0
-    n_rep = args.repeats
-    ours = (statistics.median(max(r["ours_seconds"][i] for r in res) for i in range(n_rep)) if n_rep
-            else max(r["ours_first_seconds"] for r in res))
-    first = max(r["ours_first_seconds"] for r in res)
-    dst_copies = dst.nbytes() / max(1, model_bytes)
-    rows = [
-        ("reshard (ours)", ours, st.wire_bytes, st.max_recv_bytes,
-         max(r["ours_staging_bytes"] for r in res), max(r["ours_peak_extra_rss"] for r in res),
-         sum(r["ours_bad"] for r in res)),
-    ]
-    if qplan is not None:
-        qst = qplan.stats()
-        q_time = (statistics.median(max(r["fp8_seconds"][i] for r in res) for i in range(n_rep)) if n_rep
-                  else max(r["fp8_first_seconds"] for r in res))
-        rows.append((f"ours -> {qd}{args.quant_block if qd == 'fp8-block' else ''}", q_time, qst.wire_bytes,
-                     qst.max_recv_bytes,
-                     max(r["fp8_staging_bytes"] for r in res), max(r["fp8_peak_extra_rss"] for r in res),
-                     sum(r["fp8_bad"] for r in res)))
-    if not args.no_baseline:
-        base = statistics.median(max(r["base_seconds"][i] for r in res) for i in range(max(1, n_rep)))
-        rows.append(("all-gather baseline", base, sum(r["base_recv_bytes"] for r in res),
-                     max(r["base_recv_bytes"] for r in res), max(r["base_peak_extra_bytes"] for r in res),
-                     max(r["base_peak_extra_rss"] for r in res), sum(r["base_bad"] for r in res)))
-    print()
-    print(f"{'':20s} {'':>9s} {'on the wire':>12s} {'busiest recv':>13s} {'staging/rank':>13s} {'RSS growth':>11s}")
-    print(f"{'method':20s} {'time (s)':>9s} {'(MiB)':>12s} {'(MiB)':>13s} {'(MiB)':>13s} {'(MiB)':>11s} {'wrong':>7s}")
-    for name, secs, wire, mrecv, staging, rss, bad in rows:
-        print(f"{name:20s} {secs:9.3f} {fmt_mib(wire):>12s} {fmt_mib(mrecv):>13s} {fmt_mib(staging):>13s} "
-              f"{fmt_mib(rss):>11s} {bad:>7d}")
-    runs = f"median of {n_rep} runs after a first one" if n_rep else "the first run"
-    print(f"""
-  time          one refit, wall time of the slowest rank, {runs}
-  on the wire   bytes sent between ranks, all ranks together (a rank's copies into itself are not counted)
-  busiest recv  bytes received by the rank that receives the most
-  staging/rank  extra buffers a rank holds while it runs: ours, the send + receive buckets (--bucket-mb);
-                the all-gather, its largest full-size tensor plus one box (it builds every tensor whole)
-  RSS growth    peak resident memory above the rank's start of the run (as Linux counts it; noisy)
-  wrong         destination elements that differ from the global tensor, bit for bit, over all ranks""")
-    print()
-    if qplan is not None:
-        fmt_words = (f"{args.quant_block}x{args.quant_block} blocks, fp32 scales" if qd == "fp8-block" else
-                     {"mxfp8": "1x32 blocks, E8M0 scales", "nvfp4": "packed E2M1, 1x16 blocks, e4m3 scales"}[qd])
-        print(f"{QUANT_LABEL[qd]} destination ({fmt_words}, every Linear "
-              f"weight): {_fmt_bytes(qst.wire_bytes)} on the wire vs {_fmt_bytes(st.wire_bytes)} for "
-              f"{_dtype_name(args)} ({qst.wire_bytes / max(1, st.wire_bytes):.2f}x); {_fmt_bytes(qst.quant_src_bytes)} "
-              f"of it quantized by the senders (values + scales), {_fmt_bytes(qst.quant_dst_bytes)} sent in "
-              f"{_dtype_name(args)} for the receivers to quantize (blocks split between training shards); lower "
-              f"bound {_fmt_bytes(qst.lower_bound_bytes)} ({qst.wire_bytes / max(1, qst.lower_bound_bytes):.3f}x); "
-              f"time {rows[1][1]:.3f} s vs {rows[0][1]:.3f} s")
-    need = st.lower_bound_bytes + st.local_bytes
-    if st.lower_bound_bytes:
-        print(f"lower bound on the wire {_fmt_bytes(st.lower_bound_bytes)}: the inference ranks hold {dst_copies:.2f} "
-              f"copies of the {_fmt_bytes(model_bytes)} model"
-              f"{f' (DP{dp_.dp}: each replica needs all of its shards)' if dp_.dp > 1 else ''}, {_fmt_bytes(need)} "
-              f"in all; {_fmt_bytes(st.local_bytes)} of it a rank already holds itself (copied locally), the rest "
-              f"must cross the wire. Ours sends {st.wire_bytes / st.lower_bound_bytes:.3f}x that.")
-    else:
-        print("lower bound on the wire 0 B: every rank already holds what it needs (local copies only)")
+    qst = qplan.stats() if qplan is not None else None
+    rows = report.result_rows(res, args, st, qst)
+    report.print_table(rows, args.repeats)
+    if qst is not None:
+        print(report.quant_line(args, st, qst, rows, _dtype_name(args)))
+    print(report.lower_bound_line(st, model_bytes, dst.nbytes(), dp_.dp))
     verdict_extra = ""
     if not args.no_baseline:
-        bw = rows[-1][2]
-        speed = rows[-1][1] / max(rows[0][1], 1e-9)
-        byte_ratio = bw / max(1, st.wire_bytes)
-        batching = (f"{len(sched.steps)} steps of batched point-to-point messages (one packed buffer per peer) "
-                    f"instead of {_baseline_broadcasts(src)} broadcasts, one box at a time to all {args.world} ranks, "
-                    f"each assembled into a full tensor and sliced")
-        if byte_ratio > 1.05:
-            print(f"speed-up over the all-gather: {speed:.2f}x, from {byte_ratio:.2f}x fewer bytes (the all-gather "
-                  f"sends every box to every rank, needed or not) and from batching: {batching}.")
-            fewer = f"{byte_ratio:.2f}x fewer wire bytes"
-        else:
-            print(f"speed-up over the all-gather: {speed:.2f}x with about the same bytes (here every rank needs "
-                  f"nearly everything), so all of it comes from batching: {batching}.")
-            fewer = "the same wire bytes"
-        verdict_extra = (f", {speed:.2f}x faster than the all-gather with {fewer}, "
-                         f"{_fmt_bytes(rows[0][4])} vs {_fmt_bytes(rows[-1][4])} staging per rank")
+        line, verdict_extra = report.speedup_against_allgather(args, st, rows, len(sched.steps), src)
+        print(line)
+    first = max(r["ours_first_seconds"] for r in res)
     print(f"first run: {first:.3f} s, not in the median (it binds the tensors: builds the copy lists and "
           f"allocates the staging buffers once; later runs reuse them; noise on a shared machine can make it "
           f"faster than a later run)")
-    print(time_breakdown(res[0], time.time() - args.started_at, prep_s, elapsed,
-                         QUANT_LABEL.get(getattr(args, "dst_dtype", "same"), "block-FP8")))
+    print(report.time_breakdown(res[0], time.time() - args.started_at, prep_s, elapsed,
+                                QUANT_LABEL.get(getattr(args, "dst_dtype", "same"), "block-FP8")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "stats": st.as_dict(), "ranks": res,
-                       "fp8_stats": qplan.stats().as_dict() if qplan is not None else None}, f, indent=1, default=str)
+                       "fp8_stats": qst.as_dict() if qst is not None else None}, f, indent=1, default=str)
     bad = sum(r[-1] for r in rows)
     if bad:
         print(f"FAILED: {bad} destination elements differ from the global tensor")
