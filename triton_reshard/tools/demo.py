@@ -280,47 +280,63 @@ def demo_worker(rank: int, world: int, args) -> dict:
     out["ours_staging_bytes"] = r.send_area_bytes + r.recv_area_bytes
     qd = getattr(args, "dst_dtype", "same")
     if qd in QUANT_DST_DTYPES:  # the same refit into quantized inference weights, checked the same way
-        label = QUANT_LABEL[qd]
-        say(f"{label} destination: each rank plans it, allocates its tensors and quantizes the reference it checks "
-            "against (every Linear weight, whole, with the torch reference) ...")
-        t_q = time.perf_counter()
-        dst_q = quant_layout(dst, qd, args.quant_block)
-        rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
-        dst_qt = dst_q.allocate(rank, device=device)
-        poison(dst_qt)
-        want_q = expected_quantized(dst_q, src, rank, device)
-        dist.barrier()
-        out["fp8_setup_seconds"] = time.perf_counter() - t_q  # the slowest rank's, as the user waits for it
-        say(f"{label} set up in {out['fp8_setup_seconds']:.1f} s; first run (binds, allocates the staging "
-            f"and the straddling blocks' regions) ...")
-        out["fp8_first_seconds"], out["fp8_bad"] = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
-        qtimes = []
-        for i in range(args.repeats):
-            secs, bad = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
-            qtimes.append(secs)
-            out["fp8_bad"] += bad
-            say(f"{label} run {i + 1}/{args.repeats}: {secs:.3f} s, {bad} wrong bytes or scales on rank 0")
-        out["fp8_seconds"] = qtimes
-        out["fp8_total_seconds"] = time.perf_counter() - t_q
-        out["fp8_staging_bytes"] = rq.staging_bytes
-        out["fp8_peak_extra_rss"] = max(rss_peaks[-(args.repeats + 1):])
-
+        out.update(_quant_runs(args, qd, src, dst, src_t, rank, device, measured, rss_peaks, say))
     if not args.no_baseline:
-        reports, btimes = [], []
-        out["base_bad"] = 0
-        rss_peaks.clear()
-        t_base = time.perf_counter()
-        for i in range(max(1, args.repeats)):
-            secs, bad = measured(lambda: reports.append(allgather_refit(src_t, dst_t, src, dst, timeout=args.timeout)))
-            btimes.append(secs)
-            out["base_bad"] += bad
-            say(f"all-gather baseline run {i + 1}/{max(1, args.repeats)}: {secs:.3f} s")
-        out["base_seconds"] = btimes
-        out["base_total_seconds"] = time.perf_counter() - t_base
-        out["base_recv_bytes"] = reports[-1].recv_bytes
-        out["base_peak_extra_bytes"] = reports[-1].peak_extra_bytes
-        out["base_peak_extra_rss"] = max(rss_peaks)
+        out.update(_baseline_runs(args, src, dst, src_t, dst_t, measured, rss_peaks, say))
     out["check_seconds"] = check[0]
+    return out
+
+
+def _quant_runs(args, qd: str, src: Layout, dst: Layout, src_t, rank: int, device, measured, rss_peaks: list,
+                say) -> dict:
+    """The same refit into the quantized destination ``qd`` (every Linear weight), checked against the torch
+    reference's bytes: its setup, first run and repeats (rank ``rank``'s timers)."""
+    out: dict = {}
+    bucket = int(args.bucket_mb * (1 << 20))
+    label = QUANT_LABEL[qd]
+    say(f"{label} destination: each rank plans it, allocates its tensors and quantizes the reference it checks "
+        "against (every Linear weight, whole, with the torch reference) ...")
+    t_q = time.perf_counter()
+    dst_q = quant_layout(dst, qd, args.quant_block)
+    rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
+    dst_qt = dst_q.allocate(rank, device=device)
+    poison(dst_qt)
+    want_q = expected_quantized(dst_q, src, rank, device)
+    dist.barrier()
+    out["fp8_setup_seconds"] = time.perf_counter() - t_q  # the slowest rank's, as the user waits for it
+    say(f"{label} set up in {out['fp8_setup_seconds']:.1f} s; first run (binds, allocates the staging "
+        f"and the straddling blocks' regions) ...")
+    out["fp8_first_seconds"], out["fp8_bad"] = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
+    qtimes = []
+    for i in range(args.repeats):
+        secs, bad = measured(lambda: rq.run(src_t, dst_qt), dst_qt, want_q)
+        qtimes.append(secs)
+        out["fp8_bad"] += bad
+        say(f"{label} run {i + 1}/{args.repeats}: {secs:.3f} s, {bad} wrong bytes or scales on rank 0")
+    out["fp8_seconds"] = qtimes
+    out["fp8_total_seconds"] = time.perf_counter() - t_q
+    out["fp8_staging_bytes"] = rq.staging_bytes
+    out["fp8_peak_extra_rss"] = max(rss_peaks[-(args.repeats + 1):])
+    return out
+
+
+def _baseline_runs(args, src: Layout, dst: Layout, src_t, dst_t, measured, rss_peaks: list, say) -> dict:
+    """The all-gather baseline's runs, checked the same way."""
+    out: dict = {}
+    reports, btimes = [], []
+    out["base_bad"] = 0
+    rss_peaks.clear()
+    t_base = time.perf_counter()
+    for i in range(max(1, args.repeats)):
+        secs, bad = measured(lambda: reports.append(allgather_refit(src_t, dst_t, src, dst, timeout=args.timeout)))
+        btimes.append(secs)
+        out["base_bad"] += bad
+        say(f"all-gather baseline run {i + 1}/{max(1, args.repeats)}: {secs:.3f} s")
+    out["base_seconds"] = btimes
+    out["base_total_seconds"] = time.perf_counter() - t_base
+    out["base_recv_bytes"] = reports[-1].recv_bytes
+    out["base_peak_extra_bytes"] = reports[-1].peak_extra_bytes
+    out["base_peak_extra_rss"] = max(rss_peaks)
     return out
 
 
