@@ -176,11 +176,13 @@ def _np_int(e: int):
     return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[e]
 
 
-def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool) -> torch.Tensor:
+def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Tensor:
     """:func:`torch_pack` for CPU tensors (validated by the caller): one compare and one nonzero per pair
     (numpy, on the views' own strides: no flattening copy), the changed values taken once, and with
     ``update`` only the changed elements written into the snapshot (its other elements already hold the
-    source's bits)."""
+    source's bits). ``update`` a list: the snapshot writes are appended to it instead, for
+    :func:`commit_updates` later (:func:`pack_deferred`)."""
+    defer = update if isinstance(update, list) else None
     flats = [(_flat_np(s), _flat_np(p)) for s, p in pairs]
     numels = [sf[0].size for sf, _ in flats]
     esizes = [s.element_size() for s, _ in pairs]
@@ -209,7 +211,9 @@ def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool) -> torch.Tensor:
                 np.not_equal(sn[a:z], pn[a:z], out=m)
                 ii = np.flatnonzero(m)
                 v = sn[a:z][ii]
-                if update:  # only the changed elements: the others already hold the source's bits
+                if defer is not None:
+                    defer.append((pn[a:z], ii, v))
+                elif update:  # only the changed elements: the others already hold the source's bits
                     pn[a:z][ii] = v
                 bi.append(ii + (base + a) if base + a else ii)
                 bv.append(v)
@@ -221,7 +225,7 @@ def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool) -> torch.Tensor:
         np.not_equal(snd, pnd, out=m)
         ii = np.flatnonzero(m)
         v = snd[np.unravel_index(ii, snd.shape)]
-        if update:
+        if defer is not None or update:
             puts.append((pnd, np.unravel_index(ii, pnd.shape), v))
         idxs.append(ii + base if base else ii)
         vals.append(v)
@@ -287,9 +291,31 @@ def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool) -> torch.Tensor:
                 k = keep[sel]
                 pos, v = pos[k], v[k]
             mn.view(_np_int(e))[pos] = v
+    if defer is not None:
+        defer.extend(puts)
+        return msg
     for pn, at, v in puts:  # only the changed elements: the others already hold the source's bits
         pn[at] = v
     return msg
+
+
+def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list) -> torch.Tensor:
+    """The delta message of CPU ``pairs`` (``torch_pack``'s bytes) with the snapshot left as it was: its
+    writes (the changed elements) are appended to ``updates``, to be made by :func:`commit_updates` once the
+    message is known to be used (a delta refit diffs while its handshake is in flight, before the fence
+    says whether the refit goes as a delta: a refused one must leave the snapshot untouched)."""
+    from .delta import _check_chunk_elems, validate_pairs
+
+    _check_chunk_elems(chunk_elems)
+    if validate_pairs(pairs).type != "cpu":
+        raise ValueError("pack_deferred: CPU tensors only")
+    return _numpy_pack(pairs, chunk_elems, updates)
+
+
+def commit_updates(updates: list) -> None:
+    """Make the snapshot writes :func:`pack_deferred` collected (each: a view, its positions, the values)."""
+    for view, at, v in updates:
+        view[at] = v
 
 
 def _numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None) -> None:
