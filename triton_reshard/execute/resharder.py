@@ -50,7 +50,7 @@ from .delta import (
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
-from .steps import StepLoop
+from .steps import StepLoop, prepack
 from .transport import Link, handshake_finish, handshake_post
 
 
@@ -271,6 +271,14 @@ class Resharder:
                                     f"nothing was moved (delta=True falls back to a dense refit)")
         return base, why
 
+    def _prepack(self, b: Bound, backend: str, key) -> float | None:
+        """While the handshake is in flight: a dense run's step 0 staging copies (``steps.prepack``). A copy that
+        fails here is dropped: the loop packs again and raises in its place, as it would have."""
+        try:
+            return prepack(self.work, b, backend, key)
+        except Exception:
+            return None
+
     def _prediff(self, delta: DeltaRequest | None, b: Bound, backend: str, frow: list[int]) -> Prediff | None:
         """While the handshake is in flight: step 0's delta messages, if this rank expects the refit to go as a
         delta (it holds a snapshot, its own fence columns raise nothing, its own cost columns do not predict
@@ -316,6 +324,9 @@ class Resharder:
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         try:
             hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
+            # while the rows travel: a dense run packs its first step, a delta run diffs it (nothing moves)
+            key = (id(self), hash(self._bound_sig))
+            packed = self._prepack(b, backend, key) if error is None and not verify and delta is None else None
             pre = self._prediff(delta, b, backend, frow) if error is None and not verify else None
             rows = handshake_finish(self.link, hs, error)
         except ReshardTransportError as e:
@@ -328,9 +339,9 @@ class Resharder:
             base, why = self._fence(delta, rows)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
-            args = (self.work, b, self.link, backend, tally, touched, (id(self), hash(self._bound_sig)))
+            args = (self.work, b, self.link, backend, tally, touched, key)
             if verify or delta is None:
-                loop = StepLoop(*args)
+                loop = StepLoop(*args, prepacked=packed)
             elif base is not None:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
             elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
