@@ -368,6 +368,7 @@ def run(args) -> dict:
         delta = cd.make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
                               os.path.join(tmp, "versions.safetensors"))
         delta["model"] = args.delta_model
+        delta["interleaved"] = args.delta_order == "interleaved"
         print(f"versions: {[(r['version'], round(100 * r['changed'], 2)) for r in delta['versions']]} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
     out = {"settings": [], "delta_versions": delta["versions"] if delta else None}
@@ -471,6 +472,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     ap.add_argument("--delta-repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--delta-order", choices=("chains", "interleaved"), default="chains",
+                    help="chains: each method's versions in a row (default); interleaved: per version dense, delta "
+                         "and the cost model in turn")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--big-model", default="", help="also dense vs delta (uniform flips) of this preset on 2 nodes "
                                                      "at the first rate, e.g. llama_demo (~400 MB bf16)")

@@ -117,16 +117,20 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) 
     # a delta one starts from the TCP congestion window the small delta messages left: seen ~1.5-2x slower
     # at 10 Gbit/s, which is the order, not the method)
     timed: dict = {}
-    for name, res, d, req in (("dense", r_dense, d_dense, None), ("delta", r_delta, d_delta, {}),
-                              ("auto", r_auto, d_auto, {"topology": topo} if auto else {})):
-        for row in versions:
-            v = row["version"]
-            for n, t in (src.shard(version(v), rank) if rank in src.ranks else {}).items():
-                src_t[n].copy_(t)
-            rep: dict = {}
-            dr = None if req is None else DeltaRequest(v, held=v - 1, **req)
-            t = bc._timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
-            timed[name, v] = (t, rep["r"], bc._exact(full_dst, rank, d, version(v)))
+    methods = (("dense", r_dense, d_dense, None), ("delta", r_delta, d_delta, {}),
+               ("auto", r_auto, d_auto, {"topology": topo} if auto else {}))
+    # --delta-order interleaved: per version every method in turn (dense, delta, cost model), else each
+    # method's chain on its own
+    order = [(m, row) for row in versions for m in methods] if spec["delta"].get("interleaved") else \
+        [(m, row) for m in methods for row in versions]
+    for (name, res, d, req), row in order:
+        v = row["version"]
+        for n, t in (src.shard(version(v), rank) if rank in src.ranks else {}).items():
+            src_t[n].copy_(t)
+        rep: dict = {}
+        dr = None if req is None else DeltaRequest(v, held=v - 1, **req)
+        t = bc._timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
+        timed[name, v] = (t, rep["r"], bc._exact(full_dst, rank, d, version(v)))
     rows = []
     for row in versions:
         v = row["version"]
