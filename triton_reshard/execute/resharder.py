@@ -271,6 +271,16 @@ class Resharder:
                                     f"nothing was moved (delta=True falls back to a dense refit)")
         return base, why
 
+    def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
+                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None]:
+        """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
+        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises)."""
+        hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
+        work = error is None and not verify
+        packed = self._prepack(b, backend, key) if work and delta is None else None
+        pre = self._prediff(delta, b, backend, frow) if work else None
+        return handshake_finish(self.link, hs, error), packed, pre
+
     def _prepack(self, b: Bound, backend: str, key) -> float | None:
         """While the handshake is in flight: a dense run's step 0 staging copies (``steps.prepack``). A copy that
         fails here is dropped: the loop packs again and raises in its place, as it would have."""
@@ -322,13 +332,9 @@ class Resharder:
             error = e
         except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
+        key = (id(self), hash(self._bound_sig))
         try:
-            hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
-            # while the rows travel: a dense run packs its first step, a delta run diffs it (nothing moves)
-            key = (id(self), hash(self._bound_sig))
-            packed = self._prepack(b, backend, key) if error is None and not verify and delta is None else None
-            pre = self._prediff(delta, b, backend, frow) if error is None and not verify else None
-            rows = handshake_finish(self.link, hs, error)
+            rows, packed, pre = self._handshake(error, verify, delta, frow, b, backend, key)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"

@@ -69,34 +69,34 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .delta_cpu import numpy_pack, numpy_unpack
+from .delta_format import (
+    ALIGN,
+    DEFAULT_CHUNK_ELEMS,
+    HEADER_BYTES,
+    KIND_BITMASK,
+    KIND_DENSE,
+    KIND_NAMES,
+    KIND_OFFSETS,
+    MAGIC,
+    MAX_CHUNK_ELEMS,
+    MAX_DIMS,
+    VERSION,
+    Pair,
+    chunk_list,
+    chunks_start,
+    pad,
+    validate_pairs,
+)
+from .delta_format import INT_DTYPES as _INT
+from .delta_format import check_chunk_elems as _check_chunk_elems
+from .delta_format import name_of as _name
+from .delta_format import write_flat as _write_flat
 from .launcher import bits, interpreting, kernel_module, resolve_backend, storage_view
-
-Pair = tuple[torch.Tensor, torch.Tensor]
-
-MAGIC = 0x544C4454
-VERSION = 1
-KIND_DENSE = 0
-KIND_BITMASK = 1
-KIND_OFFSETS = 2
-KIND_NAMES = {KIND_DENSE: "dense", KIND_BITMASK: "bitmask", KIND_OFFSETS: "offsets"}
-ALIGN = 16
-HEADER_BYTES = 16
-DIRECTORY_ENTRY_BYTES = 8
-MAX_CHUNK_ELEMS = 1 << 16
-# Chosen from perf/bench_delta.py (docs/delta.md): 64 KiB of bf16; at 1-7 % changed its total is within
-# 0.05 percentage points (of dense) of 1 MiB chunks, and a chunk is one program of the kernels.
-DEFAULT_CHUNK_ELEMS = 1 << 15
-MAX_DIMS = 4
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Block sizes: under the interpreter every loop step costs Python time, so it gets big blocks.
 INTERPRET_BLOCK = 4096
 CUDA_BLOCK = 1024
-
-
-def pad(n: torch.Tensor | int) -> torch.Tensor | int:
-    """``n`` rounded up to a multiple of ``ALIGN`` bytes."""
-    return (n + (ALIGN - 1)) // ALIGN * ALIGN
 
 
 def chunk_sizes(numel: torch.Tensor, count: torch.Tensor, elem_size: int | torch.Tensor
@@ -110,11 +110,6 @@ def chunk_sizes(numel: torch.Tensor, count: torch.Tensor, elem_size: int | torch
     best, idx = torch.stack([offsets, bitmask, dense]).min(0)
     kind = torch.tensor([KIND_OFFSETS, KIND_BITMASK, KIND_DENSE], device=numel.device)[idx]
     return kind, best
-
-
-def chunks_start(num_chunks: int) -> int:
-    """Byte offset of the first chunk: message header + directory."""
-    return HEADER_BYTES + pad(DIRECTORY_ENTRY_BYTES * num_chunks)
 
 
 def max_message_bytes(numels: Sequence[int], elem_sizes: Sequence[int],
@@ -132,40 +127,6 @@ def max_message_bytes(numels: Sequence[int], elem_sizes: Sequence[int],
 def _bits(t: torch.Tensor) -> torch.Tensor:
 
     return bits(t)
-
-
-def _check_chunk_elems(chunk_elems: int) -> None:
-    if not isinstance(chunk_elems, int) or not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
-        raise ValueError(f"chunk_elems must be an int in [1, {MAX_CHUNK_ELEMS}], got {chunk_elems!r}")
-
-
-def chunk_list(numels: Sequence[int], chunk_elems: int) -> list[tuple[int, int, int]]:
-    """``(view index, first element, length)`` of every chunk, in message order."""
-    return [(i, a, min(chunk_elems, n - a)) for i, n in enumerate(numels) for a in range(0, n, chunk_elems)]
-
-
-def _name(names: Sequence[str] | None, i: int) -> str:
-    return f"{names[i]!r}" if names is not None else f"#{i}"
-
-
-def validate_pairs(pairs: Sequence[Pair], names: Sequence[str] | None = None) -> torch.device:
-    """Same shape, dtype and device on both sides of every pair; a supported element size."""
-    device = None
-    for i, pair in enumerate(pairs):
-        if len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
-            raise TypeError(f"pair {_name(names, i)}: expected a (src, snapshot) pair of tensors")
-        src, snap = pair
-        if src.shape != snap.shape or src.dtype != snap.dtype:
-            raise ValueError(f"pair {_name(names, i)}: src {tuple(src.shape)} {src.dtype} vs snapshot "
-                             f"{tuple(snap.shape)} {snap.dtype}: shapes and dtypes must be equal")
-        if src.element_size() not in _INT:
-            raise ValueError(f"pair {_name(names, i)}: element size {src.element_size()} not supported")
-        device = device or src.device
-        if src.device != device or snap.device != device:
-            raise ValueError(f"pair {_name(names, i)}: mixed devices ({src.device}, {snap.device}, {device})")
-    if device is None:
-        raise ValueError("no pairs to pack")
-    return device
 
 
 def _message_layout(numel: torch.Tensor, count: torch.Tensor, esize: torch.Tensor
@@ -233,7 +194,7 @@ def _value_base(kind: torch.Tensor, body: torch.Tensor, count: torch.Tensor, num
 
 def _tensor_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
                  names: Sequence[str] | None = None) -> torch.Tensor:
-    """Reference pack in torch ops (any device; :func:`torch_pack` runs :func:`_numpy_pack` on CPU): the delta message of ``pairs`` (see the module docstring); with ``update`` each
+    """Reference pack in torch ops (any device; :func:`torch_pack` runs :func:`~triton_reshard.ops.delta_cpu.numpy_pack` on CPU): the delta message of ``pairs`` (see the module docstring); with ``update`` each
     snapshot is brought up to date with its source. Vectorized over all pairs at once: the change masks of
     every pair go into one buffer cut into whole chunks (each pair's last chunk zero-padded), so counting,
     choosing the kinds, the bitmasks, the offsets and the value positions are a fixed number of tensor ops
@@ -404,15 +365,8 @@ def read_directory(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
     return Directory(chunks, offsets, kind, count)
 
 
-def _write_flat(d: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
-    """``d`` (an integer view, any strides) at row-major positions ``pos`` ← ``vals``, in place."""
-    if d.dim() == 0:
-        d = d.unsqueeze(0)
-    d[torch.unravel_index(pos, d.shape)] = vals
-
-
 def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
-    """Reference unpack in torch ops (any device; :func:`torch_unpack` runs :func:`_numpy_unpack` on CPU): every chunk's values into its destination view, in place. The whole message
+    """Reference unpack in torch ops (any device; :func:`torch_unpack` runs :func:`~triton_reshard.ops.delta_cpu.numpy_unpack` on CPU): every chunk's values into its destination view, in place. The whole message
     (headers and bodies) is checked before the first write. Vectorized over all chunks of the message at
     once; per destination one scatter (and a slice copy per dense chunk)."""
     dr = read_directory(msg, dsts, names)
@@ -484,20 +438,20 @@ def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
                names: Sequence[str] | None = None) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source. CPU tensors: :func:`_numpy_pack`; others:
+    snapshot is brought up to date with its source. CPU tensors: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`; others:
     :func:`_tensor_pack` (the same bytes)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     if device.type == "cpu":
-        return _numpy_pack(pairs, chunk_elems, update)
+        return numpy_pack(pairs, chunk_elems, update)
     return _tensor_pack(pairs, chunk_elems, update, names)
 
 
 def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
     """Reference unpack: every chunk's values into its destination view, in place; the whole message (headers
-    and bodies) is checked before the first write. CPU: :func:`_numpy_unpack`; others: :func:`_tensor_unpack`."""
+    and bodies) is checked before the first write. CPU: :func:`~triton_reshard.ops.delta_cpu.numpy_unpack`; others: :func:`_tensor_unpack`."""
     if msg.device.type == "cpu" and all(d.device.type == "cpu" for d in dsts):
-        return _numpy_unpack(msg, dsts, names)
+        return numpy_unpack(msg, dsts, names)
     return _tensor_unpack(msg, dsts, names)
 
 
@@ -714,8 +668,3 @@ def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str |
     """Scatter a delta message into ``dsts`` in place with the chosen backend."""
     fn = triton_unpack if _backend(msg.device, backend) == "triton" else torch_unpack
     fn(msg, dsts, names=names)
-
-
-
-# the CPU implementations (numpy; they import this module's constants and helpers, so they come last)
-from .delta_cpu import _numpy_pack, _numpy_unpack  # noqa: E402

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .delta import (
-    _INT,
+from .delta_format import (
     ALIGN,
     DIRECTORY_ENTRY_BYTES,
     HEADER_BYTES,
+    INT_DTYPES,
     KIND_BITMASK,
     KIND_DENSE,
     KIND_NAMES,
@@ -27,12 +27,14 @@ from .delta import (
     MAX_CHUNK_ELEMS,
     VERSION,
     Pair,
-    _bits,
-    _name,
-    _write_flat,
+    check_chunk_elems,
     chunk_list,
+    name_of,
     pad,
+    validate_pairs,
+    write_flat,
 )
+from .launcher import bits
 
 
 def chunks_start_np(nc: int) -> int:
@@ -100,8 +102,8 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
         raise ValueError(f"delta message of {length} bytes: shorter than its header or not a multiple of {ALIGN}")
     esizes = [d.element_size() for d in dsts]
     for i, d in enumerate(dsts):
-        if esizes[i] not in _INT or d.device != msg.device:
-            raise ValueError(f"destination {_name(names, i)}: {d.dtype} on {d.device} (message on {msg.device})")
+        if esizes[i] not in INT_DTYPES or d.device != msg.device:
+            raise ValueError(f"destination {name_of(names, i)}: {d.dtype} on {d.device} (message on {msg.device})")
     mn = msg.numpy()
     magic, version, nc, chunk_elems = (int(x) & 0xFFFFFFFF for x in mn[:16].view(np.int32).tolist())
     if magic != MAGIC or version != VERSION:
@@ -114,7 +116,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
         raise ValueError(f"delta message has {nc} chunks; the destinations {[tuple(d.shape) for d in dsts]} "
                          f"cut into chunks of {chunk_elems} elements make {len(chunks)}")
     start = chunks_start_np(nc)
-    bit_views = [_bits(d.detach()) for d in dsts]
+    bit_views = [bits(d.detach()) for d in dsts]
     if not nc:
         e = np.zeros(0, dtype=np.int64)
         return DirectoryNp(chunks, e, e, e, e, e, e, bit_views, esizes)
@@ -139,7 +141,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
         c = int(np.argmin(good))
         i, a, n = chunks[c]
         raise ValueError(
-            f"delta message: chunk {c} (destination {_name(names, i)}, elements {a}..{a + n - 1}) is "
+            f"delta message: chunk {c} (destination {name_of(names, i)}, elements {a}..{a + n - 1}) is "
             f"inconsistent: offset {int(offsets[c])}, kind {int(kind[c])}, elem_size {int(esize[c])} "
             f"(want {int(esize_d[c])}), numel {int(numel_m[c])} (want {n}), count {int(count[c])}, "
             f"nbytes {int(nbytes[c])} (want {int(want[c])}), message {length} bytes")
@@ -156,7 +158,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
 def _flat_np(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     """``t``'s element bits as a numpy array of its shape and strides (its own memory, no copy), and the same
     as a 1-D row-major view when ``t`` is contiguous (else None)."""
-    b = _bits(t.detach())
+    b = bits(t.detach())
     if b.is_contiguous():
         return b.numpy(), b.reshape(-1).numpy()
     return b.numpy(), None
@@ -176,7 +178,7 @@ def _np_int(e: int):
     return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[e]
 
 
-def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Tensor:
+def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Tensor:
     """:func:`torch_pack` for CPU tensors (validated by the caller): one compare and one nonzero per pair
     (numpy, on the views' own strides: no flattening copy), the changed values taken once, and with
     ``update`` only the changed elements written into the snapshot (its other elements already hold the
@@ -304,12 +306,10 @@ def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list) -> tor
     writes (the changed elements) are appended to ``updates``, to be made by :func:`commit_updates` once the
     message is known to be used (a delta refit diffs while its handshake is in flight, before the fence
     says whether the refit goes as a delta: a refused one must leave the snapshot untouched)."""
-    from .delta import _check_chunk_elems, validate_pairs
-
-    _check_chunk_elems(chunk_elems)
+    check_chunk_elems(chunk_elems)
     if validate_pairs(pairs).type != "cpu":
         raise ValueError("pack_deferred: CPU tensors only")
-    return _numpy_pack(pairs, chunk_elems, updates)
+    return numpy_pack(pairs, chunk_elems, updates)
 
 
 def commit_updates(updates: list) -> None:
@@ -318,7 +318,7 @@ def commit_updates(updates: list) -> None:
         view[at] = v
 
 
-def _numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None) -> None:
+def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None) -> None:
     """:func:`torch_unpack` for CPU tensors: the same checks (every header, then every body) before the first
     write, then per destination one numpy put (a torch scatter into a non-contiguous one) and a slice copy
     per dense chunk."""
@@ -351,7 +351,7 @@ def _numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequen
     if bad.any():
         c = int(np.argmax(bad))
         j, a0, n0 = dr.chunks[c]
-        raise ValueError(f"delta message: chunk {c} (destination {_name(names, j)}, elements {a0}..{a0 + n0 - 1}): "
+        raise ValueError(f"delta message: chunk {c} (destination {name_of(names, j)}, elements {a0}..{a0 + n0 - 1}): "
                          f"{KIND_NAMES[int(k[c])]} body inconsistent with its header (count {int(cnt[c])})")
     bit_views = dr.bit_views
     contiguous = np.array([d.is_contiguous() for d in bit_views], dtype=bool)
@@ -379,7 +379,7 @@ def _numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequen
             if flat[i] is not None:
                 flat[i][pos[lo:hi]] = vals
             else:
-                _write_flat(bit_views[i], torch.from_numpy(pos[lo:hi]), torch.from_numpy(vals))
+                write_flat(bit_views[i], torch.from_numpy(pos[lo:hi]), torch.from_numpy(vals))
     for c in dense:
         i, a0, n0 = dr.chunks[c]
         e = esizes[i]
