@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--delta-order", choices=("chains", "interleaved"), default="chains",
                     help="chains: each method's versions in a row (default); interleaved: per version dense, delta "
-                         "and the cost model in turn")
+                         "and the cost model in turn, the order rotated by one each version")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--big-model", default="", help="also dense vs delta (uniform flips) of this preset on 2 nodes "
                                                      "at the first rate, e.g. llama_demo (~400 MB bf16)")

@@ -119,10 +119,11 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) 
     timed: dict = {}
     methods = (("dense", r_dense, d_dense, None), ("delta", r_delta, d_delta, {}),
                ("auto", r_auto, d_auto, {"topology": topo} if auto else {}))
-    # --delta-order interleaved: per version every method in turn (dense, delta, cost model), else each
-    # method's chain on its own
-    order = [(m, row) for row in versions for m in methods] if spec["delta"].get("interleaved") else \
-        [(m, row) for m in methods for row in versions]
+    # --delta-order interleaved: per version every method in turn, the order rotated by one each version (each
+    # method follows each other as often: a refit after a delta one starts from the TCP window the small delta
+    # messages left), else each method's chain on its own
+    order = [(methods[(i + k) % 3], row) for k, row in enumerate(versions) for i in range(3)] \
+        if spec["delta"].get("interleaved") else [(m, row) for m in methods for row in versions]
     for (name, res, d, req), row in order:
         v = row["version"]
         for n, t in (src.shard(version(v), rank) if rank in src.ranks else {}).items():
