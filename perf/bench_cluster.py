@@ -14,8 +14,11 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
   (a 32 MiB send), the round trip of a small message as each step's latency, and the time of a refit that
   moves 64 bytes, less that round trip, as the fixed cost of a refit (``Topology.refit_latency_s``).
 
-Methods, each timed between barriers on every rank (the slowest rank's wall time; median of ``--repeats``),
-each into poisoned destinations checked bit for bit once, each with the bytes every node's interface counted:
+Methods, each called between barriers and timed from the first rank entering the call to the last rank leaving
+it (every rank's marks on the host's monotonic clock, which the emulated nodes share; the barrier after a call
+is not timed; median of ``--repeats``; until session 39 the slowest rank's time to the end of that barrier),
+with the CPU seconds of all ranks together, each into poisoned destinations checked bit for bit once, each with
+the bytes every node's interface counted:
 
 * ``ours``: ``refit`` with ``gpus_per_node`` = ranks per node (topology-aware routing), relays (which spread
   the trainer's sends over two engine instances, or fan a replicated piece out inside one engine's node) only
@@ -112,20 +115,37 @@ def link_limit_bytes(dst_full, rpn: int) -> int:
 
 
 def _timed(fn, repeats: int) -> dict:
+    """``fn`` ``repeats`` times between barriers: per call this rank's clock on entering and leaving it
+    (``time.perf_counter``, the host's monotonic clock, which every rank of the emulated cluster shares: one
+    machine), its CPU seconds, and the bytes its node's interface counted over the last call. The refit's time
+    is taken from all ranks' marks (:func:`span`): the barrier after a call is not timed."""
     import torch.distributed as dist
 
     from triton_reshard.testing.cluster import link_counters
 
-    secs, link = [], None
+    enter, leave, cpu, link = [], [], [], None
     for _ in range(repeats):
         dist.barrier()
         c0 = link_counters()
-        t0 = time.perf_counter()
+        p0, t0 = time.process_time(), time.perf_counter()
         fn()
+        t1, p1 = time.perf_counter(), time.process_time()
         dist.barrier()
-        secs.append(time.perf_counter() - t0)
+        enter.append(t0)
+        leave.append(t1)
+        cpu.append(p1 - p0)
         link = (link_counters() - c0).as_dict()
-    return {"seconds": secs, "link": link}
+    return {"seconds": [b - a for a, b in zip(enter, leave, strict=True)], "enter": enter, "leave": leave,
+            "cpu": cpu, "link": link}
+
+
+def span(per: list[dict], i: int) -> float:
+    """Call ``i``'s time over every rank's :func:`_timed` marks ``per``: from the first rank entering the call to
+    the last rank leaving it (what a caller waits for; the barrier skew on entering is counted, the barrier
+    after the call is not). Results without marks (older files): the slowest rank's own seconds."""
+    if all("enter" in p for p in per):
+        return max(p["leave"][i] for p in per) - min(p["enter"][i] for p in per)
+    return max(p["seconds"][i] for p in per)
 
 
 def _exact(layout, rank: int, dst: dict, pub: dict) -> bool:
@@ -183,7 +203,7 @@ def _probe(rank: int, rpn: int) -> dict:
     return out
 
 
-def _tiny(rank: int, world: int, rpn: int, timeout: float) -> list[float]:
+def _tiny(rank: int, world: int, rpn: int, timeout: float) -> dict:
     """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
     of one refit step (handshake, a round of messages, the barriers around it)."""
     from triton_reshard import Layout, Shard, refit
@@ -193,7 +213,7 @@ def _tiny(rank: int, world: int, rpn: int, timeout: float) -> list[float]:
     s = {"t": torch.zeros(2, 16, dtype=torch.bfloat16)} if rank < rpn else {}
     d = dst.allocate(rank) if rpn <= rank < 2 * rpn else {}
     refit(s, d, src, dst, timeout=timeout)
-    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), 7)["seconds"]
+    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), 7)
 
 
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
@@ -288,9 +308,11 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
             if m in ("delta", "relay_choice"):
                 continue
             reps = len(per[0][m]["seconds"])
-            secs = statistics.median(max(p[m]["seconds"][i] for p in per) for i in range(reps))
+            secs = statistics.median(span([p[m] for p in per], i) for i in range(reps))
+            cpu = statistics.median(sum(p[m].get("cpu", [0.0] * reps)[i] for p in per) for i in range(reps))
             row["methods"][m] = {
                 "seconds": secs, "over_link_limit": secs / limit, "exact": all(p[m]["exact"] for p in per),
+                "cpu_s": cpu,
                 "node_tx": [per[n * rpn][m]["link"]["tx"] for n in range(nodes)],
                 "node_rx": [per[n * rpn][m]["link"]["rx"] for n in range(nodes)]}
         if "delta" in per[0]:
@@ -303,7 +325,7 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
 
 def print_setting(s: dict, summ: dict) -> None:
     print(f"== {s['nodes']} nodes x {s['rpn']} ranks, {s['rate_bps'] / 1e9:g} Gbit/s, latency "
-          f"{s['latency_s'] * 1e6:g} us added (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
+          f"{s['latency_s'] * 1e6:g} us added, MTU {s.get('mtu', 1500)} (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
           f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
           f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
     for model, row in summ.items():
@@ -316,11 +338,13 @@ def print_setting(s: dict, summ: dict) -> None:
                   f"{c['without_relay_s'] * 1e3:.1f} without)")
         for m, r in row["methods"].items():
             print(f"    {m:18s} {r['seconds'] * 1e3:8.1f} ms  {r['over_link_limit']:5.2f}x link limit  exact "
-                  f"{r['exact']}  node tx {[round(x / 1e6, 2) for x in r['node_tx']]} MB")
+                  f"{r['exact']}  node tx {[round(x / 1e6, 2) for x in r['node_tx']]} MB  CPU "
+                  f"{r.get('cpu_s', 0) * 1e3:.1f} ms (all ranks)")
         for f, d in row.get("delta", {}).get("by_fraction", {}).items():
             print(f"    delta {100 * float(f):4.1f} % (measured {100 * d['changed']:.2f} %): {d['delta_s'] * 1e3:.1f} ms vs "
                   f"dense {d['dense_s'] * 1e3:.1f} ms = {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of "
-                  f"dense, exact {d['exact']} {d['modes']}", flush=True)
+                  f"dense, exact {d['exact']} {d['modes']}; CPU (all ranks) delta {d.get('delta_cpu_s', 0) * 1e3:.1f} "
+                  f"ms, dense {d.get('dense_cpu_s', 0) * 1e3:.1f} ms", flush=True)
             if "auto_s" in d:
                 print(f"          with the cost model: {d['auto_s'] * 1e3:.1f} ms = {d['auto_speedup']:.2f}x faster "
                       f"than dense {d['auto_modes']}", flush=True)
@@ -344,6 +368,7 @@ def run(args) -> dict:
         delta = cd.make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
                               os.path.join(tmp, "versions.safetensors"))
         delta["model"] = args.delta_model
+        delta["interleaved"] = args.delta_order == "interleaved"
         print(f"versions: {[(r['version'], round(100 * r['changed'], 2)) for r in delta['versions']]} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
     out = {"settings": [], "delta_versions": delta["versions"] if delta else None}
@@ -355,14 +380,15 @@ def run(args) -> dict:
                 spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats, "rate_bps": rate_bps,
                         "timeout": args.timeout, "models": args.models, "delta": delta}
                 t0 = time.perf_counter()
-                with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat) as c:
+                with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat, mtu=args.mtu) as c:
                     r = c.run("bench_cluster:bench_rank", spec, timeout=args.timeout * 6, pg_timeout=args.timeout,
                               env=env)
                 probe = r.results[0]["probe"]
                 probe.update({k: v for k, v in r.results[1]["probe"].items() if k not in probe})
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
+                           "mtu": args.mtu,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
-                tiny = [max(x["tiny"][i] for x in r.results) for i in range(len(r.results[0]["tiny"]))]
+                tiny = [span([x["tiny"] for x in r.results], i) for i in range(len(r.results[0]["tiny"]["seconds"]))]
                 probe["refit_step_s"] = statistics.median(tiny)
                 calib = {"link_Bps": probe.get("link", rate_bps / 8), "step_s": probe["refit_step_s"],
                          "rtt_s": probe["rtt_s"]}
@@ -373,8 +399,8 @@ def run(args) -> dict:
                 out["settings"].append({**setting, "models": summ})
     if args.big_model:
         spec = {"rpn": args.ranks_per_node, "timeout": args.timeout, "model": args.big_model,
-                "fractions": args.fractions, "repeats": args.delta_repeats}
-        rate_bps = parse_rate(args.rates[0])
+                "fractions": args.fractions, "repeats": args.delta_repeats, "rate_bps": parse_rate(args.rates[0])}
+        rate_bps = spec["rate_bps"]
         with Cluster(2, args.ranks_per_node, rate=rate_bps) as c:
             r = c.run("cluster_delta:big_rank", spec, timeout=args.timeout * 10, pg_timeout=args.timeout, env=env)
         src, _, _ = layouts(args.big_model, 2, args.ranks_per_node)
@@ -386,7 +412,8 @@ def run(args) -> dict:
         for f, d in rows["by_fraction"].items():
             print(f"    delta {100 * float(f):4.1f} %: {d['delta_s'] * 1e3:.1f} ms vs dense {d['dense_s'] * 1e3:.1f} ms "
                   f"= {d['speedup']:.2f}x faster, bytes {d['bytes_ratio']:.3f} of dense, exact {d['exact']} "
-                  f"{d['modes']}", flush=True)
+                  f"{d['modes']}; CPU (all ranks) delta {d.get('delta_cpu_s', 0) * 1e3:.1f} ms, dense "
+                  f"{d.get('dense_cpu_s', 0) * 1e3:.1f} ms", flush=True)
     return out
 
 
@@ -445,11 +472,16 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     ap.add_argument("--delta-repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--delta-order", choices=("chains", "interleaved"), default="chains",
+                    help="chains: each method's versions in a row (default); interleaved: per version dense, delta "
+                         "and the cost model in turn, the order rotated by one each version")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--big-model", default="", help="also dense vs delta (uniform flips) of this preset on 2 nodes "
                                                      "at the first rate, e.g. llama_demo (~400 MB bf16)")
     ap.add_argument("--skip-settings", action="store_true", help="only --big-model")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--mtu", type=int, default=1500, help="every link's MTU (1500: Ethernet's; 9000: jumbo frames, "
+                                                           "~0.7 %% TCP/IP framing instead of ~4.4 %%)")
     ap.add_argument("--smoke", action="store_true", help="CI: 2 nodes, 1 Gbit/s, small_llama, 1 repeat")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)

@@ -117,16 +117,21 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) 
     # a delta one starts from the TCP congestion window the small delta messages left: seen ~1.5-2x slower
     # at 10 Gbit/s, which is the order, not the method)
     timed: dict = {}
-    for name, res, d, req in (("dense", r_dense, d_dense, None), ("delta", r_delta, d_delta, {}),
-                              ("auto", r_auto, d_auto, {"topology": topo} if auto else {})):
-        for row in versions:
-            v = row["version"]
-            for n, t in (src.shard(version(v), rank) if rank in src.ranks else {}).items():
-                src_t[n].copy_(t)
-            rep: dict = {}
-            dr = None if req is None else DeltaRequest(v, held=v - 1, **req)
-            t = bc._timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
-            timed[name, v] = (t, rep["r"], bc._exact(full_dst, rank, d, version(v)))
+    methods = (("dense", r_dense, d_dense, None), ("delta", r_delta, d_delta, {}),
+               ("auto", r_auto, d_auto, {"topology": topo} if auto else {}))
+    # --delta-order interleaved: per version every method in turn, the order rotated by one each version (each
+    # method follows each other as often: a refit after a delta one starts from the TCP window the small delta
+    # messages left), else each method's chain on its own
+    order = [(methods[(i + k) % 3], row) for k, row in enumerate(versions) for i in range(3)] \
+        if spec["delta"].get("interleaved") else [(m, row) for m in methods for row in versions]
+    for (name, res, d, req), row in order:
+        v = row["version"]
+        for n, t in (src.shard(version(v), rank) if rank in src.ranks else {}).items():
+            src_t[n].copy_(t)
+        rep: dict = {}
+        dr = None if req is None else DeltaRequest(v, held=v - 1, **req)
+        t = bc._timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
+        timed[name, v] = (t, rep["r"], bc._exact(full_dst, rank, d, version(v)))
     rows = []
     for row in versions:
         v = row["version"]
@@ -145,10 +150,14 @@ def big_rank(rank: int, world: int, spec: dict) -> dict:
     compared bit for bit with the dense one after every refit."""
     from triton_reshard import Resharder, plan_reshard
     from triton_reshard.execute.delta import DeltaRequest
+    from triton_reshard.tools.topology import Topology, choose_relay
 
     rpn, timeout = spec["rpn"], spec["timeout"]
     src, dst, _ = bc.layouts(spec["model"], 2, rpn)
-    plan = plan_reshard(src, dst, False, rpn, None, None, rank=rank)
+    # relays as bench_cluster's "ours" chooses them (the time model with the nominal link rate)
+    topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec.get("rate_bps", 1e9) / 8e9,
+                    step_latency_s=1e-3, shared_nic=True)
+    plan = plan_reshard(src, dst, False, rpn, choose_relay(src, dst, topo).relay, None, rank=rank)
     r_dense, r_delta = Resharder(plan, timeout=timeout), Resharder(plan, timeout=timeout)
     g = torch.Generator().manual_seed(rank)
     src_t = {n: (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) for n, t in src.allocate(rank).items()} \
@@ -182,9 +191,11 @@ def summarize_delta(per: list) -> dict:
     drows = []
     for i, d in enumerate(per[0]["delta"]):
         drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
-                      "dense_s": max(p["delta"][i]["dense"]["seconds"][0] for p in per),
-                      "delta_s": max(p["delta"][i]["delta"]["seconds"][0] for p in per),
-                      **({"auto_s": max(p["delta"][i]["auto"]["seconds"][0] for p in per),
+                      "dense_s": bc.span([p["delta"][i]["dense"] for p in per], 0),
+                      "delta_s": bc.span([p["delta"][i]["delta"] for p in per], 0),
+                      "dense_cpu_s": sum(p["delta"][i]["dense"].get("cpu", [0.0])[0] for p in per),
+                      "delta_cpu_s": sum(p["delta"][i]["delta"].get("cpu", [0.0])[0] for p in per),
+                      **({"auto_s": bc.span([p["delta"][i]["auto"] for p in per], 0),
                           "auto_modes": sorted({p["delta"][i]["auto_mode"] for p in per})}
                          if "auto" in per[0]["delta"][i] else {}),
                       "sent": sum(p["delta"][i]["sent"] for p in per),
@@ -203,6 +214,8 @@ def summarize_delta(per: list) -> dict:
                  "delta_s": statistics.median(d["delta_s"] for d in ds),
                  "speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(d["delta_s"] for d in ds),
                  "bytes_ratio": statistics.fmean(d["sent"] / d["dense_sent"] for d in ds),
+                 "dense_cpu_s": statistics.median(d["dense_cpu_s"] for d in ds),
+                 "delta_cpu_s": statistics.median(d["delta_cpu_s"] for d in ds),
                  "exact": all(d["exact"] for d in ds), "modes": sorted({m for d in ds for m in d["modes"]}),
                  **({"auto_s": statistics.median(d["auto_s"] for d in ds),
                      "auto_speedup": statistics.median(d["dense_s"] for d in ds) / statistics.median(

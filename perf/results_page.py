@@ -682,7 +682,10 @@ def _cluster(res: Results) -> Section | None:
                  + (f"{_cluster_span(over)} the link limit on 2 nodes at 1 Gbit/s" if over else ""),
         table=[["setting", "model", "ours", "ours / link limit", "all-gather / ours", "gather-bcast / ours",
                 "routing: no topology / ours, relays forced / ours", "bit-exact"], *rows],
-        note="Small models at 10 Gbit/s are bound by the fixed cost of a refit (the handshake, one round of "
+        note="Each call is timed from the first rank entering it to the last rank leaving it (every rank's marks "
+             "on the host's monotonic clock, which the emulated nodes share; since session 39: before, each rank "
+             "timed itself to the end of a barrier after the call, which added that barrier's round). "
+             "Small models at 10 Gbit/s are bound by the fixed cost of a refit (the handshake, one round of "
              "point-to-point rows since stop 38 where it was a ring all-gather of n - 1 hops, and one round per "
              "step, each a few ms on this loaded machine), not by the link. `ours` relays only when the time "
              "model predicts it faster (`tools.topology.choose_relay`): with two trainer nodes the engine links "
@@ -727,7 +730,7 @@ def _cluster_delta(res: Results) -> Section | None:
         title="Delta refit across an emulated cluster (`perf/bench_cluster.py`)",
         what="per changed fraction, a dense, a delta and a cost-model delta refit of the same change on the same "
              "ranks (three Resharders, each chain of versions run on its own), each checked bit for bit: small_llama with real AdamW steps (learning rate calibrated "
-             "to the fraction), and `--big-model` with uniform flips on 2 nodes",
+             "to the fraction), and `--big-model` (small_qwen3_moe, llama_demo) with uniform flips on 2 nodes",
         against="the dense refit of the same change (ratio: dense time / delta time)",
         headline="at 2 % changed on 2 nodes, 1 Gbit/s: " + ", ".join(f"{ratio(x)} faster than dense ({m})"
                                                                     for m, x in two),
@@ -737,7 +740,10 @@ def _cluster_delta(res: Results) -> Section | None:
              "scatter (numpy on CPU ranks, which share two cores here), so small models gain little and a "
              "delta wins where the link, not the fixed cost, bounds the dense refit. With the cost model "
              "(`DeltaRequest(topology=...)`, docs/delta.md) a refit that the last delta's measured diff and apply "
-             "times predict slower than dense goes dense (without the snapshot copy), on every rank alike.",
+             "times predict slower than dense goes dense (without the snapshot copy), on every rank alike."
+             + "".join(f" The rows of `{n}` were timed before session 39 (each rank to the end of a barrier after "
+                       f"the call; now from the first rank entering to the last leaving)." for n in names
+                       if any("delta_cpu_s" not in r for r in res.load(n).get("big", {}).get("rows", []))),
         history="Refit across an emulated cluster", **res.provenance(*names))
 
 

@@ -313,3 +313,59 @@ def fence_world(rank: int, world: int) -> dict:
     out["kill_state"] = _state()
     return out
 
+
+
+def refused_world(rank: int, world: int) -> dict:
+    """Delta refits refused after the senders diffed their first step during the handshake (the diff is made
+    before the fence is known: ``Resharder._prediff``): a strict refusal (rank 3 at the wrong base) and a
+    handshake refusal (rank 3 without delta) move nothing and leave the snapshot as it was, so the next delta,
+    from the old base, lands every change."""
+    import triton_reshard.execute.delta as xd
+    from triton_reshard.execute.session import SESSIONS, RefitState
+
+    real, prediffs = xd.pack_deferred, [0]
+
+    def counted(*a, **k):
+        prediffs[0] += 1
+        return real(*a, **k)
+
+    xd.pack_deferred = counted
+    out: dict = {}
+    g = _group()
+    tr = Trainer({n: (s, torch.bfloat16) for n, s in SHAPES.items()}, seed=11)
+    dst = {n: torch.full(s.shape, float("nan"), dtype=s.dtype) for n, s in DST.local_specs(rank).items()} \
+        if rank in (2, 3) else {}
+    out["v0"] = _mode(_refit_world(rank, tr, dst, g, 0))
+    tr.step("adam")
+    out["v1"] = _mode(_refit_world(rank, tr, dst, g, 1))
+    out["v1_ok"] = _check(rank, tr, dst)
+    held = {n: t.clone() for n, t in dst.items()}
+    tr.step("adam")
+    if rank == 3:
+        SESSIONS.destination(DST, 1).state = RefitState(99)
+    before = prediffs[0]
+    try:
+        _refit_world(rank, tr, dst, g, 2, delta="strict")
+        out["strict"] = {"error": None}
+    except DeltaRefusedError as e:
+        out["strict"] = {"error": type(e).__name__, "message": str(e)}
+    out["strict_prediffs"] = prediffs[0] - before
+    out["strict_untouched"] = all(torch.equal(dst[n].view(torch.int16), held[n].view(torch.int16)) for n in dst)
+    if rank == 3:
+        SESSIONS.destination(DST, 1).state = RefitState(1)  # what it holds: the delta from version 1 may go
+    out["v2"] = _mode(_refit_world(rank, tr, dst, g, 2))
+    out["v2_ok"] = _check(rank, tr, dst)
+    held = {n: t.clone() for n, t in dst.items()}
+    tr.step("adam")
+    before = prediffs[0]
+    try:  # rank 3 without delta: the handshake refuses on every rank
+        _refit_world(rank, tr, dst, g, 3, delta=rank != 3)
+        out["mixed"] = {"error": None}
+    except Exception as e:
+        out["mixed"] = {"error": type(e).__name__, "message": str(e)}
+    out["mixed_prediffs"] = prediffs[0] - before
+    out["mixed_untouched"] = all(torch.equal(dst[n].view(torch.int16), held[n].view(torch.int16)) for n in dst)
+    out["v3"] = _mode(_refit_world(rank, tr, dst, g, 3))
+    out["v3_ok"] = _check(rank, tr, dst)
+    xd.pack_deferred = real
+    return out

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from triton_reshard.ops import delta as D
+from triton_reshard.ops import delta_cpu
 from triton_reshard.ops.snapshot import Snapshot
 
 BACKENDS = ("torch", "tensor", "triton")  # torch on CPU = its numpy path; "tensor": its torch-ops path
@@ -315,6 +316,30 @@ def test_corrupt_headers_refused_before_any_write(backend):
     assert torch.equal(bits(dst), before)
 
 
+def test_cpu_directory_errors_match_the_reference():
+    """The CPU unpack reads headers and directory in numpy (``ops/delta_cpu.read_directory_np``): every
+    corruption gives the reference's ``ValueError`` word for word (``read_directory``, torch ops)."""
+    msg, dst = _msg()
+    first = D.describe(msg)[0]["offset"]
+    cases = [(msg, [torch.zeros(200, dtype=torch.bfloat16)]), (msg, [torch.zeros(100, dtype=torch.float32)]),
+             (msg[:-8].clone(), [dst]), (msg[:-16].clone(), [dst])]
+    for word, value in ((1, 65), (2, 70), (3, 17), (0, 7 | 2 << 8)):
+        bad = msg.clone()
+        bad[first + 4 * word:first + 4 * word + 4].view(torch.int32)[0] = value
+        cases.append((bad, [dst]))
+    for at, value in ((0, 0), (16, 1 << 40), (16, first + 8), (12, 1 << 17)):  # magic, directory, chunk_elems
+        bad = msg.clone()
+        bad[at:at + 4 + 4 * (at == 16)].view(torch.int64 if at == 16 else torch.int32)[0] = value
+        cases.append((bad, [dst]))
+    for m, dsts in cases:
+        errors = []
+        for fn in (D.read_directory, delta_cpu.read_directory_np):
+            with pytest.raises(ValueError) as e:
+                fn(m, dsts, ["model.w"])
+            errors.append(str(e.value))
+        assert errors[0] == errors[1]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_corrupt_bodies_raise(backend):
     msg, dst = _msg()
@@ -398,7 +423,7 @@ def test_cpu_blocks_span_chunks_and_tensors():
     (not a multiple of it nor of the chunk), a strided one between them, at 2 % changed: the same bytes as the
     torch-ops reference, the snapshot updated exactly, and unpack lands every change."""
     g = torch.Generator().manual_seed(3)
-    n = 2 * D._NP_BLOCK + 12345
+    n = 2 * delta_cpu._NP_BLOCK + 12345
     srcs = [random_bits((n,), torch.bfloat16, g), random_bits((64, 999), torch.float32, g).t(),
             random_bits((n + 7,), torch.bfloat16, g)]
     snaps = [s.clone() for s in srcs]

@@ -122,3 +122,19 @@ def test_local_only_plan_has_nothing_to_delta():
     rep = r.run(src, dst, delta=DeltaRequest(1, held=0))
     assert rep.mode == "dense-fallback" and "local copies" in rep.fallback and torch.equal(dst["w"], src["w"])
     assert r.run(src, dst).mode == "dense"
+
+
+def test_refused_delta_after_diffing_during_the_handshake_moves_nothing():
+    """The senders diff their first step while the handshake is in flight; a strict refusal and a handshake
+    refusal afterwards write no destination and keep the snapshot, so the next delta from the old base lands
+    every change bit for bit (a snapshot that took the refused diff would miss them)."""
+    res = run_world(dc.refused_world, 4, backend="gloo", timeout=300)
+    for rank, o in enumerate(res):
+        assert o["v0"]["mode"] == "dense-fallback" and o["v1"]["mode"] == "delta" and o["v1_ok"], (rank, o)
+        assert o["strict"]["error"] == "DeltaRefusedError" and "nothing was moved" in o["strict"]["message"]
+        assert o["strict_untouched"] and o["mixed_untouched"]
+        assert o["mixed"]["error"] == "ReshardError" and "different plans or options" in o["mixed"]["message"]
+        if rank in (0, 1):  # the senders did diff before the refusals
+            assert o["strict_prediffs"] > 0 and o["mixed_prediffs"] > 0, o
+        assert o["v2"]["mode"] == "delta" and o["v2"]["base"] == 1 and o["v2_ok"], (rank, o["v2"])
+        assert o["v3"]["mode"] == "delta" and o["v3"]["base"] == 2 and o["v3_ok"], (rank, o["v3"])

@@ -50,7 +50,8 @@ import torch
 from .. import ops
 from ..layout import QUANT_FORMATS
 from ..ops.block_delta import max_block_message_bytes, pack_block_delta, unpack_block_delta
-from ..ops.delta import max_message_bytes, message_length
+from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes, message_length
+from ..ops.delta_cpu import commit_updates, pack_deferred
 from .bind import block_chunks, buffer_view, quant_buffers
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
@@ -371,15 +372,44 @@ def _rescaled(loop) -> None:
     loop.snap.globals = now
 
 
+@dataclass(slots=True)
+class Prediff:
+    """The first step's delta messages, diffed while the plan handshake was in flight (:func:`prediff`): per
+    send index its message; ``updates``: the snapshot writes, made only once the fence let the refit go as
+    a delta (:func:`~triton_reshard.ops.delta_cpu.commit_updates`); ``seconds``: the diff's time."""
+
+    msgs: dict[int, torch.Tensor]
+    updates: list
+    seconds: float
+
+
+def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) -> Prediff | None:
+    """Diff step 0's delta-able messages that are plain copies of the sources (numpy, CPU tensors) against the
+    snapshot, leaving the snapshot as it is: run between posting the handshake and waiting for it, so the
+    sender's diff overlaps the handshake's round (issue 32). None when there is nothing such to diff."""
+    if not work.steps or work.phases[0] or not bound.send_srcs or backend != "torch" or snap.device is None \
+            or snap.device.type != "cpu":  # a relay phase's sends read destinations this run has yet to write
+        return None
+    t = clock()
+    msgs, updates = {}, []
+    for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
+        if ok and s is not None:
+            msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates)
+    return Prediff(msgs, updates, clock() - t) if msgs else None
+
+
 class DeltaLoop(StepLoop):
     """A delta run: delta-able messages carry ``ops.pack_delta`` messages (``ops.block_delta`` ones for MXFP8 /
     NVFP4 chunks); on NCCL (sizes must match) and with block deltas each step's are announced by a length
     round first, otherwise (gloo) they are received into buffers of their largest possible size (a message
     says its own length)."""
 
-    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot) -> None:
+    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, pre: Prediff | None = None) -> None:
         super().__init__(*args)
         self.elig, self.snap = elig, snap
+        self.pre = pre  # step 0's messages diffed during the handshake (their snapshot writes made here)
+        if pre is not None:
+            commit_updates(pre.updates)
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
@@ -394,6 +424,9 @@ class DeltaLoop(StepLoop):
         _rescaled(self)
 
     def run(self) -> None:
+        if self.pre is not None:  # the diff made during the handshake counts as this refit's
+            self.diff_s += self.pre.seconds
+            self.timing.pack += self.pre.seconds
         super().run()
         d_s, s_s, d_r, s_r = self.bytes
         hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
@@ -428,7 +461,9 @@ class DeltaLoop(StepLoop):
         for j, (peer, buf) in enumerate(sends):
             if el.sends[pos][j] or (bsends and bsends[j]):
                 t = clock()
-                if el.sends[pos][j]:
+                if pos == 0 and self.pre is not None and j in self.pre.msgs:
+                    msg = self.pre.msgs.pop(j)
+                elif el.sends[pos][j]:
                     views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
                     msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
                                          update=True, backend=self.backend)

@@ -33,21 +33,25 @@ from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
 from .delta import (
+    COST_FIELDS,
     COST_WHY,
     CaptureLoop,
     DeltaLoop,
     DeltaRefusedError,
     DeltaRequest,
     MessageSnapshot,
+    Prediff,
+    cost_choice,
     eligible,
     fence,
     fence_row,
+    prediff,
 )
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
-from .steps import StepLoop
-from .transport import Link, handshake
+from .steps import StepLoop, prepack
+from .transport import Link, handshake_finish, handshake_post
 
 
 class Resharder:
@@ -267,6 +271,37 @@ class Resharder:
                                     f"nothing was moved (delta=True falls back to a dense refit)")
         return base, why
 
+    def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
+                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None]:
+        """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
+        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises)."""
+        hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
+        work = error is None and not verify
+        packed = self._prepack(b, backend, key) if work and delta is None else None
+        pre = self._prediff(delta, b, backend, frow) if work else None
+        return handshake_finish(self.link, hs, error), packed, pre
+
+    def _prepack(self, b: Bound, backend: str, key) -> float | None:
+        """While the handshake is in flight: a dense run's step 0 staging copies (``steps.prepack``). A copy that
+        fails here is dropped: the loop packs again and raises in its place, as it would have."""
+        try:
+            return prepack(self.work, b, backend, key)
+        except Exception:
+            return None
+
+    def _prediff(self, delta: DeltaRequest | None, b: Bound, backend: str, frow: list[int]) -> Prediff | None:
+        """While the handshake is in flight: step 0's delta messages, if this rank expects the refit to go as a
+        delta (it holds a snapshot, its own fence columns raise nothing, its own cost columns do not predict
+        dense); the snapshot is left as it is until the fence passed (a refused refit moves nothing and keeps
+        it). A diff that fails here is dropped: the loop diffs again and raises in its place."""
+        if delta is None or self._elig is None or self._elig.dense or not self._elig.any_send \
+                or self._snap.version is None or frow[0] or cost_choice([frow[6:6 + COST_FIELDS]]) is not None:
+            return None
+        try:
+            return prediff(self.work, b, self._elig, self._snap, backend)
+        except Exception:
+            return None
+
     def _execute(self, src_tensors, dst_tensors, tally: Tally | None, delta: DeltaRequest | None = None
                  ) -> RunReport:
         """The loop ``run`` and ``verify`` share. ``tally``: None to write the destination (unpack and local
@@ -297,8 +332,9 @@ class Resharder:
             error = e
         except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
+        key = (id(self), hash(self._bound_sig))
         try:
-            rows = handshake(self.link, self.plan, self.options, error, verify, delta is not None, frow)
+            rows, packed, pre = self._handshake(error, verify, delta, frow, b, backend, key)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
@@ -309,11 +345,11 @@ class Resharder:
             base, why = self._fence(delta, rows)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
-            args = (self.work, b, self.link, backend, tally, touched, (id(self), hash(self._bound_sig)))
+            args = (self.work, b, self.link, backend, tally, touched, key)
             if verify or delta is None:
-                loop = StepLoop(*args)
+                loop = StepLoop(*args, prepacked=packed)
             elif base is not None:
-                loop = DeltaLoop(*args, elig=self._elig, snap=self._snap)
+                loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
             elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
                 loop = CaptureLoop(*args, elig=self._elig, snap=self._snap,
                                    capture=not (why or "").startswith(COST_WHY))

@@ -38,16 +38,32 @@ class Pending:
     desc: list
 
 
+def prepack(work, bound: Bound, backend: str, key) -> float | None:
+    """Step 0's staging copies (source views into its send buffers), made between posting the plan handshake
+    and waiting for it: they write only this rank's send staging, so a refused refit still moved nothing
+    (issue 32: the pack overlaps the handshake's round). Its seconds, or None where step 0 is not plain copies
+    (quantizing packs read the global scales the loop exchanges first; a relay phase reads destinations)."""
+    if not work.steps or work.phases[0] or bound.quant.packs[0] or work.global_groups:
+        return None
+    t = clock()
+    ops.copy_views(bound.packs[0], backend, key=(key, "pack", work.steps[0][0]))
+    return clock() - t
+
+
 class StepLoop:
     """One run (or verify, with a ``tally``) of a rank's bound steps."""
 
     def __init__(self, work, bound: Bound, link: Link, backend: str, tally: Tally | None, touched: set[str],
-                 key) -> None:
+                 key, prepacked: float | None = None) -> None:
         self.work, self.b, self.link, self.backend = work, bound, link, backend
         self.tally, self.touched, self.key = tally, touched, key
         self.verify = tally is not None
         self.timing = Timing()
         self.sent = self.recvd = 0
+        # step 0's staging copies were made while the handshake was in flight (:func:`prepack`): its seconds
+        self.prepacked = prepacked
+        if prepacked is not None:
+            self.timing.pack += prepacked
 
     def what(self, pos: int) -> str:
         return f"step {pos + 1}/{len(self.work.steps)}"
@@ -149,7 +165,8 @@ class StepLoop:
         i = self.work.steps[pos][0]
         b = self.b
         t0 = clock()
-        ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
+        if pos or self.prepacked is None:
+            ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
         if b.quant.packs[pos]:  # source-quantized chunks: quantized straight into the send buffer
             self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
         self.timing.pack += clock() - t0

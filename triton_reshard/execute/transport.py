@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -182,27 +183,56 @@ class Link:
                 _RUNNING.pop(id(key_obj), None)
 
 
+@dataclass(slots=True)
+class PendingHandshake:
+    """A posted plan handshake (:func:`handshake_post`): every rank's row arrives into ``out``."""
+
+    out: list
+    works: list
+    started: float
+    fence: list[int]
+
+
+def handshake_post(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False,
+                   fence: list[int] | None = None) -> PendingHandshake:
+    """Post this rank's handshake row (see :func:`handshake`) and return at once: the caller may work (a delta
+    refit diffs its first step's messages, writing nothing a refused refit would need) before
+    :func:`handshake_finish` waits for the peers' rows and checks them."""
+    fence = list(fence) if fence is not None else [0] * FENCE_FIELDS
+    if len(fence) != FENCE_FIELDS:
+        raise ValueError(f"fence row of {len(fence)} fields, want {FENCE_FIELDS}")
+    if not link.wire:
+        return PendingHandshake([], [], 0.0, fence)
+    d = int(plan.digest, 16)
+    requested = options.backend or os.environ.get(ops.ENV_VAR) or None
+    bcode = BACKEND_CODES.get(requested, len(BACKEND_CODES))
+    row = [d >> 32, d & 0xFFFFFFFF, options.bucket_bytes, 0 if error is None else 1, options.direct_min_bytes,
+           int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0,
+           int(delta)] + fence
+    mine = torch.tensor(row, dtype=torch.int64, device=link.device())
+    t0 = time.perf_counter()
+    out, works = link.call(post_rows, "the plan handshake", link.ranks, link.comm, mine)
+    return PendingHandshake(out, works, t0, fence)
+
+
 def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False,
               fence: list[int] | None = None) -> list[list[int]]:
     """All ranks: same plan digest and options? all running or all verifying? all asking for a delta or
     none (``delta``)? everyone's input valid? Raises on every rank otherwise. ``fence``: this rank's delta
     fence columns (``execute/delta.py``), carried in the same all-gather; returns every rank's (in
     ``link.ranks`` order), so a delta refit costs no extra round before its first byte."""
-    fence = list(fence) if fence is not None else [0] * FENCE_FIELDS
-    if len(fence) != FENCE_FIELDS:
-        raise ValueError(f"fence row of {len(fence)} fields, want {FENCE_FIELDS}")
+    return handshake_finish(link, handshake_post(link, plan, options, error, verify, delta, fence), error)
+
+
+def handshake_finish(link: Link, pending: PendingHandshake, error: Exception | None) -> list[list[int]]:
+    """Wait for every rank's handshake row (posted by :func:`handshake_post`) and check them: raises on every
+    rank alike (see :func:`handshake`); returns every rank's fence columns."""
     if not link.wire:
         if error is not None:
             raise error
-        return [fence]
-    d = int(plan.digest, 16)
-    requested = options.backend or os.environ.get(ops.ENV_VAR) or None
-    bcode = BACKEND_CODES.get(requested, len(BACKEND_CODES))
-    rows = link.all_gather_row(
-        [d >> 32, d & 0xFFFFFFFF, options.bucket_bytes, 0 if error is None else 1, options.direct_min_bytes,
-         int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0,
-         int(delta)] + fence,
-        "the plan handshake")
+        return [pending.fence]
+    link.wait(pending.works, "the plan handshake", link.ranks, pending.started)
+    rows = [o.tolist() for o in pending.out]
     if error is not None:
         raise error
     ranks = link.ranks

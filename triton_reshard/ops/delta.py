@@ -69,34 +69,34 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .delta_cpu import numpy_pack, numpy_unpack
+from .delta_format import (
+    ALIGN,
+    DEFAULT_CHUNK_ELEMS,
+    HEADER_BYTES,
+    KIND_BITMASK,
+    KIND_DENSE,
+    KIND_NAMES,
+    KIND_OFFSETS,
+    MAGIC,
+    MAX_CHUNK_ELEMS,
+    MAX_DIMS,
+    VERSION,
+    Pair,
+    chunk_list,
+    chunks_start,
+    pad,
+    validate_pairs,
+)
+from .delta_format import INT_DTYPES as _INT
+from .delta_format import check_chunk_elems as _check_chunk_elems
+from .delta_format import name_of as _name
+from .delta_format import write_flat as _write_flat
 from .launcher import bits, interpreting, kernel_module, resolve_backend, storage_view
-
-Pair = tuple[torch.Tensor, torch.Tensor]
-
-MAGIC = 0x544C4454
-VERSION = 1
-KIND_DENSE = 0
-KIND_BITMASK = 1
-KIND_OFFSETS = 2
-KIND_NAMES = {KIND_DENSE: "dense", KIND_BITMASK: "bitmask", KIND_OFFSETS: "offsets"}
-ALIGN = 16
-HEADER_BYTES = 16
-DIRECTORY_ENTRY_BYTES = 8
-MAX_CHUNK_ELEMS = 1 << 16
-# Chosen from perf/bench_delta.py (docs/delta.md): 64 KiB of bf16; at 1-7 % changed its total is within
-# 0.05 percentage points (of dense) of 1 MiB chunks, and a chunk is one program of the kernels.
-DEFAULT_CHUNK_ELEMS = 1 << 15
-MAX_DIMS = 4
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Block sizes: under the interpreter every loop step costs Python time, so it gets big blocks.
 INTERPRET_BLOCK = 4096
 CUDA_BLOCK = 1024
-
-
-def pad(n: torch.Tensor | int) -> torch.Tensor | int:
-    """``n`` rounded up to a multiple of ``ALIGN`` bytes."""
-    return (n + (ALIGN - 1)) // ALIGN * ALIGN
 
 
 def chunk_sizes(numel: torch.Tensor, count: torch.Tensor, elem_size: int | torch.Tensor
@@ -110,11 +110,6 @@ def chunk_sizes(numel: torch.Tensor, count: torch.Tensor, elem_size: int | torch
     best, idx = torch.stack([offsets, bitmask, dense]).min(0)
     kind = torch.tensor([KIND_OFFSETS, KIND_BITMASK, KIND_DENSE], device=numel.device)[idx]
     return kind, best
-
-
-def chunks_start(num_chunks: int) -> int:
-    """Byte offset of the first chunk: message header + directory."""
-    return HEADER_BYTES + pad(DIRECTORY_ENTRY_BYTES * num_chunks)
 
 
 def max_message_bytes(numels: Sequence[int], elem_sizes: Sequence[int],
@@ -132,40 +127,6 @@ def max_message_bytes(numels: Sequence[int], elem_sizes: Sequence[int],
 def _bits(t: torch.Tensor) -> torch.Tensor:
 
     return bits(t)
-
-
-def _check_chunk_elems(chunk_elems: int) -> None:
-    if not isinstance(chunk_elems, int) or not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
-        raise ValueError(f"chunk_elems must be an int in [1, {MAX_CHUNK_ELEMS}], got {chunk_elems!r}")
-
-
-def chunk_list(numels: Sequence[int], chunk_elems: int) -> list[tuple[int, int, int]]:
-    """``(view index, first element, length)`` of every chunk, in message order."""
-    return [(i, a, min(chunk_elems, n - a)) for i, n in enumerate(numels) for a in range(0, n, chunk_elems)]
-
-
-def _name(names: Sequence[str] | None, i: int) -> str:
-    return f"{names[i]!r}" if names is not None else f"#{i}"
-
-
-def validate_pairs(pairs: Sequence[Pair], names: Sequence[str] | None = None) -> torch.device:
-    """Same shape, dtype and device on both sides of every pair; a supported element size."""
-    device = None
-    for i, pair in enumerate(pairs):
-        if len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
-            raise TypeError(f"pair {_name(names, i)}: expected a (src, snapshot) pair of tensors")
-        src, snap = pair
-        if src.shape != snap.shape or src.dtype != snap.dtype:
-            raise ValueError(f"pair {_name(names, i)}: src {tuple(src.shape)} {src.dtype} vs snapshot "
-                             f"{tuple(snap.shape)} {snap.dtype}: shapes and dtypes must be equal")
-        if src.element_size() not in _INT:
-            raise ValueError(f"pair {_name(names, i)}: element size {src.element_size()} not supported")
-        device = device or src.device
-        if src.device != device or snap.device != device:
-            raise ValueError(f"pair {_name(names, i)}: mixed devices ({src.device}, {snap.device}, {device})")
-    if device is None:
-        raise ValueError("no pairs to pack")
-    return device
 
 
 def _message_layout(numel: torch.Tensor, count: torch.Tensor, esize: torch.Tensor
@@ -233,7 +194,7 @@ def _value_base(kind: torch.Tensor, body: torch.Tensor, count: torch.Tensor, num
 
 def _tensor_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
                  names: Sequence[str] | None = None) -> torch.Tensor:
-    """Reference pack in torch ops (any device; :func:`torch_pack` runs :func:`_numpy_pack` on CPU): the delta message of ``pairs`` (see the module docstring); with ``update`` each
+    """Reference pack in torch ops (any device; :func:`torch_pack` runs :func:`~triton_reshard.ops.delta_cpu.numpy_pack` on CPU): the delta message of ``pairs`` (see the module docstring); with ``update`` each
     snapshot is brought up to date with its source. Vectorized over all pairs at once: the change masks of
     every pair go into one buffer cut into whole chunks (each pair's last chunk zero-padded), so counting,
     choosing the kinds, the bitmasks, the offsets and the value positions are a fixed number of tensor ops
@@ -404,15 +365,8 @@ def read_directory(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
     return Directory(chunks, offsets, kind, count)
 
 
-def _write_flat(d: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
-    """``d`` (an integer view, any strides) at row-major positions ``pos`` ← ``vals``, in place."""
-    if d.dim() == 0:
-        d = d.unsqueeze(0)
-    d[torch.unravel_index(pos, d.shape)] = vals
-
-
 def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
-    """Reference unpack in torch ops (any device; :func:`torch_unpack` runs :func:`_numpy_unpack` on CPU): every chunk's values into its destination view, in place. The whole message
+    """Reference unpack in torch ops (any device; :func:`torch_unpack` runs :func:`~triton_reshard.ops.delta_cpu.numpy_unpack` on CPU): every chunk's values into its destination view, in place. The whole message
     (headers and bodies) is checked before the first write. Vectorized over all chunks of the message at
     once; per destination one scatter (and a slice copy per dense chunk)."""
     dr = read_directory(msg, dsts, names)
@@ -481,244 +435,23 @@ def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
         bit_views[i].view(-1)[a0:a0 + n0] = msg.view(_INT[e])[ob // e:ob // e + n0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# CPU: the same messages, byte for byte, with numpy. Its compare, nonzero, take and put are 5-10x faster
-# than torch's CPU kernels of the same ops at these sizes (torch's ``ne`` on int16 0.63 ns/element against
-# numpy's 0.07, an index gather ~10 ns/element against ~1: perf/HISTORY.md, issue 32), and a delta refit on a
-# CPU rank is bound by exactly these passes. ``torch_pack`` / ``torch_unpack`` use them for CPU tensors;
-# ``_tensor_pack`` / ``_tensor_unpack`` (torch ops only) stay the reference for other devices.
-
-
-def _flat_np(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
-    """``t``'s element bits as a numpy array of its shape and strides (its own memory, no copy), and the same
-    as a 1-D row-major view when ``t`` is contiguous (else None)."""
-    b = _bits(t.detach())
-    if b.is_contiguous():
-        return b.numpy(), b.reshape(-1).numpy()
-    return b.numpy(), None
-
-
-_NP_BLOCK = 1 << 18  # elements per pass of the CPU pack over a contiguous pair (2 MiB L2 per core here)
-
-
-def _ragged_np(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`ragged` in numpy."""
-    seg = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    first = np.cumsum(lengths) - lengths
-    return seg, np.arange(seg.size, dtype=np.int64) - first[seg]
-
-
-def _np_int(e: int):
-    return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[e]
-
-
-def _numpy_pack(pairs: Sequence[Pair], ce: int, update: bool) -> torch.Tensor:
-    """:func:`torch_pack` for CPU tensors (validated by the caller): one compare and one nonzero per pair
-    (numpy, on the views' own strides: no flattening copy), the changed values taken once, and with
-    ``update`` only the changed elements written into the snapshot (its other elements already hold the
-    source's bits)."""
-    flats = [(_flat_np(s), _flat_np(p)) for s, p in pairs]
-    numels = [sf[0].size for sf, _ in flats]
-    esizes = [s.element_size() for s, _ in pairs]
-    nchs = [-(-n // ce) for n in numels]
-    c0s = np.zeros(len(pairs) + 1, dtype=np.int64)
-    np.cumsum(nchs, out=c0s[1:])
-    nc = int(c0s[-1])
-    shift = ce.bit_length() - 1 if ce & (ce - 1) == 0 else None
-    strided = [n for n, ((_s, sf), (_p, pf)) in zip(numels, flats, strict=True) if sf is None or pf is None]
-    mbuf = np.empty(max([min(n, _NP_BLOCK) for n in numels] + strided, default=0), dtype=bool)
-    idxs, vals, puts = [], [], []
-    for i, ((snd, sn), (pnd, pn)) in enumerate(flats):
-        n = snd.size
-        if not n:
-            idxs.append(np.zeros(0, dtype=np.int64))
-            vals.append(snd.reshape(-1))
-            continue
-        base = int(c0s[i]) * ce
-        if sn is not None and pn is not None:
-            # contiguous: in blocks that stay in cache while compared, searched, read and updated (~25 %
-            # less time than whole-tensor passes on 32M elements)
-            bi, bv = [], []
-            for a in range(0, n, _NP_BLOCK):
-                z = min(n, a + _NP_BLOCK)
-                m = mbuf[:z - a]
-                np.not_equal(sn[a:z], pn[a:z], out=m)
-                ii = np.flatnonzero(m)
-                v = sn[a:z][ii]
-                if update:  # only the changed elements: the others already hold the source's bits
-                    pn[a:z][ii] = v
-                bi.append(ii + (base + a) if base + a else ii)
-                bv.append(v)
-            idxs.append(bi[0] if len(bi) == 1 else np.concatenate(bi))
-            vals.append(bv[0] if len(bv) == 1 else np.concatenate(bv))
-            continue
-        # strided views are compared and read in place (numpy walks their strides): no staging copy
-        m = mbuf[:n].reshape(snd.shape)
-        np.not_equal(snd, pnd, out=m)
-        ii = np.flatnonzero(m)
-        v = snd[np.unravel_index(ii, snd.shape)]
-        if update:
-            puts.append((pnd, np.unravel_index(ii, pnd.shape), v))
-        idxs.append(ii + base if base else ii)
-        vals.append(v)
-    gidx = np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int64)
-    ch = gidx >> shift if shift is not None else gidx // ce
-    numel = np.full(nc, ce, dtype=np.int64)
-    last = [(int(c0s[i + 1]) - 1, n - (nch - 1) * ce) for i, (n, nch) in enumerate(zip(numels, nchs, strict=True))
-            if nch]
-    if last:
-        li, ln = zip(*last, strict=True)
-        numel[list(li)] = ln
-    count = np.bincount(ch, minlength=nc).astype(np.int64) if nc else numel
-    esize = np.repeat(np.asarray(esizes, dtype=np.int64), nchs)
-    numel_t, count_t, esize_t = torch.from_numpy(numel), torch.from_numpy(count), torch.from_numpy(esize)
-    kind_t, nbytes_t, offsets_t, total = _message_layout(numel_t, count_t, esize_t)
-    msg = torch.zeros(total, dtype=torch.uint8)
-    _write_headers(msg, ce, numel_t, count_t, esize_t, kind_t, nbytes_t, offsets_t)
-    if nc:
-        mn = msg.numpy()
-        kind = kind_t.numpy()
-        body = offsets_t.numpy() + HEADER_BYTES
-        vbase = _value_base(kind_t, offsets_t + HEADER_BYTES, count_t, numel_t).numpy()
-        owner = np.repeat(np.arange(len(pairs), dtype=np.int64), nchs)
-        keep = None  # the changed elements of dense chunks leave the sparse list
-        dense = np.flatnonzero(kind == KIND_DENSE)
-        for c in dense.tolist():
-            i = int(owner[c])
-            a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
-            o = int(body[c]) // e
-            sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
-            mn.view(_np_int(e))[o:o + n] = sn[a:a + n]
-        if dense.size:
-            keep = kind[ch] != KIND_DENSE
-        local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
-        r = np.arange(gidx.size, dtype=np.int64) - (np.cumsum(count) - count)[ch]  # rank in its chunk
-        bc = np.flatnonzero(kind == KIND_BITMASK)
-        if bc.size:  # bitmask words (little-endian, LSB first), rebuilt from the indices
-            nw = -(-ce // 32)
-            row_of = np.full(nc, -1, dtype=np.int64)
-            row_of[bc] = np.arange(bc.size)
-            isb = kind[ch] == KIND_BITMASK
-            rows = np.zeros((bc.size, 32 * nw), dtype=bool)
-            rows[row_of[ch[isb]], local[isb]] = True
-            wbytes = np.packbits(rows, axis=1, bitorder="little")
-            col = np.arange(4 * nw)
-            ok = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
-            mn[(body[bc][:, None] + col[None, :])[ok]] = wbytes[ok]
-        off = kind[ch] == KIND_OFFSETS
-        every = bool(off.all())
-        at16 = body[ch] // 2 + r
-        mn.view(np.uint16)[at16 if every else at16[off]] = local if every else local[off]
-        cuts = np.zeros(len(pairs) + 1, dtype=np.int64)
-        np.cumsum([x.size for x in idxs], out=cuts[1:])
-        for e in sorted(set(esizes)):
-            members = [i for i in range(len(pairs)) if esizes[i] == e and idxs[i].size]
-            if not members:
-                continue
-            if len(members) == len(pairs):
-                sel, v = slice(None), np.concatenate(vals)
-            else:
-                sel = np.concatenate([np.arange(cuts[i], cuts[i + 1]) for i in members])
-                v = np.concatenate([vals[i] for i in members])
-            pos = vbase[ch[sel]] // e + r[sel]
-            if keep is not None:
-                k = keep[sel]
-                pos, v = pos[k], v[k]
-            mn.view(_np_int(e))[pos] = v
-    for pn, at, v in puts:  # only the changed elements: the others already hold the source's bits
-        pn[at] = v
-    return msg
-
-
-def _numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None) -> None:
-    """:func:`torch_unpack` for CPU tensors: the same checks (every header, then every body) before the first
-    write, then per destination one numpy put (a torch scatter into a non-contiguous one) and a slice copy
-    per dense chunk."""
-    dr = read_directory(msg, dsts, names)
-    if not dr.chunks:
-        return
-    nc = len(dr.chunks)
-    cinfo = np.asarray(dr.chunks, dtype=np.int64).reshape(nc, 3)
-    owner, start, nel = cinfo[:, 0], cinfo[:, 1], cinfo[:, 2]
-    mn = msg.numpy()
-    k, cnt = dr.kind.numpy(), dr.count.numpy()
-    body = dr.offsets.numpy() + HEADER_BYTES
-    vbase = np.where(k == KIND_OFFSETS, body + pad(2 * cnt),
-                     np.where(k == KIND_BITMASK, body + pad(4 * ((nel + 31) // 32)), body))
-    bad = np.zeros(nc, dtype=bool)
-    seg, r = _ragged_np(np.where(k == KIND_OFFSETS, cnt, 0))
-    o = mn.view(np.uint16)[body[seg] // 2 + r].astype(np.int64)
-    bad[seg[o >= nel[seg]]] = True
-    groups = [(seg, o, r)]  # (chunk, element in the chunk, index among its values) per item
-    isb = k == KIND_BITMASK
-    if isb.any():
-        segw, w = _ragged_np(np.where(isb, 4 * ((nel + 31) // 32), 0))  # the bitmask bytes
-        bitsm = np.unpackbits(mn[body[segw] + w], bitorder="little")
-        pop = np.bincount(segw, weights=bitsm.reshape(-1, 8).sum(1), minlength=nc).astype(np.int64)
-        flat_bits = np.flatnonzero(bitsm)
-        row = flat_bits >> 3
-        sb = segw[row]
-        jb = w[row] * 8 + (flat_bits & 7)
-        bad |= isb & (pop != cnt)
-        bad[sb[jb >= nel[sb]]] = True  # a bit past the chunk's last element
-        groups.append((sb, jb, np.arange(sb.size, dtype=np.int64) - (np.cumsum(pop) - pop)[sb]))
-    if bad.any():
-        c = int(np.argmax(bad))
-        j, a0, n0 = dr.chunks[c]
-        raise ValueError(f"delta message: chunk {c} (destination {_name(names, j)}, elements {a0}..{a0 + n0 - 1}): "
-                         f"{KIND_NAMES[int(k[c])]} body inconsistent with its header (count {int(cnt[c])})")
-    bit_views = [_bits(d.detach()) for d in dsts]
-    contiguous = np.array([d.is_contiguous() for d in bit_views], dtype=bool)
-    esizes = [d.element_size() for d in dsts]
-    isd = k == KIND_DENSE
-    dense = []
-    if isd.any():
-        scatter = isd & ~contiguous[owner]
-        segd, jd = _ragged_np(np.where(scatter, nel, 0))
-        groups.append((segd, jd, jd))
-        dense = np.flatnonzero(isd & ~scatter).tolist()
-    flat = [d.view(-1).numpy() if c else None for d, c in zip(bit_views, contiguous.tolist(), strict=True)]
-    bounds = np.arange(len(dsts) + 1, dtype=np.int64)
-    for chunk, elem, ridx in groups:  # items sorted by chunk, chunks by destination: one range per destination
-        if not chunk.size:
-            continue
-        cut = np.searchsorted(owner[chunk], bounds).tolist()
-        pos = start[chunk] + elem  # element index in the destination (row-major)
-        at = vbase[chunk]
-        for i, (lo, hi) in enumerate(zip(cut[:-1], cut[1:], strict=True)):
-            if hi == lo:
-                continue
-            e = esizes[i]
-            vals = mn.view(_np_int(e))[at[lo:hi] // e + ridx[lo:hi]]
-            if flat[i] is not None:
-                flat[i][pos[lo:hi]] = vals
-            else:
-                _write_flat(bit_views[i], torch.from_numpy(pos[lo:hi]), torch.from_numpy(vals))
-    for c in dense:
-        i, a0, n0 = dr.chunks[c]
-        e = esizes[i]
-        ob = int(body[c]) // e
-        flat[i][a0:a0 + n0] = mn.view(_np_int(e))[ob:ob + n0]
-
-
-
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
                names: Sequence[str] | None = None) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source. CPU tensors: :func:`_numpy_pack`; others:
+    snapshot is brought up to date with its source. CPU tensors: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`; others:
     :func:`_tensor_pack` (the same bytes)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     if device.type == "cpu":
-        return _numpy_pack(pairs, chunk_elems, update)
+        return numpy_pack(pairs, chunk_elems, update)
     return _tensor_pack(pairs, chunk_elems, update, names)
 
 
 def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
     """Reference unpack: every chunk's values into its destination view, in place; the whole message (headers
-    and bodies) is checked before the first write. CPU: :func:`_numpy_unpack`; others: :func:`_tensor_unpack`."""
+    and bodies) is checked before the first write. CPU: :func:`~triton_reshard.ops.delta_cpu.numpy_unpack`; others: :func:`_tensor_unpack`."""
     if msg.device.type == "cpu" and all(d.device.type == "cpu" for d in dsts):
-        return _numpy_unpack(msg, dsts, names)
+        return numpy_unpack(msg, dsts, names)
     return _tensor_unpack(msg, dsts, names)
 
 
@@ -935,4 +668,3 @@ def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str |
     """Scatter a delta message into ``dsts`` in place with the chosen backend."""
     fn = triton_unpack if _backend(msg.device, backend) == "triton" else torch_unpack
     fn(msg, dsts, names=names)
-
