@@ -268,7 +268,7 @@ def plan_report(args) -> dict:
     With relays on (``--relay``, or ``--topology-aware`` alone) it also plans without them (one more planning,
     same layouts) and reports that plan's figures under ``without_relay``.
     """
-    from ..plan import plan_reshard
+    from ..plan import StepBudget, plan_reshard
     from ..presets import model_nbytes
     from .topology import PRESETS, Topology, plan_pair_bytes
 
@@ -310,6 +310,10 @@ def plan_report(args) -> dict:
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
+    try:  # the executor's one minimum (a staging slot), named before any planning
+        StepBudget.of(bucket, who=f"--bucket-mb {args.bucket_mb:g}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     relay = args.relay
     node_aware = bool(args.topology_aware or relay)
     n_inst = args.instances
