@@ -166,3 +166,15 @@ def test_get_resharder_bad_planner_option_is_named_before_planning(monkeypatch):
                     ({"instances": "2"}, "instances='2'"), ({"bucket_bytes": 255}, "bucket_bytes=255")]:
         with pytest.raises((TypeError, ValueError), match=msg):
             get_resharder(lay, lay, **kw)
+
+
+def test_plan_reshard_takes_the_plan_options():
+    """plan_reshard's options, one by one, are PlanOptions.of's (names, order, defaults): one list, and
+    ``options=`` takes them resolved."""
+    import inspect
+
+    mine = list(inspect.signature(PlanOptions.of).parameters.values())[:4]
+    theirs = list(inspect.signature(plan_reshard).parameters.values())[2:6]
+    assert [(p.name, p.default) for p in mine] == [(p.name, p.default) for p in theirs]
+    assert [p.name for p in mine] == ["allow_cast", "gpus_per_node", "relay", "relay_groups"]
+    assert PlanOptions.of().key == PlanOptions().key == (False, None, False, None)
