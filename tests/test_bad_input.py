@@ -144,7 +144,9 @@ def test_bucket_too_small_is_named_with_the_users_value_before_planning(bucket, 
 
 BAD_OPTIONS = [
     pytest.param({"bucket_bytes": "1M"}, TypeError, "bucket_bytes must be an int, got '1M'", id="bucket-str"),
-    pytest.param({"bucket_bytes": 0}, ValueError, "bucket_bytes must be >= 1, got 0", id="bucket-zero"),
+    pytest.param({"bucket_bytes": 0}, ValueError, "bucket_bytes=0 is too small: at least 256 B", id="bucket-zero"),
+    pytest.param({"bucket_bytes": 100}, ValueError, "bucket_bytes=100 is too small: at least 256 B", id="bucket-100"),
+    pytest.param({"bucket_bytes": -4096}, ValueError, "bucket_bytes=-4096 is too small", id="bucket-negative"),
     pytest.param({"timeout": -1}, TypeError, "got -1", id="timeout-negative"),
     pytest.param({"backend": "cuda"}, ValueError, "unknown copy backend 'cuda'", id="backend"),
     pytest.param({"gpus_per_node": 0}, ValueError, "gpus_per_node=0 must be", id="gpus-zero"),
@@ -181,7 +183,8 @@ def test_bad_option_is_named_with_the_users_value_before_planning(entry, options
 
 def test_entry_point_signatures_are_the_options_definition():
     """refit, verify_refit and get_resharder take exactly RefitOptions' refit options, with its defaults (the
-    signature is built from the one definition); Resharder takes the executor ones, with the same defaults."""
+    signature is built from the one definition); Resharder takes the executor ones, positional after group in
+    field order, with the same defaults (derived too)."""
     import inspect
     from dataclasses import fields
 
@@ -191,6 +194,7 @@ def test_entry_point_signatures_are_the_options_definition():
 
     defaults = {f.name: f.default for f in fields(RefitOptions)}
     assert set(REFIT_OPTIONS) | set(EXECUTOR_OPTIONS) == set(defaults)
+    assert EXECUTOR_OPTIONS == ("bucket_bytes", "timeout", "backend", "overlap", "direct_min_bytes")
     for fn in (ts.refit, ts.verify_refit, get_resharder):
         params = inspect.signature(fn).parameters
         opts = [n for n in params if n in defaults]
@@ -199,8 +203,36 @@ def test_entry_point_signatures_are_the_options_definition():
                    for n in opts), fn.__name__
         assert "options" not in params
     params = inspect.signature(Resharder).parameters
-    assert [n for n in params if n in defaults] == list(EXECUTOR_OPTIONS)
-    assert all(params[n].default == defaults[n] for n in EXECUTOR_OPTIONS)
+    assert list(params) == ["plan", "group", *EXECUTOR_OPTIONS, "options", "snapshot"]
+    assert all(params[n].default == defaults[n] and params[n].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+               for n in EXECUTOR_OPTIONS)
+
+
+def test_resharder_options_by_position_and_by_name_are_the_same():
+    """Resharder's derived signature binds as written out: the executor options by position after group, by
+    name, or as a validated RefitOptions; a doubled, unknown or extra argument is Python's TypeError."""
+    from datetime import timedelta
+
+    from triton_reshard.execute.options import RefitOptions
+
+    lay = Layout.from_placements({"w": (6, 4)}, [0], [Replicate()])
+    plan = plan_reshard(lay, lay)
+    by_pos = Resharder(plan, None, 4096, 7, "torch", True, 0)
+    by_name = Resharder(plan, bucket_bytes=4096, timeout=7, backend="torch", overlap=True, direct_min_bytes=0)
+    given = RefitOptions.of(bucket_bytes=4096, timeout=7, backend="torch", overlap=True, direct_min_bytes=0)
+    assert by_pos.options == by_name.options == Resharder(plan, options=given).options == given
+    assert (by_pos.bucket_bytes, by_pos.timeout, by_pos.slots) == (4096, timedelta(seconds=7), 2)
+    assert Resharder(plan).options == RefitOptions.of()
+    with pytest.raises(TypeError, match="multiple values for argument 'bucket_bytes'"):
+        Resharder(plan, None, 4096, bucket_bytes=8192)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket'"):
+        Resharder(plan, bucket=4096)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        Resharder(plan, None, 4096, 7, "torch", True, 0, "extra")
+    with pytest.raises(TypeError, match="pass options= or bucket_bytes, not both"):
+        Resharder(plan, bucket_bytes=4096, options=given)
+    with pytest.raises(ValueError, match=r"bucket_bytes=300 is too small: at least 512 B with overlap=True"):
+        Resharder(plan, None, 300, 7, None, True)
 
 
 def _meta(t):

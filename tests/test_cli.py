@@ -39,6 +39,8 @@ MISTAKES = [
     (["plan", "--model", "tiny_llama", "--src", "tp=1"], ["--dst"]),
     (["plan", "--model", "tiny_llama", "--src", "tp=2", "--dst", "tp=2", "--rank", "2"], ["--rank 2", "ranks 0..1"]),
     (["plan", "--model", "tiny_llama", "--src", "tp=2", "--dst", "tp=2", "--rank", "-1"], ["--rank -1", ">= 0"]),
+    (["plan", "--model", "tiny_llama", "--src", "tp=2", "--dst", "tp=2", "--bucket-mb", "0.0001"],
+     ["--bucket-mb 0.0001", "bucket_bytes=104 is too small: at least 256 B"]),
     (["bench", "--cases", "foo"], ["unknown case 'foo'"]),
     (["bench", "--sizes-gb", "1,x"], ["--sizes-gb '1,x'"]),
     (["bench", "--dtype", "bf17"], ["--dtype 'bf17'"]),

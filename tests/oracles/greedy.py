@@ -18,7 +18,7 @@ from triton_reshard.box import boxes_meet
 from triton_reshard.layout import Fragment, Layout, gc_paused, itemsize_of
 from triton_reshard.plan import quant as _quant
 from triton_reshard.plan.core import Plan
-from triton_reshard.plan.planner import relay_options
+from triton_reshard.plan.options import PlanOptions
 from triton_reshard.plan.relay import relay_dtype, split_piece
 from triton_reshard.plan.routing import (
     LOCAL_ORDER,
@@ -176,9 +176,9 @@ def greedy_plan(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_nod
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
     routed = _quant.routing_view(src, dst, targets) if targets else dst
     check_specs(src, routed, allow_cast)
-    relay, groups = relay_options(gpus_per_node, relay, relay_groups)
+    opts = PlanOptions.of(allow_cast, gpus_per_node, relay, relay_groups)
     with gc_paused():
-        local, wire = route_greedy(src, routed, gpus_per_node, relay, groups if relay else {})
+        local, wire = route_greedy(src, routed, gpus_per_node, opts.relay, opts.groups)
         if targets:
             local, wire = _quant.quantize_transfers(src, dst, targets, local, wire)
         return Plan(src, dst, tuple(wire), tuple(local))

@@ -2,20 +2,23 @@
 ``get_resharder`` and :class:`~triton_reshard.execute.Resharder` share.
 
 :class:`RefitOptions` is the one definition of every option (name, default, check, who takes it): its fields
-build :meth:`RefitOptions.of` and, through :func:`takes_options`, the keyword parameters of the public entry
-points, so adding an option is one field here."""
+build :meth:`RefitOptions.of` and, through :func:`takes_options`, the option parameters of the public entry
+points and of ``Resharder``, so adding an option is one field here. It resolves into the two values the
+plan side takes: the planner's :class:`~triton_reshard.plan.options.PlanOptions` (:meth:`RefitOptions.plan_options`)
+and the schedule's :class:`~triton_reshard.plan.options.StepBudget` (:attr:`RefitOptions.budget`)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import math
-import operator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 
 from .. import ops
-from ..plan import DIRECT_MIN_BYTES, MIN_STEP_BYTES
+from ..layout import Layout
+from ..plan import DIRECT_MIN_BYTES
+from ..plan.options import PlanOptions, StepBudget, default_relay
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -30,19 +33,6 @@ def to_timedelta(timeout) -> timedelta:
           and timeout > 0):
         return timedelta(seconds=float(timeout))
     raise TypeError(f"timeout must be a timedelta or a finite positive number of seconds, got {timeout!r}")
-
-
-def as_int(v, what: str, low: int) -> int:
-    """``v`` as an int >= ``low`` (ints and integer-like objects only: no floats, strings or bools)."""
-    if isinstance(v, bool):
-        raise TypeError(f"{what} must be an int, got {v!r}")
-    try:
-        n = operator.index(v)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {v!r}") from None
-    if n < low:
-        raise ValueError(f"{what} must be >= {low}, got {n}")
-    return n
 
 
 def _backend(v):
@@ -69,12 +59,14 @@ def _instances(v):
     return v
 
 
-def _option(default, check, accepts: str, *, refit: bool = True):
+def _option(default, check, accepts: str, *, refit: bool = True, executor: bool = False):
     """A field of :class:`RefitOptions`: its default, its check (the user's value -> the stored one, or a
-    ``TypeError`` / ``ValueError`` naming the option and the value), the type users may pass (``accepts``, the
-    public annotation), and whether ``refit`` / ``verify_refit`` / ``get_resharder`` take it (``refit``;
-    every option is the Resharder's or the planner's)."""
-    return field(default=default, metadata={"check": check, "accepts": accepts, "refit": refit})
+    ``TypeError`` / ``ValueError`` naming the option and the value; None: checked together as the step
+    budget, :class:`~triton_reshard.plan.options.StepBudget`), the type users may pass (``accepts``, the public
+    annotation), whether ``refit`` / ``verify_refit`` / ``get_resharder`` take it (``refit``) and whether it
+    is the executor's (``executor``: a parameter of :class:`~triton_reshard.execute.Resharder`, in field
+    order; the others are the planner's, :class:`~triton_reshard.plan.options.PlanOptions`)."""
+    return field(default=default, metadata={"check": check, "accepts": accepts, "refit": refit, "executor": executor})
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +75,15 @@ class RefitOptions:
 
     Executor options: ``bucket_bytes`` (staging bound), ``timeout`` (every wait), ``backend`` (copy backend,
     None: by device / ``TRITON_RESHARD_BACKEND``), ``overlap`` (two staging slots), ``direct_min_bytes``
-    (in-place threshold). Planner options: ``allow_cast``, ``gpus_per_node``, ``relay``, ``instances``.
+    (in-place threshold); the step budget (:attr:`budget`) is made of three of them. Planner options
+    (:meth:`plan_options`): ``allow_cast``, ``gpus_per_node``, ``relay``, ``instances``.
     Hashable: it is the cache key of ``get_resharder`` with the layouts and group."""
 
-    bucket_bytes: int = _option(DEFAULT_BUCKET_BYTES, lambda v: as_int(v, "Resharder: bucket_bytes", 1), "int")
-    timeout: timedelta = _option(DEFAULT_TIMEOUT, to_timedelta, "float | timedelta")
-    backend: str | None = _option(None, _backend, "str | None")
-    overlap: bool = _option(False, bool, "bool", refit=False)
-    direct_min_bytes: int = _option(DIRECT_MIN_BYTES, lambda v: as_int(v, "Resharder: direct_min_bytes", 0), "int",
-                                    refit=False)
+    bucket_bytes: int = _option(DEFAULT_BUCKET_BYTES, None, "int", executor=True)
+    timeout: timedelta = _option(DEFAULT_TIMEOUT, to_timedelta, "float | timedelta", executor=True)
+    backend: str | None = _option(None, _backend, "str | None", executor=True)
+    overlap: bool = _option(False, bool, "bool", refit=False, executor=True)
+    direct_min_bytes: int = _option(DIRECT_MIN_BYTES, None, "int", refit=False, executor=True)
     allow_cast: bool = _option(False, bool, "bool")
     gpus_per_node: int | None = _option(None, _gpus_per_node, "int | None")
     relay: bool | None = _option(None, _relay, "bool | None")
@@ -100,20 +92,28 @@ class RefitOptions:
     @classmethod
     def of(cls, **options) -> RefitOptions:
         """Validated options, by name (the fields; the rest take their defaults): a ``TypeError`` /
-        ``ValueError`` naming the option and the value the user passed, before anything is planned."""
+        ``ValueError`` naming the option and the value the user passed, before anything is planned. The step
+        budget (``bucket_bytes``, ``overlap``, ``direct_min_bytes``) is checked by ``StepBudget.of``: one
+        minimum for ``bucket_bytes``, a staging slot of ``plan.MIN_STEP_BYTES`` per slot."""
         known = {f.name: f for f in fields(cls)}
         for name in options:
             if name not in known:
                 raise TypeError(f"RefitOptions.of() got an unexpected keyword argument {name!r}")
-        opts = cls(**{n: f.metadata["check"](options[n]) for n, f in known.items() if n in options})
-        if opts.slot_bytes < MIN_STEP_BYTES:  # the one minimum: the schedule's per-step cap (plan.MIN_STEP_BYTES)
-            need = MIN_STEP_BYTES * opts.slots
-            raise ValueError(f"Resharder: bucket_bytes={options.get('bucket_bytes', opts.bucket_bytes)} is too small: at least {need} B"
-                             + (f" with overlap=True (two staging slots of {MIN_STEP_BYTES} B)" if opts.overlap else ""))
+        checked = {n: f.metadata["check"](options[n]) for n, f in known.items()
+                   if n in options and f.metadata["check"] is not None}
+        budget = StepBudget.of(options.get("bucket_bytes", DEFAULT_BUCKET_BYTES), overlap=checked.get("overlap", False),
+                               direct_min_bytes=options.get("direct_min_bytes", DIRECT_MIN_BYTES))
+        opts = cls(bucket_bytes=budget.bucket_bytes, direct_min_bytes=budget.direct_min_bytes, **checked)
         if opts.relay and opts.gpus_per_node is None and opts.instances == 1:
             raise ValueError("refit: relay=True needs gpus_per_node or instances > 1 (relays fan out inside a node "
                              "or over the engines)")
         return opts
+
+    @property
+    def budget(self) -> StepBudget:
+        """The step budget the schedule is cut by (``Plan.schedule``): ``bucket_bytes`` in :attr:`slots`
+        staging slots, ``direct_min_bytes`` (checked by :meth:`of`)."""
+        return StepBudget(self.bucket_bytes, self.slots, self.direct_min_bytes)
 
     @property
     def slots(self) -> int:
@@ -125,32 +125,56 @@ class RefitOptions:
         """The bucket of one staging slot: the schedule's per-step cap."""
         return self.bucket_bytes // self.slots
 
+    def relay_decided(self, dst_layout: Layout, *, verify: bool = False) -> RefitOptions:
+        """These options with ``relay`` decided for ``dst_layout`` (``plan.options.default_relay``, as
+        :meth:`plan_options` decides it, without building the planned layout): a refit session's cache key."""
+        relay = default_relay(self.relay, self.gpus_per_node, self.instances != 1, quantized=dst_layout.quantized,
+                              verify=verify)
+        return self if relay is self.relay else replace(self, relay=relay)
+
+    def plan_options(self, dst_layout: Layout, *, verify: bool = False) -> tuple[Layout, PlanOptions]:
+        """The layout to plan (``dst_layout``, or its ``instances`` copies) and the planner's options, resolved
+        (``PlanOptions.for_instances``: relay groups from ``instances``, the relay default decided; ``verify``:
+        no relays). The one place ``refit``, ``verify_refit`` and ``get_resharder`` build them."""
+        return PlanOptions.for_instances(dst_layout, self.instances, self.allow_cast, self.gpus_per_node, self.relay,
+                                         verify=verify)
+
 
 REFIT_OPTIONS = tuple(f.name for f in fields(RefitOptions) if f.metadata["refit"])
-EXECUTOR_OPTIONS = ("bucket_bytes", "timeout", "backend", "overlap", "direct_min_bytes")  # Resharder's own
+EXECUTOR_OPTIONS = tuple(f.name for f in fields(RefitOptions) if f.metadata["executor"])  # Resharder's own
 
 
-def takes_options(fn):
-    """Give ``fn`` (``def f(..., *, group=None, ..., **options)``) the option keywords ``refit`` takes
-    (:data:`REFIT_OPTIONS`) as explicit keyword-only parameters: ``inspect.signature`` and ``help`` show
-    them, with :class:`RefitOptions`' defaults, right after ``group``; an unknown keyword is the ``TypeError``
-    Python raises; ``fn`` receives the ones the caller passed in ``**options`` (:meth:`RefitOptions.of`
-    fills in the rest)."""
+def takes_options(fn=None, *, names: tuple[str, ...] = REFIT_OPTIONS, positional: bool = False):
+    """Give ``fn`` (``def f(..., *, group=None, ..., **options)``) the option keywords ``names`` (default:
+    :data:`REFIT_OPTIONS`, the ones ``refit`` takes) as explicit parameters: ``inspect.signature`` and
+    ``help`` show them, with :class:`RefitOptions`' defaults, right after ``group``; ``fn`` receives the ones
+    the caller passed in ``**options`` (:meth:`RefitOptions.of` fills in the rest). Keyword-only, or with
+    ``positional`` positional-or-keyword, in field order (``Resharder(plan, group, bucket_bytes, ...)``):
+    those calls are bound to the signature as Python binds them (its ``TypeError`` for a missing, doubled or
+    unknown argument). Without ``positional`` an unknown keyword is the ``TypeError`` Python raises."""
+    if fn is None:
+        return functools.partial(takes_options, names=names, positional=positional)
     sig = inspect.signature(fn)
     known = {f.name: f for f in fields(RefitOptions)}
-    opts = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=known[n].default,
-                              annotation=known[n].metadata["accepts"]) for n in REFIT_OPTIONS]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if positional else inspect.Parameter.KEYWORD_ONLY
+    opts = [inspect.Parameter(n, kind, default=known[n].default, annotation=known[n].metadata["accepts"])
+            for n in names]
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     at = next((i + 1 for i, p in enumerate(params) if p.name == "group"), len(params))
     public = sig.replace(parameters=params[:at] + opts + params[at:])
-    names = frozenset(REFIT_OPTIONS) | {p.name for p in params}
+    allowed = frozenset(names) | {p.name for p in params}
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        for k in kwargs:
-            if k not in names:
-                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {k!r}")
-        return fn(*args, **kwargs)
+    if positional:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(**public.bind(*args, **kwargs).arguments)
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for k in kwargs:
+                if k not in allowed:
+                    raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {k!r}")
+            return fn(*args, **kwargs)
 
     wrapper.__signature__ = public
     return wrapper

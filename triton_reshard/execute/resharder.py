@@ -21,14 +21,13 @@ import dataclasses
 import os
 import time
 from collections.abc import Mapping
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
 from ..comm.group import RefitGroup, as_transport
-from ..plan import DIRECT_MIN_BYTES, Plan
+from ..plan import Plan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
@@ -48,7 +47,7 @@ from .delta import (
     prediff,
 )
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
-from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions
+from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
 from .transport import Link, handshake_finish, handshake_post
@@ -65,30 +64,26 @@ class Resharder:
     ``bucket_bytes`` either way. ``direct_min_bytes``: chunks at least this big that are contiguous in the
     source or destination tensor are sent from / received into it in place, with no staging copy on that
     side (see ``Plan.schedule``); every rank must pass the same value.
+
+    These five parameters (after ``group``, by position or by name) are derived from the executor fields of
+    :class:`~triton_reshard.execute.options.RefitOptions` (``EXECUTOR_OPTIONS``), checked once there;
+    ``options=`` passes them validated already (a refit session's), instead.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        group: dist.ProcessGroup | RefitGroup | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout: float | timedelta = DEFAULT_TIMEOUT,
-        backend: str | None = None,
-        overlap: bool = False,
-        direct_min_bytes: int = DIRECT_MIN_BYTES,
-        *,
-        options: RefitOptions | None = None,
-        snapshot: MessageSnapshot | None = None,
-    ) -> None:
+    @takes_options(names=EXECUTOR_OPTIONS, positional=True)
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | RefitGroup | None = None, *,
+                 options: RefitOptions | None = None, snapshot: MessageSnapshot | None = None, **given) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan (the whole plan or this rank's share), got {type(plan).__name__}")
         if options is None:
-            options = RefitOptions.of(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, overlap=overlap,
-                                      direct_min_bytes=direct_min_bytes)
+            options = RefitOptions.of(**given)
+        elif given:
+            raise TypeError(f"Resharder: pass options= or {', '.join(sorted(given))}, not both")
         self.options = options
         self.plan = plan
         self.group = group
-        check_chunk_count(plan, options.slot_bytes)
+        budget = options.budget  # the step budget, checked once (RefitOptions.of)
+        check_chunk_count(plan, budget.slot_bytes)
         self.link = Link(as_transport(group), options.timeout)  # a torch.distributed group (global ranks) or a RefitGroup
         self.rank, self.group_ranks = self.link.rank, self.link.ranks
         if plan.rank is not None and plan.rank != self.rank:
@@ -100,7 +95,7 @@ class Resharder:
                 f"rank {self.rank}: the plan uses ranks {missing} that are not in the process group "
                 f"{list(self.group_ranks)}"
             )
-        self.work = rank_work(plan, self.rank, options.slots, options.slot_bytes, options.direct_min_bytes)
+        self.work = rank_work(plan, self.rank, budget)
         self.schedule = self.work.schedule
         self.steps = self.work.steps  # only the steps this rank takes part in; step i uses slot i % slots
         self._broken: str | None = None  # set by a failure part way: the group is unusable then

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from ..comm.group import RefitGroup, as_transport
 from ..layout import Layout
 from ..plan import plan_reshard
-from ..plan.planner import default_relay
 from .delta import DeltaRequest, MessageSnapshot
 from .errors import ReshardError
 from .options import RefitOptions
@@ -173,24 +172,18 @@ class Sessions:
     def get(self, src_layout: Layout, dst_layout: Layout, group, opts: RefitOptions, *,
             verify: bool = False) -> RefitSession:
         """The session for these layouts, group and validated options (planned on a miss). ``verify``: for
-        ``verify_refit``, which plans without relays (``plan.planner.default_relay``)."""
-        relay = default_relay(opts.relay, opts.gpus_per_node, opts.instances != 1, quantized=dst_layout.quantized,
-                              verify=verify)
-        opts = dataclasses.replace(opts, relay=relay)  # the options as planned: the key
+        ``verify_refit``, which plans without relays (``plan.options.default_relay``)."""
+        opts = opts.relay_decided(dst_layout, verify=verify)  # the options as planned: the key
         key = (src_layout, dst_layout, _group_key(group), opts)
         hit = self._lru.get(key)
         if hit is not None and hit.usable():
             self._lru.move_to_end(key)
             return hit
         self._lru.pop(key, None)
-        groups, planned = None, dst_layout
-        if opts.instances != 1:
-            groups = dst_layout.instance_groups(opts.instances)
-            planned = dst_layout.instances(opts.instances)
         # this rank's share only (plan/local.py): its transfers and steps, computed from the layouts without
         # planning the other ranks'; its peers compute the matching halves
-        plan = plan_reshard(src_layout, planned, opts.allow_cast, opts.gpus_per_node, relay, groups,
-                            rank=as_transport(group).rank)
+        planned, plan_opts = opts.plan_options(dst_layout, verify=verify)  # the planner's options, resolved
+        plan = plan_reshard(src_layout, planned, options=plan_opts, rank=as_transport(group).rank)
         snapshot = MessageSnapshot()
         r = Resharder(plan, group=group, options=opts, snapshot=snapshot)
         session = self._lru[key] = RefitSession(r, snapshot, self.destination(dst_layout, opts.instances))

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant as _quant
+from .options import StepBudget
 from .pair_schedule import build_pair_schedule, contiguity, direct_columns, world_of
 from .routing import check_gpus_per_node
 from .rows import lower_bound_bytes
@@ -175,22 +176,27 @@ class Plan:
         ``quant``, ...)."""
         return self.transfers
 
-    def schedule(self, bucket_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
+    def schedule(self, bucket_bytes: StepBudget | int, direct_min_bytes: int = DIRECT_MIN_BYTES) -> Schedule:
         """The wire transfers in steps by the pair rule (``plan/pair_schedule.py``; cached): per step each rank
         sends to at most ``STEP_PEERS`` peers and receives from as many, each message within its share of
-        ``bucket_bytes``, so a rank's staging stays within one bucket. Steps carry their rule number
+        the per-step cap, so a rank's staging stays within one bucket. Steps carry their rule number
         (``Step.number``); a share's steps (only those its rank takes part in) have the whole plan's numbers.
 
-        Chunks of at least ``direct_min_bytes`` that are contiguous in their source or destination local
-        tensor become direct messages (sent or received in place by the executor)."""
-        key = ("schedule", int(bucket_bytes), int(direct_min_bytes))
+        ``bucket_bytes``: the per-step cap in bytes (with ``direct_min_bytes``), or a
+        :class:`~triton_reshard.plan.options.StepBudget` (the executor's, checked once: the cap is its
+        ``slot_bytes``, with its ``direct_min_bytes``); the same budget gives the same steps. Chunks of at least
+        ``direct_min_bytes`` that are contiguous in their source or destination local tensor become direct
+        messages (sent or received in place by the executor)."""
+        if isinstance(bucket_bytes, StepBudget):
+            cap, n = bucket_bytes.key
+        else:
+            cap, n = int(bucket_bytes), int(direct_min_bytes)
+        key = ("schedule", cap, n)
         if key not in self._cache:
-            n = int(direct_min_bytes)
             cont = (self._contiguity(n) if self.rank is None
                     else contiguity(self.transfers, self.src, self.dst, n, self.rank))
             with gc_paused():
-                self._cache[key] = build_pair_schedule(self.transfers, int(bucket_bytes), cont, n,
-                                                       world_of(self.src, self.dst))
+                self._cache[key] = build_pair_schedule(self.transfers, cap, cont, n, world_of(self.src, self.dst))
         return self._cache[key]
 
     def _contiguity(self, min_bytes: int = 0) -> _Contiguity:

@@ -9,13 +9,14 @@ from ..layout import Layout
 from . import quant as _quant
 from .core import Plan
 from .local import plan_local
-from .routing import check_gpus_per_node, check_relay_groups, check_specs
+from .options import PlanOptions
+from .routing import check_specs
 
 
 @lru_cache(maxsize=64)
 def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_node: int | None = None,
                  relay: bool | None = None, relay_groups: tuple[tuple[int, ...], ...] | None = None, *,
-                 rank: int | None = None) -> Plan:
+                 rank: int | None = None, options: PlanOptions | None = None) -> Plan:
     """Plan the reshard from ``src`` to ``dst`` (pure, deterministic, cached on the two layouts).
 
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
@@ -75,6 +76,9 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     holds, destination boxes that overlap on one rank; also for ``relay=True`` without ``gpus_per_node`` or
     ``relay_groups``, a ``gpus_per_node`` < 1 and relay groups that overlap.
 
+    ``options``: the four options above resolved already (a :class:`~triton_reshard.plan.options.PlanOptions`,
+    e.g. ``refit``'s, from ``PlanOptions.for_instances``), instead of passing them one by one; the same plan.
+
     Block-quantized destination tensors (``TensorSpec.quant``, e.g. from ``block_quant_layout``) with a plain
     float source are quantized on the way (``plan/quant.py``): whole blocks a source rank holds travel as fp8 +
     fp32 scales (``Transfer.quant="src"``, quantized in the sender's pack), blocks straddling source fragments in
@@ -83,47 +87,27 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reshard takes two Layouts, got {type(src).__name__} and {type(dst).__name__}")
-    relay, groups = relay_options(gpus_per_node, relay, relay_groups)
+    opts = _options(options, allow_cast, gpus_per_node, relay, relay_groups)
     # block-quantized destinations (plan/quant.py): routed in the source dtype, without their scales, then
     # every routed piece is cut on the block grid into source- and destination-quantized transfers
     targets = _quant.quant_targets(src, dst) if dst.quantized else {}
     routed = _quant.routing_view(src, dst, targets) if targets else dst
-    if not _specs_agree(src, routed, allow_cast):
-        check_specs(src, routed, allow_cast)  # (the full check also words the error)
+    if not _specs_agree(src, routed, opts.allow_cast):
+        check_specs(src, routed, opts.allow_cast)  # (the full check also words the error)
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
         raise TypeError(f"plan_reshard: rank={rank!r} must be an int >= 0 or None")
-    options = (allow_cast, gpus_per_node, relay, relay_groups if relay else None)
-    return plan_local(src, dst, routed, targets, gpus_per_node, relay, groups if relay else {}, options, rank)
+    return plan_local(src, dst, routed, targets, opts.gpus_per_node, opts.relay, opts.groups, opts.key, rank)
 
 
-def relay_options(gpus_per_node: int | None, relay: bool | None,
-                   relay_groups: tuple[tuple[int, ...], ...] | None) -> tuple[bool, dict[int, int]]:
-    """``plan_reshard``'s topology options checked: (relay on?, the relay groups by rank)."""
-    check_gpus_per_node(gpus_per_node, "plan_reshard")
-    groups = check_relay_groups(relay_groups)
-    if relay is not None and not isinstance(relay, bool):
-        raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
-    if relay and gpus_per_node is None and relay_groups is None:
-        raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
-                         "node or a group)")
-    return default_relay(relay, gpus_per_node, bool(groups)), groups
-
-
-def default_relay(relay: bool | None, gpus_per_node: int | None, grouped: bool, *, quantized: bool = False,
-                  verify: bool = False) -> bool:
-    """Whether to relay: the one place the defaults are decided (``plan_reshard``, ``refit``,
-    ``verify_refit``). ``relay`` as given (None: the default), ``grouped``: relay groups are given (e.g.
-    ``instances > 1``). Relays need somewhere to fan out (a node or a group); the default is on exactly then,
-    except for a block-quantized destination (``quantized``: ``refit``'s default is off there, plan/quant.py
-    refuses relays of quantized tensors). ``verify``: never (a relay forwards the relaying rank's destination
-    tensor, the very thing ``verify_refit`` checks), whatever ``relay`` says, whenever there is somewhere to
-    fan out."""
-    fans_out = gpus_per_node is not None or grouped
-    if verify and fans_out:
-        return False
-    if relay is None:
-        return fans_out and not quantized
-    return relay
+def _options(options: PlanOptions | None, *given) -> PlanOptions:
+    """``plan_reshard``'s options resolved: ``options`` as resolved already, or the four given one by one."""
+    if options is None:
+        return PlanOptions.of(*given)
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"plan_reshard: options={options!r} must be a PlanOptions or None")
+    if given != (False, None, None, None):
+        raise TypeError("plan_reshard: pass options= or allow_cast / gpus_per_node / relay / relay_groups, not both")
+    return options
 
 
 def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:

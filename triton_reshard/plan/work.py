@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..box import split_box
 from ..layout import BlockQuant
+from .options import StepBudget
 from .quant import QUANT_SRC, QuantRegion, plan_targets, quant_regions, split_src_chunks
 from .types import ALIGN, RankStep, Schedule, Transfer
 
@@ -73,10 +74,11 @@ def check_chunk_count(plan, slot_bytes: int) -> None:
                          f"{slot_bytes} B would need ~{chunks} chunks (more than {MAX_CHUNKS}): raise bucket_bytes")
 
 
-def rank_work(plan, rank: int, slots: int, slot_bytes: int, direct_min_bytes: int) -> RankWork:
-    """The work of ``rank`` in ``plan`` (the whole ``Plan`` or ``rank``'s share of it) with ``slots`` staging slots of
-    ``slot_bytes`` (the schedule's per-step cap; see :func:`check_chunk_count` for the plans it refuses)."""
-    schedule = plan.schedule(slot_bytes, direct_min_bytes)
+def rank_work(plan, rank: int, budget: StepBudget) -> RankWork:
+    """The work of ``rank`` in ``plan`` (the whole ``Plan`` or ``rank``'s share of it) within ``budget`` (its
+    ``slots`` staging slots of ``slot_bytes``, the schedule's per-step cap; see :func:`check_chunk_count` for
+    the plans it refuses)."""
+    schedule = plan.schedule(budget)
     mine, _send_area, _recv_area = schedule.for_rank(rank)
     steps = tuple((i, st) for i, st in enumerate(mine) if st.sends or st.recvs)
     local_idx = [i for i, t in enumerate(plan.local_copies) if t.dst_rank == rank]
@@ -90,7 +92,7 @@ def rank_work(plan, rank: int, slots: int, slot_bytes: int, direct_min_bytes: in
             of_local[i] = k
     local = tuple(plan.local_copies[i] for i in local_idx)
     return RankWork(
-        rank=rank, slots=slots, slot_bytes=slot_bytes, schedule=schedule, steps=steps,
+        rank=rank, slots=budget.slots, slot_bytes=budget.slot_bytes, schedule=schedule, steps=steps,
         phases=tuple(schedule.step_phase(i) for i, _st in steps), local=local,
         local_bytes=sum(t.nbytes for t in local), regions=regions, wire_region=wire_region,
         local_region=tuple(of_local.get(i) for i in local_idx),

@@ -217,7 +217,7 @@ def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per
     and one rank's share of the schedule, each timed. Returns ``(src, dst, plan, stats, schedule, times)``.
     ``gpus_per_node``/``relay``: as ``plan_reshard`` takes them; ``instances``: ``dst`` is that many copies of
     the vLLM layout (``Layout.instances``), their ``instance_groups`` the relay groups."""
-    from ..plan import plan_reshard
+    from ..plan import PlanOptions, plan_reshard
     from ..presets import megatron_layout, vllm_layout
 
     times: dict[str, float] = {}
@@ -230,9 +230,8 @@ def timed_planning(cfg, src_kw: dict, dst_kw: dict, bucket: int, dtype, gpus_per
 
     src = timed("src_layout", lambda: megatron_layout(cfg, **src_kw, dtype=dtype))
     one = timed("dst_layout", lambda: vllm_layout(cfg, **dst_kw, dtype=dtype))
-    groups = one.instance_groups(instances) if instances > 1 else None
-    dst = one.instances(instances)
-    plan = timed("plan", lambda: plan_reshard(src, dst, False, gpus_per_node, relay, groups))
+    dst, opts = PlanOptions.for_instances(one, instances, False, gpus_per_node, relay)
+    plan = timed("plan", lambda: plan_reshard(src, dst, options=opts))
     timed("digest", lambda: plan.digest)
     st = timed("stats", plan.stats)
     sched = timed("schedule", lambda: plan.schedule(bucket))
@@ -268,7 +267,7 @@ def plan_report(args) -> dict:
     With relays on (``--relay``, or ``--topology-aware`` alone) it also plans without them (one more planning,
     same layouts) and reports that plan's figures under ``without_relay``.
     """
-    from ..plan import plan_reshard
+    from ..plan import StepBudget, plan_reshard
     from ..presets import model_nbytes
     from .topology import PRESETS, Topology, plan_pair_bytes
 
@@ -310,6 +309,10 @@ def plan_report(args) -> dict:
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
+    try:  # the executor's one minimum (a staging slot), named before any planning
+        StepBudget.of(bucket, who=f"--bucket-mb {args.bucket_mb:g}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     relay = args.relay
     node_aware = bool(args.topology_aware or relay)
     n_inst = args.instances
@@ -388,7 +391,7 @@ def _rss_mb(field: str = "VmRSS") -> float | None:
 
 def rank_report(args, cfg, dtype, s, d, src_kw, dst_kw, bucket, gpn, relay, n_inst) -> dict:
     """``triton-reshard plan --rank R``: rank R's share alone (layouts, rank plan, its schedule), timed."""
-    from ..plan import plan_reshard
+    from ..plan import PlanOptions, plan_reshard
     from ..presets import megatron_layout, vllm_layout
 
     rss0 = _rss_mb()
@@ -398,14 +401,14 @@ def rank_report(args, cfg, dtype, s, d, src_kw, dst_kw, bucket, gpn, relay, n_in
     times["src_layout"] = time.perf_counter() - t
     t = time.perf_counter()
     one = vllm_layout(cfg, **dst_kw, dtype=dtype)
-    dst = one.instances(n_inst)  # (a virtual tiling of the columnar preset layout)
+    # the engine copies (a virtual tiling of the columnar preset layout) and their relay groups
+    dst, opts = PlanOptions.for_instances(one, n_inst, False, gpn, relay)
     times["dst_layout"] = time.perf_counter() - t
-    groups = one.instance_groups(n_inst) if n_inst > 1 else None
     world = max(src.ranks[-1], dst.ranks[-1]) + 1
     if args.rank >= world:
         raise UsageError(f"--rank {args.rank}: the layouts have ranks 0..{world - 1}")
     t = time.perf_counter()
-    rp = plan_reshard(src, dst, False, gpn, relay, groups, rank=args.rank)
+    rp = plan_reshard(src, dst, options=opts, rank=args.rank)
     times["plan"] = time.perf_counter() - t
     t = time.perf_counter()
     sched = rp.schedule(bucket)

@@ -253,14 +253,13 @@ def choose_relay(src, dst, topo: Topology, instances: int = 1, allow_cast: bool 
     the two whole plans cost what planning both costs (``perf/bench_planner.py``), so call it once per job and
     pass ``relay=`` to ``refit``.
     """
-    from ..plan import plan_reshard
+    from ..plan import PlanOptions, plan_reshard
 
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r} must be in [0, 1)")
-    groups = dst.instance_groups(instances) if instances > 1 else None
-    full = dst.instances(instances) if instances > 1 else dst
     t = {}
     for relay in (True, False):
-        plan = plan_reshard(src, full, allow_cast, topo.gpus_per_node, relay, groups)
+        full, opts = PlanOptions.for_instances(dst, instances, allow_cast, topo.gpus_per_node, relay)
+        plan = plan_reshard(src, full, options=opts)
         t[relay] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
     return RelayChoice(t[True] < (1 - margin) * t[False], t[True], t[False], margin)
