@@ -194,7 +194,7 @@ def _keyed(ts: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
     return ts
 
 
-def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Sequence[tuple] | None,
+def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Contiguity | None,
                         direct_min_bytes: int, world: int) -> PairSchedule:
     """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
     its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
@@ -213,25 +213,13 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
     table = TransferTable.of(transfers)
     with gc_paused():
         pairs = _Pairs.of(table, world)
-        seen: dict[tuple, bool] = {}  # (local shapes, chunk sizes) -> contiguous (``is_contiguous_box`` reads no more)
 
         def direct(i: int, t: Transfer, off, size) -> bool:
             if contiguity is None:
                 return False
             if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
                 return False
-            shapes = contiguity.shapes(t)
-            if shapes is None:
-                return False
-            if type(shapes) is not tuple:
-                return shapes.direct(t, off, size)
-            got = seen.get((shapes, size))
-            if got is None:
-                s_shape, d_shape = shapes
-                got = seen[(shapes, size)] = (
-                    (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size))
-                    or (d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size)))
-            return got
+            return contiguity.direct(t, off, size)
 
         # per pair its first step number (then one every ``windows``): the pair's offset d - s round the world
         k = (pairs.dst - pairs.src) % world - 1
@@ -644,34 +632,48 @@ class _LazySteps(Sequence):
 
 
 def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int,
-               rank: int | None = None) -> Sequence:
-    """Per transfer, where its bytes could move in place (``Plan._contiguity``'s answer), looked up lazily from
-    per-rank local specs: a rank plan (``rank``) tests its own side first and reads a peer's local tensor only
-    when its own side is not contiguous (the answer, "contiguous on either side", is the same on both ends)."""
-    return _Contiguity(transfers, src, dst, min_bytes, rank)
+               rank: int | None = None) -> Contiguity:
+    """Which chunks of ``transfers`` may travel in place (see :class:`Contiguity`): for the whole plan
+    (``rank=None``) and for rank ``rank``'s share alike."""
+    return Contiguity(transfers, src, dst, min_bytes, rank)
 
 
-class _Contiguity:
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_rank", "_cache")
+class Contiguity:
+    """Whether a chunk of a wire transfer may travel in place: it is one contiguous run of its source or its
+    destination local tensor, held in the wire dtype (``direct``; ``direct_columns``: the same on columns). The
+    one answer for the whole plan and a rank's share ("contiguous on either side" is the same on both ends): a
+    rank's share (``rank``) tests its own side first and reads a peer's local tensor only when its own side is not
+    contiguous. Local tensors are looked up when asked (one ``local_spec`` per local tensor met); a chunk's answer
+    depends on a side's shape and the chunk's sizes alone (``is_contiguous_box``), kept per such pair."""
 
-    def __init__(self, transfers, src, dst, min_bytes, rank) -> None:
+    __slots__ = ("_ts", "_src", "_dst", "_min", "_rank", "_specs", "_seen")
+
+    def __init__(self, transfers, src: Layout, dst: Layout, min_bytes: int, rank: int | None = None) -> None:
         self._ts, self._src, self._dst, self._min, self._rank = transfers, src, dst, min_bytes, rank
-        self._cache: dict[tuple[int, int, str], object] = {}  # (destination side?, rank, local) -> its spec
+        self._specs: dict[tuple[int, int, str], object] = {}  # (destination side?, rank, local) -> its spec
+        self._seen: dict[tuple, bool] = {}  # (local shape, chunk sizes) -> contiguous
 
     def _shape(self, k: int, rank: int, local: str, wdt) -> tuple | None:
         key = (k, rank, local)
-        spec = self._cache.get(key, self)
+        spec = self._specs.get(key, self)
         if spec is self:
-            spec = self._cache[key] = (self._dst if k else self._src).local_spec(rank, local)
+            spec = self._specs[key] = (self._dst if k else self._src).local_spec(rank, local)
         return spec.shape if spec is not None and spec.dtype == wdt else None
 
     def __len__(self) -> int:
         return len(self._ts)
 
-    def shapes(self, t: Transfer):
-        """None when ``t`` is never direct (under the minimum, or source-quantized: the pack quantizes it), else
-        this object (its ``direct`` answers per sub-box)."""
-        return None if t.nbytes < self._min or t.quant == "src" else self
+    def _never(self, t: Transfer) -> bool:
+        # under the minimum, or source-quantized (the pack quantizes it)
+        return t.quant == "src" or t.nbytes < self._min
+
+    def shapes(self, t: Transfer) -> tuple | None:
+        """None when ``t`` is never direct, else (source local shape or None, destination local shape or None):
+        the local tensors on the sides where its bytes could move in place (their dtype is the wire dtype)."""
+        if self._never(t):
+            return None
+        return (self._shape(1 if t.relay else 0, t.src_rank, t.src_local, t.wire_dtype),
+                self._shape(1, t.dst_rank, t.dst_local, t.wire_dtype))
 
     def direct_columns(self, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """``direct`` per chunk, on the columns (``pair_schedule.direct_columns``)."""
@@ -680,13 +682,21 @@ class _Contiguity:
     def direct(self, t: Transfer, off, size) -> bool:
         """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor
         (in the wire dtype), this rank's side tested first."""
+        if self._never(t):
+            return False
         sides = [(1 if t.relay else 0, t.src_rank, t.src_local, t.src_offsets),
                  (1, t.dst_rank, t.dst_local, t.dst_offsets)]
         if self._rank is not None and t.dst_rank == self._rank:
             sides.reverse()
+        seen = self._seen
         for k, r, local, start in sides:
             shape = self._shape(k, r, local, t.wire_dtype)
-            if shape is not None and is_contiguous_box(shape, start, off, size):
+            if shape is None:
+                continue
+            got = seen.get((shape, size))
+            if got is None:
+                got = seen[(shape, size)] = is_contiguous_box(shape, start, off, size)
+            if got:
                 return True
         return False
 
