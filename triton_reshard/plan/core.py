@@ -17,7 +17,8 @@ import numpy as np
 
 from ..layout import Layout, gc_paused
 from . import quant as _quant
-from .pair_schedule import Contiguity, build_pair_schedule, contiguity, world_of
+from .contiguity import Contiguity, contiguity
+from .pair_schedule import build_pair_schedule, world_of
 from .routing import check_gpus_per_node
 from .rows import lower_bound_bytes
 from .table import TransferTable

@@ -132,7 +132,7 @@ def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
     source (the full check decides: it may have no elements) or its shape or dtype differs."""
     if src.same_tensors(dst):  # one set of specs (a preset pair): nothing to compare
         return True
-    if src.lazy_tables and dst.lazy_tables and not dst.quantized:  # columns, without building the specs
+    if not dst.quantized:  # from the columns, without building the specs
         have = src.shapes_and_dtypes()
         for n, (shape, dt) in dst.shapes_and_dtypes().items():
             s = have.get(n)
