@@ -63,29 +63,42 @@ def to_columns(tensors: tuple[TensorSpec, ...], frags: tuple[Fragment, ...], loc
     D = max(map(len, lt.shapes), default=0)
     L = max([len(f.local_offsets) for f in frags] + [D])
     S = max([len(x.shape) for x in locs] + [0])
-    foff, fsz, flo = np.zeros((n, D), I64), np.ones((n, D), I64), np.full((n, L), -1, I64)
     with gc_paused():
-        for i, f in enumerate(frags):
-            if len(f.offsets) > D or len(f.sizes) != len(f.offsets):
-                _eager_raise(tensors, frags, locs)
-            foff[i, :len(f.offsets)], fsz[i, :len(f.sizes)] = f.offsets, f.sizes
-            flo[i, :len(f.local_offsets)] = f.local_offsets
+        offs, szs, los = [f.offsets for f in frags], [f.sizes for f in frags], [f.local_offsets for f in frags]
+        ndo, flnd = np.fromiter(map(len, offs), I64, n), np.fromiter(map(len, los), I64, n)
+        if (ndo > D).any() or (np.fromiter(map(len, szs), I64, n) != ndo).any():
+            _eager_raise(tensors, frags, locs)
         try:
             ft = np.fromiter((lt.index[f.tensor] for f in frags), I64, n)
         except KeyError:
             _eager_raise(tensors, frags, locs)
+        if (np.fromiter(map(len, lt.shapes), I64, len(lt))[ft] != ndo).any():
+            _eager_raise(tensors, frags, locs)  # a box with the wrong number of dims
+        if n and (ndo == D).all():  # one width (the common case): one conversion each
+            foff, fsz = np.array(offs, I64).reshape(n, D), np.array(szs, I64).reshape(n, D)
+        else:
+            foff, fsz = np.zeros((n, D), I64), np.ones((n, D), I64)
+            for i, (o, z) in enumerate(zip(offs, szs, strict=True)):
+                foff[i, :len(o)], fsz[i, :len(z)] = o, z
+        if n and (flnd == L).all():
+            flo = np.array(los, I64).reshape(n, L)
+        else:
+            flo = np.full((n, L), -1, I64)
+            for i, lo in enumerate(los):
+                flo[i, :len(lo)] = lo
         fr = np.fromiter((f.rank for f in frags), I64, n)
         fl = np.fromiter((lid[f.local] for f in frags), I64, n)
-        flnd = np.fromiter((len(f.local_offsets) for f in frags), I64, n)
-        if (np.fromiter(map(len, lt.shapes), I64, len(lt))[ft] != np.fromiter((len(f.offsets) for f in frags), I64, n)).any():
-            _eager_raise(tensors, frags, locs)  # a box with the wrong number of dims
-        lsh = np.full((m, S), -1, I64)
-        for i, x in enumerate(locs):
-            lsh[i, :len(x.shape)] = x.shape
+        shapes = [x.shape for x in locs]
+        lnd = np.fromiter(map(len, shapes), I64, m)
+        if m and (lnd == S).all():
+            lsh = np.array(shapes, I64).reshape(m, S)
+        else:
+            lsh = np.full((m, S), -1, I64)
+            for i, sh in enumerate(shapes):
+                lsh[i, :len(sh)] = sh
         return lt, Columns(lt.names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd,
                            np.fromiter((x.rank for x in locs), I64, m), np.fromiter((lid[x.name] for x in locs), I64, m),
-                           lsh, np.fromiter((len(x.shape) for x in locs), I64, m),
-                           np.fromiter((did[x.dtype] for x in locs), I64, m))
+                           lsh, lnd, np.fromiter((did[x.dtype] for x in locs), I64, m))
 
 
 def _eager_raise(tensors, frags, locs) -> None:
