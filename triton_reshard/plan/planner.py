@@ -127,8 +127,8 @@ def default_relay(relay: bool | None, gpus_per_node: int | None, grouped: bool, 
 
 
 def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
-    """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
-    answers without building every rank's fragments). False when a destination tensor is missing from the
+    """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: the layouts' columns
+    answer without building every rank's fragments). False when a destination tensor is missing from the
     source (the full check decides: it may have no elements) or its shape or dtype differs."""
     if src.same_tensors(dst):  # one set of specs (a preset pair): nothing to compare
         return True
