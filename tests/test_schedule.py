@@ -191,10 +191,10 @@ def test_column_loads_equal_the_object_loads_on_every_pair(bucket):
     """Each pair's loads cut on the columns (``_column_payloads``: chunks, contiguity by the layouts' batched
     ``local_shape_columns``, the next fit as arrays) are the loads ``load_payloads`` cuts over the pair's
     objects with the per-object contiguity, on preset layouts (tiled engine instances, relays, a share)."""
+    from triton_reshard.plan.contiguity import contiguity
     from triton_reshard.plan.pair_schedule import (
         _column_payloads,
         _Pairs,
-        contiguity,
         load_payloads,
         world_of,
     )

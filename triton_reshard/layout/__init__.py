@@ -7,13 +7,29 @@ lists of :class:`Fragment` s. Special cases belong in layout builders (``from_pl
 in the planner or the kernels. Layouts are immutable, validated on construction and hashable, so plans can
 be cached on them.
 
-Two storages behind one query interface (``table``, ``fragments_on_rank``, ``tensor_names_on_rank``,
-``local_specs``, ``fragments_by_tensor``), the one the planner reads:
+One storage: every layout is numpy columns (``columns``), however it was built (``ColumnBuilder`` for the
+presets, ``Layout(tensors, fragments, locals)`` / ``from_fragments`` / ``from_placements`` / ``merge`` /
+``restrict`` from objects, converted once); validated once, on the columns (``check.columns_valid``; the eager
+``check.check_layout`` words a refusal, naming tensor and rank).
 
-- ``objects``: :class:`Layout`, Python objects (the eager layout);
-- ``columnar``: :class:`ColumnarLayout`, the same layout as numpy columns (``columns``) for thousand-rank
-  worlds, built per family of tensors by :class:`ColumnBuilder` (``builder``);
-- ``check``: the validation of both (eager, and the same checks vectorized);
+The query interface, what the planner (``plan/``) reads, answered from the columns:
+
+- identity: ``digest``, ``fingerprint``, ``==`` / ``hash``, ``ranks``;
+- the logical tensors: ``tensors``, ``specs`` / ``spec(name)``, ``quantized``, ``scale_of``, ``tensor_order()``,
+  ``shapes_and_dtypes()``, ``same_tensors(other)``;
+- tensors on a rank: ``tensor_names_on_rank(rank)``, ``fragments_on_rank(rank)``;
+- fragments overlapping a box, holders of a box: ``table(name)`` (a :class:`FragmentTable`: ``overlapping``,
+  ``boxes``), ``overlapping(name, offsets, sizes)``, ``tensor_rows(names)``;
+- local shapes: ``local_specs(rank)``, ``local_spec(rank, name)``, ``local_shape_columns(ranks, names, codes)``.
+
+The object view, built from the columns on first use and kept (``objects_built``; ``release_objects()`` drops
+it): ``fragments``, ``locals``, ``fragments_by_tensor``, ``fragments_by_local``: for users, the whole plan's
+block-quantized tensors and its validation; a plain preset pair is planned (whole plan and shares) without it.
+
+- ``columnar``: :class:`Layout` (``ColumnarLayout``: the same class, its former name);
+- ``objects``: the object-facing constructors (``LayoutBuilders``) and ``to_columns``;
+- ``builder``: :class:`ColumnBuilder`, which builds a layout per family of tensors (the presets);
+- ``check``: the validation (vectorized on the columns, and the eager checks that word a refusal);
 - ``block_quant``: :func:`block_quant_layout`, the block-quantized form of a layout (block FP8, MXFP8, NVFP4).
 """
 
@@ -21,10 +37,9 @@ from ..box import box_slices, boxes_overlap, find_overlap
 from .block_quant import block_quant_layout
 from .builder import ColumnBuilder
 from .check import check_layout, overlap_free
-from .columnar import ColumnarLayout, columnar
+from .columnar import ColumnarLayout, Layout, columnar
 from .columns import LogicalTensors, numel_of, trusted_spec
 from .fragment_table import FragmentTable, content_fingerprint
-from .objects import Layout
 from .specs import (
     FP8_BLOCK,
     FRAG_KEY,

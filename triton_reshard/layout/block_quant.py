@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .objects import Layout
+from .columnar import Layout
 from .specs import (
     FP8_BLOCK,
     BlockQuant,

@@ -1,6 +1,5 @@
-"""Layout validation: the eager checks a :class:`~triton_reshard.layout.Layout` runs on construction
-(:func:`check_layout`, which names the tensor and rank of any problem) and the same checks done vectorized on
-a columnar layout's columns (:func:`columns_valid`; on a failure the eager checks name the problem)."""
+"""Layout validation: one decision, on a layout's columns (:func:`columns_valid`, vectorized), and the eager
+checks (:func:`check_layout`) that word a refusal, naming the tensor and rank of the problem."""
 
 from __future__ import annotations
 

@@ -1,32 +1,38 @@
-"""Columnar layouts: a :class:`~triton_reshard.layout.Layout` stored as numpy arrays, for thousand-rank worlds.
+"""The layout: :class:`Layout`, stored as numpy columns, one storage for every layout.
 
 A 1,024-rank DeepSeek-V3 vLLM layout has ~1.2 million fragments and ~0.9 million local tensors; as Python
-objects they take ~20 s and ~0.5 GB to build, on every rank. :class:`ColumnarLayout` keeps one numpy column
-per fragment field (tensor id, rank, local id, offsets, sizes, local offsets) and per local-tensor field, sorted
-in Layout order (:mod:`.columns`), and answers the per-tensor / per-rank queries a rank planner needs
-(:meth:`Layout.table`, :meth:`Layout.tensor_names_on_rank`, :meth:`Layout.fragments_on_rank`,
-:meth:`Layout.local_specs`) from them, without building the other ranks' objects. ``instances(n)`` is a
-virtual tiling of copy 0 (nothing is copied). Everything else a Layout offers (``fragments``, ``locals``,
-``fragments_by_tensor``, ``==``, ``digest``, ``merge``...) works unchanged: the eager objects are built on
-first use, once, and equal what an eager Layout of the same contents holds (same order, same digest).
-Validation is the eager Layout's, done vectorized (:mod:`.check`); when it finds a problem the layout is
-materialized and the eager validation raises its usual message naming tensor and rank. The builder the
-presets use is :class:`~triton_reshard.layout.builder.ColumnBuilder`.
+objects they take ~20 s and ~0.5 GB to build, on every rank. A :class:`Layout` keeps one numpy column per
+fragment field (tensor id, rank, local id, offsets, sizes, local offsets) and per local-tensor field, sorted in
+layout order (:class:`~triton_reshard.layout.columns.Columns`), however it was built: by
+:class:`~triton_reshard.layout.builder.ColumnBuilder` (the presets: ``Layout(tensors, columns)``), or from objects
+(``Layout(tensors, fragments, locals)``, ``from_fragments``, ``from_placements``, ``merge``, ``restrict``...:
+converted to columns once, :func:`~triton_reshard.layout.objects.to_columns`). ``instances(n)`` is a virtual
+tiling of copy 0 (nothing is copied).
+
+The query interface the planner reads is answered from the columns (see the package docstring). The object
+view (``fragments``, ``locals``, ``fragments_by_tensor``, ``fragments_by_local``, ``digest``) is built from the
+columns on first use, once, kept until ``release_objects``; a layout built from objects starts with the objects
+it was given (the same view, already in order). Validation is one decision, on the columns
+(:func:`~triton_reshard.layout.check.columns_valid`); when it fails the eager checks
+(:func:`~triton_reshard.layout.check.check_layout`) word the problem, naming tensor and rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import FrozenInstanceError
 from functools import cached_property
 
 import numpy as np
 import torch
 
 from ..box import right_align
-from .check import columns_valid
+from .check import check_layout, columns_valid
 from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
 from .fragment_table import FragmentTable, TensorRows, content_fingerprint
-from .objects import Layout
+from .objects import LayoutBuilders, sorted_parts, to_columns
 from .specs import (
     FRAG_KEY,
     Fragment,
@@ -36,6 +42,7 @@ from .specs import (
     gc_paused,
     itemsize_of,
     trusted_fragment,
+    validate_quant_fragments,
 )
 
 # --------------------------------------------------------------------------------------------------------
@@ -73,7 +80,7 @@ class _LazyMap(Mapping):
 
 
 # --------------------------------------------------------------------------------------------------------
-# ColumnarLayout
+# Layout
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -81,49 +88,96 @@ def _ints(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.int32 or a.dtype == I64 else as_i64(a)
 
 
-class ColumnarLayout(Layout):
-    """A :class:`Layout` stored as numpy columns (see the module docstring); built by :class:`ColumnBuilder`
-    (the presets) and by ``instances`` of one. Equal (``==``, ``digest``) to the eager Layout of the same
-    contents; ``fragments`` / ``locals`` are built on first use."""
+class Layout(LayoutBuilders):
+    """Which ranks hold which box of which logical tensor, and where inside which local tensor.
 
-    def __init__(self, tensors: LogicalTensors | Sequence[TensorSpec], cols: Columns | None = None, *,
-                 base: ColumnarLayout | None = None, copies: int = 1, stride: int = 0, validate: bool = True) -> None:
-        lt = tensors if isinstance(tensors, LogicalTensors) else LogicalTensors.from_specs(tensors)
-        object.__setattr__(self, "_lt", lt)
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_copies", copies)
-        object.__setattr__(self, "_stride", stride)
-        if cols is not None:
-            self.__dict__["_cols"] = cols
-        if base is None and validate and not columns_valid(cols, lt):  # raise the eager checks' message
-            Layout(self.tensors, tuple(Fragment(f.tensor, f.rank, f.offsets, f.sizes, f.local, f.local_offsets)
-                                       for f in self.fragments), self.locals)
-        if lt.quantized:  # block quantization: the eager checks (small layouts)
-            Layout(self.tensors, self.fragments, self.locals)
+    Build with :meth:`from_placements` (DTensor-style mesh + placements), :meth:`from_fragments` (any
+    layout), or combine layouts with :meth:`merge` / ``|``. Validated on construction: fragments inside
+    their logical tensor and their local tensor, no two fragments sharing local memory, local tensor dtype
+    equal to the logical dtype (a violation raises ``ValueError`` or ``TypeError`` naming the tensor).
 
-    lazy_tables = True
+    ``Layout(tensors, fragments, locals)`` is what those builders call: it takes already-built ``TensorSpec`` /
+    ``Fragment`` / ``LocalSpec`` sequences and works, but prefer the builders, which also fill in local shapes and
+    check your inputs' types. ``Layout(tensors, columns)`` (a :class:`~triton_reshard.layout.columns.Columns`, in
+    layout order; ``tensors`` a ``LogicalTensors``) is what :class:`ColumnBuilder` calls. Either way the layout is
+    stored as columns (see the module docstring). A Layout is immutable and hashable (plans are cached on it);
+    ``digest`` names its contents; equal contents are equal layouts, however they were built.
+    """
 
-    def tensor_order(self) -> dict[str, int]:  # from the columns, without building the specs
+    def __init__(self, tensors: LogicalTensors | Iterable[TensorSpec], fragments: Iterable[Fragment] | Columns,
+                 locals: Iterable[LocalSpec] = (), *, validate: bool = True) -> None:  # noqa: A002  (the field's name)
+        d = self.__dict__
+        d["_base"], d["_copies"], d["_stride"] = None, 1, 0
+        if isinstance(fragments, Columns):  # a column builder's columns
+            lt = tensors if isinstance(tensors, LogicalTensors) else LogicalTensors.from_specs(tensors)
+            d["_lt"], d["_cols"] = lt, fragments
+            if validate:
+                self._validate(None)
+            return
+        parts = sorted_parts(tensors, fragments, locals)
+        d["_lt"], d["_cols"] = to_columns(*parts)
+        d["tensors"], d["fragments"], d["locals"] = parts  # the object view: these objects, already in order
+        if validate:
+            self._validate(parts)
+
+    @classmethod
+    def _tiled(cls, base: Layout, copies: int, stride: int) -> Layout:
+        """``copies`` copies of ``base`` (a layout of its own columns), copy ``i`` on its ranks + ``i * stride``."""
+        self = cls.__new__(cls)
+        d = self.__dict__
+        d["_lt"], d["_base"], d["_copies"], d["_stride"] = base._lt, base, copies, stride
+        return self
+
+    def _validate(self, parts: tuple | None) -> None:
+        """One decision, on the columns; a failure is worded by the eager checks (of ``parts``, the objects it was
+        built from, else of objects built from the columns with the checking constructors)."""
+        if not columns_valid(self._cols, self._lt):
+            if parts is None:
+                parts = (self.tensors, tuple(Fragment(f.tensor, f.rank, f.offsets, f.sizes, f.local, f.local_offsets)
+                                             for f in self.fragments), self.locals)
+            check_layout(*parts)
+            raise AssertionError("layout: the column checks refuse parts the eager checks accept")
+        if self._lt.quantized:  # block quantization: the scales' checks (on the objects; small layouts)
+            validate_quant_fragments(self.specs, self.fragments)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def tensor_order(self) -> dict[str, int]:
+        """Tensor name -> its index among the layout's tensors (sorted by name); from the columns, kept."""
         return self._lt.index
 
     def shapes_and_dtypes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Tensor name -> (global shape, dtype), without building the specs."""
         lt = self._lt
         return {n: (shape, dt) for n, shape, dt in zip(lt.names, lt.shapes, lt.dtypes, strict=True)}
 
     @cached_property
-    def tensors(self) -> tuple[TensorSpec, ...]:  # type: ignore[override]
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """The logical tensors, sorted by name."""
         return self._lt.all()
 
     @cached_property
-    def specs(self) -> Mapping[str, TensorSpec]:  # type: ignore[override]
+    def specs(self) -> Mapping[str, TensorSpec]:
+        """Tensor name -> its TensorSpec (each built on first use)."""
         lt = self._lt
         return _LazyMap(lt.names, lambda n: lt.spec(lt.index[n]))
 
     @cached_property
-    def quantized(self) -> dict[str, TensorSpec]:  # type: ignore[override]
+    def quantized(self) -> dict[str, TensorSpec]:
+        """The block-quantized tensors (name -> TensorSpec with ``quant``); empty for a plain layout."""
         return {t.name: t for t in self.tensors if t.quant is not None} if self._lt.quantized else {}
 
+    @cached_property
+    def scale_of(self) -> dict[str, str]:
+        """Scale tensor name -> the quantized tensor it belongs to."""
+        return {t.quant.scale: t.name for t in self.quantized.values()}
+
     def spec(self, name: str) -> TensorSpec:
+        """The logical tensor ``name`` (``ValueError`` if the layout has none of that name)."""
         i = self._lt.index.get(name)
         if i is None:
             raise ValueError(f"unknown tensor {name!r}")
@@ -140,7 +194,7 @@ class ColumnarLayout(Layout):
         return self._lt.index
 
     @property
-    def _root(self) -> ColumnarLayout:
+    def _root(self) -> Layout:
         return self if self._base is None else self._base
 
     def _split(self, rank: int) -> tuple[int, int] | None:
@@ -156,22 +210,25 @@ class ColumnarLayout(Layout):
                     return i, r
         return None
 
-    # -- eager views, built on first use ------------------------------------------------------------------
+    # -- the object view, built from the columns on first use -------------------------------------------------
 
-    _OBJECT_VIEWS = ("fragments", "locals", "_key", "fragments_by_tensor", "fragments_by_local", "_fragments_by_rank",
-                     "_locals_by_rank", "_tables")
+    _OBJECT_VIEWS = ("fragments", "locals", "_key", "fragments_by_tensor", "fragments_by_local", "_locals_by_rank",
+                     "_tables", "_frags_on_rank")
 
     @property
     def objects_built(self) -> bool:
+        """Whether every fragment exists as an object (``fragments`` read, or the layout built from objects)."""
         return "fragments" in self.__dict__
 
     def release_objects(self) -> None:
-        # the eager views are caches of the columns: dropped, they are built again on the next read
+        """Forget the object view (``fragments``, ``locals`` and the maps over them), built again from the columns
+        when next read (what a caller that read every fragment of a 1,024-rank layout once may do: ~0.6 GB)."""
         for k in self._OBJECT_VIEWS:
             self.__dict__.pop(k, None)
 
     @cached_property
-    def fragments(self) -> tuple[Fragment, ...]:  # type: ignore[override]
+    def fragments(self) -> tuple[Fragment, ...]:
+        """Every fragment, in layout order: (tensor, rank, local, offsets, local offsets)."""
         c = self._cols
         names, lnames = c.names, c.lnames
         D = c.foff.shape[1]
@@ -191,7 +248,8 @@ class ColumnarLayout(Layout):
             return tuple(out)
 
     @cached_property
-    def locals(self) -> tuple[LocalSpec, ...]:  # type: ignore[override]
+    def locals(self) -> tuple[LocalSpec, ...]:
+        """Every local tensor, in (rank, name) order."""
         c = self._cols
         with gc_paused():
             return tuple(trusted_local(r, c.lnames[n], tuple(sh[:k]), c.dtypes[dt]) for r, n, sh, k, dt in zip(
@@ -213,8 +271,15 @@ class ColumnarLayout(Layout):
         return self._lt.key
 
     @cached_property
-    def fingerprint(self) -> str:  # type: ignore[override]
-        """See :attr:`Layout.fingerprint`: here from the columns (copies of ``instances`` without tiling them)."""
+    def digest(self) -> str:
+        """A hash of the layout's contents (its tensors, fragments and local tensors: the object view's key)."""
+        return hashlib.sha256(repr(self._key).encode()).hexdigest()[:16]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A content identity like ``digest`` (equal layouts, equal fingerprints, however they were built),
+        computed from the columns (copies of ``instances`` without tiling them), without building every rank's
+        objects (~0.1 s for a 1,024-rank DeepSeek-V3 layout): what ranks compare before a rank plan runs."""
         root = self._root
         c = root._cols
         tiled = self._base is not None
@@ -247,10 +312,13 @@ class ColumnarLayout(Layout):
     def _nlocal(self) -> int:
         return self._root._cols.nlocal * self._copies
 
+    def __hash__(self) -> int:
+        return self._hash  # cached: equal layouts have equal tensors, counts and ranks; == compares the contents
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        if isinstance(other, ColumnarLayout):
+        if isinstance(other, Layout):
             if self._hash != other._hash:
                 return False
             a, b = self._cols, other._cols
@@ -259,9 +327,7 @@ class ColumnarLayout(Layout):
             return all(np.array_equal(x, y) for x, y in (
                 (a.ft, b.ft), (a.fr, b.fr), (a.fl, b.fl), (a.foff, b.foff), (a.fsz, b.fsz), (a.flo, b.flo),
                 (a.lr, b.lr), (a.ln, b.ln), (a.lsh, b.lsh), (a.ldt, b.ldt)))
-        return isinstance(other, Layout) and hash(self) == hash(other) and self._key == other._key
-
-    __hash__ = Layout.__hash__
+        return False
 
     def __repr__(self) -> str:
         return (f"Layout({len(self._lt)} tensors, {self._nfrag} fragments, {self._nlocal} local tensors on "
@@ -276,13 +342,16 @@ class ColumnarLayout(Layout):
 
     @cached_property
     def ranks(self) -> tuple[int, ...]:
+        """The ranks holding a local tensor, ascending."""
         base = self._root._cols.ranks.tolist()
         if self._base is None:
             return tuple(base)
         return tuple(sorted(r + i * self._stride for i in range(self._copies) for r in base))
 
     @cached_property
-    def fragments_by_tensor(self) -> Mapping[str, tuple[Fragment, ...]]:  # type: ignore[override]
+    def fragments_by_tensor(self) -> Mapping[str, tuple[Fragment, ...]]:
+        """Tensor name -> its fragments in layout order (tensors with none left out): slices of ``fragments`` once
+        built, else each tensor's built from its table when asked."""
         if "fragments" in self.__dict__:
             frags, c = self.fragments, self._cols  # (in the columns' order)
             st = c.tstart.tolist()
@@ -292,7 +361,7 @@ class ColumnarLayout(Layout):
         return _LazyMap(present, lambda n: self.table(n).fragments)
 
     @cached_property
-    def _locals_by_rank(self) -> Mapping[int, dict[str, LocalSpec]]:  # type: ignore[override]
+    def _locals_by_rank(self) -> Mapping[int, dict[str, LocalSpec]]:
         def build(rank: int) -> dict[str, LocalSpec]:
             sp = self._split(rank)
             c = self._root._cols
@@ -303,14 +372,31 @@ class ColumnarLayout(Layout):
 
         return _LazyMap(self.ranks, build)
 
+    @cached_property
+    def fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
+        """``(tensor, rank, local) -> fragments``, in layout order."""
+        frags = self.fragments
+        with gc_paused():
+            keys = [(f.tensor, f.rank, f.local) for f in frags]
+            out = dict(zip(keys, zip(frags), strict=True))  # one fragment per key: the common case
+            if len(out) < len(frags):  # some local tensors hold several boxes of one tensor
+                out = {}
+                for k, f in zip(keys, frags, strict=True):
+                    g = out.get(k)
+                    out[k] = (f,) if g is None else g + (f,)
+        return out
+
     def local_specs(self, rank: int) -> dict[str, LocalSpec]:
+        """The local tensors ``rank`` holds (name -> LocalSpec); empty if the rank has no part."""
         return dict(self._locals_by_rank[rank]) if rank in self._locals_by_rank else {}
 
     @cached_property
     def _lname_id(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self._root._cols.lnames)}
 
-    def local_spec(self, rank: int, name: str) -> LocalSpec | None:  # from the columns: one binary search
+    def local_spec(self, rank: int, name: str) -> LocalSpec | None:
+        """Rank ``rank``'s local tensor ``name``, None if it has none of that name: one binary search of the
+        columns (what the schedule asks of a peer's local tensor, without building the peer's ``local_specs``)."""
         sp = self._split(rank)
         lid = self._lname_id.get(name)
         if sp is None or lid is None:
@@ -322,8 +408,11 @@ class ColumnarLayout(Layout):
             return None
         return trusted_local(rank, name, tuple(c.lsh[j, :int(c.lnd[j])].tolist()), c.dtypes[int(c.ldt[j])])
 
-    def same_tensors(self, other: Layout) -> bool:  # one LogicalTensors (the presets share it per model)
-        return isinstance(other, ColumnarLayout) and other._lt is self._lt
+    def same_tensors(self, other: Layout) -> bool:
+        """Whether ``other`` is known, without comparing, to hold the same logical tensors (names, shapes, dtypes)
+        as this layout: True when both read one set of specs (a preset's source and destination layouts of one
+        model share it); False means "not known", not "different"."""
+        return isinstance(other, Layout) and other._lt is self._lt
 
     @cached_property
     def _local_keys(self) -> np.ndarray:
@@ -334,6 +423,10 @@ class ColumnarLayout(Layout):
 
     def local_shape_columns(self, ranks: np.ndarray, names: Sequence[str], codes: np.ndarray
                             ) -> tuple[np.ndarray, np.ndarray, tuple[torch.dtype, ...]]:
+        """Row ``i``: rank ``ranks[i]``'s local tensor ``names[codes[i]]``, as columns: ``(shapes, dtype codes,
+        dtypes)``: ``shapes`` ``[m, S]`` int64, each shape right-aligned and padded with 1 on the left (S: the
+        longest); ``dtype codes`` ``[m]`` int16 into ``dtypes``, -1 where the rank has no such local tensor (its
+        shape row is all 1). What the schedule asks of many transfers' local tensors at once (contiguity)."""
         # vectorized: a name's id, a rank's copy (instances), one binary search over the sorted (rank, name) keys
         c = self._root._cols
         ranks = np.asarray(ranks, I64)
@@ -356,6 +449,7 @@ class ColumnarLayout(Layout):
         return shp, np.where(found, c.ldt[j], -1).astype(np.int16), tuple(c.dtypes)
 
     def fragments_on_rank(self, rank: int) -> tuple[Fragment, ...]:
+        """All fragments on ``rank``, in layout order (built from the columns, kept per rank)."""
         cache = self.__dict__.setdefault("_frags_on_rank", {})
         out = cache.get(rank)
         if out is None:
@@ -376,6 +470,7 @@ class ColumnarLayout(Layout):
                                                        c.flo[rows].tolist(), c.flnd[rows].tolist(), strict=True))
 
     def tensor_names_on_rank(self, rank: int) -> tuple[str, ...]:
+        """The logical tensors with a non-empty fragment on ``rank``, sorted by name."""
         sp = self._split(rank)
         if sp is None:
             return ()
@@ -384,6 +479,28 @@ class ColumnarLayout(Layout):
         if c.fsz.shape[1]:
             rows = rows[(c.fsz[rows] > 0).all(axis=1)]
         return tuple(c.names[i] for i in np.unique(c.ft[rows]).tolist())
+
+    TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
+
+    def table(self, name: str) -> FragmentTable:
+        """The fragments of tensor ``name`` as a :class:`FragmentTable` (built from the columns on first use; the
+        last ``TABLE_CACHE`` used are kept: rebuilding one costs ~0.1 ms, keeping all of a 46,000-tensor model's
+        at 1,024 ranks would cost GBs)."""
+        cache = self.__dict__.get("_tables")
+        if cache is None:
+            cache = self.__dict__["_tables"] = OrderedDict()
+        t = cache.get(name)
+        if t is None:
+            t = cache[name] = self._build_table(name)
+            if len(cache) > self.TABLE_CACHE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(name)
+        return t
+
+    def overlapping(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """Rows of ``table(name)`` whose box shares an element with ``offsets``+``sizes`` (ascending)."""
+        return self.table(name).overlapping(offsets, sizes)
 
     def _build_table(self, name: str) -> FragmentTable:
         spec = self.spec(name)
@@ -410,7 +527,9 @@ class ColumnarLayout(Layout):
                              c.lnames, _ints(flo), _ints(flnd))
 
     def tensor_rows(self, names: Sequence[str]) -> TensorRows:
-        """From the columns: every row of these tensors in one gather (copies: their ranks shifted)."""
+        """The fragments of the tensors ``names`` (each a tensor of this layout) as one set of numpy columns,
+        grouped by tensor in that order (see :class:`TensorRows`): every row in one gather (copies: their ranks
+        shifted)."""
         root = self._root
         c = root._cols
         tid = np.fromiter((root._tid[n] for n in names), I64, len(names))
@@ -430,6 +549,7 @@ class ColumnarLayout(Layout):
                           c.fl[rows], c.lnames, c.flo[rows], c.flnd[rows])
 
     def nbytes(self, rank: int | None = None) -> int:
+        """Bytes of the local tensors of ``rank`` (or of every rank)."""
         c = self._root._cols
         item = np.array([itemsize_of(d) for d in c.dtypes], dtype=I64)
         sh = np.where(c.lsh < 0, 1, c.lsh)
@@ -443,67 +563,32 @@ class ColumnarLayout(Layout):
         return int(per[rows.start:rows.stop].sum())
 
     def instances(self, n: int, stride: int | None = None) -> Layout:
+        """``n`` copies of this layout on successive rank blocks: copy ``i`` is this layout with every rank
+        shifted by ``i * stride`` (default: the span of its ranks, so copies of a layout on consecutive ranks
+        follow each other, e.g. ranks 4-7 → 4-7, 8-11, 12-15). Copy 0 is this layout itself. The copies must not
+        share a rank. E.g. several independent inference engines, each a full copy of one engine's layout. The
+        copies are a tiling of this layout's columns (nothing is copied)."""
         step = self._instance_step(n, stride)
         if n == 1:
             return self
-        if self._base is not None:  # copies of copies: one level of tiling
-            return Layout.instances(self, n, stride)
-        return ColumnarLayout(self._lt, base=self, copies=n, stride=step)
+        base = self
+        if self._base is not None:  # copies of copies: one level of tiling, over this layout's columns
+            base = Layout(self._lt, self._cols, validate=False)
+        return Layout._tiled(base, n, step)
+
+
+ColumnarLayout = Layout  # the name of the column-stored layout before every layout was (kept for its importers)
 
 
 def columnar(tensors: Iterable[TensorSpec], fragments: Iterable[Fragment], locals_: Iterable[LocalSpec],
-             validate: bool = True) -> ColumnarLayout:
-    """The :class:`ColumnarLayout` of these parts, as ``Layout(tensors, fragments, locals)`` takes them
-    (same validation and messages); ``columnar(*astuple(layout))`` converts an eager layout."""
-    tensors = list(tensors)
-    frags, locs = list(fragments), list(locals_)
-    if len({t.name for t in tensors}) < len(tensors):
-        Layout(tuple(tensors), tuple(frags), tuple(locs))  # "declared twice"
-    lt = LogicalTensors.from_specs(tensors)
-    lnames = sorted({f.local for f in frags} | {x.name for x in locs})
-    lid = {n: i for i, n in enumerate(lnames)}
-    dtypes = list(dict.fromkeys([*lt.dtypes, *(x.dtype for x in locs)]))
-    did = {d: i for i, d in enumerate(dtypes)}
-    n, m = len(frags), len(locs)
-    D = max(map(len, lt.shapes), default=0)
-    L = max([len(f.local_offsets) for f in frags] + [D])
-    S = max([len(x.shape) for x in locs] + [0])
-    foff, fsz, flo = np.zeros((n, D), I64), np.ones((n, D), I64), np.full((n, L), -1, I64)
-    for i, f in enumerate(frags):
-        if len(f.offsets) > D or len(f.sizes) != len(f.offsets):
-            return _eager_raise(lt, frags, locs)
-        foff[i, :len(f.offsets)], fsz[i, :len(f.sizes)] = f.offsets, f.sizes
-        flo[i, :len(f.local_offsets)] = f.local_offsets
-    try:
-        ft = np.fromiter((lt.index[f.tensor] for f in frags), I64, n)
-    except KeyError:
-        return _eager_raise(lt, frags, locs)
-    fr = np.fromiter((f.rank for f in frags), I64, n)
-    fl = np.fromiter((lid[f.local] for f in frags), I64, n)
-    flnd = np.fromiter((len(f.local_offsets) for f in frags), I64, n)
-    if (np.fromiter(map(len, lt.shapes), I64, len(lt))[ft] != np.fromiter((len(f.offsets) for f in frags), I64, n)).any():
-        return _eager_raise(lt, frags, locs)  # a box with the wrong number of dims
-    order = frag_order(ft, fr, fl, foff, flo)
-    lsh = np.full((m, S), -1, I64)
-    for i, x in enumerate(locs):
-        lsh[i, :len(x.shape)] = x.shape
-    lr = np.fromiter((x.rank for x in locs), I64, m)
-    ln = np.fromiter((lid[x.name] for x in locs), I64, m)
-    lo_ = np.lexsort((ln, lr))
-    cols = Columns(lt.names, lnames, dtypes, ft[order], fr[order], fl[order], foff[order], fsz[order], flo[order],
-                    flnd[order], lr[lo_], ln[lo_], lsh[lo_], np.fromiter((len(x.shape) for x in locs), I64, m)[lo_],
-                    np.fromiter((did[x.dtype] for x in locs), I64, m)[lo_])
-    return ColumnarLayout(lt, cols, validate=validate)
+             validate: bool = True) -> Layout:
+    """``Layout(tensors, fragments, locals_)`` (every layout is stored as columns; kept for its callers)."""
+    return Layout(tensors, fragments, locals_, validate=validate)
 
 
-def _eager_raise(lt: LogicalTensors, frags, locs) -> ColumnarLayout:
-    Layout(lt.all(), tuple(frags), tuple(locs))  # raises its message
-    raise AssertionError("columnar: parts the eager Layout accepts but the columns cannot hold")
+def _restore(tensors, cols) -> Layout:
+    return Layout(tensors, cols, validate=False)
 
 
-def _restore(tensors, cols) -> ColumnarLayout:
-    return ColumnarLayout(tensors, cols, validate=False)
-
-
-def _restore_tiled(tensors, base, copies, stride) -> ColumnarLayout:
-    return ColumnarLayout(tensors, base=base, copies=copies, stride=stride)
+def _restore_tiled(tensors, base, copies, stride) -> Layout:
+    return Layout._tiled(base, copies, stride)

@@ -1,33 +1,24 @@
-"""Layout: what is where.
-
-A :class:`Layout` describes, for a set of named *logical* tensors (global shape, dtype), which ranks hold
-which *box* of each one and where that box sits inside which *local* tensor on that rank. Everything is a
-box: TP/PP/EP/DP sharding, fused QKV or gate_up, interleaved GQA groups and padded vocabularies are all just
-lists of :class:`Fragment` s. Special cases belong in layout builders (``from_placements``, presets), never
-in the planner or the kernels.
-
-Layouts are immutable, validated on construction and hashable, so plans can be cached on them.
+"""The object form of a layout: the constructors that take Python objects (:meth:`LayoutBuilders.from_fragments`,
+:meth:`~LayoutBuilders.from_placements`, :meth:`~LayoutBuilders.merge`, :meth:`~LayoutBuilders.restrict`), the
+conveniences over them (``allocate``, ``shard``) and :func:`to_columns`, which turns ``TensorSpec`` /
+``Fragment`` / ``LocalSpec`` objects into the columns every :class:`~triton_reshard.layout.Layout` is stored as
+(:mod:`.columnar`). The builders reach the layout only through its query interface; what they build is handed to
+``Layout(tensors, fragments, locals)``, which converts it to columns once and validates it there.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-from bisect import bisect_left, bisect_right
-from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
 from operator import attrgetter
+from typing import Self
 
 import numpy as np
 import torch
 
 from ..box import box_slices
 from .check import check_layout
-from .fragment_table import FragmentTable, TensorRows, content_fingerprint
+from .columns import I64, Columns, LogicalTensors
 from .specs import (
-    FRAG_KEY,
     Fragment,
     LocalSpec,
     Placement,
@@ -38,122 +29,86 @@ from .specs import (
     check_names,
     dtype_name,
     gc_paused,
-    itemsize_of,
     nested_box,
 )
 
-_FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # Layout's fragment order
-_TENSOR = attrgetter("tensor")
-_RANK = attrgetter("rank")
-_TENSOR_RANK_LOCAL = attrgetter("tensor", "rank", "local")
+FRAG_ORDER = attrgetter("tensor", "rank", "local", "offsets", "local_offsets")  # a layout's fragment order
 _NAME = attrgetter("name")
 _RANK_NAME = attrgetter("rank", "name")
 
 
+def sorted_parts(tensors: Iterable[TensorSpec], fragments: Iterable[Fragment], locals_: Iterable[LocalSpec]
+                 ) -> tuple[tuple[TensorSpec, ...], tuple[Fragment, ...], tuple[LocalSpec, ...]]:
+    """The parts of a layout in its order: tensors by name, fragments by (tensor, rank, local, offsets, local
+    offsets), local tensors by (rank, name) (builders hand them over in order: each sort is one linear pass)."""
+    with gc_paused():
+        return (tuple(sorted(tensors, key=_NAME)), tuple(sorted(fragments, key=FRAG_ORDER)),
+                tuple(sorted(locals_, key=_RANK_NAME)))
 
-# --------------------------------------------------------------------------------------------------------
-# Layout
-# --------------------------------------------------------------------------------------------------------
+
+def to_columns(tensors: tuple[TensorSpec, ...], frags: tuple[Fragment, ...], locs: tuple[LocalSpec, ...]
+               ) -> tuple[LogicalTensors, Columns]:
+    """The columns of a layout's parts, given in layout order (:func:`sorted_parts`): the rows keep that order
+    (tensor and local ids are in name order, local offsets are padded with -1, so the order of the rows is the
+    order of the objects). Parts no columns can hold (a tensor declared twice, a fragment of an unknown tensor or
+    with the wrong number of dims) raise the eager checks' message (``check_layout``)."""
+    if len({t.name for t in tensors}) < len(tensors):
+        _eager_raise(tensors, frags, locs)  # "declared twice"
+    lt = LogicalTensors.from_specs(tensors)
+    lnames = sorted({f.local for f in frags} | {x.name for x in locs})
+    lid = {n: i for i, n in enumerate(lnames)}
+    dtypes = list(dict.fromkeys([*lt.dtypes, *(x.dtype for x in locs)]))
+    did = {d: i for i, d in enumerate(dtypes)}
+    n, m = len(frags), len(locs)
+    D = max(map(len, lt.shapes), default=0)
+    L = max([len(f.local_offsets) for f in frags] + [D])
+    S = max([len(x.shape) for x in locs] + [0])
+    with gc_paused():
+        offs, szs, los = [f.offsets for f in frags], [f.sizes for f in frags], [f.local_offsets for f in frags]
+        ndo, flnd = np.fromiter(map(len, offs), I64, n), np.fromiter(map(len, los), I64, n)
+        if (ndo > D).any() or (np.fromiter(map(len, szs), I64, n) != ndo).any():
+            _eager_raise(tensors, frags, locs)
+        try:
+            ft = np.fromiter((lt.index[f.tensor] for f in frags), I64, n)
+        except KeyError:
+            _eager_raise(tensors, frags, locs)
+        if (np.fromiter(map(len, lt.shapes), I64, len(lt))[ft] != ndo).any():
+            _eager_raise(tensors, frags, locs)  # a box with the wrong number of dims
+        if n and (ndo == D).all():  # one width (the common case): one conversion each
+            foff, fsz = np.array(offs, I64).reshape(n, D), np.array(szs, I64).reshape(n, D)
+        else:
+            foff, fsz = np.zeros((n, D), I64), np.ones((n, D), I64)
+            for i, (o, z) in enumerate(zip(offs, szs, strict=True)):
+                foff[i, :len(o)], fsz[i, :len(z)] = o, z
+        if n and (flnd == L).all():
+            flo = np.array(los, I64).reshape(n, L)
+        else:
+            flo = np.full((n, L), -1, I64)
+            for i, lo in enumerate(los):
+                flo[i, :len(lo)] = lo
+        fr = np.fromiter((f.rank for f in frags), I64, n)
+        fl = np.fromiter((lid[f.local] for f in frags), I64, n)
+        shapes = [x.shape for x in locs]
+        lnd = np.fromiter(map(len, shapes), I64, m)
+        if m and (lnd == S).all():
+            lsh = np.array(shapes, I64).reshape(m, S)
+        else:
+            lsh = np.full((m, S), -1, I64)
+            for i, sh in enumerate(shapes):
+                lsh[i, :len(sh)] = sh
+        return lt, Columns(lt.names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd,
+                           np.fromiter((x.rank for x in locs), I64, m), np.fromiter((lid[x.name] for x in locs), I64, m),
+                           lsh, lnd, np.fromiter((did[x.dtype] for x in locs), I64, m))
 
 
-@dataclass(frozen=True, eq=False)
-class Layout:
-    """Which ranks hold which box of which logical tensor, and where inside which local tensor.
+def _eager_raise(tensors, frags, locs) -> None:
+    check_layout(tensors, frags, locs)  # raises its message
+    raise AssertionError("layout: parts the eager checks accept but the columns cannot hold")
 
-    Build with :meth:`from_placements` (DTensor-style mesh + placements), :meth:`from_fragments` (any
-    layout), or combine layouts with :meth:`merge` / ``|``. Validated on construction: fragments inside
-    their logical tensor and their local tensor, no two fragments sharing local memory, local tensor dtype
-    equal to the logical dtype (a violation raises ``ValueError`` or ``TypeError`` naming the tensor).
 
-    The dataclass constructor ``Layout(tensors, fragments, locals)`` is what those builders call: it takes
-    already-built ``TensorSpec`` / ``Fragment`` / ``LocalSpec`` tuples and works, but prefer the builders,
-    which also fill in local shapes and check your inputs' types. A Layout is immutable and hashable (plans
-    are cached on it); ``digest`` names its contents.
-    """
-
-    tensors: tuple[TensorSpec, ...]
-    fragments: tuple[Fragment, ...]
-    locals: tuple[LocalSpec, ...]
-    _key: tuple = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        with gc_paused():
-            # (layout builders hand these over already in order: each sort is then one linear pass)
-            tensors = tuple(sorted(self.tensors, key=_NAME))
-            frags = tuple(sorted(self.fragments, key=_FRAG_ORDER))
-            locs = tuple(sorted(self.locals, key=_RANK_NAME))
-            object.__setattr__(self, "tensors", tensors)
-            object.__setattr__(self, "fragments", frags)
-            object.__setattr__(self, "locals", locs)
-            self._validate()
-            object.__setattr__(
-                self,
-                "_key",
-                (
-                    tuple((t.name, t.shape, dtype_name(t.dtype)) if t.quant is None
-                          else (t.name, t.shape, dtype_name(t.dtype), t.quant.key()) for t in tensors),
-                    tuple(map(FRAG_KEY, frags)),
-                    tuple((s.rank, s.name, s.shape, dtype_name(s.dtype)) for s in locs),
-                ),
-            )
-
-    # -- value semantics ------------------------------------------------------------------------------
-
-    def __hash__(self) -> int:
-        return self._hash  # cached: the key of a 128-rank layout has ~10^5 entries
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and (self is other or self._key == other._key)
-
-    @cached_property
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self._key).encode()).hexdigest()[:16]
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """A content identity like ``digest`` (equal layouts, equal fingerprints, however they were built) that
-        a columnar layout (``layout.columnar``) computes from its arrays, without building every rank's objects
-        (~0.1 s for a 1,024-rank DeepSeek-V3 layout): what ranks compare before a rank plan runs."""
-        frags = sorted(self.fragments, key=_RANK)  # stable: (rank, tensor, local, offsets, local offsets)
-        names = sorted({s.name for s in self.locals} | {f.local for f in frags})
-        tid = {t.name: i for i, t in enumerate(self.tensors)}
-        lid = {n: i for i, n in enumerate(names)}
-        D = max((len(t.shape) for t in self.tensors), default=0)
-        L = max((len(f.local_offsets) for f in frags), default=0)
-        n = len(frags)
-        off, sz, lo = np.zeros((n, D), np.int64), np.ones((n, D), np.int64), np.full((n, L), -1, np.int64)
-        for i, f in enumerate(frags):
-            k = len(f.offsets)
-            off[i, :k], sz[i, :k], lo[i, :len(f.local_offsets)] = f.offsets, f.sizes, f.local_offsets
-        cols = (np.fromiter((f.rank for f in frags), np.int64, n), np.fromiter((tid[f.tensor] for f in frags), np.int64, n),
-                np.fromiter((lid[f.local] for f in frags), np.int64, n), off, sz, lo)
-        locs = self.locals
-        S = max((len(x.shape) for x in locs), default=0)
-        sh = np.full((len(locs), S), -1, np.int64)
-        for i, x in enumerate(locs):
-            sh[i, :len(x.shape)] = x.shape
-        dts = sorted({dtype_name(x.dtype) for x in locs})
-        did = {d: i for i, d in enumerate(dts)}
-        lcols = (np.fromiter((x.rank for x in locs), np.int64, len(locs)),
-                 np.fromiter((lid[x.name] for x in locs), np.int64, len(locs)), sh,
-                 np.fromiter((did[dtype_name(x.dtype)] for x in locs), np.int64, len(locs)))
-        ts = self.tensors
-        tensors = ([t.name for t in ts], [t.shape for t in ts], [dtype_name(t.dtype) for t in ts],
-                   {i: t.quant.key() for i, t in enumerate(ts) if t.quant is not None})
-        return content_fingerprint(tensors, names, [cols], (lcols,), dts)
-
-    def __repr__(self) -> str:
-        return (
-            f"Layout({len(self.tensors)} tensors, {len(self.fragments)} fragments, "
-            f"{len(self.locals)} local tensors on ranks {list(self.ranks)}, digest={self.digest})"
-        )
-
-    # -- validation ---------------------------------------------------------------------------------
-
-    def _validate(self) -> None:
-        check_layout(self.tensors, self.fragments, self.locals)
-
-    # -- constructors -------------------------------------------------------------------------------
+class LayoutBuilders:
+    """The constructors and conveniences of :class:`~triton_reshard.layout.Layout` that take or give Python
+    objects (a mixin: the layout itself is stored as columns)."""
 
     @classmethod
     def from_fragments(
@@ -161,7 +116,7 @@ class Layout:
         tensors: Mapping[str, tuple[Sequence[int], torch.dtype]] | Iterable[TensorSpec],
         fragments: Iterable[Fragment],
         local_shapes: Mapping[tuple[int, str], Sequence[int]] | None = None,
-    ) -> Layout:
+    ) -> Self:
         """Any layout, from fragments.
 
         ``tensors``: ``{name: (global_shape, dtype)}`` (or ``(global_shape, dtype, BlockQuant)``) or TensorSpecs. ``local_shapes``: ``{(rank, local_name):
@@ -231,7 +186,7 @@ class Layout:
         mesh,
         placements: Mapping[str, Sequence[Placement]] | Sequence[Placement],
         dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
-    ) -> Layout:
+    ) -> Self:
         """DTensor-style: ``mesh`` is a nested list (or int tensor) of global ranks; ``placements[name]`` has
         one Placement per mesh dim (a single sequence applies to every tensor). Each rank of the mesh holds
         one local tensor per logical tensor, named like it, shaped like its shard (possibly empty).
@@ -298,7 +253,7 @@ class Layout:
                         frags.append(Fragment(name, rank, off, size))
             return cls(tuple(specs), tuple(frags), tuple(locs))
 
-    def merge(self, *others: Layout) -> Layout:
+    def merge(self, *others: LayoutBuilders) -> Self:
         """Union of layouts (e.g. one per pipeline stage). Tensors and local tensors declared in several must agree."""
         specs = {t.name: t for t in self.tensors}
         locs = {(s.rank, s.name): s for s in self.locals}
@@ -321,9 +276,9 @@ class Layout:
                 locs[key] = s
             frags.extend(other.fragments)
         with gc_paused():
-            return Layout(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
+            return type(self)(tuple(specs.values()), tuple(dict.fromkeys(frags)), tuple(locs.values()))
 
-    def __or__(self, other: Layout) -> Layout:
+    def __or__(self, other: LayoutBuilders) -> Self:
         return self.merge(other)
 
     def instance_stride(self, stride: int | None = None) -> int:
@@ -351,21 +306,6 @@ class Layout:
                              f"or interleave them without collisions)")
         return step
 
-    def instances(self, n: int, stride: int | None = None) -> Layout:
-        """``n`` copies of this layout on successive rank blocks: copy ``i`` is this layout with every rank
-        shifted by ``i * stride`` (default: the span of its ranks, so copies of a layout on consecutive ranks
-        follow each other, e.g. ranks 4-7 → 4-7, 8-11, 12-15). Copy 0 is this layout itself. The copies must not
-        share a rank. E.g. several independent inference engines, each a full copy of one engine's layout.
-        """
-        step = self._instance_step(n, stride)
-        if n == 1:
-            return self
-        with gc_paused():
-            frags = [Fragment(f.tensor, f.rank + i * step, f.offsets, f.sizes, f.local, f.local_offsets)
-                     for i in range(n) for f in self.fragments]
-            locs = [LocalSpec(s.rank + i * step, s.name, s.shape, s.dtype) for i in range(n) for s in self.locals]
-            return Layout(self.tensors, tuple(frags), tuple(locs))
-
     def instance_groups(self, n: int, stride: int | None = None) -> tuple[tuple[int, ...], ...]:
         """The ranks of ``self.instances(n, stride)`` that hold the same boxes: per rank ``r`` of this layout,
         ``(r, r + stride, ..., r + (n-1) * stride)`` (the same position in every copy), in rank order. What
@@ -377,183 +317,10 @@ class Layout:
 
     # -- queries ------------------------------------------------------------------------------------
 
-    @cached_property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({s.rank for s in self.locals}))
-
-    @cached_property
-    def specs(self) -> dict[str, TensorSpec]:
-        return {t.name: t for t in self.tensors}
-
-    @cached_property
-    def quantized(self) -> dict[str, TensorSpec]:
-        """The block-quantized tensors (name -> TensorSpec with ``quant``); empty for a plain layout."""
-        return {t.name: t for t in self.tensors if t.quant is not None}
-
-    @cached_property
-    def scale_of(self) -> dict[str, str]:
-        """Scale tensor name -> the quantized tensor it belongs to."""
-        return {t.quant.scale: t.name for t in self.quantized.values()}
-
-    @cached_property
-    def _locals_by_rank(self) -> dict[int, dict[str, LocalSpec]]:
-        out: dict[int, dict[str, LocalSpec]] = defaultdict(dict)
-        for s in self.locals:
-            out[s.rank][s.name] = s
-        return dict(out)
-
-    @cached_property
-    def fragments_by_tensor(self) -> dict[str, tuple[Fragment, ...]]:
-        frags = self.fragments
-        names = list(map(_TENSOR, frags))  # sorted: fragments are sorted by tensor first
-        out = {}
-        for t in self.tensors:  # sorted by name, like the fragments
-            lo = bisect_left(names, t.name)
-            hi = bisect_right(names, t.name, lo)
-            if hi > lo:
-                out[t.name] = frags[lo:hi]
-        return out
-
-    @cached_property
-    def fragments_by_local(self) -> dict[tuple[str, int, str], tuple[Fragment, ...]]:
-        """``(tensor, rank, local) -> fragments``, in layout order."""
-        frags = self.fragments
-        with gc_paused():
-            keys = list(map(_TENSOR_RANK_LOCAL, frags))
-            out = dict(zip(keys, zip(frags), strict=True))  # one fragment per key: the common case
-            if len(out) < len(frags):  # some local tensors hold several boxes of one tensor
-                out = {}
-                for k, f in zip(keys, frags, strict=True):
-                    g = out.get(k)
-                    out[k] = (f,) if g is None else g + (f,)
-        return out
-
-    @cached_property
-    def _hash(self) -> int:
-        # cheap (equal layouts have equal tensors, counts and ranks); == compares the contents
-        return hash((self._key[0], len(self.fragments), len(self.locals), self.ranks))
-
-    def local_specs(self, rank: int) -> dict[str, LocalSpec]:
-        """The local tensors ``rank`` holds (name -> LocalSpec); empty if the rank has no part."""
-        return dict(self._locals_by_rank.get(rank, {}))
-
-    def local_spec(self, rank: int, name: str) -> LocalSpec | None:
-        """Rank ``rank``'s local tensor ``name``, None if it has none of that name (one lookup: what the schedule
-        asks of a peer's local tensor, without copying the peer's whole ``local_specs``)."""
-        return self._locals_by_rank.get(rank, {}).get(name)
-
-    @property
-    def objects_built(self) -> bool:
-        """Whether every fragment exists as an object (an eager layout: always; a columnar one: once read)."""
-        return True
-
-    def release_objects(self) -> None:
-        """Forget the objects built from columns (``fragments``, ``locals`` and the maps over them), to be built
-        again when next read: what a whole plan does with the objects it built to route (~0.6 GB at 1,024
-        ranks). An eager layout's objects are its data: nothing to release."""
-
-    def same_tensors(self, other: Layout) -> bool:
-        """Whether ``other`` is known, without comparing, to hold the same logical tensors (names, shapes, dtypes)
-        as this layout: True when both read one set of specs (a preset's source and destination layouts of one
-        model share it); False means "not known", not "different"."""
-        return self.tensors is other.tensors
-
-    def local_shape_columns(self, ranks: np.ndarray, names: Sequence[str], codes: np.ndarray
-                            ) -> tuple[np.ndarray, np.ndarray, tuple[torch.dtype, ...]]:
-        """Row ``i``: rank ``ranks[i]``'s local tensor ``names[codes[i]]``, as columns: ``(shapes, dtype codes,
-        dtypes)``: ``shapes`` ``[m, S]`` int64, each shape right-aligned and padded with 1 on the left (S: the
-        longest); ``dtype codes`` ``[m]`` int16 into ``dtypes``, -1 where the rank has no such local tensor (its
-        shape row is all 1). What the schedule asks of many transfers' local tensors at once (contiguity)."""
-        m = len(ranks)
-        keys = np.stack([np.asarray(ranks, np.int64), np.asarray(codes, np.int64)], 1) if m else np.zeros((0, 2), np.int64)
-        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-        specs = [self.local_spec(r, names[c]) for r, c in uniq.tolist()]
-        dts: dict = {}
-        dcode = np.array([-1 if s is None else dts.setdefault(s.dtype, len(dts)) for s in specs] or [0], np.int16)
-        width = max((len(s.shape) for s in specs if s is not None), default=0)
-        shp = np.ones((len(specs), width), np.int64)
-        for i, s in enumerate(specs):
-            if s is not None and s.shape:
-                shp[i, width - len(s.shape):] = s.shape
-        inv = inv.reshape(-1)
-        return shp[inv], dcode[inv] if m else np.zeros(0, np.int16), tuple(dts)
-
-    @cached_property
-    def memo(self) -> dict:
-        """Values derived from this (immutable) layout by its readers, keyed by the reader (the planner keeps the
-        tensor order its salts use here): built once per layout, gone with it."""
-        return {}
-
     def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Shapes of the local tensors ``rank`` holds."""
         return {n: s.shape for n, s in self.local_specs(rank).items()}
 
-    # -- per-tensor / per-rank queries (what a rank planner asks; see FragmentTable) -----------------------
-
-    def spec(self, name: str) -> TensorSpec:
-        """The logical tensor ``name`` (``ValueError`` if the layout has none of that name)."""
-        s = self.specs.get(name)
-        if s is None:
-            raise ValueError(f"unknown tensor {name!r}")
-        return s
-
-    @cached_property
-    def _fragments_by_rank(self) -> dict[int, tuple[Fragment, ...]]:
-        out: dict[int, list[Fragment]] = defaultdict(list)
-        for f in self.fragments:
-            out[f.rank].append(f)
-        return {r: tuple(v) for r, v in out.items()}
-
-    def fragments_on_rank(self, rank: int) -> tuple[Fragment, ...]:
-        """All fragments on ``rank``, in layout order."""
-        return self._fragments_by_rank.get(rank, ())
-
-    def tensor_names_on_rank(self, rank: int) -> tuple[str, ...]:
-        """The logical tensors with a non-empty fragment on ``rank``, sorted by name."""
-        return tuple(dict.fromkeys(f.tensor for f in self.fragments_on_rank(rank) if 0 not in f.sizes))
-
-    # -- the queries the planner uses (both storages answer them; see ``plan/index.py``) ------------------
-
-    lazy_tables = False  # True: ``table(name)`` builds rows on demand, cheaper than ``fragments_by_tensor``
-
-    def tensor_order(self) -> dict[str, int]:
-        """Tensor name -> its index among the layout's tensors (sorted by name)."""
-        return {t.name: i for i, t in enumerate(self.tensors)}
-
-    def shapes_and_dtypes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Tensor name -> (global shape, dtype)."""
-        return {t.name: (t.shape, t.dtype) for t in self.tensors}
-
-    TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
-
-    def table(self, name: str) -> FragmentTable:
-        """The fragments of tensor ``name`` as a :class:`FragmentTable` (built on first use; the last
-        ``TABLE_CACHE`` used are kept: rebuilding one costs ~0.1 ms, keeping all of a 46,000-tensor model's
-        at 1,024 ranks would cost GBs)."""
-        cache = self.__dict__.get("_tables")
-        if cache is None:
-            cache = self.__dict__["_tables"] = OrderedDict()
-        t = cache.get(name)
-        if t is None:
-            t = cache[name] = self._build_table(name)
-            if len(cache) > self.TABLE_CACHE:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(name)
-        return t
-
-    def _build_table(self, name: str) -> FragmentTable:
-        return FragmentTable.from_fragments(self.spec(name), self.fragments_by_tensor.get(name, ()))
-
-    def tensor_rows(self, names: Sequence[str]) -> TensorRows:
-        """The fragments of the tensors ``names`` (each a tensor of this layout) as one set of numpy columns,
-        grouped by tensor in that order (see :class:`TensorRows`)."""
-        by = self.fragments_by_tensor
-        return TensorRows.from_fragments([(n, len(self.spec(n).shape), by.get(n, ())) for n in names])
-
-    def overlapping(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-        """Rows of ``table(name)`` whose box shares an element with ``offsets``+``sizes`` (ascending)."""
-        return self.table(name).overlapping(offsets, sizes)
 
     def allocate(self, rank: int, device: torch.device | str = "cpu", fill: float | None = None) -> dict[str, torch.Tensor]:
         """Fresh local tensors for ``rank`` (uninitialised, or filled with ``fill``)."""
@@ -573,8 +340,8 @@ class Layout:
         out: dict[str, torch.Tensor] = {}
         for n, s in self.local_specs(rank).items():
             out[n] = torch.zeros(s.shape, dtype=s.dtype, device=device)
-        for f in self.fragments:
-            if f.rank != rank or not f.numel:
+        for f in self.fragments_on_rank(rank):
+            if not f.numel:
                 continue
             src = global_tensors[f.tensor][box_slices(f.offsets, f.sizes)]
             loff, lsz = f.local_box(f.offsets, f.sizes)
@@ -582,15 +349,7 @@ class Layout:
             view.copy_(src.reshape(lsz))
         return out
 
-    def nbytes(self, rank: int | None = None) -> int:
-        """Bytes of the local tensors of ``rank`` (or of every rank)."""
-        return sum(
-            math.prod(s.shape) * itemsize_of(s.dtype)
-            for s in self.locals
-            if rank is None or s.rank == rank
-        )
-
-    def restrict(self, names: Iterable[str]) -> Layout:
+    def restrict(self, names: Iterable[str]) -> Self:
         """The same layout limited to some logical tensors (local tensors holding none of them are dropped; a
         quantized tensor keeps its scale tensor)."""
         keep = set(names)
@@ -600,4 +359,4 @@ class Layout:
         locs = tuple(
             s for s in self.locals if (s.rank, s.name) in used or (s.name in keep and (s.rank, s.name) not in used)
         )
-        return Layout(tuple(t for t in self.tensors if t.name in keep), frags, locs)
+        return type(self)(tuple(t for t in self.tensors if t.name in keep), frags, locs)

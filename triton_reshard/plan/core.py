@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..layout import Layout, gc_paused, itemsize_of
+from ..layout import Layout, gc_paused
 from . import quant as _quant
+from .contiguity import Contiguity, contiguity
 from .options import StepBudget
-from .pair_schedule import build_pair_schedule, contiguity, direct_columns, world_of
+from .pair_schedule import build_pair_schedule, world_of
 from .routing import check_gpus_per_node
 from .rows import lower_bound_bytes
 from .table import TransferTable
-from .types import DIRECT_MIN_BYTES, PlanStats, Schedule, Transfer
+from .types import DIRECT_MIN_BYTES, PlanStats, Schedule
 from .validate import validate_plan, validate_share
 
 RULE_VERSION = "local-1"  # in the rank shares' digest: ranks running different rules must not agree
@@ -193,17 +194,15 @@ class Plan:
             cap, n = int(bucket_bytes), int(direct_min_bytes)
         key = ("schedule", cap, n)
         if key not in self._cache:
-            cont = (self._contiguity(n) if self.rank is None
-                    else contiguity(self.transfers, self.src, self.dst, n, self.rank))
+            cont = contiguity(self.transfers, self.src, self.dst, n, self.rank)
             with gc_paused():
                 self._cache[key] = build_pair_schedule(self.transfers, cap, cont, n, world_of(self.src, self.dst))
         return self._cache[key]
 
-    def _contiguity(self, min_bytes: int = 0) -> _Contiguity:
-        """Per wire transfer (``shapes(t)``, looked up when asked: the schedule asks only for the transfers
-        with chunks of at least ``min_bytes``): (source local shape or None, destination local shape or None): the local tensor on the side where its bytes could move in place (wire dtype == local dtype),
-        for direct messages. None for transfers under ``min_bytes`` (never direct)."""
-        return _Contiguity(self.transfers, self.src, self.dst, min_bytes)
+    def _contiguity(self, min_bytes: int = 0) -> Contiguity:
+        """Which chunks of this plan's wire transfers may travel in place (direct messages): see
+        :class:`~triton_reshard.plan.pair_schedule.Contiguity` (the one answer for whole plans and shares)."""
+        return contiguity(self.transfers, self.src, self.dst, min_bytes, self.rank)
 
     def __repr__(self) -> str:
         if self.rank is not None:
@@ -235,35 +234,3 @@ def _sums(ranks: np.ndarray, nbytes: np.ndarray, world: int) -> list[int]:
     out = np.zeros(max(world, int(ranks.max()) + 1 if len(ranks) else 0), np.int64)
     np.add.at(out, ranks, nbytes)
     return out.tolist()
-
-
-class _Contiguity:
-    """``Plan._contiguity``: ``shapes(t)`` computed when asked (not kept: the schedule asks once per transfer and
-    chunk size, and a cache of every answer cost ~150 B per transfer for the schedule's lifetime)."""
-
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_specs")
-
-    def __init__(self, transfers, src: Layout, dst: Layout, min_bytes: int) -> None:
-        self._ts, self._src, self._dst, self._min = transfers, src, dst, min_bytes
-        # (destination side?, rank) -> its local specs: every rank's locals are read (the whole plan), so one dict
-        # per rank beats a search per local
-        self._specs: dict[tuple[bool, int], dict] = {}
-
-    def direct_columns(self, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        """Whether each chunk may travel in place, on the columns (``pair_schedule.direct_columns``)."""
-        return direct_columns(self._src, self._dst, table, rows, sizes)
-
-    def shapes(self, t: Transfer) -> tuple | None:
-        if t.quant == _quant.QUANT_SRC or t.numel * itemsize_of(t.wire_dtype) < self._min:  # (pack quantizes: never direct)
-            return None
-        specs = self._specs  # (``_spec`` inlined: it runs twice per big transfer)
-        ss = specs.get((t.relay, t.src_rank))
-        if ss is None:
-            ss = specs[(t.relay, t.src_rank)] = (self._dst if t.relay else self._src).local_specs(t.src_rank)
-        ds = specs.get((True, t.dst_rank))
-        if ds is None:
-            ds = specs[(True, t.dst_rank)] = self._dst.local_specs(t.dst_rank)
-        s, d = ss.get(t.src_local), ds.get(t.dst_local)
-        w = t.wire_dtype
-        return (s.shape if s is not None and s.dtype == w else None,
-                d.shape if d is not None and d.dtype == w else None)

@@ -38,10 +38,7 @@ _FIRST = lambda kv: kv[0]  # noqa: E731
 
 def _tensor_order(layout: Layout) -> dict[str, int]:
     """Tensor name -> its index in the layout's (sorted) tensors: the base of every piece's salt."""
-    got = layout.memo.get("plan.tensor_order")
-    if got is None:
-        got = layout.memo["plan.tensor_order"] = layout.tensor_order()
-    return got
+    return layout.tensor_order()  # (kept by the layout)
 
 
 def _options(src: Layout, dst: Layout, name: str, relay: bool):

@@ -1,5 +1,5 @@
 """The schedule of the local rules: transfers cut into chunks and packed into steps pair by pair
-(``build_pair_schedule``), and which chunks may travel in place (``contiguity``)."""
+(``build_pair_schedule``); which chunks may travel in place is ``contiguity``'s answer."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..box import align_up, contiguous_boxes, is_contiguous_box, split_box, split_rows
+from ..box import align_up, split_box, split_rows
 from ..layout import Layout, gc_paused, itemsize_of
 from . import quant
+from .contiguity import Contiguity
 from .table import I64, TransferTable
 from .types import ALIGN, MIN_STEP_BYTES, Chunk, Message, RankStep, Schedule, Step, StepPairBytes, Transfer
 
@@ -194,7 +195,7 @@ def _keyed(ts: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
     return ts
 
 
-def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Sequence[tuple] | None,
+def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Contiguity | None,
                         direct_min_bytes: int, world: int) -> PairSchedule:
     """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
     its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
@@ -213,25 +214,13 @@ def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_by
     table = TransferTable.of(transfers)
     with gc_paused():
         pairs = _Pairs.of(table, world)
-        seen: dict[tuple, bool] = {}  # (local shapes, chunk sizes) -> contiguous (``is_contiguous_box`` reads no more)
 
         def direct(i: int, t: Transfer, off, size) -> bool:
             if contiguity is None:
                 return False
             if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
                 return False
-            shapes = contiguity.shapes(t)
-            if shapes is None:
-                return False
-            if type(shapes) is not tuple:
-                return shapes.direct(t, off, size)
-            got = seen.get((shapes, size))
-            if got is None:
-                s_shape, d_shape = shapes
-                got = seen[(shapes, size)] = (
-                    (s_shape is not None and is_contiguous_box(s_shape, t.src_offsets, off, size))
-                    or (d_shape is not None and is_contiguous_box(d_shape, t.dst_offsets, off, size)))
-            return got
+            return contiguity.direct(t, off, size)
 
         # per pair its first step number (then one every ``windows``): the pair's offset d - s round the world
         k = (pairs.dst - pairs.src) % world - 1
@@ -470,43 +459,6 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return a[first], inv
 
 
-def direct_columns(src: Layout, dst: Layout, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Per chunk (row ``rows[i]`` of ``table``, a sub-box of sizes ``sizes[i]``, ``[m, D]`` padded with 1): whether
-    it is one contiguous run of its source or its destination local tensor in the wire dtype (``is_contiguous_box``
-    on either end; a relay's source is a destination-layout local tensor), from the layouts' batched
-    ``local_shape_columns``. The caller has left out chunks under the minimum and source-quantized rows."""
-    m = len(rows)
-    out = np.zeros(m, np.bool_)
-    if not m:
-        return out
-    # the local tensors looked up once per row, not per chunk (a row's chunks are consecutive)
-    new = np.ones(m, np.bool_)
-    new[1:] = rows[1:] != rows[:-1]
-    inv = np.cumsum(new) - 1
-    rows = rows[new]
-    nd = table.ndim[rows].astype(I64)[inv]
-    wdt = table.wdt[rows]
-    relay = table.relay[rows]
-    u = len(rows)
-    sides = [(table.src[rows], table.src_local[rows], relay, True), (table.dst[rows], table.dst_local[rows], None, False)]
-    for ranks, locs, rel, is_src in sides:
-        parts = [(np.flatnonzero(~rel), src), (np.flatnonzero(rel), dst)] if is_src else [(np.arange(u), dst)]
-        for sel, lay in parts:
-            if not len(sel):
-                continue
-            shp, dcode, dts = lay.local_shape_columns(ranks[sel], table.locals, locs[sel])
-            same = np.array([[a == b for b in table.dtypes] for a in dts] or [[False] * len(table.dtypes)], np.bool_)
-            ok = dcode >= 0
-            ok[ok] = same[dcode[ok], wdt[sel][ok]]
-            shapes = np.ones((u, shp.shape[1]), I64)
-            shapes[sel] = shp
-            good = np.zeros(u, np.bool_)
-            good[sel] = ok
-            g = good[inv]  # per chunk
-            out[g] |= contiguous_boxes(shapes[inv[g]], sizes[g], nd[g])
-    return out
-
-
 class PairSchedule(Schedule):
     """A schedule of the pair rule held as columns: per step, its (phase, number) and its pairs' ``(src, dst,
     payload bytes)``; per pair, its transfers. ``steps`` (a lazy sequence of :class:`NumberedStep`) builds a
@@ -641,54 +593,6 @@ class _LazySteps(Sequence):
 
     def __repr__(self) -> str:
         return f"<{len(self)} steps>"
-
-
-def contiguity(transfers: Sequence[Transfer], src: Layout, dst: Layout, min_bytes: int,
-               rank: int | None = None) -> Sequence:
-    """Per transfer, where its bytes could move in place (``Plan._contiguity``'s answer), looked up lazily from
-    per-rank local specs: a rank plan (``rank``) tests its own side first and reads a peer's local tensor only
-    when its own side is not contiguous (the answer, "contiguous on either side", is the same on both ends)."""
-    return _Contiguity(transfers, src, dst, min_bytes, rank)
-
-
-class _Contiguity:
-    __slots__ = ("_ts", "_src", "_dst", "_min", "_rank", "_cache")
-
-    def __init__(self, transfers, src, dst, min_bytes, rank) -> None:
-        self._ts, self._src, self._dst, self._min, self._rank = transfers, src, dst, min_bytes, rank
-        self._cache: dict[tuple[int, int, str], object] = {}  # (destination side?, rank, local) -> its spec
-
-    def _shape(self, k: int, rank: int, local: str, wdt) -> tuple | None:
-        key = (k, rank, local)
-        spec = self._cache.get(key, self)
-        if spec is self:
-            spec = self._cache[key] = (self._dst if k else self._src).local_spec(rank, local)
-        return spec.shape if spec is not None and spec.dtype == wdt else None
-
-    def __len__(self) -> int:
-        return len(self._ts)
-
-    def shapes(self, t: Transfer):
-        """None when ``t`` is never direct (under the minimum, or source-quantized: the pack quantizes it), else
-        this object (its ``direct`` answers per sub-box)."""
-        return None if t.nbytes < self._min or t.quant == "src" else self
-
-    def direct_columns(self, table: TransferTable, rows: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        """``direct`` per chunk, on the columns (``pair_schedule.direct_columns``)."""
-        return direct_columns(self._src, self._dst, table, rows, sizes)
-
-    def direct(self, t: Transfer, off, size) -> bool:
-        """Whether sub-box ``off``+``size`` of ``t`` is contiguous in its source or its destination local tensor
-        (in the wire dtype), this rank's side tested first."""
-        sides = [(1 if t.relay else 0, t.src_rank, t.src_local, t.src_offsets),
-                 (1, t.dst_rank, t.dst_local, t.dst_offsets)]
-        if self._rank is not None and t.dst_rank == self._rank:
-            sides.reverse()
-        for k, r, local, start in sides:
-            shape = self._shape(k, r, local, t.wire_dtype)
-            if shape is not None and is_contiguous_box(shape, start, off, size):
-                return True
-        return False
 
 
 def world_of(src: Layout, dst: Layout) -> int:

@@ -111,12 +111,12 @@ def _options(options: PlanOptions | None, *given) -> PlanOptions:
 
 
 def _specs_agree(src: Layout, dst: Layout, allow_cast: bool) -> bool:
-    """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: a columnar layout
-    answers without building every rank's fragments). False when a destination tensor is missing from the
+    """Whether ``check_specs`` would pass, from the tensor specs alone (no fragment is read: the layouts' columns
+    answer without building every rank's fragments). False when a destination tensor is missing from the
     source (the full check decides: it may have no elements) or its shape or dtype differs."""
     if src.same_tensors(dst):  # one set of specs (a preset pair): nothing to compare
         return True
-    if src.lazy_tables and dst.lazy_tables and not dst.quantized:  # columns, without building the specs
+    if not dst.quantized:  # from the columns, without building the specs
         have = src.shapes_and_dtypes()
         for n, (shape, dt) in dst.shapes_and_dtypes().items():
             s = have.get(n)
