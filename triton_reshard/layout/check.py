@@ -111,12 +111,7 @@ def columns_valid(c: Columns, lt: LogicalTensors) -> bool:
     if (c.flnd != lnd).any() or (lnd < nd).any():
         return False
     # dtypes: the local tensor's is the tensor's
-    key = ("dtype_ids", c.dtypes)
-    dt_t = lt.cache.get(key)
-    if dt_t is None:
-        did = {d: i for i, d in enumerate(c.dtypes)}
-        dt_t = lt.cache[key] = np.fromiter((did.get(d, -1) for d in lt.dtypes), I64, len(lt))
-    if (c.ldt[li] != dt_t[c.ft]).any():
+    if (c.ldt[li] != lt.dtype_ids(c.dtypes)[c.ft]).any():
         return False
     # inside the local tensor: local offsets + (1,)*(lnd-nd) + sizes <= local shape
     L = c.flo.shape[1]
