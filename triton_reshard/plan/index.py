@@ -175,49 +175,80 @@ def _first_per(who: np.ndarray, keys: Callable[[], list[np.ndarray]]) -> tuple[n
     return order[head], w[head]
 
 
-def _receives(me: int, drows: TensorRows, srows: TensorRows, d: tuple, s: tuple, salts: list[int],
-              ok: np.ndarray) -> dict[int, tuple[int, int]]:
-    """The queries ``me`` only receives whole, on a plain route (``holders.route_box``'s shortcut for a rank plan
-    without topology or fan-out), with the holder rule's pick done for all of them at once: query -> (source row
-    that sends ``me`` the box, ``me``'s destination row). ``d`` / ``s``: the exact destination hits and the
-    overlapping source hits (``_hit_rows``, the latter with ``inside``); ``ok``: the queries the caller allows.
+def _plain_routes(me: int, drows: TensorRows, srows: TensorRows, d: tuple, s: tuple, salts: list[int],
+                  ok: np.ndarray) -> dict[int, tuple[list, list]]:
+    """``me``'s transfers of the queries whose box is one piece, routed plainly (``holders.route_box``'s shortcut
+    for a rank plan without topology or fan-out), for all of them at once: query -> (wire, local), lists of
+    (source row, destination row). ``d`` / ``s``: the exact destination hits and the overlapping source hits
+    (``_hit_rows``, the latter with ``inside``); ``ok``: the queries the caller allows.
 
-    Such a query: ``me`` holds the box (its destination rank appears once: a box twice on a rank is left to the
-    general path, which raises), holds no source fragment overlapping it, and every source fragment overlapping
-    it contains it (one piece, held by all of them). Then, as in ``route_box``: the receivers are the destination
-    ranks that hold no source copy, ``me`` the ``i``-th of them, and its sender the holder ``(salt + i) % h`` of
-    the ``h`` holder ranks (ascending); the sender's fragment its first by (local name, box, local offsets)
-    (``routing.holders_of``)."""
+    Such a query: every source fragment overlapping the box contains it (one piece, held by all of them), its
+    destination ranks appear once each (a box twice on a rank is left to the general path, which raises), and
+    ``me`` holds it on one side or both. As in ``route_box``: the receivers are the destination ranks that hold
+    no source copy (ascending), the holders the ``h`` source ranks (ascending); receiver ``i`` gets it from
+    holder ``(salt + i) % h``, a holder's fragment its first by (local name, box, local offsets)
+    (``routing.holders_of``); so ``me`` as the ``i``-th receiver gets it from that holder, and as holder ``j``
+    sends it to receivers ``(j - salt) % h``, ``+ h``, ...; as a holder with the box it copies it from its first
+    fragment by (box, local name, local offsets)."""
     (dgot, dwho, _), (sgot, swho, inside) = d, s
     J = len(salts)
     dr, sr = drows.ranks[dgot].astype(np.int64), srows.ranks[sgot].astype(np.int64)
     W = int(max(dr.max(initial=0), sr.max(initial=0), me)) + 1
     dk = dwho * W + dr
     if len(dk) > 1 and (dk[1:] < dk[:-1]).any():  # (rows come in rank order per tensor where a layout keeps it)
-        dk = np.sort(dk)
+        o = np.argsort(dk, kind="stable")
+        dk, dgot, dwho, dr = dk[o], dgot[o], dwho[o], dr[o]
     dup = np.zeros(J, bool)
     dup[dk[1:][dk[1:] == dk[:-1]] // W] = True
-    ns = np.bincount(swho, minlength=J)
-    fast = (ok & ~dup & (ns > 0) & (np.bincount(dwho[dr == me], minlength=J) > 0)
-            & (np.bincount(swho[sr == me], minlength=J) == 0) & (np.bincount(swho[~inside], minlength=J) == 0))
+    in_d, in_s = np.bincount(dwho[dr == me], minlength=J) > 0, np.bincount(swho[sr == me], minlength=J) > 0
+    fast = (ok & ~dup & (np.bincount(swho, minlength=J) > 0) & (in_d | in_s)
+            & (np.bincount(swho[~inside], minlength=J) == 0))
     if not fast.any():
         return {}
+    salt = np.asarray(salts, np.int64)
     sk = _distinct(swho * W + sr)  # (query, holder rank), sorted
     h = np.bincount(sk // W, minlength=J)
     hstart = np.searchsorted(sk, np.arange(J) * W)
-    below = sk[sk % W < me]  # holders below me that are also destination ranks: not receivers
-    pos = np.minimum(np.searchsorted(dk, below), max(len(dk) - 1, 0))
-    both = below[dk[pos] == below] if len(dk) else below[:0]
-    i = np.bincount(dwho[dr < me], minlength=J) - np.bincount(both // W, minlength=J)
-    q = np.flatnonzero(fast)
-    sender = np.full(J, -1, np.int64)
-    sender[q] = sk[hstart[q] + (np.asarray(salts, np.int64)[q] + i[q]) % h[q]] % W
-    m = sender[swho] == sr
-    cand, cw = sgot[m], swho[m]
+    pos = np.minimum(np.searchsorted(sk, dk), max(len(sk) - 1, 0))
+    held = sk[pos] == dk if len(sk) else np.zeros(len(dk), bool)  # destination ranks holding a source copy
+    out: dict[int, tuple[list, list]] = {int(x): ([], []) for x in np.flatnonzero(fast)}
     lo, _ = srows.local_offset_columns
-    at, sq = _first_per(cw, lambda: [srows.local_ids[cand], *srows.offsets[cand].T, *srows.sizes[cand].T, *lo[cand].T])
-    m = fast[dwho] & (dr == me)
-    return dict(zip(sq.tolist(), zip(cand[at].tolist(), dgot[m].tolist(), strict=True), strict=True))
+
+    def first(rows: np.ndarray, who: np.ndarray, box_first: bool) -> dict[int, int]:  # query -> its first row
+        def keys():
+            box = [*srows.offsets[rows].T, *srows.sizes[rows].T]
+            return [*box, srows.local_ids[rows], *lo[rows].T] if box_first else [srows.local_ids[rows], *box, *lo[rows].T]
+        at, q = _first_per(who, keys)
+        return dict(zip(q.tolist(), rows[at].tolist(), strict=True))
+
+    # me receives: from holder (salt + i) % h, i its place among the receivers
+    recv = fast & in_d & ~in_s
+    if recv.any():
+        i = np.bincount(dwho[(dr < me) & ~held], minlength=J)
+        q = np.flatnonzero(recv)
+        sender = np.full(J, -1, np.int64)
+        sender[q] = sk[hstart[q] + (salt[q] + i[q]) % h[q]] % W
+        m = sender[swho] == sr
+        src = first(sgot[m], swho[m], False)
+        m = recv[dwho] & (dr == me)
+        for x, row in zip(dwho[m].tolist(), dgot[m].tolist(), strict=True):
+            out[x][0].append((src[x], row))
+    # me holds: a local copy where it also has the box, and its share of the receivers
+    hold = fast & in_s
+    if hold.any():
+        m = hold[swho] & (sr == me)
+        best, own = first(sgot[m], swho[m], False), first(sgot[m], swho[m], True)
+        m = hold[dwho] & (dr == me)
+        for x, row in zip(dwho[m].tolist(), dgot[m].tolist(), strict=True):
+            out[x][1].append((own[x], row))
+        m = hold[dwho] & ~held
+        rg, rw = dgot[m], dwho[m]
+        cut = np.searchsorted(rw, np.arange(J + 1))
+        j = np.searchsorted(sk, np.arange(J) * W + me) - hstart
+        for x in np.flatnonzero(hold).tolist():
+            rows = rg[cut[x]:cut[x + 1]][(int(j[x]) - int(salt[x])) % int(h[x])::int(h[x])]
+            out[x][0].extend((best[x], row) for row in rows.tolist())
+    return out
 
 
 def _group(name: str, rows: TensorRows, k: int, hit: np.ndarray) -> DstGroup:
@@ -271,9 +302,10 @@ def share_queries(src: Layout, dst: Layout, todo: Sequence[tuple[str, tuple]], m
     batch of tensors at a time (``Layout.tensor_rows``) instead of one table per tensor and layout.
 
     With ``me`` and ``salt`` (``(tensor, box)`` -> the box's salt, ``holders.piece_salt``; None for a tensor whose
-    boxes do not route plainly: topology, fan-out or the block-quantization pass): a box ``me`` only receives whole
-    (``_receives``) comes as ``(tensor, box, None, (the source fragment that sends it, me's destination
-    fragment))``, picked in the batch's passes without building its group or its source fragments."""
+    boxes do not route plainly: topology, fan-out or the block-quantization pass): a box of one piece that ``me``
+    holds on either side (``_plain_routes``) comes as ``(tensor, box, None, (wire, local))``, ``me``'s transfers
+    as lists of (source fragment, destination fragment), picked in the batch's passes without building its group
+    or a reference per source fragment."""
     names = list(dict.fromkeys(n for n, _b in todo))
     j = 0
     for b in range(0, len(names), QUERY_BATCH):
@@ -291,12 +323,12 @@ def share_queries(src: Layout, dst: Layout, todo: Sequence[tuple[str, tuple]], m
         if salts is not None:
             ok = np.fromiter((x is not None for x in salts), bool, len(salts))
             if ok.any():
-                fast = _receives(me, drows, srows, d, s, [x or 0 for x in salts], ok)
+                fast = _plain_routes(me, drows, srows, d, s, [x or 0 for x in salts], ok)
         for q, ((name, box), k, dh, sh) in enumerate(zip(batch, ks, _per_query(*d[:2], len(ks)),
                                                          _per_query(*s[:2], len(ks)), strict=True)):
             got = fast.get(q)
             if got is not None:
-                yield name, box, None, (srows.fragment(got[0], k), drows.fragment(got[1], k))
+                yield name, box, None, tuple([(srows.fragment(a, k), drows.fragment(b, k)) for a, b in x] for x in got)
             else:
                 yield name, box, _group(name, drows, k, dh), _refs(srows, k, sh)
 

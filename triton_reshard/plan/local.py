@@ -105,8 +105,11 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     for name, box, dgroup, sfrags in share_queries(src, dst, sorted(todo, key=_FIRST), rank, salt if plain else None):
         if name != current:
             current, o = name, _options(src, dst, name, relay)
-        if dgroup is None:  # a box this rank only receives, its sender picked (index._receives)
-            wire.append(make_transfer(name, box[0], box[1], sfrags[0], sfrags[1], o[0]))
+        if dgroup is None:  # a box of one piece: this rank's transfers picked in the batch (index._plain_routes)
+            for sf, df in sfrags[1]:
+                local.append(make_transfer(name, box[0], box[1], sf, df, o[0]))
+            for sf, df in sfrags[0]:
+                wire.append(make_transfer(name, box[0], box[1], sf, df, o[0]))
             continue
         route_box(name, box, dgroup, sfrags, o[0], o[1], gpn, groups, local, wire, None if name in whole else keep,
                   o[2], None if name in whole else rank)
