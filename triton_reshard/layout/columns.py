@@ -93,8 +93,8 @@ class LogicalTensors:
                 self._key = tuple((t.name, t.shape, dtype_name(t.dtype)) if t.quant is None
                                   else (t.name, t.shape, dtype_name(t.dtype), t.quant.key()) for t in self.all())
             else:
-                dn = {d: dtype_name(d) for d in set(self.dtypes)}
-                self._key = tuple(zip(self.names, self.shapes, [dn[d] for d in self.dtypes], strict=True))
+                dn = {d: dtype_name(d) for d in self.distinct_dtypes}
+                self._key = tuple(zip(self.names, self.shapes, map(dn.__getitem__, self.dtypes), strict=True))
         return self._key
 
     @property

@@ -295,6 +295,16 @@ def boxes_meeting(dst: Layout, frags: Sequence[Fragment]) -> list[tuple[str, tup
     return list(out)
 
 
+def _built(routes: dict[int, tuple[list, list]], drows: TensorRows, srows: TensorRows, ks: Sequence[int]
+           ) -> dict[int, tuple[list, list]]:
+    """``_plain_routes``' rows as fragments (source, destination), every fragment of the batch built at once."""
+    pairs = [(q, p) for q, two in routes.items() for x in two for p in x]
+    kq = [ks[q] for q, _p in pairs]
+    sf = iter(srows.fragments([p[0] for _q, p in pairs], kq))
+    df = iter(drows.fragments([p[1] for _q, p in pairs], kq))
+    return {q: tuple([(next(sf), next(df)) for _p in x] for x in two) for q, two in routes.items()}
+
+
 def share_queries(src: Layout, dst: Layout, todo: Sequence[tuple[str, tuple]], me: int | None = None,
                   salt: Callable[[str, tuple], int | None] | None = None):
     """For each ``(tensor, box)`` of ``todo`` (grouped by tensor), in that order: ``(tensor, box, its
@@ -323,12 +333,12 @@ def share_queries(src: Layout, dst: Layout, todo: Sequence[tuple[str, tuple]], m
         if salts is not None:
             ok = np.fromiter((x is not None for x in salts), bool, len(salts))
             if ok.any():
-                fast = _plain_routes(me, drows, srows, d, s, [x or 0 for x in salts], ok)
+                fast = _built(_plain_routes(me, drows, srows, d, s, [x or 0 for x in salts], ok), drows, srows, ks)
         for q, ((name, box), k, dh, sh) in enumerate(zip(batch, ks, _per_query(*d[:2], len(ks)),
                                                          _per_query(*s[:2], len(ks)), strict=True)):
             got = fast.get(q)
             if got is not None:
-                yield name, box, None, tuple([(srows.fragment(a, k), drows.fragment(b, k)) for a, b in x] for x in got)
+                yield name, box, None, got
             else:
                 yield name, box, _group(name, drows, k, dh), _refs(srows, k, sh)
 
