@@ -124,3 +124,55 @@ def test_table_valid_in_chunks(monkeypatch, chunk):
                                 sizes=(t.sizes[0] - 1, *t.sizes[1:]))
     bad = types.SimpleNamespace(src=src, dst=dst, transfers=TT.of(ts), local_copies=plan.local_copies)
     assert not validate.table_valid(bad)  # (Plan itself would refuse it: validate_plan names the problem)
+
+
+def _random_pair(seed: int):
+    """Two small random layouts of one [8, 4] tensor: source row blocks replicated on some ranks (a rank may
+    hold the same block in two local tensors, or a block inside another), destination blocks (disjoint per
+    rank) on others; the holder of a block may also hold it as a destination (a local copy)."""
+    from triton_reshard import Fragment, Layout, LocalSpec, TensorSpec
+
+    rng = random.Random(seed)
+    blocks = [(0, 8), (0, 4), (4, 4), (2, 4), (4, 2), (6, 2)]
+    spec = TensorSpec("w", (8, 4), torch.bfloat16)
+
+    def frag(rank, a, n, name):
+        return (Fragment("w", rank, (a, 0), (n, 4), name, (0, 0)), LocalSpec(rank, name, (n, 4), torch.bfloat16))
+
+    src, dst = [frag(rng.randrange(8), 0, 8, "full")], []
+    for r in range(8):
+        taken = {b for f, _l in src if f.rank == r for b in [(f.offsets[0], f.sizes[0])]}
+        for j in range(rng.choice((0, 1, 1, 2))):
+            a, n = rng.choice(blocks)
+            if (a, n) not in taken or rng.random() < 0.5:  # the same block again: in another local tensor
+                src.append(frag(r, a, n, f"s{j}{'b' if (a, n) in taken else ''}"))
+                taken.add((a, n))
+        if rng.random() < 0.8:
+            a, n = rng.choice(blocks)
+            dst.append(frag(r, a, n, "d0"))
+            if a + n <= 4 and rng.random() < 0.5:
+                dst.append(frag(r, 4, 4, "d1"))
+
+    def layout(parts):  # one fragment per (rank, local name)
+        seen, fr, lo = set(), [], []
+        for f, loc in parts:
+            if (f.rank, f.local) not in seen:
+                seen.add((f.rank, f.local))
+                fr.append(f)
+                lo.append(loc)
+        return Layout((spec,), tuple(fr), tuple(lo))
+
+    return layout(src), layout(dst)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_shares_cut_the_whole_plan_random(seed):
+    """A rank's share (its receives of whole replicated boxes picked in vectorized passes, ``index._receives``,
+    the rest by ``route_box``) is the whole plan's transfers of that rank (routed as rows), on small random
+    layouts with replicas in two local tensors of one rank, holders that are also receivers, partial covers."""
+    src, dst = _random_pair(seed)
+    whole = plan_reshard(src, dst)
+    for r in range(9):
+        share = plan_reshard(src, dst, rank=r)
+        assert set(share.transfers) == {t for t in whole.transfers if r in (t.src_rank, t.dst_rank)}, r
+        assert set(share.local_copies) == {t for t in whole.local_copies if t.dst_rank == r}, r

@@ -111,14 +111,20 @@ class ColumnBuilder:
             return out
 
         off, sz, lo = cols(offsets), cols(sizes), cols(local_offsets)
-        if sz.shape[1]:
-            keep = (sz > 0).all(axis=1)
-            if not keep.all():
-                t, r, off, sz, lo = t[keep], r[keep], off[keep], sz[keep], lo[keep]
+        keep = None  # the rows with every size > 0 (None: all of them), from the size entries that may be 0
+        for j, x in enumerate(sizes):
+            if not _is_scalar(x) or x <= 0:
+                k = sz[:, j] > 0
+                keep = k if keep is None else keep & k
+        if keep is not None and keep.all():
+            keep = None
+        if keep is not None:
+            t, r, off, sz, lo = t[keep], r[keep], off[keep], sz[keep], lo[keep]
         if type(local) is tuple:  # (names, index per rank): a different local tensor per rank
             names, which = local
-            which = np.broadcast_to(np.asarray(which, dtype=I64), (n,))
-            if sz.shape[1] and not keep.all():
+            if not (type(which) is np.ndarray and which.dtype == I64 and which.shape == (n,)):
+                which = np.broadcast_to(np.asarray(which, dtype=I64), (n,))
+            if keep is not None:
                 which = which[keep]
             local = (tuple(names), which)
         if len(r):
@@ -140,7 +146,7 @@ class ColumnBuilder:
                         | {n for x in self._lblocks for n in ((x[1],) if type(x[1]) is str else x[1][0])}
                         | {n for x in self._blocks for n in ((x[2],) if type(x[2]) is str else x[2][0])})
         lid = {n: i for i, n in enumerate(lnames)}
-        dtypes = list(dict.fromkeys([self.dtype, *lt.dtypes] + [x[3] for x in self._lrows]
+        dtypes = list(dict.fromkeys([self.dtype, *lt.distinct_dtypes] + [x[3] for x in self._lrows]
                                     + [x[3] for x in self._lblocks]))
         did = {d: i for i, d in enumerate(dtypes)}
         D = max(map(len, lt.shapes), default=0)
@@ -250,12 +256,18 @@ class ColumnBuilder:
         else:
             lr = ln = lnd = ldt = np.zeros(0, I64)
             lsh = np.zeros((0, S), I64)
-        lorder = np.lexsort((ln, lr))
+        if len(lr) and min(int(lr.min()), int(ln.min())) >= 0 and (int(lr.max()) + 1) * len(lnames) < 1 << 62:
+            lorder = np.argsort(lr * len(lnames) + ln, kind="stable")  # (rank, name) as one key
+        else:
+            lorder = np.lexsort((ln, lr))
         lr, ln, lsh, lnd, ldt = lr[lorder], ln[lorder], lsh[lorder], lnd[lorder], ldt[lorder]
         if len(lr) > 1:  # a local tensor declared on a rank more than once: one entry, the same shape each time
             dup = (lr[1:] == lr[:-1]) & (ln[1:] == ln[:-1])
             if dup.any():
-                bad = dup & ((lsh[1:] != lsh[:-1]).any(axis=1) | (lnd[1:] != lnd[:-1]))
+                differ = lnd[1:] != lnd[:-1]
+                for j in range(S):  # (column by column: a reduction over a short last axis is slow)
+                    differ |= lsh[1:, j] != lsh[:-1, j]
+                bad = dup & differ
                 if bad.any():
                     i = int(np.flatnonzero(bad)[0])
                     raise AssertionError(f"local tensor {lnames[ln[i]]!r} on rank {lr[i]} declared twice with "

@@ -110,18 +110,13 @@ def columns_valid(c: Columns, lt: LogicalTensors) -> bool:
     if (c.flnd != lnd).any() or (lnd < nd).any():
         return False
     # dtypes: the local tensor's is the tensor's
-    key = ("dtype_ids", c.dtypes)
-    dt_t = lt.cache.get(key)
-    if dt_t is None:
-        did = {d: i for i, d in enumerate(c.dtypes)}
-        dt_t = lt.cache[key] = np.fromiter((did.get(d, -1) for d in lt.dtypes), I64, len(lt))
-    if (c.ldt[li] != dt_t[c.ft]).any():
+    if (c.ldt[li] != lt.dtype_ids(c.dtypes)[c.ft]).any():
         return False
     # inside the local tensor: local offsets + (1,)*(lnd-nd) + sizes <= local shape
     L = c.flo.shape[1]
     lsz = _local_sizes(c, nd, L)
     lo = np.where(c.flo < 0, 0, c.flo)
-    lsh = c.lsh[li][:, :L] if L else np.zeros((n, 0), I64)
+    lsh = c.lsh[li, :L] if L else np.zeros((n, 0), I64)
     valid = np.arange(L)[None, :] < c.flnd[:, None]
     if ((c.flo < 0) & valid).any() or ((lo + lsz > lsh) & valid).any():
         return False
@@ -132,14 +127,18 @@ def _local_sizes(c: Columns, nd: np.ndarray, L: int) -> np.ndarray:
     """``[n, L]`` each fragment's sizes in its local tensor's dims (lead dims 1; padding columns 1)."""
     n = c.nfrag
     out = np.ones((n, L), dtype=I64)
-    if not L or not c.fsz.shape[1]:
+    D = c.fsz.shape[1]
+    if not L or not D:
         return out
-    col = np.arange(L)[None, :]
-    first = (c.flnd - nd)[:, None]  # where the logical dims start in the local dims
-    src = col - first
-    ok = (src >= 0) & (col < c.flnd[:, None])
-    vals = np.take_along_axis(c.fsz, np.clip(src, 0, c.fsz.shape[1] - 1), axis=1)
-    return np.where(ok, vals, 1)
+    first = c.flnd - nd  # where the logical dims start in the local dims
+    if L >= D and not first.any():  # no lead dims (the common case): the sizes, then 1 (``fsz`` pads with 1)
+        out[:, :D] = c.fsz
+        return out
+    for j in range(L):  # column by column: local dim j is logical dim j - first where that is one of its dims
+        src = j - first
+        for d in range(D):
+            np.copyto(out[:, j], c.fsz[:, d], where=src == d)
+    return out
 
 
 def overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.ndarray) -> bool:
@@ -148,46 +147,48 @@ def overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.nd
     Exact and vectorized: per dim, the boxes of a group are split into clusters of chained overlapping
     intervals; a box alone in its cluster overlaps nothing; a cluster whose intervals are all equal carries on
     to the next dim as a group of its own; any other cluster is checked box against box (``find_overlap``).
-    Boxes equal in every dim overlap.
+    Boxes equal in every dim overlap. (The answer does not depend on the order of the boxes.)
     """
-    keep = np.flatnonzero((sizes > 0).all(axis=1)) if sizes.shape[1] else np.arange(len(group))
+    if sizes.shape[1]:
+        ne = sizes[:, 0] > 0
+        for d in range(1, sizes.shape[1]):
+            ne &= sizes[:, d] > 0
+        keep = np.flatnonzero(ne)
+    else:
+        keep = np.arange(len(group))
     key = group[keep]
     if len(key) < 2:
         return True
     # only groups of two or more boxes can overlap
-    srt = np.argsort(key, kind="stable")
-    keep, key = keep[srt], key[srt]
-    multi = np.zeros(len(key), bool)
-    multi[1:] |= key[1:] == key[:-1]
-    multi[:-1] |= key[1:] == key[:-1]
+    multi = np.bincount(key)[key] > 1
     idx, key = keep[multi], key[multi]
     L = lo.shape[1]
     for d in range(L):
         if len(idx) < 2:
             return True
-        s, e = lo[idx, d], lo[idx, d] + ls[idx, d]
-        order = np.lexsort((s, key))
+        s, e = lo[idx, d].astype(I64), lo[idx, d] + ls[idx, d].astype(I64)
+        B = int(e.max()) + 1  # (group, start) as one sort key, ends compared within a group
+        if int(key.max()) >= (1 << 62) // B:
+            u, inv = np.unique(np.concatenate([s, e]), return_inverse=True)  # too wide: ranks of the values
+            inv = inv.reshape(-1)
+            s, e, B = inv[:len(idx)], inv[len(idx):], len(u) + 1
+        key = key.astype(I64)
+        order = np.argsort(key * B + s, kind="stable")
         idx, s, e, key = idx[order], s[order], e[order], key[order]
         m = len(idx)
-        u, inv = np.unique(np.concatenate([s, e]), return_inverse=True)
-        inv = inv.reshape(-1)
-        rs, re = inv[:m], inv[m:]
-        B = len(u) + 1
-        v = key.astype(I64) * B + re
-        cm = np.maximum.accumulate(v)
+        cm = np.maximum.accumulate(key * B + e)
         same = np.zeros(m, bool)
         same[1:] = key[1:] == key[:-1]
         prev = np.empty(m, I64)
         prev[0] = -1
         prev[1:] = cm[:-1] - key[1:] * B
-        joins = same & (prev > rs)  # overlaps (in dim d) some earlier box of its group
+        joins = same & (prev > s)  # overlaps (in dim d) some earlier box of its group
         cid = np.cumsum(~joins) - 1
         size = np.bincount(cid)
         in_multi = size[cid] > 1
         first = np.flatnonzero(~joins)
         ident = (s == s[first[cid]]) & (e == e[first[cid]])
-        all_ident = np.ones(len(size), bool)
-        np.logical_and.at(all_ident, cid, ident)
+        all_ident = np.bincount(cid[~ident], minlength=len(size)) == 0
         hard = in_multi & ~all_ident[cid]
         if hard.any():
             rows = idx[hard]

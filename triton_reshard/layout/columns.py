@@ -5,8 +5,11 @@ tensors (:class:`Columns`, in Layout order), and the unchecked spec constructors
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -57,7 +60,13 @@ class LogicalTensors:
         names = sorted(shapes)
         dtypes = dtypes or {}
         check_names("dtypes", dtypes, shapes)
-        return cls(names, [tuple(shapes[n]) for n in names], [dtypes.get(n, dtype) for n in names])
+        dts = [dtype] * len(names)  # (a few exceptions among ~10^5 names: placed by bisection)
+        for n, d in dtypes.items():
+            dts[bisect_left(names, n)] = d
+        shp = itemgetter(*names)(shapes) if len(names) > 1 else tuple(map(shapes.__getitem__, names))
+        if set(map(type, shp)) - {tuple}:
+            shp = [tuple(x) for x in shp]
+        return cls(names, shp, dts)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -84,13 +93,35 @@ class LogicalTensors:
                 self._key = tuple((t.name, t.shape, dtype_name(t.dtype)) if t.quant is None
                                   else (t.name, t.shape, dtype_name(t.dtype), t.quant.key()) for t in self.all())
             else:
-                dn = {d: dtype_name(d) for d in set(self.dtypes)}
-                self._key = tuple(zip(self.names, self.shapes, [dn[d] for d in self.dtypes], strict=True))
+                dn = {d: dtype_name(d) for d in self.distinct_dtypes}
+                self._key = tuple(zip(self.names, self.shapes, map(dn.__getitem__, self.dtypes), strict=True))
         return self._key
 
     @property
     def quantized(self) -> bool:
         return self._specs is not None and any(t is not None and t.quant is not None for t in self._specs)
+
+    @property
+    def distinct_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The tensors' dtypes, each once, in order of first appearance (cached)."""
+        out = self.cache.get("distinct_dtypes")
+        if out is None:
+            out = self.cache["distinct_dtypes"] = tuple(dict.fromkeys(self.dtypes))
+        return out
+
+    def dtype_ids(self, dtypes: Sequence[torch.dtype]) -> np.ndarray:
+        """``[T]`` each tensor's dtype as its index in ``dtypes`` (-1: not there), cached per ``dtypes``."""
+        key = ("dtype_ids", tuple(dtypes))
+        out = self.cache.get(key)
+        if out is None:
+            did = {d: i for i, d in enumerate(dtypes)}
+            if len(self.distinct_dtypes) == 1:
+                out = np.full(len(self), did.get(self.distinct_dtypes[0], -1), I64)
+            else:
+                code = {d: did.get(d, -1) for d in self.distinct_dtypes}
+                out = np.fromiter(map(code.__getitem__, self.dtypes), I64, len(self))
+            self.cache[key] = out
+        return out
 
     def shape_table(self, width: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ndims [T], shapes [T, width])`` (unused columns 1), cached: what validation compares boxes with."""
@@ -99,10 +130,9 @@ class LogicalTensors:
         if out is None:
             nd = np.fromiter(map(len, self.shapes), I64, len(self))
             sh = np.ones((len(self), width), dtype=I64)
-            for k in set(nd.tolist()):
-                if k:
-                    sel = np.flatnonzero(nd == k)
-                    sh[sel, :k] = [self.shapes[i] for i in sel.tolist()]
+            flat = np.fromiter(chain.from_iterable(self.shapes), I64, int(nd.sum()))  # every dim, tensor by tensor
+            row = np.repeat(np.arange(len(self)), nd)
+            sh[row, np.arange(len(flat)) - np.repeat(np.cumsum(nd) - nd, nd)] = flat
             out = self.cache[key] = (nd, sh)
         return out
 
@@ -203,7 +233,18 @@ def as_i64(a: np.ndarray) -> np.ndarray:
 
 
 def frag_order(ft, fr, fl, foff, flo) -> np.ndarray:
-    """Row order (tensor, rank, local, offsets, local offsets): the Layout's fragment order."""
+    """Row order (tensor, rank, local, offsets, local offsets): the Layout's fragment order (a stable sort)."""
+    n = len(ft)
+    if n > 1 and min(int(ft.min()), int(fr.min()), int(fl.min())) >= 0:
+        # (tensor, rank, local) as one key where it fits: one sort instead of one pass per column; the later
+        # columns only order rows that tie on it (two boxes of one tensor in one local tensor: rare)
+        R, NL = int(fr.max()) + 1, int(fl.max()) + 1
+        if (int(ft.max()) + 1) * R * NL < 1 << 62:
+            key = (ft.astype(I64) * R + fr) * NL + fl
+            order = np.argsort(key, kind="stable")
+            k = key[order]
+            if not (k[1:] == k[:-1]).any():
+                return order
     keys = [flo[:, j] for j in range(flo.shape[1] - 1, -1, -1)]
     keys += [foff[:, j] for j in range(foff.shape[1] - 1, -1, -1)]
     return np.lexsort(keys + [fl, fr, ft])

@@ -219,6 +219,15 @@ class TensorRows:
     def local_offsets_of(self, rows: np.ndarray) -> list[tuple[int, ...]]:
         return [tuple(lo[:k]) for lo, k in zip(self._loff[rows].tolist(), self._lnd[rows].tolist(), strict=True)]
 
+    def fragments(self, rows: Sequence[int], ks: Sequence[int]) -> list[Fragment]:
+        """``[fragment(i, k) for i, k in zip(rows, ks)]``, the columns read once for all of them."""
+        r = np.asarray(rows, np.int64)
+        names, ndims, lnames = self.names, self.ndims, self.local_names
+        return [trusted_fragment(names[k], rk, tuple(o[:ndims[k]]), tuple(z[:ndims[k]]), lnames[li], tuple(lo[:m]))
+                for k, rk, o, z, li, lo, m in zip(ks, self.ranks[r].tolist(), self.offsets[r].tolist(),
+                                                  self.sizes[r].tolist(), self.local_ids[r].tolist(),
+                                                  self._loff[r].tolist(), self._lnd[r].tolist(), strict=True)]
+
     def fragment(self, i: int, k: int) -> Fragment:
         """Row ``i``'s fragment (row ``i`` is one of tensor ``names[k]``'s)."""
         nd, m = self.ndims[k], int(self._lnd[i])

@@ -170,30 +170,28 @@ def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], w
                 f"{dranks[0]} is held by no source rank"
             )
         first, (ranks, best, _f) = holders_of([sgroups[i] for i in range(len(order)) if mask >> i & 1])
-        if len(first) * 4 < len(dranks):  # few holders: look them up instead of testing every receiver
-            mine_at = [r for r in first if _has(dranks, r)]
-            recv = _without(dranks, mine_at) if mine_at else dranks
-        else:
-            mine_at = [r for r in dranks if r in first]
-            recv = [r for r in dranks if r not in first] if mine_at else dranks
+        few = len(first) * 4 < len(dranks)  # few holders: look them up instead of testing every receiver
+        mine_at = [r for r in first if _has(dranks, r)] if few else [r for r in dranks if r in first]
         for r in mine_at:
             if keep is None or keep(r, r):
                 local.append(make(name, p_off, p_size, first[r], frag(r), wdt))
-        if not recv:
+        if len(mine_at) == len(dranks):  # no receiver
             continue
-        if me is not None and gpn is None and (rdt is None or len(recv) < 2 or not groups):
+        if me is not None and gpn is None and (rdt is None or len(dranks) - len(mine_at) < 2 or not groups):
             # a rank plan without topology or fan-out: only this rank's own receive and sends, by the index
-            # arithmetic of ``assign`` ((salt + i) % h) instead of assigning every receiver
+            # arithmetic of ``assign`` ((salt + i) % h) instead of assigning every receiver; the receivers
+            # (``dranks`` less ``mine_at``) listed only where this rank sends to some of them
             salt, h = piece_salt(base, p_off, p_size), len(ranks)
-            i = bisect_left(recv, me)
-            if i < len(recv) and recv[i] == me:
-                r = ranks[(salt + i) % h]
-                wire.append(make(name, p_off, p_size, best[r], frag(me), wdt))
             j = bisect_left(ranks, me)
-            if j < h and ranks[j] == me:
+            if j < h and ranks[j] == me:  # a holder (so not a receiver)
+                recv = _without(dranks, mine_at) if few else [r for r in dranks if r not in first]
                 for d in recv[(j - salt) % h::h]:
                     wire.append(make(name, p_off, p_size, best[me], frag(d), wdt))
+            elif _has(dranks, me):  # a receiver: the i-th, i counting the receivers below it
+                i = bisect_left(dranks, me) - sum(r < me for r in mine_at)
+                wire.append(make(name, p_off, p_size, best[ranks[(salt + i) % h]], frag(me), wdt))
             continue
+        recv = (_without(dranks, mine_at) if few else [r for r in dranks if r not in first]) if mine_at else dranks
         units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
         if rdt is not None and len(recv) > 1:
             plain, fans = _fan_groups(recv, ranks, gpn, groups)

@@ -22,7 +22,7 @@ from collections.abc import Container, Sequence
 from ..layout import Fragment, Layout, gc_paused
 from . import quant
 from .core import Plan
-from .holders import route_box
+from .holders import piece_salt, route_box
 from .index import TensorIndex, boxes_meeting, check_own_overlaps, rank_fragments, share_queries
 from .relay import relay_dtype
 from .routing import (
@@ -31,7 +31,7 @@ from .routing import (
     wire_dtype_of,
 )
 from .rows import route_tables
-from .types import Transfer
+from .types import Transfer, make_transfer
 
 _FIRST = lambda kv: kv[0]  # noqa: E731
 
@@ -92,10 +92,22 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
 
     # tensor by tensor (the result does not depend on the order), the rows of a batch of tensors queried at once
     # and dropped after it: a rank reads each tensor once
+    order = _tensor_order(dst)
+
+    def salt(name: str, box: tuple) -> int | None:  # the boxes routed plainly (see route_box's shortcut)
+        return None if name in whole else piece_salt(order[name], *box)
+
+    plain = gpn is None and (not relay or not groups)
     current, o = None, None
-    for name, box, dgroup, sfrags in share_queries(src, dst, sorted(todo, key=_FIRST)):
+    for name, box, dgroup, sfrags in share_queries(src, dst, sorted(todo, key=_FIRST), rank, salt if plain else None):
         if name != current:
             current, o = name, _options(src, dst, name, relay)
+        if dgroup is None:  # a box of one piece: this rank's transfers picked in the batch (index._plain_routes)
+            for sf, df in sfrags[1]:
+                local.append(make_transfer(name, box[0], box[1], sf, df, o[0]))
+            for sf, df in sfrags[0]:
+                wire.append(make_transfer(name, box[0], box[1], sf, df, o[0]))
+            continue
         route_box(name, box, dgroup, sfrags, o[0], o[1], gpn, groups, local, wire, None if name in whole else keep,
                   o[2], None if name in whole else rank)
     return local, wire

@@ -191,12 +191,19 @@ def _mla_layer(s: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-@gc_paused()  # ~10^5 new tuples and strings, no cycles: the collector's passes would dominate
 def logical_tensors(config) -> dict[str, tuple[int, ...]]:
     """``{HF checkpoint name: shape}`` of every tensor of the model, in checkpoint order per layer."""
-    s = model_spec(config)
+    return _tensor_table(model_spec(config))[0]
+
+
+@gc_paused()  # ~10^5 new tuples and strings, no cycles: the collector's passes would dominate
+def _tensor_table(s: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[int, int]]:
+    """``logical_tensors`` of ``s``, and per MoE layer where (in the dict's order) its experts start: expert
+    ``e``'s gate / up / down projections (``expert_names``) are entries ``3 e``, ``3 e + 1``, ``3 e + 2`` from
+    there."""
     H, hd, q, kv = s.hidden, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, H)}
+    experts_at: dict[int, int] = {}
     for i in range(s.layers):
         p = layer_prefix(i)
         out[f"{p}.input_layernorm.weight"] = (H,)
@@ -222,9 +229,15 @@ def logical_tensors(config) -> dict[str, tuple[int, ...]]:
             out[f"{p}.mlp.gate.weight"] = (s.experts, H)
             if s.expert_bias:
                 out[f"{p}.mlp.gate.e_score_correction_bias"] = (s.experts,)
-            for e in range(s.experts):
-                g, u, d = expert_names(i, e)
-                out[g], out[u], out[d] = (im, H), (im, H), (H, im)
+            experts_at[i] = len(out)
+            gate, down, pe = (im, H), (H, im), f"{p}.mlp.experts."
+            for e in range(s.experts):  # (the names of ``expert_names``, without a call per expert)
+                x = f"{pe}{e}"
+                out[x + ".gate_proj.weight"] = gate
+                out[x + ".up_proj.weight"] = gate
+                out[x + ".down_proj.weight"] = down
+            if len(out) != experts_at[i] + 3 * s.experts:
+                raise AssertionError(f"layer {i}: expert names collide with other tensors")
             if s.shared_intermediate:
                 Is = s.shared_intermediate
                 out[f"{p}.mlp.shared_experts.gate_proj.weight"] = (Is, H)
@@ -237,7 +250,7 @@ def logical_tensors(config) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (H,)
     if not s.tied:
         out["lm_head.weight"] = (s.vocab, H)
-    return out
+    return out, experts_at
 
 
 def tensor_dtypes(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.dtype]:
@@ -319,8 +332,17 @@ def _model_tensors(s: ModelSpec, dtype: torch.dtype) -> LogicalTensors:
     key = (tuple(getattr(s, f.name) for f in fields(s) if f.name != "raw"), dtype)
     lt = _MODEL_TENSORS.get(key)
     if lt is None:
-        shapes = logical_tensors(s)
-        lt = LogicalTensors.from_shapes(shapes, dtype, {n: EXPERT_BIAS_DTYPE for n in shapes if n.endswith(_FP32_SUFFIX)})
+        shapes, experts_at = _tensor_table(s)
+        # (the names ending in _FP32_SUFFIX: only _tensor_table's router biases, looked up instead of scanning)
+        biases = (f"{layer_prefix(i)}.mlp.gate{_FP32_SUFFIX}" for i in range(s.layers))
+        lt = LogicalTensors.from_shapes(shapes, dtype, {n: EXPERT_BIAS_DTYPE for n in biases if n in shapes})
+        if experts_at:  # LayoutBuilder.expert_ids from the dict's order: no name built or looked up twice
+            pos = np.fromiter(map(lt.index.__getitem__, shapes), np.int64, len(shapes))  # dict order -> tensor id
+            a = np.full((s.layers, max(s.experts, 1), 3), -1, dtype=np.int64)
+            for i, at in experts_at.items():
+                a[i] = pos[at:at + 3 * s.experts].reshape(s.experts, 3)
+            a.setflags(write=False)
+            lt.cache["expert_ids"] = a
         if len(_MODEL_TENSORS) >= 8:
             _MODEL_TENSORS.pop(next(iter(_MODEL_TENSORS)))
         _MODEL_TENSORS[key] = lt
