@@ -3,7 +3,7 @@
 # editable) installed into a fresh venv that cannot see the source tree, then, from outside the tree: every
 # module imported, `triton-reshard --version`, a short demo, and a short refit through the public API.
 # The wheel built from the sdist must equal the one built from the tree, and must hold every Python file of
-# triton_reshard/ and kernels/ (tests/packaging/wheel_contents.py names any that is missing).
+# triton_reshard/ and kernels/ (tests/wheelcheck/wheel_contents.py names any that is missing).
 #   bash .ci/wheel_check.sh            (exit 0: all of it held; the work folder is removed on exit)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -26,7 +26,7 @@ python3 -m venv "$work/build-env"
 sdist=("$work"/dist/triton_reshard-*.tar.gz)
 whl=("$work"/dist/triton_reshard-*.whl)
 tree_whl=("$work"/dist-tree/triton_reshard-*.whl)
-python3 "$root/tests/packaging/wheel_contents.py" "$work/src" "${whl[0]}" "${tree_whl[0]}"
+python3 "$root/tests/wheelcheck/wheel_contents.py" "$work/src" "${whl[0]}" "${tree_whl[0]}"
 python3 - "${whl[0]}" "${tree_whl[0]}" <<'PY'
 import hashlib, sys, zipfile
 def files(p):
@@ -67,5 +67,5 @@ PY
 "$work/venv/bin/triton-reshard" --version
 "$work/venv/bin/triton-reshard" demo --world 4 --src tp=2,pp=2 --dst tp=2,dp=2 --size-gb 0.01 --repeats 1 \
   --no-baseline --timeout 120 | tail -n 3
-"$work/venv/bin/python" "$root/tests/packaging/refit_smoke.py"
+"$work/venv/bin/python" "$root/tests/wheelcheck/refit_smoke.py"
 echo "wheel check passed in $((SECONDS - t0)) s: sdist $(du -k "${sdist[0]}" | cut -f1) KiB, wheel $(du -k "${whl[0]}" | cut -f1) KiB"

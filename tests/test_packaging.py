@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.packaging.wheel_contents import declared_entry_points, problems, tree_files, wheel_entry_points
+from tests.wheelcheck.wheel_contents import declared_entry_points, problems, tree_files, wheel_entry_points
 
 ROOT = Path(__file__).resolve().parents[1]
 

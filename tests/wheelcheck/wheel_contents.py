@@ -4,7 +4,7 @@ Used by ``tests/test_packaging.py`` (main suite: a wheel built from a copy of th
 ``.ci/wheel_check.sh`` (CI: sdist and wheel built from a clean checkout, installed into a fresh venv). Only the
 standard library: it runs in any interpreter, with or without the package installed.
 
-    python tests/packaging/wheel_contents.py ROOT WHEEL [WHEEL ...]   # exit 1 naming each missing file
+    python tests/wheelcheck/wheel_contents.py ROOT WHEEL [WHEEL ...]   # exit 1 naming each missing file
 """
 
 from __future__ import annotations
