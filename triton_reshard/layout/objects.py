@@ -74,31 +74,27 @@ def to_columns(tensors: tuple[TensorSpec, ...], frags: tuple[Fragment, ...], loc
             _eager_raise(tensors, frags, locs)
         if (np.fromiter(map(len, lt.shapes), I64, len(lt))[ft] != ndo).any():
             _eager_raise(tensors, frags, locs)  # a box with the wrong number of dims
-        if n and (ndo == D).all():  # one width (the common case): one conversion each
-            foff, fsz = np.array(offs, I64).reshape(n, D), np.array(szs, I64).reshape(n, D)
-        else:
-            foff, fsz = np.zeros((n, D), I64), np.ones((n, D), I64)
-            for i, (o, z) in enumerate(zip(offs, szs, strict=True)):
-                foff[i, :len(o)], fsz[i, :len(z)] = o, z
-        if n and (flnd == L).all():
-            flo = np.array(los, I64).reshape(n, L)
-        else:
-            flo = np.full((n, L), -1, I64)
-            for i, lo in enumerate(los):
-                flo[i, :len(lo)] = lo
+        foff, fsz, flo = _padded(offs, ndo, D, 0), _padded(szs, ndo, D, 1), _padded(los, flnd, L, -1)
         fr = np.fromiter((f.rank for f in frags), I64, n)
         fl = np.fromiter((lid[f.local] for f in frags), I64, n)
         shapes = [x.shape for x in locs]
         lnd = np.fromiter(map(len, shapes), I64, m)
-        if m and (lnd == S).all():
-            lsh = np.array(shapes, I64).reshape(m, S)
-        else:
-            lsh = np.full((m, S), -1, I64)
-            for i, sh in enumerate(shapes):
-                lsh[i, :len(sh)] = sh
+        lsh = _padded(shapes, lnd, S, -1)
         return lt, Columns(lt.names, lnames, dtypes, ft, fr, fl, foff, fsz, flo, flnd,
                            np.fromiter((x.rank for x in locs), I64, m), np.fromiter((lid[x.name] for x in locs), I64, m),
                            lsh, lnd, np.fromiter((did[x.dtype] for x in locs), I64, m))
+
+
+def _padded(rows: Sequence[Sequence[int]], lens: np.ndarray, width: int, fill: int) -> np.ndarray:
+    """``rows`` (``lens[i]`` ints each) as an int64 ``[len(rows), width]`` matrix, each row padded with ``fill``:
+    one conversion when every row has the full width (the common case), row by row otherwise."""
+    n = len(rows)
+    if n and (lens == width).all():
+        return np.array(rows, I64).reshape(n, width)
+    out = np.full((n, width), fill, I64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 def _eager_raise(tensors, frags, locs) -> None:
