@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -130,7 +132,16 @@ def test_the_api_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                        str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert re.search(r"^Plan\(.*\) True$", p.stdout, re.M), p.stdout
+    # its own process group: on a timeout the workers go too (killing torchrun alone left 8 orphans behind)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                          str(script)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=400)
+    finally:
+        if p.poll() is None or p.returncode != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, out[-2000:] + err[-3000:]
+    assert re.search(r"^Plan\(.*\) True$", out, re.M), out
