@@ -394,7 +394,8 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
     msgs, updates = {}, []
     for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
         if ok and s is not None:
-            msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates)
+            msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates,
+                                    bound.delta_cache.setdefault(("send", 0, j), {}))
     return Prediff(msgs, updates, clock() - t) if msgs else None
 
 
@@ -466,7 +467,8 @@ class DeltaLoop(StepLoop):
                 elif el.sends[pos][j]:
                     views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
                     msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
-                                         update=True, backend=self.backend)
+                                         update=True, backend=self.backend,
+                                         cache=b.delta_cache.setdefault(("send", pos, j), {}))
                 else:
                     msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
                 self.diff_s += clock() - t
@@ -529,7 +531,8 @@ class DeltaLoop(StepLoop):
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
                 msg, t = next(inbox), clock()
                 if el.recvs[pos][j]:
-                    ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
+                    ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j],
+                                     cache=b.delta_cache.setdefault(("recv", pos, j), {}))
                 else:
                     unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
                 self.apply_s += clock() - t
