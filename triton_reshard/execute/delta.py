@@ -295,6 +295,15 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
             int(req.strict)] + cost_row(elig, snap.cost, req.topology)
 
 
+def dense_expected(frow: list[int]) -> bool:
+    """This rank's own :func:`fence_row` already says a delta request will not run as a delta: a reason of its
+    own (no snapshot, torn, no held version, block-FP8 destinations: dense, or refused when strict) or, unless
+    strict, its own cost columns predicting dense. Then it packs step 0 during the handshake as a dense run
+    does, instead of diffing it (another rank's unknown prediction can still make the refit a delta, which
+    packs what it needs itself)."""
+    return bool(frow[0]) or (not frow[5] and cost_choice([frow[6:6 + COST_FIELDS]]) is not None)
+
+
 def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
     """From every rank's :func:`fence_row` (gathered by the handshake, in ``ranks`` order): (base version,
     None, strict) if every rank can take a delta, else (None, why, strict): the same answer on every rank;
@@ -336,8 +345,9 @@ class CaptureLoop(StepLoop):
     """A dense run that also copies every delta-able message it sends into the snapshot (``capture=False``: a
     dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
 
-    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True,
+                 prepacked: float | None = None) -> None:
+        super().__init__(*args, prepacked=prepacked)
         self.elig, self.snap, self.capture = elig, snap, capture
 
     def pack_and_post(self, pos: int) -> Pending:
