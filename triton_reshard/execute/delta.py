@@ -418,9 +418,9 @@ class DeltaLoop(StepLoop):
     def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, pre: Prediff | None = None) -> None:
         super().__init__(*args)
         self.elig, self.snap = elig, snap
-        self.pre = pre  # step 0's messages diffed during the handshake (their snapshot writes made here)
-        if pre is not None:
-            commit_updates(pre.updates)
+        # step 0's messages diffed during the handshake; their snapshot writes are made once step 0 is posted
+        # (the messages are separate buffers: the writes overlap the wire instead of delaying the sends)
+        self.pre = pre
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
@@ -445,6 +445,15 @@ class DeltaLoop(StepLoop):
                                    d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0, history=hist)
 
     def pack_and_post(self, pos: int) -> Pending:
+        p = self._pack_and_post(pos)
+        if pos == 0 and self.pre is not None and self.pre.updates:
+            t = clock()
+            commit_updates(self.pre.updates)
+            self.pre.updates = []
+            self.timing.pack += clock() - t
+        return p
+
+    def _pack_and_post(self, pos: int) -> Pending:
         i = self.work.steps[pos][0]
         b, el = self.b, self.elig
         what = self.what(pos)
@@ -485,7 +494,8 @@ class DeltaLoop(StepLoop):
                 self.bytes[0] += msg.numel()
                 self.bytes[1] += buf.numel()
                 out_s.append((peer, msg))
-                len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
+                if not self.inbox_mode:  # (gloo: no length round)
+                    len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
                 out_s.append((peer, buf))
         self.timing.pack += clock() - t0

@@ -459,6 +459,9 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
     and bodies) is checked before the first write. CPU: :func:`~triton_reshard.ops.delta_cpu.numpy_unpack` (with
     ``cache``: the message's :class:`~triton_reshard.ops.delta_cached.UnpackPlan`, the same checks and result);
     others: :func:`_tensor_unpack`."""
+    plan = cache.get("unpack") if cache is not None else None
+    if plan is not None and plan.fits(dsts) and plan.cpu and msg.device.type == "cpu":
+        return unpack_with(plan, msg, names)
     if msg.device.type == "cpu" and all(d.device.type == "cpu" for d in dsts):
         if cache is not None:
             return unpack_with(unpack_plan(cache, dsts), msg, names)

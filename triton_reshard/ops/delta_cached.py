@@ -213,6 +213,7 @@ class UnpackPlan:
 
     def __init__(self, dsts: Sequence[torch.Tensor]) -> None:
         self.dsts = list(dsts)
+        self.cpu = all(d.device.type == "cpu" for d in self.dsts)
         self.facts = DstFacts(self.dsts)
         self.flat = [b.reshape(-1).numpy() if b is not None and b.is_contiguous() and b.device.type == "cpu" else None
                      for b in self.facts.bit_views]
