@@ -240,6 +240,25 @@ def test_unpack_plan_errors_match_and_write_nothing():
         assert all(bool((bits(b) == -1).all()) for b, _v in ours)
 
 
+def test_unpack_plan_directory_out_of_order():
+    """Two chunks with equal headers and the directory entries swapped: a valid message (each body lands in the
+    other's destination), as the reference unpack lands it."""
+    g = torch.Generator().manual_seed(19)
+    base = torch.randint(-1000, 1000, (4096,), generator=g, dtype=torch.int16)
+    at = torch.rand(4096, generator=g) < 0.02
+    s1, s2 = base.clone(), base.clone()
+    s1[at] ^= 1
+    s2[at] ^= 2
+    msg = D.torch_pack([(s1, base.clone()), (s2, base.clone())], 4096, update=False)
+    d = msg[16:32].view(torch.int64)
+    d[:] = d.flip(0).clone()
+    ours = [base.clone(), base.clone()]
+    ref = [base.clone(), base.clone()]
+    C.unpack_with(C.UnpackPlan(ours), msg, None)
+    delta_cpu.numpy_unpack(msg, ref, None)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1]) and torch.equal(ours[0], s2)
+
+
 def test_unpack_cache_rebuilds_for_other_views():
     g = torch.Generator().manual_seed(17)
     shapes = [(30, 40), (100,)]

@@ -255,11 +255,12 @@ def unpack_with(plan: UnpackPlan, msg: torch.Tensor, names: Sequence[str] | None
     body = dr.offsets + HEADER_BYTES
     bad = np.zeros(nc, dtype=bool)
     oc = np.flatnonzero((k == KIND_OFFSETS) & (cnt > 0))
-    if oc.size:  # the largest offset of each chunk (its values follow its offsets: every bound is inside)
+    if oc.size:  # the largest offset of each chunk (its values follow its offsets: every bound is inside; the
+        # directory need not be ascending: a pair (end, next start) out of order reduces one element, unused)
         at = np.empty(2 * oc.size, dtype=np.int64)
         at[0::2] = body[oc] // 2
         at[1::2] = at[0::2] + cnt[oc]
-        bad[oc] = np.maximum.reduceat(u16[:at[-1] + 1], at)[0::2] >= nel[oc]
+        bad[oc] = np.maximum.reduceat(u16[:int(at.max()) + 1], at)[0::2] >= nel[oc]
     marks = {}
     for c in np.flatnonzero(k == KIND_BITMASK).tolist():
         n, b = int(nel[c]), int(body[c])
