@@ -51,7 +51,8 @@ from .. import ops
 from ..layout import QUANT_FORMATS
 from ..ops.block_delta import max_block_message_bytes, pack_block_delta, unpack_block_delta
 from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes, message_length
-from ..ops.delta_cpu import commit_updates, pack_deferred
+from ..ops.delta_cached import pack_deferred
+from ..ops.delta_cpu import commit_updates
 from .bind import block_chunks, buffer_view, quant_buffers
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
@@ -504,18 +505,7 @@ class DeltaLoop(StepLoop):
         brecvs = el.brecvs[pos] if el.brecvs else (False,) * len(recvs)
         delta_r = [el.recvs[pos][j] or brecvs[j] for j in range(len(recvs))]
         if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see finish)
-            out_r, inbox, at = [], [], 0
-            want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
-            area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
-            for j, (peer, buf) in enumerate(recvs):
-                if el.recvs[pos][j]:
-                    n = el.max_bytes[pos, j]
-                    buf = area[at:at + n]
-                    at += n
-                    inbox.append(buf)
-                out_r.append((peer, buf))
-            self.inbox[pos] = inbox
-            return self.post(pos, out_s, out_r)
+            return self.post(pos, out_s, self._inbox_recvs(pos, recvs, dev))
         len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
                  for j, (peer, _buf) in enumerate(recvs) if delta_r[j]]
         if len_s or len_r:
@@ -538,6 +528,23 @@ class DeltaLoop(StepLoop):
         self.sent += 8 * len(len_s)  # the length round
         self.recvd += 8 * len(len_r)
         return self.post(pos, out_s, out_r)
+
+    def _inbox_recvs(self, pos: int, recvs, dev) -> list:
+        """Step ``pos``'s receives with each delta message's buffer a slice of the step's inbox area, its
+        largest possible size (kept in ``self.inbox[pos]`` for :meth:`finish`)."""
+        el = self.elig
+        out_r, inbox, at = [], [], 0
+        want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
+        area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
+        for j, (peer, buf) in enumerate(recvs):
+            if el.recvs[pos][j]:
+                n = el.max_bytes[pos, j]
+                buf = area[at:at + n]
+                at += n
+                inbox.append(buf)
+            out_r.append((peer, buf))
+        self.inbox[pos] = inbox
+        return out_r
 
     def finish(self, p: Pending) -> None:
         b, pos, el = self.b, p.pos, self.elig

@@ -22,9 +22,9 @@ import torch
 
 from .delta_cpu import (
     DstFacts,
-    _flat_np,
-    _np_int,
     body_error,
+    flat_np,
+    np_int,
     numpy_pack,
     numpy_unpack,
     read_directory_np,
@@ -71,7 +71,7 @@ class PackPlan:
         if validate_pairs(pairs).type != "cpu":
             raise ValueError("PackPlan: CPU tensors only")
         self.pairs, self.ce = [(s, p) for s, p in pairs], ce
-        flats = [(_flat_np(s)[1], _flat_np(p)[1]) for s, p in self.pairs]
+        flats = [(flat_np(s)[1], flat_np(p)[1]) for s, p in self.pairs]
         self.fast = len({s.element_size() for s, _p in pairs}) == 1 and all(
             a is not None and b is not None for a, b in flats)
         if self.fast:
@@ -174,7 +174,7 @@ class PackPlan:
             return msg
         body = offsets + HEADER_BYTES
         first = np.cumsum(count) - count  # each chunk's first entry in idx / vals
-        me = mn.view(_np_int(e))
+        me = mn.view(np_int(e))
         if idx.size:  # offsets and values: contiguous per chunk in the message, one slice each
             v = np.concatenate(vals) if len(vals) > 1 else vals[0]
             u16 = mn.view(np.uint16)
@@ -196,6 +196,23 @@ class PackPlan:
                 wb = np.packbits(sn[a:a + n] != pn[a:a + n], bitorder="little")
                 mn[b:b + wb.size] = wb
         return msg
+
+
+def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list, cache: dict | None = None) -> torch.Tensor:
+    """The delta message of CPU ``pairs`` (``torch_pack``'s bytes) with the snapshot left as it was: its
+    writes (the changed elements) are appended to ``updates``, to be made by ``commit_updates`` once the
+    message is known to be used (a delta refit diffs while its handshake is in flight, before the fence
+    says whether the refit goes as a delta: a refused one must leave the snapshot untouched). ``cache``: as
+    ``ops.pack_delta``'s (the message's :class:`PackPlan` kept there, its checks made once)."""
+    plan = cache.get("pack") if cache is not None else None
+    if plan is not None and plan.fits(pairs, chunk_elems):
+        return plan.pack(updates)
+    check_chunk_elems(chunk_elems)
+    if validate_pairs(pairs).type != "cpu":
+        raise ValueError("pack_deferred: CPU tensors only")
+    if cache is not None:
+        return pack_plan(cache, pairs, chunk_elems).pack(updates)
+    return numpy_pack(pairs, chunk_elems, updates)
 
 
 def pack_plan(cache: dict, pairs: Sequence[Pair], ce: int) -> PackPlan:
@@ -274,7 +291,7 @@ def unpack_with(plan: UnpackPlan, msg: torch.Tensor, names: Sequence[str] | None
     esize = plan.facts.chunks(ce)[1][3]
     vb = value_base_np(k, body, cnt, nel)
     todo = np.flatnonzero((cnt > 0) | (k == KIND_DENSE))
-    typed = {e: mn.view(_np_int(e)) for e in set(plan.facts.esizes)}
+    typed = {e: mn.view(np_int(e)) for e in set(plan.facts.esizes)}
     for c, kc, b, v, n, e in zip(todo.tolist(), k[todo].tolist(), body[todo].tolist(), vb[todo].tolist(),
                                  cnt[todo].tolist(), esize[todo].tolist(), strict=True):
         me = typed[e]

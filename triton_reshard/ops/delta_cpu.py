@@ -27,11 +27,9 @@ from .delta_format import (
     MAX_CHUNK_ELEMS,
     VERSION,
     Pair,
-    check_chunk_elems,
     chunk_list,
     name_of,
     pad,
-    validate_pairs,
     write_flat,
 )
 from .launcher import bits
@@ -177,7 +175,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
 # ``_tensor_pack`` / ``_tensor_unpack`` (torch ops only) stay the reference for other devices.
 
 
-def _flat_np(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+def flat_np(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     """``t``'s element bits as a numpy array of its shape and strides (its own memory, no copy), and the same
     as a 1-D row-major view when ``t`` is contiguous (else None)."""
     b = bits(t.detach())
@@ -196,7 +194,7 @@ def _ragged_np(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return seg, np.arange(seg.size, dtype=np.int64) - first[seg]
 
 
-def _np_int(e: int):
+def np_int(e: int):
     return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[e]
 
 
@@ -205,9 +203,9 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     (numpy, on the views' own strides: no flattening copy), the changed values taken once, and with
     ``update`` only the changed elements written into the snapshot (its other elements already hold the
     source's bits). ``update`` a list: the snapshot writes are appended to it instead, for
-    :func:`commit_updates` later (:func:`pack_deferred`)."""
+    :func:`commit_updates` later (``ops.delta_cached.pack_deferred``)."""
     defer = update if isinstance(update, list) else None
-    flats = [(_flat_np(s), _flat_np(p)) for s, p in pairs]
+    flats = [(flat_np(s), flat_np(p)) for s, p in pairs]
     numels = [sf[0].size for sf, _ in flats]
     esizes = [s.element_size() for s, _ in pairs]
     nchs = [-(-n // ce) for n in numels]
@@ -278,7 +276,7 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
             a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
             o = int(body[c]) // e
             sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
-            mn.view(_np_int(e))[o:o + n] = sn[a:a + n]
+            mn.view(np_int(e))[o:o + n] = sn[a:a + n]
         if dense.size:
             keep = kind[ch] != KIND_DENSE
         local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
@@ -314,7 +312,7 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
             if keep is not None:
                 k = keep[sel]
                 pos, v = pos[k], v[k]
-            mn.view(_np_int(e))[pos] = v
+            mn.view(np_int(e))[pos] = v
     if defer is not None:
         defer.extend(puts)
         return msg
@@ -323,27 +321,8 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     return msg
 
 
-def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list, cache: dict | None = None) -> torch.Tensor:
-    """The delta message of CPU ``pairs`` (``torch_pack``'s bytes) with the snapshot left as it was: its
-    writes (the changed elements) are appended to ``updates``, to be made by :func:`commit_updates` once the
-    message is known to be used (a delta refit diffs while its handshake is in flight, before the fence
-    says whether the refit goes as a delta: a refused one must leave the snapshot untouched). ``cache``: as
-    ``ops.pack_delta``'s (the message's ``PackPlan`` kept there, its checks made once)."""
-    plan = cache.get("pack") if cache is not None else None
-    if plan is not None and plan.fits(pairs, chunk_elems):
-        return plan.pack(updates)
-    check_chunk_elems(chunk_elems)
-    if validate_pairs(pairs).type != "cpu":
-        raise ValueError("pack_deferred: CPU tensors only")
-    if cache is not None:
-        from .delta_cached import pack_plan  # (it imports this module)
-
-        return pack_plan(cache, pairs, chunk_elems).pack(updates)
-    return numpy_pack(pairs, chunk_elems, updates)
-
-
 def commit_updates(updates: list) -> None:
-    """Make the snapshot writes :func:`pack_deferred` collected (each: a view, its positions, the values)."""
+    """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the values)."""
     for view, at, v in updates:
         view[at] = v
 
@@ -411,7 +390,7 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
             if hi == lo:
                 continue
             e = esizes[i]
-            vals = mn.view(_np_int(e))[at[lo:hi] // e + ridx[lo:hi]]
+            vals = mn.view(np_int(e))[at[lo:hi] // e + ridx[lo:hi]]
             if flat[i] is not None:
                 flat[i][pos[lo:hi]] = vals
             else:
@@ -420,7 +399,7 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         i, a0, n0 = dr.chunks[c]
         e = esizes[i]
         ob = int(body[c]) // e
-        flat[i][a0:a0 + n0] = mn.view(_np_int(e))[ob:ob + n0]
+        flat[i][a0:a0 + n0] = mn.view(np_int(e))[ob:ob + n0]
 
 
 
