@@ -38,6 +38,13 @@ def cost_world(rank: int, world: int) -> list[dict]:
     src_l = Layout.from_placements(SHAPES, [0], [Shard(0)], torch.bfloat16)
     dst_l = Layout.from_placements(SHAPES, [1], [Shard(1)], torch.bfloat16)
     r = Resharder(plan_reshard(src_l, dst_l, rank=rank), timeout=60)
+    real_prepack, prepacks = r._prepack, [0]
+
+    def counted(*a):  # step 0 packed during the handshake, as a dense run does
+        prepacks[0] += 1
+        return real_prepack(*a)
+
+    r._prepack = counted
     src = src_l.shard(_pub(0), rank) if rank == 0 else {}
     dst = dst_l.allocate(rank) if rank == 1 else {}
     for t in dst.values():
@@ -52,6 +59,7 @@ def cost_world(rank: int, world: int) -> list[dict]:
     plan += [(v + 1, None, False), (v + 2, FAST, True), (v + 3, SLOW, False)]
     rows = []
     for version, topo, strict in plan:
+        before = prepacks[0]
         if rank == 0:
             for n, t in src_l.shard(_pub(version), rank).items():
                 src[n].copy_(t)
@@ -60,7 +68,8 @@ def cost_world(rank: int, world: int) -> list[dict]:
         ok = all(torch.equal(dst[n].view(torch.int16), t.view(torch.int16))
                  for n, t in dst_l.shard(_pub(version), rank).items()) if rank == 1 else True
         rows.append({"version": version, "mode": rep.mode, "why": rep.fallback, "exact": ok,
-                     "sent": rep.sent_bytes, "dense": rep.dense_sent_bytes, "snap": r.snapshot_version})
+                     "sent": rep.sent_bytes, "dense": rep.dense_sent_bytes, "snap": r.snapshot_version,
+                     "prepacked": prepacks[0] - before})
     return rows
 
 
@@ -80,6 +89,10 @@ def test_cost_fallback_bit_exact_and_agreed():
         assert modes[-3:] == ["delta", "delta", "delta"], rows[-3:]  # no topology; strict; slow link
         # a cost fallback keeps no snapshot (it copied none); every other refit does
         assert all(row["snap"] == (None if k in cost else row["version"]) for k, row in enumerate(rows)), rows
+        # a cost fallback packs step 0 while the handshake travels, as a plain dense refit does; a delta
+        # (strict too, whatever its cost columns say) diffs instead
+        assert all(row["prepacked"] == 1 for k, row in enumerate(rows) if k in cost), rows
+        assert all(row["prepacked"] == 0 for row in rows if row["mode"] == "delta"), rows
     # the same choice on both ranks, and a delta sent far less than dense
     assert [row["mode"] for row in res[0]] == [row["mode"] for row in res[1]]
     assert all(row["sent"] < row["dense"] / 4 for row in res[0] if row["mode"] == "delta")

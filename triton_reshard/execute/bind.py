@@ -6,7 +6,7 @@ tensors and the mode; the only state it touches is the :class:`Staging` memory i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +81,9 @@ class Bound:
     # format with 1 x B blocks: its chunks' (values, scales) in the send buffer / destination; else None
     send_qmsgs: list = ()
     recv_qmsgs: list = ()
+    # delta refits: per message, what its pack or unpack keeps while these views stay (ops/delta_cached.py
+    # PackPlan / UnpackPlan): dropped with the Bound when the tensors change
+    delta_cache: dict = field(default_factory=dict)
 
 
 def block_chunks(transfers, m) -> bool:

@@ -51,7 +51,8 @@ from .. import ops
 from ..layout import QUANT_FORMATS
 from ..ops.block_delta import max_block_message_bytes, pack_block_delta, unpack_block_delta
 from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes, message_length
-from ..ops.delta_cpu import commit_updates, pack_deferred
+from ..ops.delta_cached import pack_deferred
+from ..ops.delta_cpu import commit_updates
 from .bind import block_chunks, buffer_view, quant_buffers
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
@@ -295,6 +296,15 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
             int(req.strict)] + cost_row(elig, snap.cost, req.topology)
 
 
+def dense_expected(frow: list[int]) -> bool:
+    """This rank's own :func:`fence_row` already says a delta request will not run as a delta: a reason of its
+    own (no snapshot, torn, no held version, block-FP8 destinations: dense, or refused when strict) or, unless
+    strict, its own cost columns predicting dense. Then it packs step 0 during the handshake as a dense run
+    does, instead of diffing it (another rank's unknown prediction can still make the refit a delta, which
+    packs what it needs itself)."""
+    return bool(frow[0]) or (not frow[5] and cost_choice([frow[6:6 + COST_FIELDS]]) is not None)
+
+
 def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
     """From every rank's :func:`fence_row` (gathered by the handshake, in ``ranks`` order): (base version,
     None, strict) if every rank can take a delta, else (None, why, strict): the same answer on every rank;
@@ -336,8 +346,9 @@ class CaptureLoop(StepLoop):
     """A dense run that also copies every delta-able message it sends into the snapshot (``capture=False``: a
     dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
 
-    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True,
+                 prepacked: float | None = None) -> None:
+        super().__init__(*args, prepacked=prepacked)
         self.elig, self.snap, self.capture = elig, snap, capture
 
     def pack_and_post(self, pos: int) -> Pending:
@@ -394,7 +405,8 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
     msgs, updates = {}, []
     for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
         if ok and s is not None:
-            msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates)
+            msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates,
+                                    bound.delta_cache.setdefault(("send", 0, j), {}))
     return Prediff(msgs, updates, clock() - t) if msgs else None
 
 
@@ -407,9 +419,9 @@ class DeltaLoop(StepLoop):
     def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, pre: Prediff | None = None) -> None:
         super().__init__(*args)
         self.elig, self.snap = elig, snap
-        self.pre = pre  # step 0's messages diffed during the handshake (their snapshot writes made here)
-        if pre is not None:
-            commit_updates(pre.updates)
+        # step 0's messages diffed during the handshake; their snapshot writes are made once step 0 is posted
+        # (the messages are separate buffers: the writes overlap the wire instead of delaying the sends)
+        self.pre = pre
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
@@ -434,6 +446,15 @@ class DeltaLoop(StepLoop):
                                    d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0, history=hist)
 
     def pack_and_post(self, pos: int) -> Pending:
+        p = self._pack_and_post(pos)
+        if pos == 0 and self.pre is not None and self.pre.updates:
+            t = clock()
+            commit_updates(self.pre.updates)
+            self.pre.updates = []
+            self.timing.pack += clock() - t
+        return p
+
+    def _pack_and_post(self, pos: int) -> Pending:
         i = self.work.steps[pos][0]
         b, el = self.b, self.elig
         what = self.what(pos)
@@ -466,14 +487,16 @@ class DeltaLoop(StepLoop):
                 elif el.sends[pos][j]:
                     views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
                     msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
-                                         update=True, backend=self.backend)
+                                         update=True, backend=self.backend,
+                                         cache=b.delta_cache.setdefault(("send", pos, j), {}))
                 else:
                     msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
                 self.diff_s += clock() - t
                 self.bytes[0] += msg.numel()
                 self.bytes[1] += buf.numel()
                 out_s.append((peer, msg))
-                len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
+                if not self.inbox_mode:  # (gloo: no length round)
+                    len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
                 out_s.append((peer, buf))
         self.timing.pack += clock() - t0
@@ -482,18 +505,7 @@ class DeltaLoop(StepLoop):
         brecvs = el.brecvs[pos] if el.brecvs else (False,) * len(recvs)
         delta_r = [el.recvs[pos][j] or brecvs[j] for j in range(len(recvs))]
         if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see finish)
-            out_r, inbox, at = [], [], 0
-            want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
-            area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
-            for j, (peer, buf) in enumerate(recvs):
-                if el.recvs[pos][j]:
-                    n = el.max_bytes[pos, j]
-                    buf = area[at:at + n]
-                    at += n
-                    inbox.append(buf)
-                out_r.append((peer, buf))
-            self.inbox[pos] = inbox
-            return self.post(pos, out_s, out_r)
+            return self.post(pos, out_s, self._inbox_recvs(pos, recvs, dev))
         len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
                  for j, (peer, _buf) in enumerate(recvs) if delta_r[j]]
         if len_s or len_r:
@@ -517,6 +529,23 @@ class DeltaLoop(StepLoop):
         self.recvd += 8 * len(len_r)
         return self.post(pos, out_s, out_r)
 
+    def _inbox_recvs(self, pos: int, recvs, dev) -> list:
+        """Step ``pos``'s receives with each delta message's buffer a slice of the step's inbox area, its
+        largest possible size (kept in ``self.inbox[pos]`` for :meth:`finish`)."""
+        el = self.elig
+        out_r, inbox, at = [], [], 0
+        want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
+        area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
+        for j, (peer, buf) in enumerate(recvs):
+            if el.recvs[pos][j]:
+                n = el.max_bytes[pos, j]
+                buf = area[at:at + n]
+                at += n
+                inbox.append(buf)
+            out_r.append((peer, buf))
+        self.inbox[pos] = inbox
+        return out_r
+
     def finish(self, p: Pending) -> None:
         b, pos, el = self.b, p.pos, self.elig
         t1 = clock()
@@ -529,7 +558,8 @@ class DeltaLoop(StepLoop):
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
                 msg, t = next(inbox), clock()
                 if el.recvs[pos][j]:
-                    ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j])
+                    ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j],
+                                     cache=b.delta_cache.setdefault(("recv", pos, j), {}))
                 else:
                     unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
                 self.apply_s += clock() - t

@@ -32,7 +32,6 @@ from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
 from .delta import (
-    COST_FIELDS,
     COST_WHY,
     CaptureLoop,
     DeltaLoop,
@@ -40,7 +39,7 @@ from .delta import (
     DeltaRequest,
     MessageSnapshot,
     Prediff,
-    cost_choice,
+    dense_expected,
     eligible,
     fence,
     fence_row,
@@ -272,7 +271,9 @@ class Resharder:
         first step and a delta run diffs it (nothing moves; both dropped if the handshake raises)."""
         hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
         work = error is None and not verify
-        packed = self._prepack(b, backend, key) if work and delta is None else None
+        # a dense run packs step 0 while the rows travel; so does a delta request this rank expects to go dense
+        # (its own fence or cost columns say so: a cost fallback must cost what a dense refit costs)
+        packed = self._prepack(b, backend, key) if work and (delta is None or dense_expected(frow)) else None
         pre = self._prediff(delta, b, backend, frow) if work else None
         return handshake_finish(self.link, hs, error), packed, pre
 
@@ -290,7 +291,7 @@ class Resharder:
         dense); the snapshot is left as it is until the fence passed (a refused refit moves nothing and keeps
         it). A diff that fails here is dropped: the loop diffs again and raises in its place."""
         if delta is None or self._elig is None or self._elig.dense or not self._elig.any_send \
-                or self._snap.version is None or frow[0] or cost_choice([frow[6:6 + COST_FIELDS]]) is not None:
+                or self._snap.version is None or dense_expected(frow):
             return None
         try:
             return prediff(self.work, b, self._elig, self._snap, backend)
@@ -347,9 +348,9 @@ class Resharder:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
             elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
                 loop = CaptureLoop(*args, elig=self._elig, snap=self._snap,
-                                   capture=not (why or "").startswith(COST_WHY))
+                                   capture=not (why or "").startswith(COST_WHY), prepacked=packed)
             else:  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
-                loop = StepLoop(*args)
+                loop = StepLoop(*args, prepacked=packed)
             loop.run()
             if device is not None and device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .delta_cached import pack_plan, unpack_plan, unpack_with
 from .delta_cpu import numpy_pack, numpy_unpack
 from .delta_format import (
     ALIGN,
@@ -93,6 +94,8 @@ from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
 from .delta_format import write_flat as _write_flat
 from .launcher import bits, interpreting, kernel_module, resolve_backend, storage_view
+
+CPU = torch.device("cpu")
 
 # Block sizes: under the interpreter every loop step costs Python time, so it gets big blocks.
 INTERPRET_BLOCK = 4096
@@ -436,21 +439,32 @@ def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
 
 
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-               names: Sequence[str] | None = None) -> torch.Tensor:
+               names: Sequence[str] | None = None, cache: dict | None = None) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source. CPU tensors: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`; others:
-    :func:`_tensor_pack` (the same bytes)."""
+    snapshot is brought up to date with its source. CPU tensors: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`
+    (with ``cache``, a dict the caller keeps for this message: its :class:`~triton_reshard.ops.delta_cached.PackPlan`,
+    the same bytes); others: :func:`_tensor_pack` (the same bytes)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     if device.type == "cpu":
+        if cache is not None:
+            return pack_plan(cache, pairs, chunk_elems).pack(update)
         return numpy_pack(pairs, chunk_elems, update)
     return _tensor_pack(pairs, chunk_elems, update, names)
 
 
-def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None,
+                 cache: dict | None = None) -> None:
     """Reference unpack: every chunk's values into its destination view, in place; the whole message (headers
-    and bodies) is checked before the first write. CPU: :func:`~triton_reshard.ops.delta_cpu.numpy_unpack`; others: :func:`_tensor_unpack`."""
+    and bodies) is checked before the first write. CPU: :func:`~triton_reshard.ops.delta_cpu.numpy_unpack` (with
+    ``cache``: the message's :class:`~triton_reshard.ops.delta_cached.UnpackPlan`, the same checks and result);
+    others: :func:`_tensor_unpack`."""
+    plan = cache.get("unpack") if cache is not None else None
+    if plan is not None and plan.fits(dsts) and plan.cpu and msg.device.type == "cpu":
+        return unpack_with(plan, msg, names)
     if msg.device.type == "cpu" and all(d.device.type == "cpu" for d in dsts):
+        if cache is not None:
+            return unpack_with(unpack_plan(cache, dsts), msg, names)
         return numpy_unpack(msg, dsts, names)
     return _tensor_unpack(msg, dsts, names)
 
@@ -459,6 +473,13 @@ def message_length(msg: torch.Tensor) -> int:
     """The length a delta message's own header and directory give (its last chunk's end; a message with no
     chunks is its header and directory): the bytes that arrived when it was received into a larger buffer.
     Call after :func:`read_directory` (or an unpack) accepted it."""
+    if msg.device.type == "cpu":  # numpy: a few µs instead of torch's per-op costs (every delta receive asks)
+        mn = msg.numpy()
+        nc = int(mn[8:12].view(np.int32)[0])
+        if not nc:
+            return chunks_start(0)
+        last = int(mn[HEADER_BYTES + 8 * (nc - 1):HEADER_BYTES + 8 * nc].view(np.int64)[0])
+        return last + int(mn[last + 12:last + 16].view(np.uint32)[0])
     nc = int(msg[:16].view(torch.int32)[2])
     if not nc:
         return chunks_start(0)
@@ -655,16 +676,25 @@ def _backend(device: torch.device, backend: str | None) -> str:
 
 
 def pack_delta(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-               backend: str | None = None, names: Sequence[str] | None = None) -> torch.Tensor:
+               backend: str | None = None, names: Sequence[str] | None = None, cache: dict | None = None
+               ) -> torch.Tensor:
     """The delta message of ``pairs`` (``(src, snapshot)`` views) with the chosen backend (as ``copy_views``:
-    argument > ``TRITON_RESHARD_BACKEND`` > Triton on CUDA, torch otherwise)."""
+    argument > ``TRITON_RESHARD_BACKEND`` > Triton on CUDA, torch otherwise). ``cache``: a dict the caller keeps
+    for a message that recurs with the same view objects (a refit's send): on CPU its per-message plan is kept
+    there and its checks are made once (``ops/delta_cached.py``)."""
+    plan = cache.get("pack") if cache is not None else None
+    if plan is not None and plan.fits(pairs, chunk_elems) and _backend(CPU, backend) == "torch":
+        return plan.pack(update)
     device = validate_pairs(pairs, names)
-    fn = triton_pack if _backend(device, backend) == "triton" else torch_pack
-    return fn(pairs, chunk_elems=chunk_elems, update=update, names=names)
+    if _backend(device, backend) == "triton":
+        return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names)
+    return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache)
 
 
 def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str | None = None,
-                 names: Sequence[str] | None = None) -> None:
-    """Scatter a delta message into ``dsts`` in place with the chosen backend."""
-    fn = triton_unpack if _backend(msg.device, backend) == "triton" else torch_unpack
-    fn(msg, dsts, names=names)
+                 names: Sequence[str] | None = None, cache: dict | None = None) -> None:
+    """Scatter a delta message into ``dsts`` in place with the chosen backend. ``cache``: as :func:`pack_delta`'s,
+    for a receive that recurs with the same destination views."""
+    if _backend(msg.device, backend) == "triton":
+        return triton_unpack(msg, dsts, names=names)
+    return torch_unpack(msg, dsts, names=names, cache=cache)

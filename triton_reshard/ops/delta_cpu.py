@@ -27,11 +27,9 @@ from .delta_format import (
     MAX_CHUNK_ELEMS,
     VERSION,
     Pair,
-    check_chunk_elems,
     chunk_list,
     name_of,
     pad,
-    validate_pairs,
     write_flat,
 )
 from .launcher import bits
@@ -91,46 +89,68 @@ class DirectoryNp:
     esizes: list[int]
 
 
-def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None
-                      ) -> DirectoryNp:
+class DstFacts:
+    """What :func:`read_directory_np` checks a message against that depends only on the destinations: element
+    sizes, devices, integer views and, per ``chunk_elems``, the chunk list and its columns (owner, first
+    element, length, element size). A receiver keeps it per message while its destination views stay the same
+    objects (``ops.delta_cached.UnpackPlan``)."""
+
+    def __init__(self, dsts: Sequence[torch.Tensor]) -> None:
+        self.esizes = [d.element_size() for d in dsts]
+        self.devices = [d.device for d in dsts]
+        self.numels = [d.numel() for d in dsts]
+        self.bit_views = [bits(d.detach()) if e in INT_DTYPES else None for d, e in zip(dsts, self.esizes, strict=True)]
+        self._last: tuple | None = None  # (chunk_elems, its chunks and columns): the last one asked for
+
+    def chunks(self, chunk_elems: int) -> tuple[list[tuple[int, int, int]], tuple[np.ndarray, ...]]:
+        """The chunk list of ``chunk_elems`` and its columns (owner, first element, length, element size)."""
+        if self._last is None or self._last[0] != chunk_elems:
+            chunks = chunk_list(self.numels, chunk_elems)
+            cinfo = np.asarray(chunks, dtype=np.int64).reshape(len(chunks), 3)
+            esize_d = np.asarray(self.esizes, dtype=np.int64)[cinfo[:, 0]] if chunks else cinfo[:, 0]
+            self._last = (chunk_elems, chunks, (cinfo[:, 0], cinfo[:, 1], cinfo[:, 2], esize_d))
+        return self._last[1], self._last[2]
+
+
+def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None,
+                      facts=None) -> DirectoryNp:
     """``delta.read_directory`` for CPU tensors in numpy: the same checks in the same order, the same
-    ``ValueError`` messages."""
+    ``ValueError`` messages. ``facts``: the destinations' :class:`DstFacts` kept by the caller (built for
+    these ``dsts``), else built here."""
     if msg.dtype != torch.uint8 or msg.dim() != 1 or not msg.is_contiguous():
         raise ValueError(f"a delta message is a contiguous 1-D uint8 tensor, got {msg.dtype} {tuple(msg.shape)}")
     length = msg.numel()
     if length < HEADER_BYTES or length % ALIGN:
         raise ValueError(f"delta message of {length} bytes: shorter than its header or not a multiple of {ALIGN}")
-    esizes = [d.element_size() for d in dsts]
-    for i, d in enumerate(dsts):
-        if esizes[i] not in INT_DTYPES or d.device != msg.device:
-            raise ValueError(f"destination {name_of(names, i)}: {d.dtype} on {d.device} (message on {msg.device})")
+    facts = facts if facts is not None else DstFacts(dsts)
+    esizes = facts.esizes
+    for i, dev in enumerate(facts.devices):
+        if esizes[i] not in INT_DTYPES or dev != msg.device:
+            raise ValueError(f"destination {name_of(names, i)}: {dsts[i].dtype} on {dev} (message on {msg.device})")
     mn = msg.numpy()
     magic, version, nc, chunk_elems = (int(x) & 0xFFFFFFFF for x in mn[:16].view(np.int32).tolist())
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a delta message of version {VERSION} (magic {magic:#x}, version {version})")
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
         raise ValueError(f"delta message: chunk_elems {chunk_elems} out of range")
-    numels = [d.numel() for d in dsts]
-    chunks = chunk_list(numels, chunk_elems)
+    chunks, cinfo = facts.chunks(chunk_elems)
     if nc != len(chunks):
         raise ValueError(f"delta message has {nc} chunks; the destinations {[tuple(d.shape) for d in dsts]} "
                          f"cut into chunks of {chunk_elems} elements make {len(chunks)}")
     start = chunks_start_np(nc)
-    bit_views = [bits(d.detach()) for d in dsts]
+    bit_views = facts.bit_views
     if not nc:
         e = np.zeros(0, dtype=np.int64)
         return DirectoryNp(chunks, e, e, e, e, e, e, bit_views, esizes)
     if length < start:
         raise ValueError(f"delta message of {length} bytes is shorter than its directory ({start} bytes)")
-    cinfo = np.asarray(chunks, dtype=np.int64).reshape(nc, 3)
-    owner, first, numel = cinfo[:, 0], cinfo[:, 1], cinfo[:, 2]
+    owner, first, numel, esize_d = cinfo
     offsets = mn[HEADER_BYTES:HEADER_BYTES + 8 * nc].view(np.int64).copy()
     ok_off = (offsets >= start) & (offsets % ALIGN == 0) & (offsets <= length - HEADER_BYTES)
     safe = np.where(ok_off, offsets, start if start < length else 0)
     words = mn.view(np.int32)[((safe // 4)[:, None] + np.arange(4)).reshape(-1)].reshape(nc, 4).astype(np.int64)
     words &= 0xFFFFFFFF
     kind, esize, numel_m, count, nbytes = words[:, 0] & 0xFF, words[:, 0] >> 8, words[:, 1], words[:, 2], words[:, 3]
-    esize_d = np.asarray(esizes, dtype=np.int64)[owner]
     values = pad(np.minimum(count, numel) * esize_d)
     want = np.stack([HEADER_BYTES + pad(numel * esize_d),
                      HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values,
@@ -155,7 +175,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
 # ``_tensor_pack`` / ``_tensor_unpack`` (torch ops only) stay the reference for other devices.
 
 
-def _flat_np(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+def flat_np(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     """``t``'s element bits as a numpy array of its shape and strides (its own memory, no copy), and the same
     as a 1-D row-major view when ``t`` is contiguous (else None)."""
     b = bits(t.detach())
@@ -174,7 +194,7 @@ def _ragged_np(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return seg, np.arange(seg.size, dtype=np.int64) - first[seg]
 
 
-def _np_int(e: int):
+def np_int(e: int):
     return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[e]
 
 
@@ -183,9 +203,9 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     (numpy, on the views' own strides: no flattening copy), the changed values taken once, and with
     ``update`` only the changed elements written into the snapshot (its other elements already hold the
     source's bits). ``update`` a list: the snapshot writes are appended to it instead, for
-    :func:`commit_updates` later (:func:`pack_deferred`)."""
+    :func:`commit_updates` later (``ops.delta_cached.pack_deferred``)."""
     defer = update if isinstance(update, list) else None
-    flats = [(_flat_np(s), _flat_np(p)) for s, p in pairs]
+    flats = [(flat_np(s), flat_np(p)) for s, p in pairs]
     numels = [sf[0].size for sf, _ in flats]
     esizes = [s.element_size() for s, _ in pairs]
     nchs = [-(-n // ce) for n in numels]
@@ -256,7 +276,7 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
             a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
             o = int(body[c]) // e
             sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
-            mn.view(_np_int(e))[o:o + n] = sn[a:a + n]
+            mn.view(np_int(e))[o:o + n] = sn[a:a + n]
         if dense.size:
             keep = kind[ch] != KIND_DENSE
         local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
@@ -292,7 +312,7 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
             if keep is not None:
                 k = keep[sel]
                 pos, v = pos[k], v[k]
-            mn.view(_np_int(e))[pos] = v
+            mn.view(np_int(e))[pos] = v
     if defer is not None:
         defer.extend(puts)
         return msg
@@ -301,28 +321,26 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     return msg
 
 
-def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list) -> torch.Tensor:
-    """The delta message of CPU ``pairs`` (``torch_pack``'s bytes) with the snapshot left as it was: its
-    writes (the changed elements) are appended to ``updates``, to be made by :func:`commit_updates` once the
-    message is known to be used (a delta refit diffs while its handshake is in flight, before the fence
-    says whether the refit goes as a delta: a refused one must leave the snapshot untouched)."""
-    check_chunk_elems(chunk_elems)
-    if validate_pairs(pairs).type != "cpu":
-        raise ValueError("pack_deferred: CPU tensors only")
-    return numpy_pack(pairs, chunk_elems, updates)
-
-
 def commit_updates(updates: list) -> None:
-    """Make the snapshot writes :func:`pack_deferred` collected (each: a view, its positions, the values)."""
+    """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the values)."""
     for view, at, v in updates:
         view[at] = v
 
 
-def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None) -> None:
+def body_error(dr: DirectoryNp, c: int, names: Sequence[str] | None) -> ValueError:
+    """The error of chunk ``c`` whose body disagrees with its header (an offset past the chunk, a bitmask
+    whose popcount is not ``count`` or with a bit past the chunk)."""
+    j, a0, n0 = dr.chunks[c]
+    return ValueError(f"delta message: chunk {c} (destination {name_of(names, j)}, elements {a0}..{a0 + n0 - 1}): "
+                      f"{KIND_NAMES[int(dr.kind[c])]} body inconsistent with its header (count {int(dr.count[c])})")
+
+
+def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None,
+                 facts: DstFacts | None = None) -> None:
     """:func:`torch_unpack` for CPU tensors: the same checks (every header, then every body) before the first
     write, then per destination one numpy put (a torch scatter into a non-contiguous one) and a slice copy
-    per dense chunk."""
-    dr = read_directory_np(msg, dsts, names)
+    per dense chunk. ``facts``: as :func:`read_directory_np`'s."""
+    dr = read_directory_np(msg, dsts, names, facts)
     if not dr.chunks:
         return
     nc = len(dr.chunks)
@@ -349,10 +367,7 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         bad[sb[jb >= nel[sb]]] = True  # a bit past the chunk's last element
         groups.append((sb, jb, np.arange(sb.size, dtype=np.int64) - (np.cumsum(pop) - pop)[sb]))
     if bad.any():
-        c = int(np.argmax(bad))
-        j, a0, n0 = dr.chunks[c]
-        raise ValueError(f"delta message: chunk {c} (destination {name_of(names, j)}, elements {a0}..{a0 + n0 - 1}): "
-                         f"{KIND_NAMES[int(k[c])]} body inconsistent with its header (count {int(cnt[c])})")
+        raise body_error(dr, int(np.argmax(bad)), names)
     bit_views = dr.bit_views
     contiguous = np.array([d.is_contiguous() for d in bit_views], dtype=bool)
     esizes = dr.esizes
@@ -375,7 +390,7 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
             if hi == lo:
                 continue
             e = esizes[i]
-            vals = mn.view(_np_int(e))[at[lo:hi] // e + ridx[lo:hi]]
+            vals = mn.view(np_int(e))[at[lo:hi] // e + ridx[lo:hi]]
             if flat[i] is not None:
                 flat[i][pos[lo:hi]] = vals
             else:
@@ -384,7 +399,7 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         i, a0, n0 = dr.chunks[c]
         e = esizes[i]
         ob = int(body[c]) // e
-        flat[i][a0:a0 + n0] = mn.view(_np_int(e))[ob:ob + n0]
+        flat[i][a0:a0 + n0] = mn.view(np_int(e))[ob:ob + n0]
 
 
 
