@@ -50,7 +50,7 @@ from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransp
 from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
-from .transport import Link, handshake_finish, handshake_post
+from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, handshake_finish, handshake_post
 
 
 class Resharder:
@@ -108,6 +108,8 @@ class Resharder:
         self.send_area_bytes = self.recv_area_bytes = 0
         self._bound_sig: tuple | None = None
         self._bound: Bound | None = None
+        self._prepost_for: Bound | None = None  # the binding _prepost_recvs was chosen for
+        self._prepost_recvs: list | None = None
         self._elig = None  # delta refits: which messages can go as deltas (execute/delta.py), when first asked
         # what this rank last sent in its delta-able messages (a refit session owns it and hands it over)
         self._snap = MessageSnapshot() if snapshot is None else snapshot
@@ -267,14 +269,38 @@ class Resharder:
         return base, why
 
     def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
-                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None]:
+                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None, Preposted | None]:
         """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
-        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises)."""
-        hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
+        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run
+        or verify posts its first step's staged receives with it (:meth:`_prepost`)."""
+        prepost = self._prepost(b) if error is None and delta is None else None
+        hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow, prepost)
         work = error is None and not verify
         packed = self._prepack(b, backend, key) if work and delta is None else None
         pre = self._prediff(delta, b, backend, frow) if work else None
-        return handshake_finish(self.link, hs, error), packed, pre
+        return handshake_finish(self.link, hs, error), packed, pre, hs.pre
+
+    def _prepost(self, b: Bound) -> list | None:
+        """The receives of this rank's first step that may be posted with the plan handshake
+        (``transport.handshake_post``): on gloo (whose sends wait for the receiver's notice; NCCL's would queue
+        behind them on the stream), from each peer whose only message to this rank in that step lands in
+        staging (an in-place receive could be written by a refused handshake's filler), and not before an
+        exchange of global scales (its rows would meet the pre-posted receives first)."""
+        if self._prepost_for is b:
+            return self._prepost_recvs
+        recvs = None
+        link = self.link
+        if (link.wire and link.comm.backend == "gloo" and len(link.ranks) <= DIRECT_ROWS_MAX_RANKS
+                and self.work.steps and not self.work.global_groups and self._staging.recv is not None):
+            area = self._staging.recv.untyped_storage().data_ptr()
+            step0 = b.wire[0][1]
+            count: dict[int, int] = {}
+            for p, _buf in step0:
+                count[p] = count.get(p, 0) + 1
+            recvs = [(p, buf) for p, buf in step0 if count[p] == 1 and buf.numel()
+                     and buf.untyped_storage().data_ptr() == area] or None
+        self._prepost_for, self._prepost_recvs = b, recvs
+        return recvs
 
     def _prepack(self, b: Bound, backend: str, key) -> float | None:
         """While the handshake is in flight: a dense run's step 0 staging copies (``steps.prepack``). A copy that
@@ -329,7 +355,7 @@ class Resharder:
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         key = (id(self), hash(self._bound_sig))
         try:
-            rows, packed, pre = self._handshake(error, verify, delta, frow, b, backend, key)
+            rows, packed, pre, preposted = self._handshake(error, verify, delta, frow, b, backend, key)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
@@ -342,7 +368,7 @@ class Resharder:
         try:
             args = (self.work, b, self.link, backend, tally, touched, key)
             if verify or delta is None:
-                loop = StepLoop(*args, prepacked=packed)
+                loop = StepLoop(*args, prepacked=packed, preposted=preposted)
             elif base is not None:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
             elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
