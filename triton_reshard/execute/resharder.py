@@ -152,6 +152,11 @@ class Resharder:
     # -- checks -------------------------------------------------------------------------------------
 
     def _check_inputs(self, src_tensors, dst_tensors, verify: bool = False) -> torch.device:
+        return self._checked(src_tensors, dst_tensors, verify)[0]
+
+    def _checked(self, src_tensors, dst_tensors, verify: bool) -> tuple[torch.device, tuple]:
+        """:meth:`_check_inputs`, and the tensors' signature (``checks.signature`` of each side; taken once per
+        run, after the checks proved they are tensors, for the memory check and the binding)."""
         sdev = checks.check_side(self.rank, "source", src_tensors, self._src_specs)
         ddev = checks.check_side(self.rank, "destination", dst_tensors, self._dst_specs)
         if sdev is not None and ddev is not None and sdev != ddev:
@@ -159,14 +164,14 @@ class Resharder:
         device = sdev or ddev or self.link.device()
         if self.link.wire and self.link.is_nccl and device.type != "cuda":
             raise ValueError(f"rank {self.rank}: NCCL needs CUDA tensors, got tensors on {device}")
-        if not verify:  # verify writes nothing: sharing memory is harmless there
-            # overlap depends only on addresses, shapes, strides and dtypes: checked once per set of tensors,
-            # not on every step of an RL loop that passes the same ones
-            sig = (checks.signature(src_tensors), checks.signature(dst_tensors))
-            if sig != self._memory_ok:
-                checks.check_memory(self.rank, src_tensors, dst_tensors, self._alias_problem)
-                self._memory_ok = sig
-        return device
+        sig = (checks.signature(src_tensors), checks.signature(dst_tensors))
+        # verify writes nothing: sharing memory is harmless there. Overlap depends only on addresses, shapes,
+        # strides and dtypes: checked once per set of tensors, not on every step of an RL loop that passes the
+        # same ones
+        if not verify and sig != self._memory_ok:
+            checks.check_memory(self.rank, src_tensors, dst_tensors, self._alias_problem)
+            self._memory_ok = sig
+        return device, sig
 
     def _alias_problem(self, s_name: str, d_name: str, shift: tuple[int, ...]) -> str | None:
         key = (s_name, d_name, shift)
@@ -174,9 +179,13 @@ class Resharder:
             self._alias_ok[key] = checks.alias_problem(self.plan, self.rank, s_name, d_name, shift)
         return self._alias_ok[key]
 
-    def _bind(self, src_tensors, dst_tensors, device: torch.device, verify: bool = False) -> Bound:
-        """The bound views and buffers for this set of tensors and mode (the last one is cached)."""
-        sig = (checks.signature(src_tensors), checks.signature(dst_tensors), verify)
+    def _bind(self, src_tensors, dst_tensors, device: torch.device, verify: bool = False,
+              sides: tuple | None = None) -> Bound:
+        """The bound views and buffers for this set of tensors and mode (the last one is cached). ``sides``:
+        the tensors' signature when the caller took it already (:meth:`_checked`)."""
+        if sides is None:
+            sides = (checks.signature(src_tensors), checks.signature(dst_tensors))
+        sig = (*sides, verify)
         if sig == self._bound_sig:
             return self._bound
         self._bound_sig = self._bound = None  # the old views must not keep old staging areas alive
@@ -340,14 +349,14 @@ class Resharder:
         device = backend = b = None
         frow = fence_row(self.plan, None, self._snap, None, False)  # this rank's delta fence columns
         try:
-            device = self._check_inputs(src_tensors, dst_tensors, verify)
+            device, sides = self._checked(src_tensors, dst_tensors, verify)
             backend = ops.resolve_backend(device, self.backend)
             if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
                                  f"the tensors are on {device}")
             if isinstance(self.link.comm, RefitGroup) and self.link.wire:
                 self.link.comm.check_live()
-            b = self._bind(src_tensors, dst_tensors, device, verify)
+            b = self._bind(src_tensors, dst_tensors, device, verify, sides)
             frow = self._fence_row(delta, device, verify)
         except (ValueError, TypeError) as e:
             error = e
