@@ -50,6 +50,7 @@ def measure(rank: int, world: int, spec: dict) -> dict:
 
     import triton_reshard
     from triton_reshard import refit
+    from triton_reshard.execute import resharder
 
     rpn, calls, timeout = spec["rpn"], spec["calls"], spec.get("timeout", 60.0)
     src, dst = _layouts(rpn)
@@ -61,7 +62,9 @@ def measure(rank: int, world: int, spec: dict) -> dict:
     refit(s, d, src, dst, timeout=timeout)  # warm: plan, buffers, connections
     exact = all(torch.equal(t, dst.shard({"t": g}, rank)[n]) for n, t in d.items())
     enter, leave, cpu = [], [], []
-    for _ in range(calls):
+    for i in range(calls):
+        if spec.get("ab"):  # odd calls without the receives posted with the handshake (what main did)
+            resharder.PREPOST = i % 2 == 0
         dist.barrier()
         p0, t0 = time.process_time(), time.perf_counter()
         refit(s, d, src, dst, timeout=timeout)
@@ -70,6 +73,7 @@ def measure(rank: int, world: int, spec: dict) -> dict:
         leave.append(t1)
         cpu.append(p1 - p0)
     dist.barrier()
+    resharder.PREPOST = True
     prof = None
     if spec.get("profile") and rank == 0:
         import cProfile
@@ -109,10 +113,17 @@ def _rtt(rank: int, rpn: int, n: int = 20) -> float | None:
     return (time.perf_counter() - t0) / n if rank == 0 else None
 
 
-def summarize(per: list[dict]) -> dict:
+def summarize(per: list[dict], ab: bool = False) -> dict:
     calls = len(per[0]["enter"])
     spans = [max(p["leave"][i] for p in per) - min(p["enter"][i] for p in per) for i in range(calls)]
-    return {
+    cpus = [sum(p["cpu"][i] for p in per) for i in range(calls)]
+    ab_rows = {}
+    if ab:  # even calls: the first step's receives posted with the handshake; odd calls: after it
+        for name, k in (("prepost", 0), ("no_prepost", 1)):
+            ab_rows[name] = {"span_s": statistics.median(spans[k::2]), "cpu_all_ranks_s": statistics.median(cpus[k::2])}
+        ab_rows["pairs_faster"] = sum(a < b for a, b in zip(spans[0::2], spans[1::2], strict=False))
+        ab_rows["pairs"] = len(spans[1::2])
+    out = {
         "span_s": statistics.median(spans),
         "span_p90_s": sorted(spans)[int(0.9 * (calls - 1))],
         "back_to_back_s": max(p["b2b_s"] for p in per),
@@ -123,6 +134,9 @@ def summarize(per: list[dict]) -> dict:
         "rtt_s": per[0].get("rtt_s"),
         "package": per[0].get("package"),
     }
+    if ab:
+        out["ab"] = ab_rows
+    return out
 
 
 def _free_port() -> int:
@@ -151,7 +165,7 @@ def run_loopback(spec: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_loopback_rank, args=(world, _free_port(), spec, tmp), nprocs=world, join=True)
         per = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
-    return summarize(per)
+    return summarize(per, spec.get("ab", False))
 
 
 def run_cluster(spec: dict, nodes: int, rate) -> dict:
@@ -164,7 +178,7 @@ def run_cluster(spec: dict, nodes: int, rate) -> dict:
     env = {"PYTHONPATH": f"{ROOT / 'perf'}:{os.environ.get('PYTHONPATH', '')}"}
     with Cluster(nodes, spec["rpn"], rate=parse_rate(rate)) as c:
         r = c.run("bench_call:measure", spec, timeout=spec["timeout"] * 4, pg_timeout=spec["timeout"], env=env)
-    return summarize(r.results)
+    return summarize(r.results, spec.get("ab", False))
 
 
 def print_profile(path: str, top: int) -> None:
@@ -182,23 +196,34 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="1gbit", help="cluster: each node's link rate")
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--ab", action="store_true", help="alternate calls with and without the first step's receives "
+                                                       "posted with the handshake (execute.resharder.PREPOST), "
+                                                       "the same load on both")
     ap.add_argument("--profile", help="loopback: write rank 0's cProfile of the back-to-back calls here")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    spec = {"rpn": args.ranks_per_node, "calls": args.calls, "timeout": args.timeout, "profile": args.profile}
+    spec = {"rpn": args.ranks_per_node, "calls": args.calls, "timeout": args.timeout, "profile": args.profile,
+            "ab": args.ab}
     if args.where == "cluster":
         spec["profile"] = None
         res = run_cluster(spec, args.nodes, args.rate)
     else:
         res = run_loopback(spec)
-    res.update(where=args.where, ranks=2 * args.ranks_per_node, calls=args.calls, python=sys.version.split()[0])
+    world = (args.nodes if args.where == "cluster" else 2) * args.ranks_per_node
+    res.update(where=args.where, ranks=world, calls=args.calls, python=sys.version.split()[0])
     if args.where == "cluster":
         res.update(nodes=args.nodes, rate=args.rate)
-    print(f"bench_call ({args.where}, {2 * args.ranks_per_node} ranks): span {res['span_s'] * 1e3:.2f} ms "
+    print(f"bench_call ({args.where}, {world} ranks): span {res['span_s'] * 1e3:.2f} ms "
           f"(p90 {res['span_p90_s'] * 1e3:.2f}), back to back {res['back_to_back_s'] * 1e3:.2f} ms/call, CPU "
           f"{res['cpu_all_ranks_s'] * 1e3:.2f} ms all ranks ({res['cpu_busiest_rank_s'] * 1e3:.2f} busiest), "
           f"exact {res['exact']}; small-message round trip {res['rtt_s'] * 1e3:.2f} ms; {res['package']}", flush=True)
+    if args.ab:
+        a = res["ab"]
+        print(f"  alternate calls: with the receives posted with the handshake {a['prepost']['span_s'] * 1e3:.2f} ms "
+              f"(CPU {a['prepost']['cpu_all_ranks_s'] * 1e3:.2f}), without {a['no_prepost']['span_s'] * 1e3:.2f} ms "
+              f"(CPU {a['no_prepost']['cpu_all_ranks_s'] * 1e3:.2f}); faster in {a['pairs_faster']} of {a['pairs']} "
+              f"pairs", flush=True)
     if args.profile and args.where == "loopback":
         print_profile(args.profile, args.top)
     if args.out:

@@ -53,6 +53,11 @@ from .steps import StepLoop, prepack
 from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, handshake_finish, handshake_post
 
 
+# post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
+# turns it off on alternate calls to measure what it saves under the same load
+PREPOST = True
+
+
 class Resharder:
     """Runs ``plan`` on this rank. Call :meth:`run` on every rank of ``group`` (default: the world).
 
@@ -295,6 +300,8 @@ class Resharder:
         behind them on the stream), from each peer whose only message to this rank in that step lands in
         staging (an in-place receive could be written by a refused handshake's filler), and not before an
         exchange of global scales (its rows would meet the pre-posted receives first)."""
+        if not PREPOST:
+            return None
         if self._prepost_for is b:
             return self._prepost_recvs
         recvs = None
