@@ -52,7 +52,6 @@ from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
 from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, handshake_finish, handshake_post
 
-
 # post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
 # turns it off on alternate calls to measure what it saves under the same load
 PREPOST = True
