@@ -61,14 +61,16 @@ def measure(rank: int, world: int, spec: dict) -> dict:
         t.view(torch.int16).fill_(-1)
     refit(s, d, src, dst, timeout=timeout)  # warm: plan, buffers, connections
     exact = all(torch.equal(t, dst.shard({"t": g}, rank)[n]) for n, t in d.items())
-    enter, leave, cpu = [], [], []
+    enter, leave, cpu, wire, own = [], [], [], [], []
     for i in range(calls):
         if spec.get("ab"):  # odd calls without the receives posted with the handshake (what main did)
             resharder.PREPOST = i % 2 == 0
         dist.barrier()
         p0, t0 = time.process_time(), time.perf_counter()
-        refit(s, d, src, dst, timeout=timeout)
+        rep = refit(s, d, src, dst, timeout=timeout)
         t1, p1 = time.perf_counter(), time.process_time()
+        wire.append(rep.wire_seconds)
+        own.append(t1 - t0)
         enter.append(t0)
         leave.append(t1)
         cpu.append(p1 - p0)
@@ -90,7 +92,8 @@ def measure(rank: int, world: int, spec: dict) -> dict:
     t1, p1 = time.perf_counter(), time.process_time()
     dist.barrier()
     rtt = _rtt(rank, rpn)
-    return {"rank": rank, "package": str(Path(triton_reshard.__file__).parent), "rtt_s": rtt, "enter": enter, "leave": leave, "cpu": cpu, "exact": exact,
+    return {"rank": rank, "package": str(Path(triton_reshard.__file__).parent), "rtt_s": rtt, "wire": wire, "own": own,
+            "engine": rank in dst.ranks, "enter": enter, "leave": leave, "cpu": cpu, "exact": exact,
             "b2b_s": (t1 - t0) / calls, "b2b_cpu_s": (p1 - p0) / calls}
 
 
@@ -121,10 +124,19 @@ def summarize(per: list[dict], ab: bool = False) -> dict:
     if ab:  # even calls: the first step's receives posted with the handshake; odd calls: after it
         for name, k in (("prepost", 0), ("no_prepost", 1)):
             ab_rows[name] = {"span_s": statistics.median(spans[k::2]), "cpu_all_ranks_s": statistics.median(cpus[k::2])}
+            # the engine ranks' wait for the step after the handshake (RunReport.wire_seconds): what the
+            # receives posted with the handshake shorten, whatever the arrival skew
+            ab_rows[name]["engine_wire_s"] = statistics.median(w for p in per if p.get("engine")
+                                                               for w in p["wire"][k::2])
         ab_rows["pairs_faster"] = sum(a < b for a, b in zip(spans[0::2], spans[1::2], strict=False))
         ab_rows["pairs"] = len(spans[1::2])
+    enter_skew = [max(p["enter"][i] for p in per) - min(p["enter"][i] for p in per) for i in range(calls)]
     out = {
         "span_s": statistics.median(spans),
+        # of the span: how far apart the ranks entered (the barrier's release, not the refit), and the slowest
+        # rank's own time in the call
+        "enter_skew_s": statistics.median(enter_skew),
+        "slowest_rank_s": statistics.median(max(p["own"][i] for p in per) for i in range(calls)),
         "span_p90_s": sorted(spans)[int(0.9 * (calls - 1))],
         "back_to_back_s": max(p["b2b_s"] for p in per),
         "cpu_all_ranks_s": statistics.median(sum(p["cpu"][i] for p in per) for i in range(calls)),
@@ -217,13 +229,15 @@ def main(argv=None) -> int:
     print(f"bench_call ({args.where}, {world} ranks): span {res['span_s'] * 1e3:.2f} ms "
           f"(p90 {res['span_p90_s'] * 1e3:.2f}), back to back {res['back_to_back_s'] * 1e3:.2f} ms/call, CPU "
           f"{res['cpu_all_ranks_s'] * 1e3:.2f} ms all ranks ({res['cpu_busiest_rank_s'] * 1e3:.2f} busiest), "
-          f"exact {res['exact']}; small-message round trip {res['rtt_s'] * 1e3:.2f} ms; {res['package']}", flush=True)
+          f"exact {res['exact']}; entry skew {res['enter_skew_s'] * 1e3:.2f} ms, slowest rank's own time "
+          f"{res['slowest_rank_s'] * 1e3:.2f} ms; small-message round trip {res['rtt_s'] * 1e3:.2f} ms; {res['package']}", flush=True)
     if args.ab:
         a = res["ab"]
         print(f"  alternate calls: with the receives posted with the handshake {a['prepost']['span_s'] * 1e3:.2f} ms "
               f"(CPU {a['prepost']['cpu_all_ranks_s'] * 1e3:.2f}), without {a['no_prepost']['span_s'] * 1e3:.2f} ms "
               f"(CPU {a['no_prepost']['cpu_all_ranks_s'] * 1e3:.2f}); faster in {a['pairs_faster']} of {a['pairs']} "
-              f"pairs", flush=True)
+              f"pairs; engine ranks' wait for the step after the handshake {a['prepost']['engine_wire_s'] * 1e3:.2f} vs "
+              f"{a['no_prepost']['engine_wire_s'] * 1e3:.2f} ms", flush=True)
     if args.profile and args.where == "loopback":
         print_profile(args.profile, args.top)
     if args.out:
