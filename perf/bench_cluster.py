@@ -244,6 +244,8 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
         if inst > 1:
             methods["ours-relay"] = dict(gpus_per_node=rpn, relay=True, instances=inst)
             methods["ours-no-topology"] = dict(gpus_per_node=None, relay=False, instances=inst)
+        only = spec.get("methods")  # --methods: the methods to time (None: all)
+        methods = {k: v for k, v in methods.items() if only is None or k in only}
         for name, kw in methods.items():
             d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
             refit(src_t, d, src, dst, timeout=timeout, **kw)  # warm: plan, buffers, connections
@@ -252,6 +254,8 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
                                   reps),
                          "exact": ok}
         for name, fn in (("allgather", allgather_refit), ("gather-bcast", gather_broadcast_refit)):
+            if only is not None and name not in only:
+                continue
             d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
             fn(src_t, d, src, full_dst, timeout=timeout)
             ok = _exact(full_dst, rank, d, pub)
@@ -378,7 +382,7 @@ def run(args) -> dict:
             for lat in lats:
                 rate_bps = parse_rate(rate)
                 spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats, "rate_bps": rate_bps,
-                        "timeout": args.timeout, "models": args.models, "delta": delta}
+                        "timeout": args.timeout, "models": args.models, "delta": delta, "methods": args.methods}
                 t0 = time.perf_counter()
                 with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat, mtu=args.mtu) as c:
                     r = c.run("bench_cluster:bench_rank", spec, timeout=args.timeout * 6, pg_timeout=args.timeout,
@@ -476,6 +480,8 @@ def main(argv=None) -> int:
                     help="chains: each method's versions in a row (default); interleaved: per version dense, delta "
                          "and the cost model in turn, the order rotated by one each version")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--methods", nargs="+", help="time only these methods (ours, ours-relay, ours-no-topology, "
+                                                   "allgather, gather-bcast; default all), e.g. for an A/B of ours")
     ap.add_argument("--big-model", default="", help="also dense vs delta (uniform flips) of this preset on 2 nodes "
                                                      "at the first rate, e.g. llama_demo (~400 MB bf16)")
     ap.add_argument("--skip-settings", action="store_true", help="only --big-model")

@@ -33,6 +33,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
                                       "--out", "{out}/delta_speed.json"], 300),
     "bench_delta.py#refit": ("main", ["--part", "refit", "--refit-tensors", "1", "--refit-rows", "64",
                                       "--refit-cols", "64", "--repeats", "1", "--out", "{out}/delta_refit.json"], 300),
+    "bench_call.py": ("main", ["--calls", "4", "--ab", "--out", "{out}/call.json"], 300),
     "bench_kernels.py": ("main", ["--quick", "--model", "tiny-llama", "--repeats", "1", "--out", "{out}/kernels.json"], 300),
     "bench_planner.py": ("main", ["--models", "llama-3-8b", "--worlds", "8", "--out", "{out}/planner.json"], 300),
     "bench_quant.py": ("main", ["--scale", "64", "--repeats", "1", "--out", "{out}/quant.json"], 300),

@@ -69,6 +69,9 @@ def _option(default, check, accepts: str, *, refit: bool = True, executor: bool 
     return field(default=default, metadata={"check": check, "accepts": accepts, "refit": refit, "executor": executor})
 
 
+_ACCEPTED: dict[tuple, RefitOptions] = {}  # RefitOptions.of's memo: accepted options by (name, type, value)
+
+
 @dataclass(frozen=True, slots=True)
 class RefitOptions:
     """How a refit runs (build it with :meth:`of`, which validates every option once).
@@ -94,7 +97,27 @@ class RefitOptions:
         """Validated options, by name (the fields; the rest take their defaults): a ``TypeError`` /
         ``ValueError`` naming the option and the value the user passed, before anything is planned. The step
         budget (``bucket_bytes``, ``overlap``, ``direct_min_bytes``) is checked by ``StepBudget.of``: one
-        minimum for ``bucket_bytes``, a staging slot of ``plan.MIN_STEP_BYTES`` per slot."""
+        minimum for ``bucket_bytes``, a staging slot of ``plan.MIN_STEP_BYTES`` per slot.
+
+        Options already accepted are remembered (every ``refit`` of an RL loop passes the same ones): by name,
+        value *and type* (``overlap=1`` is not ``overlap=True``), hashable values only; a refused set is never
+        remembered, so it raises each time."""
+        try:
+            key = tuple(sorted((k, type(v), v) for k, v in options.items()))
+            hit = _ACCEPTED.get(key)
+        except TypeError:  # an unhashable value: checked (and refused or accepted) without the memo
+            key = hit = None
+        if hit is not None:
+            return hit
+        opts = cls._validated(options)
+        if key is not None:
+            if len(_ACCEPTED) >= 64:
+                _ACCEPTED.clear()
+            _ACCEPTED[key] = opts
+        return opts
+
+    @classmethod
+    def _validated(cls, options: dict) -> RefitOptions:
         known = {f.name: f for f in fields(cls)}
         for name in options:
             if name not in known:

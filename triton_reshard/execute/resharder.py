@@ -49,7 +49,11 @@ from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransp
 from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
-from .transport import Link, handshake_finish, handshake_post
+from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, handshake_finish, handshake_post
+
+# post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
+# turns it off on alternate calls to measure what it saves under the same load
+PREPOST = True
 
 
 class Resharder:
@@ -107,6 +111,8 @@ class Resharder:
         self.send_area_bytes = self.recv_area_bytes = 0
         self._bound_sig: tuple | None = None
         self._bound: Bound | None = None
+        self._prepost_for: Bound | None = None  # the binding _prepost_recvs was chosen for
+        self._prepost_recvs: list | None = None
         self._elig = None  # delta refits: which messages can go as deltas (execute/delta.py), when first asked
         # what this rank last sent in its delta-able messages (a refit session owns it and hands it over)
         self._snap = MessageSnapshot() if snapshot is None else snapshot
@@ -149,6 +155,11 @@ class Resharder:
     # -- checks -------------------------------------------------------------------------------------
 
     def _check_inputs(self, src_tensors, dst_tensors, verify: bool = False) -> torch.device:
+        return self._checked(src_tensors, dst_tensors, verify)[0]
+
+    def _checked(self, src_tensors, dst_tensors, verify: bool) -> tuple[torch.device, tuple]:
+        """:meth:`_check_inputs`, and the tensors' signature (``checks.signature`` of each side; taken once per
+        run, after the checks proved they are tensors, for the memory check and the binding)."""
         sdev = checks.check_side(self.rank, "source", src_tensors, self._src_specs)
         ddev = checks.check_side(self.rank, "destination", dst_tensors, self._dst_specs)
         if sdev is not None and ddev is not None and sdev != ddev:
@@ -156,14 +167,14 @@ class Resharder:
         device = sdev or ddev or self.link.device()
         if self.link.wire and self.link.is_nccl and device.type != "cuda":
             raise ValueError(f"rank {self.rank}: NCCL needs CUDA tensors, got tensors on {device}")
-        if not verify:  # verify writes nothing: sharing memory is harmless there
-            # overlap depends only on addresses, shapes, strides and dtypes: checked once per set of tensors,
-            # not on every step of an RL loop that passes the same ones
-            sig = (checks.signature(src_tensors), checks.signature(dst_tensors))
-            if sig != self._memory_ok:
-                checks.check_memory(self.rank, src_tensors, dst_tensors, self._alias_problem)
-                self._memory_ok = sig
-        return device
+        sig = (checks.signature(src_tensors), checks.signature(dst_tensors))
+        # verify writes nothing: sharing memory is harmless there. Overlap depends only on addresses, shapes,
+        # strides and dtypes: checked once per set of tensors, not on every step of an RL loop that passes the
+        # same ones
+        if not verify and sig != self._memory_ok:
+            checks.check_memory(self.rank, src_tensors, dst_tensors, self._alias_problem)
+            self._memory_ok = sig
+        return device, sig
 
     def _alias_problem(self, s_name: str, d_name: str, shift: tuple[int, ...]) -> str | None:
         key = (s_name, d_name, shift)
@@ -171,9 +182,13 @@ class Resharder:
             self._alias_ok[key] = checks.alias_problem(self.plan, self.rank, s_name, d_name, shift)
         return self._alias_ok[key]
 
-    def _bind(self, src_tensors, dst_tensors, device: torch.device, verify: bool = False) -> Bound:
-        """The bound views and buffers for this set of tensors and mode (the last one is cached)."""
-        sig = (checks.signature(src_tensors), checks.signature(dst_tensors), verify)
+    def _bind(self, src_tensors, dst_tensors, device: torch.device, verify: bool = False,
+              sides: tuple | None = None) -> Bound:
+        """The bound views and buffers for this set of tensors and mode (the last one is cached). ``sides``:
+        the tensors' signature when the caller took it already (:meth:`_checked`)."""
+        if sides is None:
+            sides = (checks.signature(src_tensors), checks.signature(dst_tensors))
+        sig = (*sides, verify)
         if sig == self._bound_sig:
             return self._bound
         self._bound_sig = self._bound = None  # the old views must not keep old staging areas alive
@@ -266,16 +281,42 @@ class Resharder:
         return base, why
 
     def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
-                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None]:
+                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None, Preposted | None]:
         """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
-        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises)."""
-        hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow)
+        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run
+        or verify posts its first step's staged receives with it (:meth:`_prepost`)."""
+        prepost = self._prepost(b) if error is None and delta is None else None
+        hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow, prepost)
         work = error is None and not verify
         # a dense run packs step 0 while the rows travel; so does a delta request this rank expects to go dense
         # (its own fence or cost columns say so: a cost fallback must cost what a dense refit costs)
         packed = self._prepack(b, backend, key) if work and (delta is None or dense_expected(frow)) else None
         pre = self._prediff(delta, b, backend, frow) if work else None
-        return handshake_finish(self.link, hs, error), packed, pre
+        return handshake_finish(self.link, hs, error), packed, pre, hs.pre
+
+    def _prepost(self, b: Bound) -> list | None:
+        """The receives of this rank's first step that may be posted with the plan handshake
+        (``transport.handshake_post``): on gloo (whose sends wait for the receiver's notice; NCCL's would queue
+        behind them on the stream), from each peer whose only message to this rank in that step lands in
+        staging (an in-place receive could be written by a refused handshake's filler), and not before an
+        exchange of global scales (its rows would meet the pre-posted receives first)."""
+        if not PREPOST:
+            return None
+        if self._prepost_for is b:
+            return self._prepost_recvs
+        recvs = None
+        link = self.link
+        if (link.wire and link.comm.backend == "gloo" and len(link.ranks) <= DIRECT_ROWS_MAX_RANKS
+                and self.work.steps and not self.work.global_groups and self._staging.recv is not None):
+            area = self._staging.recv.untyped_storage().data_ptr()
+            step0 = b.wire[0][1]
+            count: dict[int, int] = {}
+            for p, _buf in step0:
+                count[p] = count.get(p, 0) + 1
+            recvs = [(p, buf) for p, buf in step0 if count[p] == 1 and buf.numel()
+                     and buf.untyped_storage().data_ptr() == area] or None
+        self._prepost_for, self._prepost_recvs = b, recvs
+        return recvs
 
     def _prepack(self, b: Bound, backend: str, key) -> float | None:
         """While the handshake is in flight: a dense run's step 0 staging copies (``steps.prepack``). A copy that
@@ -315,14 +356,14 @@ class Resharder:
         device = backend = b = None
         frow = fence_row(self.plan, None, self._snap, None, False)  # this rank's delta fence columns
         try:
-            device = self._check_inputs(src_tensors, dst_tensors, verify)
+            device, sides = self._checked(src_tensors, dst_tensors, verify)
             backend = ops.resolve_backend(device, self.backend)
             if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
                                  f"the tensors are on {device}")
             if isinstance(self.link.comm, RefitGroup) and self.link.wire:
                 self.link.comm.check_live()
-            b = self._bind(src_tensors, dst_tensors, device, verify)
+            b = self._bind(src_tensors, dst_tensors, device, verify, sides)
             frow = self._fence_row(delta, device, verify)
         except (ValueError, TypeError) as e:
             error = e
@@ -330,7 +371,7 @@ class Resharder:
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         key = (id(self), hash(self._bound_sig))
         try:
-            rows, packed, pre = self._handshake(error, verify, delta, frow, b, backend, key)
+            rows, packed, pre, preposted = self._handshake(error, verify, delta, frow, b, backend, key)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
@@ -343,7 +384,7 @@ class Resharder:
         try:
             args = (self.work, b, self.link, backend, tally, touched, key)
             if verify or delta is None:
-                loop = StepLoop(*args, prepacked=packed)
+                loop = StepLoop(*args, prepacked=packed, preposted=preposted)
             elif base is not None:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
             elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing

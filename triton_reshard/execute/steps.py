@@ -12,7 +12,7 @@ from .. import ops
 from ..ops import quantize as quant
 from .bind import Bound
 from .reports import RunReport, Tally
-from .transport import Link
+from .transport import Link, Preposted
 
 clock = time.perf_counter
 
@@ -54,7 +54,7 @@ class StepLoop:
     """One run (or verify, with a ``tally``) of a rank's bound steps."""
 
     def __init__(self, work, bound: Bound, link: Link, backend: str, tally: Tally | None, touched: set[str],
-                 key, prepacked: float | None = None) -> None:
+                 key, prepacked: float | None = None, preposted: Preposted | None = None) -> None:
         self.work, self.b, self.link, self.backend = work, bound, link, backend
         self.tally, self.touched, self.key = tally, touched, key
         self.verify = tally is not None
@@ -64,6 +64,8 @@ class StepLoop:
         self.prepacked = prepacked
         if prepacked is not None:
             self.timing.pack += prepacked
+        # step 0's receives posted with the plan handshake (transport.handshake_post): not posted again
+        self.preposted = preposted
 
     def what(self, pos: int) -> str:
         return f"step {pos + 1}/{len(self.work.steps)}"
@@ -173,12 +175,19 @@ class StepLoop:
         return self.post(pos, *b.wire[pos])
 
     def post(self, pos: int, sends, recvs) -> Pending:
-        """Post step ``pos``'s payload round: ``sends`` / ``recvs`` as (peer, buffer), in the plan's order."""
+        """Post step ``pos``'s payload round: ``sends`` / ``recvs`` as (peer, buffer), in the plan's order
+        (step 0's receives that went with the handshake are waited for with the rest, not posted again)."""
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
         self.touched.update(self.b.writes[pos])  # in-place receives may land as soon as they are posted
+        pre = self.preposted if pos == 0 else None
         posted = clock()
-        works = self.link.call(self.link.post, self.what(pos), peers, sends, recvs)
-        desc = [("receiving from", p) for p, _ in recvs] + [("sending to", p) for p, _ in sends]
+        done = pre.peers if pre is not None else {}
+        rest = [(p, buf) for p, buf in recvs if p not in done]
+        works = self.link.call(self.link.post, self.what(pos), peers, sends, rest) if sends or rest else []
+        desc = [("receiving from", p) for p, _ in rest] + [("sending to", p) for p, _ in sends]
+        if pre is not None:
+            works = pre.works + works
+            desc = [("receiving from", p) for p, _ in pre.recvs] + desc
         self.sent += sum(buf.numel() for _, buf in sends)
         self.recvd += sum(buf.numel() for _, buf in recvs)
         return Pending(pos, works, peers, posted, desc)
