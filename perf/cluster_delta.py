@@ -13,17 +13,22 @@ import torch
 
 
 def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) -> list:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from triton_reshard import Resharder, plan_reshard
     from triton_reshard.execute.delta import DeltaRequest
     from triton_reshard.tools.topology import Topology
 
-    data = load_file(spec["delta"]["path"])
     versions = spec["delta"]["versions"]
+    last: dict = {}
 
-    def version(v: int) -> dict:
-        return {n.split("/", 1)[1]: t for n, t in data.items() if n.startswith(f"v{v}/")}
+    def version(v: int) -> dict:  # one version read at a time (every rank holding all of a big model's: GBs)
+        if v not in last:
+            last.clear()
+            with safe_open(spec["delta"]["path"], "pt") as f:
+                last[v] = {n.split("/", 1)[1]: f.get_tensor(n) for n in f.keys()  # noqa: SIM118
+                           if n.startswith(f"v{v}/")}
+        return last[v]
 
     groups = dst.instance_groups(inst) if inst > 1 else None
     plan = plan_reshard(src, full_dst, False, rpn, relay, groups, rank=rank)  # relays as "ours" chose
