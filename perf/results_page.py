@@ -805,13 +805,14 @@ def _cluster_versions(res: Results) -> Section | None:
         table=[["model", "target (measured)", "changed per group", "per expert: changed, tokens routed",
                 "delta bytes / dense, 64 KiB chunks: AdamW / uniform", "refit bytes / dense: AdamW / uniform",
                 "delta refit: AdamW / uniform", "dense / delta: AdamW / uniform"], *rows],
-        note="Adam's normalized step moves every weight by about the learning rate, so which bf16 elements change "
-             "depends on their magnitude (a small weight's last bit is finer), not on the gradient's: the changed "
-             "elements are spread like uniform ones within a tensor, and the groups differ only by their weights' "
-             "scale (norms near 1 almost never change). transformers keeps a MoE's experts as one fused "
-             "parameter, so an expert that received no tokens still gets a zero gradient and moves with its Adam "
-             "momentum. The refit times of the two kinds come from different clusters of one run (each ratio "
-             "within its own cluster).",
+        note="Whether an AdamW step flips a weight's bf16 bits depends on the weight's magnitude (a small weight's "
+             "last bit is finer) and on the size of its normalized step (larger for the experts and the router "
+             "than for attention), both varying element by element without block structure: within a chunk the "
+             "changed elements fall like uniform ones, so the encoded bytes match uniform flips, while the groups' "
+             "fractions differ (norms near 1 almost never change). transformers keeps a MoE's experts as one "
+             "fused parameter, so an expert that received no tokens still gets a zero gradient and moves with its "
+             "Adam momentum. The refit times of the two kinds come from different clusters of one run (each "
+             "ratio within its own cluster).",
         history="Refit across an emulated cluster", **res.provenance(*names))
 
 
