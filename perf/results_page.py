@@ -648,8 +648,9 @@ def _cluster_setting(st: dict) -> str:
 
 # the files of perf/bench_cluster.py's delta rows: the main run, its --big-model run, the MoE with real AdamW
 # diffs (and, as its --big-model, the same MoE with uniform flips), the wire-bound llama_demo with real diffs
+# and (``*_flips.json``, run right after it: its versions take minutes to make) with uniform flips
 CLUSTER_DELTA = ("bench_cluster.json", "bench_cluster_big.json", "bench_cluster_moe_adamw.json",
-                 "bench_cluster_llama_demo.json")
+                 "bench_cluster_llama_demo.json", "bench_cluster_llama_demo_flips.json")
 
 
 @summarizer("bench_cluster")
@@ -721,7 +722,7 @@ def _cluster_delta(res: Results) -> Section | None:
                                  secs(x["delta_s"]), secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]),
                                  auto, "yes" if x["exact"] else "**no**"])
                     if float(f) == 0.02 and st["nodes"] == 2 and st["rate_bps"] == 1e9:
-                        two.append((model, x["speedup"]))
+                        two.append((f"{model}, AdamW", x["speedup"]))
         b = d.get("big")
         if b:
             mb = f"{b['model']} ({b['model_bytes'] / 1e6:.0f} MB), uniform flips"
@@ -730,7 +731,7 @@ def _cluster_delta(res: Results) -> Section | None:
                              secs(x["dense_s"]), ratio(x["speedup"]), pct(x["bytes_ratio"]), "—",
                              "yes" if x["exact"] else "**no**"])
                 if float(f) == 0.02:
-                    two.append((b["model"], x["speedup"]))
+                    two.append((f"{b['model']}, uniform flips", x["speedup"]))
     if not rows:
         return None
     return Section(
@@ -771,7 +772,9 @@ def _cluster_versions(res: Results) -> Section | None:
         st = next((st for st in d["settings"] if any("delta" in r for r in st["models"].values())), None)
         model = next(m for m, r in st["models"].items() if "delta" in r) if st else None
         real = st["models"][model]["delta"]["by_fraction"] if st else {}
-        flips = (d.get("big") or {}).get("by_fraction", {}) if (d.get("big") or {}).get("model") == model else {}
+        big = d.get("big") or (res.load(n.replace(".json", "_flips.json")).get("big")
+                               if res.exists(n.replace(".json", "_flips.json")) else None) or {}
+        flips = big.get("by_fraction", {}) if big.get("model") == model else {}
         by: dict = {}
         for v in d["delta_versions"]:
             by.setdefault(v["target"], []).append(v)
@@ -811,8 +814,8 @@ def _cluster_versions(res: Results) -> Section | None:
              "changed elements fall like uniform ones, so the encoded bytes match uniform flips, while the groups' "
              "fractions differ (norms near 1 almost never change). transformers keeps a MoE's experts as one "
              "fused parameter, so an expert that received no tokens still gets a zero gradient and moves with its "
-             "Adam momentum. The refit times of the two kinds come from different clusters of one run (each "
-             "ratio within its own cluster).",
+             "Adam momentum. The refit times of the two kinds come from different clusters of one run, or for "
+             "llama_demo of two runs back to back (each ratio within its own cluster).",
         history="Refit across an emulated cluster", **res.provenance(*names))
 
 
