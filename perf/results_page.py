@@ -849,9 +849,11 @@ def _cluster_mtu(res: Results) -> Section | None:
                   if j else "no MTU 9000 row at 1 Gbit/s"),
         table=[["MTU", "setting", "model", "ours", "link limit", "with framing", "ours / link limit",
                 "ours / framed limit", "gather-bcast / ours", "link probe Gbit/s", "bit-exact"], *rows],
-        note="Framing is 4.6 % of the wire at MTU 1500 and 0.7 % at 9000: jumbo frames lower the bound a "
-             "refit can reach by that much; what is left above the framed limit is the refit's fixed cost (its "
-             "handshake and rounds, a few ms on this loaded machine) and, at 10 Gbit/s, gloo's own rate.",
+        note="The link probe (one large send) reaches the framed rate at each MTU, so `tbf` charges the headers "
+             "of every segment (the interface counters do not: veth passes GSO super-frames, one header each). "
+             "In the refits the framing's few percent are within the run-to-run noise of this loaded machine; "
+             "what is left above the framed limit is the refit's fixed cost (its handshake and rounds) and, at "
+             "10 Gbit/s, what gloo reaches on shared cores.",
         history="Refit across an emulated cluster", **res.provenance(*names))
 
 
