@@ -32,9 +32,10 @@ the bytes every node's interface counted:
   OpenRLHF do);
 * ``link-limit``: the bytes the busiest node must receive from other nodes (each destination element once per
   node) over the link rate;
-* ``delta`` (``--delta-model``: small_llama or small_qwen3_moe): real AdamW diffs (``perf/cluster_versions.py``):
-  the HF model of the preset's config trained as in ``perf/bench_delta.py`` (a Markov next-token task), its
-  parameters mapped onto the preset's global tensors (the MoE's fused experts split per expert), then chains of ``--repeats`` optimizer steps at a learning
+* ``delta`` (``--delta-model``: a Llama or Qwen3-MoE preset, e.g. small_llama, small_qwen3_moe, llama_demo): real
+  AdamW diffs (``perf/cluster_versions.py``): the HF model of the preset's config trained as in
+  ``perf/bench_delta.py`` (a Markov next-token task), its parameters mapped onto the preset's global tensors
+  (the MoE's fused experts split per expert), then chains of ``--repeats`` optimizer steps at a learning
   rate calibrated (bisection) so one step changes ``--fractions`` of the bf16 elements; per step a dense
   refit, a delta refit and a delta refit that knows the cluster (``DeltaRequest(topology=...)``: dense when
   the cost model predicts that faster) of the same change on the same ranks (three Resharders, relays as
