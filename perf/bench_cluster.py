@@ -32,8 +32,10 @@ the bytes every node's interface counted:
   OpenRLHF do);
 * ``link-limit``: the bytes the busiest node must receive from other nodes (each destination element once per
   node) over the link rate;
-* ``delta`` (small_llama): real AdamW diffs: the HF Llama of the preset's config trained as in
-  ``perf/bench_delta.py`` (a Markov next-token task), then chains of ``--repeats`` optimizer steps at a learning
+* ``delta`` (``--delta-model``: a Llama or Qwen3-MoE preset, e.g. small_llama, small_qwen3_moe, llama_demo): real
+  AdamW diffs (``perf/cluster_versions.py``): the HF model of the preset's config trained as in
+  ``perf/bench_delta.py`` (a Markov next-token task), its parameters mapped onto the preset's global tensors
+  (the MoE's fused experts split per expert), then chains of ``--repeats`` optimizer steps at a learning
   rate calibrated (bisection) so one step changes ``--fractions`` of the bf16 elements; per step a dense
   refit, a delta refit and a delta refit that knows the cluster (``DeltaRequest(topology=...)``: dense when
   the cost model predicts that faster) of the same change on the same ranks (three Resharders, relays as
@@ -62,6 +64,7 @@ import time
 from pathlib import Path
 
 import cluster_delta as cd  # the delta part (its functions read this module's at call time)
+import cluster_versions as cv  # the versions of the delta refits: real AdamW steps of the preset's HF model
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +95,13 @@ def layouts(model: str, nodes: int, rpn: int):
 def globals_for(model: str, src) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {s.name: (torch.randn(s.shape, generator=g) * 0.02).to(s.dtype) for s in src.tensors}
+
+
+def framing(mtu: int) -> float:
+    """Bytes the shaped link carries per byte of TCP payload at ``mtu``: every frame of ``mtu - 52`` payload
+    bytes (20 of IP, 32 of TCP with Linux's default timestamps option) is ``mtu + 14`` bytes to ``tbf`` (which
+    counts the Ethernet header): 1.046 at 1500, 1.0074 at 9000."""
+    return (mtu + 14) / (mtu - 52)
 
 
 def link_limit_bytes(dst_full, rpn: int) -> int:
@@ -306,6 +316,7 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
         pr = preds[model]
         limit = pr["link_limit_bytes"] * 8 / rate
         row = {"link_limit_s": limit, "model_bytes": pr["model_bytes"], "link_limit_bytes": pr["link_limit_bytes"],
+               "link_limit_framed_s": limit * framing(setting.get("mtu", 1500)),
                "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
                "predicted_calibrated_s": pr.get("calibrated"), "methods": {}}
         for m in per[0]:
@@ -333,7 +344,8 @@ def print_setting(s: dict, summ: dict) -> None:
           f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
           f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
     for model, row in summ.items():
-        print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms, "
+        print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms "
+              f"({row['link_limit_framed_s'] * 1e3:.1f} with TCP/IP framing), "
               f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f}; "
               f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f})")
         if "relay_choice" in row:
@@ -369,12 +381,14 @@ def run(args) -> dict:
     delta = None
     if args.delta_model:
         t0 = time.perf_counter()
-        delta = cd.make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
+        delta = cv.make_versions(args.delta_model, args.fractions, args.delta_repeats, args.warmup,
                               os.path.join(tmp, "versions.safetensors"))
         delta["model"] = args.delta_model
         delta["interleaved"] = args.delta_order == "interleaved"
         print(f"versions: {[(r['version'], round(100 * r['changed'], 2)) for r in delta['versions']]} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        for row in delta["versions"]:
+            print("  " + cv.describe(row), flush=True)
     out = {"settings": [], "delta_versions": delta["versions"] if delta else None}
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'perf'}:{os.environ.get('PYTHONPATH', '')}"}
     for nodes in ([] if args.skip_settings else args.nodes):

@@ -1,102 +1,34 @@
-"""Delta refits of ``perf/bench_cluster.py`` (split from it to keep files short): the versions (real AdamW diffs
-of the preset's HF Llama), the rank side of dense / delta / cost-model delta chains, the ``--big-model`` rank
-side (uniform flips), and their summary. Imported by ``bench_cluster`` (and by its ranks, ``perf`` on the path).
+"""Delta refits of ``perf/bench_cluster.py`` (split from it to keep files short; the versions, real AdamW
+diffs of the preset's HF model, are ``perf/cluster_versions.py``'s): the rank side of dense / delta / cost-model
+delta chains, the ``--big-model`` rank side (uniform flips), and their summary. Imported by ``bench_cluster``
+(and by its ranks, ``perf`` on the path).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
-import sys
 
 import bench_cluster as bc  # attributes read at call time (bench_cluster imports this module too)
 import torch
 
-# ---------------------------------------------------------------------------------------------------------
-# real AdamW diffs (small_llama): versions of the global tensors, chained
-
-
-def make_versions(model: str, fractions, repeats: int, warmup: int, path: str) -> dict:
-    """Train the HF model of ``model``'s config, then per fraction ``repeats`` AdamW steps at a learning rate
-    that changes about that fraction of the bf16 elements; write every version's bf16 tensors to ``path``
-    (safetensors) and return the versions' measured changed fractions."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(bc.ROOT / "perf"))
-    from bench_delta import MarkovTask, bf16_bits
-
-    from triton_reshard.presets import get_config
-
-    cfg = {k: v for k, v in get_config(model).items() if k != "model_type"}
-    torch.set_num_threads(1)  # on a shared 2-core machine more threads spin: one step 0.16 s -> 3-7 s
-    torch.manual_seed(0)
-    net = LlamaForCausalLM(LlamaConfig(**cfg, max_position_embeddings=64)).float()
-    task = MarkovTask(cfg["vocab_size"])
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-
-    def step(opt) -> None:
-        x = task.batch(8, 32)
-        loss = net(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    for _ in range(warmup):
-        step(opt)
-
-    def changed_after(lr: float) -> float:  # one step from a copy of the state, undone afterwards
-        saved = {n: p.detach().clone() for n, p in net.named_parameters()}
-        st = {k: v for k, v in opt.state_dict().items()}
-        before = bf16_bits(net)
-        o = torch.optim.AdamW(net.parameters(), lr=lr)
-        o.load_state_dict(st)
-        for gr in o.param_groups:
-            gr["lr"] = lr
-        step(o)
-        after = bf16_bits(net)
-        with torch.no_grad():
-            for n, p in net.named_parameters():
-                p.copy_(saved[n])
-        opt.load_state_dict(st)
-        return sum(int((after[n] != before[n]).sum()) for n in after) / sum(t.numel() for t in after.values())
-
-    tensors = {f"v0/{n}": p.detach().to(torch.bfloat16).contiguous() for n, p in net.named_parameters()}
-    prev = bf16_bits(net)
-    rows, v = [], 0
-    for frac in fractions:
-        lo, hi = 1e-9, 1e-3
-        for _ in range(10):  # bisection in log space on the learning rate
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if changed_after(mid) < frac else (lo, mid)
-        lr = math.sqrt(lo * hi)
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        for _ in range(repeats):
-            step(opt)
-            v += 1
-            cur = bf16_bits(net)
-            ch = sum(int((cur[n] != prev[n]).sum()) for n in cur) / sum(t.numel() for t in cur.values())
-            prev = cur
-            tensors.update({f"v{v}/{n}": p.detach().to(torch.bfloat16).contiguous()
-                            for n, p in net.named_parameters()})
-            rows.append({"version": v, "target": frac, "lr": lr, "changed": ch})
-    save_file(tensors, path)
-    return {"path": path, "versions": rows}
-
 
 def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) -> list:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from triton_reshard import Resharder, plan_reshard
     from triton_reshard.execute.delta import DeltaRequest
     from triton_reshard.tools.topology import Topology
 
-    data = load_file(spec["delta"]["path"])
     versions = spec["delta"]["versions"]
+    last: dict = {}
 
-    def version(v: int) -> dict:
-        return {n.split("/", 1)[1]: t for n, t in data.items() if n.startswith(f"v{v}/")}
+    def version(v: int) -> dict:  # one version read at a time (every rank holding all of a big model's: GBs)
+        if v not in last:
+            last.clear()
+            with safe_open(spec["delta"]["path"], "pt") as f:
+                last[v] = {n.split("/", 1)[1]: f.get_tensor(n) for n in f.keys()  # noqa: SIM118
+                           if n.startswith(f"v{v}/")}
+        return last[v]
 
     groups = dst.instance_groups(inst) if inst > 1 else None
     plan = plan_reshard(src, full_dst, False, rpn, relay, groups, rank=rank)  # relays as "ours" chose

@@ -96,3 +96,23 @@ def test_every_number_on_the_page_comes_from_a_summarizer():
     for text in prose:
         text = re.sub(r"`[^`]*`|\b[A-Za-z]+\d+\b", "", text)  # commands and names (FP8, BF16)
         assert not re.search(r"\d", text), text
+
+
+def test_the_cluster_goals_follow_the_json(copy):
+    """Issue 32's goals table (perf/bench_cluster.py): each row's met / missed follows the number in the file
+    the row names, on either side of the goal."""
+    path = copy / "results" / "bench_cluster_moe_adamw.json"
+    d = json.loads(path.read_text())
+    row = d["settings"][0]["models"]["small_qwen3_moe"]
+
+    def goal(text: str) -> list[str]:
+        sec = next(s for s in results_page.sections(results_page.Results(copy / "results"))
+                   if s.title.startswith("Issue 32"))
+        return [r[2:] for r in sec.table if r[0].startswith(text) and "bench_cluster_moe_adamw.json" in r[1]]
+
+    for speedup, over, want in ((5.2, 1.1, "met"), (4.9, 1.2, "**missed**")):
+        row["delta"]["by_fraction"]["0.02"]["speedup"] = speedup
+        row["methods"]["ours"]["over_link_limit"] = over
+        path.write_text(json.dumps(d))
+        assert goal("delta at 2 % ≥ 5× faster than dense at 1 Gbit/s (AdamW") == [[f"{speedup:.2f}×", want]]
+        assert goal("dense ≤ 1.15× the link limit") == [[f"{over:.2f}×", want]]
