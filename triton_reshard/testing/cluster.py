@@ -55,6 +55,9 @@ MAX_NODES = 200
 MAX_RANKS_PER_NODE = 64
 MAX_RATE_BPS = 100e9  # tbf's timer resolution makes higher rates meaningless here
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)-")
+# "auto": veth + tc (netem for latency) where the kernel has netem, else the userspace emulator
+# (testing.netdelay) for links with a latency; "veth": the kernel path only; "tap": the emulator always
+EMULATORS = ("auto", "veth", "tap")
 
 
 class ClusterUnavailable(RuntimeError):
@@ -297,8 +300,11 @@ class Cluster:
     this process's pid). Use as a context manager; :meth:`close` is idempotent."""
 
     def __init__(self, nodes: int, ranks_per_node: int = 1, *, rate=None, latency=0.0, loss=0.0, mtu: int = 1500,
-                 subnet: tuple[int, int] | None = None) -> None:
+                 subnet: tuple[int, int] | None = None, emulator: str = "auto") -> None:
         _check_sizes(nodes, ranks_per_node)
+        if emulator not in EMULATORS:
+            raise ValueError(f"cluster: emulator={emulator!r} must be one of {', '.join(EMULATORS)}")
+        self.emulator = emulator
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not (576 <= mtu <= 65535):
             raise ValueError(f"cluster: mtu={mtu!r} must be an int between 576 and 65535")
         self.nodes, self.ranks_per_node, self.mtu = nodes, ranks_per_node, mtu
@@ -313,6 +319,7 @@ class Cluster:
         self._port = PORT
         self._dir: str | None = None
         self._old_term = None
+        self._fwd = None  # the userspace link emulator's forwarder (netdelay.Forwarder) when the links are TAPs
 
     @property
     def world_size(self) -> int:
@@ -347,26 +354,56 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def uses_tap(self) -> bool:
+        """Whether the links are the userspace emulator's TAPs (:mod:`triton_reshard.testing.netdelay`): with
+        ``emulator="tap"``, or ``"auto"`` where a link has a latency and the kernel has no netem."""
+        if self.emulator != "auto":
+            return self.emulator == "tap"
+        return any(link.latency_s for link in self.links) and not capabilities()["netem"]
+
     def _build(self) -> None:
         _ip("netns", "add", self.switch)
         self._built.append(self.switch)
         sw = ("-n", self.switch)
-        _ip(*sw, "link", "add", "br0", "type", "bridge")
-        _ip(*sw, "link", "set", "br0", "up")
         _ip(*sw, "link", "set", "lo", "up")
+        tap = self.uses_tap()
+        if tap:
+            self._start_forwarder()
+        else:
+            _ip(*sw, "link", "add", "br0", "type", "bridge")
+            _ip(*sw, "link", "set", "br0", "up")
         for i, ns in enumerate(self.node_ns):
             _ip("netns", "add", ns)
             self._built.append(ns)
-            port = f"p{i}"
-            # created inside the node's namespace, its peer straight into the switch's: never in the root one
-            _ip("-n", ns, "link", "add", IFNAME, "mtu", str(self.mtu), "type", "veth", "peer", "name", port,
-                "mtu", str(self.mtu), "netns", self.switch)
-            _ip(*sw, "link", "set", port, "master", "br0")
-            _ip(*sw, "link", "set", port, "up")
+            if tap:
+                from triton_reshard.testing.netdelay import port_name
+
+                # the forwarder made the TAP in the switch's namespace: move it into the node's, as its eth0
+                _ip(*sw, "link", "set", port_name(i), "netns", ns)
+                _ip("-n", ns, "link", "set", port_name(i), "name", IFNAME)
+                _ip("-n", ns, "link", "set", IFNAME, "mtu", str(self.mtu), "txqueuelen", "10000")
+            else:
+                port = f"p{i}"
+                # created inside the node's namespace, its peer straight into the switch's: never in the root one
+                _ip("-n", ns, "link", "add", IFNAME, "mtu", str(self.mtu), "type", "veth", "peer", "name", port,
+                    "mtu", str(self.mtu), "netns", self.switch)
+                _ip(*sw, "link", "set", port, "master", "br0")
+                _ip(*sw, "link", "set", port, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
             _ip("-n", ns, "link", "set", IFNAME, "up")
             self._shape(i)
+
+    def _start_forwarder(self) -> None:
+        from triton_reshard.testing import netdelay
+
+        ok, why = netdelay.available()
+        if not ok:
+            raise ClusterUnavailable(why)
+        ports = [(link.latency_s, link.rate_bps, _burst(link.rate_bps) if link.rate_bps else 0, link.loss)
+                 for link in self.links]
+        self._fwd = netdelay.Forwarder(self.switch, ports)
+        self._fwd.start()
 
     def _shape(self, i: int) -> None:
         link = self.links[i]
@@ -376,9 +413,10 @@ class Cluster:
         cmds = []
         tbf = []
         if link.rate_bps is not None:
-            # burst: 2 ms of the rate (at least 64 KiB, one GSO super-packet); queue: 50 ms of it
-            burst = max(64 << 10, int(link.rate_bps / 8 * 2e-3))
-            tbf = ["tbf", "rate", f"{int(link.rate_bps)}bit", "burst", str(burst), "latency", "50ms"]
+            tbf = ["tbf", "rate", f"{int(link.rate_bps)}bit", "burst", str(_burst(link.rate_bps)), "latency", "50ms"]
+        if self._fwd is not None:  # TAP links: the uplink's tbf here, delay, loss and the downlink in the forwarder
+            self._tc(i, [tc_node + ["root", "handle", "1:", *tbf]] if tbf else [])
+            return
         use_netem = bool(link.latency_s) or (bool(link.loss) and capabilities()["netem"])
         if use_netem:
             if not capabilities()["netem"]:
@@ -406,6 +444,10 @@ class Cluster:
             rules = (f'table netdev trsh_loss {{ chain p{i} {{ type filter hook ingress device "p{i}" priority 0; '
                      f'policy accept; numgen random mod 10000 < {per_10k} counter drop ; }} ; }}')
             cmds.append(["ip", "netns", "exec", self.switch, "nft", rules])
+        self._tc(i, cmds)
+
+    def _tc(self, i: int, cmds: list[list[str]]) -> None:
+        link = self.links[i]
         for cmd in cmds:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
             if r.returncode != 0:
@@ -415,10 +457,13 @@ class Cluster:
                                  f"{msg[-1] if msg else 'tc failed'}")
 
     def close(self) -> None:
-        """Kill the rank processes and delete every namespace this cluster made (idempotent)."""
+        """Kill the rank processes and the link emulator, delete every namespace this cluster made (idempotent)."""
         for p in self._procs:
             _kill_group(p)
         self._procs = []
+        fwd, self._fwd = self._fwd, None
+        if fwd is not None:
+            fwd.stop()
         for ns in reversed(self._built):
             _kill_inside(ns)
             _ip("netns", "del", ns, check=False)
@@ -438,6 +483,8 @@ class Cluster:
         """Per node, the packets its link's ``loss`` has dropped so far (0 for a node without loss): netem's
         drop count on the node's egress, or the nftables rule's counter at the switch port. The interface
         counters cannot show this loss: netem drops before the node's ``eth0`` counts a packet as sent."""
+        if self._fwd is not None:
+            return [p.lost for p in self._fwd.stats()]
         out = []
         for i, ns in enumerate(self.node_ns):
             n = 0
@@ -546,6 +593,11 @@ class Cluster:
         if errors and not allow_errors:
             raise ClusterRankError(errors)
         return ClusterRun(results, errors, [a - b for a, b in zip(after, before, strict=True)], seconds, dropped)
+
+
+def _burst(rate_bps: float) -> int:
+    """A link's token bucket: 2 ms of the rate, at least 64 KiB (one GSO super-packet)."""
+    return max(64 << 10, int(rate_bps / 8 * 2e-3))
 
 
 def _raise_exit(signum, frame) -> None:
