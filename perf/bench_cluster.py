@@ -387,12 +387,14 @@ def run(args) -> dict:
                 spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats, "rate_bps": rate_bps,
                         "timeout": args.timeout, "models": args.models, "delta": delta}
                 t0 = time.perf_counter()
+                sysctls = ({} if args.tcp_slow_start_after_idle is None else
+                           {"net.ipv4.tcp_slow_start_after_idle": args.tcp_slow_start_after_idle})
                 with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat, mtu=args.mtu,
-                             emulator=args.emulator) as c:
+                             emulator=args.emulator, sysctls=sysctls) as c:
                     fwd_cpu = c._fwd.cpu_seconds() if c._fwd else None
                     r = c.run("bench_cluster:bench_rank", spec, timeout=args.timeout * 6, pg_timeout=args.timeout,
                               env=env)
-                    link = {"emulator": "tap" if c._fwd else "veth"}
+                    link = {"emulator": "tap" if c._fwd else "veth", **({"sysctls": sysctls} if sysctls else {})}
                     if c._fwd:  # the forwarder's CPU over the run, and per GB it carried (all nodes' uplinks)
                         carried = sum(b.tx for b in r.link_bytes)
                         link["forwarder_cpu_s"] = c._fwd.cpu_seconds() - fwd_cpu
@@ -460,13 +462,14 @@ def plot(res: dict, path: str, extra_big: tuple = ()) -> None:
         ax.legend(fontsize=6)
     methods = ["ours", "ours-relay", "ours-no-topology", "gather-bcast", "allgather"]
     for ax, model in zip(axes[0], models, strict=False):
-        labels = [f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G" for s in sets]
+        labels = [f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G" + (f" +{s['latency_s'] * 1e3:g}ms" if s.get("latency_s") else "")
+                  for s in sets]
         w = 0.8 / len(methods)
         for k, m in enumerate(methods):
             ys = [s["models"][model]["methods"].get(m, {}).get("over_link_limit", 0) for s in sets]
             ax.bar([i + k * w for i in range(len(sets))], ys, w, label=m)
         ax.axhline(1.0, color="k", lw=0.8, ls="--", label="link limit")
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(sets))], labels)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(sets))], labels, rotation=40, ha="right", fontsize=7)
         ax.set_ylabel("refit time / link limit")
         ax.set_yscale("log")
         ax.set_title(model)
@@ -499,6 +502,9 @@ def main(argv=None) -> int:
     ap.add_argument("--emulator", choices=("auto", "veth", "tap"), default="auto",
                     help="the links: auto (veth + tc, the userspace TAP emulator for a latency without netem), veth, "
                          "or tap (testing.netdelay's TAPs and C forwarder for every setting)")
+    ap.add_argument("--tcp-slow-start-after-idle", type=int, choices=(0, 1), default=None,
+                    help="set net.ipv4.tcp_slow_start_after_idle in every node (Linux's default: 1, TCP restarts "
+                         "from its initial window after an idle RTO, 200 ms)")
     ap.add_argument("--smoke", action="store_true", help="CI: 2 nodes, 1 Gbit/s, small_llama, 1 repeat")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)

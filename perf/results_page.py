@@ -786,7 +786,10 @@ def _cluster_latency(res: Results) -> Section | None:
                 "forwarder CPU s per GB", "bit-exact"], *rows],
         note="The forwarder's CPU is per GB of frames it carried (all nodes' uplinks), measured over the whole run "
              "from its /proc stat (clock-tick resolution). The baselines call one collective per tensor, so each "
-             "of them pays the round trip once per tensor; ours pays it once per refit step.",
+             "of them pays the round trip once per tensor; ours pays it once per refit step."
+             + (" Per setting, each method's time over the link limit: "
+                "![bench_cluster_latency](results/bench_cluster_latency.png)"
+                if res.exists("bench_cluster_latency.png") else ""),
         history="Link latency without netem", **res.provenance(*names))
 
 

@@ -157,3 +157,9 @@ def test_a_killed_harness_leaves_no_forwarder_and_its_namespaces_are_stale(need_
     assert set(info["ns"]) <= set(C.remove_stale())
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [n for n in info["ns"] if n in listed]
+
+
+def test_bad_sysctl_is_one_line():
+    with pytest.raises(ValueError, match="sysctl 'kernel.panic'") as e:
+        C.Cluster(2, sysctls={"kernel.panic": 1})
+    assert "\n" not in str(e.value)

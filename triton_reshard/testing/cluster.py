@@ -8,9 +8,11 @@
 * per node a link shaped by ``tc``: a token bucket (``tbf``) at ``rate`` in both directions (the node's egress
   on ``eth0``, its ingress on the switch's port), and, when ``latency`` or ``loss`` is given, ``netem`` on the
   node's egress (every packet the node sends waits ``latency`` and is dropped with probability ``loss``: the
-  one-way delay from node a to node b is ``latency[a]``, the round trip ``latency[a] + latency[b]``). Kernels
-  without netem (:func:`capabilities`) refuse a latency in one line; loss then uses nftables (``nft``: a
-  random drop of packets from the node as they enter the switch).
+  one-way delay from node a to node b is ``latency[a]``, the round trip ``latency[a] + latency[b]``). On
+  kernels without netem (:func:`capabilities`) a link with a latency is a TAP into the userspace link emulator
+  (:mod:`triton_reshard.testing.netdelay`: the same semantics, delay and loss in a forwarder process); loss
+  without a latency then uses nftables (``nft``: a random drop of packets from the node as they enter the
+  switch).
 
 :meth:`Cluster.run` starts ``world = nodes * ranks_per_node`` processes, ranks ``[i*R, (i+1)*R)`` inside node
 ``i`` (the planner's ``gpus_per_node = R``), each in a gloo process group with ``GLOO_SOCKET_IFNAME=eth0`` and a
@@ -297,14 +299,21 @@ class Cluster:
 
     ``rate`` / ``latency`` / ``loss``: one value for every node or a list of one per node (see :class:`Link`
     and :func:`parse_rate`); ``mtu`` of every veth; ``subnet``: the ``a.b`` of ``10.a.b.0/24`` (default: from
-    this process's pid). Use as a context manager; :meth:`close` is idempotent."""
+    this process's pid); ``emulator``: see :data:`EMULATORS`; ``sysctls``: ``net.*`` settings for every node's
+    namespace (e.g. ``{"net.ipv4.tcp_slow_start_after_idle": 0}``). Use as a context manager; :meth:`close` is
+    idempotent."""
 
     def __init__(self, nodes: int, ranks_per_node: int = 1, *, rate=None, latency=0.0, loss=0.0, mtu: int = 1500,
-                 subnet: tuple[int, int] | None = None, emulator: str = "auto") -> None:
+                 subnet: tuple[int, int] | None = None, emulator: str = "auto",
+                 sysctls: dict[str, int] | None = None) -> None:
         _check_sizes(nodes, ranks_per_node)
         if emulator not in EMULATORS:
             raise ValueError(f"cluster: emulator={emulator!r} must be one of {', '.join(EMULATORS)}")
         self.emulator = emulator
+        for k, v in (sysctls or {}).items():
+            if not re.fullmatch(r"net\.[a-z0-9_.]+", str(k)) or isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"cluster: sysctl {k!r}={v!r} must be a net.* name and an int")
+        self.sysctls = dict(sysctls or {})
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not (576 <= mtu <= 65535):
             raise ValueError(f"cluster: mtu={mtu!r} must be an int between 576 and 65535")
         self.nodes, self.ranks_per_node, self.mtu = nodes, ranks_per_node, mtu
@@ -376,12 +385,7 @@ class Cluster:
             _ip("netns", "add", ns)
             self._built.append(ns)
             if tap:
-                from triton_reshard.testing.netdelay import port_name
-
-                # the forwarder made the TAP in the switch's namespace: move it into the node's, as its eth0
-                _ip(*sw, "link", "set", port_name(i), "netns", ns)
-                _ip("-n", ns, "link", "set", port_name(i), "name", IFNAME)
-                _ip("-n", ns, "link", "set", IFNAME, "mtu", str(self.mtu), "txqueuelen", "10000")
+                self._fwd.attach(i, ns, IFNAME, self.mtu)
             else:
                 port = f"p{i}"
                 # created inside the node's namespace, its peer straight into the switch's: never in the root one
@@ -390,6 +394,9 @@ class Cluster:
                 _ip(*sw, "link", "set", port, "master", "br0")
                 _ip(*sw, "link", "set", port, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            for k, v in self.sysctls.items():  # per namespace: only this node's stack
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{k}={v}"], check=True, timeout=30,
+                               capture_output=True)
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
             _ip("-n", ns, "link", "set", IFNAME, "up")
             self._shape(i)
@@ -400,9 +407,8 @@ class Cluster:
         ok, why = netdelay.available()
         if not ok:
             raise ClusterUnavailable(why)
-        ports = [(link.latency_s, link.rate_bps, _burst(link.rate_bps) if link.rate_bps else 0, link.loss)
-                 for link in self.links]
-        self._fwd = netdelay.Forwarder(self.switch, ports)
+        self._fwd = netdelay.Forwarder(self.switch, [(x.latency_s, x.rate_bps, _burst(x.rate_bps) if x.rate_bps else 0,
+                                                      x.loss) for x in self.links])
         self._fwd.start()
 
     def _shape(self, i: int) -> None:
