@@ -23,8 +23,9 @@ reads: nothing is pickled. The run's result also holds each node's interface byt
 link) over the whole run; :func:`link_counters` reads them inside a rank around one operation.
 
 Teardown always runs: on leaving the ``with`` block, on an exception, on Ctrl-C, on SIGTERM, and at exit; it
-kills the rank processes and deletes the namespaces. Namespaces left by an earlier run that crashed harder
-(``kill -9``) are recognised by the prefix and a dead creator pid, and removed before a new cluster is built.
+kills the rank processes and the link emulator and deletes the namespaces. Namespaces left by an earlier run
+that crashed harder (``kill -9``) are recognised by the prefix and a dead creator pid, and removed before a new
+cluster is built.
 
 Without root or iproute2 :func:`available` says why in one line (``Cluster`` raises
 :class:`ClusterUnavailable` with it); bad sizes, rates, latencies or losses raise ``ValueError`` naming the
