@@ -163,3 +163,73 @@ def test_bad_sysctl_is_one_line():
     with pytest.raises(ValueError, match="sysctl 'kernel.panic'") as e:
         C.Cluster(2, sysctls={"kernel.panic": 1})
     assert "\n" not in str(e.value)
+
+
+_FRAMES = r"""
+import json, socket, struct, sys, time
+ETH = 0x88B5  # IEEE local experimental ethertype: nothing else on these links uses it
+A, B = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
+BCAST = b"\xff" * 6
+socks = {}
+for i in range(3):
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH))
+    s.bind((f"tp{i}", ETH))
+    s.settimeout(0.02)
+    socks[i] = s
+def send(i, src, dst, seq):
+    socks[i].send(dst + src + struct.pack("!H", ETH) + struct.pack("!Id", seq, time.monotonic()) + bytes(46))
+def drain(i, until):
+    got = []
+    while True:  # what is queued, then what arrives until `until`
+        try:
+            data, addr = socks[i].recvfrom(2048)
+        except TimeoutError:
+            if time.monotonic() >= until:
+                break
+            continue
+        if addr[2] == socket.PACKET_OUTGOING:
+            continue
+        seq, sent = struct.unpack("!Id", data[14:26])
+        got.append((seq, time.monotonic() - sent))
+    return got
+out = {}
+send(0, A, BCAST, 0)   # broadcast from port 0: to ports 1 and 2; the switch learns A at port 0
+send(1, B, BCAST, 1)   # from port 1: learns B
+t = time.monotonic() + 0.3
+out["bcast0"], out["bcast1"], out["bcast2"] = drain(0, t), drain(1, t), drain(2, t)
+n = int(sys.argv[1])
+for k in range(n):     # unicast A -> B: only port 1, in order, each after port 0's delay
+    send(0, A, B, 100 + k)
+t = time.monotonic() + 1.5
+out["uni1"], out["uni2"], out["back0"] = drain(1, t), drain(2, time.monotonic() + 0.05), drain(0, time.monotonic() + 0.05)
+print(json.dumps(out))
+"""
+
+
+def test_the_forwarder_delays_keeps_order_and_switches_by_mac(need_emulator):
+    """Raw frames through the forwarder alone (no TCP to hide a reordering): a broadcast goes to every other
+    port, unicast frames go only to the learned port, in the order sent, each at least the source link's
+    delay late (port 0: 1 ms; ports 1 and 2: none)."""
+    ns = f"{C.PREFIX}{os.getpid()}-fwdtest"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    fwd = netdelay.Forwarder(ns, [(1e-3, None, 0, 0.0), (0.0, None, 0, 0.0), (0.0, None, 0, 0.0)])
+    try:
+        fwd.start()
+        for i in range(3):
+            subprocess.run(["ip", "-n", ns, "link", "set", netdelay.port_name(i), "up"], check=True)
+        p = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _FRAMES, "200"], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout)
+        stats = fwd.stats()
+    finally:
+        fwd.stop()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    # port 2 gets both broadcasts (port 1's, sent second over an undelayed link, usually first)
+    assert [s for s, _ in got["bcast0"]] == [1] and [s for s, _ in got["bcast1"]] == [0]
+    assert sorted(s for s, _ in got["bcast2"]) == [0, 1]
+    assert got["bcast1"][0][1] >= 1e-3 and dict(got["bcast2"])[0] >= 1e-3  # from port 0: its 1 ms
+    assert [s for s, _ in got["uni1"]] == list(range(100, 300))  # all, in order
+    assert min(d for _, d in got["uni1"]) >= 1e-3
+    assert got["uni2"] == [] and got["back0"] == []  # unicast only to the learned port
+    assert stats[0].rx_frames >= 201 and stats[1].tx_frames >= 201 and all(s.lost == 0 for s in stats)

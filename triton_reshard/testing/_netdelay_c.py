@@ -7,7 +7,9 @@ whole). It prints ``ready`` once every port exists, then acts as the switch: a f
 dropped with probability ``loss[a]``, waits ``lat[a]`` (the one-way delay of the link it came from), then goes
 to the port of its destination MAC (learned from source MACs; broadcast, multicast and unknown ones to every
 other port) through that port's token bucket (``rate``, ``burst``: the downlink; a frame that would wait more
-than 50 ms there is dropped, like ``tbf``'s queue). Order is kept per source and per destination.
+than 50 ms there is dropped, like ``tbf``'s queue; so is a frame beyond 100,000 held). Order is kept per
+source and per destination. Frames up to 2 KiB are held in allocations of their own size, larger ones in
+full-size buffers that are reused.
 
 Control on stdin: a line ``s`` prints one line ``stats`` followed, per port, by ``rx_frames rx_bytes tx_frames
 tx_bytes lost queue_drops write_errors``; end of file (the harness gone, however it died) ends the process, and so does
@@ -37,7 +39,10 @@ C_SOURCE = r"""
 #define VNET 10 /* struct virtio_net_hdr */
 #define QLIMIT_NS 50000000ULL
 
-typedef struct frame { struct frame *next; uint64_t t; int len; int src; unsigned char data[BUFSZ]; } frame;
+#define SMALL 2048          /* frames up to this size are copied into an allocation of their own size */
+#define MAX_INFLIGHT 100000 /* frames held at once, all ports (the netem path's queue limit, per node) */
+#define MAX_FREE 256        /* full-size buffers kept for reuse */
+typedef struct frame { struct frame *next; uint64_t t; int len; int src; int small; unsigned char data[BUFSZ]; } frame;
 typedef struct { frame *head, *tail; } fifo;
 
 static int np, fds[MAXP];
@@ -49,6 +54,7 @@ static unsigned long long st[MAXP][NST]; /* rx_frames rx_bytes tx_frames tx_byte
 static unsigned char macs[MAXP][6];
 static int mac_port[MAXP], nmac;
 static frame *freelist;
+static int nfree, inflight;
 static uint64_t rng = 0x9E3779B97F4A7C15ULL;
 
 static uint64_t now_ns(void) {
@@ -56,14 +62,26 @@ static uint64_t now_ns(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec;
 }
-static frame *get(void) {
+static frame *get(void) { /* a full-size buffer */
     frame *f = freelist;
-    if (f) { freelist = f->next; return f; }
-    f = malloc(sizeof(frame));
-    if (!f) { perror("netdelay: malloc"); exit(3); }
+    if (f) { freelist = f->next; nfree--; }
+    else if (!(f = malloc(sizeof(frame)))) { perror("netdelay: malloc"); exit(3); }
+    f->small = 0;
     return f;
 }
-static void put(frame *f) { f->next = freelist; freelist = f; }
+static frame *shrink(frame *f) { /* a small frame: its own small allocation, the buffer back to the pool */
+    frame *g = malloc(offsetof(frame, data) + f->len);
+    if (!g) { perror("netdelay: malloc"); exit(3); }
+    memcpy(g, f, offsetof(frame, data) + f->len);
+    g->small = 1;
+    f->next = freelist; freelist = f; nfree++;
+    return g;
+}
+static void release(frame *f) { /* a buffer not counted in inflight */
+    if (f->small || nfree >= MAX_FREE) free(f);
+    else { f->next = freelist; freelist = f; nfree++; }
+}
+static void put(frame *f) { inflight--; release(f); }
 static void push(fifo *q, frame *f) {
     f->next = NULL;
     if (q->tail) q->tail->next = f; else q->head = f;
@@ -121,8 +139,10 @@ static void route(frame *f, uint64_t ready) {
     for (int p = 0; p < np; p++) {
         if (p == f->src) continue;
         if (last >= 0) {
-            frame *c = get();
+            frame *c = f->small ? malloc(offsetof(frame, data) + f->len) : get();
+            if (!c) { perror("netdelay: malloc"); exit(3); }
             memcpy(c, f, offsetof(frame, data) + f->len);
+            inflight++;
             to_port(last, c, ready);
         }
         last = p;
@@ -149,13 +169,16 @@ static void read_port(int p) {
     for (int k = 0; k < 256; k++) {
         frame *f = get();
         ssize_t n = read(fds[p], f->data, BUFSZ);
-        if (n < 0) { put(f); if (errno == EAGAIN || errno == EINTR) return; perror("netdelay: read"); exit(4); }
-        if (n < VNET + 14) { put(f); continue; }
+        if (n < 0) { release(f); if (errno == EAGAIN || errno == EINTR) return; perror("netdelay: read"); exit(4); }
+        if (n < VNET + 14) { release(f); continue; }
         uint64_t t = now_ns();
         st[p][0]++; st[p][1] += n - VNET;
-        if (loss_ppm[p] && rnd() % 1000000 < loss_ppm[p]) { st[p][4]++; put(f); continue; }
+        if (loss_ppm[p] && rnd() % 1000000 < loss_ppm[p]) { st[p][4]++; release(f); continue; }
+        if (inflight >= MAX_INFLIGHT) { st[p][5]++; release(f); continue; }
         learn(p, f->data + VNET + 6);
         f->len = (int)n; f->src = p; f->t = t + lat[p];
+        if (n <= SMALL) f = shrink(f);
+        inflight++;
         push(&inq[p], f);
     }
 }
