@@ -391,13 +391,13 @@ def run(args) -> dict:
                            {"net.ipv4.tcp_slow_start_after_idle": args.tcp_slow_start_after_idle})
                 with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat, mtu=args.mtu,
                              emulator=args.emulator, sysctls=sysctls) as c:
-                    fwd_cpu = c._fwd.cpu_seconds() if c._fwd else None
+                    fwd_cpu = c.forwarder.cpu_seconds() if c.forwarder else None
                     r = c.run("bench_cluster:bench_rank", spec, timeout=args.timeout * 6, pg_timeout=args.timeout,
                               env=env)
-                    link = {"emulator": "tap" if c._fwd else "veth", **({"sysctls": sysctls} if sysctls else {})}
-                    if c._fwd:  # the forwarder's CPU over the run, and per GB it carried (all nodes' uplinks)
+                    link = {"emulator": "tap" if c.forwarder else "veth", **({"sysctls": sysctls} if sysctls else {})}
+                    if c.forwarder:  # the forwarder's CPU over the run, and per GB it carried (all nodes' uplinks)
                         carried = sum(b.tx for b in r.link_bytes)
-                        link["forwarder_cpu_s"] = c._fwd.cpu_seconds() - fwd_cpu
+                        link["forwarder_cpu_s"] = c.forwarder.cpu_seconds() - fwd_cpu
                         link["forwarder_cpu_s_per_GB"] = link["forwarder_cpu_s"] / max(carried / 1e9, 1e-9)
                 probe = r.results[0]["probe"]
                 probe.update({k: v for k, v in r.results[1]["probe"].items() if k not in probe})

@@ -62,9 +62,9 @@ def test_round_trips_are_the_links_delays(need_emulator):
     (each frame waits in the forwarder) and at most RTT_SLACK_S more."""
     lat = [1e-3, 1e-3, 0.0]
     with C.Cluster(3, 1, rate="1gbit", latency=lat) as c:
-        assert c.uses_tap() and c._fwd.alive()
+        assert c.uses_tap() and c.forwarder.alive()
         run = c.run("tests.cluster_cases:rtts", 20, timeout=120, env=ENV)
-        stats = c._fwd.stats()
+        stats = c.forwarder.stats()
     got = {k: v for r in run.results for k, v in r.items()}
     for a, b in ((0, 1), (0, 2), (1, 2)):
         want = lat[a] + lat[b]
@@ -111,7 +111,7 @@ _HARNESS = """
 import json, sys, time
 from triton_reshard.testing.cluster import Cluster
 c = Cluster(2, 1, latency="1ms").__enter__()
-print(json.dumps({"fwd": c._fwd.pid, "ns": c.node_ns + [c.switch]}), flush=True)
+print(json.dumps({"fwd": c.forwarder.pid, "ns": c.node_ns + [c.switch]}), flush=True)
 if sys.argv[1] == "close":
     c.close()
     print("closed", flush=True)

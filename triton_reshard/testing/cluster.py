@@ -364,6 +364,12 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def forwarder(self):
+        """The userspace link emulator's :class:`~triton_reshard.testing.netdelay.Forwarder` while the links are
+        TAPs (its ``stats()``, ``cpu_seconds()``, ``pid``), else None."""
+        return self._fwd
+
     def uses_tap(self) -> bool:
         """Whether the links are the userspace emulator's TAPs (:mod:`triton_reshard.testing.netdelay`): with
         ``emulator="tap"``, or ``"auto"`` where a link has a latency and the kernel has no netem."""
