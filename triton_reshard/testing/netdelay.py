@@ -85,7 +85,16 @@ def binary() -> str:
     path = os.path.join(folder, f"netdelay-{tag}")
     if os.path.exists(path):
         return path
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(folder)
+    except OSError:  # a read-only home: the temporary folder (still one build per source version)
+        folder = os.path.join(tempfile.gettempdir(), "triton_reshard")
+        path = os.path.join(folder, f"netdelay-{tag}")
+        if os.path.exists(path):
+            return path
+        os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src = os.path.join(tmp, "netdelay.c")
         with open(src, "w") as f:
