@@ -6,8 +6,8 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
 * 2 nodes (trainer node 0 -> engine node 1), 3 nodes (trainer node 0 -> two engine instances on nodes 1 and
   2) and 4 nodes (trainer nodes 0-1 -> two engine instances on nodes 2 and 3), ``--ranks-per-node`` ranks each
   (default 2), links of ``--rates`` (default 1 and 10 Gbit/s).
-  ``--latencies``: one-way delay added per link (netem); kernels without netem run only with none added (the
-  veth's own latency, whose round trip is measured and reported).
+  ``--latencies``: one-way delay added per link: netem where the kernel has it, else the userspace link
+  emulator (``triton_reshard.testing.netdelay``: TAPs and a C forwarder; needs gcc and /dev/net/tun).
 * models: the presets' ``small_llama`` (Megatron TP -> vLLM TP) and ``small_qwen3_moe`` (Megatron TPxEP ->
   vLLM TP with expert parallelism), bf16; 4 nodes add PP2 on the trainer.
 * ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over one link
@@ -340,7 +340,7 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
 
 def print_setting(s: dict, summ: dict) -> None:
     print(f"== {s['nodes']} nodes x {s['rpn']} ranks, {s['rate_bps'] / 1e9:g} Gbit/s, latency "
-          f"{s['latency_s'] * 1e6:g} us added, MTU {s.get('mtu', 1500)} (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
+          f"{s['latency_s'] * 1e6:g} us added ({s.get('emulator', 'veth')} links), MTU {s.get('mtu', 1500)} (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
           f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
           f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
     for model, row in summ.items():
@@ -374,9 +374,16 @@ def run(args) -> dict:
         raise SystemExit(f"bench_cluster: {why}")
     lats = [parse_seconds(x) for x in args.latencies]
     if any(lats) and not capabilities()["netem"]:
-        print(f"bench_cluster: latencies {[x for x, v in zip(args.latencies, lats, strict=True) if v]} skipped: this "
-              f"kernel has no netem", flush=True)
-        lats = [x for x in lats if not x] or [0.0]
+        from triton_reshard.testing import netdelay
+
+        emu, why = netdelay.available()
+        if emu:  # Cluster picks it by itself for a link with a latency (emulator="auto")
+            print("bench_cluster: no netem in this kernel: links with a latency run through the userspace link "
+                  "emulator (testing.netdelay: TAPs and a C forwarder)", flush=True)
+        else:
+            print(f"bench_cluster: latencies {[x for x, v in zip(args.latencies, lats, strict=True) if v]} skipped: "
+                  f"this kernel has no netem and {why}", flush=True)
+            lats = [x for x in lats if not x] or [0.0]
     tmp = tempfile.mkdtemp(prefix="bench_cluster-")
     delta = None
     if args.delta_model:
@@ -398,13 +405,22 @@ def run(args) -> dict:
                 spec = {"nodes": nodes, "rpn": args.ranks_per_node, "repeats": args.repeats, "rate_bps": rate_bps,
                         "timeout": args.timeout, "models": args.models, "delta": delta, "methods": args.methods}
                 t0 = time.perf_counter()
-                with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat, mtu=args.mtu) as c:
+                sysctls = ({} if args.tcp_slow_start_after_idle is None else
+                           {"net.ipv4.tcp_slow_start_after_idle": args.tcp_slow_start_after_idle})
+                with Cluster(nodes, args.ranks_per_node, rate=rate_bps, latency=lat, mtu=args.mtu,
+                             emulator=args.emulator, sysctls=sysctls) as c:
+                    fwd_cpu = c.forwarder.cpu_seconds() if c.forwarder else None
                     r = c.run("bench_cluster:bench_rank", spec, timeout=args.timeout * 6, pg_timeout=args.timeout,
                               env=env)
+                    link = {"emulator": "tap" if c.forwarder else "veth", **({"sysctls": sysctls} if sysctls else {})}
+                    if c.forwarder:  # the forwarder's CPU over the run, and per GB it carried (all nodes' uplinks)
+                        carried = sum(b.tx for b in r.link_bytes)
+                        link["forwarder_cpu_s"] = c.forwarder.cpu_seconds() - fwd_cpu
+                        link["forwarder_cpu_s_per_GB"] = link["forwarder_cpu_s"] / max(carried / 1e9, 1e-9)
                 probe = r.results[0]["probe"]
                 probe.update({k: v for k, v in r.results[1]["probe"].items() if k not in probe})
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
-                           "mtu": args.mtu,
+                           "mtu": args.mtu, **link,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
                 tiny = [span([x["tiny"] for x in r.results], i) for i in range(len(r.results[0]["tiny"]["seconds"]))]
                 probe["refit_step_s"] = statistics.median(tiny)
@@ -464,13 +480,14 @@ def plot(res: dict, path: str, extra_big: tuple = ()) -> None:
         ax.legend(fontsize=6)
     methods = ["ours", "ours-relay", "ours-no-topology", "gather-bcast", "allgather"]
     for ax, model in zip(axes[0], models, strict=False):
-        labels = [f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G" for s in sets]
+        labels = [f"{s['nodes']}n {s['rate_bps'] / 1e9:g}G" + (f" +{s['latency_s'] * 1e3:g}ms" if s.get("latency_s") else "")
+                  for s in sets]
         w = 0.8 / len(methods)
         for k, m in enumerate(methods):
             ys = [s["models"][model]["methods"].get(m, {}).get("over_link_limit", 0) for s in sets]
             ax.bar([i + k * w for i in range(len(sets))], ys, w, label=m)
         ax.axhline(1.0, color="k", lw=0.8, ls="--", label="link limit")
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(sets))], labels)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(sets))], labels, rotation=40, ha="right", fontsize=7)
         ax.set_ylabel("refit time / link limit")
         ax.set_yscale("log")
         ax.set_title(model)
@@ -502,6 +519,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--mtu", type=int, default=1500, help="every link's MTU (1500: Ethernet's; 9000: jumbo frames, "
                                                            "~0.7 %% TCP/IP framing instead of ~4.4 %%)")
+    ap.add_argument("--emulator", choices=("auto", "veth", "tap"), default="auto",
+                    help="the links: auto (veth + tc, the userspace TAP emulator for a latency without netem), veth, "
+                         "or tap (testing.netdelay's TAPs and C forwarder for every setting)")
+    ap.add_argument("--tcp-slow-start-after-idle", type=int, choices=(0, 1), default=None,
+                    help="set net.ipv4.tcp_slow_start_after_idle in every node (Linux's default: 1, TCP restarts "
+                         "from its initial window after an idle RTO, 200 ms)")
     ap.add_argument("--smoke", action="store_true", help="CI: 2 nodes, 1 Gbit/s, small_llama, 1 repeat")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)

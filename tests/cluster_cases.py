@@ -130,3 +130,29 @@ def lossy(rank: int, world: int, repeats: int) -> dict:
         rows.append({"seconds": rep.seconds, "link": link,
                      "bad": _mismatches(dst, dst_l.shard(pub, rank), "lossy") if rank >= 2 else []})
     return {"rows": rows}
+
+
+def rtts(rank: int, world: int, n: int) -> dict:
+    """Round trips of a 4-byte message between every pair of ranks (one rank per node): ``n`` ping-pongs per
+    pair, timed on the lower rank; every rank returns {"a-b": [seconds, ...]} for the pairs it timed."""
+    small = torch.zeros(1)
+    out: dict = {}
+    for a in range(world):
+        for b in range(a + 1, world):
+            dist.barrier()
+            if rank not in (a, b):
+                continue
+            times = []
+            for _ in range(n + 2):  # the first two: connection set-up
+                t0 = time.perf_counter()
+                if rank == a:
+                    dist.send(small, b)
+                    dist.recv(small, b)
+                else:
+                    dist.recv(small, a)
+                    dist.send(small, a)
+                times.append(time.perf_counter() - t0)
+            if rank == a:
+                out[f"{a}-{b}"] = times[2:]
+    dist.barrier()
+    return out

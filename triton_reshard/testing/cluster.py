@@ -8,9 +8,11 @@
 * per node a link shaped by ``tc``: a token bucket (``tbf``) at ``rate`` in both directions (the node's egress
   on ``eth0``, its ingress on the switch's port), and, when ``latency`` or ``loss`` is given, ``netem`` on the
   node's egress (every packet the node sends waits ``latency`` and is dropped with probability ``loss``: the
-  one-way delay from node a to node b is ``latency[a]``, the round trip ``latency[a] + latency[b]``). Kernels
-  without netem (:func:`capabilities`) refuse a latency in one line; loss then uses nftables (``nft``: a
-  random drop of packets from the node as they enter the switch).
+  one-way delay from node a to node b is ``latency[a]``, the round trip ``latency[a] + latency[b]``). On
+  kernels without netem (:func:`capabilities`) a link with a latency is a TAP into the userspace link emulator
+  (:mod:`triton_reshard.testing.netdelay`: the same semantics, delay and loss in a forwarder process); loss
+  without a latency then uses nftables (``nft``: a random drop of packets from the node as they enter the
+  switch).
 
 :meth:`Cluster.run` starts ``world = nodes * ranks_per_node`` processes, ranks ``[i*R, (i+1)*R)`` inside node
 ``i`` (the planner's ``gpus_per_node = R``), each in a gloo process group with ``GLOO_SOCKET_IFNAME=eth0`` and a
@@ -21,8 +23,9 @@ reads: nothing is pickled. The run's result also holds each node's interface byt
 link) over the whole run; :func:`link_counters` reads them inside a rank around one operation.
 
 Teardown always runs: on leaving the ``with`` block, on an exception, on Ctrl-C, on SIGTERM, and at exit; it
-kills the rank processes and deletes the namespaces. Namespaces left by an earlier run that crashed harder
-(``kill -9``) are recognised by the prefix and a dead creator pid, and removed before a new cluster is built.
+kills the rank processes and the link emulator and deletes the namespaces. Namespaces left by an earlier run
+that crashed harder (``kill -9``) are recognised by the prefix and a dead creator pid, and removed before a new
+cluster is built.
 
 Without root or iproute2 :func:`available` says why in one line (``Cluster`` raises
 :class:`ClusterUnavailable` with it); bad sizes, rates, latencies or losses raise ``ValueError`` naming the
@@ -55,6 +58,9 @@ MAX_NODES = 200
 MAX_RANKS_PER_NODE = 64
 MAX_RATE_BPS = 100e9  # tbf's timer resolution makes higher rates meaningless here
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)-")
+# "auto": veth + tc (netem for latency) where the kernel has netem, else the userspace emulator
+# (testing.netdelay) for links with a latency; "veth": the kernel path only; "tap": the emulator always
+EMULATORS = ("auto", "veth", "tap")
 
 
 class ClusterUnavailable(RuntimeError):
@@ -294,11 +300,21 @@ class Cluster:
 
     ``rate`` / ``latency`` / ``loss``: one value for every node or a list of one per node (see :class:`Link`
     and :func:`parse_rate`); ``mtu`` of every veth; ``subnet``: the ``a.b`` of ``10.a.b.0/24`` (default: from
-    this process's pid). Use as a context manager; :meth:`close` is idempotent."""
+    this process's pid); ``emulator``: see :data:`EMULATORS`; ``sysctls``: ``net.*`` settings for every node's
+    namespace (e.g. ``{"net.ipv4.tcp_slow_start_after_idle": 0}``). Use as a context manager; :meth:`close` is
+    idempotent."""
 
     def __init__(self, nodes: int, ranks_per_node: int = 1, *, rate=None, latency=0.0, loss=0.0, mtu: int = 1500,
-                 subnet: tuple[int, int] | None = None) -> None:
+                 subnet: tuple[int, int] | None = None, emulator: str = "auto",
+                 sysctls: dict[str, int] | None = None) -> None:
         _check_sizes(nodes, ranks_per_node)
+        if emulator not in EMULATORS:
+            raise ValueError(f"cluster: emulator={emulator!r} must be one of {', '.join(EMULATORS)}")
+        self.emulator = emulator
+        for k, v in (sysctls or {}).items():
+            if not re.fullmatch(r"net\.[a-z0-9_.]+", str(k)) or isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"cluster: sysctl {k!r}={v!r} must be a net.* name and an int")
+        self.sysctls = dict(sysctls or {})
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not (576 <= mtu <= 65535):
             raise ValueError(f"cluster: mtu={mtu!r} must be an int between 576 and 65535")
         self.nodes, self.ranks_per_node, self.mtu = nodes, ranks_per_node, mtu
@@ -313,6 +329,7 @@ class Cluster:
         self._port = PORT
         self._dir: str | None = None
         self._old_term = None
+        self._fwd = None  # the userspace link emulator's forwarder (netdelay.Forwarder) when the links are TAPs
 
     @property
     def world_size(self) -> int:
@@ -347,26 +364,59 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def forwarder(self):
+        """The userspace link emulator's :class:`~triton_reshard.testing.netdelay.Forwarder` while the links are
+        TAPs (its ``stats()``, ``cpu_seconds()``, ``pid``), else None."""
+        return self._fwd
+
+    def uses_tap(self) -> bool:
+        """Whether the links are the userspace emulator's TAPs (:mod:`triton_reshard.testing.netdelay`): with
+        ``emulator="tap"``, or ``"auto"`` where a link has a latency and the kernel has no netem."""
+        if self.emulator != "auto":
+            return self.emulator == "tap"
+        return any(link.latency_s for link in self.links) and not capabilities()["netem"]
+
     def _build(self) -> None:
         _ip("netns", "add", self.switch)
         self._built.append(self.switch)
         sw = ("-n", self.switch)
-        _ip(*sw, "link", "add", "br0", "type", "bridge")
-        _ip(*sw, "link", "set", "br0", "up")
         _ip(*sw, "link", "set", "lo", "up")
+        tap = self.uses_tap()
+        if tap:
+            self._start_forwarder()
+        else:
+            _ip(*sw, "link", "add", "br0", "type", "bridge")
+            _ip(*sw, "link", "set", "br0", "up")
         for i, ns in enumerate(self.node_ns):
             _ip("netns", "add", ns)
             self._built.append(ns)
-            port = f"p{i}"
-            # created inside the node's namespace, its peer straight into the switch's: never in the root one
-            _ip("-n", ns, "link", "add", IFNAME, "mtu", str(self.mtu), "type", "veth", "peer", "name", port,
-                "mtu", str(self.mtu), "netns", self.switch)
-            _ip(*sw, "link", "set", port, "master", "br0")
-            _ip(*sw, "link", "set", port, "up")
+            if tap:
+                self._fwd.attach(i, ns, IFNAME, self.mtu)
+            else:
+                port = f"p{i}"
+                # created inside the node's namespace, its peer straight into the switch's: never in the root one
+                _ip("-n", ns, "link", "add", IFNAME, "mtu", str(self.mtu), "type", "veth", "peer", "name", port,
+                    "mtu", str(self.mtu), "netns", self.switch)
+                _ip(*sw, "link", "set", port, "master", "br0")
+                _ip(*sw, "link", "set", port, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            for k, v in self.sysctls.items():  # per namespace: only this node's stack
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{k}={v}"], check=True, timeout=30,
+                               capture_output=True)
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
             _ip("-n", ns, "link", "set", IFNAME, "up")
             self._shape(i)
+
+    def _start_forwarder(self) -> None:
+        from triton_reshard.testing import netdelay
+
+        ok, why = netdelay.available()
+        if not ok:
+            raise ClusterUnavailable(why)
+        self._fwd = netdelay.Forwarder(self.switch, [(x.latency_s, x.rate_bps, _burst(x.rate_bps) if x.rate_bps else 0,
+                                                      x.loss) for x in self.links])
+        self._fwd.start()
 
     def _shape(self, i: int) -> None:
         link = self.links[i]
@@ -376,9 +426,10 @@ class Cluster:
         cmds = []
         tbf = []
         if link.rate_bps is not None:
-            # burst: 2 ms of the rate (at least 64 KiB, one GSO super-packet); queue: 50 ms of it
-            burst = max(64 << 10, int(link.rate_bps / 8 * 2e-3))
-            tbf = ["tbf", "rate", f"{int(link.rate_bps)}bit", "burst", str(burst), "latency", "50ms"]
+            tbf = ["tbf", "rate", f"{int(link.rate_bps)}bit", "burst", str(_burst(link.rate_bps)), "latency", "50ms"]
+        if self._fwd is not None:  # TAP links: the uplink's tbf here, delay, loss and the downlink in the forwarder
+            self._tc(i, [tc_node + ["root", "handle", "1:", *tbf]] if tbf else [])
+            return
         use_netem = bool(link.latency_s) or (bool(link.loss) and capabilities()["netem"])
         if use_netem:
             if not capabilities()["netem"]:
@@ -406,6 +457,10 @@ class Cluster:
             rules = (f'table netdev trsh_loss {{ chain p{i} {{ type filter hook ingress device "p{i}" priority 0; '
                      f'policy accept; numgen random mod 10000 < {per_10k} counter drop ; }} ; }}')
             cmds.append(["ip", "netns", "exec", self.switch, "nft", rules])
+        self._tc(i, cmds)
+
+    def _tc(self, i: int, cmds: list[list[str]]) -> None:
+        link = self.links[i]
         for cmd in cmds:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
             if r.returncode != 0:
@@ -415,10 +470,13 @@ class Cluster:
                                  f"{msg[-1] if msg else 'tc failed'}")
 
     def close(self) -> None:
-        """Kill the rank processes and delete every namespace this cluster made (idempotent)."""
+        """Kill the rank processes and the link emulator, delete every namespace this cluster made (idempotent)."""
         for p in self._procs:
             _kill_group(p)
         self._procs = []
+        fwd, self._fwd = self._fwd, None
+        if fwd is not None:
+            fwd.stop()
         for ns in reversed(self._built):
             _kill_inside(ns)
             _ip("netns", "del", ns, check=False)
@@ -438,6 +496,8 @@ class Cluster:
         """Per node, the packets its link's ``loss`` has dropped so far (0 for a node without loss): netem's
         drop count on the node's egress, or the nftables rule's counter at the switch port. The interface
         counters cannot show this loss: netem drops before the node's ``eth0`` counts a packet as sent."""
+        if self._fwd is not None:
+            return [p.lost for p in self._fwd.stats()]
         out = []
         for i, ns in enumerate(self.node_ns):
             n = 0
@@ -546,6 +606,11 @@ class Cluster:
         if errors and not allow_errors:
             raise ClusterRankError(errors)
         return ClusterRun(results, errors, [a - b for a, b in zip(after, before, strict=True)], seconds, dropped)
+
+
+def _burst(rate_bps: float) -> int:
+    """A link's token bucket: 2 ms of the rate, at least 64 KiB (one GSO super-packet)."""
+    return max(64 << 10, int(rate_bps / 8 * 2e-3))
 
 
 def _raise_exit(signum, frame) -> None:
