@@ -5,7 +5,8 @@ predicted bytes on each link; a lossy emulated link completes exactly or fails n
 and the namespaces are gone after the cluster closes and after the harness is killed.
 
 Needs root, iproute2, /dev/net/tun and gcc: elsewhere these tests skip with a one-line reason, except under
-``CI=true``, where that is a failure (CI runs as root).
+``CI=true``, where that is a failure (CI runs as root) unless the kernel has netem (then the harness's latency
+needs no emulator).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def need_emulator():
     if ok:
         ok, why = netdelay.available()
     if not ok:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the link emulator cannot run: {why}")
+        # under CI a latency must be testable some way: a kernel with netem gives the harness its latency
+        # without the emulator (these tests then skip, saying why); one with neither fails here
+        if os.environ.get("CI") == "true" and not (C.available()[0] and C.capabilities()["netem"]):
+            pytest.fail(f"CI=true but the link emulator cannot run and the kernel has no netem: {why}")
         pytest.skip(why)
 
 
