@@ -63,6 +63,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_call  # the round trip of a small message (its _rtt)
 import cluster_delta as cd  # the delta part (its functions read this module's at call time)
 import cluster_versions as cv  # the versions of the delta refits: real AdamW steps of the preset's HF model
 import torch
@@ -198,18 +199,7 @@ def _probe(rank: int, rpn: int) -> dict:
             dist.send(buf[:1], 0)
         out[name] = buf.numel() * 4 / (time.perf_counter() - t0)
         dist.barrier()
-    # round trip of a small message over the link
-    small = torch.zeros(1)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        if rank == 0:
-            dist.send(small, rpn)
-            dist.recv(small, rpn)
-        elif rank == rpn:
-            dist.recv(small, 0)
-            dist.send(small, 0)
-    out["rtt_s"] = (time.perf_counter() - t0) / 20
+    out["rtt_s"] = bench_call._rtt(rank, rpn, 20)  # round trip of a small message over the link (rank 0's)
     return out
 
 

@@ -181,6 +181,22 @@ def test_lossy_link_completes_exactly_or_fails_named(need_cluster):
     assert time.monotonic() - t0 < 180
 
 
+def test_bench_call_cluster_smoke(need_cluster, tmp_path):
+    """perf/bench_call.py across the emulated nodes (its loopback mode runs in the main tier's smoke): the
+    cached 64-byte refit, with and without the first step's receives posted with the handshake, exact."""
+    import json
+    import sys
+
+    out = tmp_path / "call.json"
+    p = subprocess.run([sys.executable, str(Path(ROOT) / "perf" / "bench_call.py"), "--where", "cluster",
+                        "--nodes", "2", "--calls", "4", "--ab", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["exact"] is True and res["where"] == "cluster" and res["ranks"] == 4
+    assert {"prepost", "no_prepost"} <= set(res["ab"]) and res["rtt_s"] > 0
+
+
 def test_bench_cluster_smoke(need_cluster, tmp_path):
     """perf/bench_cluster.py --smoke (what CI runs of it): 2 nodes, 1 Gbit/s, small_llama; every method and the
     delta refit bit-exact (its exit code), the JSON has every method."""
