@@ -15,7 +15,9 @@ import torch
 from .. import ops
 from ..comm.group import RefitGroup, as_transport
 from .errors import (
+    CONNECTION_WORDS,
     GROUP_DEAD,
+    TIMEOUT_WORDS,
     ReshardConnectionError,
     ReshardError,
     ReshardTimeoutError,
@@ -116,42 +118,78 @@ class RootedRows:
     without the last field, followed by the last field as it would go to each rank (``last``, else the row's):
     ``F - 1 + n`` values. The root receives them into a table (its own row too), sends the whole table to every
     other rank, and each rank takes its rows from it: every rank's row with the last field meant for it, the
-    same rows as "direct" gives. ``works``: on the root, its receives then this object, whose ``wait`` sends the
-    table (within the time left) once they are in; elsewhere the send and the table's receive, then this
-    object, whose ``wait`` unpacks the table. ``out`` is filled by that last ``wait``."""
+    same rows as "direct" gives. ``works``: on the root this object alone, whose ``wait`` waits for the rows
+    and sends the table, all within the timeout; elsewhere the send and the table's receive, then this object,
+    whose ``wait`` unpacks the table. ``out`` is filled by that last ``wait``.
+
+    A row the root does not get (its sender died, or never came within the timeout) would leave every other
+    rank waiting for a table until its own timeout, where "direct" tells each at once (a closed connection to
+    the dead peer): so the root sends them the table with its status row (the last) saying which rank's row
+    it lost and how, and they raise that, named (timed out / lost the connection), as the root does."""
+
+    LOST = {1: "timed out", 2: "lost the connection to it", 3: "failed"}  # the status row's codes
 
     def __init__(self, comm, mine: torch.Tensor, last: dict[int, int] | None) -> None:
         ranks = tuple(comm.ranks)
         n, base = len(ranks), mine.numel() - 1
         self.comm, self.ranks, self.me, self.base = comm, ranks, ranks.index(comm.rank), base
-        msg = torch.empty(base + n, dtype=mine.dtype, device=mine.device)
-        msg[:base] = mine[:base]
-        msg[base:] = mine[base]
-        for k, r in enumerate(ranks):
-            if last and last.get(r) and k != self.me:
-                msg[base + k] = last[r]
-        self.table = torch.empty((n, base + n), dtype=mine.dtype, device=mine.device)
+        row = mine.tolist()  # one read of the row, one tensor made (a few small tensor ops cost more)
+        tail = [last[r] if last and last.get(r) and k != self.me else row[-1] for k, r in enumerate(ranks)]
+        msg = torch.tensor(row[:-1] + tail, dtype=mine.dtype, device=mine.device)
+        self.table = torch.zeros((n + 1, base + n), dtype=mine.dtype, device=mine.device)  # + the status row
         self.out: list[torch.Tensor] = [mine.new_empty(0) for _ in ranks]  # filled by wait()
-        root = ranks[0]
         if self.me == 0:
             self.table[0].copy_(msg)
-            self.works = comm.post([], [(r, self.table[k]) for k, r in enumerate(ranks) if k]) + [self]
+            self._recvs = comm.post([], [(r, self.table[k]) for k, r in enumerate(ranks) if k])
+            self.works = [self]
         else:
             self._msg = msg  # alive until its send completed
-            self.works = comm.post([(root, msg)], [(root, self.table)]) + [self]
+            self.works = comm.post([(ranks[0], msg)], [(ranks[0], self.table)]) + [self]
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """The last work: the root sends the table (its receives are in: the works before this one) and waits
-        for the sends within ``timeout``; then every rank takes its rows from the table."""
+        """The last work: on the root, wait for the rows and send the table (or the status of a row it did not
+        get), within ``timeout``; then every rank takes its rows from the table."""
         if self.me == 0:
-            deadline = time.perf_counter() + (timeout.total_seconds() if timeout is not None else 300.0)
-            for w in self.comm.post([(r, self.table) for r in self.ranks[1:]], []):
-                left = max(deadline - time.perf_counter(), 0.001)
-                if w.wait(timeout=timedelta(seconds=left)) is False:
-                    return False
+            self._root(time.perf_counter() + (timeout.total_seconds() if timeout is not None else 300.0))
+        code, lost = self.table[-1, :2].tolist()
+        if code:
+            raise RuntimeError(f"the plan handshake's root, rank {self.ranks[0]}, {self.LOST.get(code, 'failed')} "
+                               f"waiting for the row of rank {lost}")
         col = self.base + self.me
-        self.out[:] = torch.cat([self.table[:, :self.base], self.table[:, col:col + 1]], 1).unbind(0)
+        self.out[:] = torch.cat([self.table[:-1, :self.base], self.table[:-1, col:col + 1]], 1).unbind(0)
         return True
+
+    def _root(self, deadline: float) -> None:
+        """The root's part: the rows in, then the table out; a row lost sets the status row, which goes to every
+        other rank still reachable (within a second past the deadline) before the root raises it too."""
+        lost, cause = 0, None
+        for k, w in enumerate(self._recvs, start=1):
+            try:
+                ok = w.wait(timeout=timedelta(seconds=max(deadline - time.perf_counter(), 0.001)))
+            except Exception as e:
+                ok, cause = False, e
+            if ok is False:
+                lost = k
+                break
+        if lost:
+            text = f"{type(cause).__name__} {cause}".lower() if cause is not None else "timed out"
+            code = 1 if any(w in text for w in TIMEOUT_WORDS) else 2 if any(w in text for w in CONNECTION_WORDS) else 3
+            self.table[-1, 0], self.table[-1, 1] = code, self.ranks[lost]
+        peers = [r for k, r in enumerate(self.ranks) if k and k != lost]
+        if peers:
+            sends = self.comm.post([(r, self.table) for r in peers], [])
+            end = deadline + (1.0 if lost else 0.0)
+            for w in sends:
+                try:
+                    w.wait(timeout=timedelta(seconds=max(end - time.perf_counter(), 0.001)))
+                except Exception:
+                    if not lost:
+                        raise
+        if cause is not None:
+            raise cause
+        if lost and code == 1:
+            raise RuntimeError(f"rank {self.ranks[0]} (the plan handshake's root) timed out waiting for the row "
+                               f"of rank {self.ranks[lost]}")
 
 
 def drain(comm, ranks, rows: list[list[int]], device) -> list:
