@@ -6,6 +6,8 @@ posted after the handshake costs a round trip more than one posted with it. Thes
 not where it may not (in place), that the result is exact, and that every refusal (a bad input on a sender or
 on a receiver, ranks planning differently so their first steps disagree, a rank that could not plan) raises on
 every rank, writes nothing, and leaves no receive open: the same group then refits exactly, several times.
+All of it twice: with the handshake rows going peer to peer ("direct") and through rank 0 ("rooted", what
+groups of 8 or more gloo ranks use: ``transport.rows_shape``), the threshold lowered to take it at 4 ranks.
 """
 
 from __future__ import annotations
@@ -67,10 +69,49 @@ def _session(src, dst, **kw):
     return SESSIONS.get(src, dst, None, RefitOptions.of(timeout=20, **kw)).resharder
 
 
-def _world(rank: int, world: int) -> dict:
-    from triton_reshard import refit
+def _rows(rank: int, world: int) -> dict:
+    """post_rows in each shape, on rows of several fields and of one (the verify counts), with per-peer last
+    fields: every rank must get the same rows from both, as "direct" defines them."""
+    from datetime import timedelta
 
-    out: dict = {}
+    import torch.distributed as dist
+
+    from triton_reshard.comm.group import as_transport
+    from triton_reshard.execute import transport
+
+    comm = as_transport(None)
+    got = {}
+    for shape, floor in (("direct", 99), ("rooted", 2)):
+        transport.ROOTED_ROWS_MIN_RANKS = floor
+        assert transport.rows_shape(comm) == shape
+        for fields in (21, 1):
+            mine = torch.arange(fields, dtype=torch.int64) * 100 + rank * 7 + 1
+            last = {p: 1000 * rank + p for p in range(world) if p != rank and (p + rank) % 3}
+            out, works = transport.post_rows(comm, mine, last)
+            for w in works:
+                assert w.wait(timeout=timedelta(seconds=20)) is not False
+            got[shape, fields] = [o.tolist() for o in out]
+    dist.barrier()
+    want = {}
+    for fields in (21, 1):
+        rows = []
+        for p in range(world):
+            row = [int(v) for v in torch.arange(fields, dtype=torch.int64) * 100 + p * 7 + 1]
+            if p != rank and (p + rank) % 3:
+                row[-1] = 1000 * p + rank
+            rows.append(row)
+        want[fields] = rows
+    return {"rows_" + s: all(got[s, f] == want[f] for f in (21, 1)) for s in ("direct", "rooted")}
+
+
+def _world(rank: int, world: int, shape: str = "direct") -> dict:
+    from triton_reshard import refit
+    from triton_reshard.comm.group import as_transport
+    from triton_reshard.execute import transport
+
+    out: dict = _rows(rank, world)
+    transport.ROOTED_ROWS_MIN_RANKS = 2 if shape == "rooted" else 99
+    out["shape"], out["asked"] = transport.rows_shape(as_transport(None)), shape
     src, dst = _layouts()
     out["first"] = _good(rank, src, dst)
     r = _session(src, dst)
@@ -113,13 +154,19 @@ def _world(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_world(_world, 4, timeout=300, pg_timeout=60)
+@pytest.fixture(scope="module", params=["direct", "rooted"])
+def results(request) -> list[dict]:
+    return run_world(_world, 4, request.param, timeout=300, pg_timeout=60)
+
+
+def test_both_row_shapes_give_every_rank_the_same_rows(results):
+    for rank, res in enumerate(results):
+        assert res["rows_direct"] and res["rows_rooted"], (rank, res)
 
 
 def test_first_step_receives_go_with_the_handshake_and_land_exactly(results):
     for rank, res in enumerate(results):
+        assert res["shape"] == res["asked"], (rank, res["shape"], res["asked"])
         assert res["first"] and res["second"], (rank, res)
         want = SRC_RANKS if rank in DST_RANKS else []
         assert res["preposted"] == want, (rank, res["preposted"])

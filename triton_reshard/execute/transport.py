@@ -15,7 +15,9 @@ import torch
 from .. import ops
 from ..comm.group import RefitGroup, as_transport
 from .errors import (
+    CONNECTION_WORDS,
     GROUP_DEAD,
+    TIMEOUT_WORDS,
     ReshardConnectionError,
     ReshardError,
     ReshardTimeoutError,
@@ -55,24 +57,50 @@ def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(m
     raise error
 
 
-DIRECT_ROWS_MAX_RANKS = 64  # up to this group size the rows go peer to peer in one round (see post_rows)
+DIRECT_ROWS_MAX_RANKS = 64  # up to this group size the rows go peer to peer or rooted (see post_rows)
+# from this group size on gloo the rows go rooted: to the group's first rank, which sends the table back (issue
+# 32: 8 ranks on 2 cores spent a 64-byte refit's 8.9 ms mostly waking processes for the 56 row messages)
+ROOTED_ROWS_MIN_RANKS = 8
+
+
+def rows_shape(comm) -> str:
+    """How :func:`post_rows` exchanges rows in ``comm``: "direct", "rooted" or "all_gather". It depends only on
+    what every rank of the group shares by construction (its size and backend), never on a rank's plan or
+    host, so every rank takes the same shape even when their plans differ (the handshake refuses those)."""
+    n = len(comm.ranks)
+    if n > DIRECT_ROWS_MAX_RANKS:
+        return "all_gather"
+    return "rooted" if n >= ROOTED_ROWS_MIN_RANKS and comm.backend == "gloo" else "direct"
 
 
 def post_rows(comm, mine: torch.Tensor, last: dict[int, int] | None = None) -> tuple[list[torch.Tensor], list]:
     """Start the exchange of every rank's small row ``mine`` (the plan handshake, the verify counts): (every
-    rank's row in ``comm.ranks`` order, the works to wait for). Up to ``DIRECT_ROWS_MAX_RANKS`` ranks each row
-    goes straight to every peer, all in one round: one network latency, where gloo's ring all-gather waits
-    ``n - 1`` hops in turn (issue 32: ~3 ms a hop between emulated nodes, 3 hops at 4 ranks, on every refit).
-    Larger groups use the all-gather (``n - 1`` messages per rank would cost more than the hops saved).
+    rank's row in ``comm.ranks`` order, the works to wait for, in order; the list is filled once they are).
+
+    Shapes (:func:`rows_shape`): "direct", each row straight to every peer in one round: one network latency,
+    where gloo's ring all-gather waits ``n - 1`` hops in turn (issue 32: ~3 ms a hop between emulated nodes).
+    It costs ``n (n - 1)`` messages, each waking a gloo thread at both ends: at 8 ranks on gloo, "rooted"
+    (:class:`RootedRows`) sends ``2 (n - 1)``: every row to the group's first rank, the table back. The root
+    posts and waits as many as in "direct" and the others one each, so the CPU of all ranks falls by about
+    ``n / 2`` (what 8 ranks sharing a host's cores pay; on a cluster each rank's own CPU is not more). The
+    latency: the root's receives and the others' receives of the table are posted on entry, so gloo sends each
+    row and the table at once (a sender waits for the receiver's notice): the table lands two latencies after
+    the last rank entered, as "direct"'s rows do at that rank; three when the root enters last. Larger
+    groups (over ``DIRECT_ROWS_MAX_RANKS``) use the all-gather.
     ``last``: per peer, a value for the row's last field in the copy that goes to that peer (the handshake's
-    pre-posted bytes; peer to peer only: the all-gather sends one row to all)."""
+    pre-posted bytes; not with the all-gather, which sends one row to all)."""
     ranks = tuple(comm.ranks)
-    out = [torch.empty_like(mine) for _ in ranks]
-    if len(ranks) > DIRECT_ROWS_MAX_RANKS:
+    shape = rows_shape(comm)
+    if shape == "all_gather":
+        out = [torch.empty_like(mine) for _ in ranks]
         if last:
             raise ValueError(f"per-peer row fields need at most {DIRECT_ROWS_MAX_RANKS} ranks, got {len(ranks)}")
         return out, [comm.all_gather(out, mine)]
     me = ranks.index(comm.rank)
+    if shape == "rooted":
+        rooted = RootedRows(comm, mine, last)
+        return rooted.out, rooted.works
+    out = [torch.empty_like(mine) for _ in ranks]
     out[me].copy_(mine)
     peers = [(r, out[k]) for k, r in enumerate(ranks) if k != me]
     sends = []
@@ -83,6 +111,85 @@ def post_rows(comm, mine: torch.Tensor, last: dict[int, int] | None = None) -> t
             row[-1] = last[r]
         sends.append((r, row))
     return out, comm.post(sends, peers)
+
+
+class RootedRows:
+    """The "rooted" row exchange (:func:`post_rows`). Each rank sends the root (``comm.ranks[0]``) its row
+    without the last field, followed by the last field as it would go to each rank (``last``, else the row's):
+    ``F - 1 + n`` values. The root receives them into a table (its own row too), sends the whole table to every
+    other rank, and each rank takes its rows from it: every rank's row with the last field meant for it, the
+    same rows as "direct" gives. ``works``: on the root this object alone, whose ``wait`` waits for the rows
+    and sends the table, all within the timeout; elsewhere the send and the table's receive, then this object,
+    whose ``wait`` unpacks the table. ``out`` is filled by that last ``wait``.
+
+    A row the root does not get (its sender died, or never came within the timeout) would leave every other
+    rank waiting for a table until its own timeout, where "direct" tells each at once (a closed connection to
+    the dead peer): so the root sends them the table with its status row (the last) saying which rank's row
+    it lost and how, and they raise that, named (timed out / lost the connection), as the root does."""
+
+    LOST = {1: "timed out", 2: "lost the connection to it", 3: "failed"}  # the status row's codes
+
+    def __init__(self, comm, mine: torch.Tensor, last: dict[int, int] | None) -> None:
+        ranks = tuple(comm.ranks)
+        n, base = len(ranks), mine.numel() - 1
+        self.comm, self.ranks, self.me, self.base = comm, ranks, ranks.index(comm.rank), base
+        row = mine.tolist()  # one read of the row, one tensor made (a few small tensor ops cost more)
+        tail = [last[r] if last and last.get(r) and k != self.me else row[-1] for k, r in enumerate(ranks)]
+        msg = torch.tensor(row[:-1] + tail, dtype=mine.dtype, device=mine.device)
+        self.table = torch.zeros((n + 1, base + n), dtype=mine.dtype, device=mine.device)  # + the status row
+        self.out: list[torch.Tensor] = [mine.new_empty(0) for _ in ranks]  # filled by wait()
+        if self.me == 0:
+            self.table[0].copy_(msg)
+            self._recvs = comm.post([], [(r, self.table[k]) for k, r in enumerate(ranks) if k])
+            self.works = [self]
+        else:
+            self._msg = msg  # alive until its send completed
+            self.works = comm.post([(ranks[0], msg)], [(ranks[0], self.table)]) + [self]
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """The last work: on the root, wait for the rows and send the table (or the status of a row it did not
+        get), within ``timeout``; then every rank takes its rows from the table."""
+        if self.me == 0:
+            self._root(time.perf_counter() + (timeout.total_seconds() if timeout is not None else 300.0))
+        code, lost = self.table[-1, :2].tolist()
+        if code:
+            raise RuntimeError(f"the plan handshake's root, rank {self.ranks[0]}, {self.LOST.get(code, 'failed')} "
+                               f"waiting for the row of rank {lost}")
+        col = self.base + self.me
+        self.out[:] = torch.cat([self.table[:-1, :self.base], self.table[:-1, col:col + 1]], 1).unbind(0)
+        return True
+
+    def _root(self, deadline: float) -> None:
+        """The root's part: the rows in, then the table out; a row lost sets the status row, which goes to every
+        other rank still reachable (within a second past the deadline) before the root raises it too."""
+        lost, cause = 0, None
+        for k, w in enumerate(self._recvs, start=1):
+            try:
+                ok = w.wait(timeout=timedelta(seconds=max(deadline - time.perf_counter(), 0.001)))
+            except Exception as e:
+                ok, cause = False, e
+            if ok is False:
+                lost = k
+                break
+        if lost:
+            text = f"{type(cause).__name__} {cause}".lower() if cause is not None else "timed out"
+            code = 1 if any(w in text for w in TIMEOUT_WORDS) else 2 if any(w in text for w in CONNECTION_WORDS) else 3
+            self.table[-1, 0], self.table[-1, 1] = code, self.ranks[lost]
+        peers = [r for k, r in enumerate(self.ranks) if k and k != lost]
+        if peers:
+            sends = self.comm.post([(r, self.table) for r in peers], [])
+            end = deadline + (1.0 if lost else 0.0)
+            for w in sends:
+                try:
+                    w.wait(timeout=timedelta(seconds=max(end - time.perf_counter(), 0.001)))
+                except Exception:
+                    if not lost:
+                        raise
+        if cause is not None:
+            raise cause
+        if lost and code == 1:
+            raise RuntimeError(f"rank {self.ranks[0]} (the plan handshake's root) timed out waiting for the row "
+                               f"of rank {self.ranks[lost]}")
 
 
 def drain(comm, ranks, rows: list[list[int]], device) -> list:
