@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,6 +128,11 @@ class Eligible:
     # wire bytes (cost_row)
     send_peers: tuple[tuple[int, int], ...] = ()
     recv_peers: tuple[tuple[int, int], ...] = ()
+    # (pos, j) of a delta-able send -> the (pos, j) of an earlier one with the same chunks of the same source
+    # boxes (:func:`same_sends`: a box sent to several engine instances or DP replicas): its message is that
+    # one's, diffed once, against one snapshot shared by both
+    same: dict = field(default_factory=dict)
+    repeated: frozenset = frozenset()  # the sends whose message a later send repeats (``same``'s values)
 
     @property
     def any_send(self) -> bool:
@@ -164,8 +169,35 @@ def eligible(plan, work) -> Eligible:
         recvs.append(tuple(rs))
         brecvs.append(tuple(brs))
     blocks = any(q.quant.format.block is not None for q in plan.dst.quantized.values())
+    same = same_sends(plan, work, sends)
     return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks,
-                    quant_blocks_delta(plan), work.rank, tuple(speers), tuple(rpeers))
+                    quant_blocks_delta(plan), work.rank, tuple(speers), tuple(rpeers), same,
+                    frozenset(same.values()))
+
+
+def same_sends(plan, work, sends) -> dict[tuple[int, int], tuple[int, int]]:
+    """Delta-able sends whose message is byte for byte an earlier one's: the same chunks (sizes, places in the
+    message) of the same boxes of the same source local tensors, none a relay (issue 32: with two engine
+    instances every trainer rank sent each box twice and diffed it twice). Their dense payloads are equal by
+    construction, so their delta messages are too when diffed against equal snapshots: both messages share one
+    snapshot (``MessageSnapshot.ensure``), diffed and updated once per run, and the later send reuses the
+    earlier one's message. Maps each such (pos, j) to the first (pos, j) with its chunks."""
+    first: dict[tuple, tuple[int, int]] = {}
+    same = {}
+    for pos, (_i, step) in enumerate(work.steps):
+        for j, (_p, _a, m) in enumerate(step.sends):
+            if not sends[pos][j]:
+                continue
+            ts = [plan.transfers[c.transfer] for c in m.chunks]
+            if not ts or any(t.relay for t in ts):
+                continue
+            key = (m.payload, tuple((t.src_local, t.src_offsets, t.tensor, t.offsets, t.wire_dtype, c.offsets,
+                                     c.sizes, c.buffer_offset) for t, c in zip(ts, m.chunks, strict=True)))
+            if key in first:
+                same[pos, j] = first[key]
+            else:
+                first[key] = (pos, j)
+    return same
 
 
 class MessageSnapshot:
@@ -188,7 +220,9 @@ class MessageSnapshot:
         self._views, self._qviews, self.globals, self.nbytes, self.version = {}, {}, {}, 0, None
         for pos, (_i, step) in enumerate(work.steps):
             for j, (_p, _a, m) in enumerate(step.sends):
-                if elig.sends[pos][j]:
+                if (pos, j) in elig.same:  # the same message as an earlier send: its snapshot
+                    self._views[pos, j] = self._views[elig.same[pos, j]]
+                elif elig.sends[pos][j]:
                     buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
                     self._views[pos, j] = [buffer_view(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
                     self.nbytes += m.payload
@@ -356,7 +390,7 @@ class CaptureLoop(StepLoop):
         if not self.capture:
             return p
         t = clock()
-        pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok
+        pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok and (pos, j) not in self.elig.same
                  for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
         pairs += [pair for j, ok in enumerate(self.elig.bsends[pos] if self.elig.bsends else ()) if ok
                   for (q, s), (sq, ss) in zip(self.b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
@@ -404,7 +438,7 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
     t = clock()
     msgs, updates = {}, []
     for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
-        if ok and s is not None:
+        if ok and s is not None and (0, j) not in elig.same:
             msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates,
                                     bound.delta_cache.setdefault(("send", 0, j), {}))
     return Prediff(msgs, updates, clock() - t) if msgs else None
@@ -422,6 +456,8 @@ class DeltaLoop(StepLoop):
         # step 0's messages diffed during the handshake; their snapshot writes are made once step 0 is posted
         # (the messages are separate buffers: the writes overlap the wire instead of delaying the sends)
         self.pre = pre
+        # this run's messages that a later send repeats (Eligible.same), until that send is posted
+        self.shared: dict[tuple[int, int], torch.Tensor] = {}
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
@@ -482,7 +518,9 @@ class DeltaLoop(StepLoop):
         for j, (peer, buf) in enumerate(sends):
             if el.sends[pos][j] or (bsends and bsends[j]):
                 t = clock()
-                if pos == 0 and self.pre is not None and j in self.pre.msgs:
+                if (pos, j) in el.same:  # an earlier send's message (same boxes, one snapshot): not diffed again
+                    msg = self.shared[el.same[pos, j]]
+                elif pos == 0 and self.pre is not None and j in self.pre.msgs:
                     msg = self.pre.msgs.pop(j)
                 elif el.sends[pos][j]:
                     views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
@@ -492,6 +530,8 @@ class DeltaLoop(StepLoop):
                 else:
                     msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
                 self.diff_s += clock() - t
+                if (pos, j) in el.repeated:
+                    self.shared[pos, j] = msg
                 self.bytes[0] += msg.numel()
                 self.bytes[1] += buf.numel()
                 out_s.append((peer, msg))
