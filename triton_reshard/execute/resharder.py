@@ -268,13 +268,17 @@ class Resharder:
             self._elig = eligible(self.plan, self.work)
         if not self._elig.dense and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
-        return fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
+        row = fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
+        if self._dense_next and delta.topology is not None and not delta.strict:
+            row[0] |= PREPOSTED  # predicted dense again: step 0's receives go with the handshake (_handshake)
+        return row
 
     def _fence(self, delta: DeltaRequest | None, rows: list[list[int]], hs_out=None, preposted=None
                ) -> tuple[int | None, str | None]:
         """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
         why), from every rank's fence columns; without ``delta`` the snapshot is dropped (the destinations
         move past it)."""
+        self._dense_next = False
         if delta is None:
             self._snap.version = None
             return None, None
@@ -289,6 +293,7 @@ class Resharder:
                                self.link.ranks, time.perf_counter())
             raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
                                     f"nothing was moved (delta=True falls back to a dense refit)")
+        self._dense_next = dense_next(delta, why)
         return base, why
 
     def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
@@ -379,9 +384,6 @@ class Resharder:
                 self.link.comm.check_live()
             b = self._bind(src_tensors, dst_tensors, device, verify, sides)
             frow = self._fence_row(delta, device, verify)
-            if self._dense_next and delta is not None and delta.topology is not None and not delta.strict \
-                    and not verify:  # predicted dense again: step 0's receives go with the handshake
-                frow[0] |= PREPOSTED
         except (ValueError, TypeError) as e:
             error = e
         except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
@@ -395,10 +397,8 @@ class Resharder:
             if delta is not None:
                 self._snap.version = None
             raise
-        self._dense_next = False
         if not verify:
             base, why = self._fence(delta, rows, self._hs_out, preposted)
-            self._dense_next = dense_next(delta, why)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
             args = (self.work, b, self.link, backend, tally, touched, key)
