@@ -16,15 +16,16 @@ from triton_reshard.testing.launch import run_world
 from triton_reshard.tools.topology import Topology
 
 SHAPES = {"a": (1024, 1024), "b": (512, 768)}
+SMALL = {f"t{i}": (64, 96) for i in range(8)}  # packed into one staged message (a receive that can be pre-posted)
 # links so fast that any measured diff time loses, and so slow that any delta that saves bytes wins
 FAST = Topology(gpus_per_node=1, nvlink_GBps=1e9, net_GBps=1e9)
 SLOW = Topology(gpus_per_node=1, nvlink_GBps=1e-3, net_GBps=1e-3)
 
 
-def _pub(version: int) -> dict[str, torch.Tensor]:
+def _pub(version: int, shapes=SHAPES) -> dict[str, torch.Tensor]:
     """The global tensors of ``version``: seeded; each version flips the low bit of ~2 % of the elements."""
     g = torch.Generator().manual_seed(0)
-    out = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in SHAPES.items()}
+    out = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
     for v in range(1, version + 1):
         g = torch.Generator().manual_seed(v)
         for t in out.values():
@@ -156,3 +157,63 @@ def test_refit_passes_the_topology_to_the_delta_request():
         assert all(ok for _, _, ok in rows[1:]), rows
         assert [m for m, _, _ in rows[1:]] == ["dense-fallback", "delta", "dense-fallback"], rows
         assert rows[3][1].startswith(D.COST_WHY), rows[3]
+
+
+def prepost_world(rank: int, world: int) -> list[dict]:
+    """After a cost fallback, the next delta request predicted dense again posts its first receives with the
+    handshake (as a plain dense refit does) and its fence row makes the refit dense on every rank; a strict
+    request on the other rank then refuses on both after closing those receives (the group stays usable);
+    a slower link afterwards: dense with a capture (the snapshot was dropped), then a delta again."""
+    src_l = Layout.from_placements(SMALL, [0], [Shard(0)], torch.bfloat16)
+    dst_l = Layout.from_placements(SMALL, [1], [Shard(1)], torch.bfloat16)
+    r = Resharder(plan_reshard(src_l, dst_l, rank=rank), timeout=60)
+    real_prepost, preposts = r._prepost, [0]
+
+    def counted(b):
+        out = real_prepost(b)
+        preposts[0] += bool(out)
+        return out
+
+    r._prepost = counted
+    src = src_l.shard(_pub(0, SMALL), rank) if rank == 0 else {}
+    dst = dst_l.allocate(rank) if rank == 1 else {}
+    for t in dst.values():
+        t.view(torch.int16).fill_(-1)  # poisoned: all bits set
+    # (version, topology, strict on rank 0): capture, a delta that measures, cost fallbacks (the second
+    # preposted), a strict one on rank 0 (refused on both), cost fallbacks again, the slow link
+    steps = [(0, FAST, False), (1, FAST, False), (2, FAST, False), (3, FAST, False), (4, FAST, True),
+             (4, FAST, False), (5, FAST, False), (6, SLOW, False), (7, SLOW, False)]
+    rows, held = [], None
+    for version, topo, strict in steps:
+        before = preposts[0]
+        if rank == 0:
+            for n, t in src_l.shard(_pub(version, SMALL), rank).items():
+                src[n].copy_(t)
+        row: dict = {"version": version}
+        try:
+            rep = r.run(src, dst, delta=DeltaRequest(version, held=held, strict=strict and rank == 0,
+                                                      topology=topo))
+            row.update(mode=rep.mode, why=rep.fallback or "")
+            held = version
+        except D.DeltaRefusedError as e:
+            row.update(mode="refused", why=str(e))
+        row["preposted"] = preposts[0] - before
+        row["exact"] = all(torch.equal(dst[n].view(torch.int16), t.view(torch.int16))
+                           for n, t in dst_l.shard(_pub(held, SMALL), rank).items()) if rank == 1 else True
+        rows.append(row)
+    return rows
+
+
+def test_cost_fallback_posts_receives_like_dense():
+    res = run_world(prepost_world, 2, backend="gloo", timeout=300)
+    for rank, rows in enumerate(res):
+        modes = [row["mode"] for row in rows]
+        assert all(row["exact"] for row in rows), (rank, rows)  # a refused refit left the last version
+        assert modes == ["dense-fallback", "delta", "dense-fallback", "dense-fallback", "refused",
+                         "dense-fallback", "dense-fallback", "dense-fallback", "delta"], (rank, rows)
+        assert all(rows[k]["why"].startswith(D.COST_WHY) for k in (2, 3, 5, 6)), rows
+        # (strict after a cost fallback: the dropped snapshot refuses it; rank 1's receives were closed first)
+        assert "no snapshot" in rows[4]["why"] and "nothing was moved" in rows[4]["why"], rows[4]
+        assert "no snapshot" in rows[7]["why"], rows[7]  # the slow link: dense with a capture, then a delta
+    # the receiver posted step 0 with the handshake in the refits after a cost fallback (none before)
+    assert [row["preposted"] for row in res[1]] == [0, 0, 0, 1, 1, 0, 1, 1, 0], res[1]

@@ -9,9 +9,9 @@ no block-quantized chunk, wire dtype = destination dtype; both ends decide from 
   (the diff is in the wire dtype). The message's chunks are diffed against the sender's
   :class:`MessageSnapshot` (what this rank last sent in that message, wire dtype) by ``ops.pack_delta``
   (``update=True``: the snapshot takes the new values). The snapshot is per *message*, not per source
-  tensor: a cast (fp32 masters -> bf16) is diffed in the wire dtype, and a box sent to several
-  destinations (DP replicas, instances without relays) has one snapshot per message, so no message diffs
-  against another's update; a relaying engine rank diffs what it forwards the same way. Cost: the dense
+  tensor: a cast (fp32 masters -> bf16) is diffed in the wire dtype; a box sent to several destinations
+  (DP replicas, instances without relays) as the same message (:func:`same_sends`) has one snapshot and is
+  diffed once; a relaying engine rank diffs what it forwards the same way. Cost: the dense
   bytes of this rank's delta-able sends, on the tensors' device (an engine rank that relays holds a
   snapshot of what it relays, e.g. (N-1)/N of its shard for N instances).
 - **Length round (NCCL only).** A delta message's size depends on the data. NCCL needs matching sizes: per
@@ -36,14 +36,15 @@ rank runs the dense refit
 **Cost** (:func:`cost_row`, :func:`cost_choice`; ``DeltaRequest.topology``): each rank also puts its predicted
 dense wire time and its last delta's measured diff, delta wire and apply times in the handshake row; a refit
 every rank then predicts slower as a delta runs plain dense (no snapshot copy; the snapshot is dropped), and
-after ``PROBE_EVERY`` of those a snapshot is captured and a delta measures again (docs/delta.md).
+after ``PROBE_EVERY`` of those a snapshot is captured and a delta measures again (docs/delta.md); the refit
+after a cost fallback posts its first receives with the handshake as a dense one does (:func:`dense_next`).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,12 +55,16 @@ from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes, message_length
 from ..ops.delta_cached import pack_deferred
 from ..ops.delta_cpu import commit_updates
 from .bind import block_chunks, buffer_view, quant_buffers
+from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
 from .steps import Pending, StepLoop, clock
 from .transport import FENCE_FIELDS
 
 NO_VERSION = -(1 << 63)  # "no version" in the fence row
 _QUANT, _NO_SNAP, _TORN, _NO_HELD = 1, 2, 4, 8
+# this rank posted its first step's receives with the handshake, for a dense refit (its last refit was a cost
+# fallback, every rank agreeing; :func:`dense_next`): the refit goes dense whatever else the fence says
+PREPOSTED = 16
 
 
 class DeltaRefusedError(ReshardError):
@@ -128,6 +133,11 @@ class Eligible:
     # wire bytes (cost_row)
     send_peers: tuple[tuple[int, int], ...] = ()
     recv_peers: tuple[tuple[int, int], ...] = ()
+    # (pos, j) of a delta-able send -> the (pos, j) of an earlier one with the same chunks of the same source
+    # boxes (:func:`same_sends`: a box sent to several engine instances or DP replicas): its message is that
+    # one's, diffed once, against one snapshot shared by both
+    same: dict = field(default_factory=dict)
+    repeated: frozenset = frozenset()  # the sends whose message a later send repeats (``same``'s values)
 
     @property
     def any_send(self) -> bool:
@@ -164,8 +174,35 @@ def eligible(plan, work) -> Eligible:
         recvs.append(tuple(rs))
         brecvs.append(tuple(brs))
     blocks = any(q.quant.format.block is not None for q in plan.dst.quantized.values())
+    same = same_sends(plan, work, sends)
     return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks,
-                    quant_blocks_delta(plan), work.rank, tuple(speers), tuple(rpeers))
+                    quant_blocks_delta(plan), work.rank, tuple(speers), tuple(rpeers), same,
+                    frozenset(same.values()))
+
+
+def same_sends(plan, work, sends) -> dict[tuple[int, int], tuple[int, int]]:
+    """Delta-able sends whose message is byte for byte an earlier one's: the same chunks (sizes, places in the
+    message) of the same boxes of the same source local tensors, none a relay (issue 32: with two engine
+    instances every trainer rank sent each box twice and diffed it twice). Their dense payloads are equal by
+    construction, so their delta messages are too when diffed against equal snapshots: both messages share one
+    snapshot (``MessageSnapshot.ensure``), diffed and updated once per run, and the later send reuses the
+    earlier one's message. Maps each such (pos, j) to the first (pos, j) with its chunks."""
+    first: dict[tuple, tuple[int, int]] = {}
+    same = {}
+    for pos, (_i, step) in enumerate(work.steps):
+        for j, (_p, _a, m) in enumerate(step.sends):
+            if not sends[pos][j]:
+                continue
+            ts = [plan.transfers[c.transfer] for c in m.chunks]
+            if not ts or any(t.relay for t in ts):
+                continue
+            key = (m.payload, tuple((t.src_local, t.src_offsets, t.tensor, t.offsets, t.wire_dtype, c.offsets,
+                                     c.sizes, c.buffer_offset) for t, c in zip(ts, m.chunks, strict=True)))
+            if key in first:
+                same[pos, j] = first[key]
+            else:
+                first[key] = (pos, j)
+    return same
 
 
 class MessageSnapshot:
@@ -188,7 +225,9 @@ class MessageSnapshot:
         self._views, self._qviews, self.globals, self.nbytes, self.version = {}, {}, {}, 0, None
         for pos, (_i, step) in enumerate(work.steps):
             for j, (_p, _a, m) in enumerate(step.sends):
-                if elig.sends[pos][j]:
+                if (pos, j) in elig.same:  # the same message as an earlier send: its snapshot
+                    self._views[pos, j] = self._views[elig.same[pos, j]]
+                elif elig.sends[pos][j]:
                     buf = torch.zeros(m.payload, dtype=torch.uint8, device=device)
                     self._views[pos, j] = [buffer_view(buf, 0, c, plan.transfers[c.transfer]) for c in m.chunks]
                     self.nbytes += m.payload
@@ -212,68 +251,6 @@ class MessageSnapshot:
 
     def qviews(self, pos: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._qviews[pos, j]
-
-
-@dataclass(slots=True)
-class DeltaCost:
-    """What this rank's last delta refit measured: seconds diffing its delta-able sends (``pack_s``) and
-    applying its delta receives (``unpack_s``), and the delta bytes over the dense bytes of those sends and
-    receives (None: no delta measured yet). ``asked``: cost predictions made from it since (after
-    ``PROBE_EVERY`` the rank says "unknown" and the next refit goes as a delta again, measuring afresh: the
-    changed fraction moves as training goes on)."""
-
-    pack_s: float | None = None
-    unpack_s: float | None = None
-    send_ratio: float = 0.0
-    recv_ratio: float = 0.0
-    asked: int = 0
-    # the last few deltas' (diff, apply) seconds: pack_s / unpack_s are their medians (one refit slowed by a
-    # busy machine must not turn the next PROBE_EVERY refits dense)
-    history: tuple[tuple[float, float], ...] = ()
-
-
-PROBE_EVERY = 8
-COST_WHY = "predicted faster dense"  # how a cost fallback's reason starts (the run then captures no snapshot)
-COST_FIELDS = 4  # the cost columns of the fence row, in microseconds (-1: unknown)
-
-
-def cost_row(elig: Eligible, cost: DeltaCost, topo) -> list[int]:
-    """This rank's predicted times, microseconds: (its dense wire time, its delta wire time, its delta diff
-    time, its delta apply time) for its delta-able messages, from the ``topo`` (a
-    :class:`~triton_reshard.tools.topology.Topology`) and what its last delta measured (:class:`DeltaCost`);
-    -1 each when there is no topology or no fresh measurement. A port's time is its bytes over its bandwidth:
-    network bytes (peer on another node) over ``net_GBps`` (divided among the node's ranks with
-    ``shared_nic``), NVLink bytes over ``nvlink_GBps``; the rank's wire time is its busiest port's."""
-    if topo is None or cost.pack_s is None or cost.asked >= PROBE_EVERY:
-        return [-1] * COST_FIELDS
-    cost.asked += 1
-    net = topo.net_GBps * 1e9 / (topo.gpus_per_node if topo.shared_nic else 1)
-    nvl = topo.nvlink_GBps * 1e9
-
-    def ports(peers, ratio: float) -> tuple[float, float]:
-        x = sum(n for p, n in peers if not topo.same_node(p, elig.rank)) * ratio
-        v = sum(n for p, n in peers if topo.same_node(p, elig.rank)) * ratio
-        return x / net, v / nvl
-
-    dense = max(*ports(elig.send_peers, 1.0), *ports(elig.recv_peers, 1.0))
-    delta = max(*ports(elig.send_peers, cost.send_ratio), *ports(elig.recv_peers, cost.recv_ratio))
-    return [round(x * 1e6) for x in (dense, delta, cost.pack_s, cost.unpack_s)]
-
-
-def cost_choice(rows: list[list[int]]) -> str | None:
-    """From every rank's :func:`cost_row` columns: why the refit goes dense (predicted faster), or None
-    (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time; delta:
-    the slowest diff, then the slowest delta wire, then the slowest apply (each waits for the one before)."""
-    if not rows or any(min(r) < 0 for r in rows):
-        return None
-    dense = max(r[0] for r in rows)
-    pack, wire, unpack = (max(r[k] for r in rows) for k in (2, 1, 3))
-    if pack + wire + unpack <= dense:
-        return None
-    return (f"{COST_WHY}: {dense / 1e3:.2f} ms on the wire against a delta's {pack / 1e3:.2f} ms diff + "
-            f"{wire / 1e3:.2f} ms wire + {unpack / 1e3:.2f} ms apply (the topology's link rates, the last delta "
-            f"refit's measured costs and changed bytes); sent dense without a snapshot (after {PROBE_EVERY} "
-            f"such refits one captures it and the next delta measures again)")
 
 
 def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
@@ -303,6 +280,16 @@ def dense_expected(frow: list[int]) -> bool:
     does, instead of diffing it (another rank's unknown prediction can still make the refit a delta, which
     packs what it needs itself)."""
     return bool(frow[0]) or (not frow[5] and cost_choice([frow[6:6 + COST_FIELDS]]) is not None)
+
+
+def dense_next(req: DeltaRequest | None, why: str | None) -> bool:
+    """After a refit's fence: will this rank's next delta request, if it asks the same way (a topology, not
+    strict), go dense again? Yes when this one was a cost fallback (every rank's cost columns said dense): no
+    delta ran since, so what the ranks measured is unchanged. Such a next refit posts its first step's
+    receives with the handshake as a plain dense refit does (issue 32: a cost fallback cost a round trip and
+    a wake-up more than plain dense), and says so in its fence row (``PREPOSTED``), which makes it dense on
+    every rank (with a capture when the cost model no longer says dense: the snapshot was dropped)."""
+    return req is not None and req.topology is not None and why is not None and why.startswith(COST_WHY)
 
 
 def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
@@ -337,6 +324,10 @@ def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, b
     cheaper = None if strict else cost_choice([r[6:6 + COST_FIELDS] for r in rows])
     if cheaper is not None:
         return None, cheaper + (f" (also: {'; '.join(why)})" if why else ""), strict
+    pre = [r for r, row in by.items() if row[0] & PREPOSTED]
+    if pre and not why:  # (the cost model no longer says dense: this refit captures the snapshot)
+        why.append(f"rank(s) {pre} posted their first receives with the handshake for a dense refit (the last "
+                   f"refit was predicted faster dense)")
     if why:
         return None, "; ".join(why), strict
     return next(iter(snaps.values())), None, strict
@@ -347,8 +338,8 @@ class CaptureLoop(StepLoop):
     dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
 
     def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True,
-                 prepacked: float | None = None) -> None:
-        super().__init__(*args, prepacked=prepacked)
+                 prepacked: float | None = None, preposted=None) -> None:
+        super().__init__(*args, prepacked=prepacked, preposted=preposted)
         self.elig, self.snap, self.capture = elig, snap, capture
 
     def pack_and_post(self, pos: int) -> Pending:
@@ -356,7 +347,7 @@ class CaptureLoop(StepLoop):
         if not self.capture:
             return p
         t = clock()
-        pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok
+        pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok and (pos, j) not in self.elig.same
                  for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
         pairs += [pair for j, ok in enumerate(self.elig.bsends[pos] if self.elig.bsends else ()) if ok
                   for (q, s), (sq, ss) in zip(self.b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
@@ -404,7 +395,7 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
     t = clock()
     msgs, updates = {}, []
     for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
-        if ok and s is not None:
+        if ok and s is not None and (0, j) not in elig.same:
             msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates,
                                     bound.delta_cache.setdefault(("send", 0, j), {}))
     return Prediff(msgs, updates, clock() - t) if msgs else None
@@ -422,6 +413,8 @@ class DeltaLoop(StepLoop):
         # step 0's messages diffed during the handshake; their snapshot writes are made once step 0 is posted
         # (the messages are separate buffers: the writes overlap the wire instead of delaying the sends)
         self.pre = pre
+        # this run's messages that a later send repeats (Eligible.same), until that send is posted
+        self.shared: dict[tuple[int, int], torch.Tensor] = {}
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
@@ -482,7 +475,9 @@ class DeltaLoop(StepLoop):
         for j, (peer, buf) in enumerate(sends):
             if el.sends[pos][j] or (bsends and bsends[j]):
                 t = clock()
-                if pos == 0 and self.pre is not None and j in self.pre.msgs:
+                if (pos, j) in el.same:  # an earlier send's message (same boxes, one snapshot): not diffed again
+                    msg = self.shared[el.same[pos, j]]
+                elif pos == 0 and self.pre is not None and j in self.pre.msgs:
                     msg = self.pre.msgs.pop(j)
                 elif el.sends[pos][j]:
                     views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
@@ -492,6 +487,8 @@ class DeltaLoop(StepLoop):
                 else:
                     msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
                 self.diff_s += clock() - t
+                if (pos, j) in el.repeated:
+                    self.shared[pos, j] = msg
                 self.bytes[0] += msg.numel()
                 self.bytes[1] += buf.numel()
                 out_s.append((peer, msg))

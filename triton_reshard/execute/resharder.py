@@ -33,6 +33,7 @@ from . import checks
 from .bind import Bound, Staging, bind
 from .delta import (
     COST_WHY,
+    PREPOSTED,
     CaptureLoop,
     DeltaLoop,
     DeltaRefusedError,
@@ -40,6 +41,7 @@ from .delta import (
     MessageSnapshot,
     Prediff,
     dense_expected,
+    dense_next,
     eligible,
     fence,
     fence_row,
@@ -49,7 +51,7 @@ from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransp
 from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
-from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, handshake_finish, handshake_post
+from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, drain, handshake_finish, handshake_post
 
 # post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
 # turns it off on alternate calls to measure what it saves under the same load
@@ -116,6 +118,9 @@ class Resharder:
         self._elig = None  # delta refits: which messages can go as deltas (execute/delta.py), when first asked
         # what this rank last sent in its delta-able messages (a refit session owns it and hands it over)
         self._snap = MessageSnapshot() if snapshot is None else snapshot
+        # the last refit was a cost fallback: the next delta request with a topology posts its first receives
+        # with the handshake, as a dense refit does (execute/delta.py dense_next)
+        self._dense_next = False
 
     # the options, as attributes (read-only)
     bucket_bytes = property(lambda self: self.options.bucket_bytes)
@@ -263,12 +268,17 @@ class Resharder:
             self._elig = eligible(self.plan, self.work)
         if not self._elig.dense and device is not None:
             self._snap.ensure(self.plan, self.work, self._elig, device)
-        return fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
+        row = fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
+        if self._dense_next and delta.topology is not None and not delta.strict:
+            row[0] |= PREPOSTED  # predicted dense again: step 0's receives go with the handshake (_handshake)
+        return row
 
-    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]]) -> tuple[int | None, str | None]:
+    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]], hs_out=None, preposted=None
+               ) -> tuple[int | None, str | None]:
         """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
         why), from every rank's fence columns; without ``delta`` the snapshot is dropped (the destinations
         move past it)."""
+        self._dense_next = False
         if delta is None:
             self._snap.version = None
             return None, None
@@ -276,8 +286,14 @@ class Resharder:
         # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
         # nothing, so the snapshot still holds what the destinations at its version hold
         if why is not None and strict:
+            if any(r[0] & PREPOSTED for r in rows):  # close the receives posted with the handshake first
+                works = self.link.call(drain, "the delta fence", self.link.ranks, self.link.comm, self.link.ranks,
+                                       [[int(o[-1])] for o in hs_out], self.link.device())
+                self.link.wait(works + (preposted.works if preposted else []), "the delta fence",
+                               self.link.ranks, time.perf_counter())
             raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
                                     f"nothing was moved (delta=True falls back to a dense refit)")
+        self._dense_next = dense_next(delta, why)
         return base, why
 
     def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
@@ -285,8 +301,11 @@ class Resharder:
         """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
         first step and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run
         or verify posts its first step's staged receives with it (:meth:`_prepost`)."""
-        prepost = self._prepost(b) if error is None and delta is None else None
+        # a dense run posts step 0's receives with the handshake; so does a delta request predicted dense again
+        # (its row says so: PREPOSTED makes the refit dense on every rank)
+        prepost = self._prepost(b) if error is None and (delta is None or frow[0] & PREPOSTED) else None
         hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow, prepost)
+        self._hs_out = hs.out if delta is not None else None
         work = error is None and not verify
         # a dense run packs step 0 while the rows travel; so does a delta request this rank expects to go dense
         # (its own fence or cost columns say so: a cost fallback must cost what a dense refit costs)
@@ -379,7 +398,7 @@ class Resharder:
                 self._snap.version = None
             raise
         if not verify:
-            base, why = self._fence(delta, rows)
+            base, why = self._fence(delta, rows, self._hs_out, preposted)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
             args = (self.work, b, self.link, backend, tally, touched, key)
@@ -389,9 +408,10 @@ class Resharder:
                 loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
             elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
                 loop = CaptureLoop(*args, elig=self._elig, snap=self._snap,
-                                   capture=not (why or "").startswith(COST_WHY), prepacked=packed)
+                                   capture=not (why or "").startswith(COST_WHY), prepacked=packed,
+                                   preposted=preposted)
             else:  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
-                loop = StepLoop(*args, prepacked=packed)
+                loop = StepLoop(*args, prepacked=packed, preposted=preposted)
             loop.run()
             if device is not None and device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
