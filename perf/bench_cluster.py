@@ -10,9 +10,15 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
   emulator (``triton_reshard.testing.netdelay``: TAPs and a C forwarder; needs gcc and /dev/net/tun).
 * models: the presets' ``small_llama`` (Megatron TP -> vLLM TP) and ``small_qwen3_moe`` (Megatron TPxEP ->
   vLLM TP with expert parallelism), bf16; 4 nodes add PP2 on the trainer.
-* ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over one link
-  (a 32 MiB send), the round trip of a small message as each step's latency, and the time of a refit that
-  moves 64 bytes, less that round trip, as the fixed cost of a refit (``Topology.refit_latency_s``).
+* ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over the links
+  as a refit uses them (every trainer rank sending to every engine rank at once, 32 MiB into each engine node,
+  median of 3 after a warm-up; until session 41 one 32 MiB stream, which behind a 1 ms link reached half of
+  what a refit's concurrent streams do), the round trip of a small message as each step's latency, the time
+  of a refit that moves 64 bytes (median of 15), less that round trip, as the fixed cost of a refit
+  (``Topology.refit_latency_s``), and the host term of a CPU refit (``Topology.host_GBps``: what an 8 MiB
+  refit's CPU seconds, all ranks, cost beyond the 64-byte refit's and beyond gloo's sends of as many bytes,
+  per byte sent plus received; ``host_cores``: this machine's cores, which every emulated node shares), for
+  the plan ``ours`` ran (its relay choice).
 
 Methods, each called between barriers and timed from the first rank entering the call to the last rank leaving
 it (every rank's marks on the host's monotonic clock, which the emulated nodes share; the barrier after a call
@@ -53,6 +59,7 @@ Needs root and iproute2 (``triton_reshard.testing.cluster.available()`` says why
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -180,13 +187,14 @@ def _poison(tensors: dict) -> dict:
     return tensors
 
 
-def _probe(rank: int, rpn: int) -> dict:
-    """Loopback (rank 0 -> 1, same node) and link (rank 0 -> rpn, next node) bandwidth, 32 MiB each."""
+def _probe(rank: int, rpn: int, nodes: int) -> dict:
+    """Loopback (rank 0 -> 1, same node) and one-stream link (rank 0 -> rpn, next node) bandwidth, 32 MiB each;
+    the link as a refit uses it (:func:`_link_all`); the round trip of a small message."""
     import torch.distributed as dist
 
     out = {}
     buf = torch.zeros(8 << 20)
-    for name, peer in (("loopback", 1), ("link", rpn)):
+    for name, peer in (("loopback", 1), ("link_one_stream", rpn)):
         if peer >= dist.get_world_size() or (name == "loopback" and rpn < 2):
             continue
         dist.barrier()
@@ -199,21 +207,65 @@ def _probe(rank: int, rpn: int) -> dict:
             dist.send(buf[:1], 0)
         out[name] = buf.numel() * 4 / (time.perf_counter() - t0)
         dist.barrier()
+    out.update(_link_all(rank, rpn, nodes))
     out["rtt_s"] = bench_call._rtt(rank, rpn, 20)  # round trip of a small message over the link (rank 0's)
     return out
 
 
-def _tiny(rank: int, world: int, rpn: int, timeout: float) -> dict:
-    """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
-    of one refit step (handshake, a round of messages, the barriers around it)."""
+def _link_all(rank: int, rpn: int, nodes: int, per_node: int = 32 << 20, repeats: int = 3) -> dict:
+    """The link as a refit uses it: every trainer rank (the first ``nodes // 2`` nodes) sends to every engine
+    rank at once (``batch_isend_irecv``: rpn x rpn streams per pair of nodes), ``per_node`` bytes into each
+    engine node; after one warm-up round, the median of ``repeats`` rounds, each timed from the first rank
+    entering it to the last leaving it. The rate: the busiest node's link bytes (either way) over that time."""
+    import torch.distributed as dist
+
+    trainers = range(rpn * (nodes // 2))
+    engines = range(len(trainers), rpn * nodes)
+    chunk = per_node // (rpn * len(trainers)) // 4  # float32 elements per (trainer, engine) pair
+    peers = engines if rank in trainers else trainers if rank in engines else ()
+    bufs = {p: torch.zeros(chunk) for p in peers}
+    times, cpus = [], []
+    for i in range(repeats + 1):
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        op = dist.isend if rank in trainers else dist.irecv
+        reqs = dist.batch_isend_irecv([dist.P2POp(op, b, p) for p, b in bufs.items()]) if bufs else []
+        for r in reqs:
+            r.wait()
+        t1, c1 = time.perf_counter(), time.process_time()
+        marks = torch.tensor([-t0, t1], dtype=torch.float64)
+        dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+        cpu = torch.tensor([c1 - c0], dtype=torch.float64)
+        dist.all_reduce(cpu)  # every rank's CPU seconds of the round, summed
+        if i:
+            times.append(float(marks[0] + marks[1]))
+            cpus.append(float(cpu[0]))
+    tx = chunk * 4 * rpn * len(engines) // max(1, nodes // 2)  # a trainer node's bytes out
+    busiest = max(tx, chunk * 4 * rpn * len(trainers))  # an engine node's bytes in: per_node (rounded down)
+    moved = chunk * 4 * len(trainers) * len(engines)  # all links' payload
+    return {"link": busiest / statistics.median(times), "link_rounds_s": times, "link_busiest_bytes": busiest,
+            "link_cpu_s_per_byte": statistics.median(cpus) / moved}
+
+
+def _tiny(rank: int, world: int, rpn: int, timeout: float, rows: int = 2, cols: int = 16,
+          repeats: int = 15) -> dict:
+    """Seconds of a refit that moves ``rows * rpn * cols`` bf16 from node 0 (Shard(0)) to node 1 (Shard(1)),
+    every rank in the group: with the defaults 64 bytes, the fixed cost of one refit (handshake, a round of
+    messages, the barriers around it); :func:`_bulk` moves 8 MiB the same way."""
     from triton_reshard import Layout, Shard, refit
 
-    src = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn)), [Shard(0)], torch.bfloat16)
-    dst = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn, 2 * rpn)), [Shard(1)], torch.bfloat16)
-    s = {"t": torch.zeros(2, 16, dtype=torch.bfloat16)} if rank < rpn else {}
+    src = Layout.from_placements({"t": (rows * rpn, cols)}, list(range(rpn)), [Shard(0)], torch.bfloat16)
+    dst = Layout.from_placements({"t": (rows * rpn, cols)}, list(range(rpn, 2 * rpn)), [Shard(1)], torch.bfloat16)
+    s = {"t": torch.zeros(rows, cols, dtype=torch.bfloat16)} if rank < rpn else {}
     d = dst.allocate(rank) if rpn <= rank < 2 * rpn else {}
     refit(s, d, src, dst, timeout=timeout)
-    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), 7)
+    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), repeats)
+
+
+def _bulk(rank: int, world: int, rpn: int, timeout: float) -> dict:
+    """:func:`_tiny` with 8 MiB (every byte crosses the link, none stays on a node): its CPU seconds less the
+    64-byte refit's are what the hosts spend per byte moved (``Topology.host_GBps``)."""
+    return {"bytes": 2048 * 2048 * 2, **_tiny(rank, world, rpn, timeout, rows=2048 // rpn, cols=2048, repeats=5)}
 
 
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
@@ -224,7 +276,8 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
     from triton_reshard.tools.topology import Topology, choose_relay
 
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
-    out: dict = {"rank": rank, "probe": _probe(rank, rpn), "models": {}, "tiny": _tiny(rank, world, rpn, timeout)}
+    out: dict = {"rank": rank, "probe": _probe(rank, rpn, nodes), "models": {}, "tiny": _tiny(rank, world, rpn, timeout),
+                 "bulk": _bulk(rank, world, rpn, timeout)}
     for model in spec["models"]:
         src, dst, inst = layouts(model, nodes, rpn)
         full_dst = dst.instances(inst) if inst > 1 else dst
@@ -272,15 +325,40 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
 # parent
 
 
+def _host_probe(results: list) -> dict:
+    """From every rank's 64-byte and 8 MiB refits (:func:`_tiny`, :func:`_bulk`) and the link probe: the fixed
+    cost of a refit (median span of the 64-byte ones), the host rate of a CPU refit's own copies (packing and
+    unpacking: every byte of the 8 MiB counted at its sender and at its receiver, over the CPU seconds of all
+    ranks beyond the 64-byte refit's and beyond what gloo's sends of as many bytes cost in the link probe,
+    which the link's measured rate already carries; medians) and the cores all ranks share (this machine's:
+    every emulated node runs on them)."""
+    def med(key, what):
+        reps = len(results[0][key]["seconds"])
+        if what == "span":
+            return statistics.median(span([x[key] for x in results], i) for i in range(reps))
+        return statistics.median(sum(x[key]["cpu"][i] for x in results) for i in range(reps))
+
+    tiny_cpu, bulk_cpu = med("tiny", "cpu"), med("bulk", "cpu")
+    moved = results[0]["bulk"]["bytes"]
+    wire_cpu = results[0]["probe"]["link_cpu_s_per_byte"] * moved  # gloo's own copies: in the link probe's rate
+    host_cpu = max(bulk_cpu - tiny_cpu - wire_cpu, 1e-6)
+    return {"refit_step_s": med("tiny", "span"), "refit_step_cpu_s": tiny_cpu, "bulk_s": med("bulk", "span"),
+            "bulk_cpu_s": bulk_cpu, "bulk_bytes": moved, "bulk_wire_cpu_s": wire_cpu,
+            "host_Bps": 2 * moved / host_cpu, "host_cores": len(os.sched_getaffinity(0))}
+
+
 def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float,
-              calib: dict | None = None) -> dict:
+              calib: dict | None = None, relay: bool | None = None) -> dict:
+    """The time model for ``ours``: the plan it ran (``relay``: the time model's choice it ran with; None, the
+    planner's default, as until session 41, which predicted a relay phase where ``ours`` had none), nominal
+    and, with ``calib`` (what the cluster's probes measured), calibrated."""
     from triton_reshard import plan_reshard
     from triton_reshard.tools.topology import Topology, plan_phase_pair_bytes, predict_seconds
 
     src, dst, inst = layouts(model, nodes, rpn)
     groups = dst.instance_groups(inst) if inst > 1 else None
     full = dst.instances(inst) if inst > 1 else dst
-    plan = plan_reshard(src, full, False, rpn, None, groups)
+    plan = plan_reshard(src, full, False, rpn, relay, groups)
     out = {}
     for name, shared in (("shared_link", True), ("nic_per_rank", False)):
         topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=rate_bps / 8 / 1e9,
@@ -290,6 +368,11 @@ def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: f
         topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=calib["link_Bps"] / 1e9,
                         step_latency_s=calib["rtt_s"], refit_latency_s=max(0.0, calib["step_s"] - calib["rtt_s"]),
                         shared_nic=True)
+        # without the host term: with the concurrent link probe, and with the one-stream one (main until session 41)
+        out["calibrated_wire"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+        one = dataclasses.replace(topo, net_GBps=calib.get("link_one_stream_Bps", calib["link_Bps"]) / 1e9)
+        out["calibrated_one_stream"] = predict_seconds(plan_phase_pair_bytes(plan), one).seconds
+        topo = dataclasses.replace(topo, host_GBps=calib["host_Bps"] / 1e9, host_cores=calib["host_cores"])
         out["calibrated"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
     out["link_limit_bytes"] = link_limit_bytes(full, rpn)
     out["model_bytes"] = sum(math.prod(s.shape) * s.dtype.itemsize for s in src.tensors)
@@ -308,7 +391,9 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
         row = {"link_limit_s": limit, "model_bytes": pr["model_bytes"], "link_limit_bytes": pr["link_limit_bytes"],
                "link_limit_framed_s": limit * framing(setting.get("mtu", 1500)),
                "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
-               "predicted_calibrated_s": pr.get("calibrated"), "methods": {}}
+               "predicted_calibrated_s": pr.get("calibrated"),
+               "predicted_calibrated_wire_s": pr.get("calibrated_wire"),
+               "predicted_calibrated_one_stream_s": pr.get("calibrated_one_stream"), "methods": {}}
         for m in per[0]:
             if m in ("delta", "relay_choice"):
                 continue
@@ -332,12 +417,18 @@ def print_setting(s: dict, summ: dict) -> None:
     print(f"== {s['nodes']} nodes x {s['rpn']} ranks, {s['rate_bps'] / 1e9:g} Gbit/s, latency "
           f"{s['latency_s'] * 1e6:g} us added ({s.get('emulator', 'veth')} links), MTU {s.get('mtu', 1500)} (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
           f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
-          f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
+          f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured; one stream "
+          f"{s['probe'].get('link_one_stream', 0) * 8 / 1e9:.2f} Gbit/s; an 8 MiB refit "
+          f"{s['probe']['bulk_s'] * 1e3:.1f} ms, CPU {s['probe']['bulk_cpu_s'] * 1e3:.1f} ms (64 bytes: "
+          f"{s['probe']['refit_step_cpu_s'] * 1e3:.1f}, gloo's sends {s['probe']['bulk_wire_cpu_s'] * 1e3:.1f}): host {s['probe']['host_Bps'] / 1e9:.2f} GB/s x "
+          f"{s['probe']['host_cores']} cores)", flush=True)
     for model, row in summ.items():
         print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms "
               f"({row['link_limit_framed_s'] * 1e3:.1f} with TCP/IP framing), "
               f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f}; "
-              f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f})")
+              f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f}; without its host term "
+              f"{row['predicted_calibrated_wire_s'] * 1e3:.1f}, and with the one-stream link "
+              f"{row['predicted_calibrated_one_stream_s'] * 1e3:.1f})")
         if "relay_choice" in row:
             c = row["relay_choice"]
             print(f"    time model: relay {c['relay']} (predicted {c['with_relay_s'] * 1e3:.1f} ms with relays, "
@@ -412,12 +503,13 @@ def run(args) -> dict:
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
                            "mtu": args.mtu, **link,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
-                tiny = [span([x["tiny"] for x in r.results], i) for i in range(len(r.results[0]["tiny"]["seconds"]))]
-                probe["refit_step_s"] = statistics.median(tiny)
+                probe.update(_host_probe(r.results))
                 calib = {"link_Bps": probe.get("link", rate_bps / 8), "step_s": probe["refit_step_s"],
-                         "rtt_s": probe["rtt_s"]}
+                         "rtt_s": probe["rtt_s"], "host_Bps": probe["host_Bps"], "host_cores": probe["host_cores"],
+                         "link_one_stream_Bps": probe.get("link_one_stream", rate_bps / 8)}
+                relays = {m: r.results[0]["models"][m]["relay_choice"]["relay"] for m in args.models}
                 preds = {m: predicted(m, nodes, args.ranks_per_node, rate_bps, probe.get("loopback", 5e9),
-                                      lat + 50e-6, calib) for m in args.models}
+                                      lat + 50e-6, calib, relays[m]) for m in args.models}
                 summ = summarize(setting, r.results, preds)
                 print_setting(setting, summ)
                 out["settings"].append({**setting, "models": summ})
