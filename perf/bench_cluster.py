@@ -15,10 +15,10 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
   median of 3 after a warm-up; until session 41 one 32 MiB stream, which behind a 1 ms link reached half of
   what a refit's concurrent streams do), the round trip of a small message as each step's latency, the time
   of a refit that moves 64 bytes (median of 15), less that round trip, as the fixed cost of a refit
-  (``Topology.refit_latency_s``), and the host term of a CPU refit (``Topology.host_GBps``: what an 8 MiB
-  refit's CPU seconds, all ranks, cost beyond the 64-byte refit's and beyond gloo's sends of as many bytes,
-  per byte sent plus received; ``host_cores``: this machine's cores, which every emulated node shares), for
-  the plan ``ours`` ran (its relay choice).
+  (``Topology.refit_latency_s``), and the host term of a CPU refit (``Topology.host_GBps``: the time of a
+  16 MiB refit over the same links beyond the 64-byte refit's and beyond its wire time at the probed rate;
+  ``host_cores``: this machine's cores, which every emulated node shares), for the plan ``ours`` ran (its
+  relay choice).
 
 Methods, each called between barriers and timed from the first rank entering the call to the last rank leaving
 it (every rank's marks on the host's monotonic clock, which the emulated nodes share; the barrier after a call
@@ -247,25 +247,44 @@ def _link_all(rank: int, rpn: int, nodes: int, per_node: int = 32 << 20, repeats
             "link_cpu_s_per_byte": statistics.median(cpus) / moved}
 
 
-def _tiny(rank: int, world: int, rpn: int, timeout: float, rows: int = 2, cols: int = 16,
-          repeats: int = 15) -> dict:
-    """Seconds of a refit that moves ``rows * rpn * cols`` bf16 from node 0 (Shard(0)) to node 1 (Shard(1)),
-    every rank in the group: with the defaults 64 bytes, the fixed cost of one refit (handshake, a round of
-    messages, the barriers around it); :func:`_bulk` moves 8 MiB the same way."""
-    from triton_reshard import Layout, Shard, refit
+def probe_layouts(senders: list[int], receivers: list[int], rows: int, cols: int):
+    """One bf16 tensor of ``rows x cols`` (rounded down to whole shards), ``Shard(0)`` over ``senders`` to
+    ``Shard(1)`` over ``receivers``: every sender sends to every receiver, nothing stays on a rank."""
+    from triton_reshard import Layout, Shard
 
-    src = Layout.from_placements({"t": (rows * rpn, cols)}, list(range(rpn)), [Shard(0)], torch.bfloat16)
-    dst = Layout.from_placements({"t": (rows * rpn, cols)}, list(range(rpn, 2 * rpn)), [Shard(1)], torch.bfloat16)
-    s = {"t": torch.zeros(rows, cols, dtype=torch.bfloat16)} if rank < rpn else {}
-    d = dst.allocate(rank) if rpn <= rank < 2 * rpn else {}
+    shape = (rows // len(senders) * len(senders), cols // len(receivers) * len(receivers))
+    return (Layout.from_placements({"t": shape}, senders, [Shard(0)], torch.bfloat16),
+            Layout.from_placements({"t": shape}, receivers, [Shard(1)], torch.bfloat16))
+
+
+def _probe_refit(rank: int, src, dst, timeout: float, repeats: int) -> dict:
+    from triton_reshard import refit
+
+    s = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in src.allocate(rank).items()} if rank in src.ranks else {}
+    d = dst.allocate(rank) if rank in dst.ranks else {}
     refit(s, d, src, dst, timeout=timeout)
     return _timed(lambda: refit(s, d, src, dst, timeout=timeout), repeats)
 
 
-def _bulk(rank: int, world: int, rpn: int, timeout: float) -> dict:
-    """:func:`_tiny` with 8 MiB (every byte crosses the link, none stays on a node): its CPU seconds less the
-    64-byte refit's are what the hosts spend per byte moved (``Topology.host_GBps``)."""
-    return {"bytes": 2048 * 2048 * 2, **_tiny(rank, world, rpn, timeout, rows=2048 // rpn, cols=2048, repeats=5)}
+def _tiny(rank: int, world: int, rpn: int, timeout: float) -> dict:
+    """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
+    of one refit (handshake, a round of messages, the barriers around it); median of 15."""
+    src, dst = probe_layouts(list(range(rpn)), list(range(rpn, 2 * rpn)), 2 * rpn, 16)
+    return _probe_refit(rank, src, dst, timeout, 15)
+
+
+def bulk_layouts(nodes: int, rpn: int):
+    """The 16 MiB refit of :func:`_bulk`: every trainer rank (the first ``nodes // 2`` nodes) to every engine rank,
+    as the link probe (:func:`_link_all`) sends."""
+    t = rpn * (nodes // 2)
+    return probe_layouts(list(range(t)), list(range(t, rpn * nodes)), 4096, 2048)
+
+
+def _bulk(rank: int, world: int, nodes: int, rpn: int, timeout: float) -> dict:
+    """A refit of 16 MiB over the links as :func:`_link_all` uses them: its time beyond the 64-byte refit's and
+    beyond the wire's (at the probed rate) is the host's part (``Topology.host_GBps``: :func:`_host_probe`)."""
+    src, dst = bulk_layouts(nodes, rpn)
+    return _probe_refit(rank, src, dst, timeout, 5)
 
 
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
@@ -277,7 +296,7 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
 
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
     out: dict = {"rank": rank, "probe": _probe(rank, rpn, nodes), "models": {}, "tiny": _tiny(rank, world, rpn, timeout),
-                 "bulk": _bulk(rank, world, rpn, timeout)}
+                 "bulk": _bulk(rank, world, nodes, rpn, timeout)}
     for model in spec["models"]:
         src, dst, inst = layouts(model, nodes, rpn)
         full_dst = dst.instances(inst) if inst > 1 else dst
@@ -325,26 +344,45 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
 # parent
 
 
-def _host_probe(results: list) -> dict:
-    """From every rank's 64-byte and 8 MiB refits (:func:`_tiny`, :func:`_bulk`) and the link probe: the fixed
-    cost of a refit (median span of the 64-byte ones), the host rate of a CPU refit's own copies (packing and
-    unpacking: every byte of the 8 MiB counted at its sender and at its receiver, over the CPU seconds of all
-    ranks beyond the 64-byte refit's and beyond what gloo's sends of as many bytes cost in the link probe,
-    which the link's measured rate already carries; medians) and the cores all ranks share (this machine's:
-    every emulated node runs on them)."""
+def _host_probe(results: list, nodes: int, rpn: int, link_Bps: float, loopback_Bps: float) -> dict:
+    """From every rank's 64-byte and 16 MiB refits (:func:`_tiny`, :func:`_bulk`): the fixed cost of a refit
+    (median span of the 64-byte ones) and the host rate of a CPU refit (``Topology.host_GBps``): the 16 MiB
+    refit's median span beyond the 64-byte refit's and beyond its wire time (``predict_seconds`` of its plan,
+    host term off) is its host time; the rate is what gives the model that host time for that plan, with
+    ``host_cores`` this machine's cores (every emulated node runs on them). None (no host term) where nothing
+    is left beyond the wire. The wire's rate: the link probe's, or where that read lower, what the 16 MiB refit
+    itself shows the links carried (``link_calibrated``). CPU seconds (all ranks) of both, for the record."""
+    from triton_reshard import plan_reshard
+    from triton_reshard.tools.topology import (
+        Topology,
+        node_link_bytes,
+        plan_phase_pair_bytes,
+        predict_seconds,
+    )
+
     def med(key, what):
         reps = len(results[0][key]["seconds"])
         if what == "span":
             return statistics.median(span([x[key] for x in results], i) for i in range(reps))
         return statistics.median(sum(x[key]["cpu"][i] for x in results) for i in range(reps))
 
-    tiny_cpu, bulk_cpu = med("tiny", "cpu"), med("bulk", "cpu")
-    moved = results[0]["bulk"]["bytes"]
-    wire_cpu = results[0]["probe"]["link_cpu_s_per_byte"] * moved  # gloo's own copies: in the link probe's rate
-    host_cpu = max(bulk_cpu - tiny_cpu - wire_cpu, 1e-6)
-    return {"refit_step_s": med("tiny", "span"), "refit_step_cpu_s": tiny_cpu, "bulk_s": med("bulk", "span"),
-            "bulk_cpu_s": bulk_cpu, "bulk_bytes": moved, "bulk_wire_cpu_s": wire_cpu,
-            "host_Bps": 2 * moved / host_cpu, "host_cores": len(os.sched_getaffinity(0))}
+    cores = len(os.sched_getaffinity(0))
+    src, dst = bulk_layouts(nodes, rpn)
+    phases = plan_phase_pair_bytes(plan_reshard(src, dst, False, rpn, False))
+    tiny_s, bulk_s = med("tiny", "span"), med("bulk", "span")
+    # the links carried the busiest node's bytes within the 16 MiB refit's time beyond the fixed cost: a lower
+    # bound of their rate, for a link probe that read lower (rounds of raw sends starved of the shared cores)
+    busiest = max(x for tx_rx in node_link_bytes(phases[0], rpn, nodes) for x in tx_rx)
+    link = max(link_Bps, busiest / max(bulk_s - tiny_s, 1e-9))
+    wire = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=link / 1e9, step_latency_s=0.0,
+                    shared_nic=True)
+    wire_s = predict_seconds(phases, wire).seconds
+    unit = predict_seconds(phases, dataclasses.replace(wire, host_GBps=1.0, host_cores=cores)).seconds - wire_s
+    host_s = bulk_s - tiny_s - wire_s
+    return {"refit_step_s": tiny_s, "refit_step_cpu_s": med("tiny", "cpu"), "bulk_s": bulk_s,
+            "bulk_cpu_s": med("bulk", "cpu"), "bulk_bytes": sum(sum(p.values()) for p in phases),
+            "link_calibrated": link, "bulk_wire_s": wire_s, "bulk_host_s": host_s,
+            "host_Bps": unit / host_s * 1e9 if host_s > 1e-9 else None, "host_cores": cores}
 
 
 def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float,
@@ -372,7 +410,8 @@ def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: f
         out["calibrated_wire"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
         one = dataclasses.replace(topo, net_GBps=calib.get("link_one_stream_Bps", calib["link_Bps"]) / 1e9)
         out["calibrated_one_stream"] = predict_seconds(plan_phase_pair_bytes(plan), one).seconds
-        topo = dataclasses.replace(topo, host_GBps=calib["host_Bps"] / 1e9, host_cores=calib["host_cores"])
+        if calib["host_Bps"]:
+            topo = dataclasses.replace(topo, host_GBps=calib["host_Bps"] / 1e9, host_cores=calib["host_cores"])
         out["calibrated"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
     out["link_limit_bytes"] = link_limit_bytes(full, rpn)
     out["model_bytes"] = sum(math.prod(s.shape) * s.dtype.itemsize for s in src.tensors)
@@ -418,10 +457,10 @@ def print_setting(s: dict, summ: dict) -> None:
           f"{s['latency_s'] * 1e6:g} us added ({s.get('emulator', 'veth')} links), MTU {s.get('mtu', 1500)} (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
           f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
           f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured; one stream "
-          f"{s['probe'].get('link_one_stream', 0) * 8 / 1e9:.2f} Gbit/s; an 8 MiB refit "
+          f"{s['probe'].get('link_one_stream', 0) * 8 / 1e9:.2f} Gbit/s; a 16 MiB refit "
           f"{s['probe']['bulk_s'] * 1e3:.1f} ms, CPU {s['probe']['bulk_cpu_s'] * 1e3:.1f} ms (64 bytes: "
-          f"{s['probe']['refit_step_cpu_s'] * 1e3:.1f}, gloo's sends {s['probe']['bulk_wire_cpu_s'] * 1e3:.1f}): host {s['probe']['host_Bps'] / 1e9:.2f} GB/s x "
-          f"{s['probe']['host_cores']} cores)", flush=True)
+          f"{s['probe']['refit_step_cpu_s'] * 1e3:.1f}; its wire {s['probe']['bulk_wire_s'] * 1e3:.1f} ms): host "
+          f"{(s['probe']['host_Bps'] or 0) / 1e9:.2f} GB/s x {s['probe']['host_cores']} cores)", flush=True)
     for model, row in summ.items():
         print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms "
               f"({row['link_limit_framed_s'] * 1e3:.1f} with TCP/IP framing), "
@@ -503,8 +542,9 @@ def run(args) -> dict:
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
                            "mtu": args.mtu, **link,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
-                probe.update(_host_probe(r.results))
-                calib = {"link_Bps": probe.get("link", rate_bps / 8), "step_s": probe["refit_step_s"],
+                probe.update(_host_probe(r.results, nodes, args.ranks_per_node, probe.get("link", rate_bps / 8),
+                                         probe.get("loopback", 5e9)))
+                calib = {"link_Bps": probe["link_calibrated"], "step_s": probe["refit_step_s"],
                          "rtt_s": probe["rtt_s"], "host_Bps": probe["host_Bps"], "host_cores": probe["host_cores"],
                          "link_one_stream_Bps": probe.get("link_one_stream", rate_bps / 8)}
                 relays = {m: r.results[0]["models"][m]["relay_choice"]["relay"] for m in args.models}

@@ -17,14 +17,13 @@ the sum of its ranks' network bytes (each direction) over ``net_GBps``. That is 
 ``host_GBps`` (default None: off, so GPU predictions and :func:`choose_relay` stay as they are) adds, per step,
 a host term for CPU refits (gloo on the host, as on the emulated cluster): a rank spends ``1 / host_GBps``
 seconds on every byte it sends to or receives from another rank (packing before the wire, unpacking after
-it: serial with the wire; the transport's own copies belong to the link's measured rate), so a step takes
-its busiest rank's host bytes over ``host_GBps`` after its busiest port. ``host_cores`` (None: every rank has
+it, and what else of the host's work does not overlap the wire: serial with it), so a step takes its
+busiest rank's host bytes over ``host_GBps`` after its busiest port. ``host_cores`` (None: every rank has
 its own cores) is the number of cores all ranks share, which the model cannot see from the plan: the caller
 states it, e.g. the emulated cluster of :mod:`triton_reshard.testing.cluster`, whose nodes all run on one
 machine, passes that machine's cores (``len(os.sched_getaffinity(0))``); the host term is then at least all
 ranks' host bytes over ``host_GBps * host_cores``. ``perf/bench_cluster.py`` measures ``host_GBps`` per
-cluster (an 8 MiB refit's CPU seconds, all ranks, less a 64-byte refit's and less gloo's sends of as many
-bytes).
+cluster: the time of a 16 MiB refit beyond a 64-byte refit's and beyond its wire time at the probed link rate.
 
 Figures (per GPU, per direction, decimal GB/s):
 
