@@ -70,8 +70,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_call  # the round trip of a small message (its _rtt)
 import cluster_delta as cd  # the delta part (its functions read this module's at call time)
+import cluster_probe as cp  # the time model's calibration: the probes and what they give
 import cluster_versions as cv  # the versions of the delta refits: real AdamW steps of the preset's HF model
 import torch
 
@@ -187,106 +187,6 @@ def _poison(tensors: dict) -> dict:
     return tensors
 
 
-def _probe(rank: int, rpn: int, nodes: int) -> dict:
-    """Loopback (rank 0 -> 1, same node) and one-stream link (rank 0 -> rpn, next node) bandwidth, 32 MiB each;
-    the link as a refit uses it (:func:`_link_all`); the round trip of a small message."""
-    import torch.distributed as dist
-
-    out = {}
-    buf = torch.zeros(8 << 20)
-    for name, peer in (("loopback", 1), ("link_one_stream", rpn)):
-        if peer >= dist.get_world_size() or (name == "loopback" and rpn < 2):
-            continue
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, peer)
-            dist.recv(buf[:1], peer)
-        elif rank == peer:
-            dist.recv(buf, 0)
-            dist.send(buf[:1], 0)
-        out[name] = buf.numel() * 4 / (time.perf_counter() - t0)
-        dist.barrier()
-    out.update(_link_all(rank, rpn, nodes))
-    out["rtt_s"] = bench_call._rtt(rank, rpn, 20)  # round trip of a small message over the link (rank 0's)
-    return out
-
-
-def _link_all(rank: int, rpn: int, nodes: int, per_node: int = 32 << 20, repeats: int = 3) -> dict:
-    """The link as a refit uses it: every trainer rank (the first ``nodes // 2`` nodes) sends to every engine
-    rank at once (``batch_isend_irecv``: rpn x rpn streams per pair of nodes), ``per_node`` bytes into each
-    engine node; after one warm-up round, the median of ``repeats`` rounds, each timed from the first rank
-    entering it to the last leaving it. The rate: the busiest node's link bytes (either way) over that time."""
-    import torch.distributed as dist
-
-    trainers = range(rpn * (nodes // 2))
-    engines = range(len(trainers), rpn * nodes)
-    chunk = per_node // (rpn * len(trainers)) // 4  # float32 elements per (trainer, engine) pair
-    peers = engines if rank in trainers else trainers if rank in engines else ()
-    bufs = {p: torch.zeros(chunk) for p in peers}
-    times, cpus = [], []
-    for i in range(repeats + 1):
-        dist.barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
-        op = dist.isend if rank in trainers else dist.irecv
-        reqs = dist.batch_isend_irecv([dist.P2POp(op, b, p) for p, b in bufs.items()]) if bufs else []
-        for r in reqs:
-            r.wait()
-        t1, c1 = time.perf_counter(), time.process_time()
-        marks = torch.tensor([-t0, t1], dtype=torch.float64)
-        dist.all_reduce(marks, op=dist.ReduceOp.MAX)
-        cpu = torch.tensor([c1 - c0], dtype=torch.float64)
-        dist.all_reduce(cpu)  # every rank's CPU seconds of the round, summed
-        if i:
-            times.append(float(marks[0] + marks[1]))
-            cpus.append(float(cpu[0]))
-    tx = chunk * 4 * rpn * len(engines) // max(1, nodes // 2)  # a trainer node's bytes out
-    busiest = max(tx, chunk * 4 * rpn * len(trainers))  # an engine node's bytes in: per_node (rounded down)
-    moved = chunk * 4 * len(trainers) * len(engines)  # all links' payload
-    return {"link": busiest / statistics.median(times), "link_rounds_s": times, "link_busiest_bytes": busiest,
-            "link_cpu_s_per_byte": statistics.median(cpus) / moved}
-
-
-def probe_layouts(senders: list[int], receivers: list[int], rows: int, cols: int):
-    """One bf16 tensor of ``rows x cols`` (rounded down to whole shards), ``Shard(0)`` over ``senders`` to
-    ``Shard(1)`` over ``receivers``: every sender sends to every receiver, nothing stays on a rank."""
-    from triton_reshard import Layout, Shard
-
-    shape = (rows // len(senders) * len(senders), cols // len(receivers) * len(receivers))
-    return (Layout.from_placements({"t": shape}, senders, [Shard(0)], torch.bfloat16),
-            Layout.from_placements({"t": shape}, receivers, [Shard(1)], torch.bfloat16))
-
-
-def _probe_refit(rank: int, src, dst, timeout: float, repeats: int) -> dict:
-    from triton_reshard import refit
-
-    s = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in src.allocate(rank).items()} if rank in src.ranks else {}
-    d = dst.allocate(rank) if rank in dst.ranks else {}
-    refit(s, d, src, dst, timeout=timeout)
-    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), repeats)
-
-
-def _tiny(rank: int, world: int, rpn: int, timeout: float) -> dict:
-    """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
-    of one refit (handshake, a round of messages, the barriers around it); median of 15."""
-    src, dst = probe_layouts(list(range(rpn)), list(range(rpn, 2 * rpn)), 2 * rpn, 16)
-    return _probe_refit(rank, src, dst, timeout, 15)
-
-
-def bulk_layouts(nodes: int, rpn: int):
-    """The 16 MiB refit of :func:`_bulk`: every trainer rank (the first ``nodes // 2`` nodes) to every engine rank,
-    as the link probe (:func:`_link_all`) sends."""
-    t = rpn * (nodes // 2)
-    return probe_layouts(list(range(t)), list(range(t, rpn * nodes)), 4096, 2048)
-
-
-def _bulk(rank: int, world: int, nodes: int, rpn: int, timeout: float) -> dict:
-    """A refit of 16 MiB over the links as :func:`_link_all` uses them: its time beyond the 64-byte refit's and
-    beyond the wire's (at the probed rate) is the host's part (``Topology.host_GBps``: :func:`_host_probe`)."""
-    src, dst = bulk_layouts(nodes, rpn)
-    return _probe_refit(rank, src, dst, timeout, 5)
-
-
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
@@ -295,8 +195,9 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
     from triton_reshard.tools.topology import Topology, choose_relay
 
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
-    out: dict = {"rank": rank, "probe": _probe(rank, rpn, nodes), "models": {}, "tiny": _tiny(rank, world, rpn, timeout),
-                 "bulk": _bulk(rank, world, nodes, rpn, timeout)}
+    probes = {"tiny": cp.tiny(rank, world, rpn, timeout), "bulk": cp.bulk(rank, world, nodes, rpn, timeout)}
+    out: dict = {"rank": rank, "probe": cp.probe(rank, rpn, nodes), "models": {},
+                 "tiny": _timed(probes["tiny"], 15), "bulk": _timed(probes["bulk"], 5)}
     for model in spec["models"]:
         src, dst, inst = layouts(model, nodes, rpn)
         full_dst = dst.instances(inst) if inst > 1 else dst
@@ -322,9 +223,15 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
             d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
             refit(src_t, d, src, dst, timeout=timeout, **kw)  # warm: plan, buffers, connections
             ok = _exact(full_dst, rank, d, pub)
-            res[name] = {**_timed(lambda d=d, kw=kw, s=src_t, a=src, b=dst: refit(s, d, a, b, timeout=timeout, **kw),
-                                  reps),
-                         "exact": ok}
+            def fn(d=d, kw=kw, s=src_t, a=src, b=dst):
+                return refit(s, d, a, b, timeout=timeout, **kw)
+
+            if name == "ours":  # with the calibration's refits in turn: the fixed cost twice, the 16 MiB once
+                rot = cp.rotation({**probes, name: fn}, ["tiny", "bulk", name, "tiny"], reps)
+                res["probe_refits"] = {"tiny": rot["tiny"], "bulk": rot["bulk"]}
+                res[name] = {**rot[name], "exact": ok}
+            else:
+                res[name] = {**_timed(fn, reps), "exact": ok}
         for name, fn in (("allgather", allgather_refit), ("gather-bcast", gather_broadcast_refit)):
             if only is not None and name not in only:
                 continue
@@ -342,47 +249,6 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------
 # parent
-
-
-def _host_probe(results: list, nodes: int, rpn: int, link_Bps: float, loopback_Bps: float) -> dict:
-    """From every rank's 64-byte and 16 MiB refits (:func:`_tiny`, :func:`_bulk`): the fixed cost of a refit
-    (median span of the 64-byte ones) and the host rate of a CPU refit (``Topology.host_GBps``): the 16 MiB
-    refit's median span beyond the 64-byte refit's and beyond its wire time (``predict_seconds`` of its plan,
-    host term off) is its host time; the rate is what gives the model that host time for that plan, with
-    ``host_cores`` this machine's cores (every emulated node runs on them). None (no host term) where nothing
-    is left beyond the wire. The wire's rate: the link probe's, or where that read lower, what the 16 MiB refit
-    itself shows the links carried (``link_calibrated``). CPU seconds (all ranks) of both, for the record."""
-    from triton_reshard import plan_reshard
-    from triton_reshard.tools.topology import (
-        Topology,
-        node_link_bytes,
-        plan_phase_pair_bytes,
-        predict_seconds,
-    )
-
-    def med(key, what):
-        reps = len(results[0][key]["seconds"])
-        if what == "span":
-            return statistics.median(span([x[key] for x in results], i) for i in range(reps))
-        return statistics.median(sum(x[key]["cpu"][i] for x in results) for i in range(reps))
-
-    cores = len(os.sched_getaffinity(0))
-    src, dst = bulk_layouts(nodes, rpn)
-    phases = plan_phase_pair_bytes(plan_reshard(src, dst, False, rpn, False))
-    tiny_s, bulk_s = med("tiny", "span"), med("bulk", "span")
-    # the links carried the busiest node's bytes within the 16 MiB refit's time beyond the fixed cost: a lower
-    # bound of their rate, for a link probe that read lower (rounds of raw sends starved of the shared cores)
-    busiest = max(x for tx_rx in node_link_bytes(phases[0], rpn, nodes) for x in tx_rx)
-    link = max(link_Bps, busiest / max(bulk_s - tiny_s, 1e-9))
-    wire = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=link / 1e9, step_latency_s=0.0,
-                    shared_nic=True)
-    wire_s = predict_seconds(phases, wire).seconds
-    unit = predict_seconds(phases, dataclasses.replace(wire, host_GBps=1.0, host_cores=cores)).seconds - wire_s
-    host_s = bulk_s - tiny_s - wire_s
-    return {"refit_step_s": tiny_s, "refit_step_cpu_s": med("tiny", "cpu"), "bulk_s": bulk_s,
-            "bulk_cpu_s": med("bulk", "cpu"), "bulk_bytes": sum(sum(p.values()) for p in phases),
-            "link_calibrated": link, "bulk_wire_s": wire_s, "bulk_host_s": host_s,
-            "host_Bps": unit / host_s * 1e9 if host_s > 1e-9 else None, "host_cores": cores}
 
 
 def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float,
@@ -413,6 +279,8 @@ def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: f
         if calib["host_Bps"]:
             topo = dataclasses.replace(topo, host_GBps=calib["host_Bps"] / 1e9, host_cores=calib["host_cores"])
         out["calibrated"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+    if calib and "in_turn" in calib:
+        out["calibration"] = calib["in_turn"]
     out["link_limit_bytes"] = link_limit_bytes(full, rpn)
     out["model_bytes"] = sum(math.prod(s.shape) * s.dtype.itemsize for s in src.tensors)
     return out
@@ -432,9 +300,10 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
                "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
                "predicted_calibrated_s": pr.get("calibrated"),
                "predicted_calibrated_wire_s": pr.get("calibrated_wire"),
-               "predicted_calibrated_one_stream_s": pr.get("calibrated_one_stream"), "methods": {}}
+               "predicted_calibrated_one_stream_s": pr.get("calibrated_one_stream"),
+               **({"calibration": pr["calibration"]} if "calibration" in pr else {}), "methods": {}}
         for m in per[0]:
-            if m in ("delta", "relay_choice"):
+            if m in ("delta", "relay_choice", "probe_refits"):
                 continue
             reps = len(per[0][m]["seconds"])
             secs = statistics.median(span([p[m] for p in per], i) for i in range(reps))
@@ -542,14 +411,15 @@ def run(args) -> dict:
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
                            "mtu": args.mtu, **link,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
-                probe.update(_host_probe(r.results, nodes, args.ranks_per_node, probe.get("link", rate_bps / 8),
+                probe.update(cp.host_probe(r.results, nodes, args.ranks_per_node, probe.get("link", rate_bps / 8),
                                          probe.get("loopback", 5e9)))
                 calib = {"link_Bps": probe["link_calibrated"], "step_s": probe["refit_step_s"],
                          "rtt_s": probe["rtt_s"], "host_Bps": probe["host_Bps"], "host_cores": probe["host_cores"],
                          "link_one_stream_Bps": probe.get("link_one_stream", rate_bps / 8)}
                 relays = {m: r.results[0]["models"][m]["relay_choice"]["relay"] for m in args.models}
                 preds = {m: predicted(m, nodes, args.ranks_per_node, rate_bps, probe.get("loopback", 5e9),
-                                      lat + 50e-6, calib, relays[m]) for m in args.models}
+                                      lat + 50e-6, cp.model_calib(calib, probe, r.results, m, nodes, args.ranks_per_node),
+                                      relays[m]) for m in args.models}
                 summ = summarize(setting, r.results, preds)
                 print_setting(setting, summ)
                 out["settings"].append({**setting, "models": summ})

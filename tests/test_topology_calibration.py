@@ -1,4 +1,4 @@
-"""perf/bench_cluster.py's calibration of the time model (no cluster needed): the host rate it derives from the
+"""perf/bench_cluster.py's calibration (perf/cluster_probe.py) of the time model (no cluster needed): the host rate it derives from the
 probes' refits gives back, through ``predict_seconds``, the very refit it was measured on; the plan it
 predicts is the one ``ours`` ran (its relay choice)."""
 
@@ -27,17 +27,18 @@ def _results(world: int, tiny_s: float, bulk_s: float) -> list[dict]:
 def test_host_rate_gives_back_the_bulk_refit(nodes):
     import dataclasses
 
-    import bench_cluster as bc
+    import bench_cluster as bc  # noqa: F401 (cluster_probe reads it at call time)
+    import cluster_probe as cp
 
     from triton_reshard import plan_reshard
     from triton_reshard.tools.topology import Topology, plan_phase_pair_bytes, predict_seconds
 
     rpn, link, loop, tiny_s, bulk_s = 2, 1.1e9, 2e9, 0.004, 0.030
-    got = bc._host_probe(_results(nodes * rpn, tiny_s, bulk_s), nodes, rpn, link, loop)
+    got = cp.host_probe(_results(nodes * rpn, tiny_s, bulk_s), nodes, rpn, link, loop)
     assert got["refit_step_s"] == pytest.approx(tiny_s) and got["bulk_s"] == pytest.approx(bulk_s)
     assert got["bulk_bytes"] == 4096 * 2048 * 2 and got["host_cores"] >= 1
     # the model with the measured fixed cost, link and host rate predicts the bulk refit's measured span
-    src, dst = bc.bulk_layouts(nodes, rpn)
+    src, dst = cp.bulk_layouts(nodes, rpn)
     phases = plan_phase_pair_bytes(plan_reshard(src, dst, False, rpn, False))
     topo = Topology(gpus_per_node=rpn, nvlink_GBps=loop / 1e9, net_GBps=got["link_calibrated"] / 1e9,
                     step_latency_s=0.0, refit_latency_s=tiny_s, shared_nic=True, host_GBps=got["host_Bps"] / 1e9,
@@ -48,18 +49,19 @@ def test_host_rate_gives_back_the_bulk_refit(nodes):
     assert got["link_calibrated"] == link
     # a link probe that read lower than the refit shows the links carried (nothing left beyond the wire): the
     # refit's rate, and no host term (not a negative or infinite rate)
-    none = bc._host_probe(_results(nodes * rpn, tiny_s, tiny_s + wire - 1e-3), nodes, rpn, link, loop)
+    none = cp.host_probe(_results(nodes * rpn, tiny_s, tiny_s + wire - 1e-3), nodes, rpn, link, loop)
     busiest = (16 << 20) // (nodes // 2)
     assert none["link_calibrated"] == pytest.approx(busiest / (wire - 1e-3)) and none["host_Bps"] is None
 
 
 def test_bulk_layouts_cross_every_link():
-    import bench_cluster as bc
+    import bench_cluster as bc  # noqa: F401 (cluster_probe reads it at call time)
+    import cluster_probe as cp
 
     from triton_reshard import plan_reshard
     from triton_reshard.tools.topology import node_link_bytes, plan_pair_bytes
 
-    src, dst = bc.bulk_layouts(4, 2)
+    src, dst = cp.bulk_layouts(4, 2)
     pairs = plan_pair_bytes(plan_reshard(src, dst, False, 2, False))
     assert set(pairs) == {(s, d) for s in range(4) for d in range(4, 8)}  # every trainer rank to every engine rank
     assert node_link_bytes(pairs, 2) == [(8 << 20, 0), (8 << 20, 0), (0, 8 << 20), (0, 8 << 20)]
@@ -80,3 +82,22 @@ def test_predicted_is_for_the_plan_ours_ran(model, relay, phases):
     else:  # one round trip less (the relay phase's loopback bytes are a few KB)
         assert with_relay["calibrated"] - got["calibrated"] == pytest.approx(1e-3, rel=0.05)
         assert with_relay["shared_link"] - got["shared_link"] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_a_model_is_calibrated_by_the_probe_refits_run_in_turn_with_it():
+    """``model_calib``: where the ranks ran the 64-byte and 16 MiB refits in turn with ``ours`` of a model, the
+    fixed cost and host rate come from those (the same stretch of time), else the setting's."""
+    import bench_cluster as bc  # noqa: F401 (cluster_probe reads it at call time)
+    import cluster_probe as cp
+
+    setting = _results(4, 0.004, 0.030)
+    calib = {"link_Bps": 1.1e9, "step_s": 0.004, "rtt_s": 1e-3, "host_Bps": 5e9, "host_cores": 2}
+    probe = {"link": 1.1e9, "loopback": 2e9}
+    turn = _results(4, 0.008, 0.050)  # a loaded stretch: both slower
+    results = [{"models": {"a": {"probe_refits": t}, "b": {}}} for t in turn]
+    got = cp.model_calib(calib, probe, results, "a", 2, 2)
+    want = cp.host_probe(turn, 2, 2, 1.1e9, 2e9)
+    assert got["step_s"] == pytest.approx(0.008) and got["host_Bps"] == want["host_Bps"] != calib["host_Bps"]
+    assert got["in_turn"] == want and got["rtt_s"] == calib["rtt_s"]
+    assert cp.model_calib(calib, probe, results, "b", 2, 2) is calib
+    assert cp.host_probe(setting, 2, 2, 1.1e9, 2e9)["refit_step_s"] == pytest.approx(0.004)
