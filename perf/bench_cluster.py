@@ -355,6 +355,19 @@ def print_setting(s: dict, summ: dict) -> None:
                       f"than dense {d['auto_modes']}", flush=True)
 
 
+def _predict_all(results: list, probe: dict, nodes: int, args, rate_bps: float, lat: float) -> dict:
+    """Per model, :func:`predicted` for the plan ``ours`` ran, calibrated by the setting's probes (into
+    ``probe``: :func:`cluster_probe.host_probe`) and the model's probe refits in turn with it."""
+    rpn = args.ranks_per_node
+    probe.update(cp.host_probe(results, nodes, rpn, probe.get("link", rate_bps / 8), probe.get("loopback", 5e9)))
+    calib = {"link_Bps": probe["link_calibrated"], "step_s": probe["refit_step_s"], "rtt_s": probe["rtt_s"],
+             "host_Bps": probe["host_Bps"], "host_cores": probe["host_cores"],
+             "link_one_stream_Bps": probe.get("link_one_stream", rate_bps / 8)}
+    return {m: predicted(m, nodes, rpn, rate_bps, probe.get("loopback", 5e9), lat + 50e-6,
+                         cp.model_calib(calib, probe, results, m, nodes, rpn),
+                         results[0]["models"][m]["relay_choice"]["relay"]) for m in args.models}
+
+
 def run(args) -> dict:
     from triton_reshard.testing.cluster import Cluster, available, capabilities, parse_rate, parse_seconds
 
@@ -411,15 +424,7 @@ def run(args) -> dict:
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
                            "mtu": args.mtu, **link,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
-                probe.update(cp.host_probe(r.results, nodes, args.ranks_per_node, probe.get("link", rate_bps / 8),
-                                         probe.get("loopback", 5e9)))
-                calib = {"link_Bps": probe["link_calibrated"], "step_s": probe["refit_step_s"],
-                         "rtt_s": probe["rtt_s"], "host_Bps": probe["host_Bps"], "host_cores": probe["host_cores"],
-                         "link_one_stream_Bps": probe.get("link_one_stream", rate_bps / 8)}
-                relays = {m: r.results[0]["models"][m]["relay_choice"]["relay"] for m in args.models}
-                preds = {m: predicted(m, nodes, args.ranks_per_node, rate_bps, probe.get("loopback", 5e9),
-                                      lat + 50e-6, cp.model_calib(calib, probe, r.results, m, nodes, args.ranks_per_node),
-                                      relays[m]) for m in args.models}
+                preds = _predict_all(r.results, probe, nodes, args, rate_bps, lat)
                 summ = summarize(setting, r.results, preds)
                 print_setting(setting, summ)
                 out["settings"].append({**setting, "models": summ})
