@@ -18,7 +18,9 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
   (``Topology.refit_latency_s``), and the host term of a CPU refit (``Topology.host_GBps``: the time of a
   16 MiB refit over the same links beyond the 64-byte refit's and beyond its wire time at the probed rate;
   ``host_cores``: this machine's cores, which every emulated node shares), for the plan ``ours`` ran (its
-  relay choice).
+  relay choice). Per model the 64-byte and 16 MiB refits also run in turn with ``ours`` (a round: 64 bytes,
+  16 MiB, ours, 64 bytes; ``perf/cluster_probe.py``), and the model is predicted from those (on a loaded
+  machine the probes at a setting's start and the refit they predict see different load).
 
 Methods, each called between barriers and timed from the first rank entering the call to the last rank leaving
 it (every rank's marks on the host's monotonic clock, which the emulated nodes share; the barrier after a call
