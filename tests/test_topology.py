@@ -280,3 +280,60 @@ def test_choose_relay_by_the_time_model(nodes, want):
     assert (c.with_relay_s < 0.95 * c.without_relay_s) is want
     with pytest.raises(ValueError, match="margin"):
         choose_relay(src, dst, topo, instances=inst, margin=1.5)
+
+
+def test_host_term_is_off_by_default_and_adds_per_step():
+    """CPU refits (``host_GBps``): each rank's bytes sent plus received over the host rate, after the wire in the
+    same step; with ``host_cores`` all ranks' bytes share those cores. Off (None), every prediction is the
+    wire's alone, bit for bit."""
+    steps = [{(0, 2): 10**9, (1, 3): 10**9, (0, 1): 5 * 10**8}, {(2, 3): 10**9}]
+    wire = Topology(gpus_per_node=2, nvlink_GBps=10.0, net_GBps=1.0, step_latency_s=0.001, shared_nic=True)
+    base = predict_seconds(steps, wire)
+    assert base.seconds == pytest.approx(2.0 + 0.001 + 0.1 + 0.001)
+    assert Topology().host_GBps is None and Topology().host_cores is None
+    # step 0: ranks 0 and 1 each send plus receive 1.5 GB (the busiest hosts), step 1: ranks 2 and 3 1 GB;
+    # at 4 GB/s per rank
+    per_rank = predict_seconds(steps, Topology(**{**_fields(wire), "host_GBps": 4.0}))
+    assert per_rank.seconds == pytest.approx(base.seconds + 1.5 / 4 + 1.0 / 4)
+    # two cores shared by every rank: step 0 moves 2.5 GB, each counted at both ends (5 GB) over 2 x 4 GB/s,
+    # more than its busiest rank alone; step 1 (2 GB over 8 GB/s) stays at its busiest rank's 1 GB over 4
+    shared = predict_seconds(steps, Topology(**{**_fields(wire), "host_GBps": 4.0, "host_cores": 2}))
+    assert shared.seconds == pytest.approx(base.seconds + 5 / 8 + 1.0 / 4)
+    # ports, bytes and the busiest rank are the wire's whatever the host term adds
+    assert (shared.busiest_rank, shared.busiest_port, shared.net_bytes, shared.nvlink_bytes) == (
+        base.busiest_rank, base.busiest_port, base.net_bytes, base.nvlink_bytes)
+    # local copies (src == dst) use no host time here, as they use no port
+    assert predict_seconds([{(0, 0): 10**9}], Topology(host_GBps=1.0)).seconds == pytest.approx(
+        Topology().step_latency_s)
+
+
+def _fields(topo: Topology) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(topo, f.name) for f in dataclasses.fields(topo)}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    pytest.param({"host_GBps": 0.0}, "host_GBps=0.0", id="zero-host"),
+    pytest.param({"host_GBps": float("inf")}, "host_GBps=inf", id="inf-host"),
+    pytest.param({"host_GBps": "fast"}, "host_GBps='fast'", id="str-host"),
+    pytest.param({"host_GBps": 1.0, "host_cores": 0}, "host_cores=0", id="no-cores"),
+    pytest.param({"host_GBps": 1.0, "host_cores": 2.0}, "host_cores=2.0", id="float-cores"),
+    pytest.param({"host_GBps": 1.0, "host_cores": True}, "host_cores=True", id="bool-cores"),
+    pytest.param({"host_cores": 2}, "needs host_GBps", id="cores-without-rate"),
+])
+def test_bad_host_term(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs)
+
+
+def test_host_term_leaves_the_relay_choice_and_presets_alone():
+    """The defaults keep every existing prediction: the presets and choose_relay's figures are unchanged with
+    the host fields spelled out as None."""
+    from triton_reshard.tools.topology import choose_relay
+
+    src, dst, inst = _cluster_layouts(3)
+    topo = Topology(gpus_per_node=2, nvlink_GBps=1.0, net_GBps=0.125, step_latency_s=1e-3, shared_nic=True)
+    spelled = Topology(**{**_fields(topo), "host_GBps": None, "host_cores": None})
+    assert spelled == topo and choose_relay(src, dst, spelled, instances=inst) == choose_relay(src, dst, topo,
+                                                                                               instances=inst)

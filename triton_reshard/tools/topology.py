@@ -14,6 +14,17 @@ run at HBM speed, far above these links).
 the sum of its ranks' network bytes (each direction) over ``net_GBps``. That is the emulated cluster of
 :mod:`triton_reshard.testing.cluster` (one shaped veth per node) and any node with one NIC.
 
+``host_GBps`` (default None: off, so GPU predictions and :func:`choose_relay` stay as they are) adds, per step,
+a host term for CPU refits (gloo on the host, as on the emulated cluster): a rank spends ``1 / host_GBps``
+seconds on every byte it sends to or receives from another rank (packing before the wire, unpacking after
+it, and what else of the host's work does not overlap the wire: serial with it), so a step takes its
+busiest rank's host bytes over ``host_GBps`` after its busiest port. ``host_cores`` (None: every rank has
+its own cores) is the number of cores all ranks share, which the model cannot see from the plan: the caller
+states it, e.g. the emulated cluster of :mod:`triton_reshard.testing.cluster`, whose nodes all run on one
+machine, passes that machine's cores (``len(os.sched_getaffinity(0))``); the host term is then at least all
+ranks' host bytes over ``host_GBps * host_cores``. ``perf/bench_cluster.py`` measures ``host_GBps`` per
+cluster: the time of a 16 MiB refit beyond a 64-byte refit's and beyond its wire time at the probed link rate.
+
 Figures (per GPU, per direction, decimal GB/s):
 
 * ``h100``: 8 GPUs per node, NVLink 4 at 450 GB/s, one 400 Gb/s NIC per GPU = 50 GB/s.
@@ -22,6 +33,7 @@ Figures (per GPU, per direction, decimal GB/s):
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -48,6 +60,12 @@ class Topology:
     # once per refit, before its first step: the handshake (an all-gather over every rank) and what a caller
     # times around it; measured on an emulated cluster as a refit of 64 bytes less one step's latency
     refit_latency_s: float = 0.0
+    # CPU refits (gloo on the host): every byte a rank sends to or receives from another rank costs that rank's
+    # host 1 / host_GBps seconds (packing, unpacking, the transport's copies), serial with the wire; None: off
+    # (GPUs: the copy kernels run at HBM speed, far above the links)
+    host_GBps: float | None = None
+    # the cores all ranks share (the nodes of an emulated cluster on one machine); None: each rank has its own
+    host_cores: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -59,6 +77,14 @@ class Topology:
                 f"net_GBps={self.net_GBps}, step_latency_s={self.step_latency_s}, "
                 f"refit_latency_s={self.refit_latency_s}"
             )
+        if self.host_GBps is not None and not (isinstance(self.host_GBps, (int, float)) and self.host_GBps > 0
+                                               and math.isfinite(self.host_GBps)):
+            raise ValueError(f"host_GBps={self.host_GBps!r} must be a finite number > 0 or None (no host term)")
+        if self.host_cores is not None:
+            if not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool) or self.host_cores < 1:
+                raise ValueError(f"host_cores={self.host_cores!r} must be an int >= 1 or None (a core per rank)")
+            if self.host_GBps is None:
+                raise ValueError(f"host_cores={self.host_cores} needs host_GBps (the host rate the cores share)")
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -114,7 +140,8 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     """Predicted time of a reshard that moves ``steps[i][(src, dst)]`` bytes in step ``i``.
 
     Pure: per step, the busiest port (``max over ranks of max(send, receive) / bandwidth`` for NVLink and the
-    network separately) plus ``topo.step_latency_s``; steps add up, after ``topo.refit_latency_s`` once. Pass one mapping with all bytes for the
+    network separately), then with ``topo.host_GBps`` the step's host time (see the module docstring), plus
+    ``topo.step_latency_s``; steps add up, after ``topo.refit_latency_s`` once. Pass one mapping with all bytes for the
     unbucketed bound (``plan_phase_pair_bytes(plan)``: one mapping, or two when the plan relays), or one per
     schedule step (``schedule_pair_bytes``; a schedule's relay steps come after all others, phase 1).
     """
@@ -124,9 +151,9 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
     for step in steps:  # per step, the port loads of all ranks as arrays (what ``port_loads`` gives, by rank)
         n_steps += 1
         t_step = 0.0
-        ports = _step_ports(step, topo.gpus_per_node, topo.shared_nic)
+        ports = _step_ports(step, topo.gpus_per_node, topo.shared_nic, topo.host_GBps is not None)
         if ports is not None:
-            nvl, net, nvl_sent, net_sent = ports
+            nvl, net, nvl_sent, net_sent, host = ports
             nvl_t, t = nvl / nvl_rate, np.maximum(nvl / nvl_rate, net / net_rate)
             r = int(t.argmax())  # the first busiest rank, as a scan over the ranks in order finds it
             t_step = float(t[r])
@@ -134,15 +161,29 @@ def predict_seconds(steps: Iterable[Mapping[tuple[int, int], int]], topo: Topolo
                 worst, worst_rank, worst_port = t_step, r, "nvlink" if float(nvl_t[r]) >= t_step else "net"
             nvl_bytes += nvl_sent
             net_bytes += net_sent
+            if host is not None:  # serial with the wire: packed before it, unpacked after it, on the same cores
+                t_step += _host_seconds(host, topo)
         total += t_step + topo.step_latency_s
     return Prediction(total, n_steps, worst_rank, worst_port, nvl_bytes, net_bytes)
 
 
-def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int, shared_nic: bool = False):
+def _host_seconds(host, topo: Topology) -> float:
+    """A step's host time from each rank's bytes sent plus received (``host``, by rank): the busiest rank's over
+    ``host_GBps``, and with ``host_cores`` at least all ranks' over ``host_GBps * host_cores``."""
+    rate = topo.host_GBps * GB
+    t = float(host.max()) / rate
+    if topo.host_cores is not None:
+        t = max(t, float(host.sum()) / (rate * topo.host_cores))
+    return t
+
+
+def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int, shared_nic: bool = False,
+                host: bool = False):
     """One step's ``{(src, dst): bytes}`` as per-rank port loads: ``(max(NVLink send, receive), max(network
-    send, receive))`` arrays indexed by rank (exact: float64 sums of int64 bytes far below 2**53), and the
-    NVLink and network bytes sent; None when nothing leaves a rank. ``shared_nic``: a rank's network load is
-    its node's (the sum over the node's ranks, each direction)."""
+    send, receive))`` arrays indexed by rank (exact: float64 sums of int64 bytes far below 2**53), the
+    NVLink and network bytes sent, and (``host``; else None) per rank its bytes sent plus received over both
+    ports; None when nothing leaves a rank. ``shared_nic``: a rank's network load is its node's (the sum over
+    the node's ranks, each direction)."""
     if not step:
         return None
     if isinstance(step, StepPairBytes):  # a pair-rule schedule's step: already columns
@@ -172,7 +213,10 @@ def _step_ports(step: Mapping[tuple[int, int], int], gpus_per_node: int, shared_
         netl = per_node[np.arange(size) // gpus_per_node]
     else:
         netl = np.maximum(port(s, net), port(d, net))
-    return nvl, netl, int(n[nv].sum()), int(n[net].sum())
+    hostl = None
+    if host:
+        hostl = np.bincount(s, weights=n, minlength=size) + np.bincount(d, weights=n, minlength=size)
+    return nvl, netl, int(n[nv].sum()), int(n[net].sum()), hostl
 
 
 def _pair_sums(table, sel=None) -> dict[tuple[int, int], int]:
