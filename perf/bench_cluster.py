@@ -331,7 +331,8 @@ def print_setting(s: dict, summ: dict) -> None:
           f"{s['probe'].get('link_one_stream', 0) * 8 / 1e9:.2f} Gbit/s; a 16 MiB refit "
           f"{s['probe']['bulk_s'] * 1e3:.1f} ms, CPU {s['probe']['bulk_cpu_s'] * 1e3:.1f} ms (64 bytes: "
           f"{s['probe']['refit_step_cpu_s'] * 1e3:.1f}; its wire {s['probe']['bulk_wire_s'] * 1e3:.1f} ms): host "
-          f"{(s['probe']['host_Bps'] or 0) / 1e9:.2f} GB/s x {s['probe']['host_cores']} cores)", flush=True)
+          + (f"{s['probe']['host_Bps'] / 1e9:.2f} GB/s x {s['probe']['host_cores']} cores)" if s['probe']['host_Bps']
+             else "term off: nothing beyond the wire)"), flush=True)
     for model, row in summ.items():
         print(f"  {model}: {row['model_bytes'] / 1e6:.1f} MB, link limit {row['link_limit_s'] * 1e3:.1f} ms "
               f"({row['link_limit_framed_s'] * 1e3:.1f} with TCP/IP framing), "

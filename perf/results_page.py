@@ -857,6 +857,13 @@ def _cluster_mtu(res: Results) -> Section | None:
         history="Refit across an emulated cluster", **res.provenance(*names))
 
 
+def _busiest_bytes(method: dict) -> int:
+    """The bytes through the busiest node link of one method's run (each node: the larger of what its interface
+    sent and received): what a refit bound by that link waits for."""
+    return max((max(tx, rx) for tx, rx in zip(method.get("node_tx", []), method.get("node_rx", []), strict=True)),
+               default=0)
+
+
 def _goal(goal: str, where: str, measured: str, met: bool) -> list[str]:
     return [goal, where, measured, "met" if met else "**missed**"]
 
@@ -864,9 +871,10 @@ def _goal(goal: str, where: str, measured: str, met: bool) -> list[str]:
 @summarizer("bench_cluster_goals")
 def _cluster_goals(res: Results) -> Section | None:
     """Issue 32's goals for perf/bench_cluster.py, each read from the result files: dense within 1.15× of the
-    link limit and delta at 2 % ≥ 5× faster than dense at 1 Gbit/s (2 nodes), ≥ 3× faster than
-    gather-then-broadcast and never slower than a baseline (every setting), the calibrated time model within
-    25 % of the measured refit."""
+    link limit and delta at 2 % ≥ 5× faster than dense at 1 Gbit/s (every node count, no added latency), ≥ 3×
+    faster than gather-then-broadcast and never slower than a baseline (every setting), the calibrated time
+    model within 25 % of the measured refit. The gather-then-broadcast row also gives the most any refit
+    bound by its busiest link could gain on it there: its busiest node's bytes over ours."""
     names = [n for n in (*CLUSTER_DELTA, *res.names("bench_cluster_mtu*.json"), "bench_cluster_latency.json")
              if res.exists(n)]
     if not names:
@@ -876,7 +884,7 @@ def _cluster_goals(res: Results) -> Section | None:
         d = res.load(n)
         worst_gb, worst_base, worst_model = None, None, None
         for st in d.get("settings", []):
-            one = st["nodes"] == 2 and st["rate_bps"] == 1e9 and not st.get("latency_s")
+            one = st["rate_bps"] == 1e9 and not st.get("latency_s")
             for model, row in st["models"].items():
                 m, where = row["methods"], f"{_cluster_setting(st)}, {model} (`{n}`)"
                 ours = m["ours"]["seconds"]
@@ -887,7 +895,8 @@ def _cluster_goals(res: Results) -> Section | None:
                     if f2:
                         rows.append(_goal("delta at 2 % ≥ 5× faster than dense at 1 Gbit/s (AdamW diffs)", where,
                                           ratio(f2["speedup"]), f2["speedup"] >= 5))
-                gb = (m["gather-bcast"]["seconds"] / ours, where)
+                gb = (m["gather-bcast"]["seconds"] / ours, where, _busiest_bytes(m["gather-bcast"])
+                      / max(_busiest_bytes(m["ours"]), 1))
                 base = (min(m["gather-bcast"]["seconds"], m["allgather"]["seconds"]) / ours, where)
                 worst_gb = min(worst_gb or gb, gb)
                 worst_base = min(worst_base or base, base)
@@ -896,7 +905,8 @@ def _cluster_goals(res: Results) -> Section | None:
                     worst_model = max(worst_model or err, err)
         if worst_gb:
             rows.append(_goal("≥ 3× faster than gather-then-broadcast (worst setting)", worst_gb[1],
-                              ratio(worst_gb[0]), worst_gb[0] >= 3))
+                              f"{ratio(worst_gb[0])} (its busiest link carries {ratio(worst_gb[2])} our bytes)",
+                              worst_gb[0] >= 3))
             rows.append(_goal("never slower than a baseline (worst setting: the faster baseline / ours)",
                               worst_base[1], ratio(worst_base[0]), worst_base[0] >= 1))
         if worst_model:
