@@ -168,6 +168,17 @@ def span(per: list[dict], i: int) -> float:
     return max(p["seconds"][i] for p in per)
 
 
+def median_span(per: list[dict]) -> float:
+    """The median over the repeats of every rank's :func:`_timed` marks ``per`` of their :func:`span`."""
+    return statistics.median(span(per, i) for i in range(len(per[0]["seconds"])))
+
+
+def median_cpu(per: list[dict]) -> float:
+    """The median over the repeats of every rank's :func:`_timed` marks ``per`` of all ranks' CPU seconds."""
+    reps = len(per[0]["seconds"])
+    return statistics.median(sum(p.get("cpu", [0.0] * reps)[i] for p in per) for i in range(reps))
+
+
 def _exact(layout, rank: int, dst: dict, pub: dict) -> bool:
     """Every element ``layout`` puts on ``rank`` equals the global tensor's, bit for bit (padding is not
     compared: nobody writes it)."""
@@ -307,9 +318,7 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
         for m in per[0]:
             if m in ("delta", "relay_choice", "probe_refits"):
                 continue
-            reps = len(per[0][m]["seconds"])
-            secs = statistics.median(span([p[m] for p in per], i) for i in range(reps))
-            cpu = statistics.median(sum(p[m].get("cpu", [0.0] * reps)[i] for p in per) for i in range(reps))
+            secs, cpu = median_span([p[m] for p in per]), median_cpu([p[m] for p in per])
             row["methods"][m] = {
                 "seconds": secs, "over_link_limit": secs / limit, "exact": all(p[m]["exact"] for p in per),
                 "cpu_s": cpu,

@@ -154,17 +154,10 @@ def host_probe_of(tiny: list, bulk: list, nodes: int, rpn: int, link_Bps: float,
         predict_seconds,
     )
 
-    def med(key, what):
-        per = {"tiny": tiny, "bulk": bulk}[key]
-        reps = len(per[0]["seconds"])
-        if what == "span":
-            return statistics.median(bc.span(per, i) for i in range(reps))
-        return statistics.median(sum(x["cpu"][i] for x in per) for i in range(reps))
-
     cores = len(os.sched_getaffinity(0))
     src, dst = bulk_layouts(nodes, rpn)
     phases = plan_phase_pair_bytes(plan_reshard(src, dst, False, rpn, False))
-    tiny_s, bulk_s = med("tiny", "span"), med("bulk", "span")
+    tiny_s, bulk_s = bc.median_span(tiny), bc.median_span(bulk)
     # the links carried the busiest node's bytes within the 16 MiB refit's time beyond the fixed cost: a lower
     # bound of their rate, for a link probe that read lower (rounds of raw sends starved of the shared cores)
     busiest = max(x for tx_rx in node_link_bytes(phases[0], rpn, nodes) for x in tx_rx)
@@ -174,8 +167,8 @@ def host_probe_of(tiny: list, bulk: list, nodes: int, rpn: int, link_Bps: float,
     wire_s = predict_seconds(phases, wire).seconds
     unit = predict_seconds(phases, dataclasses.replace(wire, host_GBps=1.0, host_cores=cores)).seconds - wire_s
     host_s = bulk_s - tiny_s - wire_s
-    return {"refit_step_s": tiny_s, "refit_step_cpu_s": med("tiny", "cpu"), "bulk_s": bulk_s,
-            "bulk_cpu_s": med("bulk", "cpu"), "bulk_bytes": sum(sum(p.values()) for p in phases),
+    return {"refit_step_s": tiny_s, "refit_step_cpu_s": bc.median_cpu(tiny), "bulk_s": bulk_s,
+            "bulk_cpu_s": bc.median_cpu(bulk), "bulk_bytes": sum(sum(p.values()) for p in phases),
             "link_calibrated": link, "bulk_wire_s": wire_s, "bulk_host_s": host_s,
             "host_Bps": unit / host_s * 1e9 if host_s > 1e-9 else None, "host_cores": cores}
 

@@ -51,7 +51,14 @@ from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransp
 from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
-from .transport import DIRECT_ROWS_MAX_RANKS, Link, Preposted, drain, handshake_finish, handshake_post
+from .transport import (
+    DIRECT_ROWS_MAX_RANKS,
+    Link,
+    PendingHandshake,
+    close_preposted,
+    handshake_finish,
+    handshake_post,
+)
 
 # post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
 # turns it off on alternate calls to measure what it saves under the same load
@@ -273,7 +280,7 @@ class Resharder:
             row[0] |= PREPOSTED  # predicted dense again: step 0's receives go with the handshake (_handshake)
         return row
 
-    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]], hs_out=None, preposted=None
+    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]], hs: PendingHandshake
                ) -> tuple[int | None, str | None]:
         """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
         why), from every rank's fence columns; without ``delta`` the snapshot is dropped (the destinations
@@ -287,17 +294,14 @@ class Resharder:
         # nothing, so the snapshot still holds what the destinations at its version hold
         if why is not None and strict:
             if any(r[0] & PREPOSTED for r in rows):  # close the receives posted with the handshake first
-                works = self.link.call(drain, "the delta fence", self.link.ranks, self.link.comm, self.link.ranks,
-                                       [[int(o[-1])] for o in hs_out], self.link.device())
-                self.link.wait(works + (preposted.works if preposted else []), "the delta fence",
-                               self.link.ranks, time.perf_counter())
+                close_preposted(self.link, hs, [o.tolist() for o in hs.out], "the delta fence")
             raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
                                     f"nothing was moved (delta=True falls back to a dense refit)")
         self._dense_next = dense_next(delta, why)
         return base, why
 
     def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
-                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None, Preposted | None]:
+                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None, PendingHandshake]:
         """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
         first step and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run
         or verify posts its first step's staged receives with it (:meth:`_prepost`)."""
@@ -305,13 +309,12 @@ class Resharder:
         # (its row says so: PREPOSTED makes the refit dense on every rank)
         prepost = self._prepost(b) if error is None and (delta is None or frow[0] & PREPOSTED) else None
         hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow, prepost)
-        self._hs_out = hs.out if delta is not None else None
         work = error is None and not verify
         # a dense run packs step 0 while the rows travel; so does a delta request this rank expects to go dense
         # (its own fence or cost columns say so: a cost fallback must cost what a dense refit costs)
         packed = self._prepack(b, backend, key) if work and (delta is None or dense_expected(frow)) else None
         pre = self._prediff(delta, b, backend, frow) if work else None
-        return handshake_finish(self.link, hs, error), packed, pre, hs.pre
+        return handshake_finish(self.link, hs, error), packed, pre, hs
 
     def _prepost(self, b: Bound) -> list | None:
         """The receives of this rank's first step that may be posted with the plan handshake
@@ -390,7 +393,7 @@ class Resharder:
             error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
         key = (id(self), hash(self._bound_sig))
         try:
-            rows, packed, pre, preposted = self._handshake(error, verify, delta, frow, b, backend, key)
+            rows, packed, pre, hs = self._handshake(error, verify, delta, frow, b, backend, key)
         except ReshardTransportError as e:
             e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
             self._broken = f"{type(e).__name__} in {e.what}"
@@ -398,7 +401,8 @@ class Resharder:
                 self._snap.version = None
             raise
         if not verify:
-            base, why = self._fence(delta, rows, self._hs_out, preposted)
+            base, why = self._fence(delta, rows, hs)
+        preposted = hs.pre
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
             args = (self.work, b, self.link, backend, tally, touched, key)

@@ -397,11 +397,18 @@ def handshake_finish(link: Link, pending: PendingHandshake, error: Exception | N
     rows = [o.tolist() for o in pending.out]
     refusal = error if error is not None else _refusal(link, rows)
     if refusal is not None:
-        started = time.perf_counter()
-        works = link.call(drain, "the plan handshake", link.ranks, link.comm, link.ranks, rows, link.device())
-        link.wait(works + (pending.pre.works if pending.pre else []), "the plan handshake", link.ranks, started)
+        close_preposted(link, pending, rows, "the plan handshake")
         raise refusal
     return [row[HS_FIELDS:HS_FIELDS + FENCE_FIELDS] for row in rows]
+
+
+def close_preposted(link: Link, pending: PendingHandshake, rows: list[list[int]], what: str) -> None:
+    """After a refusal (of the handshake, or of a delta by its fence): a filler to every peer that pre-posted a
+    receive from this rank (:func:`drain`, from ``rows``' last fields: every rank's handshake row), then wait
+    for those and for this rank's own pre-posted receives, so no receive is left open in the group."""
+    started = time.perf_counter()
+    works = link.call(drain, what, link.ranks, link.comm, link.ranks, rows, link.device())
+    link.wait(works + (pending.pre.works if pending.pre else []), what, link.ranks, started)
 
 
 def _refusal(link: Link, rows: list[list[int]]) -> Exception | None:
