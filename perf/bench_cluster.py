@@ -66,13 +66,13 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import cluster_delta as cd  # the delta part (its functions read this module's at call time)
+import cluster_common as cc  # layouts, timed calls, spans, exactness (shared with the parts)
+import cluster_delta as cd  # the delta part
 import cluster_probe as cp  # the time model's calibration: the probes and what they give
 import cluster_versions as cv  # the versions of the delta refits: real AdamW steps of the preset's HF model
 import torch
@@ -83,23 +83,6 @@ FRACTIONS = (0.005, 0.01, 0.02, 0.05)
 
 # ---------------------------------------------------------------------------------------------------------
 # layouts (the parent and every rank build the same ones)
-
-
-def layouts(model: str, nodes: int, rpn: int):
-    """(src layout, one engine's layout, engine instances) of ``model`` on ``nodes`` nodes of ``rpn`` ranks:
-    the trainer on the first ``nodes // 2`` nodes (Megatron TP = ``rpn``, PP = its nodes, EP = ``rpn`` for
-    MoE), one vLLM engine (TP = ``rpn``, EP for MoE) on each other node."""
-    from triton_reshard.presets import get_config, megatron_layout, vllm_layout
-
-    cfg = get_config(model)
-    moe = "moe" in model
-    trainer_nodes = nodes // 2
-    trainer_ranks = rpn * trainer_nodes
-    src = megatron_layout(cfg, tp=rpn, pp=trainer_nodes, ep=rpn if moe else 1, etp=1 if moe else None,
-                          ranks=range(trainer_ranks), dtype=torch.bfloat16)
-    dst = vllm_layout(cfg, tp=rpn, enable_expert_parallel=moe, ranks=range(trainer_ranks, trainer_ranks + rpn),
-                      dtype=torch.bfloat16)
-    return src, dst, nodes - trainer_nodes
 
 
 def globals_for(model: str, src) -> dict[str, torch.Tensor]:
@@ -134,72 +117,6 @@ def link_limit_bytes(dst_full, rpn: int) -> int:
 # rank side
 
 
-def _timed(fn, repeats: int) -> dict:
-    """``fn`` ``repeats`` times between barriers: per call this rank's clock on entering and leaving it
-    (``time.perf_counter``, the host's monotonic clock, which every rank of the emulated cluster shares: one
-    machine), its CPU seconds, and the bytes its node's interface counted over the last call. The refit's time
-    is taken from all ranks' marks (:func:`span`): the barrier after a call is not timed."""
-    import torch.distributed as dist
-
-    from triton_reshard.testing.cluster import link_counters
-
-    enter, leave, cpu, link = [], [], [], None
-    for _ in range(repeats):
-        dist.barrier()
-        c0 = link_counters()
-        p0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        t1, p1 = time.perf_counter(), time.process_time()
-        dist.barrier()
-        enter.append(t0)
-        leave.append(t1)
-        cpu.append(p1 - p0)
-        link = (link_counters() - c0).as_dict()
-    return {"seconds": [b - a for a, b in zip(enter, leave, strict=True)], "enter": enter, "leave": leave,
-            "cpu": cpu, "link": link}
-
-
-def span(per: list[dict], i: int) -> float:
-    """Call ``i``'s time over every rank's :func:`_timed` marks ``per``: from the first rank entering the call to
-    the last rank leaving it (what a caller waits for; the barrier skew on entering is counted, the barrier
-    after the call is not). Results without marks (older files): the slowest rank's own seconds."""
-    if all("enter" in p for p in per):
-        return max(p["leave"][i] for p in per) - min(p["enter"][i] for p in per)
-    return max(p["seconds"][i] for p in per)
-
-
-def median_span(per: list[dict]) -> float:
-    """The median over the repeats of every rank's :func:`_timed` marks ``per`` of their :func:`span`."""
-    return statistics.median(span(per, i) for i in range(len(per[0]["seconds"])))
-
-
-def median_cpu(per: list[dict]) -> float:
-    """The median over the repeats of every rank's :func:`_timed` marks ``per`` of all ranks' CPU seconds."""
-    reps = len(per[0]["seconds"])
-    return statistics.median(sum(p.get("cpu", [0.0] * reps)[i] for p in per) for i in range(reps))
-
-
-def _exact(layout, rank: int, dst: dict, pub: dict) -> bool:
-    """Every element ``layout`` puts on ``rank`` equals the global tensor's, bit for bit (padding is not
-    compared: nobody writes it)."""
-    from triton_reshard.layout import box_slices
-
-    for f in layout.fragments_on_rank(rank):
-        if not f.numel:
-            continue
-        loff, lsize = f.local_box(f.offsets, f.sizes)
-        got = dst[f.local][box_slices(loff, lsize)].reshape(f.sizes)
-        if not torch.equal(got.view(torch.int16), pub[f.tensor][box_slices(f.offsets, f.sizes)].view(torch.int16)):
-            return False
-    return True
-
-
-def _poison(tensors: dict) -> dict:
-    for t in tensors.values():
-        t.view(torch.int16).fill_(-1)
-    return tensors
-
-
 def bench_rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
@@ -210,9 +127,9 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
     nodes, rpn, reps, timeout = spec["nodes"], spec["rpn"], spec["repeats"], spec["timeout"]
     probes = {"tiny": cp.tiny(rank, world, rpn, timeout), "bulk": cp.bulk(rank, world, nodes, rpn, timeout)}
     out: dict = {"rank": rank, "probe": cp.probe(rank, rpn, nodes), "models": {},
-                 "tiny": _timed(probes["tiny"], 15), "bulk": _timed(probes["bulk"], 5)}
+                 "tiny": cc.timed(probes["tiny"], 15), "bulk": cc.timed(probes["bulk"], 5)}
     for model in spec["models"]:
-        src, dst, inst = layouts(model, nodes, rpn)
+        src, dst, inst = cc.layouts(model, nodes, rpn)
         full_dst = dst.instances(inst) if inst > 1 else dst
         pub = globals_for(model, src)
         src_t = src.shard(pub, rank) if rank in src.ranks else {}
@@ -233,9 +150,9 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
         only = spec.get("methods")  # --methods: the methods to time (None: all)
         methods = {k: v for k, v in methods.items() if only is None or k in only}
         for name, kw in methods.items():
-            d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+            d = cc.poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
             refit(src_t, d, src, dst, timeout=timeout, **kw)  # warm: plan, buffers, connections
-            ok = _exact(full_dst, rank, d, pub)
+            ok = cc.exact(full_dst, rank, d, pub)
             def fn(d=d, kw=kw, s=src_t, a=src, b=dst):
                 return refit(s, d, a, b, timeout=timeout, **kw)
 
@@ -244,14 +161,14 @@ def bench_rank(rank: int, world: int, spec: dict) -> dict:
                 res["probe_refits"] = {"tiny": rot["tiny"], "bulk": rot["bulk"]}
                 res[name] = {**rot[name], "exact": ok}
             else:
-                res[name] = {**_timed(fn, reps), "exact": ok}
+                res[name] = {**cc.timed(fn, reps), "exact": ok}
         for name, fn in (("allgather", allgather_refit), ("gather-bcast", gather_broadcast_refit)):
             if only is not None and name not in only:
                 continue
-            d = _poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+            d = cc.poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
             fn(src_t, d, src, full_dst, timeout=timeout)
-            ok = _exact(full_dst, rank, d, pub)
-            res[name] = {**_timed(lambda d=d, fn=fn, s=src_t, a=src, b=full_dst: fn(s, d, a, b, timeout=timeout),
+            ok = cc.exact(full_dst, rank, d, pub)
+            res[name] = {**cc.timed(lambda d=d, fn=fn, s=src_t, a=src, b=full_dst: fn(s, d, a, b, timeout=timeout),
                                   max(1, reps // 2)), "exact": ok}
         if spec.get("delta") and model == spec["delta"]["model"]:
             res["delta"] = cd._delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, choice.relay)
@@ -272,7 +189,7 @@ def predicted(model: str, nodes: int, rpn: int, rate_bps: float, loopback_Bps: f
     from triton_reshard import plan_reshard
     from triton_reshard.tools.topology import Topology, plan_phase_pair_bytes, predict_seconds
 
-    src, dst, inst = layouts(model, nodes, rpn)
+    src, dst, inst = cc.layouts(model, nodes, rpn)
     groups = dst.instance_groups(inst) if inst > 1 else None
     full = dst.instances(inst) if inst > 1 else dst
     plan = plan_reshard(src, full, False, rpn, relay, groups)
@@ -318,7 +235,7 @@ def summarize(setting: dict, results: list, preds: dict) -> dict:
         for m in per[0]:
             if m in ("delta", "relay_choice", "probe_refits"):
                 continue
-            secs, cpu = median_span([p[m] for p in per]), median_cpu([p[m] for p in per])
+            secs, cpu = cc.median_span([p[m] for p in per]), cc.median_cpu([p[m] for p in per])
             row["methods"][m] = {
                 "seconds": secs, "over_link_limit": secs / limit, "exact": all(p[m]["exact"] for p in per),
                 "cpu_s": cpu,
@@ -446,7 +363,7 @@ def run(args) -> dict:
         rate_bps = spec["rate_bps"]
         with Cluster(2, args.ranks_per_node, rate=rate_bps) as c:
             r = c.run("cluster_delta:big_rank", spec, timeout=args.timeout * 10, pg_timeout=args.timeout, env=env)
-        src, _, _ = layouts(args.big_model, 2, args.ranks_per_node)
+        src, _, _ = cc.layouts(args.big_model, 2, args.ranks_per_node)
         mbytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in src.tensors)
         rows = cd.summarize_delta([{"delta": x["delta"]} for x in r.results])
         out["big"] = {"model": args.big_model, "model_bytes": mbytes, "rate_bps": rate_bps,

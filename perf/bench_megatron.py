@@ -60,7 +60,6 @@ import zlib
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 SIDES = ("megatron", "ours")
 SRC, DST = dict(tp=4, pp=2), dict(tp=2, pp=1)  # TP4 x PP2 -> TP2 x DP4 on 8 ranks
 
@@ -110,7 +109,7 @@ def _gpt(cfg: dict, tp: int, pp: int, pg_collection=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from tests.engines.megatron_worker import transformer_config
+    from triton_reshard.testing.megatron_cpu import transformer_config
 
     # initialized (overwritten below): with perform_initialization=False, use_cpu_initialization leaves the
     # tensor_model_parallel / partition_dim attributes unset, and Megatron's resharding then copies whole shards
@@ -166,11 +165,12 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
     from megatron.core import parallel_state as ps
     from megatron.core.resharding import refit as mrefit
 
-    from tests.engines.megatron_worker import _DummyStream, _install_stubs
     from triton_reshard import refit
     from triton_reshard.execute import resharder as ores
     from triton_reshard.integrations import layout_from_megatron
     from triton_reshard.presets import megatron_layout
+    from triton_reshard.testing.megatron_cpu import DummyStream as _DummyStream
+    from triton_reshard.testing.megatron_cpu import install_cpu_stubs as _install_stubs
 
     orefit = importlib.import_module("triton_reshard.refit")  # the module (the package's ``refit`` is the function)
     _install_stubs()
@@ -335,9 +335,10 @@ def cluster_rank(rank: int, world: int, cfg: dict, dst_tp: int, warmup: int, ref
     from megatron.core import parallel_state as ps
     from megatron.core.resharding import refit as mrefit
 
-    from tests.engines.megatron_worker import _DummyStream, _install_stubs
     from triton_reshard import refit
     from triton_reshard.testing.cluster import link_counters
+    from triton_reshard.testing.megatron_cpu import DummyStream as _DummyStream
+    from triton_reshard.testing.megatron_cpu import install_cpu_stubs as _install_stubs
 
     orefit = importlib.import_module("triton_reshard.refit")
     _install_stubs()

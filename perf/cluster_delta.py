@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-import bench_cluster as bc  # attributes read at call time (bench_cluster imports this module too)
+import cluster_common as cc  # the shared helpers (not bench_cluster itself: no import circle)
 import torch
 
 
@@ -38,9 +38,9 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) 
     topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec["rate_bps"] / 8e9, shared_nic=True)
     pub = version(0)
     src_t = src.shard(pub, rank) if rank in src.ranks else {}
-    d_dense = bc._poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
-    d_delta = bc._poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
-    d_auto = bc._poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_dense = cc.poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_delta = cc.poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
+    d_auto = cc.poison(full_dst.allocate(rank)) if rank in full_dst.ranks else {}
     r_dense.run(src_t, d_dense)
     r_delta.run(src_t, d_delta, delta=DeltaRequest(0))  # the first is dense: it captures the snapshot
     auto = "topology" in DeltaRequest.__dataclass_fields__  # (a tree before the cost model: auto = delta)
@@ -62,8 +62,8 @@ def _delta_rank(rank, spec, src, dst, full_dst, inst, rpn, timeout, relay=None) 
             src_t[n].copy_(t)
         rep: dict = {}
         dr = None if req is None else DeltaRequest(v, held=v - 1, **req)
-        t = bc._timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
-        timed[name, v] = (t, rep["r"], bc._exact(full_dst, rank, d, version(v)))
+        t = cc.timed(lambda res=res, d=d, dr=dr, rep=rep: rep.setdefault("r", res.run(src_t, d, delta=dr)), 1)
+        timed[name, v] = (t, rep["r"], cc.exact(full_dst, rank, d, version(v)))
     rows = []
     for row in versions:
         v = row["version"]
@@ -85,7 +85,7 @@ def big_rank(rank: int, world: int, spec: dict) -> dict:
     from triton_reshard.tools.topology import Topology, choose_relay
 
     rpn, timeout = spec["rpn"], spec["timeout"]
-    src, dst, _ = bc.layouts(spec["model"], 2, rpn)
+    src, dst, _ = cc.layouts(spec["model"], 2, rpn)
     # relays as bench_cluster's "ours" chooses them (the time model with the nominal link rate)
     topo = Topology(gpus_per_node=rpn, nvlink_GBps=1.0, net_GBps=spec.get("rate_bps", 1e9) / 8e9,
                     step_latency_s=1e-3, shared_nic=True)
@@ -94,8 +94,8 @@ def big_rank(rank: int, world: int, spec: dict) -> dict:
     g = torch.Generator().manual_seed(rank)
     src_t = {n: (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) for n, t in src.allocate(rank).items()} \
         if rank in src.ranks else {}
-    d_dense = bc._poison(dst.allocate(rank)) if rank in dst.ranks else {}
-    d_delta = bc._poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    d_dense = cc.poison(dst.allocate(rank)) if rank in dst.ranks else {}
+    d_delta = cc.poison(dst.allocate(rank)) if rank in dst.ranks else {}
     r_dense.run(src_t, d_dense)
     r_delta.run(src_t, d_delta, delta=DeltaRequest(0))
     rows, v = [], 0
@@ -105,9 +105,9 @@ def big_rank(rank: int, world: int, spec: dict) -> dict:
             gf = torch.Generator().manual_seed(1000 * v + rank)
             for t in src_t.values():
                 t.view(torch.int16)[torch.rand(t.shape, generator=gf) < frac] ^= 1
-            a = bc._timed(lambda: r_dense.run(src_t, d_dense), 1)
+            a = cc.timed(lambda: r_dense.run(src_t, d_dense), 1)
             rep: dict = {}
-            b = bc._timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
+            b = cc.timed(lambda v=v, rep=rep: rep.setdefault("r", r_delta.run(src_t, d_delta,
                                                                            delta=DeltaRequest(v, held=v - 1))), 1)
             r = rep["r"]
             same = all(torch.equal(d_dense[n].view(torch.int16), d_delta[n].view(torch.int16)) for n in d_dense)
@@ -123,11 +123,11 @@ def summarize_delta(per: list) -> dict:
     drows = []
     for i, d in enumerate(per[0]["delta"]):
         drows.append({"version": d["version"], "target": d["target"], "changed": d["changed"],
-                      "dense_s": bc.span([p["delta"][i]["dense"] for p in per], 0),
-                      "delta_s": bc.span([p["delta"][i]["delta"] for p in per], 0),
+                      "dense_s": cc.span([p["delta"][i]["dense"] for p in per], 0),
+                      "delta_s": cc.span([p["delta"][i]["delta"] for p in per], 0),
                       "dense_cpu_s": sum(p["delta"][i]["dense"].get("cpu", [0.0])[0] for p in per),
                       "delta_cpu_s": sum(p["delta"][i]["delta"].get("cpu", [0.0])[0] for p in per),
-                      **({"auto_s": bc.span([p["delta"][i]["auto"] for p in per], 0),
+                      **({"auto_s": cc.span([p["delta"][i]["auto"] for p in per], 0),
                           "auto_modes": sorted({p["delta"][i]["auto_mode"] for p in per})}
                          if "auto" in per[0]["delta"][i] else {}),
                       "sent": sum(p["delta"][i]["sent"] for p in per),

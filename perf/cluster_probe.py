@@ -13,7 +13,7 @@ import statistics
 import time
 
 import bench_call  # the round trip of a small message (its _rtt)
-import bench_cluster as bc  # attributes read at call time (bench_cluster imports this module too)
+import cluster_common as cc  # the shared helpers (not bench_cluster itself: no import circle)
 import torch
 
 
@@ -111,7 +111,7 @@ def rotation(fns: dict, order: list[str], repeats: int) -> dict:
     out = {k: {"seconds": [], "enter": [], "leave": [], "cpu": [], "link": None} for k in fns}
     for _ in range(repeats):
         for k in order:
-            one = bc._timed(fns[k], 1)
+            one = cc.timed(fns[k], 1)
             for f in ("seconds", "enter", "leave", "cpu"):
                 out[k][f] += one[f]
             out[k]["link"] = one["link"]
@@ -157,7 +157,7 @@ def host_probe_of(tiny: list, bulk: list, nodes: int, rpn: int, link_Bps: float,
     cores = len(os.sched_getaffinity(0))
     src, dst = bulk_layouts(nodes, rpn)
     phases = plan_phase_pair_bytes(plan_reshard(src, dst, False, rpn, False))
-    tiny_s, bulk_s = bc.median_span(tiny), bc.median_span(bulk)
+    tiny_s, bulk_s = cc.median_span(tiny), cc.median_span(bulk)
     # the links carried the busiest node's bytes within the 16 MiB refit's time beyond the fixed cost: a lower
     # bound of their rate, for a link probe that read lower (rounds of raw sends starved of the shared cores)
     busiest = max(x for tx_rx in node_link_bytes(phases[0], rpn, nodes) for x in tx_rx)
@@ -167,8 +167,8 @@ def host_probe_of(tiny: list, bulk: list, nodes: int, rpn: int, link_Bps: float,
     wire_s = predict_seconds(phases, wire).seconds
     unit = predict_seconds(phases, dataclasses.replace(wire, host_GBps=1.0, host_cores=cores)).seconds - wire_s
     host_s = bulk_s - tiny_s - wire_s
-    return {"refit_step_s": tiny_s, "refit_step_cpu_s": bc.median_cpu(tiny), "bulk_s": bulk_s,
-            "bulk_cpu_s": bc.median_cpu(bulk), "bulk_bytes": sum(sum(p.values()) for p in phases),
+    return {"refit_step_s": tiny_s, "refit_step_cpu_s": cc.median_cpu(tiny), "bulk_s": bulk_s,
+            "bulk_cpu_s": cc.median_cpu(bulk), "bulk_bytes": sum(sum(p.values()) for p in phases),
             "link_calibrated": link, "bulk_wire_s": wire_s, "bulk_host_s": host_s,
             "host_Bps": unit / host_s * 1e9 if host_s > 1e-9 else None, "host_cores": cores}
 

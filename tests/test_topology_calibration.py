@@ -27,7 +27,6 @@ def _results(world: int, tiny_s: float, bulk_s: float) -> list[dict]:
 def test_host_rate_gives_back_the_bulk_refit(nodes):
     import dataclasses
 
-    import bench_cluster as bc  # noqa: F401 (cluster_probe reads it at call time)
     import cluster_probe as cp
 
     from triton_reshard import plan_reshard
@@ -55,7 +54,6 @@ def test_host_rate_gives_back_the_bulk_refit(nodes):
 
 
 def test_bulk_layouts_cross_every_link():
-    import bench_cluster as bc  # noqa: F401 (cluster_probe reads it at call time)
     import cluster_probe as cp
 
     from triton_reshard import plan_reshard
@@ -87,7 +85,6 @@ def test_predicted_is_for_the_plan_ours_ran(model, relay, phases):
 def test_a_model_is_calibrated_by_the_probe_refits_run_in_turn_with_it():
     """``model_calib``: where the ranks ran the 64-byte and 16 MiB refits in turn with ``ours`` of a model, the
     fixed cost and host rate come from those (the same stretch of time), else the setting's."""
-    import bench_cluster as bc  # noqa: F401 (cluster_probe reads it at call time)
     import cluster_probe as cp
 
     setting = _results(4, 0.004, 0.030)
