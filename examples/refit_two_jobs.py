@@ -112,7 +112,6 @@ def trainer_rank(rank: int, world: int, ckpt: str, refit_port: int, ctl_port: in
     from triton_reshard.integrations.control import StoreClient
     from triton_reshard.presets import megatron_layout
 
-    vt.register()
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
     layout = megatron_layout(cfg, tp=world, ranks=range(world), dtype=torch.float32)

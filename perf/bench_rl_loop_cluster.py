@@ -156,7 +156,6 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
     vocab = model.config.vocab_size
     del model
     llm = ej.start_engine(ckpt, a.tp, max_model_len=64)
-    vt.register()
     addr = os.environ["TRITON_RESHARD_CLUSTER_ADDR"]  # this node's address (the refit group's rendezvous)
     port = free_port()
     host = sum(int(p) << s for p, s in zip(addr.split("."), (24, 16, 8, 0), strict=True))

@@ -81,3 +81,26 @@ def test_verl_delta_keeps_receive_buffers_and_passes_steps(rec):
     assert dense._buffers(LAYOUT, torch.device("cpu"))["w"] is not dense._buffers(LAYOUT, torch.device("cpu"))["w"]
     dense._refit({}, a, LAYOUT, LAYOUT)
     assert "delta" not in rec.calls[-1] and "version" not in rec.calls[-1]
+
+
+def test_bad_delta_options_are_refused_on_the_trainer_before_any_engine_call(rec):
+    """Issue 42: ``delta=True`` with a tag for a version reached the engine (which paused and began its reload)
+    before the workers refused it. The kit's ``delta_options`` applies ``refit``'s own rule, so every plug-in's
+    trainer side refuses it before it calls the engine; the update info refuses it where it is built."""
+    from triton_reshard.integrations import engine as kit
+
+    with pytest.raises(TypeError, match="needs an int version="):
+        kit.delta_options("step-0", True)
+    with pytest.raises(ValueError, match="delta must be False, True or 'strict'"):
+        kit.delta_options(3, "yes")
+    with pytest.raises(TypeError, match="needs an int version="):
+        vt.ReshardUpdateInfo(version="step-0", delta=True)
+    with pytest.raises(ValueError, match="method must be 'reshard' or 'broadcast'"):
+        vt.ReshardUpdateInfo(version=1, method="gather")
+    tr = object.__new__(sg.SGLangTrainer)
+    tr.rank, tr.src_layout, tr.dst_layout, tr.group, tr.timeout, tr.bucket_bytes = 0, LAYOUT, LAYOUT, None, 5.0, 1024
+    posted = []
+    tr._post = lambda msg: posted.append(msg)  # the engine's update session (rank 0): must not be opened
+    with pytest.raises(TypeError, match="needs an int version="):
+        tr.send_weights({}, version="step-0", delta=True)
+    assert posted == [] and rec.calls == []

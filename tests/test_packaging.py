@@ -34,7 +34,7 @@ def _copy_tree(dst: Path) -> None:
                  and not any(part.startswith(".venv") or part.endswith(".egg-info") for part in p.parts)]
     for f in files:
         (dst / f).parent.mkdir(parents=True, exist_ok=True)
-        if (ROOT / f).is_symlink():  # as git checks it out (triton_reshard/kernels -> ../kernels)
+        if (ROOT / f).is_symlink():  # as git checks it out (triton_reshard/kernels/copy.py -> ../../kernels/copy.py)
             (dst / f).symlink_to(Path((ROOT / f).readlink()))
         else:
             shutil.copy2(ROOT / f, dst / f)
@@ -96,3 +96,61 @@ def test_a_checkout_on_the_path_imports_its_own_kernels():
     assert out.returncode == 0, out.stderr[-2000:]
     pkg, kern = (Path(p).resolve() for p in out.stdout.split())
     assert pkg == ROOT / "triton_reshard" / "__init__.py" and kern == ROOT / "kernels" / "copy.py"
+
+
+def test_no_top_level_folder_shadows_another_distribution():
+    """A regular package at the repository root is imported by anything run from the root (pytest, the examples)
+    in place of an installed distribution of the same name (issue 42: our ``kernels/`` hid Hugging Face's
+    ``kernels``, which transformers imports). Only ``triton_reshard`` and ``tests`` may be packages there, and
+    every kernel file of ``kernels/`` is linked from the package ``triton_reshard.kernels``."""
+    packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["tests", "triton_reshard"]
+    kern = ROOT / "triton_reshard" / "kernels"
+    assert (kern / "__init__.py").is_file() and not (kern / "__init__.py").is_symlink()
+    for f in sorted((ROOT / "kernels").glob("*.py")):
+        link = kern / f.name
+        assert link.is_file() and link.resolve() == f.resolve(), f"{link} must link to {f}"
+
+
+_SHADOW_PROBE = """
+import importlib.util, sys
+sys.path.insert(0, {root!r})  # the repository root first, as pytest and `python examples/...` have it
+import kernels
+print("KERNELS", getattr(kernels, "__file__", None))
+import triton_reshard.kernels.copy as k
+print("OURS", k.__file__)
+if importlib.util.find_spec("transformers") is not None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = LlamaForCausalLM(cfg)
+    print("MODEL", sum(p.numel() for p in m.parameters()))
+"""
+
+
+def test_the_root_does_not_shadow_hugging_face_kernels():
+    """From the repository root (first on sys.path), ``import kernels`` gives Hugging Face's package when it is
+    installed (transformers >= 5.25 requires it), a transformers model builds, and our kernels are
+    ``triton_reshard.kernels``."""
+    import importlib.metadata as md
+    import importlib.util
+
+    out = subprocess.run([sys.executable, "-c", _SHADOW_PROBE.format(root=str(ROOT))], capture_output=True,
+                         text=True, timeout=300, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    ours = Path(lines["OURS"]).resolve()
+    assert ours == ROOT / "kernels" / "copy.py"
+    got = lines["KERNELS"]
+    try:
+        md.distribution("kernels")
+        installed = True
+    except md.PackageNotFoundError:
+        installed = False
+    if installed:  # Hugging Face's package, not a folder of this repository
+        assert got != "None" and ROOT not in Path(got).resolve().parents, got
+    else:  # nothing else named kernels: at most our folder as a namespace portion, never a regular package
+        assert got == "None", got
+    if importlib.util.find_spec("transformers") is not None:
+        assert int(lines["MODEL"]) > 0

@@ -95,8 +95,10 @@ def _prepare(src_layout: Layout, dst_layout: Layout, group, dst_tensors: Tensors
 _TOPOLOGY_FIELDS = ("gpus_per_node", "nvlink_GBps", "net_GBps", "shared_nic", "same_node")
 
 
-def _delta_request(delta, version, topology=None) -> DeltaRequest | None:
-    """The delta request of ``refit(..., delta=, version=, topology=)`` (without the destination's state)."""
+def delta_request(delta, version, topology=None) -> DeltaRequest | None:
+    """The delta request of ``refit(..., delta=, version=, topology=)`` (without the destination's state); raises
+    ``TypeError`` / ``ValueError`` for options no refit can run (the plug-ins call it on the trainer, before any
+    engine call: issue 42)."""
     if topology is not None and not all(hasattr(topology, a) for a in _TOPOLOGY_FIELDS):
         raise TypeError(f"refit: topology={topology!r} must be a triton_reshard.tools.topology.Topology or None")
     if delta is False or delta is None:
@@ -175,7 +177,7 @@ def refit(
     in a few probes a delta again). Without it every refit whose fence passes is a delta.
     """
     try:
-        request = _delta_request(delta, version, topology)
+        request = delta_request(delta, version, topology)
     except (TypeError, ValueError) as e:
         refuse(group, e, timeout=options.get("timeout", DEFAULT_TIMEOUT))
     session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", options)

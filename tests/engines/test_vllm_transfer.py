@@ -134,3 +134,28 @@ def test_worker_extension_path(tmp_path):
     problems = [p for r in results["engine"] for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert sum(r["recv"] for r in results["engine"]) == sum(r["sent"] for r in results["trainer"]) > 0
+
+
+_FRESH_TRAINER = """
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from triton_reshard.integrations import vllm_transfer as vt
+
+info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=1, world_size=2, num_trainer_ranks=1, layout=None)
+try:
+    WeightTransferTrainerFactory.trainer_init(info, client=None, source=None)
+except ValueError as e:
+    print("ERROR", e)
+"""
+
+
+def test_documented_trainer_snippet_finds_the_backend_in_a_fresh_process():
+    """Issue 42: a trainer process has no vLLM plugin loader; following docs/integrations.md's snippet (import
+    ``vllm_transfer``, build ``ReshardTrainerInitInfo``, call vLLM's ``trainer_init``) must reach our trainer
+    engine, not ``Invalid weight transfer backend``. Here the info lacks the layout, so our own check answers:
+    proof that vLLM's factory dispatched to our class (the two-job test above runs the whole snippet)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _FRESH_TRAINER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ERROR ReshardTrainerInitInfo.layout: the trainer's Layout is required" in out.stdout, out.stdout

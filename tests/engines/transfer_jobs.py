@@ -99,7 +99,6 @@ def trainer_job(rank: int, world: int, cfg: dict, weights: list[str], refit_port
     from triton_reshard.integrations.control import StoreClient
     from triton_reshard.presets import megatron_layout
 
-    vt.register()
     layout = megatron_layout(cfg, tp=world, ranks=range(world), dtype=torch.float32)
     tensors = layout.allocate(rank)
     info = vt.ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=refit_port, world_size=world + n_workers,

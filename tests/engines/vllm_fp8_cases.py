@@ -414,7 +414,6 @@ def backend_trainer_job(rank: int, world: int, cfg: dict, weights: str, refit_po
     from triton_reshard.integrations.control import StoreClient
     from triton_reshard.presets import megatron_layout
 
-    vt.register()
     plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
     layout = megatron_layout(plain, tp=world, ranks=range(world), dtype=torch.bfloat16)
     tensors = layout.shard(load_file(weights), rank)

@@ -103,7 +103,6 @@ def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.
     from triton_reshard.integrations import vllm_transfer as vt
     from triton_reshard.integrations.verl import replicated_layout
 
-    vt.register()
     tp = llm.llm_engine.vllm_config.parallel_config.world_size
     layout = replicated_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], [0])
     info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=free_port(), world_size=1 + tp,
@@ -198,6 +197,17 @@ def two_jobs(args) -> dict:
         # delta refits in reload mode (the worker keeps the staged checkpoint boxes to patch), then the baseline
         # method (every full tensor from trainer rank 0 into vLLM's loader): each checked against vLLM's reload
         gen = torch.Generator().manual_seed(5)
+        # issue 42: a delta with a tag for a version is refused on the trainer, before any engine call: the engine
+        # is neither paused nor reloading, keeps serving its weights, and the next update runs as usual
+        served = generate(llm, PROMPTS)
+        calls_before = llm.collective_rpc("weight_transfer_stats")
+        try:
+            eng.send_weights(version="step-0", delta=True)
+            out["bad_delta_error"] = None
+        except Exception as e:  # noqa: BLE001 (the refusal is what the test checks)
+            out["bad_delta_error"] = f"{type(e).__name__}: {e}"[:400]
+        out["bad_delta_engine_untouched"] = (llm.collective_rpc("weight_transfer_stats") == calls_before
+                                             and generate(llm, PROMPTS) == served)
         rounds = []
         for k, _name in ((10, "c"), (11, "d")):
             for t in tensors.values():  # an RL-like step: about 1 % of the elements change
@@ -327,7 +337,6 @@ def fault(args) -> dict:
     b = save_checkpoint(os.path.join(tmp, "b"), 2)
     out: dict = {"tp": args.tp}
     llm = start_engine(a, args.tp, max_model_len=MAX_LEN_INFLIGHT)
-    vt.register()
     world = 2 + args.tp
 
     def trainer(versions: str, die: int | None):

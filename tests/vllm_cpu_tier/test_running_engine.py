@@ -60,6 +60,9 @@ def _check(r: dict, tp: int) -> None:
     if tp == 2:  # each worker gets its half of the sharded weights plus the small replicated ones
         assert all(model_bytes / 2 <= b < model_bytes * 0.51 for b in recv), recv
     # delta refits through the reload path, then the baseline method, each equal to vLLM's own reload
+    err = r["bad_delta_error"]  # refused on the trainer, before the engine paused (issue 42)
+    assert err and err.startswith("TypeError") and "needs an int version=" in err, err
+    assert r["bad_delta_engine_untouched"], "a refused send_weights must not reach the engine"
     d1, d2 = r["delta_rounds"]
     assert d1["trainer_mode"] == "dense-fallback" and d2["trainer_mode"] == "delta"
     assert all(w["delta_mode"] == "delta" for w in d2["workers"])

@@ -36,6 +36,7 @@ import torch
 from ..comm.group import RefitGroup, init_refit_group
 from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_from
 from ..layout import Layout
+from ..refit import delta_request
 
 __all__ = ["delta_options", "exchange_layouts", "join_group", "message_tensors", "plan_pair", "plugin_secret",
            "tensor_message"]
@@ -95,7 +96,11 @@ def plan_pair(group: RefitGroup, src_layout: Layout, dst_layout: Layout) -> tupl
 
 def delta_options(version, delta: bool | str) -> dict:
     """``refit``'s ``version`` / ``delta`` keywords for one update: a delta needs the (int) version; a dense
-    update keeps the version out of ``refit`` (where it is the engine's own tag, e.g. vLLM's, for logs)."""
+    update keeps the version out of ``refit`` (where it is the engine's own tag, e.g. vLLM's, for logs).
+    Checked here with ``refit``'s own rule (:func:`~triton_reshard.refit.delta_request`), so a trainer refuses a
+    bad ``delta`` / ``version`` before it calls the engine (issue 42: the workers refused it only after the
+    engine paused and began its reload, leaving it torn)."""
+    delta_request(delta, version)
     return {"version": version, "delta": delta} if delta else {}
 
 

@@ -51,7 +51,7 @@ from ..comm.group import RefitGroup
 from ..comm.secret import ResolvedSecret, secret_from
 from ..layout import Layout
 from ..refit import RefitState, refit, refit_state, verify_refit
-from .engine import exchange_layouts, join_group, message_tensors, plan_pair, tensor_message
+from .engine import delta_options, exchange_layouts, join_group, message_tensors, plan_pair, tensor_message
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 
 LOAD_FORMAT = "triton_reshard.integrations.sglang.receive_weights"  # --custom-weight-loader / load_format
@@ -403,6 +403,7 @@ class SGLangTrainer:
         ``delta=True`` (or ``"strict"``; an int ``version``): only the changed elements travel after the first
         refit (docs/delta.md); the engine ranks apply them in place to the live parameters; each trainer
         rank's cached Resharder keeps a snapshot of the bytes it sends (``last_report.mode`` says which ran)."""
+        delta_options(version, delta)  # refused here, before the engine's update session opens (issue 42)
         call = self._post({"op": "refit", "version": version, "delta": delta}) if self.rank == 0 else None
         try:
             self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,

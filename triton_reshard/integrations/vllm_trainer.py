@@ -17,6 +17,7 @@ from ..refit import refit
 from .engine import join_group, plugin_secret
 from .vllm_reload import MODES, group_layouts
 from .vllm_update import (
+    BACKEND,
     ControlCall,
     ReshardUpdateInfo,
     TrainerInitInfo,
@@ -26,11 +27,14 @@ from .vllm_update import (
     commit_vote,
     delta_kwargs,
     group_broken,
+    register,
     rendezvous,
     wait_all,
 )
 
-BACKEND = "triton_reshard"
+# a trainer process has no vLLM plugin loader: importing the trainer side (vllm_transfer imports it) registers
+# the backend, so WeightTransferTrainerFactory.trainer_init finds it as the docs show (issue 42)
+register()
 
 if TrainerWeightTransferEngine is not None:
 
@@ -130,9 +134,13 @@ if TrainerWeightTransferEngine is not None:
             trainer rank 0 (a one-rank trainer)."""
             import time
 
+            info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch}
+            # options the trainer can check are refused here, before any engine call: the engine keeps serving
+            # its old weights (issue 42: a bad delta/version reached the workers after the pause and the reload)
+            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
+                      **delta_kwargs(ReshardUpdateInfo(**info)))
             tensors = dict(self.source.iter_local()) if self.source is not None else {}
             rpc = None
-            info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch}
             phases = {"pause_s": 0.0, "start_s": 0.0, "send_s": 0.0, "wait_workers_s": 0.0, "finish_s": 0.0,
                       "resume_s": 0.0}
             t0 = time.perf_counter()
@@ -146,8 +154,6 @@ if TrainerWeightTransferEngine is not None:
                 rpc = ControlCall(self.client.update_weights, info)
             t2 = time.perf_counter()
             phases["start_s"] = t2 - t1
-            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
-                      **delta_kwargs(ReshardUpdateInfo(**info)))
             sent = 0
             err: BaseException | None = None
             bad: list[int] = []

@@ -57,6 +57,7 @@ from .vllm_update import (
     broadcast_root,
     commit_vote,
     delta_kwargs,
+    register,
 )
 from .vllm_worker import RefitWorkerExtension
 
@@ -90,21 +91,3 @@ if WeightTransferEngine is not None:  # the engine classes subclass vLLM's: only
     __all__ += ["ReshardTrainerInitInfo", "TritonReshardTrainerEngine", "TritonReshardWeightTransferEngine"]
 
 _delta_kwargs = delta_kwargs  # its name before the split (tests/test_delta_plugins.py reads it here)
-_REGISTERED = False
-
-
-def register() -> None:
-    """Register the backend with vLLM's weight-transfer factories (idempotent; vLLM's plugin hook)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
-
-    for factory, cls in ((WeightTransferEngineFactory, "TritonReshardWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "TritonReshardTrainerEngine")):
-        if BACKEND not in factory._registry:
-            factory.register_engine(BACKEND, __name__, cls)
-    _REGISTERED = True

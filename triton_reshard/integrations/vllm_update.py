@@ -32,6 +32,29 @@ except ImportError:  # pragma: no cover - exercised in the main test env, which 
     WeightTransferInitInfo = WeightTransferUpdateInfo = object  # type: ignore[assignment,misc]
 
 
+BACKEND = "triton_reshard"
+PUBLIC_MODULE = "triton_reshard.integrations.vllm_transfer"  # where vLLM's lazy loaders find our engine classes
+
+
+def register() -> None:
+    """Register the backend with vLLM's weight-transfer factories under ``"triton_reshard"`` (idempotent). vLLM's
+    plugin loader runs it in every vLLM process (our ``vllm.general_plugins`` entry point); a trainer process,
+    which has no plugin loader, runs it when it imports the trainer side (issue 42: the documented snippet got
+    ``Invalid weight transfer backend: triton_reshard`` there). Only module paths are registered: nothing is
+    imported until vLLM builds an engine."""
+    if WeightTransferEngine is None:
+        return
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls in ((WeightTransferEngineFactory, "TritonReshardWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "TritonReshardTrainerEngine")):
+        if BACKEND not in factory._registry:
+            factory.register_engine(BACKEND, PUBLIC_MODULE, cls)
+
+
 @dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
     """Worker-side init info (what trainer rank 0 sends through ``init_weight_transfer_engine``)."""
@@ -67,6 +90,13 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     delta: bool | str = False
     method: str = "reshard"
     prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
+
+    def __post_init__(self) -> None:
+        """Checked where it is built: on the trainer before any engine call (``send_weights``), again on each
+        worker as vLLM parses it."""
+        if self.method not in ("reshard", "broadcast"):
+            raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got {self.method!r}")
+        delta_options(self.version, self.delta)
 
 
 def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,

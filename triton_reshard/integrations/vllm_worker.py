@@ -156,9 +156,6 @@ if WeightTransferEngine is not None:
         def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("triton_reshard backend: init_transfer_engine was not called")
-            if update_info.method not in ("reshard", "broadcast"):
-                raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got "
-                                 f"{update_info.method!r}")
             if self.mode == "reload" and update_info.method == "reshard" and not self._reloading:
                 raise RuntimeError("triton_reshard backend (reload mode): start_weight_update was not called")
             err: Exception | None = None

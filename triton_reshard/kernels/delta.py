@@ -1,0 +1,1 @@
+../../kernels/delta.py
