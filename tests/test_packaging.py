@@ -148,8 +148,8 @@ def test_the_root_does_not_shadow_hugging_face_kernels():
         installed = True
     except md.PackageNotFoundError:
         installed = False
-    if installed:  # Hugging Face's package, not a folder of this repository
-        assert got != "None" and ROOT not in Path(got).resolve().parents, got
+    if installed:  # Hugging Face's package (from site-packages, even a venv inside the repository), not our kernels/
+        assert got != "None" and (ROOT / "kernels") not in Path(got).resolve().parents, got
     else:  # nothing else named kernels: at most our folder as a namespace portion, never a regular package
         assert got == "None", got
     if importlib.util.find_spec("transformers") is not None:
