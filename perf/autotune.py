@@ -20,15 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import bench_kernels  # a sibling script (perf/ is sys.path[0] when a script here runs)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_kernels  # noqa: E402  (a sibling script, not a package)
-
-from triton_reshard import ops  # noqa: E402
-from triton_reshard.ops import copy as triton_copy  # noqa: E402
-from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
+from triton_reshard import ops
+from triton_reshard.ops import copy as triton_copy
+from triton_reshard.tools.cliutil import UsageError, check_output_file
 
 
 def interpreter_smoke() -> int:

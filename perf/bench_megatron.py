@@ -488,7 +488,9 @@ def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} s [{min(xs):.3f}–{max(xs):.3f}]"
 
 
-def main(argv=None) -> int:
+def _parse_args(argv) -> argparse.Namespace:
+    """The options, checked before any work (a bad value is one line, exit 2); ``--cluster 2xR`` also checks
+    the cluster is available and sets ``--dst-tp`` (default R)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="fresh worlds (first calls per side)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers, even (PP2; 4: 428 MiB of fp32 weights)")
@@ -503,7 +505,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dst-tp", type=int, default=None, help="--cluster: the engine's TP (default R; DP = R / TP)")
     ap.add_argument("--vocab", type=int, default=4096, help="--cluster: vocabulary size (small: the link is slow)")
     args = ap.parse_args(argv)
-    from triton_reshard.testing.launch import run_world
     from triton_reshard.tools.cliutil import UsageError, check_output_file
 
     try:  # before any work: a bad count or an output path that cannot be written is one line, exit 2
@@ -516,7 +517,6 @@ def main(argv=None) -> int:
             raise UsageError(f"--layers {args.layers}: the source has pp={SRC['pp']} stages; give a multiple of it")
     except UsageError as e:
         ap.error(str(e))
-
     if args.cluster:
         try:
             nodes, rpn = (int(x) for x in args.cluster.lower().split("x"))
@@ -532,15 +532,25 @@ def main(argv=None) -> int:
         args.dst_tp = args.dst_tp or rpn
         if rpn % args.dst_tp:
             ap.error(f"--dst-tp {args.dst_tp} does not divide the {rpn} ranks per node")
-        out = run_cluster(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                meta = {"argv": ["perf/bench_megatron.py", *(sys.argv[1:] if argv is None else argv)],
-                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                        "load_average": list(os.getloadavg()),
-                        "machine": f"CPU, {os.cpu_count()} cores, {args.cluster} emulated nodes at {args.rate}"}
-                json.dump({"args": vars(args), **out, "meta": meta}, f, indent=1)
-        return 0
+    return args
+
+
+def _cluster_main(args, argv) -> int:
+    """``--cluster``: the two sides on two emulated nodes; the JSON with its run metadata."""
+    out = run_cluster(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = {"argv": ["perf/bench_megatron.py", *(sys.argv[1:] if argv is None else argv)],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_average": list(os.getloadavg()),
+                    "machine": f"CPU, {os.cpu_count()} cores, {args.cluster} emulated nodes at {args.rate}"}
+            json.dump({"args": vars(args), **out, "meta": meta}, f, indent=1)
+    return 0
+
+
+def _local_main(args, argv) -> int:
+    """Both sides in fresh 8-rank local worlds, ``--runs`` times; the table, and the JSON with the raw times."""
+    from triton_reshard.testing.launch import run_world
 
     runs = []
     for i in range(args.runs):
@@ -587,6 +597,11 @@ def main(argv=None) -> int:
                     "machine": f"CPU, {os.cpu_count()} cores, 8 gloo ranks"}
             json.dump({"args": vars(args), "runs": runs, "meta": meta}, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    return _cluster_main(args, argv) if args.cluster else _local_main(args, argv)
 
 
 if __name__ == "__main__":

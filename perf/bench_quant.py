@@ -29,13 +29,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_kernels import measure  # a sibling script (perf/ is sys.path[0] when a script here runs)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import measure  # noqa: E402
-
-from triton_reshard.layout import quant_format  # noqa: E402
-from triton_reshard.ops import quantize as Q  # noqa: E402
-from triton_reshard.tools.cliutil import UsageError, check_output_file  # noqa: E402
+from triton_reshard.layout import quant_format
+from triton_reshard.ops import quantize as Q
+from triton_reshard.tools.cliutil import UsageError, check_output_file
 
 DENSE = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 EXPERTS = {"w13": (128, 1536, 2048)}

@@ -26,15 +26,12 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from bench_delta import MarkovTask, add_train_args, bf16_bits, make_model, train_step  # a sibling script
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_delta import MarkovTask, add_train_args, bf16_bits, make_model, train_step  # noqa: E402
-
-from triton_reshard.ops.block_delta import pack_block_delta, unpack_block_delta  # noqa: E402
-from triton_reshard.ops.quantize import nvfp4_global_scale, quantize_mxfp8, quantize_nvfp4  # noqa: E402
+from triton_reshard.ops.block_delta import pack_block_delta, unpack_block_delta
+from triton_reshard.ops.quantize import nvfp4_global_scale, quantize_mxfp8, quantize_nvfp4
 
 BLOCKS = {"nvfp4-1x16": (1, 16), "mxfp8-1x32": (1, 32), "fp8-128x128": (128, 128)}
 # bytes per block in the destination format: values + scale (NVFP4: 16 x 4 bits + 1; MXFP8: 32 + 1; FP8: 16 Ki + 4)

@@ -187,7 +187,8 @@ def _run(err, fn, *a):
         err.append(e)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
+    """The options; ``--cluster NxR`` checked (2 nodes, the cluster available) and its R made ``--tp``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
@@ -211,6 +212,11 @@ def main() -> int:
         can, why = available()
         if not can:
             ap.error(f"--cluster: {why}")
+    return args
+
+
+def main() -> int:
+    args = _parse_args()
     import transformers
 
     from triton_reshard.testing.cluster import parse_rate

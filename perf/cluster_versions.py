@@ -29,12 +29,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-PERF = Path(__file__).resolve().parent
-if str(PERF) not in sys.path:
-    sys.path.insert(0, str(PERF))
-
-from bench_delta import MarkovTask, chunk_counts, encodings, train_step  # noqa: E402
+from bench_delta import (  # a sibling script (perf/ is sys.path[0] when a script here runs)
+    MarkovTask,
+    chunk_counts,
+    encodings,
+    train_step,
+)
 
 # the preset config's model_type -> (transformers config class, model class)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}

@@ -109,7 +109,14 @@ def main() -> None:
     print(f"\nbiggest modules (over 600 lines: {sum(s > 600 for s in sizes.values())}):")
     for m, s in sorted(sizes.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {s:6d}  {m}")
+    print_sizes(mods, args.top)
+    print_imports(mods, args.top)
+    print_reach_through(mods, args.top)
+    print_outside(args.top)
 
+
+def print_sizes(mods: dict[str, Path], top: int) -> None:
+    """The biggest functions and classes."""
     funcs = []
     for m, p in mods.items():
         for node in ast.walk(ast.parse(p.read_text())):
@@ -119,18 +126,21 @@ def main() -> None:
     defs = sorted((f for f in funcs if f[1] == "def"), reverse=True)
     classes = sorted((f for f in funcs if f[1] == "class"), reverse=True)
     print(f"\nbiggest functions (over 80 lines: {sum(n > 80 for n, _, _ in defs)}):")
-    for n, _, name in defs[: args.top]:
+    for n, _, name in defs[: top]:
         print(f"  {n:6d}  {name}")
     print("\nbiggest classes:")
     for n, _, name in classes[:5]:
         print(f"  {n:6d}  {name}")
 
+
+def print_imports(mods: dict[str, Path], top: int) -> None:
+    """Cross-module imports of _private names, import circles, function-level imports."""
     private = [(a, b, n, f) for a, b, n, f in imports(mods) if n and n.startswith("_") and not n.startswith("__")
                and b in mods and b != a]
     mod_level = [x for x in private if not x[3]]
     print(f"\ncross-module imports of _private names: {len(mod_level)} module-level, "
           f"{len(private) - len(mod_level)} function-level")
-    for a, b, n, f in private[: args.top]:
+    for a, b, n, f in private[: top]:
         print(f"  {a} <- {b}.{n}{'  (in a function)' if f else ''}")
 
     for label, keep in (("module-level", lambda f: not f), ("module- and function-level", lambda f: True)):
@@ -146,6 +156,9 @@ def main() -> None:
     func_imports = sum(1 for a, b, _, f in imports(mods) if f and b in mods)
     print(f"\nfunction-level imports of package modules: {func_imports}")
 
+
+def print_reach_through(mods: dict[str, Path], top: int) -> None:
+    """Private attributes reached through objects other than self / cls."""
     # x._name where x is not self / cls, and _name is not a member the same module defines (another instance
     # of its own class): reach-through into another room's privates, or into a third-party library's
     own: dict[str, set[str]] = {}
@@ -167,9 +180,12 @@ def main() -> None:
                 reach["ours" if node.attr in ours_all else "third-party"].append(f"{m}:{node.lineno} .{node.attr}")
     for kind, sites in reach.items():
         print(f"\nprivate attribute reach-through into {kind} objects (x._name, x not self/cls): {len(sites)}")
-        for line in sorted(sites)[: args.top]:
+        for line in sorted(sites)[: top]:
             print(f"  {line}")
 
+
+def print_outside(top: int) -> None:
+    """Imports of _private package names from tests/, examples/ and perf/."""
     outside = []  # tests, examples, perf: imports of _private names from the package
     for d in ("tests", "examples", "perf"):
         for path in sorted((ROOT / d).rglob("*.py")):
@@ -178,7 +194,7 @@ def main() -> None:
                     outside += [f"{path.relative_to(ROOT)} <- {node.module}.{a.name}" for a in node.names
                                 if a.name.startswith("_") and not a.name.startswith("__")]
     print(f"\nimports of _private package names in tests/examples/perf: {len(outside)}")
-    for line in outside[: args.top]:
+    for line in outside[: top]:
         print(f"  {line}")
 
 

@@ -169,16 +169,39 @@ def _with_scale_fragments(layout: Layout, specs: Mapping[str, TensorSpec], chose
 def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suffix: str) -> Layout:
     """:func:`block_quant_layout` for a packed format with a global scale (NVFP4)."""
     gsuffix = scale_suffix + "_2"
-    lb = fmt.block  # logical block along the last dim
-    sb = lb // fmt.pack  # stored block
     holds: dict[tuple[int, str], set[str]] = defaultdict(set)
     for f in layout.fragments:
         holds[(f.rank, f.local)].add(f.tensor)
+    _quantized_specs(layout, chosen, fmt, None)  # each chosen tensor checked before any fragment is
+    parts, frags_of = _packed_parts(layout, chosen, fmt, holds)
+    group = _scale_groups(chosen, parts)
+    n_parts: dict[tuple[int, str], int] = defaultdict(lambda: 1)
+    for (r, lname, _lead), m in parts.items():
+        n_parts[(r, lname)] = max(n_parts[(r, lname)], len(m))
+    specs = _quantized_specs(layout, chosen, fmt, lambda t: BlockQuant(
+        (fmt.block // fmt.pack,), t.name + scale_suffix, False, fmt, t.name + gsuffix, group[t.name]))
+    for name in sorted(chosen):
+        t = specs[name]
+        for extra_name in (t.quant.scale, t.quant.global_scale):
+            if extra_name in specs:
+                raise ValueError(f"block_quant_layout: the scale tensor name {extra_name!r} of {name!r} is taken")
+        specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, fmt.scale_dtype)
+        specs[t.quant.global_scale] = TensorSpec(t.quant.global_scale, (1,), torch.float32)
+    frags = [f for f in layout.fragments if f.tensor not in chosen]
+    frags += _packed_fragments(specs, frags_of, parts, n_parts, fmt, scale_suffix, gsuffix)
     locs = {(s.rank, s.name): s for s in layout.locals}
-    # parts: per (rank, local, leading index), the chosen tensors in the order they sit in the local tensor
+    _packed_locals(layout, holds, chosen, locs, n_parts, fmt, scale_suffix, gsuffix)
+    with gc_paused():
+        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
+
+
+def _packed_parts(layout: Layout, chosen: set[str], fmt: QuantFormat, holds: dict) -> tuple[dict, dict]:
+    """The chosen tensors' fragments, checked (one dtype per local tensor, whole blocks along the last dim):
+    ``parts`` per (rank, local, leading index) the chosen tensors and where each sits in the local tensor, and
+    ``frags_of`` each chosen tensor's fragments."""
+    lb = fmt.block  # logical block along the last dim
     parts: dict[tuple[int, str, tuple], dict[str, int]] = defaultdict(dict)
     frags_of: dict[str, list] = defaultdict(list)
-    _quantized_specs(layout, chosen, fmt, None)  # each chosen tensor checked before any fragment is
     for f in layout.fragments:
         if f.tensor not in chosen:
             continue
@@ -194,7 +217,12 @@ def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suf
         lead = f.local_offsets[:extra]
         parts[(f.rank, f.local, lead)].setdefault(f.tensor, f.local_offsets[extra] if f.offsets else 0)
         frags_of[f.tensor].append(f)
-    # groups: tensors fused in one local tensor share a global scale (union over every rank's locals)
+    return parts, frags_of
+
+
+def _scale_groups(chosen: set[str], parts: dict) -> dict[str, str]:
+    """Each chosen tensor's global-scale group (named by its smallest member): tensors fused in one local tensor
+    share a global scale, the union over every rank's locals."""
     root = {n: n for n in chosen}
 
     def find(n):
@@ -209,19 +237,14 @@ def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suf
             a, b = find(names[0]), find(n)
             if a != b:
                 root[max(a, b)] = min(a, b)
-    n_parts: dict[tuple[int, str], int] = defaultdict(lambda: 1)
-    for (r, lname, _lead), m in parts.items():
-        n_parts[(r, lname)] = max(n_parts[(r, lname)], len(m))
-    specs = _quantized_specs(layout, chosen, fmt, lambda t: BlockQuant(
-        (sb,), t.name + scale_suffix, False, fmt, t.name + gsuffix, find(t.name)))
-    for name in sorted(chosen):
-        t = specs[name]
-        for extra_name in (t.quant.scale, t.quant.global_scale):
-            if extra_name in specs:
-                raise ValueError(f"block_quant_layout: the scale tensor name {extra_name!r} of {name!r} is taken")
-        specs[t.quant.scale] = TensorSpec(t.quant.scale, t.scale_shape, fmt.scale_dtype)
-        specs[t.quant.global_scale] = TensorSpec(t.quant.global_scale, (1,), torch.float32)
-    frags = [f for f in layout.fragments if f.tensor not in chosen]
+    return {n: find(n) for n in chosen}
+
+
+def _packed_fragments(specs: dict, frags_of: dict, parts: dict, n_parts: dict, fmt: QuantFormat,
+                      scale_suffix: str, gsuffix: str) -> list[Fragment]:
+    """Per fragment of a chosen tensor: its packed box, its block scales' box, and (once per local part) where
+    its global scale sits in the local global-scale tensor."""
+    frags: list[Fragment] = []
     seen_g: set = set()
     for name in sorted(frags_of):
         spec = specs[name]
@@ -241,6 +264,13 @@ def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suf
             order = sorted(members, key=lambda n, m=members: (m[n], n))
             glo = lead + ((order.index(name),) if n_parts[(f.rank, f.local)] > 1 or not lead else ())
             frags.append(Fragment(spec.quant.global_scale, f.rank, (0,), (1,), f.local + gsuffix, glo))
+    return frags
+
+
+def _packed_locals(layout: Layout, holds: dict, chosen: set[str], locs: dict, n_parts: dict, fmt: QuantFormat,
+                   scale_suffix: str, gsuffix: str) -> None:
+    """Into ``locs``: each local tensor holding chosen tensors becomes packed values, plus its block-scale and
+    global-scale local tensors (a name already taken is refused)."""
     for (rank, local), names in holds.items():
         if not names & chosen:
             continue
@@ -251,13 +281,11 @@ def _packed_layout(layout: Layout, chosen: set[str], fmt: QuantFormat, scale_suf
             if (rank, nm) in locs:
                 raise ValueError(f"block_quant_layout: local tensor {nm!r} on rank {rank} already exists")
         locs[(rank, local + scale_suffix)] = LocalSpec(
-            rank, local + scale_suffix, ls.shape[:-1] + (ls.shape[-1] // lb,), fmt.scale_dtype)
+            rank, local + scale_suffix, ls.shape[:-1] + (ls.shape[-1] // fmt.block,), fmt.scale_dtype)
         n = n_parts[(rank, local)]
         lead_shape = ls.shape[:extra]
         gshape = lead_shape + (n,) if (n > 1 or not lead_shape) else lead_shape
         locs[(rank, local + gsuffix)] = LocalSpec(rank, local + gsuffix, gshape, torch.float32)
-    with gc_paused():
-        return Layout(tuple(specs.values()), tuple(frags), tuple(locs.values()))
 
 
 def _half(box: tuple[int, ...], pack: int) -> tuple[int, ...]:

@@ -164,10 +164,37 @@ def megatron_layout(
     ``SequentialMLP`` expert names; the local spec always has ``SequentialMLP`` names.
     """
     s = model_spec(config)
+    local_spec, grouped_gemm, etp = _check_spec(s, spec, grouped_gemm, tp, etp)
+    has_moe = _check_grid(s, tp, pp, dp, ep, etp)
+    world = tp * pp * dp
+    ranks = check_ranks(ranks, world, f"megatron_layout(tp={tp}, pp={pp}, dp={dp})")
+    stages = stage_layers(s.layers, pp, layers_per_stage)
+    vloc = padded_vocab_size(s.vocab, tp, vocab_divisible_by) // tp
+
+    b = LayoutBuilder.for_model(s, dtype)
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    pos = np.arange(world)
+    stage_of = pos // (tp * dp)
+    for pr in range(pp):
+        in_stage = stage_of == pr
+        ends = (pr == 0, pr == pp - 1)
+        _stage_weights(
+            b, s, rank_of[in_stage], pos[in_stage] % tp, tp, pp, ends, vloc, stages[pr], local_spec
+        )
+        if has_moe:
+            q = pos[in_stage] % (tp * dp)
+            _stage_experts(b, s, rank_of[in_stage], q, ep, etp, stages[pr], grouped_gemm)
+    return b.build()
+
+
+def _check_spec(s: ModelSpec, spec: str, grouped_gemm: bool | None, tp: int, etp: int | None):
+    """The model family and layer spec megatron_layout places: ``(local_spec, grouped_gemm, etp)`` resolved."""
     if s.family not in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         raise NotImplementedError(f"megatron_layout: model_type {s.family!r} is not supported")
     if s.o_bias:
-        raise NotImplementedError("megatron_layout: attention_bias on o_proj (add_bias_linear) is not supported")
+        raise NotImplementedError(
+            "megatron_layout: attention_bias on o_proj (add_bias_linear) is not supported"
+        )
     if spec not in ("te", "local"):
         raise ValueError(f"megatron_layout: spec={spec!r} must be 'te' or 'local'")
     local_spec = spec == "local"
@@ -183,7 +210,11 @@ def megatron_layout(
             "megatron_layout: MLA (deepseek_v3) with spec='local' is not supported: megatron-core 0.16.1 cannot "
             "build it (the local DotProductAttention takes no k_channels; MLA needs TEDotProductAttention)"
         )
-    etp = tp if etp is None else etp
+    return local_spec, grouped_gemm, tp if etp is None else etp
+
+
+def _check_grid(s: ModelSpec, tp: int, pp: int, dp: int, ep: int, etp: int) -> bool:
+    """The parallel sizes split the model as Megatron splits it; returns whether the model has experts."""
     for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"megatron_layout: {name}={v!r} must be an int >= 1")
@@ -196,7 +227,9 @@ def megatron_layout(
             f"{(s.heads + 2 * s.kv_heads) * s.head_dim}"
         )
     if s.shared_intermediate % tp:
-        raise ValueError(f"megatron_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
+        raise ValueError(
+            f"megatron_layout: tp={tp} does not divide the shared experts' size {s.shared_intermediate}"
+        )
     dense_layers = [i for i in range(s.layers) if not s.is_moe_layer(i)]
     if dense_layers and s.intermediate % tp:
         raise ValueError(f"megatron_layout: tp={tp} does not divide intermediate_size={s.intermediate}")
@@ -207,82 +240,102 @@ def megatron_layout(
         if s.experts % ep:
             raise ValueError(f"megatron_layout: ep={ep} does not divide num_experts={s.experts}")
         if s.moe_intermediate % etp:
-            raise ValueError(f"megatron_layout: etp={etp} does not divide moe_intermediate_size={s.moe_intermediate}")
+            raise ValueError(
+                f"megatron_layout: etp={etp} does not divide moe_intermediate_size={s.moe_intermediate}"
+            )
     elif ep != 1:
         raise ValueError(f"megatron_layout: ep={ep} for a model without experts")
-    world = tp * pp * dp
-    ranks = check_ranks(ranks, world, f"megatron_layout(tp={tp}, pp={pp}, dp={dp})")
-    stages = stage_layers(s.layers, pp, layers_per_stage)
+    return has_moe
 
+
+def _stage_weights(
+    b: LayoutBuilder,
+    s: ModelSpec,
+    rank: np.ndarray,
+    t: np.ndarray,
+    tp: int,
+    pp: int,
+    ends: tuple[bool, bool],
+    vloc: int,
+    layers: range,
+    local_spec: bool,
+) -> None:
+    """The non-expert weights of one pipeline stage: one call per tensor for all its ranks, ``t`` the TP
+    position of each (the DP replicas hold the same; see LayoutBuilder). ``ends``: (first stage, last stage)."""
     H = s.hidden
-    vpad = padded_vocab_size(s.vocab, tp, vocab_divisible_by)
-    vloc = vpad // tp
-    I_loc = s.intermediate // tp
-    E_loc = s.experts // ep if has_moe else 0
-    Im_loc = s.moe_intermediate // etp if has_moe else 0
-
-    b = LayoutBuilder.for_model(s, dtype)
-    rank_of = np.asarray(ranks, dtype=np.int64)
-    pos = np.arange(world)
-    stage_of = pos // (tp * dp)
-    for pr in range(pp):
-        # the non-expert weights of the stage: one call per tensor for all its ranks, ``t`` the TP position of
-        # each (the DP replicas hold the same; see LayoutBuilder)
-        in_stage = stage_of == pr
-        rank, t = rank_of[in_stage], pos[in_stage] % tp
-        if pr == 0:
-            loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
-            b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
-        if pr == pp - 1:
-            b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
-            if not s.tied or pp > 1:
-                loc = b.local(rank, "output_layer.weight", (vloc, H))
-                b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
-        for j, i in enumerate(stages[pr]):
-            hf, mg = layer_prefix(i), f"decoder.layers.{j}"
-            if s.mla:
-                _mla_attention(b, s, rank, t, tp, hf, mg)
-            else:  # (its rows depend on the KV groups of t: one call per TP position)
-                for tv in range(tp):
-                    _gqa_attention(b, s, rank[t == tv], tv, tp, hf, mg, local_spec)
-            if not s.is_moe_layer(i):
-                b.full(f"{hf}.post_attention_layernorm.weight", rank,
-                       f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight")
-                _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp", f"{mg}.mlp")
-                continue
-            b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
-            b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
-            if s.expert_bias:
-                b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
-            if s.shared_intermediate:
-                _tp_mlp(b, rank, t, s.shared_intermediate // tp, H, f"{hf}.mlp.shared_experts",
-                        f"{mg}.mlp.shared_experts")
-        if not has_moe:
+    first, last = ends
+    if first:
+        loc = b.local(rank, "embedding.word_embeddings.weight", (vloc, H))
+        b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
+    if last:
+        b.full("model.norm.weight", rank, "decoder.final_layernorm.weight")
+        if not s.tied or pp > 1:
+            loc = b.local(rank, "output_layer.weight", (vloc, H))
+            b.rows("model.embed_tokens.weight" if s.tied else "lm_head.weight", rank, loc, t * vloc, vloc)
+    for j, i in enumerate(layers):
+        hf, mg = layer_prefix(i), f"decoder.layers.{j}"
+        if s.mla:
+            _mla_attention(b, s, rank, t, tp, hf, mg)
+        else:  # (its rows depend on the KV groups of t: one call per TP position)
+            for tv in range(tp):
+                _gqa_attention(b, s, rank[t == tv], tv, tp, hf, mg, local_spec)
+        if not s.is_moe_layer(i):
+            b.full(
+                f"{hf}.post_attention_layernorm.weight",
+                rank,
+                f"{mg}.pre_mlp_layernorm.weight" if local_spec else f"{mg}.mlp.linear_fc1.layer_norm_weight",
+            )
+            _tp_mlp(b, rank, t, s.intermediate // tp, H, f"{hf}.mlp", f"{mg}.mlp")
             continue
-        # the routed experts of the stage: rank q of it (q = p % (tp*dp)) holds experts er*E_loc.. of expert-TP
-        # part et; one call per layer and local expert index k, over the stage's ranks
-        # one call per layer for all the stage's ranks and local expert indices k at once
-        q = pos[stage_of == pr] % (tp * dp)
-        rank = np.repeat(rank_of[stage_of == pr], E_loc)
-        k = np.tile(np.arange(E_loc), len(q))
-        et, e = np.repeat(q % etp, E_loc), np.repeat((q // etp) % ep, E_loc) * E_loc + k
-        for j, i in enumerate(stages[pr]):
-            if not s.is_moe_layer(i):
-                continue
-            mg = f"decoder.layers.{j}"
-            ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
-            if grouped_gemm:
-                fc1 = tuple(f"{mg}.mlp.experts.linear_fc1.weight{x}" for x in range(E_loc))
-                fc2 = tuple(f"{mg}.mlp.experts.linear_fc2.weight{x}" for x in range(E_loc))
-            else:
-                fc1 = tuple(f"{mg}.mlp.experts.local_experts.{x}.linear_fc1.weight" for x in range(E_loc))
-                fc2 = tuple(f"{mg}.mlp.experts.local_experts.{x}.linear_fc2.weight" for x in range(E_loc))
-            b.local(rank, (fc1, k), (2 * Im_loc, H))
-            b.rows(ids[e, 0], rank, (fc1, k), et * Im_loc, Im_loc, at=0)
-            b.rows(ids[e, 1], rank, (fc1, k), et * Im_loc, Im_loc, at=Im_loc)
-            b.local(rank, (fc2, k), (H, Im_loc))
-            b.cols(ids[e, 2], rank, (fc2, k), et * Im_loc, Im_loc)
-    return b.build()
+        b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{mg}.pre_mlp_layernorm.weight")
+        b.full(f"{hf}.mlp.gate.weight", rank, f"{mg}.mlp.router.weight")
+        if s.expert_bias:
+            b.full(f"{hf}.mlp.gate.e_score_correction_bias", rank, f"{mg}.mlp.router.expert_bias")
+        if s.shared_intermediate:
+            _tp_mlp(
+                b,
+                rank,
+                t,
+                s.shared_intermediate // tp,
+                H,
+                f"{hf}.mlp.shared_experts",
+                f"{mg}.mlp.shared_experts",
+            )
+
+
+def _stage_experts(
+    b: LayoutBuilder,
+    s: ModelSpec,
+    stage_ranks: np.ndarray,
+    q: np.ndarray,
+    ep: int,
+    etp: int,
+    layers: range,
+    grouped_gemm: bool,
+) -> None:
+    """The routed experts of one stage: its rank ``q`` (``q = p % (tp*dp)``) holds experts ``er*E_loc..`` of
+    expert-TP part ``et``; one call per layer for all the stage's ranks and local expert indices ``k`` at once."""
+    H = s.hidden
+    E_loc, Im_loc = s.experts // ep, s.moe_intermediate // etp
+    rank = np.repeat(stage_ranks, E_loc)
+    k = np.tile(np.arange(E_loc), len(q))
+    et, e = np.repeat(q % etp, E_loc), np.repeat((q // etp) % ep, E_loc) * E_loc + k
+    for j, i in enumerate(layers):
+        if not s.is_moe_layer(i):
+            continue
+        mg = f"decoder.layers.{j}"
+        ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
+        if grouped_gemm:
+            fc1 = tuple(f"{mg}.mlp.experts.linear_fc1.weight{x}" for x in range(E_loc))
+            fc2 = tuple(f"{mg}.mlp.experts.linear_fc2.weight{x}" for x in range(E_loc))
+        else:
+            fc1 = tuple(f"{mg}.mlp.experts.local_experts.{x}.linear_fc1.weight" for x in range(E_loc))
+            fc2 = tuple(f"{mg}.mlp.experts.local_experts.{x}.linear_fc2.weight" for x in range(E_loc))
+        b.local(rank, (fc1, k), (2 * Im_loc, H))
+        b.rows(ids[e, 0], rank, (fc1, k), et * Im_loc, Im_loc, at=0)
+        b.rows(ids[e, 1], rank, (fc1, k), et * Im_loc, Im_loc, at=Im_loc)
+        b.local(rank, (fc2, k), (H, Im_loc))
+        b.cols(ids[e, 2], rank, (fc2, k), et * Im_loc, Im_loc)
 
 
 def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, hf: str, mg: str) -> None:
@@ -319,14 +372,18 @@ def _mla_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, h
     b.cols(f"{a}.o_proj.weight", rank, loc, t * o_cols, o_cols)
 
 
-def _gqa_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, hf: str, mg: str,
-                   local_spec: bool) -> None:
+def _gqa_attention(
+    b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, hf: str, mg: str, local_spec: bool
+) -> None:
     """SelfAttention: ``linear_qkv`` rows ``[t*R, (t+1)*R)`` of the interleaved tensor (per KV group ``g``
     ``[q_g; k_g; v_g]``), ``R = (nh + 2*ng)*hd / tp``: whole groups when tp divides ng, a part of one group
     when tp > ng. TE spec: the input RMSNorm fused into ``linear_qkv``; local spec: ``input_layernorm``."""
     H, hd, att = s.hidden, s.head_dim, f"{mg}.self_attention"
-    b.full(f"{hf}.input_layernorm.weight", rank,
-           f"{mg}.input_layernorm.weight" if local_spec else f"{att}.linear_qkv.layer_norm_weight")
+    b.full(
+        f"{hf}.input_layernorm.weight",
+        rank,
+        f"{mg}.input_layernorm.weight" if local_spec else f"{att}.linear_qkv.layer_norm_weight",
+    )
     hpg = s.heads // s.kv_heads  # query heads per group
     group_rows = (hpg + 2) * hd
     rows = s.kv_heads * group_rows // tp
@@ -336,8 +393,11 @@ def _gqa_attention(b: LayoutBuilder, s: ModelSpec, rank: int, t: int, tp: int, h
         for g in range(lo // group_rows, -(-hi // group_rows)):
             base = g * group_rows
             # (HF tensor, its first row in group g, where the piece starts in the group, its rows)
-            for proj, src, at, n in (("q_proj", g * hpg * hd, 0, hpg * hd), ("k_proj", g * hd, hpg * hd, hd),
-                                     ("v_proj", g * hd, (hpg + 1) * hd, hd)):
+            for proj, src, at, n in (
+                ("q_proj", g * hpg * hd, 0, hpg * hd),
+                ("k_proj", g * hd, hpg * hd, hd),
+                ("v_proj", g * hd, (hpg + 1) * hd, hd),
+            ):
                 a, e = max(lo, base + at), min(hi, base + at + n)
                 if a < e:
                     b.rows(f"{hf}.self_attn.{proj}.{kind}", rank, loc, src + a - base - at, e - a, at=a - lo)

@@ -391,6 +391,22 @@ def fused_layout(s: ModelSpec, *, tp: int, dp: int, enable_expert_parallel: bool
     """The unquantized layout of an engine with vLLM's fused formats (``qkv_proj``, ``gate_up_proj``, padded
     vocab, FusedMoE ``w13_weight`` / ``w2_weight`` under ``mlp.{moe_prefix}``): :func:`vllm_layout`'s, and
     SGLang's (``presets.sglang``), which differ in the FusedMoE prefix. ``who`` names the caller in errors."""
+    vpad, use_ep, shared_tp = _check_fused(s, tp, dp, enable_expert_parallel, vocab_padding, sequence_parallel_moe, who)
+    workers = tp * dp
+    ranks = check_ranks(ranks, workers, f"{who}(tp={tp}, dp={dp})")
+    b = LayoutBuilder.for_model(s, dtype)
+    rank_of = np.asarray(ranks, dtype=np.int64)
+    pos = np.arange(workers)
+    _dense_weights(b, s, rank_of, pos % tp, tp, vpad // tp, shared_tp)
+    if any(s.moe_layers):
+        _routed_experts(b, s, rank_of, use_ep, moe_prefix)
+    return b.build()
+
+
+def _check_fused(s: ModelSpec, tp: int, dp: int, enable_expert_parallel: bool, vocab_padding: int,
+                 sequence_parallel_moe: bool | None, who: str) -> tuple[int, bool, int]:
+    """The engine's sizes split the model as vLLM splits it; returns ``(padded vocab, experts split whole
+    over the workers?, the shared experts' TP size)``."""
     if s.o_bias:
         raise NotImplementedError(f"{who}: attention_bias on o_proj is not supported")
     for name, v in (("tp", tp), ("dp", dp)):
@@ -422,21 +438,17 @@ def fused_layout(s: ModelSpec, *, tp: int, dp: int, enable_expert_parallel: bool
     shared_tp = 1 if sequence_parallel_moe else tp  # DeepseekV2MLP(disable_tp=is_sequence_parallel)
     if s.shared_intermediate % shared_tp:
         raise ValueError(f"{who}: tp={tp} does not divide the shared experts' size {s.shared_intermediate}")
-    ranks = check_ranks(ranks, workers, f"{who}(tp={tp}, dp={dp})")
+    return vpad, use_ep, shared_tp
 
+
+def _dense_weights(b: LayoutBuilder, s: ModelSpec, rank: np.ndarray, t: np.ndarray, tp: int, vloc: int,
+                   shared_tp: int) -> None:
+    """The non-expert weights: one call per tensor for all workers at once, ``t`` the TP position of each
+    (every DP replica holds the same; see LayoutBuilder)."""
     H, hd = s.hidden, s.head_dim
-    vloc = vpad // tp
     q_loc = s.heads // tp * hd
     kv_heads_loc = max(1, s.kv_heads // tp)
     kv_loc = kv_heads_loc * hd
-    I_loc = s.intermediate // tp
-
-    b = LayoutBuilder.for_model(s, dtype)
-    rank_of = np.asarray(ranks, dtype=np.int64)
-    pos = np.arange(workers)
-    # the non-expert weights: one call per tensor for all workers at once, ``t`` the TP position of each
-    # (every DP replica holds the same; see LayoutBuilder)
-    rank, t = rank_of, pos % tp
     kv_first = (t * s.kv_heads // tp) if tp >= s.kv_heads else t * kv_heads_loc
     loc = b.local(rank, "model.embed_tokens.weight", (vloc, H))
     b.rows("model.embed_tokens.weight", rank, loc, t * vloc, vloc)
@@ -454,7 +466,7 @@ def fused_layout(s: ModelSpec, *, tp: int, dp: int, enable_expert_parallel: bool
         b.full(f"{hf}.input_layernorm.weight", rank, f"{hf}.input_layernorm.weight")
         b.full(f"{hf}.post_attention_layernorm.weight", rank, f"{hf}.post_attention_layernorm.weight")
         if not s.is_moe_layer(i):
-            _tp_mlp(b, rank, t, I_loc, H, f"{hf}.mlp")
+            _tp_mlp(b, rank, t, s.intermediate // tp, H, f"{hf}.mlp")
             continue
         b.full(f"{hf}.mlp.gate.weight", rank, f"{hf}.mlp.gate.weight")
         if s.expert_bias:
@@ -462,33 +474,36 @@ def fused_layout(s: ModelSpec, *, tp: int, dp: int, enable_expert_parallel: bool
         if s.shared_intermediate:
             Is_loc = s.shared_intermediate // shared_tp
             _tp_mlp(b, rank, t % shared_tp, Is_loc, H, f"{hf}.mlp.shared_experts")
-    # the routed experts of worker p (position p of ranks): E_loc[p] experts from e0[p], rows im0[p] on
-    # of each; one call per layer and local expert index k, over the workers that have a k-th expert
-    if has_moe:
-        if use_ep:
-            e0, E_loc = (np.array(v, dtype=np.int64) for v in zip(
-                *(expert_range(s.experts, workers, p) for p in range(workers)), strict=True))
-            Im_loc, im0 = s.moe_intermediate, 0
-        else:
-            e0, E_loc = np.zeros(workers, np.int64), np.full(workers, s.experts, np.int64)
-            Im_loc = s.moe_intermediate // workers
-            im0 = pos * Im_loc
-        for i in range(s.layers):
-            if not s.is_moe_layer(i):
-                continue
-            hf = layer_prefix(i)
-            w13 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w13_weight", (E_loc, 2 * Im_loc, H))
-            w2 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w2_weight", (E_loc, H, Im_loc))
-            ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
-            for k in range(int(E_loc.max())):
-                has = E_loc > k
-                rank, e = rank_of[has], (e0 + k)[has]
-                gate, up, down = ids[e, 0], ids[e, 1], ids[e, 2]
-                start = im0 if isinstance(im0, int) else im0[has]
-                b.rows(gate, rank, w13, start, Im_loc, at=0, lead=(k,))
-                b.rows(up, rank, w13, start, Im_loc, at=Im_loc, lead=(k,))
-                b.cols(down, rank, w2, start, Im_loc, lead=(k,))
-    return b.build()
+
+
+def _routed_experts(b: LayoutBuilder, s: ModelSpec, rank_of: np.ndarray, use_ep: bool, moe_prefix: str) -> None:
+    """The routed experts of worker ``p`` (position ``p`` of ``rank_of``): ``E_loc[p]`` experts from ``e0[p]``,
+    rows ``im0[p]`` on of each (whole experts under expert parallelism, else a TP slice of every expert); one
+    call per layer and local expert index ``k``, over the workers that have a ``k``-th expert."""
+    H, workers = s.hidden, len(rank_of)
+    if use_ep:
+        e0, E_loc = (np.array(v, dtype=np.int64) for v in zip(
+            *(expert_range(s.experts, workers, p) for p in range(workers)), strict=True))
+        Im_loc, im0 = s.moe_intermediate, 0
+    else:
+        e0, E_loc = np.zeros(workers, np.int64), np.full(workers, s.experts, np.int64)
+        Im_loc = s.moe_intermediate // workers
+        im0 = np.arange(workers) * Im_loc
+    for i in range(s.layers):
+        if not s.is_moe_layer(i):
+            continue
+        hf = layer_prefix(i)
+        w13 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w13_weight", (E_loc, 2 * Im_loc, H))
+        w2 = b.local(rank_of, f"{hf}.mlp.{moe_prefix}.w2_weight", (E_loc, H, Im_loc))
+        ids = b.expert_ids(s)[i]  # [expert, (gate, up, down)] tensor ids
+        for k in range(int(E_loc.max())):
+            has = E_loc > k
+            rank, e = rank_of[has], (e0 + k)[has]
+            gate, up, down = ids[e, 0], ids[e, 1], ids[e, 2]
+            start = im0 if isinstance(im0, int) else im0[has]
+            b.rows(gate, rank, w13, start, Im_loc, at=0, lead=(k,))
+            b.rows(up, rank, w13, start, Im_loc, at=Im_loc, lead=(k,))
+            b.cols(down, rank, w2, start, Im_loc, lead=(k,))
 
 
 def _tp_mlp(b: LayoutBuilder, rank: int, t: int, I_loc: int, H: int, mlp: str) -> None:

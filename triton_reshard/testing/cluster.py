@@ -47,16 +47,25 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .cluster_rank import current_node, link_counters  # noqa: F401  (the rank side, importable from here too)
+from .links import (  # noqa: F401  (the links' parsing, importable from here too)
+    MAX_RATE_BPS,
+    Link,
+    LinkBytes,
+    make_links,
+    parse_loss,
+    parse_rate,
+    parse_seconds,
+)
 
 PREFIX = "trsh"
 IFNAME = "eth0"
 PORT = 29500
 MAX_NODES = 200
 MAX_RANKS_PER_NODE = 64
-MAX_RATE_BPS = 100e9  # tbf's timer resolution makes higher rates meaningless here
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)-")
 # "auto": veth + tc (netem for latency) where the kernel has netem, else the userspace emulator
 # (testing.netdelay) for links with a latency; "veth": the kernel path only; "tap": the emulator always
@@ -78,33 +87,6 @@ class ClusterRankError(RuntimeError):
         super().__init__(f"{len(errors)} rank(s) failed ({where}); node {node} rank {first}:\n{text}")
 
 
-@dataclass(frozen=True, slots=True)
-class Link:
-    """One node's link: ``rate_bps`` bits per second each way (None: unshaped), one-way ``latency_s`` added to
-    the node's egress, and ``loss`` (a fraction, 0..0.5) of the node's egress packets dropped."""
-
-    rate_bps: float | None = None
-    latency_s: float = 0.0
-    loss: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class LinkBytes:
-    """Bytes through one node's interface: ``tx`` sent (the node's uplink), ``rx`` received (its downlink)."""
-
-    tx: int
-    rx: int
-    tx_packets: int = 0
-    rx_packets: int = 0
-
-    def __sub__(self, other: LinkBytes) -> LinkBytes:
-        return LinkBytes(self.tx - other.tx, self.rx - other.rx, self.tx_packets - other.tx_packets,
-                         self.rx_packets - other.rx_packets)
-
-    def as_dict(self) -> dict:
-        return {"tx": self.tx, "rx": self.rx, "tx_packets": self.tx_packets, "rx_packets": self.rx_packets}
-
-
 @dataclass(frozen=True)
 class ClusterRun:
     """What :meth:`Cluster.run` gives back: ``results`` by rank (the JSON each rank returned, or None where it
@@ -121,69 +103,6 @@ class ClusterRun:
 
 # ---------------------------------------------------------------------------------------------------------
 # parsing and checks
-
-
-_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-          "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
-
-
-def parse_rate(rate) -> float | None:
-    """Bits per second from ``"1gbit"``, ``"500mbit"``, ``"10Gbit"``, ``"2gbps"`` (bytes) or a number of bits
-    per second; None stays None (unshaped). ``ValueError`` (one line, naming the value) otherwise."""
-    if rate is None:
-        return None
-    if isinstance(rate, bool):
-        raise ValueError(f"cluster: link rate {rate!r} is not a rate (e.g. '1gbit' or 1e9 bits/s)")
-    if isinstance(rate, int | float):
-        v = float(rate)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(rate))
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise ValueError(f"cluster: link rate {rate!r} is not a rate (e.g. '1gbit', '500mbit' or 1e9 bits/s)")
-        v = float(m.group(1)) * _UNITS[unit]
-    if not (8e3 <= v <= MAX_RATE_BPS):
-        raise ValueError(f"cluster: link rate {rate!r} = {v:g} bit/s is outside 8 kbit/s .. "
-                         f"{MAX_RATE_BPS:g} bit/s")
-    return v
-
-
-def parse_seconds(value, what: str = "latency") -> float:
-    """Seconds from ``"50us"``, ``"1ms"``, ``"0.2s"`` or a number of seconds (>= 0, <= 10 s)."""
-    if isinstance(value, bool):
-        raise ValueError(f"cluster: link {what} {value!r} is not a duration (e.g. '50us', '1ms' or 1e-3 s)")
-    if isinstance(value, int | float):
-        v = float(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(us|ms|s|)\s*", str(value))
-        if not m:
-            raise ValueError(f"cluster: link {what} {value!r} is not a duration (e.g. '50us', '1ms' or 1e-3 s)")
-        v = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}[m.group(2)]
-    if not (0.0 <= v <= 10.0):
-        raise ValueError(f"cluster: link {what} {value!r} must be between 0 and 10 s")
-    return v
-
-
-def parse_loss(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (0.0 <= value <= 0.5):
-        raise ValueError(f"cluster: link loss {value!r} must be a fraction between 0 and 0.5 (0.01 = 1 %)")
-    return float(value)
-
-
-def _per_node(value, nodes: int, what: str) -> list:
-    if isinstance(value, list | tuple):
-        if len(value) != nodes:
-            raise ValueError(f"cluster: {len(value)} link {what}s given for {nodes} nodes")
-        return list(value)
-    return [value] * nodes
-
-
-def make_links(nodes: int, rate=None, latency=0.0, loss=0.0) -> list[Link]:
-    """Per node a :class:`Link` from scalars (every node the same) or lists of ``nodes`` values."""
-    rates = [parse_rate(r) for r in _per_node(rate, nodes, "rate")]
-    lats = [parse_seconds(x) for x in _per_node(latency, nodes, "latency")]
-    losses = [parse_loss(x) for x in _per_node(loss, nodes, "loss")]
-    return [Link(r, lt, ls) for r, lt, ls in zip(rates, lats, losses, strict=True)]
 
 
 def _check_sizes(nodes, ranks_per_node) -> None:
@@ -542,41 +461,18 @@ class Cluster:
         json.dumps(list(args))  # raises TypeError for arguments that are not JSON values
         self._port += 1
         run_dir = tempfile.mkdtemp(dir=self._dir)
-        world = self.world_size
         base_env = {**os.environ, **(env or {})}
         base_env.setdefault("OMP_NUM_THREADS", "1")
         before = self.link_bytes()
         dropped_before = self.dropped()
         t0 = time.perf_counter()
-        procs = []
-        logs = []
-        for rank in range(world):
-            node = self.node_of(rank)
-            spec = {"fn": target, "args": list(args), "rank": rank, "world_size": world, "node": node,
-                    "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
-                    "init_method": f"tcp://{self.address(0)}:{self._port}", "pg_timeout": pg_timeout,
-                    "result": os.path.join(run_dir, f"rank{rank}.json")}
-            spec_path = os.path.join(run_dir, f"rank{rank}.spec.json")
-            with open(spec_path, "w") as f:
-                json.dump(spec, f)
-            log = open(os.path.join(run_dir, f"rank{rank}.log"), "wb")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            e = {**base_env, "GLOO_SOCKET_IFNAME": IFNAME, "TRITON_RESHARD_CLUSTER_NODE": str(node),
-                 "TRITON_RESHARD_CLUSTER_IFNAME": IFNAME}
-            p = subprocess.Popen(["ip", "netns", "exec", self.node_ns[node], sys.executable, "-m",
-                                  "triton_reshard.testing.cluster", spec_path],
-                                 env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs, logs = [], []
+        for rank in range(self.world_size):
+            p, log = self._spawn(rank, target, list(args), run_dir, base_env, pg_timeout)
             procs.append(p)
-            self._procs.append(p)
-        deadline = time.monotonic() + timeout
+            logs.append(log)
         try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    left = [r for r, p in enumerate(procs) if p.poll() is None]
-                    raise TimeoutError(
-                        f"cluster: run of {target} did not finish within {timeout:g}s; still running: "
-                        + ", ".join(f"node {self.node_of(r)} rank {r}" for r in left))
-                time.sleep(0.05)
+            self._wait(procs, time.monotonic() + timeout, target, timeout)
         finally:
             for p in procs:
                 _kill_group(p)
@@ -586,7 +482,45 @@ class Cluster:
         seconds = time.perf_counter() - t0
         after = self.link_bytes()
         dropped = [a - b for a, b in zip(self.dropped(), dropped_before, strict=True)]
-        results: list = [None] * world
+        results, errors = self._collect(procs, run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if errors and not allow_errors:
+            raise ClusterRankError(errors)
+        return ClusterRun(results, errors, [a - b for a, b in zip(after, before, strict=True)], seconds, dropped)
+
+    def _spawn(self, rank: int, target: str, args: list, run_dir: str, base_env: dict, pg_timeout: float):
+        """Start ``rank`` inside its node's namespace (``cluster_rank`` reads its JSON spec); returns the process
+        and its open log file."""
+        node = self.node_of(rank)
+        spec = {"fn": target, "args": args, "rank": rank, "world_size": self.world_size, "node": node,
+                "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+                "init_method": f"tcp://{self.address(0)}:{self._port}", "pg_timeout": pg_timeout,
+                "result": os.path.join(run_dir, f"rank{rank}.json")}
+        spec_path = os.path.join(run_dir, f"rank{rank}.spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        log = open(os.path.join(run_dir, f"rank{rank}.log"), "wb")  # noqa: SIM115 (closed by run)
+        e = {**base_env, "GLOO_SOCKET_IFNAME": IFNAME, "TRITON_RESHARD_CLUSTER_NODE": str(node),
+             "TRITON_RESHARD_CLUSTER_IFNAME": IFNAME}
+        p = subprocess.Popen(["ip", "netns", "exec", self.node_ns[node], sys.executable, "-m",
+                              "triton_reshard.testing.cluster_rank", spec_path],
+                             env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._procs.append(p)
+        return p, log
+
+    def _wait(self, procs: list, deadline: float, target: str, timeout: float) -> None:
+        """Until every rank has exited; past ``deadline`` a TimeoutError naming the ranks not done."""
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                left = [r for r, p in enumerate(procs) if p.poll() is None]
+                raise TimeoutError(
+                    f"cluster: run of {target} did not finish within {timeout:g}s; still running: "
+                    + ", ".join(f"node {self.node_of(r)} rank {r}" for r in left))
+            time.sleep(0.05)
+
+    def _collect(self, procs: list, run_dir: str) -> tuple[list, dict[int, tuple[int, str]]]:
+        """Each rank's result file: ``(results by rank, {rank: (node, error text)})``."""
+        results: list = [None] * len(procs)
         errors: dict[int, tuple[int, str]] = {}
         for rank, p in enumerate(procs):
             node = self.node_of(rank)
@@ -602,10 +536,7 @@ class Cluster:
                 results[rank] = out.get("result")
             else:
                 errors[rank] = (node, str(out.get("error")))
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if errors and not allow_errors:
-            raise ClusterRankError(errors)
-        return ClusterRun(results, errors, [a - b for a, b in zip(after, before, strict=True)], seconds, dropped)
+        return results, errors
 
 
 def _burst(rate_bps: float) -> int:
@@ -631,75 +562,3 @@ def _tail(path: str, lines: int = 15) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# inside a rank
-
-
-def current_node() -> int | None:
-    """This rank's node index inside a cluster run (None outside one)."""
-    v = os.environ.get("TRITON_RESHARD_CLUSTER_NODE")
-    return int(v) if v is not None else None
-
-
-def link_counters() -> LinkBytes:
-    """Inside a rank of a cluster run: its node's interface counters now (every rank of a node reads the same
-    counters: take differences around an operation between two barriers)."""
-    ifname = os.environ.get("TRITON_RESHARD_CLUSTER_IFNAME")
-    if ifname is None:
-        raise RuntimeError("link_counters() runs only inside a rank of a Cluster.run")
-    base = f"/sys/class/net/{ifname}/statistics/"
-
-    def rd(name: str) -> int:
-        with open(base + name) as f:
-            return int(f.read())
-
-    return LinkBytes(rd("tx_bytes"), rd("rx_bytes"), rd("tx_packets"), rd("rx_packets"))
-
-
-def _resolve(target: str) -> Callable:
-    import importlib
-
-    mod, _, name = target.partition(":")
-    obj = importlib.import_module(mod)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _rank_main(spec_path: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    result_path = spec["result"]
-
-    def write(payload: dict) -> None:
-        tmp = result_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, result_path)
-
-    try:
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        fn = _resolve(spec["fn"])
-        dist.init_process_group("gloo", init_method=spec["init_method"], rank=spec["rank"],
-                                world_size=spec["world_size"], timeout=timedelta(seconds=spec["pg_timeout"]))
-        try:
-            result = fn(spec["rank"], spec["world_size"], *spec["args"])
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        write({"ok": True, "result": result})
-        return 0
-    except BaseException as e:  # reported to the harness by node and rank
-        write({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1]))

@@ -123,15 +123,7 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
         "reshard+overlap": Resharder(plan, bucket_bytes=bucket, timeout=timeout, overlap=True),
         "reshard-staged": Resharder(plan, bucket_bytes=bucket, timeout=timeout, direct_min_bytes=1 << 62),
     }
-    # wire-limit buffers: per step of the reshard's own schedule, one buffer per peer and direction holding
-    # the bytes of all its messages to / from that peer
-    def per_peer(entries) -> list:
-        n: dict[int, int] = {}
-        for peer, _at, m in entries:
-            n[peer] = n.get(peer, 0) + m.payload
-        return [(peer, torch.empty(b, dtype=torch.uint8, device=device)) for peer, b in n.items()]
-
-    wire_bufs = [(per_peer(st.sends), per_peer(st.recvs)) for _i, st in methods["reshard"].steps]
+    wire_bufs = _wire_buffers(methods["reshard"], device)
     fns = {
         "reshard": lambda: methods["reshard"].run(src_t, dst_t),
         "reshard+overlap": lambda: methods["reshard+overlap"].run(src_t, dst_t),
@@ -149,31 +141,61 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
         fns[mq] = lambda: rq.run(src_t, dst_qt)
         checked[mq] = (dst_qt, expected_quantized(dst_q, src, rank, device))
     if dt is not None:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor import Replicate as DRep
-        from torch.distributed.tensor import Shard as DShard
-
-        mesh_ranks, pl_src, pl_dst = dt
-        mesh = DeviceMesh(device.type, mesh_ranks)
-
-        def conv(pls):
-            return [DShard(p.dim) if isinstance(p, Shard) else DRep() for p in pls]
-
-        dts = {
-            n: DTensor.from_local(src_t[n], mesh, conv(pl_src[n]), run_check=False, shape=src.specs[n].shape,
-                                  stride=torch.empty(src.specs[n].shape, device="meta").stride())
-            for n in src_t
-        }
-
-        def dtensor_run():
-            for n, d in dts.items():
-                dst_t[n].copy_(d.redistribute(mesh, conv(pl_dst[n])).to_local())
-
-        fns["dtensor"] = dtensor_run
+        fns["dtensor"] = _dtensor_fn(dt, src, src_t, dst_t, device)
     res: dict = {"rank": rank}
+    acc = _timed_rounds(fns, checked, dst_t, expected, repeats, device)
+    for name, (times, bad, peaks) in acc.items():
+        res[name] = {"seconds": times, "bad": bad[0], "peak_extra_bytes": max(peaks)}
+    res["staging_bytes"] = {k: r.staging_bytes for k, r in methods.items()}
+    return res
+
+
+def _wire_buffers(reshard: Resharder, device: torch.device) -> list:
+    """The wire-limit buffers: per step of the reshard's own schedule, one buffer per peer and direction holding
+    the bytes of all its messages to / from that peer."""
+
+    def per_peer(entries) -> list:
+        n: dict[int, int] = {}
+        for peer, _at, m in entries:
+            n[peer] = n.get(peer, 0) + m.payload
+        return [(peer, torch.empty(b, dtype=torch.uint8, device=device)) for peer, b in n.items()]
+
+    return [(per_peer(st.sends), per_peer(st.recvs)) for _i, st in reshard.steps]
+
+
+def _dtensor_fn(dt, src, src_t: dict, dst_t: dict, device: torch.device):
+    """DTensor's ``redistribute`` of every tensor from the source placements to the destination's, as a
+    method: ``dt`` is ``(mesh ranks, source placements, destination placements)``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as DRep
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh_ranks, pl_src, pl_dst = dt
+    mesh = DeviceMesh(device.type, mesh_ranks)
+
+    def conv(pls):
+        return [DShard(p.dim) if isinstance(p, Shard) else DRep() for p in pls]
+
+    dts = {
+        n: DTensor.from_local(src_t[n], mesh, conv(pl_src[n]), run_check=False, shape=src.specs[n].shape,
+                              stride=torch.empty(src.specs[n].shape, device="meta").stride())
+        for n in src_t
+    }
+
+    def dtensor_run():
+        for n, d in dts.items():
+            dst_t[n].copy_(d.redistribute(mesh, conv(pl_dst[n])).to_local())
+
+    return dtensor_run
+
+
+def _timed_rounds(fns: dict, checked: dict, dst_t: dict, expected: dict, repeats: int,
+                  device: torch.device) -> dict:
+    """``repeats`` timed rounds of every method after one warm-up round, the methods interleaved round by
+    round so a change of load on the shared machine hits them all alike; each call into poisoned destinations,
+    checked bit-exact. Returns {method: (seconds, [bad elements], peak extra bytes)}."""
     acc = {name: ([], [0], []) for name in fns}  # times, bad elements, peaks
-    # methods interleaved round by round, so a change of load on the shared machine hits them all alike
     for i in range(repeats + 1):  # the first round warms up (planning, buffers, page faults)
         for name, fn in fns.items():
             times, bad, peaks = acc[name]
@@ -197,10 +219,7 @@ def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name:
             if i:
                 times.append(dt_s)
                 peaks.append(peak)
-    for name, (times, bad, peaks) in acc.items():
-        res[name] = {"seconds": times, "bad": bad[0], "peak_extra_bytes": max(peaks)}
-    res["staging_bytes"] = {k: r.staging_bytes for k, r in methods.items()}
-    return res
+    return acc
 
 
 def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", bucket_mb: float = 64,

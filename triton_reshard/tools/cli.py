@@ -267,14 +267,54 @@ def plan_report(args) -> dict:
     With relays on (``--relay``, or ``--topology-aware`` alone) it also plans without them (one more planning,
     same layouts) and reports that plan's figures under ``without_relay``.
     """
-    from ..plan import StepBudget, plan_reshard
     from ..presets import model_nbytes
-    from .topology import PRESETS, Topology, plan_pair_bytes
+    from .topology import PRESETS, Topology
 
     cfg = _load_config(args.model)
     dtype = parse_dtype(args.dtype)
     s = _parse_sizes(args.src, _SRC_KEYS, "src")
     d = _parse_sizes(args.dst, _DST_KEYS, "dst")
+    _check_plan_args(args, cfg, s)
+    base = PRESETS[args.preset]
+    topo = Topology(
+        gpus_per_node=args.gpus_per_node or base.gpus_per_node,
+        nvlink_GBps=args.nvlink_GBps or base.nvlink_GBps,
+        net_GBps=args.net_GBps or base.net_GBps,
+        step_latency_s=base.step_latency_s,
+    )
+    src_kw, dst_kw, bucket = _plan_kwargs(args, s, d)
+    relay = args.relay
+    node_aware = bool(args.topology_aware or relay)
+    n_inst = args.instances
+    if n_inst < 1:
+        raise UsageError(f"--instances {n_inst}: must be >= 1")
+    gpn = topo.gpus_per_node if node_aware else None
+    if args.rank is not None:
+        return rank_report(args, cfg, dtype, s, d, src_kw, dst_kw, bucket, gpn, relay, n_inst)
+    src, dst, plan, st, sched, times = timed_planning(
+        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=gpn, relay=relay, instances=n_inst
+    )
+    relayed = (node_aware or n_inst > 1) and relay is not False
+    figures = routing_figures(plan, sched, topo)
+    figures["trainer_sent_bytes"] = _trainer_sent(st, src.ranks)
+    without = _without_relay(src, dst, gpn, bucket, topo, times) if relayed else None
+    if args.plot:
+        from .plot import plot_traffic
+
+        plot_traffic(plan, args.plot, f"triton-reshard plan --model {args.model}",
+                     f"megatron {args.src} -> vllm {args.dst}" + (f" x {n_inst}" if n_inst > 1 else ""))
+    head = {"model": args.model, "dtype": args.dtype, "model_bytes": model_nbytes(cfg, dtype),
+            "src": {"layout": "megatron", **s, "offset": args.src_offset, "ranks": len(src.ranks),
+                    "fragments": len(src.fragments)},
+            "dst": {"layout": "vllm", **d, "offset": args.dst_offset, "ranks": len(dst.ranks),
+                    "fragments": len(dst.fragments), "instances": n_inst},
+            "plan_digest": plan.digest, "topology_aware": node_aware, "relay": relayed}
+    tail = {**figures, "without_relay": without, "times": times}
+    return _plan_figures(head, plan, st, {"bucket_bytes": bucket, "steps": len(sched.steps)}, topo, args.preset, tail)
+
+
+def _check_plan_args(args, cfg: dict, s: dict) -> None:
+    """``triton-reshard plan``'s option checks that need no planning (a UsageError naming the option)."""
     layers = cfg.get("num_hidden_layers")
     if isinstance(layers, int) and s.get("pp", 1) > layers:
         raise UsageError(f"--src {args.src}: pp={s['pp']} is more pipeline stages than the model's {layers} decoder "
@@ -291,13 +331,13 @@ def plan_report(args) -> dict:
         raise UsageError(f"--rank {args.rank}: " + ("--plot needs the whole plan (drop --rank)" if args.plot
                                                     else "must be >= 0"))
     check_outputs(args)
-    base = PRESETS[args.preset]
-    topo = Topology(
-        gpus_per_node=args.gpus_per_node or base.gpus_per_node,
-        nvlink_GBps=args.nvlink_GBps or base.nvlink_GBps,
-        net_GBps=args.net_GBps or base.net_GBps,
-        step_latency_s=base.step_latency_s,
-    )
+
+
+def _plan_kwargs(args, s: dict, d: dict) -> tuple[dict, dict, int]:
+    """The keyword arguments of megatron_layout and vllm_layout, and the bucket bytes (checked against the
+    executor's one minimum, a staging slot, before any planning)."""
+    from ..plan import StepBudget
+
     src_kw = dict(tp=s.get("tp", 1), pp=s.get("pp", 1), dp=s.get("dp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
                   ranks=args.src_offset)
     if args.src_layers_per_stage:
@@ -309,56 +349,39 @@ def plan_report(args) -> dict:
     dst_kw = dict(tp=d.get("tp", 1), dp=d.get("dp", 1), enable_expert_parallel=d.get("ep", 1) > 1,
                   ranks=args.dst_offset)
     bucket = int(args.bucket_mb * (1 << 20))
-    try:  # the executor's one minimum (a staging slot), named before any planning
+    try:
         StepBudget.of(bucket, who=f"--bucket-mb {args.bucket_mb:g}")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    relay = args.relay
-    node_aware = bool(args.topology_aware or relay)
-    n_inst = args.instances
-    if n_inst < 1:
-        raise UsageError(f"--instances {n_inst}: must be >= 1")
-    gpn = topo.gpus_per_node if node_aware else None
-    if args.rank is not None:
-        return rank_report(args, cfg, dtype, s, d, src_kw, dst_kw, bucket, gpn, relay, n_inst)
-    src, dst, plan, st, sched, times = timed_planning(
-        cfg, src_kw, dst_kw, bucket, dtype, gpus_per_node=gpn, relay=relay, instances=n_inst
-    )
-    relayed = (node_aware or n_inst > 1) and relay is not False
-    figures = routing_figures(plan, sched, topo)
-    src_ranks = src.ranks
-    figures["trainer_sent_bytes"] = _trainer_sent(st, src_ranks)
-    without = None
-    if relayed:
-        t0 = time.perf_counter()
-        plain = plan_reshard(src, dst, False, gpn, False)
-        times["plan_without_relay"] = time.perf_counter() - t0
-        without = routing_figures(plain, plain.schedule(bucket), topo)
-        without["plan_digest"] = plain.digest
-        without["trainer_sent_bytes"] = _trainer_sent(plain.stats(), src_ranks)
-        ps = plain.stats()
-        without["max_sent_bytes"], without["max_recv_bytes"] = ps.max_sent_bytes, ps.max_recv_bytes
-        del plain
-    if args.plot:
-        from .plot import plot_traffic
+    return src_kw, dst_kw, bucket
 
-        plot_traffic(plan, args.plot, f"triton-reshard plan --model {args.model}",
-                     f"megatron {args.src} -> vllm {args.dst}" + (f" x {n_inst}" if n_inst > 1 else ""))
+
+def _without_relay(src, dst, gpn: int | None, bucket: int, topo, times: dict) -> dict:
+    """The figures of the same layouts planned without relays (``times["plan_without_relay"]`` is set)."""
+    from ..plan import plan_reshard
+
+    t0 = time.perf_counter()
+    plain = plan_reshard(src, dst, False, gpn, False)
+    times["plan_without_relay"] = time.perf_counter() - t0
+    without = routing_figures(plain, plain.schedule(bucket), topo)
+    without["plan_digest"] = plain.digest
+    without["trainer_sent_bytes"] = _trainer_sent(plain.stats(), src.ranks)
+    ps = plain.stats()
+    without["max_sent_bytes"], without["max_recv_bytes"] = ps.max_sent_bytes, ps.max_recv_bytes
+    return without
+
+
+def _plan_figures(head: dict, plan, st, schedule: dict, topo, preset: str, tail: dict) -> dict:
+    """The report: ``head`` (what was planned), the plan's traffic figures, then ``tail`` (routing figures,
+    ``without_relay``, ``times``), in the order the JSON has always had."""
+    from .topology import plan_pair_bytes
+
     pairs = plan_pair_bytes(plan)
     sent, recv = st.sent_bytes, st.recv_bytes
     busiest = sorted(plan.ranks, key=lambda r: (-max(sent.get(r, 0), recv.get(r, 0)), r))
     link = max(pairs.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]), default=((None, None), 0))
     return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "model_bytes": model_nbytes(cfg, dtype),
-        "src": {"layout": "megatron", **s, "offset": args.src_offset, "ranks": len(src.ranks),
-                "fragments": len(src.fragments)},
-        "dst": {"layout": "vllm", **d, "offset": args.dst_offset, "ranks": len(dst.ranks),
-                "fragments": len(dst.fragments), "instances": n_inst},
-        "plan_digest": plan.digest,
-        "topology_aware": node_aware,
-        "relay": relayed,
+        **head,
         "wire_bytes": st.wire_bytes,
         "lower_bound_bytes": st.lower_bound_bytes,
         "local_bytes": st.local_bytes,
@@ -368,12 +391,10 @@ def plan_report(args) -> dict:
         "recv_bytes": recv,
         "busiest_ranks": [{"rank": r, "sent": sent.get(r, 0), "recv": recv.get(r, 0)} for r in busiest[:5]],
         "busiest_link": {"src": link[0][0], "dst": link[0][1], "bytes": link[1]},
-        "schedule": {"bucket_bytes": bucket, "steps": len(sched.steps)},
-        "topology": {"preset": args.preset, "gpus_per_node": topo.gpus_per_node, "nvlink_GBps": topo.nvlink_GBps,
+        "schedule": schedule,
+        "topology": {"preset": preset, "gpus_per_node": topo.gpus_per_node, "nvlink_GBps": topo.nvlink_GBps,
                      "net_GBps": topo.net_GBps, "step_latency_s": topo.step_latency_s},
-        **figures,
-        "without_relay": without,
-        "times": times,
+        **tail,
     }
 
 
