@@ -186,33 +186,104 @@ def _preset_plans():
             ("presets, rank 5's share", plan_reshard(src, dst, gpus_per_node=4, rank=5))]
 
 
+def _oracle_loads(sched, min_bytes: int, cont):
+    """Per pair of ``sched`` its loads by the object-form step rule (``tests/oracles/pair_loads.py``)."""
+    from .oracles.pair_loads import direct_of, in_key_order, pair_loads
+
+    pairs, table = sched._pairs, sched._table
+    out = []
+    for j in range(len(pairs)):
+        rows = pairs.rows(j)
+        ts = in_key_order(list(zip(rows.tolist(), table.objects_at(rows), strict=True)))
+        out.append(pair_loads(ts, sched._cap, direct_of(cont, min_bytes)))
+    return out
+
+
+def _assert_same_loads(sched, min_bytes: int, cont, what) -> int:
+    """The package's loads of every pair (messages, and payloads on the step columns) equal the oracle's;
+    returns the number of direct messages."""
+    want = _oracle_loads(sched, min_bytes, cont)
+    n_direct = 0
+    pay: dict = {}
+    for j, loads in enumerate(want):
+        assert sched._pair_loads(j) == loads, (what, j)
+        n_direct += sum(m.direct for load in loads for m in load)
+        for m, load in enumerate(loads):
+            pay[(j, m)] = sum(x.payload for x in load)
+    got: dict = {}
+    pairs = sched._pairs
+    for i, pb in enumerate(sched.pair_bytes()):
+        ph, num = sched.numbers[i]
+        for (s, d), nb in dict(pb).items():
+            j = pairs.find(ph, s, d)
+            got[(j, (num - int(sched._firsts[j])) // sched._windows)] = nb
+    assert got == pay, what
+    return n_direct
+
+
 @pytest.mark.parametrize("bucket", [1 << 22, 1 << 30])
 def test_column_loads_equal_the_object_loads_on_every_pair(bucket):
-    """Each pair's loads cut on the columns (``_column_payloads``: chunks, contiguity by the layouts' batched
-    ``local_shape_columns``, the next fit as arrays) are the loads ``load_payloads`` cuts over the pair's
+    """Each pair's loads cut on the columns (``_cut``: chunks, contiguity by the layouts' batched
+    ``local_shape_columns``, the next fit as arrays) are the loads the object-form oracle cuts over the pair's
     objects with the per-object contiguity, on preset layouts (tiled engine instances, relays, a share)."""
     from triton_reshard.plan.contiguity import contiguity
-    from triton_reshard.plan.pair_schedule import (
-        _column_payloads,
-        _Pairs,
-        load_payloads,
-        world_of,
-    )
 
     for what, plan in _preset_plans():
-        world = world_of(plan.src, plan.dst)
         sched = plan.schedule(bucket, direct_min_bytes=1 << 12)
-        pairs, cap, direct = sched._pairs, sched._cap, sched._direct
-        assert isinstance(pairs, _Pairs) and pairs.fast.all(), what
-        cont = (plan._contiguity(1 << 12) if plan.rank is None
-                else contiguity(plan.transfers, plan.src, plan.dst, 1 << 12, plan.rank))
-        lp, pays = _column_payloads(plan.transfers, _Pairs.of(plan.transfers, world), cap, cont, 1 << 12)
-        n_direct = 0
-        for j in range(len(pairs)):
-            want = load_payloads(pairs.transfers(plan.transfers, j), cap, direct, 1 << 12)
-            assert pays[lp == j].tolist() == want, (what, j)
-            n_direct += sum(m.direct for load in sched._pair_loads(j) for m in load)
-        assert len(pays) and n_direct > 0, what  # the direct path is exercised
+        cont = contiguity(plan.transfers, plan.src, plan.dst, 1 << 12, plan.rank)
+        n_direct = _assert_same_loads(sched, 1 << 12, cont, what)
+        assert len(sched.numbers) and n_direct > 0, what  # the direct path is exercised
+
+
+_SHAPES = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(_SHAPES, min_size=1, max_size=3), src_n=st.integers(1, 4), dst_n=st.integers(1, 4),
+       src_dim=st.integers(-1, 2), dst_dim=st.integers(-1, 2), bucket_log=st.integers(10, 16),
+       min_log=st.integers(-1, 10), dtypes=st.sampled_from([(F32, F32), (BF16, BF16), (F32, BF16)]),
+       shuffle=st.randoms(use_true_random=False), hand=st.booleans())
+def test_step_rule_equals_the_object_oracle_on_random_cases(shapes, src_n, dst_n, src_dim, dst_dim, bucket_log,
+                                                            min_log, dtypes, shuffle, hand):
+    """The step rule on the columns equals the object-form oracle on random layouts (sharded or replicated,
+    overlapping rank sets, casts), random buckets (small ones split transfers into runs of chunks) and
+    thresholds; ``hand``: the transfers handed over shuffled (pairs not in key order)."""
+    from triton_reshard.plan.contiguity import Contiguity
+    from triton_reshard.plan.pair_schedule import build_pair_schedule, world_of
+
+    named = {f"t{i}": s for i, s in enumerate(shapes)}
+
+    def side(n, dim, first, dt):
+        pls = {k: [Shard(dim) if 0 <= dim < len(s) else Replicate()] for k, s in named.items()}
+        return Layout.from_placements(named, list(range(first, first + n)), pls, dt)
+
+    src, dst = side(src_n, src_dim, 0, dtypes[0]), side(dst_n, dst_dim, src_n // 2, dtypes[1])
+    plan = plan_reshard(src, dst, allow_cast=dtypes[0] != dtypes[1])
+    bucket, min_bytes = 1 << bucket_log, (0 if min_log < 0 else 1 << min_log)
+    ts = list(plan.transfers)
+    if hand:
+        shuffle.shuffle(ts)
+    cont = Contiguity(ts, src, dst, min_bytes)
+    sched = build_pair_schedule(ts, bucket, cont, min_bytes, world_of(src, dst))
+    _assert_same_loads(sched, min_bytes, cont, "random")
+    if plan.transfers and not hand:
+        assert sched == plan.schedule(bucket, direct_min_bytes=min_bytes)
+
+
+def test_step_rule_equals_the_object_oracle_on_source_quantized_rows():
+    """Source-quantized rows (cut only at block multiples, never direct) and destination-quantized pieces go
+    through the same rule as plain rows: the loads equal the oracle's, small buckets included."""
+    from triton_reshard import block_quant_layout
+    from triton_reshard.plan.contiguity import contiguity
+
+    shapes = {"w": (96, 64), "b": (40,)}
+    src = Layout.from_placements(shapes, [0, 1], {"w": [Shard(1)], "b": [Replicate()]}, BF16)
+    dst = Layout.from_placements(shapes, [2, 3, 4], [Shard(0)], BF16)
+    plan = plan_reshard(src, block_quant_layout(dst, ["w"], (16, 16)))
+    assert {t.quant for t in plan.transfers} >= {"src"}
+    for bucket in (1 << 12, 1 << 14, 1 << 20):
+        sched = plan.schedule(bucket, direct_min_bytes=0)
+        _assert_same_loads(sched, 0, contiguity(plan.transfers, plan.src, plan.dst, 0), bucket)
 
 
 def test_local_shape_columns_agree_on_both_storages():

@@ -36,7 +36,7 @@ block-quantized tensors and its validation; a plain preset pair is planned (whol
 from ..box import box_slices, boxes_overlap, find_overlap
 from .block_quant import block_quant_layout
 from .builder import ColumnBuilder
-from .check import check_layout, overlap_free
+from .check import check_fragment, check_layout, misaligned_block, overlap_free, validate_quant_fragments
 from .columnar import ColumnarLayout, Layout, columnar
 from .columns import LogicalTensors, numel_of, trusted_spec
 from .fragment_table import FragmentTable, content_fingerprint
@@ -60,19 +60,16 @@ from .specs import (
     as_shape,
     block_scale_box,
     check_bytes,
-    check_fragment,
     check_names,
     chunk_range,
     dtype_name,
     gc_paused,
     itemsize_of,
-    misaligned_block,
     nested_box,
     quant_format,
     scale_shape,
     slot_setters,
     trusted_fragment,
-    validate_quant_fragments,
 )
 
 __all__ = [

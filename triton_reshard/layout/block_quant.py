@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from .check import misaligned_block
 from .columnar import Layout
 from .specs import (
     FP8_BLOCK,
@@ -20,7 +21,6 @@ from .specs import (
     block_scale_box,
     dtype_name,
     gc_paused,
-    misaligned_block,
     quant_format,
     scale_shape,
 )

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..box import right_align
-from .check import check_layout, columns_valid
+from .check import check_layout, columns_valid, validate_quant_fragments
 from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
 from .fragment_table import FragmentTable, TensorRows, content_fingerprint
 from .objects import LayoutBuilders, sorted_parts, to_columns
@@ -42,7 +42,6 @@ from .specs import (
     gc_paused,
     itemsize_of,
     trusted_fragment,
-    validate_quant_fragments,
 )
 
 # --------------------------------------------------------------------------------------------------------

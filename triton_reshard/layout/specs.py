@@ -7,7 +7,6 @@ import difflib
 import gc
 import math
 import operator
-from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -472,38 +471,6 @@ class Fragment:
 FRAG_KEY = attrgetter("tensor", "rank", "offsets", "sizes", "local", "local_offsets")  # Layout._key entry
 
 
-def check_fragment(f: Fragment, spec: TensorSpec | None, loc: LocalSpec | None) -> None:
-    """Raise naming the first problem of fragment ``f`` against its tensor and local tensor (None: unknown)."""
-    where = f"tensor {f.tensor!r} on rank {f.rank}"
-    if spec is None:
-        raise ValueError(f"fragment of unknown {where}")
-    if len(f.offsets) != len(spec.shape):
-        raise ValueError(f"fragment of {where}: box has {len(f.offsets)} dims, tensor has {len(spec.shape)}")
-    for d, (o, s, n) in enumerate(zip(f.offsets, f.sizes, spec.shape, strict=True)):
-        if o + s > n:
-            raise ValueError(
-                f"fragment of {where} is out of bounds in dim {d}: [{o}, {o + s}) outside [0, {n})"
-            )
-    if loc is None:
-        raise ValueError(f"fragment of {where} names local tensor {f.local!r}, which rank {f.rank} lacks")
-    if len(loc.shape) != len(f.local_offsets):
-        raise ValueError(
-            f"fragment of {where}: local_offsets {f.local_offsets} do not match the {len(loc.shape)}-D "
-            f"local tensor {f.local!r} {loc.shape}"
-        )
-    for d, (o, s, n) in enumerate(zip(f.local_offsets, f.local_sizes, loc.shape, strict=True)):
-        if o + s > n:
-            raise ValueError(
-                f"fragment of {where} is out of bounds of local tensor {f.local!r} {loc.shape} in dim "
-                f"{d}: [{o}, {o + s}) outside [0, {n})"
-            )
-    if loc.dtype != spec.dtype:
-        raise ValueError(
-            f"fragment of {where}: local tensor {f.local!r} is {dtype_name(loc.dtype)}, the tensor is "
-            f"{dtype_name(spec.dtype)}"
-        )
-
-
 def block_scale_box(f: Fragment, block: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes, local offsets) of the scale fragment that goes with block-aligned weight fragment
     ``f``: its blocks' box in the scale tensor, at the weight's local offsets divided by the block (extra
@@ -513,80 +480,6 @@ def block_scale_box(f: Fragment, block: tuple[int, ...]) -> tuple[tuple[int, ...
     lo = f.local_offsets
     extra = len(lo) - len(block)
     return off, sizes, lo[:extra] + tuple(o // b for o, b in zip(lo[extra:], block, strict=True))
-
-
-def misaligned_block(f: Fragment, spec: TensorSpec) -> str | None:
-    """Why fragment ``f`` of quantized tensor ``spec`` does not sit on its block grid (None if it does)."""
-    block = spec.quant.block
-    extra = len(f.local_offsets) - len(block)
-    for d, (o, n, b, g) in enumerate(zip(f.offsets, f.sizes, block, spec.shape, strict=True)):
-        if o % b:
-            return f"starts at {o} in dim {d}, not a multiple of the block {b}"
-        if (o + n) % b and o + n != g:
-            return (f"ends at {o + n} in dim {d}, neither a multiple of the block {b} nor the tensor's end {g} "
-                    f"(a block would be split between ranks)")
-        lo = f.local_offsets[extra + d]
-        if lo % b:
-            return (f"sits at local offset {lo} in dim {d} of local tensor {f.local!r}, not a multiple of the "
-                    f"block {b} (its scales would have no place of their own)")
-    return None
-
-
-def validate_quant_fragments(specs: Mapping[str, TensorSpec], fragments: Sequence[Fragment]) -> None:
-    """Block-quantized tensors: each has its float32 scale tensor of shape ``ceil(shape / block)``; every
-    fragment is block-aligned and its rank holds the matching scale fragment (see ``block_scale_box``); every
-    scale fragment belongs to a weight fragment."""
-    scale_of: dict[str, str] = {}
-    for t in specs.values():
-        q = t.quant
-        if q is None:
-            continue
-        s = specs.get(q.scale)
-        if s is None:
-            raise ValueError(f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is not declared")
-        sdt = q.format.scale_dtype
-        if s.quant is not None or s.dtype != sdt or s.shape != t.scale_shape:
-            raise ValueError(
-                f"quantized tensor {t.name!r}: its scale tensor {q.scale!r} is {s.shape} {dtype_name(s.dtype)}"
-                f"{' (quantized itself)' if s.quant is not None else ''}; blocks {q.block} of {t.shape} need a plain "
-                f"{t.scale_shape} {dtype_name(sdt)}")
-        if q.format.pack > 1 and t.shape[-1] * q.format.pack % q.format.block:
-            raise ValueError(f"quantized tensor {t.name!r}: a {q.format.name} tensor's last dim must be whole "
-                             f"blocks of {q.format.block} values, got {t.shape[-1] * q.format.pack}")
-        if q.global_scale:
-            g = specs.get(q.global_scale)
-            if g is None or g.quant is not None or g.dtype != torch.float32 or g.shape != (1,):
-                raise ValueError(f"quantized tensor {t.name!r}: its global-scale tensor {q.global_scale!r} must be "
-                                 f"a declared plain float32 tensor of shape (1,), got {g}")
-        if q.scale in scale_of:
-            raise ValueError(f"tensors {scale_of[q.scale]!r} and {t.name!r} name the same scale tensor {q.scale!r}")
-        scale_of[q.scale] = t.name
-    by_tensor: dict[str, list[Fragment]] = defaultdict(list)
-    for f in fragments:
-        if f.tensor in scale_of or specs[f.tensor].quant is not None:
-            by_tensor[f.tensor].append(f)
-    for sname, wname in scale_of.items():
-        spec = specs[wname]
-        block = spec.quant.block
-        have = {(f.rank, f.offsets, f.sizes, f.local_offsets): f for f in by_tensor.get(sname, ()) if f.numel}
-        used = set()
-        for f in by_tensor.get(wname, ()):
-            if not f.numel:
-                continue
-            why = misaligned_block(f, spec)
-            if why is not None:
-                raise ValueError(f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}) "
-                                 f"is not block-aligned: it {why}")
-            off, sizes, lo = block_scale_box(f, block)
-            if (f.rank, off, sizes, lo) not in have:
-                raise ValueError(
-                    f"fragment of quantized tensor {wname!r} on rank {f.rank} (box {f.offsets}+{f.sizes}, local "
-                    f"{f.local!r}@{f.local_offsets}): rank {f.rank} lacks the scale fragment of {sname!r} box "
-                    f"{off}+{sizes} at local offsets {lo} (block_quant_layout builds it)")
-            used.add((f.rank, off, sizes, lo))
-        if len(used) != len(have):
-            raise ValueError(f"scale tensor {sname!r} has {len(have)} fragments, its weight {wname!r} {len(used)}: every "
-                             f"scale fragment must go with a weight fragment on its rank")
 
 
 _FRAG_FIELDS = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets")

@@ -1,18 +1,27 @@
 """The schedule of the local rules: transfers cut into chunks and packed into steps pair by pair
-(``build_pair_schedule``); which chunks may travel in place is ``contiguity``'s answer."""
+(``build_pair_schedule``); which chunks may travel in place is ``contiguity``'s answer.
+
+The step rule is coded once, on the columns (:func:`_cut`): each row of a pair (in ``Transfer.key`` order) is cut
+into chunks of at most ``cap`` aligned bytes (one chunk when it fits, else ``split_box``'s, by ``_split_runs``; a
+source-quantized row only at block multiples, ``quant.split_src_chunks``); a chunk is direct when it has
+``direct_min_bytes`` or more and is contiguous in a local tensor (``direct_columns``; never for a
+source-quantized row); then the next fit: a load takes the pair's chunks in order while their aligned bytes stay
+within ``cap``, and is one packed message (its packed chunks at aligned offsets) followed by one message per direct
+chunk. The whole plan's loads are cut for their payloads alone; a pair's messages are built from the same cut when
+a step or ``for_rank`` reads them. (``tests/oracles/pair_loads.py`` keeps the rule over the objects.)"""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from ..box import align_up, split_box, split_rows
-from ..layout import Layout, gc_paused, itemsize_of
+from ..box import align_up, split_rows
+from ..layout import Layout, gc_paused
 from . import quant
 from .contiguity import Contiguity
 from .table import I64, TransferTable
@@ -23,71 +32,12 @@ from .types import ALIGN, MIN_STEP_BYTES, Chunk, Message, RankStep, Schedule, St
 # --------------------------------------------------------------------------------------------------------
 
 
-def _chunks(t: Transfer, cap: int) -> list[tuple[tuple, tuple, int]]:
-    """A transfer cut for the schedule: ``[(offsets relative to it, sizes, bytes)]``, each at most ``cap`` once
-    aligned (a source-quantized transfer only at block multiples, ``quant.split_src_chunks``)."""
-    if getattr(t, "quant", "") == "src":
-        return quant.split_src_chunks(t, cap)
-    isz = itemsize_of(t.wire_dtype)
-    out = []
-    for o, sz in split_box(t.sizes, isz, cap):
-        n = math.prod(sz) * isz
-        if n:
-            out.append((o, sz, n))
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class NumberedStep(Step):
     """A step of the pair rule with its number: ``(phase, number)`` orders the steps, and both ends of every
     message (in the whole plan and in the rank plans) have it in the step of the same number."""
 
     number: int = -1
-
-
-def pair_loads(transfers: Sequence[tuple[int, Transfer]], cap: int,
-               direct: Callable[[int, tuple, tuple], bool]) -> list[list[Message]]:
-    """One pair's stream cut into step loads: ``transfers`` ((index, transfer), in key order) cut into chunks
-    of at most ``cap`` bytes, taken in order into loads of at most ``cap`` aligned bytes; a load is one packed
-    message (its chunks at aligned offsets) followed by one message per chunk ``direct(index, transfer,
-    offsets, sizes)`` calls direct (asked once per transfer and chunk size: whether a sub-box is one contiguous run of
-    a local tensor depends on its sizes alone, ``is_contiguous_box``). Both ends of the pair build the same
-    list."""
-    out: list[list[Message]] = []
-    cs: list[Chunk] = []
-    singles: list[Message] = []
-    off = used = 0
-    s = d = None
-    for i, t in transfers:
-        s, d = t.src_rank, t.dst_rank
-        if t.quant != "src":  # the common case, inline: a transfer that fits in one chunk is that chunk
-            sizes = t.sizes
-            n = math.prod(sizes) * itemsize_of(t.wire_dtype)
-            a = align_up(n)
-            if a <= cap or not sizes:
-                pieces = (((0,) * len(sizes), sizes, n),) if n else ()
-            else:
-                pieces = _chunks(t, cap)
-        else:
-            pieces = _chunks(t, cap)
-        seen: dict[tuple, bool] = {}  # the chunks of a transfer share a few sizes; contiguity reads only those
-        for o, sz, n in pieces:
-            a = align_up(n)
-            if used + a > cap and used:
-                out.append([Message(s, d, off, tuple(cs)), *singles] if cs else singles)
-                cs, singles, off, used = [], [], 0, 0
-            is_direct = seen.get(sz)
-            if is_direct is None:
-                is_direct = seen[sz] = direct(i, t, o, sz)
-            if is_direct:
-                singles.append(Message(s, d, a, (Chunk(i, o, sz, n, 0),), True))
-            else:
-                cs.append(Chunk(i, o, sz, n, off))
-                off += a
-            used += a
-    if used:
-        out.append([Message(s, d, off, tuple(cs)), *singles] if cs else singles)
-    return out
 
 
 # peers a rank sends to (and receives from) per step, each load within a 1/STEP_PEERS share of half a bucket: all
@@ -117,302 +67,137 @@ def _split_runs(sizes: tuple[int, ...], isz: int, cap: int) -> tuple[int, tuple[
     return math.prod(sizes[:d]), tuple(runs)
 
 
-def load_payloads(transfers: Sequence[tuple[int, Transfer]], cap: int,
-                  direct: Callable[[int, tuple, tuple], bool], min_bytes: int = 0) -> list[int]:
-    """The payload bytes (``Message.payload`` summed over the load's messages) of each load :func:`pair_loads`
-    cuts from the same stream: the same next fit over the same chunks, on integers (no chunk or message is
-    built; a run of equal chunks each more than half of ``cap`` closes one load per chunk at once). ``direct``
-    is not asked for plain chunks under ``min_bytes`` (``direct_min_bytes``: it would answer no)."""
-    out: list[int] = []
-    used = off = last = dsum = 0  # last: end of the last packed chunk; dsum: bytes of the load's direct chunks
-    for i, t in transfers:
-        reps, runs = 1, None
-        if t.quant != "src":
-            sizes = t.sizes
-            isz = itemsize_of(t.wire_dtype)
-            n = math.prod(sizes) * isz
-            if align_up(n) <= cap or not sizes:
-                if not n:
-                    continue
-                runs = (((0,) * len(sizes), sizes, n, 1),)
-            else:
-                reps, runs = _split_runs(sizes, isz, cap)
-        else:
-            runs = [(o, sz, n, 1) for o, sz, n in _chunks(t, cap)]
-        seen: dict[tuple, bool] = {}
-        plain = t.quant != "src"  # (a chunk's bytes are its elements' in the wire dtype)
-        for _rep in range(reps):
-            for o, sz, n, count in runs:
-                a = align_up(n)
-                is_direct = seen.get(sz)
-                if is_direct is None:
-                    is_direct = seen[sz] = False if plain and n < min_bytes else direct(i, t, o, sz)
-                if count > 1 and 2 * a > cap:  # each chunk of the run closes the load before it
-                    if used + a > cap and used:
-                        out.append(last + dsum)
-                        used = off = last = dsum = 0
-                    out.append(last + dsum + n if is_direct else off + n + dsum)  # the load ending with the first
-                    out.extend([n] * (count - 2))
-                    used, off, last, dsum = (a, 0, 0, n) if is_direct else (a, a, n, 0)
-                    continue
-                for _ in range(count):
-                    if used + a > cap and used:
-                        out.append(last + dsum)
-                        used = off = last = dsum = 0
-                    if is_direct:
-                        dsum += n
-                    else:
-                        last = off + n
-                        off += a
-                    used += a
-    if used:
-        out.append(last + dsum)
-    return out
+@lru_cache(maxsize=1 << 12)
+def _split_template(sizes: tuple[int, ...], isz: int, cap: int, width: int, offsets: bool):
+    """The chunks ``split_box(sizes, isz, cap)`` cuts a box bigger than ``cap`` into, as read-only arrays, from
+    :func:`_split_runs`: ``(bytes [k], sizes [k, width] padded with 1, offsets [k, width] padded with 0)``
+    (offsets None unless asked)."""
+    reps, runs = _split_runs(sizes, isz, cap)
+    nd = len(sizes)
+    ns = np.tile(np.array([n for _o, _sz, n, c in runs for _ in range(c)], I64), reps)
+    one = [tuple(sz) + (1,) * (width - nd) for _o, sz, _n, c in runs for _ in range(c)]
+    szs = np.tile(np.array(one, I64).reshape(len(one), width), (reps, 1))
+    off = None
+    if offsets:  # the dims before d single indices (one repeat each, in C order), dim d the runs' starts
+        d, _rows = split_rows(sizes, isz, cap)
+        starts = np.array([o[d] + j * sz[d] for o, sz, _n, c in runs for j in range(c)], I64)
+        off = np.zeros((reps, len(starts), width), I64)
+        if d:
+            off[:, :, :d] = np.stack(np.unravel_index(np.arange(reps), sizes[:d]), 1)[:, None, :]
+        off[:, :, d] = starts[None, :]
+        off = off.reshape(len(ns), width)
+        off.setflags(write=False)
+    ns.setflags(write=False)
+    szs.setflags(write=False)
+    return ns, szs, off
 
 
-def _in_key_order(ts: list[tuple[int, Transfer]]) -> bool:
-    """Whether one pair's transfers are already in ``Transfer.key`` order: within a pair the key starts with
-    (tensor, offsets), so a strictly increasing (tensor, offsets) is key order (a plan lists them so)."""
-    prev = None
-    for _i, t in ts:
-        k = (t.tensor, t.offsets)
-        if prev is not None and not prev < k:
-            return False
-        prev = k
-    return True
+class _Chunks:
+    """The chunks of ``rows`` (rows of a table, a pair's rows consecutive and in ``Transfer.key`` order), row by
+    row: ``row`` (per chunk its index into ``rows``), ``nbytes``; ``tmpl`` (per chunk its index into the flat
+    templates ``t_sizes`` / ``t_offsets``, -1 for a row that is one chunk); ``src_q`` per row."""
+
+    __slots__ = ("table", "rows", "row", "nbytes", "tmpl", "t_sizes", "t_offsets", "src_q")
+
+    def __init__(self, table: TransferTable, rows: np.ndarray, cap: int, offsets: bool) -> None:
+        self.table = table
+        D = table.sizes.shape[1]
+        nb = table.nbytes[rows]
+        src_q = table.quant[rows] == QUANT_CODES_SRC
+        one = ((align_up(nb) <= cap) | (table.ndim[rows] == 0)) & (nb > 0) & ~src_q
+        big = np.flatnonzero((nb > 0) & ~one & ~src_q)
+        row_t = np.full(len(rows), -1, I64)
+        t_n: list[np.ndarray] = []
+        t_sz: list[np.ndarray] = []
+        t_off: list[np.ndarray] = []
+        if len(big):  # a big row's chunks: one template per (sizes, itemsize)
+            isz = table.itemsizes[table.wdt[rows[big]]]
+            keyrows = np.concatenate([table.sizes[rows[big]], table.ndim[rows[big]][:, None].astype(I64),
+                                      isz[:, None]], 1)
+            uniq, row_t[big] = _unique_rows(keyrows)
+            for u in uniq.tolist():
+                n, sz, off = _split_template(tuple(u[:u[D]]), u[D + 1], cap, D, offsets)
+                t_n.append(n)
+                t_sz.append(sz)
+                t_off.append(off)
+        qrows = np.flatnonzero(src_q)
+        for k, t in zip(qrows.tolist(), table.objects_at(rows[qrows]), strict=True):  # only at block multiples
+            got = quant.split_src_chunks(t, cap)
+            pad = D - len(t.sizes)
+            row_t[k] = len(t_n)
+            t_n.append(np.array([n for _o, _sz, n in got], I64))
+            t_sz.append(np.array([sz + (1,) * pad for _o, sz, _n in got], I64).reshape(len(got), D))
+            t_off.append(np.array([o + (0,) * pad for o, _sz, _n in got], I64).reshape(len(got), D))
+        counts = one.astype(I64)
+        has_t = row_t >= 0
+        tlen = np.array([len(n) for n in t_n], I64)
+        counts[has_t] = tlen[row_t[has_t]]
+        self.rows, self.src_q = rows, src_q
+        self.row = ci = np.repeat(np.arange(len(rows), dtype=I64), counts)
+        self.nbytes = nb[ci]
+        self.tmpl = None
+        if t_n:
+            is_t = has_t[ci]
+            within = np.arange(len(ci), dtype=I64) - (np.cumsum(counts) - counts)[ci]
+            tmpl = np.full(len(ci), -1, I64)
+            tmpl[is_t] = (np.cumsum(tlen) - tlen)[row_t[ci[is_t]]] + within[is_t]
+            self.tmpl = tmpl
+            self.nbytes[is_t] = np.concatenate(t_n)[tmpl[is_t]]
+            self.t_sizes = np.concatenate(t_sz)
+            self.t_offsets = np.concatenate(t_off) if offsets else None
+
+    def sizes(self, chunks: np.ndarray) -> np.ndarray:
+        """``[m, D]`` sizes of ``chunks`` (padded with 1)."""
+        out = self.table.sizes[self.rows[self.row[chunks]]]
+        if self.tmpl is not None:
+            t = self.tmpl[chunks]
+            b = t >= 0
+            out[b] = self.t_sizes[t[b]]
+        return out
+
+    def offsets(self, chunks: np.ndarray) -> np.ndarray:
+        """``[m, D]`` offsets of ``chunks`` relative to their rows' boxes (built with ``offsets``)."""
+        out = np.zeros((len(chunks), self.table.sizes.shape[1]), I64)
+        if self.tmpl is not None:
+            t = self.tmpl[chunks]
+            b = t >= 0
+            out[b] = self.t_offsets[t[b]]
+        return out
+
+    def direct(self, contiguity: Contiguity | None, min_bytes: int) -> np.ndarray:
+        """Per chunk whether it travels in place: ``min_bytes`` or more, not source-quantized, and contiguous in
+        its source or its destination local tensor (``Contiguity.direct_columns``, in blocks: its ``[m, D]``
+        temporaries stay small)."""
+        out = np.zeros(len(self.row), np.bool_)
+        if contiguity is None:
+            return out
+        cand = np.flatnonzero((self.nbytes >= min_bytes) & ~self.src_q[self.row])
+        for lo in range(0, len(cand), _DIRECT_BLOCK):
+            cb = cand[lo:lo + _DIRECT_BLOCK]
+            out[cb] = contiguity.direct_columns(self.table, self.rows[self.row[cb]], self.sizes(cb))
+        return out
 
 
-def pair_transfers(table: TransferTable, rows: np.ndarray) -> list[tuple[int, Transfer]]:
-    """One pair's ``(row, transfer)`` in ``Transfer.key`` order (rows in plan order; a plan lists a pair's
-    transfers in key order, a hand-built one may not)."""
-    return _keyed(list(zip(rows.tolist(), table.objects_at(rows), strict=True)))
-
-
-def _keyed(ts: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
-    """``ts`` in ``Transfer.key`` order (sorted in place only when it is not already)."""
-    if not _in_key_order(ts):
-        ts.sort(key=lambda it: it[1].key())
-    return ts
-
-
-def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Contiguity | None,
-                        direct_min_bytes: int, world: int) -> PairSchedule:
-    """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
-    its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
-    are built only for the pairs a caller reads).
-
-    The loads are cut on the columns (``_column_payloads``: chunks, contiguity and the next fit as arrays, the
-    same as :func:`load_payloads` over the objects); a pair whose rows are not in key order, or that carries
-    source-quantized rows, is cut over its objects."""
-    if bucket_bytes < MIN_STEP_BYTES:
-        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {MIN_STEP_BYTES})")
-    if direct_min_bytes < 0:
-        raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
-    peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)
-    windows = -(-(world - 1) // peers) if world > 1 else 1
-    cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
-    table = TransferTable.of(transfers)
-    with gc_paused():
-        pairs = _Pairs.of(table, world)
-
-        def direct(i: int, t: Transfer, off, size) -> bool:
-            if contiguity is None:
-                return False
-            if math.prod(size) * itemsize_of(t.wire_dtype) < direct_min_bytes:
-                return False
-            return contiguity.direct(t, off, size)
-
-        # per pair its first step number (then one every ``windows``): the pair's offset d - s round the world
-        k = (pairs.dst - pairs.src) % world - 1
-        firsts = k % windows if STEP_GROUPING == "strided" else k // peers
-        # the loads' payloads: the columns' pairs at once, the others over their objects
-        lp, pays = _column_payloads(table, pairs, cap, contiguity, direct_min_bytes)
-        slow = np.flatnonzero(~pairs.fast).tolist()
-        if slow:
-            extra_p, extra_b = [], []
-            for j in slow:
-                got = load_payloads(pairs.transfers(table, j), cap, direct, direct_min_bytes)
-                extra_p.extend([j] * len(got))
-                extra_b.extend(got)
-            lp = np.concatenate([lp, np.array(extra_p, I64)])
-            pays = np.concatenate([pays, np.array(extra_b, I64)])
-            o = np.argsort(lp, kind="stable")  # a pair's loads stay in their order
-            lp, pays = lp[o], pays[o]
-        # per load: its index among its pair's loads -> its step number
-        first_load = np.searchsorted(lp, lp, side="left") if len(lp) else lp
-        m = np.arange(len(lp), dtype=I64) - first_load
-        ph = pairs.phase[lp]
-        num = firsts[lp] + m * windows
-        src, dst, nb = pairs.src[lp], pairs.dst[lp], pays
-        order = np.lexsort((dst, src, num, ph))
-        ph, num, src, dst, nb = ph[order], num[order], src[order], dst[order], nb[order]
-        cuts = np.flatnonzero((np.diff(ph) != 0) | (np.diff(num) != 0)) + 1
-        starts = np.concatenate(([0], cuts)).astype(I64) if len(nb) else np.zeros(0, I64)
-        numbers = tuple(zip(ph[starts].tolist(), num[starts].tolist(), strict=True))
-        bounds = np.append(starts, len(nb)).tolist()
-        return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), table, pairs, firsts, windows, cap, direct)
-
-
-class _Pairs:
-    """A table's rows grouped by pair ``(phase, src, dst)`` (phase: 1 for relays), pairs in that order, each
-    pair's rows in plan order: ``order`` (rows), ``edges`` (pair ``j``'s rows are ``order[edges[j]:edges[j+1]]``),
-    per pair ``phase`` / ``src`` / ``dst`` and ``fast`` (its rows in ``Transfer.key`` order and none
-    source-quantized: cut on the columns)."""
-
-    __slots__ = ("order", "edges", "phase", "src", "dst", "fast", "codes", "world", "_by")
-
-    @classmethod
-    def of(cls, table: TransferTable, world: int) -> _Pairs:
-        self = cls()
-        n = len(table)
-        # pair codes need every rank below ``world`` (else two pairs could share a code)
-        self.world = max(world, 1, int(table.src.max()) + 1 if n else 0, int(table.dst.max()) + 1 if n else 0)
-        order = np.lexsort((table.dst, table.src, table.relay)) if n else np.zeros(0, I64)
-        ph, ss, dd = table.relay[order].astype(I64), table.src[order], table.dst[order]
-        codes = (ph * self.world + ss) * self.world + dd  # increasing along the pairs
-        new = np.ones(n, np.bool_)
-        if n:
-            new[1:] = codes[1:] != codes[:-1]
-        heads = np.flatnonzero(new)
-        self.order, self.edges = order, np.append(heads, n).astype(I64)
-        self.codes, self.phase, self.src, self.dst = codes[heads], ph[heads], ss[heads], dd[heads]
-        # key order inside a pair: (tensor name, offsets) strictly increasing from row to row
-        bad = np.zeros(n, np.bool_)
-        if n > 1:
-            name_rank = np.empty(len(table.names), I64)
-            name_rank[np.argsort(np.array(table.names, dtype=object), kind="stable")] = np.arange(len(table.names))
-            keys = np.concatenate([name_rank[table.tensor[order]][:, None], table.offsets[order]], 1)
-            dk = keys[1:] - keys[:-1]
-            nz = dk != 0
-            first = np.argmax(nz, 1)
-            up = nz.any(1) & (dk[np.arange(n - 1), first] > 0)
-            bad[1:] = ~up & ~new[1:]
-        bad |= table.quant[order] == QUANT_CODES_SRC
-        pair_of = np.cumsum(new) - 1
-        fast = np.ones(len(heads), np.bool_)
-        fast[pair_of[bad]] = False
-        self.fast = fast
-        self._by = {}
-        return self
-
-    def __len__(self) -> int:
-        return len(self.codes)
-
-    def find(self, phase: int, s: int, d: int) -> int:
-        """The index of pair ``(phase, s, d)`` (``KeyError`` if it has no rows)."""
-        code = (phase * self.world + s) * self.world + d
-        j = int(np.searchsorted(self.codes, code))
-        if j == len(self.codes) or int(self.codes[j]) != code:
-            raise KeyError((phase, s, d))
-        return j
-
-    def rows(self, j: int) -> np.ndarray:
-        return self.order[self.edges[j]:self.edges[j + 1]]
-
-    def transfers(self, table: TransferTable, j: int) -> list[tuple[int, Transfer]]:
-        return pair_transfers(table, self.rows(j))
-
-    def of_rank(self, rank: int) -> list[int]:
-        """The pairs with ``rank`` at one end, in pair order."""
-        got = []
-        for side in ("src", "dst"):
-            by = self._by.get(side)
-            if by is None:
-                col = getattr(self, side)
-                o = np.argsort(col, kind="stable")
-                by = self._by[side] = (o, col[o])
-            o, col = by
-            got.append(o[np.searchsorted(col, rank):np.searchsorted(col, rank, side="right")])
-        return np.unique(np.concatenate(got)).tolist()
-
-
-QUANT_CODES_SRC = TransferTable.QUANT_CODES["src"]
-
-
-def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, min_bytes: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """The loads of the fast pairs (``_Pairs.fast``), from the columns: ``(pair of each load, its payload)``,
-    a pair's loads in order. The same as :func:`load_payloads` over the pair's objects: each row cut into chunks
-    of at most ``cap`` aligned bytes (one chunk when it fits, else ``split_box``'s, by ``_split_runs``), each
-    chunk direct when it has ``min_bytes`` or more and is contiguous in a local tensor (``direct_columns``),
-    then the next fit: a load takes chunks while their aligned bytes stay within ``cap``; its payload is its
-    direct chunks' bytes plus the end of its last packed one."""
-    fast_rows = np.repeat(pairs.fast, np.diff(pairs.edges))
-    rows = pairs.order[fast_rows]
-    pair_of = np.repeat(np.arange(len(pairs), dtype=I64), np.diff(pairs.edges))[fast_rows]
-    nb = table.nbytes[rows]
-    fits = (align_up(nb) <= cap) | (table.ndim[rows] == 0)
-    keep = nb > 0
-    # chunks: one per fitting row, a template's per big row (grouped by sizes and itemsize)
-    counts = np.where(fits, 1, 0) * keep
-    big = np.flatnonzero(~fits & keep)
-    D = table.sizes.shape[1]
-    tmpl_n: list[np.ndarray] = []
-    tmpl_sz: list[np.ndarray] = []
-    tstart = [0]
-    if len(big):
-        isz = table.itemsizes[table.wdt[rows[big]]]
-        keyrows = np.concatenate([table.sizes[rows[big]], table.ndim[rows[big]][:, None].astype(I64), isz[:, None]], 1)
-        uniq, big_t = _unique_rows(keyrows)
-        for u in uniq.tolist():
-            nd, it = u[D], u[D + 1]
-            reps, runs = _split_runs(tuple(u[:nd]), it, cap)
-            ns = [n for _o, _sz, n, c in runs for _ in range(c)] * reps
-            szs = [tuple(sz) + (1,) * (D - nd) for _o, sz, _n, c in runs for _ in range(c)] * reps
-            tmpl_n.append(np.array(ns, I64))
-            tmpl_sz.append(np.array(szs, I64).reshape(len(szs), D))
-            tstart.append(tstart[-1] + len(ns))
-        counts[big] = np.diff(tstart)[big_t]
-    ci = np.repeat(np.arange(len(rows), dtype=I64), counts)  # chunk -> its row among ``rows``
-    cn = nb[ci]
-    del fast_rows, nb, keep  # (at 1,024 ranks every full-length column here is ~19 MB: dead ones go early)
-    fidx = None
-    if len(big):
-        flat_n = np.concatenate(tmpl_n)
-        is_big = ~fits[ci]
-        first = np.cumsum(counts) - counts  # each row's first chunk
-        within = np.arange(len(ci), dtype=I64) - first[ci]
-        tpos = np.asarray(tstart, I64)[:-1]
-        fidx = np.zeros(len(ci), I64)
-        bt = np.zeros(len(rows), I64)
-        bt[big] = big_t
-        fidx[is_big] = tpos[bt[ci[is_big]]] + within[is_big]
-        cn = np.where(is_big, flat_n[fidx], cn)
-        del flat_n, first, within, bt
-    # direct chunks: at least min_bytes, contiguous in a local tensor (on either end)
-    cd = np.zeros(len(ci), np.bool_)
-    cand = np.flatnonzero(cn >= min_bytes) if contiguity is not None else np.zeros(0, I64)
-    flat_sz = np.concatenate(tmpl_sz) if len(big) else None
-    for lo in range(0, len(cand), _DIRECT_BLOCK):  # in blocks: the contiguity test's [m, D] temporaries stay small
-        cb = cand[lo:lo + _DIRECT_BLOCK]
-        csz = table.sizes[rows[ci[cb]]]
-        if flat_sz is not None:
-            b = is_big[cb]
-            csz[b] = flat_sz[fidx[cb[b]]]
-        cd[cb] = contiguity.direct_columns(table, rows[ci[cb]], csz)
-    del cand, fidx
-    cp = pair_of[ci]
-    del rows, ci, pair_of, fits, counts
-    # the next fit, every pair at once: a load from chunk j takes chunks while the aligned bytes stay <= cap
-    ca = align_up(cn)
+def _next_fit(cp: np.ndarray, ca: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """The next fit, every pair at once: chunks ``[a, b)`` of each load (``cp``: per chunk its pair, pairs
+    consecutive; ``ca``: its aligned bytes), loads in chunk order. A load from chunk ``a`` takes the pair's
+    chunks while their aligned bytes stay within ``cap`` (at least one)."""
     nch = len(cp)
+    if not nch:
+        return np.zeros(0, I64), np.zeros(0, I64)
     cum = np.concatenate(([0], np.cumsum(ca)))  # cum[j]: aligned bytes before chunk j (over all pairs)
-    packed = ~cd
-    pa = np.concatenate(([0], np.cumsum(np.where(packed, ca, 0))))
-    dn = np.concatenate(([0], np.cumsum(np.where(cd, cn, 0))))
-    lastp = np.maximum.accumulate(np.where(packed, np.arange(nch, dtype=I64), -1)) if nch else np.zeros(0, I64)
-    pstart = np.searchsorted(cp, np.arange(len(pairs)))
-    pend = np.searchsorted(cp, np.arange(len(pairs)), side="right")
-    cur = pstart[pstart < pend]
-    stop = pend[pstart < pend]
+    new = np.ones(nch, np.bool_)
+    new[1:] = cp[1:] != cp[:-1]
+    cur = np.flatnonzero(new)
+    stop = np.append(cur[1:], nch)
     # runs of equal chunks (a big row's chunks): a load starting inside one, with more of the run after its k-th
     # chunk, takes exactly k = cap // a chunks, so such loads are taken at once (one round per run, not per load)
-    brk = np.flatnonzero((np.diff(ca) != 0) | (np.diff(cp) != 0)) + 1
+    brk = np.flatnonzero((np.diff(ca) != 0) | new[1:]) + 1
     run_end = np.append(brk, nch)[np.searchsorted(brk, np.arange(nch, dtype=I64), side="right")]
     loads_a: list[np.ndarray] = []
     loads_b: list[np.ndarray] = []
     while len(cur):
-        k = cap // ca[cur]
+        k = np.maximum(cap // ca[cur], 1)  # (a chunk bigger than cap, one quantized block, is a load alone)
         q = (run_end[cur] - cur - 1) // k
         ff = np.flatnonzero(q > 1)
         if len(ff):
@@ -430,16 +215,196 @@ def _column_payloads(table: TransferTable, pairs: _Pairs, cap: int, contiguity, 
         loads_b.append(end)
         more = end < stop
         cur, stop = end[more], stop[more]
-    if not loads_a:
-        return np.zeros(0, I64), np.zeros(0, I64)
     la, lb = np.concatenate(loads_a), np.concatenate(loads_b)
-    o = np.argsort(la, kind="stable")  # chunk order = pair order, then the loads' order inside a pair
-    la, lb = la[o], lb[o]
+    o = np.argsort(la, kind="stable")
+    return la[o], lb[o]
+
+
+def _cut(table: TransferTable, pairs: _Pairs, sel: np.ndarray | None, cap: int, contiguity: Contiguity | None,
+         min_bytes: int, messages: bool):
+    """The step rule (see the module doc) for pairs ``sel`` (increasing indices into ``pairs``; None: every
+    pair): ``(pair of each load, its payload)``, a pair's loads in order; with ``messages``, ``{pair: its loads
+    as messages}`` instead."""
+    rows, pair_of = pairs.rows_of(sel)
+    ch = _Chunks(table, rows, cap, messages)
+    cd = ch.direct(contiguity, min_bytes)
+    cp = pair_of[ch.row]
+    cn = ch.nbytes
+    ca = align_up(cn)
+    del pair_of
+    la, lb = _next_fit(cp, ca, cap)
+    packed = ~cd
+    pa = np.concatenate(([0], np.cumsum(np.where(packed, ca, 0))))
+    if messages:
+        return _messages(pairs, ch, cd, cp, la, lb, pa)
+    # a load's payload: its direct chunks' bytes plus the end of its last packed chunk
+    dn = np.concatenate(([0], np.cumsum(np.where(cd, cn, 0))))
+    lastp = np.maximum.accumulate(np.where(packed, np.arange(len(cp), dtype=I64), -1)) if len(cp) else cp
     q = lastp[lb - 1]
-    has = q >= la
     qq = np.maximum(q, 0)
-    pay = dn[lb] - dn[la] + np.where(has, pa[qq] - pa[la] + cn[qq], 0)
+    pay = dn[lb] - dn[la] + np.where(q >= la, pa[qq] - pa[la] + cn[qq], 0)
     return cp[la], pay
+
+
+def _messages(pairs: _Pairs, ch: _Chunks, cd: np.ndarray, cp: np.ndarray, la: np.ndarray, lb: np.ndarray,
+              pa: np.ndarray) -> dict[int, list[list[Message]]]:
+    """The loads ``_cut`` found, as messages per pair: a load is one packed message (its packed chunks at aligned
+    offsets, its size their aligned bytes) followed by one message per direct chunk."""
+    nch = len(cp)
+    table = ch.table
+    every = np.arange(nch, dtype=I64)
+    rows = ch.rows[ch.row]
+    load_of = np.repeat(np.arange(len(la), dtype=I64), lb - la)  # the loads cover the chunks in order
+    boff = (pa[:-1] - pa[la][load_of]).tolist()
+    size_of = (pa[lb] - pa[la]).tolist()
+    nd = table.ndim[rows].tolist()
+    offs, szs = ch.offsets(every).tolist(), ch.sizes(every).tolist()
+    ns, rl, dl, pl = ch.nbytes.tolist(), rows.tolist(), cd.tolist(), cp.tolist()
+    src, dst = pairs.src.tolist(), pairs.dst.tolist()
+    out: dict[int, list[list[Message]]] = defaultdict(list)
+    for li, (a, b) in enumerate(zip(la.tolist(), lb.tolist(), strict=True)):
+        j = pl[a]
+        s, d = src[j], dst[j]
+        cs, singles = [], []
+        for c in range(a, b):
+            k, n = nd[c], ns[c]
+            o, sz = tuple(offs[c][:k]), tuple(szs[c][:k])
+            if dl[c]:
+                singles.append(Message(s, d, align_up(n), (Chunk(rl[c], o, sz, n, 0),), True))
+            else:
+                cs.append(Chunk(rl[c], o, sz, n, boff[c]))
+        out[j].append([Message(s, d, size_of[li], tuple(cs)), *singles] if cs else singles)
+    return out
+
+
+def build_pair_schedule(transfers: Sequence[Transfer] | TransferTable, bucket_bytes: int, contiguity: Contiguity | None,
+                        direct_min_bytes: int, world: int) -> PairSchedule:
+    """The steps of ``transfers`` by the pair rule (see the module doc): only the non-empty steps, each with
+    its number (``Step.number``), in (phase, number) order, as a :class:`PairSchedule` (columns: the messages
+    are built only for the pairs a caller reads)."""
+    if bucket_bytes < MIN_STEP_BYTES:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least {MIN_STEP_BYTES})")
+    if direct_min_bytes < 0:
+        raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0")
+    peers = max(1, min(STEP_PEERS, world - 1))  # offsets 1 .. world-1 (a wire transfer never stays on its rank)
+    windows = -(-(world - 1) // peers) if world > 1 else 1
+    cap = max(ALIGN, bucket_bytes // 2 // peers // ALIGN * ALIGN)
+    table = TransferTable.of(transfers)
+    with gc_paused():
+        pairs = _Pairs.of(table, world)
+        # per pair its first step number (then one every ``windows``): the pair's offset d - s round the world
+        k = (pairs.dst - pairs.src) % world - 1
+        firsts = k % windows if STEP_GROUPING == "strided" else k // peers
+        lp, pays = _cut(table, pairs, None, cap, contiguity, direct_min_bytes, False)
+        # per load: its index among its pair's loads -> its step number
+        first_load = np.searchsorted(lp, lp, side="left") if len(lp) else lp
+        m = np.arange(len(lp), dtype=I64) - first_load
+        ph = pairs.phase[lp]
+        num = firsts[lp] + m * windows
+        src, dst, nb = pairs.src[lp], pairs.dst[lp], pays
+        order = np.lexsort((dst, src, num, ph))
+        ph, num, src, dst, nb = ph[order], num[order], src[order], dst[order], nb[order]
+        cuts = np.flatnonzero((np.diff(ph) != 0) | (np.diff(num) != 0)) + 1
+        starts = np.concatenate(([0], cuts)).astype(I64) if len(nb) else np.zeros(0, I64)
+        numbers = tuple(zip(ph[starts].tolist(), num[starts].tolist(), strict=True))
+        bounds = np.append(starts, len(nb)).tolist()
+        return PairSchedule(bucket_bytes, numbers, bounds, (src, dst, nb), table, pairs, firsts, windows, cap,
+                            contiguity, direct_min_bytes)
+
+
+class _Pairs:
+    """A table's rows grouped by pair ``(phase, src, dst)`` (phase: 1 for relays), pairs in that order, each
+    pair's rows in ``Transfer.key`` order (plan order, which a plan keeps so; a hand-built table's pair whose rows
+    are not is sorted by its objects' keys): ``order`` (rows), ``edges`` (pair ``j``'s rows are
+    ``order[edges[j]:edges[j+1]]``), per pair ``phase`` / ``src`` / ``dst``."""
+
+    __slots__ = ("order", "edges", "phase", "src", "dst", "codes", "world", "_by")
+
+    @classmethod
+    def of(cls, table: TransferTable, world: int) -> _Pairs:
+        self = cls()
+        n = len(table)
+        # pair codes need every rank below ``world`` (else two pairs could share a code)
+        self.world = max(world, 1, int(table.src.max()) + 1 if n else 0, int(table.dst.max()) + 1 if n else 0)
+        order = np.lexsort((table.dst, table.src, table.relay)) if n else np.zeros(0, I64)
+        ph, ss, dd = table.relay[order].astype(I64), table.src[order], table.dst[order]
+        codes = (ph * self.world + ss) * self.world + dd  # increasing along the pairs
+        new = np.ones(n, np.bool_)
+        if n:
+            new[1:] = codes[1:] != codes[:-1]
+        heads = np.flatnonzero(new)
+        self.edges = np.append(heads, n).astype(I64)
+        self.codes, self.phase, self.src, self.dst = codes[heads], ph[heads], ss[heads], dd[heads]
+        self.order = _key_order(table, order, new, self.edges)
+        self._by = {}
+        return self
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def find(self, phase: int, s: int, d: int) -> int:
+        """The index of pair ``(phase, s, d)`` (``KeyError`` if it has no rows)."""
+        code = (phase * self.world + s) * self.world + d
+        j = int(np.searchsorted(self.codes, code))
+        if j == len(self.codes) or int(self.codes[j]) != code:
+            raise KeyError((phase, s, d))
+        return j
+
+    def rows(self, j: int) -> np.ndarray:
+        return self.order[self.edges[j]:self.edges[j + 1]]
+
+    def rows_of(self, sel: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of pairs ``sel`` (None: every pair) in pair order, and per row its pair."""
+        lens = np.diff(self.edges)
+        if sel is None:
+            return self.order, np.repeat(np.arange(len(self), dtype=I64), lens)
+        sel = np.asarray(sel, I64)
+        lens = lens[sel]
+        before = np.cumsum(lens) - lens
+        idx = np.repeat(self.edges[sel] - before, lens) + np.arange(int(lens.sum()), dtype=I64)
+        return self.order[idx], np.repeat(sel, lens)
+
+    def of_rank(self, rank: int) -> list[int]:
+        """The pairs with ``rank`` at one end, in pair order."""
+        got = []
+        for side in ("src", "dst"):
+            by = self._by.get(side)
+            if by is None:
+                col = getattr(self, side)
+                o = np.argsort(col, kind="stable")
+                by = self._by[side] = (o, col[o])
+            o, col = by
+            got.append(o[np.searchsorted(col, rank):np.searchsorted(col, rank, side="right")])
+        return np.unique(np.concatenate(got)).tolist()
+
+
+def _key_order(table: TransferTable, order: np.ndarray, new: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """``order`` (rows grouped by pair, ``new`` marks each pair's first row) with each pair's rows in
+    ``Transfer.key`` order: within a pair the key starts with (tensor, offsets), so a strictly increasing
+    (tensor, offsets) from row to row is key order (checked on the columns); a pair that is not is sorted by its
+    objects' keys (stable)."""
+    n = len(order)
+    if n < 2:
+        return order
+    name_rank = np.empty(len(table.names), I64)
+    name_rank[np.argsort(np.array(table.names, dtype=object), kind="stable")] = np.arange(len(table.names))
+    keys = np.concatenate([name_rank[table.tensor[order]][:, None], table.offsets[order]], 1)
+    dk = keys[1:] - keys[:-1]
+    nz = dk != 0
+    first = np.argmax(nz, 1)
+    up = nz.any(1) & (dk[np.arange(n - 1), first] > 0)
+    bad = np.flatnonzero(~up & ~new[1:]) + 1
+    if not len(bad):
+        return order
+    order = order.copy()
+    for j in np.unique(np.searchsorted(edges, bad, side="right") - 1).tolist():
+        rs = order[edges[j]:edges[j + 1]]
+        objs = table.objects_at(rs)
+        order[edges[j]:edges[j + 1]] = rs[sorted(range(len(rs)), key=lambda k: objs[k].key())]
+    return order
+
+
+QUANT_CODES_SRC = TransferTable.QUANT_CODES["src"]
 
 
 def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -462,12 +427,13 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class PairSchedule(Schedule):
     """A schedule of the pair rule held as columns: per step, its (phase, number) and its pairs' ``(src, dst,
     payload bytes)``; per pair, its transfers. ``steps`` (a lazy sequence of :class:`NumberedStep`) builds a
-    pair's messages (``pair_loads``) the first time a step or ``for_rank`` reads them, so a whole plan's
+    pair's messages (``_cut``) the first time a step or ``for_rank`` reads them, so a whole plan's
     prediction (``pair_bytes``) and one rank's part (``for_rank``) never build every message."""
 
     def __init__(self, bucket_bytes: int, numbers: tuple[tuple[int, int], ...], bounds: list[int],
                  columns: tuple[np.ndarray, np.ndarray, np.ndarray], table: TransferTable,
-                 pairs: _Pairs, firsts: np.ndarray, windows: int, cap: int, direct: Callable) -> None:
+                 pairs: _Pairs, firsts: np.ndarray, windows: int, cap: int, contiguity: Contiguity | None,
+                 direct_min_bytes: int) -> None:
         object.__setattr__(self, "bucket_bytes", bucket_bytes)
         object.__setattr__(self, "numbers", numbers)  # per step: (phase, number)
         object.__setattr__(self, "_bounds", bounds)  # step i's loads: rows bounds[i]:bounds[i + 1] of the columns
@@ -477,7 +443,8 @@ class PairSchedule(Schedule):
         object.__setattr__(self, "_firsts", firsts)  # per pair the number of its first step
         object.__setattr__(self, "_windows", windows)
         object.__setattr__(self, "_cap", cap)
-        object.__setattr__(self, "_direct", direct)
+        object.__setattr__(self, "_contiguity", contiguity)
+        object.__setattr__(self, "_min_bytes", direct_min_bytes)
         object.__setattr__(self, "_loads", {})
         object.__setattr__(self, "steps", _LazySteps(self))
 
@@ -503,26 +470,33 @@ class PairSchedule(Schedule):
 
     def _pair_loads(self, j: int) -> list[list[Message]]:
         """Pair ``j``'s loads as messages (built on first read)."""
-        got = self._loads.get(j)
-        if got is None:
-            got = self._loads[j] = pair_loads(self._pairs.transfers(self._table, j), self._cap, self._direct)
-        return got
+        self._build([j])
+        return self._loads[j]
 
-    def _load(self, phase: int, number: int, s: int, d: int) -> list[Message]:
-        j = self._pairs.find(phase, s, d)
-        return self._pair_loads(j)[(number - int(self._firsts[j])) // self._windows]
+    def _build(self, js: list[int]) -> None:
+        """The messages of pairs ``js`` not built yet, cut at once."""
+        todo = sorted(set(js).difference(self._loads))
+        if todo:
+            with gc_paused():
+                got = _cut(self._table, self._pairs, np.array(todo, I64), self._cap, self._contiguity,
+                           self._min_bytes, True)
+            for j in todo:
+                self._loads[j] = got.get(j, [])
 
     def _step(self, i: int) -> NumberedStep:
         phase, number = self.numbers[i]
         src, dst, _nb = self._columns
         a, b = self._bounds[i], self._bounds[i + 1]
-        with gc_paused():
-            msgs = [m for s, d in zip(src[a:b].tolist(), dst[a:b].tolist(), strict=True)
-                    for m in self._load(phase, number, s, d)]
+        pairs = self._pairs
+        js = [pairs.find(phase, s, d) for s, d in zip(src[a:b].tolist(), dst[a:b].tolist(), strict=True)]
+        self._build(js)
+        w = self._windows
+        msgs = [m for j in js for m in self._loads[j][(number - int(self._firsts[j])) // w]]
         return NumberedStep(tuple(msgs), phase, number)
 
     def _for_rank(self, rank: int) -> tuple[tuple[RankStep, ...], int, int]:
         pairs = self._pairs
+        self._build(pairs.of_rank(rank))
         pos = {k: i for i, k in enumerate(self.numbers)}
         sends: dict[int, list] = defaultdict(list)  # step index -> [(peer, load)]
         recvs: dict[int, list] = defaultdict(list)
