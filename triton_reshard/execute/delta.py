@@ -57,8 +57,8 @@ from ..ops.delta_cpu import commit_updates
 from .bind import block_chunks, buffer_view, quant_buffers
 from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
+from .handshake import Fence
 from .steps import Pending, StepLoop, clock
-from .transport import FENCE_FIELDS
 
 NO_VERSION = -(1 << 63)  # "no version" in the fence row
 _QUANT, _NO_SNAP, _TORN, _NO_HELD = 1, 2, 4, 8
@@ -254,12 +254,12 @@ class MessageSnapshot:
 
 
 def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
-              ) -> list[int]:
-    """This rank's fence columns, sent with the plan handshake (no round of its own): (reasons, snapshot
-    version, held version, sender?, has destinations?, strict?) and the :func:`cost_row` columns. Without a
-    delta request: zeros."""
+              ) -> Fence:
+    """This rank's fence (``handshake.Fence``), sent with the plan handshake (no round of its own): reasons,
+    snapshot version, held version, sender?, has destinations?, strict? and the :func:`cost_row` columns.
+    Without a delta request: zeros."""
     if req is None or elig is None:
-        return [0] * FENCE_FIELDS
+        return Fence()
     sender = elig.any_send
     reasons = _QUANT if elig.dense else 0
     if sender and snap.version is None:
@@ -268,18 +268,18 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
         reasons |= _TORN
     if has_dst and req.held is None:
         reasons |= _NO_HELD
-    return [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
-            NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst),
-            int(req.strict)] + cost_row(elig, snap.cost, req.topology)
+    return Fence(reasons, NO_VERSION if snap.version is None or not sender else snap.version,
+                 NO_VERSION if req.held is None or not has_dst else req.held, sender, has_dst, req.strict,
+                 tuple(cost_row(elig, snap.cost, req.topology)))
 
 
-def dense_expected(frow: list[int]) -> bool:
+def dense_expected(frow: Fence) -> bool:
     """This rank's own :func:`fence_row` already says a delta request will not run as a delta: a reason of its
     own (no snapshot, torn, no held version, block-FP8 destinations: dense, or refused when strict) or, unless
     strict, its own cost columns predicting dense. Then it packs step 0 during the handshake as a dense run
     does, instead of diffing it (another rank's unknown prediction can still make the refit a delta, which
     packs what it needs itself)."""
-    return bool(frow[0]) or (not frow[5] and cost_choice([frow[6:6 + COST_FIELDS]]) is not None)
+    return bool(frow.reasons) or (not frow.strict and cost_choice([frow.cost]) is not None)
 
 
 def dense_next(req: DeltaRequest | None, why: str | None) -> bool:
@@ -292,39 +292,39 @@ def dense_next(req: DeltaRequest | None, why: str | None) -> bool:
     return req is not None and req.topology is not None and why is not None and why.startswith(COST_WHY)
 
 
-def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
+def fence(plan, ranks, rows: list[Fence]) -> tuple[int | None, str | None, bool]:
     """From every rank's :func:`fence_row` (gathered by the handshake, in ``ranks`` order): (base version,
     None, strict) if every rank can take a delta, else (None, why, strict): the same answer on every rank;
     ``strict``: some rank asked for a strict delta (then every rank refuses together)."""
     by = dict(zip(ranks, rows, strict=True))
-    strict = any(r[5] for r in rows)
-    if any(r[0] & _QUANT for r in rows):
+    strict = any(r.strict for r in rows)
+    if any(r.reasons & _QUANT for r in rows):
         return None, (f"block-quantized destination tensors {sorted(plan.dst.quantized)}: a changed element "
                       f"re-quantizes its whole block, so a delta saves nothing; sent dense"
                       f" (MXFP8 / NVFP4 1 x B blocks go as block deltas; block FP8 does not)"), strict
     why = []
-    torn = [r for r, row in by.items() if row[0] & _TORN]
+    torn = [r for r, row in by.items() if row.reasons & _TORN]
     if torn:
         why.append(f"destination torn by a failed refit on rank(s) {torn}")
-    fresh = [r for r, row in by.items() if row[0] & _NO_HELD]
+    fresh = [r for r, row in by.items() if row.reasons & _NO_HELD]
     if fresh:
         why.append(f"rank(s) {fresh} hold no refit version (fresh, restarted, or refitted without version=)")
-    nosnap = [r for r, row in by.items() if row[0] & _NO_SNAP]
+    nosnap = [r for r, row in by.items() if row.reasons & _NO_SNAP]
     if nosnap:
         why.append(f"sender rank(s) {nosnap} hold no snapshot (first delta refit, or the last refit failed, "
                    f"was dense without delta=, or used another Resharder)")
-    held = {r: row[2] for r, row in by.items() if row[4] and row[2] != NO_VERSION}
-    snaps = {r: row[1] for r, row in by.items() if row[3] and row[1] != NO_VERSION}
+    held = {r: row.held for r, row in by.items() if row.has_dst and row.held != NO_VERSION}
+    snaps = {r: row.snap for r, row in by.items() if row.sender and row.snap != NO_VERSION}
     if not why and len(set(held.values()) | set(snaps.values())) > 1:
         why.append(f"versions differ: destinations hold {held}, sender snapshots {snaps}")
     if not why and not snaps:
         why.append("no message of this plan can go as a delta (local copies and relays only)")
     # predicted faster dense (every rank alike, from the gathered cost columns): a plain dense run, which
     # drops the snapshot (no capture copy), whatever else the fence said; strict asks for a delta regardless
-    cheaper = None if strict else cost_choice([r[6:6 + COST_FIELDS] for r in rows])
+    cheaper = None if strict else cost_choice([r.cost for r in rows])
     if cheaper is not None:
         return None, cheaper + (f" (also: {'; '.join(why)})" if why else ""), strict
-    pre = [r for r, row in by.items() if row[0] & PREPOSTED]
+    pre = [r for r, row in by.items() if row.reasons & PREPOSTED]
     if pre and not why:  # (the cost model no longer says dense: this refit captures the snapshot)
         why.append(f"rank(s) {pre} posted their first receives with the handshake for a dense refit (the last "
                    f"refit was predicted faster dense)")

@@ -48,17 +48,11 @@ from .delta import (
     prediff,
 )
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
+from .handshake import Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
 from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
-from .transport import (
-    DIRECT_ROWS_MAX_RANKS,
-    Link,
-    PendingHandshake,
-    close_preposted,
-    handshake_finish,
-    handshake_post,
-)
+from .transport import DIRECT_ROWS_MAX_RANKS, Link
 
 # post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
 # turns it off on alternate calls to measure what it saves under the same load
@@ -266,7 +260,7 @@ class Resharder:
             stats=stats,
         )
 
-    def _fence_row(self, delta: DeltaRequest | None, device, verify: bool) -> list[int]:
+    def _fence_row(self, delta: DeltaRequest | None, device, verify: bool) -> Fence:
         """Before the handshake: this rank's delta fence columns (they ride on the handshake's all-gather);
         allocates the snapshot buffers on the first delta request."""
         if verify or delta is None:
@@ -277,10 +271,11 @@ class Resharder:
             self._snap.ensure(self.plan, self.work, self._elig, device)
         row = fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
         if self._dense_next and delta.topology is not None and not delta.strict:
-            row[0] |= PREPOSTED  # predicted dense again: step 0's receives go with the handshake (_handshake)
+            # predicted dense again: step 0's receives go with the handshake (_handshake)
+            row = dataclasses.replace(row, reasons=row.reasons | PREPOSTED)
         return row
 
-    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]], hs: PendingHandshake
+    def _fence(self, delta: DeltaRequest | None, rows: list[Fence], hs: PendingHandshake
                ) -> tuple[int | None, str | None]:
         """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
         why), from every rank's fence columns; without ``delta`` the snapshot is dropped (the destinations
@@ -293,21 +288,21 @@ class Resharder:
         # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
         # nothing, so the snapshot still holds what the destinations at its version hold
         if why is not None and strict:
-            if any(r[0] & PREPOSTED for r in rows):  # close the receives posted with the handshake first
-                close_preposted(self.link, hs, [o.tolist() for o in hs.out], "the delta fence")
+            if any(r.reasons & PREPOSTED for r in rows):  # close the receives posted with the handshake first
+                close_preposted(self.link, hs, "the delta fence")
             raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
                                     f"nothing was moved (delta=True falls back to a dense refit)")
         self._dense_next = dense_next(delta, why)
         return base, why
 
-    def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
-                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None, PendingHandshake]:
+    def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: Fence, b: Bound | None,
+                   backend, key) -> tuple[list[Fence], float | None, Prediff | None, PendingHandshake]:
         """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
         first step and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run
         or verify posts its first step's staged receives with it (:meth:`_prepost`)."""
         # a dense run posts step 0's receives with the handshake; so does a delta request predicted dense again
         # (its row says so: PREPOSTED makes the refit dense on every rank)
-        prepost = self._prepost(b) if error is None and (delta is None or frow[0] & PREPOSTED) else None
+        prepost = self._prepost(b) if error is None and (delta is None or frow.reasons & PREPOSTED) else None
         hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow, prepost)
         work = error is None and not verify
         # a dense run packs step 0 while the rows travel; so does a delta request this rank expects to go dense
@@ -348,7 +343,7 @@ class Resharder:
         except Exception:
             return None
 
-    def _prediff(self, delta: DeltaRequest | None, b: Bound, backend: str, frow: list[int]) -> Prediff | None:
+    def _prediff(self, delta: DeltaRequest | None, b: Bound, backend: str, frow: Fence) -> Prediff | None:
         """While the handshake is in flight: step 0's delta messages, if this rank expects the refit to go as a
         delta (it holds a snapshot, its own fence columns raise nothing, its own cost columns do not predict
         dense); the snapshot is left as it is until the fence passed (a refused refit moves nothing and keeps

@@ -11,8 +11,9 @@ import torch
 from .. import ops
 from ..ops import quantize as quant
 from .bind import Bound
+from .handshake import Preposted
 from .reports import RunReport, Tally
-from .transport import Link, Preposted
+from .transport import Link
 
 clock = time.perf_counter
 
@@ -64,7 +65,7 @@ class StepLoop:
         self.prepacked = prepacked
         if prepacked is not None:
             self.timing.pack += prepacked
-        # step 0's receives posted with the plan handshake (transport.handshake_post): not posted again
+        # step 0's receives posted with the plan handshake (handshake.handshake_post): not posted again
         self.preposted = preposted
 
     def what(self, pos: int) -> str:
