@@ -21,6 +21,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -28,14 +29,14 @@ import torch.distributed as dist
 
 from .. import ops
 from ..comm.group import RefitGroup, as_transport
-from ..plan import Plan
+from ..plan import DIRECT_MIN_BYTES, Plan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
 from .delta import DeltaRequest, DeltaSide, MessageSnapshot, Prediff
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .handshake import Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
-from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
+from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, DEFAULTS, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
 from .strategies import Dense, pick
@@ -58,20 +59,23 @@ class Resharder:
     source or destination tensor are sent from / received into it in place, with no staging copy on that
     side (see ``Plan.schedule``); every rank must pass the same value.
 
-    These five parameters (after ``group``, by position or by name) are derived from the executor fields of
-    :class:`~triton_reshard.execute.options.RefitOptions` (``EXECUTOR_OPTIONS``), checked once there;
-    ``options=`` passes them validated already (a refit session's), instead.
+    These five parameters (after ``group``, by position or by name) are the executor fields of
+    :class:`~triton_reshard.execute.options.RefitOptions` (``EXECUTOR_OPTIONS``), with its defaults, checked
+    once there; ``options=`` passes them validated already (a refit session's), instead.
     """
 
-    @takes_options(names=EXECUTOR_OPTIONS, positional=True)
-    def __init__(self, plan: Plan, group: dist.ProcessGroup | RefitGroup | None = None, *,
-                 options: RefitOptions | None = None, snapshot: MessageSnapshot | None = None, **given) -> None:
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | RefitGroup | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float | timedelta = DEFAULT_TIMEOUT,
+                 backend: str | None = None, overlap: bool = False, direct_min_bytes: int = DIRECT_MIN_BYTES, *,
+                 options: RefitOptions | None = None, snapshot: MessageSnapshot | None = None) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan (the whole plan or this rank's share), got {type(plan).__name__}")
+        given = {"bucket_bytes": bucket_bytes, "timeout": timeout, "backend": backend, "overlap": overlap,
+                 "direct_min_bytes": direct_min_bytes}
         if options is None:
             options = RefitOptions.of(**given)
-        elif given:
-            raise TypeError(f"Resharder: pass options= or {', '.join(sorted(given))}, not both")
+        elif changed := sorted(n for n, v in given.items() if v != DEFAULTS[n]):
+            raise TypeError(f"Resharder: pass options= or {', '.join(changed)}, not both")
         self.options = options
         self.plan = plan
         self.group = group
