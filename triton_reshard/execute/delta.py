@@ -56,7 +56,7 @@ from ..ops.delta_cached import pack_deferred
 from .bind import block_chunks, buffer_view, quant_buffers
 from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
-from .handshake import Fence
+from .handshake import NO_FENCE, Fence
 from .steps import clock
 
 NO_VERSION = -(1 << 63)  # "no version" in the fence row
@@ -258,7 +258,7 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
     snapshot version, held version, sender?, has destinations?, strict? and the :func:`cost_row` columns.
     Without a delta request: zeros."""
     if req is None or elig is None:
-        return Fence()
+        return NO_FENCE
     sender = elig.any_send
     reasons = _QUANT if elig.dense else 0
     if sender and snap.version is None:
@@ -378,7 +378,7 @@ class DeltaSide:
         """Before the handshake: this rank's fence (it rides on the handshake's rows); allocates the snapshot
         buffers on the first delta request."""
         if verify or req is None:
-            return Fence()
+            return NO_FENCE
         if self.elig is None:
             self.elig = eligible(self.plan, self.work)
         if not self.elig.dense and device is not None:

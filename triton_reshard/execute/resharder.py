@@ -35,7 +35,7 @@ from . import checks
 from .bind import Bound, Staging, bind
 from .delta import DeltaRequest, DeltaSide, MessageSnapshot, Prediff
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
-from .handshake import Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
+from .handshake import NO_FENCE, Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, DEFAULTS, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
@@ -386,5 +386,5 @@ class _Ready:
     device: torch.device | None = None
     backend: str | None = None
     bound: Bound | None = None
-    fence: Fence = dataclasses.field(default_factory=Fence)
+    fence: Fence = NO_FENCE
     key: tuple = ()

@@ -36,7 +36,9 @@ class Dense:
     flight (``steps.prepack``; its seconds). ``req`` / ``why``: the delta request the fence sent dense, and why
     (the report says so)."""
 
-    def __init__(self, prepacked: float | None = None, req: DeltaRequest | None = None, why: str | None = None):
+    def __init__(
+        self, prepacked: float | None = None, req: DeltaRequest | None = None, why: str | None = None
+    ):
         self.prepacked, self.req, self.why = prepacked, req, why
 
     def begin(self, loop) -> None:
@@ -67,10 +69,13 @@ class Dense:
         return _delta_report(loop, report, "dense-fallback", self.why, None, ())
 
 
-def _delta_report(loop, report: RunReport, mode: str, why: str | None, base: int | None, rescaled) -> RunReport:
+def _delta_report(
+    loop, report: RunReport, mode: str, why: str | None, base: int | None, rescaled
+) -> RunReport:
     dense = sum(buf.numel() for sends, _r in loop.b.wire for _p, buf in sends)
-    return dataclasses.replace(report, mode=mode, fallback=why, delta_base=base, dense_sent_bytes=dense,
-                               rescaled=rescaled)
+    return dataclasses.replace(
+        report, mode=mode, fallback=why, delta_base=base, dense_sent_bytes=dense, rescaled=rescaled
+    )
 
 
 def _global_bits(loop) -> dict[str, int]:
@@ -82,8 +87,14 @@ class Capture(Dense):
     """A dense run that also copies every delta-able message it sends into the snapshot (``capture=False``: a
     dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
 
-    def __init__(self, side: DeltaSide, req: DeltaRequest, why: str | None, capture: bool,
-                 prepacked: float | None = None) -> None:
+    def __init__(
+        self,
+        side: DeltaSide,
+        req: DeltaRequest,
+        why: str | None,
+        capture: bool,
+        prepacked: float | None = None,
+    ) -> None:
         super().__init__(prepacked, req, why)
         self.elig, self.snap, self.capture = side.elig, side.snap, capture
 
@@ -96,11 +107,19 @@ class Capture(Dense):
             return
         t = clock()
         el, b = self.elig, loop.b
-        pairs = [(v, s) for j, ok in enumerate(el.sends[pos]) if ok and (pos, j) not in el.same
-                 for v, s in zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
-        pairs += [pair for j, ok in enumerate(el.bsends[pos] if el.bsends else ()) if ok
-                  for (q, s), (sq, ss) in zip(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
-                  for pair in ((q, sq), (s, ss))]
+        pairs = [
+            (v, s)
+            for j, ok in enumerate(el.sends[pos])
+            if ok and (pos, j) not in el.same
+            for v, s in zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)
+        ]
+        pairs += [
+            pair
+            for j, ok in enumerate(el.bsends[pos] if el.bsends else ())
+            if ok
+            for (q, s), (sq, ss) in zip(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
+            for pair in ((q, sq), (s, ss))
+        ]
         ops.copy_views([(v, s) for v, s in pairs if v.numel()], loop.backend)
         loop.timing.pack += clock() - t
 
@@ -146,8 +165,13 @@ class Delta(Dense):
     def end(self, loop) -> None:
         d_s, s_s, d_r, s_r = self.bytes
         hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
-        self.snap.cost = DeltaCost(statistics.median(h[0] for h in hist), statistics.median(h[1] for h in hist),
-                                   d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0, history=hist)
+        self.snap.cost = DeltaCost(
+            statistics.median(h[0] for h in hist),
+            statistics.median(h[1] for h in hist),
+            d_s / s_s if s_s else 0.0,
+            d_r / s_r if s_r else 0.0,
+            history=hist,
+        )
 
     def report(self, loop, report: RunReport) -> RunReport:
         self.snap.version = self.req.version
@@ -164,8 +188,11 @@ class Delta(Dense):
         """The dense staging copies step ``pos`` still needs: a delta-able message whose chunks are plain
         copies is diffed straight from its sources (no staging copy first). Returns those sources by send."""
         b, el, i = loop.b, self.elig, loop.work.steps[pos][0]
-        srcs = [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)] \
-            if b.send_srcs else [None] * len(el.sends[pos])
+        srcs = (
+            [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)]
+            if b.send_srcs
+            else [None] * len(el.sends[pos])
+        )
         skip = [rng for s in srcs if s is not None for rng in (s[1],) if rng[1] > rng[0]]
         if skip:
             packs, lo = [], 0
@@ -189,8 +216,12 @@ class Delta(Dense):
             msg = self.pre.msgs.pop(j)
         elif el.sends[pos][j]:
             views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
-            msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)), update=True,
-                                 backend=loop.backend, cache=b.delta_cache.setdefault(("send", pos, j), {}))
+            msg = ops.pack_delta(
+                list(zip(views, self.snap.views(pos, j), strict=True)),
+                update=True,
+                backend=loop.backend,
+                cache=b.delta_cache.setdefault(("send", pos, j), {}),
+            )
         else:
             msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
         self.diff_s += clock() - t
@@ -231,8 +262,11 @@ class Delta(Dense):
         el, link, what = self.elig, loop.link, loop.what(pos)
         delta_r = self._delta_recvs(pos, len(recvs))
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
-        len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
-                 for j, (peer, _buf) in enumerate(recvs) if delta_r[j]]
+        len_r = [
+            (peer, torch.zeros(1, dtype=torch.int64, device=dev))
+            for j, (peer, _buf) in enumerate(recvs)
+            if delta_r[j]
+        ]
         if len_s or len_r:
             t1 = clock()
             works = link.call(link.post, f"{what} (delta lengths)", peers, len_s, len_r)
@@ -244,8 +278,10 @@ class Delta(Dense):
             if delta_r[j]:
                 n = next(lens)
                 if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
-                    raise ValueError(f"rank {link.rank}: {what}: rank {peer} announced a delta message of "
-                                     f"{n} bytes (at most {el.max_bytes[pos, j]}, a multiple of 16)")
+                    raise ValueError(
+                        f"rank {link.rank}: {what}: rank {peer} announced a delta message of "
+                        f"{n} bytes (at most {el.max_bytes[pos, j]}, a multiple of 16)"
+                    )
                 buf = torch.empty(n, dtype=torch.uint8, device=dev)
                 inbox.append(buf)
             out_r.append((peer, buf))
@@ -264,7 +300,7 @@ class Delta(Dense):
         for j, (peer, buf) in enumerate(recvs):
             if el.recvs[pos][j]:
                 n = el.max_bytes[pos, j]
-                buf = area[at:at + n]
+                buf = area[at : at + n]
                 at += n
                 inbox.append(buf)
             out_r.append((peer, buf))
@@ -280,8 +316,13 @@ class Delta(Dense):
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
                 msg, t = next(inbox), clock()
                 if el.recvs[pos][j]:
-                    ops.unpack_delta(msg, vs, backend=loop.backend, names=el.names[pos, j],
-                                     cache=b.delta_cache.setdefault(("recv", pos, j), {}))
+                    ops.unpack_delta(
+                        msg,
+                        vs,
+                        backend=loop.backend,
+                        names=el.names[pos, j],
+                        cache=b.delta_cache.setdefault(("recv", pos, j), {}),
+                    )
                 else:
                     unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
                 self.apply_s += clock() - t
@@ -295,8 +336,14 @@ class Delta(Dense):
         ops.copy_views(dense, loop.backend)
 
 
-def pick(side: DeltaSide, req: DeltaRequest | None, base: int | None, why: str | None,
-         prepacked: float | None, pre: Prediff | None) -> Dense:
+def pick(
+    side: DeltaSide,
+    req: DeltaRequest | None,
+    base: int | None,
+    why: str | None,
+    prepacked: float | None,
+    pre: Prediff | None,
+) -> Dense:
     """The strategy of a run from the fence's answer (``DeltaSide.decide``: ``base`` to go as a delta, else
     ``why`` not): dense without a delta request; a delta from ``base``; else dense, capturing the snapshot
     unless the cost model chose dense (``COST_WHY``: no snapshot is kept) or the plan keeps none."""
@@ -306,4 +353,6 @@ def pick(side: DeltaSide, req: DeltaRequest | None, base: int | None, why: str |
         return Delta(side, req, base, pre)
     if side.snap.device is not None:
         return Capture(side, req, why, not (why or "").startswith(COST_WHY), prepacked)
-    return Dense(prepacked, req, why)  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
+    return Dense(
+        prepacked, req, why
+    )  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
