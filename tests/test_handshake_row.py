@@ -19,12 +19,30 @@ from triton_reshard.execute.errors import ReshardError
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)
 U32 = st.integers(0, (1 << 32) - 1)
 
-fences = st.builds(H.Fence, I64, I64, I64, st.booleans(), st.booleans(), st.booleans(),
-                   st.tuples(*[st.integers(-1, 1 << 40)] * COST_FIELDS))
-rows = st.builds(H.Row, st.integers(0, (1 << 64) - 1).map(lambda d: f"{d:016x}"), st.integers(0, 1 << 40),
-                 st.integers(0, 1 << 40), st.booleans(), st.booleans(), st.sampled_from([None, "torch", "triton"]),
-                 st.booleans(), st.sampled_from([H.OK, H.REJECTED, H.REFUSED]), st.integers(0, 1 << 20), fences,
-                 st.integers(0, 1 << 40))
+fences = st.builds(
+    H.Fence,
+    I64,
+    I64,
+    I64,
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.tuples(*[st.integers(-1, 1 << 40)] * COST_FIELDS),
+)
+rows = st.builds(
+    H.Row,
+    st.integers(0, (1 << 64) - 1).map(lambda d: f"{d:016x}"),
+    st.integers(0, 1 << 40),
+    st.integers(0, 1 << 40),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([None, "torch", "triton"]),
+    st.booleans(),
+    st.sampled_from([H.OK, H.REJECTED, H.REFUSED]),
+    st.integers(0, 1 << 20),
+    fences,
+    st.integers(0, 1 << 40),
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -62,13 +80,15 @@ def test_refusals_read_fields_by_name_with_unchanged_texts():
     assert H._refusal(link, [_ok(), _ok()]) is None
     e = H._refusal(link, [_ok(), replace(_ok(), status=H.REFUSED)])
     assert isinstance(e, ReshardError) and str(e) == (
-        "rank 0: rank(s) [1] could not plan this refit (see the error on those ranks); nothing was moved")
+        "rank 0: rank(s) [1] could not plan this refit (see the error on those ranks); nothing was moved"
+    )
     e = H._refusal(link, [_ok(), replace(_ok(), backend="triton", overlap=True)])
     assert str(e) == (
         "rank 0: ranks run different plans or options (plan digest by rank: {0: '00000000deadbeef', 1: "
         "'00000000deadbeef'}; (bucket_bytes, direct_min_bytes, overlap, mode, backend, delta) by rank: "
         "[(1048576, 4096, False, 'run', 'auto', False), (1048576, 4096, True, 'run', 'triton', False)]); they "
-        "must agree; nothing was moved")
+        "must agree; nothing was moved"
+    )
     e = H._refusal(link, [_ok(), replace(_ok(), digest="ffffffff00000001")])
     assert "1: 'ffffffff00000001'" in str(e)
     # a fence or a pre-posted size may differ by rank: not an option
@@ -76,5 +96,6 @@ def test_refusals_read_fields_by_name_with_unchanged_texts():
     e = H._refusal(link, [replace(_ok(), verify=True, relays=3), replace(_ok(), verify=True)])
     assert isinstance(e, ValueError) and "(relay transfers by rank: {0: 3};" in str(e)
     e = H._refusal(link, [_ok(), replace(_ok(), status=H.REJECTED)])
-    assert str(e) == ("rank 0: rank(s) [1] rejected their input (see the error on those ranks); "
-                      "nothing was moved")
+    assert str(e) == (
+        "rank 0: rank(s) [1] rejected their input (see the error on those ranks); nothing was moved"
+    )
