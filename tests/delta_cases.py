@@ -317,7 +317,7 @@ def fence_world(rank: int, world: int) -> dict:
 
 def refused_world(rank: int, world: int) -> dict:
     """Delta refits refused after the senders diffed their first step during the handshake (the diff is made
-    before the fence is known: ``Resharder._prediff``): a strict refusal (rank 3 at the wrong base) and a
+    before the fence is known: ``DeltaSide.prediff``): a strict refusal (rank 3 at the wrong base) and a
     handshake refusal (rank 3 without delta) move nothing and leave the snapshot as it was, so the next delta,
     from the old base, lands every change."""
     import triton_reshard.execute.delta as xd

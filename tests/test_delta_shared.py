@@ -68,7 +68,7 @@ def shared_world(rank: int, world: int, bucket: int | None) -> dict:
         rows.append({"mode": rep.mode, "why": rep.fallback or "", "sent": rep.sent_bytes,
                      "dense": rep.dense_sent_bytes, "diffs": diffs[0] - d0,
                      "exact": all(torch.equal(dst[n].view(torch.int16), w.view(torch.int16)) for n, w in want.items())})
-    el = r._elig
+    el = r._delta.elig
     return {"rows": rows, "snapshot_bytes": r.snapshot_bytes, "steps": len(r.work.steps),
             "sends": sum(map(sum, el.sends)), "same": len(getattr(el, "same", {}))}
 

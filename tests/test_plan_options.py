@@ -178,3 +178,32 @@ def test_plan_reshard_takes_the_plan_options():
     assert [(p.name, p.default) for p in mine] == [(p.name, p.default) for p in theirs]
     assert [p.name for p in mine] == ["allow_cast", "gpus_per_node", "relay", "relay_groups"]
     assert PlanOptions.of().key == PlanOptions().key == (False, None, False, None)
+
+
+def test_refit_options_are_checked_once_then_only_resolved(monkeypatch):
+    """``RefitOptions.of`` checks every option once; the planner's options it hands over are resolved, never
+    checked again (``PlanOptions.of`` is not reached), and equal to what the checking path gives. The relay rule
+    is one function for both entry points, each naming its own way to fan out."""
+    from triton_reshard.plan import options as po
+
+    one = Layout.from_placements({"w": (8, 4)}, [0, 1], [Shard(0)])
+    opts = RefitOptions.of(gpus_per_node=2, instances=2)
+    want = PlanOptions.for_instances(one, 2, False, 2, None)
+
+    def refused(*a, **k):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(PlanOptions, "of", classmethod(refused))
+    assert opts.plan_options(one) == want and want[1].relay
+    with pytest.raises(ValueError, match=r"^refit: relay=True needs gpus_per_node or instances > 1 \(relays fan "
+                                         r"out inside a node or over the engines\)$"):
+        po.check_relay(True, None, False, "refit")
+    with pytest.raises(ValueError, match=r"^plan_reshard: relay=True needs gpus_per_node or relay_groups \(relays "
+                                         r"fan out inside a node or a group\)$"):
+        po.check_relay(True, None, False, "plan_reshard")
+    with pytest.raises(TypeError, match=r"^refit: relay='yes' must be a bool or None$"):
+        RefitOptions.of(relay="yes")
+    with pytest.raises(ValueError, match=r"^refit: gpus_per_node=0 must be an int >= 1 or None$"):
+        RefitOptions.of(gpus_per_node=0)
+    with pytest.raises(ValueError, match=r"^refit: relay=True needs gpus_per_node or instances > 1"):
+        RefitOptions.of(relay=True)

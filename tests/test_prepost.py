@@ -1,4 +1,4 @@
-"""The first step's receives posted with the plan handshake (issue 32: ``transport.handshake_post``).
+"""The first step's receives posted with the plan handshake (issue 32: ``handshake.handshake_post``).
 
 On gloo a message leaves the sender only after the receiver's "ready to receive" notice arrived, so a receive
 posted after the handshake costs a round trip more than one posted with it. These tests check, in one world of

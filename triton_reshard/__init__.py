@@ -7,6 +7,7 @@ refit would leave the destination as it is.
 
 from .comm.group import RefitGroup, RefitGroupError, init_refit_group
 from .execute import (
+    DEFAULT_BUCKET_BYTES,
     DeltaRefusedError,
     DeltaRequest,
     Difference,
@@ -37,6 +38,7 @@ from .plan import Plan, PlanStats, Schedule, Transfer, plan_reshard
 from .refit import RefitState, clear_cache, refit, refit_state, verify_refit
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
     "FP8_BLOCK",
     "MXFP8",
     "NVFP4",

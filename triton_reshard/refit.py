@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .comm.group import RefitGroup
-from .execute import DEFAULT_TIMEOUT, RefitOptions, Resharder, RunReport, VerifyReport, refuse
+from .execute import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT,
+    RefitOptions,
+    Resharder,
+    RunReport,
+    VerifyReport,
+    refuse,
+)
 from .execute.delta import NO_VERSION, DeltaRequest
-from .execute.options import takes_options
 from .execute.session import SESSIONS, RefitSession, RefitState
 from .layout import Layout
 from .plan import plan_reshard
@@ -47,9 +55,19 @@ def _as_dict(tensors: TensorsLike, side: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@takes_options
-def get_resharder(src_layout: Layout, dst_layout: Layout, *, group: dist.ProcessGroup | RefitGroup | None = None,
-                  **options) -> Resharder:
+def get_resharder(
+    src_layout: Layout,
+    dst_layout: Layout,
+    *,
+    group: dist.ProcessGroup | RefitGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    backend: str | None = None,
+    allow_cast: bool = False,
+    gpus_per_node: int | None = None,
+    relay: bool | None = None,
+    instances: int = 1,
+) -> Resharder:
     """The cached Resharder for these layouts and options (plan and buffers reused across calls).
 
     The cache key is ``(src_layout, dst_layout, group, bucket_bytes, timeout, backend, allow_cast,
@@ -64,7 +82,9 @@ def get_resharder(src_layout: Layout, dst_layout: Layout, *, group: dist.Process
     ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
     (see :func:`refit`). Raises what :func:`~triton_reshard.plan_reshard` and ``Resharder`` raise for layouts
     or options that cannot work (``ValueError`` / ``TypeError``, naming the tensor or option)."""
-    return SESSIONS.get(src_layout, dst_layout, group, RefitOptions.of(**options)).resharder
+    options = RefitOptions.of(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+                              gpus_per_node=gpus_per_node, relay=relay, instances=instances)
+    return SESSIONS.get(src_layout, dst_layout, group, options).resharder
 
 
 def refit_state(dst_layout: Layout, *, instances: int = 1) -> RefitState:
@@ -88,7 +108,7 @@ def _prepare(src_layout: Layout, dst_layout: Layout, group, dst_tensors: Tensors
         s = SESSIONS.get(src_layout, dst_layout, group, RefitOptions.of(**options), verify=what == "verify_refit")
         dst, ignored = s.covered(_as_dict(dst_tensors, "destination"), strict, what)
     except (ValueError, TypeError) as e:  # tell the peers waiting in the handshake, then raise it here
-        refuse(group, e, verify=what == "verify_refit", timeout=options.get("timeout", DEFAULT_TIMEOUT))
+        refuse(group, e, verify=what == "verify_refit", timeout=options["timeout"])
     return s, dst, ignored
 
 
@@ -112,7 +132,6 @@ def delta_request(delta, version, topology=None) -> DeltaRequest | None:
     return DeltaRequest(version, strict=delta == "strict", topology=topology)
 
 
-@takes_options
 def refit(
     src_tensors: TensorsLike,
     dst_tensors: TensorsLike,
@@ -120,11 +139,17 @@ def refit(
     dst_layout: Layout,
     *,
     group: dist.ProcessGroup | RefitGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    backend: str | None = None,
+    allow_cast: bool = False,
+    gpus_per_node: int | None = None,
+    relay: bool | None = None,
+    instances: int = 1,
     strict: bool = False,
     version: object = None,
     delta: bool | str = False,
     topology: object = None,
-    **options,
 ) -> RunReport:
     """Update this rank's inference tensors in place from the training tensors. Call on every rank of ``group``.
 
@@ -179,13 +204,14 @@ def refit(
     try:
         request = delta_request(delta, version, topology)
     except (TypeError, ValueError) as e:
-        refuse(group, e, timeout=options.get("timeout", DEFAULT_TIMEOUT))
+        refuse(group, e, timeout=timeout)
+    options = dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+                   gpus_per_node=gpus_per_node, relay=relay, instances=instances)
     session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", options)
     report = session.run(_as_dict(src_tensors, "source"), dst, version, request)
     return dataclasses.replace(report, ignored=ignored) if ignored else report
 
 
-@takes_options
 def verify_refit(
     src_tensors: TensorsLike,
     dst_tensors: TensorsLike,
@@ -193,8 +219,14 @@ def verify_refit(
     dst_layout: Layout,
     *,
     group: dist.ProcessGroup | RefitGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    backend: str | None = None,
+    allow_cast: bool = False,
+    gpus_per_node: int | None = None,
+    relay: bool | None = None,
+    instances: int = 1,
     strict: bool = False,
-    **options,
 ) -> VerifyReport:
     """Check, without writing anything, that ``refit`` with these arguments would leave ``dst_tensors``
     exactly as they are. Call on every rank of ``group``; the report's ``ok`` is the same on every rank.
@@ -218,6 +250,8 @@ def verify_refit(
     comes from a source rank; the same holders otherwise, more bytes over the network, once). Options and ``strict`` as in
     :func:`refit`; ignored destination tensors are listed in ``VerifyReport.ignored``.
     """
+    options = dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+                   gpus_per_node=gpus_per_node, relay=relay, instances=instances)
     session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "verify_refit", options)
     report = session.verify(_as_dict(src_tensors, "source"), dst)
     return dataclasses.replace(report, ignored=ignored) if ignored else report

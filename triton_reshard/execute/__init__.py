@@ -1,5 +1,5 @@
 """Execute: buffers, transport, kernels. :class:`Resharder` (``resharder``) runs a plan on one rank; beside it
-its jobs: ``options``, ``checks``, ``transport``, ``bind``, ``steps``, ``delta`` (delta refits), ``reports``,
+its jobs: ``options``, ``checks``, ``transport``, ``handshake``, ``bind``, ``steps``, ``delta`` (delta refits), ``reports``,
 ``errors``."""
 
 from .delta import DeltaRefusedError, DeltaRequest
@@ -10,10 +10,10 @@ from .errors import (
     ReshardTimeoutError,
     ReshardTransportError,
 )
+from .handshake import refuse
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions, to_timedelta
 from .reports import Difference, RunReport, VerifyReport
 from .resharder import Resharder
-from .transport import refuse
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

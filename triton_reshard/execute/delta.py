@@ -42,23 +42,22 @@ after a cost fallback posts its first receives with the handshake as a dense one
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import statistics
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
+from .. import ops  # noqa: F401  (tests reach ops.pack_delta through this module)
 from ..layout import QUANT_FORMATS
-from ..ops.block_delta import max_block_message_bytes, pack_block_delta, unpack_block_delta
-from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes, message_length
+from ..ops.block_delta import max_block_message_bytes
+from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes
 from ..ops.delta_cached import pack_deferred
-from ..ops.delta_cpu import commit_updates
 from .bind import block_chunks, buffer_view, quant_buffers
 from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
-from .steps import Pending, StepLoop, clock
-from .transport import FENCE_FIELDS
+from .handshake import NO_FENCE, Fence
+from .steps import clock
 
 NO_VERSION = -(1 << 63)  # "no version" in the fence row
 _QUANT, _NO_SNAP, _TORN, _NO_HELD = 1, 2, 4, 8
@@ -254,12 +253,12 @@ class MessageSnapshot:
 
 
 def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequest | None, has_dst: bool
-              ) -> list[int]:
-    """This rank's fence columns, sent with the plan handshake (no round of its own): (reasons, snapshot
-    version, held version, sender?, has destinations?, strict?) and the :func:`cost_row` columns. Without a
-    delta request: zeros."""
+              ) -> Fence:
+    """This rank's fence (``handshake.Fence``), sent with the plan handshake (no round of its own): reasons,
+    snapshot version, held version, sender?, has destinations?, strict? and the :func:`cost_row` columns.
+    Without a delta request: zeros."""
     if req is None or elig is None:
-        return [0] * FENCE_FIELDS
+        return NO_FENCE
     sender = elig.any_send
     reasons = _QUANT if elig.dense else 0
     if sender and snap.version is None:
@@ -268,18 +267,18 @@ def fence_row(plan, elig: Eligible | None, snap: MessageSnapshot, req: DeltaRequ
         reasons |= _TORN
     if has_dst and req.held is None:
         reasons |= _NO_HELD
-    return [reasons, NO_VERSION if snap.version is None or not sender else snap.version,
-            NO_VERSION if req.held is None or not has_dst else req.held, int(sender), int(has_dst),
-            int(req.strict)] + cost_row(elig, snap.cost, req.topology)
+    return Fence(reasons, NO_VERSION if snap.version is None or not sender else snap.version,
+                 NO_VERSION if req.held is None or not has_dst else req.held, sender, has_dst, req.strict,
+                 tuple(cost_row(elig, snap.cost, req.topology)))
 
 
-def dense_expected(frow: list[int]) -> bool:
+def dense_expected(frow: Fence) -> bool:
     """This rank's own :func:`fence_row` already says a delta request will not run as a delta: a reason of its
     own (no snapshot, torn, no held version, block-FP8 destinations: dense, or refused when strict) or, unless
     strict, its own cost columns predicting dense. Then it packs step 0 during the handshake as a dense run
     does, instead of diffing it (another rank's unknown prediction can still make the refit a delta, which
     packs what it needs itself)."""
-    return bool(frow[0]) or (not frow[5] and cost_choice([frow[6:6 + COST_FIELDS]]) is not None)
+    return bool(frow.reasons) or (not frow.strict and cost_choice([frow.cost]) is not None)
 
 
 def dense_next(req: DeltaRequest | None, why: str | None) -> bool:
@@ -292,86 +291,45 @@ def dense_next(req: DeltaRequest | None, why: str | None) -> bool:
     return req is not None and req.topology is not None and why is not None and why.startswith(COST_WHY)
 
 
-def fence(plan, ranks, rows: list[list[int]]) -> tuple[int | None, str | None, bool]:
+def fence(plan, ranks, rows: list[Fence]) -> tuple[int | None, str | None, bool]:
     """From every rank's :func:`fence_row` (gathered by the handshake, in ``ranks`` order): (base version,
     None, strict) if every rank can take a delta, else (None, why, strict): the same answer on every rank;
     ``strict``: some rank asked for a strict delta (then every rank refuses together)."""
     by = dict(zip(ranks, rows, strict=True))
-    strict = any(r[5] for r in rows)
-    if any(r[0] & _QUANT for r in rows):
+    strict = any(r.strict for r in rows)
+    if any(r.reasons & _QUANT for r in rows):
         return None, (f"block-quantized destination tensors {sorted(plan.dst.quantized)}: a changed element "
                       f"re-quantizes its whole block, so a delta saves nothing; sent dense"
                       f" (MXFP8 / NVFP4 1 x B blocks go as block deltas; block FP8 does not)"), strict
     why = []
-    torn = [r for r, row in by.items() if row[0] & _TORN]
+    torn = [r for r, row in by.items() if row.reasons & _TORN]
     if torn:
         why.append(f"destination torn by a failed refit on rank(s) {torn}")
-    fresh = [r for r, row in by.items() if row[0] & _NO_HELD]
+    fresh = [r for r, row in by.items() if row.reasons & _NO_HELD]
     if fresh:
         why.append(f"rank(s) {fresh} hold no refit version (fresh, restarted, or refitted without version=)")
-    nosnap = [r for r, row in by.items() if row[0] & _NO_SNAP]
+    nosnap = [r for r, row in by.items() if row.reasons & _NO_SNAP]
     if nosnap:
         why.append(f"sender rank(s) {nosnap} hold no snapshot (first delta refit, or the last refit failed, "
                    f"was dense without delta=, or used another Resharder)")
-    held = {r: row[2] for r, row in by.items() if row[4] and row[2] != NO_VERSION}
-    snaps = {r: row[1] for r, row in by.items() if row[3] and row[1] != NO_VERSION}
+    held = {r: row.held for r, row in by.items() if row.has_dst and row.held != NO_VERSION}
+    snaps = {r: row.snap for r, row in by.items() if row.sender and row.snap != NO_VERSION}
     if not why and len(set(held.values()) | set(snaps.values())) > 1:
         why.append(f"versions differ: destinations hold {held}, sender snapshots {snaps}")
     if not why and not snaps:
         why.append("no message of this plan can go as a delta (local copies and relays only)")
     # predicted faster dense (every rank alike, from the gathered cost columns): a plain dense run, which
     # drops the snapshot (no capture copy), whatever else the fence said; strict asks for a delta regardless
-    cheaper = None if strict else cost_choice([r[6:6 + COST_FIELDS] for r in rows])
+    cheaper = None if strict else cost_choice([r.cost for r in rows])
     if cheaper is not None:
         return None, cheaper + (f" (also: {'; '.join(why)})" if why else ""), strict
-    pre = [r for r, row in by.items() if row[0] & PREPOSTED]
+    pre = [r for r, row in by.items() if row.reasons & PREPOSTED]
     if pre and not why:  # (the cost model no longer says dense: this refit captures the snapshot)
         why.append(f"rank(s) {pre} posted their first receives with the handshake for a dense refit (the last "
                    f"refit was predicted faster dense)")
     if why:
         return None, "; ".join(why), strict
     return next(iter(snaps.values())), None, strict
-
-
-class CaptureLoop(StepLoop):
-    """A dense run that also copies every delta-able message it sends into the snapshot (``capture=False``: a
-    dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
-
-    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, capture: bool = True,
-                 prepacked: float | None = None, preposted=None) -> None:
-        super().__init__(*args, prepacked=prepacked, preposted=preposted)
-        self.elig, self.snap, self.capture = elig, snap, capture
-
-    def pack_and_post(self, pos: int) -> Pending:
-        p = super().pack_and_post(pos)
-        if not self.capture:
-            return p
-        t = clock()
-        pairs = [(v, s) for j, ok in enumerate(self.elig.sends[pos]) if ok and (pos, j) not in self.elig.same
-                 for v, s in zip(self.b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)]
-        pairs += [pair for j, ok in enumerate(self.elig.bsends[pos] if self.elig.bsends else ()) if ok
-                  for (q, s), (sq, ss) in zip(self.b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
-                  for pair in ((q, sq), (s, ss))]
-        ops.copy_views([(v, s) for v, s in pairs if v.numel()], self.backend)
-        self.timing.pack += clock() - t
-        return p
-
-    def global_scales(self) -> None:
-        super().global_scales()
-        self.snap.globals = _global_bits(self)
-
-
-def _global_bits(loop) -> dict[str, int]:
-    """Each NVFP4 group's global scale of this run, as its float32 bits."""
-    return {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
-
-
-def _rescaled(loop) -> None:
-    """A delta run's NVFP4 groups whose global scale moved since the snapshot (every block of them changes,
-    so their chunks go dense inside the block-delta messages): ``loop.rescaled``; the snapshot takes the new."""
-    now = _global_bits(loop)
-    loop.rescaled = tuple(sorted(g for g, v in now.items() if loop.snap.globals.get(g) != v))
-    loop.snap.globals = now
 
 
 @dataclass(slots=True)
@@ -401,175 +359,79 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
     return Prediff(msgs, updates, clock() - t) if msgs else None
 
 
-class DeltaLoop(StepLoop):
-    """A delta run: delta-able messages carry ``ops.pack_delta`` messages (``ops.block_delta`` ones for MXFP8 /
-    NVFP4 chunks); on NCCL (sizes must match) and with block deltas each step's are announced by a length
-    round first, otherwise (gloo) they are received into buffers of their largest possible size (a message
-    says its own length)."""
+class DeltaSide:
+    """A Resharder's side of delta refits, in one place: which messages can go as deltas (when first asked),
+    the snapshot (what this rank last sent in them; a refit session owns it and hands it over), this rank's
+    fence for the handshake (:meth:`row`), the fence's answer from every rank's (:meth:`decide`), the first
+    step diffed while the handshake travels (:meth:`prediff`), and whether the next refit is predicted dense
+    (the last was a cost fallback: :func:`dense_next`)."""
 
-    def __init__(self, *args, elig: Eligible, snap: MessageSnapshot, pre: Prediff | None = None) -> None:
-        super().__init__(*args)
-        self.elig, self.snap = elig, snap
-        # step 0's messages diffed during the handshake; their snapshot writes are made once step 0 is posted
-        # (the messages are separate buffers: the writes overlap the wire instead of delaying the sends)
-        self.pre = pre
-        # this run's messages that a later send repeats (Eligible.same), until that send is posted
-        self.shared: dict[tuple[int, int], torch.Tensor] = {}
-        self.inbox: dict[int, list[torch.Tensor]] = {}
-        self.rescaled: tuple[str, ...] = ()
-        # gloo without block deltas: delta messages received into buffers of their largest size, no length
-        # round; NCCL (counts must match) and plans with block deltas announce each delta's length first
-        self.inbox_mode = not self.link.is_nccl and not elig.blocks
-        # measured for the cost model (DeltaCost): diff / apply seconds, delta and dense bytes each way
-        self.diff_s = self.apply_s = 0.0
-        self.bytes = [0, 0, 0, 0]  # delta sent, dense sent, delta received, dense received
+    def __init__(self, plan, work, snapshot: MessageSnapshot | None, has_dst: bool) -> None:
+        self.plan, self.work, self.has_dst = plan, work, has_dst
+        self.elig: Eligible | None = None
+        self.snap = MessageSnapshot() if snapshot is None else snapshot
+        # the last refit was a cost fallback: the next delta request with a topology posts its first receives
+        # with the handshake, as a dense refit does
+        self.dense_next = False
 
-    def global_scales(self) -> None:
-        super().global_scales()
-        _rescaled(self)
+    def row(self, req: DeltaRequest | None, device, verify: bool) -> Fence:
+        """Before the handshake: this rank's fence (it rides on the handshake's rows); allocates the snapshot
+        buffers on the first delta request."""
+        if verify or req is None:
+            return NO_FENCE
+        if self.elig is None:
+            self.elig = eligible(self.plan, self.work)
+        if not self.elig.dense and device is not None:
+            self.snap.ensure(self.plan, self.work, self.elig, device)
+        row = fence_row(self.plan, self.elig, self.snap, req, self.has_dst)
+        if self.dense_next and req.topology is not None and not req.strict:
+            # predicted dense again: step 0's receives go with the handshake (PREPOSTED makes it dense everywhere)
+            row = dataclasses.replace(row, reasons=row.reasons | PREPOSTED)
+        return row
 
-    def run(self) -> None:
-        if self.pre is not None:  # the diff made during the handshake counts as this refit's
-            self.diff_s += self.pre.seconds
-            self.timing.pack += self.pre.seconds
-        super().run()
-        d_s, s_s, d_r, s_r = self.bytes
-        hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
-        self.snap.cost = DeltaCost(statistics.median(h[0] for h in hist), statistics.median(h[1] for h in hist),
-                                   d_s / s_s if s_s else 0.0, d_r / s_r if s_r else 0.0, history=hist)
+    @staticmethod
+    def preposts(req: DeltaRequest | None, row: Fence) -> bool:
+        """Does this run post its first step's receives with the handshake? A dense run does; so does a delta
+        request predicted dense again (its row says so: ``PREPOSTED``)."""
+        return req is None or bool(row.reasons & PREPOSTED)
 
-    def pack_and_post(self, pos: int) -> Pending:
-        p = self._pack_and_post(pos)
-        if pos == 0 and self.pre is not None and self.pre.updates:
-            t = clock()
-            commit_updates(self.pre.updates)
-            self.pre.updates = []
-            self.timing.pack += clock() - t
-        return p
+    @staticmethod
+    def packs_first(req: DeltaRequest | None, row: Fence) -> bool:
+        """Does this run pack step 0 while the handshake travels? A dense run does; so does a delta request this
+        rank expects to go dense (its own fence or cost columns say so: a cost fallback must cost what a dense
+        refit costs)."""
+        return req is None or dense_expected(row)
 
-    def _pack_and_post(self, pos: int) -> Pending:
-        i = self.work.steps[pos][0]
-        b, el = self.b, self.elig
-        what = self.what(pos)
-        t0 = clock()
-        # a delta-able message whose chunks are plain copies is diffed straight from its sources: no dense
-        # staging copy first; the rest is packed as in a dense run
-        srcs = [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)] \
-            if b.send_srcs else [None] * len(el.sends[pos])
-        skip = [rng for s in srcs if s is not None for rng in (s[1],) if rng[1] > rng[0]]
-        if skip:
-            packs, lo = [], 0
-            for a, z in skip:
-                packs += b.packs[pos][lo:a]
-                lo = z
-            packs += b.packs[pos][lo:]
-            if packs:
-                ops.copy_views(packs, self.backend, key=(self.key, "delta-pack", i))
-        else:
-            ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
-        if b.quant.packs[pos]:  # source-quantized chunks: quantized into the send buffer, as a dense run
-            self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
-        bsends = el.bsends[pos] if el.bsends else ()
-        sends, recvs = b.wire[pos]
-        out_s, len_s = [], []
-        for j, (peer, buf) in enumerate(sends):
-            if el.sends[pos][j] or (bsends and bsends[j]):
-                t = clock()
-                if (pos, j) in el.same:  # an earlier send's message (same boxes, one snapshot): not diffed again
-                    msg = self.shared[el.same[pos, j]]
-                elif pos == 0 and self.pre is not None and j in self.pre.msgs:
-                    msg = self.pre.msgs.pop(j)
-                elif el.sends[pos][j]:
-                    views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
-                    msg = ops.pack_delta(list(zip(views, self.snap.views(pos, j), strict=True)),
-                                         update=True, backend=self.backend,
-                                         cache=b.delta_cache.setdefault(("send", pos, j), {}))
-                else:
-                    msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
-                self.diff_s += clock() - t
-                if (pos, j) in el.repeated:
-                    self.shared[pos, j] = msg
-                self.bytes[0] += msg.numel()
-                self.bytes[1] += buf.numel()
-                out_s.append((peer, msg))
-                if not self.inbox_mode:  # (gloo: no length round)
-                    len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
-            else:
-                out_s.append((peer, buf))
-        self.timing.pack += clock() - t0
-        peers = {p for p, _ in sends} | {p for p, _ in recvs}
-        dev = (sends or recvs)[0][1].device
-        brecvs = el.brecvs[pos] if el.brecvs else (False,) * len(recvs)
-        delta_r = [el.recvs[pos][j] or brecvs[j] for j in range(len(recvs))]
-        if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see finish)
-            return self.post(pos, out_s, self._inbox_recvs(pos, recvs, dev))
-        len_r = [(peer, torch.zeros(1, dtype=torch.int64, device=dev))
-                 for j, (peer, _buf) in enumerate(recvs) if delta_r[j]]
-        if len_s or len_r:
-            t1 = clock()
-            works = self.link.call(self.link.post, f"{what} (delta lengths)", peers, len_s, len_r)
-            self.link.wait(works, f"{what} (delta lengths)", peers, t1)
-            self.timing.wire += clock() - t1
-        lens = iter(int(x) for _p, x in len_r)  # sent in message order: the k-th length is the k-th delta
-        out_r, inbox = [], []
-        for j, (peer, buf) in enumerate(recvs):
-            if delta_r[j]:
-                n = next(lens)
-                if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
-                    raise ValueError(f"rank {self.link.rank}: {what}: rank {peer} announced a delta message of "
-                                     f"{n} bytes (at most {el.max_bytes[pos, j]}, a multiple of 16)")
-                buf = torch.empty(n, dtype=torch.uint8, device=dev)
-                inbox.append(buf)
-            out_r.append((peer, buf))
-        self.inbox[pos] = inbox
-        self.sent += 8 * len(len_s)  # the length round
-        self.recvd += 8 * len(len_r)
-        return self.post(pos, out_s, out_r)
-
-    def _inbox_recvs(self, pos: int, recvs, dev) -> list:
-        """Step ``pos``'s receives with each delta message's buffer a slice of the step's inbox area, its
-        largest possible size (kept in ``self.inbox[pos]`` for :meth:`finish`)."""
+    def prediff(self, req: DeltaRequest | None, b, backend: str, row: Fence) -> Prediff | None:
+        """While the handshake is in flight: step 0's delta messages, if this rank expects the refit to go as a
+        delta (it holds a snapshot, its own fence raises nothing, its own cost columns do not predict dense);
+        the snapshot is left as it is until the fence passed (a refused refit moves nothing and keeps it). A
+        diff that fails here is dropped: the loop diffs again and raises in its place."""
         el = self.elig
-        out_r, inbox, at = [], [], 0
-        want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
-        area = self.snap.inbox(pos % self.work.slots, want, dev) if want else None
-        for j, (peer, buf) in enumerate(recvs):
-            if el.recvs[pos][j]:
-                n = el.max_bytes[pos, j]
-                buf = area[at:at + n]
-                at += n
-                inbox.append(buf)
-            out_r.append((peer, buf))
-        self.inbox[pos] = inbox
-        return out_r
+        if req is None or el is None or el.dense or not el.any_send or self.snap.version is None \
+                or dense_expected(row):
+            return None
+        try:
+            return prediff(self.work, b, el, self.snap, backend)
+        except Exception:
+            return None
 
-    def finish(self, p: Pending) -> None:
-        b, pos, el = self.b, p.pos, self.elig
-        t1 = clock()
-        self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
-        t2 = clock()
-        inbox = iter(self.inbox.pop(pos))
-        dense = []
-        brecvs = el.brecvs[pos] if el.brecvs else ()
-        for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
-            if el.recvs[pos][j] or (brecvs and brecvs[j]):
-                msg, t = next(inbox), clock()
-                if el.recvs[pos][j]:
-                    ops.unpack_delta(msg, vs, backend=self.backend, names=el.names[pos, j],
-                                     cache=b.delta_cache.setdefault(("recv", pos, j), {}))
-                else:
-                    unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
-                self.apply_s += clock() - t
-                n = message_length(msg) if self.inbox_mode else msg.numel()
-                if self.inbox_mode:  # received into a buffer of the largest size: count what came
-                    self.recvd -= msg.numel() - n
-                self.bytes[2] += n
-                self.bytes[3] += b.wire[pos][1][j][1].numel()
-            else:
-                dense += b.unpacks[pos][a:z]
-        ops.copy_views(dense, self.backend)
-        if b.quant.stage_unpacks[pos]:  # destination-quantized pieces: always dense, staged, then quantized
-            ops.copy_views(b.quant.stage_unpacks[pos], self.backend)
-        self.regions(pos)
-        self.timing.wire += t2 - t1
-        self.timing.unpack += clock() - t2
+    def decide(self, req: DeltaRequest | None, ranks, rows: list[Fence], close) -> tuple[int | None, str | None]:
+        """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None, why),
+        from every rank's fence (``rows``, in ``ranks`` order); without ``req`` the snapshot is dropped (the
+        destinations move past it). A strict refusal raises :class:`DeltaRefusedError` on every rank, after
+        ``close()`` closed the receives posted with the handshake (if any rank posted them)."""
+        self.dense_next = False
+        if req is None:
+            self.snap.version = None
+            return None, None
+        base, why, strict = fence(self.plan, ranks, rows)
+        # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
+        # nothing, so the snapshot still holds what the destinations at its version hold
+        if why is not None and strict:
+            if any(r.reasons & PREPOSTED for r in rows):  # close the receives posted with the handshake first
+                close()
+            raise DeltaRefusedError(f"rank {self.work.rank}: delta refit to version {req.version} refused: {why}; "
+                                    f"nothing was moved (delta=True falls back to a dense refit)")
+        self.dense_next = dense_next(req, why)
+        return base, why

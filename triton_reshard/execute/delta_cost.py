@@ -59,8 +59,8 @@ def cost_choice(rows: list[list[int]]) -> str | None:
     the slowest diff, then the slowest delta wire, then the slowest apply (each waits for the one before)."""
     if not rows or any(min(r) < 0 for r in rows):
         return None
-    dense = max(r[0] for r in rows)
-    pack, wire, unpack = (max(r[k] for r in rows) for k in (2, 1, 3))
+    cols = list(zip(*rows, strict=True))  # (dense wire, delta wire, diff, apply) columns, as cost_row makes them
+    dense, wire, pack, unpack = (max(c) for c in cols)
     if pack + wire + unpack <= dense:
         return None
     return (f"{COST_WHY}: {dense / 1e3:.2f} ms on the wire against a delta's {pack / 1e3:.2f} ms diff + "

@@ -1,16 +1,16 @@
 """The options of a refit, validated once: one frozen value that ``refit``, ``verify_refit``,
 ``get_resharder`` and :class:`~triton_reshard.execute.Resharder` share.
 
-:class:`RefitOptions` is the one definition of every option (name, default, check, who takes it): its fields
-build :meth:`RefitOptions.of` and, through :func:`takes_options`, the option parameters of the public entry
-points and of ``Resharder``, so adding an option is one field here. It resolves into the two values the
-plan side takes: the planner's :class:`~triton_reshard.plan.options.PlanOptions` (:meth:`RefitOptions.plan_options`)
-and the schedule's :class:`~triton_reshard.plan.options.StepBudget` (:attr:`RefitOptions.budget`)."""
+:class:`RefitOptions` is the one table of every option (name, default, check, who takes it): its fields build
+:meth:`RefitOptions.of`, which checks each option once; the public entry points write their option parameters
+out with these defaults (``tests/test_bad_input.py`` holds them to this table). It resolves into the two values
+the plan side takes, which are never checked again: the planner's
+:class:`~triton_reshard.plan.options.PlanOptions` (:meth:`RefitOptions.plan_options`) and the schedule's
+:class:`~triton_reshard.plan.options.StepBudget` (:attr:`RefitOptions.budget`). The relay and
+``gpus_per_node`` rules are ``plan.options``' (one place for ``refit`` and ``plan_reshard``)."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
@@ -18,9 +18,16 @@ from datetime import timedelta
 from .. import ops
 from ..layout import Layout
 from ..plan import DIRECT_MIN_BYTES
-from ..plan.options import PlanOptions, StepBudget, default_relay
+from ..plan.options import (
+    PlanOptions,
+    StepBudget,
+    check_gpus_per_node,
+    check_relay,
+    default_relay,
+    relay_value,
+)
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 256 << 20  # the one default of bucket_bytes (integrations import it)
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
@@ -42,15 +49,12 @@ def _backend(v):
 
 
 def _gpus_per_node(v):
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"refit: gpus_per_node={v!r} must be an int >= 1 or None")
+    check_gpus_per_node(v, "refit")
     return v
 
 
 def _relay(v):
-    if v is not None and not isinstance(v, bool):
-        raise TypeError(f"refit: relay={v!r} must be a bool or None")
-    return v
+    return relay_value(v, "refit")
 
 
 def _instances(v):
@@ -59,14 +63,14 @@ def _instances(v):
     return v
 
 
-def _option(default, check, accepts: str, *, refit: bool = True, executor: bool = False):
+def _option(default, check, *, refit: bool = True, executor: bool = False):
     """A field of :class:`RefitOptions`: its default, its check (the user's value -> the stored one, or a
     ``TypeError`` / ``ValueError`` naming the option and the value; None: checked together as the step
-    budget, :class:`~triton_reshard.plan.options.StepBudget`), the type users may pass (``accepts``, the public
-    annotation), whether ``refit`` / ``verify_refit`` / ``get_resharder`` take it (``refit``) and whether it
-    is the executor's (``executor``: a parameter of :class:`~triton_reshard.execute.Resharder`, in field
-    order; the others are the planner's, :class:`~triton_reshard.plan.options.PlanOptions`)."""
-    return field(default=default, metadata={"check": check, "accepts": accepts, "refit": refit, "executor": executor})
+    budget, :class:`~triton_reshard.plan.options.StepBudget`), whether ``refit`` / ``verify_refit`` /
+    ``get_resharder`` take it (``refit``) and whether it is the executor's (``executor``: a parameter of
+    :class:`~triton_reshard.execute.Resharder`, in field order; the others are the planner's,
+    :class:`~triton_reshard.plan.options.PlanOptions`)."""
+    return field(default=default, metadata={"check": check, "refit": refit, "executor": executor})
 
 
 _ACCEPTED: dict[tuple, RefitOptions] = {}  # RefitOptions.of's memo: accepted options by (name, type, value)
@@ -82,15 +86,15 @@ class RefitOptions:
     (:meth:`plan_options`): ``allow_cast``, ``gpus_per_node``, ``relay``, ``instances``.
     Hashable: it is the cache key of ``get_resharder`` with the layouts and group."""
 
-    bucket_bytes: int = _option(DEFAULT_BUCKET_BYTES, None, "int", executor=True)
-    timeout: timedelta = _option(DEFAULT_TIMEOUT, to_timedelta, "float | timedelta", executor=True)
-    backend: str | None = _option(None, _backend, "str | None", executor=True)
-    overlap: bool = _option(False, bool, "bool", refit=False, executor=True)
-    direct_min_bytes: int = _option(DIRECT_MIN_BYTES, None, "int", refit=False, executor=True)
-    allow_cast: bool = _option(False, bool, "bool")
-    gpus_per_node: int | None = _option(None, _gpus_per_node, "int | None")
-    relay: bool | None = _option(None, _relay, "bool | None")
-    instances: int = _option(1, _instances, "int")
+    bucket_bytes: int = _option(DEFAULT_BUCKET_BYTES, None, executor=True)
+    timeout: timedelta = _option(DEFAULT_TIMEOUT, to_timedelta, executor=True)
+    backend: str | None = _option(None, _backend, executor=True)
+    overlap: bool = _option(False, bool, refit=False, executor=True)
+    direct_min_bytes: int = _option(DIRECT_MIN_BYTES, None, refit=False, executor=True)
+    allow_cast: bool = _option(False, bool)
+    gpus_per_node: int | None = _option(None, _gpus_per_node)
+    relay: bool | None = _option(None, _relay)
+    instances: int = _option(1, _instances)
 
     @classmethod
     def of(cls, **options) -> RefitOptions:
@@ -127,9 +131,7 @@ class RefitOptions:
         budget = StepBudget.of(options.get("bucket_bytes", DEFAULT_BUCKET_BYTES), overlap=checked.get("overlap", False),
                                direct_min_bytes=options.get("direct_min_bytes", DIRECT_MIN_BYTES))
         opts = cls(bucket_bytes=budget.bucket_bytes, direct_min_bytes=budget.direct_min_bytes, **checked)
-        if opts.relay and opts.gpus_per_node is None and opts.instances == 1:
-            raise ValueError("refit: relay=True needs gpus_per_node or instances > 1 (relays fan out inside a node "
-                             "or over the engines)")
+        check_relay(opts.relay, opts.gpus_per_node, opts.instances != 1, "refit")
         return opts
 
     @property
@@ -158,46 +160,12 @@ class RefitOptions:
     def plan_options(self, dst_layout: Layout, *, verify: bool = False) -> tuple[Layout, PlanOptions]:
         """The layout to plan (``dst_layout``, or its ``instances`` copies) and the planner's options, resolved
         (``PlanOptions.for_instances``: relay groups from ``instances``, the relay default decided; ``verify``:
-        no relays). The one place ``refit``, ``verify_refit`` and ``get_resharder`` build them."""
+        no relays). The one place ``refit``, ``verify_refit`` and ``get_resharder`` build them: resolved, not
+        checked again (:meth:`of` checked them)."""
         return PlanOptions.for_instances(dst_layout, self.instances, self.allow_cast, self.gpus_per_node, self.relay,
-                                         verify=verify)
+                                         verify=verify, checked=True)
 
 
 REFIT_OPTIONS = tuple(f.name for f in fields(RefitOptions) if f.metadata["refit"])
 EXECUTOR_OPTIONS = tuple(f.name for f in fields(RefitOptions) if f.metadata["executor"])  # Resharder's own
-
-
-def takes_options(fn=None, *, names: tuple[str, ...] = REFIT_OPTIONS, positional: bool = False):
-    """Give ``fn`` (``def f(..., *, group=None, ..., **options)``) the option keywords ``names`` (default:
-    :data:`REFIT_OPTIONS`, the ones ``refit`` takes) as explicit parameters: ``inspect.signature`` and
-    ``help`` show them, with :class:`RefitOptions`' defaults, right after ``group``; ``fn`` receives the ones
-    the caller passed in ``**options`` (:meth:`RefitOptions.of` fills in the rest). Keyword-only, or with
-    ``positional`` positional-or-keyword, in field order (``Resharder(plan, group, bucket_bytes, ...)``):
-    those calls are bound to the signature as Python binds them (its ``TypeError`` for a missing, doubled or
-    unknown argument). Without ``positional`` an unknown keyword is the ``TypeError`` Python raises."""
-    if fn is None:
-        return functools.partial(takes_options, names=names, positional=positional)
-    sig = inspect.signature(fn)
-    known = {f.name: f for f in fields(RefitOptions)}
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if positional else inspect.Parameter.KEYWORD_ONLY
-    opts = [inspect.Parameter(n, kind, default=known[n].default, annotation=known[n].metadata["accepts"])
-            for n in names]
-    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    at = next((i + 1 for i, p in enumerate(params) if p.name == "group"), len(params))
-    public = sig.replace(parameters=params[:at] + opts + params[at:])
-    allowed = frozenset(names) | {p.name for p in params}
-
-    if positional:
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return fn(**public.bind(*args, **kwargs).arguments)
-    else:
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            for k in kwargs:
-                if k not in allowed:
-                    raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {k!r}")
-            return fn(*args, **kwargs)
-
-    wrapper.__signature__ = public
-    return wrapper
+DEFAULTS = {f.name: f.default for f in fields(RefitOptions)}  # each option's one default

@@ -21,44 +21,26 @@ import dataclasses
 import os
 import time
 from collections.abc import Mapping
+from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
 from ..comm.group import RefitGroup, as_transport
-from ..plan import Plan
+from ..plan import DIRECT_MIN_BYTES, Plan
 from ..plan.work import check_chunk_count, rank_work
 from . import checks
 from .bind import Bound, Staging, bind
-from .delta import (
-    COST_WHY,
-    PREPOSTED,
-    CaptureLoop,
-    DeltaLoop,
-    DeltaRefusedError,
-    DeltaRequest,
-    MessageSnapshot,
-    Prediff,
-    dense_expected,
-    dense_next,
-    eligible,
-    fence,
-    fence_row,
-    prediff,
-)
+from .delta import DeltaRequest, DeltaSide, MessageSnapshot, Prediff
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
-from .options import EXECUTOR_OPTIONS, RefitOptions, takes_options
+from .handshake import NO_FENCE, Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
+from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, DEFAULTS, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
-from .transport import (
-    DIRECT_ROWS_MAX_RANKS,
-    Link,
-    PendingHandshake,
-    close_preposted,
-    handshake_finish,
-    handshake_post,
-)
+from .strategies import Dense, pick
+from .transport import DIRECT_ROWS_MAX_RANKS, Link
 
 # post the first step's staged receives with the plan handshake (Resharder._prepost); perf/bench_call.py --ab
 # turns it off on alternate calls to measure what it saves under the same load
@@ -77,20 +59,23 @@ class Resharder:
     source or destination tensor are sent from / received into it in place, with no staging copy on that
     side (see ``Plan.schedule``); every rank must pass the same value.
 
-    These five parameters (after ``group``, by position or by name) are derived from the executor fields of
-    :class:`~triton_reshard.execute.options.RefitOptions` (``EXECUTOR_OPTIONS``), checked once there;
-    ``options=`` passes them validated already (a refit session's), instead.
+    These five parameters (after ``group``, by position or by name) are the executor fields of
+    :class:`~triton_reshard.execute.options.RefitOptions` (``EXECUTOR_OPTIONS``), with its defaults, checked
+    once there; ``options=`` passes them validated already (a refit session's), instead.
     """
 
-    @takes_options(names=EXECUTOR_OPTIONS, positional=True)
-    def __init__(self, plan: Plan, group: dist.ProcessGroup | RefitGroup | None = None, *,
-                 options: RefitOptions | None = None, snapshot: MessageSnapshot | None = None, **given) -> None:
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | RefitGroup | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float | timedelta = DEFAULT_TIMEOUT,
+                 backend: str | None = None, overlap: bool = False, direct_min_bytes: int = DIRECT_MIN_BYTES, *,
+                 options: RefitOptions | None = None, snapshot: MessageSnapshot | None = None) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan (the whole plan or this rank's share), got {type(plan).__name__}")
+        given = {"bucket_bytes": bucket_bytes, "timeout": timeout, "backend": backend, "overlap": overlap,
+                 "direct_min_bytes": direct_min_bytes}
         if options is None:
             options = RefitOptions.of(**given)
-        elif given:
-            raise TypeError(f"Resharder: pass options= or {', '.join(sorted(given))}, not both")
+        elif changed := sorted(n for n, v in given.items() if v != DEFAULTS[n]):
+            raise TypeError(f"Resharder: pass options= or {', '.join(changed)}, not both")
         self.options = options
         self.plan = plan
         self.group = group
@@ -122,12 +107,8 @@ class Resharder:
         self._bound: Bound | None = None
         self._prepost_for: Bound | None = None  # the binding _prepost_recvs was chosen for
         self._prepost_recvs: list | None = None
-        self._elig = None  # delta refits: which messages can go as deltas (execute/delta.py), when first asked
-        # what this rank last sent in its delta-able messages (a refit session owns it and hands it over)
-        self._snap = MessageSnapshot() if snapshot is None else snapshot
-        # the last refit was a cost fallback: the next delta request with a topology posts its first receives
-        # with the handshake, as a dense refit does (execute/delta.py dense_next)
-        self._dense_next = False
+        # delta refits (execute/delta.py): eligibility, the snapshot (a refit session's, handed over), the fence
+        self._delta = DeltaSide(plan, self.work, snapshot, bool(self._dst_specs))
 
     # the options, as attributes (read-only)
     bucket_bytes = property(lambda self: self.options.bucket_bytes)
@@ -146,12 +127,12 @@ class Resharder:
     def snapshot_bytes(self) -> int:
         """Device bytes of the delta snapshot (what this rank last sent in its delta-able messages; 0 until
         a run with ``delta=`` captured it)."""
-        return self._snap.nbytes
+        return self._delta.snap.nbytes
 
     @property
     def snapshot_version(self) -> int | None:
         """The version the delta snapshot holds (None: no delta refit can start from it)."""
-        return self._snap.version
+        return self._delta.snap.version
 
     @property
     def transport(self):
@@ -266,59 +247,44 @@ class Resharder:
             stats=stats,
         )
 
-    def _fence_row(self, delta: DeltaRequest | None, device, verify: bool) -> list[int]:
-        """Before the handshake: this rank's delta fence columns (they ride on the handshake's all-gather);
-        allocates the snapshot buffers on the first delta request."""
-        if verify or delta is None:
-            return fence_row(self.plan, None, self._snap, None, False)
-        if self._elig is None:
-            self._elig = eligible(self.plan, self.work)
-        if not self._elig.dense and device is not None:
-            self._snap.ensure(self.plan, self.work, self._elig, device)
-        row = fence_row(self.plan, self._elig, self._snap, delta, bool(self._dst_specs))
-        if self._dense_next and delta.topology is not None and not delta.strict:
-            row[0] |= PREPOSTED  # predicted dense again: step 0's receives go with the handshake (_handshake)
-        return row
+    def _prepare(self, src_tensors, dst_tensors, verify: bool, delta: DeltaRequest | None) -> _Ready:
+        """Every check before the handshake (a bad input on any rank stops every rank before a byte moves), the
+        binding and this rank's delta fence: a rejected input is carried in ``error`` to the handshake."""
+        ready = _Ready()
+        try:
+            ready.device, sides = self._checked(src_tensors, dst_tensors, verify)
+            device = ready.device
+            ready.backend = ops.resolve_backend(device, self.backend)
+            if ready.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
+                                 f"the tensors are on {device}")
+            if isinstance(self.link.comm, RefitGroup) and self.link.wire:
+                self.link.comm.check_live()
+            ready.bound = self._bind(src_tensors, dst_tensors, device, verify, sides)
+            ready.fence = self._delta.row(delta, device, verify)
+        except (ValueError, TypeError) as e:
+            ready.error = e
+        except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
+            ready.error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
+        ready.key = (id(self), hash(self._bound_sig))
+        return ready
 
-    def _fence(self, delta: DeltaRequest | None, rows: list[list[int]], hs: PendingHandshake
-               ) -> tuple[int | None, str | None]:
-        """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None,
-        why), from every rank's fence columns; without ``delta`` the snapshot is dropped (the destinations
-        move past it)."""
-        self._dense_next = False
-        if delta is None:
-            self._snap.version = None
-            return None, None
-        base, why, strict = fence(self.plan, self.link.ranks if self.link.wire else (self.rank,), rows)
-        # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
-        # nothing, so the snapshot still holds what the destinations at its version hold
-        if why is not None and strict:
-            if any(r[0] & PREPOSTED for r in rows):  # close the receives posted with the handshake first
-                close_preposted(self.link, hs, [o.tolist() for o in hs.out], "the delta fence")
-            raise DeltaRefusedError(f"rank {self.rank}: delta refit to version {delta.version} refused: {why}; "
-                                    f"nothing was moved (delta=True falls back to a dense refit)")
-        self._dense_next = dense_next(delta, why)
-        return base, why
-
-    def _handshake(self, error, verify: bool, delta: DeltaRequest | None, frow: list[int], b: Bound | None,
-                   backend, key) -> tuple[list[list[int]], float | None, Prediff | None, PendingHandshake]:
-        """The plan handshake (every rank's fence columns), and while its rows travel a dense run packs its
-        first step and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run
-        or verify posts its first step's staged receives with it (:meth:`_prepost`)."""
-        # a dense run posts step 0's receives with the handshake; so does a delta request predicted dense again
-        # (its row says so: PREPOSTED makes the refit dense on every rank)
-        prepost = self._prepost(b) if error is None and (delta is None or frow[0] & PREPOSTED) else None
+    def _handshake(self, ready: _Ready, verify: bool, delta: DeltaRequest | None
+                   ) -> tuple[list[Fence], PendingHandshake, float | None, Prediff | None]:
+        """The plan handshake (every rank's fence), and while its rows travel a dense run packs its first step
+        and a delta run diffs it (nothing moves; both dropped if the handshake raises); a dense run or verify
+        posts its first step's staged receives with it (:meth:`_prepost`)."""
+        error, b, frow = ready.error, ready.bound, ready.fence
+        prepost = self._prepost(b) if error is None and self._delta.preposts(delta, frow) else None
         hs = handshake_post(self.link, self.plan, self.options, error, verify, delta is not None, frow, prepost)
         work = error is None and not verify
-        # a dense run packs step 0 while the rows travel; so does a delta request this rank expects to go dense
-        # (its own fence or cost columns say so: a cost fallback must cost what a dense refit costs)
-        packed = self._prepack(b, backend, key) if work and (delta is None or dense_expected(frow)) else None
-        pre = self._prediff(delta, b, backend, frow) if work else None
-        return handshake_finish(self.link, hs, error), packed, pre, hs
+        packed = self._prepack(b, ready.backend, ready.key) if work and self._delta.packs_first(delta, frow) else None
+        pre = self._delta.prediff(delta, b, ready.backend, frow) if work else None
+        return handshake_finish(self.link, hs, error), hs, packed, pre
 
     def _prepost(self, b: Bound) -> list | None:
         """The receives of this rank's first step that may be posted with the plan handshake
-        (``transport.handshake_post``): on gloo (whose sends wait for the receiver's notice; NCCL's would queue
+        (``handshake.handshake_post``): on gloo (whose sends wait for the receiver's notice; NCCL's would queue
         behind them on the stream), from each peer whose only message to this rank in that step lands in
         staging (an in-place receive could be written by a refused handshake's filler), and not before an
         exchange of global scales (its rows would meet the pre-posted receives first)."""
@@ -348,103 +314,77 @@ class Resharder:
         except Exception:
             return None
 
-    def _prediff(self, delta: DeltaRequest | None, b: Bound, backend: str, frow: list[int]) -> Prediff | None:
-        """While the handshake is in flight: step 0's delta messages, if this rank expects the refit to go as a
-        delta (it holds a snapshot, its own fence columns raise nothing, its own cost columns do not predict
-        dense); the snapshot is left as it is until the fence passed (a refused refit moves nothing and keeps
-        it). A diff that fails here is dropped: the loop diffs again and raises in its place."""
-        if delta is None or self._elig is None or self._elig.dense or not self._elig.any_send \
-                or self._snap.version is None or dense_expected(frow):
-            return None
-        try:
-            return prediff(self.work, b, self._elig, self._snap, backend)
-        except Exception:
-            return None
+    def _strategy(self, delta: DeltaRequest | None, fences: list[Fence], hs: PendingHandshake,
+                  packed: float | None, pre: Prediff | None) -> Dense:
+        """What this run does to its messages (``execute/strategies.py``), from the delta fence's answer (a strict
+        refusal raises here, before any byte moves)."""
+        ranks = self.link.ranks if self.link.wire else (self.rank,)
+        base, why = self._delta.decide(delta, ranks, fences,
+                                       lambda: close_preposted(self.link, hs, "the delta fence"))
+        return pick(self._delta, delta, base, why, packed, pre)
+
+    def _failed(self, e: Exception, touched: set[str], verify: bool, drop: bool) -> NoReturn:
+        """The one place a failure after the checks is handled: the error names the destination tensors on this
+        rank that may be partly written (``torn``), this Resharder is marked broken (its group is unusable),
+        and with ``drop`` the delta snapshot is dropped (the destinations hold neither version: only a dense
+        refit makes a base again)."""
+        if drop:
+            self._delta.snap.version = None
+        torn = tuple(sorted(touched))
+        if isinstance(e, ReshardError):
+            err = e
+        else:
+            err = ReshardAbortedError(
+                f"rank {self.rank}: the run failed on this rank after the handshake ({type(e).__name__}: {e}); "
+                f"its peers are left waiting and will fail too; {GROUP_DEAD}")
+        err.torn = torn
+        note = (f"; destination tensors on rank {self.rank} possibly partly written: {list(torn)}" if torn
+                else f"; no destination tensor on rank {self.rank} was written")
+        if torn and not verify:
+            note += " (in-place receives already posted may still land until the group is destroyed)"
+        err.args = (str(err) + note,)
+        self._broken = f"{type(err).__name__} in {getattr(err, 'what', None) or 'a run'}"
+        if err is e:
+            raise e
+        raise err from e
 
     def _execute(self, src_tensors, dst_tensors, tally: Tally | None, delta: DeltaRequest | None = None
                  ) -> RunReport:
         """The loop ``run`` and ``verify`` share. ``tally``: None to write the destination (unpack and local
-        copies), or verify mode's sink, which compares those same pairs instead.
-
-        Every check runs before the handshake, so a bad input on any rank stops every rank before a byte
-        moves. After it, any failure marks this Resharder broken and raises a :class:`ReshardError` subclass
-        whose ``torn`` lists the destination tensors that may be partly written."""
+        copies), or verify mode's sink, which compares those same pairs instead. Checks, handshake, the delta
+        fence, then one :class:`~triton_reshard.execute.steps.StepLoop` with the run's strategy; a failure
+        after the checks goes to :meth:`_failed` (``torn``: destinations that may be partly written)."""
         t0 = time.perf_counter()
         verify = tally is not None
         if self._broken is not None:
             raise ReshardError(f"rank {self.rank}: this Resharder failed part way before ({self._broken}); "
                                f"{GROUP_DEAD}; nothing was moved")
-        error: Exception | None = None
-        device = backend = b = None
-        frow = fence_row(self.plan, None, self._snap, None, False)  # this rank's delta fence columns
+        ready = self._prepare(src_tensors, dst_tensors, verify, delta)
         try:
-            device, sides = self._checked(src_tensors, dst_tensors, verify)
-            backend = ops.resolve_backend(device, self.backend)
-            if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError(f"rank {self.rank}: copy backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
-                                 f"the tensors are on {device}")
-            if isinstance(self.link.comm, RefitGroup) and self.link.wire:
-                self.link.comm.check_live()
-            b = self._bind(src_tensors, dst_tensors, device, verify, sides)
-            frow = self._fence_row(delta, device, verify)
-        except (ValueError, TypeError) as e:
-            error = e
-        except RuntimeError as e:  # e.g. a destroyed refit group: named, before anything moved
-            error = ReshardError(f"rank {self.rank}: {e}; nothing was moved")
-        key = (id(self), hash(self._bound_sig))
-        try:
-            rows, packed, pre, hs = self._handshake(error, verify, delta, frow, b, backend, key)
+            fences, hs, packed, pre = self._handshake(ready, verify, delta)
         except ReshardTransportError as e:
-            e.args = (f"{e}; no destination tensor on rank {self.rank} was written",)
-            self._broken = f"{type(e).__name__} in {e.what}"
-            if delta is not None:
-                self._snap.version = None
-            raise
-        if not verify:
-            base, why = self._fence(delta, rows, hs)
-        preposted = hs.pre
+            self._failed(e, set(), verify, drop=delta is not None)
+        strategy = Dense(packed) if verify else self._strategy(delta, fences, hs, packed, pre)
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
-            args = (self.work, b, self.link, backend, tally, touched, key)
-            if verify or delta is None:
-                loop = StepLoop(*args, prepacked=packed, preposted=preposted)
-            elif base is not None:
-                loop = DeltaLoop(*args, elig=self._elig, snap=self._snap, pre=pre)
-            elif self._snap.device is not None:  # a cost fallback (predicted faster dense) captures nothing
-                loop = CaptureLoop(*args, elig=self._elig, snap=self._snap,
-                                   capture=not (why or "").startswith(COST_WHY), prepacked=packed,
-                                   preposted=preposted)
-            else:  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
-                loop = StepLoop(*args, prepacked=packed, preposted=preposted)
+            loop = StepLoop(self.work, ready.bound, self.link, ready.backend, tally, touched, ready.key, strategy,
+                            hs.pre)
             loop.run()
-            if device is not None and device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
-            report = loop.report(t0, b.send_area_bytes + b.recv_area_bytes + self._staging.region_bytes)
-            if verify or delta is None:
-                return report
-            if self._snap.device is not None:
-                self._snap.version = delta.version if getattr(loop, "capture", True) else None
-            dense = sum(buf.numel() for sends, _r in b.wire for _p, buf in sends)
-            return dataclasses.replace(report, mode="delta" if base is not None else "dense-fallback",
-                                       fallback=why, delta_base=base, dense_sent_bytes=dense,
-                                       rescaled=getattr(loop, "rescaled", ()))
+            if ready.device is not None and ready.device.type == "cuda":
+                torch.cuda.current_stream(ready.device).synchronize()
+            return strategy.report(loop, loop.report(t0, self.staging_bytes))
         except Exception as e:
-            if not verify:  # the destinations hold neither version: only a dense refit makes a base again
-                self._snap.version = None
-            torn = tuple(sorted(touched))
-            if isinstance(e, ReshardError):
-                err = e
-            else:
-                err = ReshardAbortedError(
-                    f"rank {self.rank}: the run failed on this rank after the handshake ({type(e).__name__}: {e}); "
-                    f"its peers are left waiting and will fail too; {GROUP_DEAD}")
-            err.torn = torn
-            note = (f"; destination tensors on rank {self.rank} possibly partly written: {list(torn)}" if torn
-                    else f"; no destination tensor on rank {self.rank} was written")
-            if torn and not verify:
-                note += " (in-place receives already posted may still land until the group is destroyed)"
-            err.args = (str(err) + note,)
-            self._broken = f"{type(err).__name__} in {getattr(err, 'what', None) or 'a run'}"
-            if err is e:
-                raise
-            raise err from e
+            self._failed(e, touched, verify, drop=not verify)
+
+
+@dataclasses.dataclass(slots=True)
+class _Ready:
+    """What :meth:`Resharder._prepare` found before the handshake: the device, copy backend, binding, this
+    rank's delta fence and the copy lists' cache key, or the ``error`` that rejects the input."""
+
+    error: Exception | None = None
+    device: torch.device | None = None
+    backend: str | None = None
+    bound: Bound | None = None
+    fence: Fence = NO_FENCE
+    key: tuple = ()

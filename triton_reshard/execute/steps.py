@@ -1,5 +1,6 @@
 """The step loop: pack, post, land (unpack or compare), the local copies and the quantization of staged
-regions, one small method per kind of step, timed into a :class:`Timing` record."""
+regions, one small method per kind of step, timed into a :class:`Timing` record. One loop for every run; what
+each step does to its messages is a strategy value (``execute/strategies.py``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from .. import ops
 from ..ops import quantize as quant
 from .bind import Bound
+from .handshake import Preposted
 from .reports import RunReport, Tally
-from .transport import Link, Preposted
+from .transport import Link
 
 clock = time.perf_counter
 
@@ -51,26 +53,28 @@ def prepack(work, bound: Bound, backend: str, key) -> float | None:
 
 
 class StepLoop:
-    """One run (or verify, with a ``tally``) of a rank's bound steps."""
+    """One run (or verify, with a ``tally``) of a rank's bound steps: the one loop every run takes, driven by
+    the plan's steps. What a step does to its messages is the ``strategy``'s (``execute/strategies.py``: dense,
+    capture, delta; quantized chunks are packed and landed by the loop's helpers inside them): per run
+    ``begin`` / ``end``, per step ``pack`` (the step's messages as they go on the wire), ``posted`` and
+    ``land`` (what the step received, once it arrived). Those are the one place per step where messages are
+    made and where they land."""
 
     def __init__(self, work, bound: Bound, link: Link, backend: str, tally: Tally | None, touched: set[str],
-                 key, prepacked: float | None = None, preposted: Preposted | None = None) -> None:
+                 key, strategy, preposted: Preposted | None = None) -> None:
         self.work, self.b, self.link, self.backend = work, bound, link, backend
         self.tally, self.touched, self.key = tally, touched, key
+        self.strategy = strategy
         self.verify = tally is not None
         self.timing = Timing()
         self.sent = self.recvd = 0
-        # step 0's staging copies were made while the handshake was in flight (:func:`prepack`): its seconds
-        self.prepacked = prepacked
-        if prepacked is not None:
-            self.timing.pack += prepacked
-        # step 0's receives posted with the plan handshake (transport.handshake_post): not posted again
+        # step 0's receives posted with the plan handshake (handshake.handshake_post): not posted again
         self.preposted = preposted
 
     def what(self, pos: int) -> str:
         return f"step {pos + 1}/{len(self.work.steps)}"
 
-    def land(self, pairs, meta, list_key) -> None:
+    def copy_or_compare(self, pairs, meta, list_key) -> None:
         """Unpack or local copies: write them, or in verify mode compare them."""
         if self.tally is None:
             ops.copy_views(pairs, self.backend, key=list_key)
@@ -154,7 +158,7 @@ class StepLoop:
         t = clock()
         b = self.b
         self.touched.update(b.local_writes)
-        self.land(b.local, b.local_meta, (self.key, "local"))
+        self.copy_or_compare(b.local, b.local_meta, (self.key, "local"))
         bq = b.quant
         if bq.local_stage:
             ops.copy_views(bq.local_stage, self.backend, key=(self.key, "local-stage"))
@@ -163,16 +167,20 @@ class StepLoop:
         self.regions(-1)
         self.timing.local = clock() - t
 
+    def quantize_sends(self, pos: int) -> None:
+        """Step ``pos``'s source-quantized chunks, quantized straight into their send buffers."""
+        if self.b.quant.packs[pos]:
+            self.quantize(self.b.quant.packs[pos], None, (self.key, "pack-quant", self.work.steps[pos][0]))
+
     def pack_and_post(self, pos: int) -> Pending:
-        i = self.work.steps[pos][0]
-        b = self.b
-        t0 = clock()
-        if pos or self.prepacked is None:
-            ops.copy_views(b.packs[pos], self.backend, key=(self.key, "pack", i))
-        if b.quant.packs[pos]:  # source-quantized chunks: quantized straight into the send buffer
-            self.quantize(b.quant.packs[pos], None, (self.key, "pack-quant", i))
-        self.timing.pack += clock() - t0
-        return self.post(pos, *b.wire[pos])
+        """Make step ``pos``'s messages (the strategy's ``pack``: the one place they are made; a round it runs
+        on the wire first, e.g. a delta's lengths, counts as wire time) and post them."""
+        wire, t0 = self.timing.wire, clock()
+        sends, recvs = self.strategy.pack(self, pos)
+        self.timing.pack += clock() - t0 - (self.timing.wire - wire)
+        p = self.post(pos, sends, recvs)
+        self.strategy.posted(self, pos)
+        return p
 
     def post(self, pos: int, sends, recvs) -> Pending:
         """Post step ``pos``'s payload round: ``sends`` / ``recvs`` as (peer, buffer), in the plan's order
@@ -193,13 +201,14 @@ class StepLoop:
         return Pending(pos, works, peers, posted, desc)
 
     def finish(self, p: Pending) -> None:
-        """Wait for step ``p`` and land what it received."""
+        """Wait for step ``p`` and land what it received (the strategy's ``land``: the one place messages
+        land), then the staged pieces of quantized destinations."""
         b, pos = self.b, p.pos
         i = self.work.steps[pos][0]
         t1 = clock()
         self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
         t2 = clock()
-        self.land(b.unpacks[pos], b.unpack_meta[pos] if self.verify else None, (self.key, "unpack", i))
+        self.strategy.land(self, pos)
         if b.quant.stage_unpacks[pos]:
             ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         self.regions(pos)
@@ -214,6 +223,7 @@ class StepLoop:
         pending: Pending | None = None
         with torch.no_grad():
             self.global_scales()
+            self.strategy.begin(self)
             for pos in range(len(self.work.steps)):
                 if pending is not None and (slots == 1 or phases[pending.pos] != phases[pos]):
                     # one slot: the previous step's buffers are reused; a new phase: relays read what the
@@ -232,6 +242,7 @@ class StepLoop:
                 self.finish(pending)
             if self.timing.local is None:  # no steps on this rank
                 self.local_copies()
+            self.strategy.end(self)
 
     def report(self, t0: float, staging_bytes: int) -> RunReport:
         tm = self.timing

@@ -1,19 +1,17 @@
-"""The transport side of a run: every call and wait with a timeout and a named error, the plan handshake,
-the verify result exchange, one run at a time per group, and ``refuse`` for a rank that could not plan."""
+"""The transport side of a run: every call and wait with a timeout and a named error, the exchange of every
+rank's small row (the plan handshake's, ``execute/handshake.py``; the verify result), one run at a time per
+group."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from .. import ops
-from ..comm.group import RefitGroup, as_transport
+from ..comm.group import RefitGroup
 from .errors import (
     CONNECTION_WORDS,
     GROUP_DEAD,
@@ -24,37 +22,10 @@ from .errors import (
     ReshardTransportError,
     classify,
 )
-from .options import to_timedelta
-
-FENCE_FIELDS = 10  # the delta fence's columns of the handshake row (execute/delta.py: fence_row, cost_row)
-BACKEND_CODES = {None: 0, "torch": 1, "triton": 2}  # the copy backend a rank asked for (None: by device)
 
 # one run or verify at a time per process group in this process: two would match each other's messages
 _RUNNING: dict[int, tuple[object, str]] = {}
 _RUNNING_LOCK = threading.Lock()
-
-
-def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(minutes=5)) -> None:
-    """Raise ``error`` (a planning or input error found on this rank before its ``Resharder`` exists) after
-    taking part in the plan handshake its peers are in, so that they raise at once ("rank(s) [r] could not
-    plan this refit") instead of waiting for the timeout. With rank plans an error in one tensor is found only
-    by the ranks that touch it. Peers that pre-posted their first step's receive from this rank (see
-    :func:`handshake_post`) get the filler that closes it (:func:`drain`)."""
-    comm = as_transport(group)
-    if comm.wire:
-        dev = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
-        row = [0, 0, 0, 2, 0, 0, int(verify), 0, 0, 0] + [0] * FENCE_FIELDS + [0]  # the handshake row
-        mine = torch.tensor(row, dtype=torch.int64, device=dev)
-        try:
-            td = to_timedelta(timeout)
-            out, works = post_rows(comm, mine)
-            for w in works:
-                w.wait(timeout=td)
-            for w in drain(comm, comm.ranks, [o.tolist() for o in out], dev):
-                w.wait(timeout=td)
-        except Exception:  # the peers' view of it is theirs to report; ours is the original error
-            pass
-    raise error
 
 
 DIRECT_ROWS_MAX_RANKS = 64  # up to this group size the rows go peer to peer or rooted (see post_rows)
@@ -192,15 +163,6 @@ class RootedRows:
                                f"of rank {self.ranks[lost]}")
 
 
-def drain(comm, ranks, rows: list[list[int]], device) -> list:
-    """After a refused handshake: send each peer that pre-posted a receive from this rank (its row's last
-    field, in bytes) a filler of that many zero bytes, so no receive is left open in the group (the peers wait
-    for it and drop it; nothing is unpacked). Returns the works to wait for."""
-    sends = [(r, torch.zeros(row[-1], dtype=torch.uint8, device=device))
-             for r, row in zip(ranks, rows, strict=True) if r != comm.rank and row[-1] > 0]
-    return comm.post(sends, []) if sends else []
-
-
 class Link:
     """This rank's end of the transport (``comm``: a torch.distributed group or a RefitGroup), with the
     run's ``timeout``: every call and wait raises a named :class:`ReshardTransportError`."""
@@ -287,7 +249,7 @@ class Link:
         if not self.wire:
             return {self.rank: mine}
         rows = self.all_gather_row([mine], "the verify result exchange")
-        return {r: row[0] for r, row in zip(self.ranks, rows, strict=True)}
+        return {r: count for r, (count,) in zip(self.ranks, rows, strict=True)}
 
     @contextlib.contextmanager
     def exclusive(self, what: str, digest: str):
@@ -312,135 +274,3 @@ class Link:
         finally:
             with _RUNNING_LOCK:
                 _RUNNING.pop(id(key_obj), None)
-
-
-@dataclass(slots=True)
-class PendingHandshake:
-    """A posted plan handshake (:func:`handshake_post`): every rank's row arrives into ``out``; ``pre``: the
-    receives of the first step posted behind it (:class:`Preposted`), or None."""
-
-    out: list
-    works: list
-    started: float
-    fence: list[int]
-    pre: Preposted | None = None
-
-
-@dataclass(slots=True)
-class Preposted:
-    """The first step's receives posted with the plan handshake: from ``peers`` (peer -> bytes), their
-    ``works`` (in ``recvs`` order) and when they were posted. The step loop posts the rest of that step."""
-
-    recvs: list  # (peer, buffer)
-    works: list
-    posted: float
-
-    @property
-    def peers(self) -> dict[int, int]:
-        return {p: buf.numel() * buf.element_size() for p, buf in self.recvs}
-
-
-HS_FIELDS = 10  # the handshake row: HS_FIELDS fields, the fence's FENCE_FIELDS, the pre-posted bytes
-
-
-def handshake_post(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False,
-                   fence: list[int] | None = None, prepost: list | None = None) -> PendingHandshake:
-    """Post this rank's handshake row (see :func:`handshake`) and return at once: the caller may work (a delta
-    refit diffs its first step's messages, writing nothing a refused refit would need) before
-    :func:`handshake_finish` waits for the peers' rows and checks them.
-
-    ``prepost``: (peer, staging buffer) receives of this rank's first step, at most one per peer, posted right
-    behind the handshake's (issue 32). gloo sends a message only once the receiver's "ready to receive" has
-    reached the sender, so a receive posted after the handshake costs a round trip more than one posted now,
-    whose notice travels while the handshake does. Nothing moves into them before the handshake passed: the
-    peers send their first step only after it, and after a refused handshake each peer sends a filler of the
-    size its row was told (the row's last field, per peer), which lands in staging and is dropped."""
-    fence = list(fence) if fence is not None else [0] * FENCE_FIELDS
-    if len(fence) != FENCE_FIELDS:
-        raise ValueError(f"fence row of {len(fence)} fields, want {FENCE_FIELDS}")
-    if not link.wire:
-        return PendingHandshake([], [], 0.0, fence)
-    d = int(plan.digest, 16)
-    requested = options.backend or os.environ.get(ops.ENV_VAR) or None
-    bcode = BACKEND_CODES.get(requested, len(BACKEND_CODES))
-    row = [d >> 32, d & 0xFFFFFFFF, options.bucket_bytes, 0 if error is None else 1, options.direct_min_bytes,
-           int(options.overlap), int(verify), bcode, sum(t.relay for t in plan.transfers) if verify else 0,
-           int(delta)] + fence + [0]
-    mine = torch.tensor(row, dtype=torch.int64, device=link.device())
-    pre = Preposted(list(prepost), [], 0.0) if prepost else None
-    t0 = time.perf_counter()
-    out, works = link.call(post_rows, "the plan handshake", link.ranks, link.comm, mine, pre and pre.peers)
-    if pre is not None:  # behind the handshake's receives from the same peers: gloo matches them in order
-        pre.posted = time.perf_counter()
-        pre.works = link.call(link.post, "the plan handshake", link.ranks, [], pre.recvs)
-    return PendingHandshake(out, works, t0, fence, pre)
-
-
-def handshake(link: Link, plan, options, error: Exception | None, verify: bool = False, delta: bool = False,
-              fence: list[int] | None = None) -> list[list[int]]:
-    """All ranks: same plan digest and options? all running or all verifying? all asking for a delta or
-    none (``delta``)? everyone's input valid? Raises on every rank otherwise. ``fence``: this rank's delta
-    fence columns (``execute/delta.py``), carried in the same all-gather; returns every rank's (in
-    ``link.ranks`` order), so a delta refit costs no extra round before its first byte."""
-    return handshake_finish(link, handshake_post(link, plan, options, error, verify, delta, fence), error)
-
-
-def handshake_finish(link: Link, pending: PendingHandshake, error: Exception | None) -> list[list[int]]:
-    """Wait for every rank's handshake row (posted by :func:`handshake_post`) and check them: raises on every
-    rank alike (see :func:`handshake`), after closing the pre-posted receives (:func:`drain`); returns every
-    rank's fence columns."""
-    if not link.wire:
-        if error is not None:
-            raise error
-        return [pending.fence]
-    link.wait(pending.works, "the plan handshake", link.ranks, pending.started)
-    rows = [o.tolist() for o in pending.out]
-    refusal = error if error is not None else _refusal(link, rows)
-    if refusal is not None:
-        close_preposted(link, pending, rows, "the plan handshake")
-        raise refusal
-    return [row[HS_FIELDS:HS_FIELDS + FENCE_FIELDS] for row in rows]
-
-
-def close_preposted(link: Link, pending: PendingHandshake, rows: list[list[int]], what: str) -> None:
-    """After a refusal (of the handshake, or of a delta by its fence): a filler to every peer that pre-posted a
-    receive from this rank (:func:`drain`, from ``rows``' last fields: every rank's handshake row), then wait
-    for those and for this rank's own pre-posted receives, so no receive is left open in the group."""
-    started = time.perf_counter()
-    works = link.call(drain, what, link.ranks, link.comm, link.ranks, rows, link.device())
-    link.wait(works + (pending.pre.works if pending.pre else []), what, link.ranks, started)
-
-
-def _refusal(link: Link, rows: list[list[int]]) -> Exception | None:
-    """The error every rank raises for these handshake rows (the same on every rank), or None."""
-    ranks = link.ranks
-    refused = [r for r, row in zip(ranks, rows, strict=True) if row[3] == 2]
-    if refused:  # ranks that could not even plan (refuse()): no digest to compare
-        return ReshardError(
-            f"rank {link.rank}: rank(s) {refused} could not plan this refit (see the error on those ranks); "
-            f"nothing was moved"
-        )
-    digests = {r: f"{(row[0] << 32) | row[1]:016x}" for r, row in zip(ranks, rows, strict=True)}
-    if len(set(digests.values())) > 1 or len({tuple(row[2:3] + row[4:8] + row[9:10]) for row in rows}) > 1:
-        names = {v: k or "auto" for k, v in BACKEND_CODES.items()}
-        opts = [(row[2], row[4], bool(row[5]), "verify" if row[6] else "run", names.get(row[7], "invalid"),
-                 bool(row[9])) for row in rows]
-        return ReshardError(
-            f"rank {link.rank}: ranks run different plans or options (plan digest by rank: {digests}; "
-            f"(bucket_bytes, direct_min_bytes, overlap, mode, backend, delta) by rank: {opts}); they must agree; "
-            f"nothing was moved"
-        )
-    relays = {r: row[8] for r, row in zip(ranks, rows, strict=True) if row[8]}
-    if relays:
-        return ValueError(
-            f"rank {link.rank}: verify needs a plan without relays (relay transfers by rank: {relays}; they read "
-            f"the relaying rank's destination tensors, which verify must not trust): plan it with relay=False; "
-            f"nothing was moved"
-        )
-    bad = [r for r, row in zip(ranks, rows, strict=True) if row[3]]
-    if bad:
-        return ReshardError(
-            f"rank {link.rank}: rank(s) {bad} rejected their input (see the error on those ranks); "
-            f"nothing was moved"
-        )
-    return None

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ..comm import wire
 from ..comm.group import RefitGroup
 from ..comm.secret import ResolvedSecret, secret_from
+from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..refit import RefitState, refit, refit_state, verify_refit
 from .engine import delta_options, exchange_layouts, join_group, message_tensors, plan_pair, tensor_message
@@ -284,7 +285,7 @@ def receive_weights(model, named_tensors) -> None:
         except BaseException:
             group.destroy()
             raise
-        _ENGINES[id(model)] = _EngineState(group, src, dst, opts["timeout"], int(g.get("bucket_bytes", 256 << 20)))
+        _ENGINES[id(model)] = _EngineState(group, src, dst, opts["timeout"], int(g.get("bucket_bytes", DEFAULT_BUCKET_BYTES)))
         return
     if st is None:
         raise RuntimeError(f"triton_reshard SGLang plug-in: {op!r} before 'init' on TP rank {_tp_rank()}")
@@ -364,7 +365,7 @@ class SGLangTrainer:
     ranks=num_trainer_ranks)``): every rank refuses, naming the tensor, if the engine's loader differs. ``secret_env`` / ``secret_file``: where every rank finds the refit group's secret."""
 
     def __init__(self, layout: Layout, *, rank: int, num_trainer_ranks: int, num_engine_ranks: int, host: str,
-                 port: int, engine=None, timeout: float = 300.0, bucket_bytes: int = 256 << 20,
+                 port: int, engine=None, timeout: float = 300.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  backend: str | None = None, expect: Layout | None = None, secret_env: str | None = None,
                  secret_file: str | None = None):
         if (engine is None) == (rank == 0):

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..comm.secret import SECRET_ENV
+from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..refit import refit
 from .engine import join_group, plugin_secret
@@ -49,7 +50,7 @@ if TrainerWeightTransferEngine is not None:
         num_trainer_ranks: int = 1
         layout: Layout | None = None  # the trainer's layout on refit ranks 0..num_trainer_ranks-1
         timeout: float = 300.0
-        bucket_bytes: int = 256 << 20
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES
         group_backend: str | None = None
         extra: dict = field(default_factory=dict)
         # the refit group's secret: ``secret`` itself (kept out of repr), else read from ``secret_file`` or the

@@ -14,6 +14,7 @@ import torch
 
 from ..comm.group import RefitGroup
 from ..comm.secret import SECRET_ENV
+from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from .engine import delta_options, exchange_layouts, plan_pair
 from .record import layout_from_records
@@ -64,7 +65,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     rank_offset: int  # the number of trainer ranks: worker w joins the refit group as rank_offset + w
     world_size: int  # trainer ranks + all workers
     timeout: float = 300.0
-    bucket_bytes: int = 256 << 20
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     group_backend: str | None = None  # gloo / nccl (default: nccl with CUDA)
     # where this worker reads the refit group's secret (the secret itself never travels in init info)
     secret_env: str | None = SECRET_ENV

@@ -41,6 +41,26 @@ def default_relay(relay: bool | None, gpus_per_node: int | None, grouped: bool, 
     return relay
 
 
+_FAN_OUT = {"refit": ("instances > 1", "over the engines"), "plan_reshard": ("relay_groups", "a group")}
+
+
+def relay_value(relay, who: str):
+    """``relay`` as given: a bool, or None for the default (:func:`default_relay`); else a ``TypeError``."""
+    if relay is not None and not isinstance(relay, bool):
+        raise TypeError(f"{who}: relay={relay!r} must be a bool or None")
+    return relay
+
+
+def check_relay(relay, gpus_per_node: int | None, grouped: bool, who: str) -> None:
+    """The relay rules, the one place (``refit``'s options and ``plan_reshard``'s): ``relay`` a bool or None,
+    and ``relay=True`` needs somewhere to fan out: ``gpus_per_node`` (a node) or groups (``grouped``: relay
+    groups, ``refit``'s ``instances > 1``). ``who``: the entry point, for the message."""
+    relay_value(relay, who)
+    if relay and gpus_per_node is None and not grouped:
+        other, where = _FAN_OUT[who]
+        raise ValueError(f"{who}: relay=True needs gpus_per_node or {other} (relays fan out inside a node or {where})")
+
+
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
     """``plan_reshard``'s options, resolved (build it with :meth:`of`): ``relay`` is decided (a bool), and
@@ -61,24 +81,34 @@ class PlanOptions:
         :func:`default_relay` (``quantized``, ``verify``: see there)."""
         check_gpus_per_node(gpus_per_node, "plan_reshard")
         grouped = bool(check_relay_groups(relay_groups))
-        if relay is not None and not isinstance(relay, bool):
-            raise TypeError(f"plan_reshard: relay={relay!r} must be a bool or None")
-        if relay and gpus_per_node is None and relay_groups is None:
-            raise ValueError("plan_reshard: relay=True needs gpus_per_node or relay_groups (relays fan out inside a "
-                             "node or a group)")
+        check_relay(relay, gpus_per_node, relay_groups is not None, "plan_reshard")
+        return cls.resolved(allow_cast, gpus_per_node, relay, relay_groups, grouped, quantized=quantized,
+                            verify=verify)
+
+    @classmethod
+    def resolved(cls, allow_cast: bool, gpus_per_node: int | None, relay: bool | None,
+                 relay_groups: RelayGroups | None, grouped: bool, *, quantized: bool = False,
+                 verify: bool = False) -> PlanOptions:
+        """From options checked already (:meth:`of`, or ``refit``'s ``RefitOptions.of``): ``relay`` decided
+        (:func:`default_relay`; ``grouped``: the relay groups fan out), nothing checked again."""
         relay = default_relay(relay, gpus_per_node, grouped, quantized=quantized, verify=verify)
         return cls(allow_cast, gpus_per_node, relay, relay_groups if relay else None)
 
     @classmethod
     def for_instances(cls, dst: Layout, instances: int, allow_cast: bool = False, gpus_per_node: int | None = None,
-                      relay: bool | None = None, *, verify: bool = False) -> tuple[Layout, PlanOptions]:
+                      relay: bool | None = None, *, verify: bool = False, checked: bool = False
+                      ) -> tuple[Layout, PlanOptions]:
         """``instances`` copies of the engine layout ``dst`` (``Layout.instances``): the layout to plan
         and its options, the copies' same positions as relay groups (``Layout.instance_groups``); relays
         default to off for a block-quantized ``dst``, and are never on with ``verify`` (:func:`default_relay`).
-        ``refit``, ``verify_refit`` and ``get_resharder`` plan with this."""
+        ``refit``, ``verify_refit`` and ``get_resharder`` plan with this, with ``checked`` (their options were
+        checked once, by ``RefitOptions.of``: they are only resolved here)."""
         groups, planned = None, dst
         if instances != 1:
             groups, planned = dst.instance_groups(instances), dst.instances(instances)
+        if checked:
+            return planned, cls.resolved(allow_cast, gpus_per_node, relay, groups, instances != 1,
+                                         quantized=dst.quantized, verify=verify)
         return planned, cls.of(allow_cast, gpus_per_node, relay, groups, quantized=dst.quantized, verify=verify)
 
     @property

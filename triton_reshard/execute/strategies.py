@@ -1,0 +1,358 @@
+"""What a run does to its messages: the strategy values of the one step loop (``steps.StepLoop``).
+
+Every run takes the same loop over the plan's steps; a strategy says what each step does to its messages, in
+five hooks, each called at one place: ``begin`` / ``end`` (per run), ``pack`` (make step k's messages: returns
+its (peer, buffer) sends and receives as they go on the wire), ``posted`` (after they were posted) and
+``land`` (write or compare what step k received), and ``report`` (the run's report, and the delta snapshot's
+version once the run succeeded).
+
+- :class:`Dense`: sources packed into staging, received messages unpacked (verify: compared). A delta request
+  that the fence sent dense without a snapshot to keep (a cost fallback, or a plan that is dense: block-FP8
+  destinations) is a :class:`Dense` with its reason.
+- :class:`Capture`: a dense run that also copies each delta-able message into the snapshot once posted.
+- :class:`Delta`: delta-able messages carry only the changed elements (``execute/delta.py`` describes it).
+
+Quantized chunks are packed (``StepLoop.quantize_sends``) and their staged regions quantized by the loop's
+helpers, the same in every strategy. :func:`pick` chooses the strategy from the fence's answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from .. import ops
+from ..ops.block_delta import pack_block_delta, unpack_block_delta
+from ..ops.delta import message_length
+from ..ops.delta_cpu import commit_updates
+from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff
+from .reports import RunReport
+from .steps import clock
+
+
+class Dense:
+    """A dense run (or verify). ``prepacked``: step 0's staging copies were made while the handshake was in
+    flight (``steps.prepack``; its seconds). ``req`` / ``why``: the delta request the fence sent dense, and why
+    (the report says so)."""
+
+    def __init__(
+        self, prepacked: float | None = None, req: DeltaRequest | None = None, why: str | None = None
+    ):
+        self.prepacked, self.req, self.why = prepacked, req, why
+
+    def begin(self, loop) -> None:
+        if self.prepacked is not None:
+            loop.timing.pack += self.prepacked
+
+    def pack(self, loop, pos: int) -> tuple[list, list]:
+        if pos or self.prepacked is None:
+            ops.copy_views(loop.b.packs[pos], loop.backend, key=(loop.key, "pack", loop.work.steps[pos][0]))
+        loop.quantize_sends(pos)
+        return loop.b.wire[pos]
+
+    def posted(self, loop, pos: int) -> None:
+        pass
+
+    def land(self, loop, pos: int) -> None:
+        b = loop.b
+        meta = b.unpack_meta[pos] if loop.verify else None
+        loop.copy_or_compare(b.unpacks[pos], meta, (loop.key, "unpack", loop.work.steps[pos][0]))
+
+    def end(self, loop) -> None:
+        pass
+
+    def report(self, loop, report: RunReport) -> RunReport:
+        """The run's report: a dense one as it is; a delta request run dense says why."""
+        if self.req is None:
+            return report
+        return _delta_report(loop, report, "dense-fallback", self.why, None, ())
+
+
+def _delta_report(
+    loop, report: RunReport, mode: str, why: str | None, base: int | None, rescaled
+) -> RunReport:
+    dense = sum(buf.numel() for sends, _r in loop.b.wire for _p, buf in sends)
+    return dataclasses.replace(
+        report, mode=mode, fallback=why, delta_base=base, dense_sent_bytes=dense, rescaled=rescaled
+    )
+
+
+def _global_bits(loop) -> dict[str, int]:
+    """Each NVFP4 group's global scale of this run, as its float32 bits."""
+    return {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
+
+
+class Capture(Dense):
+    """A dense run that also copies every delta-able message it sends into the snapshot (``capture=False``: a
+    dense run predicted faster than a delta, which skips the copy: the snapshot is then dropped)."""
+
+    def __init__(
+        self,
+        side: DeltaSide,
+        req: DeltaRequest,
+        why: str | None,
+        capture: bool,
+        prepacked: float | None = None,
+    ) -> None:
+        super().__init__(prepacked, req, why)
+        self.elig, self.snap, self.capture = side.elig, side.snap, capture
+
+    def begin(self, loop) -> None:
+        super().begin(loop)
+        self.snap.globals = _global_bits(loop)
+
+    def posted(self, loop, pos: int) -> None:
+        if not self.capture:
+            return
+        t = clock()
+        el, b = self.elig, loop.b
+        pairs = [
+            (v, s)
+            for j, ok in enumerate(el.sends[pos])
+            if ok and (pos, j) not in el.same
+            for v, s in zip(b.send_msgs[pos][j], self.snap.views(pos, j), strict=True)
+        ]
+        pairs += [
+            pair
+            for j, ok in enumerate(el.bsends[pos] if el.bsends else ())
+            if ok
+            for (q, s), (sq, ss) in zip(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), strict=True)
+            for pair in ((q, sq), (s, ss))
+        ]
+        ops.copy_views([(v, s) for v, s in pairs if v.numel()], loop.backend)
+        loop.timing.pack += clock() - t
+
+    def report(self, loop, report: RunReport) -> RunReport:
+        self.snap.version = self.req.version if self.capture else None
+        return super().report(loop, report)
+
+
+class Delta(Dense):
+    """A delta run: delta-able messages carry ``ops.pack_delta`` messages (``ops.block_delta`` ones for MXFP8 /
+    NVFP4 chunks); on NCCL (sizes must match) and with block deltas each step's are announced by a length
+    round first, otherwise (gloo) they are received into buffers of their largest possible size (a message
+    says its own length)."""
+
+    def __init__(self, side: DeltaSide, req: DeltaRequest, base: int, pre: Prediff | None = None) -> None:
+        super().__init__(None, req, None)
+        self.base, self.elig, self.snap = base, side.elig, side.snap
+        # step 0's messages diffed during the handshake; their snapshot writes are made once step 0 is posted
+        # (the messages are separate buffers: the writes overlap the wire instead of delaying the sends)
+        self.pre = pre
+        # this run's messages that a later send repeats (Eligible.same), until that send is posted
+        self.shared: dict[tuple[int, int], torch.Tensor] = {}
+        self.inbox: dict[int, list[torch.Tensor]] = {}
+        self.rescaled: tuple[str, ...] = ()
+        self.inbox_mode = False  # set by begin (the link's backend)
+        # measured for the cost model (DeltaCost): diff / apply seconds, delta and dense bytes each way
+        self.diff_s = self.apply_s = 0.0
+        self.bytes = [0, 0, 0, 0]  # delta sent, dense sent, delta received, dense received
+
+    def begin(self, loop) -> None:
+        # gloo without block deltas: delta messages received into buffers of their largest size, no length
+        # round; NCCL (counts must match) and plans with block deltas announce each delta's length first
+        self.inbox_mode = not loop.link.is_nccl and not self.elig.blocks
+        if self.pre is not None:  # the diff made during the handshake counts as this refit's
+            self.diff_s += self.pre.seconds
+            loop.timing.pack += self.pre.seconds
+        # NVFP4 groups whose global scale moved since the snapshot: every block of them changes, so their chunks
+        # go dense inside the block-delta messages; the snapshot takes the new scales
+        now = _global_bits(loop)
+        self.rescaled = tuple(sorted(g for g, v in now.items() if self.snap.globals.get(g) != v))
+        self.snap.globals = now
+
+    def end(self, loop) -> None:
+        d_s, s_s, d_r, s_r = self.bytes
+        hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
+        self.snap.cost = DeltaCost(
+            statistics.median(h[0] for h in hist),
+            statistics.median(h[1] for h in hist),
+            d_s / s_s if s_s else 0.0,
+            d_r / s_r if s_r else 0.0,
+            history=hist,
+        )
+
+    def report(self, loop, report: RunReport) -> RunReport:
+        self.snap.version = self.req.version
+        return _delta_report(loop, report, "delta", None, self.base, self.rescaled)
+
+    def posted(self, loop, pos: int) -> None:
+        if pos == 0 and self.pre is not None and self.pre.updates:
+            t = clock()
+            commit_updates(self.pre.updates)
+            self.pre.updates = []
+            loop.timing.pack += clock() - t
+
+    def _stage(self, loop, pos: int) -> list:
+        """The dense staging copies step ``pos`` still needs: a delta-able message whose chunks are plain
+        copies is diffed straight from its sources (no staging copy first). Returns those sources by send."""
+        b, el, i = loop.b, self.elig, loop.work.steps[pos][0]
+        srcs = (
+            [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)]
+            if b.send_srcs
+            else [None] * len(el.sends[pos])
+        )
+        skip = [rng for s in srcs if s is not None for rng in (s[1],) if rng[1] > rng[0]]
+        if skip:
+            packs, lo = [], 0
+            for a, z in skip:
+                packs += b.packs[pos][lo:a]
+                lo = z
+            packs += b.packs[pos][lo:]
+            if packs:
+                ops.copy_views(packs, loop.backend, key=(loop.key, "delta-pack", i))
+        else:
+            ops.copy_views(b.packs[pos], loop.backend, key=(loop.key, "pack", i))
+        return srcs
+
+    def _message(self, loop, pos: int, j: int, srcs: list) -> torch.Tensor:
+        """Send ``j`` of step ``pos`` as a delta message (diffed once per run and snapshot)."""
+        b, el = loop.b, self.elig
+        t = clock()
+        if (pos, j) in el.same:  # an earlier send's message (same boxes, one snapshot): not diffed again
+            msg = self.shared[el.same[pos, j]]
+        elif pos == 0 and self.pre is not None and j in self.pre.msgs:
+            msg = self.pre.msgs.pop(j)
+        elif el.sends[pos][j]:
+            views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
+            msg = ops.pack_delta(
+                list(zip(views, self.snap.views(pos, j), strict=True)),
+                update=True,
+                backend=loop.backend,
+                cache=b.delta_cache.setdefault(("send", pos, j), {}),
+            )
+        else:
+            msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
+        self.diff_s += clock() - t
+        if (pos, j) in el.repeated:
+            self.shared[pos, j] = msg
+        return msg
+
+    def pack(self, loop, pos: int) -> tuple[list, list]:
+        el = self.elig
+        srcs = self._stage(loop, pos)
+        loop.quantize_sends(pos)  # source-quantized chunks: quantized into the send buffer, as a dense run
+        bsends = el.bsends[pos] if el.bsends else ()
+        sends, recvs = loop.b.wire[pos]
+        out_s, len_s = [], []
+        for j, (peer, buf) in enumerate(sends):
+            if el.sends[pos][j] or (bsends and bsends[j]):
+                msg = self._message(loop, pos, j, srcs)
+                self.bytes[0] += msg.numel()
+                self.bytes[1] += buf.numel()
+                out_s.append((peer, msg))
+                if not self.inbox_mode:  # (gloo: no length round)
+                    len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
+            else:
+                out_s.append((peer, buf))
+        dev = (sends or recvs)[0][1].device
+        if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see land)
+            return out_s, self._inbox_recvs(loop, pos, recvs, dev)
+        return out_s, self._announced_recvs(loop, pos, sends, recvs, len_s, dev)
+
+    def _delta_recvs(self, pos: int, n: int) -> list[bool]:
+        el = self.elig
+        brecvs = el.brecvs[pos] if el.brecvs else (False,) * n
+        return [el.recvs[pos][j] or brecvs[j] for j in range(n)]
+
+    def _announced_recvs(self, loop, pos: int, sends, recvs, len_s, dev) -> list:
+        """Step ``pos``'s receives after the round of delta lengths (NCCL, block deltas): each delta message's
+        buffer of its announced size (kept in ``self.inbox[pos]`` for :meth:`land`)."""
+        el, link, what = self.elig, loop.link, loop.what(pos)
+        delta_r = self._delta_recvs(pos, len(recvs))
+        peers = {p for p, _ in sends} | {p for p, _ in recvs}
+        len_r = [
+            (peer, torch.zeros(1, dtype=torch.int64, device=dev))
+            for j, (peer, _buf) in enumerate(recvs)
+            if delta_r[j]
+        ]
+        if len_s or len_r:
+            t1 = clock()
+            works = link.call(link.post, f"{what} (delta lengths)", peers, len_s, len_r)
+            link.wait(works, f"{what} (delta lengths)", peers, t1)
+            loop.timing.wire += clock() - t1
+        lens = iter(int(x) for _p, x in len_r)  # sent in message order: the k-th length is the k-th delta
+        out_r, inbox = [], []
+        for j, (peer, buf) in enumerate(recvs):
+            if delta_r[j]:
+                n = next(lens)
+                if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
+                    raise ValueError(
+                        f"rank {link.rank}: {what}: rank {peer} announced a delta message of "
+                        f"{n} bytes (at most {el.max_bytes[pos, j]}, a multiple of 16)"
+                    )
+                buf = torch.empty(n, dtype=torch.uint8, device=dev)
+                inbox.append(buf)
+            out_r.append((peer, buf))
+        self.inbox[pos] = inbox
+        loop.sent += 8 * len(len_s)  # the length round
+        loop.recvd += 8 * len(len_r)
+        return out_r
+
+    def _inbox_recvs(self, loop, pos: int, recvs, dev) -> list:
+        """Step ``pos``'s receives with each delta message's buffer a slice of the step's inbox area, its
+        largest possible size (kept in ``self.inbox[pos]`` for :meth:`land`)."""
+        el = self.elig
+        out_r, inbox, at = [], [], 0
+        want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
+        area = self.snap.inbox(pos % loop.work.slots, want, dev) if want else None
+        for j, (peer, buf) in enumerate(recvs):
+            if el.recvs[pos][j]:
+                n = el.max_bytes[pos, j]
+                buf = area[at : at + n]
+                at += n
+                inbox.append(buf)
+            out_r.append((peer, buf))
+        self.inbox[pos] = inbox
+        return out_r
+
+    def land(self, loop, pos: int) -> None:
+        b, el = loop.b, self.elig
+        inbox = iter(self.inbox.pop(pos))
+        dense = []
+        brecvs = el.brecvs[pos] if el.brecvs else ()
+        for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
+            if el.recvs[pos][j] or (brecvs and brecvs[j]):
+                msg, t = next(inbox), clock()
+                if el.recvs[pos][j]:
+                    ops.unpack_delta(
+                        msg,
+                        vs,
+                        backend=loop.backend,
+                        names=el.names[pos, j],
+                        cache=b.delta_cache.setdefault(("recv", pos, j), {}),
+                    )
+                else:
+                    unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
+                self.apply_s += clock() - t
+                n = message_length(msg) if self.inbox_mode else msg.numel()
+                if self.inbox_mode:  # received into a buffer of the largest size: count what came
+                    loop.recvd -= msg.numel() - n
+                self.bytes[2] += n
+                self.bytes[3] += b.wire[pos][1][j][1].numel()
+            else:
+                dense += b.unpacks[pos][a:z]
+        ops.copy_views(dense, loop.backend)
+
+
+def pick(
+    side: DeltaSide,
+    req: DeltaRequest | None,
+    base: int | None,
+    why: str | None,
+    prepacked: float | None,
+    pre: Prediff | None,
+) -> Dense:
+    """The strategy of a run from the fence's answer (``DeltaSide.decide``: ``base`` to go as a delta, else
+    ``why`` not): dense without a delta request; a delta from ``base``; else dense, capturing the snapshot
+    unless the cost model chose dense (``COST_WHY``: no snapshot is kept) or the plan keeps none."""
+    if req is None:
+        return Dense(prepacked)
+    if base is not None:
+        return Delta(side, req, base, pre)
+    if side.snap.device is not None:
+        return Capture(side, req, why, not (why or "").startswith(COST_WHY), prepacked)
+    return Dense(
+        prepacked, req, why
+    )  # no snapshot: the plan goes dense (Eligible.dense: block-FP8 destinations)
