@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from .delta_cached import pack_plan, unpack_plan, unpack_with
-from .delta_cpu import numpy_pack, numpy_unpack
+from .delta_cpu import numpy_pack
 from .delta_format import (
     ALIGN,
     DEFAULT_CHUNK_ELEMS,
@@ -83,6 +83,7 @@ from .delta_format import (
     MAX_CHUNK_ELEMS,
     MAX_DIMS,
     VERSION,
+    VERSION2,
     Pair,
     chunk_list,
     chunks_start,
@@ -93,9 +94,11 @@ from .delta_format import INT_DTYPES as _INT
 from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
 from .delta_format import write_flat as _write_flat
+from .delta_native import pack_v2, unpack_v2
 from .launcher import bits, interpreting, kernel_module, resolve_backend, storage_view
 
 CPU = torch.device("cpu")
+CPU_VERSION = 2  # the format CPU packs write by default (issue 44: narrow values, ops/delta_v2.py)
 
 # Block sizes: under the interpreter every loop step costs Python time, so it gets big blocks.
 INTERPRET_BLOCK = 4096
@@ -439,14 +442,18 @@ def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
 
 
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-               names: Sequence[str] | None = None, cache: dict | None = None) -> torch.Tensor:
+               names: Sequence[str] | None = None, cache: dict | None = None, version: int = CPU_VERSION
+               ) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source. CPU tensors: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`
+    snapshot is brought up to date with its source. CPU tensors: ``version`` 2 (the default) the narrow
+    format by :func:`~triton_reshard.ops.delta_native.pack_v2`; 1: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`
     (with ``cache``, a dict the caller keeps for this message: its :class:`~triton_reshard.ops.delta_cached.PackPlan`,
-    the same bytes); others: :func:`_tensor_pack` (the same bytes)."""
+    the same bytes); others: :func:`_tensor_pack` (version 1, the same bytes)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     if device.type == "cpu":
+        if version == VERSION2:
+            return pack_v2(pairs, chunk_elems, update, cache)
         if cache is not None:
             return pack_plan(cache, pairs, chunk_elems).pack(update)
         return numpy_pack(pairs, chunk_elems, update)
@@ -465,7 +472,7 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
     if msg.device.type == "cpu" and all(d.device.type == "cpu" for d in dsts):
         if cache is not None:
             return unpack_with(unpack_plan(cache, dsts), msg, names)
-        return numpy_unpack(msg, dsts, names)
+        return unpack_v2(msg, dsts, names)
     return _tensor_unpack(msg, dsts, names)
 
 
@@ -676,19 +683,20 @@ def _backend(device: torch.device, backend: str | None) -> str:
 
 
 def pack_delta(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-               backend: str | None = None, names: Sequence[str] | None = None, cache: dict | None = None
-               ) -> torch.Tensor:
+               backend: str | None = None, names: Sequence[str] | None = None, cache: dict | None = None,
+               version: int = CPU_VERSION) -> torch.Tensor:
     """The delta message of ``pairs`` (``(src, snapshot)`` views) with the chosen backend (as ``copy_views``:
     argument > ``TRITON_RESHARD_BACKEND`` > Triton on CUDA, torch otherwise). ``cache``: a dict the caller keeps
     for a message that recurs with the same view objects (a refit's send): on CPU its per-message plan is kept
-    there and its checks are made once (``ops/delta_cached.py``)."""
-    plan = cache.get("pack") if cache is not None else None
+    there and its checks are made once (``ops/delta_cached.py``). ``version``: the format a CPU pack writes
+    (2, narrow values: ``ops/delta_v2.py``; 1: the v1 kinds only); the Triton backend writes version 1."""
+    plan = cache.get("pack2" if version == VERSION2 else "pack") if cache is not None else None
     if plan is not None and plan.fits(pairs, chunk_elems) and _backend(CPU, backend) == "torch":
         return plan.pack(update)
     device = validate_pairs(pairs, names)
     if _backend(device, backend) == "triton":
         return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names)
-    return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache)
+    return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache, version=version)
 
 
 def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str | None = None,

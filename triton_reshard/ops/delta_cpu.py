@@ -22,16 +22,19 @@ from .delta_format import (
     KIND_BITMASK,
     KIND_DENSE,
     KIND_NAMES,
+    KIND_NARROW,
     KIND_OFFSETS,
     MAGIC,
     MAX_CHUNK_ELEMS,
     VERSION,
+    VERSION2,
     Pair,
     chunk_list,
     name_of,
     pad,
     write_flat,
 )
+from .delta_v2 import decode_chunks, narrow_want, write_changes
 from .launcher import bits
 
 
@@ -87,6 +90,8 @@ class DirectoryNp:
     count: np.ndarray
     bit_views: list
     esizes: list[int]
+    nbytes: np.ndarray | None = None  # each chunk's bytes (header included)
+    version: int = VERSION
 
 
 class DstFacts:
@@ -129,7 +134,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
             raise ValueError(f"destination {name_of(names, i)}: {dsts[i].dtype} on {dev} (message on {msg.device})")
     mn = msg.numpy()
     magic, version, nc, chunk_elems = (int(x) & 0xFFFFFFFF for x in mn[:16].view(np.int32).tolist())
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in (VERSION, VERSION2):
         raise ValueError(f"not a delta message of version {VERSION} (magic {magic:#x}, version {version})")
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
         raise ValueError(f"delta message: chunk_elems {chunk_elems} out of range")
@@ -141,7 +146,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
     bit_views = facts.bit_views
     if not nc:
         e = np.zeros(0, dtype=np.int64)
-        return DirectoryNp(chunks, e, e, e, e, e, e, bit_views, esizes)
+        return DirectoryNp(chunks, e, e, e, e, e, e, bit_views, esizes, e, version)
     if length < start:
         raise ValueError(f"delta message of {length} bytes is shorter than its directory ({start} bytes)")
     owner, first, numel, esize_d = cinfo
@@ -155,7 +160,11 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
     want = np.stack([HEADER_BYTES + pad(numel * esize_d),
                      HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values,
                      HEADER_BYTES + pad(2 * np.minimum(count, numel)) + values])[np.clip(kind, 0, 2), np.arange(nc)]
-    good = (ok_off & (kind <= KIND_OFFSETS) & (esize == esize_d) & (numel_m == numel) & (count <= numel)
+    top = KIND_OFFSETS
+    if version == VERSION2:  # narrow chunks: their bytes are checked exactly with their bodies (ops/delta_v2.py)
+        top = KIND_NARROW
+        want = np.where(kind == KIND_NARROW, narrow_want(numel, esize_d, nbytes), want)
+    good = (ok_off & (kind <= top) & (esize == esize_d) & (numel_m == numel) & (count <= numel)
             & (nbytes == want) & (safe + nbytes <= length))
     if not good.all():
         c = int(np.argmin(good))
@@ -165,7 +174,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
             f"inconsistent: offset {int(offsets[c])}, kind {int(kind[c])}, elem_size {int(esize[c])} "
             f"(want {int(esize_d[c])}), numel {int(numel_m[c])} (want {n}), count {int(count[c])}, "
             f"nbytes {int(nbytes[c])} (want {int(want[c])}), message {length} bytes")
-    return DirectoryNp(chunks, owner, first, numel, offsets, kind, count, bit_views, esizes)
+    return DirectoryNp(chunks, owner, first, numel, offsets, kind, count, bit_views, esizes, nbytes, version)
 
 
 # CPU: the same messages, byte for byte, with numpy. Its compare, nonzero, take and put are 5-10x faster
@@ -322,9 +331,14 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
 
 
 def commit_updates(updates: list) -> None:
-    """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the values)."""
-    for view, at, v in updates:
-        view[at] = v
+    """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the
+    values; or a callable, the native codec's: it applies the message to the snapshot)."""
+    for u in updates:
+        if callable(u):
+            u()
+        else:
+            view, at, v = u
+            view[at] = v
 
 
 def body_error(dr: DirectoryNp, c: int, names: Sequence[str] | None) -> ValueError:
@@ -366,6 +380,11 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         bad |= isb & (pop != cnt)
         bad[sb[jb >= nel[sb]]] = True  # a bit past the chunk's last element
         groups.append((sb, jb, np.arange(sb.size, dtype=np.int64) - (np.cumsum(pop) - pop)[sb]))
+    narrow = np.flatnonzero(k == KIND_NARROW)
+    if narrow.size:  # version 2: every narrow body checked and decoded before the first write
+        nbad, decoded = decode_chunks(mn, body[narrow], nel[narrow], cnt[narrow], dr.nbytes[narrow],
+                                      np.asarray(dr.esizes, dtype=np.int64)[owner[narrow]])
+        bad[narrow] |= nbad
     if bad.any():
         raise body_error(dr, int(np.argmax(bad)), names)
     bit_views = dr.bit_views
@@ -400,6 +419,8 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         e = esizes[i]
         ob = int(body[c]) // e
         flat[i][a0:a0 + n0] = mn.view(np_int(e))[ob:ob + n0]
+    if narrow.size:
+        write_changes(flat, [b.numpy() for b in bit_views], owner[narrow], start[narrow], decoded)
 
 
 
