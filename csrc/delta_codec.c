@@ -172,7 +172,9 @@ static inline int64_t sext(uint64_t v, int e) {
 /* ---- pack ------------------------------------------------------------------------------------------ */
 
 /* One block: writes descriptor and payload, updates the snapshot; returns the payload bytes. */
-static int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const uint64_t m[4], int cnt,
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const uint64_t m[4], int cnt,
                           uint8_t *desc, uint8_t *pay, int update) {
     uint8_t idx[BLOCK];
     uint64_t val[BLOCK];
@@ -226,7 +228,7 @@ static int count_block(const uint64_t m[4]) {
 }
 
 /* One chunk of len elements at out: its header and body; returns its bytes. */
-static int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint8_t *out, int update) {
+INLINE int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint8_t *out, int update) {
     int64_t nbk = (len + BLOCK - 1) / BLOCK, dense = 16 + pad16(len * e);
     uint8_t *desc = out + 16, *pay = desc + 2 * nbk;
     int64_t count = 0, at = 16 + 2 * nbk;
@@ -270,6 +272,16 @@ static int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint
     return nbytes;
 }
 
+/* pack_chunk / narrow_chunk compiled once per element size (e a constant: no switch per element) */
+static int64_t pack_chunk_e(const uint8_t *s, uint8_t *q, int64_t len, int e, uint8_t *out, int update) {
+    switch (e) {
+    case 1: return pack_chunk(s, q, len, 1, out, update);
+    case 2: return pack_chunk(s, q, len, 2, out, update);
+    case 4: return pack_chunk(s, q, len, 4, out, update);
+    default: return pack_chunk(s, q, len, 8, out, update);
+    }
+}
+
 /* The whole message of n views (contiguous src/snap pointers, numels, element sizes) in chunks of ce elements.
  * out holds at least max_message_bytes + 4096 bytes. Returns the message length. */
 EXPORT int64_t trd_pack(int64_t n, const int64_t *src, const int64_t *snap, const int64_t *numel,
@@ -288,7 +300,7 @@ EXPORT int64_t trd_pack(int64_t n, const int64_t *src, const int64_t *snap, cons
         for (int64_t a = 0; a < numel[i]; a += ce, c++) {
             int64_t len = numel[i] - a < ce ? numel[i] - a : ce;
             memcpy(out + 16 + 8 * c, &at, 8);
-            at += pack_chunk(s + a * e, q + a * e, len, e, out + at, update);
+            at += pack_chunk_e(s + a * e, q + a * e, len, e, out + at, update);
         }
     }
     return at;
@@ -297,7 +309,7 @@ EXPORT int64_t trd_pack(int64_t n, const int64_t *src, const int64_t *snap, cons
 /* ---- unpack ---------------------------------------------------------------------------------------- */
 
 /* Check (apply == 0) or apply one narrow chunk's body; returns 0 when it agrees with its header. */
-static int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, uint8_t *d,
+INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, uint8_t *d,
                         int apply) {
     int64_t nbk = (len + BLOCK - 1) / BLOCK, at = 16 + 2 * nbk, total = 0;
     const uint8_t *desc = in + 16;
@@ -366,6 +378,16 @@ static int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
     return 0;
 }
 
+static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, uint8_t *d,
+                          int apply) {
+    switch (e) {
+    case 1: return narrow_chunk(in, len, count, nbytes, 1, d, apply);
+    case 2: return narrow_chunk(in, len, count, nbytes, 2, d, apply);
+    case 4: return narrow_chunk(in, len, count, nbytes, 4, d, apply);
+    default: return narrow_chunk(in, len, count, nbytes, 8, d, apply);
+    }
+}
+
 /* Check (check == 1: no write) or apply a v2 message to n contiguous destinations. Headers and directory were
  * checked by the caller. Returns -1 when done, the index of the first chunk whose body disagrees with its
  * header, or -2 when the message holds a chunk kind this codec does not write (the caller falls back). */
@@ -383,7 +405,7 @@ EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, con
             int kind = (int)(h[0] & 0xFF);
             int64_t len = h[1], count = h[2], nbytes = h[3];
             if (kind == KIND_NARROW) {
-                if (narrow_chunk(msg + off, len, count, nbytes, e, d + a * e, !check)) return c;
+                if (narrow_chunk_e(msg + off, len, count, nbytes, e, d + a * e, !check)) return c;
             } else if (kind == KIND_DENSE) {
                 if (!check) memcpy(d + a * e, msg + off + 16, (size_t)(len * e));
             } else if (!(kind == KIND_OFFSETS && count == 0)) {
