@@ -12,6 +12,7 @@
  */
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 256
@@ -135,22 +136,48 @@ EXPORT int trd_simd(void) {
     return 0;
 }
 
-/* ---- bit stream ---------------------------------------------------------------------------------------- */
+/* ---- values: a little-endian bit stream of w-bit values ----------------------------------------------- */
 
-typedef struct { uint8_t *p; uint64_t acc; int nbits; } bitw;
-
-static inline void bw_put(bitw *b, uint64_t v, int w) {
-    if (w >= 8) {
-        for (int k = 0; k < w / 8; k++) *b->p++ = (uint8_t)(v >> (8 * k));
-        return;
+static inline uint8_t *put_values(uint8_t *p, const uint64_t *v, int n, int w) {
+    int j = 0;
+    if (w == 2) {
+        for (; j + 4 <= n; j += 4)
+            *p++ = (uint8_t)((v[j] & 3) | (v[j + 1] & 3) << 2 | (v[j + 2] & 3) << 4 | (v[j + 3] & 3) << 6);
+    } else if (w == 4) {
+        for (; j + 2 <= n; j += 2) *p++ = (uint8_t)((v[j] & 15) | (v[j + 1] & 15) << 4);
+    } else {
+        for (; j < n; j++)
+            for (int k = 0; k < w / 8; k++) *p++ = (uint8_t)(v[j] >> (8 * k));
+        return p;
     }
-    b->acc |= (v & ((1u << w) - 1)) << b->nbits;
-    b->nbits += w;
-    if (b->nbits >= 8) { *b->p++ = (uint8_t)b->acc; b->acc >>= 8; b->nbits -= 8; }
+    if (j < n) {
+        uint64_t acc = 0;
+        for (int t = 0; j < n; j++, t += w) acc |= (v[j] & ((1u << w) - 1)) << t;
+        *p++ = (uint8_t)acc;
+    }
+    return p;
 }
 
-static inline void bw_flush(bitw *b) {
-    if (b->nbits > 0) { *b->p++ = (uint8_t)b->acc; b->acc = 0; b->nbits = 0; }
+static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
+    if (w == 2) {
+        for (int j = 0; j < n; j++) v[j] = (p[j >> 2] >> (2 * (j & 3))) & 3;
+        return p + (n + 3) / 4;
+    }
+    if (w == 4) {
+        for (int j = 0; j < n; j++) v[j] = (p[j >> 1] >> (4 * (j & 1))) & 15;
+        return p + (n + 1) / 2;
+    }
+    if (w == 8) {
+        for (int j = 0; j < n; j++) v[j] = p[j];
+        return p + n;
+    }
+    for (int j = 0; j < n; j++) {
+        uint64_t x = 0;
+        for (int k = 0; k < w / 8; k++) x |= (uint64_t)p[k] << (8 * k);
+        v[j] = x;
+        p += w / 8;
+    }
+    return p;
 }
 
 static inline int64_t vbytes(int64_t n, int w) { return (n * w + 7) / 8; }
@@ -176,23 +203,19 @@ static inline int64_t sext(uint64_t v, int e) {
 
 INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const uint64_t m[4], int cnt,
                           uint8_t *desc, uint8_t *pay, int update) {
-    uint8_t idx[BLOCK];
+    uint8_t idx[BLOCK + 16];
     uint64_t val[BLOCK];
     uint64_t orv = 0;
     int c = 0;
-    for (int w = 0; w < 4; w++) {
-        uint64_t x = m[w];
-        while (x) {
-            int i = w * 64 + __builtin_ctzll(x);
-            x &= x - 1;
-            uint64_t a = load(s, i, e), b = load(q, i, e);
-            int64_t d = sext(a - b, e);
-            orv |= (uint64_t)(d ^ (d >> 63));
-            idx[c] = (uint8_t)i;
-            val[c++] = (uint64_t)d;
-            if (update) store(q, i, e, a);
-        }
+    for (int w = 0; w < 4; w++)
+        for (uint64_t x = m[w]; x; x &= x - 1) idx[c++] = (uint8_t)(w * 64 + __builtin_ctzll(x));
+    for (int j = 0; j < cnt; j++) {
+        int64_t d = sext(load(s, idx[j], e) - load(q, idx[j], e), e);
+        orv |= (uint64_t)(d ^ (d >> 63));
+        val[j] = (uint64_t)d;
     }
+    if (update)
+        for (int j = 0; j < cnt; j++) store(q, idx[j], e, load(s, idx[j], e));
     int code = code_of(orv, e), w = width_of(code, e);
     if (code == RAW)
         for (int j = 0; j < cnt; j++) val[j] = load(s, idx[j], e);
@@ -200,26 +223,24 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
     int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
     desc[0] = (uint8_t)(code | (mode << 4));
     desc[1] = (uint8_t)(cnt - 1);
-    bitw b = {pay, 0, 0};
+    uint8_t *p = pay;
     if (mode == MODE_OFFSETS) {
-        memcpy(b.p, idx, (size_t)cnt);
-        b.p += cnt;
+        for (int j = 0; j < cnt; j += 16) memcpy(p + j, idx + j, 16);  /* fixed size: no rep movs; the
+                                                                        bytes past cnt are overwritten next */
+        p = put_values(p + cnt, val, cnt, w);
     } else if (mode == MODE_BITMASK) {
-        for (int k = 0; k < (blen + 7) / 8; k++) *b.p++ = (uint8_t)(m[k >> 3] >> (8 * (k & 7)));
-    }
-    if (mode != MODE_ALL) {
-        for (int j = 0; j < cnt; j++) bw_put(&b, val[j], w);
+        for (int k = 0; k < (blen + 7) / 8; k++) *p++ = (uint8_t)(m[k >> 3] >> (8 * (k & 7)));
+        p = put_values(p, val, cnt, w);
     } else {
-        int j = 0;
-        for (int i = 0; i < blen; i++) {
-            uint64_t v = 0;
-            if (j < cnt && idx[j] == i) v = val[j++];
-            else if (code == RAW) v = load(s, i, e);
-            bw_put(&b, v, w);
-        }
+        uint64_t full[BLOCK];
+        if (code == RAW)
+            for (int i = 0; i < blen; i++) full[i] = load(s, i, e);
+        else
+            memset(full, 0, sizeof(uint64_t) * (size_t)blen);
+        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
+        p = put_values(p, full, blen, w);
     }
-    bw_flush(&b);
-    return b.p - pay;
+    return p - pay;
 }
 
 static int count_block(const uint64_t m[4]) {
@@ -308,11 +329,31 @@ EXPORT int64_t trd_pack(int64_t n, const int64_t *src, const int64_t *snap, cons
 
 /* ---- unpack ---------------------------------------------------------------------------------------- */
 
-/* Check (apply == 0) or apply one narrow chunk's body; returns 0 when it agrees with its header. */
+/* The decoded changes of one chunk: element index (bit 31: a raw value) and value (raw bits or the
+ * sign-extended difference); applied after the whole chunk is decoded, with the destination's lines
+ * prefetched ahead (the writes are scattered: without it the apply waits on each line in turn). */
+typedef struct { uint32_t *pos; uint64_t *val; } changes;
+
+#define PREFETCH 24
+#define DIRECT_ABOVE 32 /* changed fraction above 1/32: apply as decoded */
+
+INLINE void apply_changes(const changes *ch, int64_t k, uint8_t *d, int e) {
+    for (int64_t j = 0; j < k; j++) {
+        if (j + PREFETCH < k) __builtin_prefetch(d + (int64_t)(ch->pos[j + PREFETCH] & 0x7FFFFFFFu) * e, 1, 0);
+        uint32_t pj = ch->pos[j];
+        int64_t i = pj & 0x7FFFFFFFu;
+        store(d, i, e, (pj >> 31) ? ch->val[j] : load(d, i, e) + ch->val[j]);
+    }
+}
+
+/* Check (ch == NULL) or decode and apply one narrow chunk's body; returns 0 when it agrees with its header. */
 INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, uint8_t *d,
-                        int apply) {
-    int64_t nbk = (len + BLOCK - 1) / BLOCK, at = 16 + 2 * nbk, total = 0;
+                        const changes *ch) {
+    int64_t nbk = (len + BLOCK - 1) / BLOCK, at = 16 + 2 * nbk, total = 0, k = 0;
     const uint8_t *desc = in + 16;
+    /* dense changes touch nearly every line of the destination (the hardware prefetcher streams it): apply
+       as decoded; sparse ones: decode the chunk, then apply with the touched lines prefetched */
+    int direct = ch && count * DIRECT_ABOVE > len;
     if (16 + 2 * nbk > nbytes) return 1;
     for (int64_t b = 0; b < nbk; b++) {
         int code = desc[2 * b] & 0x0F, mode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
@@ -329,62 +370,66 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         const uint8_t *p = in + at;
         at += size;
         total += cnt;
-        uint8_t idx[BLOCK];
+        uint8_t idxb[BLOCK];
+        const uint8_t *idx = idxb;
         int nv = cnt;
         if (mode == MODE_OFFSETS) {
-            for (int j = 0; j < cnt; j++) {
-                if (p[j] >= blen || (j && p[j] <= p[j - 1])) return 1;
-                idx[j] = p[j];
-            }
+            unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
+            for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
+            if (bad) return 1;
+            idx = p;
             p += cnt;
         } else if (mode == MODE_BITMASK) {
             int c = 0;
-            for (int k = 0; k < (blen + 7) / 8; k++) {
-                unsigned x = p[k];
-                while (x) {
-                    int i = 8 * k + __builtin_ctz(x);
-                    x &= x - 1;
-                    if (i >= blen || c >= cnt) return 1;
-                    idx[c++] = (uint8_t)i;
-                }
+            for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
+            if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
+            if (ch) {
+                c = 0;
+                for (int q = 0; q < (blen + 7) / 8; q++)
+                    for (unsigned x = p[q]; x; x &= x - 1) idxb[c++] = (uint8_t)(8 * q + __builtin_ctz(x));
             }
-            if (c != cnt) return 1;
             p += (blen + 7) / 8;
         } else {
             nv = blen;
         }
-        if (!apply) continue;
-        uint8_t *db = d + b * BLOCK * e;
-        uint64_t acc = 0;
-        int nbits = 0;
-        uint64_t mask = w >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << w) - 1);
-        for (int j = 0; j < nv; j++) {
-            uint64_t v;
-            if (w >= 8) {
-                v = 0;
-                for (int k = 0; k < w / 8; k++) v |= (uint64_t)*p++ << (8 * k);
-            } else {
-                if (nbits < w) { acc |= (uint64_t)*p++ << nbits; nbits += 8; }
-                v = acc & mask;
-                acc >>= w;
-                nbits -= w;
+        if (!ch) continue;
+        uint32_t base = (uint32_t)(b * BLOCK), rawbit = code == RAW ? 0x80000000u : 0;
+        uint64_t v[BLOCK];
+        get_values(p, v, nv, w);
+        if (!rawbit) {
+            int sh = 64 - w;
+            for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << sh) >> sh);
+        }
+        if (direct) {
+            uint8_t *db = d + (int64_t)base * e;
+            if (mode == MODE_ALL && rawbit)
+                for (int j = 0; j < nv; j++) store(db, j, e, v[j]);
+            else if (mode == MODE_ALL)
+                for (int j = 0; j < nv; j++) store(db, j, e, load(db, j, e) + v[j]);
+            else if (rawbit)
+                for (int j = 0; j < nv; j++) store(db, idx[j], e, v[j]);
+            else
+                for (int j = 0; j < nv; j++) store(db, idx[j], e, load(db, idx[j], e) + v[j]);
+        } else {
+            for (int j = 0; j < nv; j++) {
+                if (!rawbit && !v[j]) continue;  /* an unchanged element of an "all" block */
+                ch->pos[k] = (base + (uint32_t)(mode == MODE_ALL ? j : idx[j])) | rawbit;
+                ch->val[k++] = v[j];
             }
-            int i = mode == MODE_ALL ? j : idx[j];
-            if (code == RAW) store(db, i, e, v);
-            else if (v) store(db, i, e, load(db, i, e) + (uint64_t)((int64_t)(v << (64 - w)) >> (64 - w)));
         }
     }
     if (pad16(at) != nbytes || total != count) return 1;
+    if (ch && !direct) apply_changes(ch, k, d, e);
     return 0;
 }
 
 static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, uint8_t *d,
-                          int apply) {
+                          const changes *ch) {
     switch (e) {
-    case 1: return narrow_chunk(in, len, count, nbytes, 1, d, apply);
-    case 2: return narrow_chunk(in, len, count, nbytes, 2, d, apply);
-    case 4: return narrow_chunk(in, len, count, nbytes, 4, d, apply);
-    default: return narrow_chunk(in, len, count, nbytes, 8, d, apply);
+    case 1: return narrow_chunk(in, len, count, nbytes, 1, d, ch);
+    case 2: return narrow_chunk(in, len, count, nbytes, 2, d, ch);
+    case 4: return narrow_chunk(in, len, count, nbytes, 4, d, ch);
+    default: return narrow_chunk(in, len, count, nbytes, 8, d, ch);
     }
 }
 
@@ -393,7 +438,14 @@ static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t
  * header, or -2 when the message holds a chunk kind this codec does not write (the caller falls back). */
 EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
                           const int64_t *esize, int64_t ce, int check) {
-    int64_t c = 0;
+    int64_t c = 0, r = -1;
+    changes chs = {NULL, NULL}, *ch = NULL;
+    if (!check) {
+        chs.pos = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)ce);
+        chs.val = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)ce);
+        if (!chs.pos || !chs.val) { free(chs.pos); free(chs.val); return -3; }
+        ch = &chs;
+    }
     for (int64_t i = 0; i < n; i++) {
         int e = (int)esize[i];
         uint8_t *d = (uint8_t *)(intptr_t)dst[i];
@@ -405,15 +457,19 @@ EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, con
             int kind = (int)(h[0] & 0xFF);
             int64_t len = h[1], count = h[2], nbytes = h[3];
             if (kind == KIND_NARROW) {
-                if (narrow_chunk_e(msg + off, len, count, nbytes, e, d + a * e, !check)) return c;
+                if (narrow_chunk_e(msg + off, len, count, nbytes, e, d + a * e, ch)) { r = c; goto done; }
             } else if (kind == KIND_DENSE) {
                 if (!check) memcpy(d + a * e, msg + off + 16, (size_t)(len * e));
             } else if (!(kind == KIND_OFFSETS && count == 0)) {
-                return -2;
+                r = -2;
+                goto done;
             }
         }
     }
-    return -1;
+done:
+    free(chs.pos);
+    free(chs.val);
+    return r;
 }
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_delta_codec",

@@ -168,5 +168,6 @@ def unpack_v2(
         return numpy_unpack(msg, dsts, names, facts)
     if r >= 0:
         raise body_error(dr, int(r), names)
-    lib.trd_unpack(msg.data_ptr(), *args, 0)
+    if lib.trd_unpack(msg.data_ptr(), *args, 0) == -3:
+        raise MemoryError("delta unpack: no memory for the native codec's per-chunk scratch (nothing written)")
     return None
