@@ -275,59 +275,67 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     mn = msg.numpy()
     write_headers_np(mn, ce, numel, count, esize, kind, nbytes, offsets)
     if nc:
-        body = offsets + HEADER_BYTES
-        vbase = value_base_np(kind, body, count, numel)
-        owner = np.repeat(np.arange(len(pairs), dtype=np.int64), nchs)
-        keep = None  # the changed elements of dense chunks leave the sparse list
-        dense = np.flatnonzero(kind == KIND_DENSE)
-        for c in dense.tolist():
-            i = int(owner[c])
-            a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
-            o = int(body[c]) // e
-            sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
-            mn.view(np_int(e))[o:o + n] = sn[a:a + n]
-        if dense.size:
-            keep = kind[ch] != KIND_DENSE
-        local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
-        r = np.arange(gidx.size, dtype=np.int64) - (np.cumsum(count) - count)[ch]  # rank in its chunk
-        bc = np.flatnonzero(kind == KIND_BITMASK)
-        if bc.size:  # bitmask words (little-endian, LSB first), rebuilt from the indices
-            nw = -(-ce // 32)
-            row_of = np.full(nc, -1, dtype=np.int64)
-            row_of[bc] = np.arange(bc.size)
-            isb = kind[ch] == KIND_BITMASK
-            rows = np.zeros((bc.size, 32 * nw), dtype=bool)
-            rows[row_of[ch[isb]], local[isb]] = True
-            wbytes = np.packbits(rows, axis=1, bitorder="little")
-            col = np.arange(4 * nw)
-            ok = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
-            mn[(body[bc][:, None] + col[None, :])[ok]] = wbytes[ok]
-        off = kind[ch] == KIND_OFFSETS
-        every = bool(off.all())
-        at16 = body[ch] // 2 + r
-        mn.view(np.uint16)[at16 if every else at16[off]] = local if every else local[off]
-        cuts = np.zeros(len(pairs) + 1, dtype=np.int64)
-        np.cumsum([x.size for x in idxs], out=cuts[1:])
-        for e in sorted(set(esizes)):
-            members = [i for i in range(len(pairs)) if esizes[i] == e and idxs[i].size]
-            if not members:
-                continue
-            if len(members) == len(pairs):
-                sel, v = slice(None), np.concatenate(vals)
-            else:
-                sel = np.concatenate([np.arange(cuts[i], cuts[i + 1]) for i in members])
-                v = np.concatenate([vals[i] for i in members])
-            pos = vbase[ch[sel]] // e + r[sel]
-            if keep is not None:
-                k = keep[sel]
-                pos, v = pos[k], v[k]
-            mn.view(np_int(e))[pos] = v
+        _bodies_np(mn, ce, shift, (kind, offsets, count, numel, nchs, c0s, ch, gidx), (flats, esizes, idxs, vals))
     if defer is not None:
         defer.extend(puts)
         return msg
     for pn, at, v in puts:  # only the changed elements: the others already hold the source's bits
         pn[at] = v
     return msg
+
+
+def _bodies_np(mn: np.ndarray, ce: int, shift: int | None, layout: tuple, views: tuple) -> None:
+    """:func:`numpy_pack`'s chunk bodies: dense chunks' values, bitmasks, offsets and the changed values."""
+    kind, offsets, count, numel, nchs, c0s, ch, gidx = layout
+    flats, esizes, idxs, vals = views
+    nc = numel.size
+    body = offsets + HEADER_BYTES
+    vbase = value_base_np(kind, body, count, numel)
+    owner = np.repeat(np.arange(len(flats), dtype=np.int64), nchs)
+    keep = None  # the changed elements of dense chunks leave the sparse list
+    dense = np.flatnonzero(kind == KIND_DENSE)
+    for c in dense.tolist():
+        i = int(owner[c])
+        a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
+        o = int(body[c]) // e
+        sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
+        mn.view(np_int(e))[o:o + n] = sn[a:a + n]
+    if dense.size:
+        keep = kind[ch] != KIND_DENSE
+    local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
+    r = np.arange(gidx.size, dtype=np.int64) - (np.cumsum(count) - count)[ch]  # rank in its chunk
+    bc = np.flatnonzero(kind == KIND_BITMASK)
+    if bc.size:  # bitmask words (little-endian, LSB first), rebuilt from the indices
+        nw = -(-ce // 32)
+        row_of = np.full(nc, -1, dtype=np.int64)
+        row_of[bc] = np.arange(bc.size)
+        isb = kind[ch] == KIND_BITMASK
+        rows = np.zeros((bc.size, 32 * nw), dtype=bool)
+        rows[row_of[ch[isb]], local[isb]] = True
+        wbytes = np.packbits(rows, axis=1, bitorder="little")
+        col = np.arange(4 * nw)
+        ok = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
+        mn[(body[bc][:, None] + col[None, :])[ok]] = wbytes[ok]
+    off = kind[ch] == KIND_OFFSETS
+    every = bool(off.all())
+    at16 = body[ch] // 2 + r
+    mn.view(np.uint16)[at16 if every else at16[off]] = local if every else local[off]
+    cuts = np.zeros(len(flats) + 1, dtype=np.int64)
+    np.cumsum([x.size for x in idxs], out=cuts[1:])
+    for e in sorted(set(esizes)):
+        members = [i for i in range(len(flats)) if esizes[i] == e and idxs[i].size]
+        if not members:
+            continue
+        if len(members) == len(flats):
+            sel, v = slice(None), np.concatenate(vals)
+        else:
+            sel = np.concatenate([np.arange(cuts[i], cuts[i + 1]) for i in members])
+            v = np.concatenate([vals[i] for i in members])
+        pos = vbase[ch[sel]] // e + r[sel]
+        if keep is not None:
+            k = keep[sel]
+            pos, v = pos[k], v[k]
+        mn.view(np_int(e))[pos] = v
 
 
 def commit_updates(updates: list) -> None:
