@@ -22,6 +22,10 @@ so that an offset inside a chunk fits in 16 bits. Views with no elements have no
 message are those of ``pairs[0]``, then of ``pairs[1]``, ...; the receiver's ``dsts`` must have the same
 shapes in the same order (checked per chunk: element size and length).
 
+Version 2 (issue 44; the default of CPU packs: ``version=2``): the same container with ``VERSION`` 2 and one
+more chunk kind, narrow differences of the bit patterns in blocks of 256 (``ops/delta_v2.py``); readers take
+both versions, the Triton kernels write version 1.
+
 Encoded message (all integers little-endian; every section starts at a multiple of 16 bytes from the
 start of the message; padding bytes are zero; the whole message is a multiple of 16 bytes)
 -----------------------------------------------------------------------------------------------------
