@@ -214,7 +214,9 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
         orv |= (uint64_t)(d ^ (d >> 63));
         val[j] = (uint64_t)d;
     }
-    if (update)
+    if (update && cnt * 16 >= blen)  /* every line of the block written anyway: one copy */
+        memcpy(q, s, (size_t)blen * (size_t)e);
+    else if (update)
         for (int j = 0; j < cnt; j++) store(q, idx[j], e, load(s, idx[j], e));
     int code = code_of(orv, e), w = width_of(code, e);
     if (code == RAW)
