@@ -36,6 +36,15 @@ against the dense lower bound (the payload a dense refit sends); the two destina
     .venv/bin/python perf/bench_delta.py --part train --out perf/results/bench_delta_train.json
     .venv/bin/python perf/bench_delta.py --part speed --out perf/results/bench_delta_speed.json
     .venv/bin/python perf/bench_delta.py --part refit --out perf/results/bench_delta_refit.json
+    .venv/bin/python perf/bench_delta.py --part codec --out perf/results/bench_delta_codec.json
+    .venv/bin/python perf/bench_delta.py --part wire --out perf/results/bench_delta_wire.json
+
+Part 5 (``--part codec``, issue 44): the CPU codec (format v2, native where built) on the 125M Llama's 86
+weights (249 MB bf16) at 1 / 2 / 10 % one-ulp changes at random positions: pack (diff + encode + snapshot
+update, cached plan) and apply, best of ``--repeats``, next to one dense ``copy_`` of all bytes in the same
+run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes of v2
+and v1 against dense on real AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each
+changed 256-element block needed.
 """
 
 from __future__ import annotations
@@ -284,6 +293,138 @@ def run_speed(args: argparse.Namespace) -> dict:
     return {"elems": n, "dtype": "bfloat16", "rows": rows}
 
 
+# ---------------------------------------------------------------------------------------------------------
+# part 5: the codec at memory speed (issue 44)
+
+
+def llama_shapes(vocab: int, hidden: int, inter: int, layers: int, kv: int) -> list[tuple[int, int]]:
+    """The 2-D weights of a Llama (norms left out): 125M (32000, 768, 2048, 12, 256): 86 tensors, 249 MB bf16."""
+    per = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
+           (hidden, inter)]
+    return [(vocab, hidden)] + per * layers + [(vocab, hidden)]
+
+
+def best(fn, repeats: int, setup=None) -> float:
+    """Fastest of ``repeats`` timed calls (after one warm-up), ``setup`` run untimed before each."""
+    out = []
+    for _ in range(repeats + 1):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return min(out[1:])
+
+
+def codec_row(flat, views, frac: float, args) -> dict:
+    """One changed fraction: one-ulp changes (+-1 in the bit pattern) at random positions; pack (diff + encode +
+    snapshot update, cached plan) and apply (cached plan) of v2 and v1, best of ``--repeats``; bit-exact."""
+    from triton_reshard.ops.delta_v2 import block_histogram
+
+    g = torch.Generator().manual_seed(int(frac * 1e4))
+    new = flat.clone()
+    pos = torch.randint(flat.numel(), (int(frac * flat.numel()),), generator=g)
+    nb = new.view(torch.int16)
+    nb[pos] += (torch.randint(0, 2, pos.shape, generator=g) * 2 - 1).to(torch.int16)
+    snap, dst = flat.clone(), flat.clone()
+    nviews, sviews, dviews = (split(t, views) for t in (new, snap, dst))
+    pairs = list(zip(nviews, sviews, strict=True))
+    row = {"fraction": frac, "changed": int((nb != flat.view(torch.int16)).sum())}
+    for version in (2, 1):
+        pc, uc, msgs = {}, {}, []
+
+        def pack(version=version, pc=pc, msgs=msgs):
+            msgs[:] = [D.pack_delta(pairs, update=True, backend="torch", cache=pc, version=version)]
+
+        pack_s = best(pack, args.repeats, lambda: snap.copy_(flat))
+        apply_s = best(lambda uc=uc, msgs=msgs: D.unpack_delta(msgs[0], dviews, backend="torch", cache=uc),
+                       args.repeats, lambda: dst.copy_(flat))
+        exact = torch.equal(snap.view(torch.int16), nb) and torch.equal(dst.view(torch.int16), nb)
+        tag = f"v{version}"
+        row.update({f"{tag}_pack_s": pack_s, f"{tag}_apply_s": apply_s, f"{tag}_bytes": int(msgs[0].numel()),
+                    f"{tag}_exact": exact})
+        if version == 2:
+            row["v2_block_bits"] = block_histogram([msgs[0].numpy()])
+    return row
+
+
+def split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for r, c in shapes:
+        out.append(flat[at:at + r * c].view(r, c))
+        at += r * c
+    return out
+
+
+def run_codec(args: argparse.Namespace) -> dict:
+    from triton_reshard.ops.delta_native import native_info
+
+    torch.set_num_threads(args.threads)
+    shapes = llama_shapes(args.codec_vocab, 768, 2048, args.codec_layers, 256)
+    total = sum(r * c for r, c in shapes)
+    flat = torch.randn(total, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    plain = torch.empty_like(flat)
+    copy_s = best(lambda: plain.copy_(flat), args.repeats)
+    dense = 2 * total
+    print(f"codec: {native_info()}; {len(shapes)} tensors, {dense / 1e6:.0f} MB bf16; one dense copy_ "
+          f"{1e3 * copy_s:.1f} ms (best of {args.repeats})", flush=True)
+    rows = []
+    for frac in args.fractions:
+        row = codec_row(flat, shapes, frac, args)
+        for tag in ("v2", "v1"):
+            row[f"{tag}_pack_over_copy"] = row[f"{tag}_pack_s"] / copy_s
+            row[f"{tag}_apply_over_copy"] = row[f"{tag}_apply_s"] / copy_s
+            row[f"{tag}_dense_over_bytes"] = dense / row[f"{tag}_bytes"]
+        rows.append(row)
+        print(f"{100 * frac:4.1f} % changed: v2 pack {1e3 * row['v2_pack_s']:.1f} ms ({row['v2_pack_over_copy']:.2f}x "
+              f"copy), apply {1e3 * row['v2_apply_s']:.1f} ms ({row['v2_apply_over_copy']:.2f}x), "
+              f"{row['v2_dense_over_bytes']:.1f}x fewer bytes than dense; v1 pack {row['v1_pack_over_copy']:.2f}x, "
+              f"apply {row['v1_apply_over_copy']:.2f}x, {row['v1_dense_over_bytes']:.1f}x; exact "
+              f"{row['v2_exact'] and row['v1_exact']}; block bits {row['v2_block_bits']}", flush=True)
+    return {"codec": native_info(), "tensors": len(shapes), "dense_bytes": dense, "copy_s": copy_s,
+            "repeats": args.repeats, "rows": rows}
+
+
+def run_wire(args: argparse.Namespace) -> dict:
+    """Wire bytes of v2 and v1 delta messages against dense on real AdamW steps (fp32 masters, bf16 weights)
+    of the small Llama of ``--part train``, per learning rate, with the per-block bits histogram."""
+    from triton_reshard.ops.delta_v2 import block_histogram
+
+    torch.set_num_threads(args.threads)
+    model = make_model(args)
+    task = MarkovTask(args.vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr)
+    for _ in range(args.warmup):
+        train_step(model, opt, task, args)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {"params": sum(p.numel() for p in model.parameters()), "lrs": {}}
+    for lr in args.lrs:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(base[n])
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        snaps = {n: t.clone() for n, t in bf16_bits(model).items()}
+        hist, v2b, v1b, dense, changed = {}, 0, 0, 0, 0
+        for step in range(args.steps):
+            train_step(model, opt, task, args)
+            cur = bf16_bits(model)
+            pairs = [(cur[n], snaps[n]) for n in cur]
+            v1 = D.pack_delta(pairs, update=False, backend="torch", version=1)
+            msg = D.pack_delta(pairs, update=False, backend="torch")
+            if step >= args.skip:
+                changed += sum(int((a != b).sum()) for a, b in pairs)
+                v2b, v1b, dense = v2b + msg.numel(), v1b + v1.numel(), dense + sum(2 * a.numel() for a, _ in pairs)
+                for k, v in block_histogram([msg.numpy()]).items():
+                    hist[k] = hist.get(k, 0) + v
+            snaps = cur
+        r = {"steps": args.steps - args.skip, "changed_fraction": changed / (dense / 2), "dense_over_v2": dense / v2b,
+             "dense_over_v1": dense / v1b, "block_bits": hist}
+        out["lrs"][str(lr)] = r
+        print(f"lr {lr:g}: {100 * r['changed_fraction']:.2f} % changed per step; v2 {r['dense_over_v2']:.1f}x fewer "
+              f"bytes than dense (v1 {r['dense_over_v1']:.1f}x); changed blocks by bits {hist}", flush=True)
+    return out
+
+
 REFIT_FRACTIONS = (0.0, 0.01, 0.02, 0.03, 0.07, 0.25, 1.0)
 
 
@@ -368,15 +509,24 @@ def add_train_args(ap: argparse.ArgumentParser, steps: int = 150, lrs=LRS) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("train", "speed", "refit"), required=True)
+    ap.add_argument("--part", choices=("train", "speed", "refit", "codec", "wire"), required=True)
     add_train_args(ap)
     ap.add_argument("--speed-elems", type=int, default=1 << 24)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--refit-tensors", type=int, default=4)
     ap.add_argument("--refit-rows", type=int, default=1024)
     ap.add_argument("--refit-cols", type=int, default=2048)
+    ap.add_argument("--codec-vocab", type=int, default=32000, help="--part codec: the Llama's vocabulary")
+    ap.add_argument("--codec-layers", type=int, default=12, help="--part codec: its layers (12: 125M)")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.1], help="--part codec")
+    ap.add_argument("--skip", type=int, default=2, help="--part wire: first steps left out of the sums")
     args = ap.parse_args()
-    res = {"train": run_train, "speed": run_speed, "refit": run_refit}[args.part](args)
+    if args.part == "wire" and "--lrs" not in sys.argv:
+        args.lrs = [1e-5, 1e-6]
+    if args.part == "wire" and "--steps" not in sys.argv:
+        args.steps = 12
+    res = {"train": run_train, "speed": run_speed, "refit": run_refit, "codec": run_codec,
+           "wire": run_wire}[args.part](args)
     res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "torch": torch.__version__, "platform": platform.platform(), "threads": args.threads}
     if args.out:

@@ -6,6 +6,7 @@ for other view objects; a delta refit whose tensors are rebound (new tensors, a 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -15,6 +16,12 @@ import torch
 from triton_reshard.ops import delta as D
 from triton_reshard.ops import delta_cached as C
 from triton_reshard.ops import delta_cpu
+
+# These tests pin format version 1 (the v1 kinds, the bytes of the Triton kernels and the torch reference);
+# the CPU default, version 2 (narrow values), is tested in tests/test_delta_v2.py.
+torch_pack_v1 = functools.partial(D.torch_pack, version=1)
+pack_delta_v1 = functools.partial(D.pack_delta, version=1)
+pack_deferred_v1 = functools.partial(C.pack_deferred, version=1)
 
 INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -120,23 +127,23 @@ def test_pack_cache_rebuilds_for_other_views():
     g = torch.Generator().manual_seed(7)
     pairs = make_pairs([(30, 40), (100,)], torch.bfloat16, g)
     cache: dict = {}
-    D.pack_delta(pairs, 1024, update=True, backend="torch", cache=cache)
+    pack_delta_v1(pairs, 1024, update=True, backend="torch", cache=cache)
     first = cache["pack"]
-    D.pack_delta(list(pairs), 1024, update=True, backend="torch", cache=cache)
+    pack_delta_v1(list(pairs), 1024, update=True, backend="torch", cache=cache)
     assert cache["pack"] is first  # same view objects (a new list of them)
     new = [(s.clone(), p) for s, p in pairs]
     for s, _p in new:
         flip(s, 0.1, g)
     ref = D._tensor_pack([(s, p.clone()) for s, p in new], 1024, update=False)
-    assert torch.equal(D.pack_delta(new, 1024, update=True, backend="torch", cache=cache), ref)
+    assert torch.equal(pack_delta_v1(new, 1024, update=True, backend="torch", cache=cache), ref)
     assert cache["pack"] is not first
     ref = D._tensor_pack([(s, p.clone()) for s, p in new], 512, update=False)
-    assert torch.equal(D.pack_delta(new, 512, update=True, backend="torch", cache=cache), ref)
+    assert torch.equal(pack_delta_v1(new, 512, update=True, backend="torch", cache=cache), ref)
     upd: list = []
     for s, _p in new:
         flip(s, 0.1, g)
     ref = D._tensor_pack([(s, p.clone()) for s, p in new], 512, update=False)
-    assert torch.equal(C.pack_deferred(new, 512, upd, cache), ref)
+    assert torch.equal(pack_deferred_v1(new, 512, upd, cache), ref)
     delta_cpu.commit_updates(upd)
     assert all(torch.equal(bits(p), bits(s)) for s, p in new)
 
@@ -181,7 +188,7 @@ def test_unpack_plan_poisoned(kind):
     for frac in (0.02, 0.0, 0.3, 1.0, 0.005):
         for s, _p in pairs:
             flip(s, frac, g)
-        msg = D.torch_pack(pairs, 1024, update=True)
+        msg = torch_pack_v1(pairs, 1024, update=True)
         C.unpack_with(plan, msg, None)
         D._tensor_unpack(msg, [v for _b, v in ref])
         for (a, _va), (b, _vb) in zip(ours, ref, strict=True):
@@ -224,7 +231,7 @@ def test_unpack_plan_errors_match_and_write_nothing():
     pairs = make_pairs(shapes, torch.bfloat16, g)
     for (s, _p), frac in zip(pairs, (0.08, 0.01), strict=True):
         flip(s, frac, g)
-    msg = D.torch_pack(pairs, 2048, update=False)
+    msg = torch_pack_v1(pairs, 2048, update=False)
     assert {c["kind"] for c in D.describe(msg)} >= {"bitmask", "offsets"}
     bad = _corrupt_cases(msg)
     assert len(bad) >= 4
@@ -249,7 +256,7 @@ def test_unpack_plan_directory_out_of_order():
     s1, s2 = base.clone(), base.clone()
     s1[at] ^= 1
     s2[at] ^= 2
-    msg = D.torch_pack([(s1, base.clone()), (s2, base.clone())], 4096, update=False)
+    msg = torch_pack_v1([(s1, base.clone()), (s2, base.clone())], 4096, update=False)
     d = msg[16:32].view(torch.int64)
     d[:] = d.flip(0).clone()
     ours = [base.clone(), base.clone()]
@@ -265,7 +272,7 @@ def test_unpack_cache_rebuilds_for_other_views():
     pairs = make_pairs(shapes, torch.bfloat16, g)
     for s, _p in pairs:
         flip(s, 0.05, g)
-    msg = D.torch_pack(pairs, 1024, update=False)
+    msg = torch_pack_v1(pairs, 1024, update=False)
     cache: dict = {}
     a = [v for _b, v in _dsts(shapes, torch.bfloat16)]
     D.unpack_delta(msg, a, backend="torch", cache=cache)
@@ -325,5 +332,5 @@ def test_rebound_delta_refits_exact():
         modes = [m for m, _ok, _p in rows]
         assert modes == ["dense-fallback", "delta", "delta", "delta", "delta", "delta", "dense-fallback", "delta"], modes
         assert all(ok for _m, ok, _p in rows), rows
-        want = "PackPlan" if rank == 0 else "UnpackPlan"
+        want = "V2PackPlan" if rank == 0 else "UnpackPlan"  # the CPU default, format v2 (ops/delta_native.py)
         assert all(want in p for m, _ok, p in rows if m == "delta"), rows

@@ -10,14 +10,22 @@ the source's bits; a Triton message must equal the reference's byte for byte.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
 from triton_reshard.ops import delta as D
+from triton_reshard.ops import delta_cached as C
 from triton_reshard.ops import delta_cpu
 from triton_reshard.ops.snapshot import Snapshot
+
+# These tests pin format version 1 (the v1 kinds, the bytes of the Triton kernels and the torch reference);
+# the CPU default, version 2 (narrow values), is tested in tests/test_delta_v2.py.
+torch_pack_v1 = functools.partial(D.torch_pack, version=1)
+pack_delta_v1 = functools.partial(D.pack_delta, version=1)
+pack_deferred_v1 = functools.partial(C.pack_deferred, version=1)
 
 BACKENDS = ("torch", "tensor", "triton")  # torch on CPU = its numpy path; "tensor": its torch-ops path
 INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -34,7 +42,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(backend, pairs, **kw):
-    fn = {"triton": D.triton_pack, "tensor": D._tensor_pack}.get(backend, D.torch_pack)
+    fn = {"triton": D.triton_pack, "tensor": D._tensor_pack}.get(backend, torch_pack_v1)
     return fn(pairs, **kw)
 
 
@@ -128,7 +136,7 @@ def run_roundtrip(backend, src, snap, dbuf, dst, mask, chunk_elems, update=True)
     before = dbuf.clone()
     snap_before = bits(snap).clone()
     ref_snap = snap.clone()
-    ref = D.torch_pack([(src, ref_snap)], chunk_elems=chunk_elems, update=False)
+    ref = torch_pack_v1([(src, ref_snap)], chunk_elems=chunk_elems, update=False)
     msg = pack(backend, [(src, snap)], chunk_elems=chunk_elems, update=update)
     assert torch.equal(msg, ref), "message differs from the reference's bytes"
     # snapshot: updated to the source (or untouched)
@@ -230,7 +238,7 @@ def test_many_pairs_mixed_element_sizes(backend):
              ((5, 13), torch.float16, 0.0, "strided", "transposed"), ((3,), torch.float64, 0.7, "contig", "contig")]
     cases = [case(s, dt, density(f), seed=i, src_kind=a, dst_kind=b) for i, (s, dt, f, a, b) in enumerate(specs)]
     befores = [c[2].clone() for c in cases]
-    ref = D.torch_pack([(c[0], c[1].clone()) for c in cases], chunk_elems=16, update=False)
+    ref = torch_pack_v1([(c[0], c[1].clone()) for c in cases], chunk_elems=16, update=False)
     msg = pack(backend, [(c[0], c[1]) for c in cases], chunk_elems=16)
     assert torch.equal(msg, ref)
     assert msg.numel() <= D.max_message_bytes([c[0].numel() for c in cases], [c[0].element_size() for c in cases], 16)
@@ -256,7 +264,7 @@ def test_kind_is_the_smallest_encoding():
             old = random_bits((n,), dtype, g)
             m = torch.zeros(n, dtype=torch.bool)
             m[torch.randperm(n, generator=g)[:count]] = True
-            (info,) = D.describe(D.torch_pack([(changed_copy(old, m, g), old.clone())], chunk_elems=n))
+            (info,) = D.describe(torch_pack_v1([(changed_copy(old, m, g), old.clone())], chunk_elems=n))
             sizes = {k: size(k, n, count, e) for k in ("offsets", "bitmask", "dense")}
             best = min(sizes.values())
             assert info["count"] == count and info["nbytes"] == best
@@ -283,7 +291,7 @@ def test_bad_pairs(backend):
 
 def _msg():
     src, snap, dbuf, dst, mask = case((100,), torch.bfloat16, only(3, 50, 99), seed=1)
-    return D.torch_pack([(src, snap)], chunk_elems=64, update=False), dst
+    return torch_pack_v1([(src, snap)], chunk_elems=64, update=False), dst
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -353,7 +361,7 @@ def test_corrupt_bodies_raise(backend):
     g = torch.Generator().manual_seed(2)
     old = random_bits((64,), torch.bfloat16, g)
     new = changed_copy(old, density(0.5)((64,), g), g)
-    m = D.torch_pack([(new, old.clone())], chunk_elems=64)
+    m = torch_pack_v1([(new, old.clone())], chunk_elems=64)
     (c,) = D.describe(m)
     assert c["kind"] == "bitmask"
     m[c["offset"] + 16] ^= 1
@@ -429,7 +437,7 @@ def test_cpu_blocks_span_chunks_and_tensors():
     snaps = [s.clone() for s in srcs]
     news = [changed_copy(s, torch.rand(s.shape, generator=g) < 0.02, g) for s in srcs]
     ref = D._tensor_pack([(a, b.clone()) for a, b in zip(news, snaps, strict=True)], update=False)
-    msg = D.torch_pack(list(zip(news, snaps, strict=True)), update=True)
+    msg = torch_pack_v1(list(zip(news, snaps, strict=True)), update=True)
     assert torch.equal(msg, ref)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(news, snaps, strict=True))
     dsts = [s.clone() for s in srcs]

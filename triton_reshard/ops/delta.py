@@ -22,6 +22,10 @@ so that an offset inside a chunk fits in 16 bits. Views with no elements have no
 message are those of ``pairs[0]``, then of ``pairs[1]``, ...; the receiver's ``dsts`` must have the same
 shapes in the same order (checked per chunk: element size and length).
 
+Version 2 (issue 44; the default of CPU packs: ``version=2``): the same container with ``VERSION`` 2 and one
+more chunk kind, narrow differences of the bit patterns in blocks of 256 (``ops/delta_v2.py``); readers take
+both versions, the Triton kernels write version 1.
+
 Encoded message (all integers little-endian; every section starts at a multiple of 16 bytes from the
 start of the message; padding bytes are zero; the whole message is a multiple of 16 bytes)
 -----------------------------------------------------------------------------------------------------
@@ -70,7 +74,7 @@ import numpy as np
 import torch
 
 from .delta_cached import pack_plan, unpack_plan, unpack_with
-from .delta_cpu import numpy_pack, numpy_unpack
+from .delta_cpu import numpy_pack
 from .delta_format import (
     ALIGN,
     DEFAULT_CHUNK_ELEMS,
@@ -81,8 +85,8 @@ from .delta_format import (
     KIND_OFFSETS,
     MAGIC,
     MAX_CHUNK_ELEMS,
-    MAX_DIMS,
     VERSION,
+    VERSION2,
     Pair,
     chunk_list,
     chunks_start,
@@ -93,9 +97,11 @@ from .delta_format import INT_DTYPES as _INT
 from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
 from .delta_format import write_flat as _write_flat
-from .launcher import bits, interpreting, kernel_module, resolve_backend, storage_view
+from .delta_native import pack_v2, unpack_v2
+from .launcher import bits, resolve_backend
 
 CPU = torch.device("cpu")
+CPU_VERSION = 2  # the format CPU packs write by default (issue 44: narrow values, ops/delta_v2.py)
 
 # Block sizes: under the interpreter every loop step costs Python time, so it gets big blocks.
 INTERPRET_BLOCK = 4096
@@ -439,14 +445,18 @@ def _tensor_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Seque
 
 
 def torch_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-               names: Sequence[str] | None = None, cache: dict | None = None) -> torch.Tensor:
+               names: Sequence[str] | None = None, cache: dict | None = None, version: int = CPU_VERSION
+               ) -> torch.Tensor:
     """Reference pack: the delta message of ``pairs`` (see the module docstring); with ``update`` each
-    snapshot is brought up to date with its source. CPU tensors: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`
+    snapshot is brought up to date with its source. CPU tensors: ``version`` 2 (the default) the narrow
+    format by :func:`~triton_reshard.ops.delta_native.pack_v2`; 1: :func:`~triton_reshard.ops.delta_cpu.numpy_pack`
     (with ``cache``, a dict the caller keeps for this message: its :class:`~triton_reshard.ops.delta_cached.PackPlan`,
-    the same bytes); others: :func:`_tensor_pack` (the same bytes)."""
+    the same bytes); others: :func:`_tensor_pack` (version 1, the same bytes)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     if device.type == "cpu":
+        if version == VERSION2:
+            return pack_v2(pairs, chunk_elems, update, cache)
         if cache is not None:
             return pack_plan(cache, pairs, chunk_elems).pack(update)
         return numpy_pack(pairs, chunk_elems, update)
@@ -465,7 +475,7 @@ def torch_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
     if msg.device.type == "cpu" and all(d.device.type == "cpu" for d in dsts):
         if cache is not None:
             return unpack_with(unpack_plan(cache, dsts), msg, names)
-        return numpy_unpack(msg, dsts, names)
+        return unpack_v2(msg, dsts, names)
     return _tensor_unpack(msg, dsts, names)
 
 
@@ -500,173 +510,6 @@ def describe(msg: torch.Tensor) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Triton launchers
-
-
-def _merge(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ...]]:
-    """``(size, stride, ...)`` per dimension, innermost first, after dropping size-1 dimensions and merging
-    neighbours contiguous on every side; the order of the dimensions (row-major) is kept."""
-    merged: list[tuple[int, ...]] = []
-    for dim in zip(shape, *strides, strict=True):
-        n = dim[0]
-        if n == 1:
-            continue
-        if merged and all(merged[-1][k] == n * dim[k] for k in range(1, len(dim))):
-            merged[-1] = (merged[-1][0] * n, *dim[1:])
-        else:
-            merged.append(dim)
-    return merged[::-1] or [(1, *(0 for _ in strides))]
-
-
-def _base(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensor whose storage starts lowest: its storage start is the group's base pointer."""
-    return min(tensors, key=lambda t: t.untyped_storage().data_ptr())
-
-
-def _elem_offset(t: torch.Tensor, base: torch.Tensor, what: str) -> int:
-    nbytes = t.data_ptr() - base.untyped_storage().data_ptr()
-    if nbytes % t.element_size():
-        raise ValueError(f"{what}: storage not aligned to its element size across the group")
-    return nbytes // t.element_size()
-
-
-def _check_device(device: torch.device) -> None:
-    if interpreting():
-        if device.type != "cpu":
-            raise ValueError(f"under TRITON_INTERPRET=1 the Triton delta kernels run on CPU tensors, got {device}")
-    elif device.type != "cuda":
-        raise ValueError(f"the Triton delta kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-
-
-def _block() -> int:
-    return INTERPRET_BLOCK if interpreting() else CUDA_BLOCK
-
-
-def _kernels():
-    from ..kernels import delta as kdelta  # triton is imported only by the Triton backend
-
-    return kernel_module(kdelta, "delta_pack_kernel")
-
-
-def triton_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-                names: Sequence[str] | None = None) -> torch.Tensor:
-    """Pack with the Triton kernels: the same message as :func:`torch_pack`, bit for bit."""
-    _check_chunk_elems(chunk_elems)
-    device = validate_pairs(pairs, names)
-    _check_device(device)
-    k = _kernels()
-    chunks = chunk_list([s.numel() for s, _ in pairs], chunk_elems)
-    nc = len(chunks)
-    numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64)
-    esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64)
-    groups: dict[int, list[int]] = {}
-    for c, (i, _, _) in enumerate(chunks):
-        groups.setdefault(pairs[i][0].element_size(), []).append(c)
-    block = _block()
-    count = torch.zeros(nc, dtype=torch.int64, device=device)
-    launches = []
-    with torch.no_grad():
-        for e, members in groups.items():
-            used = sorted({chunks[c][0] for c in members})
-            sbase, pbase = _base([pairs[i][0] for i in used]), _base([pairs[i][1] for i in used])
-            rows = np.zeros((len(members), int(k.P_FIELDS)), dtype=np.int64)
-            geo = {}
-            for i in used:
-                src, snap = pairs[i]
-                dims = _merge(src.shape, src.stride(), snap.stride())
-                if len(dims) > MAX_DIMS:
-                    raise ValueError(f"pair {_name(names, i)}: {len(dims)} dimensions after merging; the delta "
-                                     f"kernels take {MAX_DIMS} (use the torch backend)")
-                geo[i] = (_elem_offset(src, sbase, f"source {_name(names, i)}"),
-                          _elem_offset(snap, pbase, f"snapshot {_name(names, i)}"), dims)
-            for r, c in enumerate(members):
-                i, a, n = chunks[c]
-                s_off, p_off, dims = geo[i]
-                rows[r, int(k.P_SRC)], rows[r, int(k.P_SNAP)] = s_off, p_off
-                rows[r, int(k.P_START)], rows[r, int(k.P_NUMEL)] = a, n
-                for d in range(MAX_DIMS):
-                    size, ss, ps = dims[d] if d < len(dims) else (1, 0, 0)
-                    rows[r, int(k.P_SIZE) + d] = size
-                    rows[r, int(k.P_SSTRIDE) + d], rows[r, int(k.P_PSTRIDE) + d] = ss, ps
-            table = torch.from_numpy(rows).to(device)
-            idx = torch.tensor(members, dtype=torch.int64, device=device)
-            gcount = torch.zeros(len(members), dtype=torch.int64, device=device)
-            src_p = storage_view(_bits(sbase), _INT[e])
-            snap_p = storage_view(_bits(pbase), _INT[e])
-            launches.append((e, members, table, idx, src_p, snap_p))
-            dummy = torch.zeros(16, dtype=torch.uint8, device=device)
-            k.delta_pack_kernel[(len(members),)](src_p, snap_p, dummy.view(_INT[e]), dummy.view(torch.int16),
-                                                 dummy.view(torch.int32), table, gcount, len(members),
-                                                 ESIZE=e, COUNT=True, UPDATE=False, BLOCK=block)
-            count[idx] = gcount
-        numel_d, esize_d = numel.to(device), esize.to(device)
-        kind, nbytes, offsets, total = _message_layout(numel_d, count, esize_d)
-        msg = torch.zeros(total, dtype=torch.uint8, device=device)
-        _write_headers(msg, chunk_elems, numel_d, count, esize_d, kind, nbytes, offsets)
-        for e, members, table, idx, src_p, snap_p in launches:
-            table[:, int(k.P_OUT)] = offsets[idx]
-            table[:, int(k.P_KIND)] = kind[idx]
-            table[:, int(k.P_COUNT)] = count[idx]
-            k.delta_pack_kernel[(len(members),)](
-                src_p, snap_p, msg.view(_INT[e]), msg.view(torch.int16), msg.view(torch.int32), table, count,
-                len(members), ESIZE=e, COUNT=False, UPDATE=update, BLOCK=block)
-    return msg
-
-
-def triton_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
-    """Unpack with the Triton kernel (see :func:`torch_unpack`). Headers are checked before any write; a body
-    found inconsistent while writing raises after the launch (the destinations are then torn)."""
-    dr = read_directory(msg, dsts, names)
-    if not dr.chunks:
-        return
-    _check_device(msg.device)
-    k = _kernels()
-    device = msg.device
-    groups: dict[int, list[int]] = {}
-    for c, (i, _, _) in enumerate(dr.chunks):
-        groups.setdefault(dsts[i].element_size(), []).append(c)
-    block = _block()
-    bad = torch.zeros(len(dr.chunks), dtype=torch.int32, device=device)
-    with torch.no_grad():
-        for e, members in groups.items():
-            used = sorted({dr.chunks[c][0] for c in members})
-            base = _base([dsts[i] for i in used])
-            geo = {}
-            for i in used:
-                for n_, st in zip(dsts[i].shape, dsts[i].stride(), strict=True):
-                    if st == 0 and n_ > 1:
-                        raise ValueError(f"destination {_name(names, i)}: stride 0 writes elements more than once")
-                dims = _merge(dsts[i].shape, dsts[i].stride())
-                if len(dims) > MAX_DIMS:
-                    raise ValueError(f"destination {_name(names, i)}: {len(dims)} dimensions after merging; the "
-                                     f"delta kernels take {MAX_DIMS} (use the torch backend)")
-                geo[i] = (_elem_offset(dsts[i], base, f"destination {_name(names, i)}"), dims)
-            rows = np.zeros((len(members), int(k.U_FIELDS)), dtype=np.int64)
-            for r, c in enumerate(members):
-                i, a, n = dr.chunks[c]
-                off, dims = geo[i]
-                rows[r, int(k.U_DST)], rows[r, int(k.U_START)], rows[r, int(k.U_NUMEL)] = off, a, n
-                for d in range(MAX_DIMS):
-                    size, st = dims[d] if d < len(dims) else (1, 0)
-                    rows[r, int(k.U_SIZE) + d], rows[r, int(k.U_STRIDE) + d] = size, st
-            table = torch.from_numpy(rows).to(device)
-            idx = torch.tensor(members, dtype=torch.int64, device=device)
-            table[:, int(k.U_IN)] = dr.offsets[idx]
-            table[:, int(k.U_KIND)] = dr.kind[idx]
-            table[:, int(k.U_COUNT)] = dr.count[idx]
-            gbad = torch.zeros(len(members), dtype=torch.int32, device=device)
-            k.delta_unpack_kernel[(len(members),)](
-                storage_view(_bits(base), _INT[e]), msg.view(_INT[e]), msg.view(torch.int16),
-                msg.view(torch.int32), table, gbad, len(members), ESIZE=e, BLOCK=block)
-            bad[idx] = gbad
-    if bool(bad.any()):
-        c = int(bad.to(torch.int8).argmax())
-        i, a, n = dr.chunks[c]
-        raise ValueError(f"delta message: chunk {c} (destination {_name(names, i)}, elements {a}..{a + n - 1}): "
-                         "body inconsistent with its header; the destinations are torn (partly written)")
-
-
-# ---------------------------------------------------------------------------------------------------------
 # dispatch
 
 
@@ -676,19 +519,20 @@ def _backend(device: torch.device, backend: str | None) -> str:
 
 
 def pack_delta(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, update: bool = True,
-               backend: str | None = None, names: Sequence[str] | None = None, cache: dict | None = None
-               ) -> torch.Tensor:
+               backend: str | None = None, names: Sequence[str] | None = None, cache: dict | None = None,
+               version: int = CPU_VERSION) -> torch.Tensor:
     """The delta message of ``pairs`` (``(src, snapshot)`` views) with the chosen backend (as ``copy_views``:
     argument > ``TRITON_RESHARD_BACKEND`` > Triton on CUDA, torch otherwise). ``cache``: a dict the caller keeps
     for a message that recurs with the same view objects (a refit's send): on CPU its per-message plan is kept
-    there and its checks are made once (``ops/delta_cached.py``)."""
-    plan = cache.get("pack") if cache is not None else None
+    there and its checks are made once (``ops/delta_cached.py``). ``version``: the format a CPU pack writes
+    (2, narrow values: ``ops/delta_v2.py``; 1: the v1 kinds only); the Triton backend writes version 1."""
+    plan = cache.get("pack2" if version == VERSION2 else "pack") if cache is not None else None
     if plan is not None and plan.fits(pairs, chunk_elems) and _backend(CPU, backend) == "torch":
         return plan.pack(update)
     device = validate_pairs(pairs, names)
     if _backend(device, backend) == "triton":
         return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names)
-    return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache)
+    return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache, version=version)
 
 
 def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str | None = None,
@@ -698,3 +542,6 @@ def unpack_delta(msg: torch.Tensor, dsts: Sequence[torch.Tensor], backend: str |
     if _backend(msg.device, backend) == "triton":
         return triton_unpack(msg, dsts, names=names)
     return torch_unpack(msg, dsts, names=names, cache=cache)
+
+
+from .delta_triton import triton_pack, triton_unpack  # noqa: E402 (they use this module's helpers)

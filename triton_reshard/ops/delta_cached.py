@@ -26,7 +26,6 @@ from .delta_cpu import (
     flat_np,
     np_int,
     numpy_pack,
-    numpy_unpack,
     read_directory_np,
     value_base_np,
     write_headers_np,
@@ -37,11 +36,13 @@ from .delta_format import (
     KIND_BITMASK,
     KIND_DENSE,
     KIND_OFFSETS,
+    VERSION2,
     Pair,
     check_chunk_elems,
     pad,
     validate_pairs,
 )
+from .delta_native import pack_v2, unpack_v2
 
 BLOCK = 1 << 20  # padded elements compared and searched per pass in messages over MASK_CAP
 MASK_CAP = 1 << 22  # messages up to this many padded elements: one pass, one mask (its gaps zeroed once)
@@ -198,12 +199,19 @@ class PackPlan:
         return msg
 
 
-def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list, cache: dict | None = None) -> torch.Tensor:
+def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list, cache: dict | None = None,
+                  version: int = VERSION2) -> torch.Tensor:
     """The delta message of CPU ``pairs`` (``torch_pack``'s bytes) with the snapshot left as it was: its
     writes (the changed elements) are appended to ``updates``, to be made by ``commit_updates`` once the
     message is known to be used (a delta refit diffs while its handshake is in flight, before the fence
     says whether the refit goes as a delta: a refused one must leave the snapshot untouched). ``cache``: as
-    ``ops.pack_delta``'s (the message's :class:`PackPlan` kept there, its checks made once)."""
+    ``ops.pack_delta``'s (the message's :class:`PackPlan` kept there, its checks made once). ``version``: as
+    ``ops.pack_delta``'s (2: the native or numpy v2 codec, ``ops/delta_native.py``)."""
+    if version == VERSION2:
+        check_chunk_elems(chunk_elems)
+        if validate_pairs(pairs).type != "cpu":
+            raise ValueError("pack_deferred: CPU tensors only")
+        return pack_v2(pairs, chunk_elems, updates, cache)
     plan = cache.get("pack") if cache is not None else None
     if plan is not None and plan.fits(pairs, chunk_elems):
         return plan.pack(updates)
@@ -260,8 +268,8 @@ def unpack_with(plan: UnpackPlan, msg: torch.Tensor, names: Sequence[str] | None
     """``numpy_unpack(msg, plan.dsts, names)``: the same checks (every header, then every body) before the
     first write and the same result, written chunk by chunk (a chunk's offsets and values are contiguous
     slices of the message) into the plan's destination slices."""
-    if not plan.fast:
-        return numpy_unpack(msg, plan.dsts, names, plan.facts)
+    if not plan.fast or int(msg[4:8].view(torch.int32)[0]) == VERSION2:
+        return unpack_v2(msg, plan.dsts, names, plan.facts)
     dr = read_directory_np(msg, plan.dsts, names, plan.facts)
     nc = len(dr.chunks)
     if not nc:

@@ -22,16 +22,19 @@ from .delta_format import (
     KIND_BITMASK,
     KIND_DENSE,
     KIND_NAMES,
+    KIND_NARROW,
     KIND_OFFSETS,
     MAGIC,
     MAX_CHUNK_ELEMS,
     VERSION,
+    VERSION2,
     Pair,
     chunk_list,
     name_of,
     pad,
     write_flat,
 )
+from .delta_v2 import decode_chunks, narrow_want, write_changes
 from .launcher import bits
 
 
@@ -87,6 +90,8 @@ class DirectoryNp:
     count: np.ndarray
     bit_views: list
     esizes: list[int]
+    nbytes: np.ndarray | None = None  # each chunk's bytes (header included)
+    version: int = VERSION
 
 
 class DstFacts:
@@ -129,7 +134,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
             raise ValueError(f"destination {name_of(names, i)}: {dsts[i].dtype} on {dev} (message on {msg.device})")
     mn = msg.numpy()
     magic, version, nc, chunk_elems = (int(x) & 0xFFFFFFFF for x in mn[:16].view(np.int32).tolist())
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in (VERSION, VERSION2):
         raise ValueError(f"not a delta message of version {VERSION} (magic {magic:#x}, version {version})")
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
         raise ValueError(f"delta message: chunk_elems {chunk_elems} out of range")
@@ -141,7 +146,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
     bit_views = facts.bit_views
     if not nc:
         e = np.zeros(0, dtype=np.int64)
-        return DirectoryNp(chunks, e, e, e, e, e, e, bit_views, esizes)
+        return DirectoryNp(chunks, e, e, e, e, e, e, bit_views, esizes, e, version)
     if length < start:
         raise ValueError(f"delta message of {length} bytes is shorter than its directory ({start} bytes)")
     owner, first, numel, esize_d = cinfo
@@ -155,7 +160,11 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
     want = np.stack([HEADER_BYTES + pad(numel * esize_d),
                      HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values,
                      HEADER_BYTES + pad(2 * np.minimum(count, numel)) + values])[np.clip(kind, 0, 2), np.arange(nc)]
-    good = (ok_off & (kind <= KIND_OFFSETS) & (esize == esize_d) & (numel_m == numel) & (count <= numel)
+    top = KIND_OFFSETS
+    if version == VERSION2:  # narrow chunks: their bytes are checked exactly with their bodies (ops/delta_v2.py)
+        top = KIND_NARROW
+        want = np.where(kind == KIND_NARROW, narrow_want(numel, esize_d, nbytes), want)
+    good = (ok_off & (kind <= top) & (esize == esize_d) & (numel_m == numel) & (count <= numel)
             & (nbytes == want) & (safe + nbytes <= length))
     if not good.all():
         c = int(np.argmin(good))
@@ -165,7 +174,7 @@ def read_directory_np(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Se
             f"inconsistent: offset {int(offsets[c])}, kind {int(kind[c])}, elem_size {int(esize[c])} "
             f"(want {int(esize_d[c])}), numel {int(numel_m[c])} (want {n}), count {int(count[c])}, "
             f"nbytes {int(nbytes[c])} (want {int(want[c])}), message {length} bytes")
-    return DirectoryNp(chunks, owner, first, numel, offsets, kind, count, bit_views, esizes)
+    return DirectoryNp(chunks, owner, first, numel, offsets, kind, count, bit_views, esizes, nbytes, version)
 
 
 # CPU: the same messages, byte for byte, with numpy. Its compare, nonzero, take and put are 5-10x faster
@@ -266,53 +275,7 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     mn = msg.numpy()
     write_headers_np(mn, ce, numel, count, esize, kind, nbytes, offsets)
     if nc:
-        body = offsets + HEADER_BYTES
-        vbase = value_base_np(kind, body, count, numel)
-        owner = np.repeat(np.arange(len(pairs), dtype=np.int64), nchs)
-        keep = None  # the changed elements of dense chunks leave the sparse list
-        dense = np.flatnonzero(kind == KIND_DENSE)
-        for c in dense.tolist():
-            i = int(owner[c])
-            a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
-            o = int(body[c]) // e
-            sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
-            mn.view(np_int(e))[o:o + n] = sn[a:a + n]
-        if dense.size:
-            keep = kind[ch] != KIND_DENSE
-        local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
-        r = np.arange(gidx.size, dtype=np.int64) - (np.cumsum(count) - count)[ch]  # rank in its chunk
-        bc = np.flatnonzero(kind == KIND_BITMASK)
-        if bc.size:  # bitmask words (little-endian, LSB first), rebuilt from the indices
-            nw = -(-ce // 32)
-            row_of = np.full(nc, -1, dtype=np.int64)
-            row_of[bc] = np.arange(bc.size)
-            isb = kind[ch] == KIND_BITMASK
-            rows = np.zeros((bc.size, 32 * nw), dtype=bool)
-            rows[row_of[ch[isb]], local[isb]] = True
-            wbytes = np.packbits(rows, axis=1, bitorder="little")
-            col = np.arange(4 * nw)
-            ok = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
-            mn[(body[bc][:, None] + col[None, :])[ok]] = wbytes[ok]
-        off = kind[ch] == KIND_OFFSETS
-        every = bool(off.all())
-        at16 = body[ch] // 2 + r
-        mn.view(np.uint16)[at16 if every else at16[off]] = local if every else local[off]
-        cuts = np.zeros(len(pairs) + 1, dtype=np.int64)
-        np.cumsum([x.size for x in idxs], out=cuts[1:])
-        for e in sorted(set(esizes)):
-            members = [i for i in range(len(pairs)) if esizes[i] == e and idxs[i].size]
-            if not members:
-                continue
-            if len(members) == len(pairs):
-                sel, v = slice(None), np.concatenate(vals)
-            else:
-                sel = np.concatenate([np.arange(cuts[i], cuts[i + 1]) for i in members])
-                v = np.concatenate([vals[i] for i in members])
-            pos = vbase[ch[sel]] // e + r[sel]
-            if keep is not None:
-                k = keep[sel]
-                pos, v = pos[k], v[k]
-            mn.view(np_int(e))[pos] = v
+        _bodies_np(mn, ce, shift, (kind, offsets, count, numel, nchs, c0s, ch, gidx), (flats, esizes, idxs, vals))
     if defer is not None:
         defer.extend(puts)
         return msg
@@ -321,10 +284,69 @@ def numpy_pack(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Ten
     return msg
 
 
+def _bodies_np(mn: np.ndarray, ce: int, shift: int | None, layout: tuple, views: tuple) -> None:
+    """:func:`numpy_pack`'s chunk bodies: dense chunks' values, bitmasks, offsets and the changed values."""
+    kind, offsets, count, numel, nchs, c0s, ch, gidx = layout
+    flats, esizes, idxs, vals = views
+    nc = numel.size
+    body = offsets + HEADER_BYTES
+    vbase = value_base_np(kind, body, count, numel)
+    owner = np.repeat(np.arange(len(flats), dtype=np.int64), nchs)
+    keep = None  # the changed elements of dense chunks leave the sparse list
+    dense = np.flatnonzero(kind == KIND_DENSE)
+    for c in dense.tolist():
+        i = int(owner[c])
+        a, n, e = (c - int(c0s[i])) * ce, int(numel[c]), esizes[i]
+        o = int(body[c]) // e
+        sn = flats[i][0][1] if flats[i][0][1] is not None else flats[i][0][0].reshape(-1)
+        mn.view(np_int(e))[o:o + n] = sn[a:a + n]
+    if dense.size:
+        keep = kind[ch] != KIND_DENSE
+    local = gidx & (ce - 1) if shift is not None else gidx - ch * ce
+    r = np.arange(gidx.size, dtype=np.int64) - (np.cumsum(count) - count)[ch]  # rank in its chunk
+    bc = np.flatnonzero(kind == KIND_BITMASK)
+    if bc.size:  # bitmask words (little-endian, LSB first), rebuilt from the indices
+        nw = -(-ce // 32)
+        row_of = np.full(nc, -1, dtype=np.int64)
+        row_of[bc] = np.arange(bc.size)
+        isb = kind[ch] == KIND_BITMASK
+        rows = np.zeros((bc.size, 32 * nw), dtype=bool)
+        rows[row_of[ch[isb]], local[isb]] = True
+        wbytes = np.packbits(rows, axis=1, bitorder="little")
+        col = np.arange(4 * nw)
+        ok = col[None, :] < (4 * ((numel[bc] + 31) // 32))[:, None]
+        mn[(body[bc][:, None] + col[None, :])[ok]] = wbytes[ok]
+    off = kind[ch] == KIND_OFFSETS
+    every = bool(off.all())
+    at16 = body[ch] // 2 + r
+    mn.view(np.uint16)[at16 if every else at16[off]] = local if every else local[off]
+    cuts = np.zeros(len(flats) + 1, dtype=np.int64)
+    np.cumsum([x.size for x in idxs], out=cuts[1:])
+    for e in sorted(set(esizes)):
+        members = [i for i in range(len(flats)) if esizes[i] == e and idxs[i].size]
+        if not members:
+            continue
+        if len(members) == len(flats):
+            sel, v = slice(None), np.concatenate(vals)
+        else:
+            sel = np.concatenate([np.arange(cuts[i], cuts[i + 1]) for i in members])
+            v = np.concatenate([vals[i] for i in members])
+        pos = vbase[ch[sel]] // e + r[sel]
+        if keep is not None:
+            k = keep[sel]
+            pos, v = pos[k], v[k]
+        mn.view(np_int(e))[pos] = v
+
+
 def commit_updates(updates: list) -> None:
-    """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the values)."""
-    for view, at, v in updates:
-        view[at] = v
+    """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the
+    values; or a callable, the native codec's: it applies the message to the snapshot)."""
+    for u in updates:
+        if callable(u):
+            u()
+        else:
+            view, at, v = u
+            view[at] = v
 
 
 def body_error(dr: DirectoryNp, c: int, names: Sequence[str] | None) -> ValueError:
@@ -366,6 +388,11 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         bad |= isb & (pop != cnt)
         bad[sb[jb >= nel[sb]]] = True  # a bit past the chunk's last element
         groups.append((sb, jb, np.arange(sb.size, dtype=np.int64) - (np.cumsum(pop) - pop)[sb]))
+    narrow = np.flatnonzero(k == KIND_NARROW)
+    if narrow.size:  # version 2: every narrow body checked and decoded before the first write
+        nbad, decoded = decode_chunks(mn, body[narrow], nel[narrow], cnt[narrow], dr.nbytes[narrow],
+                                      np.asarray(dr.esizes, dtype=np.int64)[owner[narrow]])
+        bad[narrow] |= nbad
     if bad.any():
         raise body_error(dr, int(np.argmax(bad)), names)
     bit_views = dr.bit_views
@@ -400,6 +427,8 @@ def numpy_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequenc
         e = esizes[i]
         ob = int(body[c]) // e
         flat[i][a0:a0 + n0] = mn.view(np_int(e))[ob:ob + n0]
+    if narrow.size:
+        write_changes(flat, [b.numpy() for b in bit_views], owner[narrow], start[narrow], decoded)
 
 
 

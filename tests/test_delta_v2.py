@@ -1,0 +1,248 @@
+"""Delta format v2 (issue 44: narrow lossless values, ``ops/delta_v2.py``) and its two codecs: the numpy
+reference and the native one-pass codec (``csrc/delta_codec.c``, ``ops/delta_native.py``). Every case: both
+codecs write the same bytes; unpack into destinations holding the snapshot, inside poisoned buffers, gives
+the source's bits exactly and leaves the poison; the snapshot update equals the source. Adversarial
+differences: all changed, sign flips, +-0, NaN payloads, subnormals, a block whose one difference needs 16
+bits, raw blocks sent whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_reshard.ops import delta as D
+from triton_reshard.ops import delta_cpu
+from triton_reshard.ops import delta_native as N
+from triton_reshard.ops import delta_v2 as V
+from triton_reshard.ops.delta_cached import pack_deferred
+
+INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8)
+CODECS = ("numpy", "native")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT[t.element_size()])
+
+
+@pytest.fixture
+def codec():
+    """Run a test body with the numpy codec, then with the native one (skipped where it was not built)."""
+    prev = N.set_native(True)
+
+    def use(name: str) -> None:
+        N.set_native(name == "native")
+        if name == "native" and N.native() is None:
+            pytest.skip("the native codec is not built (pip install -e . builds it)")
+
+    yield use
+    N.set_native(prev)
+
+
+def ulp_steps(old: torch.Tensor, frac: float, g: torch.Generator, spread: int = 2) -> torch.Tensor:
+    """``old`` with about ``frac`` of its elements moved by -spread..spread-1 in their bit patterns."""
+    new = old.clone()
+    b = bits(new)
+    m = torch.rand(old.shape, generator=g) < frac
+    step = torch.randint(-spread, spread, old.shape, generator=g).to(b.dtype)
+    b[m] += step[m]
+    return new
+
+
+def adversarial(dtype: torch.dtype, n: int, g: torch.Generator) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, old, new) pairs whose differences need every width, and raw."""
+    old = (torch.randn(n, generator=g) * 3).to(dtype)
+    e = old.element_size()
+    allc = old.clone()
+    bits(allc).add_(1)  # every element changed by one ulp
+    cases = [("none", old, old.clone()), ("1pct", old, ulp_steps(old, 0.01, g)),
+             ("10pct", old, ulp_steps(old, 0.1, g)), ("all", old, allc)]
+    flip = old.clone()
+    bits(flip)[::7] ^= torch.tensor(-(1 << (8 * e - 1)), dtype=INT[e])  # sign flips
+    cases.append(("sign", old, flip))
+    if dtype.is_floating_point:
+        z = torch.zeros(n, dtype=dtype)
+        nz = z.clone()
+        nz[::3] = -0.0
+        cases.append(("zeros", z, nz))
+        nan = old.clone()
+        bits(nan)[::5] = bits(torch.full((1,), float("nan"), dtype=dtype))[0] | 3  # NaN with a payload
+        cases.append(("nan", old, nan))
+        sub = torch.full((n,), torch.finfo(dtype).tiny, dtype=dtype) / 4  # subnormals
+        sub2 = sub.clone()
+        bits(sub2)[1::2] -= 1
+        cases.append(("subnormal", sub, sub2))
+    wide = old.clone()
+    wide_bits = bits(wide)
+    wide_bits[300] += 1
+    wide_bits[301] += (1 << 14) if e > 1 else 64  # one difference of its block needs 16 bits (int8: 8, raw)
+    cases.append(("wide", old, wide))
+    return cases
+
+
+def roundtrip(pairs_new_old, ce: int) -> torch.Tensor:
+    """Pack (update) and unpack into destinations holding the snapshot inside poisoned buffers; check all."""
+    snaps = [old.clone() for _new, old in pairs_new_old]
+    msg = D.pack_delta([(new, s) for (new, _o), s in zip(pairs_new_old, snaps, strict=True)], ce, backend="torch")
+    bufs, dsts = [], []
+    for new, old in pairs_new_old:
+        buf = torch.empty(new.numel() + 64, dtype=new.dtype)
+        bits(buf).fill_(-1 if new.element_size() > 1 else 0x5A)
+        d = buf[32:32 + new.numel()].view(new.shape)
+        d.copy_(old)
+        bufs.append(buf)
+        dsts.append(d)
+    D.unpack_delta(msg, dsts, backend="torch")
+    for (new, _old), s, buf, d in zip(pairs_new_old, snaps, bufs, dsts, strict=True):
+        assert torch.equal(bits(s), bits(new)), "the snapshot update"
+        assert torch.equal(bits(d), bits(new)), "the unpacked values"
+        poison = -1 if new.element_size() > 1 else 0x5A
+        assert bool((bits(buf[:32]) == poison).all()) and bool((bits(buf[32 + new.numel():]) == poison).all())
+    return msg
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ce", [1 << 15, 1000, 256, 7])
+def test_adversarial_roundtrip_same_bytes(codec, dtype, ce):
+    g = torch.Generator().manual_seed(1)
+    for name, old, new in adversarial(dtype, 3000, g):
+        msgs = []
+        for c in CODECS:
+            codec(c)
+            msgs.append(roundtrip([(new, old)], ce))
+        assert torch.equal(msgs[0], msgs[1]), f"{name}: the codecs' bytes differ"
+        assert int(msgs[0][4:8].view(torch.int32)[0]) == 2
+        assert msgs[0].numel() <= D.max_message_bytes([new.numel()], [new.element_size()], ce)
+
+
+def test_widths_and_modes(codec):
+    """One-ulp changes take 2 bits; a block with one 16-bit difference of fp32 takes 16; a bf16 sign flip is
+    raw; the modes follow the sizes (few changes: offsets; ~half: bitmask; all: all)."""
+    codec("numpy")
+    old = torch.randn(4 * 256, dtype=torch.float32)
+    new = old.clone()
+    b = bits(new)
+    b[0:3] += 1  # block 0: 3 one-ulp changes -> 2 bits, offsets
+    b[256:256 + 128:2] -= 2  # block 1: 64 changes -> 2 bits (-2 fits), bitmask
+    b[512:768] += 5  # block 2: every element, 4 bits, all
+    b[768] += 1
+    b[769] += 1 << 14  # block 3: needs 16 bits
+    msg = D.pack_delta([(new, old.clone())], 1024, backend="torch")
+    (c,) = D.describe(msg)
+    assert c["kind"] == "narrow" and c["count"] == 3 + 64 + 256 + 2
+    desc = msg[c["offset"] + 16:c["offset"] + 24].numpy()
+    assert [(int(x) & 15, int(x) >> 4) for x in desc[0::2]] == [(1, 0), (1, 1), (2, 2), (4, 0)]
+    assert V.block_histogram([msg.numpy()]) == {"2": 2, "4": 1, "16": 1}
+    flip = torch.randn(256, dtype=torch.bfloat16)
+    new2 = -flip
+    msg = D.pack_delta([(new2, flip.clone())], 256, backend="torch")
+    assert D.describe(msg)[0]["kind"] == "dense"  # every element raw: the narrow chunk is not smaller
+
+
+def test_mixed_pairs_strided_and_empty(codec):
+    """Several views of mixed element sizes, an empty one, strided sources, snapshots and destinations: the
+    numpy codec (the native one takes contiguous views; it writes the same bytes for contiguous copies)."""
+    g = torch.Generator().manual_seed(2)
+    a = (torch.randn(64, 100, generator=g)).to(torch.bfloat16)
+    b = torch.randn(3000, generator=g)
+    e = torch.zeros(0, dtype=torch.float16)
+    c = torch.randn(700, generator=g).to(torch.float16)
+    pairs = [(ulp_steps(a, 0.05, g).t(), a.t()), (ulp_steps(b, 0.3, g), b), (e, e), (ulp_steps(c, 1.0, g), c)]
+    msgs = []
+    for name in CODECS:
+        codec(name)
+        msgs.append(roundtrip(pairs, 512))
+        msgs.append(roundtrip([(x.contiguous(), y.contiguous()) for x, y in pairs], 512))
+    assert all(torch.equal(msgs[0], m) for m in msgs[1:])
+
+
+def test_deferred_update_equals_fused(codec):
+    """``pack_deferred`` leaves the snapshot until ``commit_updates``; then it equals the fused update."""
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(50_000, generator=g).to(torch.bfloat16)
+    new = ulp_steps(old, 0.1, g)
+    for name in CODECS:
+        codec(name)
+        snap, updates = old.clone(), []
+        msg = pack_deferred([(new, snap)], 4096, updates, cache={})
+        assert torch.equal(bits(snap), bits(old))
+        delta_cpu.commit_updates(updates)
+        assert torch.equal(bits(snap), bits(new))
+        ref = D.pack_delta([(new, old.clone())], 4096, backend="torch")
+        assert torch.equal(msg, ref)
+
+
+def test_cached_plans_follow_the_data(codec):
+    """A cached pack plan and unpack plan (a refit's) give the same bytes and results across versions of the
+    data, and a v1 message still unpacks through the same cache."""
+    g = torch.Generator().manual_seed(4)
+    for name in CODECS:
+        codec(name)
+        src = torch.randn(10_000, generator=g).to(torch.bfloat16)
+        snap, dst = src.clone(), src.clone()
+        pcache, ucache = {}, {}
+        for _v in range(3):
+            src.copy_(ulp_steps(src, 0.05, g))
+            want = D.pack_delta([(src, snap.clone())], 2048, backend="torch")
+            msg = D.pack_delta([(src, snap)], 2048, backend="torch", cache=pcache)
+            assert torch.equal(msg, want)
+            D.unpack_delta(msg, [dst], backend="torch", cache=ucache)
+            assert torch.equal(bits(dst), bits(src))
+        old = dst.clone()
+        src.copy_(ulp_steps(src, 0.05, g))
+        v1 = D.pack_delta([(src, old.clone())], 2048, backend="torch", version=1)
+        D.unpack_delta(v1, [dst], backend="torch", cache=ucache)
+        assert torch.equal(bits(dst), bits(src))
+
+
+def _corrupt_cases(msg: torch.Tensor) -> list[torch.Tensor]:
+    c = D.describe(msg)[0]
+    at = c["offset"] + 16
+    out = []
+    for where, value in ((at, 0x07), (at, 0x31), (at + 1, 0xFF), (at, 0x00)):  # code, mode, count, unchanged
+        bad = msg.clone()
+        bad[where] = value
+        out.append(bad)
+    bad = msg.clone()
+    nb = -(-c["numel"] // 256)
+    first = at + 2 * nb  # block 0's first offset byte: past the block
+    bad[first] = 255 if c["numel"] < 256 else bad[first + 1]  # out of order / repeated
+    out.append(bad)
+    bad = msg.clone()
+    bad[c["offset"] + 8:c["offset"] + 12].view(torch.int32)[0] += 1  # header count
+    out.append(bad)
+    return out
+
+
+def test_corrupt_bodies_refused_before_any_write(codec):
+    """A narrow body inconsistent with its header (bad code, mode, count, an offset out of order, a count
+    that does not add up) raises ValueError naming the chunk and destination, with nothing written; both
+    codecs give the same error."""
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(4096, generator=g).to(torch.bfloat16)
+    new = ulp_steps(old, 0.02, g)
+    codec("numpy")
+    msg = D.pack_delta([(new, old.clone())], 4096, backend="torch")
+    for bad in _corrupt_cases(msg):
+        errors = []
+        for name in CODECS:
+            codec(name)
+            dst = old.clone()
+            with pytest.raises(ValueError) as e:
+                D.unpack_delta(bad, [dst], backend="torch", names=["model.w"])
+            assert torch.equal(bits(dst), bits(old)), "written before the check"
+            errors.append(str(e.value))
+        assert errors[0] == errors[1] and "'model.w'" in errors[0], errors
+
+
+def test_version_one_still_reads(codec):
+    """Messages of version 1 (the Triton kernels' and the torch reference's) unpack as before."""
+    g = torch.Generator().manual_seed(6)
+    old = torch.randn(5000, generator=g).to(torch.float16)
+    new = ulp_steps(old, 0.05, g)
+    msg = D._tensor_pack([(new, old.clone())], 1024, update=False)
+    for name in CODECS:
+        codec(name)
+        dst = old.clone()
+        D.unpack_delta(msg, [dst], backend="torch")
+        assert torch.equal(bits(dst), bits(new))

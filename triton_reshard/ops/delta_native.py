@@ -1,0 +1,173 @@
+"""The CPU codec of delta format v2 (``ops/delta_v2.py``): the native one-pass codec (``csrc/delta_codec.c``,
+built as ``triton_reshard._delta_codec`` by ``pip install``) where it was built and the views are contiguous,
+else the numpy reference: the same bytes, the same checks and errors.
+
+Why a compiled helper (issue 44): a delta refit on a CPU rank was bound by whole-tensor passes (a compare, a
+nonzero, a gather, a scatter: each one pass over the bytes, ~5x a dense copy before any encoding); a C loop
+over 256-element blocks compares, counts, encodes and updates the snapshot while the block is in L1, one pass
+over the bytes. C rather than a JIT package: nothing to install beyond a compiler, which ``pip install``
+needs anyway for the build; without one the package still installs (``setup.py``) and this module runs the
+numpy reference. ``TRITON_RESHARD_NATIVE=0`` (or :func:`set_native`) turns the native codec off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .delta_cpu import DstFacts, body_error, numpy_unpack, read_directory_np
+from .delta_format import VERSION2, Pair, check_chunk_elems, chunk_list, pad, validate_pairs
+from .delta_v2 import pack_v2_numpy
+
+SLACK = 4096  # bytes past max_message_bytes the native pack may write into before it turns a chunk dense
+_P = ctypes.POINTER(ctypes.c_int64)
+_state: dict = {"lib": None, "tried": False, "on": os.environ.get("TRITON_RESHARD_NATIVE", "1") != "0"}
+
+
+def _load():
+    try:
+        from .. import _delta_codec  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    lib = ctypes.CDLL(_delta_codec.__file__)
+    lib.trd_pack.restype = ctypes.c_int64
+    lib.trd_pack.argtypes = [ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.trd_unpack.restype = ctypes.c_int64
+    lib.trd_unpack.argtypes = [ctypes.c_void_p, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int]
+    lib.trd_simd.restype = ctypes.c_int
+    return lib
+
+
+def native():
+    """The loaded native codec (ctypes library) or None (not built, or turned off)."""
+    if not _state["on"]:
+        return None
+    if not _state["tried"]:
+        _state["lib"], _state["tried"] = _load(), True
+    return _state["lib"]
+
+
+def set_native(on: bool) -> bool:
+    """Turn the native codec on or off for this process (tests compare both); returns the previous setting."""
+    prev, _state["on"] = _state["on"], bool(on)
+    return prev
+
+
+def native_info() -> str:
+    """``"native (avx512)"`` / ``"native (avx2)"`` / ``"native (portable C)"`` or ``"numpy"``: for reports."""
+    lib = native()
+    if lib is None:
+        return "numpy"
+    return "native (" + {512: "avx512", 256: "avx2"}.get(int(lib.trd_simd()), "portable C") + ")"
+
+
+def _ptrs(values: Sequence[int]) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+def _arg(a: np.ndarray):
+    return a.ctypes.data_as(_P)
+
+
+def max_bytes(numels: Sequence[int], esizes: Sequence[int], ce: int) -> int:
+    """``ops.delta.max_message_bytes`` (every chunk dense), computed here to keep the import order."""
+    chunks = chunk_list(numels, ce)
+    return 16 + pad(8 * len(chunks)) + sum(16 + pad(n * esizes[i]) for i, _a, n in chunks)
+
+
+class V2PackPlan:
+    """One message's v2 pack: ``pairs`` ((source, snapshot) views) in chunks of ``ce`` elements, with the
+    native codec's argument arrays when every view is contiguous (``fast``). Reuse it only for the same view
+    objects (:meth:`fits`)."""
+
+    def __init__(self, pairs: Sequence[Pair], ce: int) -> None:
+        check_chunk_elems(ce)
+        if validate_pairs(pairs).type != "cpu":
+            raise ValueError("V2PackPlan: CPU tensors only")
+        self.pairs, self.ce = [(s, p) for s, p in pairs], ce
+        live = [(s, p) for s, p in self.pairs if s.numel()]
+        self.fast = all(s.is_contiguous() and p.is_contiguous() for s, p in live)
+        self.args = None
+        if self.fast:
+            self.numel = _ptrs([s.numel() for s, _ in live])
+            self.esize = _ptrs([s.element_size() for s, _ in live])
+            self.src = _ptrs([s.data_ptr() for s, _ in live])
+            self.snap = _ptrs([p.data_ptr() for _, p in live])
+            self.cap = max_bytes(self.numel.tolist(), self.esize.tolist(), ce) + SLACK
+
+    def fits(self, pairs: Sequence[Pair], ce: int) -> bool:
+        """Built for exactly these views (the same tensor objects, in order) and chunk size?"""
+        return (
+            ce == self.ce
+            and len(pairs) == len(self.pairs)
+            and all(s is a and p is b for (s, p), (a, b) in zip(pairs, self.pairs, strict=True))
+        )
+
+    def pack(self, update: bool | list) -> torch.Tensor:
+        """The v2 message; ``update``: True writes the changes into the snapshot in the same pass, a list
+        collects a callable that applies the message to the snapshot (``commit_updates``), False leaves it."""
+        lib = native()
+        if lib is None or not self.fast:
+            return pack_v2_numpy(self.pairs, self.ce, update)
+        out = torch.empty(self.cap, dtype=torch.uint8)
+        n = lib.trd_pack(
+            self.numel.size,
+            _arg(self.src),
+            _arg(self.snap),
+            _arg(self.numel),
+            _arg(self.esize),
+            self.ce,
+            out.data_ptr(),
+            int(update is True),
+        )
+        msg = out[:n]
+        if isinstance(update, list):
+            snaps = [p for _s, p in self.pairs]
+            update.append(lambda: unpack_v2(msg, snaps, None))
+        return msg
+
+
+def pack_v2(pairs: Sequence[Pair], ce: int, update: bool | list, cache: dict | None = None) -> torch.Tensor:
+    """The v2 message of CPU ``pairs`` (``cache``: a dict kept by the caller for this message, its
+    :class:`V2PackPlan` kept there under ``"pack2"``)."""
+    plan = cache.get("pack2") if cache is not None else None
+    if plan is None or not plan.fits(pairs, ce):
+        plan = V2PackPlan(pairs, ce)
+        if cache is not None:
+            cache["pack2"] = plan
+    return plan.pack(update)
+
+
+def unpack_v2(
+    msg: torch.Tensor,
+    dsts: Sequence[torch.Tensor],
+    names: Sequence[str] | None,
+    facts: DstFacts | None = None,
+) -> None:
+    """Unpack a CPU message of either version: every header checked (``read_directory_np``), then every body,
+    before the first write; a v2 message into contiguous destinations by the native codec, any other by
+    ``numpy_unpack`` (the same checks, errors and result)."""
+    dr = read_directory_np(msg, dsts, names, facts)
+    lib = native()
+    live = [d for d in dsts if d.numel()]
+    if dr.version != VERSION2 or lib is None or not all(d.is_contiguous() for d in live) or not dr.chunks:
+        return numpy_unpack(msg, dsts, names, facts)
+    args = (
+        len(live),
+        _arg(_ptrs([d.data_ptr() for d in live])),
+        _arg(_ptrs([d.numel() for d in live])),
+        _arg(_ptrs([d.element_size() for d in live])),
+        int(msg[12:16].view(torch.int32)[0]),
+    )
+    r = lib.trd_unpack(msg.data_ptr(), *args, 1)
+    if r == -2:
+        return numpy_unpack(msg, dsts, names, facts)
+    if r >= 0:
+        raise body_error(dr, int(r), names)
+    if lib.trd_unpack(msg.data_ptr(), *args, 0) == -3:
+        raise MemoryError("delta unpack: no memory for the native codec's per-chunk scratch (nothing written)")
+    return None
