@@ -450,6 +450,116 @@ def fault(args) -> dict:
     return out
 
 
+def inflight(llm, prompt, n: int, rid: str, act) -> dict:
+    """A greedy request of ``n`` tokens that straddles ``act()`` (run once 16 of its tokens are out): its token
+    ids and vLLM's per-request weight-version spans (``[version, start, end)`` over its output tokens)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    core = llm.llm_engine
+    core.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                     SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0,
+                                    output_kind=RequestOutputKind.CUMULATIVE))
+    seen, final = 0, None
+    while seen < 16 and final is None:
+        for o in core.step():
+            seen = len(o.outputs[0].token_ids)
+            final = o if o.finished else None
+    act()
+    while final is None:
+        for o in core.step():
+            final = o if o.finished else None
+    spans = final.outputs[0].weight_versions or []
+    return {"seen_before": seen, "ids": list(final.outputs[0].token_ids),
+            "spans": [[s.version, s.start, s.end] for s in spans]}
+
+
+def overlap(args) -> dict:
+    """Stage, then commit (``send_weights(overlap=True)``, ``commit()``) on a running engine.
+
+    A -> B staged while the engine serves: before the commit the engine still generates A's tokens; after it,
+    what vLLM's own ``reload_weights`` of B generates, and the live parameters' digests equal. Then a request
+    straddles a commit with pause_mode "wait" (its tokens: the old weights' greedy continuation, one version
+    span) and one with "keep" (vLLM's weight-version spans say at which token the weights changed; the tokens
+    before it are the old weights' continuation). A commit with nothing staged is refused before any engine
+    call; a delta staged into the same mirror commits exactly too."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_overlap_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp, max_model_len=MAX_LEN_INFLIGHT)
+    gen_a = generate(llm, PROMPTS)
+    tensors = load_file(os.path.join(b, "model.safetensors"))
+    eng = trainer_engine(llm, tensors)
+    out["mode"] = eng.mode
+    try:
+        eng.commit()
+        out["empty_commit_error"] = None
+    except RuntimeError as e:
+        out["empty_commit_error"] = str(e)[:400]
+    t0 = time.perf_counter()
+    eng.send_weights(version=1, overlap=True)
+    out["stage_s"] = time.perf_counter() - t0
+    out["stage_trainer"] = eng.last_update
+    out["stage_workers"] = llm.collective_rpc("weight_transfer_stats")
+    out["serves_old_while_staged"] = generate(llm, PROMPTS) == gen_a
+    out["forward_refused_while_staged"] = llm.collective_rpc("forward_refused")
+    eng.commit()
+    out["commit_trainer"] = eng.last_update
+    out["commit_workers"] = llm.collective_rpc("weight_transfer_stats")
+    gen_b, dig_b = generate(llm, PROMPTS), llm.collective_rpc("param_digests")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": b, "is_checkpoint_format": True})
+    out["commit_equal_to_vllm_reload"] = gen_b == generate(llm, PROMPTS) != gen_a
+    out["digests_equal"] = dig_b == llm.collective_rpc("param_digests")
+    # a request straddling a commit, "wait": it finishes on B (the engine holds B), the commit (C) after it
+    prompt, n = PROMPTS[0], MAX_LEN_INFLIGHT - len(PROMPTS[0]) - 1
+    only_b = generate(llm, [prompt], max_tokens=n)[0][1][0][0]
+    c = {k: (v * 0.5) for k, v in tensors.items()}
+    eng.source = vt.TensorsSource(c)
+    eng.send_weights(version=2, overlap=True)
+    eng.info.pause_mode = "wait"
+    out["wait"] = inflight(llm, prompt, n, "straddle-wait", eng.commit)
+    out["wait_equal_old"] = out["wait"]["ids"] == only_b
+    only_c = generate(llm, [prompt], max_tokens=n)[0][1][0][0]
+    out["wait_engine_now_new"] = only_c != only_b
+    # "keep": the request is held at the commit and continues on the new weights (D = B again)
+    eng.source = vt.TensorsSource(tensors)
+    eng.send_weights(version=3, overlap=True)
+    eng.info.pause_mode = "keep"
+    out["keep"] = inflight(llm, prompt, n, "straddle-keep", eng.commit)
+    spans = out["keep"]["spans"]
+    switch = spans[-1][1] if len(spans) > 1 else None
+    out["keep_switch_token"] = switch
+    out["keep_prefix_equal_old"] = switch is not None and out["keep"]["ids"][:switch] == only_c[:switch]
+    out["keep_engine_now"] = generate(llm, [prompt], max_tokens=n)[0][1][0][0] == only_b
+    # a delta staged into the same mirror (about 1 % of the elements change), committed: equal to vLLM's reload
+    eng.info.pause_mode = "wait"
+    gen = torch.Generator().manual_seed(5)
+    for k in (10, 11):
+        for t in tensors.values():
+            m = torch.rand(t.shape, generator=gen) < 0.01
+            t[m] = (t[m].float() + 0.01).to(t.dtype)
+        eng.send_weights(version=k, delta=True, overlap=True)
+        out.setdefault("delta_stage", []).append({"trainer_mode": eng.last_report.mode,
+                                                  "sent": eng.last_update["sent_bytes"]})
+        eng.commit()
+    d = save_tensors(tmp, "d", b, tensors)
+    got = generate(llm, PROMPTS)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
+    out["delta_commit_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
+    stop(llm, eng)
+    return out
+
+
 def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
     """A checkpoint directory holding ``tensors`` with ``like``'s config (for vLLM's ``reload_weights``)."""
     import shutil
@@ -467,7 +577,7 @@ def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1"])
+    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)
@@ -484,7 +594,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.job == "trainer_rank1":
         return trainer_rank1(args)
-    res = fault(args) if args.job == "fault" else two_jobs(args)
+    res = {"fault": fault, "overlap": overlap}.get(args.job, two_jobs)(args)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(json.dumps(res, default=str)[:3000])
