@@ -293,17 +293,21 @@ def trainer_rank1(args) -> int:
 
         def refit(*a, _v=v, calls=calls, real=real, **kw):
             calls[0] += 1
-            if _v == args.die and calls[0] == 3:
+            if _v == args.die and calls[0] == (1 if args.overlap else 3):
                 print(f"trainer rank 1: killed in update {_v}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **kw)
 
         vllm_trainer.refit = refit
         try:
-            eng.send_weights(version=v)
+            eng.send_weights(version=v, overlap=args.overlap)
         finally:
             vllm_trainer.refit = real
         print(f"trainer rank 1: sent update {v}", flush=True)
+        if args.overlap:  # the commit's vote: rank 0 says when
+            if sys.stdin.readline().strip() != f"commit {v}":
+                raise RuntimeError(f"trainer rank 1: expected 'commit {v}' from rank 0")
+            eng.commit()
     eng.shutdown()
     return 0
 
@@ -560,6 +564,92 @@ def overlap(args) -> dict:
     return out
 
 
+def overlap_fault(args) -> dict:
+    """A trainer rank killed during a staged update (before the commit): trainer rank 1 (a subprocess holding
+    decoder layer 1) is SIGKILLed in update 2 after the workers started their staged receive, before its sends.
+    Checked: rank 0's ``send_weights(overlap=True)`` raises, saying nothing was committed; the engine was never
+    paused: it generates at once, the old weights' tokens, and no worker is torn or refuses a forward; a new
+    trainer (new refit group) stages and commits the same update, equal to vLLM's own reload of it."""
+    import subprocess
+    import tempfile
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from triton_reshard.comm.group import free_port
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_overlap_fault_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp)
+    world = 2 + args.tp
+
+    def trainer(versions: str, die: int | None):
+        port = free_port()
+        cmd = [sys.executable, os.path.abspath(__file__), "trainer_rank1", "--out", "-", "--port", str(port),
+               "--world", str(world), "--ckpt", b, "--versions", versions, "--timeout", str(args.timeout),
+               "--overlap"] + (["--die", str(die)] if die is not None else [])
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        proc.head = []
+        for line in proc.stdout:
+            proc.head.append(line)
+            if "trainer rank 1: ready" in line:
+                break
+        else:
+            raise RuntimeError("trainer rank 1 exited before joining: " + "".join(proc.head)[-2000:])
+        info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=port, world_size=world, num_trainer_ranks=2,
+                                         layout=split_layout(version_tensors(b, 1)), timeout=args.timeout)
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm), source=None)
+        return eng, proc
+
+    def send(eng, proc, v):
+        proc.stdin.write(f"go {v}\n")
+        proc.stdin.flush()
+        eng.source = vt.TensorsSource({n: t for n, t in version_tensors(b, v).items() if ".layers.1." not in n})
+        eng.send_weights(version=v, overlap=True)
+        proc.stdin.write(f"commit {v}\n")
+        proc.stdin.flush()
+        eng.commit()
+
+    eng, proc = trainer("1,2", die=2)
+    send(eng, proc, 1)
+    gen_b = generate(llm, PROMPTS)
+    try:
+        proc.stdin.write("go 2\n")
+        proc.stdin.flush()
+        eng.source = vt.TensorsSource({n: t for n, t in version_tensors(b, 2).items() if ".layers.1." not in n})
+        eng.send_weights(version=2, overlap=True)
+        out["killed_stage_error"] = None
+    except Exception as e:  # noqa: BLE001 (the failure is what the test checks)
+        out["killed_stage_error"] = f"{type(e).__name__}: {e}"[:1500]
+    out["rank1_output"] = ("".join(proc.head) + proc.communicate(timeout=60)[0])[-800:]
+    out["rank1_rc"] = proc.returncode
+    try:
+        eng.commit()
+        out["commit_after_failure_error"] = None
+    except RuntimeError as e:
+        out["commit_after_failure_error"] = str(e)[:400]
+    t0 = time.perf_counter()
+    out["serves_old_after_failure"] = generate(llm, PROMPTS) == gen_b
+    out["generate_after_failure_s"] = time.perf_counter() - t0
+    out["worker_stats"] = llm.collective_rpc("weight_transfer_stats")
+    out["forward_refused"] = llm.collective_rpc("forward_refused")
+    eng.shutdown()
+    eng, proc = trainer("3", die=None)
+    send(eng, proc, 3)
+    proc.communicate(timeout=60)
+    got = generate(llm, PROMPTS)
+    c = save_tensors(tmp, "c", b, version_tensors(b, 3))
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": c, "is_checkpoint_format": True})
+    out["next_refit_equal_to_vllm_reload"] = got == generate(llm, PROMPTS) != gen_b
+    eng.shutdown()
+    stop(llm)
+    return out
+
+
 def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
     """A checkpoint directory holding ``tensors`` with ``like``'s config (for vLLM's ``reload_weights``)."""
     import shutil
@@ -577,7 +667,7 @@ def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap"])
+    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap", "overlap_fault"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)
@@ -588,13 +678,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--versions", default="")
     ap.add_argument("--die", type=int, default=None)
+    ap.add_argument("--overlap", action="store_true", help="trainer_rank1: stage, then commit (issue 45)")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--wait", type=float, default=5.0, help="fault: how long a generation must wait while torn")
     ap.add_argument("--inflight-delay", type=float, default=0.3)
     args = ap.parse_args(argv)
     if args.job == "trainer_rank1":
         return trainer_rank1(args)
-    res = {"fault": fault, "overlap": overlap}.get(args.job, two_jobs)(args)
+    res = {"fault": fault, "overlap": overlap, "overlap_fault": overlap_fault}.get(args.job, two_jobs)(args)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(json.dumps(res, default=str)[:3000])
