@@ -66,7 +66,7 @@ def test_bench_rl_loop_cluster_smoke(tmp_path):
         pytest.skip(f"no emulated cluster here: {why}")
     out = tmp_path / "cluster.json"
     _run(["perf/bench_rl_loop_cluster.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--methods",
-          "broadcast,reshard", "--timeout", "400", "--out", str(out)])
+          "broadcast,reshard,async", "--timeout", "400", "--out", str(out)])
     d = json.loads(out.read_text())
     s = d["summary"]
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way
