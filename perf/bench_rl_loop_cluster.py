@@ -28,7 +28,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "vllm_cpu_tier"), os.path.join(ROOT, "perf")):
+for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -137,13 +137,13 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
     import math
     import random
 
-    import engine_jobs as ej
     import rl_loop
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from triton_reshard.comm.group import free_port
     from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.testing import vllm_engine as ej
     from triton_reshard.testing.cluster import link_counters
 
     a = argparse.Namespace(**args)
