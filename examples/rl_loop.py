@@ -24,6 +24,14 @@ the same tokens under the same weights (the trainer computes them in its forward
 refit only the changed elements travel), ``broadcast`` (the baseline RL stacks run without us: every full
 tensor from the trainer to every worker over gloo, into vLLM's ``load_weights`` inside its layerwise reload).
 ``perf/bench_rl_loop.py`` runs them side by side.
+
+``--async`` (``--method async``, or ``async-delta``): one-step off-policy GRPO (issue 45). The engine samples
+batch k+1 in a thread (with the weights it holds) while the trainer steps on batch k and stages its new weights
+(``send_weights(overlap=True)``: the workers receive into private staging while the engine generates); after
+the batch, ``commit()`` swaps them in: the engine's only pause. Per iteration: generation, training, the
+transfer, the pause, the tokens generated during the transfer (and the token rate kept against the engine's
+idle rate, also measured by a probe at the end), and the mismatch between the engine's logprobs and the
+trainer's under the weights that actually sampled each batch.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ vLLM's NCCL engine's algorithm on the CPU's transport), ``reshard`` (ours, dense
 its boxes, per layer, into vLLM's layerwise reload) and ``delta`` (ours with ``delta=True``). Before each method
 the trainer is reset to the same initial weights and optimizer and the engine refitted to them, and the
 sampling seeds repeat, so every method runs the same loop. One warm-up iteration first (vLLM's first generation
-and the first plans are slower), not counted.
+and the first plans are slower), not counted. ``async`` (examples/rl_loop.py ``--async``): one-step off-policy,
+the transfer staged while the engine generates, the pause only the commit; its rows add ``transfer_s``,
+``pause_s``, ``iter_s``, the tokens out during the transfer and the token rate kept (``probe``: a transfer
+while a batch generates, against the idle rate).
 """
 
 from __future__ import annotations
