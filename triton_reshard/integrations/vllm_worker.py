@@ -182,11 +182,7 @@ if WeightTransferEngine is not None:
                 t0 = time.perf_counter()
                 err: Exception | None = None
                 try:
-                    if self._mirror is None:
-                        self._drop_mirror()  # a fresh mirror: the next delta into it runs dense
-                        self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
-                                        if s.rank == self.group.rank}
-                    rep = refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
+                    rep = self._receive_mirror(kw)
                     self._staged = {"version": info.version}  # before the vote: the trainer commits after it
                 except Exception as e:  # noqa: BLE001 (voted, then recorded)
                     err = e
@@ -213,6 +209,20 @@ if WeightTransferEngine is not None:
 
             self._stage_thread = threading.Thread(target=run, daemon=True, name="triton_reshard_stage")
             self._stage_thread.start()
+
+        def _receive_mirror(self, kw: dict, stats: dict | None = None):
+            """One refit into the staging mirror (the worker's shard in the destination layout's locals, kept
+            between updates: a delta patches it); a fresh mirror tells the fence, so a delta into it runs dense."""
+            import time
+
+            if self._mirror is None:
+                self._drop_mirror()
+                t1 = time.perf_counter()
+                self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
+                                if s.rank == self.group.rank}
+                if stats is not None:
+                    stats["alloc_s"] = time.perf_counter() - t1
+            return refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
 
         def _mirror_bytes(self) -> int:
             return sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
@@ -317,18 +327,10 @@ if WeightTransferEngine is not None:
             clock = PhaseClock()
             if update_info.delta:
                 # a delta patches what the destination held: keep the staged checkpoint boxes between updates
-                if self._mirror is None:
-                    self._drop_mirror()
-                    t1 = time.perf_counter()
-                    self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
-                                    if s.rank == self.group.rank}
-                    stats["alloc_s"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
-                self.last_report = refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
+                self.last_report = self._receive_mirror(kw, stats)
                 stats.update(recv_bytes=self.last_report.recv_bytes, refit_s=time.perf_counter() - t1,
-                             unpack_s=self.last_report.unpack_seconds,
-                             staging_bytes=sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
-                                               for f in self.dst_layout.fragments if f.rank == self.group.rank),
+                             unpack_s=self.last_report.unpack_seconds, staging_bytes=self._mirror_bytes(),
                              delta_mode=self.last_report.mode)
                 t2 = time.perf_counter()
                 with no_mtp_check(), clock.timing():
