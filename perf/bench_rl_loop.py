@@ -12,7 +12,10 @@ vLLM's NCCL engine's algorithm on the CPU's transport), ``reshard`` (ours, dense
 its boxes, per layer, into vLLM's layerwise reload) and ``delta`` (ours with ``delta=True``). Before each method
 the trainer is reset to the same initial weights and optimizer and the engine refitted to them, and the
 sampling seeds repeat, so every method runs the same loop. One warm-up iteration first (vLLM's first generation
-and the first plans are slower), not counted.
+and the first plans are slower), not counted. ``async`` (examples/rl_loop.py ``--async``): one-step off-policy,
+the transfer staged while the engine generates, the pause only the commit; its rows add ``transfer_s``,
+``pause_s``, ``iter_s``, the tokens out during the transfer and the token rate kept (``probe``: a transfer
+while a batch generates, against the idle rate).
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "vllm_cpu_tier"))
 
-METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta")
-DEFAULT_METHODS = ("broadcast", "reshard", "delta")  # reshard-prefetch on request (--methods)
+METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta")
+DEFAULT_METHODS = ("broadcast", "reshard", "delta", "async")  # reshard-prefetch, async-delta on request (--methods)
 
 
 def _vllm_version() -> str:
@@ -48,7 +50,7 @@ def summarize(rows: list[dict]) -> dict:
         rs = [r for r in rows if r["method"] == m]
         if not rs:
             continue
-        it = [r["gen_s"] + r["train_s"] + r["refit_s"] for r in rs]
+        it = [r.get("iter_s", r["gen_s"] + r["train_s"] + r["refit_s"]) for r in rs]
         later = rs[1:] or rs  # delta: the first refit of a phase is dense (nothing to diff against)
         out[m] = {"gen_s": statistics.median(r["gen_s"] for r in rs),
                   "train_s": statistics.median(r["train_s"] for r in rs),
@@ -64,6 +66,15 @@ def summarize(rows: list[dict]) -> dict:
                   "staging_mb": max(r["staging_bytes"] for r in rs) / 1e6,
                   "reward_first_last": [rs[0]["reward"], rs[-1]["reward"]],
                   "phases": {k: statistics.median(r["phases"][k] for r in later) for k in later[0].get("phases", {})}}
+        if m.startswith("async"):  # the transfer overlaps generation; the pause is the commit alone
+            probe = rs[-1].get("probe") or {}
+            kept = [r["rate_kept"] for r in rs if r["rate_kept"] is not None]
+            out[m].update(transfer_s=statistics.median(r["transfer_s"] for r in rs),
+                          pause_s=statistics.median(r["pause_s"] for r in rs),
+                          pause_of_transfer=statistics.median(r["pause_of_transfer"] for r in rs),
+                          iter_s=statistics.median(it),
+                          rate_kept_in_loop=statistics.median(kept) if kept else None,
+                          rate_kept_probe=probe.get("rate_kept"), probe=probe)
     if "broadcast" in out and "reshard" in out:
         out["speedup_refit"] = out["broadcast"]["refit_s"] / out["reshard"]["refit_s"]
     if "reshard-prefetch" in out and "reshard" in out:
@@ -132,10 +143,13 @@ def main(argv=None) -> int:
                     t.copy_(init[k])
             trainer.__init__(trainer.model, args.lr)  # fresh masters and optimizer
             eng.send_weights(version=f"reset-{m}")  # the engine back to the initial weights
-            rows += rl_loop.run(llm, eng, trainer, args, m)
-        import engine_jobs
+            if m.startswith("async"):
+                rows += rl_loop.run_async(llm, eng, trainer, argparse.Namespace(**{**vars(args), "method": m}))
+            else:
+                rows += rl_loop.run(llm, eng, trainer, args, m)
+        from triton_reshard.testing.vllm_engine import stop
 
-        engine_jobs.stop(llm, eng)
+        stop(llm, eng)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     print(f"bench_rl_loop: {time.perf_counter() - t00:.0f} s in all")

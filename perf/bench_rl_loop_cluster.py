@@ -28,12 +28,12 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "vllm_cpu_tier"), os.path.join(ROOT, "perf")):
+for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3}
-METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2}
+OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4}
+METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3}
 
 
 def _send(t, dst: int) -> None:
@@ -81,6 +81,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
                                      world_size=2 + a.tp, num_trainer_ranks=2, layout=_layout(init), timeout=120)
     eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=vt.TensorsSource(trainer.tensors()))
     before = {k: t.clone() for k, t in trainer.tensors().items()}
+    engine_w = engine_w_prev = before  # async: the weights the engine serves, and those before the last commit
     steps = 0
     while True:
         op, x, y, z = _recv((4,), torch.int64, 1).tolist()
@@ -93,6 +94,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             trainer.__init__(trainer.model, a.lr)
             eng.source = vt.TensorsSource(trainer.tensors())
             before = {k: t.clone() for k, t in trainer.tensors().items()}
+            engine_w = engine_w_prev = before
             eng.send_weights(version=f"reset-{x}")
         elif op == OPS["step"]:
             n, width = x, y
@@ -104,6 +106,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             t0 = time.perf_counter()
             st = trainer.step(rollouts, adv.tolist())
             train_s = time.perf_counter() - t0
+            if z:  # async: the batch was sampled by the weights the engine served before the last commit
+                st["trainer_logprobs"] = trainer.logprobs(rollouts, engine_w_prev)
             now = trainer.tensors()
             changed = sum(int((now[k] != before[k]).sum()) for k in now) / sum(t.numel() for t in now.values())
             before = {k: t.clone() for k, t in now.items()}
@@ -118,8 +122,11 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             if method == "broadcast":
                 eng.send_weights(version=x, method="broadcast")
             else:
-                eng.send_weights(version=x, delta=method == "delta")
+                eng.send_weights(version=x, delta=method == "delta", overlap=method == "async")
             _send(torch.tensor([eng.last_update.get("sent_bytes", 0)], dtype=torch.int64), 1)
+        elif op == OPS["commit"]:
+            eng.commit()
+            engine_w_prev, engine_w = engine_w, {k: t.clone() for k, t in trainer.tensors().items()}
     eng.shutdown()
     return {"steps": steps}
 
@@ -130,13 +137,13 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
     import math
     import random
 
-    import engine_jobs as ej
     import rl_loop
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from triton_reshard.comm.group import free_port
     from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.testing import vllm_engine as ej
     from triton_reshard.testing.cluster import link_counters
 
     a = argparse.Namespace(**args)
@@ -183,6 +190,9 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
         _cmd("reset", k)
         eng.send_weights(version=f"reset-{k}")
         rng = random.Random(a.seed)
+        if method == "async":
+            rows += _async_iters(llm, eng, a, vocab, rng, iters, warm)
+            continue
         for it in range(iters):
             prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(a.prompts)]
             t0 = time.perf_counter()
@@ -234,6 +244,84 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
     ej.stop(llm, eng)
     return {"rows": [r for r in rows if not r["warm_up"]],
             "params": sum(t.numel() for t in metas.values()), "mode": eng.mode}
+
+
+def _train_cmd(gen: list, a, async_: bool) -> dict:
+    """Engine node: a generated batch's rollouts to the trainer node, one step there; its answer."""
+    import rl_loop
+    import torch
+
+    rollouts, rewards, advs = rl_loop.grpo(gen, a.target)
+    seqs = [p + ids for p, ids, _ in rollouts]
+    width = max(len(s) for s in seqs)
+    ids_t = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for k, s in enumerate(seqs):
+        ids_t[k, :len(s)] = torch.tensor(s)
+    t0 = time.perf_counter()
+    _cmd("step", len(seqs), width, int(async_))
+    _send(ids_t, 0)
+    _send(torch.tensor([[len(p), len(ids)] for p, ids, _ in rollouts], dtype=torch.int64), 0)
+    _send(torch.tensor(advs, dtype=torch.float64), 0)
+    lp = _recv((len(seqs), width), torch.float64, 0)
+    loss, train_s, changed = _recv((3,), torch.float64, 0).tolist()
+    mism = [abs(x - float(lp[k, j])) for k, (_, _, e) in enumerate(rollouts) for j, x in enumerate(e)]
+    return {"reward": sum(rewards) / len(rewards), "loss": loss, "train_s": time.perf_counter() - t0,
+            "trainer_step_s": train_s, "changed_frac": changed, "mismatch_max": max(mism),
+            "mismatch_mean": sum(mism) / len(mism)}
+
+
+def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool) -> list[dict]:
+    """Engine node, method ``async`` (examples/rl_loop.py run_async): the engine samples batch k+1 in a thread
+    while the trainer node steps on batch k and stages its weights across the link (``overlap=True``); the
+    commit after the batch is the only pause. The mismatch is against the weights that sampled each batch."""
+    import rl_loop
+    import torch
+
+    from triton_reshard.testing.cluster import link_counters
+
+    def prompts():
+        return [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(a.prompts)]
+
+    first = rl_loop.Sampler(llm, prompts(), a, "c-0", a.seed * 1000).join()
+    idle_rate = first.tokens / max(first.t1 - first.t0, 1e-9)
+    batch, rows = first.result, []
+    for it in range(iters):
+        t_it = time.perf_counter()
+        nxt = rl_loop.Sampler(llm, prompts(), a, f"c-{it + 1}", a.seed * 1000 + it + 1)
+        st = _train_cmd(batch, a, True)
+        c0 = link_counters()
+        t_s0 = time.perf_counter()
+        _cmd("refit", it + 1, METHOD_CODES["async"])
+        eng.send_weights(version=it + 1, overlap=True)
+        t_s1 = time.perf_counter()
+        sent = int(_recv((1,), torch.int64, 0)[0])
+        link_rx = (link_counters() - c0).rx
+        rate, during = nxt.rate_within(t_s0, t_s1)
+        nxt.join()
+        t_c = time.perf_counter()
+        _cmd("commit")
+        eng.commit()
+        pause = eng.last_update["paused_s"]
+        t_end = time.perf_counter()
+        w = llm.collective_rpc("weight_transfer_stats")
+        batch, iter_s = nxt.result, t_end - t_it
+        row = {"warm_up": warm, "method": "async", "iter": it, **st, "gen_s": nxt.t1 - nxt.t0,
+               "transfer_s": t_s1 - t_s0, "wait_gen_s": t_c - t_s1, "pause_s": pause, "commit_s": t_end - t_c,
+               "refit_s": pause, "iter_s": iter_s, "refit_share": pause / iter_s,
+               "pause_of_transfer": pause / max(t_s1 - t_s0, 1e-9), "tokens_during_transfer": during,
+               "rate_during_transfer": rate, "idle_rate": idle_rate,
+               "rate_kept": None if rate is None else rate / idle_rate, "sent_bytes": sent, "link_rx_bytes": link_rx,
+               "delta_mode": None, "worker_refit_s": max(x.get("load_s", 0.0) for x in w),
+               "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
+               "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {}}
+        rows.append(row)
+        kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
+        print(f"[async] iter {it}: gen {row['gen_s']:.2f}s train {st['train_s']:.2f}s transfer {row['transfer_s']:.3f}s "
+              f"(overlapped; {during} tokens out, rate kept {kept}) pause {pause:.3f}s "
+              f"({100 * row['pause_of_transfer']:.1f} % of the transfer, {100 * row['refit_share']:.1f} % of the "
+              f"iteration) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB mismatch "
+              f"{row['mismatch_max']:.3f}", flush=True)
+    return rows
 
 
 def job(rank: int, world: int, args: dict) -> dict:

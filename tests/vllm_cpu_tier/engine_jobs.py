@@ -20,66 +20,18 @@ import os
 import sys
 import time
 
-ENGINE_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-# a small Llama with head_dim 64 (vllm-cpu's attention refuses 16)
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False)
-PROMPTS = [[1, 5, 9, 13, 200, 7], [3, 3, 3, 400, 11], [100, 50, 25, 12, 6, 3, 1], [77, 78, 79]]
-
-
-def engine_env(tp: int) -> None:
-    for k, v in ENGINE_ENV.items():
-        os.environ.setdefault(k, v)
-    if tp > 1:  # without it: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-    # the refit group's and control plane's secret: set before the engine starts, so its processes inherit it
-    os.environ.setdefault("TRITON_RESHARD_SECRET", os.urandom(32).hex())
-
-
-def save_checkpoint(path: str, seed: int, cfg: dict = TINY, arch: str = "llama") -> str:
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
-def start_engine(ckpt: str, tp: int, **kw):
-    from vllm import LLM
-
-    return LLM(model=ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-               max_model_len=kw.pop("max_model_len", 128), distributed_executor_backend="mp", seed=0,
-               weight_transfer_config={"backend": "triton_reshard"},
-               worker_extension_cls="triton_reshard.integrations.vllm_transfer.RefitWorkerExtension", **kw)
-
-
-def generate(llm, prompts, max_tokens: int = 8, temperature: float = 0.0, seed: int | None = None, n: int = 1):
-    """``[(prompt, [(token ids, their logprobs)] * n)]`` of the engine's sampling."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=seed, n=n,
-                        ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    res = []
-    for p, o in zip(prompts, outs, strict=True):
-        samples = []
-        for c in o.outputs:
-            ids = list(c.token_ids)
-            lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs, strict=True)]
-            samples.append((ids, lps))
-        res.append((list(p), samples))
-    return res
+from triton_reshard.testing.vllm_engine import (  # noqa: E402,F401 (shared with examples/ and perf/)
+    ENGINE_ENV,
+    PROMPTS,
+    TINY,
+    engine_env,
+    generate,
+    save_checkpoint,
+    save_tensors,
+    start_engine,
+    stop,
+    trainer_engine,
+)
 
 
 def hf_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
@@ -91,38 +43,6 @@ def hf_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
         logits = model(x).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return lp[torch.arange(len(ids)), torch.tensor(ids)].tolist()
-
-
-def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.0, staging_bytes: int = 64 << 20,
-                   prefetch: bool = False):
-    """The trainer side (one rank holding every tensor in full): our backend's trainer engine through vLLM's
-    trainer factory, meeting the engine's workers in a refit group."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from triton_reshard.comm.group import free_port
-    from triton_reshard.integrations import vllm_transfer as vt
-    from triton_reshard.integrations.verl import replicated_layout
-
-    tp = llm.llm_engine.vllm_config.parallel_config.world_size
-    layout = replicated_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], [0])
-    info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=free_port(), world_size=1 + tp,
-                                     num_trainer_ranks=1, layout=layout, timeout=timeout, mode=mode,
-                                     staging_bytes=staging_bytes, prefetch=prefetch)
-    return WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm),
-                                                     source=vt.TensorsSource(tensors))
-
-
-def stop(llm, eng=None) -> None:
-    """Close the refit group on both sides (the workers through vLLM's ``shutdown_weight_transfer_engine``),
-    then the engine's processes (explicitly: leaving it to interpreter exit hung once, waiting for them)."""
-    if eng is not None:
-        eng.shutdown()
-    try:
-        llm.shutdown_weight_transfer_engine()
-    finally:
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
 
 
 def two_jobs(args) -> dict:
@@ -293,17 +213,21 @@ def trainer_rank1(args) -> int:
 
         def refit(*a, _v=v, calls=calls, real=real, **kw):
             calls[0] += 1
-            if _v == args.die and calls[0] == 3:
+            if _v == args.die and calls[0] == (1 if args.overlap else 3):
                 print(f"trainer rank 1: killed in update {_v}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **kw)
 
         vllm_trainer.refit = refit
         try:
-            eng.send_weights(version=v)
+            eng.send_weights(version=v, overlap=args.overlap)
         finally:
             vllm_trainer.refit = real
         print(f"trainer rank 1: sent update {v}", flush=True)
+        if args.overlap:  # the commit's vote: rank 0 says when
+            if sys.stdin.readline().strip() != f"commit {v}":
+                raise RuntimeError(f"trainer rank 1: expected 'commit {v}' from rank 0")
+            eng.commit()
     eng.shutdown()
     return 0
 
@@ -450,24 +374,205 @@ def fault(args) -> dict:
     return out
 
 
-def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
-    """A checkpoint directory holding ``tensors`` with ``like``'s config (for vLLM's ``reload_weights``)."""
-    import shutil
+def inflight(llm, prompt, n: int, rid: str, act) -> dict:
+    """A greedy request of ``n`` tokens that straddles ``act()`` (run once 16 of its tokens are out): its token
+    ids and vLLM's per-request weight-version spans (``[version, start, end)`` over its output tokens)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
-    from safetensors.torch import save_file
+    core = llm.llm_engine
+    core.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                     SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0,
+                                    output_kind=RequestOutputKind.CUMULATIVE))
+    seen, final = 0, None
+    while seen < 16 and final is None:
+        for o in core.step():
+            seen = len(o.outputs[0].token_ids)
+            final = o if o.finished else None
+    act()
+    while final is None:
+        for o in core.step():
+            final = o if o.finished else None
+    spans = final.outputs[0].weight_versions or []
+    return {"seen_before": seen, "ids": list(final.outputs[0].token_ids),
+            "spans": [[s.version, s.start, s.end] for s in spans]}
 
-    d = os.path.join(tmp, name)
-    os.makedirs(d, exist_ok=True)
-    for f in os.listdir(like):
-        if f.endswith(".json"):
-            shutil.copy(os.path.join(like, f), d)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(d, "model.safetensors"))
-    return d
+
+def overlap(args) -> dict:
+    """Stage, then commit (``send_weights(overlap=True)``, ``commit()``) on a running engine.
+
+    A -> B staged while the engine serves: before the commit the engine still generates A's tokens; after it,
+    what vLLM's own ``reload_weights`` of B generates, and the live parameters' digests equal. Then a request
+    straddles a commit with pause_mode "wait" (its tokens: the old weights' greedy continuation, one version
+    span) and one with "keep" (vLLM's weight-version spans say at which token the weights changed; the tokens
+    before it are the old weights' continuation). A commit with nothing staged is refused before any engine
+    call; a delta staged into the same mirror commits exactly too."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_overlap_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp, max_model_len=MAX_LEN_INFLIGHT)
+    gen_a = generate(llm, PROMPTS)
+    tensors = load_file(os.path.join(b, "model.safetensors"))
+    eng = trainer_engine(llm, tensors)
+    out["mode"] = eng.mode
+    try:
+        eng.commit()
+        out["empty_commit_error"] = None
+    except RuntimeError as e:
+        out["empty_commit_error"] = str(e)[:400]
+    t0 = time.perf_counter()
+    eng.send_weights(version=1, overlap=True)
+    out["stage_s"] = time.perf_counter() - t0
+    out["stage_trainer"] = eng.last_update
+    out["stage_workers"] = llm.collective_rpc("weight_transfer_stats")
+    out["serves_old_while_staged"] = generate(llm, PROMPTS) == gen_a
+    out["forward_refused_while_staged"] = llm.collective_rpc("forward_refused")
+    eng.commit()
+    out["commit_trainer"] = eng.last_update
+    out["commit_workers"] = llm.collective_rpc("weight_transfer_stats")
+    gen_b, dig_b = generate(llm, PROMPTS), llm.collective_rpc("param_digests")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": b, "is_checkpoint_format": True})
+    out["commit_equal_to_vllm_reload"] = gen_b == generate(llm, PROMPTS) != gen_a
+    out["digests_equal"] = dig_b == llm.collective_rpc("param_digests")
+    # a request straddling a commit, "wait": it finishes on B (the engine holds B), the commit (C) after it
+    prompt, n = PROMPTS[0], MAX_LEN_INFLIGHT - len(PROMPTS[0]) - 1
+    only_b = generate(llm, [prompt], max_tokens=n)[0][1][0][0]
+    c = {k: (v * 0.5) for k, v in tensors.items()}
+    eng.source = vt.TensorsSource(c)
+    eng.send_weights(version=2, overlap=True)
+    eng.info.pause_mode = "wait"
+    out["wait"] = inflight(llm, prompt, n, "straddle-wait", eng.commit)
+    out["wait_equal_old"] = out["wait"]["ids"] == only_b
+    only_c = generate(llm, [prompt], max_tokens=n)[0][1][0][0]
+    out["wait_engine_now_new"] = only_c != only_b
+    # "keep": the request is held at the commit and continues on the new weights (D = B again)
+    eng.source = vt.TensorsSource(tensors)
+    eng.send_weights(version=3, overlap=True)
+    eng.info.pause_mode = "keep"
+    out["keep"] = inflight(llm, prompt, n, "straddle-keep", eng.commit)
+    spans = out["keep"]["spans"]
+    switch = spans[-1][1] if len(spans) > 1 else None
+    out["keep_switch_token"] = switch
+    out["keep_prefix_equal_old"] = switch is not None and out["keep"]["ids"][:switch] == only_c[:switch]
+    out["keep_engine_now"] = generate(llm, [prompt], max_tokens=n)[0][1][0][0] == only_b
+    # a delta staged into the same mirror (about 1 % of the elements change), committed: equal to vLLM's reload
+    eng.info.pause_mode = "wait"
+    gen = torch.Generator().manual_seed(5)
+    for k in (10, 11):
+        for t in tensors.values():
+            m = torch.rand(t.shape, generator=gen) < 0.01
+            t[m] = (t[m].float() + 0.01).to(t.dtype)
+        eng.send_weights(version=k, delta=True, overlap=True)
+        out.setdefault("delta_stage", []).append({"trainer_mode": eng.last_report.mode,
+                                                  "sent": eng.last_update["sent_bytes"]})
+        eng.commit()
+    d = save_tensors(tmp, "d", b, tensors)
+    got = generate(llm, PROMPTS)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
+    out["delta_commit_equal_to_vllm_reload"] = got == generate(llm, PROMPTS)
+    stop(llm, eng)
+    return out
+
+
+def overlap_fault(args) -> dict:
+    """A trainer rank killed during a staged update (before the commit): trainer rank 1 (a subprocess holding
+    decoder layer 1) is SIGKILLed in update 2 after the workers started their staged receive, before its sends.
+    Checked: rank 0's ``send_weights(overlap=True)`` raises, saying nothing was committed; the engine was never
+    paused: it generates at once, the old weights' tokens, and no worker is torn or refuses a forward; a new
+    trainer (new refit group) stages and commits the same update, equal to vLLM's own reload of it."""
+    import subprocess
+    import tempfile
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from triton_reshard.comm.group import free_port
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_overlap_fault_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp)
+    world = 2 + args.tp
+
+    def trainer(versions: str, die: int | None):
+        port = free_port()
+        cmd = [sys.executable, os.path.abspath(__file__), "trainer_rank1", "--out", "-", "--port", str(port),
+               "--world", str(world), "--ckpt", b, "--versions", versions, "--timeout", str(args.timeout),
+               "--overlap"] + (["--die", str(die)] if die is not None else [])
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        proc.head = []
+        for line in proc.stdout:
+            proc.head.append(line)
+            if "trainer rank 1: ready" in line:
+                break
+        else:
+            raise RuntimeError("trainer rank 1 exited before joining: " + "".join(proc.head)[-2000:])
+        info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=port, world_size=world, num_trainer_ranks=2,
+                                         layout=split_layout(version_tensors(b, 1)), timeout=args.timeout)
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm), source=None)
+        return eng, proc
+
+    def send(eng, proc, v):
+        proc.stdin.write(f"go {v}\n")
+        proc.stdin.flush()
+        eng.source = vt.TensorsSource({n: t for n, t in version_tensors(b, v).items() if ".layers.1." not in n})
+        eng.send_weights(version=v, overlap=True)
+        proc.stdin.write(f"commit {v}\n")
+        proc.stdin.flush()
+        eng.commit()
+
+    eng, proc = trainer("1,2", die=2)
+    send(eng, proc, 1)
+    gen_b = generate(llm, PROMPTS)
+    try:
+        proc.stdin.write("go 2\n")
+        proc.stdin.flush()
+        eng.source = vt.TensorsSource({n: t for n, t in version_tensors(b, 2).items() if ".layers.1." not in n})
+        eng.send_weights(version=2, overlap=True)
+        out["killed_stage_error"] = None
+    except Exception as e:  # noqa: BLE001 (the failure is what the test checks)
+        out["killed_stage_error"] = f"{type(e).__name__}: {e}"[:1500]
+    out["rank1_output"] = ("".join(proc.head) + proc.communicate(timeout=60)[0])[-800:]
+    out["rank1_rc"] = proc.returncode
+    try:
+        eng.commit()
+        out["commit_after_failure_error"] = None
+    except RuntimeError as e:
+        out["commit_after_failure_error"] = str(e)[:400]
+    t0 = time.perf_counter()
+    out["serves_old_after_failure"] = generate(llm, PROMPTS) == gen_b
+    out["generate_after_failure_s"] = time.perf_counter() - t0
+    out["worker_stats"] = llm.collective_rpc("weight_transfer_stats")
+    out["forward_refused"] = llm.collective_rpc("forward_refused")
+    eng.shutdown()
+    eng, proc = trainer("3", die=None)
+    send(eng, proc, 3)
+    proc.communicate(timeout=60)
+    got = generate(llm, PROMPTS)
+    c = save_tensors(tmp, "c", b, version_tensors(b, 3))
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": c, "is_checkpoint_format": True})
+    out["next_refit_equal_to_vllm_reload"] = got == generate(llm, PROMPTS) != gen_b
+    eng.shutdown()
+    stop(llm)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1"])
+    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap", "overlap_fault"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)
@@ -478,13 +583,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--versions", default="")
     ap.add_argument("--die", type=int, default=None)
+    ap.add_argument("--overlap", action="store_true", help="trainer_rank1: stage, then commit (issue 45)")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--wait", type=float, default=5.0, help="fault: how long a generation must wait while torn")
     ap.add_argument("--inflight-delay", type=float, default=0.3)
     args = ap.parse_args(argv)
     if args.job == "trainer_rank1":
         return trainer_rank1(args)
-    res = fault(args) if args.job == "fault" else two_jobs(args)
+    res = {"fault": fault, "overlap": overlap, "overlap_fault": overlap_fault}.get(args.job, two_jobs)(args)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(json.dumps(res, default=str)[:3000])

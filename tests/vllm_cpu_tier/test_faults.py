@@ -57,3 +57,24 @@ def test_trainer_killed_mid_refit_paused_then_repaired_tp2(tmp_path):
     # old weights (every token its greedy one), and the next request runs on the new weights
     assert r["inflight_seen_before_refit"] >= 16 and r["inflight_first_divergence"] == r["inflight_tokens"]
     assert r["after_inflight_new_weights"]
+
+
+def test_trainer_killed_during_staged_update_engine_untouched_tp2(tmp_path):
+    """Issue 45: a trainer rank killed during ``send_weights(overlap=True)`` (the workers' staged receive had
+    started) leaves the engine serving its old weights: it was never paused, no worker is torn or refuses a
+    forward, a commit is refused, and a new trainer's next staged update commits exactly."""
+    out = tmp_path / "overlap_fault.json"
+    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), "overlap_fault", "--tp", "2",
+                        "--timeout", "15", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    r = json.loads(out.read_text())
+    assert "killed in update 2" in r["rank1_output"] and r["rank1_rc"] == -9, r["rank1_output"]
+    err = r["killed_stage_error"]
+    assert err and "staged update to version 2 failed" in err and "nothing was committed" in err, err
+    assert "no complete staged update" in (r["commit_after_failure_error"] or ""), r["commit_after_failure_error"]
+    assert r["serves_old_after_failure"], "the engine did not serve its old weights after the failed stage"
+    assert r["generate_after_failure_s"] < 10, "the engine was left paused"
+    assert r["forward_refused"] == [None] * r["tp"]
+    assert all(w.get("phase") == "stage" and w.get("failed") and not w.get("torn") for w in r["worker_stats"]), \
+        r["worker_stats"]
+    assert r["next_refit_equal_to_vllm_reload"]

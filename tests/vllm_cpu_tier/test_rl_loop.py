@@ -48,10 +48,12 @@ def test_bench_rl_loop_smoke(tmp_path):
     out = tmp_path / "bench.json"
     _run(["perf/bench_rl_loop.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--out", str(out)])
     s = json.loads(out.read_text())["summary"]
-    assert set(s) >= {"broadcast", "reshard", "delta", "speedup_refit", "delta_wire_cut"}
+    assert set(s) >= {"broadcast", "reshard", "delta", "async", "speedup_refit", "delta_wire_cut"}
+    a = s["async"]  # issue 45: the transfer overlapped generation, the engine paused only to commit
+    assert a["transfer_s"] > 0 and a["pause_s"] > 0 and a["probe"]["idle_rate"] > 0
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way
     assert s["delta"]["sent_mb"] < s["reshard"]["sent_mb"]
-    assert all(s[m]["mismatch_max"] <= MISMATCH_TOL for m in ("broadcast", "reshard", "delta"))
+    assert all(s[m]["mismatch_max"] <= MISMATCH_TOL for m in ("broadcast", "reshard", "delta", "async"))
 
 
 def test_bench_rl_loop_cluster_smoke(tmp_path):
@@ -64,10 +66,28 @@ def test_bench_rl_loop_cluster_smoke(tmp_path):
         pytest.skip(f"no emulated cluster here: {why}")
     out = tmp_path / "cluster.json"
     _run(["perf/bench_rl_loop_cluster.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--methods",
-          "broadcast,reshard", "--timeout", "400", "--out", str(out)])
+          "broadcast,reshard,async", "--timeout", "400", "--out", str(out)])
     d = json.loads(out.read_text())
     s = d["summary"]
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way
     for r in d["rows"]:  # the link carried the refit's bytes (plus headers and ACK-free control: < 2 %)
         assert r["sent_bytes"] <= r["link_rx_bytes"] < r["sent_bytes"] * 1.02 + 64_000, r
         assert r["mismatch_max"] <= MISMATCH_TOL
+
+
+def test_rl_loop_async_tp2(tmp_path):
+    """Issue 45: one-step off-policy, the transfer staged while the engine samples the next batch, committed
+    after it: exact at the end (vLLM's own reload of the trainer's weights), the mismatch against the weights
+    that sampled each batch within the tolerance, the staging 1x the worker's shard (about half at TP2)."""
+    out = tmp_path / "rows.json"
+    p = _run(["examples/rl_loop.py", "--size", "tiny", "--tp", "2", "--iters", "3", "--lr", "3e-3", "--async",
+              "--verify", "--json", str(out)])
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert res["verified"] is True, p.stdout[-2000:]
+    assert len(rows) == 3 and all(r["method"] == "async" for r in rows)
+    assert all(r["mismatch_max"] <= MISMATCH_TOL for r in rows), [r["mismatch_max"] for r in rows]
+    assert all(r["transfer_s"] > 0 and 0 < r["pause_s"] < r["iter_s"] for r in rows)
+    assert all(r["sent_bytes"] * 0.5 <= r["staging_bytes"] * 2 <= r["sent_bytes"] * 1.02 for r in rows), rows[0]
+    assert all(r["changed_frac"] > 0 for r in rows)
+    assert rows[-1]["probe"]["idle_rate"] > 0

@@ -87,6 +87,7 @@ if TrainerWeightTransferEngine is not None:
         ``dict(megatron_model.named_parameters())``). ``mode``: the workers' receive mode, agreed at init."""
 
         init_info_cls = ReshardTrainerInitInfo
+        _staged: dict | None = None  # a completed send_weights(overlap=True) not yet committed
 
         @classmethod
         def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client, source=None):
@@ -125,43 +126,93 @@ if TrainerWeightTransferEngine is not None:
             return eng
 
         def send_weights(self, version: int | str | None = None, delta: bool | str = False,
-                         method: str = "reshard", prefetch: bool | None = None) -> None:
+                         method: str = "reshard", prefetch: bool | None = None, overlap: bool = False) -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
             travel after the first update (docs/delta.md); each trainer rank's cached Resharder keeps a
             snapshot of what it sends (``last_report.mode`` / ``fallback`` say whether the delta ran).
             In reload mode a dense update is one refit per layer group (the workers stage one layer at a
             time), a delta update one refit (the workers keep the staged checkpoint to patch).
             ``method="broadcast"``: the baseline (:class:`ReshardUpdateInfo`); needs every full tensor on
-            trainer rank 0 (a one-rank trainer)."""
+            trainer rank 0 (a one-rank trainer).
+
+            ``overlap=True``: stage, then commit. The workers receive into a private staging mirror (1x their
+            shard) in a background thread while the engine keeps serving; this returns once every worker has
+            staged (the engine is not paused); :meth:`commit` later swaps the staged weights in under the pause.
+            A failed staged update leaves the engine serving its weights untouched (raised here, not torn)."""
             import time
 
-            info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch}
+            info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch,
+                    "phase": "stage" if overlap else "full"}
             # options the trainer can check are refused here, before any engine call: the engine keeps serving
             # its old weights (issue 42: a bad delta/version reached the workers after the pause and the reload)
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
                       **delta_kwargs(ReshardUpdateInfo(**info)))
             tensors = dict(self.source.iter_local()) if self.source is not None else {}
-            rpc = None
+            self._staged = None  # a new update supersedes a staged one not committed
+            if overlap:
+                return self._stage(info, tensors, kw)
             phases = {"pause_s": 0.0, "start_s": 0.0, "send_s": 0.0, "wait_workers_s": 0.0, "finish_s": 0.0,
                       "resume_s": 0.0}
             t0 = time.perf_counter()
-            pause = getattr(self.client, "pause_generation", None) if self.is_sender and self.info.pause else None
-            if pause is not None:
-                pause(self.info.pause_mode)
+            pause = self._pause()
             t1 = time.perf_counter()
             phases["pause_s"] = t1 - t0
+            rpc = None
             if self.is_sender:
                 self.client.start_weight_update()
                 rpc = ControlCall(self.client.update_weights, info)
             t2 = time.perf_counter()
             phases["start_s"] = t2 - t1
-            sent = 0
-            err: BaseException | None = None
-            bad: list[int] = []
+            sent, err, bad = self._transfer(tensors, method, delta, kw, phases, per_group=True)
+            t3 = time.perf_counter()
+            phases["send_s"] = t3 - t2
+            err = self._join(rpc, err)
+            phases["wait_workers_s"] = time.perf_counter() - t3
+            t4 = time.perf_counter()
+            self._raise_failed(version, method, err, bad)
+            if rpc is not None:
+                self.client.finish_weight_update(None if version is None else str(version))
+            t5 = time.perf_counter()
+            phases["finish_s"] = t5 - t4
+            if pause:
+                self.client.resume_generation()
+            phases["resume_s"] = time.perf_counter() - t5
+            self.last_update = {"mode": self.mode, "method": method, "sent_bytes": sent,
+                                "seconds": time.perf_counter() - t0, **phases}
+
+        def _pause(self) -> bool:
+            """Pause the engine's scheduler (rank 0, ``pause=True``, a client that can); whether it did."""
+            pause = getattr(self.client, "pause_generation", None) if self.is_sender and self.info.pause else None
+            if pause is not None:
+                pause(self.info.pause_mode)
+            return pause is not None
+
+        def _join(self, rpc, err):
+            """Wait for the workers' update RPC; the first error wins."""
+            if rpc is not None:
+                try:
+                    rpc.join(self.info.timeout)
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
+            return err
+
+        def _raise_failed(self, version, method: str, err, bad: list[int]) -> None:
+            if err is not None:
+                self._failed(version, method, f"{type(err).__name__}: {err}", err)
+            if bad:  # a worker failed on its own (e.g. in the engine's loader) while our sends completed
+                self._failed(version, method, f"rank(s) {bad} of the refit group failed their part (see their log)",
+                             None)
+
+        def _transfer(self, tensors: dict, method: str, delta, kw: dict, phases: dict, per_group: bool):
+            """This rank's sends of one update, then the commit vote: ``(bytes sent, error, failed ranks)``.
+            ``per_group``: in reload mode a dense update is one refit per layer group."""
+            sent, err, bad = 0, None, []
             try:
-                if method == "broadcast":
+                if method == "commit":
+                    pass  # a commit moves no bytes here: the vote alone
+                elif method == "broadcast":
                     sent = self._send_broadcast(tensors)
-                elif self.mode == "reload" and not delta:
+                elif per_group and self.mode == "reload" and not delta:
                     for _names, src, dst in self.groups:
                         mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}
                         self.last_report = refit({n: t for n, t in tensors.items() if n in mine}, {}, src, dst,
@@ -172,7 +223,7 @@ if TrainerWeightTransferEngine is not None:
                     self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, **kw)
                     sent = self.last_report.sent_bytes
                     add_report(phases, self.last_report)
-            except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the workers' answer)
+            except BaseException as e:  # noqa: BLE001 (raised by the caller, after the vote and the workers' answer)
                 err = e
             if err is None or not group_broken(err):
                 try:  # every rank's word, the workers' too: one may have failed where we completed
@@ -180,30 +231,71 @@ if TrainerWeightTransferEngine is not None:
                     bad = [r for r, w in enumerate(words) if not w]
                 except Exception as e:  # noqa: BLE001
                     err = err or e
-            t3 = time.perf_counter()
-            phases["send_s"] = t3 - t2
-            if rpc is not None:
-                try:
-                    rpc.join(self.info.timeout)
-                except BaseException as e:  # noqa: BLE001
-                    err = err or e
-            phases["wait_workers_s"] = time.perf_counter() - t3
-            t4 = time.perf_counter()
-            if err is not None:
-                self._failed(version, method, f"{type(err).__name__}: {err}", err)
-            if bad:  # a worker failed on its own (e.g. in the engine's loader) while our sends completed
-                self._failed(version, method, f"rank(s) {bad} of the refit group failed their part (see their log)",
-                             None)
+            return sent, err, bad
+
+        def _stage(self, info: dict, tensors: dict, kw: dict) -> None:
+            """``send_weights(overlap=True)``: the workers start their background receive (one RPC, between two
+            engine steps), every trainer rank sends, all vote; nothing pauses the engine."""
+            import time
+
+            t0 = time.perf_counter()
+            rpc = None
+            if self.is_sender:  # vLLM's update session: the workers start their receive thread and return
+                self.client.start_weight_update()
+                rpc = ControlCall(self.client.update_weights, info)
+            phases: dict = {}
+            sent, err, bad = self._transfer(tensors, "reshard", info["delta"], kw, phases, per_group=False)
+            err = self._join(rpc, err)
+            if rpc is not None:  # the session closes; the engine's weight version stays (nothing committed)
+                with contextlib.suppress(Exception) if err is not None or bad else contextlib.nullcontext():
+                    self.client.finish_weight_update(None)
+            version = info["version"]
+            if err is not None or bad:
+                reason = f"{type(err).__name__}: {err}" if err is not None else f"rank(s) {bad} failed their part"
+                self.last_update = {"mode": self.mode, "phase": "stage", "failed": reason[:400]}
+                raise RuntimeError(
+                    f"triton_reshard trainer rank {self.rank}: the staged update to version {version!r} failed "
+                    f"({reason}); nothing was committed: the engine was not paused and serves its weights as "
+                    "before (staging is private); re-init the trainer engine if its refit group broke, then "
+                    "send_weights again") from err
+            self._staged = {"version": version}
+            self.last_update = {"mode": self.mode, "method": "reshard", "phase": "stage", "sent_bytes": sent,
+                                "transfer_s": time.perf_counter() - t0, "seconds": time.perf_counter() - t0,
+                                **phases}
+
+        def commit(self) -> None:
+            """Swap the weights a completed ``send_weights(overlap=True)`` staged into the engine: pause (the
+            configured ``pause_mode``), each worker's commit (in place: copy staging into the live parameters;
+            reload mode: vLLM's layerwise reload fed from staging), resume. Every trainer rank calls it (the
+            commit ends with the update's vote). Refused, before any engine call, without a complete staged
+            update; a commit that fails part way leaves the weights torn and the engine paused, as a failed
+            update does, and raises naming it."""
+            import time
+
+            if self._staged is None:
+                raise RuntimeError(f"triton_reshard trainer rank {self.rank}: commit refused: no complete staged "
+                                   "update (send_weights(overlap=True) first; a failed one cannot be committed)")
+            version = self._staged["version"]
+            self._staged = None
+            t0 = time.perf_counter()
+            pause = self._pause()
+            t1 = time.perf_counter()
+            rpc = None
+            if self.is_sender:
+                self.client.start_weight_update()
+                rpc = ControlCall(self.client.update_weights, {"version": version, "phase": "commit"})
+            _, err, bad = self._transfer({}, "commit", False, {}, {}, per_group=False)
+            err = self._join(rpc, err)
+            self._raise_failed(version, "reshard", err, bad)
             if rpc is not None:
                 self.client.finish_weight_update(None if version is None else str(version))
-            t5 = time.perf_counter()
-            phases["finish_s"] = t5 - t4
-            if pause is not None:
+            t2 = time.perf_counter()
+            if pause:
                 self.client.resume_generation()
-            phases["resume_s"] = time.perf_counter() - t5
-            self.last_update = {"mode": self.mode, "method": method, "sent_bytes": sent,
-                                "seconds": time.perf_counter() - t0, **phases}
-
+            t3 = time.perf_counter()
+            self.last_update = {"mode": self.mode, "method": "reshard", "phase": "commit", "version": version,
+                                "pause_s": t1 - t0, "commit_s": t2 - t1, "resume_s": t3 - t2,
+                                "paused_s": t3 - t0 if pause else 0.0, "seconds": t3 - t0}
         def _failed(self, version, method: str, reason: str, cause: BaseException | None):
             """A failed update: close vLLM's update session on the workers (they keep their torn state: nothing
             is finalized, the forward stays refused) and raise, leaving the engine paused."""

@@ -18,6 +18,9 @@ staging copy of the model), from the trainer rank that holds them.
 * **Every update** (``update_weights`` on the workers, ``send_weights`` on the trainer ranks): one
   ``refit`` over the refit group. ``start_weight_update`` / ``finish_weight_update`` have nothing to do (the
   weights are written in place, in the checkpoint format the loader writes).
+* **Stage, then commit** (``send_weights(overlap=True)``, then ``commit()``; docs/integrations.md): the workers
+  receive into a private staging mirror (1x their shard) in a background thread while the engine serves; the
+  commit swaps it in under the pause (in place: a copy; reload mode: vLLM's layerwise reload fed from it).
 * **The secret** (``docs/security.md``): the trainer passes ``secret=`` (never printed: ``repr=False``) or
   names where it lives (``secret_env``, default ``TRITON_RESHARD_SECRET``; ``secret_file``); the workers get
   only those names in their init info (which travels over vLLM's control plane and may be logged) and read the

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - exercised in the main test env, which 
 
 BACKEND = "triton_reshard"
 PUBLIC_MODULE = "triton_reshard.integrations.vllm_transfer"  # where vLLM's lazy loaders find our engine classes
+PHASES = ("full", "stage", "commit")  # ReshardUpdateInfo.phase
 
 
 def register() -> None:
@@ -91,12 +92,19 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     delta: bool | str = False
     method: str = "reshard"
     prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
+    # "full": receive and swap in, the engine paused throughout; "stage": receive into the worker's private
+    # staging mirror in a background thread while the engine serves; "commit": swap the staged weights in
+    phase: str = "full"
 
     def __post_init__(self) -> None:
         """Checked where it is built: on the trainer before any engine call (``send_weights``), again on each
         worker as vLLM parses it."""
         if self.method not in ("reshard", "broadcast"):
             raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got {self.method!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"triton_reshard update: phase must be one of {PHASES}, got {self.phase!r}")
+        if self.phase != "full" and self.method != "reshard":
+            raise ValueError(f"triton_reshard update: phase {self.phase!r} needs method 'reshard', got {self.method!r}")
         delta_options(self.version, self.delta)
 
 

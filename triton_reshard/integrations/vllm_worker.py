@@ -53,6 +53,8 @@ if WeightTransferEngine is not None:
         _reloading: bool = False
         torn: dict | None = None
         _guard = None
+        _stage_thread = None  # the background receive of a staged update (phase "stage")
+        _staged: dict | None = None  # a staged update complete in the mirror, not yet committed: its info
 
         def _worker_index(self) -> int:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -67,6 +69,7 @@ if WeightTransferEngine is not None:
             rank = init_info.rank_offset + self._worker_index()
             secret = plugin_secret(None, init_info.secret_env, init_info.secret_file,
                                    where=f"triton_reshard worker {rank}")
+            self._join_stage(init_info.timeout)  # a staged receive of the old trainer ends (fails) first
             if self.group is not None:  # a new trainer (e.g. restarted after a failure): leave the old group
                 with contextlib.suppress(Exception):
                     self.group.destroy()
@@ -94,20 +97,21 @@ if WeightTransferEngine is not None:
             from ..refit import forget_refit_state
 
             self._mirror: dict[str, torch.Tensor] | None = None
+            self._staged = None
             if getattr(self, "dst_layout", None) is not None:
                 forget_refit_state(self.dst_layout)
 
         def start_weight_update(self) -> None:
-            """Reload mode: vLLM's ``initialize_layerwise_reload`` (the layers go back to their load format on
-            the meta device; their loaders buffer until a layer is complete, then process it); after a failed
-            update, the repair of its unfinished reload first. In place: nothing to prepare."""
+            """After a failed update, the repair of its unfinished reload. The update itself begins vLLM's
+            ``initialize_layerwise_reload`` in reload mode (the layers go back to their load format on the meta
+            device; their loaders buffer until a layer is complete, then process it), where it needs one: a
+            staged receive (phase "stage") leaves the model as it is, the engine serves on."""
             import time
 
             t0 = time.perf_counter()
             if self._reloading and self.torn is not None:
                 self._reset_reload()
-            if self.mode == "reload":
-                self._begin_reload()
+            self._phase = None  # set by this session's update (receive_weights begins a reload where it needs one)
             self._start_s = time.perf_counter() - t0
 
         def _begin_reload(self) -> None:
@@ -153,14 +157,130 @@ if WeightTransferEngine is not None:
 
                 self._guard = self.model.register_forward_pre_hook(refuse)
 
+        def _staging(self) -> bool:
+            return self._stage_thread is not None and self._stage_thread.is_alive()
+
+        def _join_stage(self, timeout: float) -> None:
+            if self._stage_thread is not None:
+                self._stage_thread.join(timeout)
+
+        def _stage(self, info: ReshardUpdateInfo) -> None:
+            """Phase "stage": receive this worker's boxes into its private staging mirror (1x its shard, kept
+            between updates: a delta patches it) in a background thread, and return at once, so the engine keeps
+            serving its current weights meanwhile. The thread ends with the commit vote (the trainer learns there
+            whether every worker staged); a failure drops the mirror and touches nothing the engine serves."""
+            import threading
+            import time
+
+            if self._staging():
+                raise RuntimeError(f"triton_reshard worker {self.group.rank}: a staged receive is still running")
+            self._staged = None
+            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
+                      **delta_kwargs(info))
+
+            def run():
+                t0 = time.perf_counter()
+                err: Exception | None = None
+                try:
+                    rep = self._receive_mirror(kw)
+                    self._staged = {"version": info.version}  # before the vote: the trainer commits after it
+                except Exception as e:  # noqa: BLE001 (voted, then recorded)
+                    err = e
+                if err is None or not group_broken(err):
+                    try:
+                        words = commit_vote(self.group, err is None, self.info.timeout, f"worker {self.group.rank}")
+                        if err is None and not all(words):
+                            err = RuntimeError(f"rank(s) {[r for r, w in enumerate(words) if not w]} of the refit "
+                                               "group failed their part of this staged update")
+                    except Exception as e:  # noqa: BLE001
+                        err = err or e
+                if err is not None:
+                    self._drop_mirror()  # and the staged version with it
+                    self.last_update = {"mode": self.mode, "phase": "stage", "version": info.version,
+                                        "failed": f"{type(err).__name__}: {err}"[:400]}
+                    log_warning(f"triton_reshard worker {self.group.rank}: the staged update to version "
+                                f"{info.version!r} failed; the engine keeps its weights: {err}")
+                    return
+                self.last_report = rep
+                self.last_update = {"mode": self.mode, "phase": "stage", "version": info.version,
+                                    "recv_bytes": rep.recv_bytes, "staging_bytes": self._mirror_bytes(),
+                                    "refit_s": rep.seconds, "stage_s": time.perf_counter() - t0,
+                                    "delta_mode": rep.mode}
+
+            self._stage_thread = threading.Thread(target=run, daemon=True, name="triton_reshard_stage")
+            self._stage_thread.start()
+
+        def _receive_mirror(self, kw: dict, stats: dict | None = None):
+            """One refit into the staging mirror (the worker's shard in the destination layout's locals, kept
+            between updates: a delta patches it); a fresh mirror tells the fence, so a delta into it runs dense."""
+            import time
+
+            if self._mirror is None:
+                self._drop_mirror()
+                t1 = time.perf_counter()
+                self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
+                                if s.rank == self.group.rank}
+                if stats is not None:
+                    stats["alloc_s"] = time.perf_counter() - t1
+            return refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
+
+        def _mirror_bytes(self) -> int:
+            return sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
+                       for f in self.dst_layout.fragments if f.rank == self.group.rank)
+
+        def _commit(self, info: ReshardUpdateInfo) -> None:
+            """Phase "commit" (the engine paused): swap the staged weights in. In place: copy each staged box
+            into its live parameter; reload mode: vLLM's layerwise reload fed from the mirror (finalized by
+            ``finish_weight_update``). Refused, touching nothing, without a complete staged update."""
+            import time
+
+            if self._staged is None:
+                raise RuntimeError(f"triton_reshard worker {self.group.rank}: commit of version {info.version!r} "
+                                    "refused: no complete staged update (the receive failed or never ran)")
+            t0 = time.perf_counter()
+            stats = {"mode": self.mode, "phase": "commit", "version": self._staged["version"], "recv_bytes": 0,
+                     "staging_bytes": self._mirror_bytes()}
+            if self.mode == "inplace":
+                params = dict(self.model.named_parameters())
+                with torch.no_grad():
+                    for f in self.dst_layout.fragments:
+                        if f.rank == self.group.rank:
+                            box = tuple(slice(o, o + n) for o, n in zip(f.local_offsets, f.local_sizes, strict=True))
+                            params[f.local][box].copy_(self._mirror[f.local][box])
+                stats["load_s"] = time.perf_counter() - t0
+            else:
+                self._begin_reload()
+                clock = PhaseClock()
+                with no_mtp_check(), clock.timing():
+                    self.model.load_weights(iter(list(self._mirror.items())))
+                stats.update(load_s=time.perf_counter() - t0, process_s=clock.process_s)
+            self._staged = None  # committed: the mirror stays (it holds the live version; a delta patches it)
+            stats["seconds"] = time.perf_counter() - t0
+            self.last_update = stats
+
         def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("triton_reshard backend: init_transfer_engine was not called")
-            if self.mode == "reload" and update_info.method == "reshard" and not self._reloading:
-                raise RuntimeError("triton_reshard backend (reload mode): start_weight_update was not called")
+            self._phase = update_info.phase
+            if update_info.phase == "stage":
+                return self._stage(update_info)
             err: Exception | None = None
+            self._join_stage(self.info.timeout)  # the trainer sends this only after the staged receive's vote
+            if self._staging():
+                err = RuntimeError(f"triton_reshard worker {self.group.rank}: update to version "
+                                   f"{update_info.version!r} refused: a staged receive is still running")
+            elif update_info.phase == "full":
+                # a full update supersedes a staged one; in place it writes the live parameters, not the mirror
+                if self._mirror is not None and (self._staged is not None or self.mode == "inplace"):
+                    self._drop_mirror()
+                if self.mode == "reload" and update_info.method == "reshard":
+                    self._begin_reload()
             try:
-                if update_info.method == "broadcast":
+                if err is not None:
+                    pass
+                elif update_info.phase == "commit":
+                    self._commit(update_info)
+                elif update_info.method == "broadcast":
                     self._receive_broadcast(update_info)
                 else:
                     self._receive_reshard(update_info)
@@ -207,18 +327,10 @@ if WeightTransferEngine is not None:
             clock = PhaseClock()
             if update_info.delta:
                 # a delta patches what the destination held: keep the staged checkpoint boxes between updates
-                if self._mirror is None:
-                    self._drop_mirror()
-                    t1 = time.perf_counter()
-                    self._mirror = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in self.dst_layout.locals
-                                    if s.rank == self.group.rank}
-                    stats["alloc_s"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
-                self.last_report = refit({}, self._mirror, self.src_layout, self.dst_layout, **kw)
+                self.last_report = self._receive_mirror(kw, stats)
                 stats.update(recv_bytes=self.last_report.recv_bytes, refit_s=time.perf_counter() - t1,
-                             unpack_s=self.last_report.unpack_seconds,
-                             staging_bytes=sum(math.prod(f.sizes) * self._mirror[f.local].element_size()
-                                               for f in self.dst_layout.fragments if f.rank == self.group.rank),
+                             unpack_s=self.last_report.unpack_seconds, staging_bytes=self._mirror_bytes(),
                              delta_mode=self.last_report.mode)
                 t2 = time.perf_counter()
                 with no_mtp_check(), clock.timing():
@@ -336,6 +448,8 @@ if WeightTransferEngine is not None:
             way the update completed: a torn state from an earlier failure is repaired, generation allowed."""
             import time
 
+            if getattr(self, "_phase", None) == "stage":
+                return  # a staged receive touched nothing the engine serves: nothing to finalize or repair
             if self.torn is not None and self.last_update.get("torn"):
                 # this update failed: nothing to finalize (the reload stays unfinished, the weights torn, the
                 # forward refused); vLLM's session closes, the next start_weight_update repairs
