@@ -156,6 +156,23 @@ def test_mixed_pairs_strided_and_empty(codec):
     assert all(torch.equal(msgs[0], m) for m in msgs[1:])
 
 
+def test_strided_1d_views_with_dense_chunks(codec):
+    """A 1-D view with a stride (an every-other-row slice of a fused tensor) whose chunks go dense (every
+    element's sign flipped: raw values): the codec reads its bytes through a row-major copy (a strided view
+    cannot be reinterpreted as bytes). Found by an 8-rank delta refit's int8/bool and relay cases."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32, torch.int8):
+        full = (torch.randn(4000, generator=g) * 50).to(dtype)
+        old = full[1::2]
+        new = (-full if dtype.is_floating_point else full ^ -128)[1::2]
+        msgs = []
+        for name in CODECS:
+            codec(name)
+            msgs.append(roundtrip([(new, old)], 512))
+        assert any(c["kind"] == "dense" for c in D.describe(msgs[0]))
+        assert all(torch.equal(msgs[0], m) for m in msgs[1:])
+
+
 def test_deferred_update_equals_fused(codec):
     """``pack_deferred`` leaves the snapshot until ``commit_updates``; then it equals the fused update."""
     g = torch.Generator().manual_seed(3)

@@ -354,7 +354,8 @@ def view_bits(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     nd = b.numpy()
     if b.is_contiguous():
         return nd, nd.reshape(-1), True
-    return nd, nd.reshape(-1), False
+    # reshape(-1) of a strided 1-D view is a strided view, which dense chunks cannot reinterpret as bytes
+    return nd, np.ascontiguousarray(nd).reshape(-1), False
 
 
 def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Tensor:
