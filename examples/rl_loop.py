@@ -329,6 +329,8 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
                "delta_mode": getattr(eng.last_report, "mode", None) if args.method == "async-delta" else None,
                "worker_refit_s": max(w.get("load_s", 0.0) for w in workers),
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
+               # of the commit, vLLM's post-processing (the re-pack for the CPU kernels) in its layerwise reload
+               "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
                "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {}}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"

@@ -72,6 +72,10 @@ def summarize(rows: list[dict]) -> dict:
             out[m].update(transfer_s=statistics.median(r["transfer_s"] for r in rs),
                           pause_s=statistics.median(r["pause_s"] for r in rs),
                           pause_of_transfer=statistics.median(r["pause_of_transfer"] for r in rs),
+                          # the pause's parts on the workers: vLLM's loader fed from staging, and of it the re-pack
+                          pause_loader_s=statistics.median(r["worker_load_s"] for r in rs),
+                          pause_repack_s=(statistics.median(r["worker_repack_s"] for r in rs)
+                                          if all("worker_repack_s" in r for r in rs) else None),
                           iter_s=statistics.median(it),
                           rate_kept_in_loop=statistics.median(kept) if kept else None,
                           rate_kept_probe=probe.get("rate_kept"), probe=probe)

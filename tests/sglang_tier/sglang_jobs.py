@@ -43,6 +43,7 @@ class Case:
     plugin: bool = False  # reach the plug-in through SGLang's plugin entry point, not --custom-weight-loader
     bad_expect: bool = False  # first, a trainer expecting another release's layout: refused, naming the tensor
     refuse_quant: bool = False  # first, the model reports a quantization config: refused in one line
+    stage: bool = False  # then stage, then commit (issue 45): weights halved, staged while served, committed
 
     @property
     def id(self) -> str:
@@ -154,6 +155,19 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
             rep["state"] = (state.version, state.torn)
             rep["recv_bytes"] = st.last_report.recv_bytes
             rep["dst_digest"] = st.dst_layout.digest
+        elif op == "stage":  # the receive runs on in a thread: what the engine serves, to compare at the commit
+            rep["served_at_stage"] = {n: p.detach().clone() for n, p in params.items()}
+        elif op == "commit":  # every staged box is in, exactly the loader's values halved, nothing else written
+            for n, p in params.items():
+                if n in covered:
+                    m = covered[n].bool()
+                    if not torch.equal(p[m], loaded[n][m] * 0.5):
+                        rep["problems"].append(f"rank {rank}: commit wrote {int((p[m] != loaded[n][m] * 0.5).sum())} "
+                                               f"wrong elements into {n}")
+                    if not bool(torch.isnan(p[~m]).all()):
+                        rep["problems"].append(f"rank {rank}: commit wrote outside the layout's boxes in {n}")
+            state = ts.sglang_refit_state(model)
+            rep["state_after_commit"] = (state.version, state.torn)
         elif op == "verify":
             r = st.last_report
             rep.setdefault("verify", []).append((r.ok, r.total_mismatches, sum(r.mismatches.values())))
@@ -167,6 +181,13 @@ def _engine_case(rank: int, world: int, case: Case, ckpt: str, ctl_port: int, re
     def update(payload):  # the control plane carries the control message as JSON: rebuild SGLang's tensor
         op = payload["control"]["op"]
         mark(rep, f"engine rank {rank}: {op} starts")
+        if op == "commit":  # staged, not committed: the engine served its weights untouched all along
+            state = ts.sglang_refit_state(model)
+            rep["state_while_staged"] = (state.version, state.torn)
+            was = rep.pop("served_at_stage")
+            rep["untouched_while_staged"] = all(
+                torch.equal(torch.isnan(p), torch.isnan(was[n])) and torch.equal(p.nan_to_num(0.0), was[n].nan_to_num(0.0))
+                for n, p in params.items())
         try:
             ok, msg = updater.update_weights_from_tensor(**sglang_update_kwargs(payload))
         except Exception as e:
@@ -253,6 +274,23 @@ def trainer_job(rank: int, world: int, cases: list[Case], ckpt_root: str, ctl_po
             v2 = tr.verify(tensors)
             rep["verify"] = [(v1.ok, v1.total_mismatches), (v2.ok, v2.total_mismatches)]
             rep["trainer_s"] = time.perf_counter() - t0
+            if case.stage:  # stage, then commit: the weights halved (exact), staged while the engine serves
+                halved = {n: t * 0.5 for n, t in tensors.items()}
+                st: dict = {}
+                try:
+                    tr.commit()
+                except RuntimeError as e:
+                    st["empty_commit"] = str(e)
+                t1 = time.perf_counter()
+                tr.send_weights(halved, version="step-2", overlap=True)
+                st["stage_s"] = time.perf_counter() - t1
+                st["staged_bytes"] = tr.last_report.sent_bytes
+                t1 = time.perf_counter()
+                tr.commit()
+                st["commit_s"] = time.perf_counter() - t1
+                v3 = tr.verify(halved)
+                st["verify"] = (v3.ok, v3.total_mismatches)
+                rep["stage"] = st
             tr.shutdown()
             mark(rep, f"trainer rank {rank}: done")
         except Exception as e:  # noqa: BLE001

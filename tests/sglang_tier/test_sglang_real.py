@@ -41,7 +41,7 @@ TRAINERS = 2
 _CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
 C = sj.Case
 CASES = {
-    2: [C("tiny_llama", 2), C("tiny_qwen2", 2), C("tiny_qwen3", 2, plugin=True),
+    2: [C("tiny_llama", 2, stage=True), C("tiny_qwen2", 2), C("tiny_qwen3", 2, plugin=True),
         C("tiny_qwen3_moe", 2, bad_expect=True), C("tiny_qwen3_moe", 2, ep=2)],
     # tp 4 > 2 KV heads: each KV head replicated on two ranks
     4: [C("tiny_llama", 4), C("tiny_qwen2", 4), C("tiny_qwen3_moe", 4),
@@ -114,10 +114,23 @@ def test_sglang_case(case):
     assert sum(r["recv_bytes"] for r in eng) == sum(t["sent_bytes"] for t in tr) > 0
     # verify: 0 mismatches, then exactly the corrupted elements on engine rank 0 (ok is False everywhere)
     # (ok, total over the group, this rank's count)
-    assert [tuple(v) for v in eng[0]["verify"]] == [(True, 0, 0), (False, sj.CORRUPT, sj.CORRUPT)]
+    assert [tuple(v) for v in eng[0]["verify"][:2]] == [(True, 0, 0), (False, sj.CORRUPT, sj.CORRUPT)]
     for r in eng[1:]:
-        assert [tuple(v) for v in r["verify"]] == [(True, 0, 0), (False, sj.CORRUPT, 0)]
+        assert [tuple(v) for v in r["verify"][:2]] == [(True, 0, 0), (False, sj.CORRUPT, 0)]
     for t in tr:
         assert [tuple(v) for v in t["verify"]] == [(True, 0), (False, sj.CORRUPT)]
+    if case.stage:  # stage, then commit (issue 45)
+        for t in tr:
+            st = t["stage"]
+            assert "commit refused: no complete staged update" in st["empty_commit"], st
+            assert st["verify"] == [True, 0] or tuple(st["verify"]) == (True, 0), st
+        assert sum(t["stage"]["staged_bytes"] for t in tr) == sum(t["sent_bytes"] for t in tr)
+        for r in eng:
+            # while staged the engine served step-1 (the 7 elements verify corrupted included) untouched, and
+            # its state said so; the commit wrote exactly the halved weights (checked on the rank: problems)
+            assert r["untouched_while_staged"] and tuple(r["state_while_staged"]) == ("step-1", False), r
+            assert tuple(r["state_after_commit"]) == ("step-2", False)
+            assert [e[0] for e in r["events"]][-4:] == ["stage", "commit", "verify", "close"], r["events"]
+            assert tuple(r["verify"][2])[:2] == (True, 0), r["verify"]
     print(case.id, {k: round(v, 1) for k, v in eng[0]["seconds"].items()}, f"refit {tr[0]['refit_s']:.2f}s",
           f"trainer {tr[0]['trainer_s']:.1f}s")

@@ -62,7 +62,9 @@ def test_trainer_killed_mid_refit_paused_then_repaired_tp2(tmp_path):
 def test_trainer_killed_during_staged_update_engine_untouched_tp2(tmp_path):
     """Issue 45: a trainer rank killed during ``send_weights(overlap=True)`` (the workers' staged receive had
     started) leaves the engine serving its old weights: it was never paused, no worker is torn or refuses a
-    forward, a commit is refused, and a new trainer's next staged update commits exactly."""
+    forward, a commit is refused, and a new trainer's next staged update commits exactly. Then (the same
+    engine's last use) an engine worker killed during a staged update: named on the trainer, within the group's
+    timeout."""
     out = tmp_path / "overlap_fault.json"
     p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), "overlap_fault", "--tp", "2",
                         "--timeout", "15", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=420)
@@ -71,6 +73,7 @@ def test_trainer_killed_during_staged_update_engine_untouched_tp2(tmp_path):
     assert "killed in update 2" in r["rank1_output"] and r["rank1_rc"] == -9, r["rank1_output"]
     err = r["killed_stage_error"]
     assert err and "staged update to version 2 failed" in err and "nothing was committed" in err, err
+    assert "lost: trainer rank 1: its process died" in err, err  # rank 0 serves the group's rendezvous: it names it
     assert "no complete staged update" in (r["commit_after_failure_error"] or ""), r["commit_after_failure_error"]
     assert r["serves_old_after_failure"], "the engine did not serve its old weights after the failed stage"
     assert r["generate_after_failure_s"] < 10, "the engine was left paused"
@@ -78,3 +81,14 @@ def test_trainer_killed_during_staged_update_engine_untouched_tp2(tmp_path):
     assert all(w.get("phase") == "stage" and w.get("failed") and not w.get("torn") for w in r["worker_stats"]), \
         r["worker_stats"]
     assert r["next_refit_equal_to_vllm_reload"]
+    # an engine worker (TP rank 1, refit-group rank 2 beside a one-rank trainer) SIGKILLed during a staged update:
+    # the trainer's send_weights raises within the group's timeout (15 s), naming it; vLLM stops an engine that
+    # lost a worker, so the error says so (not "serves its weights as before"); its calls then fail, none hangs
+    w = r["worker_killed"]
+    err = w["error"]
+    assert err and "staged update to version 7 failed" in err and "nothing was committed" in err, err
+    assert "lost: engine worker 1 (refit-group rank 2): its process died" in err, err  # first gone, named first
+    assert "serves its weights as before" not in err and "restart it" in err, err
+    assert w["raised_after_kill_s"] < 15, w["raised_after_kill_s"]
+    assert "no complete staged update" in (w["commit_error"] or ""), w["commit_error"]
+    assert w["generate_after"] not in (None, "hung") and w["stop_error"] != "hung", w

@@ -191,6 +191,8 @@ class AuthStoreServer:
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
         self._per_host: dict[str, int] = {}  # handshakes in progress by peer address (under self.cv)
         self._conns: set[socket.socket] = set()
+        self._rank_of: dict[socket.socket, int] = {}  # authenticated connections: the rank each member claimed
+        self._left: dict[int, float] = {}  # rank -> when (monotonic) its last connection closed
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -208,6 +210,19 @@ class AuthStoreServer:
         """Connections open now (members and handshakes in progress)."""
         with self.cv:
             return len(self._conns)
+
+    def member_ranks(self) -> set[int]:
+        """The group ranks with an authenticated connection open now (a member's process that died or left has
+        none: the kernel closes its socket)."""
+        with self.cv:
+            return {r for r in self._rank_of.values() if r != NO_RANK}
+
+    def left_at(self) -> dict[int, float]:
+        """``{rank: time.monotonic() when its last connection closed}`` for the ranks connected before and not
+        now (who left first is who failed first: a dead member's peers often follow it down)."""
+        with self.cv:
+            alive = set(self._rank_of.values())
+            return {r: t for r, t in self._left.items() if r not in alive}
 
     def close(self, linger: float = 0.0) -> None:
         """Stop serving. ``linger``: first wait up to that many seconds for the connected members to hang up
@@ -255,7 +270,7 @@ class AuthStoreServer:
         try:
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT
             hello = _recv_exact(conn, _HELLO.size, deadline)
-            magic, _nonce, _rank, _ws = _HELLO.unpack(hello)
+            magic, _nonce, rank, _ws = _HELLO.unpack(hello)
             if magic != MAGIC:
                 return None
             head = MAGIC + secrets.token_bytes(32) + self.group_nonce
@@ -265,6 +280,8 @@ class AuthStoreServer:
             if not hmac.compare_digest(proof, _mac(self.key, b"client-proof", transcript)):
                 return None
             c2s, s2c = _keys(self.key, transcript)
+            with self.cv:
+                self._rank_of[conn] = rank
             return _Channel(conn, s2c, c2s)
         except (OSError, ConnectionError, TimeoutError, struct.error):
             return None
@@ -299,6 +316,9 @@ class AuthStoreServer:
         finally:
             with self.cv:
                 self._conns.discard(conn)
+                rank = self._rank_of.pop(conn, None)
+                if rank is not None and rank != NO_RANK:
+                    self._left[rank] = time.monotonic()
                 self.cv.notify_all()
             with contextlib.suppress(OSError):
                 conn.close()

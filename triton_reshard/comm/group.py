@@ -125,6 +125,18 @@ class RefitGroup:
             raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")
         return self.pg
 
+    def lost_members(self) -> list[int] | None:
+        """On rank 0 (it serves the rendezvous every member stays connected to while in the group): the other
+        ranks whose connection to it is closed now (their process died or left the group), in the order they
+        left (the first is the first to fail: a dead member's peers often follow it down). None on the other
+        ranks, or once destroyed: they cannot tell."""
+        server = self._server
+        if server is None:
+            return None
+        alive, left = server.member_ranks(), server.left_at()
+        gone = [r for r in range(self.size) if r != self.rank and r not in alive]
+        return sorted(gone, key=lambda r: (left.get(r, float("inf")), r))
+
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor):
         return self._live().allgather([out], [t])
 

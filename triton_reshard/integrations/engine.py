@@ -16,6 +16,9 @@ engine is reached, how its loader is recorded, what it refuses) stay in the plug
   gets the same answer, so every rank plans the same reshard or raises the same refusal before a byte moves.
 * :func:`plan_pair`: the (trainer, engine) layouts to plan: only the tensors both have.
 * :func:`delta_options`: ``refit``'s ``version`` / ``delta`` for an update (docs/delta.md).
+* :func:`commit_vote` / :func:`group_broken`: an update's last collective, where every rank of the group says
+  whether its part completed (a background receive that ends with it tells the trainer it is complete), and
+  which errors leave the group unable to carry it.
 * :func:`message_tensors` / :func:`tensor_message`: a JSON control message as the one small uint8 tensor an
   engine API that takes ``named_tensors`` can carry (SGLang's ``update_weights_from_tensor``); data only,
   never a pickle.
@@ -38,8 +41,8 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["delta_options", "exchange_layouts", "join_group", "message_tensors", "plan_pair", "plugin_secret",
-           "tensor_message"]
+__all__ = ["commit_vote", "delta_options", "exchange_layouts", "group_broken", "join_group", "message_tensors",
+           "plan_pair", "plugin_secret", "tensor_message"]
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
@@ -121,3 +124,25 @@ def tensor_message(named_tensors, name: str | None = None, *, what: str = "contr
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise ValueError(f"{got!r} must be a 1-D uint8 tensor of JSON")
     return got, json.loads(bytes(t.cpu().numpy()).decode())
+
+
+def group_broken(e: BaseException) -> bool:
+    """The refit group cannot carry another collective after this error (a lost peer, a timeout, an abort)."""
+    from ..comm.group import RefitGroupError
+    from ..execute.errors import ReshardAbortedError, ReshardTransportError
+
+    return isinstance(e, (ReshardTransportError, ReshardAbortedError, RefitGroupError, TimeoutError, ConnectionError))
+
+
+def commit_vote(group: RefitGroup, ok: bool, timeout: float, what: str) -> list[int]:
+    """The last collective of an update, on every rank of the refit group (trainer ranks and workers): each
+    says whether its part completed (1) or not (0); returns every rank's word. A rank whose group broke does
+    not vote (its peers' vote then fails within ``timeout``: they learn it that way)."""
+    import datetime
+
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    work = group.all_gather(out, t)
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        raise TimeoutError(f"rank {group.rank}: {what}: the update's commit vote did not complete in {timeout:g}s")
+    return [int(x) for x in out]

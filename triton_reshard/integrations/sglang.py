@@ -54,9 +54,11 @@ from ..layout import Layout
 from ..refit import RefitState, refit, refit_state, verify_refit
 from .engine import delta_options, exchange_layouts, join_group, message_tensors, plan_pair, tensor_message
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
+from .sglang_stage import before_full_refit, commit, stage
 
 LOAD_FORMAT = "triton_reshard.integrations.sglang.receive_weights"  # --custom-weight-loader / load_format
 CONTROL = "triton_reshard.control"  # the name of the one tensor SGLang passes to receive_weights
+OPS = ("init", "refit", "verify", "close", "stage", "commit")  # the control messages' ops
 HOOK_TARGET = ("sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
                "update_weights_from_tensor")
 
@@ -219,7 +221,7 @@ def encode_control(msg: Mapping) -> list[tuple[str, torch.Tensor]]:
 
 def decode_control(named_tensors) -> dict:
     _, msg = tensor_message(named_tensors, CONTROL, what=f"load_format={LOAD_FORMAT!r}")
-    if not isinstance(msg, dict) or msg.get("op") not in ("init", "refit", "verify", "close"):
+    if not isinstance(msg, dict) or msg.get("op") not in OPS:
         raise ValueError(f"{CONTROL!r}: unknown control message {str(msg)[:120]!r}")
     return msg
 
@@ -255,6 +257,14 @@ class _EngineState:
     bucket_bytes: int
     last_report: object = None
     reports: list = field(default_factory=list)
+    # stage, then commit (issue 45): this rank's private staging mirror (1x its shard, kept between updates so a
+    # delta patches it), the staged version once every rank staged it, the background receive, and what the
+    # live parameters hold while the mirror runs ahead of them (refit_state describes the mirror then)
+    mirror: dict | None = None
+    staged: dict | None = None
+    stage_thread: threading.Thread | None = None
+    stage_error: str | None = None
+    live: RefitState | None = None
 
 
 _ENGINES: dict[int, _EngineState] = {}  # id(model) -> state, in this engine process
@@ -293,10 +303,15 @@ def receive_weights(model, named_tensors) -> None:
         st.group.destroy()
         del _ENGINES[id(model)]
         return
+    if op == "stage":
+        return stage(st, msg)
     params = dict(model.named_parameters())
+    if op == "commit":
+        return commit(st, model, params, msg)
     if op == "refit":
         from sglang.srt.model_loader.loader import post_load_weights
 
+        before_full_refit(st)
         st.last_report = refit({}, params, st.src_layout, st.dst_layout, group=st.group, timeout=st.timeout,
                                bucket_bytes=st.bucket_bytes, version=msg.get("version"), delta=msg.get("delta", False))
         # what the model's own load_weights does after loading (e.g. DeepSeek's MLA w_kc / w_vc from kv_b_proj);
@@ -317,7 +332,9 @@ def sglang_refit_state(model) -> RefitState:
     """The last version fully written into ``model`` on this rank, and whether a failed refit left it torn
     (:func:`~triton_reshard.refit_state` of the plug-in's destination layout)."""
     st = _ENGINES.get(id(model))
-    return RefitState() if st is None else refit_state(st.dst_layout)
+    if st is None:
+        return RefitState()
+    return st.live if st.live is not None else refit_state(st.dst_layout)
 
 
 def _rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank: int,
@@ -397,14 +414,25 @@ class SGLangTrainer:
     def _post(self, msg: Mapping) -> _Session:
         return _Session(self.engine, msg, self.timeout)
 
-    def send_weights(self, tensors: Mapping[str, torch.Tensor], version=None, delta: bool | str = False):
+    _staged: dict | None = None  # a completed send_weights(overlap=True) not yet committed
+
+    def send_weights(self, tensors: Mapping[str, torch.Tensor], version=None, delta: bool | str = False,
+                     overlap: bool = False):
         """One refit: every trainer rank passes its local tensors (named as in the trainer layout); rank 0 also
         drives the engine (``begin_weight_update``, ``update_weights_from_tensor``, ``end_weight_update``).
         ``version`` (e.g. the step) is recorded on every engine rank (:func:`sglang_refit_state`).
         ``delta=True`` (or ``"strict"``; an int ``version``): only the changed elements travel after the first
         refit (docs/delta.md); the engine ranks apply them in place to the live parameters; each trainer
-        rank's cached Resharder keeps a snapshot of the bytes it sends (``last_report.mode`` says which ran)."""
+        rank's cached Resharder keeps a snapshot of the bytes it sends (``last_report.mode`` says which ran).
+
+        ``overlap=True``: stage, then commit (issue 45). The engine ranks receive into a private staging mirror
+        (1x their shard) in a background thread while SGLang serves its live weights; this returns once every
+        rank of the refit group staged (the vote); :meth:`commit` later copies the staged boxes in. A failed
+        staged update leaves the live weights untouched (raised here, nothing committed)."""
         delta_options(version, delta)  # refused here, before the engine's update session opens (issue 42)
+        self._staged = None  # a new update supersedes a staged one not committed
+        if overlap:
+            return self._stage(tensors, version, delta)
         call = self._post({"op": "refit", "version": version, "delta": delta}) if self.rank == 0 else None
         try:
             self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,
@@ -414,6 +442,72 @@ class SGLangTrainer:
             if call is not None:
                 call.join(self.timeout)
         return self.last_report
+
+    def _stage(self, tensors: Mapping[str, torch.Tensor], version, delta):
+        from .engine import commit_vote, group_broken
+
+        call = self._post({"op": "stage", "version": version, "delta": delta}) if self.rank == 0 else None
+        err: BaseException | None = None
+        bad: list[int] = []
+        if call is not None:  # the engine's session only starts its ranks' receive threads: its answer comes first
+            call.join(self.timeout)
+            call = None
+        try:
+            self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,
+                                     timeout=self.timeout, bucket_bytes=self.bucket_bytes, version=version,
+                                     delta=delta)
+        except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the engine's answer)
+            err = e
+        if err is None or not group_broken(err):
+            try:
+                words = commit_vote(self.group, err is None, self.timeout, f"trainer rank {self.rank}")
+                bad = [r for r, w in enumerate(words) if not w]
+            except Exception as e:  # noqa: BLE001
+                err = err or e
+        if call is not None:
+            try:
+                call.join(self.timeout)
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
+        if err is not None or bad:
+            reason = f"{type(err).__name__}: {err}" if err is not None else f"rank(s) {bad} failed their part"
+            raise RuntimeError(
+                f"triton_reshard trainer rank {self.rank}: the staged update to version {version!r} failed "
+                f"({reason}); nothing was committed: the engine serves its weights as before (staging is private); "
+                "build a new SGLangTrainer if the refit group broke, then send_weights again") from err
+        self._staged = {"version": version}
+        return self.last_report
+
+    def commit(self) -> None:
+        """Copy the weights a completed ``send_weights(..., overlap=True)`` staged into the engine's live
+        parameters: one SGLang weight-update call (between two scheduler steps; requests in flight continue on
+        the new weights after it: pause the engine around it, SGLang's ``pause_generation``, where every request
+        must see one version). Every trainer rank calls it (it ends with the update's vote). Refused, before any
+        engine call, without a complete staged update."""
+        from .engine import commit_vote
+
+        if self._staged is None:
+            raise RuntimeError(f"triton_reshard trainer rank {self.rank}: commit refused: no complete staged update "
+                               "(send_weights(..., overlap=True) first; a failed one cannot be committed)")
+        version, self._staged = self._staged["version"], None
+        call = self._post({"op": "commit", "version": version}) if self.rank == 0 else None
+        err: BaseException | None = None
+        bad: list[int] = []
+        try:
+            bad = [r for r, w in enumerate(commit_vote(self.group, True, self.timeout,
+                                                       f"trainer rank {self.rank}: commit")) if not w]
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        if call is not None:
+            try:
+                call.join(self.timeout)
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
+        if err is not None or bad:
+            reason = f"{type(err).__name__}: {err}" if err is not None else f"rank(s) {bad} refused or failed it"
+            raise RuntimeError(f"triton_reshard trainer rank {self.rank}: the commit of version {version!r} failed "
+                               f"({reason}); an engine rank that failed part way holds torn weights: send_weights "
+                               "again") from err
 
     def verify(self, tensors: Mapping[str, torch.Tensor]):
         """``verify_refit`` against the engine's live parameters (nothing written); the report."""

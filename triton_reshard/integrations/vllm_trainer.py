@@ -196,9 +196,39 @@ if TrainerWeightTransferEngine is not None:
                     err = err or e
             return err
 
+        def _finish(self, version) -> BaseException | None:
+            """vLLM's ``finish_weight_update``, bounded by the group's timeout (an engine that lost a worker may
+            answer late or never): its error, None once it returned."""
+            call = ControlCall(self.client.finish_weight_update, version)
+            try:
+                call.join(self.info.timeout)
+            except BaseException as e:  # noqa: BLE001 (the caller says what it means)
+                return e
+            return None
+
+        def _lost(self, err: BaseException | None) -> str:
+            """Who left the refit group, for an error (rank 0 serves the group's rendezvous: a member whose
+            process died has no connection to it; on a lost peer its socket closes within moments, so this waits
+            up to 2 s for it): ``"; lost: engine worker 1 (refit-group rank 2) ..."``, or ``""``."""
+            import time
+
+            if self.group is None or (err is not None and not group_broken(err)):
+                return ""
+            deadline = time.monotonic() + min(2.0, self.info.timeout)
+            lost = self.group.lost_members()
+            while lost == [] and err is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                lost = self.group.lost_members()
+            if not lost:
+                return ""
+            n = self.info.num_trainer_ranks
+            who = [f"engine worker {r - n} (refit-group rank {r})" if r >= n else f"trainer rank {r}" for r in lost]
+            then = f" (then {', '.join(who[1:])}, in the order they left)" if len(who) > 1 else ""
+            return f"; lost: {who[0]}: its process died or left the refit group{then}"
+
         def _raise_failed(self, version, method: str, err, bad: list[int]) -> None:
             if err is not None:
-                self._failed(version, method, f"{type(err).__name__}: {err}", err)
+                self._failed(version, method, f"{type(err).__name__}: {err}{self._lost(err)}", err)
             if bad:  # a worker failed on its own (e.g. in the engine's loader) while our sends completed
                 self._failed(version, method, f"rank(s) {bad} of the refit group failed their part (see their log)",
                              None)
@@ -246,18 +276,23 @@ if TrainerWeightTransferEngine is not None:
             phases: dict = {}
             sent, err, bad = self._transfer(tensors, "reshard", info["delta"], kw, phases, per_group=False)
             err = self._join(rpc, err)
-            if rpc is not None:  # the session closes; the engine's weight version stays (nothing committed)
-                with contextlib.suppress(Exception) if err is not None or bad else contextlib.nullcontext():
-                    self.client.finish_weight_update(None)
+            # the session closes; the engine's weight version stays (nothing committed)
+            engine_err = self._finish(None) if rpc is not None else None
             version = info["version"]
+            if err is None and not bad and engine_err is not None:
+                raise engine_err
             if err is not None or bad:
                 reason = f"{type(err).__name__}: {err}" if err is not None else f"rank(s) {bad} failed their part"
                 self.last_update = {"mode": self.mode, "phase": "stage", "failed": reason[:400]}
+                lost = self._lost(err)
+                state = ("the engine was not paused and serves its weights as before (staging is private)"
+                         if engine_err is None else "the engine was not paused, but its finish_weight_update failed "
+                         f"({type(engine_err).__name__}: {str(engine_err)[:200]}): an engine that lost a worker is "
+                         "stopped by vLLM: restart it")
                 raise RuntimeError(
                     f"triton_reshard trainer rank {self.rank}: the staged update to version {version!r} failed "
-                    f"({reason}); nothing was committed: the engine was not paused and serves its weights as "
-                    "before (staging is private); re-init the trainer engine if its refit group broke, then "
-                    "send_weights again") from err
+                    f"({reason}){lost}; nothing was committed: {state}; re-init the trainer engine if its refit "
+                    "group broke, then send_weights again") from err
             self._staged = {"version": version}
             self.last_update = {"mode": self.mode, "method": "reshard", "phase": "stage", "sent_bytes": sent,
                                 "transfer_s": time.perf_counter() - t0, "seconds": time.perf_counter() - t0,
@@ -296,13 +331,15 @@ if TrainerWeightTransferEngine is not None:
             self.last_update = {"mode": self.mode, "method": "reshard", "phase": "commit", "version": version,
                                 "pause_s": t1 - t0, "commit_s": t2 - t1, "resume_s": t3 - t2,
                                 "paused_s": t3 - t0 if pause else 0.0, "seconds": t3 - t0}
+
         def _failed(self, version, method: str, reason: str, cause: BaseException | None):
             """A failed update: close vLLM's update session on the workers (they keep their torn state: nothing
             is finalized, the forward stays refused) and raise, leaving the engine paused."""
             self.last_update = {"mode": self.mode, "method": method, "failed": reason[:400]}
-            if self.is_sender:
-                with contextlib.suppress(Exception):
-                    self.client.finish_weight_update(None)
+            engine_err = self._finish(None) if self.is_sender else None
+            if engine_err is not None:
+                reason += (f"; the engine's finish_weight_update failed too ({type(engine_err).__name__}: "
+                           f"{str(engine_err)[:200]}): an engine that lost a worker is stopped by vLLM: restart it")
             if cause is not None and not (self.is_sender and self.info.pause
                                           and getattr(self.client, "pause_generation", None)):
                 raise cause

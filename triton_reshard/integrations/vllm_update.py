@@ -10,13 +10,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import torch
-
 from ..comm.group import RefitGroup
 from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
-from .engine import delta_options, exchange_layouts, plan_pair
+from .engine import (  # noqa: F401 (commit_vote, group_broken: re-exported for the worker and trainer sides)
+    commit_vote,
+    delta_options,
+    exchange_layouts,
+    group_broken,
+    plan_pair,
+)
 from .record import layout_from_records
 from .vllm_reload import choose_mode, model_format_params, staging_record
 
@@ -197,28 +201,6 @@ def add_report(phases: dict, rep) -> None:
     phases["refits"] = phases.get("refits", 0) + 1
     phases["pack_s"] = phases.get("pack_s", 0.0) + rep.pack_seconds
     phases["wire_s"] = phases.get("wire_s", 0.0) + rep.wire_seconds
-
-
-def group_broken(e: BaseException) -> bool:
-    """The refit group cannot carry another collective after this error (a lost peer, a timeout, an abort)."""
-    from ..comm.group import RefitGroupError
-    from ..execute.errors import ReshardAbortedError, ReshardTransportError
-
-    return isinstance(e, (ReshardTransportError, ReshardAbortedError, RefitGroupError, TimeoutError, ConnectionError))
-
-
-def commit_vote(group: RefitGroup, ok: bool, timeout: float, what: str) -> list[int]:
-    """The last collective of an update, on every rank of the refit group (trainer ranks and workers): each
-    says whether its part completed (1) or not (0); returns every rank's word. A rank whose group broke does
-    not vote (its peers' vote then fails within ``timeout``: they learn it that way)."""
-    import datetime
-
-    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
-    work = group.all_gather(out, t)
-    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
-        raise TimeoutError(f"rank {group.rank}: {what}: the update's commit vote did not complete in {timeout:g}s")
-    return [int(x) for x in out]
 
 
 class TornWeightsError(RuntimeError):
