@@ -474,6 +474,47 @@ done:
     return r;
 }
 
+/* The directory of a v2 message of `length` bytes against n destinations (numel, esize: the live ones, in
+ * order), every check of ops/delta_cpu.py read_directory_np for version 2: header, chunk count, each chunk's
+ * offset, kind, element size, length, count and byte size. Returns 0 when it agrees; 1 otherwise (the caller
+ * then runs the numpy reader, which raises the error naming the chunk). */
+EXPORT int trd_directory(const uint8_t *msg, int64_t length, int64_t n, const int64_t *numel,
+                         const int64_t *esize) {
+    uint32_t h[4];
+    if (length < 16 || length % 16) return 1;
+    memcpy(h, msg, 16);
+    int64_t ce = h[3];
+    if (h[0] != MAGIC || h[1] != VERSION2 || ce < 1 || ce > 65536) return 1;
+    int64_t nc = 0;
+    for (int64_t i = 0; i < n; i++) nc += (numel[i] + ce - 1) / ce;
+    if ((int64_t)h[2] != nc) return 1;
+    int64_t start = 16 + pad16(8 * nc), c = 0;
+    if (nc && length < start) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t e = esize[i];
+        for (int64_t a = 0; a < numel[i]; a += ce, c++) {
+            int64_t len = numel[i] - a < ce ? numel[i] - a : ce, off;
+            uint32_t w[4];
+            memcpy(&off, msg + 16 + 8 * c, 8);
+            if (off < start || off % 16 || off > length - 16) return 1;
+            memcpy(w, msg + off, 16);
+            int64_t kind = w[0] & 0xFF, es = w[0] >> 8, nel = w[1], count = w[2], nbytes = w[3], want;
+            if (kind > KIND_NARROW || es != e || nel != len || count > len) return 1;
+            if (kind == KIND_NARROW) {
+                int64_t lo = 16 + 2 * ((len + BLOCK - 1) / BLOCK), hi = 16 + pad16(len * e);
+                want = (nbytes % 16 == 0 && nbytes >= lo && nbytes < hi) ? nbytes : -1;
+            } else if (kind == KIND_DENSE) {
+                want = 16 + pad16(len * e);
+            } else {
+                int64_t values = pad16(count * e);
+                want = 16 + (kind == 1 ? pad16(4 * ((len + 31) / 32)) : pad16(2 * count)) + values;
+            }
+            if (nbytes != want || off + nbytes > length) return 1;
+        }
+    }
+    return 0;
+}
+
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_delta_codec",
                                     "The native delta codec (called through ctypes: ops/delta_native.py).", -1,
                                     NULL, NULL, NULL, NULL, NULL};
