@@ -12,6 +12,7 @@ import torch
 
 from ..box import box_slices
 from ..layout import QUANT_FORMATS
+from ..ops.delta_native import reads_in_place
 from ..plan import ALIGN
 from ..plan.quant import QUANT_DST, QUANT_SRC
 from ..plan.work import RankWork
@@ -332,10 +333,10 @@ def bind_step(
                 else:
                     pk.append((v, buffer_view(send_area, at, c, t)))
             buf = send_area[at : at + m.payload]
-        # a CPU source that is not contiguous (a column block of a row-major tensor) is staged first: the native
-        # codec diffs contiguous views in one pass; a strided one would fall back to the numpy codec (~5x)
+        # a CPU source the native codec cannot read where it lies (not contiguous, not 2-D rows) is staged first:
+        # diffed from the source it would fall back to the numpy codec (~5x)
         plain = sm[-1] is not None and all(
-            v.dtype == transfers[c.transfer].wire_dtype and (v.is_contiguous() or v.device.type != "cpu")
+            v.dtype == transfers[c.transfer].wire_dtype and (v.device.type != "cpu" or reads_in_place(v))
             for c, v in zip(m.chunks, vs, strict=True)
         )
         ss.append((vs, (first, len(pk))) if plain else None)

@@ -38,6 +38,19 @@ def _load():
     lib.trd_pack.argtypes = [ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.trd_unpack.restype = ctypes.c_int64
     lib.trd_unpack.argtypes = [ctypes.c_void_p, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int]
+    lib.trd_pack_rows.restype = ctypes.c_int64
+    lib.trd_pack_rows.argtypes = [
+        ctypes.c_int64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     lib.trd_directory.restype = ctypes.c_int
     lib.trd_directory.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _P, _P]
     lib.trd_simd.restype = ctypes.c_int
@@ -92,9 +105,12 @@ class V2PackPlan:
             raise ValueError("V2PackPlan: CPU tensors only")
         self.pairs, self.ce = [(s, p) for s, p in pairs], ce
         live = [(s, p) for s, p in self.pairs if s.numel()]
-        self.fast = all(s.is_contiguous() and p.is_contiguous() for s, p in live)
-        self.args = None
+        rows = [rows_of(s) for s, _p in live]
+        self.fast = all(r is not None and p.is_contiguous() for r, (_s, p) in zip(rows, live, strict=True))
+        self.args = self.rows = None
         if self.fast:
+            if any(w != st for w, st in rows):  # row-strided sources: the pack gathers them chunk by chunk
+                self.rows = (_ptrs([w for w, _st in rows]), _ptrs([st for _w, st in rows]))
             self.numel = _ptrs([s.numel() for s, _ in live])
             self.esize = _ptrs([s.element_size() for s, _ in live])
             self.src = _ptrs([s.data_ptr() for s, _ in live])
@@ -102,6 +118,7 @@ class V2PackPlan:
             self.cap = max_bytes(self.numel.tolist(), self.esize.tolist(), ce) + SLACK
             # the ctypes pointers made once (a refit packs the same views every time)
             self.args = (self.numel.size, _arg(self.src), _arg(self.snap), _arg(self.numel), _arg(self.esize))
+            self.rows_args = () if self.rows is None else tuple(_arg(a) for a in self.rows)
 
     def fits(self, pairs: Sequence[Pair], ce: int) -> bool:
         """Built for exactly these views (the same tensor objects, in order) and chunk size?"""
@@ -118,7 +135,12 @@ class V2PackPlan:
         if lib is None or not self.fast:
             return pack_v2_numpy(self.pairs, self.ce, update)
         out = torch.empty(self.cap, dtype=torch.uint8)
-        n = lib.trd_pack(*self.args, self.ce, out.data_ptr(), int(update is True))
+        if self.rows is None:
+            n = lib.trd_pack(*self.args, self.ce, out.data_ptr(), int(update is True))
+        else:
+            n = lib.trd_pack_rows(*self.args, *self.rows_args, self.ce, out.data_ptr(), int(update is True))
+            if n == -3:
+                raise MemoryError("delta pack: no memory for the native codec's scratch (nothing written)")
         msg = out[:n]
         if isinstance(update, list):
             update.append(lambda: self.commit(msg))
@@ -147,6 +169,21 @@ def pack_v2(pairs: Sequence[Pair], ce: int, update: bool | list, cache: dict | N
         if cache is not None:
             cache["pack2"] = plan
     return plan.pack(update)
+
+
+def rows_of(t: torch.Tensor) -> tuple[int, int] | None:
+    """(row length, row stride) in elements of a view the native pack reads where it lies: contiguous (the two
+    equal), or 2-D rows with unit inner stride (a column block of a row-major tensor); else None."""
+    if t.is_contiguous():
+        return (max(t.numel(), 1), max(t.numel(), 1))
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.size(1):
+        return (t.size(1), t.stride(0))
+    return None
+
+
+def reads_in_place(t: torch.Tensor) -> bool:
+    """Does the CPU pack diff view ``t`` where it lies in one native pass (no staging copy first)?"""
+    return t.is_contiguous() or (native() is not None and rows_of(t) is not None)
 
 
 def _dst_args(dsts: Sequence[torch.Tensor], facts: DstFacts | None) -> tuple | None:
