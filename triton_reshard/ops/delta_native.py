@@ -34,6 +34,10 @@ def _load():
     except ImportError:
         return None
     lib = ctypes.CDLL(_delta_codec.__file__)
+    if not all(
+        hasattr(lib, f) for f in ("trd_pack", "trd_pack_rows", "trd_unpack", "trd_directory", "trd_simd")
+    ):
+        return None  # a build of an older csrc/delta_codec.c (rebuild it): the numpy reference runs
     lib.trd_pack.restype = ctypes.c_int64
     lib.trd_pack.argtypes = [ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.trd_unpack.restype = ctypes.c_int64
