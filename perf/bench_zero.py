@@ -5,9 +5,10 @@ embeddings split by rows, o / down by columns, as vLLM shards them).
 
 Part ``overhead``: per changed fraction (one-ulp flips at random positions of every tensor), ``--repeats`` delta
 refits after a capture, each rank's **CPU time of its main thread** in ``Resharder.run`` against the CPU time
-inside the native codec's own calls (``trd_pack`` / ``trd_unpack``, wrapped): ``extra = cpu - codec``, the goal
-``extra <= 0.2 x codec``. Thread CPU time, not wall time: the numbers mean the same on a loaded machine (the wire's
-waits and other processes are not in it). Median over the repeats; bit-exact checked after each refit.
+inside the native codec's own calls (``trd_pack`` / ``trd_pack_rows`` / ``trd_unpack`` / ``trd_directory``,
+wrapped): ``extra = cpu - codec``, the goal ``extra <= 0.2 x codec``. Thread CPU time, not wall time: the wire's
+waits and other processes are not in it (a loaded machine still inflates both sides: compare ratios within one
+run). Median over the repeats; bit-exact checked after each refit.
 
 Part ``copies``: dense refits at the default ``direct_min_bytes`` and at ``--direct-min`` values: per rank the
 bytes it staged (packed or unpacked: ``sent + received - in place``), next to what it sent / received; bit-exact.
@@ -72,7 +73,7 @@ def _codec_clock() -> dict:
     lib = DN.native()
     if lib is None:
         return acc
-    for name in ("trd_pack", "trd_unpack"):
+    for name in ("trd_pack", "trd_pack_rows", "trd_unpack", "trd_directory"):
         fn = getattr(lib, name)
 
         def timed(*a, fn=fn):
