@@ -329,6 +329,50 @@ EXPORT int64_t trd_pack(int64_t n, const int64_t *src, const int64_t *snap, cons
     return at;
 }
 
+/* trd_pack for sources that may be row-strided: view i is rows of cols[i] elements, rstride[i] elements apart
+ * (cols[i] == rstride[i]: contiguous); the snapshots are contiguous. A strided view's chunk is gathered into a
+ * scratch buffer (ce elements: it stays in cache) and packed from there: no staging copy through memory.
+ * Returns the message length, or -3 when the scratch cannot be allocated (nothing written). */
+EXPORT int64_t trd_pack_rows(int64_t n, const int64_t *src, const int64_t *snap, const int64_t *numel,
+                             const int64_t *esize, const int64_t *cols, const int64_t *rstride, int64_t ce,
+                             uint8_t *out, int update) {
+    if (!block_mask) choose_mask();
+    uint8_t *scratch = NULL;
+    for (int64_t i = 0; i < n; i++)
+        if (cols[i] != rstride[i] && !scratch && !(scratch = (uint8_t *)malloc((size_t)(8 * ce)))) return -3;
+    int64_t nc = 0;
+    for (int64_t i = 0; i < n; i++) nc += (numel[i] + ce - 1) / ce;
+    int64_t start = 16 + pad16(8 * nc), at = start, c = 0;
+    uint32_t h[4] = {MAGIC, VERSION2, (uint32_t)nc, (uint32_t)ce};
+    memcpy(out, h, 16);
+    memset(out + 16, 0, (size_t)(start - 16));
+    for (int64_t i = 0; i < n; i++) {
+        int e = (int)esize[i];
+        int64_t w = cols[i], st = rstride[i];
+        const uint8_t *s = (const uint8_t *)(intptr_t)src[i];
+        uint8_t *q = (uint8_t *)(intptr_t)snap[i];
+        for (int64_t a = 0; a < numel[i]; a += ce, c++) {
+            int64_t len = numel[i] - a < ce ? numel[i] - a : ce;
+            const uint8_t *sc = s + a * e;
+            if (w != st) {  /* gather elements a .. a+len-1 of the row-strided view */
+                int64_t k = 0, r = a / w, col = a % w;
+                while (k < len) {
+                    int64_t take = w - col < len - k ? w - col : len - k;
+                    memcpy(scratch + k * e, s + (r * st + col) * e, (size_t)(take * e));
+                    k += take;
+                    r++;
+                    col = 0;
+                }
+                sc = scratch;
+            }
+            memcpy(out + 16 + 8 * c, &at, 8);
+            at += pack_chunk_e(sc, q + a * e, len, e, out + at, update);
+        }
+    }
+    free(scratch);
+    return at;
+}
+
 /* ---- unpack ---------------------------------------------------------------------------------------- */
 
 /* The decoded changes of one chunk: element index (bit 31: a raw value) and value (raw bits or the
@@ -472,6 +516,47 @@ done:
     free(chs.pos);
     free(chs.val);
     return r;
+}
+
+/* The directory of a v2 message of `length` bytes against n destinations (numel, esize: the live ones, in
+ * order), every check of ops/delta_cpu.py read_directory_np for version 2: header, chunk count, each chunk's
+ * offset, kind, element size, length, count and byte size. Returns 0 when it agrees; 1 otherwise (the caller
+ * then runs the numpy reader, which raises the error naming the chunk). */
+EXPORT int trd_directory(const uint8_t *msg, int64_t length, int64_t n, const int64_t *numel,
+                         const int64_t *esize) {
+    uint32_t h[4];
+    if (length < 16 || length % 16) return 1;
+    memcpy(h, msg, 16);
+    int64_t ce = h[3];
+    if (h[0] != MAGIC || h[1] != VERSION2 || ce < 1 || ce > 65536) return 1;
+    int64_t nc = 0;
+    for (int64_t i = 0; i < n; i++) nc += (numel[i] + ce - 1) / ce;
+    if ((int64_t)h[2] != nc) return 1;
+    int64_t start = 16 + pad16(8 * nc), c = 0;
+    if (nc && length < start) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t e = esize[i];
+        for (int64_t a = 0; a < numel[i]; a += ce, c++) {
+            int64_t len = numel[i] - a < ce ? numel[i] - a : ce, off;
+            uint32_t w[4];
+            memcpy(&off, msg + 16 + 8 * c, 8);
+            if (off < start || off % 16 || off > length - 16) return 1;
+            memcpy(w, msg + off, 16);
+            int64_t kind = w[0] & 0xFF, es = w[0] >> 8, nel = w[1], count = w[2], nbytes = w[3], want;
+            if (kind > KIND_NARROW || es != e || nel != len || count > len) return 1;
+            if (kind == KIND_NARROW) {
+                int64_t lo = 16 + 2 * ((len + BLOCK - 1) / BLOCK), hi = 16 + pad16(len * e);
+                want = (nbytes % 16 == 0 && nbytes >= lo && nbytes < hi) ? nbytes : -1;
+            } else if (kind == KIND_DENSE) {
+                want = 16 + pad16(len * e);
+            } else {
+                int64_t values = pad16(count * e);
+                want = 16 + (kind == 1 ? pad16(4 * ((len + 31) / 32)) : pad16(2 * count)) + values;
+            }
+            if (nbytes != want || off + nbytes > length) return 1;
+        }
+    }
+    return 0;
 }
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_delta_codec",

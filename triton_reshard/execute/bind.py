@@ -12,6 +12,7 @@ import torch
 
 from ..box import box_slices
 from ..layout import QUANT_FORMATS
+from ..ops.delta_native import reads_in_place
 from ..plan import ALIGN
 from ..plan.quant import QUANT_DST, QUANT_SRC
 from ..plan.work import RankWork
@@ -89,8 +90,11 @@ class Bound:
 def block_chunks(transfers, m) -> bool:
     """Message ``m`` is all source-quantized chunks of formats with 1 x B blocks (MXFP8, NVFP4): a block delta
     can carry it."""
-    return all(transfers[c.transfer].quant == QUANT_SRC and QUANT_FORMATS[transfers[c.transfer].fmt].block is not None
-               for c in m.chunks)
+    return all(
+        transfers[c.transfer].quant == QUANT_SRC
+        and QUANT_FORMATS[transfers[c.transfer].fmt].block is not None
+        for c in m.chunks
+    )
 
 
 class Staging:
@@ -102,9 +106,15 @@ class Staging:
         self.recv: torch.Tensor | None = None
         self.regions: list[torch.Tensor] = []
 
-    def areas(self, send_bytes: int, recv_bytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if (self.send is None or self.send.device != device
-                or self.send.numel() < send_bytes or self.recv.numel() < recv_bytes):
+    def areas(
+        self, send_bytes: int, recv_bytes: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            self.send is None
+            or self.send.device != device
+            or self.send.numel() < send_bytes
+            or self.recv.numel() < recv_bytes
+        ):
             self.send = self.recv = None  # free the old areas before allocating the new ones
             self.send = torch.empty(send_bytes, dtype=torch.uint8, device=device)
             self.recv = torch.empty(recv_bytes, dtype=torch.uint8, device=device)
@@ -134,8 +144,10 @@ def sub_view(base: torch.Tensor, start, off, size) -> torch.Tensor:
 
 def scale_box(t, off, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets in the transfer's scale box, sizes) of the blocks of sub-box ``off``+``size``."""
-    return (tuple(o // b for o, b in zip(off, t.block, strict=True)),
-            tuple(-(-n // b) for n, b in zip(size, t.block, strict=True)))
+    return (
+        tuple(o // b for o, b in zip(off, t.block, strict=True)),
+        tuple(-(-n // b) for n, b in zip(size, t.block, strict=True)),
+    )
 
 
 def quant_buffers(area: torch.Tensor, at: int, c, t) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,10 +157,10 @@ def quant_buffers(area: torch.Tensor, at: int, c, t) -> tuple[torch.Tensor, torc
     sizes = stored(c.sizes, fmt.pack)
     n = math.prod(sizes)
     start = at + c.buffer_offset
-    q = area[start:start + n].view(sizes)
+    q = area[start : start + n].view(sizes)
     s_size = scale_box(t, (0,) * len(c.sizes), c.sizes)[1]
     s0 = start + (n + ALIGN - 1) // ALIGN * ALIGN
-    return q, area[s0:s0 + math.prod(s_size) * fmt.scale_bytes].view(fmt.scale_dtype).view(s_size)
+    return q, area[s0 : s0 + math.prod(s_size) * fmt.scale_bytes].view(fmt.scale_dtype).view(s_size)
 
 
 def stored(box: tuple[int, ...], pack: int) -> tuple[int, ...]:
@@ -160,7 +172,7 @@ def buffer_view(area: torch.Tensor, at: int, chunk, t) -> torch.Tensor:
     """Chunk ``chunk`` of transfer ``t`` in a message at ``at`` of ``area``, in the wire dtype."""
     n = math.prod(chunk.sizes)
     start = at + chunk.buffer_offset
-    return area[start:start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
+    return area[start : start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
 
 
 def in_place(m, t, v: torch.Tensor, receiving: bool, verify: bool) -> torch.Tensor | None:
@@ -204,14 +216,22 @@ class Views:
 
     def meta(self, t, off, size) -> tuple:  # what verify reports about a compared box
         p = QUANT_FORMATS[t.fmt].pack if t.quant else 1
-        return (t.dst_local, t.tensor, stored(tuple(a + b for a, b in zip(t.offsets, off, strict=True)), p),
-                start_of(self.dst[t.dst_local], stored(t.dst_offsets, p), stored(off, p), stored(size, p)))
+        return (
+            t.dst_local,
+            t.tensor,
+            stored(tuple(a + b for a, b in zip(t.offsets, off, strict=True)), p),
+            start_of(self.dst[t.dst_local], stored(t.dst_offsets, p), stored(off, p), stored(size, p)),
+        )
 
     def scale_meta(self, t, off, size) -> tuple:  # the same for the scales of a source-quantized sub-box
         s_off, s_size = scale_box(t, off, size)
         base = tuple(o // b for o, b in zip(t.offsets, t.block, strict=True))
-        return (t.scale_local, self.work.quant[t.tensor].scale, tuple(a + b for a, b in zip(base, s_off, strict=True)),
-                start_of(self.dst[t.scale_local], t.scale_offsets, s_off, s_size))
+        return (
+            t.scale_local,
+            self.work.quant[t.tensor].scale,
+            tuple(a + b for a, b in zip(base, s_off, strict=True)),
+            start_of(self.dst[t.scale_local], t.scale_offsets, s_off, s_size),
+        )
 
 
 def bind_local(views: Views, verify: bool) -> tuple[list, list | None, dict, dict, list]:
@@ -230,9 +250,13 @@ def bind_local(views: Views, verify: bool) -> tuple[list, list | None, dict, dic
             group = qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0)
             for off, size in work.local_chunks(t, 1) if verify else [(z, t.sizes)]:
                 q, sc = views.dest(t, off, size)
-                local_q.setdefault(group, []).append(with_global((views.source(t, off, size), q, sc), views, t.tensor))
+                local_q.setdefault(group, []).append(
+                    with_global((views.source(t, off, size), q, sc), views, t.tensor)
+                )
                 if verify:
-                    local_q_meta.setdefault(group, []).append((views.meta(t, off, size), views.scale_meta(t, off, size)))
+                    local_q_meta.setdefault(group, []).append(
+                        (views.meta(t, off, size), views.scale_meta(t, off, size))
+                    )
     for t in work.local:
         if t.quant:
             continue
@@ -261,8 +285,12 @@ def route_messages(views: Views, transfers, verify: bool) -> tuple[list, int, in
                 if k == 0:
                     vs = [views.source(transfers[c.transfer], c.offsets, c.sizes) for c in m.chunks]
                 else:
-                    vs = [views.dest(transfers[c.transfer], c.offsets, c.sizes, work.wire_region.get(c.transfer))
-                          for c in m.chunks]
+                    vs = [
+                        views.dest(
+                            transfers[c.transfer], c.offsets, c.sizes, work.wire_region.get(c.transfer)
+                        )
+                        for c in m.chunks
+                    ]
                 buf = in_place(m, transfers[m.chunks[0].transfer], vs[0], k == 1, verify)
                 out.append((peer, at, m, vs, buf))
                 if buf is None:
@@ -272,8 +300,9 @@ def route_messages(views: Views, transfers, verify: bool) -> tuple[list, int, in
     return plans, need[0], need[1]
 
 
-def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_base: int, r_base: int,
-              verify: bool) -> tuple:
+def bind_step(
+    views: Views, transfers, sends, recvs, send_area, recv_area, s_base: int, r_base: int, verify: bool
+) -> tuple:
     """Buffers and copy lists of one step: (packs, quantizing packs, wire (sends, recvs), unpacks, verify
     meta of the unpacks, staging unpacks)."""
     work = views.work
@@ -299,12 +328,17 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                     if qm is not None:
                         qm.append((qb, sb))
                     qp.setdefault(qkey(t.fmt, t.block, work.quant[t.tensor].ue8m0), []).append(
-                        with_global((v, qb, sb), views, t.tensor))
+                        with_global((v, qb, sb), views, t.tensor)
+                    )
                 else:
                     pk.append((v, buffer_view(send_area, at, c, t)))
-            buf = send_area[at:at + m.payload]
-        plain = sm[-1] is not None and all(v.dtype == transfers[c.transfer].wire_dtype
-                                           for c, v in zip(m.chunks, vs, strict=True))
+            buf = send_area[at : at + m.payload]
+        # a CPU source the native codec cannot read where it lies (not contiguous, not 2-D rows) is staged first:
+        # diffed from the source it would fall back to the numpy codec (~5x)
+        plain = sm[-1] is not None and all(
+            v.dtype == transfers[c.transfer].wire_dtype and (v.device.type != "cpu" or reads_in_place(v))
+            for c, v in zip(m.chunks, vs, strict=True)
+        )
         ss.append((vs, (first, len(pk))) if plain else None)
         wire_s.append((peer, buf))
     for peer, at, m, vs, buf in recvs:
@@ -326,7 +360,7 @@ def bind_step(views: Views, transfers, sends, recvs, send_area, recv_area, s_bas
                     up.append((buffer_view(recv_area, at, c, t), v))
                     if verify:
                         um.append(views.meta(t, c.offsets, c.sizes))
-            buf = recv_area[at:at + m.payload]
+            buf = recv_area[at : at + m.payload]
         rm.append((vs, first, len(up)))
         wire_r.append((peer, buf))
     return pk, qp, (wire_s, wire_r), up, um, su, sm, rm, ss, sq, rq
@@ -352,16 +386,29 @@ def bind_regions(views: Views, plans) -> tuple[dict, list]:
         p = QUANT_FORMATS[g.fmt].pack
         q = sub_view(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p))
         sc = sub_view(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes)
-        meta = ((g.dst_local, g.tensor, stored(g.offsets, p),
-                 start_of(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p))),
-                (g.scale_local, g.scale_tensor, tuple(o // b for o, b in zip(g.offsets, g.block, strict=True)),
-                 start_of(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes)))
-        region_items.append((qkey(g.fmt, g.block, g.ue8m0), with_global((views.stage[k], q, sc), views, g.tensor), meta))
+        meta = (
+            (
+                g.dst_local,
+                g.tensor,
+                stored(g.offsets, p),
+                start_of(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p)),
+            ),
+            (
+                g.scale_local,
+                g.scale_tensor,
+                tuple(o // b for o, b in zip(g.offsets, g.block, strict=True)),
+                start_of(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes),
+            ),
+        )
+        region_items.append(
+            (qkey(g.fmt, g.block, g.ue8m0), with_global((views.stage[k], q, sc), views, g.tensor), meta)
+        )
     return regions_due, region_items
 
 
-def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.device, verify: bool,
-         staging: Staging) -> Bound:
+def bind(
+    work: RankWork, transfers, src_tensors, dst_tensors, device: torch.device, verify: bool, staging: Staging
+) -> Bound:
     """Views for every copy and buffers for every message of this rank.
 
     A direct message whose view is contiguous (and already in the wire dtype) goes straight from the
@@ -380,8 +427,9 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
     send_msgs, recv_msgs, send_srcs, send_q, recv_q = [], [], [], [], []
     for pos, (sends, recvs) in enumerate(plans):
         slot = pos % work.slots
-        pk, qp, w, up, um, su, sm, rm, ss, sq, rq = bind_step(views, transfers, sends, recvs, send_area, recv_area, slot * need_s,
-                                          slot * need_r, verify)
+        pk, qp, w, up, um, su, sm, rm, ss, sq, rq = bind_step(
+            views, transfers, sends, recvs, send_area, recv_area, slot * need_s, slot * need_r, verify
+        )
         packs.append(pk)
         qpacks.append(qp)
         stage_unpacks.append(su)
@@ -394,17 +442,62 @@ def bind(work: RankWork, transfers, src_tensors, dst_tensors, device: torch.devi
         send_srcs.append(ss)
         send_q.append(sq)
         recv_q.append(rq)
-    in_place_bytes = sum(m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs
-                         if buf is not None)
-    writes = [frozenset() if verify else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs
-                                                   for c in m.chunks) for _sends, recvs in plans]
-    local_writes = frozenset() if verify else frozenset(
-        [t.dst_local for t in work.local] + [t.scale_local for t in work.local if t.quant == QUANT_SRC])
+    in_place_bytes = sum(
+        m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs if buf is not None
+    )
+    writes = [
+        frozenset()
+        if verify
+        else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs for c in m.chunks)
+        for _sends, recvs in plans
+    ]
+    local_writes = (
+        frozenset()
+        if verify
+        else frozenset(
+            [t.dst_local for t in work.local] + [t.scale_local for t in work.local if t.quant == QUANT_SRC]
+        )
+    )
     regions_due, region_items = bind_regions(views, plans)
-    amax_views = [(g, sub_view(src_tensors[loc], lo, (0,) * len(sz), sz)) for g, loc, lo, sz in work.amax_sources]
-    global_out = [(g, sub_view(dst_tensors[loc], lo, (0,), (1,)), (loc, name, (0,), start_of(dst_tensors[loc], lo, (0,), (1,))))
-                  for g, name, loc, lo in work.global_dst]
-    quant = BoundQuant(qpacks, stage_unpacks, local_q, local_q_meta, local_stage, regions_due, region_items,
-                       globals_, amax_views, global_out)
-    return Bound(local, local_meta, packs, unpacks, unpack_meta, wire, need_s * n_slots, need_r * n_slots,
-                 in_place_bytes, writes, local_writes, quant, send_msgs, recv_msgs, send_srcs, send_q, recv_q)
+    amax_views = [
+        (g, sub_view(src_tensors[loc], lo, (0,) * len(sz), sz)) for g, loc, lo, sz in work.amax_sources
+    ]
+    global_out = [
+        (
+            g,
+            sub_view(dst_tensors[loc], lo, (0,), (1,)),
+            (loc, name, (0,), start_of(dst_tensors[loc], lo, (0,), (1,))),
+        )
+        for g, name, loc, lo in work.global_dst
+    ]
+    quant = BoundQuant(
+        qpacks,
+        stage_unpacks,
+        local_q,
+        local_q_meta,
+        local_stage,
+        regions_due,
+        region_items,
+        globals_,
+        amax_views,
+        global_out,
+    )
+    return Bound(
+        local,
+        local_meta,
+        packs,
+        unpacks,
+        unpack_meta,
+        wire,
+        need_s * n_slots,
+        need_r * n_slots,
+        in_place_bytes,
+        writes,
+        local_writes,
+        quant,
+        send_msgs,
+        recv_msgs,
+        send_srcs,
+        send_q,
+        recv_q,
+    )

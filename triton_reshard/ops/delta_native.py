@@ -34,10 +34,29 @@ def _load():
     except ImportError:
         return None
     lib = ctypes.CDLL(_delta_codec.__file__)
+    if not all(
+        hasattr(lib, f) for f in ("trd_pack", "trd_pack_rows", "trd_unpack", "trd_directory", "trd_simd")
+    ):
+        return None  # a build of an older csrc/delta_codec.c (rebuild it): the numpy reference runs
     lib.trd_pack.restype = ctypes.c_int64
     lib.trd_pack.argtypes = [ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.trd_unpack.restype = ctypes.c_int64
     lib.trd_unpack.argtypes = [ctypes.c_void_p, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int]
+    lib.trd_pack_rows.restype = ctypes.c_int64
+    lib.trd_pack_rows.argtypes = [
+        ctypes.c_int64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    lib.trd_directory.restype = ctypes.c_int
+    lib.trd_directory.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _P, _P]
     lib.trd_simd.restype = ctypes.c_int
     return lib
 
@@ -90,14 +109,20 @@ class V2PackPlan:
             raise ValueError("V2PackPlan: CPU tensors only")
         self.pairs, self.ce = [(s, p) for s, p in pairs], ce
         live = [(s, p) for s, p in self.pairs if s.numel()]
-        self.fast = all(s.is_contiguous() and p.is_contiguous() for s, p in live)
-        self.args = None
+        rows = [rows_of(s) for s, _p in live]
+        self.fast = all(r is not None and p.is_contiguous() for r, (_s, p) in zip(rows, live, strict=True))
+        self.args = self.rows = None
         if self.fast:
+            if any(w != st for w, st in rows):  # row-strided sources: the pack gathers them chunk by chunk
+                self.rows = (_ptrs([w for w, _st in rows]), _ptrs([st for _w, st in rows]))
             self.numel = _ptrs([s.numel() for s, _ in live])
             self.esize = _ptrs([s.element_size() for s, _ in live])
             self.src = _ptrs([s.data_ptr() for s, _ in live])
             self.snap = _ptrs([p.data_ptr() for _, p in live])
             self.cap = max_bytes(self.numel.tolist(), self.esize.tolist(), ce) + SLACK
+            # the ctypes pointers made once (a refit packs the same views every time)
+            self.args = (self.numel.size, _arg(self.src), _arg(self.snap), _arg(self.numel), _arg(self.esize))
+            self.rows_args = () if self.rows is None else tuple(_arg(a) for a in self.rows)
 
     def fits(self, pairs: Sequence[Pair], ce: int) -> bool:
         """Built for exactly these views (the same tensor objects, in order) and chunk size?"""
@@ -114,21 +139,29 @@ class V2PackPlan:
         if lib is None or not self.fast:
             return pack_v2_numpy(self.pairs, self.ce, update)
         out = torch.empty(self.cap, dtype=torch.uint8)
-        n = lib.trd_pack(
-            self.numel.size,
-            _arg(self.src),
-            _arg(self.snap),
-            _arg(self.numel),
-            _arg(self.esize),
-            self.ce,
-            out.data_ptr(),
-            int(update is True),
-        )
+        if self.rows is None:
+            n = lib.trd_pack(*self.args, self.ce, out.data_ptr(), int(update is True))
+        else:
+            n = lib.trd_pack_rows(*self.args, *self.rows_args, self.ce, out.data_ptr(), int(update is True))
+            if n == -3:
+                raise MemoryError("delta pack: no memory for the native codec's scratch (nothing written)")
         msg = out[:n]
         if isinstance(update, list):
-            snaps = [p for _s, p in self.pairs]
-            update.append(lambda: unpack_v2(msg, snaps, None))
+            update.append(lambda: self.commit(msg))
         return msg
+
+    def commit(self, msg: torch.Tensor) -> None:
+        """Apply ``msg``, made by :meth:`pack` from these views, to the snapshot views: the codec's own message,
+        so no directory check first (the bodies are still checked, in the native unpack's check pass)."""
+        lib = native()
+        n, _s, snap, numel, esize = self.args
+        args = (n, snap, numel, esize, self.ce)
+        if (
+            lib is None
+            or lib.trd_unpack(msg.data_ptr(), *args, 1) != -1
+            or lib.trd_unpack(msg.data_ptr(), *args, 0) != -1
+        ):
+            unpack_v2(msg, [p for _s, p in self.pairs], None)  # (never expected: the checked path decides)
 
 
 def pack_v2(pairs: Sequence[Pair], ce: int, update: bool | list, cache: dict | None = None) -> torch.Tensor:
@@ -142,32 +175,74 @@ def pack_v2(pairs: Sequence[Pair], ce: int, update: bool | list, cache: dict | N
     return plan.pack(update)
 
 
+def rows_of(t: torch.Tensor) -> tuple[int, int] | None:
+    """(row length, row stride) in elements of a view the native pack reads where it lies: contiguous (the two
+    equal), or 2-D rows with unit inner stride (a column block of a row-major tensor); else None."""
+    if t.is_contiguous():
+        return (max(t.numel(), 1), max(t.numel(), 1))
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.size(1):
+        return (t.size(1), t.stride(0))
+    return None
+
+
+def reads_in_place(t: torch.Tensor) -> bool:
+    """Does the CPU pack diff view ``t`` where it lies in one native pass (no staging copy first)?"""
+    return t.is_contiguous() or (native() is not None and rows_of(t) is not None)
+
+
+def _dst_args(dsts: Sequence[torch.Tensor], facts: DstFacts | None) -> tuple | None:
+    """The native unpack's arguments for CPU ``dsts`` (live ones: count, pointers, numels, element sizes), kept
+    on ``facts`` (built for these views); None when a destination is not contiguous or not an integer width."""
+    got = getattr(facts, "native_args", False) if facts is not None else False
+    if got is not False:
+        return got
+    live = [d for d in dsts if d.numel()]
+    ok = all(d.element_size() in (1, 2, 4, 8) and d.device.type == "cpu" for d in dsts)
+    args = None
+    if ok and all(d.is_contiguous() for d in live):
+        arrays = (
+            _ptrs([d.data_ptr() for d in live]),
+            _ptrs([d.numel() for d in live]),
+            _ptrs([d.element_size() for d in live]),
+        )
+        args = (len(live), *(_arg(a) for a in arrays), arrays)
+    if facts is not None:
+        facts.native_args = args
+    return args
+
+
 def unpack_v2(
     msg: torch.Tensor,
     dsts: Sequence[torch.Tensor],
     names: Sequence[str] | None,
     facts: DstFacts | None = None,
 ) -> None:
-    """Unpack a CPU message of either version: every header checked (``read_directory_np``), then every body,
-    before the first write; a v2 message into contiguous destinations by the native codec, any other by
+    """Unpack a CPU message of either version: every header checked (``read_directory_np``; the native
+    codec's ``trd_directory`` first, the numpy reader only to word a refusal), then every body, before the
+    first write; a v2 message into contiguous destinations by the native codec, any other by
     ``numpy_unpack`` (the same checks, errors and result)."""
-    dr = read_directory_np(msg, dsts, names, facts)
     lib = native()
-    live = [d for d in dsts if d.numel()]
-    if dr.version != VERSION2 or lib is None or not all(d.is_contiguous() for d in live) or not dr.chunks:
-        return numpy_unpack(msg, dsts, names, facts)
-    args = (
-        len(live),
-        _arg(_ptrs([d.data_ptr() for d in live])),
-        _arg(_ptrs([d.numel() for d in live])),
-        _arg(_ptrs([d.element_size() for d in live])),
-        int(msg[12:16].view(torch.int32)[0]),
+    da = _dst_args(dsts, facts) if lib is not None else None
+    fast = (
+        da is not None
+        and msg.dtype == torch.uint8
+        and msg.dim() == 1
+        and msg.is_contiguous()
+        and msg.device.type == "cpu"
+        and not lib.trd_directory(msg.data_ptr(), msg.numel(), da[0], da[2], da[3])
     )
+    if not fast:
+        dr = read_directory_np(msg, dsts, names, facts)
+        if dr.version != VERSION2 or da is None or not dr.chunks:
+            return numpy_unpack(msg, dsts, names, facts)
+    args = (*da[:4], int(msg[12:16].view(torch.int32)[0]))
     r = lib.trd_unpack(msg.data_ptr(), *args, 1)
     if r == -2:
         return numpy_unpack(msg, dsts, names, facts)
     if r >= 0:
-        raise body_error(dr, int(r), names)
+        raise body_error(read_directory_np(msg, dsts, names, facts), int(r), names)
     if lib.trd_unpack(msg.data_ptr(), *args, 0) == -3:
-        raise MemoryError("delta unpack: no memory for the native codec's per-chunk scratch (nothing written)")
+        raise MemoryError(
+            "delta unpack: no memory for the native codec's per-chunk scratch (nothing written)"
+        )
     return None
