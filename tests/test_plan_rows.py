@@ -111,10 +111,10 @@ def test_check_in_chunks(monkeypatch, chunk):
     """``validate_plan`` locates rows and tests pairs of writes in chunks (memory at 1,024 ranks): tiny chunks give
     the same answers as whole columns, on a valid plan and on one with a wire transfer moved one row down (its
     destination fragment then misses its first row)."""
-    from .oracles.plan_check import validate_plan as oracle_validate_plan
-
     from triton_reshard.plan import validate
     from triton_reshard.plan.table import TransferTable as TT
+
+    from .oracles.plan_check import validate_plan as oracle_validate_plan
 
     monkeypatch.setattr(validate, "LOCATE_CHUNK", chunk)
     monkeypatch.setattr(validate, "PAIR_CHUNK", chunk)

@@ -319,6 +319,15 @@ class _Frags:
         self.keys = key[self.order]
         self.loff, self.lnd = (np.asarray(a, np.int64) for a in tr.local_offset_columns)
         self.frags, self.at = (), np.zeros(0, I64)
+        self._seen: dict[tuple[int, tuple], np.ndarray] = {}
+
+    def _codes(self, ids: dict[str, int], names: tuple) -> np.ndarray:
+        """Per name of ``names`` (a table's tensor or local names) its id in ``ids``, -1: none (kept per tuple)."""
+        key = (id(ids), names)
+        got = self._seen.get(key)
+        if got is None:
+            got = self._seen[key] = np.array([ids.get(x, -1) for x in names] or [0], np.int64)
+        return got
 
     @classmethod
     def of_fragments(cls, frags: Sequence[Fragment], world: int) -> _Frags:
@@ -344,8 +353,8 @@ class _Frags:
                                                offsets[a:a + LOCATE_CHUNK], sizes[a:a + LOCATE_CHUNK],
                                                loffs[a:a + LOCATE_CHUNK], lnds[a:a + LOCATE_CHUNK])
                                    for a in range(0, m, LOCATE_CHUNK)])
-        g = np.array([self.group.get(x, -1) for x in names] or [0], np.int64)[tcode]
-        li = np.array([self.lid.get(x, -1) for x in locals_] or [0], np.int64)[lcode]
+        g = self._codes(self.group, names)[tcode]
+        li = self._codes(self.lid, locals_)[lcode]
         out = np.full(m, -1, np.int64)
         ok = (g >= 0) & (li >= 0) & (rank >= 0) & (rank < self.world)
         key = (g * self.world + rank) * self.nl + li
