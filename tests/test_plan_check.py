@@ -8,6 +8,7 @@ it passes."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import pytest
@@ -122,3 +123,64 @@ def test_check_passes_the_planner_s_plans(model):
         plan_check.validate_plan(plan)
         for r in (0, 7):
             plan_check.validate_share(plan_reshard(src, dst, rank=r, **kw))
+
+
+class _Bad(types.SimpleNamespace):
+    """A plan-like value (``memo``: the derived tables a check reads, kept with it)."""
+
+    def memo(self, key, compute):
+        got = self.__dict__.setdefault("_memo", {})
+        if key not in got:
+            got[key] = compute()
+        return got[key]
+
+
+def _mutate_quant(rng, plan):
+    """``(wire, local)`` of a block-quantized plan with one quantized row changed (or one random change)."""
+    wire, local = list(plan.transfers), list(plan.local_copies)
+    rows = [(ts, i) for ts in (wire, local) for i, t in enumerate(ts) if t.quant]
+    if not rows or rng.random() < 0.3:
+        return _mutate(rng, plan, sorted(set(plan.src.ranks) | set(plan.dst.ranks)))
+    ts, i = rng.choice(rows)
+    t = ts[i]
+    kind = rng.randrange(6)
+    if kind == 0:
+        ts[i] = dataclasses.replace(t, quant="dst" if t.quant == "src" else "src")
+    elif kind == 1:
+        ts[i] = dataclasses.replace(t, block=tuple(b * 2 for b in t.block))
+    elif kind == 2:
+        ts[i] = dataclasses.replace(t, wire_dtype=F32)
+    elif kind == 3 and t.scale_offsets:
+        ts[i] = dataclasses.replace(t, scale_offsets=(t.scale_offsets[0] + 1, *t.scale_offsets[1:]))
+    elif kind == 4:
+        ts[i] = dataclasses.replace(t, quant="", block=(), scale_local="", scale_offsets=())
+    else:
+        del ts[i]
+    return wire, local
+
+
+@pytest.mark.parametrize("case", ["moe-tp4-to-vllm-tp2dp2-ep-colocated", "raw-fp32-rows24-to-cols-ue8m0"])
+def test_quant_check_equals_the_object_oracle_on_random_bad_plans(case):
+    """Block-quantized plans (source- and destination-quantized rows, their scales): random bad plans made from
+    them raise in the package what they raise in the object form (the whole plan and every rank's share)."""
+    import random
+
+    from .quant_cases import CASES, layouts
+
+    src, dst = layouts(CASES[case])
+    plan = plan_reshard(src, dst, relay=False)
+    assert any(t.quant for t in plan.transfers + plan.local_copies)
+    rng = random.Random(case)
+    kinds = set()
+    for _ in range(20):
+        wire, local = _mutate_quant(rng, plan)
+        bad = _Bad(src=src, dst=dst, transfers=TransferTable.of(wire), local_copies=TransferTable.of(local), rank=None)
+        got = _outcome(validate_plan, bad)
+        assert got == _outcome(plan_check.validate_plan, bad)
+        kinds.add(re.sub(r"[\d ]+", "", got or "pass")[-16:])  # the message's end: which check failed
+        for r in sorted(dst.ranks):
+            share = _Bad(src=src, dst=dst, rank=r,
+                         transfers=TransferTable.of([t for t in wire if r in (t.src_rank, t.dst_rank)]),
+                         local_copies=TransferTable.of([t for t in local if t.dst_rank == r]))
+            assert _outcome(validate_share, share) == _outcome(plan_check.validate_share, share), r
+    assert len(kinds) >= 4, kinds

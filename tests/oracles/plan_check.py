@@ -1,7 +1,7 @@
 """Plan validation over the objects, a reference the tests compare the package against (not part of the
 package): the transfer-by-transfer check of a whole plan (``validate_plan``) and of one rank's share
 (``validate_share``), with the error texts the package raises. The package runs the same checks on the
-transfers' columns (``plan/validate.py``, ``check_plan``)."""
+transfers' columns (``plan/validate.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,17 @@ from collections.abc import Sequence
 from operator import add, le, sub
 
 from triton_reshard.box import boxes_meet, find_overlap
-from triton_reshard.layout import Fragment, gc_paused
+from triton_reshard.layout import Fragment, dtype_name, gc_paused
 from triton_reshard.plan.index import rank_fragments
-from triton_reshard.plan.quant import validate_quant
+from triton_reshard.plan.quant import (
+    QUANT_DST,
+    QUANT_SRC,
+    logical_target,
+    plan_targets,
+    quant_regions,
+    scale_sizes,
+    whole_blocks,
+)
 from triton_reshard.plan.types import PlanLike, Transfer
 from triton_reshard.plan.validate import cover_dst, quant_scales
 
@@ -43,6 +51,13 @@ def reading_fragment(frags: Sequence[Fragment], off, size, local_off) -> Fragmen
 
 
 def validate_plan(plan: PlanLike) -> None:
+    """The weights' check, then, for block-quantized destinations, ``validate_quant``."""
+    _weights(plan)
+    if plan.dst.quantized:
+        validate_quant(plan)
+
+
+def _weights(plan: PlanLike) -> None:
     """Exact cover of every destination fragment; every transfer reads what its source rank holds; every relay
     reads a box its rank received from non-relay transfers or local copies.
 
@@ -200,3 +215,64 @@ def validate_share(p: PlanLike) -> None:
                                  f"covered exactly once by its receives and local copies")
     if scales:
         validate_quant(p, ranks=(r,))
+
+
+def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
+    """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
+    dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
+    transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
+    scale cover of these destination ranks only (a rank plan: its own), default all."""
+    src, dst = plan.src, plan.dst
+    quantized = {n: logical_target(s) for n, s in dst.quantized.items()}
+    written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
+    for t in plan.transfers + plan.local_copies:
+        spec = quantized.get(t.tensor)
+        if spec is None or (src.specs.get(t.tensor) is not None and src.specs[t.tensor].quant is not None):
+            if t.quant:
+                raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
+            continue
+        if (t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block
+                or t.fmt != spec.quant.format.name):
+            raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
+                             f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
+        if t.quant == QUANT_SRC:
+            if (t.wire_dtype != spec.quant.format.value_dtype
+                    or whole_blocks(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes)):
+                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in "
+                                 f"{dtype_name(spec.quant.format.value_dtype)}")
+            written[(t.dst_rank, t.scale_local)].append((t.scale_offsets, _lead(t.scale_offsets, scale_sizes(t.sizes, t.block)), t))
+        elif t.wire_dtype != src.specs[t.tensor].dtype:
+            raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
+    keep = None if ranks is None else set(ranks)
+    for rank, regions in quant_regions(plan).items():
+        if keep is not None and rank not in keep:
+            continue
+        for g in regions:
+            if whole_blocks(g.offsets, g.sizes, g.block, quantized[g.tensor].shape) != (g.offsets, g.sizes):
+                raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
+                                 f"block-aligned")
+            written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
+    need: dict[tuple[int, str], int] = defaultdict(int)
+    for name, spec in quantized.items():
+        if name not in plan_targets(plan):
+            continue
+        for f in dst.fragments_by_tensor.get(spec.quant.scale, ()):
+            if keep is None or f.rank in keep:
+                need[(f.rank, f.local)] += f.numel
+    if keep is not None:
+        written = {k: v for k, v in written.items() if k[0] in keep}
+    for key in set(need) | set(written):
+        boxes = written.get(key, [])
+        got = sum(math.prod(s) for _o, s, _w in boxes)
+        hit = find_overlap(boxes) if len(boxes) > 1 else None
+        if hit is not None:
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {hit[0]} and "
+                             f"{hit[1]}")
+        if got != need.get(key, 0):
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} gets {got} of its "
+                             f"{need.get(key, 0)} scales")
+
+
+def _lead(local_offsets, sizes) -> tuple[int, ...]:
+    """``sizes`` in the local tensor's dims (extra leading dims of size 1)."""
+    return (1,) * (len(local_offsets) - len(sizes)) + tuple(sizes)

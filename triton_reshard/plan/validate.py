@@ -8,15 +8,17 @@ the tests keep as a reference (``tests/oracles/plan_check.py``) and compare agai
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 
 from ..box import boxes_meet, find_overlap
-from ..layout import Fragment, gc_paused
+from ..layout import Fragment, dtype_name, gc_paused
 from ..layout.fragment_table import TensorRows
 from .index import rank_fragments
-from .quant import plan_targets, validate_quant
+from .quant import logical_target, plan_targets, quant_regions, scale_sizes, whole_blocks
 from .table import I64, widen
 from .types import PlanLike
 
@@ -33,6 +35,8 @@ def validate_plan(plan: PlanLike) -> None:
     sender; once the cover is exact, the box it reads was written entirely by non-relays exactly when no relay
     writes into that box, so only the (rare) fragments that are both read and written by relays are compared."""
     _check(plan, None)
+    if plan.dst.quantized:  # block-quantized destinations: the scales' cover, the modes
+        validate_quant(plan)
 
 
 def validate_share(p: PlanLike) -> None:
@@ -436,3 +440,117 @@ def _overlapping(cnt: np.ndarray, tables, d_of) -> np.ndarray:
     return np.unique(np.concatenate(bad)) if bad else np.zeros(0, I64)
 
 
+# --------------------------------------------------------------------------------------------------------
+# The quantized part (block-quantized destinations, ``plan/quant.py``), on the columns too
+# --------------------------------------------------------------------------------------------------------
+
+
+Q_PLAIN, Q_MODE, Q_BLOCKS, Q_DTYPE = 1, 2, 3, 4  # a row's first failing quantization check
+
+
+def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
+    """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
+    dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
+    transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
+    scale cover of these destination ranks only (a rank plan: its own), default all."""
+    src, dst = plan.src, plan.dst
+    quantized = {n: logical_target(s) for n, s in dst.quantized.items()}
+    written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
+    for tb in (plan.transfers, plan.local_copies):
+        _quant_rows(tb, src, quantized, written)
+    keep = None if ranks is None else set(ranks)
+    for rank, regions in quant_regions(plan).items():
+        if keep is not None and rank not in keep:
+            continue
+        for g in regions:
+            if whole_blocks(g.offsets, g.sizes, g.block, quantized[g.tensor].shape) != (g.offsets, g.sizes):
+                raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
+                                 f"block-aligned")
+            written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
+    need: dict[tuple[int, str], int] = defaultdict(int)
+    for name, spec in quantized.items():
+        if name not in plan_targets(plan):
+            continue
+        for f in dst.fragments_by_tensor.get(spec.quant.scale, ()):
+            if keep is None or f.rank in keep:
+                need[(f.rank, f.local)] += f.numel
+    if keep is not None:
+        written = {k: v for k, v in written.items() if k[0] in keep}
+    for key in set(need) | set(written):
+        boxes = written.get(key, [])
+        got = sum(math.prod(s) for _o, s, _w in boxes)
+        hit = find_overlap(boxes) if len(boxes) > 1 else None
+        if hit is not None:
+            a, b = (x[0][x[1]] if isinstance(x, tuple) else x for x in hit)  # (a row of a table, or a region)
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {a} and {b}")
+        if got != need.get(key, 0):
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} gets {got} of its "
+                             f"{need.get(key, 0)} scales")
+
+
+def _quant_rows(tb, src, quantized: dict, written: dict) -> None:
+    """The rows of ``tb``: a quantized row only of a quantized tensor (a plain source), with its block and format,
+    not relayed; a source-quantized row whole blocks in the format's value dtype, a destination-quantized row in
+    the source dtype (raises naming the first row that fails, in the order the checks run); appends the scale
+    boxes the source-quantized rows write to ``written`` (tagged ``(tb, row)``)."""
+    specs = [quantized.get(n) for n in tb.names]
+    specs = [s if s is not None and (src.specs.get(n) is None or src.specs[n].quant is None) else None
+             for s, n in zip(specs, tb.names, strict=True)]
+    k, q = tb.tensor.astype(I64), tb.quant
+    qt = np.array([s is not None for s in specs] + [False], bool)[k]
+    code = np.zeros(len(tb), np.int8)
+    code[~qt & (q != 0)] = Q_PLAIN
+    ok = qt & ~tb.relay & ((q == 1) | (q == 2))
+    for i, kk in zip(np.flatnonzero(ok).tolist(), k[ok].tolist(), strict=True):
+        e, s = tb.extras.get(i), specs[kk].quant
+        if e is None or e[0] != s.block or (e[3] if len(e) > 3 else "fp8-block") != s.format.name:
+            ok[i] = False
+    code[qt & ~ok & (code == 0)] = Q_MODE
+    D = tb.offsets.shape[1]
+    srows, drows = np.flatnonzero(ok & (q == 1)), np.flatnonzero(ok & (q == 2))
+    if len(srows):
+        value_ok = np.array([[s is not None and d == s.quant.format.value_dtype for d in tb.dtypes] for s in specs])
+        block, shape = _per_tensor(specs, D)
+        off, sz, kk = tb.offsets[srows].astype(I64), tb.sizes[srows].astype(I64), k[srows]
+        end, b = off + sz, block[kk]
+        whole = ((off % b == 0) & ((end == shape[kk]) | (end % b == 0)) & (sz > 0)).all(axis=1)
+        code[srows[~(whole & value_ok[kk, tb.wdt[srows]])]] = Q_BLOCKS
+    if len(drows):
+        src_ok = np.array([[s is not None and d == src.specs[n].dtype for d in tb.dtypes]
+                           for s, n in zip(specs, tb.names, strict=True)])
+        code[drows[~src_ok[k[drows], tb.wdt[drows]]]] = Q_DTYPE
+    bad = np.flatnonzero(code)
+    if len(bad):
+        _raise_quant_row(tb[int(bad[0])], int(code[bad[0]]), quantized)
+    for i, r, z, nd in zip(srows.tolist(), tb.dst[srows].tolist(), tb.sizes[srows].tolist(),
+                           tb.ndim[srows].tolist(), strict=True):
+        blk, local, so = tb.extras[i][:3]
+        written[(r, local)].append((so, _lead(so, scale_sizes(tuple(z[:nd]), blk)), (tb, i)))
+
+
+def _per_tensor(specs: list, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor of ``specs`` (None: not quantized) its block and logical shape, ``[K, D]`` padded with 1."""
+    block, shape = np.ones((len(specs), D), I64), np.ones((len(specs), D), I64)
+    for j, s in enumerate(specs):
+        if s is not None:
+            n = min(len(s.shape), D)
+            block[j, :n], shape[j, :n] = s.quant.block[:n], s.shape[:n]
+    return block, shape
+
+
+def _raise_quant_row(t, code: int, quantized: dict) -> None:
+    """The error of row ``t``, which fails quantization check ``code``."""
+    if code == Q_PLAIN:
+        raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
+    if code == Q_MODE:
+        raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
+                         f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
+    if code == Q_BLOCKS:
+        raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in "
+                         f"{dtype_name(quantized[t.tensor].quant.format.value_dtype)}")
+    raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
+
+
+def _lead(local_offsets, sizes) -> tuple[int, ...]:
+    """``sizes`` in the local tensor's dims (extra leading dims of size 1)."""
+    return (1,) * (len(local_offsets) - len(sizes)) + tuple(sizes)
