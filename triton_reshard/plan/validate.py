@@ -200,7 +200,7 @@ def _cover(plan: PlanLike, rank: int | None, tables, numel, dfr: _Frags, d_of) -
     if scales:
         exempt |= np.isin(dfr.tensor_of, np.array([dfr.group[s] for s in scales if s in dfr.group], I64))
     bad = ~np.where(cnt == 0, exempt, got == fnumel)
-    twice = _overlapping(cnt, tables, d_of) if (cnt > 1).any() else np.zeros(0, I64)
+    twice = _overlapping(cnt, tables, d_of, numel) if (cnt > 1).any() else np.zeros(0, I64)
     bad[twice] = True
     if not bad.any():
         return
@@ -399,14 +399,15 @@ PAIR_CHUNK = 1 << 20  # pairs of boxes tested at once (4 [pairs, dims] int64 tem
 BIG_GROUP = 64  # a fragment written by more transfers than this: ``find_overlap`` (a sweep) instead of all pairs
 
 
-def _overlapping(cnt: np.ndarray, tables, d_of) -> np.ndarray:
+def _overlapping(cnt: np.ndarray, tables, d_of, numel=None) -> np.ndarray:
     """The destination fragments written more than once (``cnt``: writes per fragment; ``d_of``: per table each
-    row's fragment, -1: none) two of whose nonempty boxes share an element (ascending): every pair of a
-    fragment's boxes tested on arrays, a fragment with many writes by ``find_overlap``."""
+    row's fragment, -1: none; ``numel``: per table its rows' elements) two of whose nonempty boxes share an
+    element (ascending): every pair of a fragment's boxes tested on arrays, a fragment with many writes by
+    ``find_overlap``."""
     fi, off, sz, nd = [], [], [], []
     D = max(tb.offsets.shape[1] for tb in tables)
-    for tb, d in zip(tables, d_of, strict=True):
-        sel = np.flatnonzero((d >= 0) & (cnt[np.maximum(d, 0)] > 1) & (tb.numel > 0))
+    for tb, d, n in zip(tables, d_of, numel or [tb.numel for tb in tables], strict=True):
+        sel = np.flatnonzero((d >= 0) & (cnt[np.maximum(d, 0)] > 1) & (n > 0))
         fi.append(d[sel])
         off.append(widen(tb.offsets[sel], D, 0))
         sz.append(widen(tb.sizes[sel], D, 1))
