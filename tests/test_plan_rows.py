@@ -90,7 +90,7 @@ def _writes(boxes_per_frag):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_writes_disjoint_agrees_with_find_overlap(seed):
+def test_overlapping_agrees_with_find_overlap(seed):
     rng = random.Random(seed)
     frags = []
     for _ in range(rng.randint(1, 6)):
