@@ -1,6 +1,6 @@
 """Routing as rows (``plan/rows.py``) and the checks it feeds: the same transfers as the object router
 (``local.route_box`` through ``route_all`` / ``route_rank``), and the vectorized disjointness check of
-``validate.table_valid`` against ``find_overlap``."""
+``validate._overlapping`` against ``find_overlap``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from triton_reshard.plan.local import _tensor_order, route_all
 from triton_reshard.plan.routing import check_relay_groups, held_numel
 from triton_reshard.plan.rows import missing_elements, route_tables
 from triton_reshard.plan.table import TransferTable
-from triton_reshard.plan.validate import _writes_disjoint
+from triton_reshard.plan.validate import _overlapping
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
 
@@ -71,7 +71,8 @@ def test_missing_elements_equal_the_object_count(model):
 
 
 def _writes(boxes_per_frag):
-    """A one-table layout of writes: per fragment its boxes, as ``_writes_disjoint`` reads them."""
+    """Whether the boxes of each fragment are disjoint (``_overlapping`` finds none): a one-table layout of
+    writes, per fragment its boxes, as ``_overlapping`` reads them."""
     rows = [(fi, o, s) for fi, bs in enumerate(boxes_per_frag) for o, s in bs]
 
     class T:
@@ -82,11 +83,14 @@ def _writes(boxes_per_frag):
 
     d = np.array([f for f, _o, _s in rows], np.int64)
     cnt = np.bincount(d, minlength=len(boxes_per_frag))
-    return _writes_disjoint(cnt, (T,), (d,))
+    bad = _overlapping(cnt, (T,), (d,))
+    assert set(bad.tolist()) == {i for i, bs in enumerate(boxes_per_frag)
+                                 if find_overlap([(o, s, None) for o, s in bs]) is not None}
+    return not len(bad)
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_writes_disjoint_agrees_with_find_overlap(seed):
+def test_overlapping_agrees_with_find_overlap(seed):
     rng = random.Random(seed)
     frags = []
     for _ in range(rng.randint(1, 6)):
@@ -103,18 +107,20 @@ def test_writes_disjoint_agrees_with_find_overlap(seed):
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 18])
-def test_table_valid_in_chunks(monkeypatch, chunk):
-    """``table_valid`` locates rows and tests pairs of writes in chunks (memory at 1,024 ranks): tiny chunks give
+def test_check_in_chunks(monkeypatch, chunk):
+    """``validate_plan`` locates rows and tests pairs of writes in chunks (memory at 1,024 ranks): tiny chunks give
     the same answers as whole columns, on a valid plan and on one with a wire transfer moved one row down (its
-    destination fragment then gets an element twice and another none)."""
+    destination fragment then misses its first row)."""
     from triton_reshard.plan import validate
     from triton_reshard.plan.table import TransferTable as TT
+
+    from .oracles.plan_check import validate_plan as oracle_validate_plan
 
     monkeypatch.setattr(validate, "LOCATE_CHUNK", chunk)
     monkeypatch.setattr(validate, "PAIR_CHUNK", chunk)
     src, dst = _pair("llama-3-8b")
     plan = plan_reshard(src, dst)
-    assert validate.table_valid(plan)
+    validate.validate_plan(plan)
     ts = list(plan.transfers)
     k = next(i for i, t in enumerate(ts) if t.sizes[0] > 1)
     t = ts[k]
@@ -123,7 +129,11 @@ def test_table_valid_in_chunks(monkeypatch, chunk):
                                 src_offsets=(t.src_offsets[0] + 1, *t.src_offsets[1:]),
                                 sizes=(t.sizes[0] - 1, *t.sizes[1:]))
     bad = types.SimpleNamespace(src=src, dst=dst, transfers=TT.of(ts), local_copies=plan.local_copies)
-    assert not validate.table_valid(bad)  # (Plan itself would refuse it: validate_plan names the problem)
+    with pytest.raises(ValueError, match="gets 131330048 of its 131334144 elements") as got:
+        validate.validate_plan(bad)
+    with pytest.raises(ValueError) as want:
+        oracle_validate_plan(bad)  # the object form names the same local tensor
+    assert str(got.value) == str(want.value)
 
 
 def _random_pair(seed: int):

@@ -195,13 +195,12 @@ class TensorRows:
         n = len(frags)
         D = max((d for _n, d, _fs in groups), default=0)
         L = max((len(f.local_offsets) for f in frags), default=0)
-        off, sz = np.zeros((n, D), np.int64), np.ones((n, D), np.int64)
-        loff = np.full((n, L), -1, np.int64)
+        zero, one, none = (0,) * D, (1,) * D, (-1,) * L  # the pads (one list of tuples per column: one numpy call)
+        off = np.array([f.offsets + zero[len(f.offsets):] for f in frags], np.int64).reshape(n, D)
+        sz = np.array([f.sizes + one[len(f.sizes):] for f in frags], np.int64).reshape(n, D)
+        loff = np.array([f.local_offsets + none[len(f.local_offsets):] for f in frags], np.int64).reshape(n, L)
         names = sorted({f.local for f in frags})
         ids = {x: i for i, x in enumerate(names)}
-        for i, f in enumerate(frags):
-            k = len(f.offsets)
-            off[i, :k], sz[i, :k], loff[i, :len(f.local_offsets)] = f.offsets, f.sizes, f.local_offsets
         starts = np.cumsum([0] + [len(fs) for _n, _d, fs in groups])
         return cls([g[0] for g in groups], [g[1] for g in groups], starts,
                    np.fromiter((f.rank for f in frags), np.int64, n), off, sz,

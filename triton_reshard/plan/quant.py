@@ -15,7 +15,7 @@ quantization. Then ``quantize_transfers`` cuts every routed piece on the block g
 
 A block's quantization depends only on its own values, so both paths write identical bytes. The scale
 tensors are never routed: their fragments are written by the ``src`` transfers (the scales of their blocks,
-``Transfer.scale_local`` / ``scale_offsets``) and by the regions; ``validate_quant`` checks that cover.
+``Transfer.scale_local`` / ``scale_offsets``) and by the regions; ``validate.validate_quant`` checks that cover.
 Relays of quantized tensors are refused (plan with ``relay=False``). A source that is block-quantized the same
 way needs no post-pass (fp8 values and scales are copied as plain tensors); a different quantization is refused.
 """
@@ -32,7 +32,6 @@ import torch
 from ..box import (
     Box,
     align_up,
-    find_overlap,
     intersect_boxes,
     split_box,
     subtract_box,
@@ -181,7 +180,7 @@ def routing_view(src: Layout, dst: Layout, targets: dict[str, TensorSpec]) -> La
 # --------------------------------------------------------------------------------------------------------
 
 
-def _inner(off, size, block, shape) -> Box | None:
+def whole_blocks(off, size, block, shape) -> Box | None:
     """The whole blocks of box ``off``+``size``: the largest block-aligned box inside it (an end at the tensor's
     end counts as aligned), or None."""
     lo, sz = [], []
@@ -277,7 +276,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
             block, shape = spec.quant.block, spec.shape
             df = _dst_fragment(dst, t, spec.pack)
             sf = scales.of(df, block)
-            inner = _inner(t.offsets, t.sizes, block, shape)
+            inner = whole_blocks(t.offsets, t.sizes, block, shape)
             fmt = spec.quant.format
             if inner is not None:
                 out[kind].append(_sub(t, inner[0], inner[1], fmt.value_dtype, QUANT_SRC, block, sf.local,
@@ -378,67 +377,6 @@ def _quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
 # --------------------------------------------------------------------------------------------------------
 # Checks and bounds
 # --------------------------------------------------------------------------------------------------------
-
-
-def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
-    """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
-    dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
-    transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
-    scale cover of these destination ranks only (a rank plan: its own), default all."""
-    src, dst = plan.src, plan.dst
-    quantized = {n: logical_target(s) for n, s in dst.quantized.items()}
-    written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
-    for t in plan.transfers + plan.local_copies:
-        spec = quantized.get(t.tensor)
-        if spec is None or (src.specs.get(t.tensor) is not None and src.specs[t.tensor].quant is not None):
-            if t.quant:
-                raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
-            continue
-        if (t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block
-                or t.fmt != spec.quant.format.name):
-            raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
-                             f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
-        if t.quant == QUANT_SRC:
-            if (t.wire_dtype != spec.quant.format.value_dtype
-                    or _inner(t.offsets, t.sizes, t.block, spec.shape) != (t.offsets, t.sizes)):
-                raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in "
-                                 f"{dtype_name(spec.quant.format.value_dtype)}")
-            written[(t.dst_rank, t.scale_local)].append((t.scale_offsets, _lead(t.scale_offsets, scale_sizes(t.sizes, t.block)), t))
-        elif t.wire_dtype != src.specs[t.tensor].dtype:
-            raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
-    keep = None if ranks is None else set(ranks)
-    for rank, regions in quant_regions(plan).items():
-        if keep is not None and rank not in keep:
-            continue
-        for g in regions:
-            if _inner(g.offsets, g.sizes, g.block, quantized[g.tensor].shape) != (g.offsets, g.sizes):
-                raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
-                                 f"block-aligned")
-            written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
-    need: dict[tuple[int, str], int] = defaultdict(int)
-    for name, spec in quantized.items():
-        if name not in plan_targets(plan):
-            continue
-        for f in dst.fragments_by_tensor.get(spec.quant.scale, ()):
-            if keep is None or f.rank in keep:
-                need[(f.rank, f.local)] += f.numel
-    if keep is not None:
-        written = {k: v for k, v in written.items() if k[0] in keep}
-    for key in set(need) | set(written):
-        boxes = written.get(key, [])
-        got = sum(math.prod(s) for _o, s, _w in boxes)
-        hit = find_overlap(boxes) if len(boxes) > 1 else None
-        if hit is not None:
-            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {hit[0]} and "
-                             f"{hit[1]}")
-        if got != need.get(key, 0):
-            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} gets {got} of its "
-                             f"{need.get(key, 0)} scales")
-
-
-def _lead(local_offsets, sizes) -> tuple[int, ...]:
-    """``sizes`` in the local tensor's dims (extra leading dims of size 1)."""
-    return (1,) * (len(local_offsets) - len(sizes)) + tuple(sizes)
 
 
 def plan_targets(plan: PlanLike) -> dict[str, TensorSpec]:

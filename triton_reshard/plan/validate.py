@@ -1,158 +1,53 @@
-"""Self-validation of a plan: exact cover of every destination fragment, every transfer reads a box its
-source rank holds, no relay chains."""
+"""Self-validation of a plan, once, on the transfers' columns (``TransferTable``): every transfer reads a box its
+source rank holds (a relay: a box of its rank's destination fragments) and writes inside a destination fragment
+of its rank, every destination fragment is covered exactly once, and no relay reads a box its rank itself gets by
+relay (no chains). One check (``_check``) for the whole plan (``validate_plan``) and for one rank's share
+(``validate_share``: the transfers involving that rank, against its own fragments). The check decides on the
+columns; where it fails, the first failing transfer or fragment is named in the words of the object form, which
+the tests keep as a reference (``tests/oracles/plan_check.py``) and compare against on random bad plans."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from operator import add, le, sub
 
 import numpy as np
 
 from ..box import boxes_meet, find_overlap
-from ..layout import Fragment, gc_paused
+from ..layout import Fragment, dtype_name, gc_paused
+from ..layout.fragment_table import TensorRows
 from .index import rank_fragments
-from .quant import plan_targets, validate_quant
-from .table import widen
-from .types import PlanLike, Transfer
-
-
-def reading_fragment(frags: Sequence[Fragment], off, size, local_off) -> Fragment | None:
-    """The first of ``frags`` containing box ``off``+``size`` at ``local_off`` of its local tensor, or None.
-
-    (``f.local_box(off, size)[0] == local_off``, inlined: it runs twice per transfer.)
-    """
-    for f in frags:
-        fo = f.offsets
-        if off == fo and size == f.sizes:  # the whole fragment (the common case)
-            if local_off == f.local_offsets:
-                return f
-            continue
-        lo = f.local_offsets
-        extra = len(lo) - len(fo)
-        if (
-            len(off) == len(fo) == len(size)
-            and all(map(le, fo, off))
-            and all(map(le, map(add, off, size), map(add, fo, f.sizes)))
-            and local_off[:extra] == lo[:extra]
-            and local_off[extra:] == tuple(map(add, lo[extra:], map(sub, off, fo)))
-        ):
-            return f
-    return None
+from .quant import logical_target, plan_targets, quant_regions, scale_sizes, whole_blocks
+from .table import I64, widen
+from .types import PlanLike
 
 
 def validate_plan(plan: PlanLike) -> None:
     """Exact cover of every destination fragment; every transfer reads what its source rank holds; every relay
-    reads a box its rank received from non-relay transfers or local copies.
+    reads a box its rank received from non-relay transfers or local copies (``ValueError`` naming the first
+    transfer or fragment that fails, else nothing).
 
-    Linear in the transfers: per transfer, the fragments of its (tensor, rank, local tensor) on each side
-    (usually one). A transfer writes inside one destination fragment (the fragments of a local tensor are
-    disjoint), so the cover is checked per fragment: usually one transfer of the fragment's size. A relay reads
-    inside one destination fragment of its sender; once the cover is exact, the box it reads was written
-    entirely by non-relays exactly when no relay writes into that box, so only the (rare) fragments that are
-    both read and written by relays are compared.
-
-    The check runs on the transfers' columns first (``table_valid``, vectorized); only a plan it does not pass is
-    checked transfer by transfer, which names the problem.
-    """
-    if table_valid(plan):
-        return
-    src, dst = plan.src, cover_dst(plan)
-    s_index, d_index = src.fragments_by_local, dst.fragments_by_local
-    written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the transfers writing into it
-    relay_reads: list[tuple[Fragment, Transfer]] = []  # (the sender's destination fragment, the relay)
-    relay_written: dict[int, list[Transfer]] = {}  # id(destination fragment) -> the relays writing into it
-    with gc_paused():
-        for t in plan.transfers + plan.local_copies:
-            off, size = t.offsets, t.sizes
-            if t.relay:
-                if t.src_rank == t.dst_rank:
-                    raise ValueError(f"plan: relay {t} of tensor {t.tensor!r} stays on rank {t.src_rank} "
-                                     f"(a relay is a wire transfer from another rank's destination tensor)")
-                sf = reading_fragment(d_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets)
-                if sf is None:
-                    raise ValueError(
-                        f"plan: relay {t} reads a box of tensor {t.tensor!r} outside the destination fragments of "
-                        f"rank {t.src_rank} (a relay sends what its rank received; it reads the destination layout)"
-                    )
-                if 0 not in size:
-                    relay_reads.append((sf, t))
-            elif reading_fragment(s_index.get((t.tensor, t.src_rank, t.src_local), ()), off, size, t.src_offsets) is None:
-                raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
-            df = reading_fragment(d_index.get((t.tensor, t.dst_rank, t.dst_local), ()), off, size, t.dst_offsets)
-            if df is None:
-                raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
-            if 0 not in size:
-                ts = written.get(id(df))
-                if ts is None:
-                    written[id(df)] = [t]
-                else:
-                    ts.append(t)
-                if t.relay:
-                    relay_written.setdefault(id(df), []).append(t)
-        scales = quant_scales(plan)  # scale tensors of quantized destinations: checked by validate_quant
-        for f in dst.fragments:
-            ts = written.get(id(f))
-            if ts is None:
-                exact = 0 in f.sizes or f.tensor in scales
-            elif len(ts) == 1:
-                exact = ts[0].sizes == f.sizes
-            else:
-                exact = (
-                    sum(t.numel for t in ts) == f.numel
-                    and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None
-                )
-            if not exact:
-                _check_cover(plan)  # raises, naming the local tensor
-                raise ValueError(f"plan: destination fragment {f} is not covered exactly once")
-        if relay_written:
-            plain: dict[int, set] = {}  # id(fragment) -> the boxes non-relays write into it (when relays do too)
-            for sf, t in relay_reads:
-                ws = relay_written.get(id(sf))
-                if not ws:
-                    continue
-                boxes = plain.get(id(sf))
-                if boxes is None:
-                    boxes = plain[id(sf)] = {(w.offsets, w.sizes) for w in written[id(sf)] if not w.relay}
-                if (t.offsets, t.sizes) in boxes:  # exactly what one non-relay wrote: the cover is exact, so no
-                    continue  # relay writes into it (the common case: a rank relays the part it received)
-                for w in ws:
-                    if boxes_meet(w.offsets, w.sizes, t.offsets, t.sizes):
-                        raise ValueError(
-                            f"plan: relay {t} of tensor {t.tensor!r} reads on rank {t.src_rank} a box that rank "
-                            f"itself gets by relay from rank {w.src_rank} ({w}); a relay may only read boxes "
-                            f"written by non-relay transfers or local copies (no relay chains)"
-                        )
+    Linear in the transfers, on their columns: each transfer's box is located in the fragments of its (tensor,
+    rank, local tensor) on each side (``_Frags.locate``). A transfer writes inside one destination fragment (the
+    fragments of a local tensor are disjoint), so the cover is checked per fragment: the elements its nonempty
+    writes add up to, and no two of them overlapping. A relay reads inside one destination fragment of its
+    sender; once the cover is exact, the box it reads was written entirely by non-relays exactly when no relay
+    writes into that box, so only the (rare) fragments that are both read and written by relays are compared."""
+    _check(plan, None)
+    if plan.dst.quantized:  # block-quantized destinations: the scales' cover, the modes
+        validate_quant(plan)
 
 
-def _check_cover(plan: PlanLike) -> None:
-    """Per destination local tensor: no element written twice, every element of its fragments written."""
-    covered: dict[tuple[int, str], list] = defaultdict(list)
-    for t in plan.transfers + plan.local_copies:
-        if t.numel:
-            df = reading_fragment(cover_dst(plan).fragments_by_local.get((t.tensor, t.dst_rank, t.dst_local), ()), t.offsets,
-                        t.sizes, t.dst_offsets)
-            covered[(t.dst_rank, t.dst_local)].append(df.local_box(t.offsets, t.sizes) + (t,))
-    for (rank, local), boxes in covered.items():
-        hit = find_overlap(boxes)
-        if hit is not None:
-            raise ValueError(
-                f"plan: tensor {hit[0].tensor!r} on destination rank {rank} ({local!r}) is written twice: "
-                f"{hit[0]} and {hit[1]}"
-            )
-    need: dict[tuple[int, str], int] = defaultdict(int)
-    scales = quant_scales(plan)
-    for f in cover_dst(plan).fragments:
-        if f.tensor not in scales:
-            need[(f.rank, f.local)] += f.numel
-    got = {k: sum(math.prod(b[1]) for b in v) for k, v in covered.items()}
-    for key, n in need.items():
-        if got.get(key, 0) != n:
-            raise ValueError(
-                f"plan: destination local tensor {key[1]!r} on rank {key[0]} gets {got.get(key, 0)} of its "
-                f"{n} elements"
-            )
+def validate_share(p: PlanLike) -> None:
+    """The self-check of one rank's share of a plan (``Plan(..., rank=r)``), ``validate_plan``'s check on rank
+    ``r``'s side: every transfer has rank ``r`` at one end; what it sends lies inside its own source fragments
+    (relays: its destination fragments); what it receives lies inside its own destination fragments and covers
+    each of them exactly once. (Whether a relay this rank receives reads a box its sender got from a non-relay
+    is the sender's check; the whole plan checks everything at once.)"""
+    _check(p, p.rank)
+    if quant_scales(p):  # block-quantized destinations: their scales are checked by validate_quant
+        validate_quant(p, ranks=(p.rank,))
 
 
 def cover_dst(plan: PlanLike):
@@ -174,72 +69,249 @@ def quant_scales(plan: PlanLike) -> frozenset[str]:
     return frozenset(out | {spec.quant.global_scale for spec in plan_targets(plan).values() if spec.quant.global_scale})
 
 
-def validate_share(p: PlanLike) -> None:
-    """The cheap self-check of one rank's share of a plan (``Plan(..., rank=r)``): every transfer has rank ``r``
-    at one end; what it sends lies inside its own source fragments (relays: its destination fragments); what it
-    receives lies inside its own destination fragments and covers each of them exactly once. (Whether a relay
-    this rank receives reads a box its sender got from a non-relay is the sender's check; the whole plan checks
-    everything at once.)"""
-    r = p.rank
-    mine_s: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    mine_d: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    for f in rank_fragments(p.src, r):
-        mine_s[(f.tensor, f.local)].append(f)
-    dfrags = rank_fragments(cover_dst(p), r)
-    for f in dfrags:
-        mine_d[(f.tensor, f.local)].append(f)
-    written: dict[int, list[Transfer]] = {}
+# --------------------------------------------------------------------------------------------------------
+# The check, on the columns
+# --------------------------------------------------------------------------------------------------------
+
+
+STAYS, NOT_MINE, READS, WRITES = 1, 2, 3, 4  # a row's first failing check, in the order the checks run
+
+
+def _check(plan: PlanLike, rank: int | None) -> None:
+    """``validate_plan`` (``rank`` None) or ``validate_share`` of ``rank``: the rows' reads and writes, the
+    cover of the destination fragments (every one, or ``rank``'s), the relay chains (the whole plan)."""
+    src, dst = plan.src, cover_dst(plan)
+    tables = (plan.transfers, plan.local_copies)
+    world = max(max(src.ranks, default=0), max(dst.ranks, default=0),
+                *(int(c.max(initial=0)) for tb in tables for c in (tb.src, tb.dst))) + 1
     with gc_paused():
-        for t in p.transfers + p.local_copies:
-            if t.src_rank != r and t.dst_rank != r:
-                raise ValueError(f"share of rank {r}: transfer {t} does not involve rank {r}")
-            if t.src_rank == r:
-                frs = (mine_d if t.relay else mine_s).get((t.tensor, t.src_local), ())
-                if reading_fragment(frs, t.offsets, t.sizes, t.src_offsets) is None:
-                    side = "destination" if t.relay else "source"
-                    raise ValueError(f"share of rank {r}: transfer {t} reads a box outside rank {r}'s {side} "
-                                     f"fragments of tensor {t.tensor!r}")
-            if t.dst_rank == r:
-                df = reading_fragment(mine_d.get((t.tensor, t.dst_local), ()), t.offsets, t.sizes, t.dst_offsets)
-                if df is None:
-                    raise ValueError(f"share of rank {r}: transfer {t} writes outside rank {r}'s destination "
-                                     f"fragments of tensor {t.tensor!r}")
-                if 0 not in t.sizes:
-                    written.setdefault(id(df), []).append(t)
-        for t in p.local_copies:
-            if t.src_rank != r or t.dst_rank != r:
-                raise ValueError(f"share of rank {r}: local copy {t} is not on rank {r}")
-        scales = quant_scales(p)  # block-quantized destinations: their scales are checked by validate_quant
-        for f in dfrags:
-            ts = written.get(id(f))
-            if ts is None:
-                exact = f.tensor in scales
-            elif len(ts) == 1:
-                exact = ts[0].sizes == f.sizes
-            else:
-                exact = (sum(t.numel for t in ts) == f.numel
-                         and find_overlap([(t.offsets, t.sizes, t) for t in ts]) is None)
-            if not exact:
-                raise ValueError(f"share of rank {r}: destination fragment {f} (tensor {f.tensor!r}) is not "
-                                 f"covered exactly once by its receives and local copies")
+        if rank is None:
+            dfr = _Frags(dst.tensor_rows([t.name for t in dst.tensors]), world)
+            used = set()
+            for tb in tables:
+                used.update(tb.names[i] for i in np.unique(tb.tensor[~tb.relay]).tolist())
+            sfr = _Frags(src.tensor_rows(sorted(n for n in used if n in src.specs)), world)
+        else:
+            sfr = _Frags.of_fragments(rank_fragments(src, rank), world)
+            dfr = _Frags.of_fragments(rank_fragments(dst, rank), world)
+        numel = [tb.numel for tb in tables]
+        read_of, d_of = _rows(plan, rank, tables, sfr, dfr)
+        _cover(plan, rank, tables, numel, dfr, d_of)
+        if rank is None:
+            _relay_chains(tables, numel, read_of[0], d_of, len(dfr.rows))
+
+
+def _rows(plan: PlanLike, rank: int | None, tables, sfr: _Frags, dfr: _Frags):
+    """Per table, each row's read fragment (of ``sfr``; relays: of ``dfr``) and written fragment (of ``dfr``),
+    -1 where a share does not check that side; raises naming the first row (wire rows, then local copies) that
+    fails a check, in the order the checks run."""
+    read_of, d_of, codes = [], [], []
+    for tb in tables:
+        n = len(tb)
+        code = np.zeros(n, np.int8)
+        if rank is None:
+            code[tb.relay & (tb.src == tb.dst)] = STAYS
+            reads = writes = None
+        else:
+            code[(tb.src != rank) & (tb.dst != rank)] = NOT_MINE
+            reads, writes = tb.src == rank, tb.dst == rank
+        read = np.full(n, -1, I64)
+        for fr, sel in ((sfr, ~tb.relay), (dfr, tb.relay)):
+            rows = np.flatnonzero(sel if reads is None else sel & reads)
+            if len(rows):
+                read[rows] = _locate(fr, tb, rows, "src")
+                bad = rows[read[rows] < 0]
+                code[bad[code[bad] == 0]] = READS
+        if writes is None:
+            d = _locate(dfr, tb, None, "dst")
+            code[(d < 0) & (code == 0)] = WRITES
+        else:
+            d = np.full(n, -1, I64)
+            rows = np.flatnonzero(writes)
+            d[rows] = _locate(dfr, tb, rows, "dst")
+            code[rows[(d[rows] < 0) & (code[rows] == 0)]] = WRITES
+        read_of.append(read)
+        d_of.append(d)
+        codes.append(code)
+    for tb, code in zip(tables, codes, strict=True):
+        bad = np.flatnonzero(code)
+        if len(bad):
+            _raise_row(rank, tb[int(bad[0])], int(code[bad[0]]))
+    if rank is not None:
+        local = tables[1]
+        bad = np.flatnonzero((local.src != rank) | (local.dst != rank))
+        if len(bad):
+            raise ValueError(f"share of rank {rank}: local copy {local[int(bad[0])]} is not on rank {rank}")
+    return read_of, d_of
+
+
+def _raise_row(rank: int | None, t, code: int) -> None:
+    """The error of transfer ``t``, which fails check ``code`` (of the whole plan, or of ``rank``'s share)."""
+    if rank is not None:
+        if code == NOT_MINE:
+            raise ValueError(f"share of rank {rank}: transfer {t} does not involve rank {rank}")
+        if code == READS:
+            side = "destination" if t.relay else "source"
+            raise ValueError(f"share of rank {rank}: transfer {t} reads a box outside rank {rank}'s {side} "
+                             f"fragments of tensor {t.tensor!r}")
+        raise ValueError(f"share of rank {rank}: transfer {t} writes outside rank {rank}'s destination "
+                         f"fragments of tensor {t.tensor!r}")
+    if code == STAYS:
+        raise ValueError(f"plan: relay {t} of tensor {t.tensor!r} stays on rank {t.src_rank} "
+                         f"(a relay is a wire transfer from another rank's destination tensor)")
+    if code == READS and t.relay:
+        raise ValueError(
+            f"plan: relay {t} reads a box of tensor {t.tensor!r} outside the destination fragments of "
+            f"rank {t.src_rank} (a relay sends what its rank received; it reads the destination layout)"
+        )
+    if code == READS:
+        raise ValueError(f"plan: transfer {t} reads a box source rank {t.src_rank} does not hold")
+    raise ValueError(f"plan: transfer {t} writes outside the destination fragments of rank {t.dst_rank}")
+
+
+def _locate(fr: _Frags, tb, rows: np.ndarray | None, side: str) -> np.ndarray:
+    """``fr.locate`` of the rows ``rows`` of ``tb`` (None: all) on its ``side`` ("src" or "dst"), in chunks of
+    rows (the selected columns' copies stay one chunk's size)."""
+    cols = ((tb.src, tb.src_local, tb.src_offsets, tb.src_ndim) if side == "src"
+            else (tb.dst, tb.dst_local, tb.dst_offsets, tb.dst_ndim))
+    if rows is not None and not len(rows):
+        return np.zeros(0, I64)
+    if rows is None:
+        return fr.locate(tb.names, tb.tensor, cols[0], tb.locals, cols[1], tb.ndim, tb.offsets, tb.sizes, *cols[2:])
+    return np.concatenate([
+        fr.locate(tb.names, tb.tensor[c], cols[0][c], tb.locals, cols[1][c], tb.ndim[c], tb.offsets[c], tb.sizes[c],
+                  cols[2][c], cols[3][c])
+        for c in (rows[a:a + LOCATE_CHUNK] for a in range(0, len(rows), LOCATE_CHUNK))])
+
+
+def _cover(plan: PlanLike, rank: int | None, tables, numel, dfr: _Frags, d_of) -> None:
+    """Per destination fragment of ``dfr``: the elements its nonempty writes add up to, and no two overlapping
+    (a fragment nothing writes: empty, or a scale tensor the plan writes by quantizing)."""
+    rows = dfr.rows
+    nf = len(rows)
+    fnumel = rows.sizes.astype(I64).prod(axis=1)
+    cnt, got = np.zeros(nf, I64), np.zeros(nf, I64)
+    for n, d in zip(numel, d_of, strict=True):
+        nz = (n > 0) & (d >= 0)
+        np.add.at(cnt, d[nz], 1)
+        np.add.at(got, d[nz], n[nz])
+    exempt = fnumel == 0
+    scales = quant_scales(plan)
     if scales:
-        validate_quant(p, ranks=(r,))
+        exempt |= np.isin(dfr.tensor_of, np.array([dfr.group[s] for s in scales if s in dfr.group], I64))
+    bad = ~np.where(cnt == 0, exempt, got == fnumel)
+    twice = _overlapping(cnt, tables, d_of, numel) if (cnt > 1).any() else np.zeros(0, I64)
+    bad[twice] = True
+    if not bad.any():
+        return
+    if rank is not None:
+        f = dfr.frags[int(dfr.at[bad].min())]  # the first in the order of the rank's fragments
+        raise ValueError(f"share of rank {rank}: destination fragment {f} (tensor {f.tensor!r}) is not covered "
+                         f"exactly once by its receives and local copies")
+    if len(twice):
+        _raise_twice(tables, numel, dfr, d_of, twice)
+    _raise_count(plan, tables, numel, dfr, d_of, fnumel)
+    bad_frags = {rows.fragment(i, int(dfr.tensor_of[i])) for i in np.flatnonzero(bad).tolist()}
+    f = next(f for f in cover_dst(plan).fragments if f in bad_frags)
+    raise ValueError(f"plan: destination fragment {f} is not covered exactly once")
 
 
-# --------------------------------------------------------------------------------------------------------
-# The whole plan's check on the columns
-# --------------------------------------------------------------------------------------------------------
+def _local_key(dfr: _Frags, frag_rows: np.ndarray) -> np.ndarray:
+    """(rank, local tensor) of fragments ``frag_rows`` of ``dfr`` as one int."""
+    rows = dfr.rows
+    return rows.ranks[frag_rows].astype(I64) * dfr.nl + rows.local_ids[frag_rows].astype(I64)
+
+
+def _raise_twice(tables, numel, dfr: _Frags, d_of, twice: np.ndarray) -> None:
+    """Some fragments are written twice: name two overlapping writes of the first destination local tensor, in
+    the order of their first writes (wire rows, then local copies), that has such a fragment."""
+    want = set(_local_key(dfr, twice).tolist())
+    key = None
+    writes = []
+    for tb, n, d in zip(tables, numel, d_of, strict=True):
+        rows = np.flatnonzero((n > 0) & (d >= 0))
+        keys = _local_key(dfr, d[rows])
+        if key is None:
+            first = np.flatnonzero(np.isin(keys, list(want)))
+            if not len(first):
+                continue
+            key = int(keys[first[0]])
+        writes.extend(tb[i] for i in rows[keys == key].tolist())
+    boxes = [(t.dst_offsets, (1,) * (len(t.dst_offsets) - len(t.sizes)) + t.sizes, t) for t in writes]
+    hit = find_overlap(boxes)
+    r, local = divmod(key, dfr.nl)
+    raise ValueError(f"plan: tensor {hit[0].tensor!r} on destination rank {r} ({dfr.rows.local_names[local]!r}) is "
+                     f"written twice: {hit[0]} and {hit[1]}")
+
+
+def _raise_count(plan: PlanLike, tables, numel, dfr: _Frags, d_of, fnumel: np.ndarray) -> None:
+    """A destination local tensor (not a scale tensor) whose writes do not add up to its fragments' elements:
+    the first in the layout's fragment order."""
+    scales = quant_scales(plan)
+    rows = dfr.rows
+    plain = np.array([rows.names[k] not in scales for k in dfr.tensor_of.tolist()], bool)
+    keys = _local_key(dfr, np.arange(len(rows)))
+    size = int(keys.max(initial=-1)) + 1
+    need, got = np.zeros(size, I64), np.zeros(size, I64)
+    np.add.at(need, keys[plain], fnumel[plain])
+    has = np.bincount(keys[plain], minlength=size) > 0
+    for n, d in zip(numel, d_of, strict=True):
+        nz = (n > 0) & (d >= 0)
+        np.add.at(got, _local_key(dfr, d[nz]), n[nz])
+    off = has & (got != need)
+    if not off.any():
+        return
+    lid = {x: i for i, x in enumerate(rows.local_names)}
+    for f in cover_dst(plan).fragments:
+        k = f.rank * dfr.nl + lid[f.local]
+        if f.tensor not in scales and off[k]:
+            raise ValueError(f"plan: destination local tensor {f.local!r} on rank {f.rank} gets {int(got[k])} of "
+                             f"its {int(need[k])} elements")
+
+
+def _relay_chains(tables, numel, read: np.ndarray, d_of, nf: int) -> None:
+    """No relay reads a box its rank itself gets by relay: where relays also write the fragment a relay reads,
+    the box it reads is exactly one a non-relay wrote (the planner's relays read the part their rank received),
+    or meets no relay's box. (``read``: the wire rows' read fragments; relays are wire rows.)"""
+    wire, dw = tables[0], d_of[0]
+    rl = np.flatnonzero(wire.relay & (numel[0] > 0))
+    if not len(rl):
+        return
+    relay_written = np.zeros(nf, np.bool_)
+    relay_written[dw[rl]] = True
+    hit = rl[relay_written[read[rl]]]
+    if not len(hit):
+        return
+    frags = np.unique(read[hit])
+    plain_w: dict[int, set] = {}  # fragment -> the boxes non-relays write into it
+    for tb, n, d in zip(tables, numel, d_of, strict=True):
+        sel = np.flatnonzero(~tb.relay & (n > 0) & np.isin(d, frags))
+        for fi, o, s in zip(d[sel].tolist(), tb.offsets[sel].tolist(), tb.sizes[sel].tolist(), strict=True):
+            plain_w.setdefault(fi, set()).add((tuple(o[:len(s)]), tuple(s)))
+    for i in hit.tolist():
+        t = wire[i]
+        fi = int(read[i])
+        if (t.offsets, t.sizes) in plain_w.get(fi, ()):  # exactly what one non-relay wrote (the cover is exact)
+            continue
+        for j in rl[dw[rl] == fi].tolist():
+            w = wire[j]
+            if boxes_meet(w.offsets, w.sizes, t.offsets, t.sizes):
+                raise ValueError(
+                    f"plan: relay {t} of tensor {t.tensor!r} reads on rank {t.src_rank} a box that rank "
+                    f"itself gets by relay from rank {w.src_rank} ({w}); a relay may only read boxes "
+                    f"written by non-relay transfers or local copies (no relay chains)"
+                )
 
 
 LOCATE_CHUNK = 1 << 18  # rows located at once (``_Frags.locate``)
 
 
 class _Frags:
-    """One layout's fragments of some tensors (``Layout.tensor_rows``) sorted by (tensor, rank, local tensor),
-    for locating the fragment that holds each transfer's box."""
+    """Fragments of one layout (``Layout.tensor_rows``: some tensors on every rank; or one rank's, from its
+    fragments) sorted by (tensor, rank, local tensor), for locating the fragment that holds each transfer's box."""
 
-    def __init__(self, layout, names: Sequence[str], world: int) -> None:
-        tr = self.rows = layout.tensor_rows(list(names))
+    def __init__(self, tr: TensorRows, world: int) -> None:
+        self.rows = tr
         self.group = {n: k for k, n in enumerate(tr.names)}
         self.lid = {n: i for i, n in enumerate(tr.local_names)}
         self.world, self.nl = world, max(len(tr.local_names), 1)
@@ -250,6 +322,27 @@ class _Frags:
         self.order = np.argsort(key, kind="stable") if n else np.zeros(0, np.int64)
         self.keys = key[self.order]
         self.loff, self.lnd = (np.asarray(a, np.int64) for a in tr.local_offset_columns)
+        self.frags, self.at = (), np.zeros(0, I64)
+        self._seen: dict[tuple[int, tuple], np.ndarray] = {}
+
+    def _codes(self, ids: dict[str, int], names: tuple) -> np.ndarray:
+        """Per name of ``names`` (a table's tensor or local names) its id in ``ids``, -1: none (kept per tuple)."""
+        key = (id(ids), names)
+        got = self._seen.get(key)
+        if got is None:
+            got = self._seen[key] = np.array([ids.get(x, -1) for x in names] or [0], np.int64)
+        return got
+
+    @classmethod
+    def of_fragments(cls, frags: Sequence[Fragment], world: int) -> _Frags:
+        """The rows of ``frags`` (one rank's), grouped by tensor; ``at``: each row's index in ``frags``."""
+        by: dict[str, list[int]] = {}
+        for i, f in enumerate(frags):
+            by.setdefault(f.tensor, []).append(i)
+        out = cls(TensorRows.from_fragments([(n, len(frags[ix[0]].offsets), [frags[i] for i in ix])
+                                             for n, ix in by.items()]), world)
+        out.frags, out.at = frags, np.fromiter((i for ix in by.values() for i in ix), I64, len(frags))
+        return out
 
     def locate(self, names: tuple, tcode: np.ndarray, rank: np.ndarray, locals_: tuple, lcode: np.ndarray, ndim,
                offsets, sizes, loffs, lnds) -> np.ndarray:
@@ -264,8 +357,8 @@ class _Frags:
                                                offsets[a:a + LOCATE_CHUNK], sizes[a:a + LOCATE_CHUNK],
                                                loffs[a:a + LOCATE_CHUNK], lnds[a:a + LOCATE_CHUNK])
                                    for a in range(0, m, LOCATE_CHUNK)])
-        g = np.array([self.group.get(x, -1) for x in names] or [0], np.int64)[tcode]
-        li = np.array([self.lid.get(x, -1) for x in locals_] or [0], np.int64)[lcode]
+        g = self._codes(self.group, names)[tcode]
+        li = self._codes(self.lid, locals_)[lcode]
         out = np.full(m, -1, np.int64)
         ok = (g >= 0) & (li >= 0) & (rank >= 0) & (rank < self.world)
         key = (g * self.world + rank) * self.nl + li
@@ -306,14 +399,15 @@ PAIR_CHUNK = 1 << 20  # pairs of boxes tested at once (4 [pairs, dims] int64 tem
 BIG_GROUP = 64  # a fragment written by more transfers than this: ``find_overlap`` (a sweep) instead of all pairs
 
 
-def _writes_disjoint(cnt: np.ndarray, tables, d_of) -> bool:
-    """Whether the nonempty boxes each destination fragment written more than once gets (``cnt``: writes per
-    fragment; ``d_of``: per table each row's fragment) share no element: every pair of a fragment's boxes
-    tested on arrays, a fragment with many writes by ``find_overlap``."""
+def _overlapping(cnt: np.ndarray, tables, d_of, numel=None) -> np.ndarray:
+    """The destination fragments written more than once (``cnt``: writes per fragment; ``d_of``: per table each
+    row's fragment, -1: none; ``numel``: per table its rows' elements) two of whose nonempty boxes share an
+    element (ascending): every pair of a fragment's boxes tested on arrays, a fragment with many writes by
+    ``find_overlap``."""
     fi, off, sz, nd = [], [], [], []
     D = max(tb.offsets.shape[1] for tb in tables)
-    for tb, d in zip(tables, d_of, strict=True):
-        sel = np.flatnonzero((cnt[d] > 1) & (tb.numel > 0))
+    for tb, d, n in zip(tables, d_of, numel or [tb.numel for tb in tables], strict=True):
+        sel = np.flatnonzero((d >= 0) & (cnt[np.maximum(d, 0)] > 1) & (n > 0))
         fi.append(d[sel])
         off.append(widen(tb.offsets[sel], D, 0))
         sz.append(widen(tb.sizes[sel], D, 1))
@@ -325,11 +419,12 @@ def _writes_disjoint(cnt: np.ndarray, tables, d_of) -> bool:
     starts = np.flatnonzero(np.concatenate(([True], fi[1:] != fi[:-1])))
     c = np.diff(np.concatenate((starts, [len(fi)])))
     big = c > BIG_GROUP
+    bad = []
     for a, n in zip(starts[big].tolist(), c[big].tolist(), strict=True):
         k = int(nd[a])
         if find_overlap([(tuple(off[i, :k].tolist()), tuple(sz[i, :k].tolist()), None)
                          for i in range(a, a + n)]) is not None:
-            return False
+            bad.append(fi[a:a + 1])
     # every pair (i, j), i < j, of the small groups: element i's partners are the rest of its group
     grp = np.repeat(np.arange(len(c)), c)
     small = ~big[grp]
@@ -341,87 +436,122 @@ def _writes_disjoint(cnt: np.ndarray, tables, d_of) -> bool:
         seg = np.repeat(np.arange(lo, hi), rest[lo:hi])
         first = np.concatenate(([0], np.cumsum(rest[lo:hi])[:-1]))
         j = seg + 1 + (np.arange(len(seg)) - first[seg - lo])
-        if ((off[seg] < end[j]) & (off[j] < end[seg])).all(axis=1).any():
-            return False
+        bad.append(fi[seg[((off[seg] < end[j]) & (off[j] < end[seg])).all(axis=1)]])
         lo = hi
-    return True
+    return np.unique(np.concatenate(bad)) if bad else np.zeros(0, I64)
 
 
-def table_valid(plan: PlanLike) -> bool:
-    """``validate_plan``'s checks on the transfers' columns (``TransferTable``): True when they pass; False when
-    one might fail (the caller then runs ``validate_plan``, which names the problem, or passes in the rare case
-    this check is stricter: a relay reading a box its rank got from several non-relays)."""
-    src, dst = plan.src, cover_dst(plan)
-    wire, local = plan.transfers, plan.local_copies
-    if local.relay.any():
-        return False
-    world = max(max(src.ranks, default=0), max(dst.ranks, default=0),
-                int(wire.src.max(initial=0)), int(wire.dst.max(initial=0)),
-                int(local.dst.max(initial=0))) + 1
-    dnames = [t.name for t in dst.tensors]
-    dfr = _Frags(dst, dnames, world)
-    snames = sorted(set(wire.names[i] for i in np.unique(wire.tensor[~wire.relay]).tolist())
-                    | set(local.names[i] for i in np.unique(local.tensor).tolist()))
-    if any(n not in src.specs for n in snames):
-        return False
-    sfr = _Frags(src, snames, world)
-    d_of = []
-    for tb in (wire, local):
-        plain = ~tb.relay
-        # the source side: the source layout's fragments (relays: the sender's destination fragments)
-        for sel, fr in ((np.flatnonzero(plain), sfr), (np.flatnonzero(~plain), dfr)):
-            if len(sel):
-                # in chunks of rows: the selected columns' copies stay one chunk's size
-                got = np.concatenate([
-                    fr.locate(tb.names, tb.tensor[c], tb.src[c], tb.locals, tb.src_local[c], tb.ndim[c],
-                              tb.offsets[c], tb.sizes[c], tb.src_offsets[c], tb.src_ndim[c])
-                    for c in (sel[a:a + LOCATE_CHUNK] for a in range(0, len(sel), LOCATE_CHUNK))])
-                if (got < 0).any():
-                    return False
-                if fr is dfr:
-                    relay_src = got
-        d = dfr.locate(tb.names, tb.tensor, tb.dst, tb.locals, tb.dst_local, tb.ndim, tb.offsets, tb.sizes,
-                       tb.dst_offsets, tb.dst_ndim)
-        if (d < 0).any():
-            return False
-        d_of.append(d)
-    # the cover: per destination fragment, the elements its (nonempty) writes add up to, and no two overlapping
-    nf = len(dfr.rows)
-    fnumel = dfr.rows.sizes.astype(np.int64).prod(axis=1)
-    cnt = np.zeros(nf, np.int64)
-    got = np.zeros(nf, np.int64)
-    for tb, d in zip((wire, local), d_of, strict=True):
-        n = tb.numel
-        nz = n > 0
-        np.add.at(cnt, d[nz], 1)
-        np.add.at(got, d[nz], n[nz])
-    scales = quant_scales(plan)
-    if scales:
-        sk = [dfr.group[s] for s in scales if s in dfr.group]
-        exempt = np.isin(dfr.tensor_of, np.array(sk, np.int64))
-        fine = np.where(cnt == 0, (fnumel == 0) | exempt, got == fnumel)
-    else:
-        fine = np.where(cnt == 0, fnumel == 0, got == fnumel)
-    if not fine.all():
-        return False
-    if (cnt > 1).any() and not _writes_disjoint(cnt, (wire, local), d_of):
-        return False
-    # relays read boxes their rank got from non-relays: when relays also write the fragment a relay reads, the box
-    # it reads must be exactly one that a non-relay wrote (the planner's relays read the part their rank received)
-    rl = np.flatnonzero(wire.relay & (wire.numel > 0))
-    if len(rl):
-        dw = d_of[0]
-        relay_written = np.zeros(nf, np.bool_)
-        relay_written[dw[rl]] = True
-        rs = relay_src[wire.numel[wire.relay] > 0]  # (``relay_src``: the relays' read fragments, in row order)
-        hit = relay_written[rs]
-        if hit.any():
-            plain_w = {}
-            for tb, d in zip((wire, local), d_of, strict=True):
-                sel = np.flatnonzero(~tb.relay & relay_written[d] & (tb.numel > 0))
-                for fi, o, s in zip(d[sel].tolist(), tb.offsets[sel].tolist(), tb.sizes[sel].tolist(), strict=True):
-                    plain_w.setdefault(fi, set()).add((tuple(o), tuple(s)))
-            for i, fi in zip(rl[hit].tolist(), rs[hit].tolist(), strict=True):
-                if (tuple(wire.offsets[i].tolist()), tuple(wire.sizes[i].tolist())) not in plain_w.get(fi, ()):
-                    return False
-    return True
+# --------------------------------------------------------------------------------------------------------
+# The quantized part (block-quantized destinations, ``plan/quant.py``), on the columns too
+# --------------------------------------------------------------------------------------------------------
+
+
+Q_PLAIN, Q_MODE, Q_BLOCKS, Q_DTYPE = 1, 2, 3, 4  # a row's first failing quantization check
+
+
+def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
+    """The quantized part of a plan: ``src`` transfers block-aligned in fp8, ``dst`` transfers in their source
+    dtype inside their regions, no relays, and every scale fragment written exactly once (by the ``src``
+    transfers and the regions). The weights' own exact cover is ``validate_plan``'s. ``ranks``: check the
+    scale cover of these destination ranks only (a rank plan: its own), default all."""
+    src, dst = plan.src, plan.dst
+    quantized = {n: logical_target(s) for n, s in dst.quantized.items()}
+    written: dict[tuple[int, str], list] = defaultdict(list)  # (rank, scale local) -> [(local off, sizes, what)]
+    for tb in (plan.transfers, plan.local_copies):
+        _quant_rows(tb, src, quantized, written)
+    keep = None if ranks is None else set(ranks)
+    for rank, regions in quant_regions(plan).items():
+        if keep is not None and rank not in keep:
+            continue
+        for g in regions:
+            if whole_blocks(g.offsets, g.sizes, g.block, quantized[g.tensor].shape) != (g.offsets, g.sizes):
+                raise ValueError(f"plan: quantization region {g.offsets}+{g.sizes} of {g.tensor!r} on rank {rank} is not "
+                                 f"block-aligned")
+            written[(rank, g.scale_local)].append((g.scale_offsets, _lead(g.scale_offsets, g.scale_sizes), g))
+    need: dict[tuple[int, str], int] = defaultdict(int)
+    for name, spec in quantized.items():
+        if name not in plan_targets(plan):
+            continue
+        for f in dst.fragments_by_tensor.get(spec.quant.scale, ()):
+            if keep is None or f.rank in keep:
+                need[(f.rank, f.local)] += f.numel
+    if keep is not None:
+        written = {k: v for k, v in written.items() if k[0] in keep}
+    for key in set(need) | set(written):
+        boxes = written.get(key, [])
+        got = sum(math.prod(s) for _o, s, _w in boxes)
+        hit = find_overlap(boxes) if len(boxes) > 1 else None
+        if hit is not None:
+            a, b = (x[0][x[1]] if isinstance(x, tuple) else x for x in hit)  # (a row of a table, or a region)
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} is written twice: {a} and {b}")
+        if got != need.get(key, 0):
+            raise ValueError(f"plan: scale local tensor {key[1]!r} on rank {key[0]} gets {got} of its "
+                             f"{need.get(key, 0)} scales")
+
+
+def _quant_rows(tb, src, quantized: dict, written: dict) -> None:
+    """The rows of ``tb``: a quantized row only of a quantized tensor (a plain source), with its block and format,
+    not relayed; a source-quantized row whole blocks in the format's value dtype, a destination-quantized row in
+    the source dtype (raises naming the first row that fails, in the order the checks run); appends the scale
+    boxes the source-quantized rows write to ``written`` (tagged ``(tb, row)``)."""
+    specs = [quantized.get(n) for n in tb.names]
+    specs = [s if s is not None and (src.specs.get(n) is None or src.specs[n].quant is None) else None
+             for s, n in zip(specs, tb.names, strict=True)]
+    k, q = tb.tensor.astype(I64), tb.quant
+    qt = np.array([s is not None for s in specs] + [False], bool)[k]
+    code = np.zeros(len(tb), np.int8)
+    code[~qt & (q != 0)] = Q_PLAIN
+    ok = qt & ~tb.relay & ((q == 1) | (q == 2))
+    for i, kk in zip(np.flatnonzero(ok).tolist(), k[ok].tolist(), strict=True):
+        e, s = tb.extras.get(i), specs[kk].quant
+        if e is None or e[0] != s.block or (e[3] if len(e) > 3 else "fp8-block") != s.format.name:
+            ok[i] = False
+    code[qt & ~ok & (code == 0)] = Q_MODE
+    D = tb.offsets.shape[1]
+    srows, drows = np.flatnonzero(ok & (q == 1)), np.flatnonzero(ok & (q == 2))
+    if len(srows):
+        value_ok = np.array([[s is not None and d == s.quant.format.value_dtype for d in tb.dtypes] for s in specs])
+        block, shape = _per_tensor(specs, D)
+        off, sz, kk = tb.offsets[srows].astype(I64), tb.sizes[srows].astype(I64), k[srows]
+        end, b = off + sz, block[kk]
+        whole = ((off % b == 0) & ((end == shape[kk]) | (end % b == 0)) & (sz > 0)).all(axis=1)
+        code[srows[~(whole & value_ok[kk, tb.wdt[srows]])]] = Q_BLOCKS
+    if len(drows):
+        src_ok = np.array([[s is not None and d == src.specs[n].dtype for d in tb.dtypes]
+                           for s, n in zip(specs, tb.names, strict=True)])
+        code[drows[~src_ok[k[drows], tb.wdt[drows]]]] = Q_DTYPE
+    bad = np.flatnonzero(code)
+    if len(bad):
+        _raise_quant_row(tb[int(bad[0])], int(code[bad[0]]), quantized)
+    for i, r, z, nd in zip(srows.tolist(), tb.dst[srows].tolist(), tb.sizes[srows].tolist(),
+                           tb.ndim[srows].tolist(), strict=True):
+        blk, local, so = tb.extras[i][:3]
+        written[(r, local)].append((so, _lead(so, scale_sizes(tuple(z[:nd]), blk)), (tb, i)))
+
+
+def _per_tensor(specs: list, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor of ``specs`` (None: not quantized) its block and logical shape, ``[K, D]`` padded with 1."""
+    block, shape = np.ones((len(specs), D), I64), np.ones((len(specs), D), I64)
+    for j, s in enumerate(specs):
+        if s is not None:
+            n = min(len(s.shape), D)
+            block[j, :n], shape[j, :n] = s.quant.block[:n], s.shape[:n]
+    return block, shape
+
+
+def _raise_quant_row(t, code: int, quantized: dict) -> None:
+    """The error of row ``t``, which fails quantization check ``code``."""
+    if code == Q_PLAIN:
+        raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
+    if code == Q_MODE:
+        raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
+                         f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
+    if code == Q_BLOCKS:
+        raise ValueError(f"plan: source-quantized transfer {t} is not whole blocks in "
+                         f"{dtype_name(quantized[t.tensor].quant.format.value_dtype)}")
+    raise ValueError(f"plan: destination-quantized transfer {t} does not travel in the source dtype")
+
+
+def _lead(local_offsets, sizes) -> tuple[int, ...]:
+    """``sizes`` in the local tensor's dims (extra leading dims of size 1)."""
+    return (1,) * (len(local_offsets) - len(sizes)) + tuple(sizes)
