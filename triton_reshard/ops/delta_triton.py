@@ -9,19 +9,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .delta import (
-    CUDA_BLOCK,
-    INTERPRET_BLOCK,
-    _bits,
-    _message_layout,
-    _write_headers,
-    read_directory,
-)
 from .delta_format import DEFAULT_CHUNK_ELEMS, MAX_DIMS, Pair, chunk_list, validate_pairs
 from .delta_format import INT_DTYPES as _INT
 from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
-from .launcher import interpreting, kernel_module, storage_view
+from .delta_message import CUDA_BLOCK, INTERPRET_BLOCK, message_layout, read_directory, write_headers
+from .launcher import bits, interpreting, kernel_module, storage_view
 
 
 def _merge(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ...]]:
@@ -112,8 +105,8 @@ def triton_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, u
             table = torch.from_numpy(rows).to(device)
             idx = torch.tensor(members, dtype=torch.int64, device=device)
             gcount = torch.zeros(len(members), dtype=torch.int64, device=device)
-            src_p = storage_view(_bits(sbase), _INT[e])
-            snap_p = storage_view(_bits(pbase), _INT[e])
+            src_p = storage_view(bits(sbase), _INT[e])
+            snap_p = storage_view(bits(pbase), _INT[e])
             launches.append((e, members, table, idx, src_p, snap_p))
             dummy = torch.zeros(16, dtype=torch.uint8, device=device)
             k.delta_pack_kernel[(len(members),)](src_p, snap_p, dummy.view(_INT[e]), dummy.view(torch.int16),
@@ -121,9 +114,9 @@ def triton_pack(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, u
                                                  ESIZE=e, COUNT=True, UPDATE=False, BLOCK=block)
             count[idx] = gcount
         numel_d, esize_d = numel.to(device), esize.to(device)
-        kind, nbytes, offsets, total = _message_layout(numel_d, count, esize_d)
+        kind, nbytes, offsets, total = message_layout(numel_d, count, esize_d)
         msg = torch.zeros(total, dtype=torch.uint8, device=device)
-        _write_headers(msg, chunk_elems, numel_d, count, esize_d, kind, nbytes, offsets)
+        write_headers(msg, chunk_elems, numel_d, count, esize_d, kind, nbytes, offsets)
         for e, members, table, idx, src_p, snap_p in launches:
             table[:, int(k.P_OUT)] = offsets[idx]
             table[:, int(k.P_KIND)] = kind[idx]
@@ -177,7 +170,7 @@ def triton_unpack(msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequen
             table[:, int(k.U_COUNT)] = dr.count[idx]
             gbad = torch.zeros(len(members), dtype=torch.int32, device=device)
             k.delta_unpack_kernel[(len(members),)](
-                storage_view(_bits(base), _INT[e]), msg.view(_INT[e]), msg.view(torch.int16),
+                storage_view(bits(base), _INT[e]), msg.view(_INT[e]), msg.view(torch.int16),
                 msg.view(torch.int32), table, gbad, len(members), ESIZE=e, BLOCK=block)
             bad[idx] = gbad
     if bool(bad.any()):
