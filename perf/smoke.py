@@ -38,6 +38,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_delta.py#wire": ("main", ["--part", "wire", "--vocab", "64", "--hidden", "32", "--intermediate", "64",
                                      "--layers", "1", "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "4",
                                      "--out", "{out}/delta_wire.json"], 300),
+    "bench_integrity.py": ("main", ["--mb", "1", "--repeats", "1", "--out", "{out}/integrity.json"], 300),
     "bench_call.py": ("main", ["--calls", "4", "--ab", "--out", "{out}/call.json"], 300),
     "bench_kernels.py": ("main", ["--quick", "--model", "tiny-llama", "--repeats", "1", "--out", "{out}/kernels.json"], 300),
     "bench_planner.py": ("main", ["--models", "llama-3-8b", "--worlds", "8", "--out", "{out}/planner.json"], 300),
