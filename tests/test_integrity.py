@@ -290,3 +290,69 @@ def test_a_corrupted_relayed_message_is_caught_and_repaired():
     _caught_everywhere(per, receiver=2)
     for r, res in per.items():
         assert res["v2"]["error"] is None and res["v2_ok"], (r, res["v2"])
+
+
+# -- the native one-pass hash (ops/digest.py, csrc/digest.c): the same value as numpy -------------------------
+
+
+def _native():
+    from triton_reshard.ops import digest as nd
+
+    fn = nd.native()
+    if fn is None:
+        pytest.skip("the native extension is not built (python setup.py build_ext --inplace)")
+    return nd, fn
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1023, 1024, 1025, 8 * ig.ROW_WORDS * 3 + 13, 100_003])
+@pytest.mark.parametrize("start", [0, 5])
+def test_the_native_hash_of_a_buffer_is_the_numpy_hash(n, start):
+    nd, fn = _native()
+    area = torch.randint(
+        0, 256, (n + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + start)
+    )
+    buf = area[start : start + n]
+    c = _coef()
+    assert nd.digest_buffer(fn, buf, c.numpy(ig._entries(n))) == ig._partial_np(buf.numpy(), c)
+
+
+def test_a_message_digested_from_its_strided_destinations_is_the_message_hash():
+    """The receiver's path: a staged message landed into strided destination views (a column block, a 3-d
+    slice, an unaligned piece, a piece cast on landing, padding no unpack takes) is digested from the views in
+    place, equal to the hash of the message's bytes; what a destination holds after its unpack is what counts."""
+    nd, fn = _native()
+    g = torch.Generator().manual_seed(7)
+    w = torch.zeros(40, 64)  # destination: a column block of it
+    cube = torch.zeros(6, 10, 12, dtype=torch.float16)  # destination: a 3-d slice of it
+    h = torch.zeros(50, dtype=torch.bfloat16)  # destination of a cast piece (received as float32)
+    b = torch.zeros(33, dtype=torch.uint8)  # an unaligned piece
+    dsts = [w[:, 8:40], cube[1:5, 2:9, 3:11], h[5:45], b[1:32]]
+    wires = [torch.float32, torch.float16, torch.float32, torch.uint8]
+    msg, pairs, at = torch.zeros(20000, dtype=torch.uint8), [], 16  # 16 bytes of padding first
+    for d, wd in zip(dsts, wires, strict=True):
+        es = torch.tensor([], dtype=wd).element_size()
+        at = -(-at // es) * es  # each piece aligned to its element, not to the hash's 8-byte words
+        nb = d.numel() * es
+        r = msg[at : at + nb].view(wd).view(d.shape)
+        r.copy_(
+            torch.randn(d.shape, generator=g).to(wd)
+            if wd != torch.uint8
+            else torch.randint(0, 256, d.shape, dtype=torch.uint8, generator=g)
+        )
+        pairs.append((r, d))
+        at += nb + 3  # gaps between the pieces
+    msg[at:] = 7
+    for r, d in pairs:
+        d.copy_(r)
+    c = _coef()
+    n = msg.numel()
+    rows = nd.message_rows([(msg, n)], pairs)[0]
+    want = ig._partial_np(msg.numpy(), c)
+    assert nd.digest_rows(fn, rows, n, c.numpy(ig._entries(n))) == want
+    w[3, 10] += 1  # a destination element changed after its unpack: the in-place digest sees it
+    assert nd.digest_rows(fn, rows, n, c.numpy(ig._entries(n))) != want
+    five = torch.zeros((3,) * 6)[
+        (slice(0, 2),) * 6
+    ]  # 5 outer dimensions that do not merge: the caller copies
+    assert nd.view_row(five, 0) is None
+    assert nd.view_row(torch.zeros(2, 3, 2, 3, 2, 3)[..., :2], 0)[3] == 1  # these merge into one

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
+from ..ops.digest import digest_buffer, digest_rows, message_rows
+from ..ops.digest import native as digest_native
 from .errors import ReshardError
 
 ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
@@ -100,12 +102,21 @@ class Coefficients:
 
 
 def partial(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
-    """The fused hash of the flat uint8 ``buf``: an int (CPU: numpy, one thread, no torch dispatch; torch's
-    threaded reduction waits ~25 ms on a pool of busy cores for a 1 MiB message) or a 0-dim int64 tensor on
-    its device (no sync). Both are the same arithmetic mod 2**64, so the same value for the same bytes."""
+    """The fused hash of the flat uint8 ``buf``: an int (CPU: the native one-pass hash, ``ops/digest.py``,
+    else numpy, one thread, no torch dispatch; torch's threaded reduction waits ~25 ms on a pool of busy cores
+    for a 1 MiB message) or a 0-dim int64 tensor on its device (no sync). All are the same arithmetic mod
+    2**64, so the same value for the same bytes."""
     if buf.device.type == "cpu":
+        fn = digest_native()
+        if fn is not None and buf.is_contiguous():
+            return digest_buffer(fn, buf, coef.numpy(_entries(buf.numel())))
         return _partial_np(buf.detach().numpy(), coef)  # a view of a Parameter requires grad
     return _partial_torch(buf, coef)
+
+
+def _entries(n: int) -> int:
+    """The coefficients an ``n``-byte message uses: one per row of :data:`ROW_WORDS` words, one per tail byte."""
+    return -(-(n // 8) // ROW_WORDS) + n % 8
 
 
 def _partial_torch(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
@@ -166,8 +177,11 @@ class Ledger:
     """One run's digests on this rank: per peer, the messages sent to it and received from it, in order
     (gloo and NCCL deliver a pair's messages in posting order: the k-th sent is the k-th received)."""
 
-    def __init__(self, key: bytes, coef: Coefficients, rank: int, plan_digest: str, work, transfers) -> None:
+    def __init__(
+        self, key: bytes, coef: Coefficients, rank: int, plan_digest: str, work, transfers, views=None
+    ) -> None:
         self.key, self.coef, self.rank = key, coef, rank
+        self.views = {} if views is None else views  # the native hash's view descriptors (Digests keeps them)
         self.plan = plan_digest.encode()
         self.work, self.transfers = work, transfers
         self.sent: dict[int, list] = {}  # peer -> [(step, nbytes, partial)]
@@ -181,20 +195,51 @@ class Ledger:
             self.sent.setdefault(peer, []).append((i, buf.numel(), partial(buf, self.coef)))
         self._posted[pos] = list(recvs)
 
-    def on_land(self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None) -> None:
-        """Step ``pos`` landed: rebuild its staged messages from the destination (``rebuild``: the unpack's
-        (receive view, destination view) pairs; those that cast are left as they arrived), then digest every
-        receive (``lengths``: receive index -> the bytes a message received into a larger buffer holds)."""
+    def on_land(
+        self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None, key=None
+    ) -> None:
+        """Step ``pos`` landed: digest every receive over what the destination now holds (``rebuild``: the
+        unpack's (receive view, destination view) pairs; those that cast are digested as they arrived;
+        ``lengths``: receive index -> the bytes a message received into a larger buffer holds). On CPU with the
+        native hash the destination views are read in place (their descriptors cached under ``key``, the
+        binding's); else the staged messages are first rebuilt from the destination, then hashed."""
+        posted = self._posted.pop(pos, ())
+        bufs = [
+            (buf, lengths[j] if lengths and j in lengths else buf.numel())
+            for j, (_p, buf) in enumerate(posted)
+        ]
+        values = self._in_place(bufs, rebuild, key) if bufs and bufs[0][0].device.type == "cpu" else None
+        if values is None:
+            values = self._rebuilt(bufs, rebuild, backend)
+        i = self.work.steps[pos][0]
+        for j, ((peer, _buf), (_b, n), v) in enumerate(zip(posted, bufs, values, strict=True)):
+            self.recvd.setdefault(peer, []).append((i, n, v, (pos, j)))
+
+    def _in_place(self, bufs, rebuild, key) -> list[int] | None:
+        fn = digest_native()
+        if fn is None:
+            return None
+        sig = (key, tuple((b.data_ptr(), n) for b, n in bufs), len(rebuild))
+        rows = self.views.get(sig) if key is not None else None
+        if rows is None:
+            rows = message_rows(bufs, rebuild)
+            if rows is None:
+                return None
+            if key is not None:
+                if len(self.views) >= 512:
+                    self.views.clear()
+                self.views[sig] = rows
+        return [
+            digest_rows(fn, r, n, self.coef.numpy(_entries(n))) for r, (_b, n) in zip(rows, bufs, strict=True)
+        ]
+
+    def _rebuilt(self, bufs, rebuild, backend: str) -> list:
         from .. import ops
 
         back = [(d, r) for r, d in rebuild if r.dtype == d.dtype and r.numel()]
         if back:
             ops.copy_views(back, backend)
-        i = self.work.steps[pos][0]
-        for j, (peer, buf) in enumerate(self._posted.pop(pos, ())):
-            if lengths and j in lengths:
-                buf = buf[: lengths[j]]
-            self.recvd.setdefault(peer, []).append((i, buf.numel(), partial(buf, self.coef), (pos, j)))
+        return [partial(b[:n] if n != b.numel() else b, self.coef) for b, n in bufs]
 
     # -- the end-of-refit exchange ------------------------------------------------------------------
 
@@ -347,6 +392,7 @@ class Digests:
     def __init__(self, comm) -> None:
         self.key = digest_key(comm)
         self.coef = Coefficients(self.key)
+        self.views: dict = {}  # per binding and step: the native hash's view descriptors of each message
 
     def ledger(self, rank: int, plan, work) -> Ledger:
-        return Ledger(self.key, self.coef, rank, plan.digest, work, plan.transfers)
+        return Ledger(self.key, self.coef, rank, plan.digest, work, plan.transfers, self.views)

@@ -216,7 +216,8 @@ class StepLoop:
         if b.quant.stage_unpacks[pos]:
             ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         if self.ledger is not None:  # the receives digested over what the unpack wrote
-            self.ledger.on_land(pos, landed.unpacked + b.quant.stage_unpacks[pos], self.backend, landed.lengths)
+            pairs = landed.unpacked + b.quant.stage_unpacks[pos]
+            self.ledger.on_land(pos, pairs, self.backend, landed.lengths, (self.key, pos))
         self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2
