@@ -8,9 +8,10 @@
   ``--repeats`` delta refits per setting, twice each, alternating (each phase's first refit goes dense and
   is not counted).
 
-The ratio ``on / off`` of the medians is the digest's cost (goal: <= 1.05 on CPU). Also reported: the
-digest's own CPU seconds on rank 0 (the hash of every send and landed receive, the rebuild of staged
-receives from the destination, the keyed combine and the end-of-refit exchange).
+The ratio ``on / off`` of the medians is the digest's cost (goal: <= 1.05 on CPU), in wall seconds and in CPU
+seconds (every rank's process, all threads, summed: on a shared machine the steadier of the two). Also
+reported: the seconds inside the digest's hooks on rank 0, wall and the hooks' own thread CPU (the hash of
+every send and landed receive, the keyed combine and the end-of-refit exchange).
 
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
 """
@@ -60,32 +61,42 @@ class DigestClock:
     def __init__(self) -> None:
         from triton_reshard.execute import integrity
 
-        self.seconds = 0.0
+        self.seconds = self.cpu = 0.0
         self.by_hook = {"on_post": 0.0, "on_land": 0.0, "settle": 0.0}
         for name in ("on_post", "on_land", "settle"):
             real = getattr(integrity.Ledger, name)
 
             def timed(*a, _real=real, **k):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 try:
                     return _real(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
                     self.seconds += dt
+                    self.cpu += time.thread_time() - c
                     self.by_hook[_real.__name__] += dt
 
             setattr(integrity.Ledger, name, timed)
 
 
+CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed
+
+
 def _timed(fn) -> float:
+    """Wall seconds of ``fn`` from a barrier to the slowest rank's return; its CPU seconds summed over the
+    ranks go to :data:`CPU` (on a shared machine the CPU time is the steadier measure of the work)."""
     import torch.distributed as dist
 
     dist.barrier()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
+    dt = torch.tensor([time.perf_counter() - t, time.process_time() - c], dtype=torch.float64)
+    wall = dt[:1].clone()
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    cpu = dt[1:].clone()
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    CPU.append(float(cpu))
+    return float(wall)
 
 
 def worker(rank: int, world: int, spec: dict) -> dict:
@@ -99,25 +110,33 @@ def worker(rank: int, world: int, spec: dict) -> dict:
     out: dict = {"rank": rank}
     if "refit" in spec["parts"]:
         times: dict[bool, list[float]] = {True: [], False: []}
+        cpus: dict[bool, list[float]] = {True: [], False: []}
         digest_s: list[float] = []
+        hook_cpu: list[float] = []
         for digest in (True, False, True, False):  # warm-up: plans, buffers, connections
             refit(src, dst, src_l, dst_l, digest=digest)
         for r in range(spec["repeats"]):
             for digest in (True, False) if r % 2 == 0 else (False, True):
-                before = clock.seconds
+                before, before_cpu = clock.seconds, clock.cpu
                 times[digest].append(_timed(lambda d=digest: refit(src, dst, src_l, dst_l, digest=d)))
+                cpus[digest].append(CPU[-1])
                 if digest:
                     digest_s.append(clock.seconds - before)
+                    hook_cpu.append(clock.cpu - before_cpu)
         out["refit"] = {
             "on": times[True],
             "off": times[False],
+            "cpu_on": cpus[True],
+            "cpu_off": cpus[False],
             "digest_cpu_s_rank": digest_s,
+            "hook_thread_cpu_s_rank": hook_cpu,
             "hooks_s_total": dict(clock.by_hook),
         }
     if "delta" in spec["parts"]:
         version, base = 1, data
         times = {True: [], False: []}
-        digest_s = []
+        cpus = {True: [], False: []}
+        digest_s, hook_cpu = [], []
         modes: list[str] = []
         for digest in (True, False, True, False):
             for k in range(spec["repeats"] + 1):
@@ -125,7 +144,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 base = _global(src_l, version, spec["fraction"], base)
                 for n, t in src_l.shard(base, rank).items():
                     src[n].copy_(t)
-                before = clock.seconds
+                before, before_cpu = clock.seconds, clock.cpu
                 rep = [None]
 
                 def go(d=digest, v=version, rep=rep):
@@ -134,10 +153,20 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 dt = _timed(go)
                 if k:  # the phase's first refit is dense (a new session): not counted
                     times[digest].append(dt)
+                    cpus[digest].append(CPU[-1])
                     modes.append(rep[0].mode)
                     if digest:
                         digest_s.append(clock.seconds - before)
-        out["delta"] = {"on": times[True], "off": times[False], "digest_cpu_s_rank": digest_s, "modes": modes}
+                        hook_cpu.append(clock.cpu - before_cpu)
+        out["delta"] = {
+            "on": times[True],
+            "off": times[False],
+            "cpu_on": cpus[True],
+            "cpu_off": cpus[False],
+            "digest_cpu_s_rank": digest_s,
+            "hook_thread_cpu_s_rank": hook_cpu,
+            "modes": modes,
+        }
     return out
 
 
@@ -146,10 +175,17 @@ def summarize(res: list[dict], spec: dict) -> dict:
     for part in spec["parts"]:
         r0 = res[0][part]
         on, off = statistics.median(r0["on"]), statistics.median(r0["off"])
+        c_on, c_off = statistics.median(r0["cpu_on"]), statistics.median(r0["cpu_off"])
         row = {
             "median_on_s": on,
             "median_off_s": off,
             "ratio_on_off": on / off if off else None,
+            "median_cpu_on_s": c_on,
+            "median_cpu_off_s": c_off,
+            "cpu_ratio_on_off": c_on / c_off if c_off else None,
+            "hook_thread_cpu_s_rank0_median": statistics.median(r0["hook_thread_cpu_s_rank"])
+            if r0["hook_thread_cpu_s_rank"]
+            else None,
             "digest_cpu_s_rank0_median": statistics.median(r0["digest_cpu_s_rank"])
             if r0["digest_cpu_s_rank"]
             else None,
@@ -181,7 +217,10 @@ def main(argv=None) -> int:
         r = out[part]
         print(
             f"{part}: digest on {r['median_on_s'] * 1e3:.1f} ms, off {r['median_off_s'] * 1e3:.1f} ms, "
-            f"on/off {r['ratio_on_off']:.3f}; digest CPU on rank 0 {r['digest_cpu_s_rank0_median'] * 1e3:.1f} ms"
+            f"on/off {r['ratio_on_off']:.3f}; CPU (all ranks) on {r['median_cpu_on_s'] * 1e3:.1f} ms, off "
+            f"{r['median_cpu_off_s'] * 1e3:.1f} ms, on/off {r['cpu_ratio_on_off']:.3f}; in the digest's hooks on "
+            f"rank 0: {r['digest_cpu_s_rank0_median'] * 1e3:.1f} ms wall, "
+            f"{r['hook_thread_cpu_s_rank0_median'] * 1e3:.1f} ms CPU"
             + (f"; modes {r['modes']}" if "modes" in r else "")
         )
     if a.out:
