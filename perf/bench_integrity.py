@@ -63,6 +63,7 @@ class DigestClock:
 
         self.seconds = self.cpu = 0.0
         self.by_hook = {"on_post": 0.0, "on_land": 0.0, "settle": 0.0}
+        self.cpu_by_hook = dict(self.by_hook)
         for name in ("on_post", "on_land", "settle"):
             real = getattr(integrity.Ledger, name)
 
@@ -74,6 +75,7 @@ class DigestClock:
                     dt = time.perf_counter() - t
                     self.seconds += dt
                     self.cpu += time.thread_time() - c
+                    self.cpu_by_hook[_real.__name__] += time.thread_time() - c
                     self.by_hook[_real.__name__] += dt
 
             setattr(integrity.Ledger, name, timed)
@@ -131,6 +133,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
             "digest_cpu_s_rank": digest_s,
             "hook_thread_cpu_s_rank": hook_cpu,
             "hooks_s_total": dict(clock.by_hook),
+            "hooks_thread_cpu_s_total": dict(clock.cpu_by_hook),
         }
     if "delta" in spec["parts"]:
         version, base = 1, data
@@ -192,6 +195,7 @@ def summarize(res: list[dict], spec: dict) -> dict:
             "on_s": r0["on"],
             "off_s": r0["off"],
             "hooks_s_total_rank0": r0.get("hooks_s_total"),
+            "hooks_thread_cpu_s_total_rank0": r0.get("hooks_thread_cpu_s_total"),
         }
         if part == "delta":
             row["modes"] = sorted(set(r0["modes"]))
