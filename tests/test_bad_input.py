@@ -194,7 +194,7 @@ def test_entry_point_signatures_are_the_options_definition():
 
     defaults = {f.name: f.default for f in fields(RefitOptions)}
     assert set(REFIT_OPTIONS) | set(EXECUTOR_OPTIONS) == set(defaults)
-    assert EXECUTOR_OPTIONS == ("bucket_bytes", "timeout", "backend", "overlap", "direct_min_bytes")
+    assert EXECUTOR_OPTIONS == ("bucket_bytes", "timeout", "backend", "overlap", "direct_min_bytes", "digest")
     for fn in (ts.refit, ts.verify_refit, get_resharder):
         params = inspect.signature(fn).parameters
         opts = [n for n in params if n in defaults]
@@ -227,8 +227,8 @@ def test_resharder_options_by_position_and_by_name_are_the_same():
         Resharder(plan, None, 4096, bucket_bytes=8192)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket'"):
         Resharder(plan, bucket=4096)
-    with pytest.raises(TypeError, match="positional arguments but 9 were given"):
-        Resharder(plan, None, 4096, 7, "torch", True, 0, "extra")
+    with pytest.raises(TypeError, match="positional arguments but 10 were given"):
+        Resharder(plan, None, 4096, 7, "torch", True, 0, True, "extra")
     with pytest.raises(TypeError, match="pass options= or bucket_bytes, not both"):
         Resharder(plan, bucket_bytes=4096, options=given)
     with pytest.raises(ValueError, match=r"bucket_bytes=300 is too small: at least 512 B with overlap=True"):

@@ -38,6 +38,7 @@ rows = st.builds(
     st.booleans(),
     st.sampled_from([None, "torch", "triton"]),
     st.booleans(),
+    st.booleans(),
     st.sampled_from([H.OK, H.REJECTED, H.REFUSED]),
     st.integers(0, 1 << 20),
     fences,
@@ -72,7 +73,9 @@ def _link(n=2, rank=0):
 
 
 def _ok(**kw):
-    return H.Row("00000000deadbeef", 1 << 20, 4096, False, False, None, False, H.OK, 0, H.Fence(), 0, **kw)
+    return H.Row(
+        "00000000deadbeef", 1 << 20, 4096, False, False, None, False, True, H.OK, 0, H.Fence(), 0, **kw
+    )
 
 
 def test_refusals_read_fields_by_name_with_unchanged_texts():
@@ -88,6 +91,10 @@ def test_refusals_read_fields_by_name_with_unchanged_texts():
         "'00000000deadbeef'}; (bucket_bytes, direct_min_bytes, overlap, mode, backend, delta) by rank: "
         "[(1048576, 4096, False, 'run', 'auto', False), (1048576, 4096, True, 'run', 'triton', False)]); they "
         "must agree; nothing was moved"
+    )
+    e = H._refusal(link, [_ok(), replace(_ok(), integrity=False)])  # one rank would skip the digest exchange
+    assert str(e).endswith(
+        "'run', 'auto', False)]; digest by rank: {0: True, 1: False}); they must agree; nothing was moved"
     )
     e = H._refusal(link, [_ok(), replace(_ok(), digest="ffffffff00000001")])
     assert "1: 'ffffffff00000001'" in str(e)

@@ -63,6 +63,7 @@ def get_resharder(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
+    digest: bool = True,
     allow_cast: bool = False,
     gpus_per_node: int | None = None,
     relay: bool | None = None,
@@ -70,7 +71,7 @@ def get_resharder(
 ) -> Resharder:
     """The cached Resharder for these layouts and options (plan and buffers reused across calls).
 
-    The cache key is ``(src_layout, dst_layout, group, bucket_bytes, timeout, backend, allow_cast,
+    The cache key is ``(src_layout, dst_layout, group, bucket_bytes, timeout, backend, digest, allow_cast,
     gpus_per_node, relay, instances)``: layouts by value (an equal layout rebuilt every step still hits), the
     group by identity (``None``: the default group of now). The tensors are not in the key: passing new tensor
     objects each call is fine as long as they have the layouts' names, shapes and dtypes; when their memory
@@ -82,8 +83,8 @@ def get_resharder(
     ``instances``: ``dst_layout`` is one engine's layout and ``instances`` copies of it follow each other
     (see :func:`refit`). Raises what :func:`~triton_reshard.plan_reshard` and ``Resharder`` raise for layouts
     or options that cannot work (``ValueError`` / ``TypeError``, naming the tensor or option)."""
-    options = RefitOptions.of(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
-                              gpus_per_node=gpus_per_node, relay=relay, instances=instances)
+    options = RefitOptions.of(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, digest=digest,
+                              allow_cast=allow_cast, gpus_per_node=gpus_per_node, relay=relay, instances=instances)
     return SESSIONS.get(src_layout, dst_layout, group, options).resharder
 
 
@@ -142,6 +143,7 @@ def refit(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
+    digest: bool = True,
     allow_cast: bool = False,
     gpus_per_node: int | None = None,
     relay: bool | None = None,
@@ -178,6 +180,10 @@ def refit(
     engine rank receives everything from the trainer). Block-quantized destinations are never relayed:
     with them ``relay`` defaults to off, and ``relay=True`` raises.
 
+    ``digest`` (on by default): every message is digested on both ends and the digests, keyed with the job's
+    secret, compared before the refit returns; a message that landed other than it was sent raises
+    :class:`~triton_reshard.execute.integrity.ReshardIntegrityError` on every rank (docs/integrity.md).
+
     Failures: every error is a :class:`ReshardError` (or ValueError/TypeError for a rejected input, raised
     before any byte moved). ``version`` (e.g. the training step) fences torn weights:
     :func:`refit_state` ``(dst_layout)`` gives the last version fully written on this rank and whether a failed
@@ -205,7 +211,7 @@ def refit(
         request = delta_request(delta, version, topology)
     except (TypeError, ValueError) as e:
         refuse(group, e, timeout=timeout)
-    options = dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+    options = dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, digest=digest, allow_cast=allow_cast,
                    gpus_per_node=gpus_per_node, relay=relay, instances=instances)
     session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "refit", options)
     report = session.run(_as_dict(src_tensors, "source"), dst, version, request)
@@ -222,6 +228,7 @@ def verify_refit(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     backend: str | None = None,
+    digest: bool = True,
     allow_cast: bool = False,
     gpus_per_node: int | None = None,
     relay: bool | None = None,
@@ -250,7 +257,7 @@ def verify_refit(
     comes from a source rank; the same holders otherwise, more bytes over the network, once). Options and ``strict`` as in
     :func:`refit`; ignored destination tensors are listed in ``VerifyReport.ignored``.
     """
-    options = dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, allow_cast=allow_cast,
+    options = dict(bucket_bytes=bucket_bytes, timeout=timeout, backend=backend, digest=digest, allow_cast=allow_cast,
                    gpus_per_node=gpus_per_node, relay=relay, instances=instances)
     session, dst, ignored = _prepare(src_layout, dst_layout, group, dst_tensors, strict, "verify_refit", options)
     report = session.verify(_as_dict(src_tensors, "source"), dst)

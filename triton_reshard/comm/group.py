@@ -107,6 +107,7 @@ class RefitGroup:
     _store: object = field(repr=False)
     _gen: int = field(default=0, repr=False)
     _server: object = field(default=None, repr=False)  # rank 0: the rendezvous it serves
+    digest_key: bytes = field(default=b"", repr=False)  # integrity: the key digests are keyed with
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -273,6 +274,7 @@ def init_refit_group(host: str, port: int, rank: int, world_size: int, *, backen
             server.close(linger=min(CLOSE_LINGER_S, td.total_seconds()))
         raise
     g._server = server
+    g.digest_key = key  # integrity: execute/integrity.py keys the per-message digests with the group's secret
     return g
 
 

@@ -1,6 +1,6 @@
 """Execute: buffers, transport, kernels. :class:`Resharder` (``resharder``) runs a plan on one rank; beside it
-its jobs: ``options``, ``checks``, ``transport``, ``handshake``, ``bind``, ``steps``, ``delta`` (delta refits), ``reports``,
-``errors``."""
+its jobs: ``options``, ``checks``, ``transport``, ``handshake``, ``bind``, ``steps``, ``delta`` (delta refits),
+``integrity`` (per-message digests), ``reports``, ``errors``."""
 
 from .delta import DeltaRefusedError, DeltaRequest
 from .errors import (
@@ -11,6 +11,7 @@ from .errors import (
     ReshardTransportError,
 )
 from .handshake import refuse
+from .integrity import ReshardIntegrityError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, RefitOptions, to_timedelta
 from .reports import Difference, RunReport, VerifyReport
 from .resharder import Resharder
@@ -25,6 +26,7 @@ __all__ = [
     "ReshardAbortedError",
     "ReshardConnectionError",
     "ReshardError",
+    "ReshardIntegrityError",
     "ReshardTimeoutError",
     "ReshardTransportError",
     "Resharder",

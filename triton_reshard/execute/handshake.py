@@ -79,6 +79,9 @@ class Row:
     verify: bool = _field(False, "handshake_post / refuse: run or verify", _BOOL, agree=True)
     backend: str | None = _field(None, "handshake_post: the copy backend asked for", _BACKEND, agree=True)
     delta: bool = _field(False, "handshake_post: a delta asked for", _BOOL, agree=True)
+    # every message digested and compared at the end (execute/integrity.py): a rank that would not take part in
+    # the digest exchange must not run with ranks that will
+    integrity: bool = _field(False, "handshake_post: options (digest)", _BOOL, agree=True)
     status: int = _field(OK, "handshake_post / refuse: OK, REJECTED or REFUSED")
     relays: int = _field(0, "handshake_post: relay transfers of the plan (verify only)")
     fence: Fence = _field(NO_FENCE, "delta.fence_row", width=0)  # (a record: its own fields)
@@ -232,6 +235,7 @@ def handshake_post(
         verify,
         options.backend or os.environ.get(ops.ENV_VAR) or None,
         delta,
+        options.digest and not verify,
         OK if error is None else REJECTED,
         sum(t.relay for t in plan.transfers) if verify else 0,
         fence,
@@ -310,10 +314,12 @@ def _refusal(link: Link, rows: list[Row]) -> Exception | None:
             )
             for row in rows
         ]
+        digest = {r: row.integrity for r, row in by.items()}
+        digest = f"; digest by rank: {digest}" if len(set(digest.values())) > 1 else ""
         return ReshardError(
             f"rank {link.rank}: ranks run different plans or options (plan digest by rank: {digests}; "
-            f"(bucket_bytes, direct_min_bytes, overlap, mode, backend, delta) by rank: {opts}); they must agree; "
-            f"nothing was moved"
+            f"(bucket_bytes, direct_min_bytes, overlap, mode, backend, delta) by rank: {opts}{digest}); they must "
+            f"agree; nothing was moved"
         )
     relays = {r: row.relays for r, row in by.items() if row.relays}
     if relays:

@@ -82,7 +82,8 @@ class RefitOptions:
 
     Executor options: ``bucket_bytes`` (staging bound), ``timeout`` (every wait), ``backend`` (copy backend,
     None: by device / ``TRITON_RESHARD_BACKEND``), ``overlap`` (two staging slots), ``direct_min_bytes``
-    (in-place threshold); the step budget (:attr:`budget`) is made of three of them. Planner options
+    (in-place threshold), ``digest`` (every message digested on both ends and compared at the end of the run,
+    ``execute/integrity.py``); the step budget (:attr:`budget`) is made of three of them. Planner options
     (:meth:`plan_options`): ``allow_cast``, ``gpus_per_node``, ``relay``, ``instances``.
     Hashable: it is the cache key of ``get_resharder`` with the layouts and group."""
 
@@ -91,6 +92,7 @@ class RefitOptions:
     backend: str | None = _option(None, _backend, executor=True)
     overlap: bool = _option(False, bool, refit=False, executor=True)
     direct_min_bytes: int = _option(DIRECT_MIN_BYTES, None, refit=False, executor=True)
+    digest: bool = _option(True, bool, executor=True)
     allow_cast: bool = _option(False, bool)
     gpus_per_node: int | None = _option(None, _gpus_per_node)
     relay: bool | None = _option(None, _relay)

@@ -36,6 +36,7 @@ from .bind import Bound, Staging, bind
 from .delta import DeltaRequest, DeltaSide, MessageSnapshot, Prediff
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .handshake import NO_FENCE, Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
+from .integrity import Digests, ReshardIntegrityError
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, DEFAULTS, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
@@ -57,21 +58,23 @@ class Resharder:
     and packs step k+1 (and posts it) while step k is on the wire; staging memory stays within
     ``bucket_bytes`` either way. ``direct_min_bytes``: chunks at least this big that are contiguous in the
     source or destination tensor are sent from / received into it in place, with no staging copy on that
-    side (see ``Plan.schedule``); every rank must pass the same value.
+    side (see ``Plan.schedule``); every rank must pass the same value. ``digest``: every message digested on
+    both ends and compared at the end of the run (``execute/integrity.py``; every rank the same).
 
-    These five parameters (after ``group``, by position or by name) are the executor fields of
+    These six parameters (after ``group``, by position or by name) are the executor fields of
     :class:`~triton_reshard.execute.options.RefitOptions` (``EXECUTOR_OPTIONS``), with its defaults, checked
     once there; ``options=`` passes them validated already (a refit session's), instead.
     """
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | RefitGroup | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float | timedelta = DEFAULT_TIMEOUT,
-                 backend: str | None = None, overlap: bool = False, direct_min_bytes: int = DIRECT_MIN_BYTES, *,
-                 options: RefitOptions | None = None, snapshot: MessageSnapshot | None = None) -> None:
+                 backend: str | None = None, overlap: bool = False, direct_min_bytes: int = DIRECT_MIN_BYTES,
+                 digest: bool = True, *, options: RefitOptions | None = None,
+                 snapshot: MessageSnapshot | None = None) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"Resharder needs a Plan (the whole plan or this rank's share), got {type(plan).__name__}")
         given = {"bucket_bytes": bucket_bytes, "timeout": timeout, "backend": backend, "overlap": overlap,
-                 "direct_min_bytes": direct_min_bytes}
+                 "direct_min_bytes": direct_min_bytes, "digest": digest}
         if options is None:
             options = RefitOptions.of(**given)
         elif changed := sorted(n for n, v in given.items() if v != DEFAULTS[n]):
@@ -109,6 +112,7 @@ class Resharder:
         self._prepost_recvs: list | None = None
         # delta refits (execute/delta.py): eligibility, the snapshot (a refit session's, handed over), the fence
         self._delta = DeltaSide(plan, self.work, snapshot, bool(self._dst_specs))
+        self._digests: Digests | None = None  # the message digests' key and coefficients, made on first use
 
     # the options, as attributes (read-only)
     bucket_bytes = property(lambda self: self.options.bucket_bytes)
@@ -116,6 +120,7 @@ class Resharder:
     backend = property(lambda self: self.options.backend)
     overlap = property(lambda self: self.options.overlap)
     direct_min_bytes = property(lambda self: self.options.direct_min_bytes)
+    digest = property(lambda self: self.options.digest)
     slots = property(lambda self: self.options.slots)
 
     @property
@@ -325,8 +330,9 @@ class Resharder:
 
     def _failed(self, e: Exception, touched: set[str], verify: bool, drop: bool) -> NoReturn:
         """The one place a failure after the checks is handled: the error names the destination tensors on this
-        rank that may be partly written (``torn``), this Resharder is marked broken (its group is unusable),
-        and with ``drop`` the delta snapshot is dropped (the destinations hold neither version: only a dense
+        rank that may be partly written (``torn``), this Resharder is marked broken (its group is unusable;
+        not after a :class:`ReshardIntegrityError`: every message landed and the group is fine), and with
+        ``drop`` the delta snapshot is dropped (the destinations hold neither version: only a dense
         refit makes a base again)."""
         if drop:
             self._delta.snap.version = None
@@ -340,10 +346,12 @@ class Resharder:
         err.torn = torn
         note = (f"; destination tensors on rank {self.rank} possibly partly written: {list(torn)}" if torn
                 else f"; no destination tensor on rank {self.rank} was written")
-        if torn and not verify:
+        landed = isinstance(err, ReshardIntegrityError)  # every message landed: the group is fine
+        if torn and not verify and not landed:
             note += " (in-place receives already posted may still land until the group is destroyed)"
         err.args = (str(err) + note,)
-        self._broken = f"{type(err).__name__} in {getattr(err, 'what', None) or 'a run'}"
+        if not landed:
+            self._broken = f"{type(err).__name__} in {getattr(err, 'what', None) or 'a run'}"
         if err is e:
             raise e
         raise err from e
@@ -368,13 +376,25 @@ class Resharder:
         touched: set[str] = set()  # destination tensors this run may have written so far
         try:
             loop = StepLoop(self.work, ready.bound, self.link, ready.backend, tally, touched, ready.key, strategy,
-                            hs.pre)
+                            hs.pre, self._ledger(verify))
             loop.run()
             if ready.device is not None and ready.device.type == "cuda":
                 torch.cuda.current_stream(ready.device).synchronize()
+            if loop.ledger is not None:  # every message's digests compared: raises on every rank alike
+                loop.ledger.settle(self.link)
             return strategy.report(loop, loop.report(t0, self.staging_bytes))
         except Exception as e:
             self._failed(e, touched, verify, drop=not verify)
+
+
+    def _ledger(self, verify: bool):
+        """This run's message digests (``execute/integrity.py``), or None: digest off, verify (which compares
+        every element already) or no wire."""
+        if verify or not self.options.digest or not self.link.wire:
+            return None
+        if self._digests is None:
+            self._digests = Digests(self.link.comm)
+        return self._digests.ledger(self.rank, self.plan, self.work)
 
 
 @dataclasses.dataclass(slots=True)

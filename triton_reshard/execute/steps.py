@@ -61,7 +61,7 @@ class StepLoop:
     made and where they land."""
 
     def __init__(self, work, bound: Bound, link: Link, backend: str, tally: Tally | None, touched: set[str],
-                 key, strategy, preposted: Preposted | None = None) -> None:
+                 key, strategy, preposted: Preposted | None = None, ledger=None) -> None:
         self.work, self.b, self.link, self.backend = work, bound, link, backend
         self.tally, self.touched, self.key = tally, touched, key
         self.strategy = strategy
@@ -70,6 +70,8 @@ class StepLoop:
         self.sent = self.recvd = 0
         # step 0's receives posted with the plan handshake (handshake.handshake_post): not posted again
         self.preposted = preposted
+        # the run's message digests (execute/integrity.py: Ledger), or None (digest off, verify, no wire)
+        self.ledger = ledger
 
     def what(self, pos: int) -> str:
         return f"step {pos + 1}/{len(self.work.steps)}"
@@ -180,6 +182,8 @@ class StepLoop:
         self.timing.pack += clock() - t0 - (self.timing.wire - wire)
         p = self.post(pos, sends, recvs)
         self.strategy.posted(self, pos)
+        if self.ledger is not None:  # the sends digested while the transport reads them
+            self.ledger.on_post(pos, sends, recvs)
         return p
 
     def post(self, pos: int, sends, recvs) -> Pending:
@@ -208,9 +212,12 @@ class StepLoop:
         t1 = clock()
         self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
         t2 = clock()
-        self.strategy.land(self, pos)
+        landed = self.strategy.land(self, pos)
         if b.quant.stage_unpacks[pos]:
             ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
+        if self.ledger is not None:  # the receives digested over what the unpack wrote
+            pairs = landed.unpacked + b.quant.stage_unpacks[pos]
+            self.ledger.on_land(pos, pairs, self.backend, landed.lengths, (self.key, pos))
         self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2

@@ -3,8 +3,9 @@
 Every run takes the same loop over the plan's steps; a strategy says what each step does to its messages, in
 five hooks, each called at one place: ``begin`` / ``end`` (per run), ``pack`` (make step k's messages: returns
 its (peer, buffer) sends and receives as they go on the wire), ``posted`` (after they were posted) and
-``land`` (write or compare what step k received), and ``report`` (the run's report, and the delta snapshot's
-version once the run succeeded).
+``land`` (write or compare what step k received; returns what it wrote, :class:`Landed`, for the message
+digests of ``execute/integrity.py``), and ``report`` (the run's report, and the delta snapshot's version once
+the run succeeded).
 
 - :class:`Dense`: sources packed into staging, received messages unpacked (verify: compared). A delta request
   that the fence sent dense without a snapshot to keep (a cost fallback, or a plan that is dense: block-FP8
@@ -31,6 +32,16 @@ from .reports import RunReport
 from .steps import clock
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Landed:
+    """What a step's ``land`` wrote, for the receiver's digest (``integrity.Ledger.on_land``): ``unpacked``, the
+    (received view, destination view) pairs it copied out of staged messages (the digest reads them back from
+    the destination), and ``lengths``, receive index -> the bytes of a message that came into a larger buffer."""
+
+    unpacked: list
+    lengths: dict | None = None
+
+
 class Dense:
     """A dense run (or verify). ``prepacked``: step 0's staging copies were made while the handshake was in
     flight (``steps.prepack``; its seconds). ``req`` / ``why``: the delta request the fence sent dense, and why
@@ -54,10 +65,11 @@ class Dense:
     def posted(self, loop, pos: int) -> None:
         pass
 
-    def land(self, loop, pos: int) -> None:
+    def land(self, loop, pos: int) -> Landed:
         b = loop.b
         meta = b.unpack_meta[pos] if loop.verify else None
         loop.copy_or_compare(b.unpacks[pos], meta, (loop.key, "unpack", loop.work.steps[pos][0]))
+        return Landed(b.unpacks[pos])
 
     def end(self, loop) -> None:
         pass
@@ -307,10 +319,10 @@ class Delta(Dense):
         self.inbox[pos] = inbox
         return out_r
 
-    def land(self, loop, pos: int) -> None:
+    def land(self, loop, pos: int) -> Landed:
         b, el = loop.b, self.elig
         inbox = iter(self.inbox.pop(pos))
-        dense = []
+        dense, lengths = [], {}  # lengths: the bytes of each delta received into a larger buffer
         brecvs = el.brecvs[pos] if el.brecvs else ()
         for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
@@ -329,11 +341,13 @@ class Delta(Dense):
                 n = message_length(msg) if self.inbox_mode else msg.numel()
                 if self.inbox_mode:  # received into a buffer of the largest size: count what came
                     loop.recvd -= msg.numel() - n
+                    lengths[j] = n
                 self.bytes[2] += n
                 self.bytes[3] += b.wire[pos][1][j][1].numel()
             else:
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, loop.backend)
+        return Landed(dense, lengths)
 
 
 def pick(

@@ -244,7 +244,8 @@ def demo_worker(rank: int, world: int, args) -> dict:
     bucket = int(args.bucket_mb * (1 << 20))
     t0 = time.perf_counter()
     plan = plan_reshard(src, dst)
-    r = Resharder(plan, bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
+    digest = not getattr(args, "no_digest", False)
+    r = Resharder(plan, bucket_bytes=bucket, timeout=args.timeout, backend=args.backend, digest=digest)
     plan_s = time.perf_counter() - t0
     expected = expected_tensors(dst, rank, device)
     out: dict = {"rank": rank, "plan_seconds": plan_s}
@@ -298,7 +299,8 @@ def _quant_runs(args, qd: str, src: Layout, dst: Layout, src_t, rank: int, devic
         "against (every Linear weight, whole, with the torch reference) ...")
     t_q = time.perf_counter()
     dst_q = quant_layout(dst, qd, args.quant_block)
-    rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend)
+    rq = Resharder(plan_reshard(src, dst_q), bucket_bytes=bucket, timeout=args.timeout, backend=args.backend,
+                   digest=not getattr(args, "no_digest", False))
     dst_qt = dst_q.allocate(rank, device=device)
     poison(dst_qt)
     want_q = expected_quantized(dst_q, src, rank, device)
@@ -362,6 +364,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds before a missing peer is an error (default 120)")
     p.add_argument("--no-baseline", action="store_true", help="skip the all-gather baseline (about halves the time)")
+    p.add_argument("--no-digest", action="store_true",
+                   help="refit without the per-message integrity digest (docs/integrity.md; on by default)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write a rank x rank heatmap of who sends how much to whom (PNG; needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to this path")

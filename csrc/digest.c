@@ -1,0 +1,85 @@
+/* The per-message integrity digest in one read pass (issue 46; the definition: triton_reshard/ops/digest.py).
+ *
+ * A message of n bytes, read as nw = n / 8 little-endian uint64 words then n % 8 tail bytes, hashes to
+ *     H = sum_r coef[r] * (sum of the words of row r)  +  sum_t coef[R + t] * tail byte t      (mod 2**64)
+ * with rows of 128 words (1 KiB; the last one may be shorter) and R = ceil(nw / 128) rows. H is linear in the
+ * bytes: byte k adds b_k * coef[k / 1024] << 8 (k % 8) (or b_k * coef[R + k - 8 nw] in the tail), so the
+ * digest of a message can be summed over pieces of it wherever they lie: the sender's contiguous buffer, or
+ * the receiver's destination views (the unpack's output read in place, strided, no rebuild copy).
+ *
+ * trd_digest(nd, desc, n, coef): the sum over nd views of the message. A view is 12 int64: its address, its
+ * offset in the message, the bytes of its contiguous inner run, the number of outer dimensions (0..4), then
+ * 4 sizes and 4 byte strides of those (outermost first). Part of the same extension as the delta codec
+ * (setup.py), called through ctypes (ops/digest.py); plain C99.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(_MSC_VER)
+#define EXPORT __declspec(dllexport)
+#else
+#define EXPORT __attribute__((visibility("default")))
+#endif
+
+#define ROW_SHIFT 10 /* 1 KiB rows */
+
+/* The contribution of the bytes p[0..len) lying at message offsets [o, o + len). */
+static uint64_t run(const uint8_t *p, int64_t o, int64_t len, int64_t lim, int64_t rows, const uint64_t *coef) {
+    uint64_t h = 0;
+    int64_t a = o, end = o + len, z = end < lim ? end : lim;
+    while (a < z) {
+        if ((a & 7) || z - a < 8) { /* a byte of a word this run holds only part of */
+            h += coef[a >> ROW_SHIFT] * ((uint64_t)p[a - o] << (8 * (a & 7)));
+            a++;
+            continue;
+        }
+        int64_t row_end = ((a >> ROW_SHIFT) + 1) << ROW_SHIFT;
+        int64_t e = (z & ~(int64_t)7) < row_end ? (z & ~(int64_t)7) : row_end;
+        const uint8_t *q = p + (a - o);
+        uint64_t s0 = 0, s1 = 0;
+        int64_t k = 0, m = e - a;
+        for (; k + 16 <= m; k += 16) {
+            uint64_t w0, w1;
+            memcpy(&w0, q + k, 8);
+            memcpy(&w1, q + k + 8, 8);
+            s0 += w0;
+            s1 += w1;
+        }
+        for (; k < m; k += 8) {
+            uint64_t w;
+            memcpy(&w, q + k, 8);
+            s0 += w;
+        }
+        h += coef[a >> ROW_SHIFT] * (s0 + s1);
+        a = e;
+    }
+    for (a = o > lim ? o : lim; a < end; a++) h += coef[rows + (a - lim)] * (uint64_t)p[a - o];
+    return h;
+}
+
+EXPORT uint64_t trd_digest(int64_t nd, const int64_t *desc, int64_t n, const uint64_t *coef) {
+    int64_t lim = n & ~(int64_t)7, rows = ((n >> 3) + 127) >> 7;
+    uint64_t h = 0;
+    for (int64_t v = 0; v < nd; v++) {
+        const int64_t *d = desc + 12 * v;
+        const uint8_t *base = (const uint8_t *)(intptr_t)d[0];
+        int64_t off = d[1], inner = d[2], outer = d[3];
+        int64_t size[4] = {1, 1, 1, 1}, stride[4] = {0, 0, 0, 0};
+        for (int i = 0; i < outer; i++) {
+            size[4 - outer + i] = d[4 + i];
+            stride[4 - outer + i] = d[8 + i];
+        }
+        if (inner <= 0 || size[0] <= 0 || size[1] <= 0 || size[2] <= 0 || size[3] <= 0) continue;
+        for (int64_t i0 = 0; i0 < size[0]; i0++)
+            for (int64_t i1 = 0; i1 < size[1]; i1++)
+                for (int64_t i2 = 0; i2 < size[2]; i2++) {
+                    const uint8_t *p = base + i0 * stride[0] + i1 * stride[1] + i2 * stride[2];
+                    for (int64_t i3 = 0; i3 < size[3]; i3++) {
+                        h += run(p, off, inner, lim, rows, coef);
+                        p += stride[3];
+                        off += inner;
+                    }
+                }
+    }
+    return h;
+}

@@ -1,0 +1,237 @@
+"""What the per-message integrity digest (issue 46, ``execute/integrity.py``) costs: the same refits with
+``digest=True`` and ``digest=False``, side by side in one gloo world on this machine.
+
+* ``refit``: a Llama-shaped model of ``--mb`` MB, Megatron-style TP2 x DP2 -> TP1 x DP4 (every rank sends
+  and receives), dense; the two settings alternate call by call (which goes first alternates too), each
+  call timed from a barrier to the slowest rank's return (max over ranks).
+* ``delta``: the same model, ``delta=True``, ``--fraction`` of the elements changed per version; a phase of
+  ``--repeats`` delta refits per setting, twice each, alternating (each phase's first refit goes dense and
+  is not counted).
+
+The ratio ``on / off`` of the medians is the digest's cost (goal: <= 1.05 on CPU), in wall seconds and in CPU
+seconds (every rank's process, all threads, summed: on a shared machine the steadier of the two). Also
+reported: the seconds inside the digest's hooks on rank 0, wall and the hooks' own thread CPU (the hash of
+every send and landed receive, the keyed combine and the end-of-refit exchange).
+
+    python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+
+
+def _layouts(mb: float):
+    from triton_reshard.tools.parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
+
+    cfg = llama_for_bytes(int(mb * (1 << 20)), torch.float32)
+    tensors = llama_tensors(**cfg)
+    src = parallel_layout(tensors, Parallelism.parse("tp=2,dp=2"), cfg["layers"], torch.float32)
+    dst = parallel_layout(tensors, Parallelism.parse("tp=1,dp=4"), cfg["layers"], torch.float32)
+    return src, dst
+
+
+def _global(src, version: int, fraction: float, base: dict | None = None) -> dict:
+    g = torch.Generator().manual_seed(46 + version)
+    if base is None:
+        return {t.name: torch.randn(t.shape, generator=g) for t in src.tensors}
+    out = {}
+    for n, t in base.items():
+        t = t.clone()
+        k = max(1, int(t.numel() * fraction))
+        idx = torch.randint(0, t.numel(), (k,), generator=g)
+        t.view(-1)[idx] += 1e-3
+        out[n] = t
+    return out
+
+
+class DigestClock:
+    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / settle)."""
+
+    def __init__(self) -> None:
+        from triton_reshard.execute import integrity
+
+        self.seconds = self.cpu = 0.0
+        self.by_hook = {"on_post": 0.0, "on_land": 0.0, "settle": 0.0}
+        self.cpu_by_hook = dict(self.by_hook)
+        for name in ("on_post", "on_land", "settle"):
+            real = getattr(integrity.Ledger, name)
+
+            def timed(*a, _real=real, **k):
+                t, c = time.perf_counter(), time.thread_time()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    dt = time.perf_counter() - t
+                    self.seconds += dt
+                    self.cpu += time.thread_time() - c
+                    self.cpu_by_hook[_real.__name__] += time.thread_time() - c
+                    self.by_hook[_real.__name__] += dt
+
+            setattr(integrity.Ledger, name, timed)
+
+
+CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed
+
+
+def _timed(fn) -> float:
+    """Wall seconds of ``fn`` from a barrier to the slowest rank's return; its CPU seconds summed over the
+    ranks go to :data:`CPU` (on a shared machine the CPU time is the steadier measure of the work)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t, time.process_time() - c], dtype=torch.float64)
+    wall = dt[:1].clone()
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    cpu = dt[1:].clone()
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    CPU.append(float(cpu))
+    return float(wall)
+
+
+def worker(rank: int, world: int, spec: dict) -> dict:
+    from triton_reshard import refit
+
+    clock = DigestClock()
+    src_l, dst_l = _layouts(spec["mb"])
+    data = _global(src_l, 0, 0.0)
+    src = src_l.shard(data, rank)
+    dst = dst_l.allocate(rank)
+    out: dict = {"rank": rank}
+    if "refit" in spec["parts"]:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        cpus: dict[bool, list[float]] = {True: [], False: []}
+        digest_s: list[float] = []
+        hook_cpu: list[float] = []
+        for digest in (True, False, True, False):  # warm-up: plans, buffers, connections
+            refit(src, dst, src_l, dst_l, digest=digest)
+        for r in range(spec["repeats"]):
+            for digest in (True, False) if r % 2 == 0 else (False, True):
+                before, before_cpu = clock.seconds, clock.cpu
+                times[digest].append(_timed(lambda d=digest: refit(src, dst, src_l, dst_l, digest=d)))
+                cpus[digest].append(CPU[-1])
+                if digest:
+                    digest_s.append(clock.seconds - before)
+                    hook_cpu.append(clock.cpu - before_cpu)
+        out["refit"] = {
+            "on": times[True],
+            "off": times[False],
+            "cpu_on": cpus[True],
+            "cpu_off": cpus[False],
+            "digest_cpu_s_rank": digest_s,
+            "hook_thread_cpu_s_rank": hook_cpu,
+            "hooks_s_total": dict(clock.by_hook),
+            "hooks_thread_cpu_s_total": dict(clock.cpu_by_hook),
+        }
+    if "delta" in spec["parts"]:
+        version, base = 1, data
+        times = {True: [], False: []}
+        cpus = {True: [], False: []}
+        digest_s, hook_cpu = [], []
+        modes: list[str] = []
+        for digest in (True, False, True, False):
+            for k in range(spec["repeats"] + 1):
+                version += 1
+                base = _global(src_l, version, spec["fraction"], base)
+                for n, t in src_l.shard(base, rank).items():
+                    src[n].copy_(t)
+                before, before_cpu = clock.seconds, clock.cpu
+                rep = [None]
+
+                def go(d=digest, v=version, rep=rep):
+                    rep[0] = refit(src, dst, src_l, dst_l, digest=d, delta=True, version=v)
+
+                dt = _timed(go)
+                if k:  # the phase's first refit is dense (a new session): not counted
+                    times[digest].append(dt)
+                    cpus[digest].append(CPU[-1])
+                    modes.append(rep[0].mode)
+                    if digest:
+                        digest_s.append(clock.seconds - before)
+                        hook_cpu.append(clock.cpu - before_cpu)
+        out["delta"] = {
+            "on": times[True],
+            "off": times[False],
+            "cpu_on": cpus[True],
+            "cpu_off": cpus[False],
+            "digest_cpu_s_rank": digest_s,
+            "hook_thread_cpu_s_rank": hook_cpu,
+            "modes": modes,
+        }
+    return out
+
+
+def summarize(res: list[dict], spec: dict) -> dict:
+    out = {"spec": spec, "world": WORLD, "backend": "gloo", "machine": "cpu"}
+    for part in spec["parts"]:
+        r0 = res[0][part]
+        on, off = statistics.median(r0["on"]), statistics.median(r0["off"])
+        c_on, c_off = statistics.median(r0["cpu_on"]), statistics.median(r0["cpu_off"])
+        row = {
+            "median_on_s": on,
+            "median_off_s": off,
+            "ratio_on_off": on / off if off else None,
+            "median_cpu_on_s": c_on,
+            "median_cpu_off_s": c_off,
+            "cpu_ratio_on_off": c_on / c_off if c_off else None,
+            "hook_thread_cpu_s_rank0_median": statistics.median(r0["hook_thread_cpu_s_rank"])
+            if r0["hook_thread_cpu_s_rank"]
+            else None,
+            "digest_cpu_s_rank0_median": statistics.median(r0["digest_cpu_s_rank"])
+            if r0["digest_cpu_s_rank"]
+            else None,
+            "on_s": r0["on"],
+            "off_s": r0["off"],
+            "hooks_s_total_rank0": r0.get("hooks_s_total"),
+            "hooks_thread_cpu_s_total_rank0": r0.get("hooks_thread_cpu_s_total"),
+        }
+        if part == "delta":
+            row["modes"] = sorted(set(r0["modes"]))
+        out[part] = row
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, default=64.0, help="model size in MB (fp32)")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--fraction", type=float, default=0.02, help="delta: elements changed per version")
+    p.add_argument("--parts", default="refit,delta")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from triton_reshard.testing.launch import run_world
+
+    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(",")}
+    res = run_world(worker, WORLD, spec, timeout=1800)
+    out = summarize(res, spec)
+    for part in spec["parts"]:
+        r = out[part]
+        print(
+            f"{part}: digest on {r['median_on_s'] * 1e3:.1f} ms, off {r['median_off_s'] * 1e3:.1f} ms, "
+            f"on/off {r['ratio_on_off']:.3f}; CPU (all ranks) on {r['median_cpu_on_s'] * 1e3:.1f} ms, off "
+            f"{r['median_cpu_off_s'] * 1e3:.1f} ms, on/off {r['cpu_ratio_on_off']:.3f}; in the digest's hooks on "
+            f"rank 0: {r['digest_cpu_s_rank0_median'] * 1e3:.1f} ms wall, "
+            f"{r['hook_thread_cpu_s_rank0_median'] * 1e3:.1f} ms CPU"
+            + (f"; modes {r['modes']}" if "modes" in r else "")
+        )
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

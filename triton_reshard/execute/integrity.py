@@ -1,0 +1,398 @@
+"""Every refit proves what it wrote (issue 46): a digest per message on both ends, compared at the end.
+
+The sender digests each message it sends, over the bytes it hands the transport (a dense message, a delta
+message, fp8 values and scales, a relayed destination), right after posting it: the hash reads the buffer
+while the transport does, hot in cache. The receiver digests each message after landing it: an in-place
+receive is the destination itself; a staged one is first rebuilt from the destination views the unpack
+wrote (the unpack reversed, where it did not cast), so the digest covers what the destination holds, not
+only what arrived; a delta message is digested as it arrived. At the end of the refit the ranks exchange
+one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
+second exchange that names the first differing message, and every rank raises
+:class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
+for any failed refit, drops the delta snapshot (the next refit is dense) and stays usable (the group is
+fine: the exchange itself completed).
+
+The fused hash (:func:`partial`): the message's bytes as int64 words (the tail bytes one word each), summed
+per row of :data:`ROW_WORDS` words (one vectorized read pass, the only full pass), then the row sums
+multiplied by odd 64-bit coefficients per row position and summed, everything mod 2**64. The coefficients
+come from the job's secret (SHAKE-256 of a key derived from it). The keyed combine is HMAC-SHA256 over the
+per-message partials with that key, truncated to 63 bits. What it guarantees is in ``docs/integrity.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+import numpy as np
+import torch
+
+from ..comm.secret import NO_SECRET_KEY, resolve_secret
+from ..ops.digest import digest_buffer, digest_rows, message_rows
+from ..ops.digest import native as digest_native
+from .errors import ReshardError
+
+ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
+LABEL = b"triton_reshard/v1/digest/"
+NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes each (56 bytes, then cut)
+MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
+MAX_MSGS = 32  # messages per pair compared one by one in the localizing exchange (the rest as a count)
+MASK63 = (1 << 63) - 1
+
+
+class ReshardIntegrityError(ReshardError):
+    """A message's digest on its receiver (over what the receiver wrote) differs from its sender's (over
+    what it sent): raised on every rank alike after the refit's end-of-run exchange. The group stays usable;
+    the destination is torn (``torn`` on each rank: what it wrote) until a refit succeeds, and the next
+    delta refit goes dense. ``tensor``, ``step`` (1-based), ``sender``, ``receiver``: the first differing
+    message; ``pairs``: every (sender, receiver) pair whose digests differ."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str | None,
+        step: int | None,
+        sender: int,
+        receiver: int,
+        pairs: tuple[tuple[int, int], ...],
+    ) -> None:
+        super().__init__(message)
+        self.tensor, self.step, self.sender, self.receiver, self.pairs = tensor, step, sender, receiver, pairs
+
+
+def digest_key(comm) -> bytes:
+    """The key of the digests: derived from the refit group's secret (a RefitGroup keeps it), else from the
+    environment's secret (``TRITON_RESHARD_SECRET`` / ``_FILE``) for a torch.distributed group, else the
+    public no-secret key (the digests then catch corruption, not a forger)."""
+    key = getattr(comm, "digest_key", None)
+    if not key:
+        try:
+            key = resolve_secret(None, where="the integrity digest") or NO_SECRET_KEY
+        except (
+            OSError,
+            TypeError,
+            ValueError,
+        ):  # an unreadable or short secret is refused where groups are made
+            key = NO_SECRET_KEY
+    return hmac.new(key, LABEL + b"key", hashlib.sha256).digest()
+
+
+class Coefficients:
+    """The keyed odd coefficients of the second level, per device, grown on demand (SHAKE-256 is an XOF:
+    a longer output starts with the shorter one, so a coefficient never changes with the length)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.seed = hmac.new(key, LABEL + b"coefficients", hashlib.sha256).digest()
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        have = self._by_device.get(device)
+        if have is None or have.numel() < n:
+            m = max(n, 2 * (have.numel() if have is not None else 0), 1024)
+            raw = bytearray(hashlib.shake_256(self.seed).digest(8 * m))
+            c = torch.frombuffer(raw, dtype=torch.int64) | 1
+            have = self._by_device[device] = c.to(device)
+        return have[:n]
+
+    def numpy(self, n: int) -> np.ndarray:
+        """The first ``n`` coefficients as uint64 (the same bits), for the CPU hash."""
+        return self.get(n, torch.device("cpu")).numpy().view(np.uint64)
+
+
+def partial(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
+    """The fused hash of the flat uint8 ``buf``: an int (CPU: the native one-pass hash, ``ops/digest.py``,
+    else numpy, one thread, no torch dispatch; torch's threaded reduction waits ~25 ms on a pool of busy cores
+    for a 1 MiB message) or a 0-dim int64 tensor on its device (no sync). All are the same arithmetic mod
+    2**64, so the same value for the same bytes."""
+    if buf.device.type == "cpu":
+        fn = digest_native()
+        if fn is not None and buf.is_contiguous():
+            return digest_buffer(fn, buf, coef.numpy(_entries(buf.numel())))
+        return _partial_np(buf.detach().numpy(), coef)  # a view of a Parameter requires grad
+    return _partial_torch(buf, coef)
+
+
+def _entries(n: int) -> int:
+    """The coefficients an ``n``-byte message uses: one per row of :data:`ROW_WORDS` words, one per tail byte."""
+    return -(-(n // 8) // ROW_WORDS) + n % 8
+
+
+def _partial_torch(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
+    n = buf.numel()
+    nw = n // 8
+    parts = []
+    if nw:
+        head = buf[: nw * 8]
+        if head.data_ptr() % 8:  # an unaligned in-place buffer: one aligned copy
+            head = head.clone()
+        w = head.view(torch.int64)
+        rows = nw // ROW_WORDS
+        if rows:
+            parts.append(w[: rows * ROW_WORDS].view(rows, ROW_WORDS).sum(1))
+        if nw % ROW_WORDS:
+            parts.append(w[rows * ROW_WORDS :].sum().view(1))
+    if n % 8:
+        parts.append(buf[nw * 8 :].to(torch.int64))
+    if not parts:
+        return 0
+    v = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return (v * coef.get(v.numel(), v.device)).sum()
+
+
+def _partial_np(a: np.ndarray, coef: Coefficients) -> int:
+    n = a.size
+    nw = n // 8
+    parts = []
+    if nw:
+        w = a[: nw * 8].view(np.uint64)
+        rows = nw // ROW_WORDS
+        if rows:
+            parts.append(np.add.reduce(w[: rows * ROW_WORDS].reshape(rows, ROW_WORDS), axis=1))
+        if nw % ROW_WORDS:
+            parts.append(np.add.reduce(w[rows * ROW_WORDS :], keepdims=True))
+    if n % 8:
+        parts.append(a[nw * 8 :].astype(np.uint64))
+    if not parts:
+        return 0
+    v = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return int(np.dot(v, coef.numpy(v.size)))
+
+
+def _mac63(key: bytes, *parts: bytes) -> int:
+    return int.from_bytes(hmac.new(key, b"".join(parts), hashlib.sha256).digest()[:8], "little") & MASK63
+
+
+def _name_words(name: str) -> list[int]:
+    raw = name.encode("utf-8")[: 7 * NAME_WORDS].ljust(7 * NAME_WORDS, b"\0")
+    return [int.from_bytes(raw[7 * k : 7 * k + 7], "little") for k in range(NAME_WORDS)]
+
+
+def _name_of(words: list[int]) -> str:
+    return b"".join(int(w).to_bytes(7, "little") for w in words).rstrip(b"\0").decode("utf-8", "replace")
+
+
+class Ledger:
+    """One run's digests on this rank: per peer, the messages sent to it and received from it, in order
+    (gloo and NCCL deliver a pair's messages in posting order: the k-th sent is the k-th received)."""
+
+    def __init__(
+        self, key: bytes, coef: Coefficients, rank: int, plan_digest: str, work, transfers, views=None
+    ) -> None:
+        self.key, self.coef, self.rank = key, coef, rank
+        self.views = {} if views is None else views  # the native hash's view descriptors (Digests keeps them)
+        self.plan = plan_digest.encode()
+        self.work, self.transfers = work, transfers
+        self.sent: dict[int, list] = {}  # peer -> [(step, nbytes, partial)]
+        self.recvd: dict[int, list] = {}  # peer -> [(step, nbytes, partial, (pos, j))]
+        self._posted: dict[int, list] = {}  # step position -> the receives posted for it
+
+    def on_post(self, pos: int, sends, recvs) -> None:
+        """Step ``pos`` was posted: digest its sends now (the transport reads them too)."""
+        i = self.work.steps[pos][0]
+        for peer, buf in sends:
+            self.sent.setdefault(peer, []).append((i, buf.numel(), partial(buf, self.coef)))
+        self._posted[pos] = list(recvs)
+
+    def on_land(
+        self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None, key=None
+    ) -> None:
+        """Step ``pos`` landed: digest every receive over what the destination now holds (``rebuild``: the
+        unpack's (receive view, destination view) pairs; those that cast are digested as they arrived;
+        ``lengths``: receive index -> the bytes a message received into a larger buffer holds). On CPU with the
+        native hash the destination views are read in place (their descriptors cached under ``key``, the
+        binding's); else the staged messages are first rebuilt from the destination, then hashed."""
+        posted = self._posted.pop(pos, ())
+        bufs = [
+            (buf, lengths[j] if lengths and j in lengths else buf.numel())
+            for j, (_p, buf) in enumerate(posted)
+        ]
+        values = self._in_place(bufs, rebuild, key) if bufs and bufs[0][0].device.type == "cpu" else None
+        if values is None:
+            values = self._rebuilt(bufs, rebuild, backend)
+        i = self.work.steps[pos][0]
+        for j, ((peer, _buf), (_b, n), v) in enumerate(zip(posted, bufs, values, strict=True)):
+            self.recvd.setdefault(peer, []).append((i, n, v, (pos, j)))
+
+    def _in_place(self, bufs, rebuild, key) -> list[int] | None:
+        fn = digest_native()
+        if fn is None:
+            return None
+        sig = (key, tuple((b.data_ptr(), n) for b, n in bufs), len(rebuild))
+        rows = self.views.get(sig) if key is not None else None
+        if rows is None:
+            rows = message_rows(bufs, rebuild)
+            if rows is None:
+                return None
+            if key is not None:
+                if len(self.views) >= 512:
+                    self.views.clear()
+                self.views[sig] = rows
+        return [
+            digest_rows(fn, r, n, self.coef.numpy(_entries(n))) for r, (_b, n) in zip(rows, bufs, strict=True)
+        ]
+
+    def _rebuilt(self, bufs, rebuild, backend: str) -> list:
+        from .. import ops
+
+        back = [(d, r) for r, d in rebuild if r.dtype == d.dtype and r.numel()]
+        if back:
+            ops.copy_views(back, backend)
+        return [partial(b[:n] if n != b.numel() else b, self.coef) for b, n in bufs]
+
+    # -- the end-of-refit exchange ------------------------------------------------------------------
+
+    def _values(self) -> None:
+        """The partials as ints (one device sync for all of them)."""
+        items = [
+            e[2]
+            for d in (self.sent, self.recvd)
+            for es in d.values()
+            for e in es
+            if isinstance(e[2], torch.Tensor)
+        ]
+        vals = iter(torch.stack(items).tolist() if items else ())
+        for d in (self.sent, self.recvd):
+            for peer, es in d.items():
+                d[peer] = [
+                    (
+                        e[0],
+                        e[1],
+                        (next(vals) if isinstance(e[2], torch.Tensor) else e[2]) & ((1 << 64) - 1),
+                        *e[3:],
+                    )
+                    for e in es
+                ]
+
+    def _msg(self, s: int, q: int, k: int, e) -> int:
+        return _mac63(self.key, LABEL, b"msg", self.plan, struct.pack("<IIIQQ", s, q, k, e[1], e[2]))
+
+    def _pair(self, s: int, q: int, es: list) -> int:
+        # the k-th message between a pair is the k-th on both ends (posting order); the step index is only for
+        # naming: a rank's share numbers steps by what it takes part in, so it is not in the digest
+        body = b"".join(struct.pack("<QQ", e[1], e[2]) for e in es)
+        return _mac63(self.key, LABEL, b"pair", self.plan, struct.pack("<III", s, q, len(es)), body)
+
+    def _row_tag(self, rank: int, row: list[int]) -> int:
+        """A rank's digest row, keyed: without the secret no one can change a row in flight (e.g. copy the
+        sender's digest over the receiver's so that they agree)."""
+        return _mac63(self.key, LABEL, b"row", self.plan, struct.pack(f"<I{len(row)}q", rank, *row))
+
+    def settle(self, link) -> None:
+        """Exchange and compare every pair's keyed digest; raise :class:`ReshardIntegrityError` on every rank
+        (the same verdict everywhere: every rank sees every row) if any pair differs."""
+        if not link.wire:
+            return
+        self._values()
+        me, ranks = self.rank, link.ranks
+        row = []
+        for r in ranks:
+            row += [self._pair(me, r, self.sent.get(r, [])), self._pair(r, me, self.recvd.get(r, []))]
+        rows = link.all_gather_row(row + [self._row_tag(me, row)], "the integrity digest exchange")
+        forged = [r for r, got in zip(ranks, rows, strict=True) if got[-1] != self._row_tag(r, got[:-1])]
+        if (
+            forged
+        ):  # the rows travel on the data plane: one changed in flight (a copied digest, say) is refused
+            raise ReshardIntegrityError(
+                f"rank {me}: integrity check failed: the digest row of rank(s) {forged} fails its keyed tag (changed "
+                f"on the wire); the destination is not proven (it is torn until a refit succeeds)",
+                tensor=None,
+                step=None,
+                sender=forged[0],
+                receiver=me,
+                pairs=(),
+            )
+        bad = [
+            (s, q)
+            for a, s in enumerate(ranks)
+            for b, q in enumerate(ranks)
+            if rows[a][2 * b] != rows[b][2 * a + 1]
+        ]
+        if bad:
+            self._localize(link, bad)
+
+    def _localize(self, link, bad: list[tuple[int, int]]) -> None:
+        """The rare path: per mismatched pair (up to :data:`MAX_PAIRS`), the sender's and the receiver's
+        per-message keyed digests (up to :data:`MAX_MSGS`) and the receiver's tensor names, in one more
+        exchange; then the named error, on every rank alike."""
+        me, ranks = self.rank, link.ranks
+        width = 2 + MAX_MSGS * (3 + NAME_WORDS)
+        row = [0] * (width * min(len(bad), MAX_PAIRS))
+        for p, (s, q) in enumerate(bad[:MAX_PAIRS]):
+            at = p * width
+            if me == s:
+                es = self.sent.get(q, [])
+                row[at] = len(es)
+                for k, e in enumerate(es[:MAX_MSGS]):
+                    row[at + 2 + k] = self._msg(s, q, k, e)
+            if me == q:
+                es = self.recvd.get(s, [])
+                row[at + 1] = len(es)
+                for k, e in enumerate(es[:MAX_MSGS]):
+                    base = at + 2 + MAX_MSGS + k * (2 + NAME_WORDS)
+                    row[base] = self._msg(s, q, k, e)
+                    row[base + 1] = e[0]
+                    row[base + 2 : base + 2 + NAME_WORDS] = _name_words(self._tensors(*e[3]))
+        rows = link.all_gather_row(row, "the integrity digest exchange (localizing)")
+        found = []
+        for p, (s, q) in enumerate(bad[:MAX_PAIRS]):
+            at = p * width
+            rs, rq = rows[ranks.index(s)], rows[ranks.index(q)]
+            n_s, n_q = rs[at], rq[at + 1]
+            first = None
+            for k in range(min(n_s, n_q, MAX_MSGS)):
+                base = at + 2 + MAX_MSGS + k * (2 + NAME_WORDS)
+                if rs[at + 2 + k] != rq[base]:
+                    first = (k, rq[base + 1], _name_of(rq[base + 2 : base + 2 + NAME_WORDS]))
+                    break
+            found.append((s, q, n_s, n_q, first))
+        raise _error(me, bad, found)
+
+    def _tensors(self, pos: int, j: int) -> str:
+        """The destination tensor(s) of receive ``j`` of step position ``pos``."""
+        step = self.work.steps[pos][1]
+        _peer, _at, m = step.recvs[j]
+        names = dict.fromkeys(self.transfers[c.transfer].tensor for c in m.chunks)
+        return ",".join(names)
+
+
+def _error(me: int, bad: list, found: list) -> ReshardIntegrityError:
+    s, q, n_s, n_q, first = found[0]
+    if first is not None:
+        k, step, tensor = first
+        what = (
+            f"message {k + 1} from rank {s} to rank {q} (step {step + 1} on rank {q}, tensor {tensor!r}) differs: its "
+            f"digest on rank {q} over what it wrote is not rank {s}'s over what it sent"
+        )
+    elif n_s != n_q:
+        what = f"rank {s} sent {n_s} messages to rank {q}, which landed {n_q}"
+        step = tensor = None
+    else:
+        what = (
+            f"a message from rank {s} to rank {q} after the first {MAX_MSGS} of their {n_s} differs: its "
+            f"digest on rank {q} over what it wrote is not rank {s}'s over what it sent"
+        )
+        step = tensor = None
+    more = f"; {len(bad)} (sender, receiver) pairs differ: {bad}" if len(bad) > 1 else ""
+    return ReshardIntegrityError(
+        f"rank {me}: integrity check failed: {what}{more}; the destination holds bytes its sender did not send "
+        f"(it is torn until a refit succeeds; the next delta refit goes dense)",
+        tensor=tensor,
+        step=None if step is None else step + 1,
+        sender=s,
+        receiver=q,
+        pairs=tuple(bad),
+    )
+
+
+class Digests:
+    """A Resharder's digest state across runs: the key and coefficients, made once."""
+
+    def __init__(self, comm) -> None:
+        self.key = digest_key(comm)
+        self.coef = Coefficients(self.key)
+        self.views: dict = {}  # per binding and step: the native hash's view descriptors of each message
+
+    def ledger(self, rank: int, plan, work) -> Ledger:
+        return Ledger(self.key, self.coef, rank, plan.digest, work, plan.transfers, self.views)

@@ -1,0 +1,107 @@
+"""The integrity digest's hash on CPU in one read pass (issue 46; ``execute/integrity.py`` keys and compares it).
+
+The hash of a message's bytes (``integrity.partial`` defines it; ``csrc/digest.c`` says it as a formula) is
+linear in the bytes, position by position, so it can be summed over pieces of the message wherever they lie.
+The native function (``trd_digest``, in the same optional extension as the delta codec) reads a list of views:
+the sender's buffer as one, the receiver's message as the destination views its unpack wrote (strided, read in
+place: no copy back into staging first) plus the bytes no unpack took (in-place receives, padding, cast
+pieces as they arrived). Without the extension (or with ``TRITON_RESHARD_NATIVE=0``) :func:`native` is None and
+the caller takes the numpy path, which gives the same value."""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+
+import numpy as np
+import torch
+
+WIDTH = 12  # int64 per view: address, offset in the message, inner run bytes, outer dims, 4 sizes, 4 strides
+MAX_OUTER = 4
+_fn: dict = {}
+
+
+def native():
+    """``trd_digest`` (ctypes) where the extension is built with it and the native codec is on, else None."""
+    from .delta_native import native as codec
+
+    lib = codec()
+    if lib is None:
+        return None
+    fn = _fn.get(id(lib))
+    if fn is None:
+        fn = getattr(lib, "trd_digest", None)  # an extension built before the digest was added: numpy
+        if fn is not None:
+            fn.restype = ctypes.c_uint64
+            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        _fn[id(lib)] = fn
+    return fn
+
+
+def view_row(t: torch.Tensor, off: int) -> list[int] | None:
+    """The native descriptor of CPU view ``t`` whose bytes sit at message offset ``off`` (in ``t``'s logical
+    order), or None (more than :data:`MAX_OUTER` outer dimensions after merging: the caller copies)."""
+    e = t.element_size()
+    dims = [(n, s * e) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1]
+    inner = e
+    while dims and dims[-1][1] == inner:  # the contiguous inner run
+        inner *= dims.pop()[0]
+    outer: list[tuple[int, int]] = []
+    for n, s in dims:  # merge an outer dimension into the one before it where they are one stride
+        if outer and outer[-1][1] == n * s:
+            outer[-1] = (outer[-1][0] * n, s)
+        else:
+            outer.append((n, s))
+    if len(outer) > MAX_OUTER:
+        return None
+    sizes = [n for n, _s in outer] + [1] * (MAX_OUTER - len(outer))
+    strides = [s for _n, s in outer] + [0] * (MAX_OUTER - len(outer))
+    return [t.data_ptr(), off, inner, len(outer), *sizes, *strides]
+
+
+def message_rows(bufs: list[tuple[torch.Tensor, int]], pairs) -> list[np.ndarray] | None:
+    """Per received message (``bufs``: its uint8 buffer and byte length), the views whose bytes make it up
+    once landed: for every unpack pair (received view, destination view) inside it, the destination view
+    (the received one where the pair casts), and the message's own bytes where no pair took them. None where
+    a view does not fit the native descriptor."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + n, k) for k, (b, n) in enumerate(bufs))
+    starts = [s for s, _z, _k in spans]
+    per: list[list] = [[] for _ in bufs]
+    for r, d in pairs:
+        nb = r.numel() * r.element_size()
+        if not nb:
+            continue
+        p = r.data_ptr()
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0 or p + nb > spans[i][1]:
+            continue  # not a message's bytes (cannot happen: every unpack reads a receive buffer)
+        k = spans[i][2]
+        off = p - spans[i][0]
+        row = view_row(d if d.dtype == r.dtype else r, off)
+        if row is None:
+            return None
+        per[k].append((off, off + nb, row))
+    out = []
+    for (b, n), views in zip(bufs, per, strict=True):
+        rows, at = [], 0
+        for a, z, row in sorted(views, key=lambda v: v[0]):
+            if a > at:  # bytes of the message no unpack took: hashed as they arrived
+                rows.append([b.data_ptr() + at, at, a - at, 0, 1, 1, 1, 1, 0, 0, 0, 0])
+            rows.append(row)
+            at = max(at, z)
+        if at < n:
+            rows.append([b.data_ptr() + at, at, n - at, 0, 1, 1, 1, 1, 0, 0, 0, 0])
+        out.append(np.ascontiguousarray(rows, dtype=np.int64).reshape(-1, WIDTH))
+    return out
+
+
+def digest_rows(fn, rows: np.ndarray, n: int, coef: np.ndarray) -> int:
+    """The hash of an ``n``-byte message made of ``rows`` (:func:`message_rows`); ``coef``: at least
+    ``ceil(n / 1024) + 8`` keyed coefficients (uint64)."""
+    return int(fn(len(rows), rows.ctypes.data, n, coef.ctypes.data))
+
+
+def digest_buffer(fn, buf: torch.Tensor, coef: np.ndarray) -> int:
+    """The hash of the contiguous uint8 CPU buffer ``buf`` (one view)."""
+    row = np.array([buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0], dtype=np.int64)
+    return int(fn(1, row.ctypes.data, buf.numel(), coef.ctypes.data))
