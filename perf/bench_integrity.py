@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 
 
@@ -211,7 +210,6 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="refit,delta")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from triton_reshard.testing.launch import run_world
 
     spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(",")}
