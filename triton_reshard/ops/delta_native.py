@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from importlib.util import find_spec
 
 import numpy as np
 import torch
@@ -29,11 +30,11 @@ _state: dict = {"lib": None, "tried": False, "on": os.environ.get("TRITON_RESHAR
 
 
 def _load():
-    try:
-        from .. import _delta_codec  # type: ignore[attr-defined]
-    except ImportError:
+    # located, not imported: the extension is a plain shared library read through ctypes
+    spec = find_spec(__package__.rpartition(".")[0] + "._delta_codec")
+    if spec is None or not spec.origin:
         return None
-    lib = ctypes.CDLL(_delta_codec.__file__)
+    lib = ctypes.CDLL(spec.origin)
     if not all(
         hasattr(lib, f) for f in ("trd_pack", "trd_pack_rows", "trd_unpack", "trd_directory", "trd_simd")
     ):
