@@ -445,7 +445,10 @@ def main(argv=None) -> int:
               f"{sum(t.numel() for t in trainer.tensors().values()) / 1e6:.1f}M parameters")
         if args.async_ and not args.method.startswith("async"):
             args.method = "async"
-        rows = (run_async if args.method.startswith("async") else run)(llm, eng, trainer, args)
+        if args.method.startswith("async"):
+            rows = run_async(llm, eng, trainer, args)
+        else:
+            rows = run(llm, eng, trainer, args, args.method)
         verified = verify(llm, trainer, tmp, ckpt) if args.verify else None
         ej.stop(llm, eng)
     if args.json:
