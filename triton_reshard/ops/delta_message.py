@@ -90,6 +90,27 @@ class Directory:
     version: int = VERSION
 
 
+def _want_bytes(kind, numel, count, nbytes, esize_d, version: int) -> tuple[torch.Tensor, int]:
+    """(the bytes each chunk header's kind implies, the highest kind of ``version``): a narrow chunk's exact
+    bytes are checked with its body, so its header may claim a multiple of 16 between its descriptors and its
+    dense size (``ops.delta_v2.narrow_want``)."""
+    values = pad(torch.minimum(count, numel) * esize_d)
+    want = torch.stack(
+        [
+            HEADER_BYTES + pad(numel * esize_d),
+            HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values,
+            HEADER_BYTES + pad(2 * torch.minimum(count, numel)) + values,
+        ]
+    )[torch.clamp(kind, 0, 2), torch.arange(kind.numel(), device=kind.device)]
+    if version != VERSION2:
+        return want, KIND_OFFSETS
+    lo = HEADER_BYTES + 2 * ((numel + 255) // 256)
+    fits = (nbytes % ALIGN == 0) & (nbytes >= lo) & (nbytes < HEADER_BYTES + pad(numel * esize_d))
+    return torch.where(
+        kind == KIND_NARROW, torch.where(fits, nbytes, torch.full_like(nbytes, -1)), want
+    ), KIND_NARROW
+
+
 def read_directory(
     msg: torch.Tensor,
     dsts: Sequence[torch.Tensor],
@@ -145,22 +166,7 @@ def read_directory(
     )
     numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=dev)
     esize_d = torch.tensor([dsts[i].element_size() for i, _, _ in chunks], dtype=torch.int64, device=dev)
-    values = pad(torch.minimum(count, numel) * esize_d)
-    want = torch.stack(
-        [
-            HEADER_BYTES + pad(numel * esize_d),
-            HEADER_BYTES + pad(4 * ((numel + 31) // 32)) + values,
-            HEADER_BYTES + pad(2 * torch.minimum(count, numel)) + values,
-        ]
-    )[torch.clamp(kind, 0, 2), torch.arange(nc, device=dev)]
-    top = KIND_OFFSETS
-    if (
-        version == VERSION2
-    ):  # narrow chunks: their bytes are checked exactly with their bodies (ops/delta_v2.py)
-        top = KIND_NARROW
-        lo = HEADER_BYTES + 2 * ((numel + 255) // 256)
-        fits = (nbytes % ALIGN == 0) & (nbytes >= lo) & (nbytes < HEADER_BYTES + pad(numel * esize_d))
-        want = torch.where(kind == KIND_NARROW, torch.where(fits, nbytes, torch.full_like(nbytes, -1)), want)
+    want, top = _want_bytes(kind, numel, count, nbytes, esize_d, version)
     good = (
         ok_off
         & (kind <= top)
