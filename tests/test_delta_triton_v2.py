@@ -141,13 +141,13 @@ def test_pack_delta_dispatches_the_version():
     g = torch.Generator().manual_seed(3)
     old = torch.randn(2000, generator=g).to(torch.bfloat16)
     new = ulp_steps(old, 0.1, g)
-    for version in (2, 1):
-        msg = D.pack_delta([(new, old.clone())], 1024, backend="triton", version=version)
+    for version in (2, 1):  # as the executor calls it: update, a per-message cache dict
+        msg = D.pack_delta([(new, old.clone())], 1024, backend="triton", version=version, cache={})
         assert int(msg[4:8].view(torch.int32)[0]) == version
         ref = D.pack_delta([(new, old.clone())], 1024, backend="torch", version=version)
         assert torch.equal(msg, ref)
         dst = old.clone()
-        D.unpack_delta(msg, [dst], backend="triton")
+        D.unpack_delta(msg, [dst], backend="triton", cache={})
         assert torch.equal(bits(dst), bits(new))
     with pytest.raises(ValueError, match="version 3"):
         T.triton_pack([(new, old.clone())], 1024, version=3)
@@ -237,3 +237,25 @@ def test_v2_kernels_compile_for_hopper_and_blackwell(tmp_path):
         [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def test_offset_past_a_short_block_refused():
+    """The last block of a chunk of 1000 elements has 232: an offset of 250 (ascending, in a byte) is past it;
+    the check launch finds it before any write, with the CPU codec's error."""
+    old = torch.randn(1000)
+    new = old.clone()
+    bits(new)[768:771] += 1  # block 3 only: 3 offsets
+    msg = T.triton_pack([(new, old.clone())], 1000, False, version=2)
+    (c,) = D.describe(msg)
+    pay = c["offset"] + 16 + 2 * 4
+    assert msg[pay : pay + 3].tolist() == [0, 1, 2]
+    bad = msg.clone()
+    bad[pay + 2] = 250
+    errors = []
+    for backend in ("torch", "triton"):
+        dst = old.clone()
+        with pytest.raises(ValueError, match="narrow body inconsistent") as err:
+            D.unpack_delta(bad, [dst], backend=backend)
+        assert torch.equal(bits(dst), bits(old))
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
