@@ -99,7 +99,6 @@ def _pack_geometry(pairs: Sequence[Pair], chunks, members: list[int], k, names) 
     """(pack table rows (numpy, v1 ``P_*`` fields), source base, snapshot base) of one element size's chunks."""
     used = sorted({chunks[c][0] for c in members})
     sbase, pbase = _base([pairs[i][0] for i in used]), _base([pairs[i][1] for i in used])
-    rows = np.zeros((len(members), int(k.P_FIELDS)), dtype=np.int64)
     geo = {}
     for i in used:
         src, snap = pairs[i]
@@ -114,15 +113,16 @@ def _pack_geometry(pairs: Sequence[Pair], chunks, members: list[int], k, names) 
             _elem_offset(snap, pbase, f"snapshot {_name(names, i)}"),
             dims,
         )
-    for r, c in enumerate(members):
-        i, a, n = chunks[c]
-        s_off, p_off, dims = geo[i]
-        rows[r, int(k.P_SRC)], rows[r, int(k.P_SNAP)] = s_off, p_off
-        rows[r, int(k.P_START)], rows[r, int(k.P_NUMEL)] = a, n
+    per = np.zeros((len(pairs), int(k.P_FIELDS)), dtype=np.int64)  # one row per view, copied to its chunks
+    for i, (s_off, p_off, dims) in geo.items():
+        per[i, int(k.P_SRC)], per[i, int(k.P_SNAP)] = s_off, p_off
         for d in range(MAX_DIMS):
             size, ss, ps = dims[d] if d < len(dims) else (1, 0, 0)
-            rows[r, int(k.P_SIZE) + d] = size
-            rows[r, int(k.P_SSTRIDE) + d], rows[r, int(k.P_PSTRIDE) + d] = ss, ps
+            per[i, int(k.P_SIZE) + d] = size
+            per[i, int(k.P_SSTRIDE) + d], per[i, int(k.P_PSTRIDE) + d] = ss, ps
+    cinfo = np.asarray([chunks[c] for c in members], dtype=np.int64).reshape(len(members), 3)
+    rows = per[cinfo[:, 0]]
+    rows[:, int(k.P_START)], rows[:, int(k.P_NUMEL)] = cinfo[:, 1], cinfo[:, 2]
     return rows, sbase, pbase
 
 
@@ -345,14 +345,15 @@ def _unpack_geometry(dr, dsts: Sequence[torch.Tensor], members: list[int], k, na
                 f"delta kernels take {MAX_DIMS} (use the torch backend)"
             )
         geo[i] = (_elem_offset(dsts[i], base, f"destination {_name(names, i)}"), dims)
-    rows = np.zeros((len(members), int(k.U_FIELDS)), dtype=np.int64)
-    for r, c in enumerate(members):
-        i, a, n = dr.chunks[c]
-        off, dims = geo[i]
-        rows[r, int(k.U_DST)], rows[r, int(k.U_START)], rows[r, int(k.U_NUMEL)] = off, a, n
+    per = np.zeros((len(dsts), int(k.U_FIELDS)), dtype=np.int64)  # one row per view, copied to its chunks
+    for i, (off, dims) in geo.items():
+        per[i, int(k.U_DST)] = off
         for d in range(MAX_DIMS):
             size, st = dims[d] if d < len(dims) else (1, 0)
-            rows[r, int(k.U_SIZE) + d], rows[r, int(k.U_STRIDE) + d] = size, st
+            per[i, int(k.U_SIZE) + d], per[i, int(k.U_STRIDE) + d] = size, st
+    cinfo = np.asarray([dr.chunks[c] for c in members], dtype=np.int64).reshape(len(members), 3)
+    rows = per[cinfo[:, 0]]
+    rows[:, int(k.U_START)], rows[:, int(k.U_NUMEL)] = cinfo[:, 1], cinfo[:, 2]
     return rows, base
 
 
