@@ -259,3 +259,15 @@ def test_offset_past_a_short_block_refused():
         assert torch.equal(bits(dst), bits(old))
         errors.append(str(err.value))
     assert errors[0] == errors[1]
+
+
+def test_fp8_moves_as_bytes():
+    """fp8 (e4m3, e5m2) moves as its bytes: one-ulp steps (2 and 4 bits), any byte (raw: NaNs, -0, sign flips)."""
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        old = torch.randint(0, 256, (1500,), generator=g, dtype=torch.uint8).view(dtype)
+        steps = ulp_steps(old, 0.1, g)
+        anyb = old.clone()
+        anyb.view(torch.uint8)[::9] = torch.randint(0, 256, (167,), generator=g, dtype=torch.uint8)
+        for name, new in (("steps", steps), ("any", anyb), ("all", ulp_steps(old, 1.0, g, 6))):
+            roundtrip([(new, old)], 1000, f"{dtype} {name}")
