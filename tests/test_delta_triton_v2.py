@@ -271,3 +271,27 @@ def test_fp8_moves_as_bytes():
         anyb.view(torch.uint8)[::9] = torch.randint(0, 256, (167,), generator=g, dtype=torch.uint8)
         for name, new in (("steps", steps), ("any", anyb), ("all", ulp_steps(old, 1.0, g, 6))):
             roundtrip([(new, old)], 1000, f"{dtype} {name}")
+
+
+def test_cached_plan_follows_the_data():
+    """A refit's send packs the same views every time: the plan kept in its cache dict (built once) gives the
+    CPU codec's bytes for every version of the data, and is rebuilt for other views or another chunk size."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(40, 30, generator=g).to(torch.bfloat16), torch.randn(700, generator=g)
+    snaps = [a.clone(), b.clone()]
+    srcs = [a.clone(), b.clone()]
+    pairs = [(srcs[0].t(), snaps[0].t()), (srcs[1], snaps[1])]
+    cache: dict = {}
+    first = None
+    for _step in range(3):
+        for s in srcs:
+            s.copy_(ulp_steps(s, 0.2, g, 3))
+        refs = cpu_pack(pairs, 512)
+        msg = D.pack_delta(pairs, 512, backend="triton", cache=cache)
+        plan = cache["triton2"]
+        assert first is None or plan is first, "the plan was rebuilt for the same views"
+        first = plan
+        assert torch.equal(msg, refs[0])
+        assert all(torch.equal(bits(s), bits(p)) for s, p in zip(srcs, snaps, strict=True))
+    D.pack_delta(pairs, 256, backend="triton", cache=cache)
+    assert cache["triton2"] is not first and cache["triton2"].ce == 256

@@ -425,7 +425,8 @@ def pack_delta(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
         return plan.pack(update)
     device = validate_pairs(pairs, names)
     if _backend(device, backend) == "triton":
-        return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, version=version)
+        return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, version=version,
+                           cache=cache)
     return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache, version=version)
 
 

@@ -139,14 +139,21 @@ def triton_pack(
     update: bool = True,
     names: Sequence[str] | None = None,
     version: int = VERSION,
+    cache: dict | None = None,
 ) -> torch.Tensor:
     """Pack with the Triton kernels: the same message as :func:`torch_pack` of ``version``, bit for bit
-    (version 2: the CPU codec's bytes, ``ops/delta_v2.py``)."""
+    (version 2: the CPU codec's bytes, ``ops/delta_v2.py``; ``cache``: a dict the caller keeps for a message
+    that recurs with the same view objects, its :class:`TritonPackPlan` kept there)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     _check_device(device)
     if version == VERSION2:
-        return _pack_v2(pairs, chunk_elems, update, names, device)
+        plan = cache.get("triton2") if cache is not None else None
+        if plan is None or not plan.fits(pairs, chunk_elems):
+            plan = TritonPackPlan(pairs, chunk_elems, names, device)
+            if cache is not None:
+                cache["triton2"] = plan
+        return plan.pack(update)
     if version != VERSION:
         raise ValueError(
             f"delta format version {version!r}: the Triton kernels write {VERSION} and {VERSION2}"
@@ -238,16 +245,24 @@ def block_sizes(cnt: torch.Tensor, code: torch.Tensor, blen: torch.Tensor, e: to
     return mode, torch.where(cnt > 0, size, 0), posb
 
 
-def _layout_v2(numel: torch.Tensor, esize: torch.Tensor, cnt: torch.Tensor, code: torch.Tensor) -> tuple:
+class BlockIndex:
+    """The blocks of 256 of chunks of lengths ``numel`` (device tensors): per chunk its block count and first
+    block; per block its chunk and its length."""
+
+    def __init__(self, numel: torch.Tensor) -> None:
+        self.numel = numel
+        self.nbk = (numel + BLOCK - 1) // BLOCK
+        self.b0 = torch.cumsum(self.nbk, 0) - self.nbk
+        self.bch = torch.repeat_interleave(torch.arange(numel.numel(), device=numel.device), self.nbk)
+        kk = torch.arange(self.bch.numel(), device=numel.device) - self.b0[self.bch]
+        self.blen = torch.clamp(numel[self.bch] - kk * BLOCK, max=BLOCK)
+
+
+def _layout_v2(bi: BlockIndex, esize: torch.Tensor, cnt: torch.Tensor, code: torch.Tensor) -> tuple:
     """Every chunk's (kind, changed count, bytes, offset) and every block's (mode, payload offset, position
     bytes), and the message length (the host sync): ``encode_pair``'s choices, on the device."""
-    nc = numel.numel()
-    nbk = (numel + BLOCK - 1) // BLOCK
-    b0 = torch.cumsum(nbk, 0) - nbk
-    bch = torch.repeat_interleave(torch.arange(nc, device=numel.device), nbk)
-    kk = torch.arange(bch.numel(), device=numel.device) - b0[bch]
-    blen = torch.clamp(numel[bch] - kk * BLOCK, max=BLOCK)
-    mode, size, posb = block_sizes(cnt, code, blen, esize[bch])
+    numel, nbk, bch = bi.numel, bi.nbk, bi.bch
+    mode, size, posb = block_sizes(cnt, code, bi.blen, esize[bch])
     count = torch.zeros_like(numel).index_add_(0, bch, cnt)
     narrow = HEADER_BYTES + 2 * nbk + torch.zeros_like(numel).index_add_(0, bch, size)
     dense = HEADER_BYTES + pad(numel * esize)
@@ -255,52 +270,71 @@ def _layout_v2(numel: torch.Tensor, esize: torch.Tensor, cnt: torch.Tensor, code
     nbytes = torch.where(
         kind == KIND_OFFSETS, HEADER_BYTES, torch.where(kind == KIND_NARROW, pad(narrow), dense)
     )
-    start = chunks_start(nc)
+    start = chunks_start(numel.numel())
     offsets = start + torch.cumsum(nbytes, 0) - nbytes
     total = start + int(nbytes.sum())
     csum = torch.cumsum(size, 0) - size
-    pay = offsets[bch] + HEADER_BYTES + 2 * nbk[bch] + csum - csum[b0][bch]
+    pay = offsets[bch] + HEADER_BYTES + 2 * nbk[bch] + csum - csum[bi.b0][bch]
     return (kind, count, nbytes, offsets), (mode, pay, posb), total
 
 
-def _pack_v2(pairs: Sequence[Pair], ce: int, update: bool, names, device: torch.device) -> torch.Tensor:
-    """:func:`triton_pack` of version 2: stats launches, the layout on the device, encode launches."""
-    k = _kernels()
-    chunks = chunk_list([s.numel() for s, _ in pairs], ce)
-    nc, bpt = len(chunks), _bpt()
-    numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
-    esize = torch.tensor([pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64, device=device)
-    nblocks = int(((numel + BLOCK - 1) // BLOCK).sum()) if nc else 0
-    cnt = torch.zeros(nblocks, dtype=torch.int64, device=device)
-    code = torch.zeros_like(cnt)
-    launches = []
-    with torch.no_grad():
+class TritonPackPlan:
+    """One message's version-2 pack on the device: ``pairs`` in chunks of ``ce`` elements, their kernel tables
+    (per element size: the chunk table, the block table, its blocks' ids) and block index, built once and kept
+    in a caller's cache (``pack_delta(..., cache=)``, a refit's send) for the same view objects (:meth:`fits`).
+    Every call overwrites the tables' per-message fields; the message is a new tensor each time."""
+
+    def __init__(self, pairs: Sequence[Pair], ce: int, names, device: torch.device) -> None:
+        k = _kernels()
+        self.pairs, self.ce, self.device = [(s, p) for s, p in pairs], ce, device
+        chunks = chunk_list([s.numel() for s, _ in pairs], ce)
+        self.numel = torch.tensor([n for _, _, n in chunks], dtype=torch.int64, device=device)
+        self.esize = torch.tensor(
+            [pairs[i][0].element_size() for i, _, _ in chunks], dtype=torch.int64, device=device
+        )
+        self.blocks = BlockIndex(self.numel)
+        self.nblocks = sum(-(-n // BLOCK) for _, _, n in chunks)
+        self.groups = []
         for e, members in _by_size(chunks, [s for s, _ in pairs]).items():
             rows, sbase, pbase = _pack_geometry(pairs, chunks, members, k, names)
             idx = torch.tensor(members, dtype=torch.int64, device=device)
-            blocks, gid = _blocks_of(numel, idx, int(k.V_FIELDS))
-            g = (torch.from_numpy(rows).to(device), idx, blocks, gid)
-            src_p, snap_p = storage_view(bits(sbase), _INT[e]), storage_view(bits(pbase), _INT[e])
-            launches.append((e, g, src_p, snap_p))
-            _launch_pack(k, e, src_p, snap_p, None, g[0], blocks, True, False, bpt)
-            cnt[gid], code[gid] = blocks[:, int(k.V_CNT)], blocks[:, int(k.V_CODE)]
-        (kind, count, nbytes, offsets), (mode, pay, posb), total = _layout_v2(numel, esize, cnt, code)
-        msg = torch.zeros(total, dtype=torch.uint8, device=device)
-        write_headers(msg, ce, numel, count, esize, kind, nbytes, offsets)
-        msg[4:8].view(torch.int32).fill_(VERSION2)
-        bkind = kind[torch.repeat_interleave(torch.arange(nc, device=device), (numel + BLOCK - 1) // BLOCK)]
-        work = (bkind == KIND_DENSE) | (
-            cnt > 0
-        )  # blocks with bytes to write (or snapshot elements to update)
-        for e, (table, idx, blocks, gid), src_p, snap_p in launches:
-            table[:, int(k.P_OUT)], table[:, int(k.P_KIND)] = offsets[idx], kind[idx]
-            table[:, int(k.P_COUNT)] = count[idx]
-            blocks[:, int(k.V_MODE)], blocks[:, int(k.V_PAY)] = mode[gid], pay[gid]
-            blocks[:, int(k.V_POSB)] = posb[gid]
-            busy = blocks[work[gid]]
-            if busy.numel():
-                _launch_pack(k, e, src_p, snap_p, msg, table, busy, False, update, bpt)
-    return msg
+            blocks, gid = _blocks_of(self.numel, idx, int(k.V_FIELDS))
+            views = (storage_view(bits(sbase), _INT[e]), storage_view(bits(pbase), _INT[e]))
+            self.groups.append((e, torch.from_numpy(rows).to(device), idx, blocks, gid, views))
+
+    def fits(self, pairs: Sequence[Pair], ce: int) -> bool:
+        """Built for exactly these views (the same tensor objects, in order) and chunk size?"""
+        return (
+            ce == self.ce
+            and len(pairs) == len(self.pairs)
+            and all(s is a and p is b for (s, p), (a, b) in zip(pairs, self.pairs, strict=True))
+        )
+
+    def pack(self, update: bool) -> torch.Tensor:
+        """Stats launches, the layout on the device, encode launches."""
+        k, bpt, device = _kernels(), _bpt(), self.device
+        cnt = torch.zeros(self.nblocks, dtype=torch.int64, device=device)
+        code = torch.zeros_like(cnt)
+        with torch.no_grad():
+            for e, table, _idx, blocks, gid, (src_p, snap_p) in self.groups:
+                _launch_pack(k, e, src_p, snap_p, None, table, blocks, True, False, bpt)
+                cnt[gid], code[gid] = blocks[:, int(k.V_CNT)], blocks[:, int(k.V_CODE)]
+            (kind, count, nbytes, offsets), (mode, pay, posb), total = _layout_v2(
+                self.blocks, self.esize, cnt, code
+            )
+            msg = torch.zeros(total, dtype=torch.uint8, device=device)
+            write_headers(msg, self.ce, self.numel, count, self.esize, kind, nbytes, offsets)
+            msg[4:8].view(torch.int32).fill_(VERSION2)
+            work = (kind[self.blocks.bch] == KIND_DENSE) | (cnt > 0)  # blocks with bytes or snapshot writes
+            for e, table, idx, blocks, gid, (src_p, snap_p) in self.groups:
+                table[:, int(k.P_OUT)], table[:, int(k.P_KIND)] = offsets[idx], kind[idx]
+                table[:, int(k.P_COUNT)] = count[idx]
+                blocks[:, int(k.V_MODE)], blocks[:, int(k.V_PAY)] = mode[gid], pay[gid]
+                blocks[:, int(k.V_POSB)] = posb[gid]
+                busy = blocks[work[gid]]
+                if busy.numel():
+                    _launch_pack(k, e, src_p, snap_p, msg, table, busy, False, update, bpt)
+        return msg
 
 
 def _launch_pack(k, e, src_p, snap_p, msg, table, blocks, stats: bool, update: bool, bpt: int) -> None:
