@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the copy kernels and the delta codec, in one go (< 10 minutes on one H100/H200-class GPU):
-#   1. the `gpu`-marked kernel tests (compiled kernel on CUDA, large sizes, all casts, autotuning, > 2^31),
+#   1. the `gpu`-marked kernel tests (compiled kernel on CUDA, large sizes, all casts, autotuning, > 2^31; the
+#      delta codec's v2 kernels: the CPU codec's bytes on adversarial cases, bit-exact apply),
 #   2. perf/autotune.py on the Llama-3-8B preset (chosen configs and their GB/s),
 #   3. perf/bench_kernels.py (Triton vs per-slice torch vs a plain-copy ceiling),
 #   4. perf/bench_delta_gpu.py (the Triton delta codec, format v2 and v1, on the 125M Llama's bf16 weights:
@@ -36,9 +37,10 @@ fi
 status() { echo "$1: exit $2" >>"$OUT/summary.txt"; }
 : >"$OUT/summary.txt"
 
-# 1. gpu tests (~52 one-config compiles for the cast matrix, a few autotuned ones)
+# 1. gpu tests (~52 one-config compiles for the cast matrix, a few autotuned ones; the delta v2 kernels for 4
+#    element sizes against the CPU codec's bytes)
 if $PY -c "import pytest" 2>/dev/null; then
-  timeout 210 $PY -m pytest tests/test_kernels.py -m gpu -q -rA -p no:cacheprovider \
+  timeout 270 $PY -m pytest tests/test_kernels.py tests/test_delta_triton_v2.py -m gpu -q -rA -p no:cacheprovider \
     --junitxml="$OUT/tests.xml" >"$OUT/tests.log" 2>&1
   status "gpu tests" $?
 else

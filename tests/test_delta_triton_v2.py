@@ -28,8 +28,14 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _triton_mode(request, monkeypatch):
+    """Interpreter for CPU tests, compiled kernels for ``gpu`` tests (skipped without a CUDA device)."""
+    if request.node.get_closest_marker("gpu"):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def cpu_pack(pairs, ce: int) -> list[torch.Tensor]:
@@ -295,3 +301,48 @@ def test_cached_plan_follows_the_data():
         assert all(torch.equal(bits(s), bits(p)) for s, p in zip(srcs, snaps, strict=True))
     D.pack_delta(pairs, 256, backend="triton", cache=cache)
     assert cache["triton2"] is not first and cache["triton2"].ce == 256
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU only: the compiled kernels (perf/gpu_check.sh runs these with -m gpu)
+
+GPU = "cuda"
+
+
+def device_roundtrip(pairs, ce: int, device: str, what: str) -> None:
+    """The Triton pack of ``pairs`` moved to ``device``: the CPU codec's bytes, the snapshot updated, and its
+    message lands exactly through the Triton unpack (on the device) and the CPU unpack."""
+    refs = cpu_pack(pairs, ce)
+    dev = [(new.to(device, copy=True), old.to(device, copy=True)) for new, old in pairs]
+    msg = T.triton_pack(dev, ce, True, version=2)
+    assert torch.equal(msg.cpu(), refs[0]), f"{what}: the device's bytes differ from the CPU codec's"
+    for (new, _o), (_n, snap) in zip(pairs, dev, strict=True):
+        assert torch.equal(bits(snap.cpu()), bits(new)), f"{what}: the snapshot update"
+    bufs, dsts = poisoned([old for _, old in pairs])
+    dbufs = [b.to(device, copy=True) for b in bufs]
+    T.triton_unpack(msg, [db[32 : 32 + d.numel()].view(d.shape) for db, d in zip(dbufs, dsts, strict=True)])
+    check_landed(
+        [n for n, _ in pairs],
+        [b.cpu() for b in dbufs],
+        [b.cpu()[32 : 32 + d.numel()].view(d.shape) for b, d in zip(dbufs, dsts, strict=True)],
+        what,
+    )
+    bufs, dsts = poisoned([old for _, old in pairs])
+    D.unpack_delta(msg.cpu(), dsts, backend="torch")
+    check_landed([n for n, _ in pairs], bufs, dsts, what + " (CPU unpack)")
+
+
+@pytest.mark.gpu
+def test_gpu_v2_matches_the_cpu_codec():
+    g = torch.Generator().manual_seed(8)
+    for dtype in DTYPES:
+        for name, old, new in adversarial(dtype, 70_000, g):
+            device_roundtrip([(new, old)], 1 << 15, GPU, f"{dtype} {name}")
+    big = torch.randn(2048, 3000, generator=g).to(torch.bfloat16)  # 6M elements, 1 % and 10 % steps, strided
+    for frac in (0.01, 0.1):
+        device_roundtrip(
+            [(ulp_steps(big, frac, g).t(), big.t()), (ulp_steps(big[:, :999], frac, g), big[:, :999])],
+            1 << 15,
+            GPU,
+            f"big {frac}",
+        )
