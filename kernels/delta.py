@@ -229,3 +229,242 @@ def delta_unpack_kernel(
             bad += (running != count).to(tl.int32)
         if bad != 0:
             tl.store(bad_ptr + chunk, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Format version 2 (issue 44; ``triton_reshard/ops/delta_v2.py`` defines the bytes): narrow differences in
+# blocks of 256 elements of a chunk. One program handles ``BPT`` blocks (one per row of its tiles); the
+# launcher gives every block a row of ``int64[num_blocks, V_FIELDS]``: ``V_CHUNK`` its chunk's row in the
+# launch's chunk table (the v1 pack / unpack table above), ``V_K`` its index in the chunk, ``V_CNT`` /
+# ``V_CODE`` its changed elements and width code (written by the stats pass on the sender, read from its
+# descriptor on the receiver), ``V_MODE`` its positions' mode, ``V_PAY`` the byte offset of its payload in
+# the message and ``V_POSB`` the bytes of its positions (the values follow them). Values of 2 and 4 bits share
+# bytes with their neighbours, possibly another program's: they are OR-ed into the zeroed message with
+# ``atomic_or`` on 32-bit words (a value never crosses one: it starts at a multiple of its width); every
+# other byte has one writer.
+
+NB = tl.constexpr(256)  # elements per block (ops/delta_v2.BLOCK)
+RAW = tl.constexpr(6)
+KIND_NARROW = tl.constexpr(3)
+MODE_OFFSETS = tl.constexpr(0)
+MODE_BITMASK = tl.constexpr(1)
+MODE_ALL = tl.constexpr(2)
+V_CHUNK = tl.constexpr(0)
+V_K = tl.constexpr(1)
+V_CNT = tl.constexpr(2)
+V_CODE = tl.constexpr(3)
+V_MODE = tl.constexpr(4)
+V_PAY = tl.constexpr(5)
+V_POSB = tl.constexpr(6)
+V_FIELDS = tl.constexpr(7)
+
+
+@triton.jit
+def _rows(table_ptr, ci, base: tl.constexpr, valid):
+    """Four consecutive int64 fields ``base..base+3`` of the table rows ``ci`` (column vectors)."""
+    a = tl.load(table_ptr + ci + base, mask=valid, other=1)[:, None]
+    b = tl.load(table_ptr + ci + base + 1, mask=valid, other=1)[:, None]
+    c = tl.load(table_ptr + ci + base + 2, mask=valid, other=1)[:, None]
+    d = tl.load(table_ptr + ci + base + 3, mask=valid, other=1)[:, None]
+    return a, b, c, d
+
+
+@triton.jit
+def _diff_code(s, p, ESIZE: tl.constexpr):
+    """(d, raw, code) of bit patterns ``s`` (new) and ``p`` (old): ``d = s - p`` modulo 2**(8 ESIZE) read as
+    a signed int64, ``s``'s bits as int64 (zero-extended below 8 bytes) and the code of the narrowest width
+    holding ``d`` (``RAW`` at the element's width)."""
+    if ESIZE == 8:
+        d = s - p
+        raw = s
+    else:
+        wmask = (1 << (8 * ESIZE)) - 1
+        du = (s.to(tl.int64) - p.to(tl.int64)) & wmask
+        d = du - ((du >> (8 * ESIZE - 1)) & 1) * (1 << (8 * ESIZE))
+        raw = s.to(tl.int64) & wmask
+    c = 1 + ((d < -2) | (d >= 2)).to(tl.int64) + ((d < -8) | (d >= 8)).to(tl.int64)
+    c += ((d < -128) | (d >= 128)).to(tl.int64) + ((d < -32768) | (d >= 32768)).to(tl.int64)
+    c += ((d < -2147483648) | (d >= 2147483648)).to(tl.int64)
+    logw = 3 + (ESIZE > 1) + (ESIZE > 2) + (ESIZE > 4)
+    code = tl.where(c >= logw, RAW, c)
+    return d, raw, code
+
+
+@triton.jit
+def _width(code, ESIZE: tl.constexpr):
+    """Bits per value of block codes (raw: the element's bits)."""
+    return tl.where(code == RAW, 8 * ESIZE, 1 << tl.minimum(code, 5))
+
+
+@triton.jit(do_not_specialize=("num_blocks",))
+def delta2_pack_kernel(
+    src_ptr,  # element bits of the sources' base storage
+    snap_ptr,  # the same for the snapshots
+    val_ptr,  # the message as the element's integer dtype (dense chunks)
+    msg_ptr,  # the message as uint8
+    m32_ptr,  # the message as int32 (2- and 4-bit values, OR-ed in)
+    table_ptr,  # the v1 pack table (P_* fields) of the launch's chunks
+    blocks_ptr,  # int64[num_blocks, V_FIELDS]
+    num_blocks,
+    ESIZE: tl.constexpr,
+    STATS: tl.constexpr,  # True: write V_CNT / V_CODE of every block only
+    UPDATE: tl.constexpr,  # write the changed values into the snapshot
+    BPT: tl.constexpr,
+):
+    """Pass 1 (``STATS``): every block's changed elements and width code. Pass 2: the bodies of dense chunks
+    and the descriptors, positions and values of the changed blocks of narrow chunks (chunk headers are written
+    by the launcher); with ``UPDATE`` the snapshot takes the changed elements."""
+    bid = tl.program_id(0).to(tl.int64) * BPT + tl.arange(0, BPT).to(tl.int64)
+    valid = bid < num_blocks
+    brow = blocks_ptr + bid * V_FIELDS
+    ci = tl.load(brow + V_CHUNK, mask=valid, other=0) * P_FIELDS
+    k = tl.load(brow + V_K, mask=valid, other=0)[:, None]
+    src0, snap0, start, n = _rows(table_ptr, ci, P_SRC, valid)
+    d0, d1, d2, _d3 = _rows(table_ptr, ci, P_SIZE, valid)
+    s0, s1, s2, s3 = _rows(table_ptr, ci, P_SSTRIDE, valid)
+    p0, p1, p2, p3 = _rows(table_ptr, ci, P_PSTRIDE, valid)
+    lane = tl.arange(0, NB).to(tl.int64)[None, :]
+    j = k * NB + lane  # element in the chunk
+    m = valid[:, None] & (j < n)
+    poff = snap0 + _elem_offsets(start + j, d0, d1, d2, p0, p1, p2, p3)
+    s = tl.load(src_ptr + src0 + _elem_offsets(start + j, d0, d1, d2, s0, s1, s2, s3), mask=m)
+    p = tl.load(snap_ptr + poff, mask=m)
+    ch = (s != p) & m
+    d, raw, code = _diff_code(s, p, ESIZE)
+    if STATS:
+        tl.store(brow + V_CNT, tl.reduce(ch.to(tl.int64), 1, tl.standard._sum_combine), mask=valid)
+        tl.store(brow + V_CODE, tl.reduce(tl.where(ch, code, 0), 1, tl.standard._elementwise_max), mask=valid)
+    else:
+        body = tl.load(table_ptr + ci + P_OUT, mask=valid, other=0) + HEADER_BYTES
+        kind = tl.load(table_ptr + ci + P_KIND, mask=valid, other=0)
+        tl.store(val_ptr + body[:, None] // ESIZE + j, s, mask=m & (kind[:, None] == KIND_DENSE))
+        cnt = tl.load(brow + V_CNT, mask=valid, other=0)
+        bcode = tl.load(brow + V_CODE, mask=valid, other=0)
+        mode = tl.load(brow + V_MODE, mask=valid, other=0)
+        live = valid & (kind == KIND_NARROW) & (cnt > 0)
+        desc = body + 2 * tl.load(brow + V_K, mask=valid, other=0)
+        tl.store(msg_ptr + desc, (bcode | (mode << 4)).to(tl.uint8), mask=live)
+        tl.store(msg_ptr + desc + 1, (cnt - 1).to(tl.uint8), mask=live)
+        pay = tl.load(brow + V_PAY, mask=live, other=0)[:, None]
+        vat = pay + tl.load(brow + V_POSB, mask=live, other=0)[:, None]
+        _encode_block(
+            msg_ptr,
+            m32_ptr,
+            pay,
+            vat,
+            live[:, None],
+            ch,
+            lane,
+            d,
+            raw,
+            bcode[:, None],
+            mode[:, None],
+            tl.minimum(n - k * NB, NB),
+            ESIZE,
+            BPT,
+        )
+        if UPDATE:
+            tl.store(snap_ptr + poff, s, mask=ch)
+
+
+@triton.jit
+def _encode_block(
+    msg_ptr,
+    m32_ptr,
+    pay,
+    vat,
+    live,
+    ch,
+    lane,
+    d,
+    raw,
+    code,
+    mode,
+    blen,
+    ESIZE: tl.constexpr,
+    BPT: tl.constexpr,
+):
+    """Positions (at byte ``pay``) and values (at byte ``vat``) of the live rows' blocks of ``blen`` elements."""
+    rank = tl.associative_scan(ch.to(tl.int64), 1, tl.standard._sum_combine) - 1
+    tl.store(msg_ptr + pay + rank, lane.to(tl.uint8), mask=live & ch & (mode == MODE_OFFSETS))
+    bits = tl.reshape(ch.to(tl.int32), (BPT, NB // 8, 8)) << tl.arange(0, 8)[None, None, :]
+    mbytes = tl.reduce(bits, 2, tl.standard._sum_combine)  # (BPT, 32): the bitmask's bytes
+    q = tl.arange(0, NB // 8)[None, :]
+    tl.store(
+        msg_ptr + pay + q, mbytes.to(tl.uint8), mask=live & (mode == MODE_BITMASK) & (q < (blen + 7) // 8)
+    )
+    w = _width(code, ESIZE)
+    every = mode == MODE_ALL
+    put = live & tl.where(every, lane < blen, ch)
+    slot = tl.where(every, lane, rank)
+    v = tl.where(code == RAW, raw, d & ((1 << tl.minimum(w, 32)) - 1))
+    bit = vat * 8 + slot * w
+    small = put & (w < 8)
+    tl.atomic_or(m32_ptr + (bit >> 5), (v << (bit & 31)).to(tl.int32), mask=small, sem="relaxed")
+    nb = w // 8
+    for b in tl.static_range(8):
+        tl.store(msg_ptr + (bit >> 3) + b, ((v >> (8 * b)) & 0xFF).to(tl.uint8), mask=put & (b < nb))
+
+
+@triton.jit(do_not_specialize=("num_blocks",))
+def delta2_unpack_kernel(
+    dst_ptr,  # element bits of the destinations' base storage
+    msg_ptr,  # the message as uint8
+    table_ptr,  # the v1 unpack table (U_* fields) of the launch's chunks
+    blocks_ptr,  # int64[num_blocks, V_FIELDS] of the changed blocks of narrow chunks (descriptors checked)
+    bad_ptr,  # int32[num_blocks]: set to 1 where a block's positions disagree with its descriptor
+    num_blocks,
+    ESIZE: tl.constexpr,
+    CHECK: tl.constexpr,  # True: check the positions only (offsets ascending inside the block, bitmask popcount)
+    BPT: tl.constexpr,
+):
+    """Pass 1 (``CHECK``): every block's positions against its descriptor, nothing written. Pass 2: every
+    changed element of the destination gets the difference added (modulo its width) or the raw bits."""
+    bid = tl.program_id(0).to(tl.int64) * BPT + tl.arange(0, BPT).to(tl.int64)
+    valid = bid < num_blocks
+    brow = blocks_ptr + bid * V_FIELDS
+    ci = tl.load(brow + V_CHUNK, mask=valid, other=0) * U_FIELDS
+    k = tl.load(brow + V_K, mask=valid, other=0)[:, None]
+    cnt = tl.load(brow + V_CNT, mask=valid, other=0)[:, None]
+    code = tl.load(brow + V_CODE, mask=valid, other=0)[:, None]
+    mode = tl.load(brow + V_MODE, mask=valid, other=0)[:, None]
+    pay = tl.load(brow + V_PAY, mask=valid, other=0)[:, None]
+    n = tl.load(table_ptr + ci + U_NUMEL, mask=valid, other=0)[:, None]
+    blen = tl.minimum(n - k * NB, NB)
+    t = tl.arange(0, NB).to(tl.int64)[None, :]
+    v2 = valid[:, None]
+    isoff = v2 & (mode == MODE_OFFSETS)
+    pos = tl.load(msg_ptr + pay + t, mask=isoff & (t < cnt), other=0).to(tl.int64) & 0xFF
+    inmask = v2 & (mode == MODE_BITMASK) & ((t >> 3) < (blen + 7) // 8)  # the bitmask's bytes only
+    bit = (tl.load(msg_ptr + pay + (t >> 3), mask=inmask, other=0).to(tl.int64) >> (t & 7)) & 1
+    if CHECK:
+        prev = tl.load(msg_ptr + pay + t - 1, mask=isoff & (t < cnt) & (t > 0), other=0).to(tl.int64) & 0xFF
+        bad_o = isoff & (t < cnt) & ((pos >= blen) | ((t > 0) & (pos <= prev)))
+        pop = tl.reduce(bit, 1, tl.standard._sum_combine)[:, None]
+        bad_b = (mode == MODE_BITMASK) & (
+            (pop != cnt) | (tl.reduce(bit * (t >= blen), 1, tl.standard._sum_combine)[:, None] > 0)
+        )
+        bad = tl.reduce((bad_o | (v2 & bad_b)).to(tl.int32), 1, tl.standard._elementwise_max)
+        tl.store(bad_ptr + bid, bad, mask=valid)
+    else:
+        vat = pay + tl.load(brow + V_POSB, mask=valid, other=0)[:, None]
+        slot = tl.where(mode == MODE_BITMASK, tl.associative_scan(bit, 1, tl.standard._sum_combine) - 1, t)
+        elem = tl.where(isoff, pos, t)
+        act = v2 & tl.where(isoff, t < cnt, tl.where(mode == MODE_BITMASK, bit != 0, t < blen))
+        w = _width(code, ESIZE)
+        at = vat * 8 + slot * w
+        v = (tl.load(msg_ptr + (at >> 3), mask=act, other=0).to(tl.int64) & 0xFF) >> (at & 7)
+        for b in tl.static_range(1, 8):
+            byte = tl.load(msg_ptr + (at >> 3) + b, mask=act & (b < w // 8), other=0).to(tl.int64) & 0xFF
+            v |= byte << (8 * b)
+        small = tl.minimum(w, 32)
+        v = tl.where(w < 8, v & ((1 << small) - 1), v)
+        v = tl.where(code == RAW, v, v - (((v >> (small - 1)) & 1) << small))  # sign-extended difference
+        d0, d1, d2, _d3 = _rows(table_ptr, ci, U_SIZE, valid)
+        t0, t1, t2, t3 = _rows(table_ptr, ci, U_STRIDE, valid)
+        dst0 = tl.load(table_ptr + ci + U_DST, mask=valid, other=0)[:, None]
+        start = tl.load(table_ptr + ci + U_START, mask=valid, other=0)[:, None]
+        doff = dst0 + _elem_offsets(start + k * NB + elem, d0, d1, d2, t0, t1, t2, t3)
+        cur = tl.load(dst_ptr + doff, mask=act)
+        new = tl.where(code == RAW, v, cur.to(tl.int64) + v)
+        tl.store(dst_ptr + doff, new.to(cur.dtype), mask=act)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# GPU check of the copy kernels, in one go (< 8 minutes on one H100/H200-class GPU):
-#   1. the `gpu`-marked kernel tests (compiled kernel on CUDA, large sizes, all casts, autotuning, > 2^31),
+# GPU check of the copy kernels and the delta codec, in one go (< 10 minutes on one H100/H200-class GPU):
+#   1. the `gpu`-marked kernel tests (compiled kernel on CUDA, large sizes, all casts, autotuning, > 2^31; the
+#      delta codec's v2 kernels: the CPU codec's bytes on adversarial cases, bit-exact apply),
 #   2. perf/autotune.py on the Llama-3-8B preset (chosen configs and their GB/s),
-#   3. perf/bench_kernels.py (Triton vs per-slice torch vs a plain-copy ceiling).
+#   3. perf/bench_kernels.py (Triton vs per-slice torch vs a plain-copy ceiling),
+#   4. perf/bench_delta_gpu.py (the Triton delta codec, format v2 and v1, on the 125M Llama's bf16 weights:
+#      pack and apply against one dense copy, bit-exact, v2 bytes equal to the CPU codec's; exit 1 if not).
 # Needs only torch + triton (+ pytest for part 1; installed if missing and a network is there, else part 1 is
 # skipped). Every part runs under `timeout`; a failing part does not stop the others.
 #
 #   bash perf/gpu_check.sh OUTDIR
 #
 # OUTDIR receives: env.txt, tests.log, tests.xml, autotune.log, autotune.json, bench.log, bench.json,
-# summary.txt (the exit status of every part).
+# delta.log, delta.json, summary.txt (the exit status of every part).
 set -u
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -34,9 +37,10 @@ fi
 status() { echo "$1: exit $2" >>"$OUT/summary.txt"; }
 : >"$OUT/summary.txt"
 
-# 1. gpu tests (~52 one-config compiles for the cast matrix, a few autotuned ones)
+# 1. gpu tests (~52 one-config compiles for the cast matrix, a few autotuned ones; the delta v2 kernels for 4
+#    element sizes against the CPU codec's bytes)
 if $PY -c "import pytest" 2>/dev/null; then
-  timeout 210 $PY -m pytest tests/test_kernels.py -m gpu -q -rA -p no:cacheprovider \
+  timeout 270 $PY -m pytest tests/test_kernels.py tests/test_delta_triton_v2.py -m gpu -q -rA -p no:cacheprovider \
     --junitxml="$OUT/tests.xml" >"$OUT/tests.log" 2>&1
   status "gpu tests" $?
 else
@@ -52,5 +56,10 @@ status "autotune" $?
 timeout 150 $PY perf/bench_kernels.py --device cuda --repeats 10 --out "$OUT/bench.json" >"$OUT/bench.log" 2>&1
 status "bench" $?
 
+# 4. the delta codec (first launches compile ~10 kernels; the CPU codec's bytes are computed once per fraction)
+timeout 120 $PY perf/bench_delta_gpu.py --device cuda --repeats 5 --out "$OUT/delta.json" >"$OUT/delta.log" 2>&1
+status "delta codec" $?
+
 cat "$OUT/summary.txt"
 tail -n 12 "$OUT/bench.log"
+tail -n 4 "$OUT/delta.log"

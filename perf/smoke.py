@@ -42,6 +42,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
                                         "--out", "{out}/zero_overhead.json"], 300),
     "bench_zero.py#copies": ("main", ["--part", "copies", "--vocab", "256", "--layers", "1",
                                       "--out", "{out}/zero_copies.json"], 300),
+    "bench_delta_gpu.py": ("main", ["--device", "cpu", "--vocab", "256", "--hidden", "64", "--inter", "128", "--layers",
+                                    "1", "--repeats", "1", "--out", "{out}/delta_gpu.json"], 300),
     "bench_integrity.py": ("main", ["--mb", "1", "--repeats", "1", "--out", "{out}/integrity.json"], 300),
     "bench_call.py": ("main", ["--calls", "4", "--ab", "--out", "{out}/call.json"], 300),
     "bench_kernels.py": ("main", ["--quick", "--model", "tiny-llama", "--repeats", "1", "--out", "{out}/kernels.json"], 300),

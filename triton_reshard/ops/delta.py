@@ -24,7 +24,7 @@ shapes in the same order (checked per chunk: element size and length).
 
 Version 2 (issue 44; the default of CPU packs: ``version=2``): the same container with ``VERSION`` 2 and one
 more chunk kind, narrow differences of the bit patterns in blocks of 256 (``ops/delta_v2.py``); readers take
-both versions, the Triton kernels write version 1.
+both versions (the torch-ops reference on other devices reads version 1), the Triton kernels write either.
 
 Encoded message (all integers little-endian; every section starts at a multiple of 16 bytes from the
 start of the message; padding bytes are zero; the whole message is a multiple of 16 bytes)
@@ -419,13 +419,14 @@ def pack_delta(pairs: Sequence[Pair], chunk_elems: int = DEFAULT_CHUNK_ELEMS, up
     argument > ``TRITON_RESHARD_BACKEND`` > Triton on CUDA, torch otherwise). ``cache``: a dict the caller keeps
     for a message that recurs with the same view objects (a refit's send): on CPU its per-message plan is kept
     there and its checks are made once (``ops/delta_cached.py``). ``version``: the format a CPU pack writes
-    (2, narrow values: ``ops/delta_v2.py``; 1: the v1 kinds only); the Triton backend writes version 1."""
+    (2, narrow values: ``ops/delta_v2.py``; 1: the v1 kinds only), the Triton backend's too."""
     plan = cache.get("pack2" if version == VERSION2 else "pack") if cache is not None else None
     if plan is not None and plan.fits(pairs, chunk_elems) and _backend(CPU, backend) == "torch":
         return plan.pack(update)
     device = validate_pairs(pairs, names)
     if _backend(device, backend) == "triton":
-        return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names)
+        return triton_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, version=version,
+                           cache=cache)
     return torch_pack(pairs, chunk_elems=chunk_elems, update=update, names=names, cache=cache, version=version)
 
 
