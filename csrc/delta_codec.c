@@ -114,14 +114,52 @@ __attribute__((target("avx2,bmi2"))) static void mask_avx2(const uint8_t *s, con
         m[w] = x;
     }
 }
+
+/* The w-bit differences (w = 2, 4, 8) of a 16-bit block, sign-extended */
+static inline void decode16(const uint8_t *p, int16_t *v, int n, int w) {
+    if (w == 2)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)((int8_t)(uint8_t)(p[j >> 2] << (6 - 2 * (j & 3))) >> 6);
+    else if (w == 4)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)((int8_t)(uint8_t)(p[j >> 1] << (4 - 4 * (j & 1))) >> 4);
+    else
+        for (int j = 0; j < n; j++) v[j] = (int16_t)(int8_t)p[j];
+}
+
+/* Apply one narrow block of 16-bit elements at db (not raw): its positions (offsets, bitmask or all) as a mask
+ * of 4 words, its n values decoded once, then per 32-element group with a change one masked load, an add of
+ * the values expanded to their lanes, one masked store: only the changed elements are written. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) static void
+add_block16(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *p, int n, int w) {
+    uint64_t m[4] = {0, 0, 0, 0};
+    int16_t v[BLOCK];
+    if (mode == MODE_OFFSETS)
+        for (int j = 0; j < n; j++) m[pos[j] >> 6] |= (uint64_t)1 << (pos[j] & 63);
+    else if (mode == MODE_BITMASK)
+        memcpy(m, pos, (size_t)(blen + 7) / 8);  /* little-endian: bit k of byte j is element 8 j + k */
+    else
+        for (int k = 0; k < 4; k++)
+            m[k] = blen >= 64 * (k + 1) ? ~(uint64_t)0 : blen > 64 * k ? ((uint64_t)1 << (blen - 64 * k)) - 1 : 0;
+    decode16(p, v, n, w);
+    int k = 0;
+    for (int l = 0; l < BLOCK / 32; l++) {
+        uint32_t bits = (uint32_t)(m[l >> 1] >> (32 * (l & 1)));
+        if (!bits) continue;
+        __m512i x = _mm512_maskz_expandloadu_epi16(bits, v + k);
+        __m512i a = _mm512_maskz_loadu_epi16(bits, db + 64 * l);
+        _mm512_mask_storeu_epi16(db + 64 * l, bits, _mm512_add_epi16(a, x));
+        k += __builtin_popcount(bits);
+    }
+}
 #endif
 
 static mask_fn block_mask = 0;
+static int fast16 = 0; /* add_block16 usable (AVX-512 VBMI2) */
 
 static void choose_mask(void) {
     block_mask = mask_portable2;
 #ifdef HAVE_X86
     __builtin_cpu_init();
+    fast16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
     if (__builtin_cpu_supports("avx512bw")) block_mask = mask_avx512;
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) block_mask = mask_avx2;
 #endif
@@ -418,7 +456,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         total += cnt;
         uint8_t idxb[BLOCK];
         const uint8_t *idx = idxb;
-        int nv = cnt;
+        int nv = cnt, vec = direct && e == 2 && code != RAW && fast16; /* add_block16 applies it */
         if (mode == MODE_OFFSETS) {
             unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
             for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
@@ -429,7 +467,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             int c = 0;
             for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
             if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
-            if (ch) {
+            if (ch && !vec) {
                 c = 0;
                 for (int q = 0; q < (blen + 7) / 8; q++)
                     for (unsigned x = p[q]; x; x &= x - 1) idxb[c++] = (uint8_t)(8 * q + __builtin_ctz(x));
@@ -439,6 +477,12 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             nv = blen;
         }
         if (!ch) continue;
+#ifdef HAVE_X86
+        if (vec) {
+            add_block16(d + b * BLOCK * 2, blen, mode, mode == MODE_BITMASK ? p - (blen + 7) / 8 : idx, p, nv, w);
+            continue;
+        }
+#endif
         uint32_t base = (uint32_t)(b * BLOCK), rawbit = code == RAW ? 0x80000000u : 0;
         uint64_t v[BLOCK];
         get_values(p, v, nv, w);
@@ -484,6 +528,7 @@ static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t
  * header, or -2 when the message holds a chunk kind this codec does not write (the caller falls back). */
 EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
                           const int64_t *esize, int64_t ce, int check) {
+    if (!block_mask) choose_mask();
     int64_t c = 0, r = -1;
     changes chs = {NULL, NULL}, *ch = NULL;
     if (!check) {

@@ -80,15 +80,16 @@ def adversarial(dtype: torch.dtype, n: int, g: torch.Generator) -> list[tuple[st
     return cases
 
 
-def roundtrip(pairs_new_old, ce: int) -> torch.Tensor:
-    """Pack (update) and unpack into destinations holding the snapshot inside poisoned buffers; check all."""
+def roundtrip(pairs_new_old, ce: int, at: int = 32) -> torch.Tensor:
+    """Pack (update) and unpack into destinations holding the snapshot inside poisoned buffers (``at``
+    elements in: any alignment to the cache lines); check all."""
     snaps = [old.clone() for _new, old in pairs_new_old]
     msg = D.pack_delta([(new, s) for (new, _o), s in zip(pairs_new_old, snaps, strict=True)], ce, backend="torch")
     bufs, dsts = [], []
     for new, old in pairs_new_old:
         buf = torch.empty(new.numel() + 64, dtype=new.dtype)
         bits(buf).fill_(-1 if new.element_size() > 1 else 0x5A)
-        d = buf[32:32 + new.numel()].view(new.shape)
+        d = buf[at:at + new.numel()].view(new.shape)
         d.copy_(old)
         bufs.append(buf)
         dsts.append(d)
@@ -97,7 +98,7 @@ def roundtrip(pairs_new_old, ce: int) -> torch.Tensor:
         assert torch.equal(bits(s), bits(new)), "the snapshot update"
         assert torch.equal(bits(d), bits(new)), "the unpacked values"
         poison = -1 if new.element_size() > 1 else 0x5A
-        assert bool((bits(buf[:32]) == poison).all()) and bool((bits(buf[32 + new.numel():]) == poison).all())
+        assert bool((bits(buf[:at]) == poison).all()) and bool((bits(buf[at + new.numel():]) == poison).all())
     return msg
 
 
@@ -113,6 +114,21 @@ def test_adversarial_roundtrip_same_bytes(codec, dtype, ce):
         assert torch.equal(msgs[0], msgs[1]), f"{name}: the codecs' bytes differ"
         assert int(msgs[0][4:8].view(torch.int32)[0]) == 2
         assert msgs[0].numel() <= D.max_message_bytes([new.numel()], [new.element_size()], ce)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unaligned_destinations(codec, dtype):
+    """Destinations starting anywhere in a cache line (the native apply adds whole lines inside a chunk and
+    the chunk's partial first and last lines element by element): exact, the poison around them kept."""
+    g = torch.Generator().manual_seed(3)
+    for name, old, new in adversarial(dtype, 3000, g):
+        for at in (1, 3, 17):
+            for ce in (1000, 7):
+                msgs = []
+                for c in CODECS:
+                    codec(c)
+                    msgs.append(roundtrip([(new, old), (new[5:], old[5:])], ce, at))
+                assert torch.equal(msgs[0], msgs[1]), f"{name}: the codecs' bytes differ"
 
 
 def test_widths_and_modes(codec):
