@@ -176,25 +176,29 @@ EXPORT int trd_simd(void) {
 
 /* ---- values: a little-endian bit stream of w-bit values ----------------------------------------------- */
 
-static inline uint8_t *put_values(uint8_t *p, const uint64_t *v, int n, int w) {
-    int j = 0;
-    if (w == 2) {
-        for (; j + 4 <= n; j += 4)
-            *p++ = (uint8_t)((v[j] & 3) | (v[j + 1] & 3) << 2 | (v[j + 2] & 3) << 4 | (v[j + 3] & 3) << 6);
-    } else if (w == 4) {
-        for (; j + 2 <= n; j += 2) *p++ = (uint8_t)((v[j] & 15) | (v[j + 1] & 15) << 4);
-    } else {
-        for (; j < n; j++)
-            for (int k = 0; k < w / 8; k++) *p++ = (uint8_t)(v[j] >> (8 * k));
-        return p;
+#define PUT_VALUES(NAME, T)                                                                                     \
+    static inline uint8_t *NAME(uint8_t *p, const T *v, int n, int w) {                                         \
+        int j = 0;                                                                                              \
+        if (w == 2) {                                                                                           \
+            for (; j + 4 <= n; j += 4)                                                                          \
+                *p++ = (uint8_t)((v[j] & 3) | (v[j + 1] & 3) << 2 | (v[j + 2] & 3) << 4 | (v[j + 3] & 3) << 6); \
+        } else if (w == 4) {                                                                                    \
+            for (; j + 2 <= n; j += 2) *p++ = (uint8_t)((v[j] & 15) | (v[j + 1] & 15) << 4);                    \
+        } else {                                                                                                \
+            for (; j < n; j++)                                                                                  \
+                for (int k = 0; k < w / 8; k++) *p++ = (uint8_t)(v[j] >> (8 * k));                              \
+            return p;                                                                                           \
+        }                                                                                                       \
+        if (j < n) {                                                                                            \
+            uint64_t acc = 0;                                                                                   \
+            for (int t = 0; j < n; j++, t += w) acc |= ((uint64_t)v[j] & ((1u << w) - 1)) << t;                 \
+            *p++ = (uint8_t)acc;                                                                                \
+        }                                                                                                       \
+        return p;                                                                                               \
     }
-    if (j < n) {
-        uint64_t acc = 0;
-        for (int t = 0; j < n; j++, t += w) acc |= (v[j] & ((1u << w) - 1)) << t;
-        *p++ = (uint8_t)acc;
-    }
-    return p;
-}
+
+PUT_VALUES(put_values, uint64_t)
+PUT_VALUES(put_values16, uint16_t) /* a 16-bit block's differences (two's complement bits) */
 
 static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
     if (w == 2) {
@@ -283,6 +287,60 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
     return p - pay;
 }
 
+#ifdef HAVE_X86
+/* pack_block for a whole block of 16-bit elements (AVX-512 VBMI2): per 32-element group with a change, one
+ * vector difference, its changed lanes compressed into the values and their indices into the offsets, the
+ * group's line of the snapshot rewritten from the source (its unchanged elements are equal); the same bytes. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) static int64_t
+pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t *desc, uint8_t *pay, int update) {
+    uint16_t val[BLOCK + 32];
+    uint8_t idx[BLOCK + 32];
+    __m512i orv = _mm512_setzero_si512();
+    __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                    22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    int c = 0;
+    for (int l = 0; l < BLOCK / 32; l++) {
+        uint32_t bits = (uint32_t)(m[l >> 1] >> (32 * (l & 1)));
+        if (!bits) continue;
+        __m512i a = _mm512_loadu_si512((const void *)(s + 64 * l));
+        __m512i d = _mm512_sub_epi16(a, _mm512_loadu_si512((const void *)(q + 64 * l)));
+        orv = _mm512_or_si512(orv, _mm512_xor_si512(d, _mm512_srai_epi16(d, 15)));
+        _mm512_mask_compressstoreu_epi16(val + c, bits, d);
+        _mm256_mask_compressstoreu_epi8(idx + c, bits, _mm256_add_epi8(iota, _mm256_set1_epi8((char)(32 * l))));
+        if (update) _mm512_storeu_si512((void *)(q + 64 * l), a);
+        c += __builtin_popcount(bits);
+    }
+    uint16_t lanes[32];
+    _mm512_storeu_si512((void *)lanes, orv);
+    uint64_t o = 0;
+    for (int k = 0; k < 32; k++) o |= lanes[k];
+    int code = code_of(o, 2), w = width_of(code, 2);
+    if (code == RAW)
+        for (int j = 0; j < cnt; j++) val[j] = (uint16_t)load(s, idx[j], 2);
+    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = BLOCK / 8 + vb, al = vbytes(BLOCK, w);
+    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
+    desc[0] = (uint8_t)(code | (mode << 4));
+    desc[1] = (uint8_t)(cnt - 1);
+    uint8_t *p = pay;
+    if (mode == MODE_OFFSETS) {
+        memcpy(p, idx, (size_t)cnt);
+        p = put_values16(p + cnt, val, cnt, w);
+    } else if (mode == MODE_BITMASK) {
+        memcpy(p, m, BLOCK / 8);  /* little-endian: element 8 j + k is bit k of byte j */
+        p = put_values16(p + BLOCK / 8, val, cnt, w);
+    } else {
+        uint16_t full[BLOCK];
+        if (code == RAW)
+            memcpy(full, s, sizeof full);
+        else
+            memset(full, 0, sizeof full);
+        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
+        p = put_values16(p, full, BLOCK, w);
+    }
+    return p - pay;
+}
+#endif
+
 static int count_block(const uint64_t m[4]) {
     return __builtin_popcountll(m[0]) + __builtin_popcountll(m[1]) + __builtin_popcountll(m[2]) +
            __builtin_popcountll(m[3]);
@@ -303,7 +361,12 @@ INLINE int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint
         int cnt = count_block(m);
         if (!cnt) { desc[2 * b] = desc[2 * b + 1] = 0; continue; }
         count += cnt;
-        at += pack_block(sb, qb, blen, e, m, cnt, desc + 2 * b, out + at, update);
+#ifdef HAVE_X86
+        if (e == 2 && blen == BLOCK && fast16)
+            at += pack_block16(sb, qb, m, cnt, desc + 2 * b, out + at, update);
+        else
+#endif
+            at += pack_block(sb, qb, blen, e, m, cnt, desc + 2 * b, out + at, update);
         if (pad16(at) >= dense) break;  /* the narrow chunk is not smaller: dense */
     }
     uint32_t h[4];
