@@ -477,8 +477,10 @@ EXPORT int64_t trd_pack_rows(int64_t n, const int64_t *src, const int64_t *snap,
 /* ---- unpack ---------------------------------------------------------------------------------------- */
 
 /* The decoded changes of one chunk: element index (bit 31: a raw value) and value (raw bits or the
- * sign-extended difference); applied after the whole chunk is decoded, with the destination's lines
- * prefetched ahead (the writes are scattered: without it the apply waits on each line in turn). */
+ * sign-extended difference); applied after the whole chunk is decoded. The destination's line of each change
+ * is prefetched as it is decoded (the decode of a chunk takes about as long as the memory needs to bring its
+ * lines: they are in cache by the apply) and again ahead of the apply (the writes are scattered: without
+ * either the apply waits on each line in turn). */
 typedef struct { uint32_t *pos; uint64_t *val; } changes;
 
 #define PREFETCH 24
@@ -566,7 +568,9 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         } else {
             for (int j = 0; j < nv; j++) {
                 if (!rawbit && !v[j]) continue;  /* an unchanged element of an "all" block */
-                ch->pos[k] = (base + (uint32_t)(mode == MODE_ALL ? j : idx[j])) | rawbit;
+                uint32_t at = base + (uint32_t)(mode == MODE_ALL ? j : idx[j]);
+                __builtin_prefetch(d + (int64_t)at * e, 1, 3);
+                ch->pos[k] = at | rawbit;
                 ch->val[k++] = v[j];
             }
         }
