@@ -126,8 +126,9 @@ static inline void decode16(const uint8_t *p, int16_t *v, int n, int w) {
 }
 
 /* Apply one narrow block of 16-bit elements at db (not raw): its positions (offsets, bitmask or all) as a mask
- * of 4 words, its n values decoded once, then per 32-element group with a change one masked load, an add of
- * the values expanded to their lanes, one masked store: only the changed elements are written. */
+ * of 4 words, its n values decoded once, then per 32-element group with a change one load, an add of the values
+ * expanded to their lanes (0 in the others), one store; a group past the block's end masked to its changed
+ * lanes: no byte outside the destination is touched. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) static void
 add_block16(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *p, int n, int w) {
     uint64_t m[4] = {0, 0, 0, 0};
@@ -145,8 +146,13 @@ add_block16(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *
         uint32_t bits = (uint32_t)(m[l >> 1] >> (32 * (l & 1)));
         if (!bits) continue;
         __m512i x = _mm512_maskz_expandloadu_epi16(bits, v + k);
-        __m512i a = _mm512_maskz_loadu_epi16(bits, db + 64 * l);
-        _mm512_mask_storeu_epi16(db + 64 * l, bits, _mm512_add_epi16(a, x));
+        if (32 * (l + 1) <= blen) { /* inside the block: the whole group (its unchanged lanes add 0) */
+            __m512i a = _mm512_loadu_si512((const void *)(db + 64 * l));
+            _mm512_storeu_si512((void *)(db + 64 * l), _mm512_add_epi16(a, x));
+        } else { /* the block's end: its changed lanes only (nothing past the destination is touched) */
+            __m512i a = _mm512_maskz_loadu_epi16(bits, db + 64 * l);
+            _mm512_mask_storeu_epi16(db + 64 * l, bits, _mm512_add_epi16(a, x));
+        }
         k += __builtin_popcount(bits);
     }
 }
@@ -524,14 +530,17 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         int nv = cnt, vec = direct && e == 2 && code != RAW && fast16; /* add_block16 applies it */
         if (mode == MODE_OFFSETS) {
             unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
-            for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
+            if (!ch)  /* (the apply follows a check pass over the same bytes) */
+                for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
             if (bad) return 1;
             idx = p;
             p += cnt;
         } else if (mode == MODE_BITMASK) {
             int c = 0;
-            for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
-            if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
+            if (!ch) {
+                for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
+                if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
+            }
             if (ch && !vec) {
                 c = 0;
                 for (int q = 0; q < (blen + 7) / 8; q++)
@@ -591,7 +600,8 @@ static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t
 }
 
 /* Check (check == 1: no write) or apply a v2 message to n contiguous destinations. Headers and directory were
- * checked by the caller. Returns -1 when done, the index of the first chunk whose body disagrees with its
+ * checked by the caller; an apply (check == 0) only after a check of the same bytes returned -1 (it leaves out
+ * the checks of positions that check made). Returns -1 when done, the index of the first chunk whose body disagrees with its
  * header, or -2 when the message holds a chunk kind this codec does not write (the caller falls back). */
 EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
                           const int64_t *esize, int64_t ce, int check) {
