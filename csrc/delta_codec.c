@@ -114,14 +114,58 @@ __attribute__((target("avx2,bmi2"))) static void mask_avx2(const uint8_t *s, con
         m[w] = x;
     }
 }
+
+/* The w-bit differences (w = 2, 4, 8) of a 16-bit block, sign-extended */
+static inline void decode16(const uint8_t *p, int16_t *v, int n, int w) {
+    if (w == 2)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)((int8_t)(uint8_t)(p[j >> 2] << (6 - 2 * (j & 3))) >> 6);
+    else if (w == 4)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)((int8_t)(uint8_t)(p[j >> 1] << (4 - 4 * (j & 1))) >> 4);
+    else
+        for (int j = 0; j < n; j++) v[j] = (int16_t)(int8_t)p[j];
+}
+
+/* Apply one narrow block of 16-bit elements at db (not raw): its positions (offsets, bitmask or all) as a mask
+ * of 4 words, its n values decoded once, then per 32-element group with a change one load, an add of the values
+ * expanded to their lanes (0 in the others), one store; a group past the block's end masked to its changed
+ * lanes: no byte outside the destination is touched. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) static void
+add_block16(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *p, int n, int w) {
+    uint64_t m[4] = {0, 0, 0, 0};
+    int16_t v[BLOCK];
+    if (mode == MODE_OFFSETS)
+        for (int j = 0; j < n; j++) m[pos[j] >> 6] |= (uint64_t)1 << (pos[j] & 63);
+    else if (mode == MODE_BITMASK)
+        memcpy(m, pos, (size_t)(blen + 7) / 8);  /* little-endian: bit k of byte j is element 8 j + k */
+    else
+        for (int k = 0; k < 4; k++)
+            m[k] = blen >= 64 * (k + 1) ? ~(uint64_t)0 : blen > 64 * k ? ((uint64_t)1 << (blen - 64 * k)) - 1 : 0;
+    decode16(p, v, n, w);
+    int k = 0;
+    for (int l = 0; l < BLOCK / 32; l++) {
+        uint32_t bits = (uint32_t)(m[l >> 1] >> (32 * (l & 1)));
+        if (!bits) continue;
+        __m512i x = _mm512_maskz_expandloadu_epi16(bits, v + k);
+        if (32 * (l + 1) <= blen) { /* inside the block: the whole group (its unchanged lanes add 0) */
+            __m512i a = _mm512_loadu_si512((const void *)(db + 64 * l));
+            _mm512_storeu_si512((void *)(db + 64 * l), _mm512_add_epi16(a, x));
+        } else { /* the block's end: its changed lanes only (nothing past the destination is touched) */
+            __m512i a = _mm512_maskz_loadu_epi16(bits, db + 64 * l);
+            _mm512_mask_storeu_epi16(db + 64 * l, bits, _mm512_add_epi16(a, x));
+        }
+        k += __builtin_popcount(bits);
+    }
+}
 #endif
 
 static mask_fn block_mask = 0;
+static int fast16 = 0; /* add_block16 usable (AVX-512 VBMI2) */
 
 static void choose_mask(void) {
     block_mask = mask_portable2;
 #ifdef HAVE_X86
     __builtin_cpu_init();
+    fast16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
     if (__builtin_cpu_supports("avx512bw")) block_mask = mask_avx512;
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) block_mask = mask_avx2;
 #endif
@@ -138,25 +182,29 @@ EXPORT int trd_simd(void) {
 
 /* ---- values: a little-endian bit stream of w-bit values ----------------------------------------------- */
 
-static inline uint8_t *put_values(uint8_t *p, const uint64_t *v, int n, int w) {
-    int j = 0;
-    if (w == 2) {
-        for (; j + 4 <= n; j += 4)
-            *p++ = (uint8_t)((v[j] & 3) | (v[j + 1] & 3) << 2 | (v[j + 2] & 3) << 4 | (v[j + 3] & 3) << 6);
-    } else if (w == 4) {
-        for (; j + 2 <= n; j += 2) *p++ = (uint8_t)((v[j] & 15) | (v[j + 1] & 15) << 4);
-    } else {
-        for (; j < n; j++)
-            for (int k = 0; k < w / 8; k++) *p++ = (uint8_t)(v[j] >> (8 * k));
-        return p;
+#define PUT_VALUES(NAME, T)                                                                                     \
+    static inline uint8_t *NAME(uint8_t *p, const T *v, int n, int w) {                                         \
+        int j = 0;                                                                                              \
+        if (w == 2) {                                                                                           \
+            for (; j + 4 <= n; j += 4)                                                                          \
+                *p++ = (uint8_t)((v[j] & 3) | (v[j + 1] & 3) << 2 | (v[j + 2] & 3) << 4 | (v[j + 3] & 3) << 6); \
+        } else if (w == 4) {                                                                                    \
+            for (; j + 2 <= n; j += 2) *p++ = (uint8_t)((v[j] & 15) | (v[j + 1] & 15) << 4);                    \
+        } else {                                                                                                \
+            for (; j < n; j++)                                                                                  \
+                for (int k = 0; k < w / 8; k++) *p++ = (uint8_t)(v[j] >> (8 * k));                              \
+            return p;                                                                                           \
+        }                                                                                                       \
+        if (j < n) {                                                                                            \
+            uint64_t acc = 0;                                                                                   \
+            for (int t = 0; j < n; j++, t += w) acc |= ((uint64_t)v[j] & ((1u << w) - 1)) << t;                 \
+            *p++ = (uint8_t)acc;                                                                                \
+        }                                                                                                       \
+        return p;                                                                                               \
     }
-    if (j < n) {
-        uint64_t acc = 0;
-        for (int t = 0; j < n; j++, t += w) acc |= (v[j] & ((1u << w) - 1)) << t;
-        *p++ = (uint8_t)acc;
-    }
-    return p;
-}
+
+PUT_VALUES(put_values, uint64_t)
+PUT_VALUES(put_values16, uint16_t) /* a 16-bit block's differences (two's complement bits) */
 
 static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
     if (w == 2) {
@@ -245,6 +293,60 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
     return p - pay;
 }
 
+#ifdef HAVE_X86
+/* pack_block for a whole block of 16-bit elements (AVX-512 VBMI2): per 32-element group with a change, one
+ * vector difference, its changed lanes compressed into the values and their indices into the offsets, the
+ * group's line of the snapshot rewritten from the source (its unchanged elements are equal); the same bytes. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) static int64_t
+pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t *desc, uint8_t *pay, int update) {
+    uint16_t val[BLOCK + 32];
+    uint8_t idx[BLOCK + 32];
+    __m512i orv = _mm512_setzero_si512();
+    __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                    22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    int c = 0;
+    for (int l = 0; l < BLOCK / 32; l++) {
+        uint32_t bits = (uint32_t)(m[l >> 1] >> (32 * (l & 1)));
+        if (!bits) continue;
+        __m512i a = _mm512_loadu_si512((const void *)(s + 64 * l));
+        __m512i d = _mm512_sub_epi16(a, _mm512_loadu_si512((const void *)(q + 64 * l)));
+        orv = _mm512_or_si512(orv, _mm512_xor_si512(d, _mm512_srai_epi16(d, 15)));
+        _mm512_mask_compressstoreu_epi16(val + c, bits, d);
+        _mm256_mask_compressstoreu_epi8(idx + c, bits, _mm256_add_epi8(iota, _mm256_set1_epi8((char)(32 * l))));
+        if (update) _mm512_storeu_si512((void *)(q + 64 * l), a);
+        c += __builtin_popcount(bits);
+    }
+    uint16_t lanes[32];
+    _mm512_storeu_si512((void *)lanes, orv);
+    uint64_t o = 0;
+    for (int k = 0; k < 32; k++) o |= lanes[k];
+    int code = code_of(o, 2), w = width_of(code, 2);
+    if (code == RAW)
+        for (int j = 0; j < cnt; j++) val[j] = (uint16_t)load(s, idx[j], 2);
+    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = BLOCK / 8 + vb, al = vbytes(BLOCK, w);
+    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
+    desc[0] = (uint8_t)(code | (mode << 4));
+    desc[1] = (uint8_t)(cnt - 1);
+    uint8_t *p = pay;
+    if (mode == MODE_OFFSETS) {
+        memcpy(p, idx, (size_t)cnt);
+        p = put_values16(p + cnt, val, cnt, w);
+    } else if (mode == MODE_BITMASK) {
+        memcpy(p, m, BLOCK / 8);  /* little-endian: element 8 j + k is bit k of byte j */
+        p = put_values16(p + BLOCK / 8, val, cnt, w);
+    } else {
+        uint16_t full[BLOCK];
+        if (code == RAW)
+            memcpy(full, s, sizeof full);
+        else
+            memset(full, 0, sizeof full);
+        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
+        p = put_values16(p, full, BLOCK, w);
+    }
+    return p - pay;
+}
+#endif
+
 static int count_block(const uint64_t m[4]) {
     return __builtin_popcountll(m[0]) + __builtin_popcountll(m[1]) + __builtin_popcountll(m[2]) +
            __builtin_popcountll(m[3]);
@@ -265,7 +367,12 @@ INLINE int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint
         int cnt = count_block(m);
         if (!cnt) { desc[2 * b] = desc[2 * b + 1] = 0; continue; }
         count += cnt;
-        at += pack_block(sb, qb, blen, e, m, cnt, desc + 2 * b, out + at, update);
+#ifdef HAVE_X86
+        if (e == 2 && blen == BLOCK && fast16)
+            at += pack_block16(sb, qb, m, cnt, desc + 2 * b, out + at, update);
+        else
+#endif
+            at += pack_block(sb, qb, blen, e, m, cnt, desc + 2 * b, out + at, update);
         if (pad16(at) >= dense) break;  /* the narrow chunk is not smaller: dense */
     }
     uint32_t h[4];
@@ -376,8 +483,10 @@ EXPORT int64_t trd_pack_rows(int64_t n, const int64_t *src, const int64_t *snap,
 /* ---- unpack ---------------------------------------------------------------------------------------- */
 
 /* The decoded changes of one chunk: element index (bit 31: a raw value) and value (raw bits or the
- * sign-extended difference); applied after the whole chunk is decoded, with the destination's lines
- * prefetched ahead (the writes are scattered: without it the apply waits on each line in turn). */
+ * sign-extended difference); applied after the whole chunk is decoded. The destination's line of each change
+ * is prefetched as it is decoded (the decode of a chunk takes about as long as the memory needs to bring its
+ * lines: they are in cache by the apply) and again ahead of the apply (the writes are scattered: without
+ * either the apply waits on each line in turn). */
 typedef struct { uint32_t *pos; uint64_t *val; } changes;
 
 #define PREFETCH 24
@@ -418,18 +527,21 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         total += cnt;
         uint8_t idxb[BLOCK];
         const uint8_t *idx = idxb;
-        int nv = cnt;
+        int nv = cnt, vec = direct && e == 2 && code != RAW && fast16; /* add_block16 applies it */
         if (mode == MODE_OFFSETS) {
             unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
-            for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
+            if (!ch)  /* (the apply follows a check pass over the same bytes) */
+                for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
             if (bad) return 1;
             idx = p;
             p += cnt;
         } else if (mode == MODE_BITMASK) {
             int c = 0;
-            for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
-            if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
-            if (ch) {
+            if (!ch) {
+                for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
+                if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
+            }
+            if (ch && !vec) {
                 c = 0;
                 for (int q = 0; q < (blen + 7) / 8; q++)
                     for (unsigned x = p[q]; x; x &= x - 1) idxb[c++] = (uint8_t)(8 * q + __builtin_ctz(x));
@@ -439,6 +551,12 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             nv = blen;
         }
         if (!ch) continue;
+#ifdef HAVE_X86
+        if (vec) {
+            add_block16(d + b * BLOCK * 2, blen, mode, mode == MODE_BITMASK ? p - (blen + 7) / 8 : idx, p, nv, w);
+            continue;
+        }
+#endif
         uint32_t base = (uint32_t)(b * BLOCK), rawbit = code == RAW ? 0x80000000u : 0;
         uint64_t v[BLOCK];
         get_values(p, v, nv, w);
@@ -459,7 +577,9 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         } else {
             for (int j = 0; j < nv; j++) {
                 if (!rawbit && !v[j]) continue;  /* an unchanged element of an "all" block */
-                ch->pos[k] = (base + (uint32_t)(mode == MODE_ALL ? j : idx[j])) | rawbit;
+                uint32_t at = base + (uint32_t)(mode == MODE_ALL ? j : idx[j]);
+                __builtin_prefetch(d + (int64_t)at * e, 1, 3);
+                ch->pos[k] = at | rawbit;
                 ch->val[k++] = v[j];
             }
         }
@@ -480,10 +600,12 @@ static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t
 }
 
 /* Check (check == 1: no write) or apply a v2 message to n contiguous destinations. Headers and directory were
- * checked by the caller. Returns -1 when done, the index of the first chunk whose body disagrees with its
+ * checked by the caller; an apply (check == 0) only after a check of the same bytes returned -1 (it leaves out
+ * the checks of positions that check made). Returns -1 when done, the index of the first chunk whose body disagrees with its
  * header, or -2 when the message holds a chunk kind this codec does not write (the caller falls back). */
 EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
                           const int64_t *esize, int64_t ce, int check) {
+    if (!block_mask) choose_mask();
     int64_t c = 0, r = -1;
     changes chs = {NULL, NULL}, *ch = NULL;
     if (!check) {

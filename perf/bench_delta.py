@@ -44,7 +44,7 @@ weights (249 MB bf16) at 1 / 2 / 10 % one-ulp changes at random positions: pack 
 update, cached plan) and apply, best of ``--repeats``, next to one dense ``copy_`` of all bytes in the same
 run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes of v2
 and v1 against dense on real AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each
-changed 256-element block needed.
+changed 256-element block needed and each changed chunk (its widest block; ``dense``: sent dense).
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def best(fn, repeats: int, setup=None) -> float:
 def codec_row(flat, views, frac: float, args) -> dict:
     """One changed fraction: one-ulp changes (+-1 in the bit pattern) at random positions; pack (diff + encode +
     snapshot update, cached plan) and apply (cached plan) of v2 and v1, best of ``--repeats``; bit-exact."""
-    from triton_reshard.ops.delta_v2 import block_histogram
+    from triton_reshard.ops.delta_v2 import block_histogram, chunk_histogram
 
     g = torch.Generator().manual_seed(int(frac * 1e4))
     new = flat.clone()
@@ -345,6 +345,7 @@ def codec_row(flat, views, frac: float, args) -> dict:
                     f"{tag}_exact": exact})
         if version == 2:
             row["v2_block_bits"] = block_histogram([msgs[0].numpy()])
+            row["v2_chunk_bits"] = chunk_histogram([msgs[0].numpy()])
     return row
 
 
@@ -388,7 +389,7 @@ def run_codec(args: argparse.Namespace) -> dict:
 def run_wire(args: argparse.Namespace) -> dict:
     """Wire bytes of v2 and v1 delta messages against dense on real AdamW steps (fp32 masters, bf16 weights)
     of the small Llama of ``--part train``, per learning rate, with the per-block bits histogram."""
-    from triton_reshard.ops.delta_v2 import block_histogram
+    from triton_reshard.ops.delta_v2 import block_histogram, chunk_histogram
 
     torch.set_num_threads(args.threads)
     model = make_model(args)
@@ -404,7 +405,7 @@ def run_wire(args: argparse.Namespace) -> dict:
                 p.copy_(base[n])
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         snaps = {n: t.clone() for n, t in bf16_bits(model).items()}
-        hist, v2b, v1b, dense, changed = {}, 0, 0, 0, 0
+        hist, chist, v2b, v1b, dense, changed = {}, {}, 0, 0, 0, 0
         for step in range(args.steps):
             train_step(model, opt, task, args)
             cur = bf16_bits(model)
@@ -416,12 +417,15 @@ def run_wire(args: argparse.Namespace) -> dict:
                 v2b, v1b, dense = v2b + msg.numel(), v1b + v1.numel(), dense + sum(2 * a.numel() for a, _ in pairs)
                 for k, v in block_histogram([msg.numpy()]).items():
                     hist[k] = hist.get(k, 0) + v
+                for k, v in chunk_histogram([msg.numpy()]).items():
+                    chist[k] = chist.get(k, 0) + v
             snaps = cur
         r = {"steps": args.steps - args.skip, "changed_fraction": changed / (dense / 2), "dense_over_v2": dense / v2b,
-             "dense_over_v1": dense / v1b, "block_bits": hist}
+             "dense_over_v1": dense / v1b, "block_bits": hist, "chunk_bits": chist}
         out["lrs"][str(lr)] = r
         print(f"lr {lr:g}: {100 * r['changed_fraction']:.2f} % changed per step; v2 {r['dense_over_v2']:.1f}x fewer "
-              f"bytes than dense (v1 {r['dense_over_v1']:.1f}x); changed blocks by bits {hist}", flush=True)
+              f"bytes than dense (v1 {r['dense_over_v1']:.1f}x); changed blocks by bits {hist}; changed chunks by the "
+              f"bits of their widest difference {chist}", flush=True)
     return out
 
 

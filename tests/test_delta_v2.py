@@ -49,14 +49,20 @@ def ulp_steps(old: torch.Tensor, frac: float, g: torch.Generator, spread: int = 
     return new
 
 
-def adversarial(dtype: torch.dtype, n: int, g: torch.Generator) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def adversarial(
+    dtype: torch.dtype, n: int, g: torch.Generator
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, old, new) pairs whose differences need every width, and raw."""
     old = (torch.randn(n, generator=g) * 3).to(dtype)
     e = old.element_size()
     allc = old.clone()
     bits(allc).add_(1)  # every element changed by one ulp
-    cases = [("none", old, old.clone()), ("1pct", old, ulp_steps(old, 0.01, g)),
-             ("10pct", old, ulp_steps(old, 0.1, g)), ("all", old, allc)]
+    cases = [
+        ("none", old, old.clone()),
+        ("1pct", old, ulp_steps(old, 0.01, g)),
+        ("10pct", old, ulp_steps(old, 0.1, g)),
+        ("all", old, allc),
+    ]
     flip = old.clone()
     bits(flip)[::7] ^= torch.tensor(-(1 << (8 * e - 1)), dtype=INT[e])  # sign flips
     cases.append(("sign", old, flip))
@@ -80,15 +86,18 @@ def adversarial(dtype: torch.dtype, n: int, g: torch.Generator) -> list[tuple[st
     return cases
 
 
-def roundtrip(pairs_new_old, ce: int) -> torch.Tensor:
-    """Pack (update) and unpack into destinations holding the snapshot inside poisoned buffers; check all."""
+def roundtrip(pairs_new_old, ce: int, at: int = 32) -> torch.Tensor:
+    """Pack (update) and unpack into destinations holding the snapshot inside poisoned buffers (``at``
+    elements in: any alignment to the cache lines); check all."""
     snaps = [old.clone() for _new, old in pairs_new_old]
-    msg = D.pack_delta([(new, s) for (new, _o), s in zip(pairs_new_old, snaps, strict=True)], ce, backend="torch")
+    msg = D.pack_delta(
+        [(new, s) for (new, _o), s in zip(pairs_new_old, snaps, strict=True)], ce, backend="torch"
+    )
     bufs, dsts = [], []
     for new, old in pairs_new_old:
         buf = torch.empty(new.numel() + 64, dtype=new.dtype)
         bits(buf).fill_(-1 if new.element_size() > 1 else 0x5A)
-        d = buf[32:32 + new.numel()].view(new.shape)
+        d = buf[at : at + new.numel()].view(new.shape)
         d.copy_(old)
         bufs.append(buf)
         dsts.append(d)
@@ -97,7 +106,9 @@ def roundtrip(pairs_new_old, ce: int) -> torch.Tensor:
         assert torch.equal(bits(s), bits(new)), "the snapshot update"
         assert torch.equal(bits(d), bits(new)), "the unpacked values"
         poison = -1 if new.element_size() > 1 else 0x5A
-        assert bool((bits(buf[:32]) == poison).all()) and bool((bits(buf[32 + new.numel():]) == poison).all())
+        assert bool((bits(buf[:at]) == poison).all()) and bool(
+            (bits(buf[at + new.numel() :]) == poison).all()
+        )
     return msg
 
 
@@ -115,6 +126,21 @@ def test_adversarial_roundtrip_same_bytes(codec, dtype, ce):
         assert msgs[0].numel() <= D.max_message_bytes([new.numel()], [new.element_size()], ce)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unaligned_destinations(codec, dtype):
+    """Destinations starting anywhere in a cache line (the native apply adds whole lines inside a chunk and
+    the chunk's partial first and last lines element by element): exact, the poison around them kept."""
+    g = torch.Generator().manual_seed(3)
+    for name, old, new in adversarial(dtype, 3000, g):
+        for at in (1, 3, 17):
+            for ce in (1000, 7):
+                msgs = []
+                for c in CODECS:
+                    codec(c)
+                    msgs.append(roundtrip([(new, old), (new[5:], old[5:])], ce, at))
+                assert torch.equal(msgs[0], msgs[1]), f"{name}: the codecs' bytes differ"
+
+
 def test_widths_and_modes(codec):
     """One-ulp changes take 2 bits; a block with one 16-bit difference of fp32 takes 16; a bf16 sign flip is
     raw; the modes follow the sizes (few changes: offsets; ~half: bitmask; all: all)."""
@@ -123,20 +149,27 @@ def test_widths_and_modes(codec):
     new = old.clone()
     b = bits(new)
     b[0:3] += 1  # block 0: 3 one-ulp changes -> 2 bits, offsets
-    b[256:256 + 128:2] -= 2  # block 1: 64 changes -> 2 bits (-2 fits), bitmask
+    b[256 : 256 + 128 : 2] -= 2  # block 1: 64 changes -> 2 bits (-2 fits), bitmask
     b[512:768] += 5  # block 2: every element, 4 bits, all
     b[768] += 1
     b[769] += 1 << 14  # block 3: needs 16 bits
     msg = D.pack_delta([(new, old.clone())], 1024, backend="torch")
     (c,) = D.describe(msg)
     assert c["kind"] == "narrow" and c["count"] == 3 + 64 + 256 + 2
-    desc = msg[c["offset"] + 16:c["offset"] + 24].numpy()
+    desc = msg[c["offset"] + 16 : c["offset"] + 24].numpy()
     assert [(int(x) & 15, int(x) >> 4) for x in desc[0::2]] == [(1, 0), (1, 1), (2, 2), (4, 0)]
     assert V.block_histogram([msg.numpy()]) == {"2": 2, "4": 1, "16": 1}
+    assert V.chunk_histogram([msg.numpy()]) == {"16": 1}  # per chunk: its widest block
     flip = torch.randn(256, dtype=torch.bfloat16)
     new2 = -flip
     msg = D.pack_delta([(new2, flip.clone())], 256, backend="torch")
     assert D.describe(msg)[0]["kind"] == "dense"  # every element raw: the narrow chunk is not smaller
+    assert V.chunk_histogram([msg.numpy()]) == {"dense": 1}
+    msg = D.pack_delta([(flip, flip.clone()), (new, old.clone())], 512, backend="torch")
+    assert V.chunk_histogram([msg.numpy()]) == {
+        "2": 1,
+        "16": 1,
+    }  # blocks 0-1 and 2-3; the unchanged one left out
 
 
 def test_mixed_pairs_strided_and_empty(codec):
@@ -226,7 +259,7 @@ def _corrupt_cases(msg: torch.Tensor) -> list[torch.Tensor]:
     bad[first] = 255 if c["numel"] < 256 else bad[first + 1]  # out of order / repeated
     out.append(bad)
     bad = msg.clone()
-    bad[c["offset"] + 8:c["offset"] + 12].view(torch.int32)[0] += 1  # header count
+    bad[c["offset"] + 8 : c["offset"] + 12].view(torch.int32)[0] += 1  # header count
     out.append(bad)
     return out
 
