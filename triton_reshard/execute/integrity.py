@@ -5,8 +5,11 @@ message, fp8 values and scales, a relayed destination), right after posting it: 
 while the transport does, hot in cache. The receiver digests each message after landing it: an in-place
 receive is the destination itself; a staged one is first rebuilt from the destination views the unpack
 wrote (the unpack reversed, where it did not cast), so the digest covers what the destination holds, not
-only what arrived; a delta message is digested as it arrived. At the end of the refit the ranks exchange
-one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
+only what arrived; a delta message is digested as it arrived. On CPU with the native extension and torch's
+copy backend, a dense step's pack and unpack are one C pass each that copies and hashes what it wrote
+(:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
+(messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
+ranks exchange one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
 second exchange that names the first differing message, and every rank raises
 :class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
 for any failed refit, drops the delta snapshot (the next refit is dense) and stays usable (the group is
