@@ -83,3 +83,62 @@ EXPORT uint64_t trd_digest(int64_t nd, const int64_t *desc, int64_t n, const uin
     }
     return h;
 }
+
+/* The fused copy (issue 46: the hash in the same pass as the pack's or the unpack's copy). */
+
+#define BLOCK 4096 /* bytes copied, then hashed back from where they were written while still in L1 */
+
+/* Copy src[0..len) to dst[0..len) (message offsets [o, o + len)) and hash the bytes as the destination holds
+ * them: each block is read back from dst right after it was written (hot), so the hash covers the written
+ * memory, not a register copy of the source. Blocks end on message words (whole words for run()). */
+static uint64_t copy_run(uint8_t *dst, const uint8_t *src, int64_t o, int64_t len, int64_t lim, int64_t rows,
+                         const uint64_t *coef) {
+    uint64_t h = 0;
+    int64_t k = 0;
+    while (k < len) {
+        int64_t b = len - k;
+        if (b > BLOCK) b = ((o + k + BLOCK) & ~(int64_t)7) - (o + k);
+        memcpy(dst + k, src + k, (size_t)b);
+        h += run(dst + k, o + k, b, lim, rows, coef);
+        k += b;
+    }
+    return h;
+}
+
+/* trd_copy_digest(nd, desc, lens, coef, out): nd copies; a copy is 18 int64: source address, destination
+ * address, its message's index m, the offset of its first byte in message m, the bytes of its contiguous
+ * inner run (contiguous on both sides), the number of outer dimensions (0..4), then 4 sizes, 4 source byte
+ * strides and 4 destination byte strides of those (outermost first). The message side (the destination of a
+ * pack, the source of an unpack) is contiguous, so the message offset advances by the inner run. out[m] +=
+ * the hash of the copied bytes of message m (lens[m] bytes long), as written into the destination. */
+EXPORT void trd_copy_digest(int64_t nd, const int64_t *desc, const int64_t *lens, const uint64_t *coef,
+                            uint64_t *out) {
+    for (int64_t v = 0; v < nd; v++) {
+        const int64_t *d = desc + 18 * v;
+        const uint8_t *src = (const uint8_t *)(intptr_t)d[0];
+        uint8_t *dst = (uint8_t *)(intptr_t)d[1];
+        int64_t m = d[2], off = d[3], inner = d[4], outer = d[5];
+        int64_t n = lens[m], lim = n & ~(int64_t)7, rows = ((n >> 3) + 127) >> 7;
+        int64_t size[4] = {1, 1, 1, 1}, ss[4] = {0, 0, 0, 0}, ds[4] = {0, 0, 0, 0};
+        for (int i = 0; i < outer; i++) {
+            size[4 - outer + i] = d[6 + i];
+            ss[4 - outer + i] = d[10 + i];
+            ds[4 - outer + i] = d[14 + i];
+        }
+        if (inner <= 0 || size[0] <= 0 || size[1] <= 0 || size[2] <= 0 || size[3] <= 0) continue;
+        uint64_t h = 0;
+        for (int64_t i0 = 0; i0 < size[0]; i0++)
+            for (int64_t i1 = 0; i1 < size[1]; i1++)
+                for (int64_t i2 = 0; i2 < size[2]; i2++) {
+                    const uint8_t *s = src + i0 * ss[0] + i1 * ss[1] + i2 * ss[2];
+                    uint8_t *t = dst + i0 * ds[0] + i1 * ds[1] + i2 * ds[2];
+                    for (int64_t i3 = 0; i3 < size[3]; i3++) {
+                        h += copy_run(t, s, off, inner, lim, rows, coef);
+                        s += ss[3];
+                        t += ds[3];
+                        off += inner;
+                    }
+                }
+        out[m] += h;
+    }
+}

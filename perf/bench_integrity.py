@@ -55,16 +55,29 @@ def _global(src, version: int, fraction: float, base: dict | None = None) -> dic
 
 
 class DigestClock:
-    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / settle)."""
+    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / settle: the hashing
+    and the exchange the copies do not do), and apart, the fused copies (Ledger.pack / unpack,
+    Digests.pack_ahead: the pack's and unpack's own copies with the hash in them, which the digest-off run
+    makes with torch)."""
+
+    HOOKS = ("on_post", "on_land", "settle")
 
     def __init__(self) -> None:
         from triton_reshard.execute import integrity
 
         self.seconds = self.cpu = 0.0
-        self.by_hook = {"on_post": 0.0, "on_land": 0.0, "settle": 0.0}
+        self.by_hook = {
+            "on_post": 0.0,
+            "on_land": 0.0,
+            "settle": 0.0,
+            "pack": 0.0,
+            "unpack": 0.0,
+            "pack_ahead": 0.0,
+        }
         self.cpu_by_hook = dict(self.by_hook)
-        for name in ("on_post", "on_land", "settle"):
-            real = getattr(integrity.Ledger, name)
+        for name in self.by_hook:
+            owner = integrity.Digests if name == "pack_ahead" else integrity.Ledger
+            real = getattr(owner, name)
 
             def timed(*a, _real=real, **k):
                 t, c = time.perf_counter(), time.thread_time()
@@ -72,12 +85,13 @@ class DigestClock:
                     return _real(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
-                    self.seconds += dt
-                    self.cpu += time.thread_time() - c
+                    if _real.__name__ in self.HOOKS:
+                        self.seconds += dt
+                        self.cpu += time.thread_time() - c
                     self.cpu_by_hook[_real.__name__] += time.thread_time() - c
                     self.by_hook[_real.__name__] += dt
 
-            setattr(integrity.Ledger, name, timed)
+            setattr(owner, name, timed)
 
 
 CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed

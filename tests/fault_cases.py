@@ -43,10 +43,13 @@ def expected(rank: int, version: int) -> dict[str, torch.Tensor]:
 
 
 def _fail_on(rank: int, call: int, action):
-    """Make this process's ``copy_views`` run ``action`` on its ``call``-th call (1-based): a mid-run fault."""
+    """Make this process's ``copy_views`` run ``action`` on its ``call``-th call (1-based): a mid-run fault.
+    The native fused copy-and-digest (``execute/integrity.py``) is off meanwhile: every copy goes through here."""
     import triton_reshard.ops as ops
+    from triton_reshard.ops.delta_native import set_native
 
     real = ops.copy_views
+    prev = set_native(False)
     n = [0]
 
     def copy_views(pairs, backend="torch", key=None):
@@ -57,7 +60,12 @@ def _fail_on(rank: int, call: int, action):
         return real(pairs, backend, key)
 
     ops.copy_views = copy_views
-    return lambda: setattr(ops, "copy_views", real)
+
+    def restore():
+        set_native(prev)
+        ops.copy_views = real
+
+    return restore
 
 
 def _error(e: BaseException | None, t0: float) -> dict:

@@ -145,8 +145,11 @@ def flip_delta_value(bufs):
 
 def corrupt_after_unpack(rank: int):
     """This process's unpacks write one destination element wrong (after the real copy): a bug in the
-    unpack, or memory changed under it. Returns the undo."""
+    unpack, or memory changed under it. Returns the undo. The unpack runs without the native fused copy
+    (which hashes each block as it writes it, so a change made after it is not seen: docs/integrity.md): the
+    receiver's digest then reads the destination after the land, which is what this proves."""
     from triton_reshard.execute.steps import StepLoop
+    from triton_reshard.ops.delta_native import set_native
 
     real = StepLoop.copy_or_compare
     done = [False]
@@ -160,7 +163,13 @@ def corrupt_after_unpack(rank: int):
             dv[idx] = dv[idx] + 1
 
     StepLoop.copy_or_compare = copy_or_compare
-    return lambda: setattr(StepLoop, "copy_or_compare", real)
+    prev = set_native(False)
+
+    def undo():
+        set_native(prev)
+        StepLoop.copy_or_compare = real
+
+    return undo
 
 
 # -- the scenarios ---------------------------------------------------------------------------------------

@@ -356,3 +356,78 @@ def test_a_message_digested_from_its_strided_destinations_is_the_message_hash():
     ]  # 5 outer dimensions that do not merge: the caller copies
     assert nd.view_row(five, 0) is None
     assert nd.view_row(torch.zeros(2, 3, 2, 3, 2, 3)[..., :2], 0)[3] == 1  # these merge into one
+
+
+def _pieces(g):
+    """Destinations of one message: a column block, a 3-d slice, an unaligned byte piece, one large block
+    (several 4 KiB copy blocks and 1 KiB hash rows), with the message's wire views at unaligned offsets."""
+    w = torch.zeros(40, 64)
+    cube = torch.zeros(6, 10, 12, dtype=torch.float16)
+    b = torch.zeros(33, dtype=torch.uint8)
+    big = torch.zeros(3000, 7)
+    dsts = [w[:, 8:40], cube[1:5, 2:9, 3:11], b[1:32], big[:, 1:6]]
+    msg, pairs, at = torch.zeros(120_000, dtype=torch.uint8), [], 16  # 16 bytes no copy takes first
+    for d in dsts:
+        es = d.element_size()
+        at = -(-at // es) * es
+        nb = d.numel() * es
+        r = msg[at : at + nb].view(d.dtype).view(d.shape)
+        r.copy_(
+            torch.randn(d.shape, generator=g).to(d.dtype)
+            if d.dtype != torch.uint8
+            else torch.randint(0, 256, d.shape, dtype=torch.uint8, generator=g)
+        )
+        pairs.append((r, d))
+        at += nb + 3
+    msg[at:] = 7
+    return msg, pairs
+
+
+def test_the_fused_unpack_writes_what_torch_writes_and_hashes_the_message():
+    """The receiver's fused copy (csrc/digest.c ``trd_copy_digest``): the destinations hold what ``copy_``
+    writes, and the hash of what was written plus the bytes no copy took equals the message's hash."""
+    nd, fn = _native()
+    cfn = nd.copy_native()
+    assert cfn is not None
+    msg, pairs = _pieces(torch.Generator().manual_seed(8))
+    want_dst = [r.clone() for r, _d in pairs]
+    c = _coef()
+    n = msg.numel()
+    desc, gaps = nd.copy_plan(pairs, [(msg, n)], 0)
+    for _r, d in pairs:
+        d.fill_(float("nan") if d.dtype.is_floating_point else 0)  # poisoned
+    h = nd.copy_digest(cfn, desc, ig.np.array([n], dtype=ig.np.int64), c.numpy(ig._entries(n)))
+    for (_r, d), want in zip(pairs, want_dst, strict=True):
+        assert torch.equal(d.view(torch.uint8) if d.dtype == torch.uint8 else d, want)
+    total = (int(h[0]) + nd.digest_rows(fn, gaps[0], n, c.numpy(ig._entries(n)))) & ((1 << 64) - 1)
+    assert total == ig._partial_np(msg.numpy(), c)
+    msg[20] ^= 1  # a flipped bit in the message shows in the next fused copy's hash
+    h2 = nd.copy_digest(cfn, desc, ig.np.array([n], dtype=ig.np.int64), c.numpy(ig._entries(n)))
+    assert int(h2[0]) != int(h[0]) or nd.digest_rows(fn, gaps[0], n, c.numpy(ig._entries(n))) != total
+
+
+def test_the_fused_pack_writes_the_message_and_hashes_it():
+    """The sender's fused copy: source views packed into a message (its bytes as ``copy_`` packs them),
+    hashed as written; cast, overlapping or non-contiguous message sides are refused (the caller copies)."""
+    nd, fn = _native()
+    cfn = nd.copy_native()
+    msg, pairs = _pieces(torch.Generator().manual_seed(9))
+    want = msg.clone()
+    packs = [(d, r) for r, d in pairs]  # the destinations now are the sources
+    for r, d in pairs:
+        d.copy_(r)
+    msg.zero_()
+    msg[want.numel() - 100 :] = want[want.numel() - 100 :]  # what no pack writes, as it was
+    msg[:16] = want[:16]
+    c = _coef()
+    n = msg.numel()
+    desc, gaps = nd.copy_plan(packs, [(msg, n)], 1)
+    h = nd.copy_digest(cfn, desc, ig.np.array([n], dtype=ig.np.int64), c.numpy(ig._entries(n)))
+    got = (int(h[0]) + nd.digest_rows(fn, gaps[0], n, c.numpy(ig._entries(n)))) & ((1 << 64) - 1)
+    for r, d in pairs:
+        assert torch.equal(r, d)
+    assert got == ig._partial_np(msg.numpy(), c)
+    r0, d0 = pairs[0]
+    assert nd.copy_plan([(d0.to(torch.float64), r0)], [(msg, n)], 1) is None  # a cast
+    assert nd.copy_plan([(d0, r0), (d0, r0)], [(msg, n)], 1) is None  # the same message bytes twice
+    assert nd.copy_plan([(r0, d0)], [(msg, n)], 1) is None  # the message side is strided

@@ -5,8 +5,11 @@ message, fp8 values and scales, a relayed destination), right after posting it: 
 while the transport does, hot in cache. The receiver digests each message after landing it: an in-place
 receive is the destination itself; a staged one is first rebuilt from the destination views the unpack
 wrote (the unpack reversed, where it did not cast), so the digest covers what the destination holds, not
-only what arrived; a delta message is digested as it arrived. At the end of the refit the ranks exchange
-one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
+only what arrived; a delta message is digested as it arrived. On CPU with the native extension and torch's
+copy backend, a dense step's pack and unpack are one C pass each that copies and hashes what it wrote
+(:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
+(messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
+ranks exchange one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
 second exchange that names the first differing message, and every rank raises
 :class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
 for any failed refit, drops the delta snapshot (the next refit is dense) and stays usable (the group is
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
-from ..ops.digest import digest_buffer, digest_rows, message_rows
+from ..ops.digest import copy_digest, copy_native, copy_plan, digest_buffer, digest_rows, message_rows
 from ..ops.digest import native as digest_native
 from .errors import ReshardError
 
@@ -178,10 +181,20 @@ class Ledger:
     (gloo and NCCL deliver a pair's messages in posting order: the k-th sent is the k-th received)."""
 
     def __init__(
-        self, key: bytes, coef: Coefficients, rank: int, plan_digest: str, work, transfers, views=None
+        self,
+        key: bytes,
+        coef: Coefficients,
+        rank: int,
+        plan_digest: str,
+        work,
+        transfers,
+        views=None,
+        owner=None,
     ) -> None:
         self.key, self.coef, self.rank = key, coef, rank
         self.views = {} if views is None else views  # the native hash's view descriptors (Digests keeps them)
+        self.owner = owner  # the Digests it came from (step 0's fused pack made during the handshake)
+        self._fused: dict[tuple[str, int], tuple] = {}  # (pack|unpack, pos) -> (hashes, gaps) of a fused copy
         self.plan = plan_digest.encode()
         self.work, self.transfers = work, transfers
         self.sent: dict[int, list] = {}  # peer -> [(step, nbytes, partial)]
@@ -191,9 +204,55 @@ class Ledger:
     def on_post(self, pos: int, sends, recvs) -> None:
         """Step ``pos`` was posted: digest its sends now (the transport reads them too)."""
         i = self.work.steps[pos][0]
-        for peer, buf in sends:
-            self.sent.setdefault(peer, []).append((i, buf.numel(), partial(buf, self.coef)))
+        fused = self._fused.pop(("pack", pos), None)
+        values = self._finish(fused, [(b, b.numel()) for _p, b in sends]) if fused is not None else None
+        for j, (peer, buf) in enumerate(sends):
+            v = values[j] if values is not None else partial(buf, self.coef)
+            self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
+
+    # -- the fused copies: the hash in the pack's and the unpack's own pass (csrc/digest.c) ---------------------
+
+    def pack(self, pos: int, pairs, sends, key) -> bool:
+        """Make step ``pos``'s pack copies (source views into its send buffers ``sends``) natively, hashing
+        each message's bytes as they are written; False (nothing copied) where the native copy cannot: the
+        caller copies and :meth:`on_post` hashes the buffers afterwards."""
+        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in sends], 1, key)
+        if got is None:
+            return False
+        self._fused["pack", pos] = got
+        return True
+
+    def prepacked(self, pos: int, key) -> None:
+        """Step ``pos`` was packed during the handshake (``steps.prepack``): take that fused pack's hashes if
+        it made one for these buffers (else :meth:`on_post` hashes them)."""
+        ahead = self.owner.take_ahead(key) if self.owner is not None else None
+        if ahead is not None:
+            self._fused["pack", pos] = ahead
+
+    def unpack(self, pos: int, pairs, key) -> bool:
+        """Make step ``pos``'s unpack copies (received views into the destination) natively, hashing what
+        each writes into the destination, read back right after it was written; False (nothing copied) where
+        the native copy cannot: the caller copies and :meth:`on_land` hashes as before."""
+        posted = self._posted.get(pos)
+        if not posted:
+            return False
+        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in posted], 0, key)
+        if got is None:
+            return False
+        self._fused["unpack", pos] = got
+        return True
+
+    def _finish(self, fused, bufs) -> list[int]:
+        """A fused copy's per-message hashes plus the hash of the bytes it did not copy (read now)."""
+        hashes, gaps = fused
+        fn = digest_native()
+        out = []
+        for h, g, (_b, n) in zip(hashes.tolist(), gaps, bufs, strict=True):
+            if len(g):
+                h += digest_rows(fn, g, n, self.coef.numpy(_entries(n)))
+            out.append(h & ((1 << 64) - 1))
+        return out
 
     def on_land(
         self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None, key=None
@@ -208,7 +267,13 @@ class Ledger:
             (buf, lengths[j] if lengths and j in lengths else buf.numel())
             for j, (_p, buf) in enumerate(posted)
         ]
-        values = self._in_place(bufs, rebuild, key) if bufs and bufs[0][0].device.type == "cpu" else None
+        fused = self._fused.pop(("unpack", pos), None)
+        if fused is not None:
+            values = self._finish(fused, bufs)
+        elif bufs and bufs[0][0].device.type == "cpu":
+            values = self._in_place(bufs, rebuild, key)
+        else:
+            values = None
         if values is None:
             values = self._rebuilt(bufs, rebuild, backend)
         i = self.work.steps[pos][0]
@@ -386,6 +451,28 @@ def _error(me: int, bad: list, found: list) -> ReshardIntegrityError:
     )
 
 
+def fused_copy(views: dict, coef: Coefficients, pairs, bufs, side: int, key):
+    """Copy ``pairs`` natively, hashing what they write per message of ``bufs`` (``ops.digest.copy_plan``;
+    its descriptors cached in ``views`` under ``key``): ``(hashes, gaps)``, or None (nothing copied)."""
+    fn = copy_native()
+    if fn is None or not bufs or not pairs or bufs[0][0].device.type != "cpu":
+        return None
+    sig = ("copy", key, side, tuple((b.data_ptr(), n) for b, n in bufs), len(pairs))
+    got = views.get(sig) if key is not None else None
+    if got is None:
+        plan = copy_plan(pairs, bufs, side)
+        lens = np.array([n for _b, n in bufs], dtype=np.int64)
+        got = False if plan is None else (*plan, lens, max(_entries(n) for _b, n in bufs))
+        if key is not None:
+            if len(views) >= 512:
+                views.clear()
+            views[sig] = got
+    if got is False:
+        return None
+    desc, gaps, lens, entries = got
+    return copy_digest(fn, desc, lens, coef.numpy(entries)), gaps
+
+
 class Digests:
     """A Resharder's digest state across runs: the key and coefficients, made once."""
 
@@ -393,6 +480,22 @@ class Digests:
         self.key = digest_key(comm)
         self.coef = Coefficients(self.key)
         self.views: dict = {}  # per binding and step: the native hash's view descriptors of each message
+        self._ahead: tuple | None = None  # (key, fused hashes) of step 0's pack made during the handshake
 
     def ledger(self, rank: int, plan, work) -> Ledger:
-        return Ledger(self.key, self.coef, rank, plan.digest, work, plan.transfers, self.views)
+        return Ledger(self.key, self.coef, rank, plan.digest, work, plan.transfers, self.views, self)
+
+    def pack_ahead(self, pairs, sends, key) -> bool:
+        """Step 0's pack made during the handshake (``steps.prepack``), natively with its hashes (kept for the
+        run's ledger: :meth:`take_ahead`); False (nothing copied) where the native copy cannot."""
+        self._ahead = None
+        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in sends], 1, key)
+        if got is None:
+            return False
+        self._ahead = (key, got)
+        return True
+
+    def take_ahead(self, key):
+        """The hashes :meth:`pack_ahead` made under ``key`` (once), else None."""
+        ahead, self._ahead = self._ahead, None
+        return ahead[1] if ahead is not None and ahead[0] == key else None

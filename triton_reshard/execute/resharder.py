@@ -315,7 +315,7 @@ class Resharder:
         """While the handshake is in flight: a dense run's step 0 staging copies (``steps.prepack``). A copy that
         fails here is dropped: the loop packs again and raises in its place, as it would have."""
         try:
-            return prepack(self.work, b, backend, key)
+            return prepack(self.work, b, backend, key, self._digests_on())
         except Exception:
             return None
 
@@ -387,14 +387,19 @@ class Resharder:
             self._failed(e, touched, verify, drop=not verify)
 
 
-    def _ledger(self, verify: bool):
-        """This run's message digests (``execute/integrity.py``), or None: digest off, verify (which compares
-        every element already) or no wire."""
-        if verify or not self.options.digest or not self.link.wire:
+    def _digests_on(self) -> Digests | None:
+        """The digest state when runs digest their messages (made on first use), else None."""
+        if not self.options.digest or not self.link.wire:
             return None
         if self._digests is None:
             self._digests = Digests(self.link.comm)
-        return self._digests.ledger(self.rank, self.plan, self.work)
+        return self._digests
+
+    def _ledger(self, verify: bool):
+        """This run's message digests (``execute/integrity.py``), or None: digest off, verify (which compares
+        every element already) or no wire."""
+        digests = None if verify else self._digests_on()
+        return None if digests is None else digests.ledger(self.rank, self.plan, self.work)
 
 
 @dataclasses.dataclass(slots=True)

@@ -40,7 +40,7 @@ class Pending:
     desc: list
 
 
-def prepack(work, bound: Bound, backend: str, key) -> float | None:
+def prepack(work, bound: Bound, backend: str, key, digests=None) -> float | None:
     """Step 0's staging copies (source views into its send buffers), made between posting the plan handshake
     and waiting for it: they write only this rank's send staging, so a refused refit still moved nothing
     (issue 32: the pack overlaps the handshake's round). Its seconds, or None where step 0 is not plain copies
@@ -48,7 +48,9 @@ def prepack(work, bound: Bound, backend: str, key) -> float | None:
     if not work.steps or work.phases[0] or bound.quant.packs[0] or work.global_groups:
         return None
     t = clock()
-    ops.copy_views(bound.packs[0], backend, key=(key, "pack", work.steps[0][0]))
+    key = (key, "pack", work.steps[0][0])
+    if backend != "torch" or digests is None or not digests.pack_ahead(bound.packs[0], bound.wire[0][0], key):
+        ops.copy_views(bound.packs[0], backend, key=key)
     return clock() - t
 
 

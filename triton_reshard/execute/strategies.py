@@ -57,8 +57,13 @@ class Dense:
             loop.timing.pack += self.prepacked
 
     def pack(self, loop, pos: int) -> tuple[list, list]:
-        if pos or self.prepacked is None:
-            ops.copy_views(loop.b.packs[pos], loop.backend, key=(loop.key, "pack", loop.work.steps[pos][0]))
+        key = (loop.key, "pack", loop.work.steps[pos][0])
+        if pos or self.prepacked is None:  # with the digest on, natively where it can (the hash in the copy)
+            ledger = loop.ledger if loop.backend == "torch" else None  # the chosen kernels stay (Triton)
+            if ledger is None or not ledger.pack(pos, loop.b.packs[pos], loop.b.wire[pos][0], key):
+                ops.copy_views(loop.b.packs[pos], loop.backend, key=key)
+        elif loop.ledger is not None and loop.backend == "torch":  # packed during the handshake: its hashes
+            loop.ledger.prepacked(pos, key)
         loop.quantize_sends(pos)
         return loop.b.wire[pos]
 
@@ -68,7 +73,10 @@ class Dense:
     def land(self, loop, pos: int) -> Landed:
         b = loop.b
         meta = b.unpack_meta[pos] if loop.verify else None
-        loop.copy_or_compare(b.unpacks[pos], meta, (loop.key, "unpack", loop.work.steps[pos][0]))
+        key = (loop.key, "unpack", loop.work.steps[pos][0])
+        ledger = loop.ledger if loop.backend == "torch" else None  # native in place of torch's copies only
+        if ledger is None or not ledger.unpack(pos, b.unpacks[pos], key):  # the hash in the copy
+            loop.copy_or_compare(b.unpacks[pos], meta, key)
         return Landed(b.unpacks[pos])
 
     def end(self, loop) -> None:

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 WIDTH = 12  # int64 per view: address, offset in the message, inner run bytes, outer dims, 4 sizes, 4 strides
+COPY_WIDTH = 18  # int64 per fused copy: 2 addresses, message, offset, run, outer dims, 4 sizes, 2x4 strides
 MAX_OUTER = 4
 _fn: dict = {}
+_copy_fn: dict = {}
 
 
 def native():
@@ -36,6 +38,114 @@ def native():
             fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         _fn[id(lib)] = fn
     return fn
+
+
+def copy_native():
+    """``trd_copy_digest`` (ctypes): the copy that hashes what it writes, or None (as :func:`native`)."""
+    from .delta_native import native as codec
+
+    lib = codec()
+    if lib is None:
+        return None
+    fn = _copy_fn.get(id(lib))
+    if fn is None:
+        fn = getattr(lib, "trd_copy_digest", None)  # an extension built before it: the caller copies
+        if fn is not None:
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _copy_fn[id(lib)] = fn
+    return fn
+
+
+def copy_row(src: torch.Tensor, dst: torch.Tensor, m: int, off: int) -> list[int] | None:
+    """The fused copy's descriptor of ``src`` -> ``dst`` (same dtype and shape, CPU), whose bytes are at offset
+    ``off`` of message ``m`` in logical order, or None (the views' common inner run and up to
+    :data:`MAX_OUTER` outer dimensions do not describe it: the caller copies with torch)."""
+    e = src.element_size()
+    dims = [
+        (n, s * e, d * e) for n, s, d in zip(src.shape, src.stride(), dst.stride(), strict=True) if n != 1
+    ]
+    inner = e
+    while dims and dims[-1][1] == inner and dims[-1][2] == inner:  # contiguous on both sides
+        inner *= dims.pop()[0]
+    outer: list[tuple[int, int, int]] = []
+    for n, s, d in dims:
+        if outer and outer[-1][1] == n * s and outer[-1][2] == n * d:
+            outer[-1] = (outer[-1][0] * n, s, d)
+        else:
+            outer.append((n, s, d))
+    if len(outer) > MAX_OUTER:
+        return None
+    pad = [1] * (MAX_OUTER - len(outer))
+    zero = [0] * (MAX_OUTER - len(outer))
+    return [
+        src.data_ptr(),
+        dst.data_ptr(),
+        m,
+        off,
+        inner,
+        len(outer),
+        *[n for n, _s, _d in outer],
+        *pad,
+        *[s for _n, s, _d in outer],
+        *zero,
+        *[d for _n, _s, d in outer],
+        *zero,
+    ]
+
+
+def copy_plan(pairs, bufs: list[tuple[torch.Tensor, int]], side: int):
+    """The fused copy of ``pairs`` ((source, destination) views) whose message side (``side``: 1, the
+    destination, for a pack into send buffers; 0, the source, for an unpack out of received ones) lies in
+    the messages ``bufs`` (uint8 CPU buffers and their byte lengths): ``(descriptors, gaps)``, ``gaps`` per
+    message the :func:`message_rows`-style views of its bytes no pair copies (hashed from the buffer as it
+    is). None where a pair casts, is not on CPU, has a message side that is not contiguous or not inside a
+    message, or does not fit a descriptor: the caller copies with torch and hashes as before."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + n, k) for k, (b, n) in enumerate(bufs))
+    starts = [a for a, _z, _k in spans]
+    desc = []
+    covered: list[list[tuple[int, int]]] = [[] for _ in bufs]
+    for pair in pairs:
+        s, d = pair
+        if s.dtype != d.dtype or s.shape != d.shape or s.device.type != "cpu" or d.device.type != "cpu":
+            return None
+        nb = s.numel() * s.element_size()
+        if not nb:
+            continue
+        msg = pair[side]
+        if not msg.is_contiguous():
+            return None
+        p = msg.data_ptr()
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0 or p + nb > spans[i][1]:
+            return None
+        k = spans[i][2]
+        off = p - spans[i][0]
+        row = copy_row(s, d, k, off)
+        if row is None:
+            return None
+        desc.append(row)
+        covered[k].append((off, off + nb))
+    gaps = []
+    for (b, n), cov in zip(bufs, covered, strict=True):
+        rows, at = [], 0
+        for a, z in sorted(cov) + [(n, n)]:
+            if a < at:  # two copies of the same message bytes: the sum would count them twice
+                return None
+            if a > at:
+                rows.append([b.data_ptr() + at, at, a - at, 0, 1, 1, 1, 1, 0, 0, 0, 0])
+            at = max(at, z)
+        gaps.append(np.ascontiguousarray(rows, dtype=np.int64).reshape(-1, WIDTH))
+    return np.ascontiguousarray(desc, dtype=np.int64).reshape(-1, COPY_WIDTH), gaps
+
+
+def copy_digest(fn, desc: np.ndarray, lens: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """Run the fused copy ``desc`` (:func:`copy_plan`); per message (``lens``: int64 byte lengths) the hash of
+    the bytes it copied, as written (uint64)."""
+    out = np.zeros(len(lens), dtype=np.uint64)
+    if len(desc):
+        fn(len(desc), desc.ctypes.data, lens.ctypes.data, coef.ctypes.data, out.ctypes.data)
+    return out
 
 
 def view_row(t: torch.Tensor, off: int) -> list[int] | None:
