@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..layout.specs import QuantFormat, quant_format
+from ..layout.formats import QuantFormat, quant_format
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
