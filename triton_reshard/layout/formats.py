@@ -34,8 +34,9 @@ class QuantFormat:
     scales, computed from the whole tensor's amax; ``reference``: the name of the torch reference quantizer
     in ``triton_reshard.ops.quant_ref`` (called through :func:`triton_reshard.ops.quantize.reference`);
     ``since``: the plan-format version it came in (see the module doc); ``scale_suffix``: the name suffix of a
-    weight's scale tensor in its engines; ``label``, ``summary``, ``method``: how reports, help texts and the
-    benchmark's method names (``reshard-<method>``) call it.
+    weight's scale tensor in its engines; ``label``, ``summary`` (``{block}``: the block a
+    caller gives), ``method``: how reports, help texts and the benchmark's method names (``reshard-<method>``)
+    call it.
 
     Compared and hashed by identity (the registry holds the one value of each format); prints as its name.
     """
@@ -90,7 +91,7 @@ FORMATS = (
         since=1,
         scale_suffix="_scale_inv",
         label="block-FP8",
-        summary="float8_e4m3fn values + fp32 scales, --quant-block square blocks",
+        summary="{block}x{block} blocks, fp32 scales",
         method="fp8",
     ),
     # OCP MX FP8 (vLLM 0.33 ``mxfp8_utils``): e4m3 values, one E8M0 byte per 1x32 block along the last dim

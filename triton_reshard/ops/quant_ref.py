@@ -162,6 +162,12 @@ def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gs, (1.0 / gs).to(torch.float32)
 
 
+def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(global_scale, weight_scale_2)`` of each tensor group's amax, for the formats with a global scale
+    (``QuantFormat.global_scale``; the one such format's rule, :func:`nvfp4_global_scale`)."""
+    return nvfp4_global_scale(amax)
+
+
 def _reciprocal(x: torch.Tensor) -> torch.Tensor:
     """vLLM's ``get_reciprocal``: ``1 / (x + (x == 0) * 1e8)``."""
     return 1.0 / (x + (x == 0) * 1e8)

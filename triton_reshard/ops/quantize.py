@@ -56,6 +56,7 @@ from .quant_ref import (  # noqa: F401  (re-exported: the reference quantizers l
     dequantize_blocks,
     dequantize_nvfp4,
     e2m1_codes,
+    global_scales,
     normalize_block,
     nvfp4_global_scale,
     quantize_blocks,
