@@ -6,7 +6,9 @@ format; a change to how a format enters a key, a digest, a fingerprint or a wire
 
 from __future__ import annotations
 
+import copy
 import pathlib
+import pickle
 import re
 
 import pytest
@@ -125,6 +127,8 @@ def test_one_registry_one_unnamed_format_and_tags_that_round_trip():
     for f in FORMATS:
         assert format_of_tag(f.tag) is f and quant_format(f.name) is f and quant_format(f) is f
         assert repr(f) == repr(f.name)  # plans and reports print a format as its name, as before
+        # a spawned rank's (pickled) or a copied format is the registry's value
+        assert pickle.loads(pickle.dumps(f)) is f and copy.deepcopy(f) is f
     # what the key of a plan-format-1 format omits is its default everywhere
     assert BlockQuant((1, 1), "s").format is FP8_BLOCK
     assert Transfer("t", (0,), (1,), 0, "a", (0,), 1, "b", (0,), torch.float32).fmt is FP8_BLOCK

@@ -38,7 +38,8 @@ class QuantFormat:
     caller gives), ``method``: how reports, help texts and the benchmark's method names (``reshard-<method>``)
     call it.
 
-    Compared and hashed by identity (the registry holds the one value of each format); prints as its name.
+    Compared and hashed by identity (the registry holds the one value of each format; pickles and copies
+    resolve to it); prints as its name.
     """
 
     name: str
@@ -63,6 +64,10 @@ class QuantFormat:
 
     def __repr__(self) -> str:
         return repr(self.name)
+
+    def __reduce__(self):
+        """Pickled and copied as its name: a spawned rank's (or a copy's) format is the registry's value."""
+        return quant_format, (self.name,)
 
     def value_bytes(self, numel: int) -> int:
         """Stored bytes of ``numel`` logical elements (whole stored elements)."""
