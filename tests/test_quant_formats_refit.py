@@ -44,7 +44,7 @@ def test_case_uses_the_modes_it_claims(case_id):
     plan = qc.case_plan(case)
     modes = {t.quant for t in plan.transfers + plan.local_copies if t.quant}
     assert modes == set(case.modes), modes
-    assert {t.fmt for t in plan.transfers + plan.local_copies if t.quant} == {case.fmt}
+    assert {t.fmt.name for t in plan.transfers + plan.local_copies if t.quant} == {case.fmt}
     st = plan.stats()
     if case.modes == ("src",):
         assert st.wire_bytes == st.lower_bound_bytes

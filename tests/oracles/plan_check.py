@@ -232,7 +232,7 @@ def validate_quant(plan: PlanLike, ranks: Sequence[int] | None = None) -> None:
                 raise ValueError(f"plan: transfer {t} is quantized ({t.quant!r}) but its tensor is not quantized")
             continue
         if (t.relay or t.quant not in (QUANT_SRC, QUANT_DST) or t.block != spec.quant.block
-                or t.fmt != spec.quant.format.name):
+                or t.fmt is not spec.quant.format):
             raise ValueError(f"plan: transfer {t} of block-quantized tensor {t.tensor!r} is not a quantized transfer "
                              f"(quant={t.quant!r}, block {t.block}, relay={t.relay})")
         if t.quant == QUANT_SRC:

@@ -108,8 +108,9 @@ def _check(fn, path: str, *args):
 def quant_to_data(q: BlockQuant | None):
     if q is None:
         return None
-    out = [list(q.block), q.scale, q.ue8m0]  # block FP8: three entries (its encoding before other formats)
-    return out if q.format.name == "fp8-block" else out + [q.format.name, q.global_scale, q.global_group]
+    out = [list(q.block), q.scale, q.ue8m0]  # a plan-format-1 format (block FP8): three entries, as then
+    tag = q.format.tag
+    return out + [*tag, q.global_scale, q.global_group] if tag else out
 
 
 def quant_from_data(v, path: str) -> BlockQuant | None:

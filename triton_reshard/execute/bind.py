@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..box import box_slices
-from ..layout import QUANT_FORMATS
+from ..layout import QuantFormat
 from ..ops.delta_native import reads_in_place
 from ..plan import ALIGN
 from ..plan.quant import QUANT_DST, QUANT_SRC
@@ -47,7 +47,7 @@ def with_global(item: tuple, views, tensor: str) -> tuple:
     return item + (views.globals[q.global_group],) if q.global_group else item
 
 
-def qkey(fmt: str, block: tuple[int, ...], ue8m0: bool) -> tuple:
+def qkey(fmt: QuantFormat, block: tuple[int, ...], ue8m0: bool) -> tuple:
     """The quantizer key of a group of quantize items."""
     return (fmt, tuple(block), bool(ue8m0))
 
@@ -92,7 +92,7 @@ def block_chunks(transfers, m) -> bool:
     can carry it."""
     return all(
         transfers[c.transfer].quant == QUANT_SRC
-        and QUANT_FORMATS[transfers[c.transfer].fmt].block is not None
+        and transfers[c.transfer].fmt.block is not None
         for c in m.chunks
     )
 
@@ -153,7 +153,7 @@ def scale_box(t, off, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def quant_buffers(area: torch.Tensor, at: int, c, t) -> tuple[torch.Tensor, torch.Tensor]:
     """A source-quantized chunk in a message: its value bytes (uint8, the stored shape: a packed format's
     last dim divided by its pack), then at the next ALIGN its scales (the format's scale dtype)."""
-    fmt = QUANT_FORMATS[t.fmt]
+    fmt = t.fmt
     sizes = stored(c.sizes, fmt.pack)
     n = math.prod(sizes)
     start = at + c.buffer_offset
@@ -209,13 +209,13 @@ class Views:
         if t.quant == QUANT_DST:
             return self.staged(t, k, off, size)
         if t.quant == QUANT_SRC:
-            p = QUANT_FORMATS[t.fmt].pack
+            p = t.fmt.pack
             v = sub_view(self.dst[t.dst_local], stored(t.dst_offsets, p), stored(off, p), stored(size, p))
             return v, sub_view(self.dst[t.scale_local], t.scale_offsets, *scale_box(t, off, size))
         return sub_view(self.dst[t.dst_local], t.dst_offsets, off, size)
 
     def meta(self, t, off, size) -> tuple:  # what verify reports about a compared box
-        p = QUANT_FORMATS[t.fmt].pack if t.quant else 1
+        p = t.fmt.pack if t.quant else 1
         return (
             t.dst_local,
             t.tensor,
@@ -383,7 +383,7 @@ def bind_regions(views: Views, plans) -> tuple[dict, list]:
     for k, g in enumerate(work.regions):
         regions_due.setdefault(last[k], []).append(k)
         z = (0,) * len(g.sizes)
-        p = QUANT_FORMATS[g.fmt].pack
+        p = g.fmt.pack
         q = sub_view(dst[g.dst_local], stored(g.dst_offsets, p), z, stored(g.sizes, p))
         sc = sub_view(dst[g.scale_local], g.scale_offsets, z, g.scale_sizes)
         meta = (

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops  # noqa: F401  (tests reach ops.pack_delta through this module)
-from ..layout import QUANT_FORMATS
 from ..ops.block_delta import max_block_message_bytes
 from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes
 from ..ops.delta_cached import pack_deferred
@@ -165,7 +164,7 @@ def eligible(plan, work) -> Eligible:
                                                       [t.wire_dtype.itemsize for t in ts])
                 names[pos, j] = [t.dst_local for t in ts]
             elif bok:
-                fmts = [QUANT_FORMATS[t.fmt] for t in ts]
+                fmts = [t.fmt for t in ts]
                 max_bytes[pos, j] = max_block_message_bytes(
                     [(f.value_bytes(math.prod(c.sizes)), math.prod(c.sizes) // f.block * f.scale_bytes)
                      for c, f in zip(m.chunks, fmts, strict=True)])

@@ -130,7 +130,7 @@ class StepLoop:
             raise ValueError(f"rank {self.link.rank}: tensor group {bad[0]!r} holds inf or NaN (amax "
                              f"{'inf' if int(bits[pos[bad[0]]]) == 0x7F800000 else 'NaN'}): NVFP4's global scale "
                              f"needs a finite amax; nothing was moved")
-        gs, ws2 = quant.nvfp4_global_scale(bits.view(torch.float32))
+        gs, ws2 = quant.global_scales(bits.view(torch.float32))
         for g, t in bq.globals.items():
             t.copy_(gs[pos[g]:pos[g] + 1])
         if not bq.global_out:

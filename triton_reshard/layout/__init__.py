@@ -39,21 +39,27 @@ from .builder import ColumnBuilder
 from .check import check_fragment, check_layout, misaligned_block, overlap_free, validate_quant_fragments
 from .columnar import ColumnarLayout, Layout, columnar
 from .columns import LogicalTensors, numel_of, trusted_spec
-from .fragment_table import FragmentTable, content_fingerprint
-from .specs import (
+from .formats import (
+    FORMATS,
     FP8_BLOCK,
-    FRAG_KEY,
-    MAX_TENSOR_BYTES,
     MXFP8,
     NVFP4,
-    QUANT_DTYPE,
+    PLAN_FORMAT,
     QUANT_FORMATS,
+    QuantFormat,
+    format_of_tag,
+    quant_format,
+)
+from .fragment_table import FragmentTable, content_fingerprint
+from .specs import (
+    FRAG_KEY,
+    MAX_TENSOR_BYTES,
+    QUANT_DTYPE,
     SCALE_DTYPE,
     BlockQuant,
     Fragment,
     LocalSpec,
     Placement,
-    QuantFormat,
     Replicate,
     Shard,
     TensorSpec,
@@ -66,15 +72,14 @@ from .specs import (
     gc_paused,
     itemsize_of,
     nested_box,
-    quant_format,
     scale_shape,
     slot_setters,
     trusted_fragment,
 )
 
 __all__ = [
-    "FP8_BLOCK", "FRAG_KEY", "MAX_TENSOR_BYTES", "MXFP8", "NVFP4", "QUANT_DTYPE", "QUANT_FORMATS", "QuantFormat",
-    "SCALE_DTYPE", "quant_format", "BlockQuant", "ColumnBuilder", "ColumnarLayout",
+    "FORMATS", "FP8_BLOCK", "FRAG_KEY", "MAX_TENSOR_BYTES", "MXFP8", "NVFP4", "QUANT_DTYPE", "PLAN_FORMAT", "QUANT_FORMATS", "QuantFormat",
+    "SCALE_DTYPE", "format_of_tag", "quant_format", "BlockQuant", "ColumnBuilder", "ColumnarLayout",
     "Fragment", "FragmentTable", "Layout", "LocalSpec", "LogicalTensors", "Placement", "Replicate", "Shard",
     "TensorSpec", "as_shape", "block_quant_layout", "block_scale_box", "box_slices", "boxes_overlap",
     "check_bytes", "check_fragment", "check_layout", "check_names", "chunk_range", "columnar",

@@ -11,17 +11,15 @@ import torch
 
 from .check import misaligned_block
 from .columnar import Layout
+from .formats import FP8_BLOCK, QuantFormat, quant_format
 from .specs import (
-    FP8_BLOCK,
     BlockQuant,
     Fragment,
     LocalSpec,
-    QuantFormat,
     TensorSpec,
     block_scale_box,
     dtype_name,
     gc_paused,
-    quant_format,
     scale_shape,
 )
 
@@ -67,9 +65,9 @@ def block_quant_layout(
     chosen = _chosen(layout, names)
     fmt = quant_format(format)
     if fmt.pack != 1 or fmt.global_scale:
-        return _packed_layout(layout, chosen, fmt, scale_suffix or "_scale")
+        return _packed_layout(layout, chosen, fmt, scale_suffix or fmt.scale_suffix)
     if scale_suffix is None:
-        scale_suffix = "_scale_inv" if fmt is FP8_BLOCK else "_scale"
+        scale_suffix = fmt.scale_suffix
     if fmt.block is not None:
         block = (fmt.block,)
     if not isinstance(scale_suffix, str) or not scale_suffix:

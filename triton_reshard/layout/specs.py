@@ -14,6 +14,8 @@ from operator import add, attrgetter, sub
 
 import torch
 
+from .formats import FP8_BLOCK, QuantFormat, quant_format
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
@@ -190,63 +192,6 @@ SCALE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True, slots=True)
-class QuantFormat:
-    """A block quantization format: everything the planner, the executor and the kernels need to know of it.
-
-    ``value_dtype``: the dtype of the stored values (``uint8`` for packed sub-byte elements); ``pack``: logical
-    elements per stored element along the last dim (2 for FP4 pairs: the low nibble holds the even element);
-    ``value_bits``: bits per logical element; ``scale_dtype``: the stored dtype of one scale per block, and
-    ``scale_encoding`` what it means (``"fp32"``: the dequantization multiplier; ``"e8m0"``: a biased power-of-
-    two exponent byte, 2^(s-127); ``"e4m3"``: an fp8 multiplier of the global scale); ``block``: the fixed block
-    extent along the last dim in *logical* elements (None: the tensor's :class:`BlockQuant` gives the block);
-    ``rounding``: the scale rule, named; ``global_scale``: one float32 per tensor (group) beside the block
-    scales, computed from the whole tensor's amax; ``reference``: the name of the torch reference quantizer
-    in ``triton_reshard.ops.quantize`` (called through :func:`triton_reshard.ops.quantize.reference`)."""
-
-    name: str
-    value_dtype: torch.dtype
-    pack: int
-    value_bits: int
-    scale_dtype: torch.dtype
-    scale_encoding: str
-    block: int | None
-    rounding: str
-    global_scale: bool
-    reference: str
-
-    @property
-    def scale_bytes(self) -> int:
-        return itemsize_of(self.scale_dtype)
-
-    def value_bytes(self, numel: int) -> int:
-        """Stored bytes of ``numel`` logical elements (whole stored elements)."""
-        return -(-numel * self.value_bits // 8)
-
-
-# vLLM / DeepSeek-V3 block FP8: e4m3 values, one fp32 scale (amax / 448, optionally a power of two) per block
-FP8_BLOCK = QuantFormat("fp8-block", torch.float8_e4m3fn, 1, 8, torch.float32, "fp32", None, "amax/448",
-                        False, "quantize_blocks_ref")
-# OCP MX FP8 (vLLM 0.33 ``mxfp8_utils``): e4m3 values, one E8M0 byte per 1x32 block along the last dim
-MXFP8 = QuantFormat("mxfp8", torch.float8_e4m3fn, 1, 8, torch.uint8, "e8m0", 32, "ceil(log2(amax/448))",
-                    False, "quantize_mxfp8")
-# NVIDIA NVFP4 (ModelOpt, vLLM's ``ref_nvfp4_quant``): packed E2M1 pairs, one e4m3 scale per 1x16 block, and an
-# fp32 per-tensor ``weight_scale_2``
-NVFP4 = QuantFormat("nvfp4", torch.uint8, 2, 4, torch.float8_e4m3fn, "e4m3", 16, "e4m3(gs*amax/6)", True,
-                    "quantize_nvfp4")
-QUANT_FORMATS = {f.name: f for f in (FP8_BLOCK, MXFP8, NVFP4)}
-
-
-def quant_format(name: str | QuantFormat) -> QuantFormat:
-    """The format called ``name`` (a :class:`QuantFormat` passes through)."""
-    if isinstance(name, QuantFormat):
-        return name
-    f = QUANT_FORMATS.get(name)
-    if f is None:
-        raise ValueError(f"unknown quantization format {name!r}; expected one of {sorted(QUANT_FORMATS)}")
-    return f
-
-
-@dataclass(frozen=True, slots=True)
 class BlockQuant:
     """Block quantization of a logical tensor (block FP8, MXFP8, NVFP4: ``format``, a :class:`QuantFormat`).
 
@@ -285,7 +230,7 @@ class BlockQuant:
         if not isinstance(fmt, QuantFormat):
             raise TypeError(f"BlockQuant: format must be a QuantFormat or its name, got {self.format!r}")
         object.__setattr__(self, "format", fmt)
-        if self.ue8m0 and fmt is not FP8_BLOCK:
+        if self.ue8m0 and fmt.scale_encoding != "fp32":
             raise ValueError(f"BlockQuant: ue8m0 is a block-FP8 scale rule; format {fmt.name!r} has its own")
         if fmt.block is not None:
             want = fmt.block // fmt.pack
@@ -311,7 +256,8 @@ class BlockQuant:
 
     def key(self) -> tuple:
         k = (self.block, self.scale, self.ue8m0)
-        return k if self.format is FP8_BLOCK else k + (self.format.name, self.global_scale, self.global_group)
+        tag = self.format.tag  # plan-format-1 formats (block FP8) unnamed: their layouts keep their digests
+        return k + tag + (self.global_scale, self.global_group) if tag else k
 
 
 def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:

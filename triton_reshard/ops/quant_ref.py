@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..layout.specs import QuantFormat, quant_format
+from ..layout.formats import QuantFormat, quant_format
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -160,6 +160,12 @@ def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = amax.float().clamp_min(NVFP4_AMAX_FLOOR)
     gs = NVFP4_GLOBAL_NUM / a  # torch: a.reciprocal() * 2688 (a float / tensor), as vLLM writes it
     return gs, (1.0 / gs).to(torch.float32)
+
+
+def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(global_scale, weight_scale_2)`` of each tensor group's amax, for the formats with a global scale
+    (``QuantFormat.global_scale``; the one such format's rule, :func:`nvfp4_global_scale`)."""
+    return nvfp4_global_scale(amax)
 
 
 def _reciprocal(x: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..layout.specs import FP8_BLOCK, QuantFormat, quant_format
+from ..layout.formats import FP8_BLOCK, MXFP8, NVFP4, QuantFormat, quant_format
 from . import BACKENDS, resolve_backend
 from .launcher import cached_table, interpreting, kernel_module, storage_view
 from .quant_ref import (  # noqa: F401  (re-exported: the reference quantizers lived here)
@@ -56,6 +56,7 @@ from .quant_ref import (  # noqa: F401  (re-exported: the reference quantizers l
     dequantize_blocks,
     dequantize_nvfp4,
     e2m1_codes,
+    global_scales,
     normalize_block,
     nvfp4_global_scale,
     quantize_blocks,
@@ -377,7 +378,7 @@ def launch_params(bm: int, bn: int) -> tuple[int, int]:
     return rb, max(1, min(8, rb * bn // (32 * GPU_PER_THREAD)))
 
 
-KERNEL_FMT = {"fp8-block": 0, "mxfp8": 1, "nvfp4": 2}  # formats with a kernel (quant_rows_kernel's FMT: 1, 2)
+KERNEL_FMT = {FP8_BLOCK: 0, MXFP8: 1, NVFP4: 2}  # formats with a kernel (quant_rows_kernel's FMT: 1, 2)
 
 
 def get_rows_kernel():
@@ -401,7 +402,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
         kernel = get_rows_kernel()
         _bm, bn = table.tile
         g_rows, warps = rows_per_program(bn)
-        mx = KERNEL_FMT[fmt.name]
+        mx = KERNEL_FMT[fmt]
         thr = ue8m0_thresholds(table.device, full=True) if mx == 1 else torch.ones(1, dtype=torch.int32,
                                                                                      device=table.device)
         for g in table.groups:
@@ -501,7 +502,7 @@ def quantize_views(items: Sequence[Item], block: Sequence[int], ue8m0: bool = Fa
             validate_items(items, block, fmt)
             _torch_items(items, block, ue8m0, fmt)
             return
-        if fmt.name not in KERNEL_FMT:
+        if fmt not in KERNEL_FMT:
             return _other_kernels(items, block, fmt, key)
         if key is None:
             launch(prepare(items, block, fmt), items, ue8m0, block, fmt)

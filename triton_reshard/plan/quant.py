@@ -39,10 +39,11 @@ from ..box import (
     union_numel,
 )
 from ..layout import (
-    QUANT_FORMATS,
+    FP8_BLOCK,
     Fragment,
     Layout,
     LocalSpec,
+    QuantFormat,
     TensorSpec,
     block_scale_box,
     dtype_name,
@@ -240,7 +241,7 @@ def _scale_place(df: Fragment, sf: Fragment, off, block) -> tuple[int, ...]:
 
 
 def _sub(t: Transfer, off, size, wire: torch.dtype, mode: str, block, scale_local: str, scale_offsets,
-         fmt: str) -> Transfer:
+         fmt: QuantFormat) -> Transfer:
     """Sub-box ``off``+``size`` (logical) of ``t`` as a quantized transfer."""
     def shift(start):
         extra = len(start) - len(off)
@@ -280,7 +281,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
             fmt = spec.quant.format
             if inner is not None:
                 out[kind].append(_sub(t, inner[0], inner[1], fmt.value_dtype, QUANT_SRC, block, sf.local,
-                                      _scale_place(df, sf, inner[0], block), fmt.name))
+                                      _scale_place(df, sf, inner[0], block), fmt))
             rest = subtract_box(t.offsets, t.sizes, inner)
             if rest:
                 entry = pending.setdefault((df.rank, df.tensor, df.local, df.offsets, df.local_offsets), (df, []))
@@ -295,7 +296,7 @@ def quantize_transfers(src: Layout, dst: Layout, targets: dict[str, TensorSpec],
                 hit = intersect_boxes(box, reg)
                 if hit is not None:
                     out[kind].append(_sub(t, hit[0], hit[1], t.wire_dtype, QUANT_DST, block, sf.local,
-                                          _scale_place(df, sf, reg[0], block), spec.quant.format.name))
+                                          _scale_place(df, sf, reg[0], block), spec.quant.format))
     order = (lambda t: (t.dst_rank, t.tensor, t.offsets, t.dst_local),
              lambda t: (t.src_rank, t.dst_rank, t.tensor, t.offsets))
     return sorted(out[0], key=order[0]), sorted(out[1], key=order[1])
@@ -311,7 +312,7 @@ class QuantRegion:
     """A block-aligned box of quantized tensor ``tensor`` that destination rank ``rank`` receives in the source
     dtype (``dtype``) by ``dst`` transfers (``wire``: indices into ``Plan.transfers``; ``local``: into
     ``Plan.local_copies``), stages, and quantizes once all of them are in: fp8 values into ``dst_local`` at
-    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``; ``fmt``: the format's name."""
+    ``dst_offsets``, scales into ``scale_local`` at ``scale_offsets``; ``fmt``: the format."""
 
     tensor: str
     rank: int
@@ -327,7 +328,7 @@ class QuantRegion:
     dtype: torch.dtype
     wire: tuple[int, ...]
     local: tuple[int, ...]
-    fmt: str = "fp8-block"
+    fmt: QuantFormat = FP8_BLOCK
 
     @property
     def numel(self) -> int:
@@ -370,7 +371,7 @@ def _quant_regions(plan: PlanLike) -> dict[int, tuple[QuantRegion, ...]]:
                 df.tensor, df.rank, reg[0], reg[1], df.local, df.local_box(reg[0], reg[1])[0], spec.quant.scale,
                 t0.scale_local, scale_off, block, spec.quant.ue8m0, t0.wire_dtype,
                 tuple(i for k, i, _t in mine if k == 1), tuple(i for k, i, _t in mine if k == 0),
-                spec.quant.format.name))
+                spec.quant.format))
     return {r: tuple(v) for r, v in sorted(out.items())}
 
 
@@ -434,7 +435,7 @@ def split_src_chunks(t: Transfer, cap: int) -> list[tuple[tuple[int, ...], tuple
     transfer, sizes, chunk bytes)]``, chunk bytes = the quantized values (padded to ``ALIGN``) + the scales,
     each at most ``cap`` unless one block alone is bigger (then one block per chunk)."""
     block = t.block
-    fmt = QUANT_FORMATS[t.fmt]
+    fmt = t.fmt
     grid = scale_sizes(t.sizes, block)
     per_block = fmt.value_bytes(math.prod(block)) + fmt.scale_bytes + 16
     out = []

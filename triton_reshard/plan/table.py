@@ -30,10 +30,14 @@ QUANT_CODES = {"": 0, "src": 1, "dst": 2}
 
 
 def _extra(t) -> tuple:
-    """A quantized row's extras: block, scale local, scale offsets, and the format unless block FP8 (so
-    block-FP8 tables keep their digests)."""
-    e = (t.block, t.scale_local, t.scale_offsets)
-    return e if t.fmt == "fp8-block" else e + (t.fmt,)
+    """A quantized row's extras: block, scale local, scale offsets and the format (a ``QuantFormat``)."""
+    return (t.block, t.scale_local, t.scale_offsets, t.fmt)
+
+
+def _keyed(e: tuple) -> tuple:
+    """A row's extras as its digest reads them: the format by its tag (the plan-format version rule of
+    ``layout.formats``: block-FP8 tables keep their digests)."""
+    return e[:3] + e[3].tag
 _QUANT_NAMES = ("", "src", "dst")
 _FIELDS = attrgetter("tensor", "offsets", "sizes", "src_rank", "src_local", "src_offsets", "dst_rank", "dst_local",
                      "dst_offsets", "wire_dtype", "relay", "quant")
@@ -84,7 +88,7 @@ class TransferTable(Sequence):
         for k, a in cols.items():
             a.setflags(write=False)
             setattr(self, k, a)
-        self.extras = extras  # row -> (block, scale_local, scale_offsets[, fmt]) of its quantized rows
+        self.extras = extras  # row -> (block, scale_local, scale_offsets, fmt) of its quantized rows
         self._objs: tuple[Transfer, ...] | None = None
 
     # -- building ---------------------------------------------------------------------------------------
@@ -321,7 +325,7 @@ class TransferTable(Sequence):
         for a in (self.src, self.dst, self.relay, self.quant):
             h.update(np.ascontiguousarray(a, "<i8").tobytes())
         if self.extras:
-            h.update(repr(sorted(self.extras.items())).encode())
+            h.update(repr([(i, _keyed(self.extras[i])) for i in sorted(self.extras)]).encode())
         return h.hexdigest()
 
     @property

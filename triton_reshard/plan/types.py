@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..box import ALIGN, align_up  # noqa: F401  (ALIGN, align_up: part of the plan's API)
-from ..layout import QUANT_FORMATS, Fragment, Layout, dtype_name, gc_paused, itemsize_of
+from ..layout import FP8_BLOCK, Fragment, Layout, QuantFormat, dtype_name, gc_paused, itemsize_of
 
 # A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
 # message, so the executor can send it straight from the source tensor or receive it straight into the
@@ -36,7 +36,7 @@ class Transfer:
     ``src_rank``, which an earlier phase of the plan already wrote (fan-out inside a node: one network
     receive, then NVLink sends); relays run after every non-relay transfer and local copy.
 
-    Block-quantized destinations (``plan/quant.py``; format ``fmt``, a ``QuantFormat`` name): ``quant="src"``:
+    Block-quantized destinations (``plan/quant.py``; format ``fmt``, a ``QuantFormat``): ``quant="src"``:
     whole blocks (``block``), quantized by the sender into ``wire_dtype`` (the format's value dtype, e.g.
     float8_e4m3fn), their scales (one per block, the format's scale dtype) travelling with them into
     destination local tensor ``scale_local`` at ``scale_offsets``; ``quant="dst"``: a piece of blocks that
@@ -59,7 +59,7 @@ class Transfer:
     block: tuple[int, ...] = ()  # the quantization block (quant set)
     scale_local: str = ""  # the destination local tensor of the scales (quant set)
     scale_offsets: tuple[int, ...] = ()  # where the scales of its first block go in it ("dst": of its region's)
-    fmt: str = "fp8-block"  # the quantization format's name (quant set; ``specs.QUANT_FORMATS``)
+    fmt: QuantFormat = FP8_BLOCK  # the quantization format (quant set; ``layout.formats``)
 
     @property
     def numel(self) -> int:
@@ -70,7 +70,7 @@ class Transfer:
         """Payload bytes: a source-quantized transfer carries its quantized values and one scale per block (its
         format's bytes: fp8 + fp32 for block FP8)."""
         if self.quant == "src":
-            f = QUANT_FORMATS[self.fmt]
+            f = self.fmt
             return (f.value_bytes(self.numel) + f.scale_bytes
                     * math.prod(-(-s // b) for s, b in zip(self.sizes, self.block, strict=True)))
         return self.numel * itemsize_of(self.wire_dtype)
@@ -88,7 +88,7 @@ class Transfer:
         if not self.quant:
             return k
         k = k + (self.quant, self.block, self.scale_local, self.scale_offsets)
-        return k if self.fmt == "fp8-block" else k + (self.fmt,)  # block-FP8 plans keep their digests
+        return k + self.fmt.tag  # the plan-format version rule: block-FP8 plans keep their digests
 
     def __str__(self) -> str:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))

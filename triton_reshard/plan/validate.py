@@ -504,7 +504,7 @@ def _quant_rows(tb, src, quantized: dict, written: dict) -> None:
     ok = qt & ~tb.relay & ((q == 1) | (q == 2))
     for i, kk in zip(np.flatnonzero(ok).tolist(), k[ok].tolist(), strict=True):
         e, s = tb.extras.get(i), specs[kk].quant
-        if e is None or e[0] != s.block or (e[3] if len(e) > 3 else "fp8-block") != s.format.name:
+        if e is None or e[0] != s.block or e[3] is not s.format:
             ok[i] = False
     code[qt & ~ok & (code == 0)] = Q_MODE
     D = tb.offsets.shape[1]

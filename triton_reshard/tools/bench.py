@@ -8,8 +8,9 @@ tensors and the same ranks:
 - ``wire-limit``: per step of the reshard's schedule, the bytes each rank sends each peer as one plain
   isend/irecv, no pack or unpack, no local copies — what the transport alone costs;
 - ``dtensor``: ``DTensor.redistribute`` where the two layouts live on one mesh (the ``fsdp-tp`` case);
-- ``reshard-fp8`` (``dst_dtype="fp8-block"``): the same refit into block-FP8 inference weights (every Linear weight
-  float8_e4m3fn + fp32 scales per 128 x 128 block), checked against the reference quantization.
+- ``reshard-<method>`` (``dst_dtype``: a quantization format's name; its ``method``, e.g. ``reshard-fp8`` for
+  block FP8): the same refit into quantized inference weights (every Linear weight; block FP8 in
+  ``quant_block`` square blocks), checked against the reference quantization.
 Wall time is the slowest rank's (barrier before and after), median over repeats. Every method's destination
 tensors are poisoned first and checked bit-exactly afterwards.
 """
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..execute import Resharder
-from ..layout import Layout, Replicate, Shard
+from ..layout import FP8_BLOCK, Layout, Replicate, Shard, quant_format
 from ..plan import plan_reshard
 from ..testing.launch import run_world
 from .baselines import allgather_refit
@@ -42,6 +43,7 @@ from .demo import (
     reset_peak_rss,
     verify_tensors,
 )
+from .demo_report import quant_name
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 
@@ -101,8 +103,9 @@ def _wire_limit(bufs: list, timeout) -> None:
 
 
 def quant_method(dst_dtype: str) -> str:
-    """The method name of the refit into ``dst_dtype`` weights (``reshard-fp8`` for block FP8, as before)."""
-    return "reshard-fp8" if dst_dtype == "fp8-block" else f"reshard-{dst_dtype}"
+    """The method name of the refit into ``dst_dtype`` weights (the format's ``method``: ``reshard-fp8`` for
+    block FP8, as before)."""
+    return f"reshard-{quant_format(dst_dtype).method}"
 
 
 def bench_worker(rank: int, world: int, case: Case, size_bytes: int, dtype_name: str, bucket: int, repeats: int,
@@ -225,9 +228,8 @@ def _timed_rounds(fns: dict, checked: dict, dst_t: dict, expected: dict, repeats
 def run_bench(cases: list[str], sizes_gb: list[float], dtype: str = "float32", bucket_mb: float = 64,
               repeats: int = 3, timeout: float = 120.0, out_dir: str | None = None, progress=print,
               dst_dtype: str = "same", quant_block: int = 128) -> dict:
-    """``dst_dtype="fp8-block"``: also time ``reshard-fp8``, the refit into block-FP8 inference weights
-    (``quant_block`` square blocks); ``"mxfp8"`` / ``"nvfp4"``: ``reshard-mxfp8`` / ``reshard-nvfp4`` into those
-    formats. Each row then has ``stats_fp8`` (the quantized plan's stats, whatever the format) beside ``stats``."""
+    """``dst_dtype`` a quantization format's name: also time the refit into inference weights of that format
+    (:func:`quant_method`; block FP8 in ``quant_block`` square blocks). Each row then has ``stats_fp8`` (the quantized plan's stats, whatever the format) beside ``stats``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = []
     for cname in cases:
@@ -306,9 +308,9 @@ def format_row(row: dict) -> str:
                  f"(bucket {row['bucket_mb']:g} MiB)")
     q = row.get("stats_fp8")
     if q:
-        qd = row.get("dst_dtype", "fp8-block")
+        qd = row.get("dst_dtype", FP8_BLOCK.name)  # rows written before other formats: block FP8
         t_plain, t_q = ms["reshard"]["median_s"], ms[quant_method(qd)]["median_s"]
-        lines.append(f"  {qd}{row['quant_block'] if qd == 'fp8-block' else ''}: wire {q['wire_bytes'] / 2**20:.1f} MiB = "
+        lines.append(f"  {quant_name(qd, row['quant_block'])}: wire {q['wire_bytes'] / 2**20:.1f} MiB = "
                      f"{q['wire_bytes'] / max(1, s['wire_bytes']):.3f} x the {row['dtype']} wire "
                      f"({q['quant_src_bytes'] / 2**20:.1f} MiB quantized by senders, {q['quant_dst_bytes'] / 2**20:.1f} "
                      f"MiB in {row['dtype']} for receivers to quantize) = {q['wire_bytes'] / max(1, q['lower_bound_bytes']):.3f}"

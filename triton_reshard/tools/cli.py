@@ -73,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--timeout", type=float, default=120.0,
                          help="seconds before a missing peer is an error (default 120)")
     p_bench.add_argument("--out", default="perf/results", help="folder for bench_refit.json and .png (default perf/results)")
-    p_bench.add_argument("--dst-dtype", choices=["same", "fp8-block", "mxfp8", "nvfp4"], default="same",
-                         help="'fp8-block': also time the refit into block-FP8 inference weights (every Linear weight "
-                              "float8_e4m3fn + fp32 scales, --quant-block square blocks); 'mxfp8' / 'nvfp4': into "
-                              "MXFP8 / NVFP4 weights (1x32 / 1x16 blocks); print its wire bytes and time beside the "
-                              "plain refit's (default same)")
-    p_bench.add_argument("--quant-block", type=int, default=128, help="block size of --dst-dtype fp8-block (default 128)")
+    p_bench.add_argument("--dst-dtype", choices=["same", *demo.QUANT_DST_DTYPES], default="same",
+                         help="also time the refit into quantized inference weights (every Linear weight) in this "
+                              f"format: {demo.dst_dtype_help()}; print its wire bytes and time beside the plain "
+                              "refit's (default same)")
+    p_bench.add_argument("--quant-block", type=int, default=128,
+                         help="B, the block size of a --dst-dtype that takes it (default 128)")
     p_verify = sub.add_parser("verify", help="check that this machine's vLLM loads a checkpoint as our layout says",
                               description=engine_check.__doc__.replace("``", "'").replace(":func:`~", "").replace("`", ""),
                               **kw)

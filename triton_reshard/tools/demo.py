@@ -15,14 +15,22 @@ import torch
 import torch.distributed as dist
 
 from ..execute import Resharder
-from ..layout import QUANT_DTYPE, Layout, block_quant_layout, box_slices
+from ..layout import (
+    FORMATS,
+    FP8_BLOCK,
+    QUANT_DTYPE,
+    Layout,
+    QuantFormat,
+    block_quant_layout,
+    box_slices,
+    quant_format,
+)
 from ..plan import plan_reshard
 from ..testing import synthetic_box
 from ..testing.launch import WorldError, default_backend, run_world
 from . import demo_report as report
 from .baselines import allgather_refit
 from .cliutil import DTYPE_HELP, UsageError, check_outputs, parse_dtype, parse_sizes
-from .demo_report import QUANT_LABEL
 from .parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
 POISON = float("nan")
@@ -83,29 +91,31 @@ def is_linear_weight(t) -> bool:
     return t.name.endswith("proj.weight") and len(t.shape) == 2
 
 
-QUANT_DST_DTYPES = ("fp8-block", "mxfp8", "nvfp4")  # --dst-dtype's quantized destinations
+QUANT_DST_DTYPES = tuple(f.name for f in FORMATS)  # --dst-dtype's quantized destinations: every format
 
 
-def quant_layout(dst: Layout, dst_dtype: str, block: int = 128) -> Layout:
-    """``dst`` with every Linear weight quantized: ``"fp8-block"`` (``block`` x ``block`` blocks, fp32
-    ``*_scale_inv``), ``"mxfp8"`` (1x32 blocks, E8M0 ``*_scale``) or ``"nvfp4"`` (packed E2M1, 1x16 e4m3 ``*_scale``,
-    ``*_scale_2`` per tensor group)."""
-    if dst_dtype == "fp8-block":
-        return block_quant_layout(dst, is_linear_weight, (block, block))
-    return block_quant_layout(dst, is_linear_weight, None, format=dst_dtype)
+def dst_dtype_help() -> str:
+    """What ``--dst-dtype`` says of each format (from the format registry)."""
+    return "; ".join(f"'{f.name}': {f.label} ({f.summary.format(block='B')})" for f in FORMATS)
+
+
+def quant_layout(dst: Layout, dst_dtype: str | QuantFormat, block: int = 128) -> Layout:
+    """``dst`` with every Linear weight quantized in format ``dst_dtype`` (a format or its name): in ``block`` x
+    ``block`` blocks when the format takes its block from the caller (block FP8, fp32 ``*_scale_inv``), else in
+    the format's own (its scale tensors ``*_scale``, and a global scale per tensor group where it has one)."""
+    return block_quant_layout(dst, is_linear_weight, (block, block), format=dst_dtype)
 
 
 def fp8_layout(dst: Layout, block: int) -> Layout:
     """``dst`` with every Linear weight block-FP8 (``block`` x ``block`` blocks, fp32 ``*_scale_inv`` scales)."""
-    return quant_layout(dst, "fp8-block", block)
+    return quant_layout(dst, FP8_BLOCK, block)
 
 
 def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tuple[str, tuple, torch.Tensor]]:
     """As :func:`expected_tensors` for a block-quantized destination: each quantized tensor quantized whole from the
     synthetic source (the format's torch reference: ``ops.quantize.quantize_blocks`` for block FP8) and sliced,
-    values and scales; NVFP4's global scales from the amax of each tensor group, as the refit's exchange."""
-    from ..layout import FP8_BLOCK
-    from ..ops.quantize import nvfp4_global_scale, quantize_blocks
+    values and scales; global scales (NVFP4) from the amax of each tensor group, as the refit's exchange."""
+    from ..ops.quantize import global_scales
     from ..ops.quantize import reference as quant_reference
     from ..testing import synthetic_global
 
@@ -121,18 +131,14 @@ def expected_quantized(dst: Layout, src: Layout, rank: int, device) -> list[tupl
         if group not in gscale:
             amax = max(logical(t.name).abs().amax().float() for t in dst.quantized.values()
                        if t.quant.global_group == group)
-            gscale[group] = nvfp4_global_scale(amax)
+            gscale[group] = global_scales(amax)
         return gscale[group]
 
     def of(name: str):
         if name not in ref:
             q = dst.specs[name].quant
-            if q.format is FP8_BLOCK:
-                ref[name] = quantize_blocks(logical(name), q.block, q.ue8m0)
-            else:
-                f = q.format
-                ref[name] = quant_reference(f, logical(name), (f.block,),
-                                            global_scale=gs_of(q.global_group)[0] if f.global_scale else None)
+            ref[name] = quant_reference(q.format, logical(name), q.logical_block, q.ue8m0,
+                                        global_scale=gs_of(q.global_group)[0] if q.format.global_scale else None)
         return ref[name]
 
     out = []
@@ -294,7 +300,7 @@ def _quant_runs(args, qd: str, src: Layout, dst: Layout, src_t, rank: int, devic
     reference's bytes: its setup, first run and repeats (rank ``rank``'s timers)."""
     out: dict = {}
     bucket = int(args.bucket_mb * (1 << 20))
-    label = QUANT_LABEL[qd]
+    label = quant_format(qd).label
     say(f"{label} destination: each rank plans it, allocates its tensors and quantizes the reference it checks "
         "against (every Linear weight, whole, with the torch reference) ...")
     t_q = time.perf_counter()
@@ -370,14 +376,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also write a rank x rank heatmap of who sends how much to whom (PNG; needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to this path")
     p.add_argument("--dst-dtype", choices=["same", *QUANT_DST_DTYPES], default="same",
-                   help="'fp8-block': also refit into block-FP8 inference weights (every Linear weight "
-                        "float8_e4m3fn + one fp32 scale per --quant-block square block, vLLM's weight_scale_inv); "
-                        "'mxfp8' / 'nvfp4': into MXFP8 (1x32 blocks, E8M0 scales) or NVFP4 (packed E2M1, 1x16 e4m3 "
-                        "scales, a global scale per tensor group) weights, as vLLM loads ModelOpt checkpoints; "
-                        "checked against the reference quantization of the whole tensor, and print its wire bytes "
-                        "and time beside the plain refit's (default same: the --dtype of the source)")
+                   help="also refit into quantized inference weights (every Linear weight) in this format, as "
+                        f"vLLM loads them: {dst_dtype_help()}; checked against the reference quantization of the "
+                        "whole tensor, and print its wire bytes and time beside the plain refit's (default same: "
+                        "the --dtype of the source)")
     p.add_argument("--quant-block", type=int, default=128,
-                   help="block size of --dst-dtype fp8-block, rows and columns (default 128, as DeepSeek-V3 / Qwen3-FP8)")
+                   help="B, the block size (rows and columns) of a --dst-dtype that takes it (default 128, as "
+                        "DeepSeek-V3 / Qwen3-FP8)")
 
 
 def _dtype_name(args) -> str:
@@ -506,7 +511,7 @@ def run_demo(args) -> int:
           f"allocates the staging buffers once; later runs reuse them; noise on a shared machine can make it "
           f"faster than a later run)")
     print(report.time_breakdown(res[0], time.time() - args.started_at, prep_s, elapsed,
-                                QUANT_LABEL.get(getattr(args, "dst_dtype", "same"), "block-FP8")))
+                                quant_format(qd).label if qd in QUANT_DST_DTYPES else FP8_BLOCK.label))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "stats": st.as_dict(), "ranks": res,

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import statistics
 
-from ..layout import Layout
+from ..layout import Layout, quant_format
 from .cliutil import fmt_mib
 
-QUANT_LABEL = {"fp8-block": "block-FP8", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}
+
+def quant_name(dst_dtype: str, block: int) -> str:
+    """A quantized destination's short name: the format's, with ``block`` when the format takes it from the
+    caller (``--quant-block``: block FP8)."""
+    f = quant_format(dst_dtype)
+    return f.name if f.block is not None else f"{f.name}{block}"
+
+
 LEGEND = """
   time          one refit, wall time of the slowest rank, {runs}
   on the wire   bytes sent between ranks, all ranks together (a rank's copies into itself are not counted)
@@ -37,7 +44,7 @@ def result_rows(res: list[dict], args, st, qst) -> list[tuple]:
     if qst is not None:
         qd = args.dst_dtype
         q_time = _median_of_slowest(res, "fp8_seconds", n_rep) if n_rep else max(r["fp8_first_seconds"] for r in res)
-        rows.append((f"ours -> {qd}{args.quant_block if qd == 'fp8-block' else ''}", q_time, qst.wire_bytes,
+        rows.append((f"ours -> {quant_name(qd, args.quant_block)}", q_time, qst.wire_bytes,
                      qst.max_recv_bytes,
                      max(r["fp8_staging_bytes"] for r in res), max(r["fp8_peak_extra_rss"] for r in res),
                      sum(r["fp8_bad"] for r in res)))
@@ -62,10 +69,8 @@ def print_table(rows: list[tuple], n_rep: int) -> None:
 
 def quant_line(args, st, qst, rows: list[tuple], dtype_name: str) -> str:
     """The quantized destination's bytes against the plain one's."""
-    qd = args.dst_dtype
-    fmt_words = (f"{args.quant_block}x{args.quant_block} blocks, fp32 scales" if qd == "fp8-block" else
-                 {"mxfp8": "1x32 blocks, E8M0 scales", "nvfp4": "packed E2M1, 1x16 blocks, e4m3 scales"}[qd])
-    return (f"{QUANT_LABEL[qd]} destination ({fmt_words}, every Linear "
+    f = quant_format(args.dst_dtype)
+    return (f"{f.label} destination ({f.summary.format(block=args.quant_block)}, every Linear "
             f"weight): {fmt_bytes(qst.wire_bytes)} on the wire vs {fmt_bytes(st.wire_bytes)} for "
             f"{dtype_name} ({qst.wire_bytes / max(1, st.wire_bytes):.2f}x); {fmt_bytes(qst.quant_src_bytes)} "
             f"of it quantized by the senders (values + scales), {fmt_bytes(qst.quant_dst_bytes)} sent in "
