@@ -14,12 +14,14 @@ import torch
 
 from triton_reshard.box import boxes_meet, find_overlap
 from triton_reshard.plan import plan_reshard
-from triton_reshard.plan.local import _tensor_order, route_all
+from triton_reshard.plan.local import _tensor_order
 from triton_reshard.plan.routing import check_relay_groups, held_numel
 from triton_reshard.plan.rows import missing_elements, route_tables
 from triton_reshard.plan.table import TransferTable
 from triton_reshard.plan.validate import _overlapping
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+from .oracles.route_objects import route_all
 
 
 def _pair(model="qwen3-30b-a3b"):
@@ -41,7 +43,7 @@ def test_rows_equal_objects_and_cut_into_shares(gpn, relay, inst):
     dst = one.instances(inst)
     groups = check_relay_groups(one.instance_groups(inst)) if inst > 1 else {}
     order = _tensor_order(dst)
-    lt, wt = route_tables(src, dst, gpn, relay, groups, order, None)
+    lt, wt = route_tables(src, dst, gpn, relay, groups, order)
     lo, wo = route_all(src, dst, gpn, relay, groups)
     _same(lt, lo)
     _same(wt, wo)

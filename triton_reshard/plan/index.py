@@ -107,7 +107,7 @@ def _pad(boxes: Sequence[tuple], D: int, like: np.ndarray | None = None) -> tupl
     return off, sz
 
 
-def _hit_rows(rows: TensorRows, ks: Sequence[int], boxes: Sequence[tuple], exact: bool, inside: bool = False):
+def hit_rows(rows: TensorRows, ks: Sequence[int], boxes: Sequence[tuple], exact: bool, inside: bool = False):
     """The hits of every query ``j`` (box ``boxes[j]`` of tensor ``rows.names[ks[j]]``) at once: ``(rows, query
     of each)``, query-major, rows ascending within a query: the rows of that tensor whose box is exactly it
     (``exact``), or that share an element with it (nonempty rows); ``inside``: also per hit whether its box
@@ -150,7 +150,7 @@ def _per_query(got: np.ndarray, who: np.ndarray, n: int) -> list[np.ndarray]:
 def _hits(rows: TensorRows, ks: Sequence[int], boxes: Sequence[tuple], exact: bool) -> list[np.ndarray]:
     """Per query ``j`` (box ``boxes[j]`` of tensor ``rows.names[ks[j]]``): the rows of that tensor whose box is
     exactly it (``exact``), or that share an element with it (nonempty rows), ascending."""
-    got, who, _ = _hit_rows(rows, ks, boxes, exact)
+    got, who, _ = hit_rows(rows, ks, boxes, exact)
     return _per_query(got, who, len(ks))
 
 
@@ -180,7 +180,7 @@ def _plain_routes(me: int, drows: TensorRows, srows: TensorRows, d: tuple, s: tu
     """``me``'s transfers of the queries whose box is one piece, routed plainly (``holders.route_box``'s shortcut
     for a rank plan without topology or fan-out), for all of them at once: query -> (wire, local), lists of
     (source row, destination row). ``d`` / ``s``: the exact destination hits and the overlapping source hits
-    (``_hit_rows``, the latter with ``inside``); ``ok``: the queries the caller allows.
+    (``hit_rows``, the latter with ``inside``); ``ok``: the queries the caller allows.
 
     Such a query: every source fragment overlapping the box contains it (one piece, held by all of them), its
     destination ranks appear once each (a box twice on a rank is left to the general path, which raises), and
@@ -329,7 +329,7 @@ def share_queries(src: Layout, dst: Layout, todo: Sequence[tuple[str, tuple]], m
         drows, srows = dst.tensor_rows(part), src.tensor_rows(part)
         fast = {}
         salts = [salt(n, bx) for n, bx in batch] if me is not None and salt is not None else None
-        d, s = _hit_rows(drows, ks, boxes, True), _hit_rows(srows, ks, boxes, False, inside=salts is not None)
+        d, s = hit_rows(drows, ks, boxes, True), hit_rows(srows, ks, boxes, False, inside=salts is not None)
         if salts is not None:
             ok = np.fromiter((x is not None for x in salts), bool, len(salts))
             if ok.any():

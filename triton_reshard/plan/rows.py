@@ -23,6 +23,7 @@ by the object routing of the same tensor, so the message and the tensor it names
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Container
 
 import numpy as np
 import torch
@@ -30,13 +31,14 @@ import torch
 from ..box import boxes_meet
 from ..layout import Layout, gc_paused, itemsize_of
 from .holders import route_box
-from .index import DstGroup, FragmentRef, check_own_overlaps
+from .index import DstGroup, FragmentRef, TensorIndex, check_own_overlaps, hit_rows
 from .quant import scale_lower_bound, unpack_fragment
 from .relay import relay_dtype
-from .routing import cover_pieces, held_numel, wire_dtype_of
+from .routing import cover_pieces, held_numel, no_holder, wire_dtype_of
 from .table import I64, TransferTable, widen
 
 ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
+_RANK = lambda f: f.rank  # noqa: E731
 
 
 def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
@@ -44,12 +46,17 @@ def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
 
 
 def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
-                 order: dict[str, int], make_objects) -> tuple[TransferTable, TransferTable]:
+                 order: dict[str, int], todo: dict[str, list] | None = None, me: int | None = None,
+                 whole: Container[str] = ()) -> tuple[TransferTable, TransferTable]:
     """Every rank's ``(local copies, wire transfers)`` as tables, unsorted. ``order``: tensor name -> its index
-    among ``dst``'s tensors (the salt's base, and the order tensors are checked in); ``make_objects(names)``:
-    the object routing of those tensors (called only to raise the error of bad input, in its words)."""
+    among ``dst``'s tensors (the salt's base, and the order tensors are checked in).
+
+    A rank's share: ``todo`` (tensor name -> the destination boxes to route, each ``(offsets, sizes)``, nonempty)
+    routes only those boxes, and ``me`` keeps only the transfers with rank ``me`` on either end (local copies:
+    into ``me``), except for the tensors in ``whole``, whose boxes keep every transfer (the block-quantization
+    post-pass cuts them by the regions all of them make)."""
     sdt, ddt = _dtypes(src), _dtypes(dst)
-    names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
+    names = [n for n in sorted(order, key=order.__getitem__) if n in sdt and (todo is None or n in todo)]
     opts: dict[tuple, tuple] = {}
     locals_, wires = [], []
     for b in range(0, len(names), ROW_BATCH):
@@ -62,7 +69,8 @@ def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups:
                 w = wire_dtype_of_dtypes(*key)
                 o = opts[key] = (w, relay_dtype(key[0], key[1], w) if relay else None)
             kinds.append(o)
-        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, make_objects)
+        share = None if todo is None else _Share(me, [todo[n] for n in part], [n in whole for n in part])
+        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, share)
         locals_.append(lt)
         wires.append(wt)
     return TransferTable.concat(locals_), TransferTable.concat(wires)
@@ -116,9 +124,11 @@ def _batch_rows(src: Layout, dst: Layout, part: list[str]):
             np.flatnonzero((ssz > 0).all(1)))
 
 
-def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
     K = len(part)
     dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
+    if share is not None:  # a rank's share: the rows of the boxes it routes
+        dn = share.rows(dr)
     drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
     W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
 
@@ -129,9 +139,12 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
     drows, dbox = dn[o], binv[o]
     dranks = drank[drows]
     dstart = _segments(dbox, B)
-    # a rank with two boxes of one tensor: its boxes must not overlap (checked on objects, tensor by tensor)
-    kr = np.sort(dk[dn] * W + drank[dn])
-    flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+    if share is None:  # a rank with two boxes of one tensor: they must not overlap (checked on objects)
+        kr = np.sort(dk[dn] * W + drank[dn])
+        flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+    else:  # a box twice on one rank
+        twice = (dbox[1:] == dbox[:-1]) & (dranks[1:] == dranks[:-1])
+        flagged = set(bk[dbox[1:][twice]].tolist())
 
     # source boxes, their rows by (box, rank, local name, local offsets)
     sbk, sboff, sbsz, sinv = _boxes(sk[sn], soff[sn], ssz[sn])
@@ -157,7 +170,7 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
     plain = ~uncovered & (gpn is None) & np.array([kinds[k][1] is None for k in bk.tolist()] or [], bool)
     simple = plain & (nmeet == ncont)
 
-    out = _Rows()
+    out = _Rows(share)
     # pieces routed on arrays: a simple box is one piece; a box some meeting source box does not contain is cut
     # (``routing.cover_pieces``, per box in Python: few boxes), each piece held by the source boxes of its mask
     pieces, pairs = _simple_pieces(simple, pd, ps, boff, bsz)
@@ -177,26 +190,58 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
         out.bad |= _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart,
                               kinds, bases, gpn, groups)
     uncov = set(bk[uncovered].tolist())
-    for k in sorted(flagged | uncov | out.bad):  # bad input: the object routing of the tensor raises its message
-        if k in flagged:
-            check_own_overlaps(part[k], [dr.fragment(i, k) for i in _layout_order(dk, dn, binv, k)])
-        if k in uncov or k in out.bad:
-            make_objects([part[k]])
+    for k in sorted(flagged | uncov | out.bad):  # bad input: raised in the words of routing box by box
+        _raise_bad(part[k], dst, src, None if share is None else share.boxes[k])
+        if k in uncov or k in out.bad or share is not None:
             raise RuntimeError(f"tensor {part[k]!r}: the row router found an element no source rank holds, "
-                               f"the object router none")
+                               f"the box by box check none")
     return out.tables(part, kinds, dr, sr, D)
 
 
-def _layout_order(dk, dn, binv, k) -> list[int]:
-    """Tensor ``k``'s nonempty destination rows as ``TensorIndex`` lists them: by box (first appearance), then
-    row order."""
-    rows = dn[dk[dn] == k]
-    boxes = binv[dk[dn] == k]
-    first: dict[int, int] = {}
-    for b in boxes.tolist():
-        first.setdefault(b, len(first))
-    rank = np.array([first[b] for b in boxes.tolist()], I64)
-    return rows[np.argsort(rank, kind="stable")].tolist()
+def _raise_bad(name: str, dst: Layout, src: Layout, boxes: list | None) -> None:
+    """Raise the error of bad input of tensor ``name`` in the words of routing it box by box: its destination
+    boxes overlapping on one rank (the whole plan's ``boxes=None``: every box, in layout order), a box twice on
+    one rank, an element of a box no source rank holds (``routing.no_holder``)."""
+    dix, six = TensorIndex(dst, name), TensorIndex(src, name)
+    if boxes is None:
+        check_own_overlaps(name, [f for b in dix.boxes for f in dix.by_box[b]])
+        boxes = dix.boxes
+    for box in boxes:
+        group = DstGroup.of(name, sorted(dix.by_box[box], key=_RANK))
+        cands = sorted({(f.offsets, f.sizes) for f in six.overlapping(*box)})
+        for p_off, p_size, mask in cover_pieces(box[0], box[1], cands):
+            if not mask:
+                raise no_holder(name, p_off, p_size, group.ranks[0])
+
+
+class _Share:
+    """A rank's share of a batch of tensors: its rank ``me``, per tensor the destination boxes it routes
+    (``boxes``) and whether every transfer of them is kept (``whole``)."""
+
+    __slots__ = ("me", "boxes", "whole")
+
+    def __init__(self, me: int, boxes: list[list], whole: list[bool]) -> None:
+        self.me, self.boxes, self.whole = me, boxes, np.array(whole, bool)
+
+    def rows(self, dr) -> np.ndarray:
+        """The rows of ``dr`` whose box is one of the boxes routed, ascending."""
+        ks = [k for k, bs in enumerate(self.boxes) for _b in bs]
+        got, _who, _ = hit_rows(dr, ks, [b for bs in self.boxes for b in bs], True)
+        return np.unique(got)
+
+    def kept(self, local: bool, k, sranks, dranks) -> np.ndarray:
+        """Which of the rows (tensors ``k``, ranks ``sranks`` -> ``dranks``) the share keeps."""
+        m = dranks == self.me
+        if not local:
+            m |= sranks == self.me
+        return m | self.whole[k]
+
+    def keep(self, k: int):
+        """``route_box``'s ``keep`` and ``me`` for tensor ``k``."""
+        if self.whole[k]:
+            return None, None
+        me = self.me
+        return (lambda s, d: s == me or d == me), me
 
 
 def _simple_pieces(simple, pd, ps, boff, bsz):
@@ -303,9 +348,10 @@ def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, p
         group = DstGroup(ranks, lambda r, ranks=ranks, rows=rows: rows[bisect_left(ranks, r)])
         box = (tuple(boff[b, :nd].tolist()), tuple(bsz[b, :nd].tolist()))
         wdt, rdt = kinds[k]
+        keep, me = (None, None) if out.share is None else out.share.keep(k)
         lo_, wi_ = [], []
         try:
-            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, base=bases[k], make=_make_row)
+            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, keep, bases[k], me, _make_row)
         except ValueError:
             bad.add(k)
             continue
@@ -320,13 +366,17 @@ def _make_row(name, off, size, sf, df, dt, relay=False):
 class _Rows:
     """Rows gathered for one batch: fast ones as arrays (a box's piece), slow ones as tuples."""
 
-    def __init__(self) -> None:
+    def __init__(self, share: _Share | None) -> None:
+        self.share = share  # a rank's share: only its rows kept
         self.fast: dict[bool, list] = {True: [], False: []}
         self.slow: dict[bool, list] = {True: [], False: []}
         self.bad: set[int] = set()
         self.pieces = None  # (tensor, offsets, sizes) per piece of the fast rows
 
     def add_fast(self, local: bool, box, srow, drow, sranks, dranks) -> None:
+        if self.share is not None and len(box):
+            m = self.share.kept(local, self.pieces[0][box], sranks, dranks)
+            box, srow, drow = box[m], srow[m], drow[m]
         if len(box):
             self.fast[local].append((box, srow, drow, sranks, dranks))
 
