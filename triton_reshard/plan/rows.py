@@ -38,6 +38,7 @@ from .routing import cover_pieces, held_numel, no_holder, wire_dtype_of
 from .table import I64, TransferTable, widen
 
 ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
+SHARE_BATCH = 64  # a share's tensors per batch (~1,000 rows per tensor at 1,024 ranks)
 _RANK = lambda f: f.rank  # noqa: E731
 
 
@@ -55,12 +56,18 @@ def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups:
     routes only those boxes, and ``me`` keeps only the transfers with rank ``me`` on either end (local copies:
     into ``me``), except for the tensors in ``whole``, whose boxes keep every transfer (the block-quantization
     post-pass cuts them by the regions all of them make)."""
-    sdt, ddt = _dtypes(src), _dtypes(dst)
-    names = [n for n in sorted(order, key=order.__getitem__) if n in sdt and (todo is None or n in todo)]
+    if todo is None:
+        sdt, ddt = _dtypes(src), _dtypes(dst)
+        names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
+    else:  # a share: the specs of its tensors only
+        sspecs, dspecs = src.specs, dst.specs
+        names = sorted((n for n in todo if n in sspecs), key=order.__getitem__)
+        sdt, ddt = {n: sspecs[n].dtype for n in names}, {n: dspecs[n].dtype for n in names}
     opts: dict[tuple, tuple] = {}
     locals_, wires = [], []
-    for b in range(0, len(names), ROW_BATCH):
-        part = names[b:b + ROW_BATCH]
+    step = ROW_BATCH if todo is None else SHARE_BATCH
+    for b in range(0, len(names), step):
+        part = names[b:b + step]
         kinds = []
         for n in part:
             key = (sdt[n], ddt[n])
@@ -127,13 +134,14 @@ def _batch_rows(src: Layout, dst: Layout, part: list[str]):
 def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
     K = len(part)
     dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
-    if share is not None:  # a rank's share: the rows of the boxes it routes
-        dn = share.rows(dr)
     drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
     W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
 
     # destination boxes, their rows by (box, rank)
-    bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+    if share is None:
+        bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+    else:  # a rank's share: its boxes (each the box of its rows), the source rows meeting them
+        bk, boff, bsz, dn, binv, sn = share.rows(dr, sr, D)
     B = len(bk)
     o = np.lexsort((drank[dn], binv))
     drows, dbox = dn[o], binv[o]
@@ -223,11 +231,19 @@ class _Share:
     def __init__(self, me: int, boxes: list[list], whole: list[bool]) -> None:
         self.me, self.boxes, self.whole = me, boxes, np.array(whole, bool)
 
-    def rows(self, dr) -> np.ndarray:
-        """The rows of ``dr`` whose box is one of the boxes routed, ascending."""
-        ks = [k for k, bs in enumerate(self.boxes) for _b in bs]
-        got, _who, _ = hit_rows(dr, ks, [b for bs in self.boxes for b in bs], True)
-        return np.unique(got)
+    def rows(self, dr, sr, D: int):
+        """The boxes routed (``(tensor, offsets, sizes)``, ``[B]`` / ``[B, D]`` padded 0 / 1), the rows of ``dr``
+        whose box is one of them and the box of each, and the rows of ``sr`` sharing an element with one."""
+        ks = np.array([k for k, bs in enumerate(self.boxes) for _b in bs], I64)
+        flat = [b for bs in self.boxes for b in bs]
+        off, sz = np.zeros((len(flat), D), I64), np.ones((len(flat), D), I64)
+        for j, (o, z) in enumerate(flat):
+            off[j, :len(o)], sz[j, :len(z)] = o, z
+        got, who, _ = hit_rows(dr, ks, flat, True)
+        sgot, _who, _ = hit_rows(sr, ks, flat, False)
+        hit = np.zeros(len(sr.ranks), bool)
+        hit[sgot] = True
+        return ks, off, sz, got, who, np.flatnonzero(hit)
 
     def kept(self, local: bool, k, sranks, dranks) -> np.ndarray:
         """Which of the rows (tensors ``k``, ranks ``sranks`` -> ``dranks``) the share keeps."""
@@ -284,22 +300,15 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     """Route the pieces (``pbox``: each one's destination box; ``pairs``: ``(piece, source box)`` ascending, the
     source boxes holding it), without topology or relays: local copies from each holder rank's first fragment
     where a destination rank holds the piece, and receiver ``i`` of the others gets holder ``(salt + i) % h``'s
-    best fragment (``holders.assign``). Appends them to ``out``."""
+    best fragment (``holders.assign``). Appends them to ``out`` (a share: only its own)."""
     fpd, fps = pairs
     cnt = sstart[fps + 1] - sstart[fps]
     seg, at = _expand(sstart[fps], cnt)
     eb, er = fpd[seg], srows[at]  # (piece, source row): piece, source box, rank, local, local offsets order
-    ek = srank[er]
-    o1 = np.lexsort((ek, eb))  # stable: within (piece, rank) the smallest source box, local, local offsets first
-    o2 = np.lexsort((lid[er], ek, eb))  # within (piece, rank) the smallest local, then source box, local offsets
-    gb, gr = eb[o1], ek[o1]
-    head = np.ones(len(gb), bool)
-    head[1:] = (gb[1:] != gb[:-1]) | (gr[1:] != gr[:-1])
-    hb, hr, hfirst = gb[head], gr[head], er[o1][head]
-    hbest = er[o2][head]  # (o2 groups the same (piece, rank) runs in the same order)
-    hkey = hb * W + hr
+    ekey = eb * W + srank[er]
+    hkey = _distinct(ekey)  # (piece, holder rank), ascending
     P = len(pbox)
-    hstart = _segments(hb, P)
+    hstart = _segments(hkey // W, P)
     h = hstart[1:] - hstart[:-1]
     # destination rows of the pieces (those of their box)
     nd = dstart[pbox + 1] - dstart[pbox]
@@ -308,16 +317,51 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     dkey = db * W + drk
     pos = np.minimum(np.searchsorted(hkey, dkey), max(len(hkey) - 1, 0))
     held = hkey[pos] == dkey if len(hkey) else np.zeros(len(dkey), bool)
-    hs = hfirst[pos[held]]
-    out.add_fast(True, db[held], hs, drow[held], srank[hs], drk[held])
     recv = ~held
     c = np.cumsum(recv) - recv  # receivers before each row
     first = np.concatenate(([0], np.cumsum(nd)[:-1]))
-    i = c - c[first][db]
-    rb = db[recv]
-    pick = hstart[rb] + (salt[rb] + i[recv]) % h[rb]
-    ws = hbest[pick]
-    out.add_fast(False, rb, ws, drow[recv], srank[ws], drk[recv])
+    lone, wone = held, recv
+    if out.share is not None:  # a share: the rows into it, and every receiver of a piece it holds
+        into, k = drk == out.share.me, out.pieces[0]
+        ours = out.share.whole[k] | np.isin(np.arange(P), hkey[hkey % W == out.share.me] // W)
+        lone, wone = held & (into | out.share.whole[k][db]), recv & (into | ours[db])
+    i = c[wone] - c[first][db[wone]]
+    rb = db[wone]
+    send = hkey[hstart[rb] + (salt[rb] + i) % h[rb]]  # each receiver's holder: (piece, rank)
+    lb, lkey, ldrow, ldrk = db[lone], dkey[lone], drow[lone], drk[lone]
+    wdrow, wdrk = drow[wone], drk[wone]
+    if out.share is not None:  # a share: its own rows only
+        m = out.share.kept(False, k[rb], send % W, wdrk)
+        rb, send, wdrow, wdrk = rb[m], send[m], wdrow[m], wdrk[m]
+    hs = _holder_rows(ekey, er, None, lkey)  # local copies read the first fragment
+    out.add_fast(True, lb, hs, ldrow, srank[hs], ldrk)
+    ws = _holder_rows(ekey, er, lid, send)  # senders read the best one
+    out.add_fast(False, rb, ws, wdrow, srank[ws], wdrk)
+
+
+def _holder_rows(ekey: np.ndarray, er: np.ndarray, lid: np.ndarray | None, want: np.ndarray) -> np.ndarray:
+    """Per ``(piece, holder rank)`` key of ``want``, that holder's first source row of the piece in the order of
+    ``er`` (source box, local name, local offsets), or with ``lid`` its first by local name (then that order)."""
+    if not len(want):
+        return np.zeros(0, I64)
+    u = _distinct(np.sort(want))
+    p = np.minimum(np.searchsorted(u, ekey), len(u) - 1)
+    sel = u[p] == ekey
+    k, r = ekey[sel], er[sel]
+    o = np.argsort(k, kind="stable") if lid is None else np.lexsort((lid[r], k))
+    ks = k[o]
+    head = np.ones(len(ks), bool)
+    head[1:] = ks[1:] != ks[:-1]
+    return r[o][head][np.searchsorted(u, want)]
+
+
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    """``np.unique(keys)``, without its sort where ``keys`` are sorted already."""
+    if len(keys) > 1 and (keys[1:] < keys[:-1]).any():
+        return np.unique(keys)
+    head = np.ones(len(keys), bool)
+    head[1:] = keys[1:] != keys[:-1]
+    return keys[head]
 
 
 def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart, kinds,
@@ -374,9 +418,6 @@ class _Rows:
         self.pieces = None  # (tensor, offsets, sizes) per piece of the fast rows
 
     def add_fast(self, local: bool, box, srow, drow, sranks, dranks) -> None:
-        if self.share is not None and len(box):
-            m = self.share.kept(local, self.pieces[0][box], sranks, dranks)
-            box, srow, drow = box[m], srow[m], drow[m]
         if len(box):
             self.fast[local].append((box, srow, drow, sranks, dranks))
 
