@@ -16,8 +16,12 @@ The rules are ``local``'s (see its module doc); this module evaluates them on ar
 * the rows become a :class:`~triton_reshard.plan.table.TransferTable` (local offsets from the fragments' local
   offsets plus the piece's offset in the fragment, as ``Fragment.local_box``).
 
+The one router of the package: the whole plan routes every box, a rank's share (``local.route_rank``) the boxes
+it touches (its queries' rows, 64 tensors a batch) and keeps its own rows. The object form, every box through
+``route_box`` into ``Transfer`` objects, is ``tests/oracles/route_objects.py``, compared with this one.
+
 Bad input (overlapping destination boxes on a rank, an element no source holds) is detected here and raised
-by the object routing of the same tensor, so the message and the tensor it names stay the object router's.
+by a box-by-box check of the same tensor (``_raise_bad``) in the words routing box by box used.
 """
 
 from __future__ import annotations
@@ -239,8 +243,8 @@ class _Share:
         off, sz = np.zeros((len(flat), D), I64), np.ones((len(flat), D), I64)
         for j, (o, z) in enumerate(flat):
             off[j, :len(o)], sz[j, :len(z)] = o, z
-        got, who, _ = hit_rows(dr, ks, flat, True)
-        sgot, _who, _ = hit_rows(sr, ks, flat, False)
+        got, who = hit_rows(dr, ks, flat, True)
+        sgot, _who = hit_rows(sr, ks, flat, False)
         hit = np.zeros(len(sr.ranks), bool)
         hit[sgot] = True
         return ks, off, sz, got, who, np.flatnonzero(hit)
