@@ -10,10 +10,7 @@ import numpy as np
 
 from ..layout import Fragment, Layout
 from ..layout.fragment_table import TensorRows
-from .routing import (
-    boxes_meet,
-    check_dst_overlap,
-)
+from .routing import boxes_meet, check_dst_overlap, cover_pieces, no_holder
 
 # --------------------------------------------------------------------------------------------------------
 # Per-tensor queries on a layout: what a rank plan reads (the tensors of one rank, never every rank's)
@@ -42,7 +39,7 @@ class DstGroup:
 
 class TensorIndex:
     """The nonempty fragments of one tensor of one layout, grouped by box (objects: what the error of bad input
-    is worded from, ``rows._raise_bad``, and the object router of ``tests/oracles``)."""
+    is worded from, ``raise_bad_input``, and the object router of ``tests/oracles``)."""
 
     __slots__ = ("boxes", "by_box", "_groups")
 
@@ -160,6 +157,60 @@ def boxes_meeting(dst: Layout, frags: Sequence[Fragment]) -> list[tuple[str, tup
             for o, z in zip(rows.offsets[hit].tolist(), rows.sizes[hit].tolist(), strict=True):
                 out[(f.tensor, (tuple(o[:nd]), tuple(z[:nd])))] = None
     return list(out)
+
+
+def raise_bad_input(name: str, dst: Layout, src: Layout, boxes: list | None) -> None:
+    """Raise the error of bad input of tensor ``name`` in the words of routing it box by box: its destination
+    boxes overlapping on one rank (the whole plan's ``boxes=None``: every box, in layout order), a box twice on
+    one rank, an element of a box no source rank holds (``routing.no_holder``)."""
+    dix, six = TensorIndex(dst, name), TensorIndex(src, name)
+    if boxes is None:
+        check_own_overlaps(name, [f for b in dix.boxes for f in dix.by_box[b]])
+        boxes = dix.boxes
+    for box in boxes:
+        group = DstGroup.of(name, sorted(dix.by_box[box], key=lambda f: f.rank))
+        cands = sorted({(f.offsets, f.sizes) for f in six.overlapping(*box)})
+        for p_off, p_size, mask in cover_pieces(box[0], box[1], cands):
+            if not mask:
+                raise no_holder(name, p_off, p_size, group.ranks[0])
+
+
+class ShareQuery:
+    """A rank's share of a batch of tensors: its rank ``me``, per tensor the destination boxes it routes
+    (``boxes``) and whether every transfer of them is kept (``whole``)."""
+
+    __slots__ = ("me", "boxes", "whole")
+
+    def __init__(self, me: int, boxes: list[list], whole: list[bool]) -> None:
+        self.me, self.boxes, self.whole = me, boxes, np.array(whole, bool)
+
+    def rows(self, dr, sr, D: int):
+        """The boxes routed (``(tensor, offsets, sizes)``, ``[B]`` / ``[B, D]`` padded 0 / 1), the rows of ``dr``
+        whose box is one of them and the box of each, and the rows of ``sr`` sharing an element with one."""
+        ks = np.array([k for k, bs in enumerate(self.boxes) for _b in bs], np.int64)
+        flat = [b for bs in self.boxes for b in bs]
+        off, sz = np.zeros((len(flat), D), np.int64), np.ones((len(flat), D), np.int64)
+        for j, (o, z) in enumerate(flat):
+            off[j, :len(o)], sz[j, :len(z)] = o, z
+        got, who = hit_rows(dr, ks, flat, True)
+        sgot, _who = hit_rows(sr, ks, flat, False)
+        hit = np.zeros(len(sr.ranks), bool)
+        hit[sgot] = True
+        return ks, off, sz, got, who, np.flatnonzero(hit)
+
+    def kept(self, local: bool, k, sranks, dranks) -> np.ndarray:
+        """Which of the rows (tensors ``k``, ranks ``sranks`` -> ``dranks``) the share keeps."""
+        m = dranks == self.me
+        if not local:
+            m |= sranks == self.me
+        return m | self.whole[k]
+
+    def keep(self, k: int):
+        """``route_box``'s ``keep`` and ``me`` for tensor ``k``."""
+        if self.whole[k]:
+            return None, None
+        me = self.me
+        return (lambda s, d: s == me or d == me), me
 
 
 def check_own_overlaps(name: str, frags: Sequence[Fragment]) -> None:

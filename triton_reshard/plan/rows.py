@@ -21,7 +21,7 @@ it touches (its queries' rows, 64 tensors a batch) and keeps its own rows. The o
 ``route_box`` into ``Transfer`` objects, is ``tests/oracles/route_objects.py``, compared with this one.
 
 Bad input (overlapping destination boxes on a rank, an element no source holds) is detected here and raised
-by a box-by-box check of the same tensor (``_raise_bad``) in the words routing box by box used.
+by a box-by-box check of the same tensor (``index.raise_bad_input``) in the words routing box by box used.
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ import torch
 from ..box import boxes_meet
 from ..layout import Layout, gc_paused, itemsize_of
 from .holders import route_box
-from .index import DstGroup, FragmentRef, TensorIndex, check_own_overlaps, hit_rows
+from .index import DstGroup, FragmentRef, ShareQuery, raise_bad_input
 from .quant import scale_lower_bound, unpack_fragment
 from .relay import relay_dtype
-from .routing import cover_pieces, held_numel, no_holder, wire_dtype_of
+from .routing import cover_pieces, held_numel, wire_dtype_of
 from .table import I64, TransferTable, widen
 
 ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
 SHARE_BATCH = 64  # a share's tensors per batch (~1,000 rows per tensor at 1,024 ranks)
-_RANK = lambda f: f.rank  # noqa: E731
 
 
 def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
@@ -80,7 +79,7 @@ def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups:
                 w = wire_dtype_of_dtypes(*key)
                 o = opts[key] = (w, relay_dtype(key[0], key[1], w) if relay else None)
             kinds.append(o)
-        share = None if todo is None else _Share(me, [todo[n] for n in part], [n in whole for n in part])
+        share = None if todo is None else ShareQuery(me, [todo[n] for n in part], [n in whole for n in part])
         lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, share)
         locals_.append(lt)
         wires.append(wt)
@@ -203,65 +202,11 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
                               kinds, bases, gpn, groups)
     uncov = set(bk[uncovered].tolist())
     for k in sorted(flagged | uncov | out.bad):  # bad input: raised in the words of routing box by box
-        _raise_bad(part[k], dst, src, None if share is None else share.boxes[k])
+        raise_bad_input(part[k], dst, src, None if share is None else share.boxes[k])
         if k in uncov or k in out.bad or share is not None:
             raise RuntimeError(f"tensor {part[k]!r}: the row router found an element no source rank holds, "
                                f"the box by box check none")
     return out.tables(part, kinds, dr, sr, D)
-
-
-def _raise_bad(name: str, dst: Layout, src: Layout, boxes: list | None) -> None:
-    """Raise the error of bad input of tensor ``name`` in the words of routing it box by box: its destination
-    boxes overlapping on one rank (the whole plan's ``boxes=None``: every box, in layout order), a box twice on
-    one rank, an element of a box no source rank holds (``routing.no_holder``)."""
-    dix, six = TensorIndex(dst, name), TensorIndex(src, name)
-    if boxes is None:
-        check_own_overlaps(name, [f for b in dix.boxes for f in dix.by_box[b]])
-        boxes = dix.boxes
-    for box in boxes:
-        group = DstGroup.of(name, sorted(dix.by_box[box], key=_RANK))
-        cands = sorted({(f.offsets, f.sizes) for f in six.overlapping(*box)})
-        for p_off, p_size, mask in cover_pieces(box[0], box[1], cands):
-            if not mask:
-                raise no_holder(name, p_off, p_size, group.ranks[0])
-
-
-class _Share:
-    """A rank's share of a batch of tensors: its rank ``me``, per tensor the destination boxes it routes
-    (``boxes``) and whether every transfer of them is kept (``whole``)."""
-
-    __slots__ = ("me", "boxes", "whole")
-
-    def __init__(self, me: int, boxes: list[list], whole: list[bool]) -> None:
-        self.me, self.boxes, self.whole = me, boxes, np.array(whole, bool)
-
-    def rows(self, dr, sr, D: int):
-        """The boxes routed (``(tensor, offsets, sizes)``, ``[B]`` / ``[B, D]`` padded 0 / 1), the rows of ``dr``
-        whose box is one of them and the box of each, and the rows of ``sr`` sharing an element with one."""
-        ks = np.array([k for k, bs in enumerate(self.boxes) for _b in bs], I64)
-        flat = [b for bs in self.boxes for b in bs]
-        off, sz = np.zeros((len(flat), D), I64), np.ones((len(flat), D), I64)
-        for j, (o, z) in enumerate(flat):
-            off[j, :len(o)], sz[j, :len(z)] = o, z
-        got, who = hit_rows(dr, ks, flat, True)
-        sgot, _who = hit_rows(sr, ks, flat, False)
-        hit = np.zeros(len(sr.ranks), bool)
-        hit[sgot] = True
-        return ks, off, sz, got, who, np.flatnonzero(hit)
-
-    def kept(self, local: bool, k, sranks, dranks) -> np.ndarray:
-        """Which of the rows (tensors ``k``, ranks ``sranks`` -> ``dranks``) the share keeps."""
-        m = dranks == self.me
-        if not local:
-            m |= sranks == self.me
-        return m | self.whole[k]
-
-    def keep(self, k: int):
-        """``route_box``'s ``keep`` and ``me`` for tensor ``k``."""
-        if self.whole[k]:
-            return None, None
-        me = self.me
-        return (lambda s, d: s == me or d == me), me
 
 
 def _simple_pieces(simple, pd, ps, boff, bsz):
@@ -414,7 +359,7 @@ def _make_row(name, off, size, sf, df, dt, relay=False):
 class _Rows:
     """Rows gathered for one batch: fast ones as arrays (a box's piece), slow ones as tuples."""
 
-    def __init__(self, share: _Share | None) -> None:
+    def __init__(self, share: ShareQuery | None) -> None:
         self.share = share  # a rank's share: only its rows kept
         self.fast: dict[bool, list] = {True: [], False: []}
         self.slow: dict[bool, list] = {True: [], False: []}
