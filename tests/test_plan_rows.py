@@ -1,5 +1,5 @@
 """Routing as rows (``plan/rows.py``) and the checks it feeds: the same transfers as the object router
-(``local.route_box`` through ``route_all`` / ``route_rank``), and the vectorized disjointness check of
+(``tests/oracles/route_objects.py``: ``route_box`` box by box), whole and per rank, and the vectorized disjointness check of
 ``validate._overlapping`` against ``find_overlap``."""
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ import types
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triton_reshard.box import boxes_meet, find_overlap
 from triton_reshard.plan import plan_reshard
-from triton_reshard.plan.local import _tensor_order, route_all
+from triton_reshard.plan.local import _tensor_order, route_rank
 from triton_reshard.plan.routing import check_relay_groups, held_numel
 from triton_reshard.plan.rows import missing_elements, route_tables
 from triton_reshard.plan.table import TransferTable
 from triton_reshard.plan.validate import _overlapping
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
+
+from .oracles.route_objects import route_all
 
 
 def _pair(model="qwen3-30b-a3b"):
@@ -41,7 +45,7 @@ def test_rows_equal_objects_and_cut_into_shares(gpn, relay, inst):
     dst = one.instances(inst)
     groups = check_relay_groups(one.instance_groups(inst)) if inst > 1 else {}
     order = _tensor_order(dst)
-    lt, wt = route_tables(src, dst, gpn, relay, groups, order, None)
+    lt, wt = route_tables(src, dst, gpn, relay, groups, order)
     lo, wo = route_all(src, dst, gpn, relay, groups)
     _same(lt, lo)
     _same(wt, wo)
@@ -175,11 +179,37 @@ def _random_pair(seed: int):
     return layout(src), layout(dst)
 
 
+@given(seed=st.integers(0, 10**6), gpn=st.sampled_from([None, 2, 4]), relay=st.booleans(),
+       grouped=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_column_router_equals_the_object_router_random(seed, gpn, relay, grouped):
+    """The package's one router (``rows.route_tables``: the whole plan, and each rank's share through
+    ``route_rank``) routes exactly what the object form (``tests/oracles/route_objects.py``, ``route_box`` box by
+    box) does, on random layouts, with and without ``gpus_per_node``, relays and relay groups."""
+    src, dst = _random_pair(seed)
+    relay = relay and (gpn is not None or grouped)
+    groups = check_relay_groups(((0, 2, 4, 6), (1, 3, 5, 7))) if relay and grouped else {}
+    try:
+        lo, wo = route_all(src, dst, gpn, relay, groups)
+    except ValueError as e:  # bad input: the column router raises the same words
+        with pytest.raises(ValueError) as got:
+            route_tables(src, dst, gpn, relay, groups, _tensor_order(dst))
+        assert str(got.value) == str(e)
+        return
+    lt, wt = route_tables(src, dst, gpn, relay, groups, _tensor_order(dst))
+    _same(lt, lo)
+    _same(wt, wo)
+    for r in range(8):
+        ls, ws = route_rank(src, dst, r, gpn, relay, groups)
+        assert set(ws) == {t for t in wo if r in (t.src_rank, t.dst_rank)}, r
+        assert set(ls) == {t for t in lo if t.dst_rank == r}, r
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_shares_cut_the_whole_plan_random(seed):
-    """A rank's share (its receives of whole replicated boxes picked in vectorized passes, ``index._receives``,
-    the rest by ``route_box``) is the whole plan's transfers of that rank (routed as rows), on small random
-    layouts with replicas in two local tensors of one rank, holders that are also receivers, partial covers."""
+    """A rank's share (``route_rank``: the column router on the boxes it touches, cut to the rank) is the whole
+    plan's transfers of that rank (routed as rows), on small random layouts with replicas in two local tensors
+    of one rank, holders that are also receivers, partial covers."""
     src, dst = _random_pair(seed)
     whole = plan_reshard(src, dst)
     for r in range(9):

@@ -30,7 +30,7 @@ import torch
 from ..layout import Fragment, itemsize_of
 from .index import DstGroup
 from .relay import split_piece
-from .routing import cover_pieces, holders_of
+from .routing import cover_pieces, holders_of, no_holder
 from .types import make_transfer
 
 _RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
@@ -165,10 +165,7 @@ def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], w
     isz = itemsize_of(wdt)
     for p_off, p_size, mask in cover_pieces(d_off, d_size, order):
         if mask == 0:
-            raise ValueError(
-                f"tensor {name!r}: element {p_off} (box {p_off}+{p_size}) needed on destination rank "
-                f"{dranks[0]} is held by no source rank"
-            )
+            raise no_holder(name, p_off, p_size, dranks[0])
         first, (ranks, best, _f) = holders_of([sgroups[i] for i in range(len(order)) if mask >> i & 1])
         few = len(first) * 4 < len(dranks)  # few holders: look them up instead of testing every receiver
         mine_at = [r for r in first if _has(dranks, r)] if few else [r for r in dranks if r in first]

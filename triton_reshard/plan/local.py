@@ -17,23 +17,14 @@ still pending always has both ends of its messages posted).
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container
 
 from ..layout import Fragment, Layout, gc_paused
 from . import quant
 from .core import Plan
-from .holders import piece_salt, route_box
-from .index import TensorIndex, boxes_meeting, check_own_overlaps, rank_fragments, share_queries
-from .relay import relay_dtype
-from .routing import (
-    LOCAL_ORDER,
-    WIRE_ORDER,
-    wire_dtype_of,
-)
+from .index import boxes_meeting, check_own_overlaps, rank_fragments
+from .routing import LOCAL_ORDER, WIRE_ORDER
 from .rows import route_tables
-from .types import Transfer, make_transfer
-
-_FIRST = lambda kv: kv[0]  # noqa: E731
 
 
 def _tensor_order(layout: Layout) -> dict[str, int]:
@@ -41,39 +32,13 @@ def _tensor_order(layout: Layout) -> dict[str, int]:
     return layout.tensor_order()  # (kept by the layout)
 
 
-def _options(src: Layout, dst: Layout, name: str, relay: bool):
-    spec, sspec = dst.specs[name], src.specs[name]
-    wdt = wire_dtype_of(sspec, spec)
-    return wdt, (relay_dtype(sspec.dtype, spec.dtype, wdt) if relay else None), _tensor_order(dst)[name]
-
-
-def route_all(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
-              names: Sequence[str] | None = None):
-    """Every rank's transfers as lists of objects: ``route_box`` over every destination box of every tensor
-    (``names``: of those tensors only). The block-quantization post-pass reads them; the whole plan of other
-    tensors is routed as rows (``rows.route_tables``)."""
-    local: list[Transfer] = []
-    wire: list[Transfer] = []
-    src.fragments, dst.fragments  # noqa: B018  (every fragment, built in one go: see TensorIndex)
-    for name in (names if names is not None else [spec.name for spec in dst.tensors]):
-        dix = TensorIndex(dst, name)  # each tensor's indexes built for it and dropped after it
-        if not dix.boxes:
-            continue
-        check_own_overlaps(name, [f for b in dix.boxes for f in dix.by_box[b]])
-        wdt, rdt, base = _options(src, dst, name, relay)
-        six = TensorIndex(src, name)
-        for box in dix.boxes:
-            route_box(name, box, dix.group(name, box), six.overlapping(*box), wdt, rdt, gpn, groups, local, wire,
-                      base=base)
-    return local, wire
-
-
 def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool, groups: dict[int, int],
                whole: Container[str] = ()):
     """Rank ``rank``'s transfers only (its sends, receives, relays and local copies), from the boxes of its
-    own tensors: the destination boxes it holds and those overlapping the source boxes it holds. Tensors in
-    ``whole`` get every transfer of those boxes (the block-quantization post-pass cuts a destination
-    fragment's transfers by the regions all of them make)."""
+    own tensors: the destination boxes it holds and those overlapping the source boxes it holds, routed by the
+    whole plan's router (``rows.route_tables``) and cut to the rank. Tensors in ``whole`` get every transfer of
+    those boxes (the block-quantization post-pass cuts a destination fragment's transfers by the regions all of
+    them make)."""
     todo: dict[tuple, None] = {}
     mine: dict[str, list[Fragment]] = {}
     for df in rank_fragments(dst, rank):
@@ -84,33 +49,11 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
             check_own_overlaps(name, frs)
     for key in boxes_meeting(dst, [sf for sf in rank_fragments(src, rank) if sf.tensor in dst.specs]):
         todo[key] = None
-    local: list[Transfer] = []
-    wire: list[Transfer] = []
-
-    def keep(s: int, d: int) -> bool:
-        return s == rank or d == rank
-
-    # tensor by tensor (the result does not depend on the order), the rows of a batch of tensors queried at once
-    # and dropped after it: a rank reads each tensor once
-    order = _tensor_order(dst)
-
-    def salt(name: str, box: tuple) -> int | None:  # the boxes routed plainly (see route_box's shortcut)
-        return None if name in whole else piece_salt(order[name], *box)
-
-    plain = gpn is None and (not relay or not groups)
-    current, o = None, None
-    for name, box, dgroup, sfrags in share_queries(src, dst, sorted(todo, key=_FIRST), rank, salt if plain else None):
-        if name != current:
-            current, o = name, _options(src, dst, name, relay)
-        if dgroup is None:  # a box of one piece: this rank's transfers picked in the batch (index._plain_routes)
-            for sf, df in sfrags[1]:
-                local.append(make_transfer(name, box[0], box[1], sf, df, o[0]))
-            for sf, df in sfrags[0]:
-                wire.append(make_transfer(name, box[0], box[1], sf, df, o[0]))
-            continue
-        route_box(name, box, dgroup, sfrags, o[0], o[1], gpn, groups, local, wire, None if name in whole else keep,
-                  o[2], None if name in whole else rank)
-    return local, wire
+    boxes: dict[str, list[tuple]] = {}
+    for name, box in todo:
+        boxes.setdefault(name, []).append(box)
+    local, wire = route_tables(src, dst, gpn, relay, groups, _tensor_order(dst), boxes, rank, whole)
+    return list(local), list(wire)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -125,8 +68,7 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     (``targets``) transfer by transfer."""
     with gc_paused():
         if rank is None:  # as rows, never one object per transfer
-            local, wire = route_tables(src, routed, gpus_per_node, relay, groups, _tensor_order(routed),
-                                       lambda names: route_all(src, routed, gpus_per_node, relay, groups, names))
+            local, wire = route_tables(src, routed, gpus_per_node, relay, groups, _tensor_order(routed))
             if not targets:
                 return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
             local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects

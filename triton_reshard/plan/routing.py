@@ -41,6 +41,13 @@ def held_numel(box_off, box_size, boxes: Sequence[tuple[tuple[int, ...], tuple[i
     return sum(math.prod(s) for _, s, mask in decompose_box(box_off, box_size, boxes) if mask)
 
 
+def no_holder(name: str, p_off, p_size, rank: int) -> ValueError:
+    """The error of an element of a destination box (the piece ``p_off`` + ``p_size`` of it, needed on
+    destination rank ``rank``) that no source rank holds."""
+    return ValueError(f"tensor {name!r}: element {p_off} (box {p_off}+{p_size}) needed on destination rank "
+                      f"{rank} is held by no source rank")
+
+
 def wire_dtype_of(src: TensorSpec, dst: TensorSpec) -> torch.dtype:
     return dst.dtype if itemsize_of(dst.dtype) < itemsize_of(src.dtype) else src.dtype
 

@@ -16,13 +16,18 @@ The rules are ``local``'s (see its module doc); this module evaluates them on ar
 * the rows become a :class:`~triton_reshard.plan.table.TransferTable` (local offsets from the fragments' local
   offsets plus the piece's offset in the fragment, as ``Fragment.local_box``).
 
+The one router of the package: the whole plan routes every box, a rank's share (``local.route_rank``) the boxes
+it touches (its queries' rows, 64 tensors a batch) and keeps its own rows. The object form, every box through
+``route_box`` into ``Transfer`` objects, is ``tests/oracles/route_objects.py``, compared with this one.
+
 Bad input (overlapping destination boxes on a rank, an element no source holds) is detected here and raised
-by the object routing of the same tensor, so the message and the tensor it names stay the object router's.
+by a box-by-box check of the same tensor (``index.raise_bad_input``) in the words routing box by box used.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Container
 
 import numpy as np
 import torch
@@ -30,13 +35,14 @@ import torch
 from ..box import boxes_meet
 from ..layout import Layout, gc_paused, itemsize_of
 from .holders import route_box
-from .index import DstGroup, FragmentRef, check_own_overlaps
+from .index import DstGroup, FragmentRef, ShareQuery, raise_bad_input
 from .quant import scale_lower_bound, unpack_fragment
 from .relay import relay_dtype
 from .routing import cover_pieces, held_numel, wire_dtype_of
 from .table import I64, TransferTable, widen
 
 ROW_BATCH = 2048  # tensors per batch: bounds the pair and row temporaries
+SHARE_BATCH = 64  # a share's tensors per batch (~1,000 rows per tensor at 1,024 ranks)
 
 
 def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
@@ -44,16 +50,27 @@ def _dtypes(layout: Layout) -> dict[str, torch.dtype]:
 
 
 def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups: dict[int, int],
-                 order: dict[str, int], make_objects) -> tuple[TransferTable, TransferTable]:
+                 order: dict[str, int], todo: dict[str, list] | None = None, me: int | None = None,
+                 whole: Container[str] = ()) -> tuple[TransferTable, TransferTable]:
     """Every rank's ``(local copies, wire transfers)`` as tables, unsorted. ``order``: tensor name -> its index
-    among ``dst``'s tensors (the salt's base, and the order tensors are checked in); ``make_objects(names)``:
-    the object routing of those tensors (called only to raise the error of bad input, in its words)."""
-    sdt, ddt = _dtypes(src), _dtypes(dst)
-    names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
+    among ``dst``'s tensors (the salt's base, and the order tensors are checked in).
+
+    A rank's share: ``todo`` (tensor name -> the destination boxes to route, each ``(offsets, sizes)``, nonempty)
+    routes only those boxes, and ``me`` keeps only the transfers with rank ``me`` on either end (local copies:
+    into ``me``), except for the tensors in ``whole``, whose boxes keep every transfer (the block-quantization
+    post-pass cuts them by the regions all of them make)."""
+    if todo is None:
+        sdt, ddt = _dtypes(src), _dtypes(dst)
+        names = [n for n in sorted(order, key=order.__getitem__) if n in sdt]
+    else:  # a share: the specs of its tensors only
+        sspecs, dspecs = src.specs, dst.specs
+        names = sorted((n for n in todo if n in sspecs), key=order.__getitem__)
+        sdt, ddt = {n: sspecs[n].dtype for n in names}, {n: dspecs[n].dtype for n in names}
     opts: dict[tuple, tuple] = {}
     locals_, wires = [], []
-    for b in range(0, len(names), ROW_BATCH):
-        part = names[b:b + ROW_BATCH]
+    step = ROW_BATCH if todo is None else SHARE_BATCH
+    for b in range(0, len(names), step):
+        part = names[b:b + step]
         kinds = []
         for n in part:
             key = (sdt[n], ddt[n])
@@ -62,7 +79,8 @@ def route_tables(src: Layout, dst: Layout, gpn: int | None, relay: bool, groups:
                 w = wire_dtype_of_dtypes(*key)
                 o = opts[key] = (w, relay_dtype(key[0], key[1], w) if relay else None)
             kinds.append(o)
-        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, make_objects)
+        share = None if todo is None else ShareQuery(me, [todo[n] for n in part], [n in whole for n in part])
+        lt, wt = _route_batch(src, dst, part, kinds, [order[n] for n in part], gpn, groups, share)
         locals_.append(lt)
         wires.append(wt)
     return TransferTable.concat(locals_), TransferTable.concat(wires)
@@ -116,22 +134,28 @@ def _batch_rows(src: Layout, dst: Layout, part: list[str]):
             np.flatnonzero((ssz > 0).all(1)))
 
 
-def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
     K = len(part)
     dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
     drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
     W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
 
     # destination boxes, their rows by (box, rank)
-    bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+    if share is None:
+        bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+    else:  # a rank's share: its boxes (each the box of its rows), the source rows meeting them
+        bk, boff, bsz, dn, binv, sn = share.rows(dr, sr, D)
     B = len(bk)
     o = np.lexsort((drank[dn], binv))
     drows, dbox = dn[o], binv[o]
     dranks = drank[drows]
     dstart = _segments(dbox, B)
-    # a rank with two boxes of one tensor: its boxes must not overlap (checked on objects, tensor by tensor)
-    kr = np.sort(dk[dn] * W + drank[dn])
-    flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+    if share is None:  # a rank with two boxes of one tensor: they must not overlap (checked on objects)
+        kr = np.sort(dk[dn] * W + drank[dn])
+        flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+    else:  # a box twice on one rank
+        twice = (dbox[1:] == dbox[:-1]) & (dranks[1:] == dranks[:-1])
+        flagged = set(bk[dbox[1:][twice]].tolist())
 
     # source boxes, their rows by (box, rank, local name, local offsets)
     sbk, sboff, sbsz, sinv = _boxes(sk[sn], soff[sn], ssz[sn])
@@ -157,7 +181,7 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
     plain = ~uncovered & (gpn is None) & np.array([kinds[k][1] is None for k in bk.tolist()] or [], bool)
     simple = plain & (nmeet == ncont)
 
-    out = _Rows()
+    out = _Rows(share)
     # pieces routed on arrays: a simple box is one piece; a box some meeting source box does not contain is cut
     # (``routing.cover_pieces``, per box in Python: few boxes), each piece held by the source boxes of its mask
     pieces, pairs = _simple_pieces(simple, pd, ps, boff, bsz)
@@ -177,26 +201,12 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, make_objects):
         out.bad |= _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart,
                               kinds, bases, gpn, groups)
     uncov = set(bk[uncovered].tolist())
-    for k in sorted(flagged | uncov | out.bad):  # bad input: the object routing of the tensor raises its message
-        if k in flagged:
-            check_own_overlaps(part[k], [dr.fragment(i, k) for i in _layout_order(dk, dn, binv, k)])
-        if k in uncov or k in out.bad:
-            make_objects([part[k]])
+    for k in sorted(flagged | uncov | out.bad):  # bad input: raised in the words of routing box by box
+        raise_bad_input(part[k], dst, src, None if share is None else share.boxes[k])
+        if k in uncov or k in out.bad or share is not None:
             raise RuntimeError(f"tensor {part[k]!r}: the row router found an element no source rank holds, "
-                               f"the object router none")
+                               f"the box by box check none")
     return out.tables(part, kinds, dr, sr, D)
-
-
-def _layout_order(dk, dn, binv, k) -> list[int]:
-    """Tensor ``k``'s nonempty destination rows as ``TensorIndex`` lists them: by box (first appearance), then
-    row order."""
-    rows = dn[dk[dn] == k]
-    boxes = binv[dk[dn] == k]
-    first: dict[int, int] = {}
-    for b in boxes.tolist():
-        first.setdefault(b, len(first))
-    rank = np.array([first[b] for b in boxes.tolist()], I64)
-    return rows[np.argsort(rank, kind="stable")].tolist()
 
 
 def _simple_pieces(simple, pd, ps, boff, bsz):
@@ -239,22 +249,15 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     """Route the pieces (``pbox``: each one's destination box; ``pairs``: ``(piece, source box)`` ascending, the
     source boxes holding it), without topology or relays: local copies from each holder rank's first fragment
     where a destination rank holds the piece, and receiver ``i`` of the others gets holder ``(salt + i) % h``'s
-    best fragment (``holders.assign``). Appends them to ``out``."""
+    best fragment (``holders.assign``). Appends them to ``out`` (a share: only its own)."""
     fpd, fps = pairs
     cnt = sstart[fps + 1] - sstart[fps]
     seg, at = _expand(sstart[fps], cnt)
     eb, er = fpd[seg], srows[at]  # (piece, source row): piece, source box, rank, local, local offsets order
-    ek = srank[er]
-    o1 = np.lexsort((ek, eb))  # stable: within (piece, rank) the smallest source box, local, local offsets first
-    o2 = np.lexsort((lid[er], ek, eb))  # within (piece, rank) the smallest local, then source box, local offsets
-    gb, gr = eb[o1], ek[o1]
-    head = np.ones(len(gb), bool)
-    head[1:] = (gb[1:] != gb[:-1]) | (gr[1:] != gr[:-1])
-    hb, hr, hfirst = gb[head], gr[head], er[o1][head]
-    hbest = er[o2][head]  # (o2 groups the same (piece, rank) runs in the same order)
-    hkey = hb * W + hr
+    ekey = eb * W + srank[er]
+    hkey = _distinct(ekey)  # (piece, holder rank), ascending
     P = len(pbox)
-    hstart = _segments(hb, P)
+    hstart = _segments(hkey // W, P)
     h = hstart[1:] - hstart[:-1]
     # destination rows of the pieces (those of their box)
     nd = dstart[pbox + 1] - dstart[pbox]
@@ -263,16 +266,51 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     dkey = db * W + drk
     pos = np.minimum(np.searchsorted(hkey, dkey), max(len(hkey) - 1, 0))
     held = hkey[pos] == dkey if len(hkey) else np.zeros(len(dkey), bool)
-    hs = hfirst[pos[held]]
-    out.add_fast(True, db[held], hs, drow[held], srank[hs], drk[held])
     recv = ~held
     c = np.cumsum(recv) - recv  # receivers before each row
     first = np.concatenate(([0], np.cumsum(nd)[:-1]))
-    i = c - c[first][db]
-    rb = db[recv]
-    pick = hstart[rb] + (salt[rb] + i[recv]) % h[rb]
-    ws = hbest[pick]
-    out.add_fast(False, rb, ws, drow[recv], srank[ws], drk[recv])
+    lone, wone = held, recv
+    if out.share is not None:  # a share: the rows into it, and every receiver of a piece it holds
+        into, k = drk == out.share.me, out.pieces[0]
+        ours = out.share.whole[k] | np.isin(np.arange(P), hkey[hkey % W == out.share.me] // W)
+        lone, wone = held & (into | out.share.whole[k][db]), recv & (into | ours[db])
+    i = c[wone] - c[first][db[wone]]
+    rb = db[wone]
+    send = hkey[hstart[rb] + (salt[rb] + i) % h[rb]]  # each receiver's holder: (piece, rank)
+    lb, lkey, ldrow, ldrk = db[lone], dkey[lone], drow[lone], drk[lone]
+    wdrow, wdrk = drow[wone], drk[wone]
+    if out.share is not None:  # a share: its own rows only
+        m = out.share.kept(False, k[rb], send % W, wdrk)
+        rb, send, wdrow, wdrk = rb[m], send[m], wdrow[m], wdrk[m]
+    hs = _holder_rows(ekey, er, None, lkey)  # local copies read the first fragment
+    out.add_fast(True, lb, hs, ldrow, srank[hs], ldrk)
+    ws = _holder_rows(ekey, er, lid, send)  # senders read the best one
+    out.add_fast(False, rb, ws, wdrow, srank[ws], wdrk)
+
+
+def _holder_rows(ekey: np.ndarray, er: np.ndarray, lid: np.ndarray | None, want: np.ndarray) -> np.ndarray:
+    """Per ``(piece, holder rank)`` key of ``want``, that holder's first source row of the piece in the order of
+    ``er`` (source box, local name, local offsets), or with ``lid`` its first by local name (then that order)."""
+    if not len(want):
+        return np.zeros(0, I64)
+    u = _distinct(np.sort(want))
+    p = np.minimum(np.searchsorted(u, ekey), len(u) - 1)
+    sel = u[p] == ekey
+    k, r = ekey[sel], er[sel]
+    o = np.argsort(k, kind="stable") if lid is None else np.lexsort((lid[r], k))
+    ks = k[o]
+    head = np.ones(len(ks), bool)
+    head[1:] = ks[1:] != ks[:-1]
+    return r[o][head][np.searchsorted(u, want)]
+
+
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    """``np.unique(keys)``, without its sort where ``keys`` are sorted already."""
+    if len(keys) > 1 and (keys[1:] < keys[:-1]).any():
+        return np.unique(keys)
+    head = np.ones(len(keys), bool)
+    head[1:] = keys[1:] != keys[:-1]
+    return keys[head]
 
 
 def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart, kinds,
@@ -303,9 +341,10 @@ def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, p
         group = DstGroup(ranks, lambda r, ranks=ranks, rows=rows: rows[bisect_left(ranks, r)])
         box = (tuple(boff[b, :nd].tolist()), tuple(bsz[b, :nd].tolist()))
         wdt, rdt = kinds[k]
+        keep, me = (None, None) if out.share is None else out.share.keep(k)
         lo_, wi_ = [], []
         try:
-            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, base=bases[k], make=_make_row)
+            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, keep, bases[k], me, _make_row)
         except ValueError:
             bad.add(k)
             continue
@@ -320,7 +359,8 @@ def _make_row(name, off, size, sf, df, dt, relay=False):
 class _Rows:
     """Rows gathered for one batch: fast ones as arrays (a box's piece), slow ones as tuples."""
 
-    def __init__(self) -> None:
+    def __init__(self, share: ShareQuery | None) -> None:
+        self.share = share  # a rank's share: only its rows kept
         self.fast: dict[bool, list] = {True: [], False: []}
         self.slow: dict[bool, list] = {True: [], False: []}
         self.bad: set[int] = set()
