@@ -16,9 +16,11 @@ engine is reached, how its loader is recorded, what it refuses) stay in the plug
   gets the same answer, so every rank plans the same reshard or raises the same refusal before a byte moves.
 * :func:`plan_pair`: the (trainer, engine) layouts to plan: only the tensors both have.
 * :func:`delta_options`: ``refit``'s ``version`` / ``delta`` for an update (docs/delta.md).
-* :func:`commit_vote` / :func:`group_broken`: an update's last collective, where every rank of the group says
-  whether its part completed (a background receive that ends with it tells the trainer it is complete), and
-  which errors leave the group unable to carry it.
+* :func:`commit_vote` / :func:`group_broken` / :func:`vote`: an update's last collective, where every rank of
+  the group says whether its part completed (a background receive that ends with it tells the trainer it is
+  complete), and which errors leave the group unable to carry it; :func:`lost_text` names who left.
+* :class:`ControlCall` / :func:`wait_all`: an engine's control-plane call run beside our side of it, and a
+  bounded wait on posted sends / receives.
 * :func:`message_tensors` / :func:`tensor_message`: a JSON control message as the one small uint8 tensor an
   engine API that takes ``named_tensors`` can carry (SGLang's ``update_weights_from_tensor``); data only,
   never a pickle.
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -41,8 +45,8 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["commit_vote", "delta_options", "exchange_layouts", "group_broken", "join_group", "message_tensors",
-           "plan_pair", "plugin_secret", "tensor_message"]
+__all__ = ["ControlCall", "commit_vote", "delta_options", "exchange_layouts", "group_broken", "join_group",
+           "lost_text", "message_tensors", "plan_pair", "plugin_secret", "tensor_message", "vote", "wait_all"]
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
@@ -138,11 +142,72 @@ def commit_vote(group: RefitGroup, ok: bool, timeout: float, what: str) -> list[
     """The last collective of an update, on every rank of the refit group (trainer ranks and workers): each
     says whether its part completed (1) or not (0); returns every rank's word. A rank whose group broke does
     not vote (its peers' vote then fails within ``timeout``: they learn it that way)."""
-    import datetime
-
     t = torch.tensor([1 if ok else 0], dtype=torch.int64)
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
     work = group.all_gather(out, t)
-    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+    if not work.wait(timeout=timedelta(seconds=timeout)):
         raise TimeoutError(f"rank {group.rank}: {what}: the update's commit vote did not complete in {timeout:g}s")
     return [int(x) for x in out]
+
+
+def vote(group: RefitGroup, err: BaseException | None, timeout: float, what: str
+         ) -> tuple[BaseException | None, list[int]]:
+    """:func:`commit_vote` with this rank's outcome ``err`` (None: its part completed), skipped where the group
+    broke (:func:`group_broken`). Returns ``(the first error, the ranks that said their part failed)``."""
+    bad: list[int] = []
+    if err is None or not group_broken(err):
+        try:
+            bad = [r for r, w in enumerate(commit_vote(group, err is None, timeout, what)) if not w]
+        except Exception as e:  # noqa: BLE001 (returned: the caller says what it means)
+            err = err or e
+    return err, bad
+
+
+def lost_text(group: RefitGroup | None, err: BaseException | None, num_trainer_ranks: int, timeout: float) -> str:
+    """Who left the refit group, for an error (rank 0 serves the group's rendezvous: a member whose process died
+    has no connection to it; on a lost peer its socket closes within moments, so this waits up to 2 s for it):
+    ``"; lost: engine worker 1 (refit-group rank 2) ..."``, or ``""``."""
+    if group is None or (err is not None and not group_broken(err)):
+        return ""
+    deadline = time.monotonic() + min(2.0, timeout)
+    lost = group.lost_members()
+    while lost == [] and err is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        lost = group.lost_members()
+    if not lost:
+        return ""
+    n = num_trainer_ranks
+    who = [f"engine worker {r - n} (refit-group rank {r})" if r >= n else f"trainer rank {r}" for r in lost]
+    then = f" (then {', '.join(who[1:])}, in the order they left)" if len(who) > 1 else ""
+    return f"; lost: {who[0]}: its process died or left the refit group{then}"
+
+
+def wait_all(works, timeout: float, what: str) -> None:
+    """Wait for posted sends / receives, each within ``timeout`` seconds."""
+    for w in works:
+        if not w.wait(timeout=timedelta(seconds=timeout)):
+            raise TimeoutError(f"{what}: not done within {timeout:g}s")
+
+
+class ControlCall:
+    """Run an engine's control-plane call in a thread (it returns only once the engine ran its side, which
+    needs ours running at the same time); ``join`` re-raises its error."""
+
+    def __init__(self, fn, *args):
+        self.error: BaseException | None = None
+
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 (re-raised in join)
+                self.error = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the engine's control-plane call did not return within {timeout:g}s")
+        if self.error is not None:
+            raise self.error
