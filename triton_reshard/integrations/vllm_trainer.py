@@ -13,14 +13,13 @@ from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..refit import refit
-from .engine import ControlCall, join_group, lost_text, plugin_secret, vote, wait_all
+from .engine import ControlCall, broadcast_send, join_group, lost_text, plugin_secret, vote
 from .vllm_transfer import (
     BACKEND,
     MODES,
     ReshardUpdateInfo,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
-    broadcast_root,
     delta_kwargs,
     group_layouts,
     rendezvous,
@@ -130,7 +129,8 @@ if TrainerWeightTransferEngine is not None:
 
             def send(phases: dict) -> int:
                 if method == "broadcast":
-                    return self._send_broadcast(tensors)
+                    return broadcast_send(self.group, self.src_layout, tensors, self.info.num_trainer_ranks,
+                                          self.info.timeout)
                 sent = 0
                 for _names, src, dst in self.groups if per_group else [(None, self.src_layout, self.dst_layout)]:
                     mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}
@@ -265,26 +265,6 @@ if TrainerWeightTransferEngine is not None:
                 f"({reason}); the engine's workers hold torn weights and refuse a forward, and the engine stays "
                 "paused (queued requests wait, none is served from torn weights) until a repair update completes: "
                 "re-init the trainer engine if its refit group broke, then send_weights again") from cause
-
-        def _send_broadcast(self, tensors: dict) -> int:
-            root = broadcast_root(self.src_layout, self.info.num_trainer_ranks)
-            if self.group.rank != root:
-                return 0
-            missing = [t.name for t in self.src_layout.tensors if t.name not in tensors]
-            if missing:
-                raise ValueError(f"trainer rank {root}: method 'broadcast' needs every full tensor here; missing "
-                                 f"{missing[:4]}")
-            workers = range(self.info.num_trainer_ranks, self.info.world_size)
-            sent = 0
-            for spec in self.src_layout.tensors:
-                t = tensors[spec.name].detach().to(spec.dtype).contiguous()
-                if tuple(t.shape) != tuple(spec.shape):
-                    raise ValueError(f"trainer rank 0: {spec.name}: shape {tuple(t.shape)}, the layout says "
-                                     f"{tuple(spec.shape)}")
-                wait_all(self.group.post([(w, t) for w in workers], []), self.info.timeout,
-                         f"trainer rank 0: broadcast of {spec.name}")
-                sent += t.nbytes * len(workers)
-            return sent
 
         def shutdown(self) -> None:
             if self.group is not None:

@@ -41,7 +41,7 @@ from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..layout.specs import Fragment
-from .engine import commit_vote, delta_options, exchange_layouts, join_group, plan_pair
+from .engine import broadcast_root, commit_vote, delta_options, exchange_layouts, join_group, plan_pair
 from .record import LoadRecord, layout_from_records
 
 try:  # the engine classes subclass vLLM's bases when vLLM is installed; the module imports without it
@@ -198,20 +198,6 @@ def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gro
     mode = "reload" if "reload" in {m for _, m in got} else "inplace"
     src, dst = plan_pair(group, src_layout, layout_from_records([r for r, _ in got]))
     return src, dst, mode
-
-
-def broadcast_root(src: Layout, num_trainer_ranks: int) -> int:
-    """The trainer rank the baseline (``method="broadcast"``) sends from: the lowest that holds every tensor in
-    full (where RL stacks gather the weights); every rank computes it from the same layout."""
-    full: dict[int, set] = {}
-    shapes = {t.name: tuple(t.shape) for t in src.tensors}
-    for f in src.fragments:
-        if f.rank < num_trainer_ranks and tuple(f.sizes) == shapes[f.tensor]:
-            full.setdefault(f.rank, set()).add(f.tensor)
-    for r in sorted(full):
-        if len(full[r]) == len(shapes):
-            return r
-    raise ValueError("method 'broadcast' needs one trainer rank holding every tensor in full; none does")
 
 
 def _layer_infos(model):

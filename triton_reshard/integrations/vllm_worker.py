@@ -4,7 +4,6 @@ and :class:`RefitWorkerExtension` (vLLMs without it). See :mod:`.vllm_transfer` 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from typing import Any
@@ -13,13 +12,12 @@ import torch
 
 from ..comm.secret import SECRET_ENV
 from ..refit import forget_refit_state, refit
-from .engine import join_group, plugin_secret, vote, wait_all
+from .engine import box_bytes, broadcast_receive, copy_boxes, join_group, plugin_secret, rank_buffers, vote
 from .vllm_transfer import (
     ReshardInitInfo,
     ReshardUpdateInfo,
     TornWeightsError,
     WeightTransferEngine,
-    broadcast_root,
     delta_kwargs,
     group_layouts,
     log_warning,
@@ -201,12 +199,7 @@ if WeightTransferEngine is not None:
                     self._load(list(self._mirror.items()), stats)
                 else:
                     t0 = time.perf_counter()
-                    params = dict(self.model.named_parameters())
-                    with torch.no_grad():
-                        for f in self.dst_layout.fragments:
-                            if f.rank == rank:
-                                box = tuple(slice(o, o + n) for o, n in zip(f.local_offsets, f.local_sizes, strict=True))
-                                params[f.local][box].copy_(self._mirror[f.local][box])
+                    copy_boxes(dict(self.model.named_parameters()), self._mirror, self.dst_layout, rank)
                     stats["load_s"] = time.perf_counter() - t0
                 self._staged = None  # committed: the mirror stays (it holds the live version; a delta patches it)
                 return stats
@@ -216,7 +209,8 @@ if WeightTransferEngine is not None:
                 self._drop_mirror()
             if info.method == "broadcast":
                 stats["mode"] = "reload"  # the baseline always goes through vLLM's loader
-                self._load(self._broadcast(stats), stats)
+                self._load(broadcast_receive(self.group, self.src_layout, self.info.rank_offset, self.info.timeout,
+                                              stats), stats)
             elif not reload:
                 self._receive(dict(self.model.named_parameters()), self.src_layout, self.dst_layout, kw, stats)
             elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes
@@ -239,7 +233,7 @@ if WeightTransferEngine is not None:
 
         def _alloc(self, layout, stats: dict) -> dict:
             t0 = time.perf_counter()
-            out = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in layout.locals if s.rank == self.group.rank}
+            out = rank_buffers(layout, self.group.rank)
             stats["alloc_s"] += time.perf_counter() - t0
             return out
 
@@ -250,8 +244,7 @@ if WeightTransferEngine is not None:
             return self._mirror
 
         def _box_bytes(self, tensors: dict, layout=None) -> int:
-            return sum(math.prod(f.sizes) * tensors[f.local].element_size()
-                       for f in (layout or self.dst_layout).fragments if f.rank == self.group.rank)
+            return box_bytes(tensors, layout or self.dst_layout, self.group.rank)
 
         def _load(self, items, stats: dict) -> None:
             """Feed ``(name, tensor)`` items to vLLM's loader inside its layerwise reload: ``load_s`` is the
@@ -301,21 +294,6 @@ if WeightTransferEngine is not None:
                     yield from mine.items()
                     del mine
                     held[0] -= box
-
-        def _broadcast(self, stats: dict):
-            """The baseline: every full tensor from the broadcast root, one at a time."""
-            root = broadcast_root(self.src_layout, self.info.rank_offset)
-            for spec in self.src_layout.tensors:
-                t0 = time.perf_counter()
-                buf = torch.empty(spec.shape, dtype=spec.dtype)
-                t1 = time.perf_counter()
-                wait_all(self.group.post([], [(root, buf)]), self.info.timeout,
-                         f"worker {self.group.rank}: broadcast of {spec.name}")
-                stats["alloc_s"] += t1 - t0
-                stats["refit_s"] += time.perf_counter() - t1
-                stats["recv_bytes"] += buf.nbytes
-                stats["staging_bytes"] = max(stats["staging_bytes"], buf.nbytes)
-                yield spec.name, buf
 
         def _mark_torn(self, info: ReshardUpdateInfo, e: BaseException) -> None:
             self.torn = {"version": info.version, "mode": self.mode, "reason": f"{type(e).__name__}: {e}"[:400]}
