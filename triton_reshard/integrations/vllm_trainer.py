@@ -211,6 +211,9 @@ if TrainerWeightTransferEngine is not None:
         def _staged_done(self, version, err, bad, sent: int, t0: float, phases: dict) -> None:
             """A staged receive's end: vLLM's update session closes (the engine's weight version stays: nothing
             committed); a failure is raised saying the engine serves its weights as before."""
+            # who left, asked before the engine's finish: an engine that lost a worker is stopped by vLLM then, and
+            # its other workers leave too (asked after, the first gone may no longer be told apart)
+            lost = self._lost(err) if err is not None or bad else ""
             engine_err = self._finish(None) if self.is_sender else None
             if err is None and not bad and engine_err is not None:
                 raise engine_err
@@ -223,7 +226,7 @@ if TrainerWeightTransferEngine is not None:
                          "stopped by vLLM: restart it")
                 raise RuntimeError(
                     f"triton_reshard trainer rank {self.rank}: the staged update to version {version!r} failed "
-                    f"({reason}){self._lost(err)}; nothing was committed: {state}; re-init the trainer engine if "
+                    f"({reason}){lost}; nothing was committed: {state}; re-init the trainer engine if "
                     "its refit group broke, then send_weights again") from err
             self._staged = {"version": version}
             s = time.perf_counter() - t0
