@@ -32,7 +32,11 @@ def _world(dtype: torch.dtype, g: torch.Generator):
     """Two row-major destination tensors inside poison; the message's views are column blocks of them plus one
     contiguous tensor."""
     poison = -1 if dtype.itemsize > 1 else 0x5A
-    full = [torch.empty(96, 256, dtype=dtype), torch.empty(40, 128, dtype=dtype), torch.empty(3000, dtype=dtype)]
+    full = [
+        torch.empty(96, 256, dtype=dtype),
+        torch.empty(40, 128, dtype=dtype),
+        torch.empty(3000, dtype=dtype),
+    ]
     for t in full:
         bits(t).fill_(poison)
     views = [full[0][:, 64:192], full[1][:, :64], full[2][100:2900]]
@@ -49,7 +53,9 @@ def test_row_view_unpack_native_equals_numpy(dtype, frac, monkeypatch):
         pytest.skip("the native codec is not built (pip install -e . builds it)")
     g = torch.Generator().manual_seed(7)
     full, views, olds, poison = _world(dtype, g)
-    news = [steps(o.view(-1, o.shape[-1]) if o.dim() == 2 else o.view(1, -1), frac, g).view(o.shape) for o in olds]
+    news = [
+        steps(o.view(-1, o.shape[-1]) if o.dim() == 2 else o.view(1, -1), frac, g).view(o.shape) for o in olds
+    ]
     msg = D.pack_delta([(n, o.clone()) for n, o in zip(news, olds, strict=True)], 1000, backend="torch")
     assert not all(v.is_contiguous() for v in views)
     results = []
@@ -86,7 +92,9 @@ def test_row_view_refused_message_writes_nothing():
         pytest.skip("the native codec is not built (pip install -e . builds it)")
     g = torch.Generator().manual_seed(8)
     full, views, olds, _poison = _world(torch.bfloat16, g)
-    news = [steps(o.view(-1, o.shape[-1]) if o.dim() == 2 else o.view(1, -1), 0.05, g).view(o.shape) for o in olds]
+    news = [
+        steps(o.view(-1, o.shape[-1]) if o.dim() == 2 else o.view(1, -1), 0.05, g).view(o.shape) for o in olds
+    ]
     msg = D.pack_delta([(n, o.clone()) for n, o in zip(news, olds, strict=True)], 1000, backend="torch")
     c = D.describe(msg)[0]
     bad = msg.clone()
