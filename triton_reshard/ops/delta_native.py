@@ -212,6 +212,40 @@ def _dst_args(dsts: Sequence[torch.Tensor], facts: DstFacts | None) -> tuple | N
     return args
 
 
+def _row_views(dsts: Sequence[torch.Tensor]) -> bool:
+    """Do the native unpack's destinations fail it only by being row views (2-D, unit inner stride: a column
+    block of a row-major tensor, as a received box often is in a destination's local tensor)?"""
+    live = [d for d in dsts if d.numel()]
+    return (
+        any(not d.is_contiguous() for d in live)
+        and all(d.device.type == "cpu" and d.element_size() in (1, 2, 4, 8) for d in dsts)
+        and all(d.is_contiguous() or rows_of(d) is not None for d in live)
+    )
+
+
+def _unpack_rows(
+    msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None, facts: DstFacts | None
+) -> None:
+    """:func:`unpack_v2` into destinations some of which are row views: those are staged through contiguous
+    buffers (kept on ``facts`` between refits), unpacked by the native codec and copied back, so a refused
+    message still writes nothing and the values are the ones the numpy reference would write in place."""
+    staged = getattr(facts, "row_staging", None) if facts is not None else None
+    if staged is None:
+        staged = [None if d.is_contiguous() else torch.empty(d.shape, dtype=d.dtype) for d in dsts]
+        if facts is not None:
+            facts.row_staging = staged
+    temps = [d if t is None else t.copy_(d) for d, t in zip(dsts, staged, strict=True)]
+    sub = getattr(facts, "row_facts", None) if facts is not None else None
+    if sub is None:
+        sub = DstFacts(temps)
+        if facts is not None:
+            facts.row_facts = sub
+    unpack_v2(msg, temps, names, sub)
+    for d, t in zip(dsts, staged, strict=True):
+        if t is not None:
+            d.copy_(t)
+
+
 def unpack_v2(
     msg: torch.Tensor,
     dsts: Sequence[torch.Tensor],
@@ -224,6 +258,8 @@ def unpack_v2(
     ``numpy_unpack`` (the same checks, errors and result)."""
     lib = native()
     da = _dst_args(dsts, facts) if lib is not None else None
+    if da is None and lib is not None and _row_views(dsts):
+        return _unpack_rows(msg, dsts, names, facts)
     fast = (
         da is not None
         and msg.dtype == torch.uint8
