@@ -325,25 +325,36 @@ def sign_extend(val: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.where((val & top) != 0, val | ~((top << np.uint64(1)) - np.uint64(1)), val)
 
 
-def block_histogram(msgs: Sequence[np.ndarray]) -> dict[str, int]:
-    """Changed blocks per value width over messages (``"2"``, ``"4"``, ... bits; ``"raw"``) and their modes:
-    for reports (the bits real steps needed)."""
-    out: dict[str, int] = {}
+def _chunks(msgs: Sequence[np.ndarray]):
+    """Every chunk of ``msgs`` with changes: (kind, the narrow chunk's block codes or None), the walk both
+    histograms share."""
     for mn in msgs:
         nc = int(mn[8:12].view(np.int32)[0])
         offs = mn[HEADER_BYTES : HEADER_BYTES + 8 * nc].view(np.int64)
         for o in offs.tolist():
             w = mn[o : o + 16].view(np.uint32)
-            if int(w[0]) & 0xFF != KIND_NARROW:
-                key = "dense" if int(w[0]) & 0xFF == KIND_DENSE else None
-                if key and int(w[2]):
-                    out[key] = out.get(key, 0) + 1
+            kind = int(w[0]) & 0xFF
+            if not int(w[2]):
                 continue
-            nb = -(-int(w[1]) // BLOCK)
-            b0 = mn[o + 16 : o + 16 + 2 * nb : 2].astype(np.int64)
-            for c in (b0 & 0x0F)[b0 > 0].tolist():
-                key = "raw" if c == RAW else str(1 << c)
-                out[key] = out.get(key, 0) + 1
+            codes = None
+            if kind == KIND_NARROW:
+                nb = -(-int(w[1]) // BLOCK)
+                codes = mn[o + 16 : o + 16 + 2 * nb : 2].astype(np.int64) & 0x0F
+            yield kind, codes
+
+
+def block_histogram(msgs: Sequence[np.ndarray]) -> dict[str, int]:
+    """Changed blocks per value width over messages (``"2"``, ``"4"``, ... bits; ``"raw"``) and their modes:
+    for reports (the bits real steps needed)."""
+    out: dict[str, int] = {}
+    for kind, codes in _chunks(msgs):
+        if codes is None:
+            if kind == KIND_DENSE:
+                out["dense"] = out.get("dense", 0) + 1
+            continue
+        for c in codes[codes > 0].tolist():
+            key = "raw" if c == RAW else str(1 << c)
+            out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -352,21 +363,13 @@ def chunk_histogram(msgs: Sequence[np.ndarray]) -> dict[str, int]:
     width of a narrow chunk; ``"raw"``: a block of it sent raw; ``"dense"``: the chunk sent dense) over
     messages: for reports (issue 44 asks it per chunk; :func:`block_histogram` gives it per block)."""
     out: dict[str, int] = {}
-    for mn in msgs:
-        nc = int(mn[8:12].view(np.int32)[0])
-        offs = mn[HEADER_BYTES : HEADER_BYTES + 8 * nc].view(np.int64)
-        for o in offs.tolist():
-            w = mn[o : o + 16].view(np.uint32)
-            kind, count = int(w[0]) & 0xFF, int(w[2])
-            if not count:
-                continue
-            if kind != KIND_NARROW:
-                key = "dense" if kind == KIND_DENSE else "v1"
-            else:
-                nb = -(-int(w[1]) // BLOCK)
-                top = int((mn[o + 16 : o + 16 + 2 * nb : 2] & 0x0F).max())
-                key = "raw" if top == RAW else str(1 << top)
-            out[key] = out.get(key, 0) + 1
+    for kind, codes in _chunks(msgs):
+        if codes is None:
+            key = "dense" if kind == KIND_DENSE else "v1"
+        else:
+            top = int(codes.max())
+            key = "raw" if top == RAW else str(1 << top)
+        out[key] = out.get(key, 0) + 1
     return out
 
 
