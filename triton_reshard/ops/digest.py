@@ -215,3 +215,17 @@ def digest_buffer(fn, buf: torch.Tensor, coef: np.ndarray) -> int:
     """The hash of the contiguous uint8 CPU buffer ``buf`` (one view)."""
     row = np.array([buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0], dtype=np.int64)
     return int(fn(1, row.ctypes.data, buf.numel(), coef.ctypes.data))
+
+
+def span_torch(buf: torch.Tensor, a: int, z: int, n: int, coef: torch.Tensor) -> torch.Tensor:
+    """The hash of bytes ``[a, z)`` of the ``n``-byte message in the flat uint8 ``buf`` (any device; a 0-dim
+    int64 tensor, no sync), byte by byte as ``csrc/digest.c`` defines it: ``coef`` (int64, on ``buf``'s
+    device) holds at least the message's coefficients. For the few bytes a fused copy did not take (padding,
+    pieces copied by torch): it reads each byte as one int64."""
+    k = torch.arange(a, z, dtype=torch.int64, device=buf.device)
+    lim = n // 8 * 8
+    rows = -(-(n // 8) // 128)
+    body = k < lim
+    idx = torch.where(body, k >> 10, rows + k - lim)
+    shift = torch.where(body, (k & 7) * 8, 0)
+    return ((buf[a:z].to(torch.int64) << shift) * coef[idx]).sum()
