@@ -182,6 +182,20 @@ def test_a_message_corrupted_in_flight_is_caught_named_and_repaired(fault):
 
 
 @pytest.mark.slow
+def test_the_triton_kernels_digest_and_catch_a_flipped_bit():
+    """The Triton backend (interpreted): the packs and unpacks run the digesting kernel (its fused copies
+    counted on every rank), clean refits agree on every rank, and the flipped bit is caught and repaired."""
+    per = _scenario("flip_triton")
+    assert per[ic.VICTIM]["fired"], per[ic.VICTIM]
+    assert all(res["fused"] > 0 for res in per.values()), {r: res["fused"] for r, res in per.items()}
+    for r, res in per.items():
+        assert res["v0"]["error"] is None and res["v0_ok"], (r, res["v0"])
+    _caught_everywhere(per)
+    for r, res in per.items():
+        assert res["v2"]["error"] is None and res["v2_ok"], (r, res["v2"])
+
+
+@pytest.mark.slow
 def test_a_destination_element_corrupted_after_its_unpack_is_caught():
     per = _scenario("after_unpack")
     _caught_everywhere(per, receiver=0)
