@@ -107,6 +107,21 @@ def test_digest_is_an_option_on_by_default():
     assert "digest" in EXECUTOR_OPTIONS and "digest" in REFIT_OPTIONS
 
 
+def test_the_environment_switch_turns_the_digest_off(monkeypatch):
+    """``TRITON_RESHARD_DIGEST=off`` (the RL loop's ``--digest off``, inherited by the engine's workers)."""
+    monkeypatch.delenv(ig.ENV_VAR, raising=False)
+    assert ig.enabled()
+    for off in ("off", "0", "false", "NO"):
+        monkeypatch.setenv(ig.ENV_VAR, off)
+        assert not ig.enabled(), off
+    monkeypatch.setenv(ig.ENV_VAR, "on")
+    assert ig.enabled()
+    import examples.rl_loop as rl  # the option is parsed there (the engine is not started)
+
+    assert rl.parser().parse_args(["--digest", "off"]).digest == "off"
+    assert rl.parser().parse_args([]).digest == "on"
+
+
 # -- one world of 4: the faults ----------------------------------------------------------------------------
 
 
