@@ -161,6 +161,27 @@ def test_several_messages_and_tiles_each_equal_their_cpu_digest(n, monkeypatch):
         assert int(sums[k]) & MASK == ig.partial(msg, c), k
 
 
+@pytest.mark.parametrize("n", [0, 1, 5, 9, 17, 1023, 1031, 3077, 9001])
+@pytest.mark.parametrize("start", [0, 1])
+def test_the_gap_hash_of_any_split_adds_up_to_the_message_hash(n, start):
+    """The bytes no kernel hashed are hashed by ranges (``ops.digest.span_torch``: whole words, then bytes):
+    any three ranges that make up the message add up to its CPU digest, at any alignment of the buffer."""
+    import random
+
+    from triton_reshard.ops.digest import _bytes_torch, span_torch
+
+    buf = torch.randint(0, 256, (n + 1,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    buf = buf[start:start + n]
+    c = _coef()
+    coef, whole, rnd = c.get(ig._entries(n) + 1, buf.device), ig.partial(buf, c), random.Random(n)
+    for _ in range(20):
+        a = rnd.randint(0, n)
+        z = rnd.randint(a, n)
+        parts = [span_torch(buf, x, y, n, coef) for x, y in ((0, a), (a, z), (z, n))]
+        assert sum(int(p) for p in parts) & MASK == whole, (a, z)
+        assert int(parts[1]) & MASK == int(_bytes_torch(buf, a, z, n, coef)) & MASK, (a, z)
+
+
 def test_overlapping_message_bytes_are_refused_before_any_copy():
     msg = torch.zeros(64, dtype=torch.uint8)
     src = torch.arange(64, dtype=torch.uint8)
