@@ -33,7 +33,15 @@ import numpy as np
 import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
-from ..ops.digest import copy_digest, copy_native, copy_plan, digest_buffer, digest_rows, message_rows, span_torch
+from ..ops.digest import (
+    copy_digest,
+    copy_native,
+    copy_plan,
+    digest_buffer,
+    digest_rows,
+    message_rows,
+    span_torch,
+)
 from ..ops.digest import native as digest_native
 from .errors import ReshardError
 
