@@ -136,6 +136,23 @@ def test_a_cast_on_the_pack_hashes_the_written_bytes():
     assert _whole(msg, got, c) == ig.partial(msg, c)
 
 
+def test_pairs_the_kernel_leaves_to_torch_are_hashed_from_the_message():
+    """An fp8 piece landed into float32 (a cast the kernel does not make: torch copies it) next to one the
+    kernel copies: the torch-copied piece's bytes are a gap, hashed from the message; the total is the CPU
+    digest, and the destinations hold what ``copy_`` writes."""
+    g = torch.Generator().manual_seed(4)
+    msg = torch.randint(0, 256, (3001,), dtype=torch.uint8, generator=g)
+    fp8 = msg[8:8 + 600].view(torch.float8_e4m3fn).view(20, 30)
+    f32 = msg[1000:1000 + 1600].view(torch.float32).view(20, 20)
+    fp8.copy_(torch.randn(20, 30, generator=g).to(torch.float8_e4m3fn))
+    d8, d32 = torch.full((20, 30), float("nan")), torch.full((20, 20), float("nan")).t()
+    c = _coef()
+    got = triton_copy.triton_copy_digest([(fp8, d8), (f32, d32)], [(msg, 3001)], 0, c.get(ig._entries(3001), msg.device))
+    assert any(a <= 8 and z >= 608 for a, z in got[1][0])  # the torch-copied piece is in a gap
+    assert _whole(msg, got, c) == ig.partial(msg, c)
+    assert torch.equal(_bits(d8), _bits(fp8.to(torch.float32))) and torch.equal(_bits(d32), _bits(f32))
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1023, 1025, 8 * ig.ROW_WORDS * 3 + 5, 70_001])
 def test_several_messages_and_tiles_each_equal_their_cpu_digest(n, monkeypatch):
     """Three messages of odd sizes, one piece each cut in several tiles and several pieces sharing tiles."""
