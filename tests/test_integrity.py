@@ -345,6 +345,24 @@ def test_the_native_hash_of_a_buffer_is_the_numpy_hash(n, start):
     assert nd.digest_buffer(fn, buf, c.numpy(ig._entries(n))) == ig._partial_np(buf.numpy(), c)
 
 
+def test_large_in_place_sends_are_hashed_in_the_thread_and_taken_when_their_step_lands():
+    """A send no fused copy hashed, of THREAD_MIN_BYTES or more, is hashed in the digest's thread (a future
+    until its step lands); a small one at once; the values are the buffers' hashes."""
+    _native()
+    big = torch.randint(0, 256, (ig.THREAD_MIN_BYTES + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    small = big[:100].clone()
+    c = _coef()
+    work = type("W", (), {"steps": [(0, None), (1, None)]})()
+    led = ig.Ledger(b"k", c, 0, "p", work, ())
+    led.on_post(0, [(1, big), (2, small)], [])
+    assert hasattr(led.sent[1][0][2], "result") and isinstance(led.sent[2][0][2], int)
+    led.on_land(0)
+    assert led.sent[1][0][2] == ig.partial(big, c) and led.sent[2][0][2] == ig.partial(small, c)
+    led.on_post(1, [(1, big)], [])  # joined at the exchange if its step did not land first
+    led._values()
+    assert [e[2] for e in led.sent[1]] == [ig.partial(big, c)] * 2
+
+
 def test_a_message_digested_from_its_strided_destinations_is_the_message_hash():
     """The receiver's path: a staged message landed into strided destination views (a column block, a 3-d
     slice, an unaligned piece, a piece cast on landing, padding no unpack takes) is digested from the views in
