@@ -398,6 +398,7 @@ def setup(args, tmp: str):
     from triton_reshard.testing import vllm_engine as ej
 
     ej.engine_env(args.tp)
+    os.environ["TRITON_RESHARD_DIGEST"] = getattr(args, "digest", "on")  # the workers inherit it (read per refit)
     model = policy(args.size, args.seed)
     ckpt = os.path.join(tmp, "init")
     model.save_pretrained(ckpt)
@@ -432,6 +433,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify", action="store_true",
                     help="at the end, check the engine against vLLM's own reload of the trainer's weights")
     ap.add_argument("--json", default=None, help="write the per-iteration rows here")
+    ap.add_argument("--digest", default="on", choices=["on", "off"],
+                    help="the per-message integrity digest of every refit (issue 46), on the trainer and the workers")
     return ap
 
 

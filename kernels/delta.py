@@ -74,6 +74,19 @@ def _elem_offsets(idx, d0, d1, d2, s0, s1, s2, s3):
     return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
 
 
+@triton.jit
+def _values_at(body, kind, count, nwords, ESIZE: tl.constexpr):
+    """Where a chunk's values start in the message, in elements: after its offsets (int16, padded to 16
+    bytes) or its bitmask words (int32, padded), or right at the body for a dense chunk."""
+    if kind == KIND_DENSE:
+        vbase = body // ESIZE
+    elif kind == KIND_OFFSETS:
+        vbase = (body + _pad16(2 * count)) // ESIZE
+    else:
+        vbase = (body + _pad16(4 * nwords)) // ESIZE
+    return vbase
+
+
 @triton.jit(do_not_specialize=("num_chunks",))
 def delta_pack_kernel(
     src_ptr,  # element bits (int8/16/32/64) of the sources' base storage
@@ -126,12 +139,7 @@ def delta_pack_kernel(
             count = tl.load(row + P_COUNT)
             nwords = (n + 31) // 32
             body = out + HEADER_BYTES
-            if kind == KIND_DENSE:
-                vbase = body // ESIZE
-            elif kind == KIND_OFFSETS:
-                vbase = (body + _pad16(2 * count)) // ESIZE
-            else:
-                vbase = (body + _pad16(4 * nwords)) // ESIZE
+            vbase = _values_at(body, kind, count, nwords, ESIZE)
             shifts = tl.arange(0, 32)
             for c in range(0, n, BLOCK):
                 j = c + lane

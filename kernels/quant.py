@@ -177,6 +177,29 @@ def _e4m3_value(code):
     return tl.where(e == 0, sub, nrm)
 
 
+@triton.jit
+def _block_amax(src_ptr, src0, rr, c, rows, cols, srs, scs, SRC_BF16: tl.constexpr, BN: tl.constexpr,
+                RB: tl.constexpr):
+    """Pass 1 of :func:`quant_blocks_kernel`: the block's amax, floored at ``AMAX_FLOOR_BITS``, NaN if any
+    element is NaN. Masked lanes hold 0 and cannot raise it. NaN is tracked explicitly (torch's amax and
+    clamp keep it; a max on the GPU and the interpreter's np.nanmax drop it). ``tl.reduce`` with the combine
+    function of ``tl.max`` is ``tl.max`` itself, but also works when triton.language was imported before
+    TRITON_INTERPRET=1 was set (``tl.max`` is then a compiled-mode JITFunction the interpreter refuses to
+    call; the interpreter recognizes this combine function: np.nanmax)."""
+    amax = tl.full([], 0.0, tl.float32)
+    has_nan = tl.full([], 0, tl.int32)
+    for r0 in range(0, rows, RB):
+        if cols == BN:
+            x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, True)
+        else:
+            x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, False)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(x), None, tl.standard._elementwise_max))
+        has_nan = tl.maximum(has_nan, tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max))
+    amax = tl.where(has_nan > 0, float("nan"), amax)
+    floor = _f32(AMAX_FLOOR_BITS)
+    return tl.where(amax < floor, floor, amax)
+
+
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
 def quant_blocks_kernel(
     src_ptr,
@@ -232,23 +255,7 @@ def quant_blocks_kernel(
             qrs = tl.multiple_of(qrs, Q_ALIGN)
         rr = tl.arange(0, RB)[:, None]
         c = tl.arange(0, BN)[None, :].to(tl.int64)
-        # Pass 1: block amax. Masked lanes hold 0 and cannot raise it. NaN is tracked explicitly (torch's
-        # amax and clamp keep it; a max on the GPU and the interpreter's np.nanmax drop it). ``tl.reduce``
-        # with the combine function of ``tl.max`` is ``tl.max`` itself, but also works when triton.language
-        # was imported before TRITON_INTERPRET=1 was set (``tl.max`` is then a compiled-mode JITFunction the
-        # interpreter refuses to call; the interpreter recognizes this combine function: np.nanmax).
-        amax = tl.full([], 0.0, tl.float32)
-        has_nan = tl.full([], 0, tl.int32)
-        for r0 in range(0, rows, RB):
-            if cols == BN:
-                x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, True)
-            else:
-                x, _ = _load_chunk(src_ptr, src0, r0 + rr, c, rows, cols, srs, scs, SRC_BF16, False)
-            amax = tl.maximum(amax, tl.reduce(tl.abs(x), None, tl.standard._elementwise_max))
-            has_nan = tl.maximum(has_nan, tl.reduce((x != x).to(tl.int32), None, tl.standard._elementwise_max))
-        amax = tl.where(has_nan > 0, float("nan"), amax)
-        floor = _f32(AMAX_FLOOR_BITS)
-        amax = tl.where(amax < floor, floor, amax)
+        amax = _block_amax(src_ptr, src0, rr, c, rows, cols, srs, scs, SRC_BF16, BN, RB)  # pass 1
         sf = tl.math.div_rn(amax, _f32(FP8_MAX_BITS))
         if UE8M0:
             sf = _ue8m0(sf, thr_ptr)

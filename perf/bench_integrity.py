@@ -14,6 +14,12 @@ reported: the seconds inside the digest's hooks on rank 0, wall and the hooks' o
 every send and landed receive, the keyed combine and the end-of-refit exchange).
 
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
+
+``--kernel``: the Triton copy kernel alone, digest on vs off on one pack and one unpack of a TP2 column block of
+every tensor (bf16), median of ``--repeats`` (on a GPU: the kernels' extra work; ``TRITON_INTERPRET=1`` runs it
+on CPU, for the smoke test only):
+
+    python perf/bench_integrity.py --kernel --mb 512 --repeats 50
 """
 
 from __future__ import annotations
@@ -216,6 +222,72 @@ def summarize(res: list[dict], spec: dict) -> dict:
     return out
 
 
+def _pieces(mb: float, device: str):
+    """A pack's pairs: the column block of rank 0 of TP2 of every tensor of a Llama-shaped bf16 model of ``mb``
+    MB (strided sources), laid one after another in one message buffer."""
+    from triton_reshard.tools.parallel import llama_for_bytes, llama_tensors
+
+    cfg = llama_for_bytes(int(mb * (1 << 20)), torch.bfloat16)
+    srcs = []
+    for shape, _kind, _layer in llama_tensors(**cfg).values():
+        full = torch.randn(shape, dtype=torch.float32, device=device).to(torch.bfloat16)
+        srcs.append(full[..., : max(1, full.shape[-1] // 2)])
+    n = sum(v.numel() * 2 for v in srcs)
+    msg = torch.empty(n, dtype=torch.uint8, device=device)
+    pairs, at = [], 0
+    for v in srcs:
+        nb = v.numel() * 2
+        pairs.append((v, msg[at : at + nb].view(torch.bfloat16).view(v.shape)))
+        at += nb
+    return pairs, msg
+
+
+def kernel_main(a) -> int:
+    """``--kernel``: the Triton copy kernel with its digest on vs off on the same pack and unpack (CUDA; or the
+    interpreter with TRITON_INTERPRET=1, which times nothing useful): the kernels' extra work on a GPU."""
+    from triton_reshard.execute import integrity as ig
+    from triton_reshard.ops import copy as tc
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pairs, msg = _pieces(a.mb, device)
+    back = [(m, torch.empty_like(v)) for v, m in pairs]
+    coefs = ig.Coefficients(b"k" * 32)
+    coef = coefs.get(ig._entries(msg.numel()), msg.device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    runs = {
+        "pack, digest off": lambda: tc.triton_copy_views(pairs, key="bench-pack"),
+        "pack, digest on": lambda: tc.triton_copy_digest(pairs, [(msg, msg.numel())], 1, coef, key="bench-pack"),
+        "unpack, digest off": lambda: tc.triton_copy_views(back, key="bench-unpack"),
+        "unpack, digest on": lambda: tc.triton_copy_digest(back, [(msg, msg.numel())], 0, coef, key="bench-unpack"),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():  # warm-up: compile, autotune, tables
+        fn()
+    sync()
+    sums, gaps = runs["pack, digest on"]()  # the kernels' digest is the CPU digest of the message
+    if gaps[0] or int(sums[0]) & ((1 << 64) - 1) != ig.partial(msg.cpu(), coefs):
+        raise SystemExit("bench_integrity --kernel: the kernels' digest is not the CPU digest of the message")
+    for _ in range(a.repeats):
+        for k, fn in runs.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[k].append(time.perf_counter() - t)
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)", "bytes": msg.numel()}
+    for k, ts in times.items():
+        out[k] = statistics.median(ts)
+    for side in ("pack", "unpack"):
+        on, off = out[f"{side}, digest on"], out[f"{side}, digest off"]
+        out[f"{side} on/off"] = on / off
+        print(f"{side}: {msg.numel() / 1e6:.1f} MB, digest off {off * 1e3:.3f} ms ({msg.numel() / off / 1e9:.0f} GB/s), "
+              f"on {on * 1e3:.3f} ms, on/off {on / off:.3f}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=64.0, help="model size in MB (fp32)")
@@ -223,7 +295,10 @@ def main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=0.02, help="delta: elements changed per version")
     p.add_argument("--parts", default="refit,delta")
     p.add_argument("--out", default=None)
+    p.add_argument("--kernel", action="store_true", help="the Triton copy kernel, digest on vs off (GPU)")
     a = p.parse_args(argv)
+    if a.kernel:
+        return kernel_main(a)
     from triton_reshard.testing.launch import run_world
 
     spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(",")}

@@ -222,14 +222,15 @@ def _settles() -> tuple[list, object]:
     return log, lambda: setattr(integrity.Ledger, "settle", real)
 
 
-def dense(rank: int, fault: str, digest: bool = True) -> dict:
+def dense(rank: int, fault: str, digest: bool = True, backend: str | None = None) -> dict:
     """Version 0 clean; version 1 with ``fault`` on one rank; version 2 clean (the repair), same group."""
     g = _group()
     dst = {n: torch.full(s.shape, float("nan")) for n, s in DST.local_specs(rank).items()}
 
     def go(v):
         return refit(
-            SRC.shard(global_data(v), rank), dst, SRC, DST, group=g, timeout=TIMEOUT, version=v, digest=digest
+            SRC.shard(global_data(v), rank), dst, SRC, DST, group=g, timeout=TIMEOUT, version=v, digest=digest,
+            backend=backend,
         )
 
     out = {"v0": _caught(lambda: go(0)), "v0_ok": same_bits(dst, expected(rank, 0))}
@@ -393,7 +394,30 @@ SCENARIOS = {
     "mxfp8_flip": lambda r: quant(r, "mxfp8"),
     "nvfp4_flip": lambda r: quant(r, "nvfp4"),
     "relay_flip": relay,
+    "flip_triton": lambda r: triton_flip(r),
 }
+
+
+def triton_flip(rank: int) -> dict:
+    """``flip`` with the Triton copy backend (interpreted on CPU): the packs and unpacks are the digesting
+    kernel's (counted: ``fused``, the fused copies that ran), and the flipped bit is still caught."""
+    from triton_reshard.execute import integrity
+
+    os.environ["TRITON_INTERPRET"] = "1"  # the last scenario: the others run on torch's copies
+    real, fused = integrity.fused_copy, []
+
+    def counting(*a, **k):
+        got = real(*a, **k)
+        fused.append(got is not None and a[-1] == "triton")
+        return got
+
+    integrity.fused_copy = counting
+    try:
+        out = dense(rank, "flip", backend="triton")
+    finally:
+        integrity.fused_copy = real
+    out["fused"] = sum(fused)
+    return out
 
 
 def world_main(rank: int, world: int, outdir: str) -> dict:

@@ -107,6 +107,21 @@ def test_digest_is_an_option_on_by_default():
     assert "digest" in EXECUTOR_OPTIONS and "digest" in REFIT_OPTIONS
 
 
+def test_the_environment_switch_turns_the_digest_off(monkeypatch):
+    """``TRITON_RESHARD_DIGEST=off`` (the RL loop's ``--digest off``, inherited by the engine's workers)."""
+    monkeypatch.delenv(ig.ENV_VAR, raising=False)
+    assert ig.enabled()
+    for off in ("off", "0", "false", "NO"):
+        monkeypatch.setenv(ig.ENV_VAR, off)
+        assert not ig.enabled(), off
+    monkeypatch.setenv(ig.ENV_VAR, "on")
+    assert ig.enabled()
+    import examples.rl_loop as rl  # the option is parsed there (the engine is not started)
+
+    assert rl.parser().parse_args(["--digest", "off"]).digest == "off"
+    assert rl.parser().parse_args([]).digest == "on"
+
+
 # -- one world of 4: the faults ----------------------------------------------------------------------------
 
 
@@ -179,6 +194,20 @@ def test_a_message_corrupted_in_flight_is_caught_named_and_repaired(fault):
     for r, res in per.items():  # the next refit on the same group repairs every rank
         assert res["v2"]["error"] is None and res["v2_ok"], (r, res["v2"])
         assert res["state_after"] == {"version": 2, "torn": False, "torn_tensors": []}, res["state_after"]
+
+
+@pytest.mark.slow
+def test_the_triton_kernels_digest_and_catch_a_flipped_bit():
+    """The Triton backend (interpreted): the packs and unpacks run the digesting kernel (its fused copies
+    counted on every rank), clean refits agree on every rank, and the flipped bit is caught and repaired."""
+    per = _scenario("flip_triton")
+    assert per[ic.VICTIM]["fired"], per[ic.VICTIM]
+    assert all(res["fused"] > 0 for res in per.values()), {r: res["fused"] for r, res in per.items()}
+    for r, res in per.items():
+        assert res["v0"]["error"] is None and res["v0_ok"], (r, res["v0"])
+    _caught_everywhere(per)
+    for r, res in per.items():
+        assert res["v2"]["error"] is None and res["v2_ok"], (r, res["v2"])
 
 
 @pytest.mark.slow
@@ -314,6 +343,24 @@ def test_the_native_hash_of_a_buffer_is_the_numpy_hash(n, start):
     buf = area[start : start + n]
     c = _coef()
     assert nd.digest_buffer(fn, buf, c.numpy(ig._entries(n))) == ig._partial_np(buf.numpy(), c)
+
+
+def test_large_in_place_sends_are_hashed_in_the_thread_and_taken_when_their_step_lands():
+    """A send no fused copy hashed, of THREAD_MIN_BYTES or more, is hashed in the digest's thread (a future
+    until its step lands); a small one at once; the values are the buffers' hashes."""
+    _native()
+    big = torch.randint(0, 256, (ig.THREAD_MIN_BYTES + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    small = big[:100].clone()
+    c = _coef()
+    work = type("W", (), {"steps": [(0, None), (1, None)]})()
+    led = ig.Ledger(b"k", c, 0, "p", work, ())
+    led.on_post(0, [(1, big), (2, small)], [])
+    assert hasattr(led.sent[1][0][2], "result") and isinstance(led.sent[2][0][2], int)
+    led.on_land(0)
+    assert led.sent[1][0][2] == ig.partial(big, c) and led.sent[2][0][2] == ig.partial(small, c)
+    led.on_post(1, [(1, big)], [])  # joined at the exchange if its step did not land first
+    led._values()
+    assert [e[2] for e in led.sent[1]] == [ig.partial(big, c)] * 2
 
 
 def test_a_message_digested_from_its_strided_destinations_is_the_message_hash():

@@ -557,10 +557,12 @@ def _compile_for_hopper(module, plan: DtypePlan, block: int = 2048):
     ptr = {torch.int16: "*i16", torch.int32: "*i32", torch.float32: "*fp32", torch.float16: "*fp16",
            torch.uint8: "*u8", torch.float64: "*fp64"}
     signature = {"src_ptr": ptr[plan.src_view], "dst_ptr": ptr[plan.dst_view], "regions_ptr": "*i64",
-                 "tiles_ptr": "*i64", "num_tiles": "i64", "tile_elems": "i64", "shape_class": "i64"}
+                 "tiles_ptr": "*i64", "coef_ptr": "*i64", "sums_ptr": "*i64", "num_tiles": "i64", "slots": "i64",
+                 "tile_elems": "i64", "shape_class": "i64"}
     constexprs = {"SRC_VEC": plan.src_vec, "DST_VEC": plan.dst_vec, "VEC": max(plan.src_vec, plan.dst_vec),
                   "SRC_BF16": plan.src_bf16, "VIA_F32": plan.via_f32, "DST_BF16": plan.dst_bf16,
-                  "BF16_NAN": 0x7FFF, "BLOCK": block, "TILES_PER_PROG": 2}
+                  "BF16_NAN": 0x7FFF, "BLOCK": block, "TILES_PER_PROG": 2, "DIGEST": False, "MSG_DST": True,
+                  "MSG_BYTES": 1}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     src = ASTSource(fn=module.copy_regions_kernel, signature=signature, constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})

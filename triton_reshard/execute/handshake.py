@@ -21,6 +21,7 @@ from .. import ops
 from ..comm.group import as_transport
 from .delta_cost import COST_FIELDS
 from .errors import ReshardError
+from .integrity import enabled as digest_enabled
 from .options import to_timedelta
 from .transport import Link, post_rows
 
@@ -235,7 +236,7 @@ def handshake_post(
         verify,
         options.backend or os.environ.get(ops.ENV_VAR) or None,
         delta,
-        options.digest and not verify,
+        options.digest and not verify and digest_enabled(),  # TRITON_RESHARD_DIGEST too: ranks must agree
         OK if error is None else REJECTED,
         sum(t.relay for t in plan.transfers) if verify else 0,
         fence,

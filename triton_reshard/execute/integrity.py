@@ -26,13 +26,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 
 import numpy as np
 import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
-from ..ops.digest import copy_digest, copy_native, copy_plan, digest_buffer, digest_rows, message_rows
+from ..ops.digest import (
+    copy_digest,
+    copy_native,
+    copy_plan,
+    digest_buffer,
+    digest_rows,
+    message_rows,
+    span_torch,
+)
 from ..ops.digest import native as digest_native
 from .errors import ReshardError
 
@@ -42,6 +51,17 @@ NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes e
 MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
 MAX_MSGS = 32  # messages per pair compared one by one in the localizing exchange (the rest as a count)
 MASK63 = (1 << 63) - 1
+THREAD_MIN_BYTES = 1 << 16  # in-place sends from this size are hashed in the digest's thread
+_POOL: list = []
+
+
+def _pool():
+    """The digest's one hashing thread (made on first use, kept for the process)."""
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="trd-digest"))
+    return _POOL[0]
 
 
 class ReshardIntegrityError(ReshardError):
@@ -63,6 +83,16 @@ class ReshardIntegrityError(ReshardError):
     ) -> None:
         super().__init__(message)
         self.tensor, self.step, self.sender, self.receiver, self.pairs = tensor, step, sender, receiver, pairs
+
+
+ENV_VAR = "TRITON_RESHARD_DIGEST"  # "off" / "0": no digest whatever ``digest=`` says (set it on every rank)
+
+
+def enabled() -> bool:
+    """False where ``TRITON_RESHARD_DIGEST`` turns the digest off (``off``, ``0``, ``false``, ``no``): one
+    switch for every refit of a process and the processes it starts (an engine's workers: the RL loop's
+    ``--digest off``). Every rank of a refit must agree (the end-of-refit exchange is collective)."""
+    return os.environ.get(ENV_VAR, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 def digest_key(comm) -> bytes:
@@ -200,24 +230,43 @@ class Ledger:
         self.sent: dict[int, list] = {}  # peer -> [(step, nbytes, partial)]
         self.recvd: dict[int, list] = {}  # peer -> [(step, nbytes, partial, (pos, j))]
         self._posted: dict[int, list] = {}  # step position -> the receives posted for it
+        self._hashing: dict[int, list] = {}  # step position -> (peer, index in sent[peer]) hashed in the thread
 
     def on_post(self, pos: int, sends, recvs) -> None:
-        """Step ``pos`` was posted: digest its sends now (the transport reads them too)."""
+        """Step ``pos`` was posted: digest its sends now (the transport reads them too). A send no fused copy
+        hashed (in place, zero-copy) of at least :data:`THREAD_MIN_BYTES` on CPU is hashed in the digest's
+        thread (the native hash releases the GIL) while this thread goes on (the next step's pack, the last
+        step's unpack); :meth:`on_land` of the same step takes its value (the buffer is not reused before)."""
         i = self.work.steps[pos][0]
         fused = self._fused.pop(("pack", pos), None)
         values = self._finish(fused, [(b, b.numel()) for _p, b in sends]) if fused is not None else None
+        fn = digest_native() if values is None else None
         for j, (peer, buf) in enumerate(sends):
-            v = values[j] if values is not None else partial(buf, self.coef)
+            if values is not None:
+                v = values[j]
+            elif fn is not None and buf.numel() >= THREAD_MIN_BYTES and buf.device.type == "cpu" and buf.is_contiguous():
+                v = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
+                self._hashing.setdefault(pos, []).append((peer, len(self.sent.get(peer, ()))))
+            else:
+                v = partial(buf, self.coef)
             self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
 
+    def _joined(self, pos: int | None = None) -> None:
+        """The threaded hashes of step ``pos``'s sends (every step's: None) as values."""
+        for p in [pos] if pos is not None else list(self._hashing):
+            for peer, k in self._hashing.pop(p, ()):
+                e = self.sent[peer][k]
+                self.sent[peer][k] = (e[0], e[1], e[2].result())
+
     # -- the fused copies: the hash in the pack's and the unpack's own pass (csrc/digest.c) ---------------------
 
-    def pack(self, pos: int, pairs, sends, key) -> bool:
-        """Make step ``pos``'s pack copies (source views into its send buffers ``sends``) natively, hashing
-        each message's bytes as they are written; False (nothing copied) where the native copy cannot: the
-        caller copies and :meth:`on_post` hashes the buffers afterwards."""
-        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in sends], 1, key)
+    def pack(self, pos: int, pairs, sends, key, backend: str = "torch") -> bool:
+        """Make step ``pos``'s pack copies (source views into its send buffers ``sends``) natively (``backend``
+        torch) or with the Triton kernel (triton), hashing each message's bytes as they are written; False
+        (nothing copied) where the fused copy cannot: the caller copies and :meth:`on_post` hashes the buffers
+        afterwards."""
+        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in sends], 1, key, backend)
         if got is None:
             return False
         self._fused["pack", pos] = got
@@ -230,22 +279,24 @@ class Ledger:
         if ahead is not None:
             self._fused["pack", pos] = ahead
 
-    def unpack(self, pos: int, pairs, key) -> bool:
+    def unpack(self, pos: int, pairs, key, backend: str = "torch") -> bool:
         """Make step ``pos``'s unpack copies (received views into the destination) natively, hashing what
         each writes into the destination, read back right after it was written; False (nothing copied) where
         the native copy cannot: the caller copies and :meth:`on_land` hashes as before."""
         posted = self._posted.get(pos)
         if not posted:
             return False
-        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in posted], 0, key)
+        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in posted], 0, key, backend)
         if got is None:
             return False
         self._fused["unpack", pos] = got
         return True
 
-    def _finish(self, fused, bufs) -> list[int]:
+    def _finish(self, fused, bufs) -> list:
         """A fused copy's per-message hashes plus the hash of the bytes it did not copy (read now)."""
         hashes, gaps = fused
+        if isinstance(hashes, torch.Tensor):  # the Triton kernels' sums (on the device, no sync)
+            return [self._gaps_torch(hashes[j], g, b, n) for j, (g, (b, n)) in enumerate(zip(gaps, bufs, strict=True))]
         fn = digest_native()
         out = []
         for h, g, (_b, n) in zip(hashes.tolist(), gaps, bufs, strict=True):
@@ -253,6 +304,15 @@ class Ledger:
                 h += digest_rows(fn, g, n, self.coef.numpy(_entries(n)))
             out.append(h & ((1 << 64) - 1))
         return out
+
+    def _gaps_torch(self, h, gaps, buf, n: int):
+        """``h`` plus the hash of the byte ranges ``gaps`` of the ``n``-byte message in ``buf``."""
+        for a, z in gaps:
+            if a == 0 and z == n:  # a message no pair copied (sent or received in place): one word pass
+                h = h + partial(buf[:n] if n != buf.numel() else buf, self.coef)
+            else:
+                h = h + span_torch(buf, a, z, n, self.coef.get(_entries(n), buf.device))
+        return h
 
     def on_land(
         self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None, key=None
@@ -262,6 +322,7 @@ class Ledger:
         ``lengths``: receive index -> the bytes a message received into a larger buffer holds). On CPU with the
         native hash the destination views are read in place (their descriptors cached under ``key``, the
         binding's); else the staged messages are first rebuilt from the destination, then hashed."""
+        self._joined(pos)
         posted = self._posted.pop(pos, ())
         bufs = [
             (buf, lengths[j] if lengths and j in lengths else buf.numel())
@@ -310,6 +371,7 @@ class Ledger:
 
     def _values(self) -> None:
         """The partials as ints (one device sync for all of them)."""
+        self._joined()
         items = [
             e[2]
             for d in (self.sent, self.recvd)
@@ -451,9 +513,18 @@ def _error(me: int, bad: list, found: list) -> ReshardIntegrityError:
     )
 
 
-def fused_copy(views: dict, coef: Coefficients, pairs, bufs, side: int, key):
-    """Copy ``pairs`` natively, hashing what they write per message of ``bufs`` (``ops.digest.copy_plan``;
-    its descriptors cached in ``views`` under ``key``): ``(hashes, gaps)``, or None (nothing copied)."""
+def fused_copy(views: dict, coef: Coefficients, pairs, bufs, side: int, key, backend: str = "torch"):
+    """Copy ``pairs`` natively (``backend`` torch: ``ops.digest.copy_plan``, its descriptors cached in
+    ``views`` under ``key``) or with the Triton copy kernel (triton: ``ops.copy.triton_copy_digest``, each
+    program hashing what it moves), hashing what they write per message of ``bufs``: ``(hashes, gaps)``, or
+    None (nothing copied)."""
+    if backend == "triton":
+        if not bufs or not pairs:
+            return None
+        from ..ops.copy import triton_copy_digest
+
+        entries = max(_entries(n) for _b, n in bufs)
+        return triton_copy_digest(pairs, bufs, side, coef.get(entries, bufs[0][0].device), key)
     fn = copy_native()
     if fn is None or not bufs or not pairs or bufs[0][0].device.type != "cpu":
         return None
@@ -485,11 +556,11 @@ class Digests:
     def ledger(self, rank: int, plan, work) -> Ledger:
         return Ledger(self.key, self.coef, rank, plan.digest, work, plan.transfers, self.views, self)
 
-    def pack_ahead(self, pairs, sends, key) -> bool:
+    def pack_ahead(self, pairs, sends, key, backend: str = "torch") -> bool:
         """Step 0's pack made during the handshake (``steps.prepack``), natively with its hashes (kept for the
         run's ledger: :meth:`take_ahead`); False (nothing copied) where the native copy cannot."""
         self._ahead = None
-        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in sends], 1, key)
+        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in sends], 1, key, backend)
         if got is None:
             return False
         self._ahead = (key, got)

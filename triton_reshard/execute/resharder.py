@@ -37,6 +37,7 @@ from .delta import DeltaRequest, DeltaSide, MessageSnapshot, Prediff
 from .errors import GROUP_DEAD, ReshardAbortedError, ReshardError, ReshardTransportError
 from .handshake import NO_FENCE, Fence, PendingHandshake, close_preposted, handshake_finish, handshake_post
 from .integrity import Digests, ReshardIntegrityError
+from .integrity import enabled as integrity_enabled
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, DEFAULTS, RefitOptions
 from .reports import RunReport, Tally, VerifyReport
 from .steps import StepLoop, prepack
@@ -389,7 +390,7 @@ class Resharder:
 
     def _digests_on(self) -> Digests | None:
         """The digest state when runs digest their messages (made on first use), else None."""
-        if not self.options.digest or not self.link.wire:
+        if not self.options.digest or not self.link.wire or not integrity_enabled():
             return None
         if self._digests is None:
             self._digests = Digests(self.link.comm)

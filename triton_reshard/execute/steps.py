@@ -49,7 +49,7 @@ def prepack(work, bound: Bound, backend: str, key, digests=None) -> float | None
         return None
     t = clock()
     key = (key, "pack", work.steps[0][0])
-    if backend != "torch" or digests is None or not digests.pack_ahead(bound.packs[0], bound.wire[0][0], key):
+    if digests is None or not digests.pack_ahead(bound.packs[0], bound.wire[0][0], key, backend):
         ops.copy_views(bound.packs[0], backend, key=key)
     return clock() - t
 

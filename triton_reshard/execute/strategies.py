@@ -58,11 +58,11 @@ class Dense:
 
     def pack(self, loop, pos: int) -> tuple[list, list]:
         key = (loop.key, "pack", loop.work.steps[pos][0])
-        if pos or self.prepacked is None:  # with the digest on, natively where it can (the hash in the copy)
-            ledger = loop.ledger if loop.backend == "torch" else None  # the chosen kernels stay (Triton)
-            if ledger is None or not ledger.pack(pos, loop.b.packs[pos], loop.b.wire[pos][0], key):
+        if pos or self.prepacked is None:  # with the digest on, the hash in the copy (native C or Triton)
+            ledger = loop.ledger
+            if ledger is None or not ledger.pack(pos, loop.b.packs[pos], loop.b.wire[pos][0], key, loop.backend):
                 ops.copy_views(loop.b.packs[pos], loop.backend, key=key)
-        elif loop.ledger is not None and loop.backend == "torch":  # packed during the handshake: its hashes
+        elif loop.ledger is not None:  # packed during the handshake: its hashes
             loop.ledger.prepacked(pos, key)
         loop.quantize_sends(pos)
         return loop.b.wire[pos]
@@ -74,8 +74,8 @@ class Dense:
         b = loop.b
         meta = b.unpack_meta[pos] if loop.verify else None
         key = (loop.key, "unpack", loop.work.steps[pos][0])
-        ledger = loop.ledger if loop.backend == "torch" else None  # native in place of torch's copies only
-        if ledger is None or not ledger.unpack(pos, b.unpacks[pos], key):  # the hash in the copy
+        ledger = loop.ledger  # the hash in the copy: native C in place of torch's copies, or the Triton kernel
+        if ledger is None or not ledger.unpack(pos, b.unpacks[pos], key, loop.backend):
             loop.copy_or_compare(b.unpacks[pos], meta, key)
         return Landed(b.unpacks[pos])
 

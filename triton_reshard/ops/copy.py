@@ -193,6 +193,33 @@ class Group:
     numel: int
     tile_elems: int
     shape_class: int
+    slots: int = 1  # the digest: the most regions one tile covers (a slot per (tile, region))
+    slot_msg: torch.Tensor | None = None  # the digest: int64[num_tiles * slots], each slot's message index
+
+
+@dataclass(frozen=True, slots=True)
+class Messages:
+    """The messages a digesting copy hashes (issue 46): ``side`` 1 where they are the destinations (a pack
+    into send buffers), 0 where they are the sources (an unpack out of received ones); ``spans``: each
+    message's (address, bytes)."""
+
+    side: int
+    spans: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def of(bufs, side: int) -> Messages:
+        return Messages(side, tuple((b.data_ptr(), int(n)) for b, n in bufs))
+
+    def find(self, view: torch.Tensor) -> tuple[int, int] | None:
+        """(message index, byte offset in it) of the contiguous ``view`` lying inside one message at a whole
+        element's offset, else None (the pair is copied by torch and its bytes hashed from the message)."""
+        p, nb, e = view.data_ptr(), view.numel() * view.element_size(), view.element_size()
+        if not view.is_contiguous():
+            return None
+        for k, (a, n) in enumerate(self.spans):
+            if a <= p and p + nb <= a + n:
+                return (k, p - a) if (p - a) % e == 0 else None
+        return None
 
 
 @dataclass(slots=True)
@@ -203,6 +230,8 @@ class CopyTable:
     device: torch.device
     groups: list[Group] = field(default_factory=list)
     fallback: list[int] = field(default_factory=list)  # pair indices copied with torch
+    msgs: Messages | None = None  # the digest: the messages the kernels hash
+    covered: list[list[tuple[int, int]]] | None = None  # per message, the byte ranges the kernels hash
 
     def summary(self) -> str:
         parts = [f"{g.plan.src_view}->{g.plan.dst_view}: {g.num_regions} regions, {g.num_tiles} tiles of "
@@ -254,7 +283,7 @@ def build_tiles(numels: np.ndarray, tile_elems: int, max_regions: int) -> np.nda
 
 
 def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, numel: int,
-                plan: DtypePlan) -> list[int]:
+                plan: DtypePlan, mstart: int = 0, mlen: int = 0) -> list[int]:
     """One row of the region table (layout in ``kernels/copy.py``)."""
     from ..kernels import copy as k  # triton is imported only by the Triton backend
 
@@ -262,6 +291,7 @@ def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, nu
     row[int(k.F_SRC)], row[int(k.F_DST)] = src_off, dst_off
     row[int(k.F_NUMEL)], row[int(k.F_NDIM)] = numel, len(dims)
     row[int(k.F_VEC)] = int(_vector_ok(dims, src_off, dst_off, plan))
+    row[int(k.F_MSTART)], row[int(k.F_MLEN)] = mstart, mlen
     for d in range(int(k.MAX_DIMS)):
         n, s, t = dims[d] if d < len(dims) else (1, 0, 0)
         if d < int(k.MAX_DIMS) - 1:
@@ -270,9 +300,10 @@ def _region_row(dims: list[tuple[int, int, int]], src_off: int, dst_off: int, nu
     return row
 
 
-def _group_rows(plan: DtypePlan, members: list[int], pairs: Sequence[Pair], fallback: list[int]
-                ) -> tuple[int, int, list[list[int]], list[int]]:
-    """Base pairs and region rows of one dtype group; pairs the kernel cannot take go to ``fallback``."""
+def _group_rows(plan: DtypePlan, members: list[int], pairs: Sequence[Pair], fallback: list[int],
+                table: CopyTable) -> tuple[int, int, list[list[int]], list[int], list[int]]:
+    """Base pairs, region rows and each region's message (``table.msgs``: the digest's; else 0) of one dtype
+    group; pairs the kernel cannot take go to ``fallback``."""
     from ..kernels import copy as k  # triton is imported only by the Triton backend
 
     src_base = min(members, key=lambda i: pairs[i][0].untyped_storage().data_ptr())
@@ -280,25 +311,48 @@ def _group_rows(plan: DtypePlan, members: list[int], pairs: Sequence[Pair], fall
     sptr0 = pairs[src_base][0].untyped_storage().data_ptr()
     dptr0 = pairs[dst_base][1].untyped_storage().data_ptr()
     ss, ds = plan.src_view.itemsize, plan.dst_view.itemsize
-    rows, numels = [], []
+    rows, numels, msg_of = [], [], []
+    msgs = table.msgs
     for i in members:
         src, dst = pairs[i]
         dims = merge_dims(src.shape, src.stride(), dst.stride())
         sbytes, dbytes = src.data_ptr() - sptr0, dst.data_ptr() - dptr0
         # inner sizes must leave room for the kernel's 32-bit carry; offsets must be whole elements
         too_big = len(dims) > 1 and any(n >= k.MAX_INNER_SIZE for n, _, _ in dims[:-1])
-        if len(dims) > int(k.MAX_DIMS) or too_big or sbytes % ss or dbytes % ds:
-            fallback.append(i)
+        where = msgs.find(pairs[i][msgs.side]) if msgs is not None else (0, 0)
+        if len(dims) > int(k.MAX_DIMS) or too_big or sbytes % ss or dbytes % ds or where is None:
+            fallback.append(i)  # copied by torch; with the digest on, its message bytes are hashed as a gap
             continue
-        rows.append(_region_row(dims, sbytes // ss, dbytes // ds, src.numel(), plan))
+        mstart = mlen = 0
+        if msgs is not None:
+            m, off = where
+            mstart = msgs.spans[m][0] - (dptr0 if msgs.side else sptr0)
+            mlen = msgs.spans[m][1]
+            table.covered[m].append((off, off + src.numel() * pairs[i][msgs.side].element_size()))
+        rows.append(_region_row(dims, sbytes // ss, dbytes // ds, src.numel(), plan, mstart, mlen))
         numels.append(src.numel())
-    return src_base, dst_base, rows, numels
+        msg_of.append(where[0])
+    return src_base, dst_base, rows, numels, msg_of
 
 
-def prepare(pairs: Sequence[Pair]) -> CopyTable:
-    """Validate ``pairs`` and build the region and tile tables of every dtype group (on the device)."""
+def _slot_messages(tiles: np.ndarray, msg_of: np.ndarray, nmsg: int) -> tuple[int, np.ndarray]:
+    """The digest's slots of a tile table: (slots per tile, each slot's message index; ``nmsg`` for a slot
+    no region fills)."""
+    lo, hi = tiles[:, 0], tiles[:, 1]
+    slots = int((hi - lo).max()) if len(tiles) else 1
+    idx = lo[:, None] + np.arange(slots, dtype=np.int64)[None, :]
+    valid = idx < hi[:, None]
+    return slots, np.where(valid, msg_of[np.minimum(idx, len(msg_of) - 1)], nmsg).reshape(-1).astype(np.int64)
+
+
+def prepare(pairs: Sequence[Pair], msgs: Messages | None = None) -> CopyTable:
+    """Validate ``pairs`` and build the region and tile tables of every dtype group (on the device); with
+    ``msgs``, also what the digest needs (each region's message, each slot's message, the bytes covered)."""
     device = validate_pairs(pairs)
-    table = CopyTable(signature=signature(pairs), device=device)
+    table = CopyTable(signature=signature(pairs), device=device, msgs=msgs)
+    if msgs is not None:
+        table.signature += msgs.spans
+        table.covered = [[] for _ in msgs.spans]
     by_plan: dict[DtypePlan, list[int]] = {}
     for i, (src, dst) in enumerate(pairs):
         if src.numel() == 0:
@@ -312,7 +366,7 @@ def prepare(pairs: Sequence[Pair]) -> CopyTable:
     host: list[np.ndarray] = []  # every group's regions and tiles, moved to the device in one copy
     built = []
     for plan, members in by_plan.items():
-        src_base, dst_base, rows, numels = _group_rows(plan, members, pairs, table.fallback)
+        src_base, dst_base, rows, numels, msg_of = _group_rows(plan, members, pairs, table.fallback, table)
         if not rows:
             continue
         regions, sizes = np.asarray(rows, dtype=np.int64), np.asarray(numels, dtype=np.int64)
@@ -321,21 +375,25 @@ def prepare(pairs: Sequence[Pair]) -> CopyTable:
         order = np.argsort(sizes <= tile_elems, kind="stable")  # regions cut into several tiles first
         regions, sizes = regions[order], sizes[order]
         tiles = build_tiles(sizes, tile_elems, max_regions)
-        host += [regions.reshape(-1), tiles.reshape(-1)]
+        slots, slot_msg = _slot_messages(tiles, np.asarray(msg_of, dtype=np.int64)[order], len(msgs.spans)) \
+            if msgs is not None else (1, np.zeros(0, dtype=np.int64))
+        host += [regions.reshape(-1), tiles.reshape(-1), slot_msg]
         built.append((plan, src_base, dst_base, regions.shape, tiles.shape, total, tile_elems,
-                      max(0, round(math.log2(total / len(rows))))))
+                      max(0, round(math.log2(total / len(rows)))), slots, slot_msg.size))
     table.fallback.sort()
     if not built:
         return table
     flat = torch.from_numpy(np.concatenate(host)).to(device)
     off = 0
-    for plan, src_base, dst_base, rshape, tshape, total, tile_elems, shape_class in built:
+    for plan, src_base, dst_base, rshape, tshape, total, tile_elems, shape_class, slots, nslot in built:
         regions = flat[off:off + rshape[0] * rshape[1]].view(rshape)
         off += regions.numel()
         tiles = flat[off:off + tshape[0] * tshape[1]].view(tshape)
         off += tiles.numel()
+        slot_msg = flat[off:off + nslot] if msgs is not None else None
+        off += nslot
         table.groups.append(Group(plan, src_base, dst_base, regions, tiles, rshape[0], tshape[0], total,
-                                  tile_elems, shape_class))
+                                  tile_elems, shape_class, slots, slot_msg))
     assert off == flat.numel()
     return table
 
@@ -401,34 +459,54 @@ def get_kernel():
     return cached[1]
 
 
-def launch(table: CopyTable, pairs: Sequence[Pair]) -> None:
-    """Run the copies described by ``table`` (built from ``pairs`` or an identical list)."""
+def launch(table: CopyTable, pairs: Sequence[Pair], coef: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run the copies described by ``table`` (built from ``pairs`` or an identical list). With the digest's
+    messages in the table and ``coef`` (int64 keyed coefficients on the device): the per-message digest sums
+    of the bytes the kernels moved (int64 tensor on the device; mod 2**64), else None."""
+    sums = None
+    if table.msgs is not None and coef is not None:
+        sums = torch.zeros(len(table.msgs.spans) + 1, dtype=torch.int64, device=table.device)
     if table.groups:
-        import triton
-
         kernel = get_kernel()
         nan = _BF16_NAN[table.device.type]
         for g in table.groups:
-            plan = g.plan
-            num_tiles = g.num_tiles
-            kernel[lambda meta, n=num_tiles: (triton.cdiv(n, meta["TILES_PER_PROG"]),)](
-                storage_view(pairs[g.src_base][0], plan.src_view),
-                storage_view(pairs[g.dst_base][1], plan.dst_view),
-                g.regions,
-                g.tiles,
-                num_tiles,
-                g.tile_elems,
-                g.shape_class,
-                SRC_VEC=plan.src_vec,
-                DST_VEC=plan.dst_vec,
-                VEC=max(plan.src_vec, plan.dst_vec),
-                SRC_BF16=plan.src_bf16,
-                VIA_F32=plan.via_f32,
-                DST_BF16=plan.dst_bf16,
-                BF16_NAN=nan,
-            )
+            _launch_group(kernel, g, pairs, nan, coef, sums, table.msgs)
     if table.fallback:
         torch_copy_views([pairs[i] for i in table.fallback])
+    return None if sums is None else sums[:-1]
+
+
+def _launch_group(kernel, g: Group, pairs: Sequence[Pair], nan: int, coef, sums, msgs) -> None:
+    """One dtype group's launch; with ``sums``, its per-slot digest sums added to their messages'."""
+    import triton
+
+    plan, num_tiles = g.plan, g.num_tiles
+    digest = sums is not None
+    slot_sums = torch.zeros(num_tiles * g.slots if digest else 1, dtype=torch.int64, device=g.tiles.device)
+    kernel[lambda meta, n=num_tiles: (triton.cdiv(n, meta["TILES_PER_PROG"]),)](
+        storage_view(pairs[g.src_base][0], plan.src_view),
+        storage_view(pairs[g.dst_base][1], plan.dst_view),
+        g.regions,
+        g.tiles,
+        coef if digest else g.regions,
+        slot_sums,
+        num_tiles,
+        g.slots,
+        g.tile_elems,
+        g.shape_class,
+        SRC_VEC=plan.src_vec,
+        DST_VEC=plan.dst_vec,
+        VEC=max(plan.src_vec, plan.dst_vec),
+        SRC_BF16=plan.src_bf16,
+        VIA_F32=plan.via_f32,
+        DST_BF16=plan.dst_bf16,
+        BF16_NAN=nan,
+        DIGEST=digest,
+        MSG_DST=bool(msgs.side) if digest else True,
+        MSG_BYTES=(plan.dst_view.itemsize if msgs.side else plan.src_view.itemsize) if digest else 1,
+    )
+    if digest:
+        sums.index_add_(0, g.slot_msg, slot_sums)
 
 
 _CACHE: OrderedDict[Hashable, CopyTable] = OrderedDict()
@@ -447,6 +525,46 @@ def triton_copy_views(pairs: Sequence[Pair], key: Hashable | None = None) -> Non
             launch(prepare(pairs), pairs)
             return
         launch(cached_table(_CACHE, key, lambda: signature(pairs), lambda: prepare(pairs), CACHE_SIZE), pairs)
+
+
+def triton_copy_digest(pairs: Sequence[Pair], bufs, side: int, coef: torch.Tensor, key: Hashable | None = None
+                       ) -> tuple[torch.Tensor, list[list[tuple[int, int]]]] | None:
+    """Copy ``pairs`` as :func:`triton_copy_views` does, each program also hashing the message bytes it moves
+    (the integrity digest, issue 46: ``bufs``, (uint8 buffer, bytes) per message; ``side`` 1 where they are
+    the pairs' destinations, a pack; 0 where they are the sources, an unpack). Returns ``(sums, gaps)``:
+    ``sums`` the per-message digest sums of those bytes (int64 on the device, no sync), ``gaps`` per message
+    the byte ranges no kernel hashed (the caller hashes them from the buffer: bytes no pair copies, pairs
+    torch copied); or None, with nothing copied, where two pairs cover the same message bytes (the sums would
+    count them twice)."""
+    if not pairs:
+        return None
+    msgs = Messages.of(bufs, side)
+    with torch.no_grad():
+        build = lambda: prepare(pairs, msgs)  # noqa: E731
+        if key is None:
+            table = build()
+        else:
+            sig = lambda: signature(pairs) + msgs.spans  # noqa: E731
+            table = cached_table(_CACHE, (key, "digest", side), sig, build, CACHE_SIZE)
+        gaps = _gaps(table)
+        if gaps is None:
+            return None
+        return launch(table, pairs, coef), gaps
+
+
+def _gaps(table: CopyTable) -> list[list[tuple[int, int]]] | None:
+    """Per message, the byte ranges the kernels do not hash; None where two covered ranges overlap."""
+    out = []
+    for (_a, n), cov in zip(table.msgs.spans, table.covered, strict=True):
+        rows, at = [], 0
+        for a, z in sorted(cov) + [(n, n)]:
+            if a < at:
+                return None
+            if a > at:
+                rows.append((at, a))
+            at = max(at, z)
+        out.append(rows)
+    return out
 
 
 def clear_cache() -> None:

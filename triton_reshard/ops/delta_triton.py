@@ -158,6 +158,12 @@ def triton_pack(
         raise ValueError(
             f"delta format version {version!r}: the Triton kernels write {VERSION} and {VERSION2}"
         )
+    return _pack_v1(pairs, chunk_elems, update, names, device)
+
+
+def _pack_v1(pairs: Sequence[Pair], chunk_elems: int, update: bool, names, device) -> torch.Tensor:
+    """:func:`triton_pack` of format version 1: a counting launch per element size, the message's layout
+    from the counts, then the encoding launch."""
     k = _kernels()
     chunks = chunk_list([s.numel() for s, _ in pairs], chunk_elems)
     nc = len(chunks)

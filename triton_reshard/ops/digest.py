@@ -215,3 +215,32 @@ def digest_buffer(fn, buf: torch.Tensor, coef: np.ndarray) -> int:
     """The hash of the contiguous uint8 CPU buffer ``buf`` (one view)."""
     row = np.array([buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0], dtype=np.int64)
     return int(fn(1, row.ctypes.data, buf.numel(), coef.ctypes.data))
+
+
+def span_torch(buf: torch.Tensor, a: int, z: int, n: int, coef: torch.Tensor) -> torch.Tensor:
+    """The hash of bytes ``[a, z)`` of the ``n``-byte message in the flat uint8 ``buf`` (any device; a 0-dim
+    int64 tensor, no sync), as ``csrc/digest.c`` defines it: ``coef`` (int64, on ``buf``'s device) holds at
+    least the message's coefficients. For the bytes a fused copy did not take (padding, quantized pieces,
+    pieces copied by torch): the whole words inside the range one int64 each, the bytes around them one by
+    one."""
+    lim = n // 8 * 8
+    w0, w1 = min(-(-a // 8) * 8, z), max(min(z // 8 * 8, lim), a)
+    total = _bytes_torch(buf, a, min(w0, z), n, coef)
+    if w1 > w0:
+        words = buf[w0:w1]
+        if words.data_ptr() % 8:  # an unaligned buffer: one aligned copy
+            words = words.clone()
+        idx = torch.arange(w0 // 8, w1 // 8, dtype=torch.int64, device=buf.device) >> 7
+        total = total + (words.view(torch.int64) * coef[idx]).sum()
+    return total + _bytes_torch(buf, max(w1, w0), z, n, coef)
+
+
+def _bytes_torch(buf: torch.Tensor, a: int, z: int, n: int, coef: torch.Tensor) -> torch.Tensor:
+    """:func:`span_torch` of ``[a, z)`` byte by byte."""
+    k = torch.arange(a, z, dtype=torch.int64, device=buf.device)
+    lim = n // 8 * 8
+    rows = -(-(n // 8) // 128)
+    body = k < lim
+    idx = torch.where(body, k >> 10, rows + k - lim)
+    shift = torch.where(body, (k & 7) * 8, 0)
+    return ((buf[a:z].to(torch.int64) << shift) * coef[idx]).sum()
