@@ -205,6 +205,7 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
 
     from triton_reshard import refit
     from triton_reshard.execute import resharder as ores
+    from triton_reshard.execute import session as osession
     from triton_reshard.integrations import layout_from_megatron
     from triton_reshard.presets import megatron_layout
     from triton_reshard.testing.megatron_cpu import DummyStream as _DummyStream
@@ -241,7 +242,7 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
         phases.wrap(mrefit, "get_or_create_service", "service (new gloo group)")
         phases.wrap(mrefit, "build_centralized_reshard_plan", "plan")
         phases.wrap(mrefit, "execute_reshard_plan", "run")
-        phases.wrap(orefit, "plan_reshard", "plan")
+        phases.wrap(osession, "plan_reshard", "plan")  # the refit session plans (this rank's share)
         phases.wrap(ores.Resharder, "__init__", "resharder init")
         phases.wrap(ores.Resharder, "_bind", "bind")
         phases.wrap(ores.Resharder, "_execute", "run")
