@@ -1,11 +1,14 @@
 """Megatron-Core's own resharding against ours, between the same real GPTModels on this machine (CPU, gloo):
 
     PYTHONPATH=$PWD /work/main/.venv-engines/bin/python perf/bench_megatron.py [--runs 5] [--layers 4]
+        [--shapes demo,small] [--small-layers 8]
         [--refits 10] [--warmup 2] [--json out.json]
 
 Each run is a fresh world of 8 processes (fresh default process group). Every rank builds two real
 megatron-core 0.16.1 ``GPTModel`` s (local layer spec, fp32, Llama-shaped ``llama_demo`` with ``--layers``
-layers and a 32768-token vocab, so neither side pads the vocab):
+layers and a 32768-token vocab, so neither side pads the vocab; ``--shapes demo,small`` adds, run by run in the
+same command, the small model of :func:`bench_config`: messages of KiB to a few hundred KiB, where the fixed
+costs of a call and of a message weigh most):
 
 * the source, TP4 x PP2, from ``parallel_state.initialize_model_parallel`` (as a trainer builds it);
 * the destination, TP2 x DP4 (PP1), with its own ``ProcessGroupCollection`` (a ``HyperCommGrid``, as
@@ -25,7 +28,10 @@ two models:
 timed on rank 0 between two barriers, with the phases of each. **Steady**: ``--warmup`` + ``--refits``
 rounds, both sides per round (order alternating), the per-refit median and the median of per-round ratios.
 Before every call the destination parameters are poisoned (NaN); after it every rank checks them bit for bit
-against the sliced global tensors (a mismatch fails the run). Prints a table (and ``--json`` the raw times).
+against the sliced global tensors (a mismatch fails the run). Prints a table per shape (and ``--json`` the raw
+times), with the wire bytes and the bytes each side copies per refit (ours: packs, unpacks and local copies from
+the run's report, what goes on the wire from the tensors themselves not counted; Megatron's: counted from its
+plan, :func:`_megatron_copied`). ``--profile``: rank 0's cProfile of each side's first call and steady refits.
 
 **Across emulated nodes** (``--cluster 2xR``, root: ``triton_reshard.testing.cluster``), each run a fresh
 cluster of 2 nodes x R ranks behind ``--rate`` links: the trainer's ``GPTModel`` (TP R) only on node 0, the
@@ -64,9 +70,20 @@ SIDES = ("megatron", "ours")
 SRC, DST = dict(tp=4, pp=2), dict(tp=2, pp=1)  # TP4 x PP2 -> TP2 x DP4 on 8 ranks
 
 
-def bench_config(layers: int) -> dict:
+SHAPES = ("demo", "small")
+
+
+def bench_config(layers: int, shape: str = "demo") -> dict:
+    """The model of ``shape``: "demo", ``llama_demo`` (hidden 1024, FFN 2816) with ``layers`` layers and vocab
+    32768 (428 MiB of fp32 at 4 layers; rank 0's messages 1-16 MiB); "small", the ``small_llama`` preset's
+    shapes (hidden 256, FFN 688, 8 heads of 32) with 4 KV heads (TP4 keeps whole query groups) and vocab 4096
+    (a multiple of 128 x TP: neither side pads it), ``layers`` layers (31 MiB at 8; messages of 8-512 KiB,
+    where a refit's per-call and per-message costs weigh most)."""
     from triton_reshard.presets import get_config
 
+    if shape == "small":
+        return {**get_config("small_llama"), "num_key_value_heads": 4, "num_hidden_layers": layers,
+                "vocab_size": 4096}
     return {**get_config("llama_demo"), "num_hidden_layers": layers, "vocab_size": 32768}
 
 
@@ -155,6 +172,27 @@ class _Phases:
         return out
 
 
+def _top(pr: cProfile.Profile, n: int = 30) -> str:
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(n)
+    return out.getvalue()
+
+
+def _megatron_copied(mplan, src_params: dict, dst_params: dict) -> int:
+    """Bytes ``swap_model_weights`` copies on this rank per call (megatron-core 0.16.1, gloo, CPU): a send's
+    ``contiguous()`` of a strided source slice; per receive, ``empty_like(dst_slice.contiguous())`` (a copy
+    when the slice is strided), the GlooCopyService's copy of what arrived (or of the local source) into that
+    buffer, and the write-back into the parameter."""
+    n = 0
+    for op in mplan.send_ops:
+        v = src_params[op.param_name][op.my_slice]
+        n += 0 if v.is_contiguous() else v.numel() * v.element_size()
+    for op in mplan.recv_ops:
+        v = dst_params[op.param_name][op.my_slice]
+        n += v.numel() * v.element_size() * (2 + (not v.is_contiguous()))
+    return n
+
+
 def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megatron_first: bool,
                profile: bool = False) -> dict:
     """One fresh world: build both models, time each side's first call, then ``warmup`` + ``refits`` rounds;
@@ -167,6 +205,7 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
 
     from triton_reshard import refit
     from triton_reshard.execute import resharder as ores
+    from triton_reshard.execute import session as osession
     from triton_reshard.integrations import layout_from_megatron
     from triton_reshard.presets import megatron_layout
     from triton_reshard.testing.megatron_cpu import DummyStream as _DummyStream
@@ -203,7 +242,7 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
         phases.wrap(mrefit, "get_or_create_service", "service (new gloo group)")
         phases.wrap(mrefit, "build_centralized_reshard_plan", "plan")
         phases.wrap(mrefit, "execute_reshard_plan", "run")
-        phases.wrap(orefit, "plan_reshard", "plan")
+        phases.wrap(osession, "plan_reshard", "plan")  # the refit session plans (this rank's share)
         phases.wrap(ores.Resharder, "__init__", "resharder init")
         phases.wrap(ores.Resharder, "_bind", "bind")
         phases.wrap(ores.Resharder, "_execute", "run")
@@ -225,15 +264,16 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
 
         calls = {"megatron": call_megatron, "ours": call_ours}
 
-        profiles: dict[str, str] = {}
+        prof = {s: {"first call": cProfile.Profile(), "steady": cProfile.Profile()} for s in SIDES} \
+            if profile and rank == 0 else {}
 
-        def timed(side: str, prof: bool = False) -> tuple[float, dict[str, float]]:
+        def timed(side: str, what: str | None = None) -> tuple[float, dict[str, float]]:
             with torch.no_grad():
                 for p in dst_params.values():
                     p.fill_(float("nan"))
             phases.take()
             dist.barrier()
-            pr = cProfile.Profile() if prof else None
+            pr = prof[side][what] if prof and what else None
             t = time.perf_counter()
             if pr is not None:
                 pr.enable()
@@ -242,10 +282,6 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
                 pr.disable()
             dist.barrier()
             dt = time.perf_counter() - t
-            if pr is not None:
-                out = io.StringIO()
-                pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(25)
-                profiles[side] = out.getvalue()
             ph = phases.take()
             bad = [n for n, p in dst_params.items() if not torch.equal(p, expect[n])]
             if bad:
@@ -254,20 +290,25 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
             return dt, ph
 
         order = list(SIDES) if megatron_first else list(reversed(SIDES))
-        first = {side: timed(side, profile and rank == 0) for side in order}
+        first = {side: timed(side, "first call") for side in order}
         steady: dict[str, list[float]] = {s: [] for s in SIDES}
         for i in range(warmup + refits):
             for side in order if i % 2 == 0 else reversed(order):
-                dt, _ = timed(side)
+                dt, _ = timed(side, "steady" if i >= warmup else None)
                 if i >= warmup:
                     steady[side].append(dt)
         src_bytes = sum(p.numel() * p.element_size() for p in src_params.values())
         mplan = dst_model._cached_reshard_plan  # Megatron's plan of this rank (cached by its first call)
         msent = sum(src_params[op.param_name][op.my_slice].numel() * 4 for op in mplan.send_ops
                     if op.peer_rank != rank)
-        sent = {"megatron": msent, "ours": state["report"].sent_bytes}
-        return {"sent_bytes": sent, "first": {s: first[s][0] for s in SIDES},
-                "phases": {s: first[s][1] for s in SIDES}, "profiles": profiles, "steady": steady, "order": order, "dst_bytes": wire, "src_bytes": src_bytes}
+        rep = state["report"]
+        sent = {"megatron": msent, "ours": rep.sent_bytes}
+        copied = {"megatron": _megatron_copied(mplan, src_params, dst_params),
+                  "ours": rep.sent_bytes + rep.recv_bytes - rep.in_place_bytes + rep.local_bytes}
+        profiles = {s: {w: _top(p) for w, p in ps_.items()} for s, ps_ in prof.items()}
+        return {"sent_bytes": sent, "copied_bytes": copied, "first": {s: first[s][0] for s in SIDES},
+                "phases": {s: first[s][1] for s in SIDES}, "profiles": profiles, "steady": steady, "order": order,
+                "dst_bytes": wire, "src_bytes": src_bytes}
     finally:
         if state_phases is not None:
             state_phases.restore()
@@ -494,6 +535,10 @@ def _parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="fresh worlds (first calls per side)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers, even (PP2; 4: 428 MiB of fp32 weights)")
+    ap.add_argument("--shapes", default="demo",
+                    help="comma list of model shapes, run alternately in one command: demo (llama_demo, --layers), "
+                         "small (small_llama's shapes, --small-layers)")
+    ap.add_argument("--small-layers", type=int, default=8, help="decoder layers of the small shape, even")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--refits", type=int, default=10, help="timed steady refits per side per run")
     ap.add_argument("--json", default=None, help="write the raw times here")
@@ -515,6 +560,12 @@ def _parse_args(argv) -> argparse.Namespace:
                 raise UsageError(f"{opt} must be >= {low}, got {val}")
         if args.layers % SRC["pp"] and not args.cluster:
             raise UsageError(f"--layers {args.layers}: the source has pp={SRC['pp']} stages; give a multiple of it")
+        args.shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
+        bad = [x for x in args.shapes if x not in SHAPES] or len(set(args.shapes)) != len(args.shapes)
+        if bad or not args.shapes:
+            raise UsageError(f"--shapes: give distinct names of {list(SHAPES)}, got {args.shapes}")
+        if args.small_layers < 2 or args.small_layers % SRC["pp"]:
+            raise UsageError(f"--small-layers {args.small_layers}: give a multiple of pp={SRC['pp']}")
     except UsageError as e:
         ap.error(str(e))
     if args.cluster:
@@ -548,37 +599,41 @@ def _cluster_main(args, argv) -> int:
     return 0
 
 
-def _local_main(args, argv) -> int:
-    """Both sides in fresh 8-rank local worlds, ``--runs`` times; the table, and the JSON with the raw times."""
+def _local_runs(args, shape: str, i: int) -> dict:
+    """Run ``i`` of ``shape``: one fresh 8-rank world; prints its line (and rank 0's first-call phases)."""
     from triton_reshard.testing.launch import run_world
 
-    runs = []
-    for i in range(args.runs):
-        t = time.perf_counter()
-        res = run_world(world_main, 8, bench_config(args.layers), args.warmup, args.refits, i % 2 == 0, args.profile,
-                        timeout=1800,
-                        pg_timeout=300)
-        r0 = res[0]
-        runs.append(r0)
-        print(f"run {i} ({' then '.join(r0['order'])}, {time.perf_counter() - t:.0f} s): first call "
-              + ", ".join(f"{s} {r0['first'][s]:.3f} s" for s in SIDES)
-              + "; steady median " + ", ".join(f"{s} {statistics.median(r0['steady'][s]):.3f} s" for s in SIDES),
-              flush=True)
-        for s in SIDES:
-            print(f"    {s} first-call phases (rank 0): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r0["phases"][s].items()), flush=True)
-            if s in r0["profiles"]:
-                print(r0["profiles"][s], flush=True)
-    sent = {s: [r["sent_bytes"][s] for r in res] for s in SIDES}
-    src_mib = sum(r["src_bytes"] for r in res) / 2**20
-    dst_mib = sum(r["dst_bytes"] for r in res) / 2**20
+    t = time.perf_counter()
+    layers = args.layers if shape == "demo" else args.small_layers
+    res = run_world(world_main, 8, bench_config(layers, shape), args.warmup, args.refits, i % 2 == 0, args.profile,
+                    timeout=1800, pg_timeout=300)
+    r0 = res[0]
+    print(f"{shape} run {i} ({' then '.join(r0['order'])}, {time.perf_counter() - t:.0f} s): first call "
+          + ", ".join(f"{s} {r0['first'][s]:.3f} s" for s in SIDES)
+          + "; steady median " + ", ".join(f"{s} {statistics.median(r0['steady'][s]):.3f} s" for s in SIDES),
+          flush=True)
+    for s in SIDES:
+        print(f"    {s} first-call phases (rank 0): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r0["phases"][s].items()), flush=True)
+        for what, text in r0["profiles"].get(s, {}).items():
+            print(f"    {s} {what} (rank 0, cProfile):\n{text}", flush=True)
+    return {**r0, "layers": layers, "world": {k: [r[k] for r in res] for k in ("sent_bytes", "copied_bytes",
+                                                                              "src_bytes", "dst_bytes")}}
+
+
+def _table(shape: str, runs: list[dict], n: int) -> dict:
+    """Print one shape's table; its summary (medians and ratios) for the JSON."""
+    w = runs[-1]["world"]
+    sent = {s: [x[s] for x in w["sent_bytes"]] for s in SIDES}
+    copied = {s: [x[s] for x in w["copied_bytes"]] for s in SIDES}
     first = {s: [r["first"][s] for r in runs] for s in SIDES}
     first_ratio = [r["first"]["megatron"] / r["first"]["ours"] for r in runs]
     steady = {s: [statistics.median(r["steady"][s]) for r in runs] for s in SIDES}
     steady_ratio = [statistics.median([m / o for m, o in zip(r["steady"]["megatron"], r["steady"]["ours"],
                                                              strict=True)]) for r in runs]
-    print(f"\nMegatron-Core GPTModel TP4xPP2 -> TP2xDP4, {args.layers} layers, fp32: source {src_mib:.0f} MiB "
-          f"(all ranks), destination {dst_mib:.0f} MiB (all ranks); {args.runs} fresh worlds of 8 gloo ranks")
+    print(f"\n{shape}: Megatron-Core GPTModel TP4xPP2 -> TP2xDP4, {runs[0]['layers']} layers, fp32: source "
+          f"{sum(w['src_bytes']) / 2**20:.0f} MiB (all ranks), destination {sum(w['dst_bytes']) / 2**20:.0f} MiB "
+          f"(all ranks); {n} fresh worlds of 8 gloo ranks")
     print("| | Megatron-Core swap_model_weights | ours (refit) | Megatron / ours |")
     print("|---|---|---|---|")
     print(f"| first call: median [min–max] over runs | {_fmt(first['megatron'])} | {_fmt(first['ours'])} | "
@@ -586,16 +641,34 @@ def _local_main(args, argv) -> int:
     print(f"| steady per refit: median of run medians [min–max] | {_fmt(steady['megatron'])} | "
           f"{_fmt(steady['ours'])} | {statistics.median(steady_ratio):.2f}× "
           f"[{min(steady_ratio):.2f}–{max(steady_ratio):.2f}] |")
-    print("| wire bytes: all ranks / busiest sender | "
-          + " | ".join(f"{sum(sent[s]) / 2**20:.0f} / {max(sent[s]) / 2**20:.0f} MiB" for s in SIDES) + " | |")
+    for what, b in (("wire bytes", sent), ("bytes copied per refit", copied)):
+        print(f"| {what}: all ranks / busiest rank | "
+              + " | ".join(f"{sum(b[s]) / 2**20:.1f} / {max(b[s]) / 2**20:.1f} MiB" for s in SIDES) + " | |")
     print(f"ours no slower on the first call in {sum(x >= 1 for x in first_ratio)} of {len(first_ratio)} runs; "
           f"every call checked bit-exact against the sliced global tensors on every rank")
+    return {"first_ratio": statistics.median(first_ratio), "steady_ratio": statistics.median(steady_ratio),
+            "first_s": {s: statistics.median(first[s]) for s in SIDES},
+            "steady_s": {s: statistics.median(steady[s]) for s in SIDES},
+            "sent_bytes": {s: sum(sent[s]) for s in SIDES}, "copied_bytes": {s: sum(copied[s]) for s in SIDES}}
+
+
+def _local_main(args, argv) -> int:
+    """Both sides in fresh 8-rank local worlds, ``--runs`` times per shape (the shapes alternate run by run, so
+    they share the machine's load); a table per shape, and the JSON with the raw times."""
+    by_shape: dict[str, list] = {sh: [] for sh in args.shapes}
+    for i in range(args.runs):
+        for sh in args.shapes:
+            by_shape[sh].append(_local_runs(args, sh, i))
+    summary = {sh: _table(sh, runs, args.runs) for sh, runs in by_shape.items()}
     if args.json:
         with open(args.json, "w") as f:
             meta = {"argv": ["perf/bench_megatron.py", *(sys.argv[1:] if argv is None else argv)],
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
                     "machine": f"CPU, {os.cpu_count()} cores, 8 gloo ranks"}
-            json.dump({"args": vars(args), "runs": runs, "meta": meta}, f, indent=1)
+            # "runs": the first shape's (the results page reads it), "shapes": every shape's runs and summary
+            json.dump({"args": vars(args), "runs": by_shape[args.shapes[0]], "meta": meta,
+                       "shapes": {sh: {"runs": by_shape[sh], "summary": summary[sh]} for sh in args.shapes}},
+                      f, indent=1)
     return 0
 
 

@@ -55,8 +55,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
                                   "--out", "{out}/routing.json"], 300),
     "house_stats.py": ("main", ["--top", "3"], 120),
     "bench_record.py": ("engines", ["--model", "llama_demo", "--tp", "2", "--out", "{out}/record.json"], 600),
-    "bench_megatron.py": ("engines", ["--runs", "1", "--layers", "2", "--warmup", "0", "--refits", "1",
-                                      "--json", "{out}/megatron.json"], 600),
+    "bench_megatron.py": ("engines", ["--runs", "1", "--layers", "2", "--shapes", "demo,small", "--small-layers", "2",
+                                      "--warmup", "0", "--refits", "1", "--json", "{out}/megatron.json"], 600),
     # "--cluster" entries need root + iproute2 (triton_reshard.testing.cluster): see cluster_unavailable
     "bench_megatron.py#cluster": ("engines", ["--cluster", "2x2", "--dst-tp", "1", "--runs", "1", "--layers", "1",
                                               "--vocab", "1024", "--warmup", "0", "--refits", "1",

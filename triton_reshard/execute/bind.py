@@ -406,6 +406,18 @@ def bind_regions(views: Views, plans) -> tuple[dict, list]:
     return regions_due, region_items
 
 
+def bind_writes(work: RankWork, transfers, plans, verify: bool) -> tuple[list, frozenset]:
+    """The destination tensors each step writes, and those the local copies write (verify: none)."""
+    if verify:
+        return [frozenset() for _ in plans], frozenset()
+    writes = [
+        frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs for c in m.chunks)
+        for _sends, recvs in plans
+    ]
+    local = [t.dst_local for t in work.local] + [t.scale_local for t in work.local if t.quant == QUANT_SRC]
+    return writes, frozenset(local)
+
+
 def bind(
     work: RankWork, transfers, src_tensors, dst_tensors, device: torch.device, verify: bool, staging: Staging
 ) -> Bound:
@@ -423,41 +435,19 @@ def bind(
     plans, need_s, need_r = route_messages(views, transfers, verify)
     n_slots = min(work.slots, len(work.steps))
     send_area, recv_area = staging.areas(need_s * n_slots, need_r * n_slots, device)
-    packs, qpacks, wire, unpacks, unpack_meta, stage_unpacks = [], [], [], [], [] if verify else None, []
-    send_msgs, recv_msgs, send_srcs, send_q, recv_q = [], [], [], [], []
-    for pos, (sends, recvs) in enumerate(plans):
-        slot = pos % work.slots
-        pk, qp, w, up, um, su, sm, rm, ss, sq, rq = bind_step(
-            views, transfers, sends, recvs, send_area, recv_area, slot * need_s, slot * need_r, verify
-        )
-        packs.append(pk)
-        qpacks.append(qp)
-        stage_unpacks.append(su)
-        unpacks.append(up)
-        if verify:
-            unpack_meta.append(um)
-        wire.append(w)
-        send_msgs.append(sm)
-        recv_msgs.append(rm)
-        send_srcs.append(ss)
-        send_q.append(sq)
-        recv_q.append(rq)
+    per_step = [
+        bind_step(views, transfers, sends, recvs, send_area, recv_area, pos % work.slots * need_s,
+                  pos % work.slots * need_r, verify)
+        for pos, (sends, recvs) in enumerate(plans)
+    ]
+    # bind_step's lists, each per step
+    packs, qpacks, wire, unpacks, unpack_meta, stage_unpacks, send_msgs, recv_msgs, send_srcs, send_q, recv_q = (
+        [list(col) for col in zip(*per_step, strict=True)] if per_step else [[] for _ in range(11)]
+    )
     in_place_bytes = sum(
         m.payload for sends, recvs in plans for _p, _a, m, _v, buf in sends + recvs if buf is not None
     )
-    writes = [
-        frozenset()
-        if verify
-        else frozenset(transfers[c.transfer].dst_local for _p, _a, m, _v, _b in recvs for c in m.chunks)
-        for _sends, recvs in plans
-    ]
-    local_writes = (
-        frozenset()
-        if verify
-        else frozenset(
-            [t.dst_local for t in work.local] + [t.scale_local for t in work.local if t.quant == QUANT_SRC]
-        )
-    )
+    writes, local_writes = bind_writes(work, transfers, plans, verify)
     regions_due, region_items = bind_regions(views, plans)
     amax_views = [
         (g, sub_view(src_tensors[loc], lo, (0,) * len(sz), sz)) for g, loc, lo, sz in work.amax_sources
@@ -487,7 +477,7 @@ def bind(
         local_meta,
         packs,
         unpacks,
-        unpack_meta,
+        unpack_meta if verify else None,
         wire,
         need_s * n_slots,
         need_r * n_slots,
