@@ -109,10 +109,14 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         if (ch && (op == TRD_COMMIT ? !raw : op == TRD_UNDO && raw)) continue;  /* not this op's block */
         /* the block's first element in the view; -1: it straddles two rows (each element placed alone) */
         int64_t i0 = a + b * BLOCK, boff = i0;
-        if (!contig) boff = i0 % vw->w + blen <= vw->w ? elem_at(vw, i0) : -1;
+        int vec = 0; /* add_block16 applies it */
+        if (ch) {
+            if (!contig) boff = i0 % vw->w + blen <= vw->w ? elem_at(vw, i0) : -1;
+            vec = direct && e == 2 && !raw && trd_fast16 && boff >= 0;
+        }
         uint8_t idxb[BLOCK];
         const uint8_t *idx = idxb;
-        int nv = cnt, vec = direct && e == 2 && !raw && trd_fast16 && boff >= 0; /* add_block16 applies it */
+        int nv = cnt;
         if (mode == MODE_OFFSETS) {
             unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
             if (!ch)  /* (the apply follows a check pass over the same bytes) */
@@ -167,7 +171,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
                 if (!raw && !v[j]) continue;  /* an unchanged element of an "all" block */
                 int64_t ij = mode == MODE_ALL ? j : idx[j];
                 int64_t off = boff >= 0 ? boff + ij : elem_at(vw, i0 + ij);
-                __builtin_prefetch(vw->d + off * e, 1, 3);
+                __builtin_prefetch(vw->d + off * e, 1, 1);  /* (into L2: measured faster than L1 here) */
                 ch->pos[k] = (int64_t)((uint64_t)off | rawbit);
                 ch->val[k++] = v[j];
             }
