@@ -80,6 +80,45 @@ INLINE void apply_changes(const changes *ch, int64_t k, uint8_t *d, int e) {
     }
 }
 
+/* Apply one checked block of a chunk (positions idx, or every element in mode "all"; nv values at p of width
+ * w; its first element i0 of the view, boff where it lies, -1 across a row end): as decoded when the chunk's
+ * changes are dense and the block lies in one row, else into ch for the chunk's prefetched apply. Returns
+ * the count of changes in ch. */
+INLINE int64_t apply_block(const view_t *vw, int64_t i0, int64_t boff, int e, int mode, int raw, int op,
+                           const uint8_t *idx, const uint8_t *p, int nv, int w, int direct, const changes *ch,
+                           int64_t k) {
+    uint64_t v[BLOCK];
+    get_values(p, v, nv, w);
+    if (!raw) {
+        int sh = 64 - w;
+        for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << sh) >> sh);
+        if (op == TRD_UNDO)
+            for (int j = 0; j < nv; j++) v[j] = (uint64_t)0 - v[j];
+    }
+    if (direct && boff >= 0) {
+        uint8_t *db = vw->d + boff * e;
+        if (mode == MODE_ALL && raw)
+            for (int j = 0; j < nv; j++) store(db, j, e, v[j]);
+        else if (mode == MODE_ALL)
+            for (int j = 0; j < nv; j++) store(db, j, e, load(db, j, e) + v[j]);
+        else if (raw)
+            for (int j = 0; j < nv; j++) store(db, idx[j], e, v[j]);
+        else
+            for (int j = 0; j < nv; j++) store(db, idx[j], e, load(db, idx[j], e) + v[j]);
+    } else {
+        uint64_t rawbit = raw ? RAWBIT : 0;
+        for (int j = 0; j < nv; j++) {
+            if (!raw && !v[j]) continue;  /* an unchanged element of an "all" block */
+            int64_t ij = mode == MODE_ALL ? j : idx[j];
+            int64_t off = boff >= 0 ? boff + ij : elem_at(vw, i0 + ij);
+            __builtin_prefetch(vw->d + off * e, 1, 1);  /* (into L2: measured faster than L1 here) */
+            ch->pos[k] = (int64_t)((uint64_t)off | rawbit);
+            ch->val[k++] = v[j];
+        }
+    }
+    return k;
+}
+
 /* Check (ch == NULL) one narrow chunk's body, or decode and apply it (op: TRD_APPLY, TRD_COMMIT, TRD_UNDO) to
  * the elements a .. a + len - 1 of view v; returns 0 when it agrees with its header. */
 INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, const view_t *vw,
@@ -147,35 +186,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             continue;
         }
 #endif
-        uint64_t v[BLOCK];
-        get_values(p, v, nv, w);
-        if (!raw) {
-            int sh = 64 - w;
-            for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << sh) >> sh);
-            if (op == TRD_UNDO)
-                for (int j = 0; j < nv; j++) v[j] = (uint64_t)0 - v[j];
-        }
-        if (direct && boff >= 0) {
-            uint8_t *db = vw->d + boff * e;
-            if (mode == MODE_ALL && raw)
-                for (int j = 0; j < nv; j++) store(db, j, e, v[j]);
-            else if (mode == MODE_ALL)
-                for (int j = 0; j < nv; j++) store(db, j, e, load(db, j, e) + v[j]);
-            else if (raw)
-                for (int j = 0; j < nv; j++) store(db, idx[j], e, v[j]);
-            else
-                for (int j = 0; j < nv; j++) store(db, idx[j], e, load(db, idx[j], e) + v[j]);
-        } else {
-            uint64_t rawbit = raw ? RAWBIT : 0;
-            for (int j = 0; j < nv; j++) {
-                if (!raw && !v[j]) continue;  /* an unchanged element of an "all" block */
-                int64_t ij = mode == MODE_ALL ? j : idx[j];
-                int64_t off = boff >= 0 ? boff + ij : elem_at(vw, i0 + ij);
-                __builtin_prefetch(vw->d + off * e, 1, 1);  /* (into L2: measured faster than L1 here) */
-                ch->pos[k] = (int64_t)((uint64_t)off | rawbit);
-                ch->val[k++] = v[j];
-            }
-        }
+        k = apply_block(vw, i0, boff, e, mode, raw, op, idx, p, nv, w, direct, ch, k);
     }
     if (pad16(at) != nbytes || total != count) return 1;
     if (k) apply_changes(ch, k, vw->d, e);

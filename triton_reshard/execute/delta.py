@@ -347,8 +347,9 @@ def fence(plan, ranks, rows: list[Fence]) -> tuple[int | None, str | None, bool]
 @dataclass(slots=True)
 class Prediff:
     """The first step's delta messages, diffed while the plan handshake was in flight (:func:`prediff`): per
-    send index its message; ``updates``: the snapshot writes, made only once the fence let the refit go as
-    a delta (:func:`~triton_reshard.ops.delta_cpu.commit_updates`); ``seconds``: the diff's time."""
+    send index its message; ``updates``: the snapshot writes still to make once the fence let the refit go as
+    a delta (:func:`~triton_reshard.ops.delta_cpu.commit_updates`; the native codec made its narrow blocks'
+    in the diff, which ``MessageSnapshot.settle`` undoes otherwise); ``seconds``: the diff's time."""
 
     msgs: dict[int, torch.Tensor]
     updates: list
