@@ -128,8 +128,11 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
     /* dense changes touch nearly every line of the destination (the hardware prefetcher streams it): apply
        as decoded; sparse ones: decode the chunk, then apply with the touched lines prefetched */
     int direct = ch && count * DIRECT_ABOVE > len, contig = vw->w == vw->st;
+    int64_t rr = 0, cc = 0; /* a row view's apply: the row and column of block b's first element */
+    if (ch && !contig) rr = a / vw->w, cc = a % vw->w;
     if (16 + 2 * nbk > nbytes) return 1;
     for (int64_t b = 0; b < nbk; b++) {
+        if (ch && !contig && b && (cc += BLOCK) >= vw->w) rr += cc / vw->w, cc %= vw->w;
         int code = desc[2 * b] & 0x0F, mode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
         int blen = (int)(len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK);
         if (code == 0) {
@@ -150,7 +153,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         int64_t i0 = a + b * BLOCK, boff = i0;
         int vec = 0; /* add_block16 applies it */
         if (ch) {
-            if (!contig) boff = i0 % vw->w + blen <= vw->w ? elem_at(vw, i0) : -1;
+            if (!contig) boff = cc + blen <= vw->w ? rr * vw->st + cc : -1;
             vec = direct && e == 2 && !raw && trd_fast16 && boff >= 0;
         }
         uint8_t idxb[BLOCK];
