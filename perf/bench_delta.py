@@ -38,18 +38,22 @@ against the dense lower bound (the payload a dense refit sends); the two destina
     .venv/bin/python perf/bench_delta.py --part refit --out perf/results/bench_delta_refit.json
     .venv/bin/python perf/bench_delta.py --part codec --out perf/results/bench_delta_codec.json
     .venv/bin/python perf/bench_delta.py --part wire --out perf/results/bench_delta_wire.json
+    .venv/bin/python perf/bench_delta.py --part trainer --fractions 0.1 --out perf/results/bench_delta_trainer.json
 
 Part 5 (``--part codec``, issue 44): the CPU codec (format v2, native where built) on the 125M Llama's 86
 weights (249 MB bf16) at 1 / 2 / 10 % one-ulp changes at random positions: pack (diff + encode + snapshot
 update, cached plan) and apply, best of ``--repeats``, next to one dense ``copy_`` of all bytes in the same
 run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes of v2
 and v1 against dense on real AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each
-changed 256-element block needed and each changed chunk (its widest block; ``dense``: sent dense).
+changed 256-element block needed and each changed chunk (its widest block; ``dense``: sent dense). Part 7
+(``--part trainer``): the RL loop's refit without vLLM (gloo: one trainer rank -> two TP2 receivers), dense
+and delta side by side, each rank's CPU against the codec alone (``trainer_worker``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -121,8 +125,7 @@ def bf16_bits(model) -> dict[str, torch.Tensor]:
 
 def chunk_counts(mask: torch.Tensor, elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(numel per chunk, changed count per chunk) of a flat bool mask cut into runs of ``elems``."""
-    n = mask.numel()
-    m = mask.reshape(-1).to(torch.int64)
+    n, m = mask.numel(), mask.reshape(-1).to(torch.int64)
     nch = max(1, math.ceil(n / elems))
     counts = torch.nn.functional.pad(m, (0, nch * elems - n)).view(nch, elems).sum(1)
     numel = torch.full((nch,), elems, dtype=torch.int64)
@@ -158,8 +161,7 @@ def step_stats(masks: dict[str, torch.Tensor]) -> dict:
     for cb in CHUNK_BYTES:
         elems = cb // 2
         parts = [chunk_counts(m, elems) for m in masks.values()]
-        numel = torch.cat([p[0] for p in parts])
-        count = torch.cat([p[1] for p in parts])
+        numel, count = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         dens = count.double() / numel.double()
         edges = torch.tensor(DENSITY_EDGES, dtype=torch.float64)
         bucket = torch.bucketize(dens, edges[1:-1], right=True)
@@ -175,8 +177,7 @@ def step_stats(masks: dict[str, torch.Tensor]) -> dict:
 
 def synthetic(shapes: dict[str, torch.Size], frac: float, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    masks = {n: torch.rand(s, generator=g) < frac for n, s in shapes.items()}
-    return step_stats(masks)
+    return step_stats({n: torch.rand(s, generator=g) < frac for n, s in shapes.items()})
 
 
 def summarize(steps: list[dict], lo: int, hi: int) -> dict:
@@ -251,13 +252,8 @@ def run_train(args: argparse.Namespace) -> dict:
 
 
 def timed(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+    fn()  # warm-up
+    return [-time.perf_counter() + (fn(), time.perf_counter())[1] for _ in range(repeats)]
 
 
 def time_ops(src, snap, dst, plain, packed, repeats: int) -> dict[str, float]:
@@ -350,11 +346,8 @@ def codec_row(flat, views, frac: float, args) -> dict:
 
 
 def split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for r, c in shapes:
-        out.append(flat[at:at + r * c].view(r, c))
-        at += r * c
-    return out
+    ends = [0, *itertools.accumulate(r * c for r, c in shapes)]
+    return [flat[a:z].view(r, c) for a, z, (r, c) in zip(ends[:-1], ends[1:], shapes, strict=True)]
 
 
 def run_codec(args: argparse.Namespace) -> dict:
@@ -494,6 +487,71 @@ def run_refit(args: argparse.Namespace) -> dict:
     return {"shapes": shapes, "rows": out, "snapshot_bytes_by_rank": [r["snapshot_bytes"] for r in res]}
 
 
+def trainer_worker(rank: int, world: int, vocab: int, layers: int, frac: float, repeats: int) -> list[dict]:
+    """Rank 0 holds the full Llama (the RL loop's trainer), ranks 1-2 receive vLLM's TP2 boxes; per repeat a
+    dense and a delta refit of the same change (two Resharders), then on rank 0 the codec alone and a copy_."""
+    from triton_reshard import Layout, Replicate, Resharder, Shard, plan_reshard
+    from triton_reshard.execute.delta import DeltaRequest
+
+    torch.set_num_threads(1)
+    shapes = {f"w{i}": d for i, d in enumerate(llama_shapes(vocab, 768, 2048, layers, 256))}
+    cut = [0] + [1, 0, 0, 1, 0, 0, 1] * layers + [0]  # 1: a row-parallel weight (o_proj, down_proj: columns)
+    dst_l = Layout.from_placements(shapes, [1, 2], {n: [Shard(c)] for n, c in zip(shapes, cut, strict=True)},
+                                   torch.bfloat16)
+    src_l = Layout.from_placements(shapes, [0], [Replicate()], torch.bfloat16)
+    runs = [Resharder(plan_reshard(src_l, dst_l, rank=rank), timeout=600) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    src = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()} if rank == 0 else {}
+    dsts, snap, cache = [dst_l.allocate(rank) if rank else {} for _ in runs], {n: t.clone() for n, t in src.items()}, {}
+    plain = {n: torch.empty_like(t) for n, t in src.items()}
+    for v in range(2):
+        runs[0].run(src, dsts[0])
+        runs[1].run(src, dsts[1], delta=DeltaRequest(v, held=v - 1 if v else None))
+    rows = []
+    for rep in range(repeats):
+        gen, row = torch.Generator().manual_seed(100 + rep), {}
+        for t in src.values():
+            pos = torch.randint(t.numel(), (int(frac * t.numel()),), generator=gen)
+            t.view(-1).view(torch.int16)[pos] += (torch.randint(0, 2, pos.shape, generator=gen) * 2 - 1).short()
+        for tag, r, d, req in (("dense", runs[0], dsts[0], None),
+                               ("delta", runs[1], dsts[1], DeltaRequest(rep + 2, held=rep + 1))):
+            t0 = time.thread_time()  # this rank's CPU, not the machine's load
+            rp = r.run(src, d, delta=req)
+            row.update({f"{tag}_cpu_s": time.thread_time() - t0, f"{tag}_s": rp.seconds, f"{tag}_sent": rp.sent_bytes,
+                        f"{tag}_pack_s": rp.pack_seconds, f"{tag}_unpack_s": rp.unpack_seconds})
+        if rank == 0:
+            t0 = time.thread_time()
+            D.pack_delta([(src[n], snap[n]) for n in src], update=True, backend="torch", cache=cache)
+            t1 = time.thread_time()
+            _ = [plain[n].copy_(src[n]) for n in src]
+            row.update(codec_cpu_s=t1 - t0, copy_cpu_s=time.thread_time() - t1)
+        row["exact"] = all(torch.equal(dsts[0][n].view(torch.int16), dsts[1][n].view(torch.int16)) for n in dsts[0])
+        rows.append(row)
+    return rows
+
+
+def run_trainer(args: argparse.Namespace) -> dict:
+    """Part 7 (``--part trainer``, issue 44 item 2): the RL loop's refit without vLLM, dense vs delta."""
+    import os
+
+    from triton_reshard.testing.launch import run_world
+
+    frac = args.fractions[-1]
+    res = run_world(trainer_worker, 3, args.codec_vocab, args.codec_layers, frac, args.repeats, backend="gloo",
+                    timeout=3000)
+    med = {k: statistics.median(r[k] for r in res[0]) for k in res[0][0] if k != "exact"}
+    med["recv_cpu_s"] = {t: max(statistics.median(r[f"{t}_cpu_s"] for r in res[k]) for k in (1, 2))
+                         for t in ("dense", "delta")}
+    med["beyond_codec"] = (med["delta_cpu_s"] - med["codec_cpu_s"]) / med["codec_cpu_s"]
+    med["exact"] = all(r["exact"] for rs in res for r in rs)
+    print(f"trainer rank, {100 * frac:g} % changed: CPU dense {1e3 * med['dense_cpu_s']:.1f} ms, delta "
+          f"{1e3 * med['delta_cpu_s']:.1f} ms, the codec alone {1e3 * med['codec_cpu_s']:.1f} ms (a copy_ "
+          f"{1e3 * med['copy_cpu_s']:.1f} ms): {100 * med['beyond_codec']:.0f} % beyond the codec; wall dense "
+          f"{med['dense_s']:.3f} s, delta {med['delta_s']:.3f} s; receivers' CPU {med['recv_cpu_s']}; exact "
+          f"{med['exact']}; load {os.getloadavg()[0]:.1f}", flush=True)
+    return {"fraction": frac, "median": med, "rows": res, "load": os.getloadavg()}
+
+
 def add_train_args(ap: argparse.ArgumentParser, steps: int = 150, lrs=LRS) -> None:
     """The training run's arguments (the model, the task, warm-up, RL-like steps), shared with
     ``bench_quant_delta.py``."""
@@ -513,7 +571,7 @@ def add_train_args(ap: argparse.ArgumentParser, steps: int = 150, lrs=LRS) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("train", "speed", "refit", "codec", "wire"), required=True)
+    ap.add_argument("--part", choices=("train", "speed", "refit", "codec", "wire", "trainer"), required=True)
     add_train_args(ap)
     ap.add_argument("--speed-elems", type=int, default=1 << 24)
     ap.add_argument("--repeats", type=int, default=5)
@@ -525,12 +583,11 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.1], help="--part codec")
     ap.add_argument("--skip", type=int, default=2, help="--part wire: first steps left out of the sums")
     args = ap.parse_args()
-    if args.part == "wire" and "--lrs" not in sys.argv:
-        args.lrs = [1e-5, 1e-6]
-    if args.part == "wire" and "--steps" not in sys.argv:
-        args.steps = 12
+    if args.part == "wire":  # its own defaults
+        args.lrs = args.lrs if "--lrs" in sys.argv else [1e-5, 1e-6]
+        args.steps = args.steps if "--steps" in sys.argv else 12
     res = {"train": run_train, "speed": run_speed, "refit": run_refit, "codec": run_codec,
-           "wire": run_wire}[args.part](args)
+           "wire": run_wire, "trainer": run_trainer}[args.part](args)
     res["meta"] = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "torch": torch.__version__, "platform": platform.platform(), "threads": args.threads}
     if args.out:

@@ -35,6 +35,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
                                       "--refit-cols", "64", "--repeats", "1", "--out", "{out}/delta_refit.json"], 300),
     "bench_delta.py#codec": ("main", ["--part", "codec", "--codec-vocab", "256", "--codec-layers", "1", "--repeats",
                                       "1", "--out", "{out}/delta_codec.json"], 300),
+    "bench_delta.py#trainer": ("main", ["--part", "trainer", "--codec-vocab", "256", "--codec-layers", "1",
+                                        "--repeats", "1", "--out", "{out}/delta_trainer.json"], 300),
     "bench_delta.py#wire": ("main", ["--part", "wire", "--vocab", "64", "--hidden", "32", "--intermediate", "64",
                                      "--layers", "1", "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "4",
                                      "--out", "{out}/delta_wire.json"], 300),

@@ -206,20 +206,41 @@ def test_strided_1d_views_with_dense_chunks(codec):
         assert all(torch.equal(msgs[0], m) for m in msgs[1:])
 
 
-def test_deferred_update_equals_fused(codec):
-    """``pack_deferred`` leaves the snapshot until ``commit_updates``; then it equals the fused update."""
+def _narrow_then_dense(dtype: torch.dtype, g: torch.Generator) -> tuple:
+    """A chunk of 257 elements: its first block all sign-flipped (raw), its second (one element) a one-ulp
+    step (narrow): packed block by block it turns dense only at the second block, after that block's change
+    was written to the snapshot (update 2 takes that write back)."""
+    e = dtype.itemsize
+    old = (torch.randn(257, generator=g) * 3).to(dtype)
+    new = old.clone()
+    bits(new)[:256] ^= torch.tensor(-(1 << (8 * e - 1)), dtype=INT[e])
+    bits(new)[256] += 1
+    return ("narrow-then-dense", old, new)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deferred_update_commits_or_undoes(codec, dtype):
+    """``pack_deferred`` (a refit's diff during its handshake): its message is the fused pack's; then
+    ``commit_updates`` makes the snapshot the source and ``undo_updates`` restores the old one, bit for bit,
+    for every adversarial change (the native codec writes the narrow blocks in the pass: undo subtracts them
+    again; raw blocks and dense chunks wait for the commit)."""
     g = torch.Generator().manual_seed(3)
-    old = torch.randn(50_000, generator=g).to(torch.bfloat16)
-    new = ulp_steps(old, 0.1, g)
-    for name in CODECS:
-        codec(name)
-        snap, updates = old.clone(), []
-        msg = pack_deferred([(new, snap)], 4096, updates, cache={})
-        assert torch.equal(bits(snap), bits(old))
-        delta_cpu.commit_updates(updates)
-        assert torch.equal(bits(snap), bits(new))
-        ref = D.pack_delta([(new, old.clone())], 4096, backend="torch")
-        assert torch.equal(msg, ref)
+    cases = [*adversarial(dtype, 20_000, g), _narrow_then_dense(dtype, g)]
+    for case, old, new in cases:
+        for name in CODECS:
+            codec(name)
+            ref = D.pack_delta([(new, old.clone())], 4096, backend="torch")
+            if case == "narrow-then-dense":
+                assert D.describe(ref)[0]["kind"] == "dense"
+            for commit in (True, False):
+                snap, updates = old.clone(), []
+                msg = pack_deferred([(new, snap)], 4096, updates, cache={})
+                assert torch.equal(msg, ref), (case, name)
+                if commit:
+                    delta_cpu.commit_updates(updates)
+                else:
+                    delta_cpu.undo_updates(updates)
+                assert torch.equal(bits(snap), bits(new if commit else old)), (case, name, commit)
 
 
 def test_cached_plans_follow_the_data(codec):

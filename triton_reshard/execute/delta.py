@@ -52,6 +52,7 @@ from .. import ops  # noqa: F401  (tests reach ops.pack_delta through this modul
 from ..ops.block_delta import max_block_message_bytes
 from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes
 from ..ops.delta_cached import pack_deferred
+from ..ops.delta_cpu import undo_updates
 from .bind import block_chunks, buffer_view, quant_buffers
 from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
@@ -215,12 +216,24 @@ class MessageSnapshot:
         self.globals: dict[str, int] = {}  # NVFP4: each group's global scale (float32 bits) at the snapshot
         self.nbytes = 0
         self.cost = DeltaCost()  # what the last delta refit measured on this rank (cost_row)
+        # the snapshot writes of a first step diffed during a handshake whose refit has not (yet) gone as a
+        # delta: the native pack wrote part of them already (``ops.delta_native.Deferred``); :meth:`settle`
+        # undoes them, the delta run that uses the messages commits them
+        self.pending: list = []
+
+    def settle(self) -> None:
+        """Undo the snapshot writes of a diff whose messages were not used (a refused or failed handshake, a
+        fence that sent the refit dense): the snapshot holds its version again."""
+        if self.pending:
+            pending, self.pending = self.pending, []
+            undo_updates(pending)
 
     def ensure(self, plan, work, elig: Eligible, device: torch.device) -> None:
         """Allocate the buffers (once per device): one per delta-able send, its payload bytes."""
         if self.device == device:
             return
         self._views, self._qviews, self.globals, self.nbytes, self.version = {}, {}, {}, 0, None
+        self.pending = []
         for pos, (_i, step) in enumerate(work.steps):
             for j, (_p, _a, m) in enumerate(step.sends):
                 if (pos, j) in elig.same:  # the same message as an earlier send: its snapshot
@@ -334,8 +347,9 @@ def fence(plan, ranks, rows: list[Fence]) -> tuple[int | None, str | None, bool]
 @dataclass(slots=True)
 class Prediff:
     """The first step's delta messages, diffed while the plan handshake was in flight (:func:`prediff`): per
-    send index its message; ``updates``: the snapshot writes, made only once the fence let the refit go as
-    a delta (:func:`~triton_reshard.ops.delta_cpu.commit_updates`); ``seconds``: the diff's time."""
+    send index its message; ``updates``: the snapshot writes still to make once the fence let the refit go as
+    a delta (:func:`~triton_reshard.ops.delta_cpu.commit_updates`; the native codec made its narrow blocks'
+    in the diff, which ``MessageSnapshot.settle`` undoes otherwise); ``seconds``: the diff's time."""
 
     msgs: dict[int, torch.Tensor]
     updates: list
@@ -344,17 +358,25 @@ class Prediff:
 
 def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) -> Prediff | None:
     """Diff step 0's delta-able messages that are plain copies of the sources (numpy, CPU tensors) against the
-    snapshot, leaving the snapshot as it is: run between posting the handshake and waiting for it, so the
-    sender's diff overlaps the handshake's round (issue 32). None when there is nothing such to diff."""
+    snapshot, run between posting the handshake and waiting for it, so the sender's diff overlaps the
+    handshake's round (issue 32). The snapshot writes are deferred: the numpy codec keeps them all, the native
+    one makes those of its narrow blocks in the pass (in cache: a separate pass over the snapshot cost as much
+    as the diff) and keeps the rest; ``snap.pending`` undoes them unless the refit goes as a delta. None when
+    there is nothing such to diff."""
     if not work.steps or work.phases[0] or not bound.send_srcs or backend != "torch" or snap.device is None \
             or snap.device.type != "cpu":  # a relay phase's sends read destinations this run has yet to write
         return None
     t = clock()
     msgs, updates = {}, []
-    for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
-        if ok and s is not None and (0, j) not in elig.same:
-            msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS, updates,
-                                    bound.delta_cache.setdefault(("send", 0, j), {}))
+    try:
+        for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
+            if ok and s is not None and (0, j) not in elig.same:
+                msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS,
+                                        updates, bound.delta_cache.setdefault(("send", 0, j), {}))
+    except BaseException:
+        undo_updates(updates)  # the messages diffed so far: their snapshot writes undone
+        raise
+    snap.pending = updates  # undone unless the refit goes as a delta (DeltaSide.decide)
     return Prediff(msgs, updates, clock() - t) if msgs else None
 
 
@@ -375,7 +397,8 @@ class DeltaSide:
 
     def row(self, req: DeltaRequest | None, device, verify: bool) -> Fence:
         """Before the handshake: this rank's fence (it rides on the handshake's rows); allocates the snapshot
-        buffers on the first delta request."""
+        buffers on the first delta request. A diff of the last refit whose handshake failed is undone first."""
+        self.snap.settle()
         if verify or req is None:
             return NO_FENCE
         if self.elig is None:
@@ -422,9 +445,14 @@ class DeltaSide:
         ``close()`` closed the receives posted with the handshake (if any rank posted them)."""
         self.dense_next = False
         if req is None:
+            self.snap.settle()
             self.snap.version = None
             return None, None
         base, why, strict = fence(self.plan, ranks, rows)
+        if base is None:  # the first step's diff (if made) is not sent: the snapshot back at its version
+            self.snap.settle()
+        else:  # the delta run commits the diff's snapshot writes once step 0 is posted (strategies.Delta)
+            self.snap.pending = []
         # otherwise a dense refit now, captured afresh (a failure drops the snapshot); a strict refusal moves
         # nothing, so the snapshot still holds what the destinations at its version hold
         if why is not None and strict:

@@ -208,9 +208,11 @@ def pack_deferred(pairs: Sequence[Pair], chunk_elems: int, updates: list, cache:
     ``ops.pack_delta``'s (the message's :class:`PackPlan` kept there, its checks made once). ``version``: as
     ``ops.pack_delta``'s (2: the native or numpy v2 codec, ``ops/delta_native.py``)."""
     if version == VERSION2:
-        check_chunk_elems(chunk_elems)
-        if validate_pairs(pairs).type != "cpu":
-            raise ValueError("pack_deferred: CPU tensors only")
+        plan = cache.get("pack2") if cache is not None else None
+        if plan is None or not plan.fits(pairs, chunk_elems):  # (a plan built for these views checked them)
+            check_chunk_elems(chunk_elems)
+            if validate_pairs(pairs).type != "cpu":
+                raise ValueError("pack_deferred: CPU tensors only")
         return pack_v2(pairs, chunk_elems, updates, cache)
     plan = cache.get("pack") if cache is not None else None
     if plan is not None and plan.fits(pairs, chunk_elems):

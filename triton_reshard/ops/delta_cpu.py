@@ -340,13 +340,21 @@ def _bodies_np(mn: np.ndarray, ce: int, shift: int | None, layout: tuple, views:
 
 def commit_updates(updates: list) -> None:
     """Make the snapshot writes ``ops.delta_cached.pack_deferred`` collected (each: a view, its positions, the
-    values; or a callable, the native codec's: it applies the message to the snapshot)."""
+    values; or a callable, the native codec's ``Deferred``: it completes the update its pack began)."""
     for u in updates:
         if callable(u):
             u()
         else:
             view, at, v = u
             view[at] = v
+
+
+def undo_updates(updates: list) -> None:
+    """The message of ``pack_deferred`` will not be used: restore the snapshot. The numpy codec wrote nothing
+    (its writes wait in ``updates``); the native codec's ``Deferred`` undoes what its pack wrote."""
+    for u in updates:
+        if hasattr(u, "undo"):
+            u.undo()
 
 
 def body_error(dr: DirectoryNp, c: int, names: Sequence[str] | None) -> ValueError:

@@ -25,6 +25,9 @@ from .delta_format import VERSION2, Pair, check_chunk_elems, chunk_list, pad, va
 from .delta_v2 import pack_v2_numpy
 
 SLACK = 4096  # bytes past max_message_bytes the native pack may write into before it turns a chunk dense
+# trd_unpack_rows' ops (csrc/delta_apply.c): apply, check (no write), and on the snapshot of a pack made with
+# update 2 (narrow blocks written in the pass): commit its raw blocks and dense chunks, or undo its narrow ones
+APPLY, CHECK, COMMIT, UNDO = 0, 1, 2, 3
 _P = ctypes.POINTER(ctypes.c_int64)
 _state: dict = {"lib": None, "tried": False, "on": os.environ.get("TRITON_RESHARD_NATIVE", "1") != "0"}
 
@@ -36,7 +39,8 @@ def _load():
         return None
     lib = ctypes.CDLL(spec.origin)
     if not all(
-        hasattr(lib, f) for f in ("trd_pack", "trd_pack_rows", "trd_unpack", "trd_directory", "trd_simd")
+        hasattr(lib, f)
+        for f in ("trd_pack", "trd_pack_rows", "trd_unpack", "trd_unpack_rows", "trd_directory", "trd_simd")
     ):
         return None  # a build of an older csrc/delta_codec.c (rebuild it): the numpy reference runs
     lib.trd_pack.restype = ctypes.c_int64
@@ -56,6 +60,8 @@ def _load():
         ctypes.c_void_p,
         ctypes.c_int,
     ]
+    lib.trd_unpack_rows.restype = ctypes.c_int64
+    lib.trd_unpack_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int]
     lib.trd_directory.restype = ctypes.c_int
     lib.trd_directory.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _P, _P]
     lib.trd_simd.restype = ctypes.c_int
@@ -134,35 +140,52 @@ class V2PackPlan:
         )
 
     def pack(self, update: bool | list) -> torch.Tensor:
-        """The v2 message; ``update``: True writes the changes into the snapshot in the same pass, a list
-        collects a callable that applies the message to the snapshot (``commit_updates``), False leaves it."""
+        """The v2 message; ``update``: True writes the changes into the snapshot in the same pass; a list: the
+        narrow blocks' changes are written in the pass too (they are cheap to undo: their differences are in
+        the message), and a :class:`Deferred` appended there completes the update (``commit_updates``: the raw
+        blocks and dense chunks) or undoes it (``undo_updates``), so the snapshot is either version; False
+        leaves the snapshot."""
         lib = native()
         if lib is None or not self.fast:
             return pack_v2_numpy(self.pairs, self.ce, update)
         out = torch.empty(self.cap, dtype=torch.uint8)
+        mode = 1 if update is True else 2 if isinstance(update, list) else 0
         if self.rows is None:
-            n = lib.trd_pack(*self.args, self.ce, out.data_ptr(), int(update is True))
+            n = lib.trd_pack(*self.args, self.ce, out.data_ptr(), mode)
         else:
-            n = lib.trd_pack_rows(*self.args, *self.rows_args, self.ce, out.data_ptr(), int(update is True))
+            n = lib.trd_pack_rows(*self.args, *self.rows_args, self.ce, out.data_ptr(), mode)
             if n == -3:
                 raise MemoryError("delta pack: no memory for the native codec's scratch (nothing written)")
         msg = out[:n]
         if isinstance(update, list):
-            update.append(lambda: self.commit(msg))
+            update.append(Deferred(self, msg))
         return msg
 
-    def commit(self, msg: torch.Tensor) -> None:
-        """Apply ``msg``, made by :meth:`pack` from these views, to the snapshot views: the codec's own message,
-        so no directory check first (the bodies are still checked, in the native unpack's check pass)."""
+    def snapshot_op(self, msg: torch.Tensor, op: int) -> None:
+        """``COMMIT`` or ``UNDO`` of ``msg`` (made by :meth:`pack` with a list ``update``) on the snapshot views:
+        the codec's own message, so no check pass first. Raises if the codec is gone (never expected)."""
         lib = native()
         n, _s, snap, numel, esize = self.args
-        args = (n, snap, numel, esize, self.ce)
-        if (
-            lib is None
-            or lib.trd_unpack(msg.data_ptr(), *args, 1) != -1
-            or lib.trd_unpack(msg.data_ptr(), *args, 0) != -1
-        ):
-            unpack_v2(msg, [p for _s, p in self.pairs], None)  # (never expected: the checked path decides)
+        if lib is None or lib.trd_unpack_rows(msg.data_ptr(), n, snap, numel, esize, None, None, self.ce, op) != -1:
+            raise RuntimeError("delta pack: the native codec could not complete the snapshot update; drop the "
+                               "snapshot (the next refit goes dense)")
+
+
+class Deferred:
+    """The rest of a snapshot update that a pack made before it knew whether its message is used (a delta refit
+    diffs while its handshake is in flight): calling it commits (the snapshot becomes the new version),
+    :meth:`undo` restores the old one. Each at most once, and only one of them."""
+
+    __slots__ = ("plan", "msg")
+
+    def __init__(self, plan: V2PackPlan, msg: torch.Tensor) -> None:
+        self.plan, self.msg = plan, msg
+
+    def __call__(self) -> None:
+        self.plan.snapshot_op(self.msg, COMMIT)
+
+    def undo(self) -> None:
+        self.plan.snapshot_op(self.msg, UNDO)
 
 
 def pack_v2(pairs: Sequence[Pair], ce: int, update: bool | list, cache: dict | None = None) -> torch.Tensor:
@@ -192,58 +215,31 @@ def reads_in_place(t: torch.Tensor) -> bool:
 
 
 def _dst_args(dsts: Sequence[torch.Tensor], facts: DstFacts | None) -> tuple | None:
-    """The native unpack's arguments for CPU ``dsts`` (live ones: count, pointers, numels, element sizes), kept
-    on ``facts`` (built for these views); None when a destination is not contiguous or not an integer width."""
+    """The native unpack's arguments for CPU ``dsts`` (live ones: count, pointers, numels, element sizes, and
+    row lengths and strides when some view is a row view: :func:`rows_of`), kept on ``facts`` (built for these
+    views); None when a destination is neither contiguous nor a row view, or not an integer width."""
     got = getattr(facts, "native_args", False) if facts is not None else False
     if got is not False:
         return got
     live = [d for d in dsts if d.numel()]
     ok = all(d.element_size() in (1, 2, 4, 8) and d.device.type == "cpu" for d in dsts)
+    rows = [rows_of(d) for d in live] if ok else [None]
     args = None
-    if ok and all(d.is_contiguous() for d in live):
+    if all(r is not None for r in rows):
         arrays = (
             _ptrs([d.data_ptr() for d in live]),
             _ptrs([d.numel() for d in live]),
             _ptrs([d.element_size() for d in live]),
         )
-        args = (len(live), *(_arg(a) for a in arrays), arrays)
+        if all(w == st for w, st in rows):
+            geo = (None, None)
+        else:  # row views (a column block of a row-major tensor, as a received box often is): written in place
+            arrays += (_ptrs([w for w, _st in rows]), _ptrs([st for _w, st in rows]))
+            geo = (_arg(arrays[3]), _arg(arrays[4]))
+        args = (len(live), *(_arg(a) for a in arrays[:3]), *geo, arrays)
     if facts is not None:
         facts.native_args = args
     return args
-
-
-def _row_views(dsts: Sequence[torch.Tensor]) -> bool:
-    """Do the native unpack's destinations fail it only by being row views (2-D, unit inner stride: a column
-    block of a row-major tensor, as a received box often is in a destination's local tensor)?"""
-    live = [d for d in dsts if d.numel()]
-    return (
-        any(not d.is_contiguous() for d in live)
-        and all(d.device.type == "cpu" and d.element_size() in (1, 2, 4, 8) for d in dsts)
-        and all(d.is_contiguous() or rows_of(d) is not None for d in live)
-    )
-
-
-def _unpack_rows(
-    msg: torch.Tensor, dsts: Sequence[torch.Tensor], names: Sequence[str] | None, facts: DstFacts | None
-) -> None:
-    """:func:`unpack_v2` into destinations some of which are row views: those are staged through contiguous
-    buffers (kept on ``facts`` between refits), unpacked by the native codec and copied back, so a refused
-    message still writes nothing and the values are the ones the numpy reference would write in place."""
-    staged = getattr(facts, "row_staging", None) if facts is not None else None
-    if staged is None:
-        staged = [None if d.is_contiguous() else torch.empty(d.shape, dtype=d.dtype) for d in dsts]
-        if facts is not None:
-            facts.row_staging = staged
-    temps = [d if t is None else t.copy_(d) for d, t in zip(dsts, staged, strict=True)]
-    sub = getattr(facts, "row_facts", None) if facts is not None else None
-    if sub is None:
-        sub = DstFacts(temps)
-        if facts is not None:
-            facts.row_facts = sub
-    unpack_v2(msg, temps, names, sub)
-    for d, t in zip(dsts, staged, strict=True):
-        if t is not None:
-            d.copy_(t)
 
 
 def unpack_v2(
@@ -254,12 +250,10 @@ def unpack_v2(
 ) -> None:
     """Unpack a CPU message of either version: every header checked (``read_directory_np``; the native
     codec's ``trd_directory`` first, the numpy reader only to word a refusal), then every body, before the
-    first write; a v2 message into contiguous destinations by the native codec, any other by
-    ``numpy_unpack`` (the same checks, errors and result)."""
+    first write; a v2 message into contiguous or row-view destinations by the native codec (in place), any
+    other by ``numpy_unpack`` (the same checks, errors and result)."""
     lib = native()
     da = _dst_args(dsts, facts) if lib is not None else None
-    if da is None and lib is not None and _row_views(dsts):
-        return _unpack_rows(msg, dsts, names, facts)
     fast = (
         da is not None
         and msg.dtype == torch.uint8
@@ -272,13 +266,13 @@ def unpack_v2(
         dr = read_directory_np(msg, dsts, names, facts)
         if dr.version != VERSION2 or da is None or not dr.chunks:
             return numpy_unpack(msg, dsts, names, facts)
-    args = (*da[:4], int(msg[12:16].view(torch.int32)[0]))
-    r = lib.trd_unpack(msg.data_ptr(), *args, 1)
+    args = (*da[:6], int(msg[12:16].view(torch.int32)[0]))
+    r = lib.trd_unpack_rows(msg.data_ptr(), *args, CHECK)
     if r == -2:
         return numpy_unpack(msg, dsts, names, facts)
     if r >= 0:
         raise body_error(read_directory_np(msg, dsts, names, facts), int(r), names)
-    if lib.trd_unpack(msg.data_ptr(), *args, 0) == -3:
+    if lib.trd_unpack_rows(msg.data_ptr(), *args, APPLY) == -3:
         raise MemoryError(
             "delta unpack: no memory for the native codec's per-chunk scratch (nothing written)"
         )

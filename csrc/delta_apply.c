@@ -1,0 +1,313 @@
+/* The apply half of the native delta codec (csrc/delta_codec.c describes the codec; the format:
+ * triton_reshard/ops/delta_v2.py): a check pass over a message's narrow bodies (no write), the apply pass into
+ * destinations that are contiguous or rows (a column block of a row-major tensor: rows of `cols` elements,
+ * `rstride` apart, written where they lie), the commit and undo of a pack made with update 2, and the check
+ * of a message's directory. */
+#include "delta_codec.h"
+
+#define TRD_APPLY 0
+#define TRD_CHECK 1  /* no write */
+#define TRD_COMMIT 2 /* the raw blocks and the dense chunks only: completes a pack made with update 2 */
+#define TRD_UNDO 3   /* the narrow blocks' differences subtracted: undoes a pack made with update 2 */
+
+/* A destination view: rows of w elements st apart (w == st: contiguous) from d */
+typedef struct { uint8_t *d; int64_t w, st; } view_t;
+
+static inline int64_t elem_at(const view_t *v, int64_t i) { return v->w == v->st ? i : i / v->w * v->st + i % v->w; }
+
+#ifdef HAVE_X86
+static inline void decode16(const uint8_t *p, int16_t *v, int n, int w) {
+    if (w == 2)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)((int8_t)(uint8_t)(p[j >> 2] << (6 - 2 * (j & 3))) >> 6);
+    else if (w == 4)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)((int8_t)(uint8_t)(p[j >> 1] << (4 - 4 * (j & 1))) >> 4);
+    else
+        for (int j = 0; j < n; j++) v[j] = (int16_t)(int8_t)p[j];
+}
+
+/* Apply one narrow block of 16-bit elements at db (not raw; neg: subtract): its positions (offsets, bitmask or
+ * all) as a mask of 4 words, its n values decoded once, then per 32-element group with a change one load, an
+ * add of the values expanded to their lanes (0 in the others), one store; a group past the block's end masked
+ * to its changed lanes: no byte outside the block is touched. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) static void
+add_block16(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *p, int n, int w, int neg) {
+    uint64_t m[4] = {0, 0, 0, 0};
+    int16_t v[BLOCK];
+    if (mode == MODE_OFFSETS)
+        for (int j = 0; j < n; j++) m[pos[j] >> 6] |= (uint64_t)1 << (pos[j] & 63);
+    else if (mode == MODE_BITMASK)
+        memcpy(m, pos, (size_t)(blen + 7) / 8);  /* little-endian: bit k of byte j is element 8 j + k */
+    else
+        for (int k = 0; k < 4; k++)
+            m[k] = blen >= 64 * (k + 1) ? ~(uint64_t)0 : blen > 64 * k ? ((uint64_t)1 << (blen - 64 * k)) - 1 : 0;
+    decode16(p, v, n, w);
+    if (neg)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)-v[j];
+    int k = 0;
+    for (int l = 0; l < BLOCK / 32; l++) {
+        uint32_t bits = (uint32_t)(m[l >> 1] >> (32 * (l & 1)));
+        if (!bits) continue;
+        __m512i x = _mm512_maskz_expandloadu_epi16(bits, v + k);
+        if (32 * (l + 1) <= blen) { /* inside the block: the whole group (its unchanged lanes add 0) */
+            __m512i a = _mm512_loadu_si512((const void *)(db + 64 * l));
+            _mm512_storeu_si512((void *)(db + 64 * l), _mm512_add_epi16(a, x));
+        } else { /* the block's end: its changed lanes only (nothing past the destination is touched) */
+            __m512i a = _mm512_maskz_loadu_epi16(bits, db + 64 * l);
+            _mm512_mask_storeu_epi16(db + 64 * l, bits, _mm512_add_epi16(a, x));
+        }
+        k += __builtin_popcount(bits);
+    }
+}
+#endif
+
+/* The decoded changes of one chunk: element offset from the view's start (bit 63: a raw value) and value (raw
+ * bits or the sign-extended difference); applied after the whole chunk is decoded. The destination's line of
+ * each change is prefetched as it is decoded (the decode of a chunk takes about as long as the memory needs to
+ * bring its lines: they are in cache by the apply) and again ahead of the apply (the writes are scattered:
+ * without either the apply waits on each line in turn). */
+typedef struct { int64_t *pos; uint64_t *val; } changes;
+
+#define PREFETCH 24
+#define DIRECT_ABOVE 32 /* changed fraction above 1/32: apply as decoded */
+#define RAWBIT ((uint64_t)1 << 63)
+
+INLINE void apply_changes(const changes *ch, int64_t k, uint8_t *d, int e) {
+    for (int64_t j = 0; j < k; j++) {
+        if (j + PREFETCH < k) __builtin_prefetch(d + (ch->pos[j + PREFETCH] & INT64_MAX) * e, 1, 0);
+        uint64_t pj = (uint64_t)ch->pos[j];
+        int64_t i = (int64_t)(pj & ~RAWBIT);
+        store(d, i, e, (pj & RAWBIT) ? ch->val[j] : load(d, i, e) + ch->val[j]);
+    }
+}
+
+/* Apply one checked block of a chunk (positions idx, or every element in mode "all"; nv values at p of width
+ * w; its first element i0 of the view, boff where it lies, -1 across a row end): as decoded when the chunk's
+ * changes are dense and the block lies in one row, else into ch for the chunk's prefetched apply. Returns
+ * the count of changes in ch. */
+INLINE int64_t apply_block(const view_t *vw, int64_t i0, int64_t boff, int e, int mode, int raw, int op,
+                           const uint8_t *idx, const uint8_t *p, int nv, int w, int direct, const changes *ch,
+                           int64_t k) {
+    uint64_t v[BLOCK];
+    get_values(p, v, nv, w);
+    if (!raw) {
+        int sh = 64 - w;
+        for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << sh) >> sh);
+        if (op == TRD_UNDO)
+            for (int j = 0; j < nv; j++) v[j] = (uint64_t)0 - v[j];
+    }
+    if (direct && boff >= 0) {
+        uint8_t *db = vw->d + boff * e;
+        if (mode == MODE_ALL && raw)
+            for (int j = 0; j < nv; j++) store(db, j, e, v[j]);
+        else if (mode == MODE_ALL)
+            for (int j = 0; j < nv; j++) store(db, j, e, load(db, j, e) + v[j]);
+        else if (raw)
+            for (int j = 0; j < nv; j++) store(db, idx[j], e, v[j]);
+        else
+            for (int j = 0; j < nv; j++) store(db, idx[j], e, load(db, idx[j], e) + v[j]);
+    } else {
+        uint64_t rawbit = raw ? RAWBIT : 0;
+        for (int j = 0; j < nv; j++) {
+            if (!raw && !v[j]) continue;  /* an unchanged element of an "all" block */
+            int64_t ij = mode == MODE_ALL ? j : idx[j];
+            int64_t off = boff >= 0 ? boff + ij : elem_at(vw, i0 + ij);
+            __builtin_prefetch(vw->d + off * e, 1, 1);  /* (into L2: measured faster than L1 here) */
+            ch->pos[k] = (int64_t)((uint64_t)off | rawbit);
+            ch->val[k++] = v[j];
+        }
+    }
+    return k;
+}
+
+/* Check (ch == NULL) one narrow chunk's body, or decode and apply it (op: TRD_APPLY, TRD_COMMIT, TRD_UNDO) to
+ * the elements a .. a + len - 1 of view v; returns 0 when it agrees with its header. */
+INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, const view_t *vw,
+                        int64_t a, const changes *ch, int op) {
+    int64_t nbk = (len + BLOCK - 1) / BLOCK, at = 16 + 2 * nbk, total = 0, k = 0;
+    const uint8_t *desc = in + 16;
+    /* dense changes touch nearly every line of the destination (the hardware prefetcher streams it): apply
+       as decoded; sparse ones: decode the chunk, then apply with the touched lines prefetched */
+    int direct = ch && count * DIRECT_ABOVE > len, contig = vw->w == vw->st;
+    int64_t rr = 0, cc = 0; /* a row view's apply: the row and column of block b's first element */
+    if (ch && !contig) rr = a / vw->w, cc = a % vw->w;
+    if (16 + 2 * nbk > nbytes) return 1;
+    for (int64_t b = 0; b < nbk; b++) {
+        if (ch && !contig && b && (cc += BLOCK) >= vw->w) rr += cc / vw->w, cc %= vw->w;
+        int code = desc[2 * b] & 0x0F, mode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
+        int blen = (int)(len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK);
+        if (code == 0) {
+            if (desc[2 * b] || desc[2 * b + 1]) return 1;
+            continue;
+        }
+        if (code > RAW || mode > MODE_ALL || cnt > blen || (code != RAW && (1 << code) >= 8 * e)) return 1;
+        int w = width_of(code, e);
+        int64_t vb = vbytes(cnt, w);
+        int64_t size = mode == MODE_OFFSETS ? cnt + vb : mode == MODE_BITMASK ? (blen + 7) / 8 + vb : vbytes(blen, w);
+        if (at + size > nbytes) return 1;
+        const uint8_t *p = in + at;
+        at += size;
+        total += cnt;
+        int raw = code == RAW;
+        if (ch && (op == TRD_COMMIT ? !raw : op == TRD_UNDO && raw)) continue;  /* not this op's block */
+        /* the block's first element in the view; -1: it straddles two rows (each element placed alone) */
+        int64_t i0 = a + b * BLOCK, boff = i0;
+        int vec = 0; /* add_block16 applies it */
+        if (ch) {
+            if (!contig) boff = cc + blen <= vw->w ? rr * vw->st + cc : -1;
+            vec = direct && e == 2 && !raw && trd_fast16 && boff >= 0;
+        }
+        uint8_t idxb[BLOCK];
+        const uint8_t *idx = idxb;
+        int nv = cnt;
+        if (mode == MODE_OFFSETS) {
+            unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
+            if (!ch)  /* (the apply follows a check pass over the same bytes) */
+                for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
+            if (bad) return 1;
+            idx = p;
+            p += cnt;
+        } else if (mode == MODE_BITMASK) {
+            int c = 0;
+            if (!ch) {
+                for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
+                if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
+            }
+            if (ch && !vec) {
+                c = 0;
+                for (int q = 0; q < (blen + 7) / 8; q++)
+                    for (unsigned x = p[q]; x; x &= x - 1) idxb[c++] = (uint8_t)(8 * q + __builtin_ctz(x));
+            }
+            p += (blen + 7) / 8;
+        } else {
+            nv = blen;
+        }
+        if (!ch) continue;
+#ifdef HAVE_X86
+        if (vec) {
+            add_block16(vw->d + boff * 2, blen, mode, mode == MODE_BITMASK ? p - (blen + 7) / 8 : idx, p, nv, w,
+                        op == TRD_UNDO);
+            continue;
+        }
+#endif
+        k = apply_block(vw, i0, boff, e, mode, raw, op, idx, p, nv, w, direct, ch, k);
+    }
+    if (pad16(at) != nbytes || total != count) return 1;
+    if (k) apply_changes(ch, k, vw->d, e);
+    return 0;
+}
+
+static int narrow_chunk_e(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e, const view_t *vw,
+                          int64_t a, const changes *ch, int op) {
+    switch (e) {
+    case 1: return narrow_chunk(in, len, count, nbytes, 1, vw, a, ch, op);
+    case 2: return narrow_chunk(in, len, count, nbytes, 2, vw, a, ch, op);
+    case 4: return narrow_chunk(in, len, count, nbytes, 4, vw, a, ch, op);
+    default: return narrow_chunk(in, len, count, nbytes, 8, vw, a, ch, op);
+    }
+}
+
+/* A dense chunk's len elements from src into the elements a .. of view v */
+static void put_dense(const view_t *vw, int64_t a, int64_t len, int e, const uint8_t *src) {
+    if (vw->w == vw->st) {
+        memcpy(vw->d + a * e, src, (size_t)(len * e));
+        return;
+    }
+    for (int64_t k = 0, r = a / vw->w, c = a % vw->w; k < len; r++, c = 0) {
+        int64_t take = vw->w - c < len - k ? vw->w - c : len - k;
+        memcpy(vw->d + (r * vw->st + c) * e, src + k * e, (size_t)(take * e));
+        k += take;
+    }
+}
+
+/* Check (op TRD_CHECK: no write), apply (TRD_APPLY), commit or undo (TRD_COMMIT / TRD_UNDO: a message the
+ * pack made with update 2, on the snapshot it packed against) a v2 message into n destination views: view i
+ * is numel[i] elements of esize[i] bytes at dst[i], in rows of cols[i] elements rstride[i] elements apart
+ * (cols == NULL: every view contiguous). Headers and directory were checked by the caller; an apply only
+ * after a check of the same bytes returned -1 (it leaves out the checks of positions that check made).
+ * Returns -1 when done, the index of the first chunk whose body disagrees with its header, -2 when the
+ * message holds a chunk kind this codec does not write (the caller falls back), -3 when the per-chunk
+ * scratch cannot be allocated (nothing written). */
+EXPORT int64_t trd_unpack_rows(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
+                               const int64_t *esize, const int64_t *cols, const int64_t *rstride, int64_t ce,
+                               int op) {
+    if (!trd_block_mask) trd_choose();
+    int64_t c = 0, r = -1;
+    changes chs = {NULL, NULL}, *ch = NULL;
+    if (op != TRD_CHECK) {
+        chs.pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)ce);
+        chs.val = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)ce);
+        if (!chs.pos || !chs.val) { free(chs.pos); free(chs.val); return -3; }
+        ch = &chs;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int e = (int)esize[i];
+        view_t vw = {(uint8_t *)(intptr_t)dst[i], cols ? cols[i] : 1, cols ? rstride[i] : 1};
+        for (int64_t a = 0; a < numel[i]; a += ce, c++) {
+            int64_t off;
+            uint32_t h[4];
+            memcpy(&off, msg + 16 + 8 * c, 8);
+            memcpy(h, msg + off, 16);
+            int kind = (int)(h[0] & 0xFF);
+            int64_t len = h[1], count = h[2], nbytes = h[3];
+            if (kind == KIND_NARROW) {
+                if (narrow_chunk_e(msg + off, len, count, nbytes, e, &vw, a, ch, op)) { r = c; goto done; }
+            } else if (kind == KIND_DENSE) {
+                if (op == TRD_APPLY || op == TRD_COMMIT) put_dense(&vw, a, len, e, msg + off + 16);
+            } else if (!(kind == KIND_OFFSETS && count == 0)) {
+                r = -2;
+                goto done;
+            }
+        }
+    }
+done:
+    free(chs.pos);
+    free(chs.val);
+    return r;
+}
+
+/* trd_unpack_rows into contiguous views: check (check == 1) or apply */
+EXPORT int64_t trd_unpack(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
+                          const int64_t *esize, int64_t ce, int check) {
+    return trd_unpack_rows(msg, n, dst, numel, esize, NULL, NULL, ce, check ? TRD_CHECK : TRD_APPLY);
+}
+
+/* The directory of a v2 message of `length` bytes against n destinations (numel, esize: the live ones, in
+ * order), every check of ops/delta_cpu.py read_directory_np for version 2: header, chunk count, each chunk's
+ * offset, kind, element size, length, count and byte size. Returns 0 when it agrees; 1 otherwise (the caller
+ * then runs the numpy reader, which raises the error naming the chunk). */
+EXPORT int trd_directory(const uint8_t *msg, int64_t length, int64_t n, const int64_t *numel,
+                         const int64_t *esize) {
+    uint32_t h[4];
+    if (length < 16 || length % 16) return 1;
+    memcpy(h, msg, 16);
+    int64_t ce = h[3];
+    if (h[0] != MAGIC || h[1] != VERSION2 || ce < 1 || ce > 65536) return 1;
+    int64_t nc = 0;
+    for (int64_t i = 0; i < n; i++) nc += (numel[i] + ce - 1) / ce;
+    if ((int64_t)h[2] != nc) return 1;
+    int64_t start = 16 + pad16(8 * nc), c = 0;
+    if (nc && length < start) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t e = esize[i];
+        for (int64_t a = 0; a < numel[i]; a += ce, c++) {
+            int64_t len = numel[i] - a < ce ? numel[i] - a : ce, off;
+            uint32_t w[4];
+            memcpy(&off, msg + 16 + 8 * c, 8);
+            if (off < start || off % 16 || off > length - 16) return 1;
+            memcpy(w, msg + off, 16);
+            int64_t kind = w[0] & 0xFF, es = w[0] >> 8, nel = w[1], count = w[2], nbytes = w[3], want;
+            if (kind > KIND_NARROW || es != e || nel != len || count > len) return 1;
+            if (kind == KIND_NARROW) {
+                int64_t lo = 16 + 2 * ((len + BLOCK - 1) / BLOCK), hi = 16 + pad16(len * e);
+                want = (nbytes % 16 == 0 && nbytes >= lo && nbytes < hi) ? nbytes : -1;
+            } else if (kind == KIND_DENSE) {
+                want = 16 + pad16(len * e);
+            } else {
+                int64_t values = pad16(count * e);
+                want = 16 + (kind == 1 ? pad16(4 * ((len + 31) / 32)) : pad16(2 * count)) + values;
+            }
+            if (nbytes != want || off + nbytes > length) return 1;
+        }
+    }
+    return 0;
+}

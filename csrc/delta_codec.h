@@ -1,0 +1,103 @@
+/* What the two halves of the native delta codec share (csrc/delta_codec.c: the block compare and the pack;
+ * csrc/delta_apply.c: the check, the apply and the directory): the format's constants, element loads and
+ * stores, the widths of the narrow values, and the run-time choice of the SIMD paths. The format:
+ * triton_reshard/ops/delta_v2.py. */
+#ifndef TRD_DELTA_CODEC_H
+#define TRD_DELTA_CODEC_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 256
+#define KIND_DENSE 0
+#define KIND_OFFSETS 2
+#define KIND_NARROW 3
+#define RAW 6
+#define MODE_OFFSETS 0
+#define MODE_BITMASK 1
+#define MODE_ALL 2
+#define MAGIC 0x544C4454u
+#define VERSION2 2u
+
+#if defined(_MSC_VER)
+#define EXPORT __declspec(dllexport)
+#else
+#define EXPORT __attribute__((visibility("default")))
+#endif
+
+static inline int64_t pad16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static inline uint64_t load(const uint8_t *p, int64_t i, int e) {
+    switch (e) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store(uint8_t *p, int64_t i, int e, uint64_t v) {
+    switch (e) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
+
+
+typedef void (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *);
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+#define HIDDEN __attribute__((visibility("hidden")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs) and whether the
+ * AVX-512 VBMI2 paths of 16-bit blocks run; set by trd_choose (csrc/delta_codec.c) on the first call */
+extern HIDDEN mask_fn trd_block_mask;
+extern HIDDEN int trd_fast16;
+HIDDEN void trd_choose(void);
+
+static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
+    if (w == 2) {
+        for (int j = 0; j < n; j++) v[j] = (p[j >> 2] >> (2 * (j & 3))) & 3;
+        return p + (n + 3) / 4;
+    }
+    if (w == 4) {
+        for (int j = 0; j < n; j++) v[j] = (p[j >> 1] >> (4 * (j & 1))) & 15;
+        return p + (n + 1) / 2;
+    }
+    if (w == 8) {
+        for (int j = 0; j < n; j++) v[j] = p[j];
+        return p + n;
+    }
+    for (int j = 0; j < n; j++) {
+        uint64_t x = 0;
+        for (int k = 0; k < w / 8; k++) x |= (uint64_t)p[k] << (8 * k);
+        v[j] = x;
+        p += w / 8;
+    }
+    return p;
+}
+
+static inline int64_t vbytes(int64_t n, int w) { return (n * w + 7) / 8; }
+
+static inline int width_of(int code, int e) { return code == RAW ? 8 * e : 1 << code; }
+
+/* code of the narrowest width holding every m = d ^ (d >> 63) < orv's bound; RAW when it reaches the element */
+static inline int code_of(uint64_t orv, int e) {
+    int c = 1;
+    while (c < 6 && orv >= ((uint64_t)1 << ((1 << c) - 1))) c++;
+    return (1 << c) >= 8 * e ? RAW : c;
+}
+
+static inline int64_t sext(uint64_t v, int e) {
+    int sh = 64 - 8 * e;
+    return sh ? (int64_t)(v << sh) >> sh : (int64_t)v;
+}
+
+#endif
