@@ -27,9 +27,10 @@ tensor from the trainer to every worker over gloo, into vLLM's ``load_weights`` 
 
 ``--async`` (``--method async``, or ``async-delta``): one-step off-policy GRPO (issue 45). The engine samples
 batch k+1 in a thread (with the weights it holds) while the trainer steps on batch k and stages its new weights
-(``send_weights(overlap=True)``: the workers receive into private staging while the engine generates); after
-the batch, ``commit()`` swaps them in: the engine's only pause. Per iteration: generation, training, the
-transfer, the pause, the tokens generated during the transfer (and the token rate kept against the engine's
+(``send_weights(overlap=True)``: the workers receive into private staging and build the new weights on a shadow
+of the model while the engine generates); after the batch, ``commit()`` swaps them in: the engine's only pause
+(``async-reload``: no shadow, the commit runs vLLM's reload from staging, the loader and re-pack paused). Per
+iteration: generation, training, the transfer, the pause, the tokens generated during the transfer (and the token rate kept against the engine's
 idle rate, also measured by a probe at the end), and the mismatch between the engine's logprobs and the
 trainer's under the weights that actually sampled each batch.
 """
@@ -303,7 +304,8 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
         sampled = trainer.logprobs(rollouts, batch_w)  # under the weights that sampled the batch
         mism = [abs(a - b) for (_, _, e), t in zip(rollouts, sampled, strict=True) for a, b in zip(e, t, strict=True)]
         t_s0 = time.perf_counter()
-        eng.send_weights(version=it + 1, delta=args.method == "async-delta", overlap=True)
+        eng.send_weights(version=it + 1, delta=args.method == "async-delta", overlap=True,
+                         shadow=args.method != "async-reload")
         t_s1 = time.perf_counter()
         stage = eng.last_update
         rate, during = nxt.rate_within(t_s0, t_s1)
@@ -331,7 +333,12 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
                # of the commit, vLLM's post-processing (the re-pack for the CPU kernels) in its layerwise reload
                "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
-               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {}}
+               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {},
+               # the commit's path ("shadow": a swap; "reload"), the shadow's build while serving and its memory
+               "commit_path": workers[0].get("commit_path"),
+               "shadow_bytes": max(w.get("shadow_bytes", 0) for w in workers),
+               "shadow_s": max(w.get("shadow_s", 0.0) for w in workers),
+               "shadow_failed": [w["shadow_failed"] for w in workers if "shadow_failed" in w] or None}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
         log(f"[{args.method}] iter {it}: reward {row['reward']:.3f}  gen {row['gen_s']:.2f}s  train {t_train:.2f}s  "
@@ -420,7 +427,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", default="reshard",
-                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta"])
+                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta",
+                             "async-reload"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
                          "(same as --method async)")

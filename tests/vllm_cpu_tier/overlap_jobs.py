@@ -124,6 +124,7 @@ def overlap(args) -> dict:
         out.setdefault("delta_stage", []).append({"trainer_mode": eng.last_report.mode,
                                                   "sent": eng.last_update["sent_bytes"]})
         eng.commit()
+        out.setdefault("later_commit_paths", []).extend(llm.collective_rpc("weight_transfer_stats"))
     d = save_tensors(tmp, "d", b, tensors)
     got = generate(llm, PROMPTS)
     llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})

@@ -2,8 +2,9 @@
 overlap``): ``send_weights(overlap=True)`` moves the bytes into each worker's private staging mirror while the
 engine serves, ``commit()`` swaps them in under the pause.
 
-* while staged, the engine still generates the old weights' tokens and refuses nothing;
-* after the commit it generates, bit for bit, what it generates after vLLM's own ``reload_weights`` of the same
+* while staged (received, and the new weights built on a shadow of the model), the engine still generates the old
+  weights' tokens and refuses nothing;
+* the commit only swaps the shadow in (``commit_path`` "shadow"); after it the engine generates, bit for bit, what it generates after vLLM's own ``reload_weights`` of the same
   checkpoint, and its live parameters' digests are equal;
 * a request straddling a commit with pause_mode "wait" gets the old weights' greedy continuation (one weight
   version span); with "keep" vLLM's per-request weight-version spans say at which token the weights changed,
@@ -47,6 +48,10 @@ def test_stage_then_commit(tmp_path, tp):
     assert r["serves_old_while_staged"], "the engine served staged (uncommitted) weights"
     assert r["forward_refused_while_staged"] == [None] * tp
     assert all(w["phase"] == "commit" and w["version"] == 1 for w in r["commit_workers"])
+    # the swap path was taken: the new weights were built on a shadow while the engine served, the commit swapped
+    assert all(w["shadow_layers"] > 0 and "shadow_failed" not in w for w in workers), workers
+    assert all(w["commit_path"] == "shadow" and w["shadow_bytes"] > 0 for w in r["commit_workers"]), r["commit_workers"]
+    assert all(c["commit_path"] == "shadow" for c in r["later_commit_paths"]), r["later_commit_paths"]
     assert r["commit_equal_to_vllm_reload"] and r["digests_equal"]
     assert r["wait"]["seen_before"] >= 16 and r["wait_equal_old"] and r["wait_engine_now_new"]
     assert [s[0] for s in r["wait"]["spans"]] == ["1"], r["wait"]["spans"]

@@ -22,8 +22,9 @@ from .vllm_transfer import (
     group_layouts,
     log_warning,
     no_mtp_check,
-    phase_clock,
+    process_clock,
     rendezvous,
+    shadow_reload,
 )
 
 if WeightTransferEngine is not None:
@@ -34,7 +35,9 @@ if WeightTransferEngine is not None:
         in the checkpoint's coordinates handed to vLLM's layerwise reload (``initialize_layerwise_reload``, then
         ``model.load_weights``, ``finish_weight_update``: ``finalize_layerwise_reload``), which re-runs the
         post-processing on the new weights. Phase "stage" receives into a private mirror in a background thread
-        (the engine serves on); phase "commit" swaps it in. ``last_update``: what the last update did.
+        (the engine serves on) and, in reload mode, builds the new weights from it on a shadow of the model
+        (:func:`.vllm_transfer.shadow_reload`; ``shadow=False`` or a failed build: the commit reloads instead);
+        phase "commit" swaps them in. ``last_update``: what the last update did.
 
         Failures: an update that fails part way (the trainer killed mid-refit, a timeout) leaves the weights
         torn; the worker says so (``torn``), refuses any forward with :class:`TornWeightsError` until a later
@@ -52,6 +55,7 @@ if WeightTransferEngine is not None:
         _thread: threading.Thread | None = None  # the background receive of a staged update
         _staged: dict | None = None  # a staged update complete in the mirror, not yet committed
         _mirror: dict | None = None  # the staging mirror (1x this worker's shard; a delta patches it)
+        _shadow = None  # reload mode: the staged version built on a shadow of the model, swapped in at the commit
         _phase: str | None = None
 
         def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
@@ -83,7 +87,7 @@ if WeightTransferEngine is not None:
         def _drop_mirror(self) -> None:
             """Forget the mirror and what it staged, and tell ``refit``'s fence: a delta into a new mirror runs
             dense (a delta onto fresh, unwritten staging would load garbage)."""
-            self._mirror = self._staged = None
+            self._mirror = self._staged = self._shadow = None
             if getattr(self, "dst_layout", None) is not None:
                 forget_refit_state(self.dst_layout)
 
@@ -188,14 +192,21 @@ if WeightTransferEngine is not None:
                      "start_s": getattr(self, "_start_s", 0.0)}
             if info.phase == "stage":
                 self._receive(self._mirror_dict(stats), self.src_layout, self.dst_layout, kw, stats)
+                shadow = self.info.shadow if info.shadow is None else info.shadow
+                self._shadow = self._build_shadow(stats) if reload and shadow else None
                 self._staged = {"version": info.version}  # before the vote: the trainer commits after it
                 return {**stats, "version": info.version, "staging_bytes": self._box_bytes(self._mirror)}
             if info.phase == "commit":
                 if self._staged is None:
                     raise RuntimeError(f"triton_reshard worker {rank}: commit of version {info.version!r} "
                                        "refused: no complete staged update (the receive failed or never ran)")
-                stats.update(version=self._staged["version"], staging_bytes=self._box_bytes(self._mirror))
-                if reload:
+                stats.update(version=self._staged["version"], staging_bytes=self._box_bytes(self._mirror),
+                             commit_path="reload" if reload else "copy")
+                if self._shadow is not None:
+                    t0, sh, self._shadow = time.perf_counter(), self._shadow, None
+                    sh.swap()
+                    stats.update(load_s=time.perf_counter() - t0, commit_path="shadow", **sh.stats)
+                elif reload:
                     self._load(list(self._mirror.items()), stats)
                 else:
                     t0 = time.perf_counter()
@@ -221,6 +232,19 @@ if WeightTransferEngine is not None:
                 self._load(self._groups(kw, stats, self.info.prefetch if info.prefetch is None else info.prefetch),
                            stats)
             return stats
+
+        def _build_shadow(self, stats: dict):
+            """The staged version's weights built on a shadow of the model (in the staging thread, the engine
+            serving); a failure is named in ``stats["shadow_failed"]`` and the commit reloads instead."""
+            try:
+                sh = shadow_reload(self.model, list(self._mirror.items()), stats)
+            except Exception as e:  # noqa: BLE001 (named; the engine keeps its weights, the commit falls back)
+                stats["shadow_failed"] = f"{type(e).__name__}: {e}"[:400]
+                log_warning(f"triton_reshard worker {self.group.rank}: {stats['shadow_failed']}; the engine keeps "
+                            "its weights, the commit runs vLLM's reload from staging instead")
+                return None
+            sh.stats = {k: stats[k] for k in ("shadow_s", "shadow_process_s", "shadow_bytes") if k in stats}
+            return sh
 
         def _receive(self, dst: dict, src_layout, dst_layout, kw: dict, stats: dict):
             t0 = time.perf_counter()
@@ -250,7 +274,8 @@ if WeightTransferEngine is not None:
             """Feed ``(name, tensor)`` items to vLLM's loader inside its layerwise reload: ``load_s`` is the
             loader's time (between our yields), ``process_s`` the part that is vLLM's per-layer re-packing."""
             self._begin_reload()
-            clock, process_s = phase_clock()
+            process_s = [0.0]
+            clock = process_clock(process_s)
 
             def timed():
                 for item in items:
@@ -316,9 +341,8 @@ if WeightTransferEngine is not None:
             allowed. Nothing to do after a staged receive, or after a failed update (it stays torn)."""
             if self._phase == "stage" or (self.torn is not None and self.last_update.get("torn")):
                 return
-            t0 = time.perf_counter()
-            clock, process_s = phase_clock()
-            with clock:
+            t0, process_s = time.perf_counter(), [0.0]
+            with process_clock(process_s):
                 if self._reloading:
                     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
