@@ -62,3 +62,21 @@ def test_stage_then_commit(tmp_path, tp):
     assert d1["trainer_mode"] == "dense-fallback" and d2["trainer_mode"] == "delta"
     assert d2["sent"] * 10 <= d1["sent"]
     assert r["delta_commit_equal_to_vllm_reload"]
+
+
+def test_shadow_build_failing_part_way_leaves_the_engine_serving_tp2(tmp_path):
+    """vLLM's re-pack raising in the staging thread after 3 layers: the old weights stay live and untouched, the
+    failure is named (layer and error), the commit falls back to vLLM's reload from staging (exact), and the next
+    staged update builds its shadow again; ``shadow=False`` commits by reload."""
+    r = _run(tmp_path, "overlap_shadow_fault", "--tp", "2")
+    failed = [w.get("shadow_failed") or "" for w in r["failed_stage_workers"]]
+    assert all("shadow build: layer " in f and "injected re-pack failure (call 4)" in f for f in failed), failed
+    assert all(w["phase"] == "stage" and w["version"] == 1 and "failed" not in w for w in r["failed_stage_workers"])
+    assert r["serves_old"] and r["digests_old"] and r["forward_refused"] == [None, None]
+    assert [w["commit_path"] for w in r["fallback_commit_workers"]] == ["reload", "reload"]
+    assert r["fallback_equal_to_vllm_reload"]
+    assert [w["commit_path"] for w in r["next_commit_workers"]] == ["shadow", "shadow"]
+    assert r["next_equal_to_vllm_reload"]
+    assert [w["commit_path"] for w in r["no_shadow_commit_workers"]] == ["reload", "reload"]
+    assert all("shadow_bytes" not in w for w in r["no_shadow_commit_workers"])
+    assert r["no_shadow_equal_to_vllm_reload"]
