@@ -56,7 +56,7 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["ControlCall", "ModuleShadow", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send",
+__all__ = ["ControlCall", "ModuleShadow", "STAGE_NICE_ENV", "background", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send",
            "commit_vote", "copy_boxes", "delta_options", "exchange_layouts", "group_broken", "group_layouts",
            "join_group", "lost_text", "message_tensors", "plan_pair", "plugin_secret", "private_tensor",
            "rank_buffers", "rebind", "stage_groups", "tensor_message", "timed_calls", "vote", "wait_all"]
@@ -442,3 +442,24 @@ class ModuleShadow:
                 for k in snap.keys() - s.__dict__.keys():
                     m.__dict__.pop(k, None)
         self.built = []
+
+
+STAGE_NICE_ENV = "TRITON_RESHARD_STAGE_NICE"
+
+
+def background(fn, *args, name: str, nice: int | None = None) -> threading.Thread:
+    """Start a daemon thread running ``fn(*args)`` at a lower CPU priority: its own nice value (Linux: a thread's
+    id is a ``setpriority`` target), ``nice`` or else ``$TRITON_RESHARD_STAGE_NICE`` (default 10; 0: as the
+    caller). A staged receive and its shadow build then yield the core they share with the engine's forward
+    (where the two compete for CPU: a CPU engine; on a GPU the wire and the kernels do not)."""
+    level = int(os.environ.get(STAGE_NICE_ENV, "10")) if nice is None else nice
+
+    def run():
+        if level > 0 and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), level)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True, name=name)
+    t.start()
+    return t

@@ -12,7 +12,16 @@ import torch
 
 from ..comm.secret import SECRET_ENV
 from ..refit import forget_refit_state, refit
-from .engine import box_bytes, broadcast_receive, copy_boxes, join_group, plugin_secret, rank_buffers, vote
+from .engine import (
+    background,
+    box_bytes,
+    broadcast_receive,
+    copy_boxes,
+    join_group,
+    plugin_secret,
+    rank_buffers,
+    vote,
+)
 from .vllm_transfer import (
     ReshardInitInfo,
     ReshardUpdateInfo,
@@ -145,9 +154,8 @@ if WeightTransferEngine is not None:
                 if self._thread is not None and self._thread.is_alive():
                     raise RuntimeError(f"triton_reshard worker {self.group.rank}: a staged receive is still running")
                 self._staged = None
-                self._thread = threading.Thread(target=self._voted, args=(update_info,), daemon=True,
-                                                name="triton_reshard_stage")
-                return self._thread.start()
+                self._thread = background(self._voted, update_info, name="triton_reshard_stage")
+                return None
             self._join_stage()  # the trainer sends this only after the staged receive's vote
             self._voted(update_info, self._thread is not None and self._thread.is_alive())
 
