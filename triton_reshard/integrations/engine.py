@@ -56,10 +56,10 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["ControlCall", "ModuleShadow", "STAGE_NICE_ENV", "background", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send",
+__all__ = ["ControlCall", "ModuleShadow", "STAGE_NICE_ENV", "TensorsSource", "background", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send",
            "commit_vote", "copy_boxes", "delta_options", "exchange_layouts", "group_broken", "group_layouts",
-           "join_group", "lost_text", "message_tensors", "plan_pair", "plugin_secret", "private_tensor",
-           "rank_buffers", "rebind", "stage_groups", "tensor_message", "timed_calls", "vote", "wait_all"]
+           "join_group", "lost_text", "message_tensors", "param_digests", "plan_pair", "plugin_secret", "private_tensor",
+           "rank_buffers", "received_groups", "rebind", "stage_groups", "tensor_message", "timed_calls", "vote", "wait_all"]
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
@@ -224,6 +224,48 @@ class ControlCall:
             raise TimeoutError(f"the engine's control-plane call did not return within {timeout:g}s")
         if self.error is not None:
             raise self.error
+
+
+class TensorsSource:
+    """A minimal ``WeightSource`` over a dict of this rank's local tensors (``iter_local`` only)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def iter_local(self):
+        return iter(self._tensors.items())
+
+
+def param_digests(module: torch.nn.Module) -> dict:
+    """``{parameter name: [numel, sha256 of its bytes]}`` of a module's live parameters."""
+    import hashlib
+
+    out = {}
+    for n, p in module.named_parameters():
+        t = p.detach().contiguous().cpu()
+        out[n] = [t.numel(), hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
+    return out
+
+
+def received_groups(groups: list, receive: Callable, prefetch: bool):
+    """``(receive(src, dst), group)`` for each ``(names, src, dst)`` of ``groups``, in order (an update's layer
+    groups, each received into fresh staging, then handed on). With ``prefetch``, group k+1 is received in one
+    background thread (the refit group is used by it alone until the update's end) while the consumer holds
+    group k: staging holds two."""
+    if not prefetch or len(groups) < 2:
+        for g in groups:
+            yield receive(*g[1:]), g
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="triton_reshard_prefetch") as pool:
+        fut = pool.submit(receive, *groups[0][1:])
+        for k, g in enumerate(groups):
+            got = fut.result()
+            if k + 1 < len(groups):
+                fut = pool.submit(receive, *groups[k + 1][1:])
+            yield got, g
+            del got
 
 
 def rank_buffers(layout: Layout, rank: int) -> dict[str, torch.Tensor]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,20 +27,8 @@ from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..layout.specs import Fragment
-from .engine import (
-    ModuleShadow,
-    broadcast_root,
-    commit_vote,
-    delta_options,
-    exchange_layouts,
-    group_layouts,
-    join_group,
-    plan_pair,
-    private_tensor,
-    rebind,
-    stage_groups,
-    timed_calls,
-)
+from . import engine as kit
+from .engine import TensorsSource, broadcast_root, commit_vote, group_layouts, plan_pair, stage_groups
 from .record import LoadRecord, layout_from_records
 
 try:  # the engine classes subclass vLLM's bases when vLLM is installed; the module imports without it
@@ -147,12 +134,12 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"triton_reshard update: phase must be one of {PHASES}, got {self.phase!r}")
         if self.phase != "full" and self.method != "reshard":
             raise ValueError(f"triton_reshard update: phase {self.phase!r} needs method 'reshard', got {self.method!r}")
-        delta_options(self.version, self.delta)
+        kit.delta_options(self.version, self.delta)
 
 
 def delta_kwargs(info) -> dict:
     """``refit``'s ``version`` / ``delta`` from an update info (:func:`~.engine.delta_options`)."""
-    return delta_options(info.version, getattr(info, "delta", False))
+    return kit.delta_options(info.version, getattr(info, "delta", False))
 
 
 _delta_kwargs = delta_kwargs  # its older name (tests/test_delta_plugins.py reads it here)
@@ -195,7 +182,7 @@ def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gro
             records[key] = part
         return part
 
-    (src_layout,), got = exchange_layouts(group, trainer_part, engine_part)
+    (src_layout,), got = kit.exchange_layouts(group, trainer_part, engine_part)
     errors = [r[1] for r in got if r[0] == "error"]
     if errors:
         raise RuntimeError(f"rank {group.rank}: the refit group's rendezvous was refused by the engine workers: "
@@ -304,10 +291,10 @@ def process_clock(seconds: list[float], label=None):
     from the loader's copies) timed into ``seconds[0]`` (:func:`~.engine.timed_calls`)."""
     from vllm.model_executor.model_loader.reload import layerwise
 
-    return timed_calls(layerwise, "_layerwise_process", seconds, label)
+    return kit.timed_calls(layerwise, "_layerwise_process", seconds, label)
 
 
-def shadow_reload(model, items, stats: dict) -> ModuleShadow:
+def shadow_reload(model, items, stats: dict) -> kit.ModuleShadow:
     """vLLM's layerwise reload of ``items`` run on a shadow of ``model`` (:class:`~.engine.ModuleShadow`) while
     the engine serves: each layer with weights gets private load-format tensors (its recorded metadata copied, its
     loaders bound to the shadow), ``load_weights`` feeds them, and vLLM's ``_layerwise_process`` (loader + re-pack)
@@ -322,7 +309,7 @@ def shadow_reload(model, items, stats: dict) -> ModuleShadow:
     from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
     t0, process_s = time.perf_counter(), [0.0]
-    sh, infos = ModuleShadow(model), {}
+    sh, infos = kit.ModuleShadow(model), {}
     try:
         for name, m, s in sh.pairs:
             info = lw.LAYERWISE_INFO.get(m)
@@ -336,10 +323,10 @@ def shadow_reload(model, items, stats: dict) -> ModuleShadow:
                 continue
 
             def fresh(t, meta=True, m=m, s=s):
-                u = private_tensor(t, (), s, meta=meta)
+                u = kit.private_tensor(t, (), s, meta=meta)
                 if lw._get_weight_loader(u).__name__ == "online_process_loader":
                     u.weight_loader = lw._get_original_loader(u)
-                rebind(u.__dict__, (m, layer_ref_sentinel), s)
+                kit.rebind(u.__dict__, (m, layer_ref_sentinel), s)
                 return u
 
             j = infos[id(s)] = lw.get_layerwise_info(s)
@@ -368,16 +355,6 @@ def shadow_reload(model, items, stats: dict) -> ModuleShadow:
                 lw.LAYERWISE_INFO.pop(s, None)
     stats.update(shadow_s=time.perf_counter() - t0, shadow_process_s=process_s[0], shadow_layers=len(sh.built))
     return sh
-
-
-class TensorsSource:
-    """A minimal ``WeightSource`` over a dict of this rank's local tensors (``iter_local`` only)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self._tensors = tensors
-
-    def iter_local(self):
-        return iter(self._tensors.items())
 
 
 class LLMClient:
@@ -414,7 +391,7 @@ def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout
     """The trainer ranks' half of :class:`RefitWorkerExtension`'s rendezvous: returns ``(group, src_layout,
     dst_layout)`` for ``refit(tensors, {}, src_layout, dst_layout, group=group)``. ``secret``: as
     :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
-    group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
+    group = kit.join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
                        secret_env=None, insecure=insecure)
     src, dst, _ = rendezvous(group, (layout,) if rank == 0 else None, None, rank)
     return group, src, dst

@@ -12,16 +12,7 @@ import torch
 
 from ..comm.secret import SECRET_ENV
 from ..refit import forget_refit_state, refit
-from .engine import (
-    background,
-    box_bytes,
-    broadcast_receive,
-    copy_boxes,
-    join_group,
-    plugin_secret,
-    rank_buffers,
-    vote,
-)
+from . import engine as kit
 from .vllm_transfer import (
     ReshardInitInfo,
     ReshardUpdateInfo,
@@ -75,11 +66,11 @@ if WeightTransferEngine is not None:
                 raise NotImplementedError("triton_reshard backend: vLLM pipeline parallelism is not supported")
             self.info = info = init_info
             rank = info.rank_offset + pc.data_parallel_rank * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
-            secret = plugin_secret(None, info.secret_env, info.secret_file, where=f"triton_reshard worker {rank}")
+            secret = kit.plugin_secret(None, info.secret_env, info.secret_file, where=f"triton_reshard worker {rank}")
             self._join_stage()  # a staged receive of the old trainer ends (fails) first
             with contextlib.suppress(Exception):  # a new trainer (e.g. after a failure): leave the old group
                 self.shutdown()
-            self.group = join_group(info.host, info.port, rank, info.world_size, backend=info.group_backend,
+            self.group = kit.join_group(info.host, info.port, rank, info.world_size, backend=info.group_backend,
                                     timeout=info.timeout, secret=secret, insecure=info.insecure)
             self._records = self.__dict__.get("_records", {})
             try:
@@ -154,7 +145,7 @@ if WeightTransferEngine is not None:
                 if self._thread is not None and self._thread.is_alive():
                     raise RuntimeError(f"triton_reshard worker {self.group.rank}: a staged receive is still running")
                 self._staged = None
-                self._thread = background(self._voted, update_info, name="triton_reshard_stage")
+                self._thread = kit.background(self._voted, update_info, name="triton_reshard_stage")
                 return None
             self._join_stage()  # the trainer sends this only after the staged receive's vote
             self._voted(update_info, self._thread is not None and self._thread.is_alive())
@@ -170,7 +161,7 @@ if WeightTransferEngine is not None:
             except Exception as e:  # noqa: BLE001 (voted, then recorded)
                 err = e
             stage = info.phase == "stage"
-            err, bad = vote(self.group, err, self.info.timeout, f"worker {self.group.rank}")
+            err, bad = kit.vote(self.group, err, self.info.timeout, f"worker {self.group.rank}")
             if err is None and bad:
                 err = RuntimeError(f"rank(s) {bad} of the refit group failed their part of this "
                                    f"{'staged ' if stage else ''}update")
@@ -218,7 +209,7 @@ if WeightTransferEngine is not None:
                     self._load(list(self._mirror.items()), stats)
                 else:
                     t0 = time.perf_counter()
-                    copy_boxes(dict(self.model.named_parameters()), self._mirror, self.dst_layout, rank)
+                    kit.copy_boxes(dict(self.model.named_parameters()), self._mirror, self.dst_layout, rank)
                     stats["load_s"] = time.perf_counter() - t0
                 self._staged = None  # committed: the mirror stays (it holds the live version; a delta patches it)
                 return stats
@@ -228,7 +219,7 @@ if WeightTransferEngine is not None:
                 self._drop_mirror()
             if info.method == "broadcast":
                 stats["mode"] = "reload"  # the baseline always goes through vLLM's loader
-                self._load(broadcast_receive(self.group, self.src_layout, self.info.rank_offset, self.info.timeout,
+                self._load(kit.broadcast_receive(self.group, self.src_layout, self.info.rank_offset, self.info.timeout,
                                               stats), stats)
             elif not reload:
                 self._receive(dict(self.model.named_parameters()), self.src_layout, self.dst_layout, kw, stats)
@@ -265,7 +256,7 @@ if WeightTransferEngine is not None:
 
         def _alloc(self, layout, stats: dict) -> dict:
             t0 = time.perf_counter()
-            out = rank_buffers(layout, self.group.rank)
+            out = kit.rank_buffers(layout, self.group.rank)
             stats["alloc_s"] += time.perf_counter() - t0
             return out
 
@@ -276,7 +267,7 @@ if WeightTransferEngine is not None:
             return self._mirror
 
         def _box_bytes(self, tensors: dict, layout=None) -> int:
-            return box_bytes(tensors, layout or self.dst_layout, self.group.rank)
+            return kit.box_bytes(tensors, layout or self.dst_layout, self.group.rank)
 
         def _load(self, items, stats: dict) -> None:
             """Feed ``(name, tensor)`` items to vLLM's loader inside its layerwise reload: ``load_s`` is the
@@ -297,36 +288,20 @@ if WeightTransferEngine is not None:
 
         def _groups(self, kw: dict, stats: dict, prefetch: bool):
             """A dense reload-mode update: each layer group's boxes received into fresh staging, then yielded to
-            the loader. With ``prefetch``, group k+1 is received in one background thread (the refit group is
-            used by it alone until the update's end) while the loader processes group k: staging holds two."""
+            the loader (:func:`~.engine.received_groups`; with ``prefetch`` staging holds two groups)."""
             held = [0]
             stats["groups"], stats["prefetch"] = len(self.groups), bool(prefetch)
 
             def receive(src, dst):
                 mine = self._alloc(dst, stats)
                 self._receive(mine, src, dst, kw, stats)
-                box = self._box_bytes(mine, dst)
-                held[0] += box
+                held[0] += self._box_bytes(mine, dst)
                 stats["staging_bytes"] = max(stats["staging_bytes"], held[0])
-                return mine, box
+                return mine
 
-            if not prefetch or len(self.groups) < 2:
-                for _names, src, dst in self.groups:
-                    mine, box = receive(src, dst)
-                    yield from mine.items()
-                    held[0] -= box
-                return
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(1, thread_name_prefix="triton_reshard_prefetch") as pool:
-                fut = pool.submit(receive, *self.groups[0][1:])
-                for k in range(len(self.groups)):
-                    mine, box = fut.result()
-                    if k + 1 < len(self.groups):
-                        fut = pool.submit(receive, *self.groups[k + 1][1:])
-                    yield from mine.items()
-                    del mine
-                    held[0] -= box
+            for mine, (_names, _src, dst) in kit.received_groups(self.groups, receive, prefetch):
+                yield from mine.items()
+                held[0] -= self._box_bytes(mine, dst)
 
         def _mark_torn(self, info: ReshardUpdateInfo, e: BaseException) -> None:
             self.torn = {"version": info.version, "mode": self.mode, "reason": f"{type(e).__name__}: {e}"[:400]}
@@ -393,7 +368,7 @@ class RefitWorkerExtension:
         dp, tp = (pc.data_parallel_rank, pc.tensor_parallel_size) if pc is not None else (0, 1)
         rank = num_trainer_ranks + dp * tp + get_tensor_model_parallel_rank()
         self._tr_timeout = timeout
-        self._tr_group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
+        self._tr_group = kit.join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
                                     secret_env=secret_env, secret_file=secret_file, insecure=insecure,
                                     where=f"triton_reshard worker {rank}")
         self._tr_layouts = rendezvous(self._tr_group, None, self._model(), rank)[:2]
@@ -421,10 +396,4 @@ class RefitWorkerExtension:
 
     def param_digests(self) -> dict:
         """``{parameter name: [numel, sha256 of its bytes]}`` of this worker's live parameters."""
-        import hashlib
-
-        out = {}
-        for n, p in self._model().named_parameters():
-            t = p.detach().contiguous().cpu()
-            out[n] = [t.numel(), hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
-        return out
+        return kit.param_digests(self._model())
