@@ -346,30 +346,38 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
             f"{pause:.3f}s ({100 * row['pause_of_transfer']:.1f} % of the transfer, {100 * row['refit_share']:.1f} % "
             f"of the iteration {iter_s:.2f}s)  mismatch max {row['mismatch_max']:.3f}")
     if rows:
-        rows[-1]["probe"] = transfer_probe(llm, eng, args, prompts(), idle_rate)
+        rows[-1]["probe"] = transfer_probe(
+            llm, lambda: eng.send_weights(version="probe", overlap=True, shadow=args.method != "async-reload"),
+            eng.commit, args, prompts(), args.seed * 1000 + 999)
         log(f"[{args.method}] probe: a transfer of {rows[-1]['probe']['transfer_s']:.3f}s while a batch generates: "
             f"{rows[-1]['probe']['tokens']} tokens out, {100 * (rows[-1]['probe']['rate_kept'] or 0):.0f} % of the "
             "idle token rate")
     return rows
 
 
-def transfer_probe(llm, eng, args, prompts: list, idle_rate: float) -> dict:
-    """The token rate while a transfer runs, against the idle rate: a batch starts generating, and once its first
-    tokens are out the trainer stages its current weights (``overlap=True``) and commits them after the batch
-    (the same weights: nothing changes). Where the loop's own generation ended before its transfer began (the
-    trainer's step is the longer on this CPU), this is the rate kept during a transfer."""
-    s = Sampler(llm, prompts, args, "probe", args.seed * 1000 + 999)
+PROBE_TOKENS = 48  # the probe's batch: long enough to outlast a transfer (the engine's max_model_len is 64)
+
+
+def transfer_probe(llm, send, commit, args, prompts: list, seed: int) -> dict:
+    """The token rate while a transfer runs, against the idle rate of the same batch: a batch of
+    ``PROBE_TOKENS`` tokens per sample is generated idle, then again (same prompts, same seeds) while ``send()``
+    stages the trainer's current weights (started once its first tokens are out); ``commit()`` after the batch
+    (the same weights: nothing changes). ``covered``: the batch outlasted the transfer."""
+    pa = argparse.Namespace(**{**vars(args), "tokens": PROBE_TOKENS})
+    idle = Sampler(llm, prompts, pa, "probe-idle", seed).join()
+    idle_rate = idle.tokens / max(idle.t1 - idle.t0, 1e-9)
+    s = Sampler(llm, prompts, pa, "probe", seed)
     while s.tokens == 0 and s.thread.is_alive():
         time.sleep(0.005)
     t0 = time.perf_counter()
-    eng.send_weights(version="probe", overlap=True)
+    send()
     t1 = time.perf_counter()
     rate, n = s.rate_within(t0, t1)
     s.join()
-    eng.commit()
+    commit()
     return {"transfer_s": t1 - t0, "tokens": n, "rate": rate, "idle_rate": idle_rate,
             "rate_kept": None if rate is None else rate / idle_rate, "gen_s": s.t1 - s.t0,
-            "covered": s.t1 >= t1}
+            "idle_gen_s": idle.t1 - idle.t0, "covered": s.t1 >= t1}
 
 
 TRAINER_PHASES = ("pause_s", "start_s", "send_s", "pack_s", "wire_s", "refits", "wait_workers_s", "finish_s",

@@ -325,6 +325,18 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method: s
               f"({100 * row['pause_of_transfer']:.1f} % of the transfer, {100 * row['refit_share']:.1f} % of the "
               f"iteration) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB mismatch "
               f"{row['mismatch_max']:.3f}", flush=True)
+    if rows and not warm:  # the token rate kept while a transfer crosses the link (rl_loop.transfer_probe)
+        def send():
+            _cmd("refit", iters + 1, METHOD_CODES[method])
+            eng.send_weights(version=iters + 1, overlap=True, shadow=method != "async-reload")
+            _recv((1,), torch.int64, 0)
+
+        def commit():
+            _cmd("commit")
+            eng.commit()
+
+        rows[-1]["probe"] = rl_loop.transfer_probe(llm, send, commit, a, prompts(), a.seed * 1000 + 999)
+        print(f"[{method}] probe: {rows[-1]['probe']}", flush=True)
     return rows
 
 

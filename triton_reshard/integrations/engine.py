@@ -56,7 +56,7 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["ControlCall", "ModuleShadow", "STAGE_NICE_ENV", "TensorsSource", "background", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send",
+__all__ = ["ControlCall", "ModuleShadow", "STAGE_NICE_ENV", "TensorsSource", "background", "box_bytes", "check_room", "broadcast_receive", "broadcast_root", "broadcast_send",
            "commit_vote", "copy_boxes", "delta_options", "exchange_layouts", "group_broken", "group_layouts",
            "join_group", "lost_text", "message_tensors", "param_digests", "plan_pair", "plugin_secret", "private_tensor",
            "rank_buffers", "received_groups", "rebind", "stage_groups", "tensor_message", "timed_calls", "vote", "wait_all"]
@@ -505,3 +505,20 @@ def background(fn, *args, name: str, nice: int | None = None) -> threading.Threa
     t = threading.Thread(target=run, daemon=True, name=name)
     t.start()
     return t
+
+
+def check_room(need: int, device: torch.device | str, what: str, headroom: float = 2.0) -> None:
+    """Raise :class:`MemoryError` unless ``headroom * need`` bytes are free for new tensors on ``device`` (CUDA:
+    its free memory; a CPU: the host's available memory), naming ``what`` and both numbers; unknown: no check."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    else:
+        try:
+            import psutil
+        except ImportError:
+            return
+        free = psutil.virtual_memory().available
+    if free < headroom * need:
+        raise MemoryError(f"{what} needs about {need / 1e6:.0f} MB ({headroom:g}x kept free), "
+                          f"{free / 1e6:.0f} MB are free on {dev}")

@@ -337,8 +337,8 @@ def shadow_reload(model, items, stats: dict) -> kit.ModuleShadow:
                     d[n] = None if d[n] is None else fresh(d[n], meta=False)
             restore_layer_on_meta(s, j)
             lw.initialize_online_processing(s)
-        names = {id(s): n for n, _, s in sh.pairs}
-        with no_mtp_check(), process_clock(process_s, lambda layer, _i: f"shadow build: layer {names[id(layer)]}"):
+        label = lambda layer, _i: "shadow build: layer " + next(n for n, _, s in sh.pairs if s is layer)  # noqa: E731
+        with no_mtp_check(), process_clock(process_s, label):
             sh.root.load_weights(iter(items))
             for name, m, s in sh.pairs:
                 j = infos.get(id(s))
@@ -350,9 +350,8 @@ def shadow_reload(model, items, stats: dict) -> kit.ModuleShadow:
                         t.numel() * t.element_size() for t in j.restore_metadata[0].values())
         sh.check()
     finally:
-        for _, _, s in sh.pairs:  # their loaders hold the shadow: vLLM's weak-keyed records would keep it alive
-            if id(s) in infos:
-                lw.LAYERWISE_INFO.pop(s, None)
+        for s in [s for _, _, s in sh.pairs if id(s) in infos]:  # their loaders hold the shadow: vLLM's
+            lw.LAYERWISE_INFO.pop(s, None)  # weak-keyed records would keep it alive
     stats.update(shadow_s=time.perf_counter() - t0, shadow_process_s=process_s[0], shadow_layers=len(sh.built))
     return sh
 

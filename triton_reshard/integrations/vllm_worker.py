@@ -161,19 +161,19 @@ if WeightTransferEngine is not None:
             except Exception as e:  # noqa: BLE001 (voted, then recorded)
                 err = e
             stage = info.phase == "stage"
+            if err is None:  # before the vote: a staged update's trainer may ask as soon as the vote completes
+                self.last_update = {**stats, "seconds": time.perf_counter() - t0}
             err, bad = kit.vote(self.group, err, self.info.timeout, f"worker {self.group.rank}")
             if err is None and bad:
                 err = RuntimeError(f"rank(s) {bad} of the refit group failed their part of this "
                                    f"{'staged ' if stage else ''}update")
-            if err is None:
-                self.last_update = {**stats, "seconds": time.perf_counter() - t0}
-            elif stage:
+            if err is not None and stage:
                 self._drop_mirror()  # and the staged version with it; the engine keeps its weights
                 self.last_update = {"mode": self.mode, "phase": "stage", "version": info.version,
                                     "failed": f"{type(err).__name__}: {err}"[:400]}
                 log_warning(f"triton_reshard worker {self.group.rank}: the staged update to version "
                             f"{info.version!r} failed; the engine keeps its weights: {err}")
-            else:
+            elif err is not None:
                 self._mark_torn(info, err)
                 if info.delta or self._mirror is not None:
                     self._drop_mirror()
@@ -235,7 +235,8 @@ if WeightTransferEngine is not None:
         def _build_shadow(self, stats: dict):
             """The staged version's weights built on a shadow of the model (in the staging thread, the engine
             serving); a failure is named in ``stats["shadow_failed"]`` and the commit reloads instead."""
-            try:
+            try:  # the shadow costs about 1x this worker's shard (the packed weights): skipped without the room
+                kit.check_room(self._box_bytes(self._mirror), self.device, "the shadow build")
                 sh = shadow_reload(self.model, list(self._mirror.items()), stats)
             except Exception as e:  # noqa: BLE001 (named; the engine keeps its weights, the commit falls back)
                 stats["shadow_failed"] = f"{type(e).__name__}: {e}"[:400]
