@@ -374,10 +374,16 @@ def transfer_probe(llm, send, commit, args, prompts: list, seed: int) -> dict:
     t1 = time.perf_counter()
     rate, n = s.rate_within(t0, t1)
     s.join()
+    # the transfer's two parts on the workers: the receive (wire + unpack), then the shadow build (loader + re-pack)
+    w = llm.collective_rpc("weight_transfer_stats")
+    recv_s, build_s = max(x.get("refit_s", 0.0) for x in w), max(x.get("shadow_s", 0.0) for x in w)
+    parts = {"receive": s.rate_within(t0, min(t1, t0 + recv_s))[0],
+             "shadow_build": s.rate_within(max(t0, t1 - build_s), t1)[0] if build_s else None}
     commit()
     return {"transfer_s": t1 - t0, "tokens": n, "rate": rate, "idle_rate": idle_rate,
             "rate_kept": None if rate is None else rate / idle_rate, "gen_s": s.t1 - s.t0,
-            "idle_gen_s": idle.t1 - idle.t0, "covered": s.t1 >= t1}
+            "idle_gen_s": idle.t1 - idle.t0, "covered": s.t1 >= t1, "receive_s": recv_s, "shadow_s": build_s,
+            "rate_kept_by_part": {k: None if v is None else v / idle_rate for k, v in parts.items()}}
 
 
 TRAINER_PHASES = ("pause_s", "start_s", "send_s", "pack_s", "wire_s", "refits", "wait_workers_s", "finish_s",
