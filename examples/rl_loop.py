@@ -360,10 +360,11 @@ PROBE_TOKENS = 48  # the probe's batch: long enough to outlast a transfer (the e
 
 def transfer_probe(llm, send, commit, args, prompts: list, seed: int) -> dict:
     """The token rate while a transfer runs, against the idle rate of the same batch: a batch of
-    ``PROBE_TOKENS`` tokens per sample is generated idle, then again (same prompts, same seeds) while ``send()``
+    ``PROBE_TOKENS`` tokens per sample (4x the loop's prompts) is generated idle, then again (same prompts, same seeds) while ``send()``
     stages the trainer's current weights (started once its first tokens are out); ``commit()`` after the batch
     (the same weights: nothing changes). ``covered``: the batch outlasted the transfer."""
     pa = argparse.Namespace(**{**vars(args), "tokens": PROBE_TOKENS})
+    prompts = prompts * 4  # a bigger batch: it outlasts a transfer across a 1 Gbit/s link
     idle = Sampler(llm, prompts, pa, "probe-idle", seed).join()
     idle_rate = idle.tokens / max(idle.t1 - idle.t0, 1e-9)
     s = Sampler(llm, prompts, pa, "probe", seed)
