@@ -27,9 +27,10 @@ tensor from the trainer to every worker over gloo, into vLLM's ``load_weights`` 
 
 ``--async`` (``--method async``, or ``async-delta``): one-step off-policy GRPO (issue 45). The engine samples
 batch k+1 in a thread (with the weights it holds) while the trainer steps on batch k and stages its new weights
-(``send_weights(overlap=True)``: the workers receive into private staging while the engine generates); after
-the batch, ``commit()`` swaps them in: the engine's only pause. Per iteration: generation, training, the
-transfer, the pause, the tokens generated during the transfer (and the token rate kept against the engine's
+(``send_weights(overlap=True)``: the workers receive into private staging and build the new weights on a shadow
+of the model while the engine generates); after the batch, ``commit()`` swaps them in: the engine's only pause
+(``async-reload``: no shadow, the commit runs vLLM's reload from staging, the loader and re-pack paused). Per
+iteration: generation, training, the transfer, the pause, the tokens generated during the transfer (and the token rate kept against the engine's
 idle rate, also measured by a probe at the end), and the mismatch between the engine's logprobs and the
 trainer's under the weights that actually sampled each batch.
 """
@@ -303,7 +304,8 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
         sampled = trainer.logprobs(rollouts, batch_w)  # under the weights that sampled the batch
         mism = [abs(a - b) for (_, _, e), t in zip(rollouts, sampled, strict=True) for a, b in zip(e, t, strict=True)]
         t_s0 = time.perf_counter()
-        eng.send_weights(version=it + 1, delta=args.method == "async-delta", overlap=True)
+        eng.send_weights(version=it + 1, delta=args.method == "async-delta", overlap=True,
+                         shadow=args.method != "async-reload")
         t_s1 = time.perf_counter()
         stage = eng.last_update
         rate, during = nxt.rate_within(t_s0, t_s1)
@@ -331,7 +333,12 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
                # of the commit, vLLM's post-processing (the re-pack for the CPU kernels) in its layerwise reload
                "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
-               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {}}
+               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {},
+               # the commit's path ("shadow": a swap; "reload"), the shadow's build while serving and its memory
+               "commit_path": workers[0].get("commit_path"),
+               "shadow_bytes": max(w.get("shadow_bytes", 0) for w in workers),
+               "shadow_s": max(w.get("shadow_s", 0.0) for w in workers),
+               "shadow_failed": [w["shadow_failed"] for w in workers if "shadow_failed" in w] or None}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
         log(f"[{args.method}] iter {it}: reward {row['reward']:.3f}  gen {row['gen_s']:.2f}s  train {t_train:.2f}s  "
@@ -339,30 +346,45 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
             f"{pause:.3f}s ({100 * row['pause_of_transfer']:.1f} % of the transfer, {100 * row['refit_share']:.1f} % "
             f"of the iteration {iter_s:.2f}s)  mismatch max {row['mismatch_max']:.3f}")
     if rows:
-        rows[-1]["probe"] = transfer_probe(llm, eng, args, prompts(), idle_rate)
+        rows[-1]["probe"] = transfer_probe(
+            llm, lambda: eng.send_weights(version="probe", overlap=True, shadow=args.method != "async-reload"),
+            eng.commit, args, prompts(), args.seed * 1000 + 999)
         log(f"[{args.method}] probe: a transfer of {rows[-1]['probe']['transfer_s']:.3f}s while a batch generates: "
             f"{rows[-1]['probe']['tokens']} tokens out, {100 * (rows[-1]['probe']['rate_kept'] or 0):.0f} % of the "
             "idle token rate")
     return rows
 
 
-def transfer_probe(llm, eng, args, prompts: list, idle_rate: float) -> dict:
-    """The token rate while a transfer runs, against the idle rate: a batch starts generating, and once its first
-    tokens are out the trainer stages its current weights (``overlap=True``) and commits them after the batch
-    (the same weights: nothing changes). Where the loop's own generation ended before its transfer began (the
-    trainer's step is the longer on this CPU), this is the rate kept during a transfer."""
-    s = Sampler(llm, prompts, args, "probe", args.seed * 1000 + 999)
+PROBE_TOKENS = 48  # the probe's batch: long enough to outlast a transfer (the engine's max_model_len is 64)
+
+
+def transfer_probe(llm, send, commit, args, prompts: list, seed: int) -> dict:
+    """The token rate while a transfer runs, against the idle rate of the same batch: a batch of
+    ``PROBE_TOKENS`` tokens per sample (4x the loop's prompts) is generated idle, then again (same prompts, same seeds) while ``send()``
+    stages the trainer's current weights (started once its first tokens are out); ``commit()`` after the batch
+    (the same weights: nothing changes). ``covered``: the batch outlasted the transfer."""
+    pa = argparse.Namespace(**{**vars(args), "tokens": PROBE_TOKENS})
+    prompts = prompts * 4  # a bigger batch: it outlasts a transfer across a 1 Gbit/s link
+    idle = Sampler(llm, prompts, pa, "probe-idle", seed).join()
+    idle_rate = idle.tokens / max(idle.t1 - idle.t0, 1e-9)
+    s = Sampler(llm, prompts, pa, "probe", seed)
     while s.tokens == 0 and s.thread.is_alive():
         time.sleep(0.005)
     t0 = time.perf_counter()
-    eng.send_weights(version="probe", overlap=True)
+    send()
     t1 = time.perf_counter()
     rate, n = s.rate_within(t0, t1)
     s.join()
-    eng.commit()
+    # the transfer's two parts on the workers: the receive (wire + unpack), then the shadow build (loader + re-pack)
+    w = llm.collective_rpc("weight_transfer_stats")
+    recv_s, build_s = max(x.get("refit_s", 0.0) for x in w), max(x.get("shadow_s", 0.0) for x in w)
+    parts = {"receive": s.rate_within(t0, min(t1, t0 + recv_s))[0],
+             "shadow_build": s.rate_within(max(t0, t1 - build_s), t1)[0] if build_s else None}
+    commit()
     return {"transfer_s": t1 - t0, "tokens": n, "rate": rate, "idle_rate": idle_rate,
             "rate_kept": None if rate is None else rate / idle_rate, "gen_s": s.t1 - s.t0,
-            "covered": s.t1 >= t1}
+            "idle_gen_s": idle.t1 - idle.t0, "covered": s.t1 >= t1, "receive_s": recv_s, "shadow_s": build_s,
+            "rate_kept_by_part": {k: None if v is None else v / idle_rate for k, v in parts.items()}}
 
 
 TRAINER_PHASES = ("pause_s", "start_s", "send_s", "pack_s", "wire_s", "refits", "wait_workers_s", "finish_s",
@@ -421,7 +443,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", default="reshard",
-                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta"])
+                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta",
+                             "async-reload"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
                          "(same as --method async)")

@@ -31,7 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta")
+METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta", "async-reload")
 DEFAULT_METHODS = ("broadcast", "reshard", "delta", "async")  # reshard-prefetch, async-delta on request (--methods)
 
 
@@ -76,7 +76,9 @@ def summarize(rows: list[dict]) -> dict:
                           pause_loader_s=statistics.median(r["worker_load_s"] for r in rs),
                           pause_repack_s=(statistics.median(r["worker_repack_s"] for r in rs)
                                           if all("worker_repack_s" in r for r in rs) else None),
-                          iter_s=statistics.median(it),
+                          iter_s=statistics.median(it), commit_path=rs[-1].get("commit_path"),
+                          shadow_mb=max(r.get("shadow_bytes", 0) for r in rs) / 1e6,
+                          shadow_s=statistics.median(r.get("shadow_s", 0.0) for r in rs),
                           rate_kept_in_loop=statistics.median(kept) if kept else None,
                           rate_kept_probe=probe.get("rate_kept"), probe=probe)
     if "broadcast" in out and "reshard" in out:

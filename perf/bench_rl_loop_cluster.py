@@ -33,7 +33,7 @@ for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
         sys.path.insert(0, p)
 
 OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4}
-METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3}
+METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3, "async-reload": 4}
 
 
 def _send(t, dst: int) -> None:
@@ -122,7 +122,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             if method == "broadcast":
                 eng.send_weights(version=x, method="broadcast")
             else:
-                eng.send_weights(version=x, delta=method == "delta", overlap=method == "async")
+                eng.send_weights(version=x, delta=method == "delta", overlap=method.startswith("async"),
+                                 shadow=method != "async-reload")
             _send(torch.tensor([eng.last_update.get("sent_bytes", 0)], dtype=torch.int64), 1)
         elif op == OPS["commit"]:
             eng.commit()
@@ -190,8 +191,8 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
         _cmd("reset", k)
         eng.send_weights(version=f"reset-{k}")
         rng = random.Random(a.seed)
-        if method == "async":
-            rows += _async_iters(llm, eng, a, vocab, rng, iters, warm)
+        if method.startswith("async"):
+            rows += _async_iters(llm, eng, a, vocab, rng, iters, warm, method)
             continue
         for it in range(iters):
             prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(a.prompts)]
@@ -270,8 +271,8 @@ def _train_cmd(gen: list, a, async_: bool) -> dict:
             "mismatch_mean": sum(mism) / len(mism)}
 
 
-def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool) -> list[dict]:
-    """Engine node, method ``async`` (examples/rl_loop.py run_async): the engine samples batch k+1 in a thread
+def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method: str = "async") -> list[dict]:
+    """Engine node, method ``async`` or ``async-reload`` (examples/rl_loop.py run_async): the engine samples batch k+1 in a thread
     while the trainer node steps on batch k and stages its weights across the link (``overlap=True``); the
     commit after the batch is the only pause. The mismatch is against the weights that sampled each batch."""
     import rl_loop
@@ -291,8 +292,8 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool) -> list[d
         st = _train_cmd(batch, a, True)
         c0 = link_counters()
         t_s0 = time.perf_counter()
-        _cmd("refit", it + 1, METHOD_CODES["async"])
-        eng.send_weights(version=it + 1, overlap=True)
+        _cmd("refit", it + 1, METHOD_CODES[method])
+        eng.send_weights(version=it + 1, overlap=True, shadow=method != "async-reload")
         t_s1 = time.perf_counter()
         sent = int(_recv((1,), torch.int64, 0)[0])
         link_rx = (link_counters() - c0).rx
@@ -305,7 +306,7 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool) -> list[d
         t_end = time.perf_counter()
         w = llm.collective_rpc("weight_transfer_stats")
         batch, iter_s = nxt.result, t_end - t_it
-        row = {"warm_up": warm, "method": "async", "iter": it, **st, "gen_s": nxt.t1 - nxt.t0,
+        row = {"warm_up": warm, "method": method, "iter": it, **st, "gen_s": nxt.t1 - nxt.t0,
                "transfer_s": t_s1 - t_s0, "wait_gen_s": t_c - t_s1, "pause_s": pause, "commit_s": t_end - t_c,
                "refit_s": pause, "iter_s": iter_s, "refit_share": pause / iter_s,
                "pause_of_transfer": pause / max(t_s1 - t_s0, 1e-9), "tokens_during_transfer": during,
@@ -314,14 +315,28 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool) -> list[d
                "delta_mode": None, "worker_refit_s": max(x.get("load_s", 0.0) for x in w),
                "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
                "worker_repack_s": max(x.get("process_s", 0.0) + x.get("finalize_process_s", 0.0) for x in w),
-               "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {}}
+               "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {},
+               "commit_path": w[0].get("commit_path"), "shadow_bytes": max(x.get("shadow_bytes", 0) for x in w),
+               "shadow_s": max(x.get("shadow_s", 0.0) for x in w)}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
-        print(f"[async] iter {it}: gen {row['gen_s']:.2f}s train {st['train_s']:.2f}s transfer {row['transfer_s']:.3f}s "
+        print(f"[{method}] iter {it}: gen {row['gen_s']:.2f}s train {st['train_s']:.2f}s transfer {row['transfer_s']:.3f}s "
               f"(overlapped; {during} tokens out, rate kept {kept}) pause {pause:.3f}s "
               f"({100 * row['pause_of_transfer']:.1f} % of the transfer, {100 * row['refit_share']:.1f} % of the "
               f"iteration) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB mismatch "
               f"{row['mismatch_max']:.3f}", flush=True)
+    if rows and not warm:  # the token rate kept while a transfer crosses the link (rl_loop.transfer_probe)
+        def send():
+            _cmd("refit", iters + 1, METHOD_CODES[method])
+            eng.send_weights(version=iters + 1, overlap=True, shadow=method != "async-reload")
+            _recv((1,), torch.int64, 0)
+
+        def commit():
+            _cmd("commit")
+            eng.commit()
+
+        rows[-1]["probe"] = rl_loop.transfer_probe(llm, send, commit, a, prompts(), a.seed * 1000 + 999)
+        print(f"[{method}] probe: {rows[-1]['probe']}", flush=True)
     return rows
 
 

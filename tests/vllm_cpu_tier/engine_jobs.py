@@ -376,7 +376,8 @@ def fault(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap", "overlap_fault"])
+    ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap", "overlap_fault",
+                                    "overlap_shadow_fault"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)
@@ -394,7 +395,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.job == "trainer_rank1":
         return trainer_rank1(args)
-    if args.job in ("overlap", "overlap_fault"):  # stage, then commit (issue 45): their own module
+    if args.job.startswith("overlap"):  # stage, then commit (issue 45): their own module
         import overlap_jobs
 
         job = getattr(overlap_jobs, args.job)

@@ -1,6 +1,7 @@
 """The vllm-cpu tier's stage-then-commit jobs (issue 45), run through ``engine_jobs.py`` (``overlap``,
-``overlap_fault``): a running vLLM engine refit with ``send_weights(overlap=True)`` and ``commit()``; the faults of
-a staged update (a trainer rank killed, an engine worker killed). Nothing runs at import."""
+``overlap_fault``, ``overlap_shadow_fault``): a running vLLM engine refit with ``send_weights(overlap=True)`` and
+``commit()``; the faults of a staged update (a trainer rank killed, an engine worker killed, the shadow build
+failing part way). Nothing runs at import."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 from engine_jobs import MAX_LEN_INFLIGHT, split_layout, version_tensors
 
+from triton_reshard.integrations.vllm_worker import RefitWorkerExtension
 from triton_reshard.testing.vllm_engine import (
     PROMPTS,
     engine_env,
@@ -124,6 +126,7 @@ def overlap(args) -> dict:
         out.setdefault("delta_stage", []).append({"trainer_mode": eng.last_report.mode,
                                                   "sent": eng.last_update["sent_bytes"]})
         eng.commit()
+        out.setdefault("later_commit_paths", []).extend(llm.collective_rpc("weight_transfer_stats"))
     d = save_tensors(tmp, "d", b, tensors)
     got = generate(llm, PROMPTS)
     llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
@@ -217,6 +220,83 @@ def overlap_fault(args) -> dict:
     eng.shutdown()
     # the engine's last use in this job (vLLM shuts an engine down when one of its workers dies)
     out["worker_killed"] = worker_killed_during_stage(llm, version_tensors(b, 2), args.timeout)
+    return out
+
+
+class ShadowFaultExtension(RefitWorkerExtension):
+    """The tier's worker extension plus a fault: vLLM's CPU linear re-pack (``dispatch_cpu_unquantized_gemm``)
+    raising in the staging thread after ``after`` layers (a shadow build failing part way, in vLLM's own
+    post-processing); ``None`` heals it."""
+
+    def fail_shadow_build(self, after: int | None) -> None:
+        import threading
+
+        from vllm.model_executor.layers import utils
+
+        orig = utils.__dict__.setdefault("_tier_orig_dispatch", utils.dispatch_cpu_unquantized_gemm)
+        calls = [0]
+
+        def dispatch(layer, remove_weight):
+            if threading.current_thread().name == "triton_reshard_stage":
+                calls[0] += 1
+                if calls[0] > after:
+                    raise RuntimeError(f"injected re-pack failure (call {calls[0]})")
+            return orig(layer, remove_weight)
+
+        utils.dispatch_cpu_unquantized_gemm = orig if after is None else dispatch
+
+
+def overlap_shadow_fault(args) -> dict:
+    """A shadow build failing part way (vLLM's re-pack raising in the staging thread after 3 layers): the staged
+    update completes (its bytes are staged), the failure is named in the workers' stats (the layer, the error);
+    the engine serves its old weights untouched (same tokens, same digests, nothing refused); the commit then runs
+    vLLM's reload from staging (``commit_path`` "reload"), equal to vLLM's own reload; the fault healed, the next
+    staged update takes the shadow path again, equal to vLLM's reload; ``shadow=False`` takes the reload path."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from triton_reshard.integrations import vllm_transfer as vt
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_shadow_fault_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp, worker_extension_cls="overlap_jobs.ShadowFaultExtension")
+    gen_a, dig_a = generate(llm, PROMPTS), llm.collective_rpc("param_digests")
+    tensors = load_file(os.path.join(b, "model.safetensors"))
+    eng = trainer_engine(llm, tensors)
+
+    def reload_equal(ckpt: str, old) -> bool:
+        got, dig = generate(llm, PROMPTS), llm.collective_rpc("param_digests")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": ckpt, "is_checkpoint_format": True})
+        return got == generate(llm, PROMPTS) != old and dig == llm.collective_rpc("param_digests")
+
+    llm.collective_rpc("fail_shadow_build", args=(3,))
+    eng.send_weights(version=1, overlap=True)
+    out["failed_stage_workers"] = llm.collective_rpc("weight_transfer_stats")
+    out["serves_old"] = generate(llm, PROMPTS) == gen_a
+    out["digests_old"] = llm.collective_rpc("param_digests") == dig_a
+    out["forward_refused"] = llm.collective_rpc("forward_refused")
+    llm.collective_rpc("fail_shadow_build", args=(None,))
+    eng.commit()
+    out["fallback_commit_workers"] = llm.collective_rpc("weight_transfer_stats")
+    out["fallback_equal_to_vllm_reload"] = reload_equal(b, gen_a)
+    gen_b = generate(llm, PROMPTS)
+    c = {k: v * 0.5 for k, v in tensors.items()}
+    eng.source = vt.TensorsSource(c)
+    eng.send_weights(version=2, overlap=True)
+    eng.commit()
+    out["next_commit_workers"] = llm.collective_rpc("weight_transfer_stats")
+    out["next_equal_to_vllm_reload"] = reload_equal(save_tensors(tmp, "c", b, c), gen_b)
+    gen_c = generate(llm, PROMPTS)
+    eng.source = vt.TensorsSource(tensors)
+    eng.send_weights(version=3, overlap=True, shadow=False)
+    eng.commit()
+    out["no_shadow_commit_workers"] = llm.collective_rpc("weight_transfer_stats")
+    out["no_shadow_equal_to_vllm_reload"] = reload_equal(b, gen_c)
+    stop(llm, eng)
     return out
 
 

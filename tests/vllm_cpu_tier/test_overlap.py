@@ -2,8 +2,9 @@
 overlap``): ``send_weights(overlap=True)`` moves the bytes into each worker's private staging mirror while the
 engine serves, ``commit()`` swaps them in under the pause.
 
-* while staged, the engine still generates the old weights' tokens and refuses nothing;
-* after the commit it generates, bit for bit, what it generates after vLLM's own ``reload_weights`` of the same
+* while staged (received, and the new weights built on a shadow of the model), the engine still generates the old
+  weights' tokens and refuses nothing;
+* the commit only swaps the shadow in (``commit_path`` "shadow"); after it the engine generates, bit for bit, what it generates after vLLM's own ``reload_weights`` of the same
   checkpoint, and its live parameters' digests are equal;
 * a request straddling a commit with pause_mode "wait" gets the old weights' greedy continuation (one weight
   version span); with "keep" vLLM's per-request weight-version spans say at which token the weights changed,
@@ -47,6 +48,10 @@ def test_stage_then_commit(tmp_path, tp):
     assert r["serves_old_while_staged"], "the engine served staged (uncommitted) weights"
     assert r["forward_refused_while_staged"] == [None] * tp
     assert all(w["phase"] == "commit" and w["version"] == 1 for w in r["commit_workers"])
+    # the swap path was taken: the new weights were built on a shadow while the engine served, the commit swapped
+    assert all(w["shadow_layers"] > 0 and "shadow_failed" not in w for w in workers), workers
+    assert all(w["commit_path"] == "shadow" and w["shadow_bytes"] > 0 for w in r["commit_workers"]), r["commit_workers"]
+    assert all(c["commit_path"] == "shadow" for c in r["later_commit_paths"]), r["later_commit_paths"]
     assert r["commit_equal_to_vllm_reload"] and r["digests_equal"]
     assert r["wait"]["seen_before"] >= 16 and r["wait_equal_old"] and r["wait_engine_now_new"]
     assert [s[0] for s in r["wait"]["spans"]] == ["1"], r["wait"]["spans"]
@@ -57,3 +62,21 @@ def test_stage_then_commit(tmp_path, tp):
     assert d1["trainer_mode"] == "dense-fallback" and d2["trainer_mode"] == "delta"
     assert d2["sent"] * 10 <= d1["sent"]
     assert r["delta_commit_equal_to_vllm_reload"]
+
+
+def test_shadow_build_failing_part_way_leaves_the_engine_serving_tp2(tmp_path):
+    """vLLM's re-pack raising in the staging thread after 3 layers: the old weights stay live and untouched, the
+    failure is named (layer and error), the commit falls back to vLLM's reload from staging (exact), and the next
+    staged update builds its shadow again; ``shadow=False`` commits by reload."""
+    r = _run(tmp_path, "overlap_shadow_fault", "--tp", "2")
+    failed = [w.get("shadow_failed") or "" for w in r["failed_stage_workers"]]
+    assert all("shadow build: layer " in f and "injected re-pack failure (call 4)" in f for f in failed), failed
+    assert all(w["phase"] == "stage" and w["version"] == 1 and "failed" not in w for w in r["failed_stage_workers"])
+    assert r["serves_old"] and r["digests_old"] and r["forward_refused"] == [None, None]
+    assert [w["commit_path"] for w in r["fallback_commit_workers"]] == ["reload", "reload"]
+    assert r["fallback_equal_to_vllm_reload"]
+    assert [w["commit_path"] for w in r["next_commit_workers"]] == ["shadow", "shadow"]
+    assert r["next_equal_to_vllm_reload"]
+    assert [w["commit_path"] for w in r["no_shadow_commit_workers"]] == ["reload", "reload"]
+    assert all("shadow_bytes" not in w for w in r["no_shadow_commit_workers"])
+    assert r["no_shadow_equal_to_vllm_reload"]

@@ -91,3 +91,4 @@ def test_rl_loop_async_tp2(tmp_path):
     assert all(r["sent_bytes"] * 0.5 <= r["staging_bytes"] * 2 <= r["sent_bytes"] * 1.02 for r in rows), rows[0]
     assert all(r["changed_frac"] > 0 for r in rows)
     assert rows[-1]["probe"]["idle_rate"] > 0
+    assert all(r["commit_path"] == "shadow" and r["shadow_bytes"] > 0 for r in rows), rows[0]  # the swap path

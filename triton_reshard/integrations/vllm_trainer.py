@@ -57,10 +57,11 @@ if TrainerWeightTransferEngine is not None:
         # weights first: every request sees one version), "keep" (held, continued on the new weights), "abort".
         pause: bool = True
         pause_mode: str = "wait"
+        shadow: bool = True  # reload mode, stage then commit: new weights built while serving (ReshardInitInfo)
 
     # what the workers are told (ReshardInitInfo): the trainer's init info less what stays here
     _WORKER_FIELDS = ("host", "port", "world_size", "timeout", "bucket_bytes", "group_backend", "secret_env",
-                      "secret_file", "insecure", "mode", "staging_bytes", "prefetch")
+                      "secret_file", "insecure", "mode", "staging_bytes", "prefetch", "shadow")
 
     class TritonReshardTrainerEngine(TrainerWeightTransferEngine):
         """The trainer side: every trainer rank sends the boxes it holds, straight from its local tensors.
@@ -109,17 +110,19 @@ if TrainerWeightTransferEngine is not None:
             return eng
 
         def send_weights(self, version: int | str | None = None, delta: bool | str = False,
-                         method: str = "reshard", prefetch: bool | None = None, overlap: bool = False) -> None:
+                         method: str = "reshard", prefetch: bool | None = None, overlap: bool = False,
+                         shadow: bool | None = None) -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
             travel after the first update (docs/delta.md). In reload mode a dense update is one refit per layer
             group, a delta update one refit (the workers keep the staged checkpoint to patch).
             ``method="broadcast"``: the baseline (:class:`ReshardUpdateInfo`); needs every full tensor on one
             trainer rank. ``overlap=True``: stage, then commit: the workers receive into a private staging
             mirror in a background thread while the engine keeps serving; this returns once every worker has
-            staged (the engine is not paused); :meth:`commit` later swaps the staged weights in under the pause.
+            staged (the engine is not paused) and, in reload mode, built the new weights on a shadow of the model
+            (``shadow``, default the init info's); :meth:`commit` later swaps them in under the pause.
             A failed staged update leaves the engine serving its weights untouched (raised here, not torn)."""
             info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch,
-                    "phase": "stage" if overlap else "full"}
+                    "phase": "stage" if overlap else "full", "shadow": shadow}
             # refused here, before any engine call: the engine keeps serving its old weights (issue 42)
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
                       **delta_kwargs(ReshardUpdateInfo(**info)))

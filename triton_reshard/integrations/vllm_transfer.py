@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +27,8 @@ from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..layout.specs import Fragment
-from .engine import broadcast_root, commit_vote, delta_options, exchange_layouts, join_group, plan_pair
+from . import engine as kit
+from .engine import TensorsSource, broadcast_root, commit_vote, group_layouts, plan_pair, stage_groups
 from .record import LoadRecord, layout_from_records
 
 try:  # the engine classes subclass vLLM's bases when vLLM is installed; the module imports without it
@@ -52,8 +51,8 @@ _LAZY = {"TritonReshardWeightTransferEngine": "vllm_worker", "RefitWorkerExtensi
          "TritonReshardTrainerEngine": "vllm_trainer", "ReshardTrainerInitInfo": "vllm_trainer"}
 __all__ = ["BACKEND", "MODES", "LLMClient", "RefitWorkerExtension", "ReshardInitInfo", "ReshardUpdateInfo",  # noqa: F822
            "TensorsSource", "TornWeightsError", "broadcast_root", "choose_mode", "commit_vote", "delta_kwargs",
-           "group_layouts", "model_format_params", "plan_pair", "register", "rewritten_params", "stage_groups",
-           "staging_record", "trainer_refit_group"]
+           "group_layouts", "model_format_params", "plan_pair", "register", "rewritten_params", "shadow_reload",
+           "stage_groups", "staging_record", "trainer_refit_group"]
 if WeightTransferEngine is not None:
     __all__ += ["ReshardTrainerInitInfo", "TritonReshardTrainerEngine", "TritonReshardWeightTransferEngine"]  # noqa: F822
 
@@ -104,6 +103,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
     # reload mode: receive the next layer group while the loader processes this one (off by default: on a 2-core
     # machine it made refits slower, 0.75x; it pays where the wire waits on a network and a core is free)
     prefetch: bool = False
+    # reload mode, stage then commit: build the new weights (vLLM's loader + re-pack) on shadow modules while the
+    # engine serves, so the commit only swaps them in (costs ~1x the worker's packed weights until the commit);
+    # False: the commit runs vLLM's layerwise reload from staging under the pause (no shadow memory)
+    shadow: bool = True
 
 
 @dataclass
@@ -120,6 +123,7 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     delta: bool | str = False
     method: str = "reshard"
     prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
+    shadow: bool | None = None  # reload mode, phase "stage": build on a shadow (None: the init info's)
     phase: str = "full"
 
     def __post_init__(self) -> None:
@@ -130,12 +134,12 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"triton_reshard update: phase must be one of {PHASES}, got {self.phase!r}")
         if self.phase != "full" and self.method != "reshard":
             raise ValueError(f"triton_reshard update: phase {self.phase!r} needs method 'reshard', got {self.method!r}")
-        delta_options(self.version, self.delta)
+        kit.delta_options(self.version, self.delta)
 
 
 def delta_kwargs(info) -> dict:
     """``refit``'s ``version`` / ``delta`` from an update info (:func:`~.engine.delta_options`)."""
-    return delta_options(info.version, getattr(info, "delta", False))
+    return kit.delta_options(info.version, getattr(info, "delta", False))
 
 
 _delta_kwargs = delta_kwargs  # its older name (tests/test_delta_plugins.py reads it here)
@@ -178,7 +182,7 @@ def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_gro
             records[key] = part
         return part
 
-    (src_layout,), got = exchange_layouts(group, trainer_part, engine_part)
+    (src_layout,), got = kit.exchange_layouts(group, trainer_part, engine_part)
     errors = [r[1] for r in got if r[0] == "error"]
     if errors:
         raise RuntimeError(f"rank {group.rank}: the refit group's rendezvous was refused by the engine workers: "
@@ -282,55 +286,74 @@ def staging_record(rec: LoadRecord) -> LoadRecord:
     return out
 
 
-def stage_groups(layout: Layout) -> list[list[str]]:
-    """The checkpoint tensors per decoder layer (vLLM's ``layerwise_groups`` rule: keyed on the outermost integer
-    segment, layers in index order; un-indexed names go before or after them by their position in the layout's
-    name-sorted order, e.g. ``lm_head`` and the embeddings first, the final norm last): the unit of one
-    reload-mode refit, so staging holds whole layers, which vLLM's layerwise reload processes once complete."""
-    pre, post, stacks = [], [], {}
-    for n in (t.name for t in layout.tensors):
-        parts = n.split(".")
-        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        if idx is None:
-            (post if stacks else pre).append(n)
-        else:
-            stacks.setdefault((".".join(parts[:idx]), int(parts[idx])), []).append(n)
-    first = {}
-    for k in stacks:
-        first.setdefault(k[0], len(first))
-    order = sorted(stacks, key=lambda k: (first[k[0]], k[1]))
-    return ([pre] if pre else []) + [stacks[k] for k in order] + ([post] if post else [])
+def process_clock(seconds: list[float], label=None):
+    """Within: vLLM's per-layer post-processing (``_layerwise_process``: the engine's own re-packing, told apart
+    from the loader's copies) timed into ``seconds[0]`` (:func:`~.engine.timed_calls`)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return kit.timed_calls(layerwise, "_layerwise_process", seconds, label)
 
 
-def group_layouts(src: Layout, dst: Layout, mode: str, staging_bytes: int = 64 << 20
-                  ) -> list[tuple[list[str], Layout, Layout]]:
-    """The refits of one update: one for the whole model in place; in reload mode consecutive layer groups
-    (:func:`stage_groups`) merged while their checkpoint bytes stay within ``staging_bytes`` (a bigger group is
-    one refit of its own), so a refit's handshake is paid once per merged group. Both sides compute the same."""
-    if mode != "reload":
-        return [([t.name for t in dst.tensors], src, dst)]
-    size = {t.name: math.prod(t.shape) * t.dtype.itemsize for t in dst.tensors}
-    merged: list[list[str]] = []
-    acc = staging_bytes + 1
-    for g in stage_groups(dst):
-        b = sum(size[n] for n in g)
-        if merged and acc + b <= staging_bytes:
-            merged[-1] += g
-            acc += b
-        else:
-            merged.append(list(g))
-            acc = b
-    return [(g, src.restrict(g), dst.restrict(g)) for g in merged]
+def shadow_reload(model, items, stats: dict) -> kit.ModuleShadow:
+    """vLLM's layerwise reload of ``items`` run on a shadow of ``model`` (:class:`~.engine.ModuleShadow`) while
+    the engine serves: each layer with weights gets private load-format tensors (its recorded metadata copied, its
+    loaders bound to the shadow), ``load_weights`` feeds them, and vLLM's ``_layerwise_process`` (loader + re-pack)
+    runs on the shadow layer once it is complete. Nothing live is touched; :meth:`~.engine.ModuleShadow.swap` is
+    the commit. Raises naming the layer (the shadow is then dropped: the engine keeps its weights); refuses
+    (NotImplementedError) what it does not cover: an attention layer with weights (e.g. KV-cache scales), a layer
+    with parameters but no reload record. ``stats``: ``shadow_s``, ``shadow_process_s``, ``shadow_bytes`` (the
+    rebuilt layers' load-format bytes, about their packed weights: oneDNN keeps those in its handles)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload import layerwise as lw
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
+    t0, process_s = time.perf_counter(), [0.0]
+    sh, infos = kit.ModuleShadow(model), {}
+    try:
+        for name, m, s in sh.pairs:
+            info = lw.LAYERWISE_INFO.get(m)
+            if info is None or not (info.restore_metadata[0] or info.restore_metadata[1]):
+                if any(p is not None for p in m._parameters.values()):
+                    raise NotImplementedError(f"shadow build: {name} has parameters but no layerwise reload record")
+                continue
+            if is_deferred_attention_layer(m):
+                if info.restore_metadata[0]:
+                    raise NotImplementedError(f"shadow build: attention layer {name} loads weights")
+                continue
 
-class TensorsSource:
-    """A minimal ``WeightSource`` over a dict of this rank's local tensors (``iter_local`` only)."""
+            def fresh(t, meta=True, m=m, s=s):
+                u = kit.private_tensor(t, (), s, meta=meta)
+                if lw._get_weight_loader(u).__name__ == "online_process_loader":
+                    u.weight_loader = lw._get_original_loader(u)
+                kit.rebind(u.__dict__, (m, layer_ref_sentinel), s)
+                return u
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self._tensors = tensors
-
-    def iter_local(self):
-        return iter(self._tensors.items())
+            j = infos[id(s)] = lw.get_layerwise_info(s)
+            j.restore_metadata = tuple({n: fresh(t) for n, t in d.items()} for d in info.restore_metadata)
+            j.restore_device = info.restore_device
+            for d in (s._parameters, s._buffers):  # kept live by vLLM's restore (e.g. a bias): private copies
+                for n in SKIP_TENSORS & d.keys():
+                    d[n] = None if d[n] is None else fresh(d[n], meta=False)
+            restore_layer_on_meta(s, j)
+            lw.initialize_online_processing(s)
+        label = lambda layer, _i: "shadow build: layer " + next(n for n, _, s in sh.pairs if s is layer)  # noqa: E731
+        with no_mtp_check(), process_clock(process_s, label):
+            sh.root.load_weights(iter(items))
+            for name, m, s in sh.pairs:
+                j = infos.get(id(s))
+                if j is not None and j.can_load() and j.load_numel > 0:  # not complete (padding): as vLLM's finalize
+                    lw._layerwise_process(s, j)
+                if j is not None and not j.can_load():
+                    sh.built.append((name, m, s))
+                    stats["shadow_bytes"] = stats.get("shadow_bytes", 0) + sum(
+                        t.numel() * t.element_size() for t in j.restore_metadata[0].values())
+        sh.check()
+    finally:
+        for s in [s for _, _, s in sh.pairs if id(s) in infos]:  # their loaders hold the shadow: vLLM's
+            lw.LAYERWISE_INFO.pop(s, None)  # weak-keyed records would keep it alive
+    stats.update(shadow_s=time.perf_counter() - t0, shadow_process_s=process_s[0], shadow_layers=len(sh.built))
+    return sh
 
 
 class LLMClient:
@@ -367,38 +390,10 @@ def trainer_refit_group(host: str, port: int, rank: int, world_size: int, layout
     """The trainer ranks' half of :class:`RefitWorkerExtension`'s rendezvous: returns ``(group, src_layout,
     dst_layout)`` for ``refit(tensors, {}, src_layout, dst_layout, group=group)``. ``secret``: as
     :func:`~triton_reshard.init_refit_group` (default: ``TRITON_RESHARD_SECRET`` / ``_FILE``)."""
-    group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
+    group = kit.join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout, secret=secret,
                        secret_env=None, insecure=insecure)
     src, dst, _ = rendezvous(group, (layout,) if rank == 0 else None, None, rank)
     return group, src, dst
-
-
-def phase_clock():
-    """``(context manager, seconds)``: within, the seconds vLLM spends in its per-layer post-processing
-    (``_layerwise_process``: the engine's own re-packing, told apart from the loader's copies) add up in
-    ``seconds[0]``."""
-    seconds = [0.0]
-
-    @contextlib.contextmanager
-    def timing():
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        orig = layerwise._layerwise_process
-
-        def timed(layer, info):
-            t0 = time.perf_counter()
-            try:
-                return orig(layer, info)
-            finally:
-                seconds[0] += time.perf_counter() - t0
-
-        layerwise._layerwise_process = timed
-        try:
-            yield
-        finally:
-            layerwise._layerwise_process = orig
-
-    return timing(), seconds
 
 
 def no_mtp_check():

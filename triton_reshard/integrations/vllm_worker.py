@@ -12,7 +12,7 @@ import torch
 
 from ..comm.secret import SECRET_ENV
 from ..refit import forget_refit_state, refit
-from .engine import box_bytes, broadcast_receive, copy_boxes, join_group, plugin_secret, rank_buffers, vote
+from . import engine as kit
 from .vllm_transfer import (
     ReshardInitInfo,
     ReshardUpdateInfo,
@@ -22,8 +22,9 @@ from .vllm_transfer import (
     group_layouts,
     log_warning,
     no_mtp_check,
-    phase_clock,
+    process_clock,
     rendezvous,
+    shadow_reload,
 )
 
 if WeightTransferEngine is not None:
@@ -34,7 +35,9 @@ if WeightTransferEngine is not None:
         in the checkpoint's coordinates handed to vLLM's layerwise reload (``initialize_layerwise_reload``, then
         ``model.load_weights``, ``finish_weight_update``: ``finalize_layerwise_reload``), which re-runs the
         post-processing on the new weights. Phase "stage" receives into a private mirror in a background thread
-        (the engine serves on); phase "commit" swaps it in. ``last_update``: what the last update did.
+        (the engine serves on) and, in reload mode, builds the new weights from it on a shadow of the model
+        (:func:`.vllm_transfer.shadow_reload`; ``shadow=False`` or a failed build: the commit reloads instead);
+        phase "commit" swaps them in. ``last_update``: what the last update did.
 
         Failures: an update that fails part way (the trainer killed mid-refit, a timeout) leaves the weights
         torn; the worker says so (``torn``), refuses any forward with :class:`TornWeightsError` until a later
@@ -52,6 +55,7 @@ if WeightTransferEngine is not None:
         _thread: threading.Thread | None = None  # the background receive of a staged update
         _staged: dict | None = None  # a staged update complete in the mirror, not yet committed
         _mirror: dict | None = None  # the staging mirror (1x this worker's shard; a delta patches it)
+        _shadow = None  # reload mode: the staged version built on a shadow of the model, swapped in at the commit
         _phase: str | None = None
 
         def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
@@ -62,11 +66,11 @@ if WeightTransferEngine is not None:
                 raise NotImplementedError("triton_reshard backend: vLLM pipeline parallelism is not supported")
             self.info = info = init_info
             rank = info.rank_offset + pc.data_parallel_rank * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
-            secret = plugin_secret(None, info.secret_env, info.secret_file, where=f"triton_reshard worker {rank}")
+            secret = kit.plugin_secret(None, info.secret_env, info.secret_file, where=f"triton_reshard worker {rank}")
             self._join_stage()  # a staged receive of the old trainer ends (fails) first
             with contextlib.suppress(Exception):  # a new trainer (e.g. after a failure): leave the old group
                 self.shutdown()
-            self.group = join_group(info.host, info.port, rank, info.world_size, backend=info.group_backend,
+            self.group = kit.join_group(info.host, info.port, rank, info.world_size, backend=info.group_backend,
                                     timeout=info.timeout, secret=secret, insecure=info.insecure)
             self._records = self.__dict__.get("_records", {})
             try:
@@ -83,7 +87,7 @@ if WeightTransferEngine is not None:
         def _drop_mirror(self) -> None:
             """Forget the mirror and what it staged, and tell ``refit``'s fence: a delta into a new mirror runs
             dense (a delta onto fresh, unwritten staging would load garbage)."""
-            self._mirror = self._staged = None
+            self._mirror = self._staged = self._shadow = None
             if getattr(self, "dst_layout", None) is not None:
                 forget_refit_state(self.dst_layout)
 
@@ -141,9 +145,8 @@ if WeightTransferEngine is not None:
                 if self._thread is not None and self._thread.is_alive():
                     raise RuntimeError(f"triton_reshard worker {self.group.rank}: a staged receive is still running")
                 self._staged = None
-                self._thread = threading.Thread(target=self._voted, args=(update_info,), daemon=True,
-                                                name="triton_reshard_stage")
-                return self._thread.start()
+                self._thread = kit.background(self._voted, update_info, name="triton_reshard_stage")
+                return None
             self._join_stage()  # the trainer sends this only after the staged receive's vote
             self._voted(update_info, self._thread is not None and self._thread.is_alive())
 
@@ -158,19 +161,19 @@ if WeightTransferEngine is not None:
             except Exception as e:  # noqa: BLE001 (voted, then recorded)
                 err = e
             stage = info.phase == "stage"
-            err, bad = vote(self.group, err, self.info.timeout, f"worker {self.group.rank}")
+            if err is None:  # before the vote: a staged update's trainer may ask as soon as the vote completes
+                self.last_update = {**stats, "seconds": time.perf_counter() - t0}
+            err, bad = kit.vote(self.group, err, self.info.timeout, f"worker {self.group.rank}")
             if err is None and bad:
                 err = RuntimeError(f"rank(s) {bad} of the refit group failed their part of this "
                                    f"{'staged ' if stage else ''}update")
-            if err is None:
-                self.last_update = {**stats, "seconds": time.perf_counter() - t0}
-            elif stage:
+            if err is not None and stage:
                 self._drop_mirror()  # and the staged version with it; the engine keeps its weights
                 self.last_update = {"mode": self.mode, "phase": "stage", "version": info.version,
                                     "failed": f"{type(err).__name__}: {err}"[:400]}
                 log_warning(f"triton_reshard worker {self.group.rank}: the staged update to version "
                             f"{info.version!r} failed; the engine keeps its weights: {err}")
-            else:
+            elif err is not None:
                 self._mark_torn(info, err)
                 if info.delta or self._mirror is not None:
                     self._drop_mirror()
@@ -188,18 +191,25 @@ if WeightTransferEngine is not None:
                      "start_s": getattr(self, "_start_s", 0.0)}
             if info.phase == "stage":
                 self._receive(self._mirror_dict(stats), self.src_layout, self.dst_layout, kw, stats)
+                shadow = self.info.shadow if info.shadow is None else info.shadow
+                self._shadow = self._build_shadow(stats) if reload and shadow else None
                 self._staged = {"version": info.version}  # before the vote: the trainer commits after it
                 return {**stats, "version": info.version, "staging_bytes": self._box_bytes(self._mirror)}
             if info.phase == "commit":
                 if self._staged is None:
                     raise RuntimeError(f"triton_reshard worker {rank}: commit of version {info.version!r} "
                                        "refused: no complete staged update (the receive failed or never ran)")
-                stats.update(version=self._staged["version"], staging_bytes=self._box_bytes(self._mirror))
-                if reload:
+                stats.update(version=self._staged["version"], staging_bytes=self._box_bytes(self._mirror),
+                             commit_path="reload" if reload else "copy")
+                if self._shadow is not None:
+                    t0, sh, self._shadow = time.perf_counter(), self._shadow, None
+                    sh.swap()
+                    stats.update(load_s=time.perf_counter() - t0, commit_path="shadow", **sh.stats)
+                elif reload:
                     self._load(list(self._mirror.items()), stats)
                 else:
                     t0 = time.perf_counter()
-                    copy_boxes(dict(self.model.named_parameters()), self._mirror, self.dst_layout, rank)
+                    kit.copy_boxes(dict(self.model.named_parameters()), self._mirror, self.dst_layout, rank)
                     stats["load_s"] = time.perf_counter() - t0
                 self._staged = None  # committed: the mirror stays (it holds the live version; a delta patches it)
                 return stats
@@ -209,7 +219,7 @@ if WeightTransferEngine is not None:
                 self._drop_mirror()
             if info.method == "broadcast":
                 stats["mode"] = "reload"  # the baseline always goes through vLLM's loader
-                self._load(broadcast_receive(self.group, self.src_layout, self.info.rank_offset, self.info.timeout,
+                self._load(kit.broadcast_receive(self.group, self.src_layout, self.info.rank_offset, self.info.timeout,
                                               stats), stats)
             elif not reload:
                 self._receive(dict(self.model.named_parameters()), self.src_layout, self.dst_layout, kw, stats)
@@ -222,6 +232,20 @@ if WeightTransferEngine is not None:
                            stats)
             return stats
 
+        def _build_shadow(self, stats: dict):
+            """The staged version's weights built on a shadow of the model (in the staging thread, the engine
+            serving); a failure is named in ``stats["shadow_failed"]`` and the commit reloads instead."""
+            try:  # the shadow costs about 1x this worker's shard (the packed weights): skipped without the room
+                kit.check_room(self._box_bytes(self._mirror), self.device, "the shadow build")
+                sh = shadow_reload(self.model, list(self._mirror.items()), stats)
+            except Exception as e:  # noqa: BLE001 (named; the engine keeps its weights, the commit falls back)
+                stats["shadow_failed"] = f"{type(e).__name__}: {e}"[:400]
+                log_warning(f"triton_reshard worker {self.group.rank}: {stats['shadow_failed']}; the engine keeps "
+                            "its weights, the commit runs vLLM's reload from staging instead")
+                return None
+            sh.stats = {k: stats[k] for k in ("shadow_s", "shadow_process_s", "shadow_bytes") if k in stats}
+            return sh
+
         def _receive(self, dst: dict, src_layout, dst_layout, kw: dict, stats: dict):
             t0 = time.perf_counter()
             self.last_report = rep = refit({}, dst, src_layout, dst_layout, **kw)
@@ -233,7 +257,7 @@ if WeightTransferEngine is not None:
 
         def _alloc(self, layout, stats: dict) -> dict:
             t0 = time.perf_counter()
-            out = rank_buffers(layout, self.group.rank)
+            out = kit.rank_buffers(layout, self.group.rank)
             stats["alloc_s"] += time.perf_counter() - t0
             return out
 
@@ -244,13 +268,14 @@ if WeightTransferEngine is not None:
             return self._mirror
 
         def _box_bytes(self, tensors: dict, layout=None) -> int:
-            return box_bytes(tensors, layout or self.dst_layout, self.group.rank)
+            return kit.box_bytes(tensors, layout or self.dst_layout, self.group.rank)
 
         def _load(self, items, stats: dict) -> None:
             """Feed ``(name, tensor)`` items to vLLM's loader inside its layerwise reload: ``load_s`` is the
             loader's time (between our yields), ``process_s`` the part that is vLLM's per-layer re-packing."""
             self._begin_reload()
-            clock, process_s = phase_clock()
+            process_s = [0.0]
+            clock = process_clock(process_s)
 
             def timed():
                 for item in items:
@@ -264,36 +289,20 @@ if WeightTransferEngine is not None:
 
         def _groups(self, kw: dict, stats: dict, prefetch: bool):
             """A dense reload-mode update: each layer group's boxes received into fresh staging, then yielded to
-            the loader. With ``prefetch``, group k+1 is received in one background thread (the refit group is
-            used by it alone until the update's end) while the loader processes group k: staging holds two."""
+            the loader (:func:`~.engine.received_groups`; with ``prefetch`` staging holds two groups)."""
             held = [0]
             stats["groups"], stats["prefetch"] = len(self.groups), bool(prefetch)
 
             def receive(src, dst):
                 mine = self._alloc(dst, stats)
                 self._receive(mine, src, dst, kw, stats)
-                box = self._box_bytes(mine, dst)
-                held[0] += box
+                held[0] += self._box_bytes(mine, dst)
                 stats["staging_bytes"] = max(stats["staging_bytes"], held[0])
-                return mine, box
+                return mine
 
-            if not prefetch or len(self.groups) < 2:
-                for _names, src, dst in self.groups:
-                    mine, box = receive(src, dst)
-                    yield from mine.items()
-                    held[0] -= box
-                return
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(1, thread_name_prefix="triton_reshard_prefetch") as pool:
-                fut = pool.submit(receive, *self.groups[0][1:])
-                for k in range(len(self.groups)):
-                    mine, box = fut.result()
-                    if k + 1 < len(self.groups):
-                        fut = pool.submit(receive, *self.groups[k + 1][1:])
-                    yield from mine.items()
-                    del mine
-                    held[0] -= box
+            for mine, (_names, _src, dst) in kit.received_groups(self.groups, receive, prefetch):
+                yield from mine.items()
+                held[0] -= self._box_bytes(mine, dst)
 
         def _mark_torn(self, info: ReshardUpdateInfo, e: BaseException) -> None:
             self.torn = {"version": info.version, "mode": self.mode, "reason": f"{type(e).__name__}: {e}"[:400]}
@@ -316,9 +325,8 @@ if WeightTransferEngine is not None:
             allowed. Nothing to do after a staged receive, or after a failed update (it stays torn)."""
             if self._phase == "stage" or (self.torn is not None and self.last_update.get("torn")):
                 return
-            t0 = time.perf_counter()
-            clock, process_s = phase_clock()
-            with clock:
+            t0, process_s = time.perf_counter(), [0.0]
+            with process_clock(process_s):
                 if self._reloading:
                     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -361,7 +369,7 @@ class RefitWorkerExtension:
         dp, tp = (pc.data_parallel_rank, pc.tensor_parallel_size) if pc is not None else (0, 1)
         rank = num_trainer_ranks + dp * tp + get_tensor_model_parallel_rank()
         self._tr_timeout = timeout
-        self._tr_group = join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
+        self._tr_group = kit.join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
                                     secret_env=secret_env, secret_file=secret_file, insecure=insecure,
                                     where=f"triton_reshard worker {rank}")
         self._tr_layouts = rendezvous(self._tr_group, None, self._model(), rank)[:2]
@@ -389,10 +397,4 @@ class RefitWorkerExtension:
 
     def param_digests(self) -> dict:
         """``{parameter name: [numel, sha256 of its bytes]}`` of this worker's live parameters."""
-        import hashlib
-
-        out = {}
-        for n, p in self._model().named_parameters():
-            t = p.detach().contiguous().cpu()
-            out[n] = [t.numel(), hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
-        return out
+        return kit.param_digests(self._model())

@@ -48,7 +48,8 @@ def start_engine(ckpt: str, tp: int, **kw):
     return LLM(model=ckpt, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
                max_model_len=kw.pop("max_model_len", 128), distributed_executor_backend="mp", seed=0,
                weight_transfer_config={"backend": "triton_reshard"},
-               worker_extension_cls="triton_reshard.integrations.vllm_transfer.RefitWorkerExtension", **kw)
+               worker_extension_cls=kw.pop("worker_extension_cls",
+                                           "triton_reshard.integrations.vllm_transfer.RefitWorkerExtension"), **kw)
 
 
 def generate(llm, prompts, max_tokens: int = 8, temperature: float = 0.0, seed: int | None = None, n: int = 1):
@@ -71,7 +72,7 @@ def generate(llm, prompts, max_tokens: int = 8, temperature: float = 0.0, seed: 
 
 
 def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.0, staging_bytes: int = 64 << 20,
-                   prefetch: bool = False):
+                   prefetch: bool = False, **extra):
     """The trainer side (one rank holding every tensor in full): our backend's trainer engine through vLLM's
     trainer factory, meeting the engine's workers in a refit group."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -84,7 +85,7 @@ def trainer_engine(llm, tensors: dict, mode: str = "auto", timeout: float = 120.
     layout = replicated_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], [0])
     info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=free_port(), world_size=1 + tp,
                                      num_trainer_ranks=1, layout=layout, timeout=timeout, mode=mode,
-                                     staging_bytes=staging_bytes, prefetch=prefetch)
+                                     staging_bytes=staging_bytes, prefetch=prefetch, **extra)
     return WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm),
                                                      source=vt.TensorsSource(tensors))
 
