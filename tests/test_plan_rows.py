@@ -1,6 +1,6 @@
 """Routing as rows (``plan/rows.py``) and the checks it feeds: the same transfers as the object router
 (``tests/oracles/route_objects.py``: ``route_box`` box by box), whole and per rank, and the vectorized disjointness check of
-``validate._overlapping`` against ``find_overlap``."""
+``validate.overlapping_writes`` against ``find_overlap``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from triton_reshard.box import boxes_meet, find_overlap
 from triton_reshard.plan import plan_reshard
-from triton_reshard.plan.local import _tensor_order, route_rank
+from triton_reshard.plan.local import route_rank
 from triton_reshard.plan.routing import check_relay_groups, held_numel
 from triton_reshard.plan.rows import missing_elements, route_tables
 from triton_reshard.plan.table import TransferTable
-from triton_reshard.plan.validate import _overlapping
+from triton_reshard.plan.validate import overlapping_writes
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
 from .oracles.route_objects import route_all
@@ -44,7 +44,7 @@ def test_rows_equal_objects_and_cut_into_shares(gpn, relay, inst):
     src, one = _pair()
     dst = one.instances(inst)
     groups = check_relay_groups(one.instance_groups(inst)) if inst > 1 else {}
-    order = _tensor_order(dst)
+    order = dst.tensor_order()
     lt, wt = route_tables(src, dst, gpn, relay, groups, order)
     lo, wo = route_all(src, dst, gpn, relay, groups)
     _same(lt, lo)
@@ -75,8 +75,8 @@ def test_missing_elements_equal_the_object_count(model):
 
 
 def _writes(boxes_per_frag):
-    """Whether the boxes of each fragment are disjoint (``_overlapping`` finds none): a one-table layout of
-    writes, per fragment its boxes, as ``_overlapping`` reads them."""
+    """Whether the boxes of each fragment are disjoint (``overlapping_writes`` finds none): a one-table layout of
+    writes, per fragment its boxes, as ``overlapping_writes`` reads them."""
     rows = [(fi, o, s) for fi, bs in enumerate(boxes_per_frag) for o, s in bs]
 
     class T:
@@ -87,7 +87,7 @@ def _writes(boxes_per_frag):
 
     d = np.array([f for f, _o, _s in rows], np.int64)
     cnt = np.bincount(d, minlength=len(boxes_per_frag))
-    bad = _overlapping(cnt, (T,), (d,))
+    bad = overlapping_writes(cnt, (T,), (d,))
     assert set(bad.tolist()) == {i for i, bs in enumerate(boxes_per_frag)
                                  if find_overlap([(o, s, None) for o, s in bs]) is not None}
     return not len(bad)
@@ -193,10 +193,10 @@ def test_column_router_equals_the_object_router_random(seed, gpn, relay, grouped
         lo, wo = route_all(src, dst, gpn, relay, groups)
     except ValueError as e:  # bad input: the column router raises the same words
         with pytest.raises(ValueError) as got:
-            route_tables(src, dst, gpn, relay, groups, _tensor_order(dst))
+            route_tables(src, dst, gpn, relay, groups, dst.tensor_order())
         assert str(got.value) == str(e)
         return
-    lt, wt = route_tables(src, dst, gpn, relay, groups, _tensor_order(dst))
+    lt, wt = route_tables(src, dst, gpn, relay, groups, dst.tensor_order())
     _same(lt, lo)
     _same(wt, wo)
     for r in range(8):
