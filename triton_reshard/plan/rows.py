@@ -136,38 +136,61 @@ def _batch_rows(src: Layout, dst: Layout, part: list[str]):
             np.flatnonzero((ssz > 0).all(1)))
 
 
-def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
-    K = len(part)
-    dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
-    drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
-    W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
+def _nonempty(rows) -> np.ndarray:
+    return np.flatnonzero((rows.sizes > 0).all(1))
 
-    # destination boxes, their rows by (box, rank)
+
+def _tensor_of(rows, at: np.ndarray) -> np.ndarray:
+    """The tensor (index in the batch) of each row ``at``."""
+    return np.searchsorted(rows.starts, at, side="right") - 1
+
+
+def _dst_rows(dr, sr, D: int, W: int, share):
+    """The destination boxes routed (``(tensor, offsets, sizes)``, ``[B]`` / ``[B, D]``), their rows by (box, rank)
+    and each box's first, the tensors with two boxes on one rank (the whole plan: they must not overlap, checked
+    on objects; a share: a box twice on one rank), and the source rows to read (the nonempty ones; a share's:
+    those meeting its boxes)."""
+    drank = np.asarray(dr.ranks, I64)
     if share is None:
-        bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+        dn = _nonempty(dr)
+        dk = _tensor_of(dr, dn)
+        bk, boff, bsz, binv = _boxes(dk, widen(dr.offsets[dn], D, 0), widen(dr.sizes[dn], D, 1))
+        kr = np.sort(dk * W + drank[dn])
+        flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+        sn = _nonempty(sr)
     else:  # a rank's share: its boxes (each the box of its rows), the source rows meeting them
         bk, boff, bsz, dn, binv, sn = share.rows(dr, sr, D)
-    B = len(bk)
-    o = np.lexsort((drank[dn], binv))
-    drows, dbox = dn[o], binv[o]
-    dranks = drank[drows]
-    dstart = _segments(dbox, B)
-    if share is None:  # a rank with two boxes of one tensor: they must not overlap (checked on objects)
-        kr = np.sort(dk[dn] * W + drank[dn])
-        flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
-    else:  # a box twice on one rank
-        twice = (dbox[1:] == dbox[:-1]) & (dranks[1:] == dranks[:-1])
-        flagged = set(bk[dbox[1:][twice]].tolist())
+    rk = drank[dn]
+    if len(dn) > 1 and ((binv[1:] < binv[:-1]) | ((binv[1:] == binv[:-1]) & (rk[1:] < rk[:-1]))).any():
+        o = np.lexsort((rk, binv))  # (a share's rows come by box, in rank order where the layout keeps it)
+        dn, binv, rk = dn[o], binv[o], rk[o]
+    if share is not None:
+        twice = (binv[1:] == binv[:-1]) & (rk[1:] == rk[:-1])
+        flagged = set(bk[binv[1:][twice]].tolist())
+    return bk, boff, bsz, dn, _segments(binv, len(bk)), flagged, sn
 
-    # source boxes, their rows by (box, rank, local name, local offsets)
-    sbk, sboff, sbsz, sinv = _boxes(sk[sn], soff[sn], ssz[sn])
-    S = len(sbk)
-    loff, lnd = sr.local_offset_columns
+
+def _src_rows(sr, sn: np.ndarray, D: int):
+    """The source boxes of the rows ``sn`` (``_boxes``), those rows by (box, rank, local name, local offsets),
+    each box's first, and the rows' local ids."""
+    sbk, sboff, sbsz, sinv = _boxes(_tensor_of(sr, sn), widen(sr.offsets[sn], D, 0), widen(sr.sizes[sn], D, 1))
+    loff, _lnd = sr.local_offset_columns
     lid = np.asarray(sr.local_ids, I64)
     keys = [loff[sn, j] for j in range(loff.shape[1] - 1, -1, -1)]
-    o = np.lexsort((*keys, lid[sn], srank[sn], sinv))
-    srows, sbox = sn[o], sinv[o]
-    sstart = _segments(sbox, S)
+    o = np.lexsort((*keys, lid[sn], np.asarray(sr.ranks, I64)[sn], sinv))
+    return sbk, sboff, sbsz, sn[o], _segments(sinv[o], len(sbk)), lid
+
+
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
+    K = len(part)
+    dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
+    D = max(dr.offsets.shape[1], sr.offsets.shape[1])
+    drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
+    W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
+    bk, boff, bsz, drows, dstart, flagged, sn = _dst_rows(dr, sr, D, W, share)
+    B = len(bk)
+    dranks = drank[drows]
+    sbk, sboff, sbsz, srows, sstart, lid = _src_rows(sr, sn, D)
 
     # (destination box, source box) pairs of one tensor sharing an element
     sA = _segments(sbk, K)
@@ -266,9 +289,8 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     nd = dstart[pbox + 1] - dstart[pbox]
     db, dat = _expand(dstart[pbox], nd)
     drow, drk = drows[dat], dranks[dat]
-    dkey = db * W + drk
-    pos = np.minimum(np.searchsorted(hkey, dkey), max(len(hkey) - 1, 0))
-    held = hkey[pos] == dkey if len(hkey) else np.zeros(len(dkey), bool)
+    dkey = db * W + drk  # ascending (pieces in order, a box's rows in rank order)
+    held = _members(dkey, hkey)
     recv = ~held
     c = np.cumsum(recv) - recv  # receivers before each row
     first = np.concatenate(([0], np.cumsum(nd)[:-1]))
@@ -289,6 +311,17 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     out.add_fast(True, lb, hs, ldrow, srank[hs], ldrk)
     ws = _holder_rows(ekey, er, lid, send)  # senders read the best one
     out.add_fast(False, rb, ws, wdrow, srank[ws], wdrk)
+
+
+def _members(keys: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """Which of ``keys`` (ascending, distinct) are in ``of``: each of ``of`` looked up (a piece has few holders
+    and many destination ranks)."""
+    out = np.zeros(len(keys), bool)
+    pos = np.searchsorted(keys, of)
+    ok = pos < len(keys)
+    pos = pos[ok]
+    out[pos[keys[pos] == of[ok]]] = True
+    return out
 
 
 def _holder_rows(ekey: np.ndarray, er: np.ndarray, lid: np.ndarray | None, want: np.ndarray) -> np.ndarray:
