@@ -1,6 +1,6 @@
 """Routing as rows (``plan/rows.py``) and the checks it feeds: the same transfers as the object router
 (``tests/oracles/route_objects.py``: ``route_box`` box by box), whole and per rank, and the vectorized disjointness check of
-``validate._overlapping`` against ``find_overlap``."""
+``validate.overlapping_writes`` against ``find_overlap``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from triton_reshard.box import boxes_meet, find_overlap
 from triton_reshard.plan import plan_reshard
-from triton_reshard.plan.local import _tensor_order, route_rank
+from triton_reshard.plan.local import route_rank
 from triton_reshard.plan.routing import check_relay_groups, held_numel
 from triton_reshard.plan.rows import missing_elements, route_tables
 from triton_reshard.plan.table import TransferTable
-from triton_reshard.plan.validate import _overlapping
+from triton_reshard.plan.validate import overlapping_writes
 from triton_reshard.presets import get_config, megatron_layout, vllm_layout
 
 from .oracles.route_objects import route_all
@@ -44,7 +44,7 @@ def test_rows_equal_objects_and_cut_into_shares(gpn, relay, inst):
     src, one = _pair()
     dst = one.instances(inst)
     groups = check_relay_groups(one.instance_groups(inst)) if inst > 1 else {}
-    order = _tensor_order(dst)
+    order = dst.tensor_order()
     lt, wt = route_tables(src, dst, gpn, relay, groups, order)
     lo, wo = route_all(src, dst, gpn, relay, groups)
     _same(lt, lo)
@@ -75,8 +75,8 @@ def test_missing_elements_equal_the_object_count(model):
 
 
 def _writes(boxes_per_frag):
-    """Whether the boxes of each fragment are disjoint (``_overlapping`` finds none): a one-table layout of
-    writes, per fragment its boxes, as ``_overlapping`` reads them."""
+    """Whether the boxes of each fragment are disjoint (``overlapping_writes`` finds none): a one-table layout of
+    writes, per fragment its boxes, as ``overlapping_writes`` reads them."""
     rows = [(fi, o, s) for fi, bs in enumerate(boxes_per_frag) for o, s in bs]
 
     class T:
@@ -87,7 +87,7 @@ def _writes(boxes_per_frag):
 
     d = np.array([f for f, _o, _s in rows], np.int64)
     cnt = np.bincount(d, minlength=len(boxes_per_frag))
-    bad = _overlapping(cnt, (T,), (d,))
+    bad = overlapping_writes(cnt, (T,), (d,))
     assert set(bad.tolist()) == {i for i, bs in enumerate(boxes_per_frag)
                                  if find_overlap([(o, s, None) for o, s in bs]) is not None}
     return not len(bad)
@@ -193,10 +193,10 @@ def test_column_router_equals_the_object_router_random(seed, gpn, relay, grouped
         lo, wo = route_all(src, dst, gpn, relay, groups)
     except ValueError as e:  # bad input: the column router raises the same words
         with pytest.raises(ValueError) as got:
-            route_tables(src, dst, gpn, relay, groups, _tensor_order(dst))
+            route_tables(src, dst, gpn, relay, groups, dst.tensor_order())
         assert str(got.value) == str(e)
         return
-    lt, wt = route_tables(src, dst, gpn, relay, groups, _tensor_order(dst))
+    lt, wt = route_tables(src, dst, gpn, relay, groups, dst.tensor_order())
     _same(lt, lo)
     _same(wt, wo)
     for r in range(8):
@@ -216,3 +216,73 @@ def test_shares_cut_the_whole_plan_random(seed):
         share = plan_reshard(src, dst, rank=r)
         assert set(share.transfers) == {t for t in whole.transfers if r in (t.src_rank, t.dst_rank)}, r
         assert set(share.local_copies) == {t for t in whole.local_copies if t.dst_rank == r}, r
+
+
+def _random_grid_pair(seed: int):
+    """Two random layouts of a [12, 6] bf16 and a [10] fp32 tensor on 12 ranks: source boxes from a grid of row
+    and column blocks (replicated, a rank may hold two, one rank holds everything), destination boxes from
+    another grid (one per rank and tensor, or none), so boxes are cut by source boxes on both dims."""
+    from triton_reshard import Fragment, Layout, LocalSpec, TensorSpec
+
+    rng = random.Random(seed)
+    specs = (TensorSpec("a", (12, 6), torch.bfloat16), TensorSpec("b", (10,), torch.float32))
+    grids = {"a": ([(0, 12), (0, 6), (6, 6), (0, 4), (4, 4), (8, 4), (3, 6)], [(0, 6), (0, 3), (3, 3), (2, 4)]),
+             "b": ([(0, 10), (0, 5), (5, 5), (2, 6)], [None])}
+    src, dst = [], []
+    for spec in specs:
+        rows, cols = grids[spec.name]
+
+        def box(r, c):
+            return ((r[0],), (r[1],)) if c is None else ((r[0], c[0]), (r[1], c[1]))
+
+        full = ((0,) * len(spec.shape), spec.shape)
+        src.append((spec, rng.randrange(12), full, "full"))
+        for rank in range(12):
+            for j in range(rng.choice((0, 1, 1, 2))):
+                src.append((spec, rank, box(rng.choice(rows), rng.choice(cols)), f"s{j}"))
+            if rng.random() < 0.85:
+                dst.append((spec, rank, box(rng.choice(rows[1:] if rng.random() < 0.7 else rows),
+                                            rng.choice(cols)), "d"))
+
+    def layout(parts):  # one fragment per (rank, local name)
+        seen, fr, lo = set(), [], []
+        for spec, rank, (o, z), name in parts:
+            name = f"{spec.name}.{name}"
+            if (rank, name) not in seen:
+                seen.add((rank, name))
+                fr.append(Fragment(spec.name, rank, o, z, name, (0,) * len(z)))
+                lo.append(LocalSpec(rank, name, z, spec.dtype))
+        return Layout(specs, tuple(fr), tuple(lo))
+
+    return layout(src), layout(dst)
+
+
+@given(seed=st.integers(0, 10**6), gpn=st.sampled_from([None, 2, 3, 4]), relay=st.booleans(),
+       grouped=st.booleans(), split=st.sampled_from([1 << 20, 8, 24]))
+@settings(max_examples=60, deadline=None)
+def test_topology_pieces_equal_the_object_router_random(seed, gpn, relay, grouped, split):
+    """Pieces routed one by one on ranks (``holders.route_piece``: ``gpus_per_node``, relays, relay groups) equal
+    the object form box by box, whole plan and every rank's share, on layouts whose boxes are cut on both dims,
+    with parts of fan-outs small enough (``split``: ``RELAY_SPLIT_MIN_BYTES``) that a piece fans out in several
+    parts with rotating heads."""
+    from triton_reshard.plan import relay as relay_mod
+
+    src, dst = _random_grid_pair(seed)
+    relay = relay and (gpn is not None or grouped)
+    groups = check_relay_groups(((0, 3, 6, 9), (1, 4, 7, 10), (2, 5))) if relay and grouped else {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(relay_mod, "RELAY_SPLIT_MIN_BYTES", split)
+        try:
+            lo, wo = route_all(src, dst, gpn, relay, groups)
+        except ValueError as e:  # bad input: the column router raises the same words
+            with pytest.raises(ValueError) as got:
+                route_tables(src, dst, gpn, relay, groups, dst.tensor_order())
+            assert str(got.value) == str(e)
+            return
+        lt, wt = route_tables(src, dst, gpn, relay, groups, dst.tensor_order())
+        _same(lt, lo)
+        _same(wt, wo)
+        for r in range(12):
+            ls, ws = route_rank(src, dst, r, gpn, relay, groups)
+            assert set(ws) == {t for t in wo if r in (t.src_rank, t.dst_rank)}, r
+            assert set(ls) == {t for t in lo if t.dst_rank == r}, r

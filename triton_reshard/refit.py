@@ -119,7 +119,24 @@ _TOPOLOGY_FIELDS = ("gpus_per_node", "nvlink_GBps", "net_GBps", "shared_nic", "s
 def delta_request(delta, version, topology=None) -> DeltaRequest | None:
     """The delta request of ``refit(..., delta=, version=, topology=)`` (without the destination's state); raises
     ``TypeError`` / ``ValueError`` for options no refit can run (the plug-ins call it on the trainer, before any
-    engine call: issue 42)."""
+    engine call: issue 42).
+
+    ``delta=True`` (with an int ``version``; every rank passes the same): send only the elements whose bits
+    changed since the last refit (docs/delta.md). The first refit, and any refit whose fence fails (a
+    destination rank at another version than the senders' snapshots, torn, or fresh / restarted; a
+    block-quantized destination; a sender without a snapshot, e.g. after a failure or a refit without
+    ``delta``), runs dense on every rank and says why: ``RunReport.mode`` is ``"delta"`` or
+    ``"dense-fallback"`` (``fallback``: the reason, ``delta_base``: the version a delta started from).
+    ``delta="strict"``: raise :class:`~triton_reshard.execute.delta.DeltaRefusedError` on every rank instead
+    of falling back (nothing moved). Cost on each sender: a snapshot of the dense bytes it sends in
+    delta-able messages (``Resharder.snapshot_bytes``), kept with the cached Resharder in its refit session
+    (``execute/session.py``). A failed delta leaves the destination torn, as a failed dense refit does; the
+    repair is the next refit (dense, automatically). ``topology`` (a
+    :class:`~triton_reshard.tools.topology.Topology`: ranks per node, link rates; the same on every rank): with
+    ``delta``, every rank predicts from what its last delta refit measured whether a delta beats a dense refit,
+    and a refit predicted slower as a delta runs dense (``fallback`` starts "predicted faster dense"; one refit
+    in a few probes a delta again). Without it every refit whose fence passes is a delta.
+    """
     if topology is not None and not all(hasattr(topology, a) for a in _TOPOLOGY_FIELDS):
         raise TypeError(f"refit: topology={topology!r} must be a triton_reshard.tools.topology.Topology or None")
     if delta is False or delta is None:
@@ -191,21 +208,9 @@ def refit(
     way (``ReshardTransportError``, ``ReshardAbortedError``) the group is unusable: destroy it, build a new one
     and refit again with the new group (the cache never returns a Resharder of a failed or destroyed group).
 
-    ``delta=True`` (with an int ``version``; every rank passes the same): send only the elements whose bits
-    changed since the last refit (docs/delta.md). The first refit, and any refit whose fence fails (a
-    destination rank at another version than the senders' snapshots, torn, or fresh / restarted; a
-    block-quantized destination; a sender without a snapshot, e.g. after a failure or a refit without
-    ``delta``), runs dense on every rank and says why: ``RunReport.mode`` is ``"delta"`` or
-    ``"dense-fallback"`` (``fallback``: the reason, ``delta_base``: the version a delta started from).
-    ``delta="strict"``: raise :class:`~triton_reshard.execute.delta.DeltaRefusedError` on every rank instead
-    of falling back (nothing moved). Cost on each sender: a snapshot of the dense bytes it sends in
-    delta-able messages (``Resharder.snapshot_bytes``), kept with the cached Resharder in its refit session
-    (``execute/session.py``). A failed delta leaves the destination torn, as a failed dense refit does; the
-    repair is the next refit (dense, automatically). ``topology`` (a
-    :class:`~triton_reshard.tools.topology.Topology`: ranks per node, link rates; the same on every rank): with
-    ``delta``, every rank predicts from what its last delta refit measured whether a delta beats a dense refit,
-    and a refit predicted slower as a delta runs dense (``fallback`` starts "predicted faster dense"; one refit
-    in a few probes a delta again). Without it every refit whose fence passes is a delta.
+    ``delta=True`` / ``"strict"`` (with an int ``version``; every rank passes the same): send only the elements
+    whose bits changed since the last refit, falling back to dense (or refusing) where the fence fails, and
+    ``topology`` to predict which is faster: see :func:`delta_request` and docs/delta.md.
     """
     try:
         request = delta_request(delta, version, topology)

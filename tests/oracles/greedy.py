@@ -26,10 +26,11 @@ from triton_reshard.plan.routing import (
     check_dst_overlap,
     check_specs,
     cover_pieces,
-    holders_of,
     wire_dtype_of,
 )
-from triton_reshard.plan.types import Transfer, make_transfer
+from triton_reshard.plan.types import Transfer
+
+from .route_objects import holders_of, make_transfer
 
 _RANK = attrgetter("rank")
 _DST_ORDER = attrgetter("rank", "local")

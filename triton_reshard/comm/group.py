@@ -314,9 +314,7 @@ def _join(store, host, port, rank, world_size, backend, td, deadline, where) -> 
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefix, rank, world_size, td)
     else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = td
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, timeout=td)
     g = RefitGroup(rank, world_size, backend, host, port, td, pg, store)
     g.barrier()
     return g

@@ -206,6 +206,7 @@ def megatron_layout_args(model, config=None, *, ranks: Sequence[int] | int | Non
 
 
 def _read(model, config, ranks, dtype, spec):
+    """``megatron_layout``'s arguments read off the live model (and the model, its spec, rank, world)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -218,6 +219,29 @@ def _read(model, config, ranks, dtype, spec):
     m = _unwrap(model)
     tc = m.config
     s = model_spec(config)
+    tp, pp, dp, ep, etp, me, world = _parallel_sizes(ps, dist, m)
+    moe = bool(s.experts)
+    _check_rank_order(ps, dist, me, tp, dp, pp, ep, etp, moe)
+    where = f"rank {me}"
+    stages = _stage_ranges(tc, pp)
+    pr = me // (tp * dp)
+    got = [int(layer.layer_number) - 1 for layer in m.decoder.layers]
+    if got != list(stages[pr]):
+        raise ValueError(f"{_WHAT}: {where} (stage {pr}): the model's decoder layers are global layers {got}, "
+                         f"the TransformerConfig's stage split gives {list(stages[pr])}")
+    named = dict(m.named_parameters())
+    names = list(named) + [n for n, _ in m.named_buffers()]
+    vocab_divisible_by = _vocab_and_tying(m, s, named, tp, where)
+    spec, grouped = _layer_spec(names, spec, moe, tc, where)
+    args = dict(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, etp=etp if moe else None, ranks=ranks,
+                dtype=_dtype(named, tc) if dtype is None else dtype, vocab_divisible_by=vocab_divisible_by,
+                grouped_gemm=grouped, layers_per_stage=None if pp == 1 else [len(r) for r in stages], spec=spec)
+    return args, m, s, me, world
+
+
+def _parallel_sizes(ps, dist, m) -> tuple[int, ...]:
+    """``(tp, pp, dp, ep, etp, rank, world)`` from the parallel state; what the layout cannot place raises."""
+    tc = m.config
     if not ps.model_parallel_is_initialized() or not dist.is_initialized():
         raise RuntimeError(f"{_WHAT}: megatron.core.parallel_state is not initialized (initialize_model_parallel)")
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -237,19 +261,12 @@ def _read(model, config, ranks, dtype, spec):
         raise NotImplementedError(f"{_WHAT}: context parallel size {cp} > 1 is not supported")
     if tp * pp * dp != world:
         raise ValueError(f"{_WHAT}: tp*pp*dp = {tp}*{pp}*{dp} is not the world size {world}")
-    moe = bool(s.experts)
-    _check_rank_order(ps, dist, me, tp, dp, pp, ep, etp, moe)
-    where = f"rank {me}"
+    return tp, pp, dp, ep, etp, me, world
 
-    stages = _stage_ranges(tc, pp)
-    pr = me // (tp * dp)
-    got = [int(layer.layer_number) - 1 for layer in m.decoder.layers]
-    if got != list(stages[pr]):
-        raise ValueError(f"{_WHAT}: {where} (stage {pr}): the model's decoder layers are global layers {got}, "
-                         f"the TransformerConfig's stage split gives {list(stages[pr])}")
 
-    named = dict(m.named_parameters())
-    names = list(named) + [n for n, _ in m.named_buffers()]
+def _vocab_and_tying(m, s, named: dict, tp: int, where: str) -> int:
+    """The vocab padding (``vocab_divisible_by``) from the model's padded vocab, checked against the local rows
+    of the embedding / output layer; the model's tying checked against the HF config's."""
     vpad = int(m.vocab_size)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in named and named[name].shape[0] * tp != vpad:
@@ -260,7 +277,12 @@ def _read(model, config, ranks, dtype, spec):
     if tied != s.tied:
         raise ValueError(f"{_WHAT}: {where}: the model's share_embeddings_and_output_weights={tied}, the HF "
                          f"config's tie_word_embeddings={s.tied}")
+    return vocab_divisible_by
 
+
+def _layer_spec(names: list[str], spec, moe: bool, tc, where: str):
+    """``(spec, grouped_gemm)``: the layer spec from the parameter names (``spec``, if given, must agree), and
+    for MoE whether the experts are grouped GEMMs (from the names, else the config)."""
     live_spec = detect_spec(names)
     if spec is None:
         spec = live_spec
@@ -274,18 +296,17 @@ def _read(model, config, ranks, dtype, spec):
         grouped = detect_grouped_gemm(names)
         if grouped is None:
             grouped = bool(tc.moe_grouped_gemm)
-    if dtype is None:
-        if named:
-            count = Counter()
-            for p in named.values():
-                count[p.dtype] += p.numel()
-            dtype = count.most_common(1)[0][0]
-        else:
-            dtype = torch.bfloat16 if tc.bf16 else torch.float16 if tc.fp16 else tc.params_dtype
-    args = dict(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, etp=etp if moe else None, ranks=ranks, dtype=dtype,
-                vocab_divisible_by=vocab_divisible_by, grouped_gemm=grouped,
-                layers_per_stage=None if pp == 1 else [len(r) for r in stages], spec=spec)
-    return args, m, s, me, world
+    return spec, grouped
+
+
+def _dtype(named: dict, tc) -> torch.dtype:
+    """The parameters' most common dtype (by elements); without parameters, the config's."""
+    if named:
+        count = Counter()
+        for p in named.values():
+            count[p.dtype] += p.numel()
+        return count.most_common(1)[0][0]
+    return torch.bfloat16 if tc.bf16 else torch.float16 if tc.fp16 else tc.params_dtype
 
 
 def layout_from_megatron(model, config=None, *, ranks: Sequence[int] | int | None = None,

@@ -5,7 +5,7 @@ Modules, each importing only the ones before it: ``types`` (values, constants) <
 destinations) <- ``pair_schedule`` (the pair rule: every plan's steps), ``relay`` (fan-out) <- ``routing``
 (pieces, checks) <- ``options`` (``PlanOptions``, ``StepBudget``: the options resolved once) <- ``index``
 (per-tensor queries on a layout) <- ``validate`` (exact cover, a share's check) <- ``core`` (``Plan``) <-
-``holders`` (the holder rule, one box at a time) <- ``rows`` (the whole plan as numpy rows, the lower bound)
+``holders`` (the holder rule, one piece on ranks) <- ``rows`` (the whole plan as numpy rows, the lower bound)
 <- ``local`` (a rank's share) <- ``planner`` (``plan_reshard``);
 ``work``: what one rank's executor needs of a plan. Box geometry: ``triton_reshard.box``.
 """

@@ -1,6 +1,7 @@
-"""The holder rule, one destination box at a time: which source rank sends each piece of a box, and how a piece
-fans out over relays (``route_box``; ``local`` routes a rank's share with it, ``rows`` the boxes its array path
-leaves over, with its ``make`` emitting rows).
+"""The holder rule on ranks: which source rank sends each piece of a destination box, and how a piece fans out
+over relays (``route_piece``: one piece, its holders and receivers as ranks; ``rows`` finds the pieces, their
+holders and receivers on the columns, and routes every piece with ``gpus_per_node`` or relays through it; the
+pieces without either it routes vectorized by the same rule, ``(salt + i) % h``).
 
 **Holders.** A destination box ``B`` of tensor ``T`` is cut into pieces, each held by the same source ranks
 ``H`` (``routing.cover_pieces``). The ranks that need a piece over the wire (``R``: the ranks with box ``B`` that
@@ -21,21 +22,9 @@ into ``m <= |G|`` parts (``relay.split_piece``), part ``j`` goes over the wire t
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import torch
-
-from ..layout import Fragment, itemsize_of
-from .index import DstGroup
 from .relay import split_piece
-from .routing import cover_pieces, holders_of, no_holder
-from .types import make_transfer
-
-_RANK_LOCAL = lambda f: (f.rank, f.local, f.local_offsets)  # noqa: E731
-_FIRST = lambda kv: kv[0]  # noqa: E731
-
 
 # --------------------------------------------------------------------------------------------------------
 # The holder rule
@@ -105,7 +94,7 @@ def assign(holders: Sequence[int], receivers: Sequence[int], salt: int, gpus_per
 
 
 # --------------------------------------------------------------------------------------------------------
-# Routing one destination box
+# Routing one piece
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -145,113 +134,39 @@ def _fan_groups(recv: list[int], holders: Sequence[int], gpn: int | None,
     return rest, fans
 
 
-def route_box(name: str, box: tuple, dgroup: DstGroup, sfrags: list[Fragment], wdt: torch.dtype,
-              rdt: torch.dtype | None, gpn: int | None, groups: dict[int, int], local: list, wire: list,
-              keep: Callable[[int, int], bool] | None = None, base: int = 0, me: int | None = None,
-              make: Callable = make_transfer) -> None:
-    """Route destination box ``box`` of tensor ``name``: ``dgroup`` its destination fragments (one per rank),
-    ``sfrags`` every nonempty source fragment of the tensor overlapping it. Appends the local copies to
-    ``local`` and the wire transfers (relays included) to ``wire``; ``keep(src_rank, dst_rank)``: only those
-    (None: all); ``me``: the rank ``keep`` keeps (a rank plan's), for the shortcut that computes only its own
-    transfers. The result depends on the sets ``dgroup`` and ``sfrags``, not on their order. ``make(name, off, size,
-    source, destination, dtype, relay)`` builds each appended entry (:func:`make_transfer`; ``rows`` emits rows)."""
-    d_off, d_size = box
-    dranks, frag = dgroup.ranks, dgroup.frag
-    sboxes: dict[tuple, list[Fragment]] = {}
-    for f in sfrags:
-        sboxes.setdefault((f.offsets, f.sizes), []).append(f)
-    order = sorted(sboxes)
-    sgroups = [sorted(sboxes[b], key=_RANK_LOCAL) for b in order]
-    isz = itemsize_of(wdt)
-    for p_off, p_size, mask in cover_pieces(d_off, d_size, order):
-        if mask == 0:
-            raise no_holder(name, p_off, p_size, dranks[0])
-        first, (ranks, best, _f) = holders_of([sgroups[i] for i in range(len(order)) if mask >> i & 1])
-        few = len(first) * 4 < len(dranks)  # few holders: look them up instead of testing every receiver
-        mine_at = [r for r in first if _has(dranks, r)] if few else [r for r in dranks if r in first]
-        for r in mine_at:
-            if keep is None or keep(r, r):
-                local.append(make(name, p_off, p_size, first[r], frag(r), wdt))
-        if len(mine_at) == len(dranks):  # no receiver
-            continue
-        if me is not None and gpn is None and (rdt is None or len(dranks) - len(mine_at) < 2 or not groups):
-            # a rank plan without topology or fan-out: only this rank's own receive and sends, by the index
-            # arithmetic of ``assign`` ((salt + i) % h) instead of assigning every receiver; the receivers
-            # (``dranks`` less ``mine_at``) listed only where this rank sends to some of them
-            salt, h = piece_salt(base, p_off, p_size), len(ranks)
-            j = bisect_left(ranks, me)
-            if j < h and ranks[j] == me:  # a holder (so not a receiver)
-                recv = _without(dranks, mine_at) if few else [r for r in dranks if r not in first]
-                for d in recv[(j - salt) % h::h]:
-                    wire.append(make(name, p_off, p_size, best[me], frag(d), wdt))
-            elif _has(dranks, me):  # a receiver: the i-th, i counting the receivers below it
-                i = bisect_left(dranks, me) - sum(r < me for r in mine_at)
-                wire.append(make(name, p_off, p_size, best[ranks[(salt + i) % h]], frag(me), wdt))
-            continue
-        recv = (_without(dranks, mine_at) if few else [r for r in dranks if r not in first]) if mine_at else dranks
-        units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
-        if rdt is not None and len(recv) > 1:
-            plain, fans = _fan_groups(recv, ranks, gpn, groups)
-            if plain:
-                units[(p_off, p_size)] = plain
-            salt = piece_salt(base, p_off, p_size)
-            n = math.prod(p_size) * isz
-            splits: dict[int, list] = {}  # fan size -> the parts of the piece (the same for every fan that big)
-            for g in fans:
-                k = len(g)
-                parts = splits.get(k)
-                if parts is None:
-                    parts = splits[k] = split_piece(p_off, p_size, n, k)
-                mine = me is None or _has(g, me)  # a rank plan: only the relays of its own fan
-                for j, (o, s, _pn) in enumerate(parts):
-                    head = g[(j + salt) % k]
-                    units.setdefault((o, s), []).append(head)
-                    if not mine:
-                        continue
-                    if me is None or head == me:
-                        for r in g:
-                            if r != head:
-                                wire.append(make(name, o, s, frag(head), frag(r), rdt, True))
-                    else:
-                        wire.append(make(name, o, s, frag(head), frag(me), rdt, True))
-        else:
-            units[(p_off, p_size)] = recv
-        fanned = rdt is not None and len(recv) > 1
-        for (o, s), rcv in units.items():
-            if fanned:  # plain receivers and heads of parts: in rank order
-                rcv.sort()
-            if me is not None and gpn is None:  # only this rank's receive and sends (see above)
-                usalt, h = piece_salt(base, o, s), len(ranks)
-                i = bisect_left(rcv, me)
-                if i < len(rcv) and rcv[i] == me:
-                    wire.append(make(name, o, s, best[ranks[(usalt + i) % h]], frag(me), wdt))
-                j = bisect_left(ranks, me)
-                if j < h and ranks[j] == me:
-                    for d in rcv[(j - usalt) % h::h]:
-                        wire.append(make(name, o, s, best[me], frag(d), wdt))
-                continue
-            picks = assign(ranks, rcv, piece_salt(base, o, s), gpn)
-            if keep is None:
-                for d, j in zip(rcv, picks, strict=True):
-                    wire.append(make(name, o, s, best[ranks[j]], frag(d), wdt))
-                continue
-            for d, j in zip(rcv, picks, strict=True):
-                if keep(ranks[j], d):
-                    wire.append(make(name, o, s, best[ranks[j]], frag(d), wdt))
-
-
-def _without(sorted_ranks: list[int], some: list[int]) -> list[int]:
-    """``sorted_ranks`` less ``some`` (a few of its members, any order), by slicing between them: at a thousand
-    receivers per piece a filtering comprehension was half of a rank plan's routing."""
-    out: list[int] = []
-    i = 0
-    for j in sorted(bisect_left(sorted_ranks, r) for r in some):
-        out += sorted_ranks[i:j]
-        i = j + 1
-    out += sorted_ranks[i:]
-    return out
-
-
-def _has(sorted_ranks: list[int], r: int) -> bool:
-    i = bisect_left(sorted_ranks, r)
-    return i < len(sorted_ranks) and sorted_ranks[i] == r
+def route_piece(off: tuple, size: tuple, nbytes: int, base: int, holders: Sequence[int], dranks: Sequence[int],
+                gpn: int | None, groups: dict[int, int], fan: bool):
+    """Route one piece ``off`` + ``size`` (``nbytes`` on the wire) of a destination box of the tensor with salt
+    base ``base``: ``holders`` the source ranks holding it, ``dranks`` the ranks of the box (both ascending);
+    ``fan``: relays on for this tensor. Returns ``(local, sends, relays)``: the ranks of the box that hold
+    the piece (a local copy each), ``(offsets, sizes, holder index, receiver)`` per wire send and
+    ``(offsets, sizes, head, receiver)`` per relay (the head relays its part of the piece)."""
+    held = set(holders)
+    local = [r for r in dranks if r in held]
+    recv = [r for r in dranks if r not in held] if local else list(dranks)
+    relays: list[tuple] = []
+    units: dict[tuple, list[int]] = {}  # sub-box -> the ranks receiving it from a source holder
+    if fan and len(recv) > 1:
+        plain, fans = _fan_groups(recv, holders, gpn, groups)
+        if plain:
+            units[(off, size)] = plain
+        salt = piece_salt(base, off, size)
+        splits: dict[int, list] = {}  # fan size -> the parts of the piece (the same for every fan that big)
+        for g in fans:
+            k = len(g)
+            parts = splits.get(k)
+            if parts is None:
+                parts = splits[k] = split_piece(off, size, nbytes, k)
+            for j, (o, s, _n) in enumerate(parts):
+                head = g[(j + salt) % k]
+                units.setdefault((o, s), []).append(head)
+                relays.extend((o, s, head, r) for r in g if r != head)
+        for rcv in units.values():  # plain receivers and heads of parts: in rank order
+            rcv.sort()
+    elif recv:
+        units[(off, size)] = recv
+    sends = []
+    for (o, s), rcv in units.items():
+        sends.extend((o, s, j, d) for d, j in zip(rcv, assign(holders, rcv, piece_salt(base, o, s), gpn),
+                                                   strict=True))
+    return local, sends, relays

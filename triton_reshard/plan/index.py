@@ -71,20 +71,6 @@ class TensorIndex:
         return out
 
 
-class FragmentRef:
-    """A fragment's fields (row ``row`` of a :class:`TensorRows`), for routing; ``local_box`` builds the
-    fragment (``build(row)``): the planner builds real fragments only for the transfers it keeps."""
-
-    __slots__ = ("tensor", "rank", "offsets", "sizes", "local", "local_offsets", "_build", "row")
-
-    def __init__(self, tensor, rank, offsets, sizes, local, local_offsets, build, row) -> None:
-        self.tensor, self.rank, self.offsets, self.sizes = tensor, rank, offsets, sizes
-        self.local, self.local_offsets, self._build, self.row = local, local_offsets, build, row
-
-    def local_box(self, off, size):
-        return self._build(self.row).local_box(off, size)
-
-
 # --------------------------------------------------------------------------------------------------------
 # A rank's queries, batched: the rows of a batch of tensors hitting boxes, in a few vectorized passes
 # --------------------------------------------------------------------------------------------------------
@@ -206,7 +192,7 @@ class ShareQuery:
         return m | self.whole[k]
 
     def keep(self, k: int):
-        """``route_box``'s ``keep`` and ``me`` for tensor ``k``."""
+        """Tensor ``k``'s filter of the rows ``(source rank, destination rank)`` kept (None: all) and ``me``."""
         if self.whole[k]:
             return None, None
         me = self.me

@@ -1,7 +1,8 @@
 """Locally computable routing and steps: what every rank can decide for its own sends and receives from the
 two layouts alone, identically to its peers (``plan_reshard``'s routing).
 
-**Holders and fan-out** (:mod:`.holders`): which source rank sends each piece, and relays.
+**Holders and fan-out** (:mod:`.holders`): which source rank sends each piece, and relays (the salt's base: a
+tensor's index in ``dst.tensor_order()``).
 
 **Steps.** The wire transfers of one (phase, source, destination) pair, in key order, are cut into chunks and
 taken in that order into *loads* of at most ``c = bucket_bytes // 2 // P`` aligned bytes (``P =
@@ -27,11 +28,6 @@ from .routing import LOCAL_ORDER, WIRE_ORDER
 from .rows import route_tables
 
 
-def _tensor_order(layout: Layout) -> dict[str, int]:
-    """Tensor name -> its index in the layout's (sorted) tensors: the base of every piece's salt."""
-    return layout.tensor_order()  # (kept by the layout)
-
-
 def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool, groups: dict[int, int],
                whole: Container[str] = ()):
     """Rank ``rank``'s transfers only (its sends, receives, relays and local copies), from the boxes of its
@@ -52,7 +48,7 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     boxes: dict[str, list[tuple]] = {}
     for name, box in todo:
         boxes.setdefault(name, []).append(box)
-    local, wire = route_tables(src, dst, gpn, relay, groups, _tensor_order(dst), boxes, rank, whole)
+    local, wire = route_tables(src, dst, gpn, relay, groups, dst.tensor_order(), boxes, rank, whole)
     return list(local), list(wire)
 
 
@@ -68,7 +64,7 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     (``targets``) transfer by transfer."""
     with gc_paused():
         if rank is None:  # as rows, never one object per transfer
-            local, wire = route_tables(src, routed, gpus_per_node, relay, groups, _tensor_order(routed))
+            local, wire = route_tables(src, routed, gpus_per_node, relay, groups, routed.tensor_order())
             if not targets:
                 return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
             local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects

@@ -65,7 +65,37 @@ def check_relay(relay, gpus_per_node: int | None, grouped: bool, who: str) -> No
 class PlanOptions:
     """``plan_reshard``'s options, resolved (build it with :meth:`of`): ``relay`` is decided (a bool), and
     ``relay_groups`` is kept only when relays are on (``None`` otherwise: the groups change nothing then).
-    :attr:`key` is what the plan's digest hashes."""
+    :attr:`key` is what the plan's digest hashes. What they do (the rules: ``plan/holders.py``):
+
+    ``allow_cast``: source and destination dtypes may differ (the copy casts; on the sender where that shrinks
+    the wire bytes).
+
+    ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). A piece several source
+    ranks hold is spread over them by quotas (each holder sends it ``n // h`` or ``n // h + 1`` times, for
+    ``n`` receivers and ``h`` holders); with ``gpus_per_node`` a receiver first takes a holder in its own node
+    that has quota left, the others the holders left: fewer bytes cross the network while no holder sends a
+    piece more often than its quota. ``None``: no topology (the default).
+
+    ``relay`` (needs ``gpus_per_node`` or ``relay_groups``; ``None``: on exactly when one is given): fan-out,
+    the idea of NCCL's M2N ring. The ranks of one node that need a piece over the wire while no source rank of
+    that node holds it (at least two of them) form a fan group: the piece is split into near-equal contiguous
+    parts, at most one per rank of the group and each at least ``RELAY_SPLIT_MIN_BYTES`` (a small piece gets
+    fewer parts, or stays whole); each part crosses the network once, from a holder as above, to one rank of
+    the group (the heads rotate from piece to piece), and that rank forwards it to the others by relay
+    transfers (``Transfer.relay``), which read its destination tensor and run in a second phase, over NVLink:
+    a scatter over the network, then an all-gather over NVLink. Every destination element still arrives once,
+    so the wire bytes stay the lower bound; fewer bytes cross the network and leave the sources. A plan in
+    which nothing fans out, and every plan with ``relay=False``, is exactly the plan of the node-aware routing
+    alone. Block-quantized destinations are never relayed (``relay=True`` raises there).
+
+    ``relay_groups``: groups of destination ranks that need the same pieces, e.g. the same position in several
+    copies of one layout (``Layout.instance_groups``: independent inference engines), as a tuple of disjoint
+    tuples of ranks (a rank in no group is a group of its own). The same fan-out, inside a group instead of a
+    node, even when a source rank inside the group holds the piece (the point is to unload the sources): with
+    n copies of an engine the sources send each such byte once per group instead of n times. With
+    ``gpus_per_node`` nodes come first (relaying inside a node is cheaper); the ranks left fan out inside
+    their group. A rank receives each element once, by one relay at most (no chains).
+    """
 
     allow_cast: bool = False
     gpus_per_node: int | None = None

@@ -22,7 +22,7 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     Every destination element is covered exactly once. If the destination rank holds a source copy of an
     element, it is copied locally (never on the wire); otherwise one source holder sends it.
 
-    Routing (``plan/holders.py``, ``plan/rows.py``): every choice is a rule a rank evaluates for its own
+    Routing (``plan/rows.py``, ``plan/holders.py``): every choice is a rule a rank evaluates for its own
     transfers from the two layouts alone, and its peers evaluate identically: a piece's receivers are spread
     over its holders by quotas (``holders.assign``, same-node holders first with ``gpus_per_node``), fan-out
     parts go to heads in rotation. ``rank=r`` then returns rank ``r``'s share alone, a :class:`Plan` with
@@ -32,43 +32,11 @@ def plan_reshard(src: Layout, dst: Layout, allow_cast: bool = False, gpus_per_no
     ``STEP_PEERS`` peers and receives from as many, within the bucket). The wire bytes are exactly the lower bound (the
     greedy router of earlier versions, which the tests compare against, is in ``tests/oracles``).
 
-    ``gpus_per_node``: ranks ``[k*n, (k+1)*n)`` share a node (a fast NVLink domain). When given, a box several
-    source ranks hold is sent by the least loaded holder in the destination's node, if there is one and that
-    keeps its bytes sent within the larger of its fair share (wire bytes / sending ranks) and what the least
-    loaded holder would reach; so fewer bytes cross the network while the bytes sent (and the number of
-    schedule steps) stay balanced. The wire bytes stay the lower bound. ``None``: no topology (the default).
-
-    ``relay`` (needs ``gpus_per_node``; ``None``: on exactly when ``gpus_per_node`` is given): fan-out inside a
-    node, the idea of NCCL's M2N ring. A piece that several ranks of one node need (one destination box
-    replicated, e.g. on the DP replicas of vLLM TP x DP) while no source rank of that node holds it crosses the
-    network once per node instead of once per rank: it is split into one near-equal contiguous part per rank of
-    that group (parts of at least ``RELAY_SPLIT_MIN_BYTES``: a small piece gets fewer parts, or stays whole),
-    each part crosses the network to one rank of the group (from a source holder, chosen as usual), and that
-    rank forwards it to the others by relay transfers (``Transfer.relay``), which read its destination tensor
-    and run in a second phase, over NVLink: a scatter over the network, then an all-gather over NVLink, so each
-    rank receives ~1/k of the piece over the network and relays ~1/k of it to the k-1 others. Parts go,
-    largest piece and part first, to the rank of the group with the fewest bytes received over the network so
-    far (then the fewest bytes relayed, then the lowest rank): the network receives and relay sends spread
-    over the replicas of the node. Relay bytes are not counted as sender load when the network senders are
-    balanced: they leave another port (NVLink, ~10-20x faster) in a later phase. Every destination element
-    still arrives once, so the wire bytes stay the lower bound; only the senders change, and fewer bytes cross
-    the network. A plan in which nothing fans out, and every plan with ``relay=False``, is exactly the plan of
-    the node-aware routing alone.
-
-    ``relay_groups``: groups of destination ranks that need the same pieces, e.g. the same position in several
-    copies of one layout (``Layout.instance_groups``: independent inference engines), as a tuple of disjoint
-    tuples of ranks (a rank in no group is a group of its own). The same fan-out, inside a group instead of a
-    node: a piece that at least two ranks of one group need over the wire is split into parts, each part sent
-    once by a source holder to one rank of the group and relayed by that rank to the others, so the sources
-    send each such byte once per group instead of once per rank of it (with n copies of an engine, the
-    trainer's send port carries ~1x instead of nx one engine's bytes; the relay sends spread over the
-    copies). Unlike nodes, a group fans out even when a source rank inside it holds the piece (the point is to
-    unload the sources, not to stay near them). With ``gpus_per_node`` nodes come first: a piece that a node
-    fans out crosses the network once per node and is relayed over NVLink there (cheaper than relaying it
-    between nodes); the ranks left (e.g. one rank per node, when each engine copy fills its own node) fan out
-    inside their group. A rank receives each element once, by one relay at most (no chains), so a piece is
-    never relayed twice (between nodes, then inside one). ``relay`` (``None``: on when ``relay_groups`` or
-    ``gpus_per_node`` is given) off ignores the groups.
+    ``gpus_per_node`` (ranks ``[k*n, (k+1)*n)`` share a node: same-node holders first), ``relay`` (fan a piece
+    out inside a node or a relay group: it crosses the network once, in parts, and is relayed over NVLink;
+    needs ``gpus_per_node`` or ``relay_groups``; ``None``: on exactly when one is given) and ``relay_groups``
+    (groups of destination ranks that need the same pieces, e.g. ``Layout.instance_groups``): see
+    :class:`~triton_reshard.plan.options.PlanOptions`. Whatever they say, the wire bytes are the lower bound.
 
     Raises ``TypeError`` for arguments of the wrong type (not two Layouts, a non-bool ``relay``), and
     ``ValueError``, naming the tensor, when the layouts cannot be resharded: a destination tensor the source

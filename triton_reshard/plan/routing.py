@@ -1,5 +1,5 @@
 """Routing helpers of the planner (``holders``, ``rows``, ``local``): the decomposition of destination boxes
-into pieces that the same source ranks hold, holders, wire dtypes and the input checks. Fan-out (relays) is in
+into pieces that the same source ranks hold, wire dtypes and the input checks. Fan-out (relays) is in
 ``relay``; the lower bound of the wire bytes in ``rows``.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from operator import attrgetter
 
 import torch
@@ -125,18 +125,3 @@ def check_relay_groups(relay_groups) -> dict[int, int]:
             for r in g:
                 del out[r]
     return out
-
-
-def holders_of(frag_lists: Iterable[Sequence[Fragment]]) -> tuple[dict[int, Fragment], tuple]:
-    """Per rank, its first holder fragment (local copies read from it); and (holder ranks ascending, per rank
-    the holder with the smallest local name, the first holder): what the choice of a sender needs."""
-    first: dict[int, Fragment] = {}
-    best: dict[int, Fragment] = {}
-    for frs in frag_lists:
-        for h in frs:
-            b = best.get(h.rank)
-            if b is None:
-                first[h.rank] = best[h.rank] = h
-            elif h.local < b.local:
-                best[h.rank] = h
-    return first, (tuple(sorted(best)), best, next(iter(first.values())))

@@ -6,19 +6,21 @@ The rules are ``local``'s (see its module doc); this module evaluates them on ar
 * the distinct nonempty destination boxes and source boxes (``np.unique`` over ``(tensor, offsets, sizes)``),
   every (destination box, source box) pair of one tensor that shares an element;
 * a destination box every meeting source box contains is one piece held by all their fragments (the common
-  case: replicas of one shard, or a larger shard); without topology or relays its transfers are computed
-  vectorized: per holder rank its first fragment (local copies read it: the smallest source box, then local
-  name, then local offsets) and its best one (senders read it: the smallest local name, then box, then local
-  offsets), local copies where a destination rank holds the piece, and receiver ``i`` of the others (ascending
-  ranks) gets holder ``(salt + i) % h`` (``holders.assign`` without ``gpus_per_node``);
-* every other box (pieces cut by ``decompose_box``, or any box with ``gpus_per_node`` or relays) goes through
-  ``holders.route_box`` itself on row references, its ``make`` emitting rows, so the rules stay one code;
+  case: replicas of one shard, or a larger shard); a box some meeting source box does not contain is cut into
+  pieces (``routing.cover_pieces``), each held by the source boxes of its mask;
+* without topology or relays a piece's transfers are computed vectorized: per holder rank its first fragment
+  (local copies read it: the smallest source box, then local name, then local offsets) and its best one
+  (senders read it: the smallest local name, then box, then local offsets), local copies where a destination
+  rank holds the piece, and receiver ``i`` of the others (ascending ranks) gets holder ``(salt + i) % h``
+  (``holders.assign`` without ``gpus_per_node``);
+* the pieces of a tensor with relays, or any piece with ``gpus_per_node``, are routed one by one by
+  ``holders.route_piece`` on ranks (their holders, first and best rows as above), so the rules stay one code;
 * the rows become a :class:`~triton_reshard.plan.table.TransferTable` (local offsets from the fragments' local
   offsets plus the piece's offset in the fragment, as ``Fragment.local_box``).
 
 The one router of the package: the whole plan routes every box, a rank's share (``local.route_rank``) the boxes
-it touches (its queries' rows, 64 tensors a batch) and keeps its own rows. The object form, every box through
-``route_box`` into ``Transfer`` objects, is ``tests/oracles/route_objects.py``, compared with this one.
+it touches (its queries' rows, 64 tensors a batch) and keeps its own rows. The object form, every box routed
+on fragments into ``Transfer`` objects, is ``tests/oracles/route_objects.py``, compared with this one.
 
 Bad input (overlapping destination boxes on a rank, an element no source holds) is detected here and raised
 by a box-by-box check of the same tensor (``index.raise_bad_input``) in the words routing box by box used.
@@ -26,7 +28,7 @@ by a box-by-box check of the same tensor (``index.raise_bad_input``) in the word
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import math
 from collections.abc import Container
 
 import numpy as np
@@ -34,8 +36,8 @@ import torch
 
 from ..box import boxes_meet
 from ..layout import Layout, gc_paused, itemsize_of
-from .holders import route_box
-from .index import DstGroup, FragmentRef, ShareQuery, raise_bad_input
+from .holders import route_piece
+from .index import ShareQuery, raise_bad_input
 from .quant import scale_lower_bound, unpack_fragment
 from .relay import relay_dtype
 from .routing import cover_pieces, held_numel, wire_dtype_of
@@ -134,38 +136,61 @@ def _batch_rows(src: Layout, dst: Layout, part: list[str]):
             np.flatnonzero((ssz > 0).all(1)))
 
 
-def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
-    K = len(part)
-    dr, sr, D, doff, dsz, soff, ssz, dk, sk, dn, sn = _batch_rows(src, dst, part)
-    drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
-    W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
+def _nonempty(rows) -> np.ndarray:
+    return np.flatnonzero((rows.sizes > 0).all(1))
 
-    # destination boxes, their rows by (box, rank)
+
+def _tensor_of(rows, at: np.ndarray) -> np.ndarray:
+    """The tensor (index in the batch) of each row ``at``."""
+    return np.searchsorted(rows.starts, at, side="right") - 1
+
+
+def _dst_rows(dr, sr, D: int, W: int, share):
+    """The destination boxes routed (``(tensor, offsets, sizes)``, ``[B]`` / ``[B, D]``), their rows by (box, rank)
+    and each box's first, the tensors with two boxes on one rank (the whole plan: they must not overlap, checked
+    on objects; a share: a box twice on one rank), and the source rows to read (the nonempty ones; a share's:
+    those meeting its boxes)."""
+    drank = np.asarray(dr.ranks, I64)
     if share is None:
-        bk, boff, bsz, binv = _boxes(dk[dn], doff[dn], dsz[dn])
+        dn = _nonempty(dr)
+        dk = _tensor_of(dr, dn)
+        bk, boff, bsz, binv = _boxes(dk, widen(dr.offsets[dn], D, 0), widen(dr.sizes[dn], D, 1))
+        kr = np.sort(dk * W + drank[dn])
+        flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
+        sn = _nonempty(sr)
     else:  # a rank's share: its boxes (each the box of its rows), the source rows meeting them
         bk, boff, bsz, dn, binv, sn = share.rows(dr, sr, D)
-    B = len(bk)
-    o = np.lexsort((drank[dn], binv))
-    drows, dbox = dn[o], binv[o]
-    dranks = drank[drows]
-    dstart = _segments(dbox, B)
-    if share is None:  # a rank with two boxes of one tensor: they must not overlap (checked on objects)
-        kr = np.sort(dk[dn] * W + drank[dn])
-        flagged = set((kr[1:][kr[1:] == kr[:-1]] // W).tolist())
-    else:  # a box twice on one rank
-        twice = (dbox[1:] == dbox[:-1]) & (dranks[1:] == dranks[:-1])
-        flagged = set(bk[dbox[1:][twice]].tolist())
+    rk = drank[dn]
+    if len(dn) > 1 and ((binv[1:] < binv[:-1]) | ((binv[1:] == binv[:-1]) & (rk[1:] < rk[:-1]))).any():
+        o = np.lexsort((rk, binv))  # (a share's rows come by box, in rank order where the layout keeps it)
+        dn, binv, rk = dn[o], binv[o], rk[o]
+    if share is not None:
+        twice = (binv[1:] == binv[:-1]) & (rk[1:] == rk[:-1])
+        flagged = set(bk[binv[1:][twice]].tolist())
+    return bk, boff, bsz, dn, _segments(binv, len(bk)), flagged, sn
 
-    # source boxes, their rows by (box, rank, local name, local offsets)
-    sbk, sboff, sbsz, sinv = _boxes(sk[sn], soff[sn], ssz[sn])
-    S = len(sbk)
-    loff, lnd = sr.local_offset_columns
+
+def _src_rows(sr, sn: np.ndarray, D: int):
+    """The source boxes of the rows ``sn`` (``_boxes``), those rows by (box, rank, local name, local offsets),
+    each box's first, and the rows' local ids."""
+    sbk, sboff, sbsz, sinv = _boxes(_tensor_of(sr, sn), widen(sr.offsets[sn], D, 0), widen(sr.sizes[sn], D, 1))
+    loff, _lnd = sr.local_offset_columns
     lid = np.asarray(sr.local_ids, I64)
     keys = [loff[sn, j] for j in range(loff.shape[1] - 1, -1, -1)]
-    o = np.lexsort((*keys, lid[sn], srank[sn], sinv))
-    srows, sbox = sn[o], sinv[o]
-    sstart = _segments(sbox, S)
+    o = np.lexsort((*keys, lid[sn], np.asarray(sr.ranks, I64)[sn], sinv))
+    return sbk, sboff, sbsz, sn[o], _segments(sinv[o], len(sbk)), lid
+
+
+def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
+    K = len(part)
+    dr, sr = dst.tensor_rows(part), src.tensor_rows(part)
+    D = max(dr.offsets.shape[1], sr.offsets.shape[1])
+    drank, srank = np.asarray(dr.ranks, I64), np.asarray(sr.ranks, I64)
+    W = int(max(drank.max(initial=0), srank.max(initial=0))) + 1
+    bk, boff, bsz, drows, dstart, flagged, sn = _dst_rows(dr, sr, D, W, share)
+    B = len(bk)
+    dranks = drank[drows]
+    sbk, sboff, sbsz, srows, sstart, lid = _src_rows(sr, sn, D)
 
     # (destination box, source box) pairs of one tensor sharing an element
     sA = _segments(sbk, K)
@@ -178,28 +203,29 @@ def _route_batch(src, dst, part, kinds, bases, gpn, groups, share):
     nmeet = np.bincount(pd, minlength=B)
     ncont = np.bincount(pd[cont], minlength=B)
     uncovered = nmeet == 0
-    plain = ~uncovered & (gpn is None) & np.array([kinds[k][1] is None for k in bk.tolist()] or [], bool)
-    simple = plain & (nmeet == ncont)
+    simple = ~uncovered & (nmeet == ncont)
 
     out = _Rows(share)
-    # pieces routed on arrays: a simple box is one piece; a box some meeting source box does not contain is cut
+    # the pieces: a simple box is one piece; a box some meeting source box does not contain is cut
     # (``routing.cover_pieces``, per box in Python: few boxes), each piece held by the source boxes of its mask
     pieces, pairs = _simple_pieces(simple, pd, ps, boff, bsz)
-    cut = np.flatnonzero(plain & ~simple)
+    cut = np.flatnonzero(~uncovered & ~simple)
     if len(cut):
         more, more_pairs, bad = _cut_pieces(cut, pd, ps, boff, bsz, sboff, sbsz, bk, dr.ndims, len(pieces[0]))
         out.bad |= bad
         pieces = tuple(np.concatenate([a, b]) for a, b in zip(pieces, more, strict=True))
         pairs = tuple(np.concatenate([a, b]) for a, b in zip(pairs, more_pairs, strict=True))
-    if len(pieces[0]):
-        pbox, poff, psz = pieces
+    # pieces of tensors with relays, or any with ``gpus_per_node``: by ``holders.route_piece``; the others on arrays
+    fan = np.array([rdt is not None for _w, rdt in kinds], bool)
+    topo = np.ones(len(pieces[0]), bool) if gpn is not None else fan[bk[pieces[0]]]
+    if not topo.all():
+        (pbox, poff, psz), fpairs = _subset(pieces, pairs, ~topo) if topo.any() else (pieces, pairs)
         salt = np.asarray(bases, I64)[bk[pbox]] + (poff // psz).sum(1)
         out.pieces = (bk[pbox], poff, psz)
-        _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dranks, dstart, W)
-    slow = np.flatnonzero(~plain & ~uncovered)
-    if len(slow):
-        out.bad |= _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart,
-                              kinds, bases, gpn, groups)
+        _route_pieces(out, pbox, salt, fpairs, sstart, srows, srank, lid, drows, dranks, dstart, W)
+    if topo.any():
+        _route_topo(out, *_subset(pieces, pairs, topo), (sstart, srows, srank, lid, W), (drows, dranks, dstart), bk,
+                    dr.ndims, kinds, bases, gpn, groups)
     uncov = set(bk[uncovered].tolist())
     for k in sorted(flagged | uncov | out.bad):  # bad input: raised in the words of routing box by box
         raise_bad_input(part[k], dst, src, None if share is None else share.boxes[k])
@@ -263,9 +289,8 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     nd = dstart[pbox + 1] - dstart[pbox]
     db, dat = _expand(dstart[pbox], nd)
     drow, drk = drows[dat], dranks[dat]
-    dkey = db * W + drk
-    pos = np.minimum(np.searchsorted(hkey, dkey), max(len(hkey) - 1, 0))
-    held = hkey[pos] == dkey if len(hkey) else np.zeros(len(dkey), bool)
+    dkey = db * W + drk  # ascending (pieces in order, a box's rows in rank order)
+    held = _members(dkey, hkey)
     recv = ~held
     c = np.cumsum(recv) - recv  # receivers before each row
     first = np.concatenate(([0], np.cumsum(nd)[:-1]))
@@ -286,6 +311,17 @@ def _route_pieces(out, pbox, salt, pairs, sstart, srows, srank, lid, drows, dran
     out.add_fast(True, lb, hs, ldrow, srank[hs], ldrk)
     ws = _holder_rows(ekey, er, lid, send)  # senders read the best one
     out.add_fast(False, rb, ws, wdrow, srank[ws], wdrk)
+
+
+def _members(keys: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """Which of ``keys`` (ascending, distinct) are in ``of``: each of ``of`` looked up (a piece has few holders
+    and many destination ranks)."""
+    out = np.zeros(len(keys), bool)
+    pos = np.searchsorted(keys, of)
+    ok = pos < len(keys)
+    pos = pos[ok]
+    out[pos[keys[pos] == of[ok]]] = True
+    return out
 
 
 def _holder_rows(ekey: np.ndarray, er: np.ndarray, lid: np.ndarray | None, want: np.ndarray) -> np.ndarray:
@@ -313,47 +349,44 @@ def _distinct(keys: np.ndarray) -> np.ndarray:
     return keys[head]
 
 
-def _route_slow(out, slow, part, bk, boff, bsz, dr, sr, drows, dranks, dstart, pd, ps, srows, sstart, kinds,
-                bases, gpn, groups) -> set[int]:
-    """The other boxes, one by one through ``holders.route_box`` on row references. Returns the tensors (batch
-    indices) with an element no source holds."""
+def _subset(pieces, pairs, keep: np.ndarray):
+    """The pieces ``keep`` (a mask over them) and their pairs, numbered again from 0 in the same order."""
+    at = np.cumsum(keep) - 1
+    sel = keep[pairs[0]]
+    return tuple(x[keep] for x in pieces), (at[pairs[0][sel]], pairs[1][sel])
 
-    bad: set[int] = set()
-    refs: dict[int, list] = {}
-    loff, lnd = sr.local_offset_columns
-    pstart = _segments(pd, len(bk))
-    for b in slow.tolist():
+
+def _route_topo(out, pieces, pairs, srcs, dsts, bk, ndims, kinds, bases, gpn, groups) -> None:
+    """Route the pieces one by one by ``holders.route_piece`` (``gpus_per_node``, relays): per piece its holder
+    ranks with their first and best source rows (as ``_route_pieces`` picks them), the ranks and rows of its
+    box. Appends the rows to ``out`` (a share: only its own), a batch's pieces in box order."""
+    sstart, srows, srank, lid, W = srcs
+    drows, dranks, dstart = (x.tolist() for x in dsts)
+    pbox, poff, psz = pieces
+    fpd, fps = pairs
+    seg, at = _expand(sstart[fps], sstart[fps + 1] - sstart[fps])
+    er = srows[at]
+    ekey = fpd[seg] * W + srank[er]
+    hkey = _distinct(ekey)  # (piece, holder rank), ascending
+    hstart = _segments(hkey // W, len(pbox)).tolist()
+    hrank = (hkey % W).tolist()
+    first, best = _holder_rows(ekey, er, None, hkey).tolist(), _holder_rows(ekey, er, lid, hkey).tolist()
+    boxes, isz = pbox.tolist(), {}
+    for p in np.argsort(pbox, kind="stable").tolist():
+        b = boxes[p]
         k = int(bk[b])
-        name, nd = part[k], dr.ndims[k]
-        sfrags = []
-        for s in ps[pstart[b]:pstart[b + 1]].tolist():
-            got = refs.get(s)
-            if got is None:
-                rows = srows[sstart[s]:sstart[s + 1]]
-                got = refs[s] = [
-                    FragmentRef(name, r, tuple(off[:nd]), tuple(z[:nd]), sr.local_names[li], tuple(lo[:m]), None, row)
-                    for row, r, off, z, li, lo, m in zip(
-                        rows.tolist(), sr.ranks[rows].tolist(), sr.offsets[rows].tolist(), sr.sizes[rows].tolist(),
-                        sr.local_ids[rows].tolist(), loff[rows].tolist(), lnd[rows].tolist(), strict=True)]
-            sfrags.extend(got)
-        a, e = dstart[b], dstart[b + 1]
-        ranks, rows = dranks[a:e].tolist(), drows[a:e].tolist()
-        group = DstGroup(ranks, lambda r, ranks=ranks, rows=rows: rows[bisect_left(ranks, r)])
-        box = (tuple(boff[b, :nd].tolist()), tuple(bsz[b, :nd].tolist()))
-        wdt, rdt = kinds[k]
-        keep, me = (None, None) if out.share is None else out.share.keep(k)
-        lo_, wi_ = [], []
-        try:
-            route_box(name, box, group, sfrags, wdt, rdt, gpn, groups, lo_, wi_, keep, bases[k], me, _make_row)
-        except ValueError:
-            bad.add(k)
-            continue
-        out.add_slow(k, lo_, wi_)
-    return bad
-
-
-def _make_row(name, off, size, sf, df, dt, relay=False):
-    return (off, size, sf if relay else sf.row, df, dt, relay)
+        nd, (wdt, rdt) = ndims[k], kinds[k]
+        off, size = tuple(poff[p, :nd].tolist()), tuple(psz[p, :nd].tolist())
+        a, e = hstart[p], hstart[p + 1]
+        hs, da, de = hrank[a:e], dstart[b], dstart[b + 1]
+        row = dict(zip(dranks[da:de], drows[da:de], strict=True))
+        n = math.prod(size) * (isz.get(wdt) or isz.setdefault(wdt, itemsize_of(wdt)))
+        local, sends, relays = route_piece(off, size, n, bases[k], hs, dranks[da:de], gpn, groups, rdt is not None)
+        keep = None if out.share is None else out.share.keep(k)[0]
+        lo = [(off, size, first[a + hs.index(r)], row[r], wdt, False) for r in local if keep is None or keep(r, r)]
+        wi = [(o, s, best[a + j], row[d], wdt, False) for o, s, j, d in sends if keep is None or keep(hs[j], d)]
+        wi += [(o, s, row[h], row[d], rdt, True) for o, s, h, d in relays if keep is None or keep(h, d)]
+        out.add_slow(k, lo, wi)
 
 
 class _Rows:

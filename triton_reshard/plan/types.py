@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..box import ALIGN, align_up  # noqa: F401  (ALIGN, align_up: part of the plan's API)
-from ..layout import FP8_BLOCK, Fragment, Layout, QuantFormat, dtype_name, gc_paused, itemsize_of
+from ..layout import FP8_BLOCK, Layout, QuantFormat, dtype_name, gc_paused, itemsize_of
 
 # A chunk at least this big that is contiguous in its source or destination local tensor travels as its own
 # message, so the executor can send it straight from the source tensor or receive it straight into the
@@ -300,14 +300,6 @@ class PlanStats:
             "quant_src_bytes": self.quant_src_bytes,
             "quant_dst_bytes": self.quant_dst_bytes,
         }
-
-
-def make_transfer(name, off, size, sf: Fragment, df: Fragment, wdt: torch.dtype, relay: bool = False) -> Transfer:
-    """``sf`` is a source fragment, or for a relay the destination fragment of the rank that relays."""
-    # a fragment's own box starts at its local_offsets (the common case: no local_box to compute)
-    s_off = sf.local_offsets if off == sf.offsets else sf.local_box(off, size)[0]
-    d_off = df.local_offsets if off == df.offsets else df.local_box(off, size)[0]
-    return Transfer(name, off, size, sf.rank, sf.local, s_off, df.rank, df.local, d_off, wdt, relay)
 
 
 class PlanLike(Protocol):

@@ -200,7 +200,7 @@ def _cover(plan: PlanLike, rank: int | None, tables, numel, dfr: _Frags, d_of) -
     if scales:
         exempt |= np.isin(dfr.tensor_of, np.array([dfr.group[s] for s in scales if s in dfr.group], I64))
     bad = ~np.where(cnt == 0, exempt, got == fnumel)
-    twice = _overlapping(cnt, tables, d_of, numel) if (cnt > 1).any() else np.zeros(0, I64)
+    twice = overlapping_writes(cnt, tables, d_of, numel) if (cnt > 1).any() else np.zeros(0, I64)
     bad[twice] = True
     if not bad.any():
         return
@@ -399,7 +399,7 @@ PAIR_CHUNK = 1 << 20  # pairs of boxes tested at once (4 [pairs, dims] int64 tem
 BIG_GROUP = 64  # a fragment written by more transfers than this: ``find_overlap`` (a sweep) instead of all pairs
 
 
-def _overlapping(cnt: np.ndarray, tables, d_of, numel=None) -> np.ndarray:
+def overlapping_writes(cnt: np.ndarray, tables, d_of, numel=None) -> np.ndarray:
     """The destination fragments written more than once (``cnt``: writes per fragment; ``d_of``: per table each
     row's fragment, -1: none; ``numel``: per table its rows' elements) two of whose nonempty boxes share an
     element (ascending): every pair of a fragment's boxes tested on arrays, a fragment with many writes by
