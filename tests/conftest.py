@@ -7,9 +7,30 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 if os.environ.get("TRITON_RESHARD_HYPOTHESIS"):
     settings.load_profile(os.environ["TRITON_RESHARD_HYPOTHESIS"])
+
+
+@pytest.fixture
+def triton_mode(request, monkeypatch):
+    """Interpreter for CPU tests, compiled kernels for ``gpu`` tests (skipped without a CUDA device); a fresh
+    copy-table cache for each test. Modules of Triton tests use it for all their tests
+    (``pytestmark = pytest.mark.usefixtures("triton_mode")``)."""
+    import torch
+
+    from triton_reshard.ops import copy as triton_copy
+
+    if request.node.get_closest_marker("gpu"):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_copy.clear_cache()
+    yield
+    triton_copy.clear_cache()

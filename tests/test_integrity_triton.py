@@ -19,18 +19,7 @@ from triton_reshard.ops import copy as triton_copy
 MASK = (1 << 64) - 1
 
 
-@pytest.fixture(autouse=True)
-def _triton_mode(request, monkeypatch):
-    """Interpreter for CPU tests, compiled kernels for ``gpu`` tests; a fresh table cache for each test."""
-    if request.node.get_closest_marker("gpu"):
-        if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA device")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_copy.clear_cache()
-    yield
-    triton_copy.clear_cache()
+pytestmark = pytest.mark.usefixtures("triton_mode")  # tests/conftest.py
 
 
 def _coef(key: bytes = b"t" * 32) -> ig.Coefficients:

@@ -36,18 +36,7 @@ CUDA = torch.cuda.is_available()
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@pytest.fixture(autouse=True)
-def _triton_mode(request, monkeypatch):
-    """Interpreter for CPU tests, compiled kernels for ``gpu`` tests; a fresh table cache for each test."""
-    if request.node.get_closest_marker("gpu"):
-        if not CUDA:
-            pytest.skip("needs a CUDA device")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_copy.clear_cache()
-    yield
-    triton_copy.clear_cache()
+pytestmark = pytest.mark.usefixtures("triton_mode")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------------------------------------------------

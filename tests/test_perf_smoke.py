@@ -19,6 +19,14 @@ def test_every_perf_script_has_a_smoke_run():
     assert {"main", "engines", "sglang"} <= tiers
 
 
+# Benchmarks no other test or .ci/run names run here, in test_perf_script_runs_small: kept in the main tier.
+NAMED_HERE = ("bench_delta_gpu.py", "bench_integrity.py", "bench_zero.py#overhead", "bench_zero.py#copies")
+
+
+def test_benchmarks_named_nowhere_else_run_in_the_main_tier():
+    assert set(NAMED_HERE) <= set(smoke.entries("main"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key", smoke.entries("main"))
 def test_perf_script_runs_small(key, tmp_path):
