@@ -266,6 +266,38 @@ def test_cached_plans_follow_the_data(codec):
         assert torch.equal(bits(dst), bits(src))
 
 
+def test_reused_message_buffer_same_bytes(codec):
+    """A cache marked ``REUSE`` (a refit's send: each message dropped before the next pack) packs every version
+    into one buffer: the same bytes as a fresh pack, nothing left over from a longer earlier message (dense
+    chunks, then few changes, then none), deferred updates committed from it; without the mark each message
+    keeps its own buffer."""
+    codec("native")
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(20_000, generator=g).to(torch.bfloat16)
+    snap, dst = src.clone(), src.clone()
+    for mark in (True, False):
+        cache, ucache, ptrs = ({N.REUSE: True} if mark else {}), {}, []
+        held = []
+        for k, frac in enumerate((0.6, 0.01, 0.0, 0.3, 0.001)):
+            src.copy_(ulp_steps(src, frac, g, spread=300))
+            want = D.pack_delta([(src, snap.clone())], 2048, backend="torch")
+            if k % 2:
+                updates: list = []
+                msg = pack_deferred([(src, snap)], 2048, updates, cache)
+                delta_cpu.commit_updates(updates)
+            else:
+                msg = D.pack_delta([(src, snap)], 2048, backend="torch", cache=cache)
+            assert torch.equal(msg, want), (mark, k)
+            assert torch.equal(bits(snap), bits(src)), (mark, k)
+            held.append((msg.clone(), msg))
+            ptrs.append(msg.data_ptr())
+            D.unpack_delta(msg, [dst], backend="torch", cache=ucache)
+            assert torch.equal(bits(dst), bits(src)), (mark, k)
+        assert len(set(ptrs)) == (1 if mark else len(ptrs)), mark
+        if not mark:  # each message kept its own bytes
+            assert all(torch.equal(a, b) for a, b in held)
+
+
 def _corrupt_cases(msg: torch.Tensor) -> list[torch.Tensor]:
     c = D.describe(msg)[0]
     at = c["offset"] + 16
