@@ -298,6 +298,30 @@ def test_reused_message_buffer_same_bytes(codec):
             assert all(torch.equal(a, b) for a, b in held)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_length_and_header_read_in_a_larger_buffer(codec, dtype):
+    """A message received into a larger (poisoned) buffer, as a gloo receive lands: its length from its own
+    directory (none changed, a few, every chunk dense), its header's words read in place, and the apply
+    through a cached plan."""
+    codec("native")
+    g = torch.Generator().manual_seed(6)
+    old = (torch.randn(5000, generator=g) * 3).to(dtype)
+    for frac in (0.0, 0.01, 1.0):
+        new = ulp_steps(old, frac, g) if frac < 1 else old.clone()
+        if frac == 1:
+            bits(new).add_(1)
+        msg = D.pack_delta([(new, old.clone())], 1024, update=False, backend="torch")
+        box = torch.full((msg.numel() + 4096,), 0xA5, dtype=torch.uint8)
+        box[: msg.numel()] = msg
+        assert D.message_length(box) == msg.numel(), frac
+        assert [N.header_word(box, k) for k in range(4)] == msg[:16].view(torch.int32).tolist()
+        dst, cache = old.clone(), {}
+        for _ in range(2):
+            dst.copy_(old)
+            D.unpack_delta(box, [dst], backend="torch", cache=cache)
+            assert torch.equal(bits(dst), bits(new)), frac
+
+
 def _corrupt_cases(msg: torch.Tensor) -> list[torch.Tensor]:
     c = D.describe(msg)[0]
     at = c["offset"] + 16

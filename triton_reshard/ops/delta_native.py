@@ -91,6 +91,20 @@ def native_info() -> str:
     return "native (" + {512: "avx512", 256: "avx2"}.get(int(lib.trd_simd()), "portable C") + ")"
 
 
+def in_place_bytes(msg: torch.Tensor) -> bool:
+    """Can the message's bytes be read where they lie (a 1-D contiguous CPU uint8 tensor of >= 16 bytes)?"""
+    return msg.device.type == "cpu" and msg.dtype == torch.uint8 and msg.dim() == 1 and msg.numel() >= 16 \
+        and msg.is_contiguous()
+
+
+def header_word(msg: torch.Tensor, k: int) -> int:
+    """Word ``k`` (int32) of a message's 16-byte header: read in place where :func:`in_place_bytes` (about 2 us;
+    torch's indexing takes ~10 us, and every delta receive reads two), else through torch (its errors)."""
+    if in_place_bytes(msg):
+        return ctypes.c_int32.from_address(msg.data_ptr() + 4 * k).value
+    return int(msg[4 * k:4 * k + 4].view(torch.int32)[0])
+
+
 def _ptrs(values: Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.int64)
 
@@ -276,7 +290,7 @@ def unpack_v2(
         dr = read_directory_np(msg, dsts, names, facts)
         if dr.version != VERSION2 or da is None or not dr.chunks:
             return numpy_unpack(msg, dsts, names, facts)
-    args = (*da[:6], int(msg[12:16].view(torch.int32)[0]))
+    args = (*da[:6], header_word(msg, 3))
     r = lib.trd_unpack_rows(msg.data_ptr(), *args, CHECK)
     if r == -2:
         return numpy_unpack(msg, dsts, names, facts)
