@@ -505,7 +505,7 @@ def trainer_worker(rank: int, world: int, vocab: int, layers: int, frac: float, 
     src = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()} if rank == 0 else {}
     dsts, snap, cache = [dst_l.allocate(rank) if rank else {} for _ in runs], {n: t.clone() for n, t in src.items()}, {}
     plain = {n: torch.empty_like(t) for n, t in src.items()}
-    # a receiver's apply alone: its shard's whole change as one message (cached plan), into a copy of what it held
+    # a receiver's apply alone: its shard's whole change as one message (cached plan), into copies
     work, ucache = ({n: torch.empty_like(t) for n, t in dsts[1].items()} if rank else {}), {}
     for v in range(2):
         runs[0].run(src, dsts[0])
@@ -556,9 +556,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
                          for t in ("dense", "delta", "apply")}
     med["beyond_codec"] = (med["delta_cpu_s"] - med["codec_cpu_s"]) / med["codec_cpu_s"]
     # a receiver's CPU in the delta refit beyond its apply alone (its median; the larger of the two receivers)
-    med["recv_beyond_apply"] = max(
-        (statistics.median(r["delta_cpu_s"] for r in res[k]) - statistics.median(r["apply_cpu_s"] for r in res[k]))
-        / statistics.median(r["apply_cpu_s"] for r in res[k]) for k in (1, 2))
+    recv = [tuple(statistics.median(r[key] for r in res[k]) for key in ("delta_cpu_s", "apply_cpu_s"))
+            for k in (1, 2)]
+    med["recv_beyond_apply"] = max((cpu - alone) / alone for cpu, alone in recv)
     med["exact"] = all(r["exact"] and r.get("apply_exact", True) for rs in res for r in rs)
     print(f"trainer rank, {100 * frac:g} % changed: CPU dense {1e3 * med['dense_cpu_s']:.1f} ms, delta "
           f"{1e3 * med['delta_cpu_s']:.1f} ms, the codec alone {1e3 * med['codec_cpu_s']:.1f} ms (a copy_ "

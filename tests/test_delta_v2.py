@@ -267,10 +267,10 @@ def test_cached_plans_follow_the_data(codec):
 
 
 def test_reused_message_buffer_same_bytes(codec):
-    """A cache marked ``REUSE`` (a refit's send: each message dropped before the next pack) packs every version
-    into one buffer: the same bytes as a fresh pack, nothing left over from a longer earlier message (dense
-    chunks, then few changes, then none), deferred updates committed from it; without the mark each message
-    keeps its own buffer."""
+    """A cache marked ``REUSE`` (a refit's send: each message dropped before the next pack) packs every
+    version into one buffer: the same bytes as a fresh pack, nothing left over from a longer earlier message
+    (dense chunks, then few changes, then none), deferred updates committed from it; without the mark each
+    message keeps its own buffer."""
     codec("native")
     g = torch.Generator().manual_seed(5)
     src = torch.randn(20_000, generator=g).to(torch.bfloat16)

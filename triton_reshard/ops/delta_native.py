@@ -98,8 +98,8 @@ def in_place_bytes(msg: torch.Tensor) -> bool:
 
 
 def header_word(msg: torch.Tensor, k: int) -> int:
-    """Word ``k`` (int32) of a message's 16-byte header: read in place where :func:`in_place_bytes` (about 2 us;
-    torch's indexing takes ~10 us, and every delta receive reads two), else through torch (its errors)."""
+    """Word ``k`` (int32) of a message's 16-byte header: read in place where :func:`in_place_bytes`
+    (about 2 us; torch's indexing takes ~10 us, and every delta receive reads two), else through torch."""
     if in_place_bytes(msg):
         return ctypes.c_int32.from_address(msg.data_ptr() + 4 * k).value
     return int(msg[4 * k:4 * k + 4].view(torch.int32)[0])
