@@ -197,8 +197,11 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
         __m512i a = _mm512_loadu_si512((const void *)(s + 64 * l));
         __m512i d = _mm512_sub_epi16(a, _mm512_loadu_si512((const void *)(q + 64 * l)));
         orv = _mm512_or_si512(orv, _mm512_xor_si512(d, _mm512_srai_epi16(d, 15)));
-        _mm512_mask_compressstoreu_epi16(val + c, bits, d);
-        _mm256_mask_compressstoreu_epi8(idx + c, bits, _mm256_add_epi8(iota, _mm256_set1_epi8((char)(32 * l))));
+        /* compressed in a register, then one plain store (val, idx have 32 lanes of slack): a compress
+           straight to memory is microcoded on AMD Zen 4 (~80 ns each, measured: 3x the whole pack at 1 %) */
+        _mm512_storeu_si512((void *)(val + c), _mm512_maskz_compress_epi16(bits, d));
+        _mm256_storeu_si256((__m256i *)(void *)(idx + c),
+                            _mm256_maskz_compress_epi8(bits, _mm256_add_epi8(iota, _mm256_set1_epi8((char)(32 * l)))));
         if (update == 1) _mm512_storeu_si512((void *)(q + 64 * l), a);
         c += __builtin_popcount(bits);
     }

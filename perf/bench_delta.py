@@ -47,7 +47,8 @@ run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part
 and v1 against dense on real AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each
 changed 256-element block needed and each changed chunk (its widest block; ``dense``: sent dense). Part 7
 (``--part trainer``): the RL loop's refit without vLLM (gloo: one trainer rank -> two TP2 receivers), dense
-and delta side by side, each rank's CPU against the codec alone (``trainer_worker``).
+and delta side by side, the trainer rank's CPU against the codec alone (one pack of all its tensors) and each
+receiver's against its apply alone (its shard's whole change as one message), ``trainer_worker``.
 """
 
 from __future__ import annotations
@@ -504,6 +505,8 @@ def trainer_worker(rank: int, world: int, vocab: int, layers: int, frac: float, 
     src = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()} if rank == 0 else {}
     dsts, snap, cache = [dst_l.allocate(rank) if rank else {} for _ in runs], {n: t.clone() for n, t in src.items()}, {}
     plain = {n: torch.empty_like(t) for n, t in src.items()}
+    # a receiver's apply alone: its shard's whole change as one message (cached plan), into copies
+    work, ucache = ({n: torch.empty_like(t) for n, t in dsts[1].items()} if rank else {}), {}
     for v in range(2):
         runs[0].run(src, dsts[0])
         runs[1].run(src, dsts[1], delta=DeltaRequest(v, held=v - 1 if v else None))
@@ -513,6 +516,7 @@ def trainer_worker(rank: int, world: int, vocab: int, layers: int, frac: float, 
         for t in src.values():
             pos = torch.randint(t.numel(), (int(frac * t.numel()),), generator=gen)
             t.view(-1).view(torch.int16)[pos] += (torch.randint(0, 2, pos.shape, generator=gen) * 2 - 1).short()
+        before = {n: t.clone() for n, t in dsts[1].items()}
         for tag, r, d, req in (("dense", runs[0], dsts[0], None),
                                ("delta", runs[1], dsts[1], DeltaRequest(rep + 2, held=rep + 1))):
             t0 = time.thread_time()  # this rank's CPU, not the machine's load
@@ -525,6 +529,14 @@ def trainer_worker(rank: int, world: int, vocab: int, layers: int, frac: float, 
             t1 = time.thread_time()
             _ = [plain[n].copy_(src[n]) for n in src]
             row.update(codec_cpu_s=t1 - t0, copy_cpu_s=time.thread_time() - t1)
+        else:
+            msg = D.pack_delta([(dsts[1][n], before[n]) for n in work], update=False, backend="torch")
+            _ = [work[n].copy_(t) for n, t in before.items()]
+            t0 = time.thread_time()
+            D.unpack_delta(msg, list(work.values()), backend="torch", cache=ucache)
+            row["apply_cpu_s"] = time.thread_time() - t0
+            row["apply_exact"] = all(torch.equal(w.view(torch.int16), dsts[1][n].view(torch.int16))
+                                     for n, w in work.items())
         row["exact"] = all(torch.equal(dsts[0][n].view(torch.int16), dsts[1][n].view(torch.int16)) for n in dsts[0])
         rows.append(row)
     return rows
@@ -541,14 +553,20 @@ def run_trainer(args: argparse.Namespace) -> dict:
                     timeout=3000)
     med = {k: statistics.median(r[k] for r in res[0]) for k in res[0][0] if k != "exact"}
     med["recv_cpu_s"] = {t: max(statistics.median(r[f"{t}_cpu_s"] for r in res[k]) for k in (1, 2))
-                         for t in ("dense", "delta")}
+                         for t in ("dense", "delta", "apply")}
     med["beyond_codec"] = (med["delta_cpu_s"] - med["codec_cpu_s"]) / med["codec_cpu_s"]
-    med["exact"] = all(r["exact"] for rs in res for r in rs)
+    # a receiver's CPU in the delta refit beyond its apply alone (its median; the larger of the two receivers)
+    recv = [tuple(statistics.median(r[key] for r in res[k]) for key in ("delta_cpu_s", "apply_cpu_s"))
+            for k in (1, 2)]
+    med["recv_beyond_apply"] = max((cpu - alone) / alone for cpu, alone in recv)
+    med["exact"] = all(r["exact"] and r.get("apply_exact", True) for rs in res for r in rs)
     print(f"trainer rank, {100 * frac:g} % changed: CPU dense {1e3 * med['dense_cpu_s']:.1f} ms, delta "
           f"{1e3 * med['delta_cpu_s']:.1f} ms, the codec alone {1e3 * med['codec_cpu_s']:.1f} ms (a copy_ "
           f"{1e3 * med['copy_cpu_s']:.1f} ms): {100 * med['beyond_codec']:.0f} % beyond the codec; wall dense "
-          f"{med['dense_s']:.3f} s, delta {med['delta_s']:.3f} s; receivers' CPU {med['recv_cpu_s']}; exact "
-          f"{med['exact']}; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"{med['dense_s']:.3f} s, delta {med['delta_s']:.3f} s; receivers' CPU (ms) "
+          f"{ {k: round(1e3 * v, 1) for k, v in med['recv_cpu_s'].items()} }: "
+          f"{100 * med['recv_beyond_apply']:.0f} % beyond the apply; exact {med['exact']}; load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     return {"fraction": frac, "median": med, "rows": res, "load": os.getloadavg()}
 
 

@@ -266,6 +266,62 @@ def test_cached_plans_follow_the_data(codec):
         assert torch.equal(bits(dst), bits(src))
 
 
+def test_reused_message_buffer_same_bytes(codec):
+    """A cache marked ``REUSE`` (a refit's send: each message dropped before the next pack) packs every
+    version into one buffer: the same bytes as a fresh pack, nothing left over from a longer earlier message
+    (dense chunks, then few changes, then none), deferred updates committed from it; without the mark each
+    message keeps its own buffer."""
+    codec("native")
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(20_000, generator=g).to(torch.bfloat16)
+    snap, dst = src.clone(), src.clone()
+    for mark in (True, False):
+        cache, ucache, ptrs = ({N.REUSE: True} if mark else {}), {}, []
+        held = []
+        for k, frac in enumerate((0.6, 0.01, 0.0, 0.3, 0.001)):
+            src.copy_(ulp_steps(src, frac, g, spread=300))
+            want = D.pack_delta([(src, snap.clone())], 2048, backend="torch")
+            if k % 2:
+                updates: list = []
+                msg = pack_deferred([(src, snap)], 2048, updates, cache)
+                delta_cpu.commit_updates(updates)
+            else:
+                msg = D.pack_delta([(src, snap)], 2048, backend="torch", cache=cache)
+            assert torch.equal(msg, want), (mark, k)
+            assert torch.equal(bits(snap), bits(src)), (mark, k)
+            held.append((msg.clone(), msg))
+            ptrs.append(msg.data_ptr())
+            D.unpack_delta(msg, [dst], backend="torch", cache=ucache)
+            assert torch.equal(bits(dst), bits(src)), (mark, k)
+        assert len(set(ptrs)) == (1 if mark else len(ptrs)), mark
+        if not mark:  # each message kept its own bytes
+            assert all(torch.equal(a, b) for a, b in held)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_length_and_header_read_in_a_larger_buffer(codec, dtype):
+    """A message received into a larger (poisoned) buffer, as a gloo receive lands: its length from its own
+    directory (none changed, a few, every chunk dense), its header's words read in place, and the apply
+    through a cached plan."""
+    codec("native")
+    g = torch.Generator().manual_seed(6)
+    old = (torch.randn(5000, generator=g) * 3).to(dtype)
+    for frac in (0.0, 0.01, 1.0):
+        new = ulp_steps(old, frac, g) if frac < 1 else old.clone()
+        if frac == 1:
+            bits(new).add_(1)
+        msg = D.pack_delta([(new, old.clone())], 1024, update=False, backend="torch")
+        box = torch.full((msg.numel() + 4096,), 0xA5, dtype=torch.uint8)
+        box[: msg.numel()] = msg
+        assert D.message_length(box) == msg.numel(), frac
+        assert [N.header_word(box, k) for k in range(4)] == msg[:16].view(torch.int32).tolist()
+        dst, cache = old.clone(), {}
+        for _ in range(2):
+            dst.copy_(old)
+            D.unpack_delta(box, [dst], backend="torch", cache=cache)
+            assert torch.equal(bits(dst), bits(new)), frac
+
+
 def _corrupt_cases(msg: torch.Tensor) -> list[torch.Tensor]:
     c = D.describe(msg)[0]
     at = c["offset"] + 16

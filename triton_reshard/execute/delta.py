@@ -53,6 +53,7 @@ from ..ops.block_delta import max_block_message_bytes
 from ..ops.delta import DEFAULT_CHUNK_ELEMS, max_message_bytes
 from ..ops.delta_cached import pack_deferred
 from ..ops.delta_cpu import undo_updates
+from ..ops.delta_native import REUSE
 from .bind import block_chunks, buffer_view, quant_buffers
 from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
@@ -356,6 +357,13 @@ class Prediff:
     seconds: float
 
 
+def send_cache(bound, pos: int, j: int) -> dict:
+    """The codec's cache of send ``j`` of step ``pos`` (its pack plan): a send is sent and waited within its
+    run and its message dropped, so the next run's pack writes into the same buffer (``REUSE``: no fresh
+    pages, which the kernel faults in and zeroes, per message per refit)."""
+    return bound.delta_cache.setdefault(("send", pos, j), {REUSE: True})
+
+
 def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) -> Prediff | None:
     """Diff step 0's delta-able messages that are plain copies of the sources (numpy, CPU tensors) against the
     snapshot, run between posting the handshake and waiting for it, so the sender's diff overlaps the
@@ -372,7 +380,7 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
         for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
             if ok and s is not None and (0, j) not in elig.same:
                 msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS,
-                                        updates, bound.delta_cache.setdefault(("send", 0, j), {}))
+                                        updates, send_cache(bound, 0, j))
     except BaseException:
         undo_updates(updates)  # the messages diffed so far: their snapshot writes undone
         raise

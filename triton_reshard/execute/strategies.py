@@ -27,7 +27,7 @@ from .. import ops
 from ..ops.block_delta import pack_block_delta, unpack_block_delta
 from ..ops.delta import message_length
 from ..ops.delta_cpu import commit_updates
-from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff
+from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff, send_cache
 from .reports import RunReport
 from .steps import clock
 
@@ -240,7 +240,7 @@ class Delta(Dense):
                 list(zip(views, self.snap.views(pos, j), strict=True)),
                 update=True,
                 backend=loop.backend,
-                cache=b.delta_cache.setdefault(("send", pos, j), {}),
+                cache=send_cache(b, pos, j),
             )
         else:
             msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)

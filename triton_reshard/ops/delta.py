@@ -67,6 +67,7 @@ message of a version was packed (``Snapshot.capture``) when one source box goes 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -100,7 +101,7 @@ from .delta_message import chunk_sizes as chunk_sizes
 from .delta_message import message_layout as _message_layout
 from .delta_message import read_directory
 from .delta_message import write_headers as _write_headers
-from .delta_native import pack_v2, unpack_v2
+from .delta_native import in_place_bytes, pack_v2, unpack_v2
 from .delta_triton import triton_pack, triton_unpack
 from .launcher import bits, resolve_backend
 
@@ -377,7 +378,17 @@ def message_length(msg: torch.Tensor) -> int:
     """The length a delta message's own header and directory give (its last chunk's end; a message with no
     chunks is its header and directory): the bytes that arrived when it was received into a larger buffer.
     Call after :func:`read_directory` (or an unpack) accepted it."""
-    if msg.device.type == "cpu":  # numpy: a few µs instead of torch's per-op costs (every delta receive asks)
+    n = msg.numel()
+    if in_place_bytes(msg):  # read where they lie: ~3 µs (every delta receive asks); bounds kept as numpy's
+        at = msg.data_ptr()
+        nc = ctypes.c_int32.from_address(at + 8).value
+        if not nc:
+            return chunks_start(0)
+        if 0 < nc and HEADER_BYTES + 8 * nc <= n:
+            last = ctypes.c_int64.from_address(at + HEADER_BYTES + 8 * (nc - 1)).value
+            if 0 <= last and last + 16 <= n:
+                return last + ctypes.c_uint32.from_address(at + last + 12).value
+    if msg.device.type == "cpu":  # numpy: a few µs instead of torch's per-op costs
         mn = msg.numpy()
         nc = int(mn[8:12].view(np.int32)[0])
         if not nc:

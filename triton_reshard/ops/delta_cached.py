@@ -42,7 +42,7 @@ from .delta_format import (
     pad,
     validate_pairs,
 )
-from .delta_native import pack_v2, unpack_v2
+from .delta_native import header_word, pack_v2, unpack_v2
 
 BLOCK = 1 << 20  # padded elements compared and searched per pass in messages over MASK_CAP
 MASK_CAP = 1 << 22  # messages up to this many padded elements: one pass, one mask (its gaps zeroed once)
@@ -270,7 +270,7 @@ def unpack_with(plan: UnpackPlan, msg: torch.Tensor, names: Sequence[str] | None
     """``numpy_unpack(msg, plan.dsts, names)``: the same checks (every header, then every body) before the
     first write and the same result, written chunk by chunk (a chunk's offsets and values are contiguous
     slices of the message) into the plan's destination slices."""
-    if not plan.fast or int(msg[4:8].view(torch.int32)[0]) == VERSION2:
+    if not plan.fast or header_word(msg, 1) == VERSION2:
         return unpack_v2(msg, plan.dsts, names, plan.facts)
     dr = read_directory_np(msg, plan.dsts, names, plan.facts)
     nc = len(dr.chunks)
