@@ -121,7 +121,7 @@ def _dst_pg_collection(tp: int):
     )
 
 
-def _gpt(cfg: dict, tp: int, pp: int, pg_collection=None):
+def gpt_model(cfg: dict, tp: int, pp: int, pg_collection=None):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -218,8 +218,8 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
     ps.initialize_model_parallel(tensor_model_parallel_size=SRC["tp"], pipeline_model_parallel_size=SRC["pp"],
                                  distributed_timeout_minutes=2)
     try:
-        src_model = _gpt(cfg, **SRC)
-        dst_model = _gpt(cfg, **DST, pg_collection=_dst_pg_collection(DST["tp"]))
+        src_model = gpt_model(cfg, **SRC)
+        dst_model = gpt_model(cfg, **DST, pg_collection=_dst_pg_collection(DST["tp"]))
         src_layout0 = megatron_layout(cfg, tp=SRC["tp"], pp=SRC["pp"], dp=1, spec="local", dtype=torch.float32)
         dst_layout0 = megatron_layout(cfg, tp=DST["tp"], pp=1, dp=world // DST["tp"], spec="local",
                                       dtype=torch.float32)

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_megatron, also when run as perf.cluster_megatron
-from bench_megatron import ROOT, SIDES, _gpt, bench_config, global_tensors  # noqa: E402
+from bench_megatron import ROOT, SIDES, bench_config, global_tensors, gpt_model  # noqa: E402
 
 
 def _grid_pgs(shape_tp: int, dp: int, offset: int):
@@ -93,10 +93,10 @@ def cluster_rank(rank: int, world: int, cfg: dict, dst_tp: int, warmup: int, ref
         dst_pgs, _ = _grid_pgs(dst_tp, rpn // dst_tp, rpn)
         src_layout, dst_layout = cluster_layouts(cfg, rpn, dst_tp)
         if trainer:
-            src_model = _gpt(cfg, rpn, 1, pg_collection=src_pgs)
+            src_model = gpt_model(cfg, rpn, 1, pg_collection=src_pgs)
             dst_model = _NoParams(src_model.config, dst_pgs)
         else:
-            dst_model = _gpt(cfg, dst_tp, 1, pg_collection=dst_pgs)
+            dst_model = gpt_model(cfg, dst_tp, 1, pg_collection=dst_pgs)
             src_model = _NoParams(dst_model.config, src_pgs)
         src_params, dst_params = dict(src_model.named_parameters()), dict(dst_model.named_parameters())
         for side, params, lay in (("source", src_params, src_layout), ("destination", dst_params, dst_layout)):
