@@ -61,3 +61,29 @@ def test_changed_tensors_are_still_checked_after_cached_calls():
     d2 = dst.allocate(0)
     refit(s2, d2, src, dst)
     assert torch.equal(d2["t"].view(torch.int16), g.view(torch.int16))
+
+
+def test_the_per_tensor_checks_run_once_per_signature(monkeypatch):
+    """Tensors with the signature of the last ones that passed skip the per-tensor checks (a cached call's
+    per-call Python, issue 44); anything the checks read that changed runs them again: other tensors, and the
+    same tensor objects whose storage was freed in place (FSDP's ``resize_(0)``)."""
+    from triton_reshard.execute import checks
+
+    src, dst, g = _one_rank()
+    s = src.shard({"t": g}, 0)
+    d = dst.allocate(0)
+    calls = []
+    real = checks.check_side
+    monkeypatch.setattr(checks, "check_side", lambda *a: calls.append(a[1]) or real(*a))
+    for _ in range(3):
+        d["t"].view(torch.int16).fill_(-1)
+        refit(s, d, src, dst)
+        assert torch.equal(d["t"].view(torch.int16), g.view(torch.int16))
+    assert calls == ["source", "destination"]  # the first call only
+    refit({"t": s["t"].clone()}, d, src, dst)  # other memory: checked again
+    assert calls == ["source", "destination"] * 2
+    s["t"].untyped_storage().resize_(0)  # the very tensor that passed, its storage freed in place
+    with pytest.raises(ValueError, match="no valid storage"):
+        refit(s, d, src, dst)
+    with pytest.raises(ValueError, match="no valid storage"):  # and every time after
+        refit(s, d, src, dst)

@@ -106,3 +106,20 @@ def test_refusals_read_fields_by_name_with_unchanged_texts():
     assert str(e) == (
         "rank 0: rank(s) [1] rejected their input (see the error on those ranks); nothing was moved"
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows, st.lists(st.tuples(st.booleans(), rows), min_size=1, max_size=5), st.integers(0, 1 << 40))
+def test_alike_rows_pass_as_decoding_them_would(mine, others, prepost):
+    """A cached refit's handshake checks the rows without decoding them (``alike``) only where decoding them
+    would find no refusal and every rank's fence is this rank's; anything else goes through the decoded path."""
+    me = H.encode(mine)
+    rows_ = [mine] + [replace(mine, prepost=prepost) if same else other for same, other in others]
+    words = [H.encode(r) for r in rows_]
+    link = SimpleNamespace(rank=0, ranks=tuple(range(len(rows_))))
+    if H.alike(words, me):
+        assert H._refusal(link, rows_) is None
+        assert all(r.fence == mine.fence for r in rows_)
+    if mine.status == H.OK and mine.relays == 0 and all(same for same, _o in others):
+        assert H.alike(words, me)  # a cached refit's rows: the fast path
+    assert H.alike([me], me) == (mine.status == H.OK and mine.relays == 0)

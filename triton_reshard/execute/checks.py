@@ -207,7 +207,18 @@ def alias_problem(plan, rank: int, s_name: str, d_name: str, shift: tuple[int, .
 
 
 def signature(tensors: Mapping[str, torch.Tensor]) -> tuple:
-    """What the checks and the binding depend on: names, addresses, shapes, strides, dtypes, devices."""
+    """What the checks and the binding depend on: names, addresses, shapes, strides, dtypes, devices and the
+    bytes each tensor's storage holds (``storage_problem``: freed or shrunk in place). Raises (``AttributeError``,
+    ``TypeError``, ``RuntimeError``) for what is not a dict of dense tensors: :func:`check_side` names it."""
     return tuple(
-        (n, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for n, t in sorted(tensors.items())
+        (n, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.untyped_storage().nbytes())
+        for n, t in sorted(tensors.items())
     )
+
+
+def quick_signature(src_tensors, dst_tensors) -> tuple | None:
+    """Both sides' :func:`signature`, or None where one cannot be taken (the full checks then say why)."""
+    try:
+        return signature(src_tensors), signature(dst_tensors)
+    except Exception:  # not a dict, not tensors, a layout without storage: check_side names it
+        return None
