@@ -171,10 +171,19 @@ class StepLoop:
         self.regions(-1)
         self.timing.local = clock() - t
 
-    def quantize_sends(self, pos: int) -> None:
-        """Step ``pos``'s source-quantized chunks, quantized straight into their send buffers."""
-        if self.b.quant.packs[pos]:
-            self.quantize(self.b.quant.packs[pos], None, (self.key, "pack-quant", self.work.steps[pos][0]))
+    def quantize_sends(self, pos: int, ledger=None) -> None:
+        """Step ``pos``'s source-quantized chunks, quantized straight into their send buffers; with the run's
+        ``ledger`` (a dense step's sends go out as these buffers) and the Triton backend, by the kernels that
+        hash what they write (``Ledger.quantize``), else as before (the buffers hashed once posted)."""
+        groups = self.b.quant.packs[pos]
+        if not groups:
+            return
+        key = (self.key, "pack-quant", self.work.steps[pos][0])
+        if ledger is not None and self.backend == "triton":
+            groups = {qk: items for qk, items in groups.items()
+                      if not ledger.quantize(pos, items, qk, self.b.wire[pos][0], (key, qk))}
+        if groups:
+            self.quantize(groups, None, key)
 
     def pack_and_post(self, pos: int) -> Pending:
         """Make step ``pos``'s messages (the strategy's ``pack``: the one place they are made; a round it runs
@@ -215,7 +224,7 @@ class StepLoop:
         self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
         t2 = clock()
         landed = self.strategy.land(self, pos)
-        if b.quant.stage_unpacks[pos]:
+        if b.quant.stage_unpacks[pos] and not landed.staged:  # (staged: copied, and hashed, with the unpack)
             ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         if self.ledger is not None:  # the receives digested over what the unpack wrote
             pairs = landed.unpacked + b.quant.stage_unpacks[pos]

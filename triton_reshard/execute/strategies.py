@@ -40,6 +40,7 @@ class Landed:
 
     unpacked: list
     lengths: dict | None = None
+    staged: bool = False  # the step's staging copies of destination-quantized pieces were made with the unpack
 
 
 class Dense:
@@ -64,7 +65,7 @@ class Dense:
                 ops.copy_views(loop.b.packs[pos], loop.backend, key=key)
         elif loop.ledger is not None:  # packed during the handshake: its hashes
             loop.ledger.prepacked(pos, key)
-        loop.quantize_sends(pos)
+        loop.quantize_sends(pos, loop.ledger)  # (Triton: the quantizing kernels hash what they write)
         return loop.b.wire[pos]
 
     def posted(self, loop, pos: int) -> None:
@@ -75,9 +76,12 @@ class Dense:
         meta = b.unpack_meta[pos] if loop.verify else None
         key = (loop.key, "unpack", loop.work.steps[pos][0])
         ledger = loop.ledger  # the hash in the copy: native C in place of torch's copies, or the Triton kernel
-        if ledger is None or not ledger.unpack(pos, b.unpacks[pos], key, loop.backend):
+        # Triton: the staging copies of destination-quantized pieces go with the unpack (hashed in its pass)
+        staged = b.quant.stage_unpacks[pos] if ledger is not None and loop.backend == "triton" else []
+        if ledger is None or not ledger.unpack(pos, b.unpacks[pos] + staged, key, loop.backend):
             loop.copy_or_compare(b.unpacks[pos], meta, key)
-        return Landed(b.unpacks[pos])
+            return Landed(b.unpacks[pos])
+        return Landed(b.unpacks[pos], staged=bool(staged))
 
     def end(self, loop) -> None:
         pass
