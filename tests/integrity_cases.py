@@ -263,7 +263,7 @@ DSRC = Layout.from_placements({"d": (48, 32)}, list(range(WORLD)), [Shard(0)])
 DDST = Layout.from_placements({"d": (48, 32)}, list(range(WORLD)), [Shard(1)])
 
 
-def delta(rank: int) -> dict:
+def delta(rank: int, backend: str | None = None) -> dict:
     """Delta refits: version 0 (dense, the snapshot), version 1 a delta with one bit of a changed value
     flipped in flight to the victim, version 2 asks for a delta again: it must go dense and repair."""
     g = _group()
@@ -283,6 +283,7 @@ def delta(rank: int) -> dict:
             timeout=TIMEOUT,
             version=v,
             delta=True,
+            backend=backend,
         )
 
     def ok(v):
@@ -403,7 +404,30 @@ SCENARIOS = {
     "mxfp8_flip_triton": lambda r: triton_quant(r, "mxfp8"),
     "nvfp4_flip_triton": lambda r: triton_quant(r, "nvfp4"),
     "fp8_flip_triton": lambda r: triton_quant(r, "fp8"),
+    "delta_flip_triton": lambda r: triton_delta(r),
 }
+
+
+def triton_delta(rank: int) -> dict:
+    """``delta`` with the Triton backend (interpreted on CPU): the delta messages are the encode kernels', which
+    hash what they write (counted: ``hashed``), and the flipped bit is caught; the next refit goes dense."""
+    from triton_reshard.execute import strategies
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    real, hashed = strategies.triton_pack_digest, []
+
+    def counting(*a, **k):
+        got = real(*a, **k)
+        hashed.append(1)
+        return got
+
+    strategies.triton_pack_digest = counting
+    try:
+        out = delta(rank, backend="triton")
+    finally:
+        strategies.triton_pack_digest = real
+    out["hashed"] = len(hashed)
+    return out
 
 
 def triton_quant(rank: int, fmt: str) -> dict:

@@ -290,6 +290,11 @@ class Ledger:
         self._fused["pack", pos] = (sums if hashes is None else hashes + sums, gaps)
         return True
 
+    def fused_pack(self, pos: int, hashes: torch.Tensor, gaps: list) -> None:
+        """Step ``pos``'s sends hashed in the kernels that made them (``hashes``, per send; ``gaps``: per send the
+        byte ranges still to hash at :meth:`on_post`), e.g. Triton's delta encode pass."""
+        self._fused["pack", pos] = (hashes, gaps)
+
     def prepacked(self, pos: int, key) -> None:
         """Step ``pos`` was packed during the handshake (``steps.prepack``): take that fused pack's hashes if
         it made one for these buffers (else :meth:`on_post` hashes them)."""

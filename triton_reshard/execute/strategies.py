@@ -27,7 +27,9 @@ from .. import ops
 from ..ops.block_delta import pack_block_delta, unpack_block_delta
 from ..ops.delta import message_length
 from ..ops.delta_cpu import commit_updates
+from ..ops.delta_triton import triton_pack_digest
 from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff
+from .integrity import ROW_WORDS
 from .reports import RunReport
 from .steps import clock
 
@@ -166,6 +168,8 @@ class Delta(Dense):
         self.pre = pre
         # this run's messages that a later send repeats (Eligible.same), until that send is posted
         self.shared: dict[tuple[int, int], torch.Tensor] = {}
+        # Triton with the digest on: each delta message's digest from its encode pass (id -> (message, digest))
+        self.hashed: dict[int, tuple] = {}
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         self.inbox_mode = False  # set by begin (the link's backend)
@@ -240,12 +244,14 @@ class Delta(Dense):
             msg = self.pre.msgs.pop(j)
         elif el.sends[pos][j]:
             views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
-            msg = ops.pack_delta(
-                list(zip(views, self.snap.views(pos, j), strict=True)),
-                update=True,
-                backend=loop.backend,
-                cache=b.delta_cache.setdefault(("send", pos, j), {}),
-            )
+            pairs = list(zip(views, self.snap.views(pos, j), strict=True))
+            cache = b.delta_cache.setdefault(("send", pos, j), {})
+            if loop.ledger is not None and loop.backend == "triton":  # the encode pass hashes what it writes
+                coef, dev = loop.ledger.coef, views[0].device  # (a message is whole 1 KiB rows' words: n % 16 == 0)
+                msg, h = triton_pack_digest(pairs, lambda n: coef.get(-(-n // (8 * ROW_WORDS)), dev), cache=cache)
+                self.hashed[id(msg)] = (msg, h)
+            else:
+                msg = ops.pack_delta(pairs, update=True, backend=loop.backend, cache=cache)
         else:
             msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
         self.diff_s += clock() - t
@@ -270,6 +276,12 @@ class Delta(Dense):
                     len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
                 out_s.append((peer, buf))
+        if self.hashed:  # the delta messages' digests as a fused pack's, the other sends hashed at on_post
+            zero = (None, torch.zeros((), dtype=torch.int64, device=out_s[0][1].device))
+            loop.ledger.fused_pack(pos, torch.stack([self.hashed.get(id(m), zero)[1] for _p, m in out_s]),
+                                   [[] if id(m) in self.hashed else [(0, m.numel())] for _p, m in out_s])
+            keep = {id(m) for m in self.shared.values()}  # a later send repeats them
+            self.hashed = {k: v for k, v in self.hashed.items() if k in keep}
         dev = (sends or recvs)[0][1].device
         if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see land)
             return out_s, self._inbox_recvs(loop, pos, recvs, dev)
