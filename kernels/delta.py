@@ -315,9 +315,9 @@ def _terms(w, p, mask, coef_ptr):
 
 
 @triton.jit
-def _sum2(h):
-    """The sum of a 2-D block of int64 terms."""
-    return tl.reduce(tl.reduce(h, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+def _total(h):
+    """The sum of every int64 term of ``h`` (``tl.sum``: see the module docstring)."""
+    return tl.reduce(h, None, tl.standard._sum_combine)
 
 
 @triton.jit
@@ -401,9 +401,9 @@ def delta2_pack_kernel(
             DIGEST,
         )
         if DIGEST:
-            h += _sum2(_terms(raw, vdense * ESIZE, m & (kind[:, None] == KIND_DENSE), coef_ptr))
+            h += _total(_terms(raw, vdense * ESIZE, m & (kind[:, None] == KIND_DENSE), coef_ptr))
             two = ((bcode | (mode << 4)) & 255) | (((cnt - 1) & 255) << 8)  # the descriptor's two bytes
-            h += tl.reduce(_terms(two, desc, live, coef_ptr), 0, tl.standard._sum_combine)
+            h += _total(_terms(two, desc, live, coef_ptr))
             tl.store(sums_ptr + tl.program_id(0), h)
         if UPDATE:
             tl.store(snap_ptr + poff, s, mask=ch)
@@ -456,7 +456,7 @@ def _encode_block(
     if DIGEST:  # an OR-ed value: its bits in its 32-bit word (the word's low byte at ``(bit >> 5) * 4``)
         h += _terms((v << (bit & 31)) & 0xFFFFFFFF, (bit >> 5) * 4, small, coef_ptr)
         h += _terms(lane, pay + rank, offs, coef_ptr)
-        total = _sum2(h) + _sum2(_terms(mbytes.to(tl.int64), pay + q, bmask, coef_ptr))
+        total = _total(h) + _total(_terms(mbytes.to(tl.int64), pay + q, bmask, coef_ptr))
     return total
 
 

@@ -102,6 +102,20 @@ def _terms(w, p, mask, mlen, coef_ptr, E: tl.constexpr):
 
 
 @triton.jit
+def _isum(x, AXIS: tl.constexpr):
+    """``tl.sum`` of int64 terms (along ``AXIS``; None: all), written as in ``_block_amax`` (see there)."""
+    return tl.reduce(x, AXIS, tl.standard._sum_combine)
+
+
+@triton.jit
+def _msg_fields(row, zero, DIGEST: tl.constexpr):
+    """A block row's ``F_QM``, ``F_SM``, ``F_MLEN`` (the digest's; ``zero`` each without it)."""
+    if DIGEST:
+        return tl.load(row + F_QM), tl.load(row + F_SM), tl.load(row + F_MLEN)
+    return zero, zero, zero
+
+
+@triton.jit
 def _e4m3fn_bits(y):
     """float32 -> float8_e4m3fn bits (int32 in 0..255), exactly as torch's ``.to(torch.float8_e4m3fn)``."""
     b = y.to(tl.int32, bitcast=True)
@@ -177,7 +191,7 @@ def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs,
     tl.store(q_ptr + qoff, code.to(tl.uint8), mask=mask)
     h = q0 * 0
     if DIGEST:
-        h += tl.reduce(_terms(code.to(tl.int64), qoff - qm, mask, mlen, coef_ptr, 1), None, tl.standard._sum_combine)
+        h += _isum(_terms(code.to(tl.int64), qoff - qm, mask, mlen, coef_ptr, 1), None)
     return h
 
 
@@ -304,11 +318,7 @@ def quant_blocks_kernel(
             sf = _ue8m0(sf, thr_ptr)
         inv = tl.math.div_rn(_f32(0x3F800000), sf)
         h = q0 * 0  # the digest sum of the bytes written (int64, wraps mod 2**64)
-        qm = h
-        sm = h
-        mlen = h
-        if DIGEST:
-            qm, sm, mlen = tl.load(row + F_QM), tl.load(row + F_SM), tl.load(row + F_MLEN)
+        qm, sm, mlen = _msg_fields(row, h, DIGEST)
         # Pass 2: quantize and store.
         for r0 in range(0, rows, RB):
             if cols == BN:
@@ -355,15 +365,14 @@ def _rows_digest(row, live, qoff, qbyte, qmask, s0, sbyte, coef_ptr, sums_ptr, p
     sm = tl.load(row + F_SM, mask=live, other=0)
     mlen = tl.load(row + F_MLEN, mask=live, other=0)
     hq = _terms(qbyte.to(tl.int64) & 255, qoff - qm[:, None], qmask, mlen[:, None], coef_ptr, 1)
-    h = tl.reduce(hq, 1, tl.standard._sum_combine)
+    h = _isum(hq, 1)
     h += _terms(sbyte.to(tl.int64) & 255, s0 - sm, live, mlen, coef_ptr, 1)
     if SLOTS == G:
         tl.store(sums_ptr + pid * G + tl.arange(0, G), h, mask=live)
     else:
         slot = tl.load(row + F_SLOT, mask=live, other=0)
         for k in tl.static_range(SLOTS):
-            tl.store(sums_ptr + pid * SLOTS + k, tl.reduce(tl.where(live & (slot == k), h, 0), 0,
-                                                            tl.standard._sum_combine))
+            tl.store(sums_ptr + pid * SLOTS + k, _isum(tl.where(live & (slot == k), h, 0), 0))
 
 
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
