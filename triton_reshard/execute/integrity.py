@@ -8,7 +8,8 @@ wrote (the unpack reversed, where it did not cast), so the digest covers what th
 only what arrived; a delta message is digested as it arrived. On CPU with the native extension and torch's
 copy backend, a dense step's pack and unpack are one C pass each that copies and hashes what it wrote
 (:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
-(messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
+(messages sent or received in place, padding, quantized pieces) are read again. With the Triton backend the
+copy, quantize and delta-encode kernels hash what they move in their own pass (``docs/integrity.md``). At the end of the refit the
 ranks exchange one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
 second exchange that names the first differing message, and every rank raises
 :class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
