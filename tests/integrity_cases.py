@@ -437,19 +437,18 @@ def triton_quant(rank: int, fmt: str) -> dict:
     from triton_reshard.execute import integrity
 
     os.environ["TRITON_INTERPRET"] = "1"
-    real, fused = integrity.Ledger.quantize, []
+    real, fused = integrity.Ledger.add_hashed, []
 
     def counting(self, *a, **k):
-        got = real(self, *a, **k)
-        fused.append(got)
-        return got
+        fused.append(1)
+        return real(self, *a, **k)
 
-    integrity.Ledger.quantize = counting
+    integrity.Ledger.add_hashed = counting
     try:
         out = quant(rank, fmt, backend="triton")
     finally:
-        integrity.Ledger.quantize = real
-    out["fused_quant"] = sum(fused)
+        integrity.Ledger.add_hashed = real
+    out["fused_quant"] = len(fused)
     return out
 
 

@@ -172,9 +172,9 @@ def test_items_writing_the_same_message_bytes_are_refused_before_any_write():
 
 
 def test_the_ledger_adds_the_quantizers_sums_to_the_fused_copys():
-    """``Ledger.quantize`` after ``Ledger.pack`` (a step with plain pieces copied by the digesting copy kernel
-    and quantized pieces): the value taken at ``on_post`` is the CPU digest of each send buffer; and alone (no
-    fused copy: the rest of the message is hashed from the buffer)."""
+    """The quantizers' sums handed to the ledger (``Ledger.add_hashed``) after ``Ledger.pack`` (a step with plain
+    pieces copied by the digesting copy kernel and quantized pieces): the value taken at ``on_post`` is the CPU
+    digest of each send buffer; and alone (no fused copy: the rest of the message is hashed from the buffer)."""
     g = torch.Generator().manual_seed(9)
     srcs = _sources((64, 32, 96), torch.bfloat16, g)
     bufs, items = _messages(srcs, "mxfp8", (1, 32), g, nmsg=2, lead=64)
@@ -183,10 +183,12 @@ def test_the_ledger_adds_the_quantizers_sums_to_the_fused_copys():
     work = type("W", (), {"steps": [(0, None), (1, None)]})()
     led = ig.Ledger(b"k", c, 0, "p", work, ())
     sends = [(1, bufs[0]), (2, bufs[1])]
+    lens = [b.numel() for b in bufs]
+    coef = c.get(_entries(bufs), bufs[0].device)
     assert led.pack(0, plain, sends, ("k", "pack", 0), "triton")
-    assert led.quantize(0, items, (Q.quant_format("mxfp8"), (1, 32), False), sends, ("k", "q", 0))
+    led.add_hashed(0, lens, *qd.quantize_digest(items, (1, 32), False, list(zip(bufs, lens)), coef, "q", "mxfp8"))
     led.on_post(0, sends, [])
-    assert led.quantize(1, items, (Q.quant_format("mxfp8"), (1, 32), False), sends, ("k", "q", 1))
+    led.add_hashed(1, lens, *qd.quantize_digest(items, (1, 32), False, list(zip(bufs, lens)), coef, "q", "mxfp8"))
     led.on_post(1, sends, [])
     led._values()
     assert [e[2] for p in (1, 2) for e in led.sent[p]] == [ig.partial(bufs[0], c)] * 2 + [ig.partial(bufs[1], c)] * 2

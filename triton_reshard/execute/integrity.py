@@ -273,28 +273,15 @@ class Ledger:
         self._fused["pack", pos] = got
         return True
 
-    def quantize(self, pos: int, items, qk, sends, key) -> bool:
-        """Step ``pos``'s quantizing pack of ``items`` (quantizer key ``qk``) into its send buffers ``sends`` with
-        the Triton kernels hashing what they write (``ops/quant_digest.py``), added to the step's fused hashes
-        (the rest of each message, less what a fused copy hashed, stays to hash at :meth:`on_post`); False
-        (nothing written) where they cannot: the caller quantizes and the bytes are hashed from the buffers."""
-        from ..ops.quant_digest import minus_ranges, quantize_digest
+    def add_hashed(self, pos: int, lengths: list[int], sums, covered: list) -> None:
+        """Step ``pos``'s sends (``lengths``: their bytes) partly hashed by the kernels that wrote them (Triton's
+        quantizers, delta encode): per send ``sums`` (a device tensor) over the byte ranges ``covered``, added to
+        what a fused copy hashed; the rest of each send is hashed at :meth:`on_post`."""
+        from ..ops.quant_digest import minus_ranges
 
-        bufs = [(b, b.numel()) for _p, b in sends]
-        coef = self.coef.get(max(_entries(n) for _b, n in bufs), bufs[0][0].device)
-        got = quantize_digest(items, qk[1], qk[2], bufs, coef, key, qk[0])
-        if got is None:
-            return False
-        sums, covered = got
-        hashes, gaps = self._fused.get(("pack", pos), (None, [[(0, n)] if n else [] for _b, n in bufs]))
+        hashes, gaps = self._fused.get(("pack", pos), (None, [[(0, n)] if n else [] for n in lengths]))
         gaps = [minus_ranges(g, c) for g, c in zip(gaps, covered, strict=True)]
         self._fused["pack", pos] = (sums if hashes is None else hashes + sums, gaps)
-        return True
-
-    def fused_pack(self, pos: int, hashes: torch.Tensor, gaps: list) -> None:
-        """Step ``pos``'s sends hashed in the kernels that made them (``hashes``, per send; ``gaps``: per send the
-        byte ranges still to hash at :meth:`on_post`), e.g. Triton's delta encode pass."""
-        self._fused["pack", pos] = (hashes, gaps)
 
     def prepacked(self, pos: int, key) -> None:
         """Step ``pos`` was packed during the handshake (``steps.prepack``): take that fused pack's hashes if

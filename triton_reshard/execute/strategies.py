@@ -276,10 +276,11 @@ class Delta(Dense):
                     len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
                 out_s.append((peer, buf))
-        if self.hashed:  # the delta messages' digests as a fused pack's, the other sends hashed at on_post
+        if self.hashed:  # the delta messages hashed by their encode pass, the other sends at on_post
             zero = (None, torch.zeros((), dtype=torch.int64, device=out_s[0][1].device))
-            loop.ledger.fused_pack(pos, torch.stack([self.hashed.get(id(m), zero)[1] for _p, m in out_s]),
-                                   [[] if id(m) in self.hashed else [(0, m.numel())] for _p, m in out_s])
+            loop.ledger.add_hashed(pos, [m.numel() for _p, m in out_s],
+                                   torch.stack([self.hashed.get(id(m), zero)[1] for _p, m in out_s]),
+                                   [[(0, m.numel())] if id(m) in self.hashed else [] for _p, m in out_s])
             keep = {id(m) for m in self.shared.values()}  # a later send repeats them
             self.hashed = {k: v for k, v in self.hashed.items() if k in keep}
         dev = (sends or recvs)[0][1].device
