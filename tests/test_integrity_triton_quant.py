@@ -186,9 +186,9 @@ def test_the_ledger_adds_the_quantizers_sums_to_the_fused_copys():
     lens = [b.numel() for b in bufs]
     coef = c.get(_entries(bufs), bufs[0].device)
     assert led.pack(0, plain, sends, ("k", "pack", 0), "triton")
-    led.add_hashed(0, lens, *qd.quantize_digest(items, (1, 32), False, list(zip(bufs, lens)), coef, "q", "mxfp8"))
+    led.add_hashed(0, lens, *qd.quantize_digest(items, (1, 32), False, list(zip(bufs, lens, strict=True)), coef, "q", "mxfp8"))
     led.on_post(0, sends, [])
-    led.add_hashed(1, lens, *qd.quantize_digest(items, (1, 32), False, list(zip(bufs, lens)), coef, "q", "mxfp8"))
+    led.add_hashed(1, lens, *qd.quantize_digest(items, (1, 32), False, list(zip(bufs, lens, strict=True)), coef, "q", "mxfp8"))
     led.on_post(1, sends, [])
     led._values()
     assert [e[2] for p in (1, 2) for e in led.sent[p]] == [ig.partial(bufs[0], c)] * 2 + [ig.partial(bufs[1], c)] * 2
