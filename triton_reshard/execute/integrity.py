@@ -8,8 +8,7 @@ wrote (the unpack reversed, where it did not cast), so the digest covers what th
 only what arrived; a delta message is digested as it arrived. On CPU with the native extension and torch's
 copy backend, a dense step's pack and unpack are one C pass each that copies and hashes what it wrote
 (:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
-(messages sent or received in place, padding, quantized pieces) are read again. With the Triton backend the
-copy, quantize and delta-encode kernels hash what they move in their own pass (``docs/integrity.md``). At the end of the refit the
+(messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
 ranks exchange one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
 second exchange that names the first differing message, and every rank raises
 :class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
@@ -44,6 +43,7 @@ from ..ops.digest import (
     span_torch,
 )
 from ..ops.digest import native as digest_native
+from ..ops.quant_digest import add_hashed
 from .errors import ReshardError
 
 ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
@@ -104,11 +104,7 @@ def digest_key(comm) -> bytes:
     if not key:
         try:
             key = resolve_secret(None, where="the integrity digest") or NO_SECRET_KEY
-        except (
-            OSError,
-            TypeError,
-            ValueError,
-        ):  # an unreadable or short secret is refused where groups are made
+        except (OSError, TypeError, ValueError):  # an unreadable or short secret is refused where groups are made
             key = NO_SECRET_KEY
     return hmac.new(key, LABEL + b"key", hashlib.sha256).digest()
 
@@ -274,14 +270,8 @@ class Ledger:
         return True
 
     def add_hashed(self, pos: int, lengths: list[int], sums, covered: list) -> None:
-        """Step ``pos``'s sends (``lengths``: their bytes) partly hashed by the kernels that wrote them (Triton's
-        quantizers, delta encode): per send ``sums`` (a device tensor) over the byte ranges ``covered``, added to
-        what a fused copy hashed; the rest of each send is hashed at :meth:`on_post`."""
-        from ..ops.quant_digest import minus_ranges
-
-        hashes, gaps = self._fused.get(("pack", pos), (None, [[(0, n)] if n else [] for n in lengths]))
-        gaps = [minus_ranges(g, c) for g, c in zip(gaps, covered, strict=True)]
-        self._fused["pack", pos] = (sums if hashes is None else hashes + sums, gaps)
+        """Step ``pos``'s sends partly hashed by the kernels that wrote them (``ops.quant_digest.add_hashed``)."""
+        self._fused["pack", pos] = add_hashed(self._fused.get(("pack", pos)), lengths, sums, covered)
 
     def prepacked(self, pos: int, key) -> None:
         """Step ``pos`` was packed during the handshake (``steps.prepack``): take that fused pack's hashes if

@@ -100,3 +100,13 @@ def minus_ranges(ranges: list[tuple[int, int]], covered: list[tuple[int, int]]) 
         if a < z:
             out.append((a, z))
     return out
+
+
+def add_hashed(fused, lengths: list[int], sums: torch.Tensor, covered: list) -> tuple:
+    """A step's fused-pack hashes ``fused`` ((per-send hashes, per-send byte ranges left to hash), or None: nothing
+    hashed yet) with per-send ``sums`` over the byte ranges ``covered`` added (the quantizers', or Triton's delta
+    encode: the kernels that wrote those bytes); the sends are ``lengths`` bytes each. What ``Ledger.on_post``
+    finishes: the ranges left are hashed from the buffers."""
+    hashes, gaps = fused if fused is not None else (None, [[(0, n)] if n else [] for n in lengths])
+    gaps = [minus_ranges(g, c) for g, c in zip(gaps, covered, strict=True)]
+    return (sums if hashes is None else hashes + sums, gaps)
