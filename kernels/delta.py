@@ -250,6 +250,13 @@ def delta_unpack_kernel(
 # bytes with their neighbours, possibly another program's: they are OR-ed into the zeroed message with
 # ``atomic_or`` on 32-bit words (a value never crosses one: it starts at a multiple of its width); every
 # other byte has one writer.
+#
+# The digest (issue 46; ``DIGEST`` of the encode pass): each program also sums the integrity hash
+# (``csrc/digest.c``) of every byte it writes into the zeroed message (values of dense chunks, descriptors,
+# positions, narrow values), into ``sums_ptr[program_id]``. The hash is linear in the bytes and the message
+# starts as zeros, so these sums plus the hash of the headers the launcher writes are the hash of the whole
+# message; an OR-ed small value adds its own bits (no two writers share a bit). A message is a multiple of 16
+# bytes: no tail bytes, every byte is in a whole word.
 
 NB = tl.constexpr(256)  # elements per block (ops/delta_v2.BLOCK)
 RAW = tl.constexpr(6)
@@ -299,6 +306,21 @@ def _diff_code(s, p, ESIZE: tl.constexpr):
 
 
 @triton.jit
+def _terms(w, p, mask, coef_ptr):
+    """The digest's terms (int64, mod 2**64; 0 where not ``mask``) of values whose bits are ``w`` (zero-extended
+    int64) at message byte ``p`` (aligned to their size, inside a whole word): ``w << 8 (p % 8)`` times the
+    coefficient of the word's 1 KiB row."""
+    c = tl.load(coef_ptr + (p >> 10), mask=mask, other=0)
+    return tl.where(mask, c * (w << ((p & 7) * 8)), 0)
+
+
+@triton.jit
+def _total(h):
+    """The sum of every int64 term of ``h`` (``tl.sum``: see the module docstring)."""
+    return tl.reduce(h, None, tl.standard._sum_combine)
+
+
+@triton.jit
 def _width(code, ESIZE: tl.constexpr):
     """Bits per value of block codes (raw: the element's bits)."""
     return tl.where(code == RAW, 8 * ESIZE, 1 << tl.minimum(code, 5))
@@ -318,10 +340,14 @@ def delta2_pack_kernel(
     STATS: tl.constexpr,  # True: write V_CNT / V_CODE of every block only
     UPDATE: tl.constexpr,  # write the changed values into the snapshot
     BPT: tl.constexpr,
+    coef_ptr=None,  # DIGEST: the keyed coefficients (int64)
+    sums_ptr=None,  # DIGEST: int64[programs]: each program's digest sum of the bytes it wrote
+    DIGEST: tl.constexpr = False,
 ):
     """Pass 1 (``STATS``): every block's changed elements and width code. Pass 2: the bodies of dense chunks
     and the descriptors, positions and values of the changed blocks of narrow chunks (chunk headers are written
-    by the launcher); with ``UPDATE`` the snapshot takes the changed elements."""
+    by the launcher); with ``UPDATE`` the snapshot takes the changed elements; with ``DIGEST`` the digest sum of
+    every byte written (see above)."""
     bid = tl.program_id(0).to(tl.int64) * BPT + tl.arange(0, BPT).to(tl.int64)
     valid = bid < num_blocks
     brow = blocks_ptr + bid * V_FIELDS
@@ -345,7 +371,8 @@ def delta2_pack_kernel(
     else:
         body = tl.load(table_ptr + ci + P_OUT, mask=valid, other=0) + HEADER_BYTES
         kind = tl.load(table_ptr + ci + P_KIND, mask=valid, other=0)
-        tl.store(val_ptr + body[:, None] // ESIZE + j, s, mask=m & (kind[:, None] == KIND_DENSE))
+        vdense = body[:, None] // ESIZE + j
+        tl.store(val_ptr + vdense, s, mask=m & (kind[:, None] == KIND_DENSE))
         cnt = tl.load(brow + V_CNT, mask=valid, other=0)
         bcode = tl.load(brow + V_CODE, mask=valid, other=0)
         mode = tl.load(brow + V_MODE, mask=valid, other=0)
@@ -355,7 +382,7 @@ def delta2_pack_kernel(
         tl.store(msg_ptr + desc + 1, (cnt - 1).to(tl.uint8), mask=live)
         pay = tl.load(brow + V_PAY, mask=live, other=0)[:, None]
         vat = pay + tl.load(brow + V_POSB, mask=live, other=0)[:, None]
-        _encode_block(
+        h = _encode_block(
             msg_ptr,
             m32_ptr,
             pay,
@@ -368,9 +395,16 @@ def delta2_pack_kernel(
             bcode[:, None],
             mode[:, None],
             tl.minimum(n - k * NB, NB),
+            coef_ptr,
             ESIZE,
             BPT,
+            DIGEST,
         )
+        if DIGEST:
+            h += _total(_terms(raw, vdense * ESIZE, m & (kind[:, None] == KIND_DENSE), coef_ptr))
+            two = ((bcode | (mode << 4)) & 255) | (((cnt - 1) & 255) << 8)  # the descriptor's two bytes
+            h += _total(_terms(two, desc, live, coef_ptr))
+            tl.store(sums_ptr + tl.program_id(0), h)
         if UPDATE:
             tl.store(snap_ptr + poff, s, mask=ch)
 
@@ -389,18 +423,21 @@ def _encode_block(
     code,
     mode,
     blen,
+    coef_ptr,
     ESIZE: tl.constexpr,
     BPT: tl.constexpr,
+    DIGEST: tl.constexpr,
 ):
-    """Positions (at byte ``pay``) and values (at byte ``vat``) of the live rows' blocks of ``blen`` elements."""
+    """Positions (at byte ``pay``) and values (at byte ``vat``) of the live rows' blocks of ``blen`` elements;
+    the digest sum of the bytes written (``DIGEST``), else 0."""
     rank = tl.associative_scan(ch.to(tl.int64), 1, tl.standard._sum_combine) - 1
-    tl.store(msg_ptr + pay + rank, lane.to(tl.uint8), mask=live & ch & (mode == MODE_OFFSETS))
+    offs = live & ch & (mode == MODE_OFFSETS)
+    tl.store(msg_ptr + pay + rank, lane.to(tl.uint8), mask=offs)
     bits = tl.reshape(ch.to(tl.int32), (BPT, NB // 8, 8)) << tl.arange(0, 8)[None, None, :]
     mbytes = tl.reduce(bits, 2, tl.standard._sum_combine)  # (BPT, 32): the bitmask's bytes
     q = tl.arange(0, NB // 8)[None, :]
-    tl.store(
-        msg_ptr + pay + q, mbytes.to(tl.uint8), mask=live & (mode == MODE_BITMASK) & (q < (blen + 7) // 8)
-    )
+    bmask = live & (mode == MODE_BITMASK) & (q < (blen + 7) // 8)
+    tl.store(msg_ptr + pay + q, mbytes.to(tl.uint8), mask=bmask)
     w = _width(code, ESIZE)
     every = mode == MODE_ALL
     put = live & tl.where(every, lane < blen, ch)
@@ -410,8 +447,17 @@ def _encode_block(
     small = put & (w < 8)
     tl.atomic_or(m32_ptr + (bit >> 5), (v << (bit & 31)).to(tl.int32), mask=small, sem="relaxed")
     nb = w // 8
+    h = tl.zeros((BPT, NB), tl.int64)
     for b in tl.static_range(8):
         tl.store(msg_ptr + (bit >> 3) + b, ((v >> (8 * b)) & 0xFF).to(tl.uint8), mask=put & (b < nb))
+        if DIGEST:
+            h += _terms((v >> (8 * b)) & 0xFF, (bit >> 3) + b, put & (b < nb), coef_ptr)
+    total = tl.program_id(0).to(tl.int64) * 0
+    if DIGEST:  # an OR-ed value: its bits in its 32-bit word (the word's low byte at ``(bit >> 5) * 4``)
+        h += _terms((v << (bit & 31)) & 0xFFFFFFFF, (bit >> 5) * 4, small, coef_ptr)
+        h += _terms(lane, pay + rank, offs, coef_ptr)
+        total = _total(h) + _total(_terms(mbytes.to(tl.int64), pay + q, bmask, coef_ptr))
+    return total
 
 
 @triton.jit(do_not_specialize=("num_blocks",))

@@ -26,7 +26,17 @@ Block table: ``int64[num_blocks, FIELDS]``, one row per block, fields at the ``F
 - ``F_ROWS`` / ``F_COLS``: the block's real extents (< BM / BN only for blocks at a tensor's edge);
 - ``F_SRS`` / ``F_SCS``: source element strides of the block's row / column dimension;
 - ``F_QRS`` / ``F_QCS``: the same for q (bytes = elements: fp8 is one byte; NVFP4: packed bytes);
-- ``F_G``: element offset of the block's global scale from ``g_ptr`` (float32; NVFP4 only).
+- ``F_G``: element offset of the block's global scale from ``g_ptr`` (float32; NVFP4 only);
+- ``F_QM`` / ``F_SM`` / ``F_MLEN`` / ``F_SLOT`` (the integrity digest, issue 46; read only with ``DIGEST``): the
+  byte offset of the block's message from ``q_ptr``'s and from ``s_ptr``'s storage start, the message's length
+  in bytes, and (:func:`quant_rows_kernel` only) the slot of its program's partial sums the block adds to:
+  ``sums_ptr[program_id * SLOTS + F_SLOT]`` (:func:`quant_blocks_kernel` stores at ``sums_ptr[program_id]``).
+
+**The digest** (``DIGEST``): each program also hashes the bytes it writes into its message (the quantized
+values and the scale, at their message positions), as ``csrc/digest.c`` defines the hash (linear in the
+bytes: a byte ``b`` at message byte ``p`` adds ``b << 8 (p % 8)`` times the coefficient of its 1 KiB row, a
+tail byte its own coefficient), so the launcher's per-message sum of the partials equals the CPU digest of
+the bytes written (``ops/quant_digest.py``).
 
 The fp32 -> e4m3fn conversion is done on the bits (``_e4m3fn_bits``): it reproduces torch's
 ``Tensor.to(torch.float8_e4m3fn)`` (c10 ``fp8e4m3fn_from_fp32_value``: round to nearest even, subnormals
@@ -51,7 +61,11 @@ F_SCS = tl.constexpr(6)
 F_QRS = tl.constexpr(7)
 F_QCS = tl.constexpr(8)
 F_G = tl.constexpr(9)
-FIELDS = tl.constexpr(10)
+F_QM = tl.constexpr(10)
+F_SM = tl.constexpr(11)
+F_MLEN = tl.constexpr(12)
+F_SLOT = tl.constexpr(13)
+FIELDS = tl.constexpr(14)
 # Largest tile (BM * BN elements) one program takes: a 128x128 block.
 MAX_TILE = 16384
 # fp32 bits of the constants: 448.0 (float8_e4m3fn max) and float32(1e-4) (the amax floor, what torch's
@@ -59,13 +73,46 @@ MAX_TILE = 16384
 FP8_MAX_BITS = tl.constexpr(0x43E00000)
 AMAX_FLOOR_BITS = tl.constexpr(0x38D1B717)
 DO_NOT_SPECIALIZE = ("num_blocks",)
-DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("table_ptr",)
+DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("table_ptr", "coef_ptr", "sums_ptr")
 
 
 @triton.jit
 def _f32(bits):
     """A float32 scalar with the given bit pattern."""
     return tl.full([], bits, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _terms(w, p, mask, mlen, coef_ptr, E: tl.constexpr):
+    """The digest's terms (int64, mod 2**64; 0 where not ``mask``) of ``E``-byte values whose bits are ``w``
+    (zero-extended int64) at message byte ``p`` (a multiple of ``E``) of an ``mlen``-byte message: a word's
+    byte adds ``b << 8 (p % 8)`` times its row's coefficient, a tail byte (past the last whole word) its own
+    coefficient, after the rows' (``csrc/digest.c``; ``kernels/copy.py``'s ``_digest``, not reduced)."""
+    lim = mlen // 8 * 8
+    body = mask & (p < lim)
+    c = tl.load(coef_ptr + (p >> 10), mask=body, other=0)
+    h = tl.where(body, c * (w << ((p & 7) * 8)), 0)
+    rows = (mlen // 8 + 127) // 128
+    for j in tl.static_range(E):
+        q = p + j
+        tail = mask & (q >= lim) & (q < mlen)
+        cj = tl.load(coef_ptr + (rows + q - lim), mask=tail, other=0)
+        h += tl.where(tail, cj * ((w >> (8 * j)) & 255), 0)
+    return h
+
+
+@triton.jit
+def _isum(x, AXIS: tl.constexpr):
+    """``tl.sum`` of int64 terms (along ``AXIS``; None: all), written as in ``_block_amax`` (see there)."""
+    return tl.reduce(x, AXIS, tl.standard._sum_combine)
+
+
+@triton.jit
+def _msg_fields(row, zero, DIGEST: tl.constexpr):
+    """A block row's ``F_QM``, ``F_SM``, ``F_MLEN`` (the digest's; ``zero`` each without it)."""
+    if DIGEST:
+        return tl.load(row + F_QM), tl.load(row + F_SM), tl.load(row + F_MLEN)
+    return zero, zero, zero
 
 
 @triton.jit
@@ -134,12 +181,18 @@ def _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16: tl.constexp
 
 
 @triton.jit
-def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16: tl.constexpr,
-                 FULL_WIDTH: tl.constexpr):
-    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits."""
+def _quant_chunk(src_ptr, q_ptr, src0, q0, r, c, rows, cols, srs, scs, qrs, qcs, inv, qm, mlen, coef_ptr,
+                 SRC_BF16: tl.constexpr, FULL_WIDTH: tl.constexpr, DIGEST: tl.constexpr):
+    """Quantize rows ``r`` of a block with the reciprocal scale ``inv`` and store their fp8 bits; the digest
+    sum of the bytes stored (``DIGEST``: message at byte ``qm`` of ``q_ptr``, ``mlen`` bytes), else 0."""
     x, mask = _load_chunk(src_ptr, src0, r, c, rows, cols, srs, scs, SRC_BF16, FULL_WIDTH)
     code = _e4m3fn_bits(x * inv)
-    tl.store(q_ptr + (q0 + r.to(tl.int64) * qrs + c * qcs), code.to(tl.uint8), mask=mask)
+    qoff = q0 + r.to(tl.int64) * qrs + c * qcs
+    tl.store(q_ptr + qoff, code.to(tl.uint8), mask=mask)
+    h = q0 * 0
+    if DIGEST:
+        h += _isum(_terms(code.to(tl.int64), qoff - qm, mask, mlen, coef_ptr, 1), None)
+    return h
 
 
 @triton.jit
@@ -216,6 +269,9 @@ def quant_blocks_kernel(
     CONTIG: tl.constexpr,
     SRC_ALIGN: tl.constexpr,
     Q_ALIGN: tl.constexpr,
+    coef_ptr=None,
+    sums_ptr=None,
+    DIGEST: tl.constexpr = False,
 ):
     """Quantize block ``program_id`` of the block table (layout in the module docstring): block FP8 (MXFP8 and
     NVFP4, 1 x B blocks, run many blocks a program in :func:`quant_rows_kernel`).
@@ -229,7 +285,8 @@ def quant_blocks_kernel(
     at once would keep 64 values and their 64-bit addresses per thread live (255 registers and spills on
     sm_90 at 8 warps). ``CONTIG``: every item has column stride 1 on both sides; ``SRC_ALIGN`` /
     ``Q_ALIGN``: every block's start and row stride are multiples of these (elements), which lets the
-    compiler use vector loads and stores.
+    compiler use vector loads and stores. ``DIGEST``: also the digest sum of the block's bytes written into its
+    message (values and scale; ``coef_ptr``: the keyed coefficients), stored at ``sums_ptr[F_SLOT]``.
     """
     pid = tl.program_id(0).to(tl.int64)
     if pid < num_blocks:
@@ -260,13 +317,62 @@ def quant_blocks_kernel(
         if UE8M0:
             sf = _ue8m0(sf, thr_ptr)
         inv = tl.math.div_rn(_f32(0x3F800000), sf)
+        h = q0 * 0  # the digest sum of the bytes written (int64, wraps mod 2**64)
+        qm, sm, mlen = _msg_fields(row, h, DIGEST)
         # Pass 2: quantize and store.
         for r0 in range(0, rows, RB):
             if cols == BN:
-                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16, True)
+                h += _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, qm,
+                                  mlen, coef_ptr, SRC_BF16, True, DIGEST)
             else:
-                _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, SRC_BF16, False)
+                h += _quant_chunk(src_ptr, q_ptr, src0, q0, r0 + rr, c, rows, cols, srs, scs, qrs, qcs, inv, qm,
+                                  mlen, coef_ptr, SRC_BF16, False, DIGEST)
         tl.store(s_ptr + s0, sf)
+        if DIGEST:
+            sbits = sf.to(tl.uint32, bitcast=True).to(tl.int64)
+            h += _terms(sbits, s0 * 4 - sm, s0 >= 0, mlen, coef_ptr, 4)
+            tl.store(sums_ptr + pid, h)
+
+
+@triton.jit
+def _nvfp4_rows(x, amax, gs, G: tl.constexpr, BN: tl.constexpr):
+    """NVFP4 of ``[G, BN]`` rows ``x`` (float32) of amax ``amax`` and global scales ``gs``: (packed value bytes
+    ``[G, BN // 2]``, scale bits ``[G]``)."""
+    sv = gs * (amax * _f32(0x3E2AAAAB))
+    sv = tl.minimum(sv, _f32(FP8_MAX_BITS))
+    s8 = _e4m3fn_bits(sv)
+    sf = _e4m3_value(s8)
+    t = sf * tl.math.div_rn(tl.full([G], 1.0, tl.float32), gs)
+    t = tl.where(t == 0, _f32(0x4CBEBC20), t)
+    os = tl.math.div_rn(tl.full([G], 1.0, tl.float32), t)
+    y = tl.minimum(tl.maximum(x * os[:, None], -6.0), 6.0)
+    a = tl.abs(y)
+    code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(
+        a < 1.75, 3, tl.where(a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
+    code = code | tl.where(y < 0, 8, 0)
+    lo, hi = tl.split(tl.reshape(code, (G, BN // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8), s8
+
+
+@triton.jit
+def _rows_digest(row, live, qoff, qbyte, qmask, s0, sbyte, coef_ptr, sums_ptr, pid, SLOTS: tl.constexpr,
+                 G: tl.constexpr):
+    """The digest of the rows kernel's program: per row the terms of its value bytes ``qbyte`` (at ``qoff``
+    from ``q_ptr``) and its scale byte ``sbyte`` (at ``s0`` from ``s_ptr``), summed per slot (``F_SLOT``) into
+    ``sums_ptr[pid * SLOTS ..]``; ``SLOTS == G``: one slot per row (the launcher's choice where a program's
+    rows reach more than a few messages)."""
+    qm = tl.load(row + F_QM, mask=live, other=0)
+    sm = tl.load(row + F_SM, mask=live, other=0)
+    mlen = tl.load(row + F_MLEN, mask=live, other=0)
+    hq = _terms(qbyte.to(tl.int64) & 255, qoff - qm[:, None], qmask, mlen[:, None], coef_ptr, 1)
+    h = _isum(hq, 1)
+    h += _terms(sbyte.to(tl.int64) & 255, s0 - sm, live, mlen, coef_ptr, 1)
+    if SLOTS == G:
+        tl.store(sums_ptr + pid * G + tl.arange(0, G), h, mask=live)
+    else:
+        slot = tl.load(row + F_SLOT, mask=live, other=0)
+        for k in tl.static_range(SLOTS):
+            tl.store(sums_ptr + pid * SLOTS + k, _isum(tl.where(live & (slot == k), h, 0), 0))
 
 
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE_ON_ALIGNMENT)
@@ -283,11 +389,16 @@ def quant_rows_kernel(
     CONTIG: tl.constexpr,
     FMT: tl.constexpr,
     g_ptr=None,
+    coef_ptr=None,
+    sums_ptr=None,
+    DIGEST: tl.constexpr = False,
+    SLOTS: tl.constexpr = 1,
 ):
     """MXFP8 (``FMT`` 1) and NVFP4 (``FMT`` 2) blocks of one row (1 x ``BN``, every block whole): **``G`` blocks per
     program**, block rows ``program_id * G ..`` of the same table as :func:`quant_blocks_kernel`, as one
     ``[G, BN]`` tile. The numbers are that kernel's, block by block (each row's amax, scale and values depend on
-    its own row only); a row past ``num_blocks`` is masked."""
+    its own row only); a row past ``num_blocks`` is masked. ``DIGEST``: also the digest sums of the bytes
+    written into the messages, ``SLOTS`` per program (:func:`_rows_digest`)."""
     pid = tl.program_id(0).to(tl.int64)
     g = pid * G + tl.arange(0, G).to(tl.int64)
     live = g < num_blocks
@@ -312,25 +423,19 @@ def quant_rows_kernel(
     has_nan = tl.reduce((x != x).to(tl.int32), 1, tl.standard._elementwise_max)
     if FMT == 2:
         gs = tl.load(g_ptr + tl.load(row + F_G, mask=live, other=0), mask=live, other=1.0)
-        sv = gs * (amax * _f32(0x3E2AAAAB))
-        sv = tl.minimum(sv, _f32(FP8_MAX_BITS))
-        s8 = _e4m3fn_bits(sv)
-        sf = _e4m3_value(s8)
-        t = sf * tl.math.div_rn(tl.full([G], 1.0, tl.float32), gs)
-        t = tl.where(t == 0, _f32(0x4CBEBC20), t)
-        os = tl.math.div_rn(tl.full([G], 1.0, tl.float32), t)
-        y = tl.minimum(tl.maximum(x * os[:, None], -6.0), 6.0)
-        a = tl.abs(y)
-        code = tl.where(a <= 0.25, 0, tl.where(a < 0.75, 1, tl.where(a <= 1.25, 2, tl.where(
-            a < 1.75, 3, tl.where(a <= 2.5, 4, tl.where(a < 3.5, 5, tl.where(a <= 5.0, 6, 7)))))))
-        code = code | tl.where(y < 0, 8, 0)
-        lo, hi = tl.split(tl.reshape(code, (G, BN // 2, 2)))
-        byte = (lo | (hi << 4)).to(tl.uint8)
+        byte, s8 = _nvfp4_rows(x, amax, gs, G, BN)
         cc = tl.arange(0, BN // 2)[None, :].to(tl.int64)
-        tl.store(q_ptr + (q0[:, None] + cc * qcs[:, None]), byte, mask=live[:, None] & (cc < BN // 2))
+        qoff = q0[:, None] + cc * qcs[:, None]
+        qmask = live[:, None] & (cc < BN // 2)
+        tl.store(q_ptr + qoff, byte, mask=qmask)
         tl.store(s_ptr + s0, s8.to(tl.uint8), mask=live)
+        if DIGEST:
+            _rows_digest(row, live, qoff, byte, qmask, s0, s8, coef_ptr, sums_ptr, pid, SLOTS, G)
     else:
         sb, inv = _mx_scale(amax, has_nan, thr_ptr)
         code = tl.where(has_nan[:, None] > 0, 0x7F, _e4m3fn_bits(x * inv[:, None]))
-        tl.store(q_ptr + (q0[:, None] + c * qcs[:, None]), code.to(tl.uint8), mask=mask)
+        qoff = q0[:, None] + c * qcs[:, None]
+        tl.store(q_ptr + qoff, code.to(tl.uint8), mask=mask)
         tl.store(s_ptr + s0, sb.to(tl.uint8), mask=live)
+        if DIGEST:
+            _rows_digest(row, live, qoff, code, mask, s0, sb, coef_ptr, sums_ptr, pid, SLOTS, G)

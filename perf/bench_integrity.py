@@ -16,8 +16,9 @@ every send and landed receive, the keyed combine and the end-of-refit exchange).
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
 
 ``--kernel``: the Triton copy kernel alone, digest on vs off on one pack and one unpack of a TP2 column block of
-every tensor (bf16), median of ``--repeats`` (on a GPU: the kernels' extra work; ``TRITON_INTERPRET=1`` runs it
-on CPU, for the smoke test only):
+every tensor (bf16); the same blocks quantized to MXFP8 into a message (the quantizing pack) and delta-encoded
+against a snapshot with ``--fraction`` of them changed (format v2), digest on vs off; median of ``--repeats`` (on
+a GPU: the kernels' extra work; ``TRITON_INTERPRET=1`` runs it on CPU, for the smoke test only):
 
     python perf/bench_integrity.py --kernel --mb 512 --repeats 50
 """
@@ -242,6 +243,51 @@ def _pieces(mb: float, device: str):
     return pairs, msg
 
 
+def _quant_delta_runs(pairs, fraction: float, coefs) -> tuple[dict, list]:
+    """The MXFP8 quantizing pack and the v2 delta encode of the pieces' sources, digest off and on (``runs``), and
+    checks that each digest is the CPU digest of the message its run made (``checks``: each runs its digest-on
+    run once and returns (name, digest, message))."""
+    from triton_reshard.execute import integrity as ig
+    from triton_reshard.ops import delta_triton as dt
+    from triton_reshard.ops import quantize as Q
+    from triton_reshard.ops.quant_digest import quantize_digest
+
+    srcs = [v for v, _m in pairs if v.dim() == 2 and v.shape[-1] % 32 == 0]  # the matrices: MXFP8 1 x 32 blocks
+    dev, sizes = srcs[0].device, [(v.numel(), v.numel() // 32) for v in srcs]
+    qmsg = torch.zeros(sum(-(-q // 16) * 16 + -(-sc // 16) * 16 for q, sc in sizes), dtype=torch.uint8, device=dev)
+    items, at = [], 0
+    for v, (q, sc) in zip(srcs, sizes, strict=True):
+        s0 = at + -(-q // 16) * 16
+        items.append((v, qmsg[at:at + q].view(v.shape), qmsg[s0:s0 + sc].view(*v.shape[:-1], v.shape[-1] // 32)))
+        at = s0 + -(-sc // 16) * 16
+    qcoef = coefs.get(-(-qmsg.numel() // 1024) + qmsg.numel() % 8, dev)
+    snaps = []
+    g = torch.Generator(device=dev).manual_seed(46)
+    for v in srcs:
+        snap = v.clone()
+        snap.view(-1)[torch.rand(snap.numel(), generator=g, device=dev) < fraction] += 1
+        snaps.append(snap)
+    dpairs = list(zip(srcs, snaps, strict=True))
+    caches: tuple[dict, dict] = ({}, {})
+    coef_for = lambda n: coefs.get(-(-n // (8 * ig.ROW_WORDS)), dev)  # noqa: E731
+    runs = {
+        "mxfp8 pack, digest off": lambda: Q.quantize_views(items, (1, 32), backend="triton", key="b-q", fmt="mxfp8"),
+        "mxfp8 pack, digest on": lambda: quantize_digest(items, (1, 32), False, [(qmsg, qmsg.numel())], qcoef,
+                                                         key="b-q", fmt="mxfp8"),
+        "delta encode, digest off": lambda: dt.triton_pack(dpairs, update=False, version=2, cache=caches[0]),
+        "delta encode, digest on": lambda: dt.triton_pack_digest(dpairs, coef_for, update=False, cache=caches[1]),
+    }
+
+    def check_quant():  # (the message's padding is zeros: it adds nothing to the digest)
+        return "mxfp8 pack", runs["mxfp8 pack, digest on"]()[0][0], qmsg
+
+    def check_delta():
+        msg, h = runs["delta encode, digest on"]()
+        return "delta encode", h, msg
+
+    return runs, [check_quant, check_delta]
+
+
 def kernel_main(a) -> int:
     """``--kernel``: the Triton copy kernel with its digest on vs off on the same pack and unpack (CUDA; or the
     interpreter with TRITON_INTERPRET=1, which times nothing useful): the kernels' extra work on a GPU."""
@@ -260,6 +306,8 @@ def kernel_main(a) -> int:
         "unpack, digest off": lambda: tc.triton_copy_views(back, key="bench-unpack"),
         "unpack, digest on": lambda: tc.triton_copy_digest(back, [(msg, msg.numel())], 0, coef, key="bench-unpack"),
     }
+    more, checks = _quant_delta_runs(pairs, a.fraction, coefs)
+    runs.update(more)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():  # warm-up: compile, autotune, tables
         fn()
@@ -267,6 +315,10 @@ def kernel_main(a) -> int:
     sums, gaps = runs["pack, digest on"]()  # the kernels' digest is the CPU digest of the message
     if gaps[0] or int(sums[0]) & ((1 << 64) - 1) != ig.partial(msg.cpu(), coefs):
         raise SystemExit("bench_integrity --kernel: the kernels' digest is not the CPU digest of the message")
+    for check in checks:  # the quantizer's and the delta encode's too
+        name, digest, message = check()
+        if int(digest) & ((1 << 64) - 1) != ig.partial(message.cpu(), coefs):
+            raise SystemExit(f"bench_integrity --kernel: the {name} digest is not the CPU digest of its message")
     for _ in range(a.repeats):
         for k, fn in runs.items():
             sync()
@@ -277,11 +329,11 @@ def kernel_main(a) -> int:
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)", "bytes": msg.numel()}
     for k, ts in times.items():
         out[k] = statistics.median(ts)
-    for side in ("pack", "unpack"):
+    for side in ("pack", "unpack", "mxfp8 pack", "delta encode"):
         on, off = out[f"{side}, digest on"], out[f"{side}, digest off"]
         out[f"{side} on/off"] = on / off
-        print(f"{side}: {msg.numel() / 1e6:.1f} MB, digest off {off * 1e3:.3f} ms ({msg.numel() / off / 1e9:.0f} GB/s), "
-              f"on {on * 1e3:.3f} ms, on/off {on / off:.3f}")
+        print(f"{side}: {msg.numel() / 1e6:.1f} MB of sources, digest off {off * 1e3:.3f} ms "
+              f"({msg.numel() / off / 1e9:.0f} GB/s), on {on * 1e3:.3f} ms, on/off {on / off:.3f}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))

@@ -263,7 +263,7 @@ DSRC = Layout.from_placements({"d": (48, 32)}, list(range(WORLD)), [Shard(0)])
 DDST = Layout.from_placements({"d": (48, 32)}, list(range(WORLD)), [Shard(1)])
 
 
-def delta(rank: int) -> dict:
+def delta(rank: int, backend: str | None = None) -> dict:
     """Delta refits: version 0 (dense, the snapshot), version 1 a delta with one bit of a changed value
     flipped in flight to the victim, version 2 asks for a delta again: it must go dense and repair."""
     g = _group()
@@ -283,6 +283,7 @@ def delta(rank: int) -> dict:
             timeout=TIMEOUT,
             version=v,
             delta=True,
+            backend=backend,
         )
 
     def ok(v):
@@ -303,26 +304,31 @@ def delta(rank: int) -> dict:
     return out
 
 
-def quant(rank: int, fmt: str) -> dict:
+def quant(rank: int, fmt: str, backend: str | None = None) -> dict:
     """An MXFP8 / NVFP4 refit (quant_fmt_cases' raw case: fp32 column shards to quantized rows, values and
-    scales on the wire, source- and destination-quantized chunks) with a bit flipped in a message to the
-    victim; then the repair, compared byte for byte with the format's reference."""
+    scales on the wire, source- and destination-quantized chunks; ``fp8``: quant_cases' raw block-FP8 case,
+    UE8M0 scales) with a bit flipped in a message to the victim; then the repair, compared byte for byte with
+    the format's reference."""
+    from . import quant_cases as qc
     from . import quant_fmt_cases as qf
-    from .quant_cases import global_data as qdata
-    from .quant_cases import mismatch, src_locals
 
     g = _group()
-    case = qf.CASES[f"{fmt}-raw-fp32-cols48-to-rows"]
-    src_l, dst_l = qf.layouts(case)
-    data = qdata(src_l, 0)
-    src_t = src_locals(src_l, rank, data)
-    dst_t = qf.dst_locals(dst_l, rank)
-    want = qf.expected(case, dst_l, rank, data)
+    mod, case = (
+        (qc, qc.CASES["raw-fp32-rows24-to-cols-ue8m0"])
+        if fmt == "fp8"
+        else (qf, qf.CASES[f"{fmt}-raw-fp32-cols48-to-rows"])
+    )
+    src_l, dst_l = mod.layouts(case)
+    data = qc.global_data(src_l, 0)
+    src_t = qc.src_locals(src_l, rank, data)
+    dst_t = mod.dst_locals(dst_l, rank)
+    want = mod.expected(case, dst_l, rank, data)
     victim = 2  # a destination rank of the case
 
     def go():
         return refit(
-            src_t, dst_t, src_l, dst_l, group=g, timeout=TIMEOUT, bucket_bytes=case.bucket_bytes, version=0
+            src_t, dst_t, src_l, dst_l, group=g, timeout=TIMEOUT, bucket_bytes=case.bucket_bytes, version=0,
+            backend=backend,
         )
 
     ctx = RecvFault(flip_bit) if rank == victim else None
@@ -334,7 +340,7 @@ def quant(rank: int, fmt: str) -> dict:
         out = {"v1": _caught(go)}
     out["state"] = _state(dst_l)
     out["v2"] = _caught(go)
-    out["problems"] = [p for n in want for p in [mismatch(dst_t[n], want[n], n)] if p]
+    out["problems"] = [p for n in want for p in [qc.mismatch(dst_t[n], want[n], n)] if p]
     return out
 
 
@@ -395,7 +401,55 @@ SCENARIOS = {
     "nvfp4_flip": lambda r: quant(r, "nvfp4"),
     "relay_flip": relay,
     "flip_triton": lambda r: triton_flip(r),
+    "mxfp8_flip_triton": lambda r: triton_quant(r, "mxfp8"),
+    "nvfp4_flip_triton": lambda r: triton_quant(r, "nvfp4"),
+    "fp8_flip_triton": lambda r: triton_quant(r, "fp8"),
+    "delta_flip_triton": lambda r: triton_delta(r),
 }
+
+
+def triton_delta(rank: int) -> dict:
+    """``delta`` with the Triton backend (interpreted on CPU): the delta messages are the encode kernels', which
+    hash what they write (counted: ``hashed``), and the flipped bit is caught; the next refit goes dense."""
+    from triton_reshard.execute import strategies
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    real, hashed = strategies.triton_pack_digest, []
+
+    def counting(*a, **k):
+        got = real(*a, **k)
+        hashed.append(1)
+        return got
+
+    strategies.triton_pack_digest = counting
+    try:
+        out = delta(rank, backend="triton")
+    finally:
+        strategies.triton_pack_digest = real
+    out["hashed"] = len(hashed)
+    return out
+
+
+def triton_quant(rank: int, fmt: str) -> dict:
+    """``quant`` with the Triton backend (interpreted on CPU, after ``flip_triton``): the quantizing packs are
+    the digesting kernels' (counted: ``fused_quant``, the quantizations that hashed in their pass), the staged
+    pieces of destination-quantized chunks land with the digesting unpack, and the flipped bit is caught."""
+    from triton_reshard.execute import integrity
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    real, fused = integrity.Ledger.add_hashed, []
+
+    def counting(self, *a, **k):
+        fused.append(1)
+        return real(self, *a, **k)
+
+    integrity.Ledger.add_hashed = counting
+    try:
+        out = quant(rank, fmt, backend="triton")
+    finally:
+        integrity.Ledger.add_hashed = real
+    out["fused_quant"] = len(fused)
+    return out
 
 
 def triton_flip(rank: int) -> dict:

@@ -215,7 +215,8 @@ for cap in (90, 100):
         for stats in (True, False):
             sig = {"src_ptr": INT[e], "snap_ptr": INT[e], "val_ptr": INT[e], "msg_ptr": "*u8", "m32_ptr": "*i32",
                    "table_ptr": "*i64", "blocks_ptr": "*i64", "num_blocks": "i64"}
-            cx = {"ESIZE": e, "STATS": stats, "UPDATE": True, "BPT": 4}
+            cx = {"ESIZE": e, "STATS": stats, "UPDATE": True, "BPT": 4, "coef_ptr": None, "sums_ptr": None,
+                  "DIGEST": False}  # the digest off (its arguments unused)
             sig.update(dict.fromkeys(cx, "constexpr"))
             ptx = triton.compile(ASTSource(fn=kd.delta2_pack_kernel, signature=sig, constexprs=cx),
                                  target=GPUTarget("cuda", cap, 32), options={"num_warps": 4}).asm["ptx"]

@@ -254,6 +254,38 @@ def test_a_corrupted_quantized_message_is_caught_and_repaired(fmt):
         assert not res["problems"], (r, res["problems"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8"])
+def test_the_triton_quantizers_digest_and_catch_a_flipped_bit(fmt):
+    """The Triton backend (interpreted): the source ranks' quantizing packs hash in the kernels' pass (counted
+    on every sender), the flipped bit in a quantized message is caught on every rank, and the repair holds the
+    format's reference bytes."""
+    per = _scenario(f"{fmt}_flip_triton")
+    assert per[2]["fired"]
+    assert all(per[r]["fused_quant"] > 0 for r in (0, 1)), {r: res["fused_quant"] for r, res in per.items()}
+    _caught_everywhere(per, receiver=2)
+    for r, res in per.items():
+        assert res["v2"]["error"] is None, (r, res["v2"])
+        assert not res["problems"], (r, res["problems"])
+
+
+@pytest.mark.slow
+def test_the_triton_delta_encode_hashes_its_messages_and_a_flipped_bit_is_caught():
+    """The Triton backend (interpreted): version 1's delta messages are hashed in the encode kernels' pass
+    (counted on every sender), the flipped bit is caught on every rank, and the next delta request goes dense
+    and repairs."""
+    per = _scenario("delta_flip_triton")
+    assert per[ic.VICTIM]["fired"]
+    assert all(res["hashed"] > 0 for res in per.values()), {r: res["hashed"] for r, res in per.items()}
+    for r, res in per.items():
+        assert res["v0"]["error"] is None and res["v0_ok"], (r, res["v0"])
+    _caught_everywhere(per)
+    assert not per[ic.VICTIM]["v1_ok"]
+    for r, res in per.items():
+        assert res["v2"]["error"] is None and res["v2"]["mode"] == "dense-fallback", (r, res["v2"])
+        assert res["v2_ok"], r
+
+
 class _Rows:
     """A two-rank link for one ledger: the first call hands back this rank's row (``Captured``), later calls
     return ``table`` as every rank's rows."""

@@ -174,7 +174,7 @@ def test_the_gap_hash_of_any_split_adds_up_to_the_message_hash(n, start):
     any three ranges that make up the message add up to its CPU digest, at any alignment of the buffer."""
     import random
 
-    from triton_reshard.ops.digest import _bytes_torch, span_torch
+    from triton_reshard.ops.digest import span_torch
 
     buf = torch.randint(0, 256, (n + 1,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     buf = buf[start:start + n]
@@ -185,7 +185,19 @@ def test_the_gap_hash_of_any_split_adds_up_to_the_message_hash(n, start):
         z = rnd.randint(a, n)
         parts = [span_torch(buf, x, y, n, coef) for x, y in ((0, a), (a, z), (z, n))]
         assert sum(int(p) for p in parts) & MASK == whole, (a, z)
-        assert int(parts[1]) & MASK == int(_bytes_torch(buf, a, z, n, coef)) & MASK, (a, z)
+        assert int(parts[1]) & MASK == _bytewise(buf, a, z, n, coef), (a, z)
+
+
+def _bytewise(buf: torch.Tensor, a: int, z: int, n: int, coef: torch.Tensor) -> int:
+    """The hash of bytes ``[a, z)`` of an ``n``-byte message, byte by byte in Python ints, as ``csrc/digest.c``
+    states it: a byte of a whole word adds ``b << 8 (p % 8)`` times its 1 KiB row's coefficient, a tail byte
+    (past the last whole word) its own coefficient, after the rows'."""
+    lim, rows, c = n // 8 * 8, -(-(n // 8) // ig.ROW_WORDS), coef.tolist()
+    total = 0
+    for p in range(a, z):
+        b = int(buf[p])
+        total += c[p >> 10] * (b << 8 * (p & 7)) if p < lim else c[rows + p - lim] * b
+    return total & MASK
 
 
 def test_overlapping_message_bytes_are_refused_before_any_copy():

@@ -257,7 +257,8 @@ from triton_reshard.kernels import quant as kq
 fmt, bn, g = (int(a) for a in sys.argv[1:4])
 sig = {"src_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "table_ptr": "*i64", "thr_ptr": "*i32",
        "num_blocks": "i64", "g_ptr": "*fp32" if fmt == 2 else "constexpr"}
-cx = {"SRC_BF16": True, "BN": bn, "G": g, "CONTIG": True, "FMT": fmt, **({} if fmt == 2 else {"g_ptr": None})}
+cx = {"SRC_BF16": True, "BN": bn, "G": g, "CONTIG": True, "FMT": fmt, **({} if fmt == 2 else {"g_ptr": None}),
+      "coef_ptr": None, "sums_ptr": None, "DIGEST": False, "SLOTS": 1}  # the digest off (its arguments unused)
 sig.update(dict.fromkeys([k for k in cx if k != "g_ptr"], "constexpr"))
 src = ASTSource(fn=kq.quant_rows_kernel, signature=sig, constexprs=cx)
 for cap in (90, 100):

@@ -43,6 +43,7 @@ from ..ops.digest import (
     span_torch,
 )
 from ..ops.digest import native as digest_native
+from ..ops.quant_digest import add_hashed
 from .errors import ReshardError
 
 ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
@@ -103,11 +104,7 @@ def digest_key(comm) -> bytes:
     if not key:
         try:
             key = resolve_secret(None, where="the integrity digest") or NO_SECRET_KEY
-        except (
-            OSError,
-            TypeError,
-            ValueError,
-        ):  # an unreadable or short secret is refused where groups are made
+        except (OSError, TypeError, ValueError):  # an unreadable or short secret is refused where groups are made
             key = NO_SECRET_KEY
     return hmac.new(key, LABEL + b"key", hashlib.sha256).digest()
 
@@ -271,6 +268,10 @@ class Ledger:
             return False
         self._fused["pack", pos] = got
         return True
+
+    def add_hashed(self, pos: int, lengths: list[int], sums, covered: list) -> None:
+        """Step ``pos``'s sends partly hashed by the kernels that wrote them (``ops.quant_digest.add_hashed``)."""
+        self._fused["pack", pos] = add_hashed(self._fused.get(("pack", pos)), lengths, sums, covered)
 
     def prepacked(self, pos: int, key) -> None:
         """Step ``pos`` was packed during the handshake (``steps.prepack``): take that fused pack's hashes if

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..ops import quant_digest
 from ..ops import quantize as quant
 from .bind import Bound
 from .handshake import Preposted
+from .integrity import ROW_WORDS
 from .reports import RunReport, Tally
 from .transport import Link
 
@@ -171,10 +173,29 @@ class StepLoop:
         self.regions(-1)
         self.timing.local = clock() - t
 
-    def quantize_sends(self, pos: int) -> None:
-        """Step ``pos``'s source-quantized chunks, quantized straight into their send buffers."""
-        if self.b.quant.packs[pos]:
-            self.quantize(self.b.quant.packs[pos], None, (self.key, "pack-quant", self.work.steps[pos][0]))
+    def quantize_sends(self, pos: int, ledger=None) -> None:
+        """Step ``pos``'s source-quantized chunks, quantized straight into their send buffers; with the run's
+        ``ledger`` (a dense step's sends go out as these buffers) and the Triton backend, by the kernels that
+        hash what they write (``ops/quant_digest.py``), else as before (the buffers hashed once posted)."""
+        groups = self.b.quant.packs[pos]
+        if not groups:
+            return
+        key = (self.key, "pack-quant", self.work.steps[pos][0])
+        if ledger is not None and self.backend == "triton":
+            groups = {qk: items for qk, items in groups.items() if not self._quantize_hashed(pos, qk, items, key)}
+        if groups:
+            self.quantize(groups, None, key)
+
+    def _quantize_hashed(self, pos: int, qk, items, key) -> bool:
+        """Quantize ``items`` into step ``pos``'s send buffers with the kernels hashing what they write, their
+        sums handed to the ledger; False (nothing written) where they cannot."""
+        bufs = [(b, b.numel()) for _p, b in self.b.wire[pos][0]]
+        rows = max(n // (8 * ROW_WORDS) for _b, n in bufs) + 8  # coefficients enough: a row's, a tail byte's each
+        coef = self.ledger.coef.get(rows, bufs[0][0].device)
+        got = quant_digest.quantize_digest(items, qk[1], qk[2], bufs, coef, (key, qk), qk[0])
+        if got is not None:
+            self.ledger.add_hashed(pos, [n for _b, n in bufs], *got)
+        return got is not None
 
     def pack_and_post(self, pos: int) -> Pending:
         """Make step ``pos``'s messages (the strategy's ``pack``: the one place they are made; a round it runs
@@ -215,7 +236,7 @@ class StepLoop:
         self.link.wait(p.works, self.what(pos), p.peers, p.posted, p.desc)
         t2 = clock()
         landed = self.strategy.land(self, pos)
-        if b.quant.stage_unpacks[pos]:
+        if b.quant.stage_unpacks[pos] and not landed.staged:  # (staged: copied, and hashed, with the unpack)
             ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         if self.ledger is not None:  # the receives digested over what the unpack wrote
             pairs = landed.unpacked + b.quant.stage_unpacks[pos]

@@ -27,7 +27,9 @@ from .. import ops
 from ..ops.block_delta import pack_block_delta, unpack_block_delta
 from ..ops.delta import message_length
 from ..ops.delta_cpu import commit_updates
+from ..ops.delta_triton import triton_pack_digest
 from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff, send_cache
+from .integrity import ROW_WORDS
 from .reports import RunReport
 from .steps import clock
 
@@ -40,6 +42,7 @@ class Landed:
 
     unpacked: list
     lengths: dict | None = None
+    staged: bool = False  # the step's staging copies of destination-quantized pieces were made with the unpack
 
 
 class Dense:
@@ -64,7 +67,7 @@ class Dense:
                 ops.copy_views(loop.b.packs[pos], loop.backend, key=key)
         elif loop.ledger is not None:  # packed during the handshake: its hashes
             loop.ledger.prepacked(pos, key)
-        loop.quantize_sends(pos)
+        loop.quantize_sends(pos, loop.ledger)  # (Triton: the quantizing kernels hash what they write)
         return loop.b.wire[pos]
 
     def posted(self, loop, pos: int) -> None:
@@ -75,9 +78,12 @@ class Dense:
         meta = b.unpack_meta[pos] if loop.verify else None
         key = (loop.key, "unpack", loop.work.steps[pos][0])
         ledger = loop.ledger  # the hash in the copy: native C in place of torch's copies, or the Triton kernel
-        if ledger is None or not ledger.unpack(pos, b.unpacks[pos], key, loop.backend):
+        # Triton: the staging copies of destination-quantized pieces go with the unpack (hashed in its pass)
+        staged = b.quant.stage_unpacks[pos] if ledger is not None and loop.backend == "triton" else []
+        if ledger is None or not ledger.unpack(pos, b.unpacks[pos] + staged, key, loop.backend):
             loop.copy_or_compare(b.unpacks[pos], meta, key)
-        return Landed(b.unpacks[pos])
+            return Landed(b.unpacks[pos])
+        return Landed(b.unpacks[pos], staged=bool(staged))
 
     def end(self, loop) -> None:
         pass
@@ -162,6 +168,8 @@ class Delta(Dense):
         self.pre = pre
         # this run's messages that a later send repeats (Eligible.same), until that send is posted
         self.shared: dict[tuple[int, int], torch.Tensor] = {}
+        # Triton with the digest on: each delta message's digest from its encode pass (id -> (message, digest))
+        self.hashed: dict[int, tuple] = {}
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
         self.inbox_mode = False  # set by begin (the link's backend)
@@ -236,12 +244,14 @@ class Delta(Dense):
             msg = self.pre.msgs.pop(j)
         elif el.sends[pos][j]:
             views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
-            msg = ops.pack_delta(
-                list(zip(views, self.snap.views(pos, j), strict=True)),
-                update=True,
-                backend=loop.backend,
-                cache=send_cache(b, pos, j),
-            )
+            pairs = list(zip(views, self.snap.views(pos, j), strict=True))
+            cache = send_cache(b, pos, j)
+            if loop.ledger is not None and loop.backend == "triton":  # the encode pass hashes what it writes
+                coef, dev = loop.ledger.coef, views[0].device  # (a message is whole 1 KiB rows' words: n % 16 == 0)
+                msg, h = triton_pack_digest(pairs, lambda n: coef.get(-(-n // (8 * ROW_WORDS)), dev), cache=cache)
+                self.hashed[id(msg)] = (msg, h)
+            else:
+                msg = ops.pack_delta(pairs, update=True, backend=loop.backend, cache=cache)
         else:
             msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
         self.diff_s += clock() - t
@@ -266,6 +276,13 @@ class Delta(Dense):
                     len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
             else:
                 out_s.append((peer, buf))
+        if self.hashed:  # the delta messages hashed by their encode pass, the other sends at on_post
+            zero = (None, torch.zeros((), dtype=torch.int64, device=out_s[0][1].device))
+            loop.ledger.add_hashed(pos, [m.numel() for _p, m in out_s],
+                                   torch.stack([self.hashed.get(id(m), zero)[1] for _p, m in out_s]),
+                                   [[(0, m.numel())] if id(m) in self.hashed else [] for _p, m in out_s])
+            keep = {id(m) for m in self.shared.values()}  # a later send repeats them
+            self.hashed = {k: v for k, v in self.hashed.items() if k in keep}
         dev = (sends or recvs)[0][1].device
         if self.inbox_mode:  # gloo takes a message into a larger buffer: no length round (see land)
             return out_s, self._inbox_recvs(loop, pos, recvs, dev)

@@ -148,17 +148,45 @@ def triton_pack(
     device = validate_pairs(pairs, names)
     _check_device(device)
     if version == VERSION2:
-        plan = cache.get("triton2") if cache is not None else None
-        if plan is None or not plan.fits(pairs, chunk_elems):
-            plan = TritonPackPlan(pairs, chunk_elems, names, device)
-            if cache is not None:
-                cache["triton2"] = plan
-        return plan.pack(update)
+        return _plan(pairs, chunk_elems, names, device, cache).pack(update)
     if version != VERSION:
         raise ValueError(
             f"delta format version {version!r}: the Triton kernels write {VERSION} and {VERSION2}"
         )
     return _pack_v1(pairs, chunk_elems, update, names, device)
+
+
+def _plan(pairs: Sequence[Pair], chunk_elems: int, names, device, cache: dict | None) -> TritonPackPlan:
+    """The version-2 pack plan of ``pairs``: the one kept in ``cache`` if it fits them, else a new one (kept)."""
+    plan = cache.get("triton2") if cache is not None else None
+    if plan is None or not plan.fits(pairs, chunk_elems):
+        plan = TritonPackPlan(pairs, chunk_elems, names, device)
+        if cache is not None:
+            cache["triton2"] = plan
+    return plan
+
+
+def triton_pack_digest(pairs: Sequence[Pair], coef_for, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+                       update: bool = True, names: Sequence[str] | None = None, cache: dict | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`triton_pack` of version 2 whose encode launches also hash every byte they write (the integrity
+    digest, issue 46: ``coef_for(n)``, the keyed int64 coefficients of an ``n``-byte message on the device):
+    ``(message, its digest)``, the digest a 0-dim int64 tensor on the device (no sync), equal to the CPU digest
+    of the message's bytes (the kernels' per-program sums plus the headers', which the launcher writes)."""
+    _check_chunk_elems(chunk_elems)
+    device = validate_pairs(pairs, names)
+    _check_device(device)
+    return _plan(pairs, chunk_elems, names, device, cache).pack(update, coef_for)
+
+
+def _header_digest(msg: torch.Tensor, offsets: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The digest of a message's header, directory and chunk headers (the bytes the launcher writes), by their
+    words: every one is whole words at 16-byte offsets (``csrc/digest.c``: a word times its 1 KiB row's
+    coefficient)."""
+    words = msg.view(torch.int64)
+    head = torch.arange(chunks_start(offsets.numel()) // 8, dtype=torch.int64, device=msg.device)
+    idx = torch.cat([head, ((offsets // 8)[:, None] + torch.arange(2, device=msg.device)).reshape(-1)])
+    return (words[idx] * coef[idx >> 7]).sum()
 
 
 def _pack_v1(pairs: Sequence[Pair], chunk_elems: int, update: bool, names, device) -> torch.Tensor:
@@ -316,8 +344,9 @@ class TritonPackPlan:
             and all(s is a and p is b for (s, p), (a, b) in zip(pairs, self.pairs, strict=True))
         )
 
-    def pack(self, update: bool) -> torch.Tensor:
-        """Stats launches, the layout on the device, encode launches."""
+    def pack(self, update: bool, coef_for=None):
+        """Stats launches, the layout on the device, encode launches: the message; with ``coef_for`` (see
+        :func:`triton_pack_digest`) ``(message, digest)``, the encode launches hashing what they write."""
         k, bpt, device = _kernels(), _bpt(), self.device
         cnt = torch.zeros(self.nblocks, dtype=torch.int64, device=device)
         code = torch.zeros_like(cnt)
@@ -331,6 +360,8 @@ class TritonPackPlan:
             msg = torch.zeros(total, dtype=torch.uint8, device=device)
             write_headers(msg, self.ce, self.numel, count, self.esize, kind, nbytes, offsets)
             msg[4:8].view(torch.int32).fill_(VERSION2)
+            coef = coef_for(total) if coef_for is not None else None
+            h = _header_digest(msg, offsets, coef) if coef is not None else None
             work = (kind[self.blocks.bch] == KIND_DENSE) | (cnt > 0)  # blocks with bytes or snapshot writes
             for e, table, idx, blocks, gid, (src_p, snap_p) in self.groups:
                 table[:, int(k.P_OUT)], table[:, int(k.P_KIND)] = offsets[idx], kind[idx]
@@ -339,16 +370,21 @@ class TritonPackPlan:
                 blocks[:, int(k.V_POSB)] = posb[gid]
                 busy = blocks[work[gid]]
                 if busy.numel():
-                    _launch_pack(k, e, src_p, snap_p, msg, table, busy, False, update, bpt)
-        return msg
+                    part = _launch_pack(k, e, src_p, snap_p, msg, table, busy, False, update, bpt, coef)
+                    h = h if part is None else h + part.sum()
+        return msg if coef_for is None else (msg, h)
 
 
-def _launch_pack(k, e, src_p, snap_p, msg, table, blocks, stats: bool, update: bool, bpt: int) -> None:
+def _launch_pack(k, e, src_p, snap_p, msg, table, blocks, stats: bool, update: bool, bpt: int, coef=None
+                 ) -> torch.Tensor | None:
+    """One launch of the version-2 pack kernel; with ``coef`` (the encode pass), its programs' digest sums."""
     n = blocks.shape[0]
     if not n:
-        return
+        return None
     m = msg if msg is not None else torch.zeros(16, dtype=torch.uint8, device=blocks.device)
-    k.delta2_pack_kernel[(triton_cdiv(n, bpt),)](
+    grid = triton_cdiv(n, bpt)
+    sums = torch.zeros(grid, dtype=torch.int64, device=blocks.device) if coef is not None else None
+    k.delta2_pack_kernel[(grid,)](
         src_p,
         snap_p,
         m.view(_INT[e]),
@@ -361,7 +397,9 @@ def _launch_pack(k, e, src_p, snap_p, msg, table, blocks, stats: bool, update: b
         STATS=stats,
         UPDATE=update,
         BPT=bpt,
+        **({"coef_ptr": coef, "sums_ptr": sums, "DIGEST": True} if coef is not None else {}),
     )
+    return sums
 
 
 def triton_cdiv(a: int, b: int) -> int:

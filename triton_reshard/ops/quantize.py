@@ -240,6 +240,9 @@ class QuantGroup:
     src_align: int = 1  # every block start and row stride is a multiple of this (source elements)
     q_align: int = 1  # the same for q (bytes)
     g_base: int | None = None  # item whose global-scale storage is the global-scale base pointer (NVFP4)
+    msg_of: np.ndarray | None = None  # the digest: each block row's message (``ops/quant_digest.py``)
+    slots: int = 1  # the digest: partial sums per program
+    slot_msg: torch.Tensor | None = None  # the digest: each partial's message (int64 on the device)
 
 
 @dataclass(slots=True)
@@ -249,6 +252,8 @@ class QuantTable:
     tile: tuple[int, int]
     groups: list[QuantGroup] = field(default_factory=list)
     fallback: list[int] = field(default_factory=list)  # items quantized with torch (misaligned offsets)
+    msgs: object = None  # the digest: the messages (``ops.copy.Messages``) the kernels hash
+    covered: list | None = None  # the digest: per message, the byte ranges the kernels write
 
 
 def signature(items: Sequence[Item]) -> tuple:
@@ -291,14 +296,30 @@ def _base(tensors: list[torch.Tensor]) -> int:
     return min(range(len(tensors)), key=lambda j: tensors[j].untyped_storage().data_ptr())
 
 
-def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_BLOCK) -> QuantTable:
-    """Validate ``items`` and build the block table of every source-dtype group (on the device)."""
+def _message_fields(msgs, q: torch.Tensor, s: torch.Tensor, qp0: int, ap0: int) -> tuple | None:
+    """The digest's fields of an item whose values ``q`` and scales ``s`` lie in one of ``msgs``: (message,
+    its ``F_QM`` / ``F_SM`` / ``F_MLEN``, the two byte ranges written), else None (torch quantizes it; its bytes
+    are hashed from the message)."""
+    wq, ws = msgs.find(q), msgs.find(s)
+    if wq is None or ws is None or wq[0] != ws[0]:
+        return None
+    m, (mp, mlen) = wq[0], msgs.spans[wq[0]]
+    cover = [(wq[1], wq[1] + q.numel()), (ws[1], ws[1] + s.numel() * s.element_size())]
+    return m, (mp - qp0, mp - ap0, mlen), cover
+
+
+def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_BLOCK, msgs=None) -> QuantTable:
+    """Validate ``items`` and build the block table of every source-dtype group (on the device); with ``msgs``
+    (``ops.copy.Messages``, the digest's), also each block's message fields (``ops/quant_digest.py``)."""
+    from ..kernels import quant as k
+
     device, blocks = validate_items(items, block, fmt)
     ssz = fmt.scale_bytes
     if device is None:
         raise ValueError("no items to quantize")
     _check_triton(device, blocks)
-    table = QuantTable(signature=(tuple(block), fmt.name, signature(items)), device=device, tile=tile_of(blocks[0]))
+    table = QuantTable(signature=(tuple(block), fmt.name, signature(items)), device=device, tile=tile_of(blocks[0]),
+                       msgs=msgs, covered=None if msgs is None else [[] for _ in msgs.spans])
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, (src, _q, _s, *_g) in enumerate(items):
         if src.numel():
@@ -313,28 +334,36 @@ def prepare(items: Sequence[Item], block: Sequence[int], fmt: QuantFormat = FP8_
         ap0 = items[ab][2].untyped_storage().data_ptr()
         gb = members[_base([items[i][3] for i in members])] if fmt.global_scale else None
         gp0 = items[gb][3].untyped_storage().data_ptr() if fmt.global_scale else 0
-        rows = []
+        rows, msg_of = [], []
         for i in members:
             src, q, s = items[i][:3]
             gbytes = items[i][3].data_ptr() - gp0 if fmt.global_scale else 0
             sbytes, qbytes, abytes = src.data_ptr() - sp0, q.data_ptr() - qp0, s.data_ptr() - ap0
-            if sbytes % src.element_size() or abytes % ssz or gbytes % 4:
+            where = _message_fields(msgs, q, s, qp0, ap0) if msgs is not None else (0, (0, 0, 0), ())
+            if sbytes % src.element_size() or abytes % ssz or gbytes % 4 or where is None:
                 table.fallback.append(i)  # not a whole number of elements from the base: torch does it
                 continue
-            rows.append(_block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // ssz,
-                                    fmt.pack, gbytes // 4))
+            r = _block_rows(src, q, s, blocks[i], sbytes // src.element_size(), qbytes, abytes // ssz, fmt.pack,
+                            gbytes // 4)
+            r[:, int(k.F_QM)], r[:, int(k.F_SM)], r[:, int(k.F_MLEN)] = where[1]
+            rows.append(r)
+            msg_of.append(np.full(len(r), where[0], dtype=np.int64))
+            if msgs is not None:
+                table.covered[where[0]] += where[2]
         if rows:
             t = np.concatenate(rows)
             host.append(t.reshape(-1))
-            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype), gb))
+            built.append((dtype, sb, qb, ab, t.shape, _alignment(t, [items[i] for i in members], dtype), gb,
+                          np.concatenate(msg_of)))
     table.fallback.sort()
     if built:
         flat = torch.from_numpy(np.concatenate(host)).to(device)
         off = 0
-        for dtype, sb, qb, ab, shape, align, gb in built:
+        for dtype, sb, qb, ab, shape, align, gb, msg_of in built:
             t = flat[off:off + shape[0] * shape[1]].view(shape)
             off += t.numel()
-            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align, g_base=gb))
+            table.groups.append(QuantGroup(dtype, sb, qb, ab, t, shape[0], *align, g_base=gb,
+                                           msg_of=msg_of if msgs is not None else None))
     return table
 
 
@@ -395,9 +424,22 @@ def rows_per_program(bn: int) -> tuple[int, int]:
     return (g * 8, 1) if interpreting() else (g, max(1, min(8, GPU_CHUNK // (32 * GPU_PER_THREAD))))
 
 
+def _digest_args(g: QuantGroup, coef: torch.Tensor | None, nprog: int) -> tuple[dict, torch.Tensor | None]:
+    """The digest's kernel arguments of group ``g`` (none without ``coef`` or a slot table) and its partials."""
+    if coef is None or g.slot_msg is None:
+        return {}, None
+    part = torch.zeros(nprog * g.slots, dtype=torch.int64, device=coef.device)
+    return {"coef_ptr": coef, "sums_ptr": part, "DIGEST": True}, part
+
+
 def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequence[int],
-           fmt: QuantFormat = FP8_BLOCK) -> None:
-    """Run the blocks described by ``table`` (built from ``items`` or an identical list)."""
+           fmt: QuantFormat = FP8_BLOCK, coef: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run the blocks described by ``table`` (built from ``items`` or an identical list). With ``coef`` (int64
+    keyed coefficients on the device) and a table built for the digest (``ops/quant_digest.py``): the
+    per-message digest sums of the bytes the kernels wrote (int64 on the device, mod 2**64), else None."""
+    sums = None
+    if coef is not None and table.msgs is not None:
+        sums = torch.zeros(len(table.msgs.spans) + 1, dtype=torch.int64, device=table.device)
     if table.groups and fmt.block is not None:  # 1 x B blocks (MXFP8, NVFP4): many blocks per program
         kernel = get_rows_kernel()
         _bm, bn = table.tile
@@ -407,6 +449,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                                                                                      device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
+            dg, part = _digest_args(g, coef, triton_cdiv(g.num_blocks, g_rows))
             kernel[(triton_cdiv(g.num_blocks, g_rows),)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
@@ -421,7 +464,11 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 FMT=mx,
                 g_ptr=storage_view(items[g.g_base][3], torch.float32) if g.g_base is not None else None,
                 num_warps=warps,
+                **dg,
+                **({"SLOTS": g.slots} if dg else {}),
             )
+            if part is not None:
+                sums.index_add_(0, g.slot_msg, part)
     elif table.groups:  # block FP8: one program per block
         kernel = get_kernel()
         bm, bn = table.tile
@@ -429,6 +476,7 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
         thr = ue8m0_thresholds(table.device) if ue8m0 else torch.ones(1, dtype=torch.int32, device=table.device)
         for g in table.groups:
             bf16 = g.src_dtype == torch.bfloat16
+            dg, part = _digest_args(g, coef, g.num_blocks)
             kernel[(g.num_blocks,)](
                 storage_view(items[g.src_base][0], torch.int16 if bf16 else g.src_dtype),
                 storage_view(items[g.q_base][1], torch.uint8),
@@ -445,9 +493,13 @@ def launch(table: QuantTable, items: Sequence[Item], ue8m0: bool, block: Sequenc
                 SRC_ALIGN=g.src_align,
                 Q_ALIGN=g.q_align,
                 num_warps=warps,
+                **dg,
             )
+            if part is not None:
+                sums.index_add_(0, g.slot_msg, part)
     if table.fallback:
         _torch_items([items[i] for i in table.fallback], block, ue8m0, fmt)
+    return None if sums is None else sums[:-1]
 
 
 def triton_cdiv(a: int, b: int) -> int:
