@@ -95,7 +95,7 @@ def _whole(sums, covered, bufs, c: ig.Coefficients) -> list[int]:
 def _reference(items, fmt_name, block, ue8m0):
     """What torch's reference writes for every item (values as bytes, scales as bytes)."""
     out = []
-    for x, q, s, *gs in items:
+    for x, q, _s, *gs in items:
         rq, rs = Q.reference(Q.quant_format(fmt_name), x, block, ue8m0, global_scale=gs[0] if gs else None)
         out.append((rq.view(torch.uint8).reshape(q.shape), rs.contiguous().view(torch.uint8)))
     return out
@@ -116,7 +116,7 @@ def test_the_triton_quantize_digest_is_the_cpu_digest_of_the_messages(case, dtyp
                              c.get(_entries(bufs), bufs[0].device), fmt=fmt)
     assert got is not None
     sums, covered = got
-    for (x, q, s, *_g), (rq, rs) in zip(items, _reference(items, fmt, block, ue8m0), strict=True):
+    for (_x, q, s, *_g), (rq, rs) in zip(items, _reference(items, fmt, block, ue8m0), strict=True):
         assert torch.equal(q.view(torch.uint8), rq), case  # the kernels write what torch's reference writes
         assert torch.equal(s.contiguous().view(torch.uint8), rs), case
     assert all(covered[j] for j in range(len(bufs)))

@@ -384,9 +384,9 @@ def message_length(msg: torch.Tensor) -> int:
         nc = ctypes.c_int32.from_address(at + 8).value
         if not nc:
             return chunks_start(0)
-        if 0 < nc and HEADER_BYTES + 8 * nc <= n:
+        if nc > 0 and HEADER_BYTES + 8 * nc <= n:
             last = ctypes.c_int64.from_address(at + HEADER_BYTES + 8 * (nc - 1)).value
-            if 0 <= last and last + 16 <= n:
+            if last >= 0 and last + 16 <= n:
                 return last + ctypes.c_uint32.from_address(at + last + 12).value
     if msg.device.type == "cpu":  # numpy: a few µs instead of torch's per-op costs
         mn = msg.numpy()
