@@ -137,8 +137,9 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             _send(torch.tensor([eng.last_update.get("sent_bytes", 0)], dtype=torch.int64), 1)
         elif op == OPS["commit"]:
             eng.commit()
-            engine_w_prev, engine_w = engine_w, {k: t.clone() for k, t in trainer.tensors().items()}
-            if bg:  # the background send's bytes and times, in microseconds
+            if not bg:  # async-bg knows the weights that sampled each batch from its sends (bg_batch_w)
+                engine_w_prev, engine_w = engine_w, {k: t.clone() for k, t in trainer.tensors().items()}
+            else:  # the background send's bytes and times, in microseconds
                 bg, st = False, eng.last_update["stage"]
                 _send(torch.tensor([st["sent_bytes"], int(1e6 * bg_snap_s), int(1e6 * st["send_s"]),
                                     int(1e6 * st["join_wait_s"])]), 1)
