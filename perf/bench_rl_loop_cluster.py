@@ -72,6 +72,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     import torch
 
     from triton_reshard.integrations import vllm_transfer as vt
+    from triton_reshard.integrations.inflight import Snapshot
 
     a = argparse.Namespace(**args)
     model = rl_loop.policy(a.size, a.seed)
@@ -85,6 +86,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     engine_w = engine_w_prev = before  # async: the weights the engine serves, and those before the last commit
     bg_sent = bg_batch_w = before  # async-bg: the copy in flight, and the weights that sampled the batch trained next
     bg, last_rollouts, steps = False, [], 0
+    snaps = [Snapshot(), Snapshot()]  # async-bg's copies, alternating: buffers reused, none allocated per send
     while True:
         op, x, y, z = _recv((4,), torch.int64, 1).tolist()
         if op == OPS["stop"]:
@@ -124,7 +126,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             method = {v: k for k, v in METHOD_CODES.items()}[y]
             if method.startswith("async-bg"):  # our own copy sent (no second snapshot); no answer: the commit's
                 t0 = time.perf_counter()
-                bg_batch_w, bg_sent, bg = bg_sent, {k: t.clone() for k, t in trainer.tensors().items()}, True
+                snaps.reverse()
+                bg_batch_w, bg_sent, bg = bg_sent, snaps[0].take(trainer.tensors()), True
                 eng.send_weights(version=x, delta=method == "async-bg-delta", overlap=True, background=True,
                                  tensors=bg_sent)
                 bg_snap_s = time.perf_counter() - t0
