@@ -111,9 +111,12 @@ class Trainer:
         lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
         return [lp[k, len(p) - 1:len(p) - 1 + len(ids)].tolist() for k, (p, ids, *_) in enumerate(rollouts)]
 
-    def step(self, rollouts: list, advantages: list) -> dict:
+    def step(self, rollouts: list, advantages: list, swap: bool = False) -> dict:
         """One policy-gradient step on ``rollouts`` ([(prompt, ids, engine logprobs)]); returns the trainer's
-        logprobs of the sampled tokens under the weights that generated them (before the update)."""
+        logprobs of the sampled tokens under the weights that generated them (before the update). ``swap``: the
+        new bf16 weights are cast from the masters into spare buffers, which then become the parameters (the old
+        ones the spares), instead of in place: the tensors a background send of the old weights reads stay
+        untouched until the next swapped step, without a copy of their own."""
         import torch
 
         self.model.zero_grad(set_to_none=True)
@@ -128,7 +131,14 @@ class Trainer:
         self.opt.step()
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(self.masters[n])
+                if not swap:
+                    p.copy_(self.masters[n])
+                    continue
+                spare = getattr(self, "spares", {}).get(n)
+                spare = torch.empty_like(p) if spare is None else spare
+                spare.copy_(self.masters[n])
+                self.spares = {**getattr(self, "spares", {}), n: p.data}
+                p.data = spare
         out = []
         for k, (p, ids, _) in enumerate(rollouts):
             out.append(lp[k, len(p) - 1:len(p) - 1 + len(ids)].detach().tolist())
@@ -370,7 +380,8 @@ def run_async_bg(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
     each row says which versions (``trainer_version``, ``sampled_by``). ``refit_s``: the trainer's time on the
     refit not overlapped by its step (the snapshot and the commit: the wait for the transfer, the pause). The
     mismatch (against the weights that sampled the batch) and the changed fraction are computed after the
-    iteration's clock stops."""
+    iteration's clock stops. The trainer hands the send its live bf16 weights (``tensors=``: no snapshot copy) and
+    steps with ``swap=True`` (the new weights cast into its spare buffers): nothing is copied for the send."""
     import random
 
     from triton_reshard.testing import vllm_engine as ej
@@ -391,10 +402,11 @@ def run_async_bg(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
     for it in range(args.iters):
         sent_w = {n: t.clone() for n, t in trainer.tensors().items()}  # w_it, for the next mismatch (not timed)
         t_it = time.perf_counter()
-        eng.send_weights(version=it + 1, delta=args.method == "async-bg-delta", overlap=True, background=True)
+        eng.send_weights(version=it + 1, delta=args.method == "async-bg-delta", overlap=True, background=True,
+                         tensors=trainer.tensors())
         t_snap = time.perf_counter()
         rollouts, rewards, advantages = grpo(batch, args.target)
-        st = trainer.step(rollouts, advantages)
+        st = trainer.step(rollouts, advantages, swap=True)
         t_train = time.perf_counter()
         eng.commit()
         t_commit = time.perf_counter()
@@ -429,7 +441,11 @@ def run_async_bg(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
             f"{row['wait_transfer_s']:.3f}s  pause {row['pause_s']:.3f}s  gen {t_gen:.2f}s (by version {it})  "
             f"iteration {iter_s:.2f}s  staleness {row['staleness']}  mismatch max {row['mismatch_max']:.3f}")
         batch, batch_w, batch_v = nxt, sent_w, it
-    # not timed: the engine brought to the trainer's last weights (what --verify compares)
+    # not timed: the engine brought to the trainer's last weights (what --verify compares); the source follows the
+    # swapped parameters (what later updates send)
+    from triton_reshard.integrations.engine import TensorsSource
+
+    eng.source = TensorsSource(trainer.tensors())
     eng.send_weights(version=args.iters + 1, delta=args.method == "async-bg-delta", overlap=True, background=True)
     eng.commit()
     return rows

@@ -72,7 +72,6 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     import torch
 
     from triton_reshard.integrations import vllm_transfer as vt
-    from triton_reshard.integrations.inflight import Snapshot
 
     a = argparse.Namespace(**args)
     model = rl_loop.policy(a.size, a.seed)
@@ -85,8 +84,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     before = {k: t.clone() for k, t in trainer.tensors().items()}
     engine_w = engine_w_prev = before  # async: the weights the engine serves, and those before the last commit
     bg_sent = bg_batch_w = before  # async-bg: the copy in flight, and the weights that sampled the batch trained next
-    bg, last_rollouts, steps = False, [], 0
-    snaps = [Snapshot(), Snapshot()]  # async-bg's copies, alternating: buffers reused, none allocated per send
+    bg, swap, last_rollouts, steps = False, False, [], 0
     while True:
         op, x, y, z = _recv((4,), torch.int64, 1).tolist()
         if op == OPS["stop"]:
@@ -99,6 +97,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             eng.source = vt.TensorsSource(trainer.tensors())
             before = {k: t.clone() for k, t in trainer.tensors().items()}
             engine_w = engine_w_prev = bg_sent = bg_batch_w = before
+            swap = False
             eng.send_weights(version=f"reset-{x}")
         elif op == OPS["step"]:
             n, width = x, y
@@ -108,7 +107,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             rollouts = [(ids[k, :lens[k, 0]].tolist(), ids[k, lens[k, 0]:lens[k, 0] + lens[k, 1]].tolist(), None)
                         for k in range(n)]
             t0 = time.perf_counter()
-            st = trainer.step(rollouts, adv.tolist())
+            st = trainer.step(rollouts, adv.tolist(), swap=swap)
             train_s = time.perf_counter() - t0
             last_rollouts = rollouts
             if z == 1:  # async: the batch was sampled by the weights the engine served before the last commit
@@ -124,10 +123,9 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             steps += 1
         elif op == OPS["refit"]:
             method = {v: k for k, v in METHOD_CODES.items()}[y]
-            if method.startswith("async-bg"):  # our own copy sent (no second snapshot); no answer: the commit's
-                t0 = time.perf_counter()
-                snaps.reverse()
-                bg_batch_w, bg_sent, bg = bg_sent, snaps[0].take(trainer.tensors()), True
+            if method.startswith("async-bg"):  # the live weights sent as they are (the step swaps in fresh ones:
+                t0 = time.perf_counter()         # rl_loop.Trainer.step(swap=True)); no answer: the commit's
+                bg_sent, bg, swap = trainer.tensors(), True, True
                 eng.send_weights(version=x, delta=method == "async-bg-delta", overlap=True, background=True,
                                  tensors=bg_sent)
                 bg_snap_s = time.perf_counter() - t0
@@ -151,6 +149,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             for k, v in enumerate(trainer.logprobs(last_rollouts, bg_batch_w)):
                 lp[k, :len(v)] = torch.tensor(v, dtype=torch.float64)
             _send(lp, 1)
+            bg_batch_w = {k: t.clone() for k, t in bg_sent.items()}  # what the engine samples the next batch by
     eng.shutdown()
     return {"steps": steps}
 
