@@ -25,6 +25,11 @@ refit only the changed elements travel), ``broadcast`` (the baseline RL stacks r
 tensor from the trainer to every worker over gloo, into vLLM's ``load_weights`` inside its layerwise reload).
 ``perf/bench_rl_loop.py`` runs them side by side.
 
+``--method async-bg`` (``async-bg-delta``): the same one-step off-policy loop with a background send: the
+transfer of the trainer's weights w_k overlaps its step k+1 (``send_weights(overlap=True, background=True)``
+snapshots them and returns), ``commit()`` joins it and swaps them in, then the engine samples the next batch with
+w_k (``run_async_bg``: each row records the versions and the staleness).
+
 ``--async`` (``--method async``, or ``async-delta``): one-step off-policy GRPO (issue 45). The engine samples
 batch k+1 in a thread (with the weights it holds) while the trainer steps on batch k and stages its new weights
 (``send_weights(overlap=True)``: the workers receive into private staging and build the new weights on a shadow
@@ -106,9 +111,12 @@ class Trainer:
         lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
         return [lp[k, len(p) - 1:len(p) - 1 + len(ids)].tolist() for k, (p, ids, *_) in enumerate(rollouts)]
 
-    def step(self, rollouts: list, advantages: list) -> dict:
+    def step(self, rollouts: list, advantages: list, swap: bool = False) -> dict:
         """One policy-gradient step on ``rollouts`` ([(prompt, ids, engine logprobs)]); returns the trainer's
-        logprobs of the sampled tokens under the weights that generated them (before the update)."""
+        logprobs of the sampled tokens under the weights that generated them (before the update). ``swap``: the
+        new bf16 weights are cast from the masters into spare buffers, which then become the parameters (the old
+        ones the spares), instead of in place: the tensors a background send of the old weights reads stay
+        untouched until the next swapped step, without a copy of their own."""
         import torch
 
         self.model.zero_grad(set_to_none=True)
@@ -123,7 +131,14 @@ class Trainer:
         self.opt.step()
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(self.masters[n])
+                if not swap:
+                    p.copy_(self.masters[n])
+                    continue
+                spare = getattr(self, "spares", {}).get(n)
+                spare = torch.empty_like(p) if spare is None else spare
+                spare.copy_(self.masters[n])
+                self.spares = {**getattr(self, "spares", {}), n: p.data}
+                p.data = spare
         out = []
         for k, (p, ids, _) in enumerate(rollouts):
             out.append(lp[k, len(p) - 1:len(p) - 1 + len(ids)].detach().tolist())
@@ -355,6 +370,87 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
     return rows
 
 
+def run_async_bg(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
+    """One-step off-policy GRPO with a background send (``--method async-bg``; ``async-bg-delta``: the sends are
+    deltas). Iteration k: ``send_weights(overlap=True, background=True)`` copies the trainer's weights w_k (step k's
+    result) into a snapshot and returns; the transfer of w_k (the workers' receive and shadow build) runs in a
+    thread while the trainer takes step k+1 on the batch w_{k-1} sampled; ``commit()`` joins the transfer and swaps
+    w_k in (the engine's pause); the engine samples the next batch with w_k. So step k+1 updates w_k from a batch
+    one version older (``staleness`` 1; 0 for the first batch, sampled by the initial weights before the loop);
+    each row says which versions (``trainer_version``, ``sampled_by``). ``refit_s``: the trainer's time on the
+    refit not overlapped by its step (the snapshot and the commit: the wait for the transfer, the pause). The
+    mismatch (against the weights that sampled the batch) and the changed fraction are computed after the
+    iteration's clock stops. The trainer hands the send its live bf16 weights (``tensors=``: no snapshot copy) and
+    steps with ``swap=True`` (the new weights cast into its spare buffers): nothing is copied for the send."""
+    import random
+
+    from triton_reshard.testing import vllm_engine as ej
+
+    rng = random.Random(args.seed)
+    vocab = trainer.model.config.vocab_size
+
+    def sample(it: int):
+        ps = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(args.prompts)]
+        t0 = time.perf_counter()
+        gen = ej.generate(llm, ps, max_tokens=args.tokens, temperature=1.0, seed=args.seed * 1000 + it,
+                          n=args.samples)
+        return gen, time.perf_counter() - t0
+
+    batch, _ = sample(0)
+    batch_w = {n: t.clone() for n, t in trainer.tensors().items()}  # the weights that sampled ``batch``
+    batch_v, rows = 0, []
+    for it in range(args.iters):
+        sent_w = {n: t.clone() for n, t in trainer.tensors().items()}  # w_it, for the next mismatch (not timed)
+        t_it = time.perf_counter()
+        eng.send_weights(version=it + 1, delta=args.method == "async-bg-delta", overlap=True, background=True,
+                         tensors=trainer.tensors())
+        t_snap = time.perf_counter()
+        rollouts, rewards, advantages = grpo(batch, args.target)
+        st = trainer.step(rollouts, advantages, swap=True)
+        t_train = time.perf_counter()
+        eng.commit()
+        t_commit = time.perf_counter()
+        nxt, t_gen = sample(it + 1)  # by w_it, just committed
+        t_end = time.perf_counter()
+        upd, stage = eng.last_update, eng.last_update["stage"]
+        workers = llm.collective_rpc("weight_transfer_stats")
+        sampled = trainer.logprobs(rollouts, batch_w)
+        mism = [abs(a - b) for (_, _, e), t in zip(rollouts, sampled, strict=True) for a, b in zip(e, t, strict=True)]
+        now = trainer.tensors()
+        changed = sum(int((now[n] != sent_w[n]).sum()) for n in now) / sum(t.numel() for t in now.values())
+        iter_s, refit_s = t_end - t_it, (t_snap - t_it) + (t_commit - t_train)
+        row = {"method": args.method, "iter": it, "reward": sum(rewards) / len(rewards), "loss": st["loss"],
+               "gen_s": t_gen, "train_s": t_train - t_snap, "snapshot_s": t_snap - t_it,
+               "transfer_s": stage["send_s"], "wait_transfer_s": stage["join_wait_s"], "pause_s": upd["paused_s"],
+               "commit_s": t_commit - t_train, "refit_s": refit_s, "iter_s": iter_s, "refit_share": refit_s / iter_s,
+               "pause_of_transfer": upd["paused_s"] / max(stage["send_s"], 1e-9), "rate_kept": None,
+               "trainer_version": it, "sampled_by": batch_v, "staleness": it - batch_v,
+               "sent_bytes": stage["sent_bytes"], "changed_frac": changed,
+               "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
+               "delta_mode": getattr(eng.last_report, "mode", None) if args.method == "async-bg-delta" else None,
+               "worker_refit_s": max(w.get("load_s", 0.0) for w in workers),
+               "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
+               "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
+               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {},
+               "commit_path": workers[0].get("commit_path"),
+               "shadow_bytes": max(w.get("shadow_bytes", 0) for w in workers),
+               "shadow_s": max(w.get("shadow_s", 0.0) for w in workers)}
+        rows.append(row)
+        log(f"[{args.method}] iter {it}: reward {row['reward']:.3f}  train {row['train_s']:.2f}s (beside the "
+            f"transfer of version {it}: {row['transfer_s']:.3f}s)  snapshot {row['snapshot_s']:.3f}s  wait "
+            f"{row['wait_transfer_s']:.3f}s  pause {row['pause_s']:.3f}s  gen {t_gen:.2f}s (by version {it})  "
+            f"iteration {iter_s:.2f}s  staleness {row['staleness']}  mismatch max {row['mismatch_max']:.3f}")
+        batch, batch_w, batch_v = nxt, sent_w, it
+    # not timed: the engine brought to the trainer's last weights (what --verify compares); the source follows the
+    # swapped parameters (what later updates send)
+    from triton_reshard.integrations.engine import TensorsSource
+
+    eng.source = TensorsSource(trainer.tensors())
+    eng.send_weights(version=args.iters + 1, delta=args.method == "async-bg-delta", overlap=True, background=True)
+    eng.commit()
+    return rows
+
+
 PROBE_TOKENS = 48  # the probe's batch: long enough to outlast a transfer (the engine's max_model_len is 64)
 
 
@@ -444,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", default="reshard",
                     choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta",
-                             "async-reload"])
+                             "async-reload", "async-bg", "async-bg-delta"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
                          "(same as --method async)")
@@ -471,7 +567,9 @@ def main(argv=None) -> int:
               f"{sum(t.numel() for t in trainer.tensors().values()) / 1e6:.1f}M parameters")
         if args.async_ and not args.method.startswith("async"):
             args.method = "async"
-        if args.method.startswith("async"):
+        if args.method.startswith("async-bg"):
+            rows = run_async_bg(llm, eng, trainer, args)
+        elif args.method.startswith("async"):
             rows = run_async(llm, eng, trainer, args)
         else:
             rows = run(llm, eng, trainer, args, args.method)

@@ -15,7 +15,10 @@ sampling seeds repeat, so every method runs the same loop. One warm-up iteration
 and the first plans are slower), not counted. ``async`` (examples/rl_loop.py ``--async``): one-step off-policy,
 the transfer staged while the engine generates, the pause only the commit; its rows add ``transfer_s``,
 ``pause_s``, ``iter_s``, the tokens out during the transfer and the token rate kept (``probe``: a transfer
-while a batch generates, against the idle rate).
+while a batch generates, against the idle rate). ``async-bg`` (``async-bg-delta``; examples/rl_loop.py
+``run_async_bg``): the transfer of version k runs in a background thread beside training step k+1, the commit
+after the step, then the engine samples the next batch with version k (``staleness`` 1 after the first batch); its
+``refit_s`` is the trainer's time on the refit not overlapped (the snapshot copy and the commit).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta", "async-reload")
+METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta", "async-reload", "async-bg",
+           "async-bg-delta")
 DEFAULT_METHODS = ("broadcast", "reshard", "delta", "async")  # reshard-prefetch, async-delta on request (--methods)
 
 
@@ -81,6 +85,10 @@ def summarize(rows: list[dict]) -> dict:
                           shadow_s=statistics.median(r.get("shadow_s", 0.0) for r in rs),
                           rate_kept_in_loop=statistics.median(kept) if kept else None,
                           rate_kept_probe=probe.get("rate_kept"), probe=probe)
+        if m.startswith("async-bg"):  # the transfer overlaps the trainer's step; the batches are one version old
+            out[m].update(snapshot_s=statistics.median(r["snapshot_s"] for r in rs),
+                          wait_transfer_s=statistics.median(r["wait_transfer_s"] for r in rs),
+                          staleness=[r["staleness"] for r in rs])
     if "broadcast" in out and "reshard" in out:
         out["speedup_refit"] = out["broadcast"]["refit_s"] / out["reshard"]["refit_s"]
     if "reshard-prefetch" in out and "reshard" in out:
@@ -149,7 +157,9 @@ def main(argv=None) -> int:
                     t.copy_(init[k])
             trainer.__init__(trainer.model, args.lr)  # fresh masters and optimizer
             eng.send_weights(version=f"reset-{m}")  # the engine back to the initial weights
-            if m.startswith("async"):
+            if m.startswith("async-bg"):
+                rows += rl_loop.run_async_bg(llm, eng, trainer, argparse.Namespace(**{**vars(args), "method": m}))
+            elif m.startswith("async"):
                 rows += rl_loop.run_async(llm, eng, trainer, argparse.Namespace(**{**vars(args), "method": m}))
             else:
                 rows += rl_loop.run(llm, eng, trainer, args, m)

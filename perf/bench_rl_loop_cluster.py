@@ -32,8 +32,9 @@ for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4}
-METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3, "async-reload": 4}
+OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4, "logprobs": 5}
+METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3, "async-reload": 4, "async-bg": 5,
+                "async-bg-delta": 6}
 
 
 def _send(t, dst: int) -> None:
@@ -82,7 +83,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     eng = vt.TritonReshardTrainerEngine.trainer_init(info, client=None, source=vt.TensorsSource(trainer.tensors()))
     before = {k: t.clone() for k, t in trainer.tensors().items()}
     engine_w = engine_w_prev = before  # async: the weights the engine serves, and those before the last commit
-    steps = 0
+    bg_sent = bg_batch_w = before  # async-bg: the copy in flight, and the weights that sampled the batch trained next
+    bg, swap, last_rollouts, steps = False, False, [], 0
     while True:
         op, x, y, z = _recv((4,), torch.int64, 1).tolist()
         if op == OPS["stop"]:
@@ -94,7 +96,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             trainer.__init__(trainer.model, a.lr)
             eng.source = vt.TensorsSource(trainer.tensors())
             before = {k: t.clone() for k, t in trainer.tensors().items()}
-            engine_w = engine_w_prev = before
+            engine_w = engine_w_prev = bg_sent = bg_batch_w = before
+            swap = False
             eng.send_weights(version=f"reset-{x}")
         elif op == OPS["step"]:
             n, width = x, y
@@ -104,9 +107,10 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             rollouts = [(ids[k, :lens[k, 0]].tolist(), ids[k, lens[k, 0]:lens[k, 0] + lens[k, 1]].tolist(), None)
                         for k in range(n)]
             t0 = time.perf_counter()
-            st = trainer.step(rollouts, adv.tolist())
+            st = trainer.step(rollouts, adv.tolist(), swap=swap)
             train_s = time.perf_counter() - t0
-            if z:  # async: the batch was sampled by the weights the engine served before the last commit
+            last_rollouts = rollouts
+            if z == 1:  # async: the batch was sampled by the weights the engine served before the last commit
                 st["trainer_logprobs"] = trainer.logprobs(rollouts, engine_w_prev)
             now = trainer.tensors()
             changed = sum(int((now[k] != before[k]).sum()) for k in now) / sum(t.numel() for t in now.values())
@@ -119,6 +123,13 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             steps += 1
         elif op == OPS["refit"]:
             method = {v: k for k, v in METHOD_CODES.items()}[y]
+            if method.startswith("async-bg"):  # the live weights sent as they are (the step swaps in fresh ones:
+                t0 = time.perf_counter()         # rl_loop.Trainer.step(swap=True)); no answer: the commit's
+                bg_sent, bg, swap = trainer.tensors(), True, True
+                eng.send_weights(version=x, delta=method == "async-bg-delta", overlap=True, background=True,
+                                 tensors=bg_sent)
+                bg_snap_s = time.perf_counter() - t0
+                continue
             if method == "broadcast":
                 eng.send_weights(version=x, method="broadcast")
             else:
@@ -127,7 +138,20 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             _send(torch.tensor([eng.last_update.get("sent_bytes", 0)], dtype=torch.int64), 1)
         elif op == OPS["commit"]:
             eng.commit()
-            engine_w_prev, engine_w = engine_w, {k: t.clone() for k, t in trainer.tensors().items()}
+            if not bg:  # async-bg knows the weights that sampled each batch from its sends (bg_batch_w)
+                engine_w_prev, engine_w = engine_w, {k: t.clone() for k, t in trainer.tensors().items()}
+            else:  # the background send's bytes and times, in microseconds
+                bg, st = False, eng.last_update["stage"]
+                _send(torch.tensor([st["sent_bytes"], int(1e6 * bg_snap_s), int(1e6 * st["send_s"]),
+                                    int(1e6 * st["join_wait_s"])]), 1)
+        elif op == OPS["logprobs"]:  # async-bg, after the clock: the last batch under the weights that sampled it
+            lp = torch.zeros(x, y, dtype=torch.float64)
+            for k, v in enumerate(trainer.logprobs(last_rollouts, bg_batch_w)):
+                lp[k, :len(v)] = torch.tensor(v, dtype=torch.float64)
+            # what the engine samples the next batch by, copied before the answer (the driver's clock is stopped
+            # until it arrives; a copy after it would delay the next iteration's first command)
+            bg_batch_w = {k: t.clone() for k, t in bg_sent.items()}
+            _send(lp, 1)
     eng.shutdown()
     return {"steps": steps}
 
@@ -191,6 +215,9 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
         _cmd("reset", k)
         eng.send_weights(version=f"reset-{k}")
         rng = random.Random(a.seed)
+        if method.startswith("async-bg"):
+            rows += _async_bg_iters(llm, eng, a, vocab, rng, iters, warm, method)
+            continue
         if method.startswith("async"):
             rows += _async_iters(llm, eng, a, vocab, rng, iters, warm, method)
             continue
@@ -337,6 +364,73 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method: s
 
         rows[-1]["probe"] = rl_loop.transfer_probe(llm, send, commit, a, prompts(), a.seed * 1000 + 999)
         print(f"[{method}] probe: {rows[-1]['probe']}", flush=True)
+    return rows
+
+
+def _async_bg_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method: str) -> list[dict]:
+    """Engine node, method ``async-bg`` (examples/rl_loop.py run_async_bg): iteration k starts the background send
+    of the trainer's weights w_k (both trainer ranks: ``send_weights(overlap=True, background=True)``; the trainer
+    node sends a copy it made), the trainer node steps on the batch w_{k-1} sampled while the bytes cross the
+    link, then the commit (joins the send, swaps w_k in) and the next batch sampled by w_k. The mismatch (against
+    the weights that sampled the batch) after the iteration's clock."""
+    import rl_loop
+    import torch
+
+    from triton_reshard.testing import vllm_engine as ej
+    from triton_reshard.testing.cluster import link_counters
+
+    def sample(it: int):
+        ps = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 9))] for _ in range(a.prompts)]
+        t0 = time.perf_counter()
+        gen = ej.generate(llm, ps, max_tokens=a.tokens, temperature=1.0, seed=a.seed * 1000 + it, n=a.samples)
+        return gen, time.perf_counter() - t0
+
+    batch, _ = sample(0)
+    batch_v, rows = 0, []
+    for it in range(iters):
+        c0 = link_counters()
+        t_it = time.perf_counter()
+        _cmd("refit", it + 1, METHOD_CODES[method])
+        eng.send_weights(version=it + 1, delta=method == "async-bg-delta", overlap=True, background=True)
+        t_snap = time.perf_counter()
+        st = _train_cmd(batch, a, False)  # no trainer logprobs in the clock (asked after it)
+        t_train = time.perf_counter()
+        _cmd("commit")
+        eng.commit()
+        pause = eng.last_update["paused_s"]
+        sent, snap_us, send_us, wait_us = _recv((4,), torch.int64, 0).tolist()
+        t_commit = time.perf_counter()
+        link_rx = (link_counters() - c0).rx
+        nxt, t_gen = sample(it + 1)  # by w_it, just committed
+        t_end = time.perf_counter()
+        rollouts, _, _ = rl_loop.grpo(batch, a.target)
+        width = max(len(p) + len(ids) for p, ids, _ in rollouts)
+        _cmd("logprobs", len(rollouts), width)
+        lp = _recv((len(rollouts), width), torch.float64, 0)
+        mism = [abs(x - float(lp[k, j])) for k, (_, _, e) in enumerate(rollouts) for j, x in enumerate(e)]
+        w = llm.collective_rpc("weight_transfer_stats")
+        iter_s, refit_s = t_end - t_it, (t_snap - t_it) + (t_commit - t_train)
+        row = {"warm_up": warm, "method": method, "iter": it, **st, "mismatch_max": max(mism),
+               "mismatch_mean": sum(mism) / len(mism), "gen_s": t_gen, "train_s": t_train - t_snap,
+               "snapshot_s": t_snap - t_it, "trainer_snapshot_s": snap_us / 1e6, "transfer_s": send_us / 1e6,
+               "wait_transfer_s": wait_us / 1e6, "pause_s": pause, "commit_s": t_commit - t_train,
+               "refit_s": refit_s, "iter_s": iter_s, "refit_share": refit_s / iter_s,
+               "pause_of_transfer": pause / max(send_us / 1e6, 1e-9), "rate_kept": None,
+               "trainer_version": it, "sampled_by": batch_v, "staleness": it - batch_v,
+               "sent_bytes": sent, "link_rx_bytes": link_rx, "delta_mode": None,
+               "worker_refit_s": max(x.get("load_s", 0.0) for x in w),
+               "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
+               "worker_repack_s": max(x.get("process_s", 0.0) + x.get("finalize_process_s", 0.0) for x in w),
+               "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {},
+               "commit_path": w[0].get("commit_path"), "shadow_bytes": max(x.get("shadow_bytes", 0) for x in w),
+               "shadow_s": max(x.get("shadow_s", 0.0) for x in w)}
+        rows.append(row)
+        print(f"[{method}{' warm-up' if warm else ''}] iter {it}: train {row['train_s']:.2f}s beside the transfer of "
+              f"version {it} ({row['transfer_s']:.3f}s, {sent / 1e6:.1f} MB, link rx {link_rx / 1e6:.1f} MB) "
+              f"snapshot {row['snapshot_s']:.3f}s wait {row['wait_transfer_s']:.3f}s pause {pause:.3f}s gen "
+              f"{t_gen:.2f}s iteration {iter_s:.2f}s staleness {row['staleness']} mismatch "
+              f"{row['mismatch_max']:.3f}", flush=True)
+        batch, batch_v = nxt, it
     return rows
 
 

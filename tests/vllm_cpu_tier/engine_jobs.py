@@ -377,7 +377,7 @@ def fault(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("job", choices=["two_jobs", "fault", "trainer_rank1", "overlap", "overlap_fault",
-                                    "overlap_shadow_fault"])
+                                    "overlap_shadow_fault", "overlap_background"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mode", default="auto", choices=["auto", "inplace", "reload"])
     ap.add_argument("--out", required=True)

@@ -300,6 +300,83 @@ def overlap_shadow_fault(args) -> dict:
     return out
 
 
+def overlap_background(args) -> dict:
+    """A background send (``send_weights(overlap=True, background=True)``), then ``commit()``, on a running engine.
+
+    A -> B sent in the background while the trainer changes its tensors (the source's own dict, in place) to C
+    at once: a send while it is in flight is refused; the commit joins it; the engine then generates what vLLM's
+    own ``reload_weights`` of B generates (not C's), with equal parameter digests. The control: the same with the
+    caller's live tensors handed as its own copies (``tensors=``, no snapshot) delivers C. A background send of
+    a tensor with the wrong shape returns at once; its error (the tensor named, nothing committed) is raised by
+    the commit, the engine serving its weights untouched (same tokens, same digests, no forward refused); the
+    next background send commits exactly."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    engine_env(args.tp)
+    tmp = tempfile.mkdtemp(prefix="vllm_cpu_background_")
+    a = save_checkpoint(os.path.join(tmp, "a"), 1)
+    b = save_checkpoint(os.path.join(tmp, "b"), 2)
+    out: dict = {"tp": args.tp}
+    llm = start_engine(a, args.tp)
+    gen_a = generate(llm, PROMPTS)
+    live = load_file(os.path.join(b, "model.safetensors"))
+    want_b = {n: t.clone() for n, t in live.items()}
+    eng = trainer_engine(llm, live)
+    out["mode"] = eng.mode
+
+    def reload_equal(ckpt: str) -> dict:
+        got, dig = generate(llm, PROMPTS), llm.collective_rpc("param_digests")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": ckpt, "is_checkpoint_format": True})
+        return {"tokens": got == generate(llm, PROMPTS), "digests": dig == llm.collective_rpc("param_digests"),
+                "changed": got != gen_a}
+
+    def change_to_c() -> None:  # the trainer's next step, in place, while the send is in flight
+        for t in live.values():
+            t.mul_(0.5)
+
+    eng.send_weights(version=1, overlap=True, background=True)
+    change_to_c()
+    try:
+        eng.send_weights(version=2, overlap=True, background=True)
+        out["second_send_error"] = None
+    except RuntimeError as e:
+        out["second_send_error"] = str(e)[:400]
+    out["serves_old_while_in_flight"] = generate(llm, PROMPTS) == gen_a
+    eng.commit()
+    out["commit_trainer"] = {k: v for k, v in eng.last_update.items() if k != "stage"}
+    out["stage_trainer"] = eng.last_update["stage"]
+    out["b_equal_to_vllm_reload"] = reload_equal(b)
+    # the control: the live tensors (C) handed as the caller's own copies (no snapshot), changed at once to D
+    eng.send_weights(version=3, overlap=True, background=True, tensors=live)
+    change_to_c()
+    eng.commit()
+    d_ckpt = save_tensors(tmp, "d", b, live)
+    out["no_snapshot_equal_to_d"] = reload_equal(d_ckpt)
+    # a failing background send: one tensor of the wrong shape; raised at the commit, the engine untouched
+    eng.send_weights(version=4, overlap=True, background=True, tensors=want_b)
+    eng.commit()
+    gen_b, dig_b = generate(llm, PROMPTS), llm.collective_rpc("param_digests")
+    name = sorted(want_b)[0]
+    bad = {**want_b, name: want_b[name][:-1]}
+    eng.send_weights(version=5, overlap=True, background=True, tensors=bad)
+    out["bad_name"] = name
+    try:
+        eng.commit()
+        out["bad_commit_error"] = None
+    except RuntimeError as e:
+        out["bad_commit_error"] = f"{e} | cause: {e.__cause__}"[:1500]
+    out["serves_old_after_failure"] = generate(llm, PROMPTS) == gen_b
+    out["digests_old_after_failure"] = llm.collective_rpc("param_digests") == dig_b
+    out["forward_refused"] = llm.collective_rpc("forward_refused")
+    eng.send_weights(version=6, overlap=True, background=True, tensors=live)
+    eng.commit()
+    out["next_equal_to_vllm_reload"] = reload_equal(d_ckpt)
+    stop(llm, eng)
+    return out
+
+
 def worker_pids() -> dict[int, int]:
     """The engine's TP workers among this process's descendants: ``{tp rank: pid}`` (vLLM titles them
     ``VLLM::Worker_TP<rank>``)."""

@@ -80,3 +80,27 @@ def test_shadow_build_failing_part_way_leaves_the_engine_serving_tp2(tmp_path):
     assert [w["commit_path"] for w in r["no_shadow_commit_workers"]] == ["reload", "reload"]
     assert all("shadow_bytes" not in w for w in r["no_shadow_commit_workers"])
     assert r["no_shadow_equal_to_vllm_reload"]
+
+
+def test_background_send_then_commit_tp2(tmp_path):
+    """``send_weights(overlap=True, background=True)``: the trainer changes its tensors in place as soon as the call
+    returns, the engine gets the version it snapshotted (equal to vLLM's own reload of it; without the snapshot,
+    the control, the change arrives); a second send while one is in flight is refused; a background send that
+    fails raises at the commit, naming the tensor, and the engine serves its old weights untouched."""
+    r = _run(tmp_path, "overlap_background", "--tp", "2")
+    assert r["mode"] == "reload"
+    err = r["second_send_error"] or ""
+    assert "send_weights refused: the background send of version 1 is in flight" in err, err
+    assert r["serves_old_while_in_flight"]
+    stage = r["stage_trainer"]
+    assert stage["phase"] == "stage" and stage["sent_bytes"] > 0 and stage["snapshot_bytes"] > 0, stage
+    assert stage["version"] == 1 and not stage["failed"] and stage["send_s"] > 0, stage
+    assert r["commit_trainer"]["phase"] == "commit" and r["commit_trainer"]["version"] == 1
+    assert r["b_equal_to_vllm_reload"] == {"tokens": True, "digests": True, "changed": True}, r["b_equal_to_vllm_reload"]
+    assert r["no_snapshot_equal_to_d"] == {"tokens": True, "digests": True, "changed": True}, r["no_snapshot_equal_to_d"]
+    err = r["bad_commit_error"] or ""
+    assert "staged update to version 5 failed" in err and repr(r["bad_name"]) in err, err
+    assert "nothing was committed" in err and "serves its weights as before" in err, err
+    assert r["serves_old_after_failure"] and r["digests_old_after_failure"]
+    assert r["forward_refused"] == [None, None]
+    assert r["next_equal_to_vllm_reload"] == {"tokens": True, "digests": True, "changed": True}

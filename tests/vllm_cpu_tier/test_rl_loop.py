@@ -66,9 +66,10 @@ def test_bench_rl_loop_cluster_smoke(tmp_path):
         pytest.skip(f"no emulated cluster here: {why}")
     out = tmp_path / "cluster.json"
     _run(["perf/bench_rl_loop_cluster.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--methods",
-          "broadcast,reshard,async", "--timeout", "400", "--out", str(out)])
+          "broadcast,reshard,async,async-bg", "--timeout", "400", "--out", str(out)])
     d = json.loads(out.read_text())
     s = d["summary"]
+    assert s["async-bg"]["staleness"] == [0, 1]  # the transfer of version k beside step k+1: one version old
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way
     for r in d["rows"]:  # the link carried the refit's bytes (plus headers and ACK-free control: < 2 %)
         assert r["sent_bytes"] <= r["link_rx_bytes"] < r["sent_bytes"] * 1.02 + 64_000, r
@@ -92,3 +93,20 @@ def test_rl_loop_async_tp2(tmp_path):
     assert all(r["changed_frac"] > 0 for r in rows)
     assert rows[-1]["probe"]["idle_rate"] > 0
     assert all(r["commit_path"] == "shadow" and r["shadow_bytes"] > 0 for r in rows), rows[0]  # the swap path
+
+
+def test_rl_loop_async_bg_tp2(tmp_path):
+    """The background send in the loop: the transfer of the trainer's weights w_k runs beside its step k+1, the
+    commit after the step, then the engine samples the next batch with w_k. The mismatch against the weights the
+    rows say sampled each batch (w_{k-1}: staleness 1 after the first) is within the tolerance, so the engine
+    served exactly those; exact at the end (vLLM's own reload of the trainer's weights)."""
+    out = tmp_path / "rows.json"
+    p = _run(["examples/rl_loop.py", "--size", "tiny", "--tp", "2", "--iters", "3", "--lr", "3e-3",
+              "--method", "async-bg", "--verify", "--json", str(out)])
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert res["verified"] is True, p.stdout[-2000:]
+    assert [(r["trainer_version"], r["sampled_by"], r["staleness"]) for r in rows] == [(0, 0, 0), (1, 0, 1), (2, 1, 1)]
+    assert all(r["mismatch_max"] <= MISMATCH_TOL for r in rows), [r["mismatch_max"] for r in rows]
+    assert all(r["transfer_s"] > 0 and 0 < r["pause_s"] < r["iter_s"] and r["snapshot_s"] < r["iter_s"] for r in rows)
+    assert all(r["commit_path"] == "shadow" and r["changed_frac"] > 0 and r["sent_bytes"] > 0 for r in rows), rows[0]

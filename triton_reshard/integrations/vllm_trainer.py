@@ -14,6 +14,7 @@ from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..refit import refit
 from .engine import ControlCall, broadcast_send, join_group, lost_text, plugin_secret, vote
+from .inflight import BackgroundSender
 from .vllm_transfer import (
     BACKEND,
     MODES,
@@ -72,6 +73,7 @@ if TrainerWeightTransferEngine is not None:
 
         init_info_cls = ReshardTrainerInitInfo
         _staged: dict | None = None  # a completed send_weights(overlap=True) not yet committed
+        _bg: BackgroundSender | None = None  # send_weights(background=True): the send in flight, its snapshot
         group = None
 
         @classmethod
@@ -111,7 +113,7 @@ if TrainerWeightTransferEngine is not None:
 
         def send_weights(self, version: int | str | None = None, delta: bool | str = False,
                          method: str = "reshard", prefetch: bool | None = None, overlap: bool = False,
-                         shadow: bool | None = None) -> None:
+                         shadow: bool | None = None, background: bool = False, tensors=None) -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
             travel after the first update (docs/delta.md). In reload mode a dense update is one refit per layer
             group, a delta update one refit (the workers keep the staged checkpoint to patch).
@@ -120,13 +122,30 @@ if TrainerWeightTransferEngine is not None:
             mirror in a background thread while the engine keeps serving; this returns once every worker has
             staged (the engine is not paused) and, in reload mode, built the new weights on a shadow of the model
             (``shadow``, default the init info's); :meth:`commit` later swaps them in under the pause.
-            A failed staged update leaves the engine serving its weights untouched (raised here, not torn)."""
+            A failed staged update leaves the engine serving its weights untouched (raised here, not torn).
+
+            ``background=True`` (with ``overlap=True``): this rank's local tensors are copied into a snapshot
+            (1x its local weights, buffers reused across updates) and the whole staged update runs in a
+            background thread; this returns after the copy, so the trainer may change its weights (its next
+            training step) while the bytes move. :meth:`commit` joins it (raising its error: the engine then
+            serves its old weights, untouched) and swaps as above. A send while one is in flight is refused
+            (commit first); :meth:`shutdown` joins it within the group's timeout. ``tensors``: this rank's
+            local tensors for this update instead of the source's; with ``background=True`` they are sent as
+            given, without the snapshot copy (the caller's own copies: not to be changed until commit)."""
+            if background and not overlap:
+                raise ValueError(f"triton_reshard trainer rank {self.rank}: background=True needs overlap=True "
+                                 "(a background send stages; commit() joins it and swaps)")
+            self._sender().check_idle("send_weights")
             info = {"version": version, "delta": delta, "method": method, "prefetch": prefetch,
                     "phase": "stage" if overlap else "full", "shadow": shadow}
             # refused here, before any engine call: the engine keeps serving its old weights (issue 42)
             kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
                       **delta_kwargs(ReshardUpdateInfo(**info)))
-            tensors = dict(self.source.iter_local()) if self.source is not None else {}
+            copied = tensors is not None
+            if tensors is None:
+                tensors = dict(self.source.iter_local()) if self.source is not None else {}
+            if background:  # the copy the send reads while the trainer goes on
+                tensors = self._sender().take(tensors, version, copied=copied)
             self._staged = None  # a new update supersedes a staged one not committed
             per_group = not overlap and self.mode == "reload" and not delta
 
@@ -145,6 +164,9 @@ if TrainerWeightTransferEngine is not None:
                     phases["wire_s"] = phases.get("wire_s", 0.0) + rep.wire_seconds
                 return sent
 
+            if background:
+                self._sender().run(lambda: self._update(info, send))
+                return
             self._update(info, send)
 
         def commit(self) -> None:
@@ -153,12 +175,25 @@ if TrainerWeightTransferEngine is not None:
             reload mode: vLLM's layerwise reload fed from staging), resume. Every trainer rank calls it (the
             commit ends with the update's vote). Refused, before any engine call, without a complete staged
             update; a commit that fails part way leaves the weights torn and the engine paused, as a failed
-            update does, and raises naming it."""
+            update does, and raises naming it. After ``send_weights(background=True)`` it first joins that send
+            (bounded by 3x the group's timeout, each of its steps by the timeout itself) and raises its error
+            (the engine untouched, serving its old weights); ``last_update["stage"]`` is then the send's."""
+            stage = None
+            if self._sender().in_flight:
+                self._sender().join(3 * self.info.timeout)
+                stage = {**self.last_update, **self._sender().last}
             if self._staged is None:
                 raise RuntimeError(f"triton_reshard trainer rank {self.rank}: commit refused: no complete staged "
                                    "update (send_weights(overlap=True) first; a failed one cannot be committed)")
             version, self._staged = self._staged["version"], None
             self._update({"version": version, "phase": "commit"}, lambda phases: 0)
+            if stage is not None:
+                self.last_update["stage"] = stage
+
+        def _sender(self) -> BackgroundSender:
+            if self._bg is None:
+                self._bg = BackgroundSender(f"triton_reshard trainer rank {self.rank}")
+            return self._bg
 
         def _update(self, info: dict, send) -> None:
             """One engine update session around this rank's ``send``: pause (not for a staged receive), vLLM's
@@ -273,6 +308,8 @@ if TrainerWeightTransferEngine is not None:
                 "re-init the trainer engine if its refit group broke, then send_weights again") from cause
 
         def shutdown(self) -> None:
+            if self._bg is not None:  # a background send in flight: joined within the group's timeout
+                self._bg.close(self.info.timeout)
             if self.group is not None:
                 group, self.group = self.group, None
                 group.destroy()
