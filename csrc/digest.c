@@ -10,7 +10,8 @@
  * trd_digest(nd, desc, n, coef): the sum over nd views of the message. A view is 12 int64: its address, its
  * offset in the message, the bytes of its contiguous inner run, the number of outer dimensions (0..4), then
  * 4 sizes and 4 byte strides of those (outermost first). Part of the same extension as the delta codec
- * (setup.py), called through ctypes (ops/digest.py); plain C99.
+ * (setup.py), called through ctypes (ops/digest.py); plain C99, with an AVX2 loop chosen at run time.
+ * trd_digest_many: the same for several messages in one call.
  */
 #include <stdint.h>
 #include <string.h>
@@ -23,41 +24,113 @@
 
 #define ROW_SHIFT 10 /* 1 KiB rows */
 
+/* The weighted row sums of the whole words at message offsets [a, z) (both multiples of 8), read from q (the
+ * byte at offset a): per 1 KiB row, coef[row] * (the sum of its words), summed. The sum of a row's words is
+ * the same in any order (mod 2**64), so the loop may keep as many lanes as the machine has: the portable one
+ * keeps 4 scalar sums, the AVX2 one 4 x 4 in vector registers (chosen once at run time, as the delta codec's
+ * SIMD paths are: no -march, the wheel runs on any x86-64). */
+typedef uint64_t (*words_fn)(const uint8_t *q, int64_t a, int64_t z, const uint64_t *coef);
+
+static uint64_t words_portable(const uint8_t *q, int64_t a, int64_t z, const uint64_t *coef) {
+    uint64_t h = 0;
+    const int64_t base = a;
+    while (a < z) {
+        int64_t row_end = ((a >> ROW_SHIFT) + 1) << ROW_SHIFT, e = z < row_end ? z : row_end;
+        const uint8_t *r = q + (a - base);
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        int64_t k = 0, m = e - a;
+        for (; k + 32 <= m; k += 32) {
+            uint64_t w[4];
+            memcpy(w, r + k, 32);
+            s0 += w[0];
+            s1 += w[1];
+            s2 += w[2];
+            s3 += w[3];
+        }
+        for (; k < m; k += 8) {
+            uint64_t w;
+            memcpy(&w, r + k, 8);
+            s0 += w;
+        }
+        h += coef[a >> ROW_SHIFT] * ((s0 + s1) + (s2 + s3));
+        a = e;
+    }
+    return h;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define DIGEST_X86 1
+__attribute__((target("avx2"))) static uint64_t words_avx2(const uint8_t *q, int64_t a, int64_t z,
+                                                            const uint64_t *coef) {
+    uint64_t h = 0;
+    const int64_t base = a;
+    while (a < z) {
+        int64_t row_end = ((a >> ROW_SHIFT) + 1) << ROW_SHIFT, e = z < row_end ? z : row_end;
+        const uint8_t *r = q + (a - base);
+        __m256i v0 = _mm256_setzero_si256(), v1 = v0, v2 = v0, v3 = v0;
+        int64_t k = 0, m = e - a;
+        for (; k + 128 <= m; k += 128) {
+            v0 = _mm256_add_epi64(v0, _mm256_loadu_si256((const __m256i *)(r + k)));
+            v1 = _mm256_add_epi64(v1, _mm256_loadu_si256((const __m256i *)(r + k + 32)));
+            v2 = _mm256_add_epi64(v2, _mm256_loadu_si256((const __m256i *)(r + k + 64)));
+            v3 = _mm256_add_epi64(v3, _mm256_loadu_si256((const __m256i *)(r + k + 96)));
+        }
+        for (; k + 32 <= m; k += 32) v0 = _mm256_add_epi64(v0, _mm256_loadu_si256((const __m256i *)(r + k)));
+        v0 = _mm256_add_epi64(_mm256_add_epi64(v0, v1), _mm256_add_epi64(v2, v3));
+        uint64_t t[4], s;
+        _mm256_storeu_si256((__m256i *)t, v0);
+        s = (t[0] + t[1]) + (t[2] + t[3]);
+        for (; k < m; k += 8) {
+            uint64_t w;
+            memcpy(&w, r + k, 8);
+            s += w;
+        }
+        h += coef[a >> ROW_SHIFT] * s;
+        a = e;
+    }
+    return h;
+}
+#endif
+
+static words_fn words = 0;
+
+static words_fn choose_words(void) {
+    words_fn f = words_portable;
+#ifdef DIGEST_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) f = words_avx2;
+#endif
+    words = f; /* a benign race: every thread stores the same pointer */
+    return f;
+}
+
+/* trd_digest_simd(): the lanes the hash loop runs on this machine (256: AVX2, 0: the portable loop). */
+EXPORT int trd_digest_simd(void) {
+    words_fn f = words ? words : choose_words();
+#ifdef DIGEST_X86
+    if (f == words_avx2) return 256;
+#endif
+    return 0;
+}
+
 /* The contribution of the bytes p[0..len) lying at message offsets [o, o + len). */
 static uint64_t run(const uint8_t *p, int64_t o, int64_t len, int64_t lim, int64_t rows, const uint64_t *coef) {
     uint64_t h = 0;
     int64_t a = o, end = o + len, z = end < lim ? end : lim;
-    while (a < z) {
-        if ((a & 7) || z - a < 8) { /* a byte of a word this run holds only part of */
+    for (; a < z && (a & 7); a++) /* the bytes of a word this run holds only the end of */
+        h += coef[a >> ROW_SHIFT] * ((uint64_t)p[a - o] << (8 * (a & 7)));
+    if (a < z) {
+        int64_t zw = a + ((z - a) & ~(int64_t)7); /* whole words */
+        if (zw > a) h += (words ? words : choose_words())(p + (a - o), a, zw, coef);
+        for (a = zw; a < z; a++) /* the bytes of a word this run holds only the start of */
             h += coef[a >> ROW_SHIFT] * ((uint64_t)p[a - o] << (8 * (a & 7)));
-            a++;
-            continue;
-        }
-        int64_t row_end = ((a >> ROW_SHIFT) + 1) << ROW_SHIFT;
-        int64_t e = (z & ~(int64_t)7) < row_end ? (z & ~(int64_t)7) : row_end;
-        const uint8_t *q = p + (a - o);
-        uint64_t s0 = 0, s1 = 0;
-        int64_t k = 0, m = e - a;
-        for (; k + 16 <= m; k += 16) {
-            uint64_t w0, w1;
-            memcpy(&w0, q + k, 8);
-            memcpy(&w1, q + k + 8, 8);
-            s0 += w0;
-            s1 += w1;
-        }
-        for (; k < m; k += 8) {
-            uint64_t w;
-            memcpy(&w, q + k, 8);
-            s0 += w;
-        }
-        h += coef[a >> ROW_SHIFT] * (s0 + s1);
-        a = e;
     }
     for (a = o > lim ? o : lim; a < end; a++) h += coef[rows + (a - lim)] * (uint64_t)p[a - o];
     return h;
 }
 
-EXPORT uint64_t trd_digest(int64_t nd, const int64_t *desc, int64_t n, const uint64_t *coef) {
+static uint64_t views(int64_t nd, const int64_t *desc, int64_t n, const uint64_t *coef) {
     int64_t lim = n & ~(int64_t)7, rows = ((n >> 3) + 127) >> 7;
     uint64_t h = 0;
     for (int64_t v = 0; v < nd; v++) {
@@ -82,6 +155,30 @@ EXPORT uint64_t trd_digest(int64_t nd, const int64_t *desc, int64_t n, const uin
                 }
     }
     return h;
+}
+
+EXPORT uint64_t trd_digest(int64_t nd, const int64_t *desc, int64_t n, const uint64_t *coef) {
+    return views(nd, desc, n, coef);
+}
+
+/* trd_digest_many(nm, counts, desc, lens, coef, out): the hashes of nm messages in one call (a step's
+ * messages: one call instead of one per message). Message m is made of counts[m] views (12 int64 each, as
+ * trd_digest's), those of message 0 first, then message 1's, ...; it is lens[m] bytes long; out[m] = its
+ * hash. */
+EXPORT void trd_digest_many(int64_t nm, const int64_t *counts, const int64_t *desc, const int64_t *lens,
+                            const uint64_t *coef, uint64_t *out) {
+    for (int64_t m = 0; m < nm; m++) {
+        out[m] = views(counts[m], desc, lens[m], coef);
+        desc += 12 * counts[m];
+    }
+}
+
+/* trd_digest_use(lanes): run the hash loop with 256-bit lanes (AVX2, where the machine has them) or the
+ * portable loop (0), for the tests that check both give the same value; returns the lanes now in use. */
+EXPORT int trd_digest_use(int lanes) {
+    choose_words();
+    if (lanes == 0) words = words_portable;
+    return trd_digest_simd();
 }
 
 /* The fused copy (issue 46: the hash in the same pass as the pack's or the unpack's copy). */

@@ -34,11 +34,14 @@ import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
 from ..ops.digest import (
+    buffer_row,
     copy_digest,
     copy_native,
     copy_plan,
     digest_buffer,
+    digest_many,
     digest_rows,
+    many_native,
     message_rows,
     span_torch,
 )
@@ -51,7 +54,9 @@ NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes e
 MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
 MAX_MSGS = 32  # messages per pair compared one by one in the localizing exchange (the rest as a count)
 MASK63 = (1 << 63) - 1
-THREAD_MIN_BYTES = 1 << 16  # in-place sends from this size are hashed in the digest's thread
+# in-place sends from this size are hashed in the digest's thread: handing a hash to the thread and taking its
+# value costs ~20-40 us, what the native hash takes for 1-4 MiB; smaller sends are hashed at once, in one call
+THREAD_MIN_BYTES = 8 << 20
 _POOL: list = []
 
 
@@ -119,6 +124,7 @@ class Coefficients:
     def __init__(self, key: bytes) -> None:
         self.seed = hmac.new(key, LABEL + b"coefficients", hashlib.sha256).digest()
         self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._np: np.ndarray | None = None  # the CPU coefficients as uint64 (the native hash's), all made so far
 
     def get(self, n: int, device: torch.device) -> torch.Tensor:
         have = self._by_device.get(device)
@@ -131,7 +137,11 @@ class Coefficients:
 
     def numpy(self, n: int) -> np.ndarray:
         """The first ``n`` coefficients as uint64 (the same bits), for the CPU hash."""
-        return self.get(n, torch.device("cpu")).numpy().view(np.uint64)
+        have = self._np
+        if have is None or have.size < n:
+            self.get(n, torch.device("cpu"))
+            have = self._np = self._by_device[torch.device("cpu")].numpy().view(np.uint64)
+        return have[:n]
 
 
 def partial(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
@@ -240,17 +250,44 @@ class Ledger:
         i = self.work.steps[pos][0]
         fused = self._fused.pop(("pack", pos), None)
         values = self._finish(fused, [(b, b.numel()) for _p, b in sends]) if fused is not None else None
-        fn = digest_native() if values is None else None
-        for j, (peer, buf) in enumerate(sends):
-            if values is not None:
-                v = values[j]
-            elif fn is not None and buf.numel() >= THREAD_MIN_BYTES and buf.device.type == "cpu" and buf.is_contiguous():
-                v = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
+        if values is None:
+            values = self._sends([b for _p, b in sends])
+        for (peer, buf), v in zip(sends, values, strict=True):
+            if not isinstance(v, (int, torch.Tensor)):  # a future of the digest's thread
                 self._hashing.setdefault(pos, []).append((peer, len(self.sent.get(peer, ()))))
-            else:
-                v = partial(buf, self.coef)
             self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
+
+    def _sends(self, bufs: list[torch.Tensor]) -> list:
+        """The hashes of sends no fused copy hashed (delta messages, in-place sends): on CPU with the native
+        hash those of :data:`THREAD_MIN_BYTES` or more as futures of the digest's thread, the rest in one native
+        call; else one by one (:func:`partial`)."""
+        fn, many = digest_native(), many_native()
+        values: list = [None] * len(bufs)
+        batch = []
+        for j, buf in enumerate(bufs):
+            native = fn is not None and buf.device.type == "cpu" and buf.is_contiguous()
+            if native and buf.numel() >= THREAD_MIN_BYTES:
+                values[j] = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
+            elif native and many is not None:
+                batch.append(j)
+            else:
+                values[j] = partial(buf, self.coef)
+        if batch:
+            lens = [bufs[j].numel() for j in batch]
+            rows = [np.array([buffer_row(bufs[j])], dtype=np.int64) for j in batch]
+            for j, v in zip(batch, self._many(many, rows, lens), strict=True):
+                values[j] = v
+        return values
+
+    def _many(self, many, rows: list[np.ndarray], lens: list[int]) -> list[int]:
+        """The native hashes of messages ``rows`` (:func:`message_rows`) of ``lens`` bytes: one call
+        (``many``: :func:`many_native`), or one per message with an extension built before it."""
+        coef = self.coef.numpy(max(_entries(n) for n in lens))
+        if many is None:
+            fn = digest_native()
+            return [digest_rows(fn, r, n, coef) for r, n in zip(rows, lens, strict=True)]
+        return digest_many(many, rows, np.array(lens, dtype=np.int64), coef)
 
     def _joined(self, pos: int | None = None) -> None:
         """The threaded hashes of step ``pos``'s sends (every step's: None) as values."""
@@ -297,12 +334,12 @@ class Ledger:
         hashes, gaps = fused
         if isinstance(hashes, torch.Tensor):  # the Triton kernels' sums (on the device, no sync)
             return [self._gaps_torch(hashes[j], g, b, n) for j, (g, (b, n)) in enumerate(zip(gaps, bufs, strict=True))]
-        fn = digest_native()
-        out = []
-        for h, g, (_b, n) in zip(hashes.tolist(), gaps, bufs, strict=True):
-            if len(g):
-                h += digest_rows(fn, g, n, self.coef.numpy(_entries(n)))
-            out.append(h & ((1 << 64) - 1))
+        out = hashes.tolist()
+        gapped = [j for j, g in enumerate(gaps) if len(g)]
+        if gapped:  # the bytes no copy took (in-place messages, padding), one native call for all
+            for j, h in zip(gapped, self._many(many_native(), [gaps[j] for j in gapped],
+                                               [bufs[j][1] for j in gapped]), strict=True):
+                out[j] = (out[j] + h) & ((1 << 64) - 1)
         return out
 
     def _gaps_torch(self, h, gaps, buf, n: int):
@@ -355,9 +392,7 @@ class Ledger:
                 if len(self.views) >= 512:
                     self.views.clear()
                 self.views[sig] = rows
-        return [
-            digest_rows(fn, r, n, self.coef.numpy(_entries(n))) for r, (_b, n) in zip(rows, bufs, strict=True)
-        ]
+        return self._many(many_native(), rows, [n for _b, n in bufs])
 
     def _rebuilt(self, bufs, rebuild, backend: str) -> list:
         from .. import ops
