@@ -522,16 +522,13 @@ def test_a_steps_messages_hash_in_one_native_call():
     """``trd_digest_many``: several messages (a step's sends, its landed receives) in one call, each the hash
     of its own bytes; the ledger hashes a step's sends that no fused copy took (delta messages, in-place
     sends) that way."""
-    nd, fn = _native()
-    many = nd.many_native()
-    assert many is not None
+    nd, _fn = _native()
     g = torch.Generator().manual_seed(62)
     bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (1, 1023, 1024, 9000, 300_001)]
     c = _coef()
-    rows = [ig.np.array([nd.buffer_row(b)], dtype=ig.np.int64) for b in bufs]
-    lens = ig.np.array([b.numel() for b in bufs], dtype=ig.np.int64)
     want = [ig._partial_np(b.numpy(), c) for b in bufs]
-    assert nd.digest_many(many, rows, lens, c.numpy(max(ig._entries(b.numel()) for b in bufs))) == want
+    coef = c.numpy(max(ig._entries(b.numel()) for b in bufs))
+    assert nd.digest_many([nd.buffer_rows(b) for b in bufs], [b.numel() for b in bufs], coef) == want
     work = type("W", (), {"steps": [(0, None)]})()
     led = ig.Ledger(b"k", c, 0, "p", work, ())
     led.on_post(0, [(1, b) for b in bufs], [])

@@ -34,14 +34,12 @@ import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
 from ..ops.digest import (
-    buffer_row,
+    buffer_rows,
     copy_digest,
     copy_native,
     copy_plan,
     digest_buffer,
     digest_many,
-    digest_rows,
-    many_native,
     message_rows,
     span_torch,
 )
@@ -262,32 +260,25 @@ class Ledger:
         """The hashes of sends no fused copy hashed (delta messages, in-place sends): on CPU with the native
         hash those of :data:`THREAD_MIN_BYTES` or more as futures of the digest's thread, the rest in one native
         call; else one by one (:func:`partial`)."""
-        fn, many = digest_native(), many_native()
+        fn = digest_native()
         values: list = [None] * len(bufs)
         batch = []
         for j, buf in enumerate(bufs):
-            native = fn is not None and buf.device.type == "cpu" and buf.is_contiguous()
-            if native and buf.numel() >= THREAD_MIN_BYTES:
-                values[j] = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
-            elif native and many is not None:
-                batch.append(j)
-            else:
+            if fn is None or buf.device.type != "cpu" or not buf.is_contiguous():
                 values[j] = partial(buf, self.coef)
+            elif buf.numel() >= THREAD_MIN_BYTES:
+                values[j] = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
+            else:
+                batch.append(j)
         if batch:
-            lens = [bufs[j].numel() for j in batch]
-            rows = [np.array([buffer_row(bufs[j])], dtype=np.int64) for j in batch]
-            for j, v in zip(batch, self._many(many, rows, lens), strict=True):
+            got = self._many([buffer_rows(bufs[j]) for j in batch], [bufs[j].numel() for j in batch])
+            for j, v in zip(batch, got, strict=True):
                 values[j] = v
         return values
 
-    def _many(self, many, rows: list[np.ndarray], lens: list[int]) -> list[int]:
-        """The native hashes of messages ``rows`` (:func:`message_rows`) of ``lens`` bytes: one call
-        (``many``: :func:`many_native`), or one per message with an extension built before it."""
-        coef = self.coef.numpy(max(_entries(n) for n in lens))
-        if many is None:
-            fn = digest_native()
-            return [digest_rows(fn, r, n, coef) for r, n in zip(rows, lens, strict=True)]
-        return digest_many(many, rows, np.array(lens, dtype=np.int64), coef)
+    def _many(self, rows: list[np.ndarray], lens: list[int]) -> list[int]:
+        """The native hashes of messages ``rows`` (:func:`message_rows`) of ``lens`` bytes, in one call."""
+        return digest_many(rows, lens, self.coef.numpy(max(_entries(n) for n in lens)))
 
     def _joined(self, pos: int | None = None) -> None:
         """The threaded hashes of step ``pos``'s sends (every step's: None) as values."""
@@ -337,8 +328,7 @@ class Ledger:
         out = hashes.tolist()
         gapped = [j for j, g in enumerate(gaps) if len(g)]
         if gapped:  # the bytes no copy took (in-place messages, padding), one native call for all
-            for j, h in zip(gapped, self._many(many_native(), [gaps[j] for j in gapped],
-                                               [bufs[j][1] for j in gapped]), strict=True):
+            for j, h in zip(gapped, self._many([gaps[j] for j in gapped], [bufs[j][1] for j in gapped]), strict=True):
                 out[j] = (out[j] + h) & ((1 << 64) - 1)
         return out
 
@@ -392,7 +382,7 @@ class Ledger:
                 if len(self.views) >= 512:
                     self.views.clear()
                 self.views[sig] = rows
-        return self._many(many_native(), rows, [n for _b, n in bufs])
+        return self._many(rows, [n for _b, n in bufs])
 
     def _rebuilt(self, bufs, rebuild, backend: str) -> list:
         from .. import ops

@@ -48,11 +48,6 @@ def native():
     return _symbol("trd_digest", ctypes.c_uint64, [_I, _P, _I, _P])
 
 
-def many_native():
-    """``trd_digest_many`` (ctypes): the hashes of several messages in one call, or None (as :func:`native`)."""
-    return _symbol("trd_digest_many", None, [_I, _P, _P, _P, _P, _P])
-
-
 def copy_native():
     """``trd_copy_digest`` (ctypes): the copy that hashes what it writes, or None (as :func:`native`)."""
     return _symbol("trd_copy_digest", None, [_I, _P, _P, _P, _P])
@@ -221,25 +216,30 @@ def digest_rows(fn, rows: np.ndarray, n: int, coef: np.ndarray) -> int:
     return int(fn(len(rows), rows.ctypes.data, n, coef.ctypes.data))
 
 
-def digest_many(fn, rows: list[np.ndarray], lens: np.ndarray, coef: np.ndarray) -> list[int]:
-    """The hashes of several messages in one native call (``fn``: :func:`many_native`): message ``m`` is made
-    of ``rows[m]`` (:func:`message_rows`) and is ``lens[m]`` bytes long (int64); ``coef``: the coefficients of
-    the longest."""
+def digest_many(rows: list[np.ndarray], lens: list[int], coef: np.ndarray) -> list[int]:
+    """The native hashes of several messages (a step's), in one call (``trd_digest_many``; one per message with
+    an extension built before it): message ``m`` is made of the views ``rows[m]`` (:func:`message_rows`) and is
+    ``lens[m]`` bytes long; ``coef``: at least the coefficients of each (uint64). Needs :func:`native`."""
+    many = _symbol("trd_digest_many", None, [_I, _P, _P, _P, _P, _P])
+    if many is None:
+        fn = native()
+        return [digest_rows(fn, r, n, coef) for r, n in zip(rows, lens, strict=True)]
     counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     desc = np.ascontiguousarray(np.concatenate(rows) if len(rows) > 1 else rows[0], dtype=np.int64)
+    sizes = np.array(lens, dtype=np.int64)
     out = np.zeros(len(rows), dtype=np.uint64)
-    fn(len(rows), counts.ctypes.data, desc.ctypes.data, lens.ctypes.data, coef.ctypes.data, out.ctypes.data)
+    many(len(rows), counts.ctypes.data, desc.ctypes.data, sizes.ctypes.data, coef.ctypes.data, out.ctypes.data)
     return out.tolist()
 
 
-def buffer_row(buf: torch.Tensor) -> list[int]:
-    """The one native view of the contiguous uint8 CPU buffer ``buf`` (its whole message)."""
-    return [buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0]
+def buffer_rows(buf: torch.Tensor) -> np.ndarray:
+    """The native views of the contiguous uint8 CPU buffer ``buf`` as one message: one view."""
+    return np.array([[buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0]], dtype=np.int64)
 
 
 def digest_buffer(fn, buf: torch.Tensor, coef: np.ndarray) -> int:
     """The hash of the contiguous uint8 CPU buffer ``buf`` (one view)."""
-    row = np.array(buffer_row(buf), dtype=np.int64)
+    row = buffer_rows(buf)  # kept alive across the call (``.ctypes.data`` alone does not hold the array)
     return int(fn(1, row.ctypes.data, buf.numel(), coef.ctypes.data))
 
 
