@@ -94,14 +94,20 @@ __attribute__((target("avx2"))) static uint64_t words_avx2(const uint8_t *q, int
 #endif
 
 static words_fn words = 0;
+static int has_avx2 = -1; /* whether the machine has AVX2 (-1: not asked yet) */
+static void pick_copy(void);
 
 static words_fn choose_words(void) {
     words_fn f = words_portable;
 #ifdef DIGEST_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) f = words_avx2;
+    if (has_avx2 < 0) {
+        __builtin_cpu_init();
+        has_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    if (has_avx2) f = words_avx2;
 #endif
-    words = f; /* a benign race: every thread stores the same pointer */
+    words = f; /* a benign race: every thread stores the same pointers */
+    pick_copy();
     return f;
 }
 
@@ -177,7 +183,10 @@ EXPORT void trd_digest_many(int64_t nm, const int64_t *counts, const int64_t *de
  * portable loop (0), for the tests that check both give the same value; returns the lanes now in use. */
 EXPORT int trd_digest_use(int lanes) {
     choose_words();
-    if (lanes == 0) words = words_portable;
+    if (lanes == 0) {
+        words = words_portable;
+        pick_copy();
+    }
     return trd_digest_simd();
 }
 
@@ -185,19 +194,104 @@ EXPORT int trd_digest_use(int lanes) {
 
 #define BLOCK 4096 /* bytes copied, then hashed back from where they were written while still in L1 */
 
+/* Copy the whole words at message offsets [a, z) (multiples of 8) from src to dst (both at offset a) and
+ * return their weighted row sums as dst holds them (words()'s value of dst afterwards). The portable way:
+ * memcpy a block, then hash it back from dst while it is in L1. */
+typedef uint64_t (*copy_words_fn)(uint8_t *dst, const uint8_t *src, int64_t a, int64_t z, const uint64_t *coef);
+
+static uint64_t copy_words_block(uint8_t *dst, const uint8_t *src, int64_t a, int64_t z, const uint64_t *coef) {
+    uint64_t h = 0;
+    for (int64_t k = 0, len = z - a; k < len;) {
+        int64_t b = len - k < BLOCK ? len - k : BLOCK;
+        memcpy(dst + k, src + k, (size_t)b);
+        h += words(dst + k, a + k, a + k + b, coef);
+        k += b;
+    }
+    return h;
+}
+
+#ifdef DIGEST_X86
+/* The AVX2 way, one pass: 128 bytes loaded, stored, then loaded back from dst (the compiler barrier makes the
+ * second load a real read of the destination, served from the store buffer / L1) and summed per row. */
+__attribute__((target("avx2"))) static uint64_t copy_words_avx2(uint8_t *dst, const uint8_t *src, int64_t a,
+                                                                 int64_t z, const uint64_t *coef) {
+    uint64_t h = 0;
+    const int64_t base = a;
+    while (a < z) {
+        int64_t row_end = ((a >> ROW_SHIFT) + 1) << ROW_SHIFT, e = z < row_end ? z : row_end;
+        const uint8_t *s = src + (a - base);
+        uint8_t *d = dst + (a - base);
+        __m256i v0 = _mm256_setzero_si256(), v1 = v0, v2 = v0, v3 = v0;
+        int64_t k = 0, m = e - a;
+        for (; k + 128 <= m; k += 128) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(s + k));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(s + k + 32));
+            __m256i x2 = _mm256_loadu_si256((const __m256i *)(s + k + 64));
+            __m256i x3 = _mm256_loadu_si256((const __m256i *)(s + k + 96));
+            _mm256_storeu_si256((__m256i *)(d + k), x0);
+            _mm256_storeu_si256((__m256i *)(d + k + 32), x1);
+            _mm256_storeu_si256((__m256i *)(d + k + 64), x2);
+            _mm256_storeu_si256((__m256i *)(d + k + 96), x3);
+            __asm__ volatile("" ::: "memory");
+            v0 = _mm256_add_epi64(v0, _mm256_loadu_si256((const __m256i *)(d + k)));
+            v1 = _mm256_add_epi64(v1, _mm256_loadu_si256((const __m256i *)(d + k + 32)));
+            v2 = _mm256_add_epi64(v2, _mm256_loadu_si256((const __m256i *)(d + k + 64)));
+            v3 = _mm256_add_epi64(v3, _mm256_loadu_si256((const __m256i *)(d + k + 96)));
+        }
+        if (k < m) { /* the row's last < 128 bytes (whole words): copied, then read back */
+            memcpy(d + k, s + k, (size_t)(m - k));
+            __asm__ volatile("" ::: "memory");
+        }
+        v0 = _mm256_add_epi64(_mm256_add_epi64(v0, v1), _mm256_add_epi64(v2, v3));
+        uint64_t t[4], sum;
+        _mm256_storeu_si256((__m256i *)t, v0);
+        sum = (t[0] + t[1]) + (t[2] + t[3]);
+        for (; k < m; k += 8) {
+            uint64_t w;
+            memcpy(&w, d + k, 8);
+            sum += w;
+        }
+        h += coef[a >> ROW_SHIFT] * sum;
+        a = e;
+    }
+    return h;
+}
+#endif
+
+static copy_words_fn copy_words = copy_words_block;
+
+/* The fused copy's loop: the AVX2 one where the hash loop is AVX2, else memcpy-then-hash blocks. */
+static void pick_copy(void) {
+#ifdef DIGEST_X86
+    if (words == words_avx2) {
+        copy_words = copy_words_avx2;
+        return;
+    }
+#endif
+    copy_words = copy_words_block;
+}
+
 /* Copy src[0..len) to dst[0..len) (message offsets [o, o + len)) and hash the bytes as the destination holds
- * them: each block is read back from dst right after it was written (hot), so the hash covers the written
- * memory, not a register copy of the source. Blocks end on message words (whole words for run()). */
+ * them: each word is read back from dst right after it was written (hot), so the hash covers the written
+ * memory, not a register copy of the source. The bytes of words the run holds only part of (its edges) and
+ * the message's tail bytes: copied, then run() reads them back. */
 static uint64_t copy_run(uint8_t *dst, const uint8_t *src, int64_t o, int64_t len, int64_t lim, int64_t rows,
                          const uint64_t *coef) {
     uint64_t h = 0;
-    int64_t k = 0;
-    while (k < len) {
-        int64_t b = len - k;
-        if (b > BLOCK) b = ((o + k + BLOCK) & ~(int64_t)7) - (o + k);
-        memcpy(dst + k, src + k, (size_t)b);
-        h += run(dst + k, o + k, b, lim, rows, coef);
-        k += b;
+    int64_t a = o, end = o + len, z = end < lim ? end : lim;
+    while (a < z && (a & 7)) a++;
+    if (a > o) { /* the leading bytes of a partial word */
+        memcpy(dst, src, (size_t)(a - o));
+        h += run(dst, o, a - o, lim, rows, coef);
+    }
+    if (a < z) {
+        int64_t zw = a + ((z - a) & ~(int64_t)7);
+        if (zw > a) h += copy_words(dst + (a - o), src + (a - o), a, zw, coef);
+        a = zw;
+    }
+    if (end > a) { /* the trailing bytes of a partial word, and the message's tail bytes */
+        memcpy(dst + (a - o), src + (a - o), (size_t)(end - a));
+        h += run(dst + (a - o), a, end - a, lim, rows, coef);
     }
     return h;
 }
@@ -210,6 +304,7 @@ static uint64_t copy_run(uint8_t *dst, const uint8_t *src, int64_t o, int64_t le
  * the hash of the copied bytes of message m (lens[m] bytes long), as written into the destination. */
 EXPORT void trd_copy_digest(int64_t nd, const int64_t *desc, const int64_t *lens, const uint64_t *coef,
                             uint64_t *out) {
+    if (!words) choose_words(); /* the loops of this machine (copy_words with them) */
     for (int64_t v = 0; v < nd; v++) {
         const int64_t *d = desc + 18 * v;
         const uint8_t *src = (const uint8_t *)(intptr_t)d[0];
