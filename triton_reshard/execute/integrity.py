@@ -16,8 +16,8 @@ for any failed refit, drops the delta snapshot (the next refit is dense) and sta
 fine: the exchange itself completed).
 
 The fused hash (:func:`partial`): the message's bytes as int64 words (the tail bytes one word each), summed
-per row of :data:`ROW_WORDS` words (one vectorized read pass, the only full pass), then the row sums
-multiplied by odd 64-bit coefficients per row position and summed, everything mod 2**64. The coefficients
+per row of :data:`ROW_WORDS` words (one read pass, the only full pass; AVX2 where the machine has it), then
+the row sums multiplied by odd 64-bit coefficients per row position and summed, everything mod 2**64. The coefficients
 come from the job's secret (SHAKE-256 of a key derived from it). The keyed combine is HMAC-SHA256 over the
 per-message partials with that key, truncated to 63 bits. What it guarantees is in ``docs/integrity.md``.
 """
