@@ -13,6 +13,11 @@ seconds (every rank's process, all threads, summed: on a shared machine the stea
 reported: the seconds inside the digest's hooks on rank 0, wall and the hooks' own thread CPU (the hash of
 every send and landed receive, the keyed combine and the end-of-refit exchange).
 
+``--split``: a third setting alternates with the two, ``hash``: the digest on, but the end-of-refit exchange
+replaced by the keyed combine alone (each rank makes its row and tag; no round, no verdict). ``hash / off`` is
+then the cost of the hashing (the fused copies, the in-place messages' passes, the hooks), ``on / hash`` that of
+the exchange round. A measurement only: a refit never skips its exchange.
+
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
 
 ``--kernel``: the Triton copy kernel alone, digest on vs off on one pack and one unpack of a TP2 column block of
@@ -102,6 +107,38 @@ class DigestClock:
 
 
 CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed
+EXCHANGE = [True]  # --split: False while the "hash" setting runs (the exchange replaced by the combine alone)
+
+
+def _split_settle() -> None:
+    """``--split``: make ``Ledger.settle`` skip the exchange while :data:`EXCHANGE` says so (the combine, each
+    rank's keyed row and its tag, is still made: the work of the exchange that is not the round)."""
+    from triton_reshard.execute import integrity
+
+    real = integrity.Ledger.settle
+
+    def settle(self, link, _real=real):
+        if EXCHANGE[0]:
+            return _real(self, link)
+        self._values()
+        row = []
+        for r in link.ranks:
+            row += [self._pair(self.rank, r, self.sent.get(r, [])), self._pair(r, self.rank, self.recvd.get(r, []))]
+        self._row_tag(self.rank, row)
+        return None
+
+    integrity.Ledger.settle = settle
+
+
+def _refit_with(setting, *args, **kw):
+    """``refit`` with the digest ``setting``: True, False, or "hash" (on, the exchange skipped: ``--split``)."""
+    from triton_reshard import refit
+
+    EXCHANGE[0] = setting != "hash"
+    try:
+        return refit(*args, digest=bool(setting), **kw)
+    finally:
+        EXCHANGE[0] = True
 
 
 def _timed(fn) -> float:
@@ -122,27 +159,30 @@ def _timed(fn) -> float:
 
 
 def worker(rank: int, world: int, spec: dict) -> dict:
-    from triton_reshard import refit
-
     clock = DigestClock()
+    settings: tuple = (True, False)
+    if spec.get("split"):
+        _split_settle()
+        settings = (True, False, "hash")
     src_l, dst_l = _layouts(spec["mb"])
     data = _global(src_l, 0, 0.0)
     src = src_l.shard(data, rank)
     dst = dst_l.allocate(rank)
     out: dict = {"rank": rank}
     if "refit" in spec["parts"]:
-        times: dict[bool, list[float]] = {True: [], False: []}
-        cpus: dict[bool, list[float]] = {True: [], False: []}
+        times: dict = {s: [] for s in settings}
+        cpus: dict = {s: [] for s in settings}
         digest_s: list[float] = []
         hook_cpu: list[float] = []
-        for digest in (True, False, True, False):  # warm-up: plans, buffers, connections
-            refit(src, dst, src_l, dst_l, digest=digest)
+        for digest in settings * 2:  # warm-up: plans, buffers, connections
+            _refit_with(digest, src, dst, src_l, dst_l)
         for r in range(spec["repeats"]):
-            for digest in (True, False) if r % 2 == 0 else (False, True):
+            k = r % len(settings)  # which goes first turns round
+            for digest in settings[k:] + settings[:k]:
                 before, before_cpu = clock.seconds, clock.cpu
-                times[digest].append(_timed(lambda d=digest: refit(src, dst, src_l, dst_l, digest=d)))
+                times[digest].append(_timed(lambda d=digest: _refit_with(d, src, dst, src_l, dst_l)))
                 cpus[digest].append(CPU[-1])
-                if digest:
+                if digest is True:
                     digest_s.append(clock.seconds - before)
                     hook_cpu.append(clock.cpu - before_cpu)
         out["refit"] = {
@@ -154,14 +194,15 @@ def worker(rank: int, world: int, spec: dict) -> dict:
             "hook_thread_cpu_s_rank": hook_cpu,
             "hooks_s_total": dict(clock.by_hook),
             "hooks_thread_cpu_s_total": dict(clock.cpu_by_hook),
+            **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
         }
     if "delta" in spec["parts"]:
         version, base = 1, data
-        times = {True: [], False: []}
-        cpus = {True: [], False: []}
+        times = {s: [] for s in settings}
+        cpus = {s: [] for s in settings}
         digest_s, hook_cpu = [], []
         modes: list[str] = []
-        for digest in (True, False, True, False):
+        for digest in settings * 2:
             for k in range(spec["repeats"] + 1):
                 version += 1
                 base = _global(src_l, version, spec["fraction"], base)
@@ -171,14 +212,14 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 rep = [None]
 
                 def go(d=digest, v=version, rep=rep):
-                    rep[0] = refit(src, dst, src_l, dst_l, digest=d, delta=True, version=v)
+                    rep[0] = _refit_with(d, src, dst, src_l, dst_l, delta=True, version=v)
 
                 dt = _timed(go)
                 if k:  # the phase's first refit is dense (a new session): not counted
                     times[digest].append(dt)
                     cpus[digest].append(CPU[-1])
                     modes.append(rep[0].mode)
-                    if digest:
+                    if digest is True:
                         digest_s.append(clock.seconds - before)
                         hook_cpu.append(clock.cpu - before_cpu)
         out["delta"] = {
@@ -189,6 +230,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
             "digest_cpu_s_rank": digest_s,
             "hook_thread_cpu_s_rank": hook_cpu,
             "modes": modes,
+            **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
         }
     return out
 
@@ -219,6 +261,10 @@ def summarize(res: list[dict], spec: dict) -> dict:
         }
         if part == "delta":
             row["modes"] = sorted(set(r0["modes"]))
+        if "hash" in r0:  # --split
+            h, c_h = statistics.median(r0["hash"]), statistics.median(r0["cpu_hash"])
+            row.update(median_hash_s=h, median_cpu_hash_s=c_h, hash_s=r0["hash"], ratio_hash_off=h / off if off else None,
+                       cpu_ratio_hash_off=c_h / c_off if c_off else None)
         out[part] = row
     return out
 
@@ -348,12 +394,13 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="refit,delta")
     p.add_argument("--out", default=None)
     p.add_argument("--kernel", action="store_true", help="the Triton copy kernel, digest on vs off (GPU)")
+    p.add_argument("--split", action="store_true", help="also the digest on with its exchange skipped (hash only)")
     a = p.parse_args(argv)
     if a.kernel:
         return kernel_main(a)
     from triton_reshard.testing.launch import run_world
 
-    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(",")}
+    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split}
     res = run_world(worker, WORLD, spec, timeout=1800)
     out = summarize(res, spec)
     for part in spec["parts"]:
@@ -366,6 +413,10 @@ def main(argv=None) -> int:
             f"{r['hook_thread_cpu_s_rank0_median'] * 1e3:.1f} ms CPU"
             + (f"; modes {r['modes']}" if "modes" in r else "")
         )
+        if "ratio_hash_off" in r:
+            print(f"{part}, the exchange skipped (--split): hash/off {r['ratio_hash_off']:.3f} wall, "
+                  f"{r['cpu_ratio_hash_off']:.3f} CPU; on/hash {r['median_on_s'] / r['median_hash_s']:.3f} wall, "
+                  f"{r['median_cpu_on_s'] / r['median_cpu_hash_s']:.3f} CPU (the round)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))

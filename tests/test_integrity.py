@@ -510,3 +510,58 @@ def test_the_fused_pack_writes_the_message_and_hashes_it():
     assert nd.copy_plan([(d0.to(torch.float64), r0)], [(msg, n)], 1) is None  # a cast
     assert nd.copy_plan([(d0, r0), (d0, r0)], [(msg, n)], 1) is None  # the same message bytes twice
     assert nd.copy_plan([(r0, d0)], [(msg, n)], 1) is None  # the message side is strided
+
+
+@pytest.fixture(params=[0, 256], ids=["portable-loop", "avx2-loop"])
+def hash_lanes(request):
+    """The native hash with each of its loops (``csrc/digest.c``: the portable one, the AVX2 one where the
+    machine has it); the loop the machine picks is restored afterwards."""
+    nd, _fn = _native()
+    have = nd.lanes()
+    if request.param and have != request.param and nd.lanes(request.param) != request.param:
+        pytest.skip("this machine has no AVX2")
+    try:
+        assert nd.lanes(request.param) == request.param
+        yield nd
+    finally:
+        nd.lanes(have)
+
+
+def test_each_hash_loop_gives_the_numpy_hash_of_pieces_at_any_offset(hash_lanes):
+    """Pieces of a message that start and end anywhere (inside a word, inside a 1 KiB row, across rows),
+    hashed apart and summed, or as views of one call, or copied by the fused copy: the numpy hash of the
+    message, with either loop."""
+    nd, fn, cfn = hash_lanes, hash_lanes.native(), hash_lanes.copy_native()
+    g = torch.Generator().manual_seed(61)
+    c = _coef()
+    for n in (5, 8, 40, 1024, 1029, 3000, 4096 * 3 + 11, 70_001):
+        msg = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, generator=g)[3 : 3 + n]  # unaligned
+        want = ig._partial_np(msg.numpy(), c)
+        cuts = sorted({0, n, *torch.randint(0, n + 1, (6,), generator=g).tolist()})
+        rows = ig.np.array([[msg.data_ptr() + a, a, z - a, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+                            for a, z in zip(cuts, cuts[1:], strict=False) if z > a], dtype=ig.np.int64)
+        coef = c.numpy(ig._entries(n))
+        assert nd.digest_rows(fn, rows, n, coef) == want, n
+        assert sum(nd.digest_rows(fn, rows[k : k + 1], n, coef) for k in range(len(rows))) % (1 << 64) == want
+        out = torch.zeros(n + 5, dtype=torch.uint8)[5:]  # the fused copy into an unaligned message
+        pairs = [(msg[a:z], out[a:z]) for a, z in zip(cuts, cuts[1:], strict=False) if z > a]
+        desc, gaps = nd.copy_plan(pairs, [(out, n)], 1)
+        h = nd.copy_digest(cfn, desc, ig.np.array([n], dtype=ig.np.int64), coef)
+        assert torch.equal(out, msg) and not len(gaps[0]) and int(h[0]) == want, n
+
+
+def test_a_steps_messages_hash_in_one_native_call():
+    """``trd_digest_many``: several messages (a step's sends, its landed receives) in one call, each the hash
+    of its own bytes; the ledger hashes a step's sends that no fused copy took (delta messages, in-place
+    sends) that way."""
+    nd, _fn = _native()
+    g = torch.Generator().manual_seed(62)
+    bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (1, 1023, 1024, 9000, 300_001)]
+    c = _coef()
+    want = [ig._partial_np(b.numpy(), c) for b in bufs]
+    coef = c.numpy(max(ig._entries(b.numel()) for b in bufs))
+    assert nd.digest_many([nd.buffer_rows(b) for b in bufs], [b.numel() for b in bufs], coef) == want
+    work = type("W", (), {"steps": [(0, None)]})()
+    led = ig.Ledger(b"k", c, 0, "p", work, ())
+    led.on_post(0, [(1, b) for b in bufs], [])
+    assert [e[2] for e in led.sent[1]] == want

@@ -16,8 +16,8 @@ for any failed refit, drops the delta snapshot (the next refit is dense) and sta
 fine: the exchange itself completed).
 
 The fused hash (:func:`partial`): the message's bytes as int64 words (the tail bytes one word each), summed
-per row of :data:`ROW_WORDS` words (one vectorized read pass, the only full pass), then the row sums
-multiplied by odd 64-bit coefficients per row position and summed, everything mod 2**64. The coefficients
+per row of :data:`ROW_WORDS` words (one read pass, the only full pass; AVX2 where the machine has it), then
+the row sums multiplied by odd 64-bit coefficients per row position and summed, everything mod 2**64. The coefficients
 come from the job's secret (SHAKE-256 of a key derived from it). The keyed combine is HMAC-SHA256 over the
 per-message partials with that key, truncated to 63 bits. What it guarantees is in ``docs/integrity.md``.
 """
@@ -34,11 +34,12 @@ import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
 from ..ops.digest import (
+    buffer_rows,
     copy_digest,
     copy_native,
     copy_plan,
     digest_buffer,
-    digest_rows,
+    digest_many,
     message_rows,
     span_torch,
 )
@@ -52,7 +53,9 @@ NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes e
 MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
 MAX_MSGS = 32  # messages per pair compared one by one in the localizing exchange (the rest as a count)
 MASK63 = (1 << 63) - 1
-THREAD_MIN_BYTES = 1 << 16  # in-place sends from this size are hashed in the digest's thread
+# in-place sends from this size are hashed in the digest's thread: handing a hash to the thread and taking its
+# value costs ~20-40 us, what the native hash takes for 1-4 MiB; smaller sends are hashed at once, in one call
+THREAD_MIN_BYTES = 8 << 20
 _POOL: list = []
 
 
@@ -116,6 +119,7 @@ class Coefficients:
     def __init__(self, key: bytes) -> None:
         self.seed = hmac.new(key, LABEL + b"coefficients", hashlib.sha256).digest()
         self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._np: np.ndarray | None = None  # the CPU coefficients as uint64 (the native hash's), all made so far
 
     def get(self, n: int, device: torch.device) -> torch.Tensor:
         have = self._by_device.get(device)
@@ -128,7 +132,11 @@ class Coefficients:
 
     def numpy(self, n: int) -> np.ndarray:
         """The first ``n`` coefficients as uint64 (the same bits), for the CPU hash."""
-        return self.get(n, torch.device("cpu")).numpy().view(np.uint64)
+        have = self._np
+        if have is None or have.size < n:
+            self.get(n, torch.device("cpu"))
+            have = self._np = self._by_device[torch.device("cpu")].numpy().view(np.uint64)
+        return have[:n]
 
 
 def partial(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
@@ -237,17 +245,37 @@ class Ledger:
         i = self.work.steps[pos][0]
         fused = self._fused.pop(("pack", pos), None)
         values = self._finish(fused, [(b, b.numel()) for _p, b in sends]) if fused is not None else None
-        fn = digest_native() if values is None else None
-        for j, (peer, buf) in enumerate(sends):
-            if values is not None:
-                v = values[j]
-            elif fn is not None and buf.numel() >= THREAD_MIN_BYTES and buf.device.type == "cpu" and buf.is_contiguous():
-                v = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
+        if values is None:
+            values = self._sends([b for _p, b in sends])
+        for (peer, buf), v in zip(sends, values, strict=True):
+            if not isinstance(v, (int, torch.Tensor)):  # a future of the digest's thread
                 self._hashing.setdefault(pos, []).append((peer, len(self.sent.get(peer, ()))))
-            else:
-                v = partial(buf, self.coef)
             self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
+
+    def _sends(self, bufs: list[torch.Tensor]) -> list:
+        """The hashes of sends no fused copy hashed (delta messages, in-place sends): on CPU with the native
+        hash those of :data:`THREAD_MIN_BYTES` or more as futures of the digest's thread, the rest in one native
+        call; else one by one (:func:`partial`)."""
+        fn = digest_native()
+        values: list = [None] * len(bufs)
+        batch = []
+        for j, buf in enumerate(bufs):
+            if fn is None or buf.device.type != "cpu" or not buf.is_contiguous():
+                values[j] = partial(buf, self.coef)
+            elif buf.numel() >= THREAD_MIN_BYTES:
+                values[j] = _pool().submit(digest_buffer, fn, buf, self.coef.numpy(_entries(buf.numel())))
+            else:
+                batch.append(j)
+        if batch:
+            got = self._many([buffer_rows(bufs[j]) for j in batch], [bufs[j].numel() for j in batch])
+            for j, v in zip(batch, got, strict=True):
+                values[j] = v
+        return values
+
+    def _many(self, rows: list[np.ndarray], lens: list[int]) -> list[int]:
+        """The native hashes of messages ``rows`` (:func:`message_rows`) of ``lens`` bytes, in one call."""
+        return digest_many(rows, lens, self.coef.numpy(max(_entries(n) for n in lens)))
 
     def _joined(self, pos: int | None = None) -> None:
         """The threaded hashes of step ``pos``'s sends (every step's: None) as values."""
@@ -298,12 +326,11 @@ class Ledger:
         hashes, gaps = fused
         if isinstance(hashes, torch.Tensor):  # the Triton kernels' sums (on the device, no sync)
             return [self._gaps_torch(hashes[j], g, b, n) for j, (g, (b, n)) in enumerate(zip(gaps, bufs, strict=True))]
-        fn = digest_native()
-        out = []
-        for h, g, (_b, n) in zip(hashes.tolist(), gaps, bufs, strict=True):
-            if len(g):
-                h += digest_rows(fn, g, n, self.coef.numpy(_entries(n)))
-            out.append(h & ((1 << 64) - 1))
+        out = hashes.tolist()
+        gapped = [j for j, g in enumerate(gaps) if len(g)]
+        if gapped:  # the bytes no copy took (in-place messages, padding), one native call for all
+            for j, h in zip(gapped, self._many([gaps[j] for j in gapped], [bufs[j][1] for j in gapped]), strict=True):
+                out[j] = (out[j] + h) & ((1 << 64) - 1)
         return out
 
     def _gaps_torch(self, h, gaps, buf, n: int):
@@ -356,9 +383,7 @@ class Ledger:
                 if len(self.views) >= 512:
                     self.views.clear()
                 self.views[sig] = rows
-        return [
-            digest_rows(fn, r, n, self.coef.numpy(_entries(n))) for r, (_b, n) in zip(rows, bufs, strict=True)
-        ]
+        return self._many(rows, [n for _b, n in bufs])
 
     def _rebuilt(self, bufs, rebuild, backend: str) -> list:
         from .. import ops

@@ -19,42 +19,47 @@ import torch
 WIDTH = 12  # int64 per view: address, offset in the message, inner run bytes, outer dims, 4 sizes, 4 strides
 COPY_WIDTH = 18  # int64 per fused copy: 2 addresses, message, offset, run, outer dims, 4 sizes, 2x4 strides
 MAX_OUTER = 4
-_fn: dict = {}
-_copy_fn: dict = {}
+_fn: dict = {}  # (symbol, id of the loaded library) -> the typed ctypes function, or None
+
+
+def _symbol(name: str, restype, argtypes):
+    """The extension's ``name`` (ctypes, typed once), or None: no extension, the native codec off, or an
+    extension built before the symbol was added (the caller then takes the numpy / torch path)."""
+    from .delta_native import native as codec
+
+    lib = codec()
+    if lib is None:
+        return None
+    fn = _fn.get((name, id(lib)), False)
+    if fn is False:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _fn[name, id(lib)] = fn
+    return fn
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def native():
     """``trd_digest`` (ctypes) where the extension is built with it and the native codec is on, else None."""
-    from .delta_native import native as codec
-
-    lib = codec()
-    if lib is None:
-        return None
-    fn = _fn.get(id(lib))
-    if fn is None:
-        fn = getattr(lib, "trd_digest", None)  # an extension built before the digest was added: numpy
-        if fn is not None:
-            fn.restype = ctypes.c_uint64
-            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        _fn[id(lib)] = fn
-    return fn
+    return _symbol("trd_digest", ctypes.c_uint64, [_I, _P, _I, _P])
 
 
 def copy_native():
     """``trd_copy_digest`` (ctypes): the copy that hashes what it writes, or None (as :func:`native`)."""
-    from .delta_native import native as codec
+    return _symbol("trd_copy_digest", None, [_I, _P, _P, _P, _P])
 
-    lib = codec()
-    if lib is None:
+
+def lanes(use: int | None = None) -> int | None:
+    """The native hash loop's lanes: 256 (AVX2) or 0 (the portable loop), None without the extension. ``use``
+    (0 or 256) picks the loop for this process first (the tests run both; the value is the same)."""
+    pick = _symbol("trd_digest_use", ctypes.c_int, [ctypes.c_int])
+    if pick is None:
         return None
-    fn = _copy_fn.get(id(lib))
-    if fn is None:
-        fn = getattr(lib, "trd_copy_digest", None)  # an extension built before it: the caller copies
-        if fn is not None:
-            fn.restype = None
-            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        _copy_fn[id(lib)] = fn
-    return fn
+    return pick(use) if use is not None else _symbol("trd_digest_simd", ctypes.c_int, [])()
 
 
 def copy_row(src: torch.Tensor, dst: torch.Tensor, m: int, off: int) -> list[int] | None:
@@ -211,9 +216,30 @@ def digest_rows(fn, rows: np.ndarray, n: int, coef: np.ndarray) -> int:
     return int(fn(len(rows), rows.ctypes.data, n, coef.ctypes.data))
 
 
+def digest_many(rows: list[np.ndarray], lens: list[int], coef: np.ndarray) -> list[int]:
+    """The native hashes of several messages (a step's), in one call (``trd_digest_many``; one per message with
+    an extension built before it): message ``m`` is made of the views ``rows[m]`` (:func:`message_rows`) and is
+    ``lens[m]`` bytes long; ``coef``: at least the coefficients of each (uint64). Needs :func:`native`."""
+    many = _symbol("trd_digest_many", None, [_I, _P, _P, _P, _P, _P])
+    if many is None:
+        fn = native()
+        return [digest_rows(fn, r, n, coef) for r, n in zip(rows, lens, strict=True)]
+    counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    desc = np.ascontiguousarray(np.concatenate(rows) if len(rows) > 1 else rows[0], dtype=np.int64)
+    sizes = np.array(lens, dtype=np.int64)
+    out = np.zeros(len(rows), dtype=np.uint64)
+    many(len(rows), counts.ctypes.data, desc.ctypes.data, sizes.ctypes.data, coef.ctypes.data, out.ctypes.data)
+    return out.tolist()
+
+
+def buffer_rows(buf: torch.Tensor) -> np.ndarray:
+    """The native views of the contiguous uint8 CPU buffer ``buf`` as one message: one view."""
+    return np.array([[buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0]], dtype=np.int64)
+
+
 def digest_buffer(fn, buf: torch.Tensor, coef: np.ndarray) -> int:
     """The hash of the contiguous uint8 CPU buffer ``buf`` (one view)."""
-    row = np.array([buf.data_ptr(), 0, buf.numel(), 0, 1, 1, 1, 1, 0, 0, 0, 0], dtype=np.int64)
+    row = buffer_rows(buf)  # kept alive across the call (``.ctypes.data`` alone does not hold the array)
     return int(fn(1, row.ctypes.data, buf.numel(), coef.ctypes.data))
 
 
