@@ -447,7 +447,7 @@ def _encode_block(
     small = put & (w < 8)
     tl.atomic_or(m32_ptr + (bit >> 5), (v << (bit & 31)).to(tl.int32), mask=small, sem="relaxed")
     nb = w // 8
-    h = tl.zeros((BPT, NB), tl.int64)
+    h = tl.full((BPT, NB), 0, tl.int64)  # not tl.zeros (a jit function: the interpreter refuses it here after a compiled load)
     for b in tl.static_range(8):
         tl.store(msg_ptr + (bit >> 3) + b, ((v >> (8 * b)) & 0xFF).to(tl.uint8), mask=put & (b < nb))
         if DIGEST:
