@@ -30,16 +30,14 @@ if WeightTransferEngine is not None:
     class TritonReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         """The worker side: receives exactly its boxes every update, in place into the live parameters or, when
         the engine rewrites its weights after loading (``mode``, see :func:`choose_mode`), into per-layer staging
-        in the checkpoint's coordinates handed to vLLM's layerwise reload (``initialize_layerwise_reload``, then
+        in the checkpoint's coordinates fed to vLLM's layerwise reload (``initialize_layerwise_reload``, then
         ``model.load_weights``, ``finish_weight_update``: ``finalize_layerwise_reload``), which re-runs the
-        post-processing on the new weights. Phase "stage" receives into a private mirror (:class:`~.stage.Staging`)
-        in a background thread while the engine serves and, in reload mode, builds the new weights from it on a
-        shadow of the model (:func:`.vllm_transfer.shadow_reload`; ``shadow=False`` or a failed build: the commit
-        reloads instead); phase "commit" swaps them in. ``last_update``: what the last update did.
-
-        An update that fails part way (the trainer killed mid-refit, a timeout) leaves the weights torn: the
-        worker says so (``torn``), refuses any forward with :class:`TornWeightsError` until a later update
-        completes, and the next ``start_weight_update`` repairs the reload state. A failed staged receive touches
+        post-processing. Phase "stage" receives into a private mirror (:class:`~.stage.Staging`) in a background
+        thread while the engine serves and, in reload mode, builds the new weights on a shadow of the model
+        (:func:`.vllm_transfer.shadow_reload`; else, or if that fails, the commit reloads); phase "commit" swaps
+        them in. ``last_update``: what the last update did. An update that fails part way leaves the weights torn:
+        the worker says so (``torn``) and refuses any forward (:class:`TornWeightsError`) until a later update
+        completes; the next ``start_weight_update`` repairs the reload state. A failed staged receive touches
         nothing the engine serves."""
 
         init_info_cls = ReshardInitInfo
