@@ -3,7 +3,7 @@
 Framework knowledge lives here and in ``presets``, never in the planner or the kernels. Nothing here imports
 a framework at module import time: each integration imports it when called. What every plug-in does the same
 way (join the refit group, exchange layouts, plan the pair, delta options) is the integration kit,
-:mod:`.engine`.
+:mod:`.engine`, with :mod:`.stage` (both sides of one update: staging mirror, vote, torn refusal).
 """
 
 from .megatron import layout_from_megatron, megatron_layout_args

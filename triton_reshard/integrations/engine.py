@@ -33,7 +33,9 @@ engine is reached, how its loader is recorded, what it refuses) stay in the plug
   engine API that takes ``named_tensors`` can carry (SGLang's ``update_weights_from_tensor``); data only,
   never a pickle.
 
-The plug-ins built on it: :mod:`.vllm_transfer` (vLLM's weight-transfer backend), :mod:`.sglang`, :mod:`.verl`.
+The rest of the kit: :mod:`.stage` (both sides of one update: the staging mirror, the voted part, the timed
+receives, the torn refusal) and :mod:`.record` (a loader's record). The plug-ins built on it:
+:mod:`.vllm_transfer` (vLLM's weight-transfer backend), :mod:`.sglang`, :mod:`.verl`.
 """
 
 from __future__ import annotations

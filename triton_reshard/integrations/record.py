@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm import wire
-from ..layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, dtype_name
+from ..layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, dtype_name, scale_shape
 
 
 @dataclass
@@ -293,6 +293,54 @@ def record_load(
     rec.unused = [n for n in names if n not in used]
     rec.uncovered = sorted(n for n in params if n not in rec.locals)
     return rec
+
+
+def record_block_quant(params: Mapping[str, torch.Tensor], load: Callable, checkpoint: Mapping[str, Sequence[int]],
+                       rank: int, blocks: Mapping[str, tuple[int, ...]], suffix: str, ue8m0: bool) -> LoadRecord:
+    """:func:`record_load` of a loader that holds some parameters block-quantized: ``blocks`` ``{parameter:
+    block size}``, each with its scales in the parameter of the same name + ``suffix``. A checkpoint tensor
+    ``X`` the loader copies into such a parameter is block-quantized (``ue8m0``: power-of-two scales), its scales
+    ``X + suffix``, which must land in that parameter's scales (else a problem is reported). A checkpoint without
+    the scales (a BF16 trainer's) is recorded once more with the scale tensors the loader expects,
+    ``ceil(shape / block)``, each right after its weight."""
+    rec = record_load(params, load, checkpoint, rank)
+    if not blocks:
+        return rec
+    missing = {f.tensor + suffix: scale_shape(tuple(checkpoint[f.tensor]), blocks[f.local]) for f in rec.fragments
+               if f.local in blocks and f.tensor + suffix not in checkpoint}
+    if missing:
+        with_scales: dict[str, Sequence[int]] = {}
+        for n, shp in checkpoint.items():
+            with_scales[n] = shp
+            if n + suffix in missing:
+                with_scales[n + suffix] = missing[n + suffix]
+        rec = record_load(params, load, with_scales, rank)
+    scale_locals = {(f.tensor, f.local) for f in rec.fragments}
+    for f in rec.fragments:
+        if f.local not in blocks or f.tensor in rec.quant:
+            continue
+        if (f.tensor + suffix, f.local + suffix) not in scale_locals:
+            rec.problems.append(f"{f.local}: block-FP8 parameter loaded from {f.tensor!r}, but the loader put no "
+                                f"{f.tensor + suffix!r} into {f.local + suffix!r}")
+            continue
+        rec.quant[f.tensor] = BlockQuant(blocks[f.local], f.tensor + suffix, ue8m0)
+    return rec
+
+
+def staging_record(rec: LoadRecord) -> LoadRecord:
+    """A rank's record in the checkpoint's coordinates (an engine's staging, fed to its loader): each checkpoint
+    tensor it loads from becomes one local staging tensor of the checkpoint's full shape, named like it,
+    holding exactly the boxes the loader reads (same offsets); the boxes two parameters read (a tied embedding)
+    are received once."""
+    out = LoadRecord(rec.rank, tensors=dict(rec.tensors), quant=dict(rec.quant), fills=rec.fills)
+    seen = set()
+    for f in rec.fragments:
+        key = (f.tensor, tuple(f.offsets), tuple(f.sizes))
+        if key not in seen:
+            seen.add(key)
+            out.fragments.append(Fragment(f.tensor, f.rank, key[1], key[2], f.tensor, key[1]))
+            out.locals[f.tensor] = rec.tensors[f.tensor]
+    return out
 
 
 def layout_from_records(records: Iterable[LoadRecord]) -> Layout:

@@ -55,6 +55,7 @@ from ..refit import RefitState, refit, refit_state, verify_refit
 from .engine import delta_options, exchange_layouts, join_group, message_tensors, plan_pair, tensor_message
 from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
 from .sglang_stage import before_full_refit, commit, stage
+from .stage import Staging, beside
 
 LOAD_FORMAT = "triton_reshard.integrations.sglang.receive_weights"  # --custom-weight-loader / load_format
 CONTROL = "triton_reshard.control"  # the name of the one tensor SGLang passes to receive_weights
@@ -257,13 +258,11 @@ class _EngineState:
     bucket_bytes: int
     last_report: object = None
     reports: list = field(default_factory=list)
-    # stage, then commit (issue 45): this rank's private staging mirror (1x its shard, kept between updates so a
-    # delta patches it), the staged version once every rank staged it, the background receive, and what the
-    # live parameters hold while the mirror runs ahead of them (refit_state describes the mirror then)
-    mirror: dict | None = None
-    staged: dict | None = None
-    stage_thread: threading.Thread | None = None
-    stage_error: str | None = None
+    # stage, then commit (issue 45): this rank's private staging mirror (the kit's Staging: 1x its shard, kept
+    # between updates so a delta patches it; the staged version once every rank staged it; the background
+    # receive), and what the live parameters hold while the mirror runs ahead of them (refit_state describes the
+    # mirror then)
+    staging: Staging | None = None
     live: RefitState | None = None
 
 
@@ -444,31 +443,15 @@ class SGLangTrainer:
         return self.last_report
 
     def _stage(self, tensors: Mapping[str, torch.Tensor], version, delta):
-        from .engine import commit_vote, group_broken
+        if self.rank == 0:  # the engine's session only starts its ranks' receive threads: its answer comes first
+            self._post({"op": "stage", "version": version, "delta": delta}).join(self.timeout)
 
-        call = self._post({"op": "stage", "version": version, "delta": delta}) if self.rank == 0 else None
-        err: BaseException | None = None
-        bad: list[int] = []
-        if call is not None:  # the engine's session only starts its ranks' receive threads: its answer comes first
-            call.join(self.timeout)
-            call = None
-        try:
+        def part():
             self.last_report = refit(tensors, {}, self.src_layout, self.dst_layout, group=self.group,
                                      timeout=self.timeout, bucket_bytes=self.bucket_bytes, version=version,
                                      delta=delta)
-        except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the engine's answer)
-            err = e
-        if err is None or not group_broken(err):
-            try:
-                words = commit_vote(self.group, err is None, self.timeout, f"trainer rank {self.rank}")
-                bad = [r for r, w in enumerate(words) if not w]
-            except Exception as e:  # noqa: BLE001
-                err = err or e
-        if call is not None:
-            try:
-                call.join(self.timeout)
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
+
+        _, err, bad = beside(self.group, part, None, self.timeout, f"trainer rank {self.rank}")
         if err is not None or bad:
             reason = f"{type(err).__name__}: {err}" if err is not None else f"rank(s) {bad} failed their part"
             raise RuntimeError(
@@ -484,25 +467,12 @@ class SGLangTrainer:
         the new weights after it: pause the engine around it, SGLang's ``pause_generation``, where every request
         must see one version). Every trainer rank calls it (it ends with the update's vote). Refused, before any
         engine call, without a complete staged update."""
-        from .engine import commit_vote
-
         if self._staged is None:
             raise RuntimeError(f"triton_reshard trainer rank {self.rank}: commit refused: no complete staged update "
                                "(send_weights(..., overlap=True) first; a failed one cannot be committed)")
         version, self._staged = self._staged["version"], None
         call = self._post({"op": "commit", "version": version}) if self.rank == 0 else None
-        err: BaseException | None = None
-        bad: list[int] = []
-        try:
-            bad = [r for r, w in enumerate(commit_vote(self.group, True, self.timeout,
-                                                       f"trainer rank {self.rank}: commit")) if not w]
-        except BaseException as e:  # noqa: BLE001
-            err = e
-        if call is not None:
-            try:
-                call.join(self.timeout)
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
+        _, err, bad = beside(self.group, lambda: None, call, self.timeout, f"trainer rank {self.rank}: commit")
         if err is not None or bad:
             reason = f"{type(err).__name__}: {err}" if err is not None else f"rank(s) {bad} refused or failed it"
             raise RuntimeError(f"triton_reshard trainer rank {self.rank}: the commit of version {version!r} failed "

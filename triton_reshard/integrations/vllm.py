@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import wire
-from ..layout import BlockQuant, Layout, scale_shape
-from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_load
+from ..layout import Layout
+from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_block_quant
 
 SCALE_SUFFIX = "_scale_inv"  # block FP8: checkpoint "X.weight_scale_inv" -> vLLM param "...weight_scale_inv"
 # the parameters vLLM's block-FP8 methods hold quantized (Fp8LinearMethod / Fp8MoEMethod, vLLM 0.33), each
@@ -55,43 +55,16 @@ def _scale_fmt_ue8m0(model) -> bool:
 def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int,
                 ue8m0: bool | None = None) -> LoadRecord:
     """This rank's :class:`LoadRecord` of ``model.load_weights`` (``checkpoint``: a safetensors directory or
-    ``{name: shape}``).
-
-    Block FP8 (:func:`block_quantized_params`): a checkpoint tensor ``X`` the loader copies into a quantized
-    parameter is block-quantized with the layer's ``weight_block_size``, its scales ``X + "_scale_inv"``, which
-    must land in that parameter's ``..._scale_inv`` (else a problem is reported). ``ue8m0``: power-of-two scales
-    (default: the config's ``quantization_config.scale_fmt == "ue8m0"``). Tensors without scales (a BF16
-    trainer's) get the scale tensors the FP8 loader expects, ``ceil(shape / block)``, recorded once more."""
+    ``{name: shape}``). The parameters vLLM holds in block FP8 (:func:`block_quantized_params`) are recorded with
+    their scales ``X + "_scale_inv"`` (:func:`~.record.record_block_quant`: a BF16 trainer's checkpoint gets the
+    scale tensors the FP8 loader expects). ``ue8m0``: power-of-two scales (default: the config's
+    ``quantization_config.scale_fmt == "ue8m0"``)."""
     shapes = checkpoint_shapes(checkpoint) if isinstance(checkpoint, str) else checkpoint
-    params = dict(model.named_parameters())
-    rec = record_load(params, model.load_weights, shapes, rank)
     blocks = block_quantized_params(model)
-    if blocks:
-        missing: dict[str, tuple[int, ...]] = {}
-        for f in rec.fragments:
-            blk = blocks.get(f.local)
-            if blk is not None and f.tensor + SCALE_SUFFIX not in shapes:
-                missing[f.tensor + SCALE_SUFFIX] = scale_shape(tuple(shapes[f.tensor]), blk)
-        if missing:
-            with_scales: dict[str, Sequence[int]] = {}
-            for n, shp in shapes.items():  # each scale tensor right after its weight
-                with_scales[n] = shp
-                if n + SCALE_SUFFIX in missing:
-                    with_scales[n + SCALE_SUFFIX] = missing[n + SCALE_SUFFIX]
-            rec = record_load(params, model.load_weights, with_scales, rank)
-        ue8m0 = _scale_fmt_ue8m0(model) if ue8m0 is None else ue8m0
-        scale_locals = {(f.tensor, f.local) for f in rec.fragments}
-        for f in rec.fragments:
-            blk = blocks.get(f.local)
-            if blk is None or f.tensor in rec.quant:
-                continue
-            scale = f.tensor + SCALE_SUFFIX
-            if (scale, f.local + SCALE_SUFFIX) not in scale_locals:
-                rec.problems.append(f"{f.local}: block-FP8 parameter loaded from {f.tensor!r}, but the loader put no "
-                                    f"{scale!r} into {f.local + SCALE_SUFFIX!r}")
-                continue
-            rec.quant[f.tensor] = BlockQuant(blk, scale, ue8m0)
-    return rec
+    if blocks and ue8m0 is None:
+        ue8m0 = _scale_fmt_ue8m0(model)
+    return record_block_quant(dict(model.named_parameters()), model.load_weights, shapes, rank, blocks, SCALE_SUFFIX,
+                              ue8m0)
 
 
 def layout_from_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], *, group: dist.ProcessGroup | None = None,

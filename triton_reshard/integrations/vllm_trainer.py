@@ -13,8 +13,9 @@ from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from ..refit import refit
-from .engine import ControlCall, broadcast_send, join_group, lost_text, plugin_secret, vote
+from .engine import ControlCall, broadcast_send, join_group, lost_text, plugin_secret
 from .inflight import BackgroundSender
+from .stage import beside
 from .vllm_transfer import (
     BACKEND,
     MODES,
@@ -214,19 +215,9 @@ if TrainerWeightTransferEngine is not None:
                 self.client.start_weight_update()
                 rpc = ControlCall(self.client.update_weights, info)
             lap("start_s")
-            sent, err = 0, None
-            try:
-                sent = send(phases)
-            except BaseException as e:  # noqa: BLE001 (raised below, after the vote and the workers' answer)
-                err = e
-            err, bad = vote(self.group, err, self.info.timeout, f"trainer rank {self.rank}")
-            lap("send_s")
-            if rpc is not None:
-                try:
-                    rpc.join(self.info.timeout)
-                except BaseException as e:  # noqa: BLE001 (the first error wins)
-                    err = err or e
-            lap("wait_workers_s")
+            sent, err, bad = beside(self.group, lambda: send(phases), rpc, self.info.timeout,
+                                    f"trainer rank {self.rank}", lap)
+            sent = sent or 0
             if phase == "stage":
                 return self._staged_done(version, err, bad, sent, t[0], phases)
             if err is not None:

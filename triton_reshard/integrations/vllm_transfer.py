@@ -2,21 +2,20 @@
 
 vLLM selects the refit transport by name (``vllm/distributed/weight_transfer/``): a worker-side engine per
 inference worker (:mod:`.vllm_worker`) and a trainer-side engine (:mod:`.vllm_trainer`), registered under
-``"triton_reshard"`` by :func:`register` (also run by vLLM's plugin loader: our ``vllm.general_plugins`` entry
-point). This module is the backend's public face and what both sides share: the typed infos (parsed once),
-the rendezvous (trainer rank 0's layout, each worker's own loader record, :mod:`.record`: every rank plans the
-same reshard) and the receive modes (:func:`choose_mode`): ``"inplace"`` into the live parameters, or
-``"reload"`` where the engine rewrites its weights after loading (:func:`rewritten_params`): staging in the
-checkpoint's coordinates (:func:`staging_record`) fed to vLLM's layerwise reload one layer group at a time
-(:func:`group_layouts`). The generic parts (group, vote, control calls, staging mirror) are the kit's,
-:mod:`.engine`. Older vLLMs: :class:`RefitWorkerExtension` + :func:`trainer_refit_group`. Not handled: vLLM
-pipeline parallelism; run :func:`~triton_reshard.verify_refit` after a post-processing step you doubt.
+``"triton_reshard"`` by :func:`register` (also our ``vllm.general_plugins`` entry point). This module is the
+backend's public face and what both sides share: the typed infos (parsed once), the rendezvous (trainer rank 0's
+layout, each worker's own loader record: every rank plans the same reshard) and the receive modes
+(:func:`choose_mode`): ``"inplace"`` into the live parameters, or ``"reload"`` where the engine rewrites its
+weights after loading (:func:`rewritten_params`): staging in the checkpoint's coordinates (:func:`staging_record`)
+fed to vLLM's layerwise reload one layer group at a time (:func:`group_layouts`). The generic parts (group, vote,
+control calls, staging mirror, torn state) are the kit's: :mod:`.engine`, :mod:`.stage`, :mod:`.record`. Older
+vLLMs: :class:`RefitWorkerExtension` + :func:`trainer_refit_group`. Not handled: vLLM pipeline parallelism; run
+:func:`~triton_reshard.verify_refit` after a post-processing step you doubt.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from dataclasses import dataclass
 
@@ -26,10 +25,10 @@ from ..comm.group import RefitGroup
 from ..comm.secret import SECRET_ENV
 from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
-from ..layout.specs import Fragment
 from . import engine as kit
 from .engine import TensorsSource, broadcast_root, commit_vote, group_layouts, plan_pair, stage_groups
-from .record import LoadRecord, layout_from_records
+from .record import layout_from_records, staging_record
+from .stage import TornWeightsError
 
 try:  # the engine classes subclass vLLM's bases when vLLM is installed; the module imports without it
     from vllm.distributed.weight_transfer.base import (
@@ -143,15 +142,6 @@ def delta_kwargs(info) -> dict:
 
 
 _delta_kwargs = delta_kwargs  # its older name (tests/test_delta_plugins.py reads it here)
-
-
-class TornWeightsError(RuntimeError):
-    """A forward on an engine worker whose last weight update failed part way: its layers hold a mix of
-    versions (in reload mode some sit on the meta device). Raised instead of generating from them."""
-
-
-def log_warning(msg: str) -> None:
-    logging.getLogger("triton_reshard").warning(msg)
 
 
 def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
@@ -269,21 +259,6 @@ def model_format_params(model):
                 del m._parameters[pn]
             else:
                 m._parameters[pn] = old
-
-
-def staging_record(rec: LoadRecord) -> LoadRecord:
-    """A worker's record in the checkpoint's coordinates: each checkpoint tensor it loads from becomes one local
-    staging tensor of the checkpoint's full shape, named like it, holding exactly the boxes the loader reads
-    (same offsets); the boxes two parameters read (a tied embedding) are received once."""
-    out = LoadRecord(rec.rank, tensors=dict(rec.tensors), quant=dict(rec.quant), fills=rec.fills)
-    seen = set()
-    for f in rec.fragments:
-        key = (f.tensor, tuple(f.offsets), tuple(f.sizes))
-        if key not in seen:
-            seen.add(key)
-            out.fragments.append(Fragment(f.tensor, f.rank, key[1], key[2], f.tensor, key[1]))
-            out.locals[f.tensor] = rec.tensors[f.tensor]
-    return out
 
 
 def process_clock(seconds: list[float], label=None):

@@ -4,23 +4,21 @@ and :class:`RefitWorkerExtension` (vLLMs without it). See :mod:`.vllm_transfer` 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any
 
 import torch
 
 from ..comm.secret import SECRET_ENV
-from ..refit import forget_refit_state, refit
+from ..refit import refit
 from . import engine as kit
+from .stage import Receiver, Staging, forward_refused, log_warning, refuse_forward, voted
 from .vllm_transfer import (
     ReshardInitInfo,
     ReshardUpdateInfo,
-    TornWeightsError,
     WeightTransferEngine,
     delta_kwargs,
     group_layouts,
-    log_warning,
     no_mtp_check,
     process_clock,
     rendezvous,
@@ -32,31 +30,26 @@ if WeightTransferEngine is not None:
     class TritonReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         """The worker side: receives exactly its boxes every update, in place into the live parameters or, when
         the engine rewrites its weights after loading (``mode``, see :func:`choose_mode`), into per-layer staging
-        in the checkpoint's coordinates handed to vLLM's layerwise reload (``initialize_layerwise_reload``, then
+        in the checkpoint's coordinates fed to vLLM's layerwise reload (``initialize_layerwise_reload``, then
         ``model.load_weights``, ``finish_weight_update``: ``finalize_layerwise_reload``), which re-runs the
-        post-processing on the new weights. Phase "stage" receives into a private mirror in a background thread
-        (the engine serves on) and, in reload mode, builds the new weights from it on a shadow of the model
-        (:func:`.vllm_transfer.shadow_reload`; ``shadow=False`` or a failed build: the commit reloads instead);
-        phase "commit" swaps them in. ``last_update``: what the last update did.
-
-        Failures: an update that fails part way (the trainer killed mid-refit, a timeout) leaves the weights
-        torn; the worker says so (``torn``), refuses any forward with :class:`TornWeightsError` until a later
-        update completes, and the next ``start_weight_update`` repairs the reload state. A failed staged receive
-        touches nothing the engine serves. The trainer keeps the scheduler paused around an update, so no
-        request is served from torn weights."""
+        post-processing. Phase "stage" receives into a private mirror (:class:`~.stage.Staging`) in a background
+        thread while the engine serves and, in reload mode, builds the new weights on a shadow of the model
+        (:func:`.vllm_transfer.shadow_reload`; else, or if that fails, the commit reloads); phase "commit" swaps
+        them in. ``last_update``: what the last update did. An update that fails part way leaves the weights torn:
+        the worker says so (``torn``) and refuses any forward (:class:`TornWeightsError`) until a later update
+        completes; the next ``start_weight_update`` repairs the reload state. A failed staged receive touches
+        nothing the engine serves."""
 
         init_info_cls = ReshardInitInfo
         update_info_cls = ReshardUpdateInfo
-        group = None
+        group = staging = rx = None
         mode: str = "inplace"
         torn: dict | None = None
         _reloading = False
         _guard = None
-        _thread: threading.Thread | None = None  # the background receive of a staged update
-        _staged: dict | None = None  # a staged update complete in the mirror, not yet committed
-        _mirror: dict | None = None  # the staging mirror (1x this worker's shard; a delta patches it)
         _shadow = None  # reload mode: the staged version built on a shadow of the model, swapped in at the commit
         _phase: str | None = None
+        last_report = property(lambda self: None if self.rx is None else self.rx.last_report)
 
         def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -67,11 +60,12 @@ if WeightTransferEngine is not None:
             self.info = info = init_info
             rank = info.rank_offset + pc.data_parallel_rank * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
             secret = kit.plugin_secret(None, info.secret_env, info.secret_file, where=f"triton_reshard worker {rank}")
-            self._join_stage()  # a staged receive of the old trainer ends (fails) first
+            if self.staging is not None:
+                self.staging.join(info.timeout)  # a staged receive of the old trainer ends (fails) first
             with contextlib.suppress(Exception):  # a new trainer (e.g. after a failure): leave the old group
                 self.shutdown()
             self.group = kit.join_group(info.host, info.port, rank, info.world_size, backend=info.group_backend,
-                                    timeout=info.timeout, secret=secret, insecure=info.insecure)
+                                        timeout=info.timeout, secret=secret, insecure=info.insecure)
             self._records = self.__dict__.get("_records", {})
             try:
                 self.src_layout, self.dst_layout, self.mode = rendezvous(self.group, None, self.model, rank,
@@ -80,20 +74,14 @@ if WeightTransferEngine is not None:
                 self.shutdown()
                 raise
             self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode, info.staging_bytes)
-            self.last_report = None
+            self.rx = Receiver(self.group, bucket_bytes=info.bucket_bytes, timeout=info.timeout)
             self.last_update: dict = {"mode": self.mode, "torn": self.torn}
-            self._drop_mirror()
+            self.staging = Staging(self.dst_layout, rank)
+            self._drop()
 
-        def _drop_mirror(self) -> None:
-            """Forget the mirror and what it staged, and tell ``refit``'s fence: a delta into a new mirror runs
-            dense (a delta onto fresh, unwritten staging would load garbage)."""
-            self._mirror = self._staged = self._shadow = None
-            if getattr(self, "dst_layout", None) is not None:
-                forget_refit_state(self.dst_layout)
-
-        def _join_stage(self) -> None:
-            if self._thread is not None:
-                self._thread.join(self.info.timeout)
+        def _drop(self) -> None:
+            self._shadow = None
+            self.staging.drop()
 
         def start_weight_update(self) -> None:
             """After a failed update, the repair of its unfinished reload (the update itself begins vLLM's
@@ -142,102 +130,89 @@ if WeightTransferEngine is not None:
                 raise RuntimeError("triton_reshard backend: init_transfer_engine was not called")
             self._phase = update_info.phase
             if update_info.phase == "stage":
-                if self._thread is not None and self._thread.is_alive():
-                    raise RuntimeError(f"triton_reshard worker {self.group.rank}: a staged receive is still running")
-                self._staged = None
-                self._thread = kit.background(self._voted, update_info, name="triton_reshard_stage")
-                return None
-            self._join_stage()  # the trainer sends this only after the staged receive's vote
-            self._voted(update_info, self._thread is not None and self._thread.is_alive())
+                return self.staging.start(self._voted, update_info, who=f"triton_reshard worker {self.group.rank}",
+                                          name="triton_reshard_stage")
+            self.staging.join(self.info.timeout)  # the trainer sends this only after the staged receive's vote
+            self._voted(update_info, self.staging.busy())
 
         def _voted(self, info: ReshardUpdateInfo, busy: bool = False) -> None:
-            t0 = time.perf_counter()
-            err: BaseException | None = None
-            try:
+            t0, stage, rank = time.perf_counter(), info.phase == "stage", self.group.rank
+
+            def part() -> None:
                 if busy:
-                    raise RuntimeError(f"triton_reshard worker {self.group.rank}: update to version "
-                                       f"{info.version!r} refused: a staged receive is still running")
-                stats = self._apply(info)
-            except Exception as e:  # noqa: BLE001 (voted, then recorded)
-                err = e
-            stage = info.phase == "stage"
-            if err is None:  # before the vote: a staged update's trainer may ask as soon as the vote completes
+                    raise RuntimeError(f"triton_reshard worker {rank}: update to version {info.version!r} refused: "
+                                       "a staged receive is still running")
+                stats = self._apply(info)  # recorded before the vote: a staged update's trainer may ask right after
                 self.last_update = {**stats, "seconds": time.perf_counter() - t0}
-            err, bad = kit.vote(self.group, err, self.info.timeout, f"worker {self.group.rank}")
-            if err is None and bad:
-                err = RuntimeError(f"rank(s) {bad} of the refit group failed their part of this "
-                                   f"{'staged ' if stage else ''}update")
+
+            err = voted(self.group, part, self.info.timeout, f"worker {rank}", staged=stage)
             if err is not None and stage:
-                self._drop_mirror()  # and the staged version with it; the engine keeps its weights
+                self._drop()  # and the staged version with it; the engine keeps its weights
                 self.last_update = {"mode": self.mode, "phase": "stage", "version": info.version,
                                     "failed": f"{type(err).__name__}: {err}"[:400]}
-                log_warning(f"triton_reshard worker {self.group.rank}: the staged update to version "
-                            f"{info.version!r} failed; the engine keeps its weights: {err}")
+                log_warning(f"triton_reshard worker {rank}: the staged update to version {info.version!r} failed; "
+                            f"the engine keeps its weights: {err}")
             elif err is not None:
                 self._mark_torn(info, err)
-                if info.delta or self._mirror is not None:
-                    self._drop_mirror()
-                log_warning(f"triton_reshard worker {self.group.rank}: the update to version {info.version!r} "
-                            f"failed, weights torn, generation refused until a repair update completes: "
-                            f"{self.torn['reason']}")
+                if info.delta or self.staging.tensors is not None:
+                    self._drop()
+                log_warning(f"triton_reshard worker {rank}: the update to version {info.version!r} failed, weights "
+                            f"torn, generation refused until a repair update completes: {self.torn['reason']}")
 
         def _apply(self, info: ReshardUpdateInfo) -> dict:
-            """This worker's part of one update (module docstring); returns its ``last_update``."""
-            kw = dict(group=self.group, bucket_bytes=self.info.bucket_bytes, timeout=self.info.timeout,
-                      **delta_kwargs(info))
-            reload, rank = self.mode == "reload", self.group.rank
-            stats = {"mode": self.mode, "method": info.method, "phase": info.phase, "recv_bytes": 0,
-                     "staging_bytes": 0, "refit_s": 0.0, "alloc_s": 0.0, "unpack_s": 0.0, "load_s": 0.0,
-                     "start_s": getattr(self, "_start_s", 0.0)}
+            """This worker's part of one update (class docstring); returns its ``last_update``."""
+            kw, reload, st, rx = delta_kwargs(info), self.mode == "reload", self.staging, self.rx
+            stats = rx.stats = {"mode": self.mode, "method": info.method, "phase": info.phase, "recv_bytes": 0,
+                                "staging_bytes": 0, "refit_s": 0.0, "alloc_s": 0.0, "unpack_s": 0.0, "load_s": 0.0,
+                                "start_s": getattr(self, "_start_s", 0.0)}
             if info.phase == "stage":
-                self._receive(self._mirror_dict(stats), self.src_layout, self.dst_layout, kw, stats)
+                rx.refit(st.mirror(stats), self.src_layout, self.dst_layout, **kw)
                 shadow = self.info.shadow if info.shadow is None else info.shadow
                 self._shadow = self._build_shadow(stats) if reload and shadow else None
-                self._staged = {"version": info.version}  # before the vote: the trainer commits after it
-                return {**stats, "version": info.version, "staging_bytes": self._box_bytes(self._mirror)}
+                st.staged = {"version": info.version}  # before the vote: the trainer commits after it
+                return {**stats, "version": info.version, "staging_bytes": st.nbytes()}
             if info.phase == "commit":
-                if self._staged is None:
-                    raise RuntimeError(f"triton_reshard worker {rank}: commit of version {info.version!r} "
+                if st.staged is None:
+                    raise RuntimeError(f"triton_reshard worker {self.group.rank}: commit of version {info.version!r} "
                                        "refused: no complete staged update (the receive failed or never ran)")
-                stats.update(version=self._staged["version"], staging_bytes=self._box_bytes(self._mirror),
+                stats.update(version=st.staged["version"], staging_bytes=st.nbytes(),
                              commit_path="reload" if reload else "copy")
-                if self._shadow is not None:
-                    t0, sh, self._shadow = time.perf_counter(), self._shadow, None
+                t0, sh, self._shadow = time.perf_counter(), self._shadow, None
+                if sh is not None:
                     sh.swap()
                     stats.update(load_s=time.perf_counter() - t0, commit_path="shadow", **sh.stats)
                 elif reload:
-                    self._load(list(self._mirror.items()), stats)
+                    self._load(list(st.tensors.items()), stats)
                 else:
-                    t0 = time.perf_counter()
-                    kit.copy_boxes(dict(self.model.named_parameters()), self._mirror, self.dst_layout, rank)
+                    st.commit(dict(self.model.named_parameters()))
                     stats["load_s"] = time.perf_counter() - t0
-                self._staged = None  # committed: the mirror stays (it holds the live version; a delta patches it)
+                st.staged = None  # committed: the mirror stays (it holds the live version; a delta patches it)
                 return stats
             # a full update supersedes a staged one; in place it writes the live parameters, not the mirror
-            if self._mirror is not None and (self._staged is not None or not reload or info.method == "broadcast"
-                                             or not info.delta):
-                self._drop_mirror()
+            if st.tensors is not None and (st.staged is not None or not reload or info.method == "broadcast"
+                                           or not info.delta):
+                self._drop()
             if info.method == "broadcast":
                 stats["mode"] = "reload"  # the baseline always goes through vLLM's loader
-                self._load(kit.broadcast_receive(self.group, self.src_layout, self.info.rank_offset, self.info.timeout,
-                                              stats), stats)
+                self._load(kit.broadcast_receive(self.group, self.src_layout, self.info.rank_offset,
+                                                 self.info.timeout, stats), stats)
             elif not reload:
-                self._receive(dict(self.model.named_parameters()), self.src_layout, self.dst_layout, kw, stats)
+                rx.refit(dict(self.model.named_parameters()), self.src_layout, self.dst_layout, **kw)
             elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes
-                self._receive(self._mirror_dict(stats), self.src_layout, self.dst_layout, kw, stats)
-                stats["staging_bytes"] = self._box_bytes(self._mirror)
-                self._load(list(self._mirror.items()), stats)
+                rx.refit(st.mirror(stats), self.src_layout, self.dst_layout, **kw)
+                stats["staging_bytes"] = st.nbytes()
+                self._load(list(st.tensors.items()), stats)
             else:
-                self._load(self._groups(kw, stats, self.info.prefetch if info.prefetch is None else info.prefetch),
-                           stats)
+                self._load(rx.groups(self.groups, self.info.prefetch if info.prefetch is None else info.prefetch,
+                                     **kw), stats)
             return stats
 
         def _build_shadow(self, stats: dict):
             """The staged version's weights built on a shadow of the model (in the staging thread, the engine
             serving); a failure is named in ``stats["shadow_failed"]`` and the commit reloads instead."""
             try:  # the shadow costs about 1x this worker's shard (the packed weights): skipped without the room
-                kit.check_room(self._box_bytes(self._mirror), self.device, "the shadow build")
-                sh = shadow_reload(self.model, list(self._mirror.items()), stats)
+                kit.check_room(self.staging.nbytes(), self.device, "the shadow build")
+                sh = shadow_reload(self.model, list(self.staging.tensors.items()), stats)
             except Exception as e:  # noqa: BLE001 (named; the engine keeps its weights, the commit falls back)
                 stats["shadow_failed"] = f"{type(e).__name__}: {e}"[:400]
                 log_warning(f"triton_reshard worker {self.group.rank}: {stats['shadow_failed']}; the engine keeps "
@@ -246,36 +221,11 @@ if WeightTransferEngine is not None:
             sh.stats = {k: stats[k] for k in ("shadow_s", "shadow_process_s", "shadow_bytes") if k in stats}
             return sh
 
-        def _receive(self, dst: dict, src_layout, dst_layout, kw: dict, stats: dict):
-            t0 = time.perf_counter()
-            self.last_report = rep = refit({}, dst, src_layout, dst_layout, **kw)
-            stats["refit_s"] += time.perf_counter() - t0
-            stats["unpack_s"] += rep.unpack_seconds
-            stats["recv_bytes"] += rep.recv_bytes
-            stats["delta_mode"] = rep.mode
-            return rep
-
-        def _alloc(self, layout, stats: dict) -> dict:
-            t0 = time.perf_counter()
-            out = kit.rank_buffers(layout, self.group.rank)
-            stats["alloc_s"] += time.perf_counter() - t0
-            return out
-
-        def _mirror_dict(self, stats: dict) -> dict:
-            if self._mirror is None:
-                self._drop_mirror()  # a fresh mirror: the fence runs the next delta dense
-                self._mirror = self._alloc(self.dst_layout, stats)
-            return self._mirror
-
-        def _box_bytes(self, tensors: dict, layout=None) -> int:
-            return kit.box_bytes(tensors, layout or self.dst_layout, self.group.rank)
-
         def _load(self, items, stats: dict) -> None:
             """Feed ``(name, tensor)`` items to vLLM's loader inside its layerwise reload: ``load_s`` is the
             loader's time (between our yields), ``process_s`` the part that is vLLM's per-layer re-packing."""
             self._begin_reload()
             process_s = [0.0]
-            clock = process_clock(process_s)
 
             def timed():
                 for item in items:
@@ -283,41 +233,16 @@ if WeightTransferEngine is not None:
                     yield item
                     stats["load_s"] += time.perf_counter() - t0
 
-            with no_mtp_check(), clock:
+            with no_mtp_check(), process_clock(process_s):
                 self.model.load_weights(timed())
             stats["process_s"] = process_s[0]
-
-        def _groups(self, kw: dict, stats: dict, prefetch: bool):
-            """A dense reload-mode update: each layer group's boxes received into fresh staging, then yielded to
-            the loader (:func:`~.engine.received_groups`; with ``prefetch`` staging holds two groups)."""
-            held = [0]
-            stats["groups"], stats["prefetch"] = len(self.groups), bool(prefetch)
-
-            def receive(src, dst):
-                mine = self._alloc(dst, stats)
-                self._receive(mine, src, dst, kw, stats)
-                held[0] += self._box_bytes(mine, dst)
-                stats["staging_bytes"] = max(stats["staging_bytes"], held[0])
-                return mine
-
-            for mine, (_names, _src, dst) in kit.received_groups(self.groups, receive, prefetch):
-                yield from mine.items()
-                held[0] -= self._box_bytes(mine, dst)
 
         def _mark_torn(self, info: ReshardUpdateInfo, e: BaseException) -> None:
             self.torn = {"version": info.version, "mode": self.mode, "reason": f"{type(e).__name__}: {e}"[:400]}
             self.last_update = {"mode": self.mode, "method": info.method, "torn": self.torn}
             if self._guard is None:
-                rank = self.group.rank if self.group is not None else "?"
-
-                def refuse(_module, _args, eng=self):
-                    torn = eng.torn or {"version": "?", "reason": "?"}
-                    raise TornWeightsError(
-                        f"triton_reshard worker {rank}: the weight update to version {torn['version']!r} failed "
-                        f"part way ({torn['reason']}); this worker's weights are torn, generation is refused "
-                        "until a repair update completes")
-
-                self._guard = self.model.register_forward_pre_hook(refuse)
+                who = f"triton_reshard worker {self.group.rank if self.group is not None else '?'}"
+                self._guard = refuse_forward(self.model, lambda: self.torn, who)
 
         def finish_weight_update(self) -> None:
             """Reload mode: vLLM's ``finalize_layerwise_reload`` (processes the layers not yet processed and puts
@@ -370,8 +295,8 @@ class RefitWorkerExtension:
         rank = num_trainer_ranks + dp * tp + get_tensor_model_parallel_rank()
         self._tr_timeout = timeout
         self._tr_group = kit.join_group(host, port, rank, world_size, backend=group_backend, timeout=timeout,
-                                    secret_env=secret_env, secret_file=secret_file, insecure=insecure,
-                                    where=f"triton_reshard worker {rank}")
+                                        secret_env=secret_env, secret_file=secret_file, insecure=insecure,
+                                        where=f"triton_reshard worker {rank}")
         self._tr_layouts = rendezvous(self._tr_group, None, self._model(), rank)[:2]
 
     def refit_from_trainer(self, version: int | None = None, delta: bool | str = False) -> int:
@@ -385,15 +310,8 @@ class RefitWorkerExtension:
         return dict(getattr(getattr(self, "weight_transfer_engine", None), "last_update", None) or {})
 
     def forward_refused(self) -> str | None:
-        """Whether this worker's model refuses a forward now (torn weights): the refusal's message, else None.
-        Runs only the model's forward pre-hooks (no forward)."""
-        model = self._model()
-        try:
-            for hook in list(model._forward_pre_hooks.values()):
-                hook(model, ())
-        except TornWeightsError as e:
-            return str(e)
-        return None
+        """The refusal of a forward by this worker's model now (torn weights), else None."""
+        return forward_refused(self._model())
 
     def param_digests(self) -> dict:
         """``{parameter name: [numel, sha256 of its bytes]}`` of this worker's live parameters."""
