@@ -1027,21 +1027,23 @@ def _rl_loop(res: Results) -> Section | None:
     names = [latest[k][1] for k in sorted(latest, key=lambda k: (k != "loopback", k))]  # loopback first
     label = {"broadcast": "baseline: broadcast + vLLM load_weights", "reshard": "ours, dense",
              "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta",
-             "async": "ours, async: staged while generating (refit: the commit's pause)"}
+             "async": "ours, async: staged while generating (refit: the commit's pause)",
+             "async-bg": "ours, background send beside the next training step (refit: the commit's pause)",
+             "async-bg-delta": "ours, delta in a background send beside the next training step"}
     rows, head, what, plots = [], [], [], []
     for name in names:
         d = res.load(name)
         s, meta, a = d["summary"], d["meta"], d["args"]
         net = meta.get("network")
         where = net.split(" (")[0] + " link" if net else "loopback"
-        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "async"):
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-bg", "async-bg-delta"):
             if m not in s:
                 continue
             x = s[m]
             ph = x.get("phases", {})
             work = (f"{secs(ph.get('w_refit_s', x['worker_refit_s']))} / {secs(ph.get('w_load_s', 0.0))} "
                     f"({secs(ph.get('w_process_s', 0.0))})")
-            if m == "async":  # the wire overlapped generation: the workers' part of the pause is the loader
+            if m.startswith("async"):  # the wire overlapped generation (or training): the workers' part of the pause is the loader
                 repack = x.get("pause_repack_s")  # runs before it was recorded: not shown
                 work = (f"{secs(x['transfer_s'])} overlapped / {secs(x.get('pause_loader_s', x['worker_load_s']))}"
                         + (f" ({secs(repack)})" if repack is not None else ""))
@@ -1055,6 +1057,11 @@ def _rl_loop(res: Results) -> Section | None:
                         f"{pct(x['refit_share'])} of the iteration"
                         + (f", {pct(kept)} of the idle token rate kept during a transfer" if kept else ""))
         base, ours = s.get("broadcast"), s.get("reshard")
+        best = max((m for m in s if isinstance(s[m], dict) and "iters_per_min" in s[m] and m != "broadcast"),
+                   key=lambda m: s[m]["iters_per_min"], default=None)
+        if base and best:
+            head.append(f"{where}: iterations/min {ratio(s[best]['iters_per_min'] / base['iters_per_min'])} the "
+                        f"baseline's ({label.get(best, best)})")
         if base and ours:
             head.append(f"{where}: ours {ratio(base['refit_s'] / ours['refit_s'])} the baseline's refit speed, "
                         f"refit {pct(ours['refit_share'])} of the iteration")
