@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.engines import vllm_cases as vc  # noqa: E402
 from triton_reshard.comm import wire  # noqa: E402
+
 # registers LoadRecord's wire codec: the worlds send records back to this process (run alone, nothing else did)
 from triton_reshard.integrations import record as _record  # noqa: E402,F401
 from triton_reshard.presets import get_config  # noqa: E402
