@@ -63,7 +63,7 @@ def _stage_rank(rank: int, world: int, port: int) -> dict:
                 if fail and rank == 2:
                     raise ValueError("boom on rank 2")
 
-            def run(version=version):
+            def run(version=version, errs=errs):
                 errs.append(voted(group, part, 60.0, f"engine rank {rank}", staged=True))
                 if errs[-1] is not None:
                     st.drop()
