@@ -335,7 +335,7 @@ def quant_blocks_kernel(
 
 
 @triton.jit
-def _nvfp4_rows(x, amax, gs, G: tl.constexpr, BN: tl.constexpr):
+def _e2m1_rows(x, amax, gs, G: tl.constexpr, BN: tl.constexpr):
     """NVFP4 of ``[G, BN]`` rows ``x`` (float32) of amax ``amax`` and global scales ``gs``: (packed value bytes
     ``[G, BN // 2]``, scale bits ``[G]``)."""
     sv = gs * (amax * _f32(0x3E2AAAAB))
@@ -423,7 +423,7 @@ def quant_rows_kernel(
     has_nan = tl.reduce((x != x).to(tl.int32), 1, tl.standard._elementwise_max)
     if FMT == 2:
         gs = tl.load(g_ptr + tl.load(row + F_G, mask=live, other=0), mask=live, other=1.0)
-        byte, s8 = _nvfp4_rows(x, amax, gs, G, BN)
+        byte, s8 = _e2m1_rows(x, amax, gs, G, BN)
         cc = tl.arange(0, BN // 2)[None, :].to(tl.int64)
         qoff = q0[:, None] + cc * qcs[:, None]
         qmask = live[:, None] & (cc < BN // 2)
