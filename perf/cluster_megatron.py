@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_megatron, also when run as perf.cluster_megatron
-from bench_megatron import ROOT, SIDES, bench_config, global_tensors, gpt_model  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron_models, also when run as perf.cluster_megatron
+from megatron_models import ROOT, SIDES, bench_config, global_tensors, gpt_model  # noqa: E402
 
 
 def _grid_pgs(shape_tp: int, dp: int, offset: int):

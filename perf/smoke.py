@@ -79,7 +79,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     # tests/vllm_cpu_tier/test_rl_loop.py::test_bench_rl_loop_cluster_smoke (as root: two emulated nodes)
     "bench_rl_loop_cluster.py": ("vllm-cpu", [], 600),
     "smoke.py": (None, [], 0),
-    "cluster_megatron.py": (None, [], 0),  # bench_megatron.py --cluster's half (run by its #cluster entry)
+    "cluster_megatron.py": (None, [], 0),
+    "megatron_models.py": (None, [], 0),  # the models bench_megatron.py and cluster_megatron.py build (run by theirs)  # bench_megatron.py --cluster's half (run by its #cluster entry)
     "cluster_common.py": (None, [], 0),  # what bench_cluster, cluster_probe and cluster_delta share (run by theirs)
     "cluster_delta.py": (None, [], 0),  # bench_cluster.py's delta part (run by its smoke entry)
     "cluster_probe.py": (None, [], 0),  # bench_cluster.py's calibration of the time model (run by its smoke entry)
