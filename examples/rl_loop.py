@@ -292,6 +292,19 @@ def grpo(gen: list, target: int) -> tuple[list, list, list]:
     return rollouts, rewards, advantages
 
 
+def commit_stats(workers: list[dict]) -> dict:
+    """A staged update's commit, from the workers' stats (max over workers): the loader's time, of it vLLM's
+    post-processing (the re-pack for the CPU kernels) in its layerwise reload, the staging mirror, the commit's path
+    ("shadow": a swap; "reload") and the shadow's build while serving and its memory."""
+    return {"worker_refit_s": max(w.get("load_s", 0.0) for w in workers),
+            "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
+            "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
+            "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {},
+            "commit_path": workers[0].get("commit_path"),
+            "shadow_bytes": max(w.get("shadow_bytes", 0) for w in workers),
+            "shadow_s": max(w.get("shadow_s", 0.0) for w in workers)}
+
+
 def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
     """One-step off-policy GRPO: while the engine samples batch k+1 (with the weights it holds), the trainer
     steps on batch k and stages its new weights (``send_weights(overlap=True)``: the bytes move while the engine
@@ -344,15 +357,7 @@ def run_async(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
                "sent_bytes": stage["sent_bytes"], "changed_frac": changed / sum(t.numel() for t in now.values()),
                "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
                "delta_mode": getattr(eng.last_report, "mode", None) if args.method == "async-delta" else None,
-               "worker_refit_s": max(w.get("load_s", 0.0) for w in workers),
-               "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
-               # of the commit, vLLM's post-processing (the re-pack for the CPU kernels) in its layerwise reload
-               "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
-               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {},
-               # the commit's path ("shadow": a swap; "reload"), the shadow's build while serving and its memory
-               "commit_path": workers[0].get("commit_path"),
-               "shadow_bytes": max(w.get("shadow_bytes", 0) for w in workers),
-               "shadow_s": max(w.get("shadow_s", 0.0) for w in workers),
+               **commit_stats(workers),
                "shadow_failed": [w["shadow_failed"] for w in workers if "shadow_failed" in w] or None}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
@@ -428,13 +433,7 @@ def run_async_bg(llm, eng, trainer: Trainer, args, log=print) -> list[dict]:
                "sent_bytes": stage["sent_bytes"], "changed_frac": changed,
                "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
                "delta_mode": getattr(eng.last_report, "mode", None) if args.method == "async-bg-delta" else None,
-               "worker_refit_s": max(w.get("load_s", 0.0) for w in workers),
-               "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
-               "worker_repack_s": max(w.get("process_s", 0.0) + w.get("finalize_process_s", 0.0) for w in workers),
-               "staging_bytes": max(w.get("staging_bytes", 0) for w in workers), "phases": {},
-               "commit_path": workers[0].get("commit_path"),
-               "shadow_bytes": max(w.get("shadow_bytes", 0) for w in workers),
-               "shadow_s": max(w.get("shadow_s", 0.0) for w in workers)}
+               **commit_stats(workers)}
         rows.append(row)
         log(f"[{args.method}] iter {it}: reward {row['reward']:.3f}  train {row['train_s']:.2f}s (beside the "
             f"transfer of version {it}: {row['transfer_s']:.3f}s)  snapshot {row['snapshot_s']:.3f}s  wait "
