@@ -298,6 +298,17 @@ def _train_cmd(gen: list, a, async_: bool) -> dict:
             "mismatch_mean": sum(mism) / len(mism)}
 
 
+def commit_stats(w: list[dict]) -> dict:
+    """A staged update's commit from the workers' stats (max over workers): the loader, of it the re-pack, the
+    staging mirror, the commit's path and the shadow's build and memory (as examples/rl_loop.commit_stats)."""
+    return {"worker_refit_s": max(x.get("load_s", 0.0) for x in w),
+            "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
+            "worker_repack_s": max(x.get("process_s", 0.0) + x.get("finalize_process_s", 0.0) for x in w),
+            "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {},
+            "commit_path": w[0].get("commit_path"), "shadow_bytes": max(x.get("shadow_bytes", 0) for x in w),
+            "shadow_s": max(x.get("shadow_s", 0.0) for x in w)}
+
+
 def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method: str = "async") -> list[dict]:
     """Engine node, method ``async`` or ``async-reload`` (examples/rl_loop.py run_async): the engine samples batch k+1 in a thread
     while the trainer node steps on batch k and stages its weights across the link (``overlap=True``); the
@@ -339,12 +350,7 @@ def _async_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method: s
                "pause_of_transfer": pause / max(t_s1 - t_s0, 1e-9), "tokens_during_transfer": during,
                "rate_during_transfer": rate, "idle_rate": idle_rate,
                "rate_kept": None if rate is None else rate / idle_rate, "sent_bytes": sent, "link_rx_bytes": link_rx,
-               "delta_mode": None, "worker_refit_s": max(x.get("load_s", 0.0) for x in w),
-               "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
-               "worker_repack_s": max(x.get("process_s", 0.0) + x.get("finalize_process_s", 0.0) for x in w),
-               "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {},
-               "commit_path": w[0].get("commit_path"), "shadow_bytes": max(x.get("shadow_bytes", 0) for x in w),
-               "shadow_s": max(x.get("shadow_s", 0.0) for x in w)}
+               "delta_mode": None, **commit_stats(w)}
         rows.append(row)
         kept = "n/a" if rate is None else f"{100 * row['rate_kept']:.0f} %"
         print(f"[{method}] iter {it}: gen {row['gen_s']:.2f}s train {st['train_s']:.2f}s transfer {row['transfer_s']:.3f}s "
@@ -417,13 +423,7 @@ def _async_bg_iters(llm, eng, a, vocab: int, rng, iters: int, warm: bool, method
                "refit_s": refit_s, "iter_s": iter_s, "refit_share": refit_s / iter_s,
                "pause_of_transfer": pause / max(send_us / 1e6, 1e-9), "rate_kept": None,
                "trainer_version": it, "sampled_by": batch_v, "staleness": it - batch_v,
-               "sent_bytes": sent, "link_rx_bytes": link_rx, "delta_mode": None,
-               "worker_refit_s": max(x.get("load_s", 0.0) for x in w),
-               "worker_load_s": max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
-               "worker_repack_s": max(x.get("process_s", 0.0) + x.get("finalize_process_s", 0.0) for x in w),
-               "staging_bytes": max(x.get("staging_bytes", 0) for x in w), "phases": {},
-               "commit_path": w[0].get("commit_path"), "shadow_bytes": max(x.get("shadow_bytes", 0) for x in w),
-               "shadow_s": max(x.get("shadow_s", 0.0) for x in w)}
+               "sent_bytes": sent, "link_rx_bytes": link_rx, "delta_mode": None, **commit_stats(w)}
         rows.append(row)
         print(f"[{method}{' warm-up' if warm else ''}] iter {it}: train {row['train_s']:.2f}s beside the transfer of "
               f"version {it} ({row['transfer_s']:.3f}s, {sent / 1e6:.1f} MB, link rx {link_rx / 1e6:.1f} MB) "
