@@ -71,6 +71,7 @@ from megatron_models import (  # noqa: E402
     SIDES,
     SRC,
     bench_config,
+    check_params,
     dst_pg_collection,
     global_tensors,
     gpt_model,
@@ -163,12 +164,7 @@ def world_main(rank: int, world: int, cfg: dict, warmup: int, refits: int, megat
                                       dtype=torch.float32)
         hf = global_tensors(cfg)
         src_params, dst_params = dict(src_model.named_parameters()), dict(dst_model.named_parameters())
-        for side, params, lay in (("source", src_params, src_layout0), ("destination", dst_params, dst_layout0)):
-            want = {n: (tuple(s.shape), s.dtype) for n, s in lay.local_specs(rank).items()}
-            got = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
-            if want != got:
-                raise AssertionError(f"rank {rank}: the {side} model's parameters are not the layout's: "
-                                     f"{sorted(set(want) ^ set(got))[:5]} ...")
+        check_params(rank, (("source", src_params, src_layout0), ("destination", dst_params, dst_layout0)))
         with torch.no_grad():
             for n, t in src_layout0.shard(hf, rank).items():
                 src_params[n].copy_(t)

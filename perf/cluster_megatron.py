@@ -19,7 +19,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron_models, also when run as perf.cluster_megatron
-from megatron_models import ROOT, SIDES, bench_config, global_tensors, gpt_model  # noqa: E402
+from megatron_models import ROOT, SIDES, bench_config, check_params, global_tensors, gpt_model  # noqa: E402
 
 
 def _grid_pgs(shape_tp: int, dp: int, offset: int):
@@ -99,12 +99,7 @@ def cluster_rank(rank: int, world: int, cfg: dict, dst_tp: int, warmup: int, ref
             dst_model = gpt_model(cfg, dst_tp, 1, pg_collection=dst_pgs)
             src_model = _NoParams(dst_model.config, src_pgs)
         src_params, dst_params = dict(src_model.named_parameters()), dict(dst_model.named_parameters())
-        for side, params, lay in (("source", src_params, src_layout), ("destination", dst_params, dst_layout)):
-            want = {n: (tuple(s.shape), s.dtype) for n, s in lay.local_specs(rank).items()}
-            got = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
-            if want != got:
-                raise AssertionError(f"rank {rank}: the {side} model's parameters are not the layout's: "
-                                     f"{sorted(set(want) ^ set(got))[:5]} ...")
+        check_params(rank, (("source", src_params, src_layout), ("destination", dst_params, dst_layout)))
         hf = global_tensors(cfg)
         with torch.no_grad():
             for n, t in src_layout.shard(hf, rank).items():

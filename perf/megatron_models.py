@@ -81,3 +81,14 @@ def gpt_model(cfg: dict, tp: int, pp: int, pg_collection=None):
                     vocab_size=cfg["vocab_size"], max_sequence_length=64, pre_process=first, post_process=last,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
                     pg_collection=pg_collection)
+
+
+def check_params(rank: int, sides) -> None:
+    """Each (side, parameters, layout) of ``sides``: the model's parameters on ``rank`` are the layout's local
+    tensors (names, shapes, dtypes), else an AssertionError naming the side and a few names that differ."""
+    for side, params, lay in sides:
+        want = {n: (tuple(s.shape), s.dtype) for n, s in lay.local_specs(rank).items()}
+        got = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
+        if want != got:
+            raise AssertionError(f"rank {rank}: the {side} model's parameters are not the layout's: "
+                                 f"{sorted(set(want) ^ set(got))[:5]} ...")
