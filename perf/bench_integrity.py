@@ -198,6 +198,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
         }
     if "delta" in spec["parts"]:
         version, base = 1, data
+        hooks0, hooks_cpu0 = dict(clock.by_hook), dict(clock.cpu_by_hook)
         times = {s: [] for s in settings}
         cpus = {s: [] for s in settings}
         digest_s, hook_cpu = [], []
@@ -230,6 +231,8 @@ def worker(rank: int, world: int, spec: dict) -> dict:
             "digest_cpu_s_rank": digest_s,
             "hook_thread_cpu_s_rank": hook_cpu,
             "modes": modes,
+            "hooks_s_total": {k: v - hooks0[k] for k, v in clock.by_hook.items()},
+            "hooks_thread_cpu_s_total": {k: v - hooks_cpu0[k] for k, v in clock.cpu_by_hook.items()},
             **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
         }
     return out
