@@ -203,20 +203,30 @@ def _caught(fn) -> dict:
 
 
 def _settles() -> tuple[list, object]:
-    """Record every digest comparison this process makes: (messages sent, messages landed, verdict)."""
+    """Record every digest comparison this process makes: (messages sent, messages landed, verdict, messages
+    this rank sent in the exchange)."""
     from triton_reshard.execute import integrity
 
     real = integrity.Ledger.settle
     log: list = []
 
     def settle(self, link):
-        entry = [sum(len(v) for v in self.sent.values()), sum(len(v) for v in self.recvd.values()), "ok"]
+        entry = [sum(len(v) for v in self.sent.values()), sum(len(v) for v in self.recvd.values()), "ok", 0]
         log.append(entry)
+        comm, post = link.comm, link.comm.post
+
+        def counted(sends, recvs):  # the messages this rank sends in the exchange
+            entry[3] += len(sends)
+            return post(sends, recvs)
+
+        comm.post = counted
         try:
             real(self, link)
         except integrity.ReshardIntegrityError:
             entry[2] = "mismatch"
             raise
+        finally:
+            del comm.post
 
     integrity.Ledger.settle = settle
     return log, lambda: setattr(integrity.Ledger, "settle", real)

@@ -177,8 +177,10 @@ def test_clean_refits_compare_digests_on_every_rank():
         assert res["v0"]["error"] is None and res["v1"]["error"] is None and res["v2"]["error"] is None, res
         assert res["v0_ok"] and res["v1_ok"] and res["v2_ok"], r
         assert len(res["settles"]) == 3, res["settles"]  # every refit compared
-        for sent, landed, verdict in res["settles"]:
+        for sent, landed, verdict, posted in res["settles"]:
             assert verdict == "ok" and sent == ic.WORLD - 1 and landed == ic.WORLD - 1, res["settles"]
+            # the rows go rooted (gloo): the root sends the table to each other rank, the others their row
+            assert posted == (ic.WORLD - 1 if r == 0 else 1), (r, res["settles"])
 
 
 @pytest.mark.slow
