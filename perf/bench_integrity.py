@@ -16,7 +16,10 @@ every send and landed receive, the keyed combine and the end-of-refit exchange).
 ``--split``: a third setting alternates with the two, ``hash``: the digest on, but the end-of-refit exchange
 replaced by the keyed combine alone (each rank makes its row and tag; no round, no verdict). ``hash / off`` is
 then the cost of the hashing (the fused copies, the in-place messages' passes, the hooks), ``on / hash`` that of
-the exchange round. A measurement only: a refit never skips its exchange.
+the exchange round. A measurement only: a refit never skips its exchange. ``--direct-rows``: a fourth setting,
+the digest on with its rows exchanged peer to peer (``n (n - 1)`` messages: the round before session 52); the
+round's own CPU (every rank's process inside ``settle``, summed) is reported for both. ``--group refit``: the
+refits on a RefitGroup (its authenticated store carries the rows) instead of the torch.distributed world.
 
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
 
@@ -87,16 +90,19 @@ class DigestClock:
             "pack_ahead": 0.0,
         }
         self.cpu_by_hook = dict(self.by_hook)
+        self.round_cpu = 0.0  # the process's CPU (all threads: gloo's too) inside settle, the end-of-refit round
         for name in self.by_hook:
             owner = integrity.Digests if name == "pack_ahead" else integrity.Ledger
             real = getattr(owner, name)
 
             def timed(*a, _real=real, **k):
-                t, c = time.perf_counter(), time.thread_time()
+                t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
                 try:
                     return _real(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
+                    if _real.__name__ == "settle":
+                        self.round_cpu += time.process_time() - pc
                     if _real.__name__ in self.HOOKS:
                         self.seconds += dt
                         self.cpu += time.thread_time() - c
@@ -108,6 +114,19 @@ class DigestClock:
 
 CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed
 EXCHANGE = [True]  # --split: False while the "hash" setting runs (the exchange replaced by the combine alone)
+GROUP: list = [None]  # the refits' group: None (the torch.distributed world) or a RefitGroup (--group refit)
+
+
+def _refit_group(rank: int, world: int):
+    """``--group refit``: a RefitGroup of the world (a secret: its authenticated store carries the digest rows)."""
+    import torch.distributed as dist
+
+    from triton_reshard import init_refit_group
+    from triton_reshard.testing.launch import free_port
+
+    port = [free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    return init_refit_group("127.0.0.1", port[0], rank, world, backend="gloo", secret=b"bench-integrity-" * 2)
 
 
 def _split_settle() -> None:
@@ -131,14 +150,20 @@ def _split_settle() -> None:
 
 
 def _refit_with(setting, *args, **kw):
-    """``refit`` with the digest ``setting``: True, False, or "hash" (on, the exchange skipped: ``--split``)."""
+    """``refit`` with the digest ``setting``: True, False, "hash" (on, the exchange skipped: ``--split``) or
+    "direct" (on, the rows exchanged peer to peer as before session 52: ``--direct-rows``)."""
     from triton_reshard import refit
+    from triton_reshard.execute import integrity
 
     EXCHANGE[0] = setting != "hash"
+    gather = integrity.gather_rows
+    if setting == "direct":
+        integrity.gather_rows = lambda link, row, what: link.all_gather_row(row, what)
     try:
-        return refit(*args, digest=bool(setting), **kw)
+        return refit(*args, digest=bool(setting), group=GROUP[0], **kw)
     finally:
         EXCHANGE[0] = True
+        integrity.gather_rows = gather
 
 
 def _timed(fn) -> float:
@@ -164,6 +189,10 @@ def worker(rank: int, world: int, spec: dict) -> dict:
     if spec.get("split"):
         _split_settle()
         settings = (True, False, "hash")
+    if spec.get("direct_rows"):
+        settings += ("direct",)
+    if spec.get("group") == "refit":
+        GROUP[0] = _refit_group(rank, world)
     src_l, dst_l = _layouts(spec["mb"])
     data = _global(src_l, 0, 0.0)
     src = src_l.shard(data, rank)
@@ -172,6 +201,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
     if "refit" in spec["parts"]:
         times: dict = {s: [] for s in settings}
         cpus: dict = {s: [] for s in settings}
+        rounds: dict = {s: [] for s in settings}
         digest_s: list[float] = []
         hook_cpu: list[float] = []
         for digest in settings * 2:  # warm-up: plans, buffers, connections
@@ -179,9 +209,10 @@ def worker(rank: int, world: int, spec: dict) -> dict:
         for r in range(spec["repeats"]):
             k = r % len(settings)  # which goes first turns round
             for digest in settings[k:] + settings[:k]:
-                before, before_cpu = clock.seconds, clock.cpu
+                before, before_cpu, before_round = clock.seconds, clock.cpu, clock.round_cpu
                 times[digest].append(_timed(lambda d=digest: _refit_with(d, src, dst, src_l, dst_l)))
                 cpus[digest].append(CPU[-1])
+                rounds[digest].append(clock.round_cpu - before_round)
                 if digest is True:
                     digest_s.append(clock.seconds - before)
                     hook_cpu.append(clock.cpu - before_cpu)
@@ -194,13 +225,16 @@ def worker(rank: int, world: int, spec: dict) -> dict:
             "hook_thread_cpu_s_rank": hook_cpu,
             "hooks_s_total": dict(clock.by_hook),
             "hooks_thread_cpu_s_total": dict(clock.cpu_by_hook),
-            **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
+            **({s: times[s] for s in ("hash", "direct") if s in times}),
+            **({f"cpu_{s}": cpus[s] for s in ("hash", "direct") if s in cpus}),
+            **({f"round_cpu_{'on' if s is True else s}": rounds[s] for s in (True, "direct") if s in rounds}),
         }
     if "delta" in spec["parts"]:
         version, base = 1, data
         hooks0, hooks_cpu0 = dict(clock.by_hook), dict(clock.cpu_by_hook)
         times = {s: [] for s in settings}
         cpus = {s: [] for s in settings}
+        rounds = {s: [] for s in settings}
         digest_s, hook_cpu = [], []
         modes: list[str] = []
         for digest in settings * 2:
@@ -209,7 +243,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 base = _global(src_l, version, spec["fraction"], base)
                 for n, t in src_l.shard(base, rank).items():
                     src[n].copy_(t)
-                before, before_cpu = clock.seconds, clock.cpu
+                before, before_cpu, before_round = clock.seconds, clock.cpu, clock.round_cpu
                 rep = [None]
 
                 def go(d=digest, v=version, rep=rep):
@@ -219,6 +253,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 if k:  # the phase's first refit is dense (a new session): not counted
                     times[digest].append(dt)
                     cpus[digest].append(CPU[-1])
+                    rounds[digest].append(clock.round_cpu - before_round)
                     modes.append(rep[0].mode)
                     if digest is True:
                         digest_s.append(clock.seconds - before)
@@ -233,9 +268,22 @@ def worker(rank: int, world: int, spec: dict) -> dict:
             "modes": modes,
             "hooks_s_total": {k: v - hooks0[k] for k, v in clock.by_hook.items()},
             "hooks_thread_cpu_s_total": {k: v - hooks_cpu0[k] for k, v in clock.cpu_by_hook.items()},
-            **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
+            **({s: times[s] for s in ("hash", "direct") if s in times}),
+            **({f"cpu_{s}": cpus[s] for s in ("hash", "direct") if s in cpus}),
+            **({f"round_cpu_{'on' if s is True else s}": rounds[s] for s in (True, "direct") if s in rounds}),
         }
+    if GROUP[0] is not None:
+        GROUP[0].barrier()
+        GROUP[0].destroy()
     return out
+
+
+def _round_cpu(res: list[dict], part: str, setting: str) -> float | None:
+    """The median over refits of the end-of-refit round's process CPU, summed over the ranks."""
+    per = [r[part].get(f"round_cpu_{setting}") for r in res]
+    if not all(per):
+        return None
+    return statistics.median(sum(x) for x in zip(*per, strict=True))
 
 
 def summarize(res: list[dict], spec: dict) -> dict:
@@ -268,6 +316,11 @@ def summarize(res: list[dict], spec: dict) -> dict:
             h, c_h = statistics.median(r0["hash"]), statistics.median(r0["cpu_hash"])
             row.update(median_hash_s=h, median_cpu_hash_s=c_h, hash_s=r0["hash"], ratio_hash_off=h / off if off else None,
                        cpu_ratio_hash_off=c_h / c_off if c_off else None)
+        row.update(round_cpu_on_s=_round_cpu(res, part, "on"), round_cpu_direct_s=_round_cpu(res, part, "direct"))
+        if "direct" in r0:  # --direct-rows
+            d, c_d = statistics.median(r0["direct"]), statistics.median(r0["cpu_direct"])
+            row.update(median_direct_s=d, median_cpu_direct_s=c_d, direct_s=r0["direct"],
+                       ratio_direct_off=d / off if off else None, cpu_ratio_direct_off=c_d / c_off if c_off else None)
         out[part] = row
     return out
 
@@ -398,12 +451,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--kernel", action="store_true", help="the Triton copy kernel, digest on vs off (GPU)")
     p.add_argument("--split", action="store_true", help="also the digest on with its exchange skipped (hash only)")
+    p.add_argument("--direct-rows", action="store_true",
+                   help="also the digest on with its rows exchanged peer to peer (the round before session 52)")
+    p.add_argument("--group", choices=("torch", "refit"), default="torch",
+                   help="the refits' group: the torch.distributed world, or a RefitGroup (its store takes the rows)")
     a = p.parse_args(argv)
     if a.kernel:
         return kernel_main(a)
     from triton_reshard.testing.launch import run_world
 
-    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split}
+    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split,
+            "direct_rows": a.direct_rows, "group": a.group}
     res = run_world(worker, WORLD, spec, timeout=1800)
     out = summarize(res, spec)
     for part in spec["parts"]:
@@ -420,6 +478,10 @@ def main(argv=None) -> int:
             print(f"{part}, the exchange skipped (--split): hash/off {r['ratio_hash_off']:.3f} wall, "
                   f"{r['cpu_ratio_hash_off']:.3f} CPU; on/hash {r['median_on_s'] / r['median_hash_s']:.3f} wall, "
                   f"{r['median_cpu_on_s'] / r['median_cpu_hash_s']:.3f} CPU (the round)")
+        if "ratio_direct_off" in r:
+            print(f"{part}, the rows direct (--direct-rows): direct/off {r['ratio_direct_off']:.3f} wall, "
+                  f"{r['cpu_ratio_direct_off']:.3f} CPU; the round's CPU (all ranks, inside settle) rooted "
+                  f"{r['round_cpu_on_s'] * 1e3:.2f} ms, direct {r['round_cpu_direct_s'] * 1e3:.2f} ms")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))
