@@ -19,7 +19,9 @@ then the cost of the hashing (the fused copies, the in-place messages' passes, t
 the exchange round. A measurement only: a refit never skips its exchange. ``--direct-rows``: a fourth setting,
 the digest on with its rows exchanged peer to peer (``n (n - 1)`` messages: the round before session 52); the
 round's own CPU (every rank's process inside ``settle``, summed) is reported for both. ``--group refit``: the
-refits on a RefitGroup (its authenticated store carries the rows) instead of the torch.distributed world.
+refits on a RefitGroup instead of the torch.distributed world.
+``--rounds``: that round alone (no refit), each way in turn: direct and rooted on a torch.distributed gloo group,
+the same two on a RefitGroup.
 
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
 
@@ -118,7 +120,7 @@ GROUP: list = [None]  # the refits' group: None (the torch.distributed world) or
 
 
 def _refit_group(rank: int, world: int):
-    """``--group refit``: a RefitGroup of the world (a secret: its authenticated store carries the digest rows)."""
+    """``--group refit``: a RefitGroup of the world (gloo, a secret)."""
     import torch.distributed as dist
 
     from triton_reshard import init_refit_group
@@ -442,6 +444,58 @@ def kernel_main(a) -> int:
     return 0
 
 
+def rounds_worker(rank: int, world: int, spec: dict) -> dict:
+    """``--rounds``: the end-of-refit row exchange alone, each way in turn (interleaved), ``spec["repeats"]``
+    times 10 rounds of a digest row (``2 n + 1`` int64): per way, the CPU of every rank's process (all threads)
+    summed, and the slowest rank's wall, per round."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from triton_reshard.comm.group import TorchGroup
+    from triton_reshard.execute.integrity import gather_rows
+    from triton_reshard.execute.transport import Link
+
+    torch_link = Link(TorchGroup(None), timedelta(seconds=60))
+    rg = _refit_group(rank, world)
+    refit_link = Link(rg, timedelta(seconds=60))
+    row = list(range(2 * world + 1))
+    ways = {
+        "direct (torch gloo group, before s52)": lambda: torch_link.all_gather_row(row, "bench"),
+        "rooted (torch gloo group, s52)": lambda: gather_rows(torch_link, row, "bench"),
+        "direct (RefitGroup, before s52)": lambda: refit_link.all_gather_row(row, "bench"),
+        "rooted (RefitGroup, s52)": lambda: gather_rows(refit_link, row, "bench"),
+    }
+    got: dict = {k: [] for k in ways}
+    for _ in range(spec["repeats"]):
+        for name, fn in ways.items():
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(10):
+                fn()
+            dt = torch.tensor([time.process_time() - c, time.perf_counter() - t], dtype=torch.float64)
+            cpu, wall = dt[:1].clone(), dt[1:].clone()
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            got[name].append((float(cpu) / 10, float(wall) / 10))
+    rg.barrier()
+    rg.destroy()
+    return {k: {"cpu_s_all_ranks": statistics.median(c for c, _w in v), "wall_s": statistics.median(w for _c, w in v),
+                "runs": v} for k, v in got.items()}
+
+
+def rounds_main(a) -> int:
+    from triton_reshard.testing.launch import run_world
+
+    out = {"world": WORLD, "repeats": a.repeats, "ways": run_world(rounds_worker, WORLD, {"repeats": a.repeats})[0]}
+    for k, v in out["ways"].items():
+        print(f"{k}: {v['cpu_s_all_ranks'] * 1e3:.2f} ms CPU (all ranks) a round, {v['wall_s'] * 1e3:.2f} ms wall")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=64.0, help="model size in MB (fp32)")
@@ -454,10 +508,13 @@ def main(argv=None) -> int:
     p.add_argument("--direct-rows", action="store_true",
                    help="also the digest on with its rows exchanged peer to peer (the round before session 52)")
     p.add_argument("--group", choices=("torch", "refit"), default="torch",
-                   help="the refits' group: the torch.distributed world, or a RefitGroup (its store takes the rows)")
+                   help="the refits' group: the torch.distributed world, or a RefitGroup")
+    p.add_argument("--rounds", action="store_true", help="the end-of-refit row exchange alone, each way")
     a = p.parse_args(argv)
     if a.kernel:
         return kernel_main(a)
+    if a.rounds:
+        return rounds_main(a)
     from triton_reshard.testing.launch import run_world
 
     spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split,
@@ -480,7 +537,7 @@ def main(argv=None) -> int:
                   f"{r['median_cpu_on_s'] / r['median_cpu_hash_s']:.3f} CPU (the round)")
         if "ratio_direct_off" in r:
             print(f"{part}, the rows direct (--direct-rows): direct/off {r['ratio_direct_off']:.3f} wall, "
-                  f"{r['cpu_ratio_direct_off']:.3f} CPU; the round's CPU (all ranks, inside settle) rooted "
+                  f"{r['cpu_ratio_direct_off']:.3f} CPU; the round's CPU (all ranks, inside settle) this build's "
                   f"{r['round_cpu_on_s'] * 1e3:.2f} ms, direct {r['round_cpu_direct_s'] * 1e3:.2f} ms")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

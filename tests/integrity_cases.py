@@ -404,9 +404,8 @@ def clean_counts(rank: int) -> dict:
 
 
 def refit_group(rank: int) -> dict:
-    """``dense`` with a flipped bit on a RefitGroup (a secret, its authenticated store): the digest rows go
-    through the store (no message on the data plane in the exchange: counted), the flip is caught on every
-    rank and the next refit repairs it."""
+    """``dense`` with a flipped bit on a RefitGroup (gloo, a secret): the digest rows go rooted (the messages
+    each rank sends in the exchange: counted), the flip is caught on every rank and the next refit repairs it."""
     import torch.distributed as dist
 
     from triton_reshard import init_refit_group

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -107,7 +106,6 @@ class RefitGroup:
     pg: object = field(repr=False)
     _store: object = field(repr=False)
     _gen: int = field(default=0, repr=False)
-    _rows: int = field(default=0, repr=False)  # store_rows calls so far (their keys are numbered by it)
     _server: object = field(default=None, repr=False)  # rank 0: the rendezvous it serves
     digest_key: bytes = field(default=b"", repr=False)  # integrity: the key digests are keyed with
 
@@ -181,26 +179,6 @@ class RefitGroup:
             return [wire.loads(b, f"rank {r}'s object in exchange {self._gen}") for r, b in enumerate(raw)]
         except wire.WireError as e:
             raise RefitGroupError(f"rank {self.rank}: {e}") from None
-
-    def store_rows(self, row: list[int], timeout: timedelta) -> list[list[int]]:
-        """Every rank's ``row`` of int64, in rank order, through the authenticated store (the integrity
-        digest's end-of-refit rows, ``execute/integrity.py``): one set and one get per rank, then the delete of
-        this rank's previous row (every rank set this call's row after reading the previous call's), so the store
-        does not grow; waits at most ``timeout`` (or the group's, if shorter). Every rank calls it alike."""
-        if self._store is None:
-            raise RefitGroupError(f"rank {self.rank}: the refit group {self.host}:{self.port} was destroyed")
-        self._rows += 1
-        keys = [f"tr/rows/{self._rows}/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], struct.pack(f"<{len(row)}q", *row))
-        if timeout < self.timeout:
-            self._store.wait(keys, timeout)
-        raw = self._store.multi_get(keys)
-        if self._rows > 1:
-            self._store.delete_key(f"tr/rows/{self._rows - 1}/{self.rank}")
-        bad = [r for r, b in enumerate(raw) if len(b) != 8 * len(row)]
-        if bad:
-            raise RefitGroupError(f"rank {self.rank}: ranks {bad} stored rows of another length than {len(row)}")
-        return [list(struct.unpack(f"<{len(row)}q", b)) for b in raw]
 
     def barrier(self) -> None:
         """All ranks of the group, bounded by the group's timeout."""

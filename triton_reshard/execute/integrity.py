@@ -33,7 +33,6 @@ import time
 import numpy as np
 import torch
 
-from ..comm.group import RefitGroup
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
 from ..ops.digest import (
     buffer_rows,
@@ -490,17 +489,14 @@ class Ledger:
 
 
 def gather_rows(link, row: list[int], what: str) -> list[list[int]]:
-    """Every rank's digest row. A RefitGroup's go through its authenticated store (``store_rows``: a set and
-    a get per rank, no data-plane message; its frames are MAC'd, so no one without the secret changes a row
-    there). A torch.distributed group's on gloo from :data:`ROOTED_MIN_RANKS` ranks go rooted
-    (``transport.RootedRows``: each row to the group's first rank, the table back): ``2 (n - 1)`` messages
-    where the plan handshake's "direct" rows take ``n (n - 1)`` (12 -> 6 at 4 ranks), each waking a gloo
-    thread at both ends, which is most of the round's CPU on a shared host (``perf/bench_integrity.py
-    --split``); one more hop. The root forwards, it cannot forge: every rank checks every row's keyed tag
-    itself. Else (NCCL: one coalesced call; a link without a group) the link's own row exchange."""
+    """Every rank's digest row. On gloo (a torch.distributed group or a RefitGroup) from
+    :data:`ROOTED_MIN_RANKS` ranks, rooted (``transport.RootedRows``: each row to the group's first rank, the
+    table back): ``2 (n - 1)`` messages where the plan handshake's "direct" rows take ``n (n - 1)`` (12 -> 6
+    at 4 ranks), each waking a gloo thread at both ends, which is most of the round's CPU on a shared host
+    (``perf/bench_integrity.py --rounds``); one more hop. The root forwards, it cannot forge: every rank checks
+    every row's keyed tag itself. Else (NCCL: one coalesced call; a link without a group) the link's own row
+    exchange."""
     comm = getattr(link, "comm", None)
-    if isinstance(comm, RefitGroup):
-        return link.call(comm.store_rows, what, link.ranks, row, link.timeout)
     if getattr(comm, "backend", None) != "gloo" or not ROOTED_MIN_RANKS <= len(link.ranks) <= DIRECT_ROWS_MAX_RANKS:
         return link.all_gather_row(row, what)
     t0 = time.perf_counter()
