@@ -185,6 +185,51 @@ def _timed(fn) -> float:
     return float(wall)
 
 
+class Tally:
+    """One part's measurements per setting: wall and CPU per refit (``_timed``), the round's CPU (inside
+    settle), and for the digest on its hooks' seconds on this rank."""
+
+    def __init__(self, clock: DigestClock, settings: tuple) -> None:
+        self.clock = clock
+        self.times: dict = {s: [] for s in settings}
+        self.cpus: dict = {s: [] for s in settings}
+        self.rounds: dict = {s: [] for s in settings}
+        self.digest_s: list[float] = []
+        self.hook_cpu: list[float] = []
+        self.hooks0, self.hooks_cpu0 = dict(clock.by_hook), dict(clock.cpu_by_hook)
+
+    def timed(self, digest, fn, keep: bool = True) -> None:
+        """Time ``fn`` (a refit with setting ``digest``); kept unless ``keep`` is False."""
+        c = self.clock
+        before, before_cpu, before_round = c.seconds, c.cpu, c.round_cpu
+        dt = _timed(fn)
+        if not keep:
+            return
+        self.times[digest].append(dt)
+        self.cpus[digest].append(CPU[-1])
+        self.rounds[digest].append(c.round_cpu - before_round)
+        if digest is True:
+            self.digest_s.append(c.seconds - before)
+            self.hook_cpu.append(c.cpu - before_cpu)
+
+    def result(self, **extra) -> dict:
+        c, t = self.clock, self.times
+        return {
+            "on": t[True],
+            "off": t[False],
+            "cpu_on": self.cpus[True],
+            "cpu_off": self.cpus[False],
+            "digest_cpu_s_rank": self.digest_s,
+            "hook_thread_cpu_s_rank": self.hook_cpu,
+            "hooks_s_total": {k: v - self.hooks0[k] for k, v in c.by_hook.items()},
+            "hooks_thread_cpu_s_total": {k: v - self.hooks_cpu0[k] for k, v in c.cpu_by_hook.items()},
+            **({s: t[s] for s in ("hash", "direct") if s in t}),
+            **({f"cpu_{s}": self.cpus[s] for s in ("hash", "direct") if s in t}),
+            **({f"round_cpu_{'on' if s is True else s}": self.rounds[s] for s in (True, "direct") if s in t}),
+            **extra,
+        }
+
+
 def worker(rank: int, world: int, spec: dict) -> dict:
     clock = DigestClock()
     settings: tuple = (True, False)
@@ -201,43 +246,17 @@ def worker(rank: int, world: int, spec: dict) -> dict:
     dst = dst_l.allocate(rank)
     out: dict = {"rank": rank}
     if "refit" in spec["parts"]:
-        times: dict = {s: [] for s in settings}
-        cpus: dict = {s: [] for s in settings}
-        rounds: dict = {s: [] for s in settings}
-        digest_s: list[float] = []
-        hook_cpu: list[float] = []
+        tally = Tally(clock, settings)
         for digest in settings * 2:  # warm-up: plans, buffers, connections
             _refit_with(digest, src, dst, src_l, dst_l)
         for r in range(spec["repeats"]):
             k = r % len(settings)  # which goes first turns round
             for digest in settings[k:] + settings[:k]:
-                before, before_cpu, before_round = clock.seconds, clock.cpu, clock.round_cpu
-                times[digest].append(_timed(lambda d=digest: _refit_with(d, src, dst, src_l, dst_l)))
-                cpus[digest].append(CPU[-1])
-                rounds[digest].append(clock.round_cpu - before_round)
-                if digest is True:
-                    digest_s.append(clock.seconds - before)
-                    hook_cpu.append(clock.cpu - before_cpu)
-        out["refit"] = {
-            "on": times[True],
-            "off": times[False],
-            "cpu_on": cpus[True],
-            "cpu_off": cpus[False],
-            "digest_cpu_s_rank": digest_s,
-            "hook_thread_cpu_s_rank": hook_cpu,
-            "hooks_s_total": dict(clock.by_hook),
-            "hooks_thread_cpu_s_total": dict(clock.cpu_by_hook),
-            **({s: times[s] for s in ("hash", "direct") if s in times}),
-            **({f"cpu_{s}": cpus[s] for s in ("hash", "direct") if s in cpus}),
-            **({f"round_cpu_{'on' if s is True else s}": rounds[s] for s in (True, "direct") if s in rounds}),
-        }
+                tally.timed(digest, lambda d=digest: _refit_with(d, src, dst, src_l, dst_l))
+        out["refit"] = tally.result()
     if "delta" in spec["parts"]:
         version, base = 1, data
-        hooks0, hooks_cpu0 = dict(clock.by_hook), dict(clock.cpu_by_hook)
-        times = {s: [] for s in settings}
-        cpus = {s: [] for s in settings}
-        rounds = {s: [] for s in settings}
-        digest_s, hook_cpu = [], []
+        tally = Tally(clock, settings)
         modes: list[str] = []
         for digest in settings * 2:
             for k in range(spec["repeats"] + 1):
@@ -245,35 +264,14 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 base = _global(src_l, version, spec["fraction"], base)
                 for n, t in src_l.shard(base, rank).items():
                     src[n].copy_(t)
-                before, before_cpu, before_round = clock.seconds, clock.cpu, clock.round_cpu
-                rep = [None]
 
-                def go(d=digest, v=version, rep=rep):
-                    rep[0] = _refit_with(d, src, dst, src_l, dst_l, delta=True, version=v)
+                def go(d=digest, v=version):
+                    modes.append(_refit_with(d, src, dst, src_l, dst_l, delta=True, version=v).mode)
 
-                dt = _timed(go)
-                if k:  # the phase's first refit is dense (a new session): not counted
-                    times[digest].append(dt)
-                    cpus[digest].append(CPU[-1])
-                    rounds[digest].append(clock.round_cpu - before_round)
-                    modes.append(rep[0].mode)
-                    if digest is True:
-                        digest_s.append(clock.seconds - before)
-                        hook_cpu.append(clock.cpu - before_cpu)
-        out["delta"] = {
-            "on": times[True],
-            "off": times[False],
-            "cpu_on": cpus[True],
-            "cpu_off": cpus[False],
-            "digest_cpu_s_rank": digest_s,
-            "hook_thread_cpu_s_rank": hook_cpu,
-            "modes": modes,
-            "hooks_s_total": {k: v - hooks0[k] for k, v in clock.by_hook.items()},
-            "hooks_thread_cpu_s_total": {k: v - hooks_cpu0[k] for k, v in clock.cpu_by_hook.items()},
-            **({s: times[s] for s in ("hash", "direct") if s in times}),
-            **({f"cpu_{s}": cpus[s] for s in ("hash", "direct") if s in cpus}),
-            **({f"round_cpu_{'on' if s is True else s}": rounds[s] for s in (True, "direct") if s in rounds}),
-        }
+                tally.timed(digest, go, keep=k > 0)  # the phase's first refit is dense (a new session)
+                if not k:
+                    modes.pop()
+        out["delta"] = tally.result(modes=modes)
     if GROUP[0] is not None:
         GROUP[0].barrier()
         GROUP[0].destroy()
