@@ -16,7 +16,12 @@ every send and landed receive, the keyed combine and the end-of-refit exchange).
 ``--split``: a third setting alternates with the two, ``hash``: the digest on, but the end-of-refit exchange
 replaced by the keyed combine alone (each rank makes its row and tag; no round, no verdict). ``hash / off`` is
 then the cost of the hashing (the fused copies, the in-place messages' passes, the hooks), ``on / hash`` that of
-the exchange round. A measurement only: a refit never skips its exchange.
+the exchange round. A measurement only: a refit never skips its exchange. ``--direct-rows``: a fourth setting,
+the digest on with its rows exchanged peer to peer (``n (n - 1)`` messages: the round before session 52); the
+round's own CPU (every rank's process inside ``settle``, summed) is reported for both. ``--group refit``: the
+refits on a RefitGroup instead of the torch.distributed world.
+``--rounds``: that round alone (no refit), each way in turn: direct and rooted on a torch.distributed gloo group,
+the same two on a RefitGroup.
 
     python perf/bench_integrity.py --mb 64 --repeats 9 --out perf/results/bench_integrity.json
 
@@ -87,16 +92,19 @@ class DigestClock:
             "pack_ahead": 0.0,
         }
         self.cpu_by_hook = dict(self.by_hook)
+        self.round_cpu = 0.0  # the process's CPU (all threads: gloo's too) inside settle, the end-of-refit round
         for name in self.by_hook:
             owner = integrity.Digests if name == "pack_ahead" else integrity.Ledger
             real = getattr(owner, name)
 
             def timed(*a, _real=real, **k):
-                t, c = time.perf_counter(), time.thread_time()
+                t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
                 try:
                     return _real(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
+                    if _real.__name__ == "settle":
+                        self.round_cpu += time.process_time() - pc
                     if _real.__name__ in self.HOOKS:
                         self.seconds += dt
                         self.cpu += time.thread_time() - c
@@ -108,6 +116,19 @@ class DigestClock:
 
 CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed
 EXCHANGE = [True]  # --split: False while the "hash" setting runs (the exchange replaced by the combine alone)
+GROUP: list = [None]  # the refits' group: None (the torch.distributed world) or a RefitGroup (--group refit)
+
+
+def _refit_group(rank: int, world: int):
+    """``--group refit``: a RefitGroup of the world (gloo, a secret)."""
+    import torch.distributed as dist
+
+    from triton_reshard import init_refit_group
+    from triton_reshard.testing.launch import free_port
+
+    port = [free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    return init_refit_group("127.0.0.1", port[0], rank, world, backend="gloo", secret=b"bench-integrity-" * 2)
 
 
 def _split_settle() -> None:
@@ -131,14 +152,20 @@ def _split_settle() -> None:
 
 
 def _refit_with(setting, *args, **kw):
-    """``refit`` with the digest ``setting``: True, False, or "hash" (on, the exchange skipped: ``--split``)."""
+    """``refit`` with the digest ``setting``: True, False, "hash" (on, the exchange skipped: ``--split``) or
+    "direct" (on, the rows exchanged peer to peer as before session 52: ``--direct-rows``)."""
     from triton_reshard import refit
+    from triton_reshard.execute import integrity
 
     EXCHANGE[0] = setting != "hash"
+    gather = integrity.gather_rows
+    if setting == "direct":
+        integrity.gather_rows = lambda link, row, what: link.all_gather_row(row, what)
     try:
-        return refit(*args, digest=bool(setting), **kw)
+        return refit(*args, digest=bool(setting), group=GROUP[0], **kw)
     finally:
         EXCHANGE[0] = True
+        integrity.gather_rows = gather
 
 
 def _timed(fn) -> float:
@@ -158,49 +185,78 @@ def _timed(fn) -> float:
     return float(wall)
 
 
+class Tally:
+    """One part's measurements per setting: wall and CPU per refit (``_timed``), the round's CPU (inside
+    settle), and for the digest on its hooks' seconds on this rank."""
+
+    def __init__(self, clock: DigestClock, settings: tuple) -> None:
+        self.clock = clock
+        self.times: dict = {s: [] for s in settings}
+        self.cpus: dict = {s: [] for s in settings}
+        self.rounds: dict = {s: [] for s in settings}
+        self.digest_s: list[float] = []
+        self.hook_cpu: list[float] = []
+        self.hooks0, self.hooks_cpu0 = dict(clock.by_hook), dict(clock.cpu_by_hook)
+
+    def timed(self, digest, fn, keep: bool = True) -> None:
+        """Time ``fn`` (a refit with setting ``digest``); kept unless ``keep`` is False."""
+        c = self.clock
+        before, before_cpu, before_round = c.seconds, c.cpu, c.round_cpu
+        dt = _timed(fn)
+        if not keep:
+            return
+        self.times[digest].append(dt)
+        self.cpus[digest].append(CPU[-1])
+        self.rounds[digest].append(c.round_cpu - before_round)
+        if digest is True:
+            self.digest_s.append(c.seconds - before)
+            self.hook_cpu.append(c.cpu - before_cpu)
+
+    def result(self, **extra) -> dict:
+        c, t = self.clock, self.times
+        return {
+            "on": t[True],
+            "off": t[False],
+            "cpu_on": self.cpus[True],
+            "cpu_off": self.cpus[False],
+            "digest_cpu_s_rank": self.digest_s,
+            "hook_thread_cpu_s_rank": self.hook_cpu,
+            "hooks_s_total": {k: v - self.hooks0[k] for k, v in c.by_hook.items()},
+            "hooks_thread_cpu_s_total": {k: v - self.hooks_cpu0[k] for k, v in c.cpu_by_hook.items()},
+            **({s: t[s] for s in ("hash", "direct") if s in t}),
+            **({f"cpu_{s}": self.cpus[s] for s in ("hash", "direct") if s in t}),
+            **({f"round_cpu_{'on' if s is True else s}": self.rounds[s] for s in (True, "direct") if s in t}),
+            **extra,
+        }
+
+
 def worker(rank: int, world: int, spec: dict) -> dict:
     clock = DigestClock()
     settings: tuple = (True, False)
     if spec.get("split"):
         _split_settle()
         settings = (True, False, "hash")
+    if spec.get("direct_rows"):
+        settings += ("direct",)
+    if spec.get("group") == "refit":
+        GROUP[0] = _refit_group(rank, world)
     src_l, dst_l = _layouts(spec["mb"])
     data = _global(src_l, 0, 0.0)
     src = src_l.shard(data, rank)
     dst = dst_l.allocate(rank)
     out: dict = {"rank": rank}
     if "refit" in spec["parts"]:
-        times: dict = {s: [] for s in settings}
-        cpus: dict = {s: [] for s in settings}
-        digest_s: list[float] = []
-        hook_cpu: list[float] = []
+        tally = Tally(clock, settings)
         for digest in settings * 2:  # warm-up: plans, buffers, connections
             _refit_with(digest, src, dst, src_l, dst_l)
         for r in range(spec["repeats"]):
             k = r % len(settings)  # which goes first turns round
             for digest in settings[k:] + settings[:k]:
-                before, before_cpu = clock.seconds, clock.cpu
-                times[digest].append(_timed(lambda d=digest: _refit_with(d, src, dst, src_l, dst_l)))
-                cpus[digest].append(CPU[-1])
-                if digest is True:
-                    digest_s.append(clock.seconds - before)
-                    hook_cpu.append(clock.cpu - before_cpu)
-        out["refit"] = {
-            "on": times[True],
-            "off": times[False],
-            "cpu_on": cpus[True],
-            "cpu_off": cpus[False],
-            "digest_cpu_s_rank": digest_s,
-            "hook_thread_cpu_s_rank": hook_cpu,
-            "hooks_s_total": dict(clock.by_hook),
-            "hooks_thread_cpu_s_total": dict(clock.cpu_by_hook),
-            **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
-        }
+                tally.timed(digest, lambda d=digest: _refit_with(d, src, dst, src_l, dst_l))
+        out["refit"] = tally.result()
     if "delta" in spec["parts"]:
         version, base = 1, data
-        times = {s: [] for s in settings}
-        cpus = {s: [] for s in settings}
-        digest_s, hook_cpu = [], []
+        tally = Tally(clock, settings)
         modes: list[str] = []
         for digest in settings * 2:
             for k in range(spec["repeats"] + 1):
@@ -208,31 +264,26 @@ def worker(rank: int, world: int, spec: dict) -> dict:
                 base = _global(src_l, version, spec["fraction"], base)
                 for n, t in src_l.shard(base, rank).items():
                     src[n].copy_(t)
-                before, before_cpu = clock.seconds, clock.cpu
-                rep = [None]
 
-                def go(d=digest, v=version, rep=rep):
-                    rep[0] = _refit_with(d, src, dst, src_l, dst_l, delta=True, version=v)
+                def go(d=digest, v=version):
+                    modes.append(_refit_with(d, src, dst, src_l, dst_l, delta=True, version=v).mode)
 
-                dt = _timed(go)
-                if k:  # the phase's first refit is dense (a new session): not counted
-                    times[digest].append(dt)
-                    cpus[digest].append(CPU[-1])
-                    modes.append(rep[0].mode)
-                    if digest is True:
-                        digest_s.append(clock.seconds - before)
-                        hook_cpu.append(clock.cpu - before_cpu)
-        out["delta"] = {
-            "on": times[True],
-            "off": times[False],
-            "cpu_on": cpus[True],
-            "cpu_off": cpus[False],
-            "digest_cpu_s_rank": digest_s,
-            "hook_thread_cpu_s_rank": hook_cpu,
-            "modes": modes,
-            **({"hash": times["hash"], "cpu_hash": cpus["hash"]} if "hash" in times else {}),
-        }
+                tally.timed(digest, go, keep=k > 0)  # the phase's first refit is dense (a new session)
+                if not k:
+                    modes.pop()
+        out["delta"] = tally.result(modes=modes)
+    if GROUP[0] is not None:
+        GROUP[0].barrier()
+        GROUP[0].destroy()
     return out
+
+
+def _round_cpu(res: list[dict], part: str, setting: str) -> float | None:
+    """The median over refits of the end-of-refit round's process CPU, summed over the ranks."""
+    per = [r[part].get(f"round_cpu_{setting}") for r in res]
+    if not all(per):
+        return None
+    return statistics.median(sum(x) for x in zip(*per, strict=True))
 
 
 def summarize(res: list[dict], spec: dict) -> dict:
@@ -265,6 +316,11 @@ def summarize(res: list[dict], spec: dict) -> dict:
             h, c_h = statistics.median(r0["hash"]), statistics.median(r0["cpu_hash"])
             row.update(median_hash_s=h, median_cpu_hash_s=c_h, hash_s=r0["hash"], ratio_hash_off=h / off if off else None,
                        cpu_ratio_hash_off=c_h / c_off if c_off else None)
+        row.update(round_cpu_on_s=_round_cpu(res, part, "on"), round_cpu_direct_s=_round_cpu(res, part, "direct"))
+        if "direct" in r0:  # --direct-rows
+            d, c_d = statistics.median(r0["direct"]), statistics.median(r0["cpu_direct"])
+            row.update(median_direct_s=d, median_cpu_direct_s=c_d, direct_s=r0["direct"],
+                       ratio_direct_off=d / off if off else None, cpu_ratio_direct_off=c_d / c_off if c_off else None)
         out[part] = row
     return out
 
@@ -386,6 +442,58 @@ def kernel_main(a) -> int:
     return 0
 
 
+def rounds_worker(rank: int, world: int, spec: dict) -> dict:
+    """``--rounds``: the end-of-refit row exchange alone, each way in turn (interleaved), ``spec["repeats"]``
+    times 10 rounds of a digest row (``2 n + 1`` int64): per way, the CPU of every rank's process (all threads)
+    summed, and the slowest rank's wall, per round."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from triton_reshard.comm.group import TorchGroup
+    from triton_reshard.execute.integrity import gather_rows
+    from triton_reshard.execute.transport import Link
+
+    torch_link = Link(TorchGroup(None), timedelta(seconds=60))
+    rg = _refit_group(rank, world)
+    refit_link = Link(rg, timedelta(seconds=60))
+    row = list(range(2 * world + 1))
+    ways = {
+        "direct (torch gloo group, before s52)": lambda: torch_link.all_gather_row(row, "bench"),
+        "rooted (torch gloo group, s52)": lambda: gather_rows(torch_link, row, "bench"),
+        "direct (RefitGroup, before s52)": lambda: refit_link.all_gather_row(row, "bench"),
+        "rooted (RefitGroup, s52)": lambda: gather_rows(refit_link, row, "bench"),
+    }
+    got: dict = {k: [] for k in ways}
+    for _ in range(spec["repeats"]):
+        for name, fn in ways.items():
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(10):
+                fn()
+            dt = torch.tensor([time.process_time() - c, time.perf_counter() - t], dtype=torch.float64)
+            cpu, wall = dt[:1].clone(), dt[1:].clone()
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            got[name].append((float(cpu) / 10, float(wall) / 10))
+    rg.barrier()
+    rg.destroy()
+    return {k: {"cpu_s_all_ranks": statistics.median(c for c, _w in v), "wall_s": statistics.median(w for _c, w in v),
+                "runs": v} for k, v in got.items()}
+
+
+def rounds_main(a) -> int:
+    from triton_reshard.testing.launch import run_world
+
+    out = {"world": WORLD, "repeats": a.repeats, "ways": run_world(rounds_worker, WORLD, {"repeats": a.repeats})[0]}
+    for k, v in out["ways"].items():
+        print(f"{k}: {v['cpu_s_all_ranks'] * 1e3:.2f} ms CPU (all ranks) a round, {v['wall_s'] * 1e3:.2f} ms wall")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=64.0, help="model size in MB (fp32)")
@@ -395,12 +503,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--kernel", action="store_true", help="the Triton copy kernel, digest on vs off (GPU)")
     p.add_argument("--split", action="store_true", help="also the digest on with its exchange skipped (hash only)")
+    p.add_argument("--direct-rows", action="store_true",
+                   help="also the digest on with its rows exchanged peer to peer (the round before session 52)")
+    p.add_argument("--group", choices=("torch", "refit"), default="torch",
+                   help="the refits' group: the torch.distributed world, or a RefitGroup")
+    p.add_argument("--rounds", action="store_true", help="the end-of-refit row exchange alone, each way")
     a = p.parse_args(argv)
     if a.kernel:
         return kernel_main(a)
+    if a.rounds:
+        return rounds_main(a)
     from triton_reshard.testing.launch import run_world
 
-    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split}
+    spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split,
+            "direct_rows": a.direct_rows, "group": a.group}
     res = run_world(worker, WORLD, spec, timeout=1800)
     out = summarize(res, spec)
     for part in spec["parts"]:
@@ -417,6 +533,10 @@ def main(argv=None) -> int:
             print(f"{part}, the exchange skipped (--split): hash/off {r['ratio_hash_off']:.3f} wall, "
                   f"{r['cpu_ratio_hash_off']:.3f} CPU; on/hash {r['median_on_s'] / r['median_hash_s']:.3f} wall, "
                   f"{r['median_cpu_on_s'] / r['median_cpu_hash_s']:.3f} CPU (the round)")
+        if "ratio_direct_off" in r:
+            print(f"{part}, the rows direct (--direct-rows): direct/off {r['ratio_direct_off']:.3f} wall, "
+                  f"{r['cpu_ratio_direct_off']:.3f} CPU; the round's CPU (all ranks, inside settle) this build's "
+                  f"{r['round_cpu_on_s'] * 1e3:.2f} ms, direct {r['round_cpu_direct_s'] * 1e3:.2f} ms")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))

@@ -55,9 +55,14 @@ class RecvFault:
         self.peer = None  # the peer of the corrupted message
 
     def __enter__(self):
-        from triton_reshard.comm.group import TorchGroup
+        from triton_reshard.comm.group import RefitGroup, TorchGroup
 
-        self.real = real = TorchGroup.post
+        self.reals = {cls: cls.post for cls in (TorchGroup, RefitGroup)}
+        for cls, real in self.reals.items():
+            cls.post = self._post(real)
+        return self
+
+    def _post(self, real):
         fault = self
 
         class Work:
@@ -85,13 +90,11 @@ class RecvFault:
                 works[last] = Work(works[last], [recvs[k][1] for k in payload[: fault.need]])
             return works
 
-        TorchGroup.post = post
-        return self
+        return post
 
     def __exit__(self, *exc):
-        from triton_reshard.comm.group import TorchGroup
-
-        TorchGroup.post = self.real
+        for cls, real in self.reals.items():
+            cls.post = real
         return False
 
 
@@ -203,28 +206,39 @@ def _caught(fn) -> dict:
 
 
 def _settles() -> tuple[list, object]:
-    """Record every digest comparison this process makes: (messages sent, messages landed, verdict)."""
+    """Record every digest comparison this process makes: (messages sent, messages landed, verdict, messages
+    this rank sent in the exchange)."""
     from triton_reshard.execute import integrity
 
     real = integrity.Ledger.settle
     log: list = []
 
     def settle(self, link):
-        entry = [sum(len(v) for v in self.sent.values()), sum(len(v) for v in self.recvd.values()), "ok"]
+        entry = [sum(len(v) for v in self.sent.values()), sum(len(v) for v in self.recvd.values()), "ok", 0]
         log.append(entry)
+        comm, post = link.comm, link.comm.post
+
+        def counted(sends, recvs):  # the messages this rank sends in the exchange
+            entry[3] += len(sends)
+            return post(sends, recvs)
+
+        comm.post = counted
         try:
             real(self, link)
         except integrity.ReshardIntegrityError:
             entry[2] = "mismatch"
             raise
+        finally:
+            del comm.post
 
     integrity.Ledger.settle = settle
     return log, lambda: setattr(integrity.Ledger, "settle", real)
 
 
-def dense(rank: int, fault: str, digest: bool = True, backend: str | None = None) -> dict:
-    """Version 0 clean; version 1 with ``fault`` on one rank; version 2 clean (the repair), same group."""
-    g = _group()
+def dense(rank: int, fault: str, digest: bool = True, backend: str | None = None, g=None) -> dict:
+    """Version 0 clean; version 1 with ``fault`` on one rank; version 2 clean (the repair), same group (``g``,
+    else a new torch.distributed group)."""
+    g = _group() if g is None else g
     dst = {n: torch.full(s.shape, float("nan")) for n, s in DST.local_specs(rank).items()}
 
     def go(v):
@@ -389,8 +403,31 @@ def clean_counts(rank: int) -> dict:
     return res
 
 
+def refit_group(rank: int) -> dict:
+    """``dense`` with a flipped bit on a RefitGroup (gloo, a secret): the digest rows go rooted (the messages
+    each rank sends in the exchange: counted), the flip is caught on every rank and the next refit repairs it."""
+    import torch.distributed as dist
+
+    from triton_reshard import init_refit_group
+    from triton_reshard.testing.launch import free_port
+
+    port = [free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    g = init_refit_group("127.0.0.1", port[0], rank, WORLD, backend="gloo", secret=b"integrity-" * 4, timeout=TIMEOUT)
+    log, undo = _settles()
+    try:
+        res = dense(rank, "flip", g=g)
+    finally:
+        undo()
+        g.barrier()
+        g.destroy()
+    res["settles"] = log
+    return res
+
+
 SCENARIOS = {
     "clean": clean_counts,
+    "refit_group_flip": refit_group,
     "flip": lambda r: dense(r, "flip"),
     "drop": lambda r: dense(r, "drop"),
     "swap": lambda r: dense(r, "swap"),

@@ -177,8 +177,10 @@ def test_clean_refits_compare_digests_on_every_rank():
         assert res["v0"]["error"] is None and res["v1"]["error"] is None and res["v2"]["error"] is None, res
         assert res["v0_ok"] and res["v1_ok"] and res["v2_ok"], r
         assert len(res["settles"]) == 3, res["settles"]  # every refit compared
-        for sent, landed, verdict in res["settles"]:
+        for sent, landed, verdict, posted in res["settles"]:
             assert verdict == "ok" and sent == ic.WORLD - 1 and landed == ic.WORLD - 1, res["settles"]
+            # the rows go rooted (gloo): the root sends the table to each other rank, the others their row
+            assert posted == (ic.WORLD - 1 if r == 0 else 1), (r, res["settles"])
 
 
 @pytest.mark.slow
@@ -208,6 +210,21 @@ def test_the_triton_kernels_digest_and_catch_a_flipped_bit():
     _caught_everywhere(per)
     for r, res in per.items():
         assert res["v2"]["error"] is None and res["v2_ok"], (r, res["v2"])
+
+
+@pytest.mark.slow
+def test_a_refit_groups_digest_rows_go_rooted_and_catch_a_flip():
+    """A RefitGroup (gloo): the rows go rooted as on a torch.distributed group; the flipped bit is caught and
+    named on every rank, and the next refit repairs it."""
+    per = _scenario("refit_group_flip")
+    _caught_everywhere(per)
+    for r, res in per.items():
+        assert res["v0"]["error"] is None and res["v2"]["error"] is None and res["v2_ok"], (r, res)
+        assert [e[2] for e in res["settles"]] == ["ok", "mismatch", "ok"], (r, res["settles"])
+        for e in res["settles"]:  # rooted: the root sends the table to each other rank, the others their row
+            rounds = 2 if e[2] == "mismatch" else 1  # (a mismatch makes the localizing round too)
+            assert e[3] == rounds * (ic.WORLD - 1 if r == 0 else 1), (r, res["settles"])
+    assert per[ic.VICTIM]["fired"] == 1
 
 
 @pytest.mark.slow

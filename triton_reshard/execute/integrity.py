@@ -9,8 +9,8 @@ only what arrived; a delta message is digested as it arrived. On CPU with the na
 copy backend, a dense step's pack and unpack are one C pass each that copies and hashes what it wrote
 (:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
 (messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
-ranks exchange one keyed value per (sender, receiver) pair over the plan handshake's row exchange; a mismatch makes a
-second exchange that names the first differing message, and every rank raises
+ranks exchange one keyed value per (sender, receiver) pair in one row exchange (rooted on gloo:
+:func:`gather_rows`); a mismatch makes a second exchange that names the first differing message, and every rank raises
 :class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
 for any failed refit, drops the delta snapshot (the next refit is dense) and stays usable (the group is
 fine: the exchange itself completed).
@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import os
 import struct
+import time
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from ..ops.digest import (
 from ..ops.digest import native as digest_native
 from ..ops.quant_digest import add_hashed
 from .errors import ReshardError
+from .transport import DIRECT_ROWS_MAX_RANKS, RootedRows
 
 ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
 LABEL = b"triton_reshard/v1/digest/"
@@ -53,6 +55,7 @@ NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes e
 MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
 MAX_MSGS = 32  # messages per pair compared one by one in the localizing exchange (the rest as a count)
 MASK63 = (1 << 63) - 1
+ROOTED_MIN_RANKS = 3  # gloo groups from this size exchange the digest rows rooted (:func:`gather_rows`)
 # in-place sends from this size are hashed in the digest's thread: handing a hash to the thread and taking its
 # value costs ~20-40 us, what the native hash takes for 1-4 MiB; smaller sends are hashed at once, in one call
 THREAD_MIN_BYTES = 8 << 20
@@ -398,25 +401,12 @@ class Ledger:
     def _values(self) -> None:
         """The partials as ints (one device sync for all of them)."""
         self._joined()
-        items = [
-            e[2]
-            for d in (self.sent, self.recvd)
-            for es in d.values()
-            for e in es
-            if isinstance(e[2], torch.Tensor)
-        ]
+        items = [e[2] for d in (self.sent, self.recvd) for es in d.values() for e in es if isinstance(e[2], torch.Tensor)]
         vals = iter(torch.stack(items).tolist() if items else ())
         for d in (self.sent, self.recvd):
             for peer, es in d.items():
-                d[peer] = [
-                    (
-                        e[0],
-                        e[1],
-                        (next(vals) if isinstance(e[2], torch.Tensor) else e[2]) & ((1 << 64) - 1),
-                        *e[3:],
-                    )
-                    for e in es
-                ]
+                d[peer] = [(e[0], e[1], (next(vals) if isinstance(e[2], torch.Tensor) else e[2]) & ((1 << 64) - 1),
+                            *e[3:]) for e in es]
 
     def _msg(self, s: int, q: int, k: int, e) -> int:
         return _mac63(self.key, LABEL, b"msg", self.plan, struct.pack("<IIIQQ", s, q, k, e[1], e[2]))
@@ -442,26 +432,14 @@ class Ledger:
         row = []
         for r in ranks:
             row += [self._pair(me, r, self.sent.get(r, [])), self._pair(r, me, self.recvd.get(r, []))]
-        rows = link.all_gather_row(row + [self._row_tag(me, row)], "the integrity digest exchange")
+        rows = gather_rows(link, row + [self._row_tag(me, row)], "the integrity digest exchange")
         forged = [r for r, got in zip(ranks, rows, strict=True) if got[-1] != self._row_tag(r, got[:-1])]
-        if (
-            forged
-        ):  # the rows travel on the data plane: one changed in flight (a copied digest, say) is refused
+        if forged:  # the rows travel on the data plane: one changed in flight (a copied digest, say) is refused
             raise ReshardIntegrityError(
                 f"rank {me}: integrity check failed: the digest row of rank(s) {forged} fails its keyed tag (changed "
                 f"on the wire); the destination is not proven (it is torn until a refit succeeds)",
-                tensor=None,
-                step=None,
-                sender=forged[0],
-                receiver=me,
-                pairs=(),
-            )
-        bad = [
-            (s, q)
-            for a, s in enumerate(ranks)
-            for b, q in enumerate(ranks)
-            if rows[a][2 * b] != rows[b][2 * a + 1]
-        ]
+                tensor=None, step=None, sender=forged[0], receiver=me, pairs=())
+        bad = [(s, q) for a, s in enumerate(ranks) for b, q in enumerate(ranks) if rows[a][2 * b] != rows[b][2 * a + 1]]
         if bad:
             self._localize(link, bad)
 
@@ -487,7 +465,7 @@ class Ledger:
                     row[base] = self._msg(s, q, k, e)
                     row[base + 1] = e[0]
                     row[base + 2 : base + 2 + NAME_WORDS] = _name_words(self._tensors(*e[3]))
-        rows = link.all_gather_row(row, "the integrity digest exchange (localizing)")
+        rows = gather_rows(link, row, "the integrity digest exchange (localizing)")
         found = []
         for p, (s, q) in enumerate(bad[:MAX_PAIRS]):
             at = p * width
@@ -508,6 +486,23 @@ class Ledger:
         _peer, _at, m = step.recvs[j]
         names = dict.fromkeys(self.transfers[c.transfer].tensor for c in m.chunks)
         return ",".join(names)
+
+
+def gather_rows(link, row: list[int], what: str) -> list[list[int]]:
+    """Every rank's digest row. On gloo (a torch.distributed group or a RefitGroup) from
+    :data:`ROOTED_MIN_RANKS` ranks, rooted (``transport.RootedRows``: each row to the group's first rank, the
+    table back): ``2 (n - 1)`` messages where the plan handshake's "direct" rows take ``n (n - 1)`` (12 -> 6
+    at 4 ranks), each waking a gloo thread at both ends, which is most of the round's CPU on a shared host
+    (``perf/bench_integrity.py --rounds``); one more hop. The root forwards, it cannot forge: every rank checks
+    every row's keyed tag itself. Else (NCCL: one coalesced call; a link without a group) the link's own row
+    exchange."""
+    comm = getattr(link, "comm", None)
+    if getattr(comm, "backend", None) != "gloo" or not ROOTED_MIN_RANKS <= len(link.ranks) <= DIRECT_ROWS_MAX_RANKS:
+        return link.all_gather_row(row, what)
+    t0 = time.perf_counter()
+    rooted = link.call(RootedRows, what, link.ranks, comm, torch.tensor(row, dtype=torch.int64), None)
+    link.wait(rooted.works, what, link.ranks, t0)
+    return [o.tolist() for o in rooted.out]
 
 
 def _error(me: int, bad: list, found: list) -> ReshardIntegrityError:
