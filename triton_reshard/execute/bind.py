@@ -15,6 +15,7 @@ from ..layout import QuantFormat
 from ..ops.delta_native import reads_in_place
 from ..plan import ALIGN
 from ..plan.quant import QUANT_DST, QUANT_SRC
+from ..plan.table import SMALL
 from ..plan.work import RankWork
 
 
@@ -137,9 +138,17 @@ def start_of(base: torch.Tensor, start, off, size) -> tuple[int, ...]:
 
 
 def sub_view(base: torch.Tensor, start, off, size) -> torch.Tensor:
-    """The sub-box ``off``+``size`` (logical dims) of the box starting at ``start`` in ``base``."""
+    """The sub-box ``off``+``size`` (logical dims) of the box starting at ``start`` in ``base``: one
+    ``as_strided`` (a tuple of slices and a reshape cost twice as much, hundreds of times in a first call's
+    binding); a box not inside ``base`` takes the slicing path, which raises or clamps as it always did."""
     extra = base.dim() - len(size)
-    return base[box_slices(start_of(base, start, off, size), (1,) * extra + tuple(size))].reshape(size)
+    at = start_of(base, start, off, size)
+    full = (1,) * extra + tuple(size)
+    strides = base.stride()
+    if all(a >= 0 and a + n <= d for a, n, d in zip(at, full, base.shape, strict=True)):
+        return base.as_strided(tuple(size), strides[extra:],
+                               base.storage_offset() + sum(a * k for a, k in zip(at, strides, strict=True)))
+    return base[box_slices(at, full)].reshape(size)
 
 
 def scale_box(t, off, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -429,6 +438,8 @@ def bind(
     every received message is staged (the destination is compared, never written), and the local copies
     are split into sub-boxes within half a bucket, so the compares' temporaries stay bounded too.
     """
+    if len(transfers) <= SMALL and hasattr(transfers, "objects"):  # a share's table keeps its objects: index them
+        transfers = transfers.objects()  # directly, not through TransferTable.__getitem__ (~10 lookups a chunk)
     globals_ = {g: torch.ones(1, dtype=torch.float32, device=device) for g in work.global_groups}
     views = Views(work, src_tensors, dst_tensors, staging.region_tensors(work, device), globals_)
     local, local_meta, local_q, local_q_meta, local_stage = bind_local(views, verify)

@@ -12,6 +12,7 @@ import torch
 
 from ..box import boxes_overlap, find_overlap
 from .columns import I64, Columns, LogicalTensors
+from .fragment_table import distinct
 from .specs import Fragment, LocalSpec, TensorSpec, block_scale_box, dtype_name
 
 # --------------------------------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def overlap_free(group: np.ndarray, lo: np.ndarray, ls: np.ndarray, sizes: np.nd
         if hard.any():
             rows = idx[hard]
             cl = cid[hard]
-            for c_ in np.unique(cl):
+            for c_ in distinct(cl):
                 members = rows[cl == c_]
                 boxes = [(tuple(lo[i, d:].tolist()), tuple(ls[i, d:].tolist()), int(i)) for i in members]
                 if find_overlap(boxes) is not None:

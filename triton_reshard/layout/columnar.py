@@ -31,7 +31,7 @@ import torch
 from ..box import right_align
 from .check import check_layout, columns_valid, validate_quant_fragments
 from .columns import I64, Columns, LogicalTensors, as_i64, frag_order, trusted_local
-from .fragment_table import FragmentTable, TensorRows, content_fingerprint
+from .fragment_table import FragmentTable, TensorRows, content_fingerprint, distinct
 from .objects import LayoutBuilders, sorted_parts, to_columns
 from .specs import (
     FRAG_KEY,
@@ -477,7 +477,7 @@ class Layout(LayoutBuilders):
         rows = c.rows_of_rank(sp[1])
         if c.fsz.shape[1]:
             rows = rows[(c.fsz[rows] > 0).all(axis=1)]
-        return tuple(c.names[i] for i in np.unique(c.ft[rows]).tolist())
+        return tuple(c.names[i] for i in distinct(c.ft[rows]).tolist())
 
     TABLE_CACHE = 512  # tables kept per layout (least recently used dropped): a 1,024-rank table is ~50 KB
 

@@ -9,6 +9,18 @@ import numpy as np
 
 from .specs import Fragment, TensorSpec, trusted_fragment
 
+
+def distinct(a) -> np.ndarray:
+    """The sorted distinct values of a 1-D array: ``np.unique(a)`` without numpy 2.3's ``np.ma.is_masked``, whose
+    first call imports ``numpy.ma`` (8-30 ms of CPU, paid inside a fresh process's first plan, on every rank)."""
+    a = np.sort(np.asarray(a).reshape(-1))
+    if a.size < 2:
+        return a
+    keep = np.empty(a.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
+
 # --------------------------------------------------------------------------------------------------------
 # Per-tensor fragment tables (what a rank planner queries)
 # --------------------------------------------------------------------------------------------------------
@@ -67,7 +79,7 @@ class FragmentTable:
         return len(self.ranks)
 
     def __repr__(self) -> str:
-        return f"FragmentTable({self.spec.name!r}, {self.n} fragments on {len(np.unique(self.ranks))} ranks)"
+        return f"FragmentTable({self.spec.name!r}, {self.n} fragments on {len(distinct(self.ranks))} ranks)"
 
     @property
     def ends(self) -> np.ndarray:
@@ -267,7 +279,7 @@ def content_fingerprint(tensors: tuple, lnames: Sequence[str], copies: Sequence[
         h.update(f"|f{j}:{n}:{copies[0][j].shape[1:] if copies else ()}:{dt}".encode())
         for c in copies:
             h.update(np.ascontiguousarray(c[j], dtype=dt).tobytes())
-    used = np.unique(np.concatenate([np.asarray(c[3], dtype=np.int64) for c in locals_])) if locals_ else []
+    used = distinct(np.concatenate([np.asarray(c[3], dtype=np.int64) for c in locals_])) if locals_ else []
     canon = sorted({dtype_names[i] for i in used.tolist()}) if len(used) else []
     remap = np.full(len(dtype_names), -1, dtype=np.int64)
     for i in (used.tolist() if len(used) else []):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..layout import Layout, gc_paused
+from ..layout.fragment_table import distinct
 from . import quant as _quant
 from .contiguity import Contiguity, contiguity
 from .options import StepBudget
@@ -155,8 +156,8 @@ class Plan:
                 wire_bytes=wire,
                 local_bytes=int(self.local_copies.nbytes.sum()),
                 lower_bound_bytes=self._cache["lower_bound"],
-                sent_bytes={r: sent[r] for r in sorted(set(ranks) | set(np.unique(c.src).tolist()))},
-                recv_bytes={r: recv[r] for r in sorted(set(ranks) | set(np.unique(c.dst).tolist()))},
+                sent_bytes={r: sent[r] for r in sorted(set(ranks) | set(distinct(c.src).tolist()))},
+                recv_bytes={r: recv[r] for r in sorted(set(ranks) | set(distinct(c.dst).tolist()))},
                 num_transfers=len(self.transfers),
                 num_local_copies=len(self.local_copies),
                 relay_bytes=int(relay.sum()),

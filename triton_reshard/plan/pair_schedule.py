@@ -22,6 +22,7 @@ import numpy as np
 
 from ..box import align_up, split_rows
 from ..layout import Layout, gc_paused
+from ..layout.fragment_table import distinct
 from . import quant
 from .contiguity import Contiguity
 from .table import I64, TransferTable
@@ -375,7 +376,7 @@ class _Pairs:
                 by = self._by[side] = (o, col[o])
             o, col = by
             got.append(o[np.searchsorted(col, rank):np.searchsorted(col, rank, side="right")])
-        return np.unique(np.concatenate(got)).tolist()
+        return distinct(np.concatenate(got)).tolist()
 
 
 def _key_order(table: TransferTable, order: np.ndarray, new: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -397,7 +398,7 @@ def _key_order(table: TransferTable, order: np.ndarray, new: np.ndarray, edges: 
     if not len(bad):
         return order
     order = order.copy()
-    for j in np.unique(np.searchsorted(edges, bad, side="right") - 1).tolist():
+    for j in distinct(np.searchsorted(edges, bad, side="right") - 1).tolist():
         rs = order[edges[j]:edges[j + 1]]
         objs = table.objects_at(rs)
         order[edges[j]:edges[j + 1]] = rs[sorted(range(len(rs)), key=lambda k: objs[k].key())]

@@ -36,6 +36,7 @@ import torch
 
 from ..box import boxes_meet
 from ..layout import Layout, gc_paused, itemsize_of
+from ..layout.fragment_table import distinct
 from .holders import route_piece
 from .index import ShareQuery, raise_bad_input
 from .quant import scale_lower_bound, unpack_fragment
@@ -343,7 +344,7 @@ def _holder_rows(ekey: np.ndarray, er: np.ndarray, lid: np.ndarray | None, want:
 def _distinct(keys: np.ndarray) -> np.ndarray:
     """``np.unique(keys)``, without its sort where ``keys`` are sorted already."""
     if len(keys) > 1 and (keys[1:] < keys[:-1]).any():
-        return np.unique(keys)
+        return distinct(keys)
     head = np.ones(len(keys), bool)
     head[1:] = keys[1:] != keys[:-1]
     return keys[head]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..layout import dtype_name, gc_paused, itemsize_of
+from ..layout.fragment_table import distinct
 from .types import Transfer
 
 I64 = np.int64
@@ -312,7 +313,7 @@ class TransferTable(Sequence):
             order = sorted(range(len(vals)), key=vals.__getitem__)
             rank = np.empty(len(vals), I64)
             rank[order] = np.arange(len(vals))
-            used = np.unique(codes)
+            used = distinct(codes)
             h.update("\0".join(vals[i] for i in sorted(used.tolist(), key=vals.__getitem__)).encode())
             dense = np.full(len(vals), -1, I64)
             dense[np.sort(rank[used])] = np.arange(len(used))

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..box import boxes_meet, find_overlap
 from ..layout import Fragment, dtype_name, gc_paused
-from ..layout.fragment_table import TensorRows
+from ..layout.fragment_table import TensorRows, distinct
 from .index import rank_fragments
 from .quant import logical_target, plan_targets, quant_regions, scale_sizes, whole_blocks
 from .table import I64, widen
@@ -89,7 +89,7 @@ def _check(plan: PlanLike, rank: int | None) -> None:
             dfr = _Frags(dst.tensor_rows([t.name for t in dst.tensors]), world)
             used = set()
             for tb in tables:
-                used.update(tb.names[i] for i in np.unique(tb.tensor[~tb.relay]).tolist())
+                used.update(tb.names[i] for i in distinct(tb.tensor[~tb.relay]).tolist())
             sfr = _Frags(src.tensor_rows(sorted(n for n in used if n in src.specs)), world)
         else:
             sfr = _Frags.of_fragments(rank_fragments(src, rank), world)
@@ -282,7 +282,7 @@ def _relay_chains(tables, numel, read: np.ndarray, d_of, nf: int) -> None:
     hit = rl[relay_written[read[rl]]]
     if not len(hit):
         return
-    frags = np.unique(read[hit])
+    frags = distinct(read[hit])
     plain_w: dict[int, set] = {}  # fragment -> the boxes non-relays write into it
     for tb, n, d in zip(tables, numel, d_of, strict=True):
         sel = np.flatnonzero(~tb.relay & (n > 0) & np.isin(d, frags))
@@ -438,7 +438,7 @@ def overlapping_writes(cnt: np.ndarray, tables, d_of, numel=None) -> np.ndarray:
         j = seg + 1 + (np.arange(len(seg)) - first[seg - lo])
         bad.append(fi[seg[((off[seg] < end[j]) & (off[j] < end[seg])).all(axis=1)]])
         lo = hi
-    return np.unique(np.concatenate(bad)) if bad else np.zeros(0, I64)
+    return distinct(np.concatenate(bad)) if bad else np.zeros(0, I64)
 
 
 # --------------------------------------------------------------------------------------------------------
