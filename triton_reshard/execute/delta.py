@@ -151,7 +151,7 @@ class Eligible:
     def one_pack(self, pos: int, g: tuple[int, ...]) -> bool:
         """Is wire message ``g`` of step ``pos``'s sends (:func:`wire_groups`) several delta-able sends packed in
         one call? Not when one of them shares its message with another send (``same``, ``repeated``: diffed
-        once against a shared snapshot): those are packed each alone and joined (``ops.join_messages``)."""
+        once against a shared snapshot): those are packed each alone and joined (``ops.delta.join_messages``)."""
         return len(g) > 1 and not any((pos, j) in self.same or (pos, j) in self.repeated for j in g)
 
 

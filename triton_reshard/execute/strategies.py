@@ -25,7 +25,7 @@ import torch
 
 from .. import ops
 from ..ops.block_delta import pack_block_delta, unpack_block_delta
-from ..ops.delta import message_length
+from ..ops.delta import join_messages, message_length
 from ..ops.delta_cpu import commit_updates
 from ..ops.delta_triton import triton_pack_digest
 from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff, send_cache
@@ -285,7 +285,7 @@ class Delta(Dense):
         if not self.elig.one_pack(pos, g):
             msgs = [self._message(loop, pos, j, srcs, hashed=False) for j in g]
             t = clock()
-            msg = ops.join_messages(msgs)
+            msg = join_messages(msgs)
             self.diff_s += clock() - t
             return msg
         if pos == 0 and self.pre is not None and g[0] in self.pre.msgs:
