@@ -219,6 +219,8 @@ class Delta(Dense):
         """The dense staging copies step ``pos`` still needs: a delta-able message whose chunks are plain
         copies is diffed straight from its sources (no staging copy first). Returns those sources by send."""
         b, el, i = loop.b, self.elig, loop.work.steps[pos][0]
+        if not el.sends[pos]:  # a step this rank only receives in
+            return []
         srcs = (
             [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)]
             if b.send_srcs
