@@ -114,6 +114,15 @@ def _poisoned(layout, rank: int) -> dict:
 
 
 def grouped_world(rank: int, world: int, replicated: bool) -> dict:
+    import triton_reshard.execute.strategies as xs
+
+    joined, real = [0], xs.join_messages
+
+    def join(msgs):  # counted: the sends sharing a snapshot go this way
+        joined[0] += 1
+        return real(msgs)
+
+    xs.join_messages = join
     src_l, dst_l = _layouts(replicated)
     r = Resharder(plan_reshard(src_l, dst_l, rank=rank), timeout=60, direct_min_bytes=256)  # several per peer
     per_peer = [max(Counter(p for p, _a, _m in (st.sends or st.recvs)).values()) for _i, st in r.steps]
@@ -147,6 +156,7 @@ def grouped_world(rank: int, world: int, replicated: bool) -> dict:
             fault.__exit__()
             out["fired"] = fault.fired
     go(5, None)  # after the failed refit: dense, repairs
+    out["joined"] = joined[0]
     return out
 
 
@@ -168,3 +178,4 @@ def test_one_delta_message_per_peer_per_step(replicated):
         assert name == "ReshardIntegrityError", out["caught"]
         assert tensor is not None and len(tensor.split(",")) > 1 and set(tensor.split(",")) <= set(SHAPES), text
     assert res[1]["fired"]
+    assert (res[0]["joined"] > 0) == replicated, res[0]["joined"]  # joined where sends share a snapshot, else one pack
