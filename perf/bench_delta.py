@@ -46,9 +46,9 @@ update, cached plan) and apply, best of ``--repeats``, next to one dense ``copy_
 run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes of v2
 and v1 against dense on real AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each
 changed 256-element block needed and each changed chunk (its widest block; ``dense``: sent dense). Part 7
-(``--part trainer``): the RL loop's refit without vLLM (gloo: one trainer rank -> two TP2 receivers), dense
-and delta side by side, the trainer rank's CPU against the codec alone (one pack of all its tensors) and each
-receiver's against its apply alone (its shard's whole change as one message), ``trainer_worker``.
+(``--part trainer``, in ``perf/bench_delta_loop.py``): the RL loop's refit without vLLM (gloo: one trainer rank
+-> two TP2 receivers), dense and delta side by side, the trainer's CPU against the codec alone and each
+receiver's against its apply alone; ``--ab`` adds a delta refit with one message per plan message.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_delta_loop import llama_shapes, run_trainer  # a sibling script (perf/ is sys.path[0] here)
 
 from triton_reshard.ops import delta as D
 
@@ -294,13 +295,6 @@ def run_speed(args: argparse.Namespace) -> dict:
 # part 5: the codec at memory speed (issue 44)
 
 
-def llama_shapes(vocab: int, hidden: int, inter: int, layers: int, kv: int) -> list[tuple[int, int]]:
-    """The 2-D weights of a Llama (norms left out): 125M (32000, 768, 2048, 12, 256): 86 tensors, 249 MB bf16."""
-    per = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
-           (hidden, inter)]
-    return [(vocab, hidden)] + per * layers + [(vocab, hidden)]
-
-
 def best(fn, repeats: int, setup=None) -> float:
     """Fastest of ``repeats`` timed calls (after one warm-up), ``setup`` run untimed before each."""
     out = []
@@ -488,88 +482,6 @@ def run_refit(args: argparse.Namespace) -> dict:
     return {"shapes": shapes, "rows": out, "snapshot_bytes_by_rank": [r["snapshot_bytes"] for r in res]}
 
 
-def trainer_worker(rank: int, world: int, vocab: int, layers: int, frac: float, repeats: int) -> list[dict]:
-    """Rank 0 holds the full Llama (the RL loop's trainer), ranks 1-2 receive vLLM's TP2 boxes; per repeat a
-    dense and a delta refit of the same change (two Resharders), then on rank 0 the codec alone and a copy_."""
-    from triton_reshard import Layout, Replicate, Resharder, Shard, plan_reshard
-    from triton_reshard.execute.delta import DeltaRequest
-
-    torch.set_num_threads(1)
-    shapes = {f"w{i}": d for i, d in enumerate(llama_shapes(vocab, 768, 2048, layers, 256))}
-    cut = [0] + [1, 0, 0, 1, 0, 0, 1] * layers + [0]  # 1: a row-parallel weight (o_proj, down_proj: columns)
-    dst_l = Layout.from_placements(shapes, [1, 2], {n: [Shard(c)] for n, c in zip(shapes, cut, strict=True)},
-                                   torch.bfloat16)
-    src_l = Layout.from_placements(shapes, [0], [Replicate()], torch.bfloat16)
-    runs = [Resharder(plan_reshard(src_l, dst_l, rank=rank), timeout=600) for _ in range(2)]
-    g = torch.Generator().manual_seed(1)
-    src = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()} if rank == 0 else {}
-    dsts, snap, cache = [dst_l.allocate(rank) if rank else {} for _ in runs], {n: t.clone() for n, t in src.items()}, {}
-    plain = {n: torch.empty_like(t) for n, t in src.items()}
-    # a receiver's apply alone: its shard's whole change as one message (cached plan), into copies
-    work, ucache = ({n: torch.empty_like(t) for n, t in dsts[1].items()} if rank else {}), {}
-    for v in range(2):
-        runs[0].run(src, dsts[0])
-        runs[1].run(src, dsts[1], delta=DeltaRequest(v, held=v - 1 if v else None))
-    rows = []
-    for rep in range(repeats):
-        gen, row = torch.Generator().manual_seed(100 + rep), {}
-        for t in src.values():
-            pos = torch.randint(t.numel(), (int(frac * t.numel()),), generator=gen)
-            t.view(-1).view(torch.int16)[pos] += (torch.randint(0, 2, pos.shape, generator=gen) * 2 - 1).short()
-        before = {n: t.clone() for n, t in dsts[1].items()}
-        for tag, r, d, req in (("dense", runs[0], dsts[0], None),
-                               ("delta", runs[1], dsts[1], DeltaRequest(rep + 2, held=rep + 1))):
-            t0 = time.thread_time()  # this rank's CPU, not the machine's load
-            rp = r.run(src, d, delta=req)
-            row.update({f"{tag}_cpu_s": time.thread_time() - t0, f"{tag}_s": rp.seconds, f"{tag}_sent": rp.sent_bytes,
-                        f"{tag}_pack_s": rp.pack_seconds, f"{tag}_unpack_s": rp.unpack_seconds})
-        if rank == 0:
-            t0 = time.thread_time()
-            D.pack_delta([(src[n], snap[n]) for n in src], update=True, backend="torch", cache=cache)
-            t1 = time.thread_time()
-            _ = [plain[n].copy_(src[n]) for n in src]
-            row.update(codec_cpu_s=t1 - t0, copy_cpu_s=time.thread_time() - t1)
-        else:
-            msg = D.pack_delta([(dsts[1][n], before[n]) for n in work], update=False, backend="torch")
-            _ = [work[n].copy_(t) for n, t in before.items()]
-            t0 = time.thread_time()
-            D.unpack_delta(msg, list(work.values()), backend="torch", cache=ucache)
-            row["apply_cpu_s"] = time.thread_time() - t0
-            row["apply_exact"] = all(torch.equal(w.view(torch.int16), dsts[1][n].view(torch.int16))
-                                     for n, w in work.items())
-        row["exact"] = all(torch.equal(dsts[0][n].view(torch.int16), dsts[1][n].view(torch.int16)) for n in dsts[0])
-        rows.append(row)
-    return rows
-
-
-def run_trainer(args: argparse.Namespace) -> dict:
-    """Part 7 (``--part trainer``, issue 44 item 2): the RL loop's refit without vLLM, dense vs delta."""
-    import os
-
-    from triton_reshard.testing.launch import run_world
-
-    frac = args.fractions[-1]
-    res = run_world(trainer_worker, 3, args.codec_vocab, args.codec_layers, frac, args.repeats, backend="gloo",
-                    timeout=3000)
-    med = {k: statistics.median(r[k] for r in res[0]) for k in res[0][0] if k != "exact"}
-    med["recv_cpu_s"] = {t: max(statistics.median(r[f"{t}_cpu_s"] for r in res[k]) for k in (1, 2))
-                         for t in ("dense", "delta", "apply")}
-    med["beyond_codec"] = (med["delta_cpu_s"] - med["codec_cpu_s"]) / med["codec_cpu_s"]
-    # a receiver's CPU in the delta refit beyond its apply alone (its median; the larger of the two receivers)
-    recv = [tuple(statistics.median(r[key] for r in res[k]) for key in ("delta_cpu_s", "apply_cpu_s"))
-            for k in (1, 2)]
-    med["recv_beyond_apply"] = max((cpu - alone) / alone for cpu, alone in recv)
-    med["exact"] = all(r["exact"] and r.get("apply_exact", True) for rs in res for r in rs)
-    print(f"trainer rank, {100 * frac:g} % changed: CPU dense {1e3 * med['dense_cpu_s']:.1f} ms, delta "
-          f"{1e3 * med['delta_cpu_s']:.1f} ms, the codec alone {1e3 * med['codec_cpu_s']:.1f} ms (a copy_ "
-          f"{1e3 * med['copy_cpu_s']:.1f} ms): {100 * med['beyond_codec']:.0f} % beyond the codec; wall dense "
-          f"{med['dense_s']:.3f} s, delta {med['delta_s']:.3f} s; receivers' CPU (ms) "
-          f"{ {k: round(1e3 * v, 1) for k, v in med['recv_cpu_s'].items()} }: "
-          f"{100 * med['recv_beyond_apply']:.0f} % beyond the apply; exact {med['exact']}; load "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
-    return {"fraction": frac, "median": med, "rows": res, "load": os.getloadavg()}
-
-
 def add_train_args(ap: argparse.ArgumentParser, steps: int = 150, lrs=LRS) -> None:
     """The training run's arguments (the model, the task, warm-up, RL-like steps), shared with
     ``bench_quant_delta.py``."""
@@ -600,6 +512,7 @@ def main() -> None:
     ap.add_argument("--codec-layers", type=int, default=12, help="--part codec: its layers (12: 125M)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.1], help="--part codec")
     ap.add_argument("--skip", type=int, default=2, help="--part wire: first steps left out of the sums")
+    ap.add_argument("--ab", action="store_true", help="--part trainer: also a delta refit without grouping")
     args = ap.parse_args()
     if args.part == "wire":  # its own defaults
         args.lrs = args.lrs if "--lrs" in sys.argv else [1e-5, 1e-6]

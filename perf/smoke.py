@@ -36,7 +36,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_delta.py#codec": ("main", ["--part", "codec", "--codec-vocab", "256", "--codec-layers", "1", "--repeats",
                                       "1", "--out", "{out}/delta_codec.json"], 300),
     "bench_delta.py#trainer": ("main", ["--part", "trainer", "--codec-vocab", "256", "--codec-layers", "1",
-                                        "--repeats", "1", "--out", "{out}/delta_trainer.json"], 300),
+                                        "--repeats", "1", "--ab", "--out", "{out}/delta_trainer.json"], 300),
     "bench_delta.py#wire": ("main", ["--part", "wire", "--vocab", "64", "--hidden", "32", "--intermediate", "64",
                                      "--layers", "1", "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "4",
                                      "--out", "{out}/delta_wire.json"], 300),
@@ -82,6 +82,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "cluster_megatron.py": (None, [], 0),
     "megatron_models.py": (None, [], 0),  # the models bench_megatron.py and cluster_megatron.py build (run by theirs)  # bench_megatron.py --cluster's half (run by its #cluster entry)
     "cluster_common.py": (None, [], 0),  # what bench_cluster, cluster_probe and cluster_delta share (run by theirs)
+    "bench_delta_loop.py": (None, [], 0),  # bench_delta.py's --part trainer (run by its #trainer entry)
     "cluster_delta.py": (None, [], 0),  # bench_cluster.py's delta part (run by its smoke entry)
     "cluster_probe.py": (None, [], 0),  # bench_cluster.py's calibration of the time model (run by its smoke entry)
     # bench_cluster.py's versions (its smoke entry makes small_llama's): the MoE's, without root

@@ -138,17 +138,52 @@ class Eligible:
     # one's, diffed once, against one snapshot shared by both
     same: dict = field(default_factory=dict)
     repeated: frozenset = frozenset()  # the sends whose message a later send repeats (``same``'s values)
+    # per step position, the messages of a delta run as they go on the wire (:func:`wire_groups`): per wire
+    # message, the send (receive) indices it carries, in the plan's order; a step's delta-able messages to one
+    # peer go as one message (at its first one's place), every other message as itself
+    swire: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    rwire: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     @property
     def any_send(self) -> bool:
         return any(any(s) for s in self.sends) or any(any(s) for s in self.bsends)
 
+    def one_pack(self, pos: int, g: tuple[int, ...]) -> bool:
+        """Is wire message ``g`` of step ``pos``'s sends (:func:`wire_groups`) several delta-able sends packed in
+        one call? Not when one of them shares its message with another send (``same``, ``repeated``: diffed
+        once against a shared snapshot): those are packed each alone and joined (``ops.delta.join_messages``)."""
+        return len(g) > 1 and not any((pos, j) in self.same or (pos, j) in self.repeated for j in g)
+
+
+# a step's delta messages to one peer go as one message (issue 44: one header, one send, one receive, one apply
+# call instead of ~20 per peer); both ends group alike from the plan (:func:`wire_groups`). False: one delta
+# message per plan message (perf/bench_delta.py --part trainer --ab measures both; every rank must agree)
+GROUP = True
+
+
+def wire_groups(peers, ok) -> tuple[tuple[int, ...], ...]:
+    """The wire messages of one side of a step (``peers``: each plan message's peer, ``ok``: delta-able?): per
+    wire message the plan indices it carries. The delta-able messages to (from) one peer are one wire message,
+    at the first one's place; the others keep theirs. A function of the plan alone, the same on both ends (a
+    pair's messages keep their order: the k-th sent is the k-th received)."""
+    out: list[list[int]] = []
+    at: dict[int, int] = {}
+    for j, (p, good) in enumerate(zip(peers, ok, strict=True)):
+        if good and GROUP:
+            if p in at:
+                out[at[p]].append(j)
+                continue
+            at[p] = len(out)
+        out.append([j])
+    return tuple(tuple(g) for g in out)
+
 
 def eligible(plan, work) -> Eligible:
     sends, recvs, max_bytes, names, bsends, brecvs = [], [], {}, {}, [], []
-    speers, rpeers = [], []
+    speers, rpeers, swire, rwire = [], [], [], []
     for pos, (_i, step) in enumerate(work.steps):
         sends.append(tuple(deltable(plan, m) for _p, _a, m in step.sends))
+        swire.append(wire_groups([p for p, _a, _m in step.sends], sends[-1]))
         bsends.append(tuple(block_deltable(plan, m) for _p, _a, m in step.sends))
         speers += [(p, m.payload) for (p, _a, m), a, b in zip(step.sends, sends[-1], bsends[-1], strict=True)
                    if a or b]
@@ -173,11 +208,18 @@ def eligible(plan, work) -> Eligible:
                 names[pos, j] = [t.dst_local for t in ts]
         recvs.append(tuple(rs))
         brecvs.append(tuple(brs))
+        rwire.append(wire_groups([p for p, _a, _m in step.recvs], rs))
+        for g in rwire[-1]:  # a joined receive: its largest size and its chunks' names, under its first index
+            if len(g) > 1:
+                cs = [(c, plan.transfers[c.transfer]) for j in g for c in step.recvs[j][2].chunks]
+                max_bytes[pos, g[0]] = max_message_bytes([math.prod(c.sizes) for c, _t in cs],
+                                                         [t.wire_dtype.itemsize for _c, t in cs])
+                names[pos, g[0]] = [t.dst_local for _c, t in cs]
     blocks = any(q.quant.format.block is not None for q in plan.dst.quantized.values())
     same = same_sends(plan, work, sends)
     return Eligible(tuple(sends), tuple(recvs), max_bytes, names, tuple(bsends), tuple(brecvs), blocks,
                     quant_blocks_delta(plan), work.rank, tuple(speers), tuple(rpeers), same,
-                    frozenset(same.values()))
+                    frozenset(same.values()), tuple(swire), tuple(rwire))
 
 
 def same_sends(plan, work, sends) -> dict[tuple[int, int], tuple[int, int]]:
@@ -348,7 +390,7 @@ def fence(plan, ranks, rows: list[Fence]) -> tuple[int | None, str | None, bool]
 @dataclass(slots=True)
 class Prediff:
     """The first step's delta messages, diffed while the plan handshake was in flight (:func:`prediff`): per
-    send index its message; ``updates``: the snapshot writes still to make once the fence let the refit go as
+    wire message (its first send index) its message; ``updates``: the snapshot writes still to make once the fence let the refit go as
     a delta (:func:`~triton_reshard.ops.delta_cpu.commit_updates`; the native codec made its narrow blocks'
     in the diff, which ``MessageSnapshot.settle`` undoes otherwise); ``seconds``: the diff's time."""
 
@@ -377,10 +419,13 @@ def prediff(work, bound, elig: Eligible, snap: MessageSnapshot, backend: str) ->
     t = clock()
     msgs, updates = {}, []
     try:
-        for j, (ok, s) in enumerate(zip(elig.sends[0], bound.send_srcs[0], strict=True)):
-            if ok and s is not None and (0, j) not in elig.same:
-                msgs[j] = pack_deferred(list(zip(s[0], snap.views(0, j), strict=True)), DEFAULT_CHUNK_ELEMS,
-                                        updates, send_cache(bound, 0, j))
+        for g in elig.swire[0]:  # per wire message (a step's delta-able sends to one peer: one message)
+            j, srcs = g[0], [bound.send_srcs[0][k] for k in g]
+            if not elig.sends[0][j] or any(s is None for s in srcs) or (0, j) in elig.same \
+                    or (len(g) > 1 and not elig.one_pack(0, g)):
+                continue
+            pairs = [pair for k, s in zip(g, srcs, strict=True) for pair in zip(s[0], snap.views(0, k), strict=True)]
+            msgs[j] = pack_deferred(pairs, DEFAULT_CHUNK_ELEMS, updates, send_cache(bound, 0, j))
     except BaseException:
         undo_updates(updates)  # the messages diffed so far: their snapshot writes undone
         raise

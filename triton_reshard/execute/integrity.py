@@ -346,13 +346,13 @@ class Ledger:
         return h
 
     def on_land(
-        self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None, key=None
+        self, pos: int, rebuild=(), backend: str = "torch", lengths: dict | None = None, key=None, wire=None
     ) -> None:
         """Step ``pos`` landed: digest every receive over what the destination now holds (``rebuild``: the
         unpack's (receive view, destination view) pairs; those that cast are digested as they arrived;
         ``lengths``: receive index -> the bytes a message received into a larger buffer holds). On CPU with the
-        native hash the destination views are read in place (their descriptors cached under ``key``, the
-        binding's); else the staged messages are first rebuilt from the destination, then hashed."""
+        native hash the destination views are read in place (descriptors cached under ``key``); else the staged
+        messages are rebuilt from the destination, then hashed. ``wire``: per receive, its plan receive indices."""
         self._joined(pos)
         posted = self._posted.pop(pos, ())
         bufs = [
@@ -370,7 +370,7 @@ class Ledger:
             values = self._rebuilt(bufs, rebuild, backend)
         i = self.work.steps[pos][0]
         for j, ((peer, _buf), (_b, n), v) in enumerate(zip(posted, bufs, values, strict=True)):
-            self.recvd.setdefault(peer, []).append((i, n, v, (pos, j)))
+            self.recvd.setdefault(peer, []).append((i, n, v, (pos, wire[j] if wire else j)))
 
     def _in_place(self, bufs, rebuild, key) -> list[int] | None:
         fn = digest_native()
@@ -480,11 +480,11 @@ class Ledger:
             found.append((s, q, n_s, n_q, first))
         raise _error(me, bad, found)
 
-    def _tensors(self, pos: int, j: int) -> str:
-        """The destination tensor(s) of receive ``j`` of step position ``pos``."""
+    def _tensors(self, pos: int, j: int | tuple[int, ...]) -> str:
+        """The destination tensor(s) of receive ``j`` (or receives, joined in one message) of step ``pos``."""
         step = self.work.steps[pos][1]
-        _peer, _at, m = step.recvs[j]
-        names = dict.fromkeys(self.transfers[c.transfer].tensor for c in m.chunks)
+        js = j if isinstance(j, tuple) else (j,)
+        names = dict.fromkeys(self.transfers[c.transfer].tensor for k in js for c in step.recvs[k][2].chunks)
         return ",".join(names)
 
 

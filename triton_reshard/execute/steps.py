@@ -240,7 +240,7 @@ class StepLoop:
             ops.copy_views(b.quant.stage_unpacks[pos], self.backend, key=(self.key, "stage", i))
         if self.ledger is not None:  # the receives digested over what the unpack wrote
             pairs = landed.unpacked + b.quant.stage_unpacks[pos]
-            self.ledger.on_land(pos, pairs, self.backend, landed.lengths, (self.key, pos))
+            self.ledger.on_land(pos, pairs, self.backend, landed.lengths, (self.key, pos), landed.wire)
         self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2

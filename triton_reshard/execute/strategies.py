@@ -25,7 +25,7 @@ import torch
 
 from .. import ops
 from ..ops.block_delta import pack_block_delta, unpack_block_delta
-from ..ops.delta import message_length
+from ..ops.delta import join_messages, message_length
 from ..ops.delta_cpu import commit_updates
 from ..ops.delta_triton import triton_pack_digest
 from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff, send_cache
@@ -43,6 +43,9 @@ class Landed:
     unpacked: list
     lengths: dict | None = None
     staged: bool = False  # the step's staging copies of destination-quantized pieces were made with the unpack
+    # a delta run's receives as they went on the wire (``Eligible.rwire``): per wire message the plan's receive
+    # indices it carried (the digest names a differing message's tensors from them); None: one per receive
+    wire: tuple | None = None
 
 
 class Dense:
@@ -216,6 +219,8 @@ class Delta(Dense):
         """The dense staging copies step ``pos`` still needs: a delta-able message whose chunks are plain
         copies is diffed straight from its sources (no staging copy first). Returns those sources by send."""
         b, el, i = loop.b, self.elig, loop.work.steps[pos][0]
+        if not el.sends[pos]:  # a step this rank only receives in
+            return []
         srcs = (
             [s if ok else None for s, ok in zip(b.send_srcs[pos], el.sends[pos], strict=True)]
             if b.send_srcs
@@ -234,29 +239,62 @@ class Delta(Dense):
             ops.copy_views(b.packs[pos], loop.backend, key=(loop.key, "pack", i))
         return srcs
 
-    def _message(self, loop, pos: int, j: int, srcs: list) -> torch.Tensor:
-        """Send ``j`` of step ``pos`` as a delta message (diffed once per run and snapshot)."""
+    def _views(self, loop, pos: int, j: int, srcs: list) -> list:
+        """Send ``j`` of step ``pos`` as (source, snapshot) pairs: its sources where it is diffed from them, else
+        its chunks in the send buffer (packed dense first)."""
+        views = srcs[j][0] if srcs[j] is not None else loop.b.send_msgs[pos][j]
+        return list(zip(views, self.snap.views(pos, j), strict=True))
+
+    def _encode(self, loop, pos: int, j: int, pairs: list, hashed: bool = True) -> torch.Tensor:
+        """The delta message of ``pairs`` (the snapshot updated), with the codec's cache of send ``j``."""
+        cache = send_cache(loop.b, pos, j)
+        if hashed and loop.ledger is not None and loop.backend == "triton":  # the encode pass hashes what it writes
+            coef, dev = loop.ledger.coef, pairs[0][0].device  # (a message is whole 1 KiB rows' words: n % 16 == 0)
+            msg, h = triton_pack_digest(pairs, lambda n: coef.get(-(-n // (8 * ROW_WORDS)), dev), cache=cache)
+            self.hashed[id(msg)] = (msg, h)
+            return msg
+        return ops.pack_delta(pairs, update=True, backend=loop.backend, cache=cache)
+
+    def _message(self, loop, pos: int, j: int, srcs: list, hashed: bool = True) -> torch.Tensor:
+        """Send ``j`` of step ``pos`` as a delta message (diffed once per run and snapshot). A send whose message
+        a later one repeats keeps it (``shared``); one repeating an earlier send of this step not yet packed
+        packs that one first (a joined wire message may come before the other's)."""
         b, el = loop.b, self.elig
-        t = clock()
         if (pos, j) in el.same:  # an earlier send's message (same boxes, one snapshot): not diffed again
-            msg = self.shared[el.same[pos, j]]
-        elif pos == 0 and self.pre is not None and j in self.pre.msgs:
+            first = el.same[pos, j]
+            got = self.shared.get(first)
+            return got if got is not None else self._message(loop, first[0], first[1], srcs, hashed)
+        if (pos, j) in self.shared:  # packed already, for a send that repeats it
+            return self.shared[pos, j]
+        t = clock()
+        if pos == 0 and self.pre is not None and j in self.pre.msgs:
             msg = self.pre.msgs.pop(j)
         elif el.sends[pos][j]:
-            views = srcs[j][0] if srcs[j] is not None else b.send_msgs[pos][j]
-            pairs = list(zip(views, self.snap.views(pos, j), strict=True))
-            cache = send_cache(b, pos, j)
-            if loop.ledger is not None and loop.backend == "triton":  # the encode pass hashes what it writes
-                coef, dev = loop.ledger.coef, views[0].device  # (a message is whole 1 KiB rows' words: n % 16 == 0)
-                msg, h = triton_pack_digest(pairs, lambda n: coef.get(-(-n // (8 * ROW_WORDS)), dev), cache=cache)
-                self.hashed[id(msg)] = (msg, h)
-            else:
-                msg = ops.pack_delta(pairs, update=True, backend=loop.backend, cache=cache)
+            msg = self._encode(loop, pos, j, self._views(loop, pos, j, srcs), hashed)
         else:
             msg = pack_block_delta(b.send_qmsgs[pos][j], self.snap.qviews(pos, j), update=True)
         self.diff_s += clock() - t
         if (pos, j) in el.repeated:
             self.shared[pos, j] = msg
+        return msg
+
+    def _wire_message(self, loop, pos: int, g: tuple[int, ...], srcs: list) -> torch.Tensor:
+        """Wire message ``g`` of step ``pos`` (``Eligible.swire``): a lone send's delta message, or the delta-able
+        sends of the step to one peer as one message: packed in one call (``Eligible.one_pack``), else each alone
+        and joined (one of them shares its message with another send)."""
+        if len(g) == 1:
+            return self._message(loop, pos, g[0], srcs)
+        if not self.elig.one_pack(pos, g):
+            msgs = [self._message(loop, pos, j, srcs, hashed=False) for j in g]
+            t = clock()
+            msg = join_messages(msgs)
+            self.diff_s += clock() - t
+            return msg
+        if pos == 0 and self.pre is not None and g[0] in self.pre.msgs:
+            return self.pre.msgs.pop(g[0])
+        t = clock()
+        msg = self._encode(loop, pos, g[0], [pair for j in g for pair in self._views(loop, pos, j, srcs)])
+        self.diff_s += clock() - t
         return msg
 
     def pack(self, loop, pos: int) -> tuple[list, list]:
@@ -266,11 +304,12 @@ class Delta(Dense):
         bsends = el.bsends[pos] if el.bsends else ()
         sends, recvs = loop.b.wire[pos]
         out_s, len_s = [], []
-        for j, (peer, buf) in enumerate(sends):
-            if el.sends[pos][j] or (bsends and bsends[j]):
-                msg = self._message(loop, pos, j, srcs)
+        for g in el.swire[pos]:  # the wire messages: a step's delta-able sends to one peer as one
+            peer, buf = sends[g[0]]
+            if el.sends[pos][g[0]] or (bsends and bsends[g[0]]):
+                msg = self._wire_message(loop, pos, g, srcs)
                 self.bytes[0] += msg.numel()
-                self.bytes[1] += buf.numel()
+                self.bytes[1] += sum(sends[j][1].numel() for j in g)
                 out_s.append((peer, msg))
                 if not self.inbox_mode:  # (gloo: no length round)
                     len_s.append((peer, torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)))
@@ -294,16 +333,14 @@ class Delta(Dense):
         return [el.recvs[pos][j] or brecvs[j] for j in range(n)]
 
     def _announced_recvs(self, loop, pos: int, sends, recvs, len_s, dev) -> list:
-        """Step ``pos``'s receives after the round of delta lengths (NCCL, block deltas): each delta message's
-        buffer of its announced size (kept in ``self.inbox[pos]`` for :meth:`land`)."""
+        """Step ``pos``'s receives (per wire message, ``Eligible.rwire``) after the round of delta lengths (NCCL,
+        block deltas): each delta message's buffer of its announced size (kept in ``self.inbox[pos]`` for
+        :meth:`land`)."""
         el, link, what = self.elig, loop.link, loop.what(pos)
         delta_r = self._delta_recvs(pos, len(recvs))
         peers = {p for p, _ in sends} | {p for p, _ in recvs}
-        len_r = [
-            (peer, torch.zeros(1, dtype=torch.int64, device=dev))
-            for j, (peer, _buf) in enumerate(recvs)
-            if delta_r[j]
-        ]
+        wire = el.rwire[pos]
+        len_r = [(recvs[g[0]][0], torch.zeros(1, dtype=torch.int64, device=dev)) for g in wire if delta_r[g[0]]]
         if len_s or len_r:
             t1 = clock()
             works = link.call(link.post, f"{what} (delta lengths)", peers, len_s, len_r)
@@ -311,13 +348,14 @@ class Delta(Dense):
             loop.timing.wire += clock() - t1
         lens = iter(int(x) for _p, x in len_r)  # sent in message order: the k-th length is the k-th delta
         out_r, inbox = [], []
-        for j, (peer, buf) in enumerate(recvs):
-            if delta_r[j]:
-                n = next(lens)
-                if not 16 <= n <= el.max_bytes[pos, j] or n % 16:
+        for g in wire:
+            peer, buf = recvs[g[0]]
+            if delta_r[g[0]]:
+                n, most = next(lens), el.max_bytes[pos, g[0]]
+                if not 16 <= n <= most or n % 16:
                     raise ValueError(
                         f"rank {link.rank}: {what}: rank {peer} announced a delta message of "
-                        f"{n} bytes (at most {el.max_bytes[pos, j]}, a multiple of 16)"
+                        f"{n} bytes (at most {most}, a multiple of 16)"
                     )
                 buf = torch.empty(n, dtype=torch.uint8, device=dev)
                 inbox.append(buf)
@@ -328,15 +366,17 @@ class Delta(Dense):
         return out_r
 
     def _inbox_recvs(self, loop, pos: int, recvs, dev) -> list:
-        """Step ``pos``'s receives with each delta message's buffer a slice of the step's inbox area, its
-        largest possible size (kept in ``self.inbox[pos]`` for :meth:`land`)."""
+        """Step ``pos``'s receives (per wire message, ``Eligible.rwire``) with each delta message's buffer a slice
+        of the step's inbox area, its largest possible size (kept in ``self.inbox[pos]`` for :meth:`land`)."""
         el = self.elig
         out_r, inbox, at = [], [], 0
-        want = sum(el.max_bytes[pos, j] for j in range(len(recvs)) if el.recvs[pos][j])
+        wire = el.rwire[pos]
+        want = sum(el.max_bytes[pos, g[0]] for g in wire if el.recvs[pos][g[0]])
         area = self.snap.inbox(pos % loop.work.slots, want, dev) if want else None
-        for j, (peer, buf) in enumerate(recvs):
-            if el.recvs[pos][j]:
-                n = el.max_bytes[pos, j]
+        for g in wire:
+            peer, buf = recvs[g[0]]
+            if el.recvs[pos][g[0]]:
+                n = el.max_bytes[pos, g[0]]
                 buf = area[at : at + n]
                 at += n
                 inbox.append(buf)
@@ -344,35 +384,40 @@ class Delta(Dense):
         self.inbox[pos] = inbox
         return out_r
 
+    def _dsts(self, loop, pos: int, g: tuple[int, ...]) -> tuple[list, dict]:
+        """Wire message ``g``'s destination views (its receives' chunks, in order) and its unpack cache."""
+        cache = loop.b.delta_cache.setdefault(("recv", pos, g[0]), {})
+        dsts = cache.get("dsts")
+        if dsts is None:
+            dsts = cache["dsts"] = [v for j in g for v in loop.b.recv_msgs[pos][j][0]]
+        return dsts, cache
+
     def land(self, loop, pos: int) -> Landed:
         b, el = loop.b, self.elig
         inbox = iter(self.inbox.pop(pos))
-        dense, lengths = [], {}  # lengths: the bytes of each delta received into a larger buffer
+        dense, lengths = [], {}  # lengths: the bytes of each delta received into a larger buffer, by wire index
         brecvs = el.brecvs[pos] if el.brecvs else ()
-        for j, (vs, a, z) in enumerate(b.recv_msgs[pos]):
+        for w, g in enumerate(el.rwire[pos]):
+            j = g[0]
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
                 msg, t = next(inbox), clock()
                 if el.recvs[pos][j]:
-                    ops.unpack_delta(
-                        msg,
-                        vs,
-                        backend=loop.backend,
-                        names=el.names[pos, j],
-                        cache=b.delta_cache.setdefault(("recv", pos, j), {}),
-                    )
+                    dsts, cache = self._dsts(loop, pos, g)
+                    ops.unpack_delta(msg, dsts, backend=loop.backend, names=el.names[pos, j], cache=cache)
                 else:
                     unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
                 self.apply_s += clock() - t
                 n = message_length(msg) if self.inbox_mode else msg.numel()
                 if self.inbox_mode:  # received into a buffer of the largest size: count what came
                     loop.recvd -= msg.numel() - n
-                    lengths[j] = n
+                    lengths[w] = n
                 self.bytes[2] += n
-                self.bytes[3] += b.wire[pos][1][j][1].numel()
+                self.bytes[3] += sum(b.wire[pos][1][k][1].numel() for k in g)
             else:
+                _vs, a, z = b.recv_msgs[pos][j]
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, loop.backend)
-        return Landed(dense, lengths)
+        return Landed(dense, lengths, wire=el.rwire[pos])
 
 
 def pick(

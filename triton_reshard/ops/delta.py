@@ -98,6 +98,7 @@ from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
 from .delta_format import write_flat as _write_flat
 from .delta_message import chunk_sizes as chunk_sizes
+from .delta_message import join_messages as join_messages
 from .delta_message import message_layout as _message_layout
 from .delta_message import read_directory
 from .delta_message import write_headers as _write_headers

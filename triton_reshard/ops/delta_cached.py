@@ -239,6 +239,7 @@ class UnpackPlan:
     view objects (:meth:`fits`)."""
 
     def __init__(self, dsts: Sequence[torch.Tensor]) -> None:
+        self.given = dsts  # the caller's list: passed again (a refit's receive), it fits without a walk
         self.dsts = list(dsts)
         self.cpu = all(d.device.type == "cpu" for d in self.dsts)
         self.facts = DstFacts(self.dsts)
@@ -248,7 +249,11 @@ class UnpackPlan:
         self._slices: tuple | None = None
 
     def fits(self, dsts: Sequence[torch.Tensor]) -> bool:
-        return len(dsts) == len(self.dsts) and all(a is b for a, b in zip(dsts, self.dsts, strict=True))
+        """Built for exactly these views (the same tensor objects, in order)? A list is not changed in place
+        between calls by its callers (a refit keeps its receive's list as made): the same list fits at once."""
+        if len(dsts) != len(self.dsts):
+            return False
+        return dsts is self.given or all(a is b for a, b in zip(dsts, self.dsts, strict=True))
 
     def slices(self, ce: int) -> list[np.ndarray]:
         """Each chunk's destination elements (1-D numpy views), for chunks of ``ce`` elements."""

@@ -186,3 +186,32 @@ def read_directory(
             f"nbytes {int(nbytes[c])} (want {int(want[c])}), message {length} bytes"
         )
     return Directory(chunks, offsets, kind, count, nbytes, version)
+
+
+def join_messages(msgs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One delta message holding the chunks of ``msgs`` (each a whole message, exactly its length, of one chunk
+    size), in order: what packing all their pairs in one call writes, except that each chunk keeps the encoding
+    its own pack chose. The version is the highest of theirs (a v2 reader takes v1 kinds). A delta refit joins
+    the messages of a step to one peer this way where they cannot be packed in one call (``execute.strategies``:
+    a send whose message repeats another's). Any device; a copy of the messages' bytes."""
+    if len(msgs) == 1:
+        return msgs[0]
+    heads = [[int(x) & 0xFFFFFFFF for x in m[:HEADER_BYTES].view(torch.int32).tolist()] for m in msgs]
+    if any(h[0] != MAGIC for h in heads) or len({h[3] for h in heads}) != 1:
+        raise ValueError("join_messages: every message must be a delta message of one chunk size")
+    total = sum(h[2] for h in heads)
+    start = chunks_start(total)
+    dirs, bodies, at = [], [], start
+    for m, h in zip(msgs, heads, strict=True):
+        s0 = chunks_start(h[2])
+        if h[2]:
+            dirs.append(m[HEADER_BYTES:HEADER_BYTES + 8 * h[2]].view(torch.int64) + (at - s0))
+        bodies.append(m[s0:])
+        at += m.numel() - s0
+    out = torch.zeros(at, dtype=torch.uint8, device=msgs[0].device)
+    out[:HEADER_BYTES].view(torch.int32).copy_(
+        torch.tensor([MAGIC, max(h[1] for h in heads), total, heads[0][3]], dtype=torch.int64).to(torch.int32))
+    if dirs:
+        out[HEADER_BYTES:HEADER_BYTES + 8 * total].view(torch.int64).copy_(torch.cat(dirs))
+    torch.cat(bodies, out=out[start:])
+    return out
