@@ -76,7 +76,7 @@ if WeightTransferEngine is not None:
             self.groups = group_layouts(self.src_layout, self.dst_layout, self.mode, info.staging_bytes)
             self.rx = Receiver(self.group, bucket_bytes=info.bucket_bytes, timeout=info.timeout)
             self.last_update: dict = {"mode": self.mode, "torn": self.torn}
-            self.staging = Staging(self.dst_layout, rank)
+            self.staging = Staging(self.dst_layout, rank, parts=[dst for _names, _src, dst in self.groups])
             self._drop()
 
         def _drop(self) -> None:
@@ -165,8 +165,9 @@ if WeightTransferEngine is not None:
             stats = rx.stats = {"mode": self.mode, "method": info.method, "phase": info.phase, "recv_bytes": 0,
                                 "staging_bytes": 0, "refit_s": 0.0, "alloc_s": 0.0, "unpack_s": 0.0, "load_s": 0.0,
                                 "start_s": getattr(self, "_start_s", 0.0)}
-            if info.phase == "stage":
-                rx.refit(st.mirror(stats), self.src_layout, self.dst_layout, **kw)
+            if info.phase == "stage":  # the mirror is written one layer group per refit, as a full delta writes it
+                for _item in rx.into(st.mirror(stats), self.groups, prefetch=False, **kw):
+                    pass
                 shadow = self.info.shadow if info.shadow is None else info.shadow
                 self._shadow = self._build_shadow(stats) if reload and shadow else None
                 st.staged = {"version": info.version}  # before the vote: the trainer commits after it
@@ -198,10 +199,10 @@ if WeightTransferEngine is not None:
                                                  self.info.timeout, stats), stats)
             elif not reload:
                 rx.refit(dict(self.model.named_parameters()), self.src_layout, self.dst_layout, **kw)
-            elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes
-                rx.refit(st.mirror(stats), self.src_layout, self.dst_layout, **kw)
+            elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes, one layer
+                # group per refit, vLLM re-packing group k while group k+1 is on the wire
+                self._load(rx.into(st.mirror(stats), self.groups, prefetch=True, **kw), stats)
                 stats["staging_bytes"] = st.nbytes()
-                self._load(list(st.tensors.items()), stats)
             else:
                 self._load(rx.groups(self.groups, self.info.prefetch if info.prefetch is None else info.prefetch,
                                      **kw), stats)
