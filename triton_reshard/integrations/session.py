@@ -266,6 +266,9 @@ class WorkerSession:
     texts; ``engine`` names the engine's reload in them. Errors are not raised: voted, logged and recorded
     (``last_update``), the trainer learns of them from its refit or the vote."""
 
+    phase: str | None = None  # the phase of the update in progress (None: none received since the engine's start)
+    start_s = 0.0  # the engine's start of this update (its repair of a failed one), in the stats
+
     def __init__(self, group: RefitGroup, src: Layout, dst: Layout, mode: str, groups: list, torn: TornState, *,
                  model, load: Callable, build: Callable | None, timeout: float, bucket_bytes: int, rank_offset: int,
                  prefetch: bool, shadow: bool, device, who: str, engine: str = "the engine"):
@@ -281,9 +284,6 @@ class WorkerSession:
     def drop(self) -> None:
         self.built = None
         self.staging.drop()
-
-    phase: str | None = None  # the phase of the update in progress (None: none received since the engine's start)
-    start_s = 0.0  # the engine's start of this update (its repair of a failed one), in the stats
 
     def started(self, seconds: float) -> None:
         """The engine's start of an update (``seconds``: its repair of a failed one)."""
