@@ -157,3 +157,43 @@ def test_trainer_and_worker_sessions_on_a_gloo_world():
             "RuntimeError: rank(s) [2] of the refit group failed their part of this update"
         assert state["reason"] == reason, (rank, state)
         assert e["repair"] == (None, None, 3, True, "reload"), (rank, e["repair"])
+
+
+def test_module_shadow_build_runs_the_engines_steps_and_forgets_on_failure():
+    """``ModuleShadow.build``: the engine's prepare / load / done on the shadow (the live tree untouched until the
+    swap), the rebuilt modules' bytes counted, and ``forget`` for every module prepare saw, also when it raised."""
+    torch.manual_seed(0)
+    root = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    before = {n: t.clone() for n, t in root.state_dict().items()}
+    new = {n: torch.randn_like(t) for n, t in root.state_dict().items()}
+    forgot: list = []
+
+    def prepare(name, m, s):
+        if not isinstance(m, torch.nn.Linear):
+            return None
+        for pn in ("weight", "bias"):
+            s._parameters[pn] = kit.private_tensor(m._parameters[pn], (m,), s)
+        return name
+
+    def load(shadow_root):
+        with torch.no_grad():
+            for n, p in shadow_root.named_parameters():
+                p.copy_(new[n])
+
+    stats: dict = {}
+    sh = kit.ModuleShadow(root).build(prepare, load, lambda s, name: 4 * s.weight.numel(), forgot.append, stats)
+    assert [n for n, _, _ in sh.built] == ["0", "2"] and stats["shadow_bytes"] == 4 * (12 + 8)
+    assert stats["shadow_layers"] == 2 and len(forgot) == 4  # the root, both linears, the ReLU
+    assert all(torch.equal(before[n], t) for n, t in root.state_dict().items()), "the build wrote the live tree"
+    sh.swap()
+    assert all(torch.equal(new[n], t) for n, t in root.state_dict().items())
+
+    def refuse(name, m, s):
+        if name == "1":
+            raise NotImplementedError("shadow build: 1 is not covered")
+        return prepare(name, m, s)
+
+    forgot.clear()
+    with pytest.raises(NotImplementedError, match="shadow build: 1 is not covered"):
+        kit.ModuleShadow(root).build(refuse, load, lambda s, name: 1, forgot.append, {})
+    assert len(forgot) == 3  # the root, linear 0 and the module that refused

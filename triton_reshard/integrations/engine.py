@@ -467,11 +467,12 @@ class ModuleShadow:
         live, shadow)`` per module (its build state, private tensors given; None: not rebuilt; raises to refuse),
         ``load(root)`` (the loader, on the shadow root), then ``done(shadow, state)`` per prepared module: its
         rebuilt bytes, or None where it did not complete (both inside ``within()``); :meth:`check`; at the end,
-        ``forget(shadow)`` per prepared module (e.g. its engine records, which would keep the shadow alive).
+        ``forget(shadow)`` per module ``prepare`` saw (e.g. its engine records, which would keep the shadow alive).
         ``stats``: ``shadow_s``, ``shadow_bytes``, ``shadow_layers``. Returns self (``built``: what to swap)."""
-        t0, states = time.perf_counter(), {}
+        t0, states, tried = time.perf_counter(), {}, []
         try:
             for name, m, s in self.pairs:
+                tried.append(s)
                 st = prepare(name, m, s)
                 if st is not None:
                     states[id(s)] = st
@@ -484,9 +485,8 @@ class ModuleShadow:
                         stats["shadow_bytes"] = stats.get("shadow_bytes", 0) + b
             self.check()
         finally:
-            for _, _, s in self.pairs:
-                if id(s) in states:
-                    forget(s)
+            for s in tried:
+                forget(s)
         stats.update(shadow_s=time.perf_counter() - t0, shadow_layers=len(self.built))
         return self
 
