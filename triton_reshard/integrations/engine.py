@@ -461,6 +461,39 @@ class ModuleShadow:
         yield from ((n, t, "buffer") for n, t in m._buffers.items()
                     if t is not None and n not in m._non_persistent_buffers_set)
 
+    def build(self, prepare: Callable, load: Callable, done: Callable, forget: Callable, stats: dict,
+              within: Callable = contextlib.nullcontext) -> ModuleShadow:
+        """Build new weights on the shadow with an engine's own loader (nothing live is touched): ``prepare(name,
+        live, shadow)`` per module (its build state, private tensors given; None: not rebuilt; raises to refuse),
+        ``load(root)`` (the loader, on the shadow root), then ``done(shadow, state)`` per prepared module: its
+        rebuilt bytes, or None where it did not complete (both inside ``within()``); :meth:`check`; at the end,
+        ``forget(shadow)`` per module ``prepare`` saw (e.g. its engine records, which would keep the shadow alive).
+        ``stats``: ``shadow_s``, ``shadow_bytes``, ``shadow_layers``. Returns self (``built``: what to swap)."""
+        t0, states, tried = time.perf_counter(), {}, []
+        try:
+            for name, m, s in self.pairs:
+                tried.append(s)
+                st = prepare(name, m, s)
+                if st is not None:
+                    states[id(s)] = st
+            with within():
+                load(self.root)
+                for name, m, s in self.pairs:
+                    b = done(s, states[id(s)]) if id(s) in states else None
+                    if b is not None:
+                        self.built.append((name, m, s))
+                        stats["shadow_bytes"] = stats.get("shadow_bytes", 0) + b
+            self.check()
+        finally:
+            for s in tried:
+                forget(s)
+        stats.update(shadow_s=time.perf_counter() - t0, shadow_layers=len(self.built))
+        return self
+
+    def name(self, shadow: torch.nn.Module) -> str:
+        """The module name of a shadow module."""
+        return next(n for n, _, s in self.pairs if s is shadow)
+
     def check(self) -> None:
         """Before the commit (in the builder's thread): every live tensor of a rebuilt module has its new value
         of the same shape and dtype (the swap copies in place); raises naming the tensor otherwise."""

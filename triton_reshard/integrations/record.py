@@ -370,3 +370,21 @@ def layout_from_records(records: Iterable[LoadRecord]) -> Layout:
         raise ValueError(f"tensor {missing[0]!r} is marked block-quantized but no rank recorded it")
     return Layout(tuple(TensorSpec(n, s, d, quant.get(n)) for n, (s, d) in sorted(specs.items())), tuple(frags),
                   tuple(locs))
+
+
+def layout_from_model(record: Callable[[object, Mapping[str, Sequence[int]], int], LoadRecord], model,
+                      checkpoint: str | Mapping[str, Sequence[int]], group=None, rank: int | None = None) -> Layout:
+    """The destination layout of an engine's deployment, read off every rank's live ``model`` by the engine's
+    ``record(model, {name: shape}, rank)`` (``checkpoint``: a safetensors directory or ``{name: shape}``). Call on
+    every rank of ``group`` (a ``torch.distributed`` group, default the world; ranks with no model pass ``None``):
+    the records are all-gathered (data only: nothing a peer sends is unpickled), so every rank returns the same
+    Layout; raises on every rank, naming the parameter and rank, if a loader write is not a box copy of a
+    checkpoint tensor (fail closed)."""
+    import torch.distributed as dist
+
+    if rank is None:
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+    shapes = checkpoint_shapes(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    rec = None if model is None else record(model, shapes, rank)
+    recs = wire.all_gather_data(rec, group, "load record")
+    return layout_from_records(r for r in recs if r is not None)

@@ -9,8 +9,8 @@ What a plug-in's ranks do the same way whatever the engine:
   rank's part of an update, then the update's vote (:func:`~.engine.vote`), errors returned, not raised.
 * :class:`Receiver`: the refits of an update into this rank's tensors, timed into the update's stats, whole or
   one layer group at a time (:func:`~.engine.received_groups`).
-* :func:`refuse_forward` / :class:`TornWeightsError` / :func:`forward_refused`: a rank whose update failed part
-  way refuses every forward of its model until a later update completes.
+* :func:`refuse_forward` / :class:`TornWeightsError` / :func:`forward_refused` / :class:`TornState`: a rank whose
+  update failed part way refuses every forward of its model until a later update completes.
 
 Used by the vLLM plug-in (:mod:`.vllm_worker`, :mod:`.vllm_trainer`) and SGLang's (:mod:`.sglang`,
 :mod:`.sglang_stage`).
@@ -30,7 +30,7 @@ from ..layout import Layout
 from ..refit import forget_refit_state, refit
 from .engine import ControlCall, background, box_bytes, copy_boxes, rank_buffers, received_groups, vote
 
-__all__ = ["Receiver", "Staging", "TornWeightsError", "beside", "forward_refused", "log_warning", "refuse_forward",
+__all__ = ["Receiver", "Staging", "TornState", "TornWeightsError", "beside", "forward_refused", "log_warning", "refuse_forward",
            "voted"]
 
 
@@ -204,6 +204,28 @@ def refuse_forward(model: torch.nn.Module, torn: Callable[[], dict | None], who:
                                "repair update completes")
 
     return model.register_forward_pre_hook(refuse)
+
+
+class TornState:
+    """A rank's torn state, kept across its refit groups: ``state`` (``version``, ``mode``, ``reason``) once an
+    update failed part way, the model's every forward refused meanwhile (:func:`refuse_forward`), until
+    :meth:`repaired`."""
+
+    state: dict | None = None
+    _guard = None
+
+    def mark(self, version, mode: str, e: BaseException, who: str, model: torch.nn.Module) -> None:
+        self.state = {"version": version, "mode": mode, "reason": f"{type(e).__name__}: {e}"[:400]}
+        if self._guard is None:
+            self._guard = refuse_forward(model, lambda: self.state, who)
+
+    def repaired(self) -> dict | None:
+        """A later update completed: the forward allowed again; the torn state it repaired (None: there was none)."""
+        state, self.state = self.state, None
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        return state
 
 
 def forward_refused(model: torch.nn.Module) -> str | None:

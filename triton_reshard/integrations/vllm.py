@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import wire
 from ..layout import Layout
-from .record import LoadRecord, checkpoint_shapes, layout_from_records, record_block_quant
+from .record import LoadRecord, checkpoint_shapes, layout_from_model, record_block_quant
 
 SCALE_SUFFIX = "_scale_inv"  # block FP8: checkpoint "X.weight_scale_inv" -> vLLM param "...weight_scale_inv"
 # the parameters vLLM's block-FP8 methods hold quantized (Fp8LinearMethod / Fp8MoEMethod, vLLM 0.33), each
@@ -69,20 +68,12 @@ def record_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], rank: int,
 
 def layout_from_vllm(model, checkpoint: str | Mapping[str, Sequence[int]], *, group: dist.ProcessGroup | None = None,
                      rank: int | None = None) -> Layout:
-    """The destination layout of a vLLM deployment, read off every worker's live ``model``.
-
-    Call on every rank of ``group`` (the refit group: trainer ranks with no model pass ``model=None``). Each
-    worker records its own loader; the records are all-gathered, so every rank returns the same Layout, whose
-    ranks are the group's ranks. Raises, naming the parameter and rank, if a loader write is not a box copy
-    of a checkpoint tensor (fail closed). Local tensors are the parameters ``load_weights`` writes; parameters
-    it does not write (e.g. MLA's ``W_UV``/``W_UK_T``, made after loading) are not in the layout and are
-    ignored by ``refit``.
-    """
-    if rank is None:
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
-    rec = None if model is None else record_vllm(model, checkpoint, rank)
-    recs = wire.all_gather_data(rec, group, "load record")  # data only: nothing a peer sends is unpickled
-    return layout_from_records(r for r in recs if r is not None)
+    """The destination layout of a vLLM deployment, read off every worker's live ``model``
+    (:func:`~.record.layout_from_model` of :func:`record_vllm`). Call on every rank of ``group`` (the refit group:
+    trainer ranks with no model pass ``model=None``); every rank returns the same Layout, whose ranks are the
+    group's ranks. Local tensors are the parameters ``load_weights`` writes; parameters it does not write (e.g.
+    MLA's ``W_UV``/``W_UK_T``, made after loading) are not in the layout and are ignored by ``refit``."""
+    return layout_from_model(record_vllm, model, checkpoint, group, rank)
 
 
 def amx_packing_unbuilt() -> bool:
@@ -98,16 +89,6 @@ def amx_packing_unbuilt() -> bool:
     return False
 
 
-def _amx_mla_unbuilt() -> bool:
-    """Whether vLLM would pick its AMX MLA backend on this CPU without the CPU build's kernels behind it: on an
-    AMX-capable x86 CPU vLLM's CpuPlatform prefers ``AMX_MLA``, whose post-load step packs the weights
-    (:func:`amx_packing_unbuilt`). Then the reference ``CPU_MLA`` backend is the one that runs (it leaves the
-    weights in the checkpoint format)."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu() and amx_packing_unbuilt()
-
-
 def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                     dtype: str | torch.dtype = "float32", init_groups: bool = True, **engine_args):
     """vLLM's model for ``checkpoint_dir``, built by vLLM's ``initialize_model`` and loaded by its
@@ -121,6 +102,7 @@ def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enabl
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     if isinstance(dtype, torch.dtype):
@@ -128,7 +110,10 @@ def load_vllm_model(checkpoint_dir: str, *, tensor_parallel_size: int = 1, enabl
     args = dict(model=checkpoint_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                 skip_tokenizer_init=True, enforce_eager=True, enable_expert_parallel=enable_expert_parallel,
                 max_model_len=128)
-    if not {"attention_backend", "attention_config"} & set(engine_args) and _amx_mla_unbuilt():
+    # on an AMX-capable CPU vLLM prefers its AMX MLA backend, whose post-load packing only vLLM's CPU build ships
+    # (amx_packing_unbuilt): then the reference CPU_MLA backend runs (it keeps the weights in the checkpoint format)
+    if not {"attention_backend", "attention_config"} & set(engine_args) and current_platform.is_cpu() \
+            and amx_packing_unbuilt():
         args["attention_backend"] = "CPU_MLA"
     args.update(engine_args)
     vc = EngineArgs(**args).create_engine_config()

