@@ -68,6 +68,9 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_sglang.py#cluster": ("sglang", ["--cluster", "2x2", "--repeats", "1", "--layers", "2", "--hidden", "256",
                                            "--out", "{out}/sglang_cluster.json"], 600),  # root, as the one above
     "results_page.py": ("main", ["--check"], 60),
+    "results_model.py": (None, [], 0),  # the page's model and formats (run by results_page.py's entry)
+    "results_sections.py": (None, [], 0),  # the page's single-machine sections (run by results_page.py's entry)
+    "results_cluster.py": (None, [], 0),  # the page's cluster / block-delta / RL-loop sections (the same)
     "bench_quant_delta.py": ("main", ["--vocab", "64", "--hidden", "64", "--intermediate", "128", "--layers", "1",
                                       "--seq", "8", "--batch", "2", "--warmup", "2", "--steps", "12", "--lrs", "1e-5",
                                       "--out", "{out}/quant_delta.json"], 300),
