@@ -212,6 +212,8 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
             eng.send_weights(version=it + 1, method="broadcast")
         elif method == "reshard-prefetch":  # ours, receiving layer group k+1 while vLLM loads group k
             eng.send_weights(version=it + 1, prefetch=True)
+        elif method == "delta-serial":  # reload mode: the delta in one refit, then vLLM's reload of it all
+            eng.send_weights(version=it + 1, delta=True, prefetch=False)
         else:
             eng.send_weights(version=it + 1, delta=method == "delta")
         t_refit = time.perf_counter() - t0
@@ -221,7 +223,7 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
                "refit_share": t_refit / (t_gen + t_train + t_refit),
                "sent_bytes": eng.last_update["sent_bytes"], "changed_frac": changed / total,
                "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
-               "delta_mode": getattr(eng.last_report, "mode", None) if method == "delta" else None,
+               "delta_mode": getattr(eng.last_report, "mode", None) if method.startswith("delta") else None,
                "worker_refit_s": max(w.get("refit_s", 0.0) for w in workers),
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
                "staging_bytes": max(w.get("staging_bytes", 0) for w in workers),
@@ -563,8 +565,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the training step's arithmetic (the weights sent are bf16 either way): auto = bf16 where "
                          "this CPU has a fast bf16 GEMM (AVX-512 or a GPU), else fp32 on the same bf16 weights")
     ap.add_argument("--method", default="reshard",
-                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta",
-                             "async-reload", "async-bg", "async-bg-delta"])
+                    choices=["reshard", "delta", "delta-serial", "broadcast", "reshard-prefetch", "async",
+                             "async-delta", "async-reload", "async-bg", "async-bg-delta"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
                          "(same as --method async)")

@@ -34,7 +34,7 @@ for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
 
 OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4, "logprobs": 5}
 METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3, "async-reload": 4, "async-bg": 5,
-                "async-bg-delta": 6}
+                "async-bg-delta": 6, "delta-serial": 7}
 
 
 def _send(t, dst: int) -> None:
@@ -132,6 +132,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
                 continue
             if method == "broadcast":
                 eng.send_weights(version=x, method="broadcast")
+            elif method == "delta-serial":  # the delta in one refit, then vLLM's reload of it all
+                eng.send_weights(version=x, delta=True, prefetch=False)
             else:
                 eng.send_weights(version=x, delta=method == "delta", overlap=method.startswith("async"),
                                  shadow=method != "async-reload")
@@ -203,7 +205,8 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
         if method == "broadcast":
             eng.send_weights(version=version, method="broadcast")
         else:
-            eng.send_weights(version=version, delta=method == "delta")
+            eng.send_weights(version=version, delta=method.startswith("delta"),
+                             prefetch=False if method == "delta-serial" else None)
         t = time.perf_counter() - t0
         sent = int(_recv((1,), torch.int64, 0)[0])
         c1 = link_counters()
@@ -263,7 +266,7 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
             row.update(worker_refit_s=max(x.get("refit_s", 0.0) for x in w),
                        worker_load_s=max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
                        staging_bytes=max(x.get("staging_bytes", 0) for x in w),
-                       delta_mode=w[0].get("delta_mode") if method == "delta" else None)
+                       delta_mode=w[0].get("delta_mode") if method.startswith("delta") else None)
             rows.append(row)
             print(f"[{method}{' warm-up' if warm else ''}] iter {it}: gen {t_gen:.2f}s train {t_train:.2f}s refit {t_refit:.3f}s "
                   f"({100 * row['refit_share']:.1f} %) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB "
