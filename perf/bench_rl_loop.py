@@ -134,7 +134,7 @@ def cpu_capability() -> str:
     between machines with and without AVX-512 (examples/rl_loop.py: ``fast_bf16``)."""
     import torch
 
-    return torch.backends.cpu.getcpu_capability()
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def main(argv=None) -> int:
