@@ -69,12 +69,28 @@ def policy(size: str, seed: int):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.bfloat16)
 
 
-class Trainer:
-    """The policy in bf16 (what the engine serves and the refit sends) and its fp32 AdamW masters."""
+def fast_bf16() -> bool:
+    """Whether this CPU's torch runs a bf16 GEMM of any layout at about fp32 speed. Without AVX-512 (the x86
+    capability torch reports as AVX2 or less) a bf16 matmul whose operands are not laid out as ``x @ W.t()`` falls
+    back to a scalar kernel, ~45x slower than fp32 (measured: 2 cores, AMD EPYC with AVX2 only, torch 2.13):
+    a linear layer's backward (``grad_out @ W``) is such a case, so a bf16 training step runs ~35x longer."""
+    import torch
 
-    def __init__(self, model, lr: float):
+    return torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
+
+
+class Trainer:
+    """The policy in bf16 (what the engine serves and the refit sends) and its fp32 AdamW masters. ``compute``:
+    the dtype of the training step's forward and backward: ``bf16`` (the bf16 weights as they are), ``fp32``
+    (those same bf16 weights, read as fp32 — the served values, fp32 arithmetic), or ``auto`` (bf16 where
+    :func:`fast_bf16`, else fp32). The weights sent, the masters and the optimizer are the same either way."""
+
+    def __init__(self, model, lr: float, compute: str = "auto"):
         import torch
 
+        if compute not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"compute must be 'auto', 'bf16' or 'fp32', got {compute!r}")
+        self.compute = ("bf16" if fast_bf16() else "fp32") if compute == "auto" else compute
         self.model = model.train()
         self.params = dict(model.named_parameters())
         self.masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in self.params.items()}
@@ -118,15 +134,21 @@ class Trainer:
         ones the spares), instead of in place: the tensors a background send of the old weights reads stay
         untouched until the next swapped step, without a copy of their own."""
         import torch
+        from torch.func import functional_call
 
         self.model.zero_grad(set_to_none=True)
         x, mask = self.batch(rollouts)
-        logits = self.model(x).logits[:, :-1].float()
+        if self.compute == "fp32":
+            live = {n: p.detach().float().requires_grad_(True) for n, p in self.params.items()}
+            logits = functional_call(self.model, live, (x,)).logits[:, :-1].float()
+        else:
+            live = self.params
+            logits = self.model(x).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
         adv = torch.tensor(advantages)[:, None]
         loss = -(lp * mask * adv).sum() / mask.sum()
         loss.backward()
-        for n, p in self.params.items():
+        for n, p in live.items():
             self.masters[n].grad = p.grad.float()
         self.opt.step()
         with torch.no_grad():
@@ -190,6 +212,8 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
             eng.send_weights(version=it + 1, method="broadcast")
         elif method == "reshard-prefetch":  # ours, receiving layer group k+1 while vLLM loads group k
             eng.send_weights(version=it + 1, prefetch=True)
+        elif method == "delta-serial":  # reload mode: the delta in one refit, then vLLM's reload of it all
+            eng.send_weights(version=it + 1, delta=True, prefetch=False)
         else:
             eng.send_weights(version=it + 1, delta=method == "delta")
         t_refit = time.perf_counter() - t0
@@ -199,7 +223,7 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
                "refit_share": t_refit / (t_gen + t_train + t_refit),
                "sent_bytes": eng.last_update["sent_bytes"], "changed_frac": changed / total,
                "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
-               "delta_mode": getattr(eng.last_report, "mode", None) if method == "delta" else None,
+               "delta_mode": getattr(eng.last_report, "mode", None) if method.startswith("delta") else None,
                "worker_refit_s": max(w.get("refit_s", 0.0) for w in workers),
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
                "staging_bytes": max(w.get("staging_bytes", 0) for w in workers),
@@ -520,7 +544,7 @@ def setup(args, tmp: str):
     ckpt = os.path.join(tmp, "init")
     model.save_pretrained(ckpt)
     llm = ej.start_engine(ckpt, args.tp, max_model_len=64)
-    trainer = Trainer(model, args.lr)
+    trainer = Trainer(model, args.lr, args.compute)
     eng = ej.trainer_engine(llm, trainer.tensors(), args.mode, timeout=300, staging_bytes=args.staging_mb << 20,
                             prefetch=args.prefetch)
     return llm, trainer, eng, ckpt
@@ -537,9 +561,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=int, default=4, help="the reward counts tokens whose id is a multiple of it")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compute", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="the training step's arithmetic (the weights sent are bf16 either way): auto = bf16 where "
+                         "this CPU has a fast bf16 GEMM (AVX-512 or a GPU), else fp32 on the same bf16 weights")
     ap.add_argument("--method", default="reshard",
-                    choices=["reshard", "delta", "broadcast", "reshard-prefetch", "async", "async-delta",
-                             "async-reload", "async-bg", "async-bg-delta"])
+                    choices=["reshard", "delta", "delta-serial", "broadcast", "reshard-prefetch", "async",
+                             "async-delta", "async-reload", "async-bg", "async-bg-delta"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
                          "(same as --method async)")

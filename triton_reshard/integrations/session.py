@@ -276,7 +276,7 @@ class WorkerSession:
         self.model, self.load, self.build, self.device, self.who, self.engine = model, load, build, device, who, engine
         self.timeout, self.rank_offset, self.prefetch, self.shadow = timeout, rank_offset, prefetch, shadow
         self.rx = Receiver(group, bucket_bytes=bucket_bytes, timeout=timeout)
-        self.staging = Staging(dst, group.rank)
+        self.staging = Staging(dst, group.rank, parts=[dst, *(d for _names, _src, d in groups if d is not dst)])
         self.last_update: dict = {"mode": mode, "torn": torn.state}
         self.built = None  # reload mode: the staged version built on a shadow of the model, swapped in at the commit
         self.drop()
@@ -329,8 +329,9 @@ class WorkerSession:
         stats = rx.stats = {"mode": self.mode, "method": info.method, "phase": info.phase, "recv_bytes": 0,
                             "staging_bytes": 0, "refit_s": 0.0, "alloc_s": 0.0, "unpack_s": 0.0, "load_s": 0.0,
                             "start_s": self.start_s}
-        if info.phase == "stage":
-            rx.refit(st.mirror(stats), self.src, self.dst, **kw)
+        if info.phase == "stage":  # the mirror is written one layer group per refit, as a full delta writes it
+            for _item in rx.into(st.mirror(stats), self.groups, prefetch=False, **kw):
+                pass
             shadow = self.shadow if info.shadow is None else info.shadow
             self.built = self._build(stats) if reload and shadow and self.build is not None else None
             st.staged = {"version": info.version}  # before the vote: the trainer commits after it
@@ -346,10 +347,14 @@ class WorkerSession:
             self._load(broadcast_receive(self.group, self.src, self.rank_offset, self.timeout, stats), stats)
         elif not reload:
             rx.refit(dict(self.model().named_parameters()), self.src, self.dst, **kw)
-        elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes
+        elif info.delta and info.prefetch is False:  # one refit patches the staged checkpoint, then one load
             rx.refit(st.mirror(stats), self.src, self.dst, **kw)
             stats["staging_bytes"] = st.nbytes()
             self._load(list(st.tensors.items()), stats)
+        elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes, one layer
+            # group per refit, the engine re-packing group k while group k+1 is on the wire
+            self._load(rx.into(st.mirror(stats), self.groups, prefetch=True, **kw), stats)
+            stats["staging_bytes"] = st.nbytes()
         else:
             self._load(rx.groups(self.groups, self.prefetch if info.prefetch is None else info.prefetch, **kw), stats)
         return stats

@@ -43,8 +43,9 @@ class Staging:
     None until :meth:`mirror`); ``staged``: ``{"version": ...}`` once a staged update is complete in it and not
     yet committed; ``thread``: the background receive; ``error``: why the last one failed."""
 
-    def __init__(self, layout: Layout, rank: int):
+    def __init__(self, layout: Layout, rank: int, parts: list[Layout] | None = None):
         self.layout, self.rank = layout, rank
+        self.parts = parts or [layout]  # the destination layouts the refits into the mirror use (layer groups)
         self.tensors: dict[str, torch.Tensor] | None = None
         self.staged: dict | None = None
         self.thread: threading.Thread | None = None
@@ -54,7 +55,8 @@ class Staging:
         """Forget the mirror and what it staged, and tell ``refit``'s fence: a delta into a new mirror runs dense
         (a delta onto fresh, unwritten staging would load garbage)."""
         self.tensors = self.staged = None
-        forget_refit_state(self.layout)
+        for part in self.parts:
+            forget_refit_state(part)
 
     def mirror(self, stats: dict | None = None) -> dict[str, torch.Tensor]:
         """The mirror, allocated (timed into ``stats["alloc_s"]``) if there is none: a fresh one is dropped first."""
@@ -170,6 +172,20 @@ class Receiver:
         for mine, (_names, _src, dst) in received_groups(groups, receive, prefetch):
             yield from mine.items()
             held[0] -= box_bytes(mine, dst, rank)
+
+    def into(self, mirror: dict, groups: list, prefetch: bool = True, **kw):
+        """``(name, tensor)`` of ``mirror`` (a staging mirror a delta patches), one group of ``groups`` (``(names,
+        src, dst)``) at a time, each yielded once its refit into the mirror has landed. With ``prefetch`` group
+        k+1's refit runs in a background thread while the consumer (e.g. the engine's layerwise reload) holds
+        group k: the wire and the re-pack overlap, no staging beyond the mirror. A failed refit is raised at the
+        group it failed in (earlier groups were yielded)."""
+        def receive(src, dst):
+            part = {s.name: mirror[s.name] for s in dst.locals if s.rank == self.group.rank}
+            self.refit(part, src, dst, **kw)
+            return part
+
+        for part, _g in received_groups(groups, receive, prefetch):
+            yield from part.items()
 
 
 class TornWeightsError(RuntimeError):

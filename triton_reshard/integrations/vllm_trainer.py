@@ -111,8 +111,9 @@ if TrainerWeightTransferEngine is not None:
                          method: str = "reshard", prefetch: bool | None = None, overlap: bool = False,
                          shadow: bool | None = None, background: bool = False, tensors=None) -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
-            travel after the first update (docs/delta.md). In reload mode a dense update is one refit per layer
-            group, a delta update one refit (the workers keep the staged checkpoint to patch).
+            travel after the first update (docs/delta.md). In reload mode an update is one refit per layer
+            group (a delta patches the workers' staged checkpoint, vLLM re-packing a group while the next one moves;
+            ``prefetch=False`` with a delta: one refit into the staged checkpoint, then vLLM's reload of all of it).
             ``method="broadcast"``: the baseline (:class:`ReshardUpdateInfo`); needs every full tensor on one
             trainer rank. ``overlap=True``: stage, then commit: the workers receive into a private staging
             mirror in a background thread while the engine keeps serving; this returns once every worker has
@@ -139,16 +140,17 @@ if TrainerWeightTransferEngine is not None:
                 tensors = dict(self.source.iter_local()) if self.source is not None else {}
             if background:  # the copy the send reads while the trainer goes on
                 tensors = s.sender.take(tensors, version, copied=copied)
-            per_group = not overlap and self.mode == "reload" and not delta
 
             def send(phases: dict) -> int:
                 if method == "broadcast":
                     return broadcast_send(self.group, self.src_layout, tensors, self.info.num_trainer_ranks,
                                           self.info.timeout)
                 sent = 0
-                for _names, src, dst in self.groups if per_group else [(None, self.src_layout, self.dst_layout)]:
+                whole = delta and prefetch is False and not overlap  # a delta in one refit, then the whole load
+                for _names, src, dst in [(None, self.src_layout, self.dst_layout)] if whole else self.groups:
+                    # one refit per layer group in reload mode, as the workers receive
                     mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}
-                    part = {n: t for n, t in tensors.items() if n in mine} if per_group else tensors
+                    part = {n: t for n, t in tensors.items() if n in mine}
                     self.last_report = rep = refit(part, {}, src, dst, **kw)
                     sent += s.tally(phases, rep)
                 return sent

@@ -6,8 +6,11 @@ parent waits with a deadline and kills stragglers, and ``destroy_process_group``
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
+import subprocess
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -179,3 +182,27 @@ def run_jobs(jobs: dict[str, tuple], *, backend: str | None = "gloo", timeout: f
     for name in jobs:
         out.setdefault(name, TimeoutError(f"job {name!r} did not finish within {timeout + 60:g}s"))
     return out
+
+
+def run_script(argv: list[str], *, timeout: float, cwd: str | None = None,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for a script that starts
+    processes of its own (an engine's workers, a world of ranks): it runs in a session of its own, and on the
+    timeout the whole session is killed, not just the script, so no engine outlives a test that gave up on it
+    (an orphaned engine kept ~3.5 GB and a core busy, and every later test of the tier slower). Raises
+    ``subprocess.TimeoutExpired`` (with the output so far) after the kill."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
+    finally:
+        if p.poll() is None:  # an exception in the parent (e.g. KeyboardInterrupt): the session goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)

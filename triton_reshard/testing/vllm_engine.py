@@ -100,7 +100,21 @@ def stop(llm, eng=None) -> None:
     finally:
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
+            _shutdown(core)
+
+
+def _shutdown(core, tries: int = 3) -> None:
+    """vLLM's engine shutdown. Its ``kill_process_tree`` lists a process's children, then reads each one's name:
+    a child that exits in between raises ``psutil.NoSuchProcess`` out of the shutdown (seen on a loaded machine,
+    failing a job whose work was done). A process already gone is what the shutdown wants: it runs again for the
+    rest, and only another error is raised."""
+    for k in range(tries):
+        try:
             core.shutdown()
+            return
+        except Exception as e:  # psutil is vLLM's dependency, not ours: matched by name
+            if type(e).__name__ != "NoSuchProcess" or k == tries - 1:
+                raise
 
 
 def save_tensors(tmp: str, name: str, like: str, tensors: dict) -> str:
