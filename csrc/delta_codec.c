@@ -132,6 +132,76 @@ PUT_VALUES(put_values16, uint16_t) /* a 16-bit block's differences (two's comple
 
 /* ---- pack ------------------------------------------------------------------------------------------ */
 
+/* The layout of a changed block (the twin of ops/delta_patch.py choose_layout): the smallest of the unpatched
+ * modes at the block's code, then of the patched ones (base code c below it with 1..MAX_EXC exceptions);
+ * a later candidate only when strictly smaller. val: the cnt differences (sign-extended). */
+typedef struct { int code, pm, nexc; int64_t size; } layout_t;
+
+static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int code) {
+    int w = width_of(code, e);
+    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = (blen + 7) / 8 + vb, al = vbytes(blen, w);
+    layout_t L = {code, (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL), 0, 0};
+    L.size = L.pm == MODE_OFFSETS ? off : L.pm == MODE_BITMASK ? bm : al;
+    if (code < 2) return L;
+    int hist[RAW + 1] = {0};
+    for (int j = 0; j < cnt; j++) hist[code_of(val[j] ^ (uint64_t)((int64_t)val[j] >> 63), e)]++;
+    int over = cnt - hist[1];  /* elements wider than base code c */
+    for (int c = 1; c < 6 && (1 << c) < 8 * e; c++, over -= hist[c]) {
+        if (over < 1 || over > MAX_EXC) continue;
+        int64_t vc = vbytes(cnt, 1 << c), exc = (int64_t)over * (1 + e);
+        int64_t sz[3] = {cnt + vc + exc, (blen + 7) / 8 + vc + exc, vbytes(blen, 1 << c) + exc};
+        for (int pm = 0; pm < 3; pm++)
+            if (sz[pm] < L.size) { L.code = c; L.pm = pm; L.nexc = over; L.size = sz[pm]; }
+    }
+    return L;
+}
+
+/* The descriptor and payload of a changed block (s: its source elements, m: its change mask, idx / val: the
+ * cnt changed elements' indices and differences, code: its width code); returns the payload bytes. */
+static int64_t write_block(const uint8_t *s, int blen, int e, const uint64_t m[4], const uint8_t *idx,
+                           uint64_t *val, int cnt, int code, uint8_t *desc, uint8_t *pay) {
+    layout_t L = choose_layout(val, cnt, blen, e, code);
+    int w = width_of(L.code, e), mode = L.pm, nexc = 0;
+    uint8_t xs[MAX_EXC];
+    uint64_t xv[MAX_EXC];
+    if (L.code == RAW)
+        for (int j = 0; j < cnt; j++) val[j] = load(s, idx[j], e);
+    if (L.nexc) {  /* the exceptions: slot and full-width difference; their base value 0 */
+        uint64_t lim = (uint64_t)1 << (w - 1);
+        for (int j = 0; j < cnt; j++)
+            if ((val[j] ^ (uint64_t)((int64_t)val[j] >> 63)) >= lim) {
+                xs[nexc] = (uint8_t)(mode == MODE_ALL ? idx[j] : j);
+                xv[nexc++] = val[j];
+                val[j] = 0;
+            }
+    }
+    desc[0] = (uint8_t)(L.code | ((L.nexc ? FIRST_PATCHED + MAX_EXC * mode + L.nexc - 1 : mode) << 4));
+    desc[1] = (uint8_t)(cnt - 1);
+    uint8_t *p = pay;
+    if (mode == MODE_OFFSETS) {
+        for (int j = 0; j < cnt; j += 16) memcpy(p + j, idx + j, 16);  /* fixed size: no rep movs; the
+                                                                        bytes past cnt are overwritten next */
+        p = put_values(p + cnt, val, cnt, w);
+    } else if (mode == MODE_BITMASK) {
+        for (int k = 0; k < (blen + 7) / 8; k++) *p++ = (uint8_t)(m[k >> 3] >> (8 * (k & 7)));
+        p = put_values(p, val, cnt, w);
+    } else {
+        uint64_t full[BLOCK];
+        if (L.code == RAW)
+            for (int i = 0; i < blen; i++) full[i] = load(s, i, e);
+        else
+            memset(full, 0, sizeof(uint64_t) * (size_t)blen);
+        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
+        p = put_values(p, full, blen, w);
+    }
+    if (nexc) {
+        memcpy(p, xs, (size_t)nexc);
+        p += nexc;
+        for (int k = 0; k < nexc; k++, p += e) store(p, 0, e, xv[k]);
+    }
+    return p - pay;
+}
+
 /* One block: writes descriptor and payload, updates the snapshot; returns the payload bytes. */
 INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const uint64_t m[4], int cnt,
                           uint8_t *desc, uint8_t *pay, int update) {
@@ -146,37 +216,15 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
         orv |= (uint64_t)(d ^ (d >> 63));
         val[j] = (uint64_t)d;
     }
-    int code = code_of(orv, e), w = width_of(code, e);
-    if (update == 1 || (update == 2 && code != RAW)) {  /* the snapshot update (update 2: narrow blocks only) */
+    int64_t n = write_block(s, blen, e, m, idx, val, cnt, code_of(orv, e), desc, pay);
+    if (update == 1 || (update == 2 && (desc[0] & 0x0F) != RAW)) {  /* the snapshot update (update 2: the
+                                                                       blocks of differences only) */
         if (cnt * 16 >= blen)  /* every line of the block written anyway: one copy */
             memcpy(q, s, (size_t)blen * (size_t)e);
         else
             for (int j = 0; j < cnt; j++) store(q, idx[j], e, load(s, idx[j], e));
     }
-    if (code == RAW)
-        for (int j = 0; j < cnt; j++) val[j] = load(s, idx[j], e);
-    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = (blen + 7) / 8 + vb, al = vbytes(blen, w);
-    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
-    desc[0] = (uint8_t)(code | (mode << 4));
-    desc[1] = (uint8_t)(cnt - 1);
-    uint8_t *p = pay;
-    if (mode == MODE_OFFSETS) {
-        for (int j = 0; j < cnt; j += 16) memcpy(p + j, idx + j, 16);  /* fixed size: no rep movs; the
-                                                                        bytes past cnt are overwritten next */
-        p = put_values(p + cnt, val, cnt, w);
-    } else if (mode == MODE_BITMASK) {
-        for (int k = 0; k < (blen + 7) / 8; k++) *p++ = (uint8_t)(m[k >> 3] >> (8 * (k & 7)));
-        p = put_values(p, val, cnt, w);
-    } else {
-        uint64_t full[BLOCK];
-        if (code == RAW)
-            for (int i = 0; i < blen; i++) full[i] = load(s, i, e);
-        else
-            memset(full, 0, sizeof(uint64_t) * (size_t)blen);
-        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
-        p = put_values(p, full, blen, w);
-    }
-    return p - pay;
+    return n;
 }
 
 #ifdef HAVE_X86
@@ -210,6 +258,17 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
     uint64_t o = 0;
     for (int k = 0; k < 32; k++) o |= lanes[k];
     int code = code_of(o, 2), w = width_of(code, 2);
+    if (code >= 2) {  /* a block that may patch: the generic writer (the same bytes) */
+        uint64_t v64[BLOCK];
+        for (int j = 0; j < cnt; j++) v64[j] = (uint64_t)(int64_t)(int16_t)val[j];
+        int64_t n = write_block(s, BLOCK, 2, m, idx, v64, cnt, code, desc, pay);
+        code = desc[0] & 0x0F;
+        if (update == 2 && code != RAW)
+            for (int l = 0; l < BLOCK / 32; l++)
+                if ((uint32_t)(m[l >> 1] >> (32 * (l & 1))))
+                    _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
+        return n;
+    }
     if (update == 2 && code != RAW)  /* narrow blocks only: the changed groups' lines, still in L1 */
         for (int l = 0; l < BLOCK / 32; l++)
             if ((uint32_t)(m[l >> 1] >> (32 * (l & 1))))
@@ -249,7 +308,8 @@ static int count_block(const uint64_t m[4]) {
  * from the snapshot again (the raw blocks were not written). Rare: only a chunk whose changes are dense. */
 static void undo_blocks(const uint8_t *desc, const uint8_t *p, int64_t last, int64_t len, int e, uint8_t *q) {
     for (int64_t b = 0; b <= last; b++) {
-        int code = desc[2 * b] & 0x0F, mode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
+        int code = desc[2 * b] & 0x0F, mode = pos_mode(desc[2 * b] >> 4), cnt = desc[2 * b + 1] + 1;
+        int nexc = exceptions_of(desc[2 * b] >> 4);
         int blen = (int)(len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK);
         if (code == 0) continue;
         int w = width_of(code, e), nv = mode == MODE_ALL ? blen : cnt;
@@ -268,10 +328,12 @@ static void undo_blocks(const uint8_t *desc, const uint8_t *p, int64_t last, int
             for (int j = 0; j < blen; j++) idx[j] = (uint8_t)j;
         }
         p = get_values(vp, v, nv, w);
+        for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << (64 - w)) >> (64 - w));
+        patch_values(p, nexc, e, v);
+        p += nexc * (1 + e);
         if (code == RAW) continue;
         uint8_t *qb = q + b * BLOCK * e;
-        for (int j = 0; j < nv; j++)  /* (the w-bit difference sign-extended) */
-            store(qb, idx[j], e, load(qb, idx[j], e) - (uint64_t)((int64_t)(v[j] << (64 - w)) >> (64 - w)));
+        for (int j = 0; j < nv; j++) store(qb, idx[j], e, load(qb, idx[j], e) - v[j]);
     }
 }
 
