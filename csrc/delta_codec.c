@@ -12,7 +12,8 @@
  * the only machine-specific code is the block compare and the 16-bit block paths, behind one guard (x86-64
  * GCC/Clang: AVX-512BW or AVX2 chosen at run time, else portable C).
  *
- * The snapshot update of a pack (update): 0 none; 1 every change, in the pass; 2 the narrow blocks' changes
+ * The flags of a pack (update): NO_PATCH (4) writes no patched block (ops/delta_patch.py: the bytes of the
+ * Triton pack, which writes none); the snapshot update in the low two bits: 0 none; 1 every change, in the pass; 2 the narrow blocks' changes
  * in the pass, not the raw blocks' nor the dense chunks' (the message holds their new values, not the
  * difference): a pack made before it is known whether the message will be used (a delta refit diffs during
  * its handshake) leaves a snapshot that trd_unpack_rows' TRD_COMMIT completes, or TRD_UNDO restores (the
@@ -132,12 +133,14 @@ PUT_VALUES(put_values16, uint16_t) /* a 16-bit block's differences (two's comple
 
 /* ---- pack ------------------------------------------------------------------------------------------ */
 
+#define NO_PATCH 4 /* a pack's flag: no patched blocks */
+
 /* The layout of a changed block (the twin of ops/delta_patch.py choose_layout): the smallest of the unpatched
  * modes at the block's code, then of the patched ones (base code c below it with 1..MAX_EXC exceptions);
  * a later candidate only when strictly smaller. val: the cnt differences (sign-extended). */
 typedef struct { int code, pm, nexc; int64_t size; } layout_t;
 
-static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int code) {
+static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int code, int maxexc) {
     int w = width_of(code, e);
     int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = (blen + 7) / 8 + vb, al = vbytes(blen, w);
     layout_t L = {code, (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL), 0, 0};
@@ -147,7 +150,7 @@ static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int
     for (int j = 0; j < cnt; j++) hist[code_of(val[j] ^ (uint64_t)((int64_t)val[j] >> 63), e)]++;
     int over = cnt - hist[1];  /* elements wider than base code c */
     for (int c = 1; c < 6 && (1 << c) < 8 * e; c++, over -= hist[c]) {
-        if (over < 1 || over > MAX_EXC) continue;
+        if (over < 1 || over > maxexc) continue;
         int64_t vc = vbytes(cnt, 1 << c), exc = (int64_t)over * (1 + e);
         int64_t sz[3] = {cnt + vc + exc, (blen + 7) / 8 + vc + exc, vbytes(blen, 1 << c) + exc};
         for (int pm = 0; pm < 3; pm++)
@@ -159,8 +162,8 @@ static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int
 /* The descriptor and payload of a changed block (s: its source elements, m: its change mask, idx / val: the
  * cnt changed elements' indices and differences, code: its width code); returns the payload bytes. */
 static int64_t write_block(const uint8_t *s, int blen, int e, const uint64_t m[4], const uint8_t *idx,
-                           uint64_t *val, int cnt, int code, uint8_t *desc, uint8_t *pay) {
-    layout_t L = choose_layout(val, cnt, blen, e, code);
+                           uint64_t *val, int cnt, int code, uint8_t *desc, uint8_t *pay, int update) {
+    layout_t L = choose_layout(val, cnt, blen, e, code, update & NO_PATCH ? 0 : MAX_EXC);
     int w = width_of(L.code, e), mode = L.pm, nexc = 0;
     uint8_t xs[MAX_EXC];
     uint64_t xv[MAX_EXC];
@@ -216,8 +219,8 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
         orv |= (uint64_t)(d ^ (d >> 63));
         val[j] = (uint64_t)d;
     }
-    int64_t n = write_block(s, blen, e, m, idx, val, cnt, code_of(orv, e), desc, pay);
-    if (update == 1 || (update == 2 && (desc[0] & 0x0F) != RAW)) {  /* the snapshot update (update 2: the
+    int64_t n = write_block(s, blen, e, m, idx, val, cnt, code_of(orv, e), desc, pay, update);
+    if ((update & 3) == 1 || ((update & 3) == 2 && (desc[0] & 0x0F) != RAW)) {  /* the snapshot update (update 2: the
                                                                        blocks of differences only) */
         if (cnt * 16 >= blen)  /* every line of the block written anyway: one copy */
             memcpy(q, s, (size_t)blen * (size_t)e);
@@ -250,7 +253,7 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
         _mm512_storeu_si512((void *)(val + c), _mm512_maskz_compress_epi16(bits, d));
         _mm256_storeu_si256((__m256i *)(void *)(idx + c),
                             _mm256_maskz_compress_epi8(bits, _mm256_add_epi8(iota, _mm256_set1_epi8((char)(32 * l)))));
-        if (update == 1) _mm512_storeu_si512((void *)(q + 64 * l), a);
+        if ((update & 3) == 1) _mm512_storeu_si512((void *)(q + 64 * l), a);
         c += __builtin_popcount(bits);
     }
     uint16_t lanes[32];
@@ -261,15 +264,15 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
     if (code >= 2) {  /* a block that may patch: the generic writer (the same bytes) */
         uint64_t v64[BLOCK];
         for (int j = 0; j < cnt; j++) v64[j] = (uint64_t)(int64_t)(int16_t)val[j];
-        int64_t n = write_block(s, BLOCK, 2, m, idx, v64, cnt, code, desc, pay);
+        int64_t n = write_block(s, BLOCK, 2, m, idx, v64, cnt, code, desc, pay, update);
         code = desc[0] & 0x0F;
-        if (update == 2 && code != RAW)
+        if ((update & 3) == 2 && code != RAW)
             for (int l = 0; l < BLOCK / 32; l++)
                 if ((uint32_t)(m[l >> 1] >> (32 * (l & 1))))
                     _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
         return n;
     }
-    if (update == 2 && code != RAW)  /* narrow blocks only: the changed groups' lines, still in L1 */
+    if ((update & 3) == 2 && code != RAW)  /* narrow blocks only: the changed groups' lines, still in L1 */
         for (int l = 0; l < BLOCK / 32; l++)
             if ((uint32_t)(m[l >> 1] >> (32 * (l & 1))))
                 _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
@@ -368,11 +371,11 @@ INLINE int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint
             trd_block_mask(s + b * BLOCK * e, q + b * BLOCK * e, blen, e, m);
             count += count_block(m);
         }
-        if (update == 2)  /* the chunk goes dense: its blocks' updates undone (the dense body holds no difference) */
+        if ((update & 3) == 2)  /* the chunk goes dense: its blocks' updates undone (the dense body holds no difference) */
             undo_blocks(desc, pay, broke, len, e, q);
         memcpy(out + 16, s, (size_t)(len * e));
         memset(out + 16 + len * e, 0, (size_t)(dense - 16 - len * e));
-        if (update == 1) memcpy(q, s, (size_t)(len * e));
+        if ((update & 3) == 1) memcpy(q, s, (size_t)(len * e));
         h[0] = KIND_DENSE | (uint32_t)e << 8; h[1] = (uint32_t)len; h[2] = (uint32_t)count; h[3] = (uint32_t)dense;
         memcpy(out, h, 16);
         return dense;

@@ -46,14 +46,14 @@ def narrow_codes(esize: int) -> list[int]:
     return [c for c in range(1, 6) if (1 << c) < 8 * esize]
 
 
-def choose_layout(ecode, st, cnt, bcode, blen, e: int, unpatched):
+def choose_layout(ecode, st, cnt, bcode, blen, e: int, unpatched, patch: bool = True):
     """Per changed block (runs ``st`` of the changed elements, whose codes are ``ecode``): (stored code, mode
     nibble, payload bytes, position bytes, exceptions). ``unpatched``: ``delta_v2.block_layout``'s
-    (mode, size, posb) at the block's own code."""
+    (mode, size, posb) at the block's own code; ``patch`` False: those (no patched block)."""
     mode, size, posb = (np.asarray(a, dtype=np.int64).copy() for a in unpatched)
     code = np.asarray(bcode, dtype=np.int64).copy()
     nexc = np.zeros(code.shape, dtype=np.int64)
-    if not st.size:
+    if not st.size or not patch:
         return code, mode, size, posb, nexc
     bm_bytes = (blen + 7) // 8
     for c in narrow_codes(e):
@@ -63,7 +63,11 @@ def choose_layout(ecode, st, cnt, bcode, blen, e: int, unpatched):
             continue
         w, exc = 1 << c, over * (1 + e)
         vb = vbytes(cnt, w)
-        for pm, s, pb in ((0, cnt + vb + exc, cnt), (1, bm_bytes + vb + exc, bm_bytes), (2, vbytes(blen, w) + exc, 0)):
+        for pm, s, pb in (
+            (0, cnt + vb + exc, cnt),
+            (1, bm_bytes + vb + exc, bm_bytes),
+            (2, vbytes(blen, w) + exc, 0),
+        ):
             take = ok & (s < size)
             code = np.where(take, c, code)
             mode = np.where(take, FIRST_PATCHED + MAX_EXCEPTIONS * pm + over - 1, mode)

@@ -126,11 +126,12 @@ def _get_bits(buf: np.ndarray, at: np.ndarray, w: int) -> np.ndarray:
 
 
 def encode_pair(
-    idx: np.ndarray, new: np.ndarray, old: np.ndarray, numel: int, ce: int, sflat: np.ndarray
+    idx: np.ndarray, new: np.ndarray, old: np.ndarray, numel: int, ce: int, sflat: np.ndarray, patch: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The v2 chunks of one view: ``idx`` the changed elements (ascending, row-major), ``new`` / ``old`` their
     bits (numpy ints of the element's size), ``sflat`` the source's bits (1-D, row-major; dense chunks read
-    it). Returns the chunks back to back (uint8, headers included), each one's bytes and changed count."""
+    it); ``patch``: patched blocks allowed. Returns the chunks back to back (uint8, headers included), each
+    one's bytes and changed count."""
     e = new.dtype.itemsize
     nch = -(-numel // ce)
     clen = np.minimum(ce, numel - np.arange(nch, dtype=np.int64) * ce)
@@ -146,7 +147,8 @@ def encode_pair(
     bcode = np.maximum.reduceat(ecode, st) if st.size else np.zeros(0, dtype=np.int64)
     bch = ch[st]
     blen = np.minimum(BLOCK, clen[bch] - (blk - b0[bch]) * BLOCK)
-    code, mode, size, posb, nexc = choose_layout(ecode, st, cnt, bcode, blen, e, block_layout(cnt, bcode, blen, e))
+    unpatched = block_layout(cnt, bcode, blen, e)
+    code, mode, size, posb, nexc = choose_layout(ecode, st, cnt, bcode, blen, e, unpatched, patch)
     count = np.bincount(ch, minlength=nch).astype(np.int64)
     narrow = HEADER_BYTES + 2 * nbk + np.bincount(bch, weights=size, minlength=nch).astype(np.int64)
     dense = HEADER_BYTES + _pad(clen * e)
@@ -407,10 +409,11 @@ def view_bits(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     return nd, np.ascontiguousarray(nd).reshape(-1), False
 
 
-def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Tensor:
+def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list, patch: bool = True) -> torch.Tensor:
     """The v2 message of CPU ``pairs`` (validated by the caller) with numpy: per pair one compare, the
     changed elements' bits, :func:`encode_pair`; ``update``: True writes the changed elements into the
-    snapshot, a list collects those writes (``commit_updates``), False leaves it."""
+    snapshot, a list collects those writes (``commit_updates``), False leaves it; ``patch`` False: no patched
+    blocks (the Triton pack's bytes)."""
     bufs, sizes, puts = [], [], []
     for src, snap in pairs:
         snd, sn, _ = view_bits(src)
@@ -420,7 +423,7 @@ def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.
             continue
         idx = np.flatnonzero(sn != pn)
         new = sn[idx]
-        buf, nbytes, _count = encode_pair(idx, new, pn[idx], n, ce, sn)
+        buf, nbytes, _count = encode_pair(idx, new, pn[idx], n, ce, sn, patch)
         bufs.append(buf)
         sizes.append(nbytes)
         if idx.size:
