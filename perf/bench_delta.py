@@ -326,7 +326,7 @@ def codec_row(flat, views, frac: float, args) -> dict:
     nviews, sviews, dviews = (split(t, views) for t in (new, snap, dst))
     pairs = list(zip(nviews, sviews, strict=True))
     row = {"fraction": frac, "outliers": args.outliers, "changed": int((nb != flat.view(torch.int16)).sum())}
-    for version in (2, 1):
+    for version in args.versions:
         pc, uc, msgs = {}, {}, []
 
         def pack(version=version, pc=pc, msgs=msgs):
@@ -365,16 +365,16 @@ def run_codec(args: argparse.Namespace) -> dict:
     rows = []
     for frac in args.fractions:
         row = codec_row(flat, shapes, frac, args)
-        for tag in ("v2", "v1"):
+        for tag in (f"v{v}" for v in args.versions):
             row[f"{tag}_pack_over_copy"] = row[f"{tag}_pack_s"] / copy_s
             row[f"{tag}_apply_over_copy"] = row[f"{tag}_apply_s"] / copy_s
             row[f"{tag}_dense_over_bytes"] = dense / row[f"{tag}_bytes"]
         rows.append(row)
-        print(f"{100 * frac:4.1f} % changed: v2 pack {1e3 * row['v2_pack_s']:.1f} ms ({row['v2_pack_over_copy']:.2f}x "
-              f"copy), apply {1e3 * row['v2_apply_s']:.1f} ms ({row['v2_apply_over_copy']:.2f}x), "
-              f"{row['v2_dense_over_bytes']:.1f}x fewer bytes than dense; v1 pack {row['v1_pack_over_copy']:.2f}x, "
-              f"apply {row['v1_apply_over_copy']:.2f}x, {row['v1_dense_over_bytes']:.1f}x; exact "
-              f"{row['v2_exact'] and row['v1_exact']}; block bits {row['v2_block_bits']}", flush=True)
+        print(f"{100 * frac:4.1f} % changed:", "; ".join(
+            f"v{v} pack {1e3 * row[f'v{v}_pack_s']:.1f} ms ({row[f'v{v}_pack_over_copy']:.2f}x copy), apply "
+            f"{1e3 * row[f'v{v}_apply_s']:.1f} ms ({row[f'v{v}_apply_over_copy']:.2f}x), "
+            f"{row[f'v{v}_dense_over_bytes']:.1f}x fewer bytes than dense, exact {row[f'v{v}_exact']}"
+            for v in args.versions), f"; block bits {row.get('v2_block_bits')}", flush=True)
     return {"codec": native_info(), "tensors": len(shapes), "dense_bytes": dense, "copy_s": copy_s,
             "repeats": args.repeats, "rows": rows}
 
@@ -524,6 +524,7 @@ def main() -> None:
     ap.add_argument("--codec-vocab", type=int, default=32000, help="--part codec: the Llama's vocabulary")
     ap.add_argument("--codec-layers", type=int, default=12, help="--part codec: its layers (12: 125M)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.1], help="--part codec")
+    ap.add_argument("--versions", type=int, nargs="+", default=[2, 1], help="--part codec: the formats timed")
     ap.add_argument("--outliers", type=float, default=0.0,
                     help="--part codec: the fraction of changes moved 8..120 ulps (real steps' far movers)")
     ap.add_argument("--skip", type=int, default=2, help="--part wire: first steps left out of the sums")

@@ -23,6 +23,7 @@ exceptions, each with its full-width difference:
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 MAX_EXCEPTIONS = 4
 FIRST_PATCHED = 3  # mode nibbles 3..14
@@ -120,8 +121,6 @@ def read_exceptions(mn, nexc, xat, nv, esize):
 
 def split_mode_torch(mode):
     """:func:`split_mode` of a torch tensor."""
-    import torch
-
     p = mode >= FIRST_PATCHED
     rel = torch.clamp(mode - FIRST_PATCHED, min=0)
     return torch.where(p, rel // MAX_EXCEPTIONS, mode), torch.where(p, rel % MAX_EXCEPTIONS + 1, 0)
@@ -130,8 +129,6 @@ def split_mode_torch(mode):
 def exceptions_torch(msg, nexc, xat, nv):
     """Per block (torch, on the message's device), whether its exceptions' slots (at ``xat``) are not ascending
     inside its ``nv`` values (blocks whose ``nexc`` is 0: False)."""
-    import torch
-
     bad = torch.zeros_like(nexc, dtype=torch.bool)
     prev = torch.full_like(nexc, -1)
     last = msg.numel() - 1

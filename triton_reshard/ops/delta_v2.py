@@ -24,6 +24,11 @@ back to back (no padding), then zero padding to 16 bytes. Descriptor: byte 0 = `
   ``8 j + k`` changed; then ``count`` values in index order. ``mode`` 2 (all): ``blen`` values, one per
   element (``d`` = 0, or the unchanged raw bits, for an unchanged one). The smallest of the three (ties:
   offsets, bitmask, all).
+- ``mode`` 3..14 (*patched*, ``ops/delta_patch.py``): ``3 + 4 pmode + (nexc - 1)``, positions as ``pmode``
+  (0..2 above), the values at the base width of ``code`` (1..5, never raw) with each of the ``nexc`` (1..4)
+  exceptions' slots holding 0, then ``nexc`` bytes (the exceptions' slots among the values, ascending) and
+  ``nexc`` full-width differences (the element's size, little-endian) that replace those slots' values. The
+  packer takes a patched layout only when strictly smaller than the unpatched ones (its rule there).
 - Values: a little-endian bit stream, value ``s`` at bits ``[s w, (s + 1) w)``; ``ceil(n w / 8)`` bytes.
 
 The receiver adds ``d`` to its destination's element (modulo 2**width) or writes the raw bits: a v2 delta
