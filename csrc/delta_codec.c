@@ -140,16 +140,19 @@ PUT_VALUES(put_values16, uint16_t) /* a 16-bit block's differences (two's comple
  * a later candidate only when strictly smaller. val: the cnt differences (sign-extended). */
 typedef struct { int code, pm, nexc; int64_t size; } layout_t;
 
-static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int code, int maxexc) {
+INLINE layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int code, int maxexc) {
     int w = width_of(code, e);
     int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = (blen + 7) / 8 + vb, al = vbytes(blen, w);
     layout_t L = {code, (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL), 0, 0};
     L.size = L.pm == MODE_OFFSETS ? off : L.pm == MODE_BITMASK ? bm : al;
-    if (code < 2) return L;
-    int hist[RAW + 1] = {0};
-    for (int j = 0; j < cnt; j++) hist[code_of(val[j] ^ (uint64_t)((int64_t)val[j] >> 63), e)]++;
-    int over = cnt - hist[1];  /* elements wider than base code c */
-    for (int c = 1; c < 6 && (1 << c) < 8 * e; c++, over -= hist[c]) {
+    if (code < 2 || !maxexc) return L;
+    int o[6] = {0, 0, 0, 0, 0, 0};  /* o[c]: elements wider than code c's width (branch-free counts) */
+    for (int j = 0; j < cnt; j++) {
+        uint64_t a = val[j] ^ (uint64_t)((int64_t)val[j] >> 63);
+        o[1] += a >= 2, o[2] += a >= 8, o[3] += a >= 128, o[4] += a >= 32768, o[5] += a >= (1ull << 31);
+    }
+    for (int c = 1; c < 6 && (1 << c) < 8 * e; c++) {
+        int over = o[c];
         if (over < 1 || over > maxexc) continue;
         int64_t vc = vbytes(cnt, 1 << c), exc = (int64_t)over * (1 + e);
         int64_t sz[3] = {cnt + vc + exc, (blen + 7) / 8 + vc + exc, vbytes(blen, 1 << c) + exc};
@@ -161,7 +164,7 @@ static layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int
 
 /* The descriptor and payload of a changed block (s: its source elements, m: its change mask, idx / val: the
  * cnt changed elements' indices and differences, code: its width code); returns the payload bytes. */
-static int64_t write_block(const uint8_t *s, int blen, int e, const uint64_t m[4], const uint8_t *idx,
+INLINE int64_t write_block(const uint8_t *s, int blen, int e, const uint64_t m[4], const uint8_t *idx,
                            uint64_t *val, int cnt, int code, uint8_t *desc, uint8_t *pay, int update) {
     layout_t L = choose_layout(val, cnt, blen, e, code, update & NO_PATCH ? 0 : MAX_EXC);
     int w = width_of(L.code, e), mode = L.pm, nexc = 0;
