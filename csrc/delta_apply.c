@@ -85,13 +85,14 @@ INLINE void apply_changes(const changes *ch, int64_t k, uint8_t *d, int e) {
  * changes are dense and the block lies in one row, else into ch for the chunk's prefetched apply. Returns
  * the count of changes in ch. */
 INLINE int64_t apply_block(const view_t *vw, int64_t i0, int64_t boff, int e, int mode, int raw, int op,
-                           const uint8_t *idx, const uint8_t *p, int nv, int w, int direct, const changes *ch,
-                           int64_t k) {
+                           const uint8_t *idx, const uint8_t *p, int nv, int w, int nexc, int direct,
+                           const changes *ch, int64_t k) {
     uint64_t v[BLOCK];
-    get_values(p, v, nv, w);
+    const uint8_t *xp = get_values(p, v, nv, w);
     if (!raw) {
         int sh = 64 - w;
         for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << sh) >> sh);
+        patch_values(xp, nexc, e, v);
         if (op == TRD_UNDO)
             for (int j = 0; j < nv; j++) v[j] = (uint64_t)0 - v[j];
     }
@@ -133,19 +134,28 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
     if (16 + 2 * nbk > nbytes) return 1;
     for (int64_t b = 0; b < nbk; b++) {
         if (ch && !contig && b && (cc += BLOCK) >= vw->w) rr += cc / vw->w, cc %= vw->w;
-        int code = desc[2 * b] & 0x0F, mode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
+        int code = desc[2 * b] & 0x0F, dmode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
+        int mode = pos_mode(dmode), nexc = exceptions_of(dmode);
         int blen = (int)(len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK);
         if (code == 0) {
             if (desc[2 * b] || desc[2 * b + 1]) return 1;
             continue;
         }
-        if (code > RAW || mode > MODE_ALL || cnt > blen || (code != RAW && (1 << code) >= 8 * e)) return 1;
+        if (code > RAW || dmode > LAST_PATCHED || cnt > blen || (code != RAW && (1 << code) >= 8 * e)) return 1;
+        if (nexc && (code == RAW || nexc > (mode == MODE_ALL ? blen : cnt))) return 1;
         int w = width_of(code, e);
         int64_t vb = vbytes(cnt, w);
         int64_t size = mode == MODE_OFFSETS ? cnt + vb : mode == MODE_BITMASK ? (blen + 7) / 8 + vb : vbytes(blen, w);
+        size += (int64_t)nexc * (1 + e);
         if (at + size > nbytes) return 1;
         const uint8_t *p = in + at;
         at += size;
+        if (!ch && nexc) {  /* the exceptions' slots ascending, inside the values */
+            const uint8_t *xs = in + at - (int64_t)nexc * (1 + e);
+            int nvb = mode == MODE_ALL ? blen : cnt;
+            for (int x = 0; x < nexc; x++)
+                if (xs[x] >= nvb || (x && xs[x] <= xs[x - 1])) return 1;
+        }
         total += cnt;
         int raw = code == RAW;
         if (ch && (op == TRD_COMMIT ? !raw : op == TRD_UNDO && raw)) continue;  /* not this op's block */
@@ -154,7 +164,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         int vec = 0; /* add_block16 applies it */
         if (ch) {
             if (!contig) boff = cc + blen <= vw->w ? rr * vw->st + cc : -1;
-            vec = direct && e == 2 && !raw && trd_fast16 && boff >= 0;
+            vec = direct && e == 2 && !raw && !nexc && trd_fast16 && boff >= 0;
         }
         uint8_t idxb[BLOCK];
         const uint8_t *idx = idxb;
@@ -189,7 +199,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             continue;
         }
 #endif
-        k = apply_block(vw, i0, boff, e, mode, raw, op, idx, p, nv, w, direct, ch, k);
+        k = apply_block(vw, i0, boff, e, mode, raw, op, idx, p, nv, w, nexc, direct, ch, k);
     }
     if (pad16(at) != nbytes || total != count) return 1;
     if (k) apply_changes(ch, k, vw->d, e);

@@ -12,7 +12,8 @@
  * the only machine-specific code is the block compare and the 16-bit block paths, behind one guard (x86-64
  * GCC/Clang: AVX-512BW or AVX2 chosen at run time, else portable C).
  *
- * The snapshot update of a pack (update): 0 none; 1 every change, in the pass; 2 the narrow blocks' changes
+ * The flags of a pack (update): NO_PATCH (4) writes no patched block (ops/delta_patch.py: the bytes of the
+ * Triton pack, which writes none); the snapshot update in the low two bits: 0 none; 1 every change, in the pass; 2 the narrow blocks' changes
  * in the pass, not the raw blocks' nor the dense chunks' (the message holds their new values, not the
  * difference): a pack made before it is known whether the message will be used (a delta refit diffs during
  * its handshake) leaves a snapshot that trd_unpack_rows' TRD_COMMIT completes, or TRD_UNDO restores (the
@@ -132,6 +133,81 @@ PUT_VALUES(put_values16, uint16_t) /* a 16-bit block's differences (two's comple
 
 /* ---- pack ------------------------------------------------------------------------------------------ */
 
+#define NO_PATCH 4 /* a pack's flag: no patched blocks */
+
+/* The layout of a changed block (the twin of ops/delta_patch.py choose_layout): the smallest of the unpatched
+ * modes at the block's code, then of the patched ones (base code c below it with 1..MAX_EXC exceptions);
+ * a later candidate only when strictly smaller. val: the cnt differences (sign-extended). */
+typedef struct { int code, pm, nexc; int64_t size; } layout_t;
+
+INLINE layout_t choose_layout(const uint64_t *val, int cnt, int blen, int e, int code, int maxexc) {
+    int w = width_of(code, e);
+    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = (blen + 7) / 8 + vb, al = vbytes(blen, w);
+    layout_t L = {code, (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL), 0, 0};
+    L.size = L.pm == MODE_OFFSETS ? off : L.pm == MODE_BITMASK ? bm : al;
+    if (code < 2 || !maxexc) return L;
+    int o[6] = {0, 0, 0, 0, 0, 0};  /* o[c]: elements wider than code c's width (branch-free counts) */
+    for (int j = 0; j < cnt; j++) {
+        uint64_t a = val[j] ^ (uint64_t)((int64_t)val[j] >> 63);
+        o[1] += a >= 2, o[2] += a >= 8, o[3] += a >= 128, o[4] += a >= 32768, o[5] += a >= (1ull << 31);
+    }
+    for (int c = 1; c < 6 && (1 << c) < 8 * e; c++) {
+        int over = o[c];
+        if (over < 1 || over > maxexc) continue;
+        int64_t vc = vbytes(cnt, 1 << c), exc = (int64_t)over * (1 + e);
+        int64_t sz[3] = {cnt + vc + exc, (blen + 7) / 8 + vc + exc, vbytes(blen, 1 << c) + exc};
+        for (int pm = 0; pm < 3; pm++)
+            if (sz[pm] < L.size) { L.code = c; L.pm = pm; L.nexc = over; L.size = sz[pm]; }
+    }
+    return L;
+}
+
+/* The descriptor and payload of a changed block (s: its source elements, m: its change mask, idx / val: the
+ * cnt changed elements' indices and differences, code: its width code); returns the payload bytes. */
+INLINE int64_t write_block(const uint8_t *s, int blen, int e, const uint64_t m[4], const uint8_t *idx,
+                           uint64_t *val, int cnt, int code, uint8_t *desc, uint8_t *pay, int update) {
+    layout_t L = choose_layout(val, cnt, blen, e, code, update & NO_PATCH ? 0 : MAX_EXC);
+    int w = width_of(L.code, e), mode = L.pm, nexc = 0;
+    uint8_t xs[MAX_EXC];
+    uint64_t xv[MAX_EXC];
+    if (L.code == RAW)
+        for (int j = 0; j < cnt; j++) val[j] = load(s, idx[j], e);
+    if (L.nexc) {  /* the exceptions: slot and full-width difference; their base value 0 */
+        uint64_t lim = (uint64_t)1 << (w - 1);
+        for (int j = 0; j < cnt; j++)
+            if ((val[j] ^ (uint64_t)((int64_t)val[j] >> 63)) >= lim) {
+                xs[nexc] = (uint8_t)(mode == MODE_ALL ? idx[j] : j);
+                xv[nexc++] = val[j];
+                val[j] = 0;
+            }
+    }
+    desc[0] = (uint8_t)(L.code | ((L.nexc ? FIRST_PATCHED + MAX_EXC * mode + L.nexc - 1 : mode) << 4));
+    desc[1] = (uint8_t)(cnt - 1);
+    uint8_t *p = pay;
+    if (mode == MODE_OFFSETS) {
+        for (int j = 0; j < cnt; j += 16) memcpy(p + j, idx + j, 16);  /* fixed size: no rep movs; the
+                                                                        bytes past cnt are overwritten next */
+        p = put_values(p + cnt, val, cnt, w);
+    } else if (mode == MODE_BITMASK) {
+        for (int k = 0; k < (blen + 7) / 8; k++) *p++ = (uint8_t)(m[k >> 3] >> (8 * (k & 7)));
+        p = put_values(p, val, cnt, w);
+    } else {
+        uint64_t full[BLOCK];
+        if (L.code == RAW)
+            for (int i = 0; i < blen; i++) full[i] = load(s, i, e);
+        else
+            memset(full, 0, sizeof(uint64_t) * (size_t)blen);
+        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
+        p = put_values(p, full, blen, w);
+    }
+    if (nexc) {
+        memcpy(p, xs, (size_t)nexc);
+        p += nexc;
+        for (int k = 0; k < nexc; k++, p += e) store(p, 0, e, xv[k]);
+    }
+    return p - pay;
+}
+
 /* One block: writes descriptor and payload, updates the snapshot; returns the payload bytes. */
 INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const uint64_t m[4], int cnt,
                           uint8_t *desc, uint8_t *pay, int update) {
@@ -146,37 +222,15 @@ INLINE int64_t pack_block(const uint8_t *s, uint8_t *q, int blen, int e, const u
         orv |= (uint64_t)(d ^ (d >> 63));
         val[j] = (uint64_t)d;
     }
-    int code = code_of(orv, e), w = width_of(code, e);
-    if (update == 1 || (update == 2 && code != RAW)) {  /* the snapshot update (update 2: narrow blocks only) */
+    int64_t n = write_block(s, blen, e, m, idx, val, cnt, code_of(orv, e), desc, pay, update);
+    if ((update & 3) == 1 || ((update & 3) == 2 && (desc[0] & 0x0F) != RAW)) {  /* the snapshot update (update 2: the
+                                                                       blocks of differences only) */
         if (cnt * 16 >= blen)  /* every line of the block written anyway: one copy */
             memcpy(q, s, (size_t)blen * (size_t)e);
         else
             for (int j = 0; j < cnt; j++) store(q, idx[j], e, load(s, idx[j], e));
     }
-    if (code == RAW)
-        for (int j = 0; j < cnt; j++) val[j] = load(s, idx[j], e);
-    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = (blen + 7) / 8 + vb, al = vbytes(blen, w);
-    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
-    desc[0] = (uint8_t)(code | (mode << 4));
-    desc[1] = (uint8_t)(cnt - 1);
-    uint8_t *p = pay;
-    if (mode == MODE_OFFSETS) {
-        for (int j = 0; j < cnt; j += 16) memcpy(p + j, idx + j, 16);  /* fixed size: no rep movs; the
-                                                                        bytes past cnt are overwritten next */
-        p = put_values(p + cnt, val, cnt, w);
-    } else if (mode == MODE_BITMASK) {
-        for (int k = 0; k < (blen + 7) / 8; k++) *p++ = (uint8_t)(m[k >> 3] >> (8 * (k & 7)));
-        p = put_values(p, val, cnt, w);
-    } else {
-        uint64_t full[BLOCK];
-        if (code == RAW)
-            for (int i = 0; i < blen; i++) full[i] = load(s, i, e);
-        else
-            memset(full, 0, sizeof(uint64_t) * (size_t)blen);
-        for (int j = 0; j < cnt; j++) full[idx[j]] = val[j];
-        p = put_values(p, full, blen, w);
-    }
-    return p - pay;
+    return n;
 }
 
 #ifdef HAVE_X86
@@ -202,7 +256,7 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
         _mm512_storeu_si512((void *)(val + c), _mm512_maskz_compress_epi16(bits, d));
         _mm256_storeu_si256((__m256i *)(void *)(idx + c),
                             _mm256_maskz_compress_epi8(bits, _mm256_add_epi8(iota, _mm256_set1_epi8((char)(32 * l)))));
-        if (update == 1) _mm512_storeu_si512((void *)(q + 64 * l), a);
+        if ((update & 3) == 1) _mm512_storeu_si512((void *)(q + 64 * l), a);
         c += __builtin_popcount(bits);
     }
     uint16_t lanes[32];
@@ -210,7 +264,18 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
     uint64_t o = 0;
     for (int k = 0; k < 32; k++) o |= lanes[k];
     int code = code_of(o, 2), w = width_of(code, 2);
-    if (update == 2 && code != RAW)  /* narrow blocks only: the changed groups' lines, still in L1 */
+    if (code >= 2) {  /* a block that may patch: the generic writer (the same bytes) */
+        uint64_t v64[BLOCK];
+        for (int j = 0; j < cnt; j++) v64[j] = (uint64_t)(int64_t)(int16_t)val[j];
+        int64_t n = write_block(s, BLOCK, 2, m, idx, v64, cnt, code, desc, pay, update);
+        code = desc[0] & 0x0F;
+        if ((update & 3) == 2 && code != RAW)
+            for (int l = 0; l < BLOCK / 32; l++)
+                if ((uint32_t)(m[l >> 1] >> (32 * (l & 1))))
+                    _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
+        return n;
+    }
+    if ((update & 3) == 2 && code != RAW)  /* narrow blocks only: the changed groups' lines, still in L1 */
         for (int l = 0; l < BLOCK / 32; l++)
             if ((uint32_t)(m[l >> 1] >> (32 * (l & 1))))
                 _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
@@ -249,7 +314,8 @@ static int count_block(const uint64_t m[4]) {
  * from the snapshot again (the raw blocks were not written). Rare: only a chunk whose changes are dense. */
 static void undo_blocks(const uint8_t *desc, const uint8_t *p, int64_t last, int64_t len, int e, uint8_t *q) {
     for (int64_t b = 0; b <= last; b++) {
-        int code = desc[2 * b] & 0x0F, mode = desc[2 * b] >> 4, cnt = desc[2 * b + 1] + 1;
+        int code = desc[2 * b] & 0x0F, mode = pos_mode(desc[2 * b] >> 4), cnt = desc[2 * b + 1] + 1;
+        int nexc = exceptions_of(desc[2 * b] >> 4);
         int blen = (int)(len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK);
         if (code == 0) continue;
         int w = width_of(code, e), nv = mode == MODE_ALL ? blen : cnt;
@@ -268,10 +334,12 @@ static void undo_blocks(const uint8_t *desc, const uint8_t *p, int64_t last, int
             for (int j = 0; j < blen; j++) idx[j] = (uint8_t)j;
         }
         p = get_values(vp, v, nv, w);
+        for (int j = 0; j < nv; j++) v[j] = (uint64_t)((int64_t)(v[j] << (64 - w)) >> (64 - w));
+        patch_values(p, nexc, e, v);
+        p += nexc * (1 + e);
         if (code == RAW) continue;
         uint8_t *qb = q + b * BLOCK * e;
-        for (int j = 0; j < nv; j++)  /* (the w-bit difference sign-extended) */
-            store(qb, idx[j], e, load(qb, idx[j], e) - (uint64_t)((int64_t)(v[j] << (64 - w)) >> (64 - w)));
+        for (int j = 0; j < nv; j++) store(qb, idx[j], e, load(qb, idx[j], e) - v[j]);
     }
 }
 
@@ -306,11 +374,11 @@ INLINE int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint
             trd_block_mask(s + b * BLOCK * e, q + b * BLOCK * e, blen, e, m);
             count += count_block(m);
         }
-        if (update == 2)  /* the chunk goes dense: its blocks' updates undone (the dense body holds no difference) */
+        if ((update & 3) == 2)  /* the chunk goes dense: its blocks' updates undone (the dense body holds no difference) */
             undo_blocks(desc, pay, broke, len, e, q);
         memcpy(out + 16, s, (size_t)(len * e));
         memset(out + 16 + len * e, 0, (size_t)(dense - 16 - len * e));
-        if (update == 1) memcpy(q, s, (size_t)(len * e));
+        if ((update & 3) == 1) memcpy(q, s, (size_t)(len * e));
         h[0] = KIND_DENSE | (uint32_t)e << 8; h[1] = (uint32_t)len; h[2] = (uint32_t)count; h[3] = (uint32_t)dense;
         memcpy(out, h, 16);
         return dense;

@@ -16,6 +16,9 @@
 #define MODE_OFFSETS 0
 #define MODE_BITMASK 1
 #define MODE_ALL 2
+#define FIRST_PATCHED 3 /* mode nibbles 3..14: patched blocks (ops/delta_patch.py) */
+#define MAX_EXC 4
+#define LAST_PATCHED (FIRST_PATCHED + 3 * MAX_EXC - 1)
 #define MAGIC 0x544C4454u
 #define VERSION2 2u
 
@@ -85,6 +88,20 @@ static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, in
 }
 
 static inline int64_t vbytes(int64_t n, int w) { return (n * w + 7) / 8; }
+
+/* A descriptor's mode nibble: its positions mode (0..2) and exceptions (0: not patched) */
+static inline int pos_mode(int mode) { return mode >= FIRST_PATCHED ? (mode - FIRST_PATCHED) / MAX_EXC : mode; }
+static inline int exceptions_of(int mode) { return mode >= FIRST_PATCHED ? (mode - FIRST_PATCHED) % MAX_EXC + 1 : 0; }
+
+/* A patched block's exceptions (at xp: nexc slots, then nexc values of e bytes) replace its decoded values v
+ * (sign-extended differences) */
+static inline void patch_values(const uint8_t *xp, int nexc, int e, uint64_t *v) {
+    for (int k = 0; k < nexc; k++) {
+        uint64_t x = load(xp + nexc, k, e);
+        int sh = 64 - 8 * e;
+        v[xp[k]] = sh ? (uint64_t)((int64_t)(x << sh) >> sh) : x;
+    }
+}
 
 static inline int width_of(int code, int e) { return code == RAW ? 8 * e : 1 << code; }
 

@@ -246,7 +246,9 @@ def delta_unpack_kernel(
 # launch's chunk table (the v1 pack / unpack table above), ``V_K`` its index in the chunk, ``V_CNT`` /
 # ``V_CODE`` its changed elements and width code (written by the stats pass on the sender, read from its
 # descriptor on the receiver), ``V_MODE`` its positions' mode, ``V_PAY`` the byte offset of its payload in
-# the message and ``V_POSB`` the bytes of its positions (the values follow them). Values of 2 and 4 bits share
+# the message and ``V_POSB`` the bytes of its positions (the values follow them); on the receiver, a patched
+# block's (``ops/delta_patch.py``) ``V_NEXC`` exceptions at ``V_XAT`` (``V_MODE`` its positions' mode 0..2;
+# the Triton pack writes no patched block: both 0 there). Values of 2 and 4 bits share
 # bytes with their neighbours, possibly another program's: they are OR-ed into the zeroed message with
 # ``atomic_or`` on 32-bit words (a value never crosses one: it starts at a multiple of its width); every
 # other byte has one writer.
@@ -271,7 +273,10 @@ V_CODE = tl.constexpr(3)
 V_MODE = tl.constexpr(4)
 V_PAY = tl.constexpr(5)
 V_POSB = tl.constexpr(6)
-V_FIELDS = tl.constexpr(7)
+V_NEXC = tl.constexpr(7)
+V_XAT = tl.constexpr(8)
+V_FIELDS = tl.constexpr(9)
+MAX_EXC = tl.constexpr(4)  # exceptions of a patched block at most (ops/delta_patch.MAX_EXCEPTIONS)
 
 
 @triton.jit
@@ -514,6 +519,16 @@ def delta2_unpack_kernel(
         small = tl.minimum(w, 32)
         v = tl.where(w < 8, v & ((1 << small) - 1), v)
         v = tl.where(code == RAW, v, v - (((v >> (small - 1)) & 1) << small))  # sign-extended difference
+        nexc = tl.load(brow + V_NEXC, mask=valid, other=0)[:, None]
+        xat = tl.load(brow + V_XAT, mask=valid, other=0)[:, None]
+        for x in tl.static_range(MAX_EXC):  # a patched block's exceptions replace their slots' values
+            hx = v2 & (x < nexc)
+            xs = tl.load(msg_ptr + xat + x, mask=hx, other=0).to(tl.int64) & 0xFF
+            xv = tl.zeros_like(xs)
+            for b in tl.static_range(ESIZE):
+                byte = tl.load(msg_ptr + xat + nexc + x * ESIZE + b, mask=hx, other=0).to(tl.int64) & 0xFF
+                xv |= byte << (8 * b)
+            v = tl.where(hx & (slot == xs), xv, v)  # (the add below is modulo the element's width)
         d0, d1, d2, _d3 = _rows(table_ptr, ci, U_SIZE, valid)
         t0, t1, t2, t3 = _rows(table_ptr, ci, U_STRIDE, valid)
         dst0 = tl.load(table_ptr + ci + U_DST, mask=valid, other=0)[:, None]

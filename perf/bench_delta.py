@@ -41,11 +41,13 @@ against the dense lower bound (the payload a dense refit sends); the two destina
     .venv/bin/python perf/bench_delta.py --part trainer --fractions 0.1 --out perf/results/bench_delta_trainer.json
 
 Part 5 (``--part codec``, issue 44): the CPU codec (format v2, native where built) on the 125M Llama's 86
-weights (249 MB bf16) at 1 / 2 / 10 % one-ulp changes at random positions: pack (diff + encode + snapshot
-update, cached plan) and apply, best of ``--repeats``, next to one dense ``copy_`` of all bytes in the same
-run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes of v2
-and v1 against dense on real AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each
-changed 256-element block needed and each changed chunk (its widest block; ``dense``: sent dense). Part 7
+weights (249 MB bf16) at 1 / 2 / 10 % one-ulp changes at random positions (``--outliers F``: a fraction F of
+them moved 8..120 ulps instead, as real steps' far movers, which make patched blocks): pack (diff + encode +
+snapshot update, cached plan) and apply, best of ``--repeats``, next to one dense ``copy_`` of all bytes in
+the same run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes
+of v2 (and of v2 without patched blocks, ``ops/delta_patch.py``, the same steps) and v1 against dense on real
+AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each changed 256-element block needed
+(patched: ``"2p"``, ... and the exceptions) and each changed chunk (its widest block; ``dense``: sent dense). Part 7
 (``--part trainer``, in ``perf/bench_delta_loop.py``): the RL loop's refit without vLLM (gloo: one trainer rank
 -> two TP2 receivers), dense and delta side by side, the trainer's CPU against the codec alone and each
 receiver's against its apply alone; ``--ab`` adds a delta refit with one message per plan message.
@@ -317,11 +319,14 @@ def codec_row(flat, views, frac: float, args) -> dict:
     pos = torch.randint(flat.numel(), (int(frac * flat.numel()),), generator=g)
     nb = new.view(torch.int16)
     nb[pos] += (torch.randint(0, 2, pos.shape, generator=g) * 2 - 1).to(torch.int16)
+    far = pos[torch.rand(pos.shape, generator=g) < args.outliers]  # --outliers: moved 8..120 ulps instead
+    nb[far] += (torch.randint(8, 121, far.shape, generator=g) * (torch.randint(0, 2, far.shape, generator=g) * 2 - 1)
+                ).to(torch.int16)
     snap, dst = flat.clone(), flat.clone()
     nviews, sviews, dviews = (split(t, views) for t in (new, snap, dst))
     pairs = list(zip(nviews, sviews, strict=True))
-    row = {"fraction": frac, "changed": int((nb != flat.view(torch.int16)).sum())}
-    for version in (2, 1):
+    row = {"fraction": frac, "outliers": args.outliers, "changed": int((nb != flat.view(torch.int16)).sum())}
+    for version in args.versions:
         pc, uc, msgs = {}, {}, []
 
         def pack(version=version, pc=pc, msgs=msgs):
@@ -360,16 +365,16 @@ def run_codec(args: argparse.Namespace) -> dict:
     rows = []
     for frac in args.fractions:
         row = codec_row(flat, shapes, frac, args)
-        for tag in ("v2", "v1"):
+        for tag in (f"v{v}" for v in args.versions):
             row[f"{tag}_pack_over_copy"] = row[f"{tag}_pack_s"] / copy_s
             row[f"{tag}_apply_over_copy"] = row[f"{tag}_apply_s"] / copy_s
             row[f"{tag}_dense_over_bytes"] = dense / row[f"{tag}_bytes"]
         rows.append(row)
-        print(f"{100 * frac:4.1f} % changed: v2 pack {1e3 * row['v2_pack_s']:.1f} ms ({row['v2_pack_over_copy']:.2f}x "
-              f"copy), apply {1e3 * row['v2_apply_s']:.1f} ms ({row['v2_apply_over_copy']:.2f}x), "
-              f"{row['v2_dense_over_bytes']:.1f}x fewer bytes than dense; v1 pack {row['v1_pack_over_copy']:.2f}x, "
-              f"apply {row['v1_apply_over_copy']:.2f}x, {row['v1_dense_over_bytes']:.1f}x; exact "
-              f"{row['v2_exact'] and row['v1_exact']}; block bits {row['v2_block_bits']}", flush=True)
+        print(f"{100 * frac:4.1f} % changed:", "; ".join(
+            f"v{v} pack {1e3 * row[f'v{v}_pack_s']:.1f} ms ({row[f'v{v}_pack_over_copy']:.2f}x copy), apply "
+            f"{1e3 * row[f'v{v}_apply_s']:.1f} ms ({row[f'v{v}_apply_over_copy']:.2f}x), "
+            f"{row[f'v{v}_dense_over_bytes']:.1f}x fewer bytes than dense, exact {row[f'v{v}_exact']}"
+            for v in args.versions), f"; block bits {row.get('v2_block_bits')}", flush=True)
     return {"codec": native_info(), "tensors": len(shapes), "dense_bytes": dense, "copy_s": copy_s,
             "repeats": args.repeats, "rows": rows}
 
@@ -377,6 +382,8 @@ def run_codec(args: argparse.Namespace) -> dict:
 def run_wire(args: argparse.Namespace) -> dict:
     """Wire bytes of v2 and v1 delta messages against dense on real AdamW steps (fp32 masters, bf16 weights)
     of the small Llama of ``--part train``, per learning rate, with the per-block bits histogram."""
+    from triton_reshard.ops.delta_format import DEFAULT_CHUNK_ELEMS
+    from triton_reshard.ops.delta_native import V2PackPlan
     from triton_reshard.ops.delta_v2 import block_histogram, chunk_histogram
 
     torch.set_num_threads(args.threads)
@@ -393,27 +400,33 @@ def run_wire(args: argparse.Namespace) -> dict:
                 p.copy_(base[n])
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         snaps = {n: t.clone() for n, t in bf16_bits(model).items()}
-        hist, chist, v2b, v1b, dense, changed = {}, {}, 0, 0, 0, 0
+        hist, chist, hist0, v2b, v20b, v1b, dense, changed = {}, {}, {}, 0, 0, 0, 0, 0
         for step in range(args.steps):
             train_step(model, opt, task, args)
             cur = bf16_bits(model)
             pairs = [(cur[n], snaps[n]) for n in cur]
             v1 = D.pack_delta(pairs, update=False, backend="torch", version=1)
             msg = D.pack_delta(pairs, update=False, backend="torch")
+            plain = V2PackPlan(pairs, DEFAULT_CHUNK_ELEMS).pack(False, patch=False)  # v2 before patched blocks
             if step >= args.skip:
                 changed += sum(int((a != b).sum()) for a, b in pairs)
                 v2b, v1b, dense = v2b + msg.numel(), v1b + v1.numel(), dense + sum(2 * a.numel() for a, _ in pairs)
+                v20b += plain.numel()
+                for k, v in block_histogram([plain.numpy()]).items():
+                    hist0[k] = hist0.get(k, 0) + v
                 for k, v in block_histogram([msg.numpy()]).items():
                     hist[k] = hist.get(k, 0) + v
                 for k, v in chunk_histogram([msg.numpy()]).items():
                     chist[k] = chist.get(k, 0) + v
             snaps = cur
         r = {"steps": args.steps - args.skip, "changed_fraction": changed / (dense / 2), "dense_over_v2": dense / v2b,
-             "dense_over_v1": dense / v1b, "block_bits": hist, "chunk_bits": chist}
+             "dense_over_v1": dense / v1b, "block_bits": hist, "chunk_bits": chist,
+             "dense_over_v2_unpatched": dense / v20b, "block_bits_unpatched": hist0}
         out["lrs"][str(lr)] = r
-        print(f"lr {lr:g}: {100 * r['changed_fraction']:.2f} % changed per step; v2 {r['dense_over_v2']:.1f}x fewer "
-              f"bytes than dense (v1 {r['dense_over_v1']:.1f}x); changed blocks by bits {hist}; changed chunks by the "
-              f"bits of their widest difference {chist}", flush=True)
+        print(f"lr {lr:g}: {100 * r['changed_fraction']:.2f} % changed per step; v2 {r['dense_over_v2']:.2f}x fewer "
+              f"bytes than dense (without patched blocks {r['dense_over_v2_unpatched']:.2f}x; v1 "
+              f"{r['dense_over_v1']:.1f}x); changed blocks by bits {hist} (without patched blocks {hist0}); changed "
+              f"chunks by the bits of their widest difference {chist}", flush=True)
     return out
 
 
@@ -511,6 +524,9 @@ def main() -> None:
     ap.add_argument("--codec-vocab", type=int, default=32000, help="--part codec: the Llama's vocabulary")
     ap.add_argument("--codec-layers", type=int, default=12, help="--part codec: its layers (12: 125M)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.1], help="--part codec")
+    ap.add_argument("--versions", type=int, nargs="+", default=[2, 1], help="--part codec: the formats timed")
+    ap.add_argument("--outliers", type=float, default=0.0,
+                    help="--part codec: the fraction of changes moved 8..120 ulps (real steps' far movers)")
     ap.add_argument("--skip", type=int, default=2, help="--part wire: first steps left out of the sums")
     ap.add_argument("--ab", action="store_true", help="--part trainer: also a delta refit without grouping")
     args = ap.parse_args()

@@ -36,7 +36,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_delta.py#refit": ("main", ["--part", "refit", "--refit-tensors", "1", "--refit-rows", "64",
                                       "--refit-cols", "64", "--repeats", "1", "--out", "{out}/delta_refit.json"], 300),
     "bench_delta.py#codec": ("main", ["--part", "codec", "--codec-vocab", "256", "--codec-layers", "1", "--repeats",
-                                      "1", "--out", "{out}/delta_codec.json"], 300),
+                                      "1", "--outliers", "0.05", "--out", "{out}/delta_codec.json"], 300),
     "bench_delta.py#trainer": ("main", ["--part", "trainer", "--codec-vocab", "256", "--codec-layers", "1",
                                         "--repeats", "1", "--ab", "--out", "{out}/delta_trainer.json"], 300),
     "bench_delta.py#wire": ("main", ["--part", "wire", "--vocab", "64", "--hidden", "32", "--intermediate", "64",

@@ -22,6 +22,7 @@ from triton_reshard.ops import delta_native as N
 from triton_reshard.ops import delta_triton as T
 from triton_reshard.ops import delta_v2 as V
 
+from .test_delta_patch import moved, patched_block, patched_cases
 from .test_delta_v2 import adversarial, bits, ulp_steps
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8)
@@ -38,12 +39,13 @@ def _triton_mode(request, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def cpu_pack(pairs, ce: int) -> list[torch.Tensor]:
-    """The CPU codec's v2 messages of ``pairs`` (no update): numpy's, and the native codec's where built."""
+def cpu_pack(pairs, ce: int, patch: bool = False) -> list[torch.Tensor]:
+    """The CPU codec's v2 messages of ``pairs`` (no update): numpy's, and the native codec's where built;
+    without patched blocks unless ``patch`` (the Triton pack writes none: ``ops/delta_patch.py``)."""
     snaps = [(s, p.clone()) for s, p in pairs]
-    out = [V.pack_v2_numpy(snaps, ce, False)]
+    out = [V.pack_v2_numpy(snaps, ce, False, patch)]
     if N.native() is not None and all(s.is_contiguous() for s, _ in pairs):
-        out.append(N.V2PackPlan(snaps, ce).pack(False))
+        out.append(N.V2PackPlan(snaps, ce).pack(False, patch))
     return out
 
 
@@ -200,6 +202,45 @@ def test_bad_bodies_refused_before_any_write(how):
         errors.append(str(err.value))
     assert errors[0] == errors[1]
     assert "chunk 0 (destination #0, elements 0..1023): narrow body inconsistent with its header" in errors[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unpack_reads_patched_blocks(dtype):
+    """A CPU sender's message with patched blocks (``ops/delta_patch.py``: base width + exceptions; the Triton
+    pack writes none): the Triton unpack lands it exactly into poisoned destinations, every positions mode."""
+    g = torch.Generator().manual_seed(21)
+    seen = set()
+    for name, old, new in patched_cases(dtype, g):
+        for msg in cpu_pack([(new, old)], 1000, patch=True):
+            seen |= {k for k in V.block_histogram([msg.numpy()]) if k.endswith("p")}
+            bufs, dsts = poisoned([old])
+            T.triton_unpack(msg, dsts)
+            check_landed([new], bufs, dsts, f"{dtype} {name} (Triton unpack of a patched message)")
+    assert seen, "no patched block written"
+
+
+@pytest.mark.parametrize("how", ["order", "past"])
+def test_bad_exceptions_refused_before_any_write(how):
+    """Exception slots out of order or past the block's values: the Triton unpack raises the CPU codec's error
+    with nothing written."""
+    g = torch.Generator().manual_seed(14)
+    old = torch.randn(1024, generator=g).to(torch.bfloat16)
+    new = moved(old, 0.03, g, 2, lambda x: x + 100)
+    msg = V.pack_v2_numpy([(new, old.clone())], 1024, False)
+    desc, xs, nexc = patched_block(msg)
+    bad = msg.clone()
+    if how == "order":
+        bad[xs], bad[xs + 1] = msg[xs + 1], msg[xs]
+    else:
+        bad[xs + 1] = int(msg[desc + 1]) + 1  # the block's count: past its values
+    errors = []
+    for backend in ("torch", "triton"):
+        dst = old.clone()
+        with pytest.raises(ValueError) as err:
+            D.unpack_delta(bad, [dst], backend=backend)
+        assert torch.equal(bits(dst), bits(old)), f"{backend}: written before the check"
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "narrow body inconsistent with its header" in errors[1]
 
 
 _COMPILE = """

@@ -28,6 +28,7 @@ SLACK = 4096  # bytes past max_message_bytes the native pack may write into befo
 # trd_unpack_rows' ops (csrc/delta_apply.c): apply, check (no write), and on the snapshot of a pack made with
 # update 2 (narrow blocks written in the pass): commit its raw blocks and dense chunks, or undo its narrow ones
 APPLY, CHECK, COMMIT, UNDO = 0, 1, 2, 3
+NO_PATCH = 4  # trd_pack's flag beside the update: no patched blocks
 _P = ctypes.POINTER(ctypes.c_int64)
 _state: dict = {"lib": None, "tried": False, "on": os.environ.get("TRITON_RESHARD_NATIVE", "1") != "0"}
 
@@ -157,19 +158,19 @@ class V2PackPlan:
             and all(s is a and p is b for (s, p), (a, b) in zip(pairs, self.pairs, strict=True))
         )
 
-    def pack(self, update: bool | list) -> torch.Tensor:
+    def pack(self, update: bool | list, patch: bool = True) -> torch.Tensor:
         """The v2 message; ``update``: True writes the changes into the snapshot in the same pass; a list: the
         narrow blocks' changes are written in the pass too (they are cheap to undo: their differences are in
         the message), and a :class:`Deferred` appended there completes the update (``commit_updates``: the raw
         blocks and dense chunks) or undoes it (``undo_updates``), so the snapshot is either version; False
-        leaves the snapshot."""
+        leaves the snapshot. ``patch`` False: no patched blocks (``ops/delta_patch.py``), the Triton pack's bytes."""
         lib = native()
         if lib is None or not self.fast:
-            return pack_v2_numpy(self.pairs, self.ce, update)
+            return pack_v2_numpy(self.pairs, self.ce, update, patch)
         out = self.out if self.out is not None else torch.empty(self.cap, dtype=torch.uint8)
         if self.reuse:
             self.out = out
-        mode = 1 if update is True else 2 if isinstance(update, list) else 0
+        mode = (1 if update is True else 2 if isinstance(update, list) else 0) | (0 if patch else NO_PATCH)
         if self.rows is None:
             n = lib.trd_pack(*self.args, self.ce, out.data_ptr(), mode)
         else:

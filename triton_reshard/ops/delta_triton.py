@@ -35,6 +35,7 @@ from .delta_format import INT_DTYPES as _INT
 from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
 from .delta_message import CUDA_BLOCK, INTERPRET_BLOCK, message_layout, read_directory, write_headers
+from .delta_patch import LAST_PATCHED, exceptions_torch, split_mode_torch
 from .delta_v2 import BLOCK, MODE_ALL, MODE_BITMASK, MODE_OFFSETS, RAW
 from .launcher import bits, interpreting, kernel_module, storage_view
 
@@ -498,35 +499,48 @@ def _narrow_blocks(msg: torch.Tensor, dr, narrow: torch.Tensor, esize: torch.Ten
     body = dr.offsets[narrow] + HEADER_BYTES
     at = body[seg] + 2 * j
     d0, cm1 = msg[at].to(torch.int64), msg[at + 1].to(torch.int64)
-    code, mode = d0 & 0x0F, d0 >> 4
+    code, dmode = d0 & 0x0F, d0 >> 4
+    mode, nexc = split_mode_torch(dmode)
     blen = torch.clamp(numel[seg] - j * BLOCK, max=BLOCK)
     e = esize[seg]
     changed = code > 0
     cnt = torch.where(changed, cm1 + 1, 0)
-    ok = ((code == 0) & (mode == 0) & (cm1 == 0)) | (
+    nv = torch.where(mode == MODE_ALL, blen, cnt)
+    ok = ((code == 0) & (dmode == 0) & (cm1 == 0)) | (
         changed
         & (code <= RAW)
-        & (mode <= MODE_ALL)
-        & ((code == RAW) | ((1 << torch.clamp(code, max=6)) < 8 * e))
+        & (dmode <= LAST_PATCHED)
+        & (((code == RAW) & (nexc == 0)) | ((1 << torch.clamp(code, max=6)) < 8 * e))
         & (cnt <= blen)
+        & (nexc <= nv)
     )
     nb = narrow.numel()
     bad = torch.zeros(nb, dtype=torch.int64, device=msg.device).index_add_(0, seg, (~ok).to(torch.int64)) > 0
     cnt = torch.where(ok, cnt, 0)
     mode = torch.where(ok & changed, mode, MODE_OFFSETS)
+    nexc = torch.where(ok & changed, nexc, 0)
     # the sizes of each block's own mode (a packer picks the smallest; a reader takes any)
     size, posb = _mode_sizes(cnt, torch.where(ok, code, 1), blen, e, mode)
+    size = size + nexc * (1 + e)
     total = torch.zeros(nb, dtype=torch.int64, device=msg.device).index_add_(0, seg, size)
     bad |= pad(HEADER_BYTES + 2 * nbk + total) != dr.nbytes[narrow]
     bad |= torch.zeros_like(total).index_add_(0, seg, cnt) != dr.count[narrow]
     csum = torch.cumsum(size, 0) - size
     pay = body[seg] + 2 * nbk[seg] + csum - csum[b0][seg]
-    return bad, (seg, j, cnt, code, mode, pay, posb)
+    xat = pay + posb + (torch.where(mode == MODE_ALL, blen, cnt) * _wbits(code, e) + 7) // 8
+    xbad = exceptions_torch(msg, nexc, xat, torch.where(mode == MODE_ALL, blen, cnt))
+    bad |= torch.zeros(nb, dtype=torch.int64, device=msg.device).index_add_(0, seg, xbad.to(torch.int64)) > 0
+    return bad, (seg, j, cnt, code, mode, pay, posb, nexc, xat)
+
+
+def _wbits(code, e):
+    return torch.where(code == RAW, 8 * e, 1 << torch.clamp(code, max=5))
 
 
 def _mode_sizes(cnt, code, blen, e, mode) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload bytes, position bytes) of blocks in the given modes (0 for unchanged blocks)."""
-    w = torch.where(code == RAW, 8 * e, 1 << torch.clamp(code, max=5))
+    """(payload bytes, position bytes) of blocks in the given modes (0 for unchanged blocks; a patched
+    block's exceptions not included)."""
+    w = _wbits(code, e)
     vb = (cnt * w + 7) // 8
     size = torch.where(
         mode == MODE_OFFSETS,
@@ -545,7 +559,7 @@ def _check_narrow(msg: torch.Tensor, dr, dsts, narrow: list[int], names, k) -> l
     esize = torch.tensor(
         [dsts[dr.chunks[c][0]].element_size() for c in narrow], dtype=torch.int64, device=device
     )
-    bad, (seg, j, cnt, code, mode, pay, posb) = _narrow_blocks(msg, dr, nar, esize)
+    bad, (seg, j, cnt, code, mode, pay, posb, nexc, xat) = _narrow_blocks(msg, dr, nar, esize)
     if bool(bad.any()):
         _raise_body(dr, narrow[int(bad.to(torch.int8).argmax())], names)
     bpt, out = _bpt(), []
@@ -556,7 +570,7 @@ def _check_narrow(msg: torch.Tensor, dr, dsts, narrow: list[int], names, k) -> l
             len(members), device=device
         )
         keep = (pos[seg] >= 0) & (cnt > 0)
-        blocks = torch.stack([pos[seg], j, cnt, code, mode, pay, posb], 1)[keep].contiguous()
+        blocks = torch.stack([pos[seg], j, cnt, code, mode, pay, posb, nexc, xat], 1)[keep].contiguous()
         args = (e, torch.from_numpy(rows).to(device), storage_view(bits(base), _INT[e]), blocks, bpt)
         gbad = _launch_unpack(k, msg, *args, check=True)
         if gbad is not None and bool(gbad.any()):

@@ -24,6 +24,11 @@ back to back (no padding), then zero padding to 16 bytes. Descriptor: byte 0 = `
   ``8 j + k`` changed; then ``count`` values in index order. ``mode`` 2 (all): ``blen`` values, one per
   element (``d`` = 0, or the unchanged raw bits, for an unchanged one). The smallest of the three (ties:
   offsets, bitmask, all).
+- ``mode`` 3..14 (*patched*, ``ops/delta_patch.py``): ``3 + 4 pmode + (nexc - 1)``, positions as ``pmode``
+  (0..2 above), the values at the base width of ``code`` (1..5, never raw) with each of the ``nexc`` (1..4)
+  exceptions' slots holding 0, then ``nexc`` bytes (the exceptions' slots among the values, ascending) and
+  ``nexc`` full-width differences (the element's size, little-endian) that replace those slots' values. The
+  packer takes a patched layout only when strictly smaller than the unpatched ones (its rule there).
 - Values: a little-endian bit stream, value ``s`` at bits ``[s w, (s + 1) w)``; ``ceil(n w / 8)`` bytes.
 
 The receiver adds ``d`` to its destination's element (modulo 2**width) or writes the raw bits: a v2 delta
@@ -50,6 +55,7 @@ from .delta_format import (
     VERSION2,
     Pair,
 )
+from .delta_patch import LAST_PATCHED, choose_layout, exception_writes, read_exceptions, split_mode
 from .launcher import bits
 
 BLOCK = 256
@@ -125,11 +131,12 @@ def _get_bits(buf: np.ndarray, at: np.ndarray, w: int) -> np.ndarray:
 
 
 def encode_pair(
-    idx: np.ndarray, new: np.ndarray, old: np.ndarray, numel: int, ce: int, sflat: np.ndarray
+    idx: np.ndarray, new: np.ndarray, old: np.ndarray, numel: int, ce: int, sflat: np.ndarray, patch: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The v2 chunks of one view: ``idx`` the changed elements (ascending, row-major), ``new`` / ``old`` their
     bits (numpy ints of the element's size), ``sflat`` the source's bits (1-D, row-major; dense chunks read
-    it). Returns the chunks back to back (uint8, headers included), each one's bytes and changed count."""
+    it); ``patch``: patched blocks allowed. Returns the chunks back to back (uint8, headers included), each
+    one's bytes and changed count."""
     e = new.dtype.itemsize
     nch = -(-numel // ce)
     clen = np.minimum(ce, numel - np.arange(nch, dtype=np.int64) * ce)
@@ -145,7 +152,8 @@ def encode_pair(
     bcode = np.maximum.reduceat(ecode, st) if st.size else np.zeros(0, dtype=np.int64)
     bch = ch[st]
     blen = np.minimum(BLOCK, clen[bch] - (blk - b0[bch]) * BLOCK)
-    mode, size, posb = block_layout(cnt, bcode, blen, e)
+    unpatched = block_layout(cnt, bcode, blen, e)
+    code, mode, size, posb, nexc = choose_layout(ecode, st, cnt, bcode, blen, e, unpatched, patch)
     count = np.bincount(ch, minlength=nch).astype(np.int64)
     narrow = HEADER_BYTES + 2 * nbk + np.bincount(bch, weights=size, minlength=nch).astype(np.int64)
     dense = HEADER_BYTES + _pad(clen * e)
@@ -166,8 +174,8 @@ def encode_pair(
             cstart,
             nbk,
             b0,
-            (blk, bch, cnt, bcode, mode, size, posb, st, live),
-            (local, d, new),
+            (blk, bch, cnt, code, mode, size, posb, st, live, nexc),
+            (local, d, new, ecode),
             e,
             (sflat, ce, blen),
         )
@@ -176,11 +184,12 @@ def encode_pair(
 
 def _encode_blocks(buf, cstart, nbk, b0, blocks, elems, e: int, source) -> None:
     """Descriptors, positions and values of the changed blocks of narrow chunks (``live``)."""
-    blk, bch, cnt, bcode, mode, size, posb, st, live = blocks
-    local, d, new = elems
+    blk, bch, cnt, bcode, dmode, size, posb, st, live, nexc = blocks
+    local, d, new, ecode = elems
+    mode, _ = split_mode(dmode)
     sflat, ce, blen = source
     desc = cstart[bch] + HEADER_BYTES + 2 * (blk - b0[bch])  # the block's descriptor
-    buf[desc[live]] = (bcode | (mode << 4))[live].astype(np.uint8)
+    buf[desc[live]] = (bcode | (dmode << 4))[live].astype(np.uint8)
     buf[desc[live] + 1] = (cnt - 1)[live].astype(np.uint8)
     # payload start: the chunk's payloads begin after its descriptors; blocks of a chunk are back to back
     csum = np.cumsum(size) - size
@@ -195,7 +204,7 @@ def _encode_blocks(buf, cstart, nbk, b0, blocks, elems, e: int, source) -> None:
         buf[v : v + n * e] = sflat[a : a + n].view(np.uint8)
     row = np.repeat(np.arange(st.size), cnt)  # each element's block (run)
     keep = live[row]
-    row, lo, dd, nv = row[keep], (local & (BLOCK - 1))[keep], d[keep], new[keep]
+    row, lo, dd, nv, ec = row[keep], (local & (BLOCK - 1))[keep], d[keep], new[keep], ecode[keep]
     r = np.arange(keep.size)[keep] - st[row]  # rank in its block
     m = mode[row]
     isoff = m == MODE_OFFSETS
@@ -208,6 +217,12 @@ def _encode_blocks(buf, cstart, nbk, b0, blocks, elems, e: int, source) -> None:
     raw = nv.view(_NP_UINT[e]).astype(np.uint64)
     val = np.where(code == RAW, raw, dd.astype(np.uint64))
     w = width_bits(code, e)
+    xat = pstart + posb + _vbytes(np.where(mode == MODE_ALL, blen, cnt), width_bits(bcode, e))
+    exc, at_slot, xslot, at_val, xval = exception_writes(row, slot, ec, bcode, nexc, xat, dd, e)
+    val = np.where(exc, np.uint64(0), val)  # an exception's slot holds 0; its value follows the base values
+    buf[at_slot] = xslot.astype(np.uint8)
+    for k in range(e):
+        buf[at_val + k] = ((xval >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8)
     for wb in np.unique(w).tolist():
         s = w == wb
         _put_bits(buf, (vstart[s] << 3) + slot[s] * wb, val[s], wb)
@@ -235,23 +250,26 @@ def decode_chunks(
     seg, j = _ragged(nbk)  # every block: its chunk and index in it
     at = body[seg] + 2 * j
     b0, cm1 = mn[at].astype(np.int64), mn[at + 1].astype(np.int64)
-    code, mode = b0 & 0x0F, b0 >> 4
+    code, dmode = b0 & 0x0F, b0 >> 4
+    mode, nexc = split_mode(dmode)
     blen = np.minimum(BLOCK, numel[seg] - j * BLOCK)
     e = esize[seg]
     changed = code > 0
     cnt = np.where(changed, cm1 + 1, 0)
-    ok_code = (code == 0) & (mode == 0) & (cm1 == 0) | changed & (code <= RAW) & (mode <= MODE_ALL) & (
-        (code == RAW) | (np.left_shift(1, np.minimum(code, 6)) < 8 * e)
-    ) & (cnt <= blen)
+    nv = np.where(mode == MODE_ALL, blen, cnt)
+    ok_code = (code == 0) & (dmode == 0) & (cm1 == 0) | changed & (code <= RAW) & (dmode <= LAST_PATCHED) & (
+        (code == RAW) & (nexc == 0) | (np.left_shift(1, np.minimum(code, 6)) < 8 * e)
+    ) & (cnt <= blen) & (nexc <= nv)
     bad |= np.bincount(seg, weights=(~ok_code).astype(np.float64), minlength=n) > 0
     cnt = np.where(ok_code, cnt, 0)
     w = np.where(code == RAW, 8 * e, np.left_shift(1, np.minimum(code, 5)))
     mode = np.where(ok_code & changed, mode, MODE_OFFSETS)
+    nexc = np.where(ok_code & changed, nexc, 0)
     vb = _vbytes(cnt, w)
     size = np.where(
         mode == MODE_OFFSETS, cnt + vb, np.where(mode == MODE_BITMASK, (blen + 7) // 8 + vb, _vbytes(blen, w))
     )
-    size = np.where(cnt > 0, size, 0)
+    size = np.where(cnt > 0, size + nexc * (1 + e), 0)
     total = np.bincount(seg, weights=size, minlength=n).astype(np.int64)
     bad |= _pad(HEADER_BYTES + 2 * nbk + total) != nbytes
     bad |= np.bincount(seg, weights=cnt, minlength=n).astype(np.int64) != count
@@ -260,11 +278,11 @@ def decode_chunks(
     csum = np.cumsum(size) - size
     first = np.concatenate(([0], np.cumsum(nbk)))[:-1]
     pstart = body[seg] + 2 * nbk[seg] + csum - csum[first][seg]
-    return _decode_blocks(mn, bad, (seg, j, cnt, code, mode, blen, w, pstart))
+    return _decode_blocks(mn, bad, (seg, j, cnt, code, mode, blen, w, pstart, nexc, e))
 
 
 def _decode_blocks(mn, bad, blocks):
-    seg, j, cnt, code, mode, blen, w, pstart = blocks
+    seg, j, cnt, code, mode, blen, w, pstart, nexc, e = blocks
     parts = []
     isoff = (mode == MODE_OFFSETS) & (cnt > 0)
     rb, r = _ragged(np.where(isoff, cnt, 0))
@@ -300,6 +318,13 @@ def _decode_blocks(mn, bad, blocks):
     val = np.where(code[b] == RAW, val, sign_extend(val, w[b]))
     order = np.lexsort((pos, b))
     b, pos, val = b[order], pos[order], val[order]
+    if nexc.any():  # patched blocks: each exception's value replaces its slot's (slots follow positions)
+        nv = np.where(mode == MODE_ALL, blen, cnt)
+        xbad, xb, xslot, xval = read_exceptions(mn, nexc, pstart + posb + _vbytes(nv, w), nv, e)
+        if xbad.any():
+            bad[seg[xbad]] = True
+            return bad, None
+        val[(np.cumsum(nv) - nv)[xb] + xslot] = xval
     return bad, (seg[b], j[b] * BLOCK + pos, val, code[b] == RAW)
 
 
@@ -326,8 +351,8 @@ def sign_extend(val: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _chunks(msgs: Sequence[np.ndarray]):
-    """Every chunk of ``msgs`` with changes: (kind, the narrow chunk's block codes or None), the walk both
-    histograms share."""
+    """Every chunk of ``msgs`` with changes: (kind, the narrow chunk's block descriptors' first bytes or None),
+    the walk both histograms share."""
     for mn in msgs:
         nc = int(mn[8:12].view(np.int32)[0])
         offs = mn[HEADER_BYTES : HEADER_BYTES + 8 * nc].view(np.int64)
@@ -336,38 +361,43 @@ def _chunks(msgs: Sequence[np.ndarray]):
             kind = int(w[0]) & 0xFF
             if not int(w[2]):
                 continue
-            codes = None
+            desc = None
             if kind == KIND_NARROW:
                 nb = -(-int(w[1]) // BLOCK)
-                codes = mn[o + 16 : o + 16 + 2 * nb : 2].astype(np.int64) & 0x0F
-            yield kind, codes
+                desc = mn[o + 16 : o + 16 + 2 * nb : 2].astype(np.int64)
+            yield kind, desc
 
 
 def block_histogram(msgs: Sequence[np.ndarray]) -> dict[str, int]:
-    """Changed blocks per value width over messages (``"2"``, ``"4"``, ... bits; ``"raw"``) and their modes:
-    for reports (the bits real steps needed)."""
+    """Changed blocks per value width over messages (``"2"``, ``"4"``, ... bits; ``"raw"``; a patched block
+    by its base width, ``"2p"``, ``"4p"``, ...; ``"exceptions"``: the patched blocks' exceptions; ``"dense"``:
+    chunks sent dense): for reports (the bits real steps needed)."""
     out: dict[str, int] = {}
-    for kind, codes in _chunks(msgs):
-        if codes is None:
+    for kind, desc in _chunks(msgs):
+        if desc is None:
             if kind == KIND_DENSE:
                 out["dense"] = out.get("dense", 0) + 1
             continue
-        for c in codes[codes > 0].tolist():
-            key = "raw" if c == RAW else str(1 << c)
+        code, (_pm, nexc) = desc & 0x0F, split_mode(desc >> 4)
+        for c, x in zip(code[code > 0].tolist(), nexc[code > 0].tolist(), strict=True):
+            key = ("raw" if c == RAW else str(1 << c)) + ("p" if x else "")
             out[key] = out.get(key, 0) + 1
+            if x:
+                out["exceptions"] = out.get("exceptions", 0) + x
     return out
 
 
 def chunk_histogram(msgs: Sequence[np.ndarray]) -> dict[str, int]:
     """Changed chunks by the bits their widest difference needed (``"2"``, ``"4"``, ... : the widest block
-    width of a narrow chunk; ``"raw"``: a block of it sent raw; ``"dense"``: the chunk sent dense) over
-    messages: for reports (issue 44 asks it per chunk; :func:`block_histogram` gives it per block)."""
+    width of a narrow chunk, a patched block counted at its base width; ``"raw"``: a block of it sent raw;
+    ``"dense"``: the chunk sent dense) over messages: for reports (issue 44 asks it per chunk;
+    :func:`block_histogram` gives it per block)."""
     out: dict[str, int] = {}
-    for kind, codes in _chunks(msgs):
-        if codes is None:
+    for kind, desc in _chunks(msgs):
+        if desc is None:
             key = "dense" if kind == KIND_DENSE else "v1"
         else:
-            top = int(codes.max())
+            top = int((desc & 0x0F).max())
             key = "raw" if top == RAW else str(1 << top)
         out[key] = out.get(key, 0) + 1
     return out
@@ -384,10 +414,11 @@ def view_bits(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     return nd, np.ascontiguousarray(nd).reshape(-1), False
 
 
-def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.Tensor:
+def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list, patch: bool = True) -> torch.Tensor:
     """The v2 message of CPU ``pairs`` (validated by the caller) with numpy: per pair one compare, the
     changed elements' bits, :func:`encode_pair`; ``update``: True writes the changed elements into the
-    snapshot, a list collects those writes (``commit_updates``), False leaves it."""
+    snapshot, a list collects those writes (``commit_updates``), False leaves it; ``patch`` False: no patched
+    blocks (the Triton pack's bytes)."""
     bufs, sizes, puts = [], [], []
     for src, snap in pairs:
         snd, sn, _ = view_bits(src)
@@ -397,7 +428,7 @@ def pack_v2_numpy(pairs: Sequence[Pair], ce: int, update: bool | list) -> torch.
             continue
         idx = np.flatnonzero(sn != pn)
         new = sn[idx]
-        buf, nbytes, _count = encode_pair(idx, new, pn[idx], n, ce, sn)
+        buf, nbytes, _count = encode_pair(idx, new, pn[idx], n, ce, sn, patch)
         bufs.append(buf)
         sizes.append(nbytes)
         if idx.size:
