@@ -72,12 +72,12 @@ def _global(src, version: int, fraction: float, base: dict | None = None) -> dic
 
 
 class DigestClock:
-    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / settle: the hashing
+    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / post_round / settle: the hashing
     and the exchange the copies do not do), and apart, the fused copies (Ledger.pack / unpack,
     Digests.pack_ahead: the pack's and unpack's own copies with the hash in them, which the digest-off run
     makes with torch)."""
 
-    HOOKS = ("on_post", "on_land", "settle")
+    HOOKS = ("on_post", "on_land", "post_round", "settle")
 
     def __init__(self) -> None:
         from triton_reshard.execute import integrity
@@ -86,13 +86,16 @@ class DigestClock:
         self.by_hook = {
             "on_post": 0.0,
             "on_land": 0.0,
+            "post_round": 0.0,
             "settle": 0.0,
             "pack": 0.0,
             "unpack": 0.0,
             "pack_ahead": 0.0,
         }
         self.cpu_by_hook = dict(self.by_hook)
-        self.round_cpu = 0.0  # the process's CPU (all threads: gloo's too) inside settle, the end-of-refit round
+        # the process's CPU (all threads: gloo's too) inside post_round and settle: the end-of-refit round (posted
+        # early in a delta refit: then the process CPU of the apply it overlaps counts into it too, an upper bound)
+        self.round_cpu = 0.0
         for name in self.by_hook:
             owner = integrity.Digests if name == "pack_ahead" else integrity.Ledger
             real = getattr(owner, name)
@@ -103,7 +106,7 @@ class DigestClock:
                     return _real(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
-                    if _real.__name__ == "settle":
+                    if _real.__name__ in ("post_round", "settle"):
                         self.round_cpu += time.process_time() - pc
                     if _real.__name__ in self.HOOKS:
                         self.seconds += dt
@@ -136,7 +139,7 @@ def _split_settle() -> None:
     rank's keyed row and its tag, is still made: the work of the exchange that is not the round)."""
     from triton_reshard.execute import integrity
 
-    real = integrity.Ledger.settle
+    real, real_post = integrity.Ledger.settle, integrity.Ledger.post_round
 
     def settle(self, link, _real=real):
         if EXCHANGE[0]:
@@ -148,24 +151,28 @@ def _split_settle() -> None:
         self._row_tag(self.rank, row)
         return None
 
+    def post_round(self, link, _real=real_post):  # (the round posted early in a delta refit: not in "hash")
+        return _real(self, link) if EXCHANGE[0] else False
+
     integrity.Ledger.settle = settle
+    integrity.Ledger.post_round = post_round
 
 
 def _refit_with(setting, *args, **kw):
     """``refit`` with the digest ``setting``: True, False, "hash" (on, the exchange skipped: ``--split``) or
     "direct" (on, the rows exchanged peer to peer as before session 52: ``--direct-rows``)."""
     from triton_reshard import refit
-    from triton_reshard.execute import integrity
+    from triton_reshard.execute import integrity, transport
 
     EXCHANGE[0] = setting != "hash"
-    gather = integrity.gather_rows
-    if setting == "direct":
-        integrity.gather_rows = lambda link, row, what: link.all_gather_row(row, what)
+    gather = integrity.post_gather
+    if setting == "direct":  # (rooted from more ranks than the world has: the rows peer to peer)
+        integrity.post_gather = lambda link, row, what: transport.post_gather(link, row, what, WORLD + 1)
     try:
         return refit(*args, digest=bool(setting), group=GROUP[0], **kw)
     finally:
         EXCHANGE[0] = True
-        integrity.gather_rows = gather
+        integrity.post_gather = gather
 
 
 def _timed(fn) -> float:
@@ -451,7 +458,7 @@ def rounds_worker(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     from triton_reshard.comm.group import TorchGroup
-    from triton_reshard.execute.integrity import gather_rows
+    from triton_reshard.execute.integrity import post_gather
     from triton_reshard.execute.transport import Link
 
     torch_link = Link(TorchGroup(None), timedelta(seconds=60))
@@ -460,9 +467,9 @@ def rounds_worker(rank: int, world: int, spec: dict) -> dict:
     row = list(range(2 * world + 1))
     ways = {
         "direct (torch gloo group, before s52)": lambda: torch_link.all_gather_row(row, "bench"),
-        "rooted (torch gloo group, s52)": lambda: gather_rows(torch_link, row, "bench"),
+        "rooted (torch gloo group, s52)": lambda: post_gather(torch_link, row, "bench").rows(),
         "direct (RefitGroup, before s52)": lambda: refit_link.all_gather_row(row, "bench"),
-        "rooted (RefitGroup, s52)": lambda: gather_rows(refit_link, row, "bench"),
+        "rooted (RefitGroup, s52)": lambda: post_gather(refit_link, row, "bench").rows(),
     }
     got: dict = {k: [] for k in ways}
     for _ in range(spec["repeats"]):

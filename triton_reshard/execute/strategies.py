@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +47,9 @@ class Landed:
     # a delta run's receives as they went on the wire (``Eligible.rwire``): per wire message the plan's receive
     # indices it carried (the digest names a differing message's tensors from them); None: one per receive
     wire: tuple | None = None
+    # what the step still writes after its digest (a delta's apply: the messages are digested as they arrived);
+    # ``StepLoop.apply`` runs it
+    apply: Callable[[], None] | None = None
 
 
 class Dense:
@@ -393,21 +397,20 @@ class Delta(Dense):
         return dsts, cache
 
     def land(self, loop, pos: int) -> Landed:
+        """Step ``pos``'s dense messages unpacked; its delta messages applied by the returned ``Landed.apply``,
+        which the loop runs once they are digested (as they arrived: the apply does not change them), so that
+        in the last step the digest exchange is on the wire while this rank applies (``StepLoop.apply``)."""
         b, el = loop.b, self.elig
         inbox = iter(self.inbox.pop(pos))
         dense, lengths = [], {}  # lengths: the bytes of each delta received into a larger buffer, by wire index
+        deltas = []  # (message, receive index, wire message)
         brecvs = el.brecvs[pos] if el.brecvs else ()
         for w, g in enumerate(el.rwire[pos]):
             j = g[0]
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
-                msg, t = next(inbox), clock()
-                if el.recvs[pos][j]:
-                    dsts, cache = self._dsts(loop, pos, g)
-                    ops.unpack_delta(msg, dsts, backend=loop.backend, names=el.names[pos, j], cache=cache)
-                else:
-                    unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
-                self.apply_s += clock() - t
-                n = message_length(msg) if self.inbox_mode else msg.numel()
+                msg = next(inbox)
+                deltas.append((msg, j, g))
+                n = _arrived(msg) if self.inbox_mode else msg.numel()
                 if self.inbox_mode:  # received into a buffer of the largest size: count what came
                     loop.recvd -= msg.numel() - n
                     lengths[w] = n
@@ -417,8 +420,30 @@ class Delta(Dense):
                 _vs, a, z = b.recv_msgs[pos][j]
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, loop.backend)
-        return Landed(dense, lengths, wire=el.rwire[pos])
+        return Landed(dense, lengths, wire=el.rwire[pos], apply=(lambda: self._apply(loop, pos, deltas)) if deltas else None)
 
+    def _apply(self, loop, pos: int, deltas: list) -> None:
+        """Write step ``pos``'s delta messages into their destinations (``land``'s deferred part)."""
+        b, el = loop.b, self.elig
+        for msg, j, g in deltas:
+            t = clock()
+            if el.recvs[pos][j]:
+                dsts, cache = self._dsts(loop, pos, g)
+                ops.unpack_delta(msg, dsts, backend=loop.backend, names=el.names[pos, j], cache=cache)
+            else:
+                unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
+            self.apply_s += clock() - t
+
+
+def _arrived(msg: torch.Tensor) -> int:
+    """The bytes of a delta message received into a larger buffer, read from its header before the unpack
+    checked it (``land`` digests it first): a header too damaged to say counts the whole buffer (its digest
+    then differs from the sender's; the unpack refuses it)."""
+    try:
+        n = message_length(msg)
+    except (IndexError, ValueError, RuntimeError):
+        return msg.numel()
+    return n if 0 < n <= msg.numel() else msg.numel()
 
 def pick(
     side: DeltaSide,
