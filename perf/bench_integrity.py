@@ -20,7 +20,8 @@ the exchange round. A measurement only: a refit never skips its exchange. ``--di
 the digest on with its rows exchanged peer to peer (``n (n - 1)`` messages: the round before session 52); the
 round's own CPU (every rank's process inside ``settle``, summed) is reported for both. ``--late``: a fifth
 setting, the digest on with the delta refit's round posted after the last step's apply (as before session 53)
-instead of before it (``StepLoop.apply``): ``late / on`` is what the overlap saves. ``--group refit``: the
+instead of before it (``StepLoop.apply``), alternating call by call with "on" inside its delta phases (the same
+session): ``late / on`` is what the overlap saves. ``--group refit``: the
 refits on a RefitGroup instead of the torch.distributed world.
 ``--rounds``: that round alone (no refit), each way in turn: direct and rooted on a torch.distributed gloo group,
 the same two on a RefitGroup.
@@ -272,12 +273,15 @@ def worker(rank: int, world: int, spec: dict) -> dict:
         version, base = 1, data
         tally = Tally(clock, settings)
         modes: list[str] = []
-        for digest in settings * 2:
+        for phase in tuple(s for s in settings if s != "late") * 2:  # ("late": inside the digest-on phases)
             for k in range(spec["repeats"] + 1):
                 version += 1
                 base = _global(src_l, version, spec["fraction"], base)
                 for n, t in src_l.shard(base, rank).items():
                     src[n].copy_(t)
+                # --late: call by call with the digest on in its phases (the same options: one session, no dense
+                # refit between), in pairs whose first call alternates: on on late late on on ...
+                digest = ("late", True)[(k + k // 2) % 2] if phase is True and "late" in settings and k else phase
 
                 def go(d=digest, v=version):
                     modes.append(_refit_with(d, src, dst, src_l, dst_l, delta=True, version=v).mode)
