@@ -18,7 +18,10 @@ replaced by the keyed combine alone (each rank makes its row and tag; no round, 
 then the cost of the hashing (the fused copies, the in-place messages' passes, the hooks), ``on / hash`` that of
 the exchange round. A measurement only: a refit never skips its exchange. ``--direct-rows``: a fourth setting,
 the digest on with its rows exchanged peer to peer (``n (n - 1)`` messages: the round before session 52); the
-round's own CPU (every rank's process inside ``settle``, summed) is reported for both. ``--group refit``: the
+round's own CPU (every rank's process inside ``settle``, summed) is reported for both. ``--late``: a fifth
+setting, the digest on with the delta refit's round posted after the last step's apply (as before session 53)
+instead of before it (``StepLoop.apply``), alternating call by call with "on" inside its delta phases (the same
+session): ``late / on`` is what the overlap saves. ``--group refit``: the
 refits on a RefitGroup instead of the torch.distributed world.
 ``--rounds``: that round alone (no refit), each way in turn: direct and rooted on a torch.distributed gloo group,
 the same two on a RefitGroup.
@@ -72,12 +75,12 @@ def _global(src, version: int, fraction: float, base: dict | None = None) -> dic
 
 
 class DigestClock:
-    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / settle: the hashing
+    """Rank-local seconds inside the digest's hooks (wrapping Ledger.on_post / on_land / post_round / settle: the hashing
     and the exchange the copies do not do), and apart, the fused copies (Ledger.pack / unpack,
     Digests.pack_ahead: the pack's and unpack's own copies with the hash in them, which the digest-off run
     makes with torch)."""
 
-    HOOKS = ("on_post", "on_land", "settle")
+    HOOKS = ("on_post", "on_land", "post_round", "settle")
 
     def __init__(self) -> None:
         from triton_reshard.execute import integrity
@@ -86,13 +89,16 @@ class DigestClock:
         self.by_hook = {
             "on_post": 0.0,
             "on_land": 0.0,
+            "post_round": 0.0,
             "settle": 0.0,
             "pack": 0.0,
             "unpack": 0.0,
             "pack_ahead": 0.0,
         }
         self.cpu_by_hook = dict(self.by_hook)
-        self.round_cpu = 0.0  # the process's CPU (all threads: gloo's too) inside settle, the end-of-refit round
+        # the process's CPU (all threads: gloo's too) inside post_round and settle: the end-of-refit round (posted
+        # early in a delta refit: then the process CPU of the apply it overlaps counts into it too, an upper bound)
+        self.round_cpu = 0.0
         for name in self.by_hook:
             owner = integrity.Digests if name == "pack_ahead" else integrity.Ledger
             real = getattr(owner, name)
@@ -103,7 +109,7 @@ class DigestClock:
                     return _real(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
-                    if _real.__name__ == "settle":
+                    if _real.__name__ in ("post_round", "settle"):
                         self.round_cpu += time.process_time() - pc
                     if _real.__name__ in self.HOOKS:
                         self.seconds += dt
@@ -116,6 +122,7 @@ class DigestClock:
 
 CPU: list[float] = []  # per timed call: the CPU seconds of every rank's process (all threads), summed
 EXCHANGE = [True]  # --split: False while the "hash" setting runs (the exchange replaced by the combine alone)
+EARLY = [True]  # --late: False while the "late" setting runs (the round not posted before the last apply)
 GROUP: list = [None]  # the refits' group: None (the torch.distributed world) or a RefitGroup (--group refit)
 
 
@@ -136,7 +143,7 @@ def _split_settle() -> None:
     rank's keyed row and its tag, is still made: the work of the exchange that is not the round)."""
     from triton_reshard.execute import integrity
 
-    real = integrity.Ledger.settle
+    real, real_post = integrity.Ledger.settle, integrity.Ledger.post_round
 
     def settle(self, link, _real=real):
         if EXCHANGE[0]:
@@ -148,24 +155,29 @@ def _split_settle() -> None:
         self._row_tag(self.rank, row)
         return None
 
+    def post_round(self, link, _real=real_post):  # (the round posted early in a delta refit: not in "hash", "late")
+        return _real(self, link) if EXCHANGE[0] and EARLY[0] else False
+
     integrity.Ledger.settle = settle
+    integrity.Ledger.post_round = post_round
 
 
 def _refit_with(setting, *args, **kw):
     """``refit`` with the digest ``setting``: True, False, "hash" (on, the exchange skipped: ``--split``) or
-    "direct" (on, the rows exchanged peer to peer as before session 52: ``--direct-rows``)."""
+    "direct" (on, the rows exchanged peer to peer as before session 52: ``--direct-rows``) or "late" (on, a
+    delta refit's round posted after its last apply, as before session 53: ``--late``)."""
     from triton_reshard import refit
-    from triton_reshard.execute import integrity
+    from triton_reshard.execute import integrity, transport
 
-    EXCHANGE[0] = setting != "hash"
-    gather = integrity.gather_rows
-    if setting == "direct":
-        integrity.gather_rows = lambda link, row, what: link.all_gather_row(row, what)
+    EXCHANGE[0], EARLY[0] = setting != "hash", setting != "late"
+    gather = integrity.post_gather
+    if setting == "direct":  # (rooted from more ranks than the world has: the rows peer to peer)
+        integrity.post_gather = lambda link, row, what: transport.post_gather(link, row, what, WORLD + 1)
     try:
         return refit(*args, digest=bool(setting), group=GROUP[0], **kw)
     finally:
-        EXCHANGE[0] = True
-        integrity.gather_rows = gather
+        EXCHANGE[0] = EARLY[0] = True
+        integrity.post_gather = gather
 
 
 def _timed(fn) -> float:
@@ -223,8 +235,8 @@ class Tally:
             "hook_thread_cpu_s_rank": self.hook_cpu,
             "hooks_s_total": {k: v - self.hooks0[k] for k, v in c.by_hook.items()},
             "hooks_thread_cpu_s_total": {k: v - self.hooks_cpu0[k] for k, v in c.cpu_by_hook.items()},
-            **({s: t[s] for s in ("hash", "direct") if s in t}),
-            **({f"cpu_{s}": self.cpus[s] for s in ("hash", "direct") if s in t}),
+            **({s: t[s] for s in ("hash", "direct", "late") if s in t}),
+            **({f"cpu_{s}": self.cpus[s] for s in ("hash", "direct", "late") if s in t}),
             **({f"round_cpu_{'on' if s is True else s}": self.rounds[s] for s in (True, "direct") if s in t}),
             **extra,
         }
@@ -233,11 +245,14 @@ class Tally:
 def worker(rank: int, world: int, spec: dict) -> dict:
     clock = DigestClock()
     settings: tuple = (True, False)
-    if spec.get("split"):
+    if spec.get("split") or spec.get("late"):
         _split_settle()
+    if spec.get("split"):
         settings = (True, False, "hash")
     if spec.get("direct_rows"):
         settings += ("direct",)
+    if spec.get("late"):
+        settings += ("late",)
     if spec.get("group") == "refit":
         GROUP[0] = _refit_group(rank, world)
     src_l, dst_l = _layouts(spec["mb"])
@@ -258,12 +273,15 @@ def worker(rank: int, world: int, spec: dict) -> dict:
         version, base = 1, data
         tally = Tally(clock, settings)
         modes: list[str] = []
-        for digest in settings * 2:
+        for phase in tuple(s for s in settings if s != "late") * 2:  # ("late": inside the digest-on phases)
             for k in range(spec["repeats"] + 1):
                 version += 1
                 base = _global(src_l, version, spec["fraction"], base)
                 for n, t in src_l.shard(base, rank).items():
                     src[n].copy_(t)
+                # --late: call by call with the digest on in its phases (the same options: one session, no dense
+                # refit between), in pairs whose first call alternates: on on late late on on ...
+                digest = ("late", True)[(k + k // 2) % 2] if phase is True and "late" in settings and k else phase
 
                 def go(d=digest, v=version):
                     modes.append(_refit_with(d, src, dst, src_l, dst_l, delta=True, version=v).mode)
@@ -317,6 +335,10 @@ def summarize(res: list[dict], spec: dict) -> dict:
             row.update(median_hash_s=h, median_cpu_hash_s=c_h, hash_s=r0["hash"], ratio_hash_off=h / off if off else None,
                        cpu_ratio_hash_off=c_h / c_off if c_off else None)
         row.update(round_cpu_on_s=_round_cpu(res, part, "on"), round_cpu_direct_s=_round_cpu(res, part, "direct"))
+        if "late" in r0:  # --late
+            lt, c_lt = statistics.median(r0["late"]), statistics.median(r0["cpu_late"])
+            row.update(median_late_s=lt, median_cpu_late_s=c_lt, late_s=r0["late"], ratio_late_off=lt / off if off else None,
+                       cpu_ratio_late_off=c_lt / c_off if c_off else None)
         if "direct" in r0:  # --direct-rows
             d, c_d = statistics.median(r0["direct"]), statistics.median(r0["cpu_direct"])
             row.update(median_direct_s=d, median_cpu_direct_s=c_d, direct_s=r0["direct"],
@@ -451,7 +473,7 @@ def rounds_worker(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     from triton_reshard.comm.group import TorchGroup
-    from triton_reshard.execute.integrity import gather_rows
+    from triton_reshard.execute.integrity import post_gather
     from triton_reshard.execute.transport import Link
 
     torch_link = Link(TorchGroup(None), timedelta(seconds=60))
@@ -460,9 +482,9 @@ def rounds_worker(rank: int, world: int, spec: dict) -> dict:
     row = list(range(2 * world + 1))
     ways = {
         "direct (torch gloo group, before s52)": lambda: torch_link.all_gather_row(row, "bench"),
-        "rooted (torch gloo group, s52)": lambda: gather_rows(torch_link, row, "bench"),
+        "rooted (torch gloo group, s52)": lambda: post_gather(torch_link, row, "bench").rows(),
         "direct (RefitGroup, before s52)": lambda: refit_link.all_gather_row(row, "bench"),
-        "rooted (RefitGroup, s52)": lambda: gather_rows(refit_link, row, "bench"),
+        "rooted (RefitGroup, s52)": lambda: post_gather(refit_link, row, "bench").rows(),
     }
     got: dict = {k: [] for k in ways}
     for _ in range(spec["repeats"]):
@@ -505,6 +527,8 @@ def main(argv=None) -> int:
     p.add_argument("--split", action="store_true", help="also the digest on with its exchange skipped (hash only)")
     p.add_argument("--direct-rows", action="store_true",
                    help="also the digest on with its rows exchanged peer to peer (the round before session 52)")
+    p.add_argument("--late", action="store_true",
+                   help="also the digest on with a delta refit's round posted after its last apply (before session 53)")
     p.add_argument("--group", choices=("torch", "refit"), default="torch",
                    help="the refits' group: the torch.distributed world, or a RefitGroup")
     p.add_argument("--rounds", action="store_true", help="the end-of-refit row exchange alone, each way")
@@ -516,7 +540,7 @@ def main(argv=None) -> int:
     from triton_reshard.testing.launch import run_world
 
     spec = {"mb": a.mb, "repeats": a.repeats, "fraction": a.fraction, "parts": a.parts.split(","), "split": a.split,
-            "direct_rows": a.direct_rows, "group": a.group}
+            "direct_rows": a.direct_rows, "group": a.group, "late": a.late}
     res = run_world(worker, WORLD, spec, timeout=1800)
     out = summarize(res, spec)
     for part in spec["parts"]:
@@ -533,6 +557,10 @@ def main(argv=None) -> int:
             print(f"{part}, the exchange skipped (--split): hash/off {r['ratio_hash_off']:.3f} wall, "
                   f"{r['cpu_ratio_hash_off']:.3f} CPU; on/hash {r['median_on_s'] / r['median_hash_s']:.3f} wall, "
                   f"{r['median_cpu_on_s'] / r['median_cpu_hash_s']:.3f} CPU (the round)")
+        if "ratio_late_off" in r:
+            print(f"{part}, the round after the last apply (--late): late/off {r['ratio_late_off']:.3f} wall, "
+                  f"{r['cpu_ratio_late_off']:.3f} CPU; late/on {r['median_late_s'] / r['median_on_s']:.3f} wall, "
+                  f"{r['median_cpu_late_s'] / r['median_cpu_on_s']:.3f} CPU (what the overlap saves)")
         if "ratio_direct_off" in r:
             print(f"{part}, the rows direct (--direct-rows): direct/off {r['ratio_direct_off']:.3f} wall, "
                   f"{r['cpu_ratio_direct_off']:.3f} CPU; the round's CPU (all ranks, inside settle) this build's "

@@ -66,3 +66,24 @@ def classify(msg: str) -> type[ReshardTransportError]:
 
 GROUP_DEAD = ("the process group is unusable now: destroy it and build a new one (and new Resharders; "
               "refit does that for a new group) before retrying")
+
+
+class ReshardIntegrityError(ReshardError):
+    """A message's digest on its receiver (over what the receiver wrote) differs from its sender's (over
+    what it sent): raised on every rank alike after the refit's end-of-run exchange. The group stays usable;
+    the destination is torn (``torn`` on each rank: what it wrote) until a refit succeeds, and the next
+    delta refit goes dense. ``tensor``, ``step`` (1-based), ``sender``, ``receiver``: the first differing
+    message; ``pairs``: every (sender, receiver) pair whose digests differ."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str | None,
+        step: int | None,
+        sender: int,
+        receiver: int,
+        pairs: tuple[tuple[int, int], ...],
+    ) -> None:
+        super().__init__(message)
+        self.tensor, self.step, self.sender, self.receiver, self.pairs = tensor, step, sender, receiver, pairs

@@ -10,7 +10,8 @@ copy backend, a dense step's pack and unpack are one C pass each that copies and
 (:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
 (messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
 ranks exchange one keyed value per (sender, receiver) pair in one row exchange (rooted on gloo:
-:func:`gather_rows`); a mismatch makes a second exchange that names the first differing message, and every rank raises
+:func:`post_gather`; in a delta refit posted before the last step's apply, which it then overlaps:
+``StepLoop.apply``); a mismatch makes a second exchange that names the first differing message, and every rank raises
 :class:`ReshardIntegrityError` (tensor, step, sender, receiver). The Resharder marks the destination torn, as
 for any failed refit, drops the delta snapshot (the next refit is dense) and stays usable (the group is
 fine: the exchange itself completed).
@@ -28,7 +29,6 @@ import hashlib
 import hmac
 import os
 import struct
-import time
 
 import numpy as np
 import torch
@@ -46,8 +46,9 @@ from ..ops.digest import (
 )
 from ..ops.digest import native as digest_native
 from ..ops.quant_digest import add_hashed
-from .errors import ReshardError
-from .transport import DIRECT_ROWS_MAX_RANKS, RootedRows
+from .errors import ReshardIntegrityError
+from .transport import PostedRows
+from .transport import post_gather as transport_post_gather
 
 ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
 LABEL = b"triton_reshard/v1/digest/"
@@ -69,27 +70,6 @@ def _pool():
 
         _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="trd-digest"))
     return _POOL[0]
-
-
-class ReshardIntegrityError(ReshardError):
-    """A message's digest on its receiver (over what the receiver wrote) differs from its sender's (over
-    what it sent): raised on every rank alike after the refit's end-of-run exchange. The group stays usable;
-    the destination is torn (``torn`` on each rank: what it wrote) until a refit succeeds, and the next
-    delta refit goes dense. ``tensor``, ``step`` (1-based), ``sender``, ``receiver``: the first differing
-    message; ``pairs``: every (sender, receiver) pair whose digests differ."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        tensor: str | None,
-        step: int | None,
-        sender: int,
-        receiver: int,
-        pairs: tuple[tuple[int, int], ...],
-    ) -> None:
-        super().__init__(message)
-        self.tensor, self.step, self.sender, self.receiver, self.pairs = tensor, step, sender, receiver, pairs
 
 
 ENV_VAR = "TRITON_RESHARD_DIGEST"  # "off" / "0": no digest whatever ``digest=`` says (set it on every rank)
@@ -239,6 +219,7 @@ class Ledger:
         self.recvd: dict[int, list] = {}  # peer -> [(step, nbytes, partial, (pos, j))]
         self._posted: dict[int, list] = {}  # step position -> the receives posted for it
         self._hashing: dict[int, list] = {}  # step position -> (peer, index in sent[peer]) hashed in the thread
+        self._round: tuple | None = None  # (messages digested, the posted row exchange): post_round
 
     def on_post(self, pos: int, sends, recvs) -> None:
         """Step ``pos`` was posted: digest its sends now (the transport reads them too). A send no fused copy
@@ -422,17 +403,35 @@ class Ledger:
         sender's digest over the receiver's so that they agree)."""
         return _mac63(self.key, LABEL, b"row", self.plan, struct.pack(f"<I{len(row)}q", rank, *row))
 
+    def post_round(self, link) -> bool:
+        """Post this rank's digest row now (every message of the run digested), :meth:`settle` waits and
+        compares: the round runs while this rank still works (a delta's apply, ``StepLoop.apply``). Gloo only
+        (True: posted): on NCCL the partials' device sync would stall the apply's launch."""
+        if self._round is None and link.wire and not link.is_nccl:
+            self._round = self._post(link)
+        return self._round is not None
+
+    def _post(self, link) -> tuple:
+        self._values()
+        me, row = self.rank, []
+        for r in link.ranks:
+            row += [self._pair(me, r, self.sent.get(r, [])), self._pair(r, me, self.recvd.get(r, []))]
+        return self._count(), post_gather(link, row + [self._row_tag(me, row)], "the integrity digest exchange")
+
+    def _count(self) -> int:
+        return sum(len(es) for d in (self.sent, self.recvd) for es in d.values())
+
     def settle(self, link) -> None:
-        """Exchange and compare every pair's keyed digest; raise :class:`ReshardIntegrityError` on every rank
-        (the same verdict everywhere: every rank sees every row) if any pair differs."""
+        """Exchange (posted by :meth:`post_round`, else now) and compare every pair's keyed digest; raise
+        :class:`ReshardIntegrityError` on every rank (the same verdict everywhere: every rank sees every row)
+        if any pair differs."""
         if not link.wire:
             return
-        self._values()
+        (count, posted), self._round = self._round or self._post(link), None
+        rows = posted.rows()
+        if count != self._count():  # a message digested after the row went would be compared by no one
+            raise RuntimeError(f"rank {self.rank}: a message was digested after the digest row was posted")
         me, ranks = self.rank, link.ranks
-        row = []
-        for r in ranks:
-            row += [self._pair(me, r, self.sent.get(r, [])), self._pair(r, me, self.recvd.get(r, []))]
-        rows = gather_rows(link, row + [self._row_tag(me, row)], "the integrity digest exchange")
         forged = [r for r, got in zip(ranks, rows, strict=True) if got[-1] != self._row_tag(r, got[:-1])]
         if forged:  # the rows travel on the data plane: one changed in flight (a copied digest, say) is refused
             raise ReshardIntegrityError(
@@ -465,7 +464,7 @@ class Ledger:
                     row[base] = self._msg(s, q, k, e)
                     row[base + 1] = e[0]
                     row[base + 2 : base + 2 + NAME_WORDS] = _name_words(self._tensors(*e[3]))
-        rows = gather_rows(link, row, "the integrity digest exchange (localizing)")
+        rows = post_gather(link, row, "the integrity digest exchange (localizing)").rows()
         found = []
         for p, (s, q) in enumerate(bad[:MAX_PAIRS]):
             at = p * width
@@ -488,21 +487,13 @@ class Ledger:
         return ",".join(names)
 
 
-def gather_rows(link, row: list[int], what: str) -> list[list[int]]:
-    """Every rank's digest row. On gloo (a torch.distributed group or a RefitGroup) from
+def post_gather(link, row: list[int], what: str) -> PostedRows:
+    """Post the exchange of every rank's digest row (``transport.post_gather``; ``.rows()`` waits). On gloo from
     :data:`ROOTED_MIN_RANKS` ranks, rooted (``transport.RootedRows``: each row to the group's first rank, the
-    table back): ``2 (n - 1)`` messages where the plan handshake's "direct" rows take ``n (n - 1)`` (12 -> 6
-    at 4 ranks), each waking a gloo thread at both ends, which is most of the round's CPU on a shared host
-    (``perf/bench_integrity.py --rounds``); one more hop. The root forwards, it cannot forge: every rank checks
-    every row's keyed tag itself. Else (NCCL: one coalesced call; a link without a group) the link's own row
-    exchange."""
-    comm = getattr(link, "comm", None)
-    if getattr(comm, "backend", None) != "gloo" or not ROOTED_MIN_RANKS <= len(link.ranks) <= DIRECT_ROWS_MAX_RANKS:
-        return link.all_gather_row(row, what)
-    t0 = time.perf_counter()
-    rooted = link.call(RootedRows, what, link.ranks, comm, torch.tensor(row, dtype=torch.int64), None)
-    link.wait(rooted.works, what, link.ranks, t0)
-    return [o.tolist() for o in rooted.out]
+    table back): ``2 (n - 1)`` messages where "direct" rows take ``n (n - 1)``, each waking a gloo thread at
+    both ends, most of the round's CPU on a shared host (``perf/bench_integrity.py --rounds``); one more hop.
+    The root forwards, it cannot forge: every rank checks every row's keyed tag itself."""
+    return transport_post_gather(link, row, what, ROOTED_MIN_RANKS)
 
 
 def _error(me: int, bad: list, found: list) -> ReshardIntegrityError:

@@ -241,9 +241,27 @@ class StepLoop:
         if self.ledger is not None:  # the receives digested over what the unpack wrote
             pairs = landed.unpacked + b.quant.stage_unpacks[pos]
             self.ledger.on_land(pos, pairs, self.backend, landed.lengths, (self.key, pos), landed.wire)
+        if landed.apply is not None:
+            self.apply(pos, landed.apply)
         self.regions(pos)
         self.timing.wire += t2 - t1
         self.timing.unpack += clock() - t2
+
+    def apply(self, pos: int, fn) -> None:
+        """Step ``pos``'s writes left after its digest (``Landed.apply``: a delta's apply, its messages digested
+        as they arrived). In the run's last step every message of the run is digested by then: the digest
+        exchange is posted first (``Ledger.post_round``) and runs while this rank applies, off the refit's
+        critical path. An apply that fails after that waits for the verdict: a message corrupted so that its
+        decode fails is then named on every rank (the integrity error), not a timeout on its peers."""
+        last = pos == len(self.work.steps) - 1
+        if not last or self.ledger is None or not self.ledger.post_round(self.link):
+            fn()
+            return
+        try:
+            fn()
+        except Exception:
+            self.ledger.settle(self.link)  # raises ReshardIntegrityError on every rank where a message differs
+            raise
 
     def run(self) -> None:
         """Every step: pack and post step k (with two slots, while step k-1 is still on the wire), run the

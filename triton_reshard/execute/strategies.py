@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 
 import torch
 
 from .. import ops
 from ..ops.block_delta import pack_block_delta, unpack_block_delta
+from ..ops.copy import triton_copy_digest
 from ..ops.delta import join_messages, message_length
 from ..ops.delta_cpu import commit_updates
 from ..ops.delta_triton import triton_pack_digest
+from ..ops.quant_digest import minus_ranges
 from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff, send_cache
 from .integrity import ROW_WORDS
 from .reports import RunReport
@@ -46,6 +49,9 @@ class Landed:
     # a delta run's receives as they went on the wire (``Eligible.rwire``): per wire message the plan's receive
     # indices it carried (the digest names a differing message's tensors from them); None: one per receive
     wire: tuple | None = None
+    # what the step still writes after its digest (a delta's apply: the messages are digested as they arrived);
+    # ``StepLoop.apply`` runs it
+    apply: Callable[[], None] | None = None
 
 
 class Dense:
@@ -171,7 +177,8 @@ class Delta(Dense):
         self.pre = pre
         # this run's messages that a later send repeats (Eligible.same), until that send is posted
         self.shared: dict[tuple[int, int], torch.Tensor] = {}
-        # Triton with the digest on: each delta message's digest from its encode pass (id -> (message, digest))
+        # Triton with the digest on: each delta message's digest from the pass that wrote it, its encode or its join
+        # (id -> (message, digest, the byte ranges it covers))
         self.hashed: dict[int, tuple] = {}
         self.inbox: dict[int, list[torch.Tensor]] = {}
         self.rescaled: tuple[str, ...] = ()
@@ -251,7 +258,7 @@ class Delta(Dense):
         if hashed and loop.ledger is not None and loop.backend == "triton":  # the encode pass hashes what it writes
             coef, dev = loop.ledger.coef, pairs[0][0].device  # (a message is whole 1 KiB rows' words: n % 16 == 0)
             msg, h = triton_pack_digest(pairs, lambda n: coef.get(-(-n // (8 * ROW_WORDS)), dev), cache=cache)
-            self.hashed[id(msg)] = (msg, h)
+            self.hashed[id(msg)] = (msg, h, [(0, msg.numel())])
             return msg
         return ops.pack_delta(pairs, update=True, backend=loop.backend, cache=cache)
 
@@ -287,7 +294,7 @@ class Delta(Dense):
         if not self.elig.one_pack(pos, g):
             msgs = [self._message(loop, pos, j, srcs, hashed=False) for j in g]
             t = clock()
-            msg = join_messages(msgs)
+            msg = self._join(loop, msgs)
             self.diff_s += clock() - t
             return msg
         if pos == 0 and self.pre is not None and g[0] in self.pre.msgs:
@@ -295,6 +302,26 @@ class Delta(Dense):
         t = clock()
         msg = self._encode(loop, pos, g[0], [pair for j in g for pair in self._views(loop, pos, j, srcs)])
         self.diff_s += clock() - t
+        return msg
+
+    def _join(self, loop, msgs: list) -> torch.Tensor:
+        """``msgs`` joined in one message (``join_messages``); on the Triton backend with the digest on, its bodies
+        written by the digesting copy kernel, which hashes what it writes (the join's own pass: its header and
+        directory, a few words, are hashed at ``on_post``), not read again in a second pass."""
+        if loop.ledger is None or loop.backend != "triton":
+            return join_messages(msgs)
+        got = []
+
+        def copy(pairs, out):
+            coef = loop.ledger.coef.get(-(-out.numel() // (8 * ROW_WORDS)) + 8, out.device)
+            got.append(triton_copy_digest(pairs, [(out, out.numel())], 1, coef))
+            if got[0] is None:  # (bodies never overlap: the kernel always takes them)
+                ops.copy_views(pairs, loop.backend)
+
+        msg = join_messages(msgs, copy)
+        if got and got[0] is not None:
+            sums, gaps = got[0]
+            self.hashed[id(msg)] = (msg, sums[0], minus_ranges([(0, msg.numel())], gaps[0]))
         return msg
 
     def pack(self, loop, pos: int) -> tuple[list, list]:
@@ -319,7 +346,7 @@ class Delta(Dense):
             zero = (None, torch.zeros((), dtype=torch.int64, device=out_s[0][1].device))
             loop.ledger.add_hashed(pos, [m.numel() for _p, m in out_s],
                                    torch.stack([self.hashed.get(id(m), zero)[1] for _p, m in out_s]),
-                                   [[(0, m.numel())] if id(m) in self.hashed else [] for _p, m in out_s])
+                                   [self.hashed[id(m)][2] if id(m) in self.hashed else [] for _p, m in out_s])
             keep = {id(m) for m in self.shared.values()}  # a later send repeats them
             self.hashed = {k: v for k, v in self.hashed.items() if k in keep}
         dev = (sends or recvs)[0][1].device
@@ -393,21 +420,20 @@ class Delta(Dense):
         return dsts, cache
 
     def land(self, loop, pos: int) -> Landed:
+        """Step ``pos``'s dense messages unpacked; its delta messages applied by the returned ``Landed.apply``,
+        which the loop runs once they are digested (as they arrived: the apply does not change them), so that
+        in the last step the digest exchange is on the wire while this rank applies (``StepLoop.apply``)."""
         b, el = loop.b, self.elig
         inbox = iter(self.inbox.pop(pos))
         dense, lengths = [], {}  # lengths: the bytes of each delta received into a larger buffer, by wire index
+        deltas = []  # (message, receive index, wire message)
         brecvs = el.brecvs[pos] if el.brecvs else ()
         for w, g in enumerate(el.rwire[pos]):
             j = g[0]
             if el.recvs[pos][j] or (brecvs and brecvs[j]):
-                msg, t = next(inbox), clock()
-                if el.recvs[pos][j]:
-                    dsts, cache = self._dsts(loop, pos, g)
-                    ops.unpack_delta(msg, dsts, backend=loop.backend, names=el.names[pos, j], cache=cache)
-                else:
-                    unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
-                self.apply_s += clock() - t
-                n = message_length(msg) if self.inbox_mode else msg.numel()
+                msg = next(inbox)
+                deltas.append((msg, j, g))
+                n = _arrived(msg) if self.inbox_mode else msg.numel()
                 if self.inbox_mode:  # received into a buffer of the largest size: count what came
                     loop.recvd -= msg.numel() - n
                     lengths[w] = n
@@ -417,8 +443,30 @@ class Delta(Dense):
                 _vs, a, z = b.recv_msgs[pos][j]
                 dense += b.unpacks[pos][a:z]
         ops.copy_views(dense, loop.backend)
-        return Landed(dense, lengths, wire=el.rwire[pos])
+        return Landed(dense, lengths, wire=el.rwire[pos], apply=(lambda: self._apply(loop, pos, deltas)) if deltas else None)
 
+    def _apply(self, loop, pos: int, deltas: list) -> None:
+        """Write step ``pos``'s delta messages into their destinations (``land``'s deferred part)."""
+        b, el = loop.b, self.elig
+        for msg, j, g in deltas:
+            t = clock()
+            if el.recvs[pos][j]:
+                dsts, cache = self._dsts(loop, pos, g)
+                ops.unpack_delta(msg, dsts, backend=loop.backend, names=el.names[pos, j], cache=cache)
+            else:
+                unpack_block_delta(msg, b.recv_qmsgs[pos][j], names=el.names[pos, j])
+            self.apply_s += clock() - t
+
+
+def _arrived(msg: torch.Tensor) -> int:
+    """The bytes of a delta message received into a larger buffer, read from its header before the unpack
+    checked it (``land`` digests it first): a header too damaged to say counts the whole buffer (its digest
+    then differs from the sender's; the unpack refuses it)."""
+    try:
+        n = message_length(msg)
+    except (IndexError, ValueError, RuntimeError):
+        return msg.numel()
+    return n if 0 < n <= msg.numel() else msg.numel()
 
 def pick(
     side: DeltaSide,

@@ -163,6 +163,37 @@ class RootedRows:
                                f"of rank {self.ranks[lost]}")
 
 
+class PostedRows:
+    """A row exchange posted and not yet waited for: :meth:`rows` waits (the timeout counted from that call,
+    not from the post: the caller may work in between) and gives every rank's row. ``later``: an exchange not
+    posted at all (no gloo group), made by :meth:`rows` itself."""
+
+    def __init__(self, link, what: str, works=(), out=(), later=None) -> None:
+        self.link, self.what, self.works, self.out, self.later = link, what, works, out, later
+
+    def rows(self) -> list[list[int]]:
+        if self.later is not None:
+            return self.later()
+        self.link.wait(self.works, self.what, self.link.ranks)
+        return [o.tolist() for o in self.out]
+
+
+def post_gather(link, row: list[int], what: str, rooted_from: int) -> PostedRows:
+    """Post the exchange of every rank's ``row`` (int64) and return it unwaited. On gloo (a torch.distributed
+    group or a RefitGroup; CPU tensors) from ``rooted_from`` up to :data:`DIRECT_ROWS_MAX_RANKS` ranks, rooted
+    (:class:`RootedRows`), else as :func:`post_rows` shapes it; elsewhere (NCCL; a link without a group) the
+    link's own row exchange, made when the rows are asked for (on NCCL a post now would sync the device)."""
+    comm = getattr(link, "comm", None)
+    if getattr(comm, "backend", None) != "gloo":
+        return PostedRows(link, what, later=lambda: link.all_gather_row(row, what))
+    mine = torch.tensor(row, dtype=torch.int64)
+    if rooted_from <= len(link.ranks) <= DIRECT_ROWS_MAX_RANKS:
+        rooted = link.call(RootedRows, what, link.ranks, comm, mine, None)
+        return PostedRows(link, what, rooted.works, rooted.out)
+    out, works = link.call(post_rows, what, link.ranks, comm, mine)
+    return PostedRows(link, what, works, out)
+
+
 class Link:
     """This rank's end of the transport (``comm``: a torch.distributed group or a RefitGroup), with the
     run's ``timeout``: every call and wait raises a named :class:`ReshardTransportError`."""

@@ -188,12 +188,14 @@ def read_directory(
     return Directory(chunks, offsets, kind, count, nbytes, version)
 
 
-def join_messages(msgs: Sequence[torch.Tensor]) -> torch.Tensor:
+def join_messages(msgs: Sequence[torch.Tensor], copy=None) -> torch.Tensor:
     """One delta message holding the chunks of ``msgs`` (each a whole message, exactly its length, of one chunk
     size), in order: what packing all their pairs in one call writes, except that each chunk keeps the encoding
     its own pack chose. The version is the highest of theirs (a v2 reader takes v1 kinds). A delta refit joins
     the messages of a step to one peer this way where they cannot be packed in one call (``execute.strategies``:
-    a send whose message repeats another's). Any device; a copy of the messages' bytes."""
+    a send whose message repeats another's). Any device; a copy of the messages' bytes. ``copy(pairs, out)``:
+    writes the bodies, (body, its place in ``out``) pairs, instead of one ``torch.cat`` (a copy that also
+    hashes what it writes: the integrity digest)."""
     if len(msgs) == 1:
         return msgs[0]
     heads = [[int(x) & 0xFFFFFFFF for x in m[:HEADER_BYTES].view(torch.int32).tolist()] for m in msgs]
@@ -213,5 +215,12 @@ def join_messages(msgs: Sequence[torch.Tensor]) -> torch.Tensor:
         torch.tensor([MAGIC, max(h[1] for h in heads), total, heads[0][3]], dtype=torch.int64).to(torch.int32))
     if dirs:
         out[HEADER_BYTES:HEADER_BYTES + 8 * total].view(torch.int64).copy_(torch.cat(dirs))
-    torch.cat(bodies, out=out[start:])
+    if copy is None:
+        torch.cat(bodies, out=out[start:])
+        return out
+    places, at = [], start
+    for b in bodies:
+        places.append((b, out[at : at + b.numel()]))
+        at += b.numel()
+    copy(places, out)
     return out
