@@ -34,3 +34,20 @@ def triton_mode(request, monkeypatch):
     triton_copy.clear_cache()
     yield
     triton_copy.clear_cache()
+
+
+@pytest.fixture
+def codec():
+    """The delta codec a test body runs with: ``codec("numpy")`` or ``codec("native")`` (skipped where the native
+    codec was not built); the previous choice restored after the test."""
+    from triton_reshard.ops import delta_native
+
+    prev = delta_native.set_native(True)
+
+    def use(name: str) -> None:
+        delta_native.set_native(name == "native")
+        if name == "native" and delta_native.native() is None:
+            pytest.skip("the native codec is not built (pip install -e . builds it)")
+
+    yield use
+    delta_native.set_native(prev)

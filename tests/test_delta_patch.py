@@ -13,7 +13,6 @@ import torch
 
 from triton_reshard.ops import delta as D
 from triton_reshard.ops import delta_cpu
-from triton_reshard.ops import delta_native as NATIVE
 from triton_reshard.ops import delta_patch as P
 from triton_reshard.ops import delta_v2 as V
 from triton_reshard.ops.delta_cached import pack_deferred
@@ -21,20 +20,6 @@ from triton_reshard.ops.delta_cached import pack_deferred
 from .test_delta_v2 import CODECS, DTYPES, INT, bits, roundtrip
 
 N = 4000  # 15 full blocks and a short one
-
-
-@pytest.fixture
-def codec():
-    """Run a test body with the numpy codec, then with the native one (skipped where it was not built)."""
-    prev = NATIVE.set_native(True)
-
-    def use(name: str) -> None:
-        NATIVE.set_native(name == "native")
-        if name == "native" and NATIVE.native() is None:
-            pytest.skip("the native codec is not built (pip install -e . builds it)")
-
-    yield use
-    NATIVE.set_native(prev)
 
 
 def moved(old: torch.Tensor, frac: float, g: torch.Generator, far: int, outlier) -> torch.Tensor:

@@ -25,20 +25,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(INT[t.element_size()])
 
 
-@pytest.fixture
-def codec():
-    """Run a test body with the numpy codec, then with the native one (skipped where it was not built)."""
-    prev = N.set_native(True)
-
-    def use(name: str) -> None:
-        N.set_native(name == "native")
-        if name == "native" and N.native() is None:
-            pytest.skip("the native codec is not built (pip install -e . builds it)")
-
-    yield use
-    N.set_native(prev)
-
-
 def ulp_steps(old: torch.Tensor, frac: float, g: torch.Generator, spread: int = 2) -> torch.Tensor:
     """``old`` with about ``frac`` of its elements moved by -spread..spread-1 in their bit patterns."""
     new = old.clone()
