@@ -327,6 +327,20 @@ def _corrupt_cases(msg: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def refused_by_both_codecs(codec, bad: torch.Tensor, old: torch.Tensor) -> None:
+    """``bad`` unpacked onto a copy of ``old`` by each codec: ValueError naming the destination, nothing written,
+    the same message from both."""
+    errors = []
+    for name in CODECS:
+        codec(name)
+        dst = old.clone()
+        with pytest.raises(ValueError) as e:
+            D.unpack_delta(bad, [dst], backend="torch", names=["model.w"])
+        assert torch.equal(bits(dst), bits(old)), "written before the check"
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "'model.w'" in errors[0], errors
+
+
 def test_corrupt_bodies_refused_before_any_write(codec):
     """A narrow body inconsistent with its header (bad code, mode, count, an offset out of order, a count
     that does not add up) raises ValueError naming the chunk and destination, with nothing written; both
@@ -337,15 +351,7 @@ def test_corrupt_bodies_refused_before_any_write(codec):
     codec("numpy")
     msg = D.pack_delta([(new, old.clone())], 4096, backend="torch")
     for bad in _corrupt_cases(msg):
-        errors = []
-        for name in CODECS:
-            codec(name)
-            dst = old.clone()
-            with pytest.raises(ValueError) as e:
-                D.unpack_delta(bad, [dst], backend="torch", names=["model.w"])
-            assert torch.equal(bits(dst), bits(old)), "written before the check"
-            errors.append(str(e.value))
-        assert errors[0] == errors[1] and "'model.w'" in errors[0], errors
+        refused_by_both_codecs(codec, bad, old)
 
 
 def test_version_one_still_reads(codec):
