@@ -172,8 +172,10 @@ def overlap_fault(args) -> dict:
                 break
         else:
             raise RuntimeError("trainer rank 1 exited before joining: " + "".join(proc.head)[-2000:])
+        # rank 1's staging_bytes: a staged update goes one refit per layer group, and the ranks' groups must agree
         info = vt.ReshardTrainerInitInfo(rank=0, host="127.0.0.1", port=port, world_size=world, num_trainer_ranks=2,
-                                         layout=split_layout(version_tensors(b, 1)), timeout=args.timeout)
+                                         layout=split_layout(version_tensors(b, 1)), timeout=args.timeout,
+                                         staging_bytes=64 << 10)
         eng = WeightTransferTrainerFactory.trainer_init(info, client=vt.LLMClient(llm), source=None)
         return eng, proc
 
