@@ -28,6 +28,7 @@ if [ -x "$venv/bin/python" ] && [ -f "$venv/READY" ] && [ "$(cat "$venv/READY")"
       && "$venv/bin/pip" install -q --no-deps "verl==$VERL_VERSION" \
       || echo "engine env: verl==$VERL_VERSION does not install; its tests skip" >&2
   fi
+  [ -n "${TRITON_RESHARD_DEFER_SELF:-}" ] && exit 0  # our package: added by a later plain run
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" || exit 1
   exit 0
 fi

@@ -27,6 +27,7 @@ if [ -x "$venv/bin/python" ] && [ -f "$venv/READY" ] && [ "$(cat "$venv/READY")"
   # packages the tier needs may have joined requirements_sglang.txt since (pip only adds what is missing)
   "$venv/bin/pip" install -q -r "$here/requirements_sglang.txt" -c "$venv/constraints.txt" \
     || unavailable "sglang $SGLANG_VERSION's requirements do not install"
+  [ -n "${TRITON_RESHARD_DEFER_SELF:-}" ] && exit 0  # our package: added by a later plain run
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" || exit 1
   exit 0
 fi
