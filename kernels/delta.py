@@ -524,7 +524,7 @@ def delta2_unpack_kernel(
         for x in tl.static_range(MAX_EXC):  # a patched block's exceptions replace their slots' values
             hx = v2 & (x < nexc)
             xs = tl.load(msg_ptr + xat + x, mask=hx, other=0).to(tl.int64) & 0xFF
-            xv = tl.zeros_like(xs)
+            xv = xs * 0  # not tl.zeros_like: a jit helper the interpreter refused in the full suite
             for b in tl.static_range(ESIZE):
                 byte = tl.load(msg_ptr + xat + nexc + x * ESIZE + b, mask=hx, other=0).to(tl.int64) & 0xFF
                 xv |= byte << (8 * b)
