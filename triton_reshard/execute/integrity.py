@@ -56,7 +56,7 @@ NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes e
 MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
 MAX_MSGS = 32  # messages per pair compared one by one in the localizing exchange (the rest as a count)
 MASK63 = (1 << 63) - 1
-ROOTED_MIN_RANKS = 3  # gloo groups from this size exchange the digest rows rooted (:func:`gather_rows`)
+ROOTED_MIN_RANKS = 3  # gloo groups from this size exchange the digest rows rooted (:func:`post_gather`)
 # in-place sends from this size are hashed in the digest's thread: handing a hash to the thread and taking its
 # value costs ~20-40 us, what the native hash takes for 1-4 MiB; smaller sends are hashed at once, in one call
 THREAD_MIN_BYTES = 8 << 20
