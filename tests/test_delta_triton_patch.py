@@ -150,10 +150,14 @@ def test_the_digesting_pack_writes_and_hashes_patched_blocks(dtype):
     bytes hashed by the kernel) is the CPU digest of the message; a flipped bit in an exception moves it."""
     g = torch.Generator().manual_seed(25)
     c = _coef()
+
+    def coef_for(n: int) -> torch.Tensor:
+        return c.get(-(-n // (8 * ig.ROW_WORDS)), torch.device("cpu"))
+
     for name, old, new in patched_cases(dtype, g):
         ref = V.pack_v2_numpy([(new, old.clone())], 1000, False)
         snap = old.clone()
-        msg, h = T.triton_pack_digest([(new, snap)], lambda n: c.get(-(-n // (8 * ig.ROW_WORDS)), new.device), 1000)
+        msg, h = T.triton_pack_digest([(new, snap)], coef_for, 1000)
         assert torch.equal(msg, ref), f"{dtype} {name}: the digesting pack's bytes"
         assert torch.equal(bits(snap), bits(new)), f"{dtype} {name}: the snapshot update"
         assert int(h) & MASK == ig.partial(msg, c), f"{dtype} {name}: the digest"
