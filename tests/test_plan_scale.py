@@ -18,8 +18,9 @@ sixth; each pair costs ~50 ms (2/3 of it checking every rank's share against the
 Session 54 (CI time): the rank plans' schedules are compared with the whole plan's at the pair's drawn bucket
 (one of five, ~600 pairs each; ``check_plan``'s default is three fixed buckets per pair) and the reference
 boxes are memoized (``dist_cases.chunk_box``): ~0.73 of the check's time per pair, interleaved on the same
-pairs (/tmp A/B, load ~30); the mutants above are caught at the same example indices (``tests.scale_budget``
-runs this check).
+pairs (loaded; perf/results/h-ci_s54.json). ``tests.scale_budget`` runs this check: at 150 pairs, seeds 0-2,
+main's tree and this one catch the same mutants at the same indices (only the dropped cover piece, 6/6/99, on
+both: the other quick mutants' numbers above are older than today's planner).
 """
 
 from __future__ import annotations
