@@ -58,6 +58,50 @@ add_block16(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *
         k += __builtin_popcount(bits);
     }
 }
+
+/* add_block16 on AVX2: per 16-element group with a change, each 8-lane half's values expanded to its changed
+ * lanes by a pshufb (trd_ex16; 0 in the others), one load, add and store; a group past the block's end
+ * element by element (no byte outside the block is touched). */
+__attribute__((target("avx2,popcnt"))) static void
+add_block16_avx2(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *p, int n, int w, int neg) {
+    uint64_t m[4] = {0, 0, 0, 0};
+    int16_t v[BLOCK + 8];
+    if (mode == MODE_OFFSETS)
+        for (int j = 0; j < n; j++) m[pos[j] >> 6] |= (uint64_t)1 << (pos[j] & 63);
+    else if (mode == MODE_BITMASK)
+        memcpy(m, pos, (size_t)(blen + 7) / 8);
+    else
+        for (int k = 0; k < 4; k++)
+            m[k] = blen >= 64 * (k + 1) ? ~(uint64_t)0 : blen > 64 * k ? ((uint64_t)1 << (blen - 64 * k)) - 1 : 0;
+    decode16(p, v, n, w);
+    memset(v + n, 0, 16);  /* the slack a whole 8-lane load reads past the values */
+    if (neg)
+        for (int j = 0; j < n; j++) v[j] = (int16_t)-v[j];
+    int k = 0;
+    for (int l = 0; l < BLOCK / 16; l++) {
+        unsigned bits = (unsigned)(m[l >> 2] >> (16 * (l & 3))) & 0xFFFFu, lo = bits & 0xFFu, hi = bits >> 8;
+        if (!bits) continue;
+        if (16 * (l + 1) > blen) { /* the block's end */
+            for (; bits; bits &= bits - 1) {
+                uint8_t *e = db + 2 * (16 * l + __builtin_ctz(bits));
+                uint16_t x;
+                memcpy(&x, e, 2);
+                x = (uint16_t)(x + (uint16_t)v[k++]);
+                memcpy(e, &x, 2);
+            }
+            continue;
+        }
+        __m128i xl = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(const void *)(v + k)),
+                                      _mm_loadu_si128((const __m128i *)(const void *)trd_ex16[lo]));
+        k += __builtin_popcount(lo);
+        __m128i xh = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(const void *)(v + k)),
+                                      _mm_loadu_si128((const __m128i *)(const void *)trd_ex16[hi]));
+        k += __builtin_popcount(hi);
+        __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(xl), xh, 1);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(db + 32 * l));
+        _mm256_storeu_si256((__m256i *)(void *)(db + 32 * l), _mm256_add_epi16(a, x));
+    }
+}
 #endif
 
 /* The decoded changes of one chunk: element offset from the view's start (bit 63: a raw value) and value (raw
@@ -194,8 +238,11 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         if (!ch) continue;
 #ifdef HAVE_X86
         if (vec) {
-            add_block16(vw->d + boff * 2, blen, mode, mode == MODE_BITMASK ? p - (blen + 7) / 8 : idx, p, nv, w,
-                        op == TRD_UNDO);
+            const uint8_t *pos = mode == MODE_BITMASK ? p - (blen + 7) / 8 : idx;
+            if (trd_fast16 == FAST16_AVX512)
+                add_block16(vw->d + boff * 2, blen, mode, pos, p, nv, w, op == TRD_UNDO);
+            else
+                add_block16_avx2(vw->d + boff * 2, blen, mode, pos, p, nv, w, op == TRD_UNDO);
             continue;
         }
 #endif
