@@ -70,9 +70,8 @@ extern HIDDEN int trd_fast16;
 HIDDEN void trd_choose(void);
 /* Per 8-bit mask k of 8 16-bit lanes (built by trd_choose): trd_lp16[k] the pshufb control that left-packs the
  * lanes of k's set bits; trd_ex16[k] the one that expands the first popcount(k) lanes to those lanes (the
- * others 0); trd_ix8[k] the set bits' lane numbers, one byte each, ascending */
+ * others 0) */
 extern HIDDEN uint8_t trd_lp16[256][16], trd_ex16[256][16];
-extern HIDDEN uint64_t trd_ix8[256];
 
 static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
     if (w == 2) {
