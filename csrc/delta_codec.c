@@ -316,8 +316,7 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
                 _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
     if (code == RAW)
         for (int j = 0; j < cnt; j++) val[j] = (uint16_t)load(s, idx[j], 2);
-    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = BLOCK / 8 + vb, al = vbytes(BLOCK, w);
-    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
+    int mode = choose_layout(NULL, cnt, BLOCK, 2, code, 0).pm;  /* unpatched: val is not read */
     desc[0] = (uint8_t)(code | (mode << 4));
     desc[1] = (uint8_t)(cnt - 1);
     uint8_t *p = pay;
@@ -363,8 +362,7 @@ INLINE int64_t finish_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4],
     if ((update & 3) == 2)  /* narrow blocks only (code < 2 is narrow): the changed groups' lines, still in L1 */
         for (int l = 0; l < BLOCK / 32; l++)
             if ((uint32_t)(m[l >> 1] >> (32 * (l & 1)))) memcpy(q + 64 * l, s + 64 * l, 64);
-    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = BLOCK / 8 + vb, al = vbytes(BLOCK, w);
-    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
+    int mode = choose_layout(NULL, cnt, BLOCK, 2, code, 0).pm;  /* unpatched: val is not read */
     desc[0] = (uint8_t)(code | (mode << 4));
     desc[1] = (uint8_t)(cnt - 1);
     uint8_t *p = pay;
