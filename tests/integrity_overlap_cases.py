@@ -132,7 +132,7 @@ class Recorder:
             finally:
                 del comm.post
 
-        def gather(real):  # this build's post_gather (older ones: gather_rows)
+        def gather(real):  # the digest round's post
             def f(link, *a):
                 rec.events.append(("round",))
                 return counted(link, real, *a)
@@ -146,7 +146,7 @@ class Recorder:
         patch(steps.StepLoop, "finish", finish)
         patch(strategies.Delta, "land", land)
         patch(ops, "unpack_delta", unpack)
-        patch(integrity, "post_gather" if hasattr(integrity, "post_gather") else "gather_rows", gather)
+        patch(integrity, "post_gather", gather)
         patch(integrity.Ledger, "settle", settle)
 
     def refit(self, fn):
