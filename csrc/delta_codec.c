@@ -83,18 +83,46 @@ __attribute__((target("avx2,bmi2"))) static void mask_avx2(const uint8_t *s, con
 #endif
 
 HIDDEN mask_fn trd_block_mask = 0;
-HIDDEN int trd_fast16 = 0; /* the AVX-512 VBMI2 paths of 16-bit blocks run */
+HIDDEN int trd_fast16 = 0; /* FAST16_AVX512, FAST16_AVX2 or 0 (delta_codec.h) */
+HIDDEN uint8_t trd_lp16[256][16], trd_ex16[256][16];
+static int tables_built = 0;
 
-HIDDEN void trd_choose(void) {
+static void build_tables(void) {
+    for (int k = 0; k < 256; k++) {
+        memset(trd_lp16[k], 0x80, 16);
+        memset(trd_ex16[k], 0x80, 16);
+        for (int i = 0, c = 0; i < 8; i++)
+            if (k >> i & 1) {
+                trd_lp16[k][2 * c] = (uint8_t)(2 * i), trd_lp16[k][2 * c + 1] = (uint8_t)(2 * i + 1);
+                trd_ex16[k][2 * i] = (uint8_t)(2 * c), trd_ex16[k][2 * i + 1] = (uint8_t)(2 * c + 1);
+                c++;
+            }
+    }
+    tables_built = 1;
+}
+
+/* the fastest paths this CPU has, up to cap (512: any; 256: AVX2 at most; 0: portable C) */
+static void choose_upto(int cap) {
     mask_fn m = mask_portable2;
+    int fast = 0;
+    if (!tables_built) build_tables();
 #ifdef HAVE_X86
     __builtin_cpu_init();
-    trd_fast16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
-    if (__builtin_cpu_supports("avx512bw")) m = mask_avx512;
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2")) m = mask_avx2;
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+    if (cap >= 512 && __builtin_cpu_supports("avx512bw")) {
+        m = mask_avx512;
+        if (__builtin_cpu_supports("avx512vbmi2")) fast = FAST16_AVX512;
+        else if (avx2) fast = FAST16_AVX2;
+    } else if (cap >= 256 && avx2) {
+        m = mask_avx2;
+        fast = FAST16_AVX2;
+    }
 #endif
+    trd_fast16 = fast;
     trd_block_mask = m;
 }
+
+HIDDEN void trd_choose(void) { choose_upto(512); }
 
 EXPORT int trd_simd(void) {
     if (!trd_block_mask) trd_choose();
@@ -103,6 +131,13 @@ EXPORT int trd_simd(void) {
     if (trd_block_mask == mask_avx2) return 256;
 #endif
     return 0;
+}
+
+/* trd_codec_use(simd): run the fastest paths this CPU has up to simd (512, 256: AVX2, 0: portable C) in this
+ * process, for the tests that check every path writes the same bytes; returns trd_simd() now. */
+EXPORT int trd_codec_use(int simd) {
+    choose_upto(simd);
+    return trd_simd();
 }
 
 /* ---- values: a little-endian bit stream of w-bit values ----------------------------------------------- */
@@ -281,8 +316,7 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
                 _mm512_storeu_si512((void *)(q + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
     if (code == RAW)
         for (int j = 0; j < cnt; j++) val[j] = (uint16_t)load(s, idx[j], 2);
-    int64_t vb = vbytes(cnt, w), off = cnt + vb, bm = BLOCK / 8 + vb, al = vbytes(BLOCK, w);
-    int mode = (off <= bm && off <= al) ? MODE_OFFSETS : (bm <= al ? MODE_BITMASK : MODE_ALL);
+    int mode = choose_layout(NULL, cnt, BLOCK, 2, code, 0).pm;  /* unpatched: val is not read */
     desc[0] = (uint8_t)(code | (mode << 4));
     desc[1] = (uint8_t)(cnt - 1);
     uint8_t *p = pay;
@@ -302,6 +336,83 @@ pack_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t
         p = put_values16(p, full, BLOCK, w);
     }
     return p - pay;
+}
+#endif
+
+/* The rest of a whole 16-bit block's pack after its vector pass (the AVX2 path): val the cnt differences, o
+ * the OR of their magnitudes; as pack_block16's end (the same bytes as the generic writer). The indices from
+ * m here, byte by byte where they go (written to memory in the vector pass and read back as a run, they wait
+ * on the store buffer). */
+INLINE int64_t finish_block16(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, const uint16_t *val,
+                              uint64_t o, uint8_t *desc, uint8_t *pay, int update) {
+    int code = code_of(o, 2), w = width_of(code, 2);
+    if (code >= 2) {  /* a block that may patch: the generic writer (the same bytes) */
+        uint64_t v64[BLOCK];
+        uint8_t idx[BLOCK + 16];
+        for (int k = 0, c = 0; k < 4; k++)
+            for (uint64_t x = m[k]; x; x &= x - 1) idx[c++] = (uint8_t)(64 * k + __builtin_ctzll(x));
+        for (int j = 0; j < cnt; j++) v64[j] = (uint64_t)(int64_t)(int16_t)val[j];
+        int64_t n = write_block(s, BLOCK, 2, m, idx, v64, cnt, code, desc, pay, update);
+        code = desc[0] & 0x0F;
+        if ((update & 3) == 2 && code != RAW)
+            for (int l = 0; l < BLOCK / 32; l++)
+                if ((uint32_t)(m[l >> 1] >> (32 * (l & 1)))) memcpy(q + 64 * l, s + 64 * l, 64);
+        return n;
+    }
+    if ((update & 3) == 2)  /* narrow blocks only (code < 2 is narrow): the changed groups' lines, still in L1 */
+        for (int l = 0; l < BLOCK / 32; l++)
+            if ((uint32_t)(m[l >> 1] >> (32 * (l & 1)))) memcpy(q + 64 * l, s + 64 * l, 64);
+    int mode = choose_layout(NULL, cnt, BLOCK, 2, code, 0).pm;  /* unpatched: val is not read */
+    desc[0] = (uint8_t)(code | (mode << 4));
+    desc[1] = (uint8_t)(cnt - 1);
+    uint8_t *p = pay;
+    if (mode == MODE_OFFSETS) {
+        for (int k = 0; k < 4; k++)
+            for (uint64_t x = m[k]; x; x &= x - 1) *p++ = (uint8_t)(64 * k + __builtin_ctzll(x));
+        p = put_values16(p, val, cnt, w);
+    } else if (mode == MODE_BITMASK) {
+        memcpy(p, m, BLOCK / 8);  /* little-endian: element 8 j + k is bit k of byte j */
+        p = put_values16(p + BLOCK / 8, val, cnt, w);
+    } else {
+        uint16_t full[BLOCK];
+        memset(full, 0, sizeof full);
+        for (int k = 0, j = 0; k < 4; k++)
+            for (uint64_t x = m[k]; x; x &= x - 1) full[64 * k + __builtin_ctzll(x)] = val[j++];
+        p = put_values16(p, full, BLOCK, w);
+    }
+    return p - pay;
+}
+
+#ifdef HAVE_X86
+/* pack_block for a whole block of 16-bit elements (AVX2): per 16-element group with a change, one vector
+ * difference, the changed lanes of each 8-lane half left-packed into the values by a pshufb (trd_lp16), the
+ * group's line of the snapshot rewritten from the source (update 1); the same bytes. */
+__attribute__((target("avx2,popcnt"))) static int64_t
+pack_block16_avx2(const uint8_t *s, uint8_t *q, const uint64_t m[4], int cnt, uint8_t *desc, uint8_t *pay,
+                  int update) {
+    uint16_t val[BLOCK + 16];
+    __m256i orv = _mm256_setzero_si256();
+    int c = 0;
+    for (int l = 0; l < BLOCK / 16; l++) {
+        unsigned bits = (unsigned)(m[l >> 2] >> (16 * (l & 3))) & 0xFFFFu, lo = bits & 0xFFu, hi = bits >> 8;
+        if (!bits) continue;
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(s + 32 * l));
+        __m256i d = _mm256_sub_epi16(a, _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * l)));
+        orv = _mm256_or_si256(orv, _mm256_xor_si256(d, _mm256_srai_epi16(d, 15)));
+        /* 8 lanes (16 bytes) stored whole each time: val has the slack */
+        __m128i pl = _mm_loadu_si128((const __m128i *)(const void *)trd_lp16[lo]);
+        __m128i ph = _mm_loadu_si128((const __m128i *)(const void *)trd_lp16[hi]);
+        _mm_storeu_si128((__m128i *)(void *)(val + c), _mm_shuffle_epi8(_mm256_castsi256_si128(d), pl));
+        c += __builtin_popcount(lo);
+        _mm_storeu_si128((__m128i *)(void *)(val + c), _mm_shuffle_epi8(_mm256_extracti128_si256(d, 1), ph));
+        c += __builtin_popcount(hi);
+        if ((update & 3) == 1) _mm256_storeu_si256((__m256i *)(void *)(q + 32 * l), a);
+    }
+    __m128i o8 = _mm_or_si128(_mm256_castsi256_si128(orv), _mm256_extracti128_si256(orv, 1));
+    o8 = _mm_or_si128(o8, _mm_srli_si128(o8, 8));
+    o8 = _mm_or_si128(o8, _mm_srli_si128(o8, 4));
+    o8 = _mm_or_si128(o8, _mm_srli_si128(o8, 2));
+    return finish_block16(s, q, m, cnt, val, (uint64_t)(uint16_t)_mm_extract_epi16(o8, 0), desc, pay, update);
 }
 #endif
 
@@ -359,8 +470,11 @@ INLINE int64_t pack_chunk(const uint8_t *s, uint8_t *q, int64_t len, int e, uint
         if (!cnt) { desc[2 * b] = desc[2 * b + 1] = 0; continue; }
         count += cnt;
 #ifdef HAVE_X86
-        if (e == 2 && blen == BLOCK && trd_fast16)
+        if (e == 2 && blen == BLOCK && trd_fast16 == FAST16_AVX512)
             at += pack_block16(sb, qb, m, cnt, desc + 2 * b, out + at, update);
+        else if (e == 2 && blen == BLOCK && trd_fast16 == FAST16_AVX2 && cnt > BLOCK / 8)  /* sparser: the
+            scalar pack is as fast (measured: 16-element groups holding one or two changes each) */
+            at += pack_block16_avx2(sb, qb, m, cnt, desc + 2 * b, out + at, update);
         else
 #endif
             at += pack_block(sb, qb, blen, e, m, cnt, desc + 2 * b, out + at, update);

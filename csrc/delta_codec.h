@@ -59,11 +59,19 @@ typedef void (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *);
 #define HIDDEN __attribute__((visibility("hidden")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs) and whether the
- * AVX-512 VBMI2 paths of 16-bit blocks run; set by trd_choose (csrc/delta_codec.c) on the first call */
+/* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs) and which paths
+ * of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand; FAST16_AVX2: AVX2 left-pack /
+ * expand through the pshufb tables below; 0: portable C); set by trd_choose (csrc/delta_codec.c) on the first
+ * call, or by trd_codec_use (the tests run each path this CPU has) */
+#define FAST16_AVX512 512
+#define FAST16_AVX2 256
 extern HIDDEN mask_fn trd_block_mask;
 extern HIDDEN int trd_fast16;
 HIDDEN void trd_choose(void);
+/* Per 8-bit mask k of 8 16-bit lanes (built by trd_choose): trd_lp16[k] the pshufb control that left-packs the
+ * lanes of k's set bits; trd_ex16[k] the one that expands the first popcount(k) lanes to those lanes (the
+ * others 0) */
+extern HIDDEN uint8_t trd_lp16[256][16], trd_ex16[256][16];
 
 static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
     if (w == 2) {

@@ -246,9 +246,10 @@ def delta_unpack_kernel(
 # launch's chunk table (the v1 pack / unpack table above), ``V_K`` its index in the chunk, ``V_CNT`` /
 # ``V_CODE`` its changed elements and width code (written by the stats pass on the sender, read from its
 # descriptor on the receiver), ``V_MODE`` its positions' mode, ``V_PAY`` the byte offset of its payload in
-# the message and ``V_POSB`` the bytes of its positions (the values follow them); on the receiver, a patched
-# block's (``ops/delta_patch.py``) ``V_NEXC`` exceptions at ``V_XAT`` (``V_MODE`` its positions' mode 0..2;
-# the Triton pack writes no patched block: both 0 there). Values of 2 and 4 bits share
+# the message and ``V_POSB`` the bytes of its positions (the values follow them); a patched block's
+# (``ops/delta_patch.py``) ``V_NEXC`` exceptions at ``V_XAT`` (``V_MODE`` its positions' mode 0..2, ``V_CODE``
+# its base code); ``V_OVER`` (stats pass) its changed elements wider than each base code c = 1..5's width,
+# 9 bits each at bit 9 (c - 1), from which the launcher picks the layout. Values of 2 and 4 bits share
 # bytes with their neighbours, possibly another program's: they are OR-ed into the zeroed message with
 # ``atomic_or`` on 32-bit words (a value never crosses one: it starts at a multiple of its width); every
 # other byte has one writer.
@@ -275,7 +276,8 @@ V_PAY = tl.constexpr(5)
 V_POSB = tl.constexpr(6)
 V_NEXC = tl.constexpr(7)
 V_XAT = tl.constexpr(8)
-V_FIELDS = tl.constexpr(9)
+V_OVER = tl.constexpr(9)
+V_FIELDS = tl.constexpr(10)
 MAX_EXC = tl.constexpr(4)  # exceptions of a patched block at most (ops/delta_patch.MAX_EXCEPTIONS)
 
 
@@ -342,17 +344,17 @@ def delta2_pack_kernel(
     blocks_ptr,  # int64[num_blocks, V_FIELDS]
     num_blocks,
     ESIZE: tl.constexpr,
-    STATS: tl.constexpr,  # True: write V_CNT / V_CODE of every block only
+    STATS: tl.constexpr,  # True: write V_CNT / V_CODE / V_OVER of every block only
     UPDATE: tl.constexpr,  # write the changed values into the snapshot
     BPT: tl.constexpr,
     coef_ptr=None,  # DIGEST: the keyed coefficients (int64)
     sums_ptr=None,  # DIGEST: int64[programs]: each program's digest sum of the bytes it wrote
     DIGEST: tl.constexpr = False,
 ):
-    """Pass 1 (``STATS``): every block's changed elements and width code. Pass 2: the bodies of dense chunks
-    and the descriptors, positions and values of the changed blocks of narrow chunks (chunk headers are written
-    by the launcher); with ``UPDATE`` the snapshot takes the changed elements; with ``DIGEST`` the digest sum of
-    every byte written (see above)."""
+    """Pass 1 (``STATS``): every block's changed elements, width code and over-counts. Pass 2: the bodies of
+    dense chunks and the descriptors, positions, values and exceptions of the changed blocks of narrow chunks
+    (chunk headers are written by the launcher); with ``UPDATE`` the snapshot takes the changed elements; with
+    ``DIGEST`` the digest sum of every byte written (see above)."""
     bid = tl.program_id(0).to(tl.int64) * BPT + tl.arange(0, BPT).to(tl.int64)
     valid = bid < num_blocks
     brow = blocks_ptr + bid * V_FIELDS
@@ -373,6 +375,7 @@ def delta2_pack_kernel(
     if STATS:
         tl.store(brow + V_CNT, tl.reduce(ch.to(tl.int64), 1, tl.standard._sum_combine), mask=valid)
         tl.store(brow + V_CODE, tl.reduce(tl.where(ch, code, 0), 1, tl.standard._elementwise_max), mask=valid)
+        tl.store(brow + V_OVER, _over_counts(ch, code), mask=valid)
     else:
         body = tl.load(table_ptr + ci + P_OUT, mask=valid, other=0) + HEADER_BYTES
         kind = tl.load(table_ptr + ci + P_KIND, mask=valid, other=0)
@@ -381,33 +384,21 @@ def delta2_pack_kernel(
         cnt = tl.load(brow + V_CNT, mask=valid, other=0)
         bcode = tl.load(brow + V_CODE, mask=valid, other=0)
         mode = tl.load(brow + V_MODE, mask=valid, other=0)
+        nexc = tl.load(brow + V_NEXC, mask=valid, other=0)
         live = valid & (kind == KIND_NARROW) & (cnt > 0)
         desc = body + 2 * tl.load(brow + V_K, mask=valid, other=0)
-        tl.store(msg_ptr + desc, (bcode | (mode << 4)).to(tl.uint8), mask=live)
+        first = bcode | (tl.where(nexc > 0, 3 + MAX_EXC * mode + nexc - 1, mode) << 4)  # patched modes: 3..14
+        tl.store(msg_ptr + desc, first.to(tl.uint8), mask=live)
         tl.store(msg_ptr + desc + 1, (cnt - 1).to(tl.uint8), mask=live)
         pay = tl.load(brow + V_PAY, mask=live, other=0)[:, None]
         vat = pay + tl.load(brow + V_POSB, mask=live, other=0)[:, None]
-        h = _encode_block(
-            msg_ptr,
-            m32_ptr,
-            pay,
-            vat,
-            live[:, None],
-            ch,
-            lane,
-            d,
-            raw,
-            bcode[:, None],
-            mode[:, None],
-            tl.minimum(n - k * NB, NB),
-            coef_ptr,
-            ESIZE,
-            BPT,
-            DIGEST,
-        )
+        xat = tl.load(brow + V_XAT, mask=live, other=0)[:, None]
+        blk = (bcode[:, None], mode[:, None], nexc[:, None], xat)
+        h = _encode_block(msg_ptr, m32_ptr, pay, vat, live[:, None], ch, lane, (d, raw, code), blk,
+                          tl.minimum(n - k * NB, NB), coef_ptr, ESIZE, BPT, DIGEST)
         if DIGEST:
             h += _total(_terms(raw, vdense * ESIZE, m & (kind[:, None] == KIND_DENSE), coef_ptr))
-            two = ((bcode | (mode << 4)) & 255) | (((cnt - 1) & 255) << 8)  # the descriptor's two bytes
+            two = (first & 255) | (((cnt - 1) & 255) << 8)  # the descriptor's two bytes
             h += _total(_terms(two, desc, live, coef_ptr))
             tl.store(sums_ptr + tl.program_id(0), h)
         if UPDATE:
@@ -416,25 +407,15 @@ def delta2_pack_kernel(
 
 @triton.jit
 def _encode_block(
-    msg_ptr,
-    m32_ptr,
-    pay,
-    vat,
-    live,
-    ch,
-    lane,
-    d,
-    raw,
-    code,
-    mode,
-    blen,
-    coef_ptr,
-    ESIZE: tl.constexpr,
-    BPT: tl.constexpr,
-    DIGEST: tl.constexpr,
+    msg_ptr, m32_ptr, pay, vat, live, ch, lane, elems, block, blen, coef_ptr,
+    ESIZE: tl.constexpr, BPT: tl.constexpr, DIGEST: tl.constexpr,
 ):
-    """Positions (at byte ``pay``) and values (at byte ``vat``) of the live rows' blocks of ``blen`` elements;
-    the digest sum of the bytes written (``DIGEST``), else 0."""
+    """Positions (at byte ``pay``), values (at byte ``vat``) and a patched block's exceptions (at byte ``xat``)
+    of the live rows' blocks of ``blen`` elements (``elems``: each element's difference, raw bits and code;
+    ``block``: each row's stored code, positions mode, exceptions, ``xat``); the digest sum of the bytes
+    written (``DIGEST``), else 0."""
+    d, raw, ecode = elems
+    code, mode, nexc, xat = block
     rank = tl.associative_scan(ch.to(tl.int64), 1, tl.standard._sum_combine) - 1
     offs = live & ch & (mode == MODE_OFFSETS)
     tl.store(msg_ptr + pay + rank, lane.to(tl.uint8), mask=offs)
@@ -447,7 +428,8 @@ def _encode_block(
     every = mode == MODE_ALL
     put = live & tl.where(every, lane < blen, ch)
     slot = tl.where(every, lane, rank)
-    v = tl.where(code == RAW, raw, d & ((1 << tl.minimum(w, 32)) - 1))
+    exc = live & ch & (nexc > 0) & (ecode > code)  # a patched block's exceptions: their base value 0
+    v = tl.where(exc, 0, tl.where(code == RAW, raw, d & ((1 << tl.minimum(w, 32)) - 1)))
     bit = vat * 8 + slot * w
     small = put & (w < 8)
     tl.atomic_or(m32_ptr + (bit >> 5), (v << (bit & 31)).to(tl.int32), mask=small, sem="relaxed")
@@ -457,12 +439,40 @@ def _encode_block(
         tl.store(msg_ptr + (bit >> 3) + b, ((v >> (8 * b)) & 0xFF).to(tl.uint8), mask=put & (b < nb))
         if DIGEST:
             h += _terms((v >> (8 * b)) & 0xFF, (bit >> 3) + b, put & (b < nb), coef_ptr)
+    h = _put_exceptions(msg_ptr, exc, slot, d, nexc, xat, h, coef_ptr, ESIZE, DIGEST)
     total = tl.program_id(0).to(tl.int64) * 0
     if DIGEST:  # an OR-ed value: its bits in its 32-bit word (the word's low byte at ``(bit >> 5) * 4``)
         h += _terms((v << (bit & 31)) & 0xFFFFFFFF, (bit >> 5) * 4, small, coef_ptr)
         h += _terms(lane, pay + rank, offs, coef_ptr)
         total = _total(h) + _total(_terms(mbytes.to(tl.int64), pay + q, bmask, coef_ptr))
     return total
+
+
+@triton.jit
+def _over_counts(ch, code):
+    """Per row: its changed elements whose code exceeds c, for c = 1..5, 9 bits each at bit 9 (c - 1)
+    (``V_OVER``: a patched block at base code c has that many exceptions)."""
+    f = (code > 1).to(tl.int64) + ((code > 2).to(tl.int64) << 9) + ((code > 3).to(tl.int64) << 18)
+    f += ((code > 4).to(tl.int64) << 27) + ((code > 5).to(tl.int64) << 36)
+    return tl.reduce(tl.where(ch, f, 0), 1, tl.standard._sum_combine)
+
+
+@triton.jit
+def _put_exceptions(msg_ptr, exc, slot, d, nexc, xat, h, coef_ptr, ESIZE: tl.constexpr, DIGEST: tl.constexpr):
+    """A patched block's exceptions ``exc`` (ascending slots): each one's slot byte at ``xat`` + its rank, then
+    after the ``nexc`` slot bytes its difference modulo 2**(8 ESIZE), little-endian; ``h`` plus the digest terms
+    of those bytes (``DIGEST``)."""
+    xr = tl.associative_scan(exc.to(tl.int64), 1, tl.standard._sum_combine) - 1
+    tl.store(msg_ptr + xat + xr, slot.to(tl.uint8), mask=exc)
+    vat = xat + nexc + xr * ESIZE
+    for b in tl.static_range(ESIZE):
+        byte = (d >> (8 * b)) & 0xFF
+        tl.store(msg_ptr + vat + b, byte.to(tl.uint8), mask=exc)
+        if DIGEST:
+            h += _terms(byte, vat + b, exc, coef_ptr)
+    if DIGEST:
+        h += _terms(slot, xat + xr, exc, coef_ptr)
+    return h
 
 
 @triton.jit(do_not_specialize=("num_blocks",))

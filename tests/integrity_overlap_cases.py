@@ -25,6 +25,9 @@ BUCKET = 2048  # bytes per step: the refit takes several steps
 VICTIM = 1
 
 
+APPLY_RAISES = "apply_raises"  # the victim's first delta apply of its last step raises (a bug, not corruption)
+
+
 def versions() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(4646)
     base = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
@@ -71,7 +74,8 @@ class Recorder:
     """Patches (undone by :meth:`undo`): the events of this process's refits in order, ``("round",)`` when the
     digest exchange is posted, ``("apply", last)`` per delta message applied (``last``: in the run's last
     step); the messages each digest round sends (``posts``, per refit); and, on the victim, ``fault`` applied
-    to its first delta message of its last step once it arrived (before anything reads it)."""
+    to its first delta message of its last step once it arrived (before anything reads it), or with
+    ``APPLY_RAISES`` its first delta apply of its last step raising."""
 
     def __init__(self, fault=None) -> None:
         from triton_reshard import ops
@@ -97,7 +101,7 @@ class Recorder:
 
         def land(real):
             def f(strategy, loop, pos):
-                if rec.fault is not None and not rec.fired and pos == len(loop.work.steps) - 1:
+                if callable(rec.fault) and not rec.fired and pos == len(loop.work.steps) - 1:
                     rec.fired, rec.step = 1, loop.work.steps[pos][0] + 1
                     rec.fault(strategy.inbox[pos][0])
                 return real(strategy, loop, pos)
@@ -106,6 +110,9 @@ class Recorder:
         def unpack(real):
             def f(*a, **k):
                 rec.events.append(("apply", state["last"]))
+                if rec.fault == APPLY_RAISES and state["last"] and not rec.fired:
+                    rec.fired = 1
+                    raise RuntimeError("injected: the apply raised on a message that verifies")
                 return real(*a, **k)
             return f
 
@@ -125,7 +132,7 @@ class Recorder:
             finally:
                 del comm.post
 
-        def gather(real):  # this build's post_gather (older ones: gather_rows)
+        def gather(real):  # the digest round's post
             def f(link, *a):
                 rec.events.append(("round",))
                 return counted(link, real, *a)
@@ -139,7 +146,7 @@ class Recorder:
         patch(steps.StepLoop, "finish", finish)
         patch(strategies.Delta, "land", land)
         patch(ops, "unpack_delta", unpack)
-        patch(integrity, "post_gather" if hasattr(integrity, "post_gather") else "gather_rows", gather)
+        patch(integrity, "post_gather", gather)
         patch(integrity.Ledger, "settle", settle)
 
     def refit(self, fn):
@@ -189,7 +196,7 @@ def scenario(rank: int, fault) -> dict:
     return out
 
 
-SCENARIOS = {"clean": None, "last_flip": flip_value, "bad_header": break_header}
+SCENARIOS = {"clean": None, "last_flip": flip_value, "bad_header": break_header, APPLY_RAISES: APPLY_RAISES}
 
 
 def world_main(rank: int, world: int, outdir: str) -> dict:

@@ -39,9 +39,9 @@ def _triton_mode(request, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def cpu_pack(pairs, ce: int, patch: bool = False) -> list[torch.Tensor]:
+def cpu_pack(pairs, ce: int, patch: bool = True) -> list[torch.Tensor]:
     """The CPU codec's v2 messages of ``pairs`` (no update): numpy's, and the native codec's where built;
-    without patched blocks unless ``patch`` (the Triton pack writes none: ``ops/delta_patch.py``)."""
+    ``patch`` as theirs (patched blocks, ``ops/delta_patch.py``: the Triton pack writes them too)."""
     snaps = [(s, p.clone()) for s, p in pairs]
     out = [V.pack_v2_numpy(snaps, ce, False, patch)]
     if N.native() is not None and all(s.is_contiguous() for s, _ in pairs):
@@ -213,8 +213,9 @@ def refused_by_both(bad: torch.Tensor, old: torch.Tensor) -> list[str]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_unpack_reads_patched_blocks(dtype):
-    """A CPU sender's message with patched blocks (``ops/delta_patch.py``: base width + exceptions; the Triton
-    pack writes none): the Triton unpack lands it exactly into poisoned destinations, every positions mode."""
+    """A CPU sender's message with patched blocks (``ops/delta_patch.py``: base width + exceptions): the Triton
+    unpack lands it exactly into poisoned destinations, every positions mode (``test_delta_triton_patch.py``:
+    the Triton pack writes the same bytes)."""
     g = torch.Generator().manual_seed(21)
     seen = set()
     for name, old, new in patched_cases(dtype, g):

@@ -1,5 +1,6 @@
 """What a fresh process's first refit pays (issue 44 item 4): no lazy import of ``numpy.ma`` inside a rank's first
-plan, ``distinct`` equal to ``np.unique``, and the binding's one-``as_strided`` views equal to slicing."""
+plan, ``distinct`` equal to ``np.unique``, the binding's one-``as_strided`` views equal to slicing, and
+``decompose_box`` along one dim (a rank plan's boxes) as the grid path cuts them."""
 
 from __future__ import annotations
 
@@ -93,3 +94,44 @@ def test_sub_view_outside_the_base_takes_the_slicing_path():
     base = torch.zeros(4, 6)
     with pytest.raises(RuntimeError):  # slicing clamps to 2 rows, the reshape to 3 fails: as before
         sub_view(base, (2, 0), (0, 0), (3, 6))
+
+
+def _one_dim_problem(rng, nd: int, d0: int):
+    """A box and up to 4 candidate boxes that cut it along dim ``d0`` only (on every other dim a candidate holds
+    the whole box, or misses it)."""
+    off = tuple(int(x) for x in rng.integers(0, 6, nd))
+    size = tuple(int(x) for x in rng.integers(1, 7, nd))
+    cands = []
+    for _ in range(int(rng.integers(0, 5))):
+        co = [int(off[d] - rng.integers(0, 3)) for d in range(nd)]
+        cs = [size[d] + 3 for d in range(nd)]
+        co[d0], cs[d0] = int(rng.integers(0, 11)), int(rng.integers(1, 9))
+        if nd > 1 and rng.random() < 0.2:  # misses the box on another dim
+            d = (d0 + 1) % nd
+            co[d] = off[d] + size[d]
+        cands.append((tuple(co), tuple(cs)))
+    return off, size, cands
+
+
+def test_decompose_box_cut_along_one_dim():
+    """A rank plan's boxes are cut along one dim (``decompose_box``'s fast path): the pieces tile the box in order
+    along that dim, each labelled with exactly the candidates that hold it, no two neighbours alike (the grid
+    path's greedy merges such runs)."""
+    from triton_reshard.box import contains, decompose_box
+
+    rng = np.random.default_rng(54)
+    for _ in range(3000):
+        nd = int(rng.integers(1, 4))
+        d0 = int(rng.integers(0, nd))
+        off, size, cands = _one_dim_problem(rng, nd, d0)
+        pieces = decompose_box(off, size, cands)
+        at = off[d0]
+        for k, (p_off, p_size, mask) in enumerate(pieces):
+            assert p_off[d0] == at and p_size[d0] > 0, (off, size, cands, pieces)
+            assert p_off[:d0] + p_off[d0 + 1:] == off[:d0] + off[d0 + 1:]
+            assert p_size[:d0] + p_size[d0 + 1:] == size[:d0] + size[d0 + 1:]
+            want = sum(1 << i for i, (c_off, c_size) in enumerate(cands) if contains(c_off, c_size, p_off, p_size))
+            assert mask == want, (off, size, cands, pieces)
+            assert k == 0 or pieces[k - 1][2] != mask, (off, size, cands, pieces)
+            at += p_size[d0]
+        assert at == off[d0] + size[d0]

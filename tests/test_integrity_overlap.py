@@ -109,3 +109,24 @@ def test_a_last_step_message_that_breaks_the_decode_is_named_on_every_rank():
     assert step == per[oc.VICTIM]["step"]
     assert per[oc.VICTIM]["v1"]["context"] == "ValueError", per[oc.VICTIM]["v1"]
     _repaired(per)
+
+
+@pytest.mark.slow
+def test_an_apply_failing_on_a_verified_message_leaves_the_peers_done_and_the_group_usable():
+    """The victim's last apply raises (a bug, not corruption) after the round was posted: the round proves every
+    message, so the peers return normally with their destinations right; the victim raises the abort, saying its
+    peers finished and the group is usable (not "left waiting"), with its destination torn; and the next refit
+    on the same group goes dense on every rank (the victim's snapshot dropped) and repairs it."""
+    per = _scenario(oc.APPLY_RAISES)
+    victim = per[oc.VICTIM]
+    assert victim["fired"] == 1, victim
+    f = victim["v1"]
+    assert f["error"] == "ReshardAbortedError", f
+    assert "peers finished and returned" in f["message"] and "still usable" in f["message"], f["message"]
+    assert "left waiting" not in f["message"] and "unusable" not in f["message"], f["message"]
+    assert f["context"] == "RuntimeError" and f["torn"] and victim["state"]["torn"], (f, victim["state"])
+    assert not victim["v1_ok"]  # the apply really did not finish
+    for r, res in per.items():
+        if r != oc.VICTIM:
+            assert res["v1"]["error"] is None and res["v1"]["mode"] == "delta" and res["v1_ok"], (r, res["v1"])
+    _repaired(per)

@@ -33,7 +33,7 @@ def _coef() -> ig.Coefficients:
 
 def _digest_pack(pairs, ce: int, c: ig.Coefficients, cache=None):
     """Pack with the digesting encode pass (snapshots updated), and check the bytes against the CPU codec's."""
-    ref = V.pack_v2_numpy([(s, p.clone()) for s, p in pairs], ce, False, patch=False)  # (Triton: no patched block)
+    ref = V.pack_v2_numpy([(s, p.clone()) for s, p in pairs], ce, False)  # patched blocks too (as the Triton pack)
     dev = pairs[0][0].device
     msg, h = T.triton_pack_digest(pairs, lambda n: c.get(-(-n // (8 * ig.ROW_WORDS)), dev), ce, True, cache=cache)
     assert torch.equal(msg.cpu(), ref), "the digesting pack writes the CPU codec's bytes"

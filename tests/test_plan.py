@@ -91,10 +91,10 @@ def reshard_problems(draw):
 
 
 def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=None, relay_groups=None,
-               routing="local"):  # routing="greedy": the greedy router of tests/oracles
+               routing="local", rank_buckets=None):  # routing="greedy": the greedy router of tests/oracles
     """Exact cover, no double writes, correct values, wire bytes == lower bound == independent count; relays
     (when the plan has any) checked by ``check_relays``; with the local routing (the default), the rank plans
-    of all ranks assembled are the whole plan (``check_rank_plans``)."""
+    of all ranks assembled are the whole plan (``check_rank_plans``, its schedules at ``rank_buckets``)."""
     src_l, dst_l = dc.side_layout(src_side), dc.side_layout(dst_side)
     plan_fn = plan_reshard if routing == "local" else greedy_plan
     if gpus_per_node is None and relay is None and relay_groups is None:
@@ -104,7 +104,7 @@ def check_plan(src_side, dst_side, allow_cast=False, gpus_per_node=None, relay=N
     else:
         plan = plan_fn(src_l, dst_l, allow_cast, gpus_per_node, relay, relay_groups)
     if routing == "local":
-        check_rank_plans(plan, allow_cast, gpus_per_node, relay, relay_groups)
+        check_rank_plans(plan, allow_cast, gpus_per_node, relay, relay_groups, rank_buckets)
     ranks = dc.case_ranks(src_side, dst_side)
     sspecs, dspecs = dc.side_specs(src_side), dc.side_specs(dst_side)
     data = dc.unique_data(sspecs)

@@ -176,6 +176,9 @@ def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tupl
             if contains(c_off, c_size, box_off, box_size):
                 mask |= 1 << i
         return [(tuple(box_off), tuple(box_size), mask)]
+    cut = [d for d in range(nd) if shape[d] > 1]
+    if len(cut) == 1:  # cells along one dim: the greedy below merges runs of equal labels (a plan's usual case)
+        return _decompose_1d(box_off, box_size, cands, cut[0], cuts[cut[0]])
     # label every cell
     labels: dict[tuple[int, ...], int] = {}
     for idx in itertools.product(*[range(n) for n in shape]):
@@ -207,6 +210,30 @@ def decompose_box(box_off, box_size, cands: Sequence[tuple[tuple[int, ...], tupl
         size = tuple(cuts[d][hi[d] + 1] - cuts[d][idx[d]] for d in range(nd))
         out.append((off, size, lab))
     return out
+
+
+def _decompose_1d(box_off, box_size, cands, d0: int, pts: list[int]) -> list:
+    """:func:`decompose_box` when only dim ``d0`` is cut (at ``pts``): the same boxes, in the same order."""
+    nd = len(box_off)
+    # the candidates holding the box's first cell on every other dim (the other dims are whole cells)
+    live = [(1 << ci, c_off[d0], c_off[d0] + c_size[d0]) for ci, (c_off, c_size) in enumerate(cands)
+            if all(c_off[d] <= box_off[d] < c_off[d] + c_size[d] for d in range(nd) if d != d0)]
+    out: list = []
+    start, lab = pts[0], None
+    for k in range(len(pts) - 1):
+        lo = pts[k]
+        mask = 0
+        for bit, a, z in live:
+            if a <= lo < z:
+                mask |= bit
+        if lab is not None and mask != lab:
+            out.append((start, lo, lab))
+            start = lo
+        lab = mask
+    out.append((start, pts[-1], lab))
+    head, tail = tuple(box_off[:d0]), tuple(box_off[d0 + 1:])
+    shead, stail = tuple(box_size[:d0]), tuple(box_size[d0 + 1:])
+    return [(head + (a,) + tail, shead + (z - a,) + stail, m) for a, z, m in out]
 
 
 def subtract_box(off, size, inner: Box | None) -> list[Box]:

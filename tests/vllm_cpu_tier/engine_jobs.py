@@ -129,11 +129,13 @@ def two_jobs(args) -> dict:
         out["bad_delta_engine_untouched"] = (llm.collective_rpc("weight_transfer_stats") == calls_before
                                              and generate(llm, PROMPTS) == served)
         rounds = []
-        for k, _name in ((10, "c"), (11, "d")):
+        # prefetch=True: one refit per layer group (the default, one refit then one load, is what the RL loop test
+        # runs, checked against vLLM's reload there; a switch between the two costs one dense refit: other plans)
+        for k, prefetch in ((10, True), (11, True)):
             for t in tensors.values():  # an RL-like step: about 1 % of the elements change
                 m = torch.rand(t.shape, generator=gen) < 0.01
                 t[m] = (t[m].float() + 0.01).to(t.dtype)
-            eng.send_weights(version=k, delta=True)
+            eng.send_weights(version=k, delta=True, prefetch=prefetch)
             rounds.append({"trainer": eng.last_update, "workers": llm.collective_rpc("weight_transfer_stats"),
                            "trainer_mode": eng.last_report.mode})
         out["delta_rounds"] = rounds

@@ -67,6 +67,7 @@ def _check(r: dict, tp: int) -> None:
     d1, d2 = r["delta_rounds"]
     assert d1["trainer_mode"] == "dense-fallback" and d2["trainer_mode"] == "delta"
     assert all(w["delta_mode"] == "delta" for w in d2["workers"])
+    assert d1["trainer"]["refits"] > 1 and d2["trainer"]["refits"] > 1, (d1["trainer"], d2["trainer"])  # by group
     assert d2["trainer"]["sent_bytes"] * 10 <= d1["trainer"]["sent_bytes"]
     assert r["delta_equal_to_vllm_reload"]
     # a delta after a dense update (which dropped the workers' staged mirror) runs dense, and is exact

@@ -46,7 +46,13 @@ class ReshardConnectionError(ReshardTransportError, ConnectionError):
 class ReshardAbortedError(ReshardError):
     """This rank failed part way through a run (a copy raised after the handshake); its peers are left
     waiting and will fail too. The process group is unusable afterwards: destroy it. ``__cause__``: the
-    original exception."""
+    original exception. ``group_ok``: the failure came after the run's digest round had proven every message
+    (a delta's last apply raising on a message that verified): the peers returned, nothing is in flight, and
+    the group and this rank's Resharder stay usable (its next refit goes dense)."""
+
+    def __init__(self, message: str, *, group_ok: bool = False) -> None:
+        super().__init__(message)
+        self.group_ok = group_ok
 
 
 # how a backend's message says what went wrong (gloo, NCCL, our RefitGroup)

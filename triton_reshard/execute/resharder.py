@@ -342,7 +342,8 @@ class Resharder:
     def _failed(self, e: Exception, touched: set[str], verify: bool, drop: bool) -> NoReturn:
         """The one place a failure after the checks is handled: the error names the destination tensors on this
         rank that may be partly written (``torn``), this Resharder is marked broken (its group is unusable;
-        not after a :class:`ReshardIntegrityError`: every message landed and the group is fine), and with
+        not after a :class:`ReshardIntegrityError` or a ``group_ok`` abort: every message landed and the group is
+        fine), and with
         ``drop`` the delta snapshot is dropped (the destinations hold neither version: only a dense
         refit makes a base again)."""
         if drop:
@@ -357,7 +358,8 @@ class Resharder:
         err.torn = torn
         note = (f"; destination tensors on rank {self.rank} possibly partly written: {list(torn)}" if torn
                 else f"; no destination tensor on rank {self.rank} was written")
-        landed = isinstance(err, ReshardIntegrityError)  # every message landed: the group is fine
+        # every message landed (and, for group_ok, was proven): the group is fine
+        landed = isinstance(err, ReshardIntegrityError) or getattr(err, "group_ok", False)
         if torn and not verify and not landed:
             note += " (in-place receives already posted may still land until the group is destroyed)"
         err.args = (str(err) + note,)

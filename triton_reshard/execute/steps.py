@@ -13,6 +13,7 @@ from .. import ops
 from ..ops import quant_digest
 from ..ops import quantize as quant
 from .bind import Bound
+from .errors import ReshardAbortedError
 from .handshake import Preposted
 from .integrity import ROW_WORDS
 from .reports import RunReport, Tally
@@ -259,9 +260,13 @@ class StepLoop:
             return
         try:
             fn()
-        except Exception:
+        except Exception as e:
             self.ledger.settle(self.link)  # raises ReshardIntegrityError on every rank where a message differs
-            raise
+            raise ReshardAbortedError(
+                f"rank {self.ledger.rank}: the run failed on this rank applying its last step ({type(e).__name__}: "
+                f"{e}) after the digest round had proven every message of the run: its peers finished and returned; "
+                f"no message is in flight, so the process group is still usable (the next refit here goes dense)",
+                group_ok=True) from e
 
     def run(self) -> None:
         """Every step: pack and post step k (with two slots, while step k-1 is still on the wire), run the

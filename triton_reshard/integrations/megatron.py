@@ -206,7 +206,8 @@ def megatron_layout_args(model, config=None, *, ranks: Sequence[int] | int | Non
 
 
 def _read(model, config, ranks, dtype, spec):
-    """``megatron_layout``'s arguments read off the live model (and the model, its spec, rank, world)."""
+    """``megatron_layout``'s arguments read off the live model (and the model, its spec, rank, world, its named
+    parameters as a dict and named buffers as a list: one walk of the modules each)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -230,13 +231,14 @@ def _read(model, config, ranks, dtype, spec):
         raise ValueError(f"{_WHAT}: {where} (stage {pr}): the model's decoder layers are global layers {got}, "
                          f"the TransformerConfig's stage split gives {list(stages[pr])}")
     named = dict(m.named_parameters())
-    names = list(named) + [n for n, _ in m.named_buffers()]
+    buffers = list(m.named_buffers())
+    names = list(named) + [n for n, _ in buffers]
     vocab_divisible_by = _vocab_and_tying(m, s, named, tp, where)
     spec, grouped = _layer_spec(names, spec, moe, tc, where)
     args = dict(tp=tp, pp=pp, dp=dp, ep=ep if moe else 1, etp=etp if moe else None, ranks=ranks,
                 dtype=_dtype(named, tc) if dtype is None else dtype, vocab_divisible_by=vocab_divisible_by,
                 grouped_gemm=grouped, layers_per_stage=None if pp == 1 else [len(r) for r in stages], spec=spec)
-    return args, m, s, me, world
+    return args, m, s, me, world, named, buffers
 
 
 def _parallel_sizes(ps, dist, m) -> tuple[int, ...]:
@@ -324,7 +326,7 @@ def layout_from_megatron(model, config=None, *, ranks: Sequence[int] | int | Non
     model's ``named_parameters()`` + ``named_buffers()`` (name, shape, dtype), or when the model has parameters
     the layout does not place; ``NotImplementedError`` for what the preset does not place (see the module).
     """
-    args, m, s, me, world = _read(model, config, ranks, dtype, spec)
+    args, m, s, me, world, named, buffers = _read(model, config, ranks, dtype, spec)
     diffs = _config_differences(m.config, s)
     hint = f" (the model's TransformerConfig and the HF config differ: {'; '.join(diffs)})" if diffs else ""
     try:
@@ -334,8 +336,8 @@ def layout_from_megatron(model, config=None, *, ranks: Sequence[int] | int | Non
     lr = check_ranks(ranks, world, _WHAT)[me]
     at = f"rank {me}" if lr == me else f"rank {me} (layout rank {lr})"
     want = layout.local_specs(lr)
-    have = {n: (tuple(t.shape), t.dtype) for n, t in (*m.named_parameters(), *m.named_buffers())}
-    params = {n for n, _ in m.named_parameters()}
+    have = {n: (tuple(t.shape), t.dtype) for n, t in (*named.items(), *buffers)}  # (one walk of the modules each)
+    params = set(named)
     problems = []
     for n, ls in want.items():
         if n not in have:

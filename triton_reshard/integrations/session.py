@@ -347,12 +347,12 @@ class WorkerSession:
             self._load(broadcast_receive(self.group, self.src, self.rank_offset, self.timeout, stats), stats)
         elif not reload:
             rx.refit(dict(self.model().named_parameters()), self.src, self.dst, **kw)
-        elif info.delta and info.prefetch is False:  # one refit patches the staged checkpoint, then one load
+        elif info.delta and not info.prefetch:  # one refit patches the staged checkpoint, then one load
             rx.refit(st.mirror(stats), self.src, self.dst, **kw)
             stats["staging_bytes"] = st.nbytes()
             self._load(list(st.tensors.items()), stats)
-        elif info.delta:  # a delta patches what the destination held: the staged checkpoint boxes, one layer
-            # group per refit, the engine re-packing group k while group k+1 is on the wire
+        elif info.delta:  # prefetch=True: the delta patches the staged checkpoint boxes one layer group per
+            # refit, the engine re-packing group k while group k+1 is on the wire
             self._load(rx.into(st.mirror(stats), self.groups, prefetch=True, **kw), stats)
             stats["staging_bytes"] = st.nbytes()
         else:

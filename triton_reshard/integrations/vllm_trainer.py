@@ -112,8 +112,9 @@ if TrainerWeightTransferEngine is not None:
                          shadow: bool | None = None, background: bool = False, tensors=None) -> None:
             """One update. ``delta=True`` (with an int ``version``, e.g. the step): only the changed elements
             travel after the first update (docs/delta.md). In reload mode an update is one refit per layer
-            group (a delta patches the workers' staged checkpoint, vLLM re-packing a group while the next one moves;
-            ``prefetch=False`` with a delta: one refit into the staged checkpoint, then vLLM's reload of all of it).
+            group; a delta is one refit patching the workers' staged checkpoint, then vLLM's reload of all of it
+            (``prefetch=True`` with a delta: one refit per layer group into it, vLLM re-packing a group while the
+            next one moves: slower where the engine's re-pack is short, docs/integrations.md).
             ``method="broadcast"``: the baseline (:class:`ReshardUpdateInfo`); needs every full tensor on one
             trainer rank. ``overlap=True``: stage, then commit: the workers receive into a private staging
             mirror in a background thread while the engine keeps serving; this returns once every worker has
@@ -146,7 +147,7 @@ if TrainerWeightTransferEngine is not None:
                     return broadcast_send(self.group, self.src_layout, tensors, self.info.num_trainer_ranks,
                                           self.info.timeout)
                 sent = 0
-                whole = delta and prefetch is False and not overlap  # a delta in one refit, then the whole load
+                whole = delta and not prefetch and not overlap  # a delta in one refit, then the whole load
                 for _names, src, dst in [(None, self.src_layout, self.dst_layout)] if whole else self.groups:
                     # one refit per layer group in reload mode, as the workers receive
                     mine = {f.local or f.tensor for f in src.fragments if f.rank == self.group.rank}

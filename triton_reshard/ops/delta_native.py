@@ -92,6 +92,20 @@ def native_info() -> str:
     return "native (" + {512: "avx512", 256: "avx2"}.get(int(lib.trd_simd()), "portable C") + ")"
 
 
+def simd(use: int | None = None) -> int | None:
+    """The native codec's SIMD paths: 512 (AVX-512), 256 (AVX2) or 0 (portable C); None without the extension.
+    ``use`` (512, 256 or 0) first picks the fastest paths this CPU has up to it, for this process (the tests
+    run each against the others: the bytes and results are the same)."""
+    lib = native()
+    if lib is None:
+        return None
+    pick = getattr(lib, "trd_codec_use", None)  # absent from a build of an older csrc/delta_codec.c
+    if use is None or pick is None:
+        return int(lib.trd_simd())
+    pick.restype, pick.argtypes = ctypes.c_int, [ctypes.c_int]
+    return int(pick(int(use)))
+
+
 def in_place_bytes(msg: torch.Tensor) -> bool:
     """Can the message's bytes be read where they lie (a 1-D contiguous CPU uint8 tensor of >= 16 bytes)?"""
     return msg.device.type == "cpu" and msg.dtype == torch.uint8 and msg.dim() == 1 and msg.numel() >= 16 \

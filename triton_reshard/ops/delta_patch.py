@@ -1,6 +1,7 @@
 """Patched blocks of delta format v2 (issue 44 item 3; the format: ``ops/delta_v2.py``): the numpy reference's
 choice of a block's layout and the exceptions of its patched modes. ``csrc/delta_codec.c`` (``write_block``)
-makes the same choice, byte for byte.
+and the Triton pack (:func:`layout_torch` on the device from its stats pass's per-block counts, then the encode
+pass writes the exceptions: ``kernels/delta.py``) make the same choice, byte for byte.
 
 A changed block's values are all stored at the width of its widest difference; on real AdamW steps about half
 the blocks that need 8 bits do so for one or two far-moved elements, the rest fitting 2 or 4. A *patched* block
@@ -117,6 +118,33 @@ def read_exceptions(mn, nexc, xat, nv, esize):
     ext = ~((top << np.uint64(1)) - np.uint64(1))
     val = np.where(neg, val | ext, val)
     return bad, xb, slot, val
+
+
+RAW = 6  # the raw code (delta_v2.RAW)
+OVER_BITS = 9  # the pack kernel's V_OVER: per base code c = 1..5, its exceptions at bit 9 (c - 1)
+
+
+def layout_torch(cnt, code, over, blen, e, patch: bool = True):
+    """``delta_v2.block_layout`` then :func:`choose_layout` in torch, on the device (the Triton pack): per block
+    (stored code, positions mode 0..2, payload bytes (0 for an unchanged block), position bytes, exceptions).
+    ``code``: each block's widest code; ``over``: the stats pass's counts of changed elements wider than each
+    base code's width (``OVER_BITS`` bits per code); ``e``: each block's element size."""
+    w = torch.where(code == RAW, 8 * e, 1 << torch.clamp(code, max=5))
+    bmb, vb = (blen + 7) // 8, vbytes(cnt, w)
+    off, bm, al = cnt + vb, bmb + vb, vbytes(blen, w)
+    mode = torch.where((off <= bm) & (off <= al), 0, torch.where(bm <= al, 1, ALL))
+    size = torch.where(mode == 0, off, torch.where(mode == 1, bm, al))
+    posb = torch.where(mode == 0, cnt, torch.where(mode == 1, bmb, 0))
+    nexc = torch.zeros_like(cnt)
+    for c in range(1, 6) if patch else ():  # the order and strict "<" of choose_layout: the same choice
+        xc = (over >> (OVER_BITS * (c - 1))) & ((1 << OVER_BITS) - 1)
+        ok = (xc >= 1) & (xc <= MAX_EXCEPTIONS) & ((1 << c) < 8 * e)
+        vc, exc, vall = vbytes(cnt, 1 << c), xc * (1 + e), vbytes(blen, 1 << c)
+        for pm, s, pb in ((0, cnt + vc + exc, cnt), (1, bmb + vc + exc, bmb), (ALL, vall + exc, 0)):
+            take = ok & (s < size)
+            code, mode = torch.where(take, c, code), torch.where(take, pm, mode)
+            nexc, size, posb = torch.where(take, xc, nexc), torch.where(take, s, size), torch.where(take, pb, posb)
+    return code, mode, torch.where(cnt > 0, size, 0), posb, nexc
 
 
 def split_mode_torch(mode):

@@ -3,9 +3,10 @@
 values: ``ops/delta_v2.py``), so a GPU sender and a CPU receiver interoperate either way; ``triton_unpack``
 reads both versions. Split from ``ops/delta.py`` (issue 44) to keep it within the house's module size.
 
-Version 2 on the device: a stats launch per element size (every block's changed elements and width code),
-the chunk and block layout in torch ops on the device (the message length is the one host sync, plus one to
-pick the blocks with work), then an encode launch. The unpack checks every narrow chunk's descriptors
+Version 2 on the device: a stats launch per element size (every block's changed elements, width code and
+the counts a patched layout needs), the chunk and block layout in torch ops on the device (patched blocks
+chosen as the CPU codec chooses them, ``ops/delta_patch.py``; the message length is the one host sync, plus one
+to pick the blocks with work), then an encode launch. The unpack checks every narrow chunk's descriptors
 (torch ops) and positions (a check launch) before its first write, then applies the narrow blocks."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .delta_format import INT_DTYPES as _INT
 from .delta_format import check_chunk_elems as _check_chunk_elems
 from .delta_format import name_of as _name
 from .delta_message import CUDA_BLOCK, INTERPRET_BLOCK, message_layout, read_directory, write_headers
-from .delta_patch import LAST_PATCHED, exceptions_torch, split_mode_torch
+from .delta_patch import LAST_PATCHED, exceptions_torch, layout_torch, split_mode_torch
 from .delta_v2 import BLOCK, MODE_ALL, MODE_BITMASK, MODE_OFFSETS, RAW
 from .launcher import bits, interpreting, kernel_module, storage_view
 
@@ -141,15 +142,16 @@ def triton_pack(
     names: Sequence[str] | None = None,
     version: int = VERSION,
     cache: dict | None = None,
+    patch: bool = True,
 ) -> torch.Tensor:
     """Pack with the Triton kernels: the same message as :func:`torch_pack` of ``version``, bit for bit
-    (version 2: the CPU codec's bytes, ``ops/delta_v2.py``; ``cache``: a dict the caller keeps for a message
-    that recurs with the same view objects, its :class:`TritonPackPlan` kept there)."""
+    (version 2: the CPU codec's bytes, ``ops/delta_v2.py``, with ``patch`` as its; ``cache``: a dict the caller
+    keeps for a message that recurs with the same view objects, its :class:`TritonPackPlan` kept there)."""
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     _check_device(device)
     if version == VERSION2:
-        return _plan(pairs, chunk_elems, names, device, cache).pack(update)
+        return _plan(pairs, chunk_elems, names, device, cache).pack(update, patch=patch)
     if version != VERSION:
         raise ValueError(
             f"delta format version {version!r}: the Triton kernels write {VERSION} and {VERSION2}"
@@ -168,8 +170,8 @@ def _plan(pairs: Sequence[Pair], chunk_elems: int, names, device, cache: dict | 
 
 
 def triton_pack_digest(pairs: Sequence[Pair], coef_for, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-                       update: bool = True, names: Sequence[str] | None = None, cache: dict | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       update: bool = True, names: Sequence[str] | None = None, cache: dict | None = None,
+                       patch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`triton_pack` of version 2 whose encode launches also hash every byte they write (the integrity
     digest, issue 46: ``coef_for(n)``, the keyed int64 coefficients of an ``n``-byte message on the device):
     ``(message, its digest)``, the digest a 0-dim int64 tensor on the device (no sync), equal to the CPU digest
@@ -177,7 +179,7 @@ def triton_pack_digest(pairs: Sequence[Pair], coef_for, chunk_elems: int = DEFAU
     _check_chunk_elems(chunk_elems)
     device = validate_pairs(pairs, names)
     _check_device(device)
-    return _plan(pairs, chunk_elems, names, device, cache).pack(update, coef_for)
+    return _plan(pairs, chunk_elems, names, device, cache).pack(update, coef_for, patch)
 
 
 def _header_digest(msg: torch.Tensor, offsets: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -264,22 +266,6 @@ def _blocks_of(numel: torch.Tensor, members: torch.Tensor, nfields: int) -> tupl
     return table, b0[members][row] + kk
 
 
-def block_sizes(cnt: torch.Tensor, code: torch.Tensor, blen: torch.Tensor, e: torch.Tensor) -> tuple:
-    """(mode, payload bytes, position bytes) of blocks (``ops.delta_v2.block_layout`` in torch; an unchanged
-    block has no payload)."""
-    w = torch.where(code == RAW, 8 * e, 1 << torch.clamp(code, max=5))
-    vb = (cnt * w + 7) // 8
-    off, bm, al = cnt + vb, (blen + 7) // 8 + vb, (blen * w + 7) // 8
-    mode = torch.where(
-        (off <= bm) & (off <= al),
-        MODE_OFFSETS,
-        torch.where(bm <= al, MODE_BITMASK, MODE_ALL),
-    )
-    size = torch.where(mode == MODE_OFFSETS, off, torch.where(mode == MODE_BITMASK, bm, al))
-    posb = torch.where(mode == MODE_OFFSETS, cnt, torch.where(mode == MODE_BITMASK, (blen + 7) // 8, 0))
-    return mode, torch.where(cnt > 0, size, 0), posb
-
-
 class BlockIndex:
     """The blocks of 256 of chunks of lengths ``numel`` (device tensors): per chunk its block count and first
     block; per block its chunk and its length."""
@@ -293,11 +279,13 @@ class BlockIndex:
         self.blen = torch.clamp(numel[self.bch] - kk * BLOCK, max=BLOCK)
 
 
-def _layout_v2(bi: BlockIndex, esize: torch.Tensor, cnt: torch.Tensor, code: torch.Tensor) -> tuple:
-    """Every chunk's (kind, changed count, bytes, offset) and every block's (mode, payload offset, position
-    bytes), and the message length (the host sync): ``encode_pair``'s choices, on the device."""
+def _layout_v2(bi: BlockIndex, esize: torch.Tensor, cnt: torch.Tensor, code: torch.Tensor, over, patch: bool
+               ) -> tuple:
+    """Every chunk's (kind, changed count, bytes, offset), every block's (stored code, mode 0..2, payload offset,
+    position bytes, exceptions, their offset) and the message length (the host sync): ``encode_pair``'s
+    choices, on the device (``patch``: patched blocks allowed, ``ops/delta_patch.py``)."""
     numel, nbk, bch = bi.numel, bi.nbk, bi.bch
-    mode, size, posb = block_sizes(cnt, code, bi.blen, esize[bch])
+    code, mode, size, posb, nexc = layout_torch(cnt, code, over, bi.blen, esize[bch], patch)
     count = torch.zeros_like(numel).index_add_(0, bch, cnt)
     narrow = HEADER_BYTES + 2 * nbk + torch.zeros_like(numel).index_add_(0, bch, size)
     dense = HEADER_BYTES + pad(numel * esize)
@@ -310,7 +298,8 @@ def _layout_v2(bi: BlockIndex, esize: torch.Tensor, cnt: torch.Tensor, code: tor
     total = start + int(nbytes.sum())
     csum = torch.cumsum(size, 0) - size
     pay = offsets[bch] + HEADER_BYTES + 2 * nbk[bch] + csum - csum[bi.b0][bch]
-    return (kind, count, nbytes, offsets), (mode, pay, posb), total
+    xat = pay + posb + (torch.where(mode == MODE_ALL, bi.blen, cnt) * _wbits(code, esize[bch]) + 7) // 8
+    return (kind, count, nbytes, offsets), (code, mode, pay, posb, nexc, xat), total
 
 
 class TritonPackPlan:
@@ -345,18 +334,21 @@ class TritonPackPlan:
             and all(s is a and p is b for (s, p), (a, b) in zip(pairs, self.pairs, strict=True))
         )
 
-    def pack(self, update: bool, coef_for=None):
+    def pack(self, update: bool, coef_for=None, patch: bool = True):
         """Stats launches, the layout on the device, encode launches: the message; with ``coef_for`` (see
-        :func:`triton_pack_digest`) ``(message, digest)``, the encode launches hashing what they write."""
+        :func:`triton_pack_digest`) ``(message, digest)``, the encode launches hashing what they write;
+        ``patch`` False: no patched blocks (the CPU codec's ``patch=False`` bytes)."""
         k, bpt, device = _kernels(), _bpt(), self.device
         cnt = torch.zeros(self.nblocks, dtype=torch.int64, device=device)
-        code = torch.zeros_like(cnt)
+        code, over = torch.zeros_like(cnt), torch.zeros_like(cnt)
+        fields = [int(getattr(k, f)) for f in ("V_CODE", "V_MODE", "V_PAY", "V_POSB", "V_NEXC", "V_XAT")]
         with torch.no_grad():
             for e, table, _idx, blocks, gid, (src_p, snap_p) in self.groups:
                 _launch_pack(k, e, src_p, snap_p, None, table, blocks, True, False, bpt)
-                cnt[gid], code[gid] = blocks[:, int(k.V_CNT)], blocks[:, int(k.V_CODE)]
-            (kind, count, nbytes, offsets), (mode, pay, posb), total = _layout_v2(
-                self.blocks, self.esize, cnt, code
+                cnt[gid], code[gid] = blocks[:, int(k.V_CNT)], blocks[:, fields[0]]
+                over[gid] = blocks[:, int(k.V_OVER)]
+            (kind, count, nbytes, offsets), per_block, total = _layout_v2(
+                self.blocks, self.esize, cnt, code, over, patch
             )
             msg = torch.zeros(total, dtype=torch.uint8, device=device)
             write_headers(msg, self.ce, self.numel, count, self.esize, kind, nbytes, offsets)
@@ -367,8 +359,7 @@ class TritonPackPlan:
             for e, table, idx, blocks, gid, (src_p, snap_p) in self.groups:
                 table[:, int(k.P_OUT)], table[:, int(k.P_KIND)] = offsets[idx], kind[idx]
                 table[:, int(k.P_COUNT)] = count[idx]
-                blocks[:, int(k.V_MODE)], blocks[:, int(k.V_PAY)] = mode[gid], pay[gid]
-                blocks[:, int(k.V_POSB)] = posb[gid]
+                blocks[:, fields] = torch.stack(per_block, 1)[gid]
                 busy = blocks[work[gid]]
                 if busy.numel():
                     part = _launch_pack(k, e, src_p, snap_p, msg, table, busy, False, update, bpt, coef)
@@ -570,7 +561,7 @@ def _check_narrow(msg: torch.Tensor, dr, dsts, narrow: list[int], names, k) -> l
             len(members), device=device
         )
         keep = (pos[seg] >= 0) & (cnt > 0)
-        blocks = torch.stack([pos[seg], j, cnt, code, mode, pay, posb, nexc, xat], 1)[keep].contiguous()
+        blocks = torch.stack([pos[seg], j, cnt, code, mode, pay, posb, nexc, xat, 0 * j], 1)[keep].contiguous()
         args = (e, torch.from_numpy(rows).to(device), storage_view(bits(base), _INT[e]), blocks, bpt)
         gbad = _launch_unpack(k, msg, *args, check=True)
         if gbad is not None and bool(gbad.any()):
