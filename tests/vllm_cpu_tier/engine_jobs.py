@@ -394,7 +394,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--wait", type=float, default=5.0, help="fault: how long a generation must wait while torn")
     ap.add_argument("--inflight-delay", type=float, default=0.3)
+    ap.add_argument("--stacks-after", type=float, default=0.0,
+                    help="print every thread's stack to stderr after this many seconds (0: never): the test "
+                         "sets it below its own timeout, so a job that hangs says where")
     args = ap.parse_args(argv)
+    if args.stacks_after > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stacks_after, exit=False)
     if args.job == "trainer_rank1":
         return trainer_rank1(args)
     if args.job.startswith("overlap"):  # stage, then commit (issue 45): their own module

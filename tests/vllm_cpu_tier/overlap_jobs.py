@@ -308,7 +308,7 @@ def overlap_background(args) -> dict:
     A -> B sent in the background while the trainer changes its tensors (the source's own dict, in place) to C
     at once: a send while it is in flight is refused; the commit joins it; the engine then generates what vLLM's
     own ``reload_weights`` of B generates (not C's), with equal parameter digests. The control: the same with the
-    caller's live tensors handed as its own copies (``tensors=``, no snapshot) delivers C. A background send of
+    caller's live tensors handed as its own copies (``tensors=``, no snapshot) and changed to D as the send starts reading them delivers D. A background send of
     a tensor with the wrong shape returns at once; its error (the tensor named, nothing committed) is raised by
     the commit, the engine serving its weights untouched (same tokens, same digests, no forward refused); the
     next background send commits exactly."""
@@ -339,7 +339,7 @@ def overlap_background(args) -> dict:
             t.mul_(0.5)
 
     eng.send_weights(version=1, overlap=True, background=True)
-    change_to_c()
+    change_to_c()  # returned: the snapshot is taken, so whenever the send reads, it reads B
     try:
         eng.send_weights(version=2, overlap=True, background=True)
         out["second_send_error"] = None
@@ -350,10 +350,24 @@ def overlap_background(args) -> dict:
     out["commit_trainer"] = {k: v for k, v in eng.last_update.items() if k != "stage"}
     out["stage_trainer"] = eng.last_update["stage"]
     out["b_equal_to_vllm_reload"] = reload_equal(b)
-    # the control: the live tensors (C) handed as the caller's own copies (no snapshot), changed at once to D
-    eng.send_weights(version=3, overlap=True, background=True, tensors=live)
-    change_to_c()
-    eng.commit()
+    # the control: the live tensors (C) handed as the caller's own copies (no snapshot), changed to D as the
+    # send starts reading them (inside its first refit, before any byte is packed: a trainer step racing the
+    # send, made deterministic; changed after send_weights returns, the change wins or loses by thread timing)
+    from triton_reshard.integrations import vllm_trainer
+
+    real = vllm_trainer.refit
+
+    def refit_after_change(*a, **kw):
+        vllm_trainer.refit = real
+        change_to_c()
+        return real(*a, **kw)
+
+    vllm_trainer.refit = refit_after_change
+    try:
+        eng.send_weights(version=3, overlap=True, background=True, tensors=live)
+        eng.commit()
+    finally:
+        vllm_trainer.refit = real
     d_ckpt = save_tensors(tmp, "d", b, live)
     out["no_snapshot_equal_to_d"] = reload_equal(d_ckpt)
     # a failing background send: one tensor of the wrong shape; raised at the commit, the engine untouched

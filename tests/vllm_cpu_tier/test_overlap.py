@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -31,8 +32,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _run(tmp_path, *args, timeout=420) -> dict:
     out = tmp_path / "result.json"
-    p = run_script([sys.executable, os.path.join(HERE, "engine_jobs.py"), *args, "--out", str(out)],
-                   cwd=os.path.dirname(os.path.dirname(HERE)), timeout=timeout)
+    argv = [sys.executable, os.path.join(HERE, "engine_jobs.py"), *args, "--out", str(out),
+            "--stacks-after", str(timeout - 30)]
+    try:
+        p = run_script(argv, cwd=os.path.dirname(os.path.dirname(HERE)), timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # say where it hung: the job printed its threads' stacks before
+        err = e.stderr if isinstance(e.stderr, str) else (e.stderr or b"").decode(errors="replace")
+        pytest.fail(f"{args[0]} timed out after {timeout} s; its stderr's end (the stacks):\n{err[-8000:]}")
     assert p.returncode == 0 and out.exists(), f"rc {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(out.read_text())
 

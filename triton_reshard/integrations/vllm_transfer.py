@@ -14,6 +14,7 @@ a post-processing step you doubt.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -238,12 +239,41 @@ def shadow_reload(model, items, stats: dict) -> kit.ModuleShadow:
     return sh
 
 
+def serialize_engine_sends(llm) -> bool:
+    """Make ``llm``'s requests to its EngineCore safe to send from several threads: vLLM's synchronous client
+    (``SyncMPClient``) sends every request (``generate``'s, and every ``collective_rpc``/``sleep``/weight-update
+    call) with ``send_multipart`` on one ZMQ socket and no lock, and ZMQ sockets are not thread-safe; a background
+    send (``send_weights(background=True)``) and ``overlap=True``'s engine calls run in threads of ours while the
+    caller generates. Seen here: such a job hung for minutes (ours and ``generate`` both waiting, a request lost
+    on the socket). Wraps the client's ``_send_input`` with one lock, once per client (idempotent); the replies
+    already travel through vLLM's own output thread and futures. False where the engine has no such client
+    (another vLLM version, an in-process core): nothing changed."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    send = getattr(core, "_send_input", None)
+    if send is None or not hasattr(core, "input_socket"):
+        return False
+    if getattr(send, "_triton_reshard_locked", False):
+        return True
+    lock = threading.Lock()
+
+    def locked(*args, **kwargs):
+        with lock:
+            return send(*args, **kwargs)
+
+    locked._triton_reshard_locked = True
+    core._send_input = locked
+    return True
+
+
 class LLMClient:
     """The trainer's ``VLLMWeightSyncClient`` for a ``vllm.LLM`` it holds (its EngineCore and workers run in
-    their own processes): vLLM's RL weight-sync calls, which reach every worker through ``collective_rpc``."""
+    their own processes): vLLM's RL weight-sync calls, which reach every worker through ``collective_rpc``.
+    The engine's request socket is made safe for calls from our threads beside the caller's
+    (:func:`serialize_engine_sends`)."""
 
     def __init__(self, llm):
         self.llm = llm
+        serialize_engine_sends(llm)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
