@@ -116,14 +116,16 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             last_rollouts = rollouts
             if z == 1:  # async: the batch was sampled by the weights the engine served before the last commit
                 st["trainer_logprobs"] = trainer.logprobs(rollouts, engine_w_prev)
-            now = trainer.tensors()
+            t1 = time.perf_counter()  # the bench's own bookkeeping (not the loop's): left out of the iteration, as
+            now = trainer.tensors()   # examples/rl_loop.py leaves it out of its training time
             changed = sum(int((now[k] != before[k]).sum()) for k in now) / sum(t.numel() for t in now.values())
             before = {k: t.clone() for k, t in now.items()}
+            book_s = time.perf_counter() - t1
             lp = torch.zeros(n, width, dtype=torch.float64)
             for k, v in enumerate(st["trainer_logprobs"]):
                 lp[k, :len(v)] = torch.tensor(v, dtype=torch.float64)
             _send(lp, 1)
-            _send(torch.tensor([st["loss"], train_s, changed], dtype=torch.float64), 1)
+            _send(torch.tensor([st["loss"], train_s, changed, book_s], dtype=torch.float64), 1)
             steps += 1
         elif op == OPS["refit"]:
             method = {v: k for k, v in METHOD_CODES.items()}[y]
@@ -255,8 +257,8 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
             _send(torch.tensor(lens, dtype=torch.int64), 0)
             _send(torch.tensor(advs, dtype=torch.float64), 0)
             lp = _recv((len(seqs), width), torch.float64, 0)
-            loss, train_s, changed = _recv((3,), torch.float64, 0).tolist()
-            t_train = time.perf_counter() - t0
+            loss, train_s, changed, book_s = _recv((4,), torch.float64, 0).tolist()
+            t_train = time.perf_counter() - t0 - book_s
             mism = [abs(x - float(lp[k, j])) for k, e in enumerate(engine_lps) for j, x in enumerate(e)]
             t_refit, sent, link_rx, upd = refit(it + 1, method)
             row = {"warm_up": warm, "method": method, "iter": it, "reward": sum(rewards) / len(rewards), "loss": loss,
@@ -298,9 +300,9 @@ def _train_cmd(gen: list, a, async_: bool) -> dict:
     _send(torch.tensor([[len(p), len(ids)] for p, ids, _ in rollouts], dtype=torch.int64), 0)
     _send(torch.tensor(advs, dtype=torch.float64), 0)
     lp = _recv((len(seqs), width), torch.float64, 0)
-    loss, train_s, changed = _recv((3,), torch.float64, 0).tolist()
+    loss, train_s, changed, book_s = _recv((4,), torch.float64, 0).tolist()
     mism = [abs(x - float(lp[k, j])) for k, (_, _, e) in enumerate(rollouts) for j, x in enumerate(e)]
-    return {"reward": sum(rewards) / len(rewards), "loss": loss, "train_s": time.perf_counter() - t0,
+    return {"reward": sum(rewards) / len(rewards), "loss": loss, "train_s": time.perf_counter() - t0 - book_s,
             "trainer_step_s": train_s, "changed_frac": changed, "mismatch_max": max(mism),
             "mismatch_mean": sum(mism) / len(mism)}
 

@@ -327,6 +327,8 @@ def overlap_background(args) -> dict:
     want_b = {n: t.clone() for n, t in live.items()}
     eng = trainer_engine(llm, live)
     out["mode"] = eng.mode
+    # our threads call the engine beside this one's generate(): the client's request socket is serialized
+    out["sends_serialized"] = getattr(llm.llm_engine.engine_core._send_input, "_triton_reshard_locked", False)
 
     def reload_equal(ckpt: str) -> dict:
         got, dig = generate(llm, PROMPTS), llm.collective_rpc("param_digests")

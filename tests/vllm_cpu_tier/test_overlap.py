@@ -96,6 +96,7 @@ def test_background_send_then_commit_tp2(tmp_path):
     fails raises at the commit, naming the tensor, and the engine serves its old weights untouched."""
     r = _run(tmp_path, "overlap_background", "--tp", "2")
     assert r["mode"] == "reload"
+    assert r["sends_serialized"], "vLLM's request socket is used from our threads without the lock"
     err = r["second_send_error"] or ""
     assert "send_weights refused: the background send of version 1 is in flight" in err, err
     assert r["serves_old_while_in_flight"]
