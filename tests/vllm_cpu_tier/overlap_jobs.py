@@ -308,10 +308,10 @@ def overlap_background(args) -> dict:
     A -> B sent in the background while the trainer changes its tensors (the source's own dict, in place) to C
     at once: a send while it is in flight is refused; the commit joins it; the engine then generates what vLLM's
     own ``reload_weights`` of B generates (not C's), with equal parameter digests. The control: the same with the
-    caller's live tensors handed as its own copies (``tensors=``, no snapshot) and changed to D as the send starts reading them delivers D. A background send of
-    a tensor with the wrong shape returns at once; its error (the tensor named, nothing committed) is raised by
-    the commit, the engine serving its weights untouched (same tokens, same digests, no forward refused); the
-    next background send commits exactly."""
+    caller's live tensors handed as its own copies (``tensors=``, no snapshot) and changed to D as the send starts
+    reading them delivers D. A background send of a tensor with the wrong shape returns at once; its error (the
+    tensor named, nothing committed) is raised by the commit, the engine serving its weights untouched (same
+    tokens, same digests, no forward refused); the next background send commits exactly."""
     import tempfile
 
     from safetensors.torch import load_file

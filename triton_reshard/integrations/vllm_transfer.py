@@ -244,9 +244,10 @@ def serialize_engine_sends(llm) -> bool:
     (``SyncMPClient``) sends every request (``generate``'s, and every ``collective_rpc``/``sleep``/weight-update
     call) with ``send_multipart`` on one ZMQ socket and no lock, and ZMQ sockets are not thread-safe; a background
     send (``send_weights(background=True)``) and ``overlap=True``'s engine calls run in threads of ours while the
-    caller generates (a CI run of such a job timed out; two threads sending at once may lose a request). Wraps the client's ``_send_input`` with one lock, once per client (idempotent); the replies
-    already travel through vLLM's own output thread and futures. False where the engine has no such client
-    (another vLLM version, an in-process core): nothing changed."""
+    caller generates (a CI run of such a job timed out; two threads sending at once may lose a request). Wraps
+    the client's ``_send_input`` with one lock, once per client (idempotent); the replies already travel through
+    vLLM's own output thread and futures. False where the engine has no such client (another vLLM version, an
+    in-process core): nothing changed."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     send = getattr(core, "_send_input", None)
     if send is None or not hasattr(core, "input_socket"):
