@@ -228,6 +228,7 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
                "sent_bytes": eng.last_update["sent_bytes"], "changed_frac": changed / total,
                "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
                "delta_mode": getattr(eng.last_report, "mode", None) if method.startswith("delta") else None,
+               "delta_why": getattr(eng.last_report, "fallback", None) if method.startswith("delta") else None,
                "worker_refit_s": max(w.get("refit_s", 0.0) for w in workers),
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
                "staging_bytes": max(w.get("staging_bytes", 0) for w in workers),
