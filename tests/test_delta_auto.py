@@ -80,6 +80,10 @@ def test_measured_row_and_probe():
     why = cost_choice([[PROBE_DENSE, -1, -1, -1], [-1, -1, -1, -1]])
     assert why.startswith(PROBE_WHY) and not why.startswith(D.COST_WHY)
     assert cost.after_dense(0.010).since_dense == 0
+    assert cost.after_dense(0.010, why).dense_probed  # the next delta predicted faster confirms it: backoff
+    confirmed = cost.after_dense(0.010, why)
+    confirmed.asked = 1
+    assert confirmed.after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0)).dense_probe_after() == 2 * D.PROBE_EVERY
     # stale predictions: unknown after PROBE_EVERY asks, as with a topology
     cost = DeltaCost().after_dense(0.010).after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0))
     cost.asked = D.PROBE_EVERY
@@ -113,26 +117,30 @@ def auto_world(rank: int, world: int, dense_s: float, delta_s: float, versions: 
 
 def test_auto_goes_dense_where_dense_measured_faster():
     p = D.PROBE_EVERY
-    res = run_world(auto_world, 2, 1e-6, 1.0, p + 5, backend="gloo", timeout=300)
+    res = run_world(auto_world, 2, 1e-6, 1.0, 3 * p + 7, backend="gloo", timeout=300)
+    fb, cap = "dense-fallback", "dense-fallback"
     for rows in res:
         assert all(ok for _, _, ok, _ in rows), rows
         modes = [m for m, _, _, _ in rows]
         # dense (no snapshot), a delta that measures, then dense predicted faster (no snapshot kept) until the
-        # predictions go stale; then dense with a capture (no snapshot), a delta measuring again, dense again
-        assert modes == ["dense-fallback", "delta"] + ["dense-fallback"] * (p + 1) + ["delta", "dense-fallback"], rows
-        assert all(rows[k][1].startswith(D.COST_WHY) for k in range(2, p + 2)), rows
-        assert "no snapshot" in rows[p + 2][1] and not rows[p + 2][1].startswith(D.COST_WHY), rows[p + 2]
+        # predictions go stale; dense with a capture (no snapshot), a probe delta that loses again: twice as
+        # many cost fallbacks before the next capture and probe
+        assert modes == [cap, "delta"] + [fb] * p + [cap, "delta"] + [fb] * (2 * p) + [cap, "delta", fb], rows
+        costs = [k for k, r in enumerate(rows) if r[1].startswith(D.COST_WHY)]
+        assert costs == [*range(2, p + 2), *range(p + 4, 3 * p + 4), 3 * p + 6], [r[1][:40] for r in rows]
+        assert all("no snapshot" in rows[k][1] for k in (p + 2, 3 * p + 4)), rows
     sent = [s for _, _, _, s in res[0]]
     assert sent[1] < sent[0] / 4 and sent[p + 3] < sent[0] / 4 and sent[2] == sent[0], sent  # deltas are small
 
 
 def test_auto_stays_delta_where_delta_measured_faster_and_probes_dense():
     p = D.PROBE_EVERY
-    res = run_world(auto_world, 2, 1.0, 1e-6, p + 4, backend="gloo", timeout=300)
+    res = run_world(auto_world, 2, 1.0, 1e-6, 3 * p + 4, backend="gloo", timeout=300)
     for rows in res:
         assert all(ok for _, _, ok, _ in rows), rows
         modes = [m for m, _, _, _ in rows]
         # dense (no snapshot), PROBE_EVERY deltas, one dense run capturing the snapshot to measure dense again,
-        # then deltas again
-        assert modes == ["dense-fallback"] + ["delta"] * p + ["dense-fallback", "delta", "delta"], rows
-        assert rows[p + 1][1].startswith(PROBE_WHY), rows[p + 1]
+        # then deltas again; the probe confirmed the delta, so the next one waits twice as long
+        assert modes == ["dense-fallback"] + ["delta"] * p + ["dense-fallback"] + ["delta"] * (2 * p) + [
+            "dense-fallback", "delta"], rows
+        assert rows[p + 1][1].startswith(PROBE_WHY) and rows[3 * p + 2][1].startswith(PROBE_WHY), rows

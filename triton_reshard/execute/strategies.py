@@ -165,7 +165,7 @@ class Capture(Dense):
         loop.timing.pack += clock() - t
 
     def end(self, loop) -> None:
-        self.snap.cost = self.snap.cost.after_dense(run_seconds(loop))  # (delta="auto" compares it with deltas')
+        self.snap.cost = self.snap.cost.after_dense(run_seconds(loop), self.why)  # (delta="auto" compares it with deltas')
 
     def report(self, loop, report: RunReport) -> RunReport:
         self.snap.version = self.req.version if self.capture else None
