@@ -216,6 +216,8 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
             eng.send_weights(version=it + 1, delta=True, prefetch=False)  # (the default for a delta, said out)
         elif method == "delta-groups":  # reload mode: one delta refit per layer group, vLLM re-packing beside
             eng.send_weights(version=it + 1, delta=True, prefetch=True)
+        elif method == "delta-auto":  # a delta where the ranks measured it faster than dense, else dense
+            eng.send_weights(version=it + 1, delta="auto")
         else:
             eng.send_weights(version=it + 1, delta=method == "delta")
         t_refit = time.perf_counter() - t0
@@ -226,6 +228,7 @@ def run(llm, eng, trainer: Trainer, args, method: str, log=print) -> list[dict]:
                "sent_bytes": eng.last_update["sent_bytes"], "changed_frac": changed / total,
                "mismatch_max": max(mism), "mismatch_mean": sum(mism) / len(mism),
                "delta_mode": getattr(eng.last_report, "mode", None) if method.startswith("delta") else None,
+               "delta_why": getattr(eng.last_report, "fallback", None) if method.startswith("delta") else None,
                "worker_refit_s": max(w.get("refit_s", 0.0) for w in workers),
                "worker_load_s": max(w.get("load_s", 0.0) + w.get("finalize_s", 0.0) for w in workers),
                "staging_bytes": max(w.get("staging_bytes", 0) for w in workers),
@@ -567,7 +570,7 @@ def parser() -> argparse.ArgumentParser:
                     help="the training step's arithmetic (the weights sent are bf16 either way): auto = bf16 where "
                          "this CPU has a fast bf16 GEMM (AVX-512 or a GPU), else fp32 on the same bf16 weights")
     ap.add_argument("--method", default="reshard",
-                    choices=["reshard", "delta", "delta-serial", "delta-groups", "broadcast", "reshard-prefetch", "async",
+                    choices=["reshard", "delta", "delta-serial", "delta-groups", "delta-auto", "broadcast", "reshard-prefetch", "async",
                              "async-delta", "async-reload", "async-bg", "async-bg-delta"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "

@@ -34,7 +34,7 @@ for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "perf")):
 
 OPS = {"stop": 0, "reset": 1, "step": 2, "refit": 3, "commit": 4, "logprobs": 5}
 METHOD_CODES = {"broadcast": 0, "reshard": 1, "delta": 2, "async": 3, "async-reload": 4, "async-bg": 5,
-                "async-bg-delta": 6, "delta-serial": 7, "delta-groups": 8}
+                "async-bg-delta": 6, "delta-serial": 7, "delta-groups": 8, "delta-auto": 9}
 
 
 def _send(t, dst: int) -> None:
@@ -140,6 +140,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
                 eng.send_weights(version=x, method="broadcast")
             elif method in ("delta-serial", "delta-groups"):  # one refit then the whole reload / one per group
                 eng.send_weights(version=x, delta=True, prefetch=method == "delta-groups")
+            elif method == "delta-auto":  # a delta where the ranks measured it faster than dense
+                eng.send_weights(version=x, delta="auto")
             else:
                 eng.send_weights(version=x, delta=method == "delta", overlap=method.startswith("async"),
                                  shadow=method != "async-reload")
@@ -211,7 +213,7 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
         if method == "broadcast":
             eng.send_weights(version=version, method="broadcast")
         else:
-            eng.send_weights(version=version, delta=method.startswith("delta"),
+            eng.send_weights(version=version, delta="auto" if method == "delta-auto" else method.startswith("delta"),
                              prefetch={"delta-serial": False, "delta-groups": True}.get(method))
         t = time.perf_counter() - t0
         sent = int(_recv((1,), torch.int64, 0)[0])

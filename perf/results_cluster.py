@@ -400,6 +400,7 @@ def _rl_loop(res: Results) -> Section | None:
              "reshard-prefetch": "ours, dense, prefetching the next layer group", "delta": "ours, delta",
              "delta-serial": "ours, delta in one refit, then vLLM's reload of it all",
              "delta-groups": "ours, delta one refit per layer group, vLLM re-packing beside the next",
+             "delta-auto": "ours, delta=\"auto\" (dense where the ranks measured the delta slower)",
              "async": "ours, async: staged while generating (refit: the commit's pause)",
              "async-bg": "ours, background send beside the next training step (refit: the commit's pause)",
              "async-bg-delta": "ours, delta in a background send beside the next training step"}
@@ -409,7 +410,7 @@ def _rl_loop(res: Results) -> Section | None:
         s, meta, a = d["summary"], d["meta"], d["args"]
         net = meta.get("network")
         where = net.split(" (")[0] + " link" if net else "loopback"
-        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "async", "async-bg",
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "delta-auto", "async", "async-bg",
                   "async-bg-delta"):
             if m not in s:
                 continue

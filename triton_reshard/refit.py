@@ -28,6 +28,7 @@ from .execute import (
     refuse,
 )
 from .execute.delta import NO_VERSION, DeltaRequest
+from .execute.delta_cost import MEASURED
 from .execute.session import SESSIONS, RefitSession, RefitState
 from .layout import Layout
 from .plan import plan_reshard
@@ -136,17 +137,26 @@ def delta_request(delta, version, topology=None) -> DeltaRequest | None:
     ``delta``, every rank predicts from what its last delta refit measured whether a delta beats a dense refit,
     and a refit predicted slower as a delta runs dense (``fallback`` starts "predicted faster dense"; one refit
     in a few probes a delta again). Without it every refit whose fence passes is a delta.
+    ``delta="auto"``: a delta where it is faster here. With a ``topology`` as above; without one every rank
+    compares what its own runs took (``execute.delta_cost.MEASURED``): the last dense refits' step loops against
+    the last deltas' (the first refit is dense, the second a delta, both measured); a refit whose delta the
+    slowest rank measured slower than its dense runs goes dense without a snapshot (``fallback`` "predicted
+    faster dense"), one in ``PROBE_EVERY`` (8) probes a delta again, and after 8 deltas in a row one refit goes
+    dense to measure it again (``fallback`` "measuring dense again"). Right on any link and any CPU, with no
+    model of either; what it costs: that probe refit now and then.
     """
     if topology is not None and not all(hasattr(topology, a) for a in _TOPOLOGY_FIELDS):
         raise TypeError(f"refit: topology={topology!r} must be a triton_reshard.tools.topology.Topology or None")
     if delta is False or delta is None:
         return None
-    if delta is not True and delta != "strict":
-        raise ValueError(f"refit: delta must be False, True or 'strict', got {delta!r}")
+    if delta is not True and delta not in ("strict", "auto"):
+        raise ValueError(f"refit: delta must be False, True, 'strict' or 'auto', got {delta!r}")
     if isinstance(version, bool) or not isinstance(version, int):
         raise TypeError(f"refit: delta={delta!r} needs an int version= (the fence compares versions), got {version!r}")
     if not NO_VERSION < version < -NO_VERSION:
         raise ValueError(f"refit: version {version} does not fit in int64")
+    if delta == "auto" and topology is None:
+        topology = MEASURED
     return DeltaRequest(version, strict=delta == "strict", topology=topology)
 
 

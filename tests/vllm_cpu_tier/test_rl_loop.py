@@ -5,7 +5,7 @@ engine: generate -> reward -> GRPO -> AdamW (bf16 weights, fp32 masters) -> refi
   mismatch (engine vs trainer logprobs of the sampled tokens, same weights) within ``MISMATCH_TOL`` at every
   iteration (measured 0.004-0.010 here); at the end the engine generates, bit for bit, what it generates after
   vLLM's own ``reload_weights`` of the trainer's weights;
-* the benchmark's methods (baseline broadcast, ours dense, ours delta by layer group and in one refit, async) at
+* the benchmark's methods (baseline broadcast, ours dense, ours delta by layer group, in one refit and "auto", async) at
   TP1, so it does not rot.
 """
 
@@ -49,7 +49,7 @@ def test_rl_loop_delta_tp2(tmp_path):
 def test_bench_rl_loop_smoke(tmp_path):
     out = tmp_path / "bench.json"
     _run(["perf/bench_rl_loop.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--methods",
-          "broadcast,reshard,delta,delta-groups,async", "--out", str(out)])
+          "broadcast,reshard,delta,delta-groups,delta-auto,async", "--out", str(out)])
     s = json.loads(out.read_text())["summary"]
     assert set(s) >= {"broadcast", "reshard", "delta", "delta-groups", "async", "speedup_refit", "delta_wire_cut"}
     assert s["delta-groups"]["sent_mb"] < s["reshard"]["sent_mb"]  # one delta refit per layer group
@@ -57,7 +57,11 @@ def test_bench_rl_loop_smoke(tmp_path):
     assert a["transfer_s"] > 0 and a["pause_s"] > 0 and a["probe"]["idle_rate"] > 0
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way
     assert s["delta"]["sent_mb"] < s["reshard"]["sent_mb"]
-    assert all(s[m]["mismatch_max"] <= MISMATCH_TOL for m in ("broadcast", "reshard", "delta", "delta-groups", "async"))
+    # delta="auto" through the plug-in: the first refit dense (it measures dense), the second a delta (it measures
+    # the delta); the choice between them starts with the third (tests/test_delta_auto.py)
+    assert s["delta-auto"]["sent_mb"] < s["reshard"]["sent_mb"]
+    assert all(s[m]["mismatch_max"] <= MISMATCH_TOL
+               for m in ("broadcast", "reshard", "delta", "delta-groups", "delta-auto", "async"))
 
 
 def test_bench_rl_loop_cluster_smoke(tmp_path):

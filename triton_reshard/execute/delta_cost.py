@@ -1,9 +1,17 @@
 """The delta refit's cost model (issue 32; split from ``execute/delta.py``, whose module doc and docs/delta.md
 describe it): what each rank's last delta measured (:class:`DeltaCost`), the predicted times it puts in the
-handshake row (:func:`cost_row`) and the choice every rank makes from all rows alike (:func:`cost_choice`)."""
+handshake row (:func:`cost_row`) and the choice every rank makes from all rows alike (:func:`cost_choice`).
+
+Two ways to predict (``DeltaRequest.topology``): a :class:`~triton_reshard.tools.topology.Topology` (the dense
+wire time from the link rates, the delta's from its measured changed bytes), or :data:`MEASURED` (``refit(...,
+delta="auto")``: no model of the links at all; each rank compares what its own runs took, the last dense
+refits' step loop against the last deltas'; right wherever the machine is, loopback or a slow link, a CPU with
+or without SIMD, at the price of a dense refit now and then to measure it again)."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from dataclasses import dataclass
 
 
@@ -12,8 +20,8 @@ class DeltaCost:
     """What this rank's last delta refit measured: seconds diffing its delta-able sends (``pack_s``) and
     applying its delta receives (``unpack_s``), and the delta bytes over the dense bytes of those sends and
     receives (None: no delta measured yet). ``asked``: cost predictions made from it since (after
-    ``PROBE_EVERY`` the rank says "unknown" and the next refit goes as a delta again, measuring afresh: the
-    changed fraction moves as training goes on)."""
+    :meth:`probe_after` of them the rank says "unknown" and the next refit goes as a delta again, measuring
+    afresh: the changed fraction moves as training goes on)."""
 
     pack_s: float | None = None
     unpack_s: float | None = None
@@ -23,9 +31,79 @@ class DeltaCost:
     # the last few deltas' (diff, apply) seconds: pack_s / unpack_s are their medians (one refit slowed by a
     # busy machine must not turn the next PROBE_EVERY refits dense)
     history: tuple[tuple[float, float], ...] = ()
+    # MEASURED: the last few delta runs' and dense runs' step-loop seconds on this rank (pack + wire + unpack +
+    # local copies: what the refit's transfer took, without the handshake), and the delta runs since the last
+    # dense one (after dense_probe_after() of them one refit goes dense with a capture, to measure dense again)
+    runs: tuple[float, ...] = ()
+    dense_runs: tuple[float, ...] = ()
+    since_dense: int = 0
+    # each probe that changed nothing doubles the wait for the next (PROBE_EVERY << backoff, at most
+    # MAX_BACKOFF doublings): a probe delta that lost again / a dense probe after which the delta won again
+    backoff: int = 0
+    dense_backoff: int = 0
+    probed: bool = False  # the last delta ran because the predictions had gone stale (a probe)
+    dense_probed: bool = False  # the last dense run was a MEASURED probe of dense (PROBE_WHY)
 
+    def probe_after(self) -> int:
+        """Predictions made from one delta's measurement before the next refit probes a delta again."""
+        return PROBE_EVERY << self.backoff
+
+    def dense_probe_after(self) -> int:
+        """Deltas in a row before a MEASURED rank asks to measure dense again."""
+        return PROBE_EVERY << self.dense_backoff
+
+    def after_delta(self, diff_s: float, apply_s: float, run_s: float, sent: tuple[int, int],
+                    received: tuple[int, int]) -> DeltaCost:
+        """What the next refit predicts from, after a delta run that measured these (the medians of the last
+        three, so one run slowed by a busy machine does not decide alone; ``asked`` starts again). A delta this
+        rank predicted faster (not a probe, not unmeasured) clears the probe backoff; one right after a dense
+        probe that confirmed it doubles the wait for the next dense probe."""
+        hist = (self.history + ((diff_s, apply_s),))[-3:]
+        stale = self.asked >= self.probe_after()
+        predicted = self.asked > 0 and not stale
+        return DeltaCost(
+            statistics.median(h[0] for h in hist),
+            statistics.median(h[1] for h in hist),
+            sent[0] / sent[1] if sent[1] else 0.0,
+            received[0] / received[1] if received[1] else 0.0,
+            history=hist,
+            runs=(self.runs + (run_s,))[-3:],
+            dense_runs=self.dense_runs,
+            since_dense=self.since_dense + 1,
+            backoff=0 if predicted else self.backoff,
+            dense_backoff=min(self.dense_backoff + 1, MAX_BACKOFF) if predicted and self.dense_probed
+            else self.dense_backoff,
+            probed=stale,
+        )
+
+    def after_dense(self, run_s: float, why: str | None = None) -> DeltaCost:
+        """The same after a dense run of a delta request (a fallback, a cost fallback, a probe; ``why``: its
+        reason). A cost fallback right after a probe delta (the probe lost again) doubles the wait for the
+        next probe."""
+        lost = (why or "").startswith(COST_WHY) and self.probed and self.asked == 1
+        return dataclasses.replace(
+            self, dense_runs=(self.dense_runs + (run_s,))[-3:], since_dense=0,
+            backoff=min(self.backoff + 1, MAX_BACKOFF) if lost else self.backoff,
+            probed=self.probed and not lost,
+            dense_probed=(why or "").startswith(PROBE_WHY),
+        )
+
+
+class _Measured:
+    """The :data:`MEASURED` marker (a ``DeltaRequest.topology`` without links: compare measured runs)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MEASURED"
+
+
+MEASURED = _Measured()
+PROBE_DENSE = -2  # a MEASURED row's dense column: this rank's dense measurement is stale, measure it again
+PROBE_WHY = "measuring dense again"  # how a probe's reason starts (a dense run that captures the snapshot)
 
 PROBE_EVERY = 8
+MAX_BACKOFF = 4  # the longest wait between probes: PROBE_EVERY << 4 = 128 refits
 COST_WHY = "predicted faster dense"  # how a cost fallback's reason starts (the run then captures no snapshot)
 COST_FIELDS = 4  # the cost columns of the fence row, in microseconds (-1: unknown)
 
@@ -37,8 +115,10 @@ def cost_row(elig, cost: DeltaCost, topo) -> list[int]:
     -1 each when there is no topology or no fresh measurement. A port's time is its bytes over its bandwidth:
     network bytes (peer on another node) over ``net_GBps`` (divided among the node's ranks with
     ``shared_nic``), NVLink bytes over ``nvlink_GBps``; the rank's wire time is its busiest port's."""
-    if topo is None or cost.pack_s is None or cost.asked >= PROBE_EVERY:
+    if topo is None or cost.pack_s is None or cost.asked >= cost.probe_after():
         return [-1] * COST_FIELDS
+    if topo is MEASURED:
+        return _measured_row(cost)
     cost.asked += 1
     net = topo.net_GBps * 1e9 / (topo.gpus_per_node if topo.shared_nic else 1)
     nvl = topo.nvlink_GBps * 1e9
@@ -53,17 +133,38 @@ def cost_row(elig, cost: DeltaCost, topo) -> list[int]:
     return [round(x * 1e6) for x in (dense, delta, cost.pack_s, cost.unpack_s)]
 
 
+def _measured_row(cost: DeltaCost) -> list[int]:
+    """:func:`cost_row` with :data:`MEASURED`: (the median of this rank's last dense runs, the rest of its delta
+    run besides the diff and the apply, the diff, the apply), so the columns add up as the topology's do;
+    ``PROBE_DENSE`` first when ``PROBE_EVERY`` deltas ran since it last measured a dense run; unknown (-1) until
+    it has measured both."""
+    if not cost.dense_runs or not cost.runs:
+        return [-1] * COST_FIELDS
+    if cost.since_dense >= cost.dense_probe_after():
+        return [PROBE_DENSE] + [-1] * (COST_FIELDS - 1)
+    cost.asked += 1
+    run = statistics.median(cost.runs)
+    rest = max(0.0, run - cost.pack_s - cost.unpack_s)
+    return [round(x * 1e6) for x in (statistics.median(cost.dense_runs), rest, cost.pack_s, cost.unpack_s)]
+
+
 def cost_choice(rows: list[list[int]]) -> str | None:
-    """From every rank's :func:`cost_row` columns: why the refit goes dense (predicted faster), or None
-    (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time; delta:
-    the slowest diff, then the slowest delta wire, then the slowest apply (each waits for the one before)."""
+    """From every rank's :func:`cost_row` columns: why the refit goes dense (predicted faster, or a probe), or
+    None (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time (with
+    :data:`MEASURED`: its dense run); delta: the slowest diff, then the slowest delta wire, then the slowest
+    apply (each waits for the one before). A rank asking to measure dense again (``PROBE_DENSE``) makes the
+    refit dense with a capture on every rank (the reason starts with ``PROBE_WHY``, not ``COST_WHY``)."""
+    if any(r and r[0] == PROBE_DENSE for r in rows):
+        return (f"{PROBE_WHY}: delta refits in a row since the last dense one (delta=\"auto\" compares measured "
+                f"runs); sent dense, capturing the snapshot, and the next refit is a delta again")
     if not rows or any(min(r) < 0 for r in rows):
         return None
     cols = list(zip(*rows, strict=True))  # (dense wire, delta wire, diff, apply) columns, as cost_row makes them
     dense, wire, pack, unpack = (max(c) for c in cols)
     if pack + wire + unpack <= dense:
         return None
-    return (f"{COST_WHY}: {dense / 1e3:.2f} ms on the wire against a delta's {pack / 1e3:.2f} ms diff + "
-            f"{wire / 1e3:.2f} ms wire + {unpack / 1e3:.2f} ms apply (the topology's link rates, the last delta "
-            f"refit's measured costs and changed bytes); sent dense without a snapshot (after {PROBE_EVERY} "
-            f"such refits one captures it and the next delta measures again)")
+    return (f"{COST_WHY}: {dense / 1e3:.2f} ms dense against a delta's {pack / 1e3:.2f} ms diff + "
+            f"{wire / 1e3:.2f} ms wire + {unpack / 1e3:.2f} ms apply (the topology's link rates or the "
+            f"measured dense runs, and the last delta refits' measured costs and changed bytes); sent dense "
+            f"without a snapshot (after {PROBE_EVERY} such refits, twice as many each time a delta lost again, one "
+            f"captures it and the next delta measures again)")

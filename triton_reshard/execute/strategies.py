@@ -19,7 +19,6 @@ helpers, the same in every strategy. :func:`pick` chooses the strategy from the 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -31,7 +30,7 @@ from ..ops.delta import join_messages, message_length
 from ..ops.delta_cpu import commit_updates
 from ..ops.delta_triton import triton_pack_digest
 from ..ops.quant_digest import minus_ranges
-from .delta import COST_WHY, DeltaCost, DeltaRequest, DeltaSide, Prediff, send_cache
+from .delta import COST_WHY, DeltaRequest, DeltaSide, Prediff, send_cache
 from .integrity import ROW_WORDS
 from .reports import RunReport
 from .steps import clock
@@ -113,6 +112,13 @@ def _delta_report(
     )
 
 
+def run_seconds(loop) -> float:
+    """The seconds of a run's step loop on this rank: its packs (a delta's diffs), waits, unpacks (a delta's
+    applies) and local copies (the cost model's measured run, ``delta_cost.DeltaCost.runs``)."""
+    tm = loop.timing
+    return tm.pack + tm.wire + tm.unpack + (tm.local or 0.0)
+
+
 def _global_bits(loop) -> dict[str, int]:
     """Each NVFP4 group's global scale of this run, as its float32 bits."""
     return {g: int(t.view(torch.int32).item()) for g, t in loop.b.quant.globals.items()}
@@ -158,6 +164,9 @@ class Capture(Dense):
         ops.copy_views([(v, s) for v, s in pairs if v.numel()], loop.backend)
         loop.timing.pack += clock() - t
 
+    def end(self, loop) -> None:
+        self.snap.cost = self.snap.cost.after_dense(run_seconds(loop), self.why)  # (delta="auto" compares it with deltas')
+
     def report(self, loop, report: RunReport) -> RunReport:
         self.snap.version = self.req.version if self.capture else None
         return super().report(loop, report)
@@ -202,14 +211,8 @@ class Delta(Dense):
 
     def end(self, loop) -> None:
         d_s, s_s, d_r, s_r = self.bytes
-        hist = (self.snap.cost.history + ((self.diff_s, self.apply_s),))[-3:]
-        self.snap.cost = DeltaCost(
-            statistics.median(h[0] for h in hist),
-            statistics.median(h[1] for h in hist),
-            d_s / s_s if s_s else 0.0,
-            d_r / s_r if s_r else 0.0,
-            history=hist,
-        )
+        self.snap.cost = self.snap.cost.after_delta(self.diff_s, self.apply_s, run_seconds(loop), (d_s, s_s),
+                                                    (d_r, s_r))
 
     def report(self, loop, report: RunReport) -> RunReport:
         self.snap.version = self.req.version

@@ -76,7 +76,7 @@ class GroupFields:
 class UpdateFields:
     """One update (the plan is fixed at init), checked where it is built: on the trainer before any engine call,
     again on each engine rank. ``version``: a tag (an int such as the step for delta refits); ``delta``:
-    ``refit``'s ``delta`` (False, True or "strict"; docs/delta.md); ``method``: ``"reshard"`` or the baseline
+    ``refit``'s ``delta`` (False, True, "strict" or "auto"; docs/delta.md); ``method``: ``"reshard"`` or the baseline
     ``"broadcast"``; ``phase``: "full", "stage" or "commit" (:class:`WorkerSession`)."""
 
     version: int | str | None = None

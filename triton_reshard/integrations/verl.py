@@ -193,7 +193,7 @@ class TritonReshardCheckpointEngine(_Base):
     reads the refit group's secret; ``insecure``: run without one on a routable address (see
     :func:`~triton_reshard.init_refit_group`).
 
-    ``delta``: ``refit``'s ``delta`` (False, True or ``"strict"``; docs/delta.md) with verl's
+    ``delta``: ``refit``'s ``delta`` (False, True, ``"strict"`` or ``"auto"``; docs/delta.md) with verl's
     ``global_steps`` as the version: after the first update only the changed elements travel. Every actor
     rank's cached Resharder keeps a snapshot of the bytes it sends (1x them, on its device), and every
     rollout worker keeps its receive buffers across updates (1x the bytes it receives, on its device, instead
@@ -208,8 +208,8 @@ class TritonReshardCheckpointEngine(_Base):
                  rebuild_group: bool = False, group_backend: str | None = None, device: str | None = None,
                  allow_cast: bool = False, fill: float | None = None, secret_env: str | None = SECRET_ENV,
                  secret_file: str | None = None, insecure: bool | None = None, delta: bool | str = False) -> None:
-        if delta not in (False, True, "strict"):
-            raise ValueError(f"triton_reshard checkpoint engine: delta={delta!r} is not False, True or 'strict'")
+        if delta not in (False, True, "strict", "auto"):
+            raise ValueError(f"triton_reshard checkpoint engine: delta={delta!r} is not False, True, 'strict' or 'auto'")
         if senders not in ("all", "master"):
             raise ValueError(f"triton_reshard checkpoint engine: senders={senders!r} is not 'all' or 'master'")
         self.bucket_size = int(bucket_size)
