@@ -94,7 +94,12 @@ class Trainer:
         self.model = model.train()
         self.params = dict(model.named_parameters())
         self.masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in self.params.items()}
-        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # fused: one in-place pass per tensor (the default CPU path allocates a temporary per tensor per step);
+        # with the gradients kept across steps (step()), a step allocates only its activations: a fresh
+        # allocation's first touch is a page fault, and the faults were most of a step's time beside a vLLM
+        # engine (perf/bench_rl_loop_cluster.py). A GPU trainer gets the same from its caching allocator.
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0,
+                                     fused=True)
 
     def tensors(self) -> dict:
         """The bf16 weights the refit sends (the live parameters; updated in place every step)."""
@@ -136,7 +141,7 @@ class Trainer:
         import torch
         from torch.func import functional_call
 
-        self.model.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=False)  # zeroed in place: the gradients' memory is kept across steps
         x, mask = self.batch(rollouts)
         if self.compute == "fp32":
             live = {n: p.detach().float().requires_grad_(True) for n, p in self.params.items()}
@@ -149,7 +154,11 @@ class Trainer:
         loss = -(lp * mask * adv).sum() / mask.sum()
         loss.backward()
         for n, p in live.items():
-            self.masters[n].grad = p.grad.float()
+            g = self.masters[n].grad
+            if g is None:
+                self.masters[n].grad = p.grad.float()
+            else:
+                g.copy_(p.grad)
         self.opt.step()
         with torch.no_grad():
             for n, p in self.params.items():
