@@ -94,10 +94,8 @@ class Trainer:
         self.model = model.train()
         self.params = dict(model.named_parameters())
         self.masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in self.params.items()}
-        # fused: one in-place pass per tensor (the default CPU path allocates a temporary per tensor per step);
-        # with the gradients kept across steps (step()), a step allocates only its activations: a fresh
-        # allocation's first touch is a page fault, and the faults were most of a step's time beside a vLLM
-        # engine (perf/bench_rl_loop_cluster.py). A GPU trainer gets the same from its caching allocator.
+        # fused: in place (the default CPU AdamW allocates temporaries each step; fresh memory costs page faults,
+        # most of a step beside a vLLM engine: perf/bench_rl_loop_cluster.py), as are the gradients in step()
         self.opt = torch.optim.AdamW(list(self.masters.values()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0,
                                      fused=True)
 
@@ -153,12 +151,9 @@ class Trainer:
         adv = torch.tensor(advantages)[:, None]
         loss = -(lp * mask * adv).sum() / mask.sum()
         loss.backward()
-        for n, p in live.items():
+        for n, p in live.items():  # into the masters' gradients, kept across steps
             g = self.masters[n].grad
-            if g is None:
-                self.masters[n].grad = p.grad.float()
-            else:
-                g.copy_(p.grad)
+            self.masters[n].grad = p.grad.float() if g is None else g.copy_(p.grad)
         self.opt.step()
         with torch.no_grad():
             for n, p in self.params.items():

@@ -20,14 +20,14 @@ counters around each refit.
 
 The trainer node's setup, the same for every method (the baseline's included; recorded in the JSON's
 ``meta.trainer_setup``): PyTorch's CPU allocator backs its large tensors with transparent huge pages
-(``THP_MEM_ALLOC_ENABLE=1`` in node 0's environment; ``--trainer-thp off`` to leave it out) and the trainer keeps
-its gradients across steps with a fused AdamW (rl_loop.Trainer). Without them a training step here spent most of
-its time in page faults: it allocates ~0.6-1 GB afresh each step (gradients, the optimizer's temporaries,
-activations), 4 KiB pages first-touched after seconds of idling through generation and refit, and this VM's
-memory balloon returns freed memory to the host meanwhile (free page reporting), so each first touch faults in
-the host too (~20 us a page measured, against ~2 us for memory reused at once): a 1.3 s step standalone took
-2.5-2.8 s here. A real trainer has the same setup for the same reason (a GPU trainer's caching allocator never
-returns memory; a CPU one sets THP). Each row records the step's page faults and CPU seconds (``trainer_*``).
+(``THP_MEM_ALLOC_ENABLE=1`` in node 0's environment only; ``--trainer-thp off`` leaves it out) and the trainer
+keeps its gradients across steps with a fused AdamW (rl_loop.Trainer). Without them a step first-touched ~1 GB
+of fresh 4 KiB pages (150-270k minor faults a step, measured standalone; 1-5k with them in this bench): its
+gradients, the CPU AdamW's temporaries and its activations, after seconds of idling through generation and
+refit, while this VM's balloon returns freed memory to the host (free page reporting), so a first touch costs
+2-3 us and at times ~20 us a page. A real trainer has the same setup for the same reason (a GPU trainer's
+caching allocator keeps its memory; a CPU one turns THP on). Each row records the step's page faults, CPU
+seconds and involuntary context switches (``trainer_*``): on a shared machine, compare steps by those too.
 """
 
 from __future__ import annotations
