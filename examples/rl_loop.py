@@ -94,7 +94,10 @@ class Trainer:
         self.model = model.train()
         self.params = dict(model.named_parameters())
         self.masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in self.params.items()}
-        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # fused: in place (the default CPU AdamW allocates temporaries each step; fresh memory costs page faults,
+        # most of a step beside a vLLM engine: perf/bench_rl_loop_cluster.py), as are the gradients in step()
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0,
+                                     fused=True)
 
     def tensors(self) -> dict:
         """The bf16 weights the refit sends (the live parameters; updated in place every step)."""
@@ -136,7 +139,7 @@ class Trainer:
         import torch
         from torch.func import functional_call
 
-        self.model.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=False)  # zeroed in place: the gradients' memory is kept across steps
         x, mask = self.batch(rollouts)
         if self.compute == "fp32":
             live = {n: p.detach().float().requires_grad_(True) for n, p in self.params.items()}
@@ -148,8 +151,9 @@ class Trainer:
         adv = torch.tensor(advantages)[:, None]
         loss = -(lp * mask * adv).sum() / mask.sum()
         loss.backward()
-        for n, p in live.items():
-            self.masters[n].grad = p.grad.float()
+        for n, p in live.items():  # into the masters' gradients, kept across steps
+            g = self.masters[n].grad
+            self.masters[n].grad = p.grad.float() if g is None else g.copy_(p.grad)
         self.opt.step()
         with torch.no_grad():
             for n, p in self.params.items():

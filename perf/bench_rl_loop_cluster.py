@@ -17,12 +17,24 @@ sends every full tensor to every worker, each worker feeds vLLM's ``load_weights
 ``delta`` (ours, ``delta=True``). The control messages (rollouts, trainer logprobs, commands) travel as tensors
 over the cluster's own gloo group (nothing is pickled); the refit's link bytes are read off node 1's interface
 counters around each refit.
+
+The trainer node's setup, the same for every method (the baseline's included; recorded in the JSON's
+``meta.trainer_setup``): PyTorch's CPU allocator backs its large tensors with transparent huge pages
+(``THP_MEM_ALLOC_ENABLE=1`` in node 0's environment only; ``--trainer-thp off`` leaves it out) and the trainer
+keeps its gradients across steps with a fused AdamW (rl_loop.Trainer). Without them a step first-touched ~1 GB
+of fresh 4 KiB pages (150-270k minor faults a step, measured standalone; 1-5k with them in this bench): its
+gradients, the CPU AdamW's temporaries and its activations, after seconds of idling through generation and
+refit, while this VM's balloon returns freed memory to the host (free page reporting), so a first touch costs
+2-3 us and at times ~20 us a page. A real trainer has the same setup for the same reason (a GPU trainer's
+caching allocator keeps its memory; a CPU one turns THP on). Each row records the step's page faults, CPU
+seconds and involuntary context switches (``trainer_*``): on a shared machine, compare steps by those too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -50,6 +62,15 @@ def _recv(shape, dtype, src: int):
     t = torch.empty(shape, dtype=dtype)
     dist.recv(t, src)
     return t
+
+
+STEP_FIELDS = ("loss", "trainer_step_s", "changed_frac", "book_s", "trainer_minflt", "trainer_majflt",
+               "trainer_cpu_s", "trainer_ivcsw")  # the trainer node's answer to a step, in this order
+
+
+def _usage() -> tuple:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_majflt, r.ru_utime + r.ru_stime, r.ru_nivcsw
 
 
 def _cmd(op: str, a: int = 0, b: int = 0, c: int = 0):
@@ -110,9 +131,9 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             adv = _recv((n,), torch.float64, 1)
             rollouts = [(ids[k, :lens[k, 0]].tolist(), ids[k, lens[k, 0]:lens[k, 0] + lens[k, 1]].tolist(), None)
                         for k in range(n)]
-            t0 = time.perf_counter()
+            u0, t0 = _usage(), time.perf_counter()
             st = trainer.step(rollouts, adv.tolist(), swap=swap)
-            train_s = time.perf_counter() - t0
+            train_s, u1 = time.perf_counter() - t0, _usage()
             last_rollouts = rollouts
             if z == 1:  # async: the batch was sampled by the weights the engine served before the last commit
                 st["trainer_logprobs"] = trainer.logprobs(rollouts, engine_w_prev)
@@ -125,7 +146,8 @@ def trainer_job(rank: int, world: int, args: dict) -> dict:
             for k, v in enumerate(st["trainer_logprobs"]):
                 lp[k, :len(v)] = torch.tensor(v, dtype=torch.float64)
             _send(lp, 1)
-            _send(torch.tensor([st["loss"], train_s, changed, book_s], dtype=torch.float64), 1)
+            _send(torch.tensor([st["loss"], train_s, changed, book_s, *(b - a for a, b in zip(u0, u1, strict=True))],
+                               dtype=torch.float64), 1)
             steps += 1
         elif op == OPS["refit"]:
             method = {v: k for k, v in METHOD_CODES.items()}[y]
@@ -259,14 +281,14 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
             _send(torch.tensor(lens, dtype=torch.int64), 0)
             _send(torch.tensor(advs, dtype=torch.float64), 0)
             lp = _recv((len(seqs), width), torch.float64, 0)
-            loss, train_s, changed, book_s = _recv((4,), torch.float64, 0).tolist()
-            t_train = time.perf_counter() - t0 - book_s
+            ans = dict(zip(STEP_FIELDS, _recv((len(STEP_FIELDS),), torch.float64, 0).tolist(), strict=True))
+            t_train = time.perf_counter() - t0 - ans["book_s"]
             mism = [abs(x - float(lp[k, j])) for k, e in enumerate(engine_lps) for j, x in enumerate(e)]
             t_refit, sent, link_rx, upd = refit(it + 1, method)
-            row = {"warm_up": warm, "method": method, "iter": it, "reward": sum(rewards) / len(rewards), "loss": loss,
-                   "gen_s": t_gen, "train_s": t_train, "trainer_step_s": train_s, "refit_s": t_refit,
-                   "refit_share": t_refit / (t_gen + t_train + t_refit), "sent_bytes": sent,
-                   "link_rx_bytes": link_rx, "changed_frac": changed, "mismatch_max": max(mism),
+            row = {"warm_up": warm, "method": method, "iter": it, "reward": sum(rewards) / len(rewards),
+                   **{k: v for k, v in ans.items() if k != "book_s"}, "gen_s": t_gen, "train_s": t_train,
+                   "refit_s": t_refit, "refit_share": t_refit / (t_gen + t_train + t_refit), "sent_bytes": sent,
+                   "link_rx_bytes": link_rx, "mismatch_max": max(mism),
                    "mismatch_mean": sum(mism) / len(mism), "delta_mode": None,
                    "worker_refit_s": 0.0, "worker_load_s": 0.0, "staging_bytes": 0,
                    "phases": rl_loop.phases(upd, llm.collective_rpc("weight_transfer_stats"))}
@@ -278,7 +300,8 @@ def engine_job(rank: int, world: int, args: dict) -> dict:
             rows.append(row)
             print(f"[{method}{' warm-up' if warm else ''}] iter {it}: gen {t_gen:.2f}s train {t_train:.2f}s refit {t_refit:.3f}s "
                   f"({100 * row['refit_share']:.1f} %) sent {sent / 1e6:.1f} MB link rx {link_rx / 1e6:.1f} MB "
-                  f"changed {100 * changed:.2f} % mismatch {row['mismatch_max']:.3f}", flush=True)
+                  f"changed {100 * ans['changed_frac']:.2f} % faults {ans['trainer_minflt']:.0f} "
+                  f"mismatch {row['mismatch_max']:.3f}", flush=True)
     _cmd("stop")
     ej.stop(llm, eng)
     return {"rows": [r for r in rows if not r["warm_up"]],
@@ -302,10 +325,10 @@ def _train_cmd(gen: list, a, async_: bool) -> dict:
     _send(torch.tensor([[len(p), len(ids)] for p, ids, _ in rollouts], dtype=torch.int64), 0)
     _send(torch.tensor(advs, dtype=torch.float64), 0)
     lp = _recv((len(seqs), width), torch.float64, 0)
-    loss, train_s, changed, book_s = _recv((4,), torch.float64, 0).tolist()
+    ans = dict(zip(STEP_FIELDS, _recv((len(STEP_FIELDS),), torch.float64, 0).tolist(), strict=True))
     mism = [abs(x - float(lp[k, j])) for k, (_, _, e) in enumerate(rollouts) for j, x in enumerate(e)]
-    return {"reward": sum(rewards) / len(rewards), "loss": loss, "train_s": time.perf_counter() - t0 - book_s,
-            "trainer_step_s": train_s, "changed_frac": changed, "mismatch_max": max(mism),
+    return {"reward": sum(rewards) / len(rewards), **{k: v for k, v in ans.items() if k != "book_s"},
+            "train_s": time.perf_counter() - t0 - ans["book_s"], "mismatch_max": max(mism),
             "mismatch_mean": sum(mism) / len(mism)}
 
 
@@ -449,6 +472,19 @@ def job(rank: int, world: int, args: dict) -> dict:
     return trainer_job(rank, world, args) if rank == 0 else engine_job(rank, world, args)
 
 
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def trainer_env(args) -> dict[str, str]:
+    """The trainer node's environment beside the cluster's (module docstring: the trainer node's setup)."""
+    return {"THP_MEM_ALLOC_ENABLE": "1"} if args.trainer_thp == "on" else {}
+
+
 def main(argv=None) -> int:
 
     import bench_rl_loop
@@ -463,6 +499,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--trainer-threads", type=int, default=0,
                     help="the trainer node's torch threads for its training step (0: the machine's cores)")
+    ap.add_argument("--trainer-thp", default="on", choices=["on", "off"],
+                    help="the trainer node's PyTorch CPU allocator on transparent huge pages (THP_MEM_ALLOC_ENABLE)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t00 = time.perf_counter()
@@ -472,7 +510,7 @@ def main(argv=None) -> int:
     with Cluster(nodes=2, ranks_per_node=1, rate=args.rate) as c:
         env["TRITON_RESHARD_CLUSTER_ADDR"] = c.address(1)
         run = c.run("bench_rl_loop_cluster:job", vars(args), timeout=args.timeout, pg_timeout=args.timeout, env=env,
-                    allow_errors=True)
+                    allow_errors=True, node_env={0: trainer_env(args)})
         link = [lb.as_dict() for lb in run.link_bytes]
     if run.errors:
         for r, (node, text) in sorted(run.errors.items()):
@@ -494,6 +532,8 @@ def main(argv=None) -> int:
                 "mode": res["mode"], "cpu_capability": bench_rl_loop.cpu_capability(),
                 "train_compute": run.results[0].get("train_compute"),
                 "trainer_threads": run.results[0].get("trainer_threads"),
+                "trainer_setup": {"env": trainer_env(args), "optimizer": "AdamW fused=True, gradients kept across steps",
+                                  "thp": _thp_mode()},
                 "network": f"{args.rate} (tbf, both ways; trainer node 0, engine node 1)"}
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "params": res["params"], "rows": rows, "summary": summary,

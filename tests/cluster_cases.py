@@ -156,3 +156,10 @@ def rtts(rank: int, world: int, n: int) -> dict:
                 out[f"{a}-{b}"] = times[2:]
     dist.barrier()
     return out
+
+
+def env_of(rank: int, world: int, names: list[str]) -> dict:
+    """This rank's node and the values of ``names`` in its environment (None where unset); after a barrier (a
+    rank that leaves before its peers have connected fails their rendezvous)."""
+    dist.barrier()
+    return {"node": int(os.environ["TRITON_RESHARD_CLUSTER_NODE"]), **{n: os.environ.get(n) for n in names}}

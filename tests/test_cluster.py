@@ -162,6 +162,17 @@ def test_stale_namespaces_of_a_dead_run_are_removed(need_cluster):
     assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+def test_node_env_reaches_only_its_nodes_ranks(need_cluster):
+    names = ["TR_TEST_ALL", "TR_TEST_NODE"]
+    with C.Cluster(2, RANKS_PER_NODE, rate="1gbit") as c:
+        with pytest.raises(ValueError, match=r"node_env names nodes \[2\]"):
+            c.run("tests.cluster_cases:env_of", names, env=ENV, node_env={2: {"X": "1"}})
+        run = c.run("tests.cluster_cases:env_of", names, timeout=120,
+                    env={**ENV, "TR_TEST_ALL": "a", "TR_TEST_NODE": "base"}, node_env={0: {"TR_TEST_NODE": "n0"}})
+    for rank, got in enumerate(run.results):
+        assert got == {"node": c.node_of(rank), "TR_TEST_ALL": "a", "TR_TEST_NODE": "n0" if got["node"] == 0 else "base"}
+
+
 def test_lossy_link_completes_exactly_or_fails_named(need_cluster):
     caps = C.capabilities()
     if not (caps["netem"] or caps["nft"]):

@@ -445,20 +445,25 @@ class Cluster:
     # -- running ranks ------------------------------------------------------------------------------------
 
     def run(self, fn: str | Callable, *args, timeout: float = 300.0, pg_timeout: float = 120.0,
-            env: dict[str, str] | None = None, allow_errors: bool = False) -> ClusterRun:
+            env: dict[str, str] | None = None, allow_errors: bool = False,
+            node_env: dict[int, dict[str, str]] | None = None) -> ClusterRun:
         """Run ``fn(rank, world_size, *args)`` on every rank, each inside its node; return a :class:`ClusterRun`.
 
         ``fn``: ``"module:function"`` or a module-level function (its module must be importable by the
         ranks, e.g. on ``PYTHONPATH``); ``args`` and the return value: JSON values. ``pg_timeout``: the gloo
-        group's timeout. A rank that raises or exits without a result: :class:`ClusterRankError` naming node
-        and rank (with ``allow_errors``, in ``errors`` instead). Past ``timeout``: every rank is killed and
-        ``TimeoutError`` names the ranks not done."""
+        group's timeout. ``env``: added to every rank's environment; ``node_env``: ``{node: {name: value}}``,
+        added to that node's ranks only (e.g. the trainer node's allocator setup). A rank that raises or exits
+        without a result: :class:`ClusterRankError` naming node and rank (with ``allow_errors``, in ``errors``
+        instead). Past ``timeout``: every rank is killed and ``TimeoutError`` names the ranks not done."""
         if not self._built:
             raise RuntimeError("cluster: run() outside the with block (the cluster is not built)")
         target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
         if ":" not in target or "<" in target:
             raise ValueError(f"cluster: fn {target!r} must be importable as 'module:function'")
         json.dumps(list(args))  # raises TypeError for arguments that are not JSON values
+        bad = sorted(set(node_env or {}) - set(range(self.nodes)))
+        if bad:
+            raise ValueError(f"cluster: node_env names nodes {bad}, but the cluster has nodes 0..{self.nodes - 1}")
         self._port += 1
         run_dir = tempfile.mkdtemp(dir=self._dir)
         base_env = {**os.environ, **(env or {})}
@@ -468,7 +473,8 @@ class Cluster:
         t0 = time.perf_counter()
         procs, logs = [], []
         for rank in range(self.world_size):
-            p, log = self._spawn(rank, target, list(args), run_dir, base_env, pg_timeout)
+            own = {**base_env, **(node_env or {}).get(self.node_of(rank), {})}
+            p, log = self._spawn(rank, target, list(args), run_dir, own, pg_timeout)
             procs.append(p)
             logs.append(log)
         try:
