@@ -33,8 +33,8 @@ CODEC = Extension(
     sources=["csrc/delta_codec.c", "csrc/delta_apply.c", "csrc/digest.c"],  # digest.c: the integrity digest's one-pass hash
     # -g0: no debug paths in the binary (the wheel built from the sdist equals the one built from the tree);
     # no -march: the SIMD paths are chosen at run time (csrc/delta_codec.c), so the wheel runs on any x86-64
-    extra_compile_args=["-O3", "-g0", "-std=c99", "-fno-strict-aliasing"],
-    extra_link_args=["-g0", "-s"],
+    extra_compile_args=["-O3", "-g0", "-std=c99", "-fno-strict-aliasing", "-pthread"],
+    extra_link_args=["-g0", "-s", "-pthread"],  # -pthread: the apply's second thread (csrc/delta_apply.c)
     optional=True,
 )
 

@@ -4,6 +4,7 @@
  * `rstride` apart, written where they lie), the commit and undo of a pack made with update 2, and the check
  * of a message's directory. */
 #include "delta_codec.h"
+#include <pthread.h>
 
 #define TRD_APPLY 0
 #define TRD_CHECK 1  /* no write */
@@ -14,6 +15,56 @@
 typedef struct { uint8_t *d; int64_t w, st; } view_t;
 
 static inline int64_t elem_at(const view_t *v, int64_t i) { return v->w == v->st ? i : i / v->w * v->st + i % v->w; }
+
+/* The 256-bit mask of a block's n offsets, built in registers (an OR into m[] in memory waits on the last one
+ * each time: ~25 of them per block at 10 % changed, the most of a 16-bit block's AVX-512 apply, measured) */
+static inline void offsets_mask(const uint8_t *pos, int n, uint64_t *m) {
+    uint64_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+    for (int j = 0; j < n; j++) {
+        uint64_t bit = (uint64_t)1 << (pos[j] & 63), h = pos[j] >> 6;
+        m0 |= h == 0 ? bit : 0, m1 |= h == 1 ? bit : 0, m2 |= h == 2 ? bit : 0, m3 |= h == 3 ? bit : 0;
+    }
+    m[0] = m0, m[1] = m1, m[2] = m2, m[3] = m3;
+}
+
+/* Bits set in the n bytes at p, 8 bytes at a time (no popcnt instruction assumed: the portable build has
+ * none, and __builtin_popcount then calls libgcc per byte) */
+static inline int popcount_bytes(const uint8_t *p, int n) {
+    int c = 0;
+    for (int q = 0; q < n; q += 8) {
+        uint64_t x = 0;
+        memcpy(&x, p + q, (size_t)(n - q < 8 ? n - q : 8));
+        x -= (x >> 1) & 0x5555555555555555ull;
+        x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+        c += (int)((x * 0x0101010101010101ull) >> 56);
+    }
+    return c;
+}
+
+/* Are the n >= 1 offsets at p strictly ascending? avail: the bytes readable from p. On x86-64 16 pairs per
+ * SSE2 compare (baseline: no dispatch), the pairs past n masked off: no branch on n below 17, where the loop
+ * of a byte at a time mispredicted its exit at nearly every block at 1 % changed (~2.5 offsets each) */
+static inline int offsets_ascending(const uint8_t *p, int n, int64_t avail) {
+#if defined(__x86_64__) && defined(__SSE2__)
+    if (n + 16 <= avail) {
+        const __m128i flip = _mm_set1_epi8((char)0x80);
+        for (int j = 0; j < n - 1; j += 16) {
+            __m128i lo = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)(p + j)), flip);
+            __m128i hi = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)(p + j + 1)), flip);
+            unsigned up = (unsigned)_mm_movemask_epi8(_mm_cmpgt_epi8(hi, lo)); /* bit k: p[j + k + 1] > p[j + k] */
+            unsigned want = n - 1 - j >= 16 ? 0xFFFFu : (1u << (n - 1 - j)) - 1;
+            if ((up & want) != want) return 0;
+        }
+        return 1;
+    }
+#else
+    (void)avail;
+#endif
+    unsigned bad = 0;
+    for (int j = 1; j < n; j++) bad |= p[j] <= p[j - 1];
+    return !bad;
+}
 
 #ifdef HAVE_X86
 static inline void decode16(const uint8_t *p, int16_t *v, int n, int w) {
@@ -87,13 +138,8 @@ __attribute__((target("avx2,popcnt"))) static void
 add_block16_avx2(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint8_t *p, int64_t avail, int n, int w,
                  int neg) {
     uint64_t m[4] = {0, 0, 0, 0};
-    if (mode == MODE_OFFSETS) {  /* in registers (an OR into m[] in memory waits on the last one each time) */
-        uint64_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
-        for (int j = 0; j < n; j++) {
-            uint64_t bit = (uint64_t)1 << (pos[j] & 63), h = pos[j] >> 6;
-            m0 |= h == 0 ? bit : 0, m1 |= h == 1 ? bit : 0, m2 |= h == 2 ? bit : 0, m3 |= h == 3 ? bit : 0;
-        }
-        m[0] = m0, m[1] = m1, m[2] = m2, m[3] = m3;
+    if (mode == MODE_OFFSETS) {
+        offsets_mask(pos, n, m);
     } else if (mode == MODE_BITMASK) {
         memcpy(m, pos, (size_t)(blen + 7) / 8);
     } else {
@@ -130,6 +176,27 @@ add_block16_avx2(uint8_t *db, int blen, int mode, const uint8_t *pos, const uint
 }
 #endif
 
+/* Add one narrow block's n values of w bits (2, 4 or 8; sign-extended; neg: subtracted) at p to the 16-bit
+ * elements at db + 2 idx[j]: decoded as they are added (no pass into a buffer first), one loop per width.
+ * The apply of an offsets block of dense changes (~25 per block at 10 %): faster than the AVX-512 expand
+ * and add (whose mask of the offsets cost more than the adds, measured) */
+#define ADD_OFFSETS16(W, GET)                                                                                   \
+    for (int j = 0; j < n; j++) {                                                                              \
+        uint16_t y, v = (uint16_t)(GET);                                                                       \
+        memcpy(&y, db + 2 * idx[j], 2);                                                                        \
+        y = (uint16_t)(y + ((v ^ sign) - sign));                                                               \
+        memcpy(db + 2 * idx[j], &y, 2);                                                                        \
+    }
+static inline void add_offsets16(uint8_t *db, const uint8_t *idx, const uint8_t *p, int n, int w, int neg) {
+    uint16_t sign = neg ? 0xFFFFu : 0; /* (v ^ -1) - (-1) = -v */
+    if (w == 2)
+        ADD_OFFSETS16(2, (int8_t)(uint8_t)(p[j >> 2] << (6 - 2 * (j & 3))) >> 6)
+    else if (w == 4)
+        ADD_OFFSETS16(4, (int8_t)(uint8_t)(p[j >> 1] << (4 - 4 * (j & 1))) >> 4)
+    else
+        ADD_OFFSETS16(8, (int8_t)p[j])
+}
+
 /* The decoded changes of one chunk: element offset from the view's start (bit 63: a raw value) and value (raw
  * bits or the sign-extended difference); applied after the whole chunk is decoded. The destination's line of
  * each change is prefetched as it is decoded (the decode of a chunk takes about as long as the memory needs to
@@ -148,6 +215,28 @@ INLINE void apply_changes(const changes *ch, int64_t k, uint8_t *d, int e) {
         int64_t i = (int64_t)(pj & ~RAWBIT);
         store(d, i, e, (pj & RAWBIT) ? ch->val[j] : load(d, i, e) + ch->val[j]);
     }
+}
+
+/* Stage one narrow 16-bit offsets block's n values of w bits (2, 4 or 8; sign-extended; neg: negated) at p for
+ * the chunk's prefetched apply (as apply_block, without its pass of the values into a buffer first): the
+ * sparse apply's common block (~2.5 changes each at 1 %), whose fixed costs were most of its decode */
+#define STAGE16(GET)                                                                                            \
+    for (int j = 0; j < n; j++) {                                                                              \
+        int64_t off = boff + idx[j];                                                                           \
+        int64_t v = (int8_t)(GET);                                                                             \
+        __builtin_prefetch(d + 2 * off, 1, 1);                                                                 \
+        ch->pos[k] = off;                                                                                      \
+        ch->val[k++] = (uint64_t)(neg ? -v : v);                                                               \
+    }
+static inline int64_t stage_offsets16(uint8_t *d, int64_t boff, const uint8_t *idx, const uint8_t *p, int n, int w,
+                                      int neg, const changes *ch, int64_t k) {
+    if (w == 2)
+        STAGE16((int8_t)(uint8_t)(p[j >> 2] << (6 - 2 * (j & 3))) >> 6)
+    else if (w == 4)
+        STAGE16((int8_t)(uint8_t)(p[j >> 1] << (4 - 4 * (j & 1))) >> 4)
+    else
+        STAGE16(p[j])
+    return k;
 }
 
 /* Apply one checked block of a chunk (positions idx, or every element in mode "all"; nv values at p of width
@@ -236,7 +325,7 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             if (!contig) boff = cc + blen <= vw->w ? rr * vw->st + cc : -1;
             /* AVX2: positions as a bitmask or all (the scalar apply of offsets is faster: measured at 10 %) */
             vec = direct && e == 2 && !raw && !nexc && boff >= 0 &&
-                  (trd_fast16 == FAST16_AVX512 || (trd_fast16 == FAST16_AVX2 && mode != MODE_OFFSETS));
+                  (trd_fast16 == FAST16_AVX512 || trd_fast16 == FAST16_AVX2) && mode != MODE_OFFSETS;
         }
         uint8_t idxb[BLOCK];
         const uint8_t *idx = idxb;
@@ -244,14 +333,14 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
         if (mode == MODE_OFFSETS) {
             unsigned bad = p[cnt - 1] >= blen;  /* ascending and the last inside: every one inside */
             if (!ch)  /* (the apply follows a check pass over the same bytes) */
-                for (int j = 1; j < cnt; j++) bad |= p[j] <= p[j - 1];
+                bad |= !offsets_ascending(p, cnt, in + nbytes - p);
             if (bad) return 1;
             idx = p;
             p += cnt;
         } else if (mode == MODE_BITMASK) {
             int c = 0;
             if (!ch) {
-                for (int q = 0; q < (blen + 7) / 8; q++) c += __builtin_popcount(p[q]);
+                c = popcount_bytes(p, (blen + 7) / 8);
                 if (c != cnt || ((blen & 7) && (p[blen / 8] >> (blen & 7)))) return 1;
             }
             if (ch && !vec) {
@@ -264,6 +353,13 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
             nv = blen;
         }
         if (!ch) continue;
+        if (e == 2 && !raw && !nexc && boff >= 0 && mode == MODE_OFFSETS) {
+            if (direct)
+                add_offsets16(vw->d + boff * 2, idx, p, nv, w, op == TRD_UNDO);
+            else
+                k = stage_offsets16(vw->d, boff, idx, p, nv, w, op == TRD_UNDO, ch, k);
+            continue;
+        }
 #ifdef HAVE_X86
         if (vec) {
             const uint8_t *pos = mode == MODE_BITMASK ? p - (blen + 7) / 8 : idx;
@@ -304,6 +400,93 @@ static void put_dense(const view_t *vw, int64_t a, int64_t len, int e, const uin
     }
 }
 
+/* The arguments of one trd_unpack_rows call, and one part of its chunks: c0 .. c1 - 1, the first in view i0
+ * from its element a0; r: the part's first event (-1: none; else the chunk that disagrees, or -2: a chunk
+ * kind this codec does not write) */
+typedef struct {
+    const uint8_t *msg;
+    const int64_t *dst, *numel, *esize, *cols, *rstride;
+    int64_t n, ce;
+    int op;
+} unpack_args;
+typedef struct {
+    const unpack_args *u;
+    int64_t i0, a0, c0, c1, r;
+    changes chs; /* its scratch (not a check's) */
+} part_t;
+
+/* One part's chunks, in order */
+static void *unpack_part(void *arg) {
+    part_t *pt = (part_t *)arg;
+    const unpack_args *u = pt->u;
+    const changes *ch = u->op == TRD_CHECK ? NULL : &pt->chs;
+    pt->r = -1;
+    int64_t c = pt->c0;
+    for (int64_t i = pt->i0; i < u->n && c < pt->c1; i++) {
+        int e = (int)u->esize[i];
+        view_t vw = {(uint8_t *)(intptr_t)u->dst[i], u->cols ? u->cols[i] : 1, u->cols ? u->rstride[i] : 1};
+        for (int64_t a = i == pt->i0 ? pt->a0 : 0; a < u->numel[i] && c < pt->c1; a += u->ce, c++) {
+            int64_t off;
+            uint32_t h[4];
+            memcpy(&off, u->msg + 16 + 8 * c, 8);
+            memcpy(h, u->msg + off, 16);
+            int kind = (int)(h[0] & 0xFF);
+            int64_t len = h[1], count = h[2], nbytes = h[3];
+            if (kind == KIND_NARROW) {
+                if (narrow_chunk_e(u->msg + off, len, count, nbytes, e, &vw, a, ch, u->op)) {
+                    pt->r = c;
+                    goto done;
+                }
+            } else if (kind == KIND_DENSE) {
+                if (u->op == TRD_APPLY || u->op == TRD_COMMIT) put_dense(&vw, a, len, e, u->msg + off + 16);
+            } else if (!(kind == KIND_OFFSETS && count == 0)) {
+                pt->r = -2;
+                goto done;
+            }
+        }
+    }
+done:
+    return NULL;
+}
+
+static int trd_nthreads = 1; /* trd_codec_threads */
+
+static inline int64_t chunk_bytes(const uint8_t *msg, int64_t off) {
+    uint32_t nb;
+    memcpy(&nb, msg + off + 12, 4);
+    return nb;
+}
+#define SPLIT_BYTES (1 << 20) /* messages from this many bytes of chunks (headers and bodies) are split */
+
+/* Cut the chunks in two of about equal message bytes (the work of a check and, at a few % changed, of an
+ * apply: one line of the destination per change; a dense chunk's bytes are its copy's) plus a fixed cost
+ * per chunk: p[1] starts at the cut (none: p[1].c0 == p[1].c1) */
+static void split_parts(const unpack_args *u, part_t *p) {
+    int64_t nc = 0, tot = 0, cut = 0;
+    for (int64_t i = 0; i < u->n; i++) nc += (u->numel[i] + u->ce - 1) / u->ce;
+    p[0] = (part_t){u, 0, 0, 0, nc, -1, {NULL, NULL}};
+    p[1] = (part_t){u, u->n, 0, nc, nc, -1, {NULL, NULL}};
+    for (int64_t c = 0; c < nc; c++) {
+        int64_t off;
+        memcpy(&off, u->msg + 16 + 8 * c, 8);
+        tot += 256 + chunk_bytes(u->msg, off);
+    }
+    if (tot < SPLIT_BYTES || nc < 2) return;
+    for (int64_t i = 0, c = 0; i < u->n; i++)
+        for (int64_t a = 0; a < u->numel[i]; a += u->ce, c++) {
+            int64_t off;
+            memcpy(&off, u->msg + 16 + 8 * c, 8);
+            cut += 256 + chunk_bytes(u->msg, off);
+            if (2 * cut >= tot && c + 1 < nc) {  /* chunk c + 1 starts part 1 */
+                int64_t a1 = a + u->ce, i1 = i;
+                if (a1 >= u->numel[i]) a1 = 0, i1 = i + 1;
+                while (i1 < u->n && !u->numel[i1]) i1++;
+                p[0].c1 = p[1].c0 = c + 1, p[1].i0 = i1, p[1].a0 = a1;
+                return;
+            }
+        }
+}
+
 /* Check (op TRD_CHECK: no write), apply (TRD_APPLY), commit or undo (TRD_COMMIT / TRD_UNDO: a message the
  * pack made with update 2, on the snapshot it packed against) a v2 message into n destination views: view i
  * is numel[i] elements of esize[i] bytes at dst[i], in rows of cols[i] elements rstride[i] elements apart
@@ -311,43 +494,46 @@ static void put_dense(const view_t *vw, int64_t a, int64_t len, int e, const uin
  * after a check of the same bytes returned -1 (it leaves out the checks of positions that check made).
  * Returns -1 when done, the index of the first chunk whose body disagrees with its header, -2 when the
  * message holds a chunk kind this codec does not write (the caller falls back), -3 when the per-chunk
- * scratch cannot be allocated (nothing written). */
+ * scratch cannot be allocated (nothing written). With trd_codec_threads(2) a message of >= SPLIT_BYTES runs
+ * as two parts of its chunks, the second on a thread of its own (the views' chunks are disjoint: so are the
+ * writes); the result is the same: the event of the lowest chunk. Why: at a few % changed the apply waits
+ * on the memory (one scattered line per change) and one core keeps too few lines in flight to use it; the
+ * check is compute bound. */
 EXPORT int64_t trd_unpack_rows(const uint8_t *msg, int64_t n, const int64_t *dst, const int64_t *numel,
                                const int64_t *esize, const int64_t *cols, const int64_t *rstride, int64_t ce,
                                int op) {
     if (!trd_block_mask) trd_choose();
-    int64_t c = 0, r = -1;
-    changes chs = {NULL, NULL}, *ch = NULL;
-    if (op != TRD_CHECK) {
-        chs.pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)ce);
-        chs.val = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)ce);
-        if (!chs.pos || !chs.val) { free(chs.pos); free(chs.val); return -3; }
-        ch = &chs;
+    unpack_args u = {msg, dst, numel, esize, cols, rstride, n, ce, op};
+    part_t p[2];
+    if (trd_nthreads > 1) {
+        split_parts(&u, p);
+    } else {
+        p[0] = (part_t){&u, 0, 0, 0, INT64_MAX, -1, {NULL, NULL}};
+        p[1] = (part_t){&u, n, 0, 0, 0, -1, {NULL, NULL}};
     }
-    for (int64_t i = 0; i < n; i++) {
-        int e = (int)esize[i];
-        view_t vw = {(uint8_t *)(intptr_t)dst[i], cols ? cols[i] : 1, cols ? rstride[i] : 1};
-        for (int64_t a = 0; a < numel[i]; a += ce, c++) {
-            int64_t off;
-            uint32_t h[4];
-            memcpy(&off, msg + 16 + 8 * c, 8);
-            memcpy(h, msg + off, 16);
-            int kind = (int)(h[0] & 0xFF);
-            int64_t len = h[1], count = h[2], nbytes = h[3];
-            if (kind == KIND_NARROW) {
-                if (narrow_chunk_e(msg + off, len, count, nbytes, e, &vw, a, ch, op)) { r = c; goto done; }
-            } else if (kind == KIND_DENSE) {
-                if (op == TRD_APPLY || op == TRD_COMMIT) put_dense(&vw, a, len, e, msg + off + 16);
-            } else if (!(kind == KIND_OFFSETS && count == 0)) {
-                r = -2;
-                goto done;
-            }
-        }
+    int nparts = p[1].c0 < p[1].c1 ? 2 : 1, bad = 0;
+    for (int k = 0; k < nparts && op != TRD_CHECK; k++) { /* every part's scratch before the first write */
+        p[k].chs.pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)ce);
+        p[k].chs.val = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)ce);
+        bad |= !p[k].chs.pos || !p[k].chs.val;
     }
-done:
-    free(chs.pos);
-    free(chs.val);
-    return r;
+    if (!bad) {
+        pthread_t th;
+        int two = nparts == 2 && !pthread_create(&th, NULL, unpack_part, &p[1]);
+        unpack_part(&p[0]);
+        if (two) pthread_join(th, NULL);
+        else if (nparts == 2) unpack_part(&p[1]); /* (no thread: in turn) */
+    }
+    for (int k = 0; k < nparts; k++) free(p[k].chs.pos), free(p[k].chs.val);
+    return bad ? -3 : p[0].r != -1 ? p[0].r : p[1].r;
+}
+
+/* trd_codec_threads(n): run trd_unpack_rows on up to n (1 or 2) threads in this process; returns the
+ * previous setting (n < 1: only returns it) */
+EXPORT int trd_codec_threads(int n) {
+    int prev = trd_nthreads;
+    if (n >= 1) trd_nthreads = n > 2 ? 2 : n;
+    return prev;
 }
 
 /* trd_unpack_rows into contiguous views: check (check == 1) or apply */

@@ -353,16 +353,17 @@ def split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tenso
 
 
 def run_codec(args: argparse.Namespace) -> dict:
-    from triton_reshard.ops.delta_native import native_info
+    from triton_reshard.ops.delta_native import codec_threads, native_info
 
     torch.set_num_threads(args.threads)
+    threads = codec_threads(args.codec_threads)  # the native check / apply's (1 or 2; None: no native codec)
     shapes = llama_shapes(args.codec_vocab, 768, 2048, args.codec_layers, 256)
     total = sum(r * c for r, c in shapes)
     flat = torch.randn(total, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     plain = torch.empty_like(flat)
     copy_s = best(lambda: plain.copy_(flat), args.repeats)
     dense = 2 * total
-    print(f"codec: {native_info()}; {len(shapes)} tensors, {dense / 1e6:.0f} MB bf16; one dense copy_ "
+    print(f"codec: {native_info()}, {threads} thread(s); {len(shapes)} tensors, {dense / 1e6:.0f} MB bf16; one dense copy_ "
           f"{1e3 * copy_s:.1f} ms (best of {args.repeats})", flush=True)
     rows = []
     for frac in args.fractions:
@@ -377,7 +378,7 @@ def run_codec(args: argparse.Namespace) -> dict:
             f"{1e3 * row[f'v{v}_apply_s']:.1f} ms ({row[f'v{v}_apply_over_copy']:.2f}x), "
             f"{row[f'v{v}_dense_over_bytes']:.1f}x fewer bytes than dense, exact {row[f'v{v}_exact']}"
             for v in args.versions), f"; block bits {row.get('v2_block_bits')}", flush=True)
-    return {"codec": native_info(), "tensors": len(shapes), "dense_bytes": dense, "copy_s": copy_s,
+    return {"codec": native_info(), "codec_threads": threads, "tensors": len(shapes), "dense_bytes": dense, "copy_s": copy_s,
             "repeats": args.repeats, "rows": rows}
 
 
@@ -534,6 +535,8 @@ def main() -> None:
     ap.add_argument("--codec-vocab", type=int, default=32000, help="--part codec: the Llama's vocabulary")
     ap.add_argument("--codec-layers", type=int, default=12, help="--part codec: its layers (12: 125M)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.1], help="--part codec")
+    ap.add_argument("--codec-threads", type=int, default=None, choices=(1, 2),
+                    help="--part codec: the native check / apply's threads (default: TRITON_RESHARD_CODEC_THREADS, 1)")
     ap.add_argument("--versions", type=int, nargs="+", default=[2, 1], help="--part codec: the formats timed")
     ap.add_argument("--outliers", type=float, default=0.0,
                     help="--part codec: the fraction of changes moved 8..120 ulps (real steps' far movers)")

@@ -66,7 +66,21 @@ def _load():
     lib.trd_directory.restype = ctypes.c_int
     lib.trd_directory.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _P, _P]
     lib.trd_simd.restype = ctypes.c_int
+    if hasattr(lib, "trd_codec_threads"):
+        lib.trd_codec_threads.restype, lib.trd_codec_threads.argtypes = ctypes.c_int, [ctypes.c_int]
+        lib.trd_codec_threads(_env_threads())
     return lib
+
+
+def _env_threads() -> int:
+    """``TRITON_RESHARD_CODEC_THREADS`` (1 or 2; default 1), capped at the CPUs this process may run on."""
+    raw = os.environ.get("TRITON_RESHARD_CODEC_THREADS", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"TRITON_RESHARD_CODEC_THREADS={raw!r}: expected 1 or 2") from None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, 2, cpus))
 
 
 def native():
@@ -90,6 +104,20 @@ def native_info() -> str:
     if lib is None:
         return "numpy"
     return "native (" + {512: "avx512", 256: "avx2"}.get(int(lib.trd_simd()), "portable C") + ")"
+
+
+def codec_threads(n: int | None = None) -> int | None:
+    """The threads the native apply and check run on (1 or 2: a message of >= 1 MiB in two parts of its
+    chunks, ``csrc/delta_apply.c``); ``n`` first sets it for this process (default: ``TRITON_RESHARD_CODEC_THREADS``,
+    else 1). Returns the setting now; None without the extension (or a build without threads)."""
+    lib = native()
+    if lib is None or not hasattr(lib, "trd_codec_threads"):
+        return None
+    if n is not None:
+        if n not in (1, 2):
+            raise ValueError(f"codec_threads: {n!r}; expected 1 or 2")
+        lib.trd_codec_threads(n)
+    return int(lib.trd_codec_threads(0))
 
 
 def simd(use: int | None = None) -> int | None:

@@ -1,0 +1,214 @@
+"""The native apply's faster paths (issue 44 item 1, ``csrc/delta_apply.c``): the check of a block's offsets 16
+pairs per compare (an offset out of order anywhere in a block, in any block, up to the message's last bytes, is
+refused before any write), the 16-bit offsets blocks added as decoded, and the check and apply of a message of
+>= 1 MiB in two parts on two threads (``delta_native.codec_threads(2)``): the same bits into poisoned
+destinations as one thread and as the numpy reference, the same refusals (the first bad chunk named, nothing
+written), the snapshot's commit and undo. Every SIMD level this CPU has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_reshard.ops import delta as D
+from triton_reshard.ops import delta_cpu
+from triton_reshard.ops import delta_native as N
+from triton_reshard.ops.delta_cached import pack_deferred
+
+from .test_delta_simd import simd  # noqa: F401 (a fixture)
+from .test_delta_v2 import adversarial, bits, refused_by_both_codecs, ulp_steps
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request, codec):
+    codec("native")
+    if N.codec_threads() is None:
+        pytest.skip("a build of the native codec without trd_codec_threads")
+    prev = N.codec_threads(request.param)
+    yield request.param
+    N.codec_threads(prev)
+
+
+def offset_bytes(msg: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
+    """(first offset byte, count) of every offsets-mode, unpatched, non-raw block of a narrow chunk."""
+    c = D.describe(msg)[chunk]
+    at, nb = c["offset"] + 16, -(-c["numel"] // 256)
+    desc = msg[at : at + 2 * nb].tolist()
+    e, body, out = c["elem_size"], at + 2 * nb, []
+    for b in range(nb):
+        d, cnt = desc[2 * b], desc[2 * b + 1] + 1
+        code, mode = d & 15, d >> 4
+        blen = min(256, c["numel"] - 256 * b)
+        if code == 0:
+            continue
+        w = 8 * e if code == 6 else 1 << code
+        vb = (cnt * w + 7) // 8
+        if mode == 0 and code != 6:
+            out.append((body, cnt))
+        size = cnt + vb if mode == 0 else (blen + 7) // 8 + vb if mode == 1 else (blen * w + 7) // 8
+        if mode >= 3:  # patched: a count of exceptions (slot + value each) past the values
+            size = (cnt + vb if (mode - 3) // 4 == 0 else (blen + 7) // 8 + vb) + ((mode - 3) % 4 + 1) * (
+                1 + e
+            )
+        body += size
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("frac", [0.01, 0.1])
+def test_an_offset_out_of_order_anywhere_is_refused(codec, dtype, frac):
+    """An offset made equal to the one before it, or smaller, in the first, a middle or the last offsets block
+    of the last chunk (the last one ends near the message's end: the byte-at-a-time check), at any place in
+    the block (the 16-pair compares: first, 15th, 16th, 17th, last): ValueError from both codecs, nothing
+    written."""
+    g = torch.Generator().manual_seed(11)
+    old = (torch.randn(3000, generator=g) * 0.02).to(dtype)
+    new = ulp_steps(old, frac, g, 8)
+    codec("numpy")
+    msg = D.pack_delta([(new, old.clone())], 4096, backend="torch")
+    blocks = [b for b in offset_bytes(msg, 0) if b[1] >= 2]
+    assert blocks, "no offsets block to corrupt"
+    for first, cnt in {blocks[0], blocks[len(blocks) // 2], blocks[-1]}:
+        for k in sorted({1, 15, 16, 17, cnt - 1} & set(range(1, cnt))):
+            for how in ("repeat", "smaller"):
+                bad = msg.clone()
+                prev = int(bad[first + k - 1])
+                if how == "smaller" and prev == 0:
+                    continue
+                bad[first + k] = prev if how == "repeat" else prev - 1
+                refused_by_both_codecs(codec, bad, old)
+
+
+def big_views(g: torch.Generator, frac: float) -> tuple[list, list]:
+    """(new, old) pairs making a message of over 1 MiB of chunks at ce 256 (the two-part apply): bf16, fp16 and
+    fp32 tensors of odd sizes, one a row view (a column block of a wider tensor)."""
+    shapes = [
+        (700, 1031, torch.bfloat16),
+        (333, 517, torch.float16),
+        (97, 1001, torch.float32),
+        (1, 7, torch.bfloat16),
+    ]
+    pairs = []
+    for r, c, dt in shapes:
+        old = (torch.randn(r, c, generator=g) * 0.02).to(dt)
+        pairs.append((ulp_steps(old.reshape(-1), frac, g, 8).view(r, c), old))
+    return pairs
+
+
+def poisoned_like(old: torch.Tensor, row_view: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer filled with -1 bits, a view of it holding ``old``): a row view 5 columns in, or a flat slice 3
+    elements in (unaligned)."""
+    if row_view:
+        big = torch.empty(old.shape[0], old.shape[1] + 9, dtype=old.dtype)
+        bits(big).fill_(-1)
+        d = big[:, 5 : 5 + old.shape[1]]
+    else:
+        big = torch.empty(old.numel() + 11, dtype=old.dtype)
+        bits(big).fill_(-1)
+        d = big[3 : 3 + old.numel()].view(old.shape)
+    d.copy_(old)
+    return big, d
+
+
+def check_poison(big: torch.Tensor, d: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(bits(d), bits(want))
+    rest = bits(big)
+    keep = torch.ones_like(rest, dtype=torch.bool)
+    if d.dim() == 2 and d.stride(0) != d.shape[1]:
+        keep[:, 5 : 5 + d.shape[1]] = False
+    else:
+        keep[3 : 3 + d.numel()] = False
+    assert bool((rest[keep] == -1).all()), "a byte outside the destination was written"
+
+
+@pytest.mark.parametrize("frac", [0.01, 0.1, 1.0])
+def test_two_part_apply_is_bit_exact(simd, threads, frac):  # noqa: F811 (the fixture)
+    g = torch.Generator().manual_seed(12)
+    pairs = big_views(g, frac)
+    for ce in (256, 4096) if frac == 0.1 else (256,):
+        snaps = [o.clone() for _n, o in pairs]
+        msg = D.pack_delta([(n, s) for (n, _o), s in zip(pairs, snaps, strict=True)], ce, backend="torch")
+        prev = N.set_native(False)
+        try:
+            want = D.pack_delta([(n, o.clone()) for n, o in pairs], ce, backend="torch")
+        finally:
+            N.set_native(prev)
+        assert torch.equal(msg, want), (frac, ce, threads, simd)
+        bufs = [poisoned_like(o, row_view=(i == 0)) for i, (_n, o) in enumerate(pairs)]
+        D.unpack_delta(msg, [d for _b, d in bufs], backend="torch")
+        for (n, _o), (big, d) in zip(pairs, bufs, strict=True):
+            check_poison(big, d, n)
+
+
+def test_two_part_adversarial_cases(simd, threads):  # noqa: F811
+    """Every adversarial case of ``test_delta_v2`` (all changed, sign flips, +-0, NaN payloads, subnormals, a
+    block with one 16-bit difference), each dtype, in one message big enough for two parts."""
+    g = torch.Generator().manual_seed(13)
+    pairs = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for _name, old, new in adversarial(dt, 70_000, g):
+            pairs.append((new, old))
+    msg = D.pack_delta([(n, o.clone()) for n, o in pairs], 256, backend="torch")
+    assert msg.numel() + 256 * N.header_word(msg, 2) >= 1 << 20  # the split's weight: two parts
+    bufs = [poisoned_like(o, row_view=False) for _n, o in pairs]
+    D.unpack_delta(msg, [d for _b, d in bufs], backend="torch")
+    for (n, _o), (big, d) in zip(pairs, bufs, strict=True):
+        check_poison(big, d, n)
+
+
+def test_two_part_refusal_names_the_first_bad_chunk(codec, threads):
+    """A bad chunk in the second part (and one in each part): the error names the first, as the numpy
+    reader's, and nothing is written anywhere."""
+    g = torch.Generator().manual_seed(14)
+    pairs = big_views(g, 0.02)
+    codec("numpy")
+    msg = D.pack_delta([(n, o.clone()) for n, o in pairs], 256, backend="torch")
+    chunks = D.describe(msg)
+    narrow = [i for i, c in enumerate(chunks) if c["kind"] == "narrow" and c["count"] > 0]
+    late, early = narrow[-3], narrow[2]
+    names = [f"model.w{i}" for i in range(len(pairs))]
+    for which in ([late], [early, late]):
+        bad = msg.clone()
+        for i in which:
+            bad[chunks[i]["offset"] + 16] = 0x07  # block 0's code: past raw
+        errors = []
+        for name in ("numpy", "native"):
+            codec(name)
+            if name == "native":
+                N.codec_threads(threads)
+            dsts = [o.clone() for _n, o in pairs]
+            with pytest.raises(ValueError) as e:
+                D.unpack_delta(bad, dsts, backend="torch", names=names)
+            for d, (_n, o) in zip(dsts, pairs, strict=True):
+                assert torch.equal(bits(d), bits(o)), "written before the check"
+            errors.append(str(e.value))
+        assert errors[0] == errors[1], errors
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_two_part_commit_and_undo(codec, threads, commit):
+    """A deferred snapshot update of a big message, committed or undone on two threads: the new or the old
+    bits exactly."""
+    codec("native")
+    N.codec_threads(threads)
+    g = torch.Generator().manual_seed(15)
+    for frac in (0.02, 0.1):
+        pairs = [(n.reshape(-1), o.reshape(-1)) for n, o in big_views(g, frac)]
+        snaps, updates = [o.clone() for _n, o in pairs], []
+        pack_deferred([(n, s) for (n, _o), s in zip(pairs, snaps, strict=True)], 256, updates, cache={})
+        (delta_cpu.commit_updates if commit else delta_cpu.undo_updates)(updates)
+        for (n, o), s in zip(pairs, snaps, strict=True):
+            assert torch.equal(bits(s), bits(n if commit else o)), (frac, commit, threads)
+
+
+def test_codec_threads_setting(codec):
+    codec("native")
+    if N.codec_threads() is None:
+        pytest.skip("no trd_codec_threads in this build")
+    prev = N.codec_threads()
+    try:
+        assert N.codec_threads(2) == 2 and N.codec_threads(1) == 1
+        with pytest.raises(ValueError):
+            N.codec_threads(3)
+    finally:
+        N.codec_threads(prev)
