@@ -165,7 +165,7 @@ class StepLoop:
         t = clock()
         b = self.b
         self.touched.update(b.local_writes)
-        if self.ledger is not None and self.tally is None:  # (those reading in-place sends hash them)
+        if self.ledger is not None and self.tally is None and self.strategy.local_digest:
             pairs = self.ledger.local(b.local, b.wire, (self.key, "local"), self.backend)
             self.copy_or_compare(pairs, None, (self.key, "local" if pairs is b.local else "local-rest"))
         else:
