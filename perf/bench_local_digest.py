@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -109,6 +111,13 @@ def main(argv=None) -> int:
         "median_s": med,
         "digest_cost_before_s": med["before"] - med["off"],
         "digest_cost_after_s": med["after"] - med["off"],
+        "meta": {
+            "argv": ["perf/bench_local_digest.py", *(sys.argv[1:] if argv is None else argv)],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"cpu, {os.cpu_count()} cores",
+            "load_average": os.getloadavg(),
+            "torch": torch.__version__,
+        },
     }
     print(
         f"{a.mb:g} MB shard, {len(sends)} in-place sends, thread CPU medians of {a.repeats}: local copies alone "
