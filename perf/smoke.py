@@ -49,6 +49,7 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_delta_gpu.py": ("main", ["--device", "cpu", "--vocab", "256", "--hidden", "64", "--inter", "128", "--layers",
                                     "1", "--repeats", "1", "--out", "{out}/delta_gpu.json"], 300),
     "bench_integrity.py": ("main", ["--mb", "1", "--repeats", "1", "--out", "{out}/integrity.json"], 300),
+    "bench_local_digest.py": ("main", ["--mb", "2", "--repeats", "1", "--out", "{out}/local_digest.json"], 300),
     "bench_call.py": ("main", ["--calls", "4", "--ab", "--out", "{out}/call.json"], 300),
     "bench_kernels.py": ("main", ["--quick", "--model", "tiny-llama", "--repeats", "1", "--out", "{out}/kernels.json"], 300),
     "bench_planner.py": ("main", ["--models", "llama-3-8b", "--worlds", "8", "--out", "{out}/planner.json"], 300),

@@ -93,3 +93,35 @@ class ReshardIntegrityError(ReshardError):
     ) -> None:
         super().__init__(message)
         self.tensor, self.step, self.sender, self.receiver, self.pairs = tensor, step, sender, receiver, pairs
+
+
+def integrity_error(me: int, bad: list, found: list, max_msgs: int) -> ReshardIntegrityError:
+    """The integrity check's verdict on rank ``me`` (``execute/integrity.py``): ``bad``, the (sender, receiver)
+    pairs whose digests differ; ``found``, per localized pair, (sender, receiver, messages sent, landed, the
+    first differing message (index, step, tensor) or None) among the first ``max_msgs``."""
+    s, q, n_s, n_q, first = found[0]
+    if first is not None:
+        k, step, tensor = first
+        what = (
+            f"message {k + 1} from rank {s} to rank {q} (step {step + 1} on rank {q}, tensor {tensor!r}) differs: its "
+            f"digest on rank {q} over what it wrote is not rank {s}'s over what it sent"
+        )
+    elif n_s != n_q:
+        what = f"rank {s} sent {n_s} messages to rank {q}, which landed {n_q}"
+        step = tensor = None
+    else:
+        what = (
+            f"a message from rank {s} to rank {q} after the first {max_msgs} of their {n_s} differs: its "
+            f"digest on rank {q} over what it wrote is not rank {s}'s over what it sent"
+        )
+        step = tensor = None
+    more = f"; {len(bad)} (sender, receiver) pairs differ: {bad}" if len(bad) > 1 else ""
+    return ReshardIntegrityError(
+        f"rank {me}: integrity check failed: {what}{more}; the destination holds bytes its sender did not send "
+        f"(it is torn until a refit succeeds; the next delta refit goes dense)",
+        tensor=tensor,
+        step=None if step is None else step + 1,
+        sender=s,
+        receiver=q,
+        pairs=tuple(bad),
+    )

@@ -7,8 +7,9 @@ receive is the destination itself; a staged one is first rebuilt from the destin
 wrote (the unpack reversed, where it did not cast), so the digest covers what the destination holds, not
 only what arrived; a delta message is digested as it arrived. On CPU with the native extension and torch's
 copy backend, a dense step's pack and unpack are one C pass each that copies and hashes what it wrote
-(:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; only bytes no copy takes
-(messages sent or received in place, padding, quantized pieces) are read again. At the end of the refit the
+(:func:`fused_copy`; ``csrc/digest.c``): the hash takes no read pass of its own; a message sent in place whose
+bytes the rank's local copies also read is hashed in their pass (:meth:`Ledger.local`); only bytes no copy takes
+(other in-place messages, padding, quantized pieces) are read again. At the end of the refit the
 ranks exchange one keyed value per (sender, receiver) pair in one row exchange (rooted on gloo:
 :func:`post_gather`; in a delta refit posted before the last step's apply, which it then overlaps:
 ``StepLoop.apply``); a mismatch makes a second exchange that names the first differing message, and every rank raises
@@ -25,6 +26,7 @@ per-message partials with that key, truncated to 63 bits. What it guarantees is 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import os
@@ -35,22 +37,23 @@ import torch
 
 from ..comm.secret import NO_SECRET_KEY, resolve_secret
 from ..ops.digest import (
+    ROW_WORDS,  # int64 words per first-level row (1 KiB): one sum each, then keyed weights
     buffer_rows,
-    copy_digest,
     copy_native,
-    copy_plan,
+    cut_pairs,
     digest_buffer,
     digest_many,
+    fused_copy,
     message_rows,
     span_torch,
 )
+from ..ops.digest import entries as _entries
 from ..ops.digest import native as digest_native
 from ..ops.quant_digest import add_hashed
-from .errors import ReshardIntegrityError
+from .errors import ReshardIntegrityError, integrity_error
 from .transport import PostedRows
 from .transport import post_gather as transport_post_gather
 
-ROW_WORDS = 128  # int64 words per first-level row (1 KiB): one sum each, then keyed weights per row
 LABEL = b"triton_reshard/v1/digest/"
 NAME_WORDS = 8  # a tensor name in the localizing exchange: 8 int64 of 7 bytes each (56 bytes, then cut)
 MAX_PAIRS = 4  # mismatched (sender, receiver) pairs localized to a message (the others are counted)
@@ -135,11 +138,6 @@ def partial(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
     return _partial_torch(buf, coef)
 
 
-def _entries(n: int) -> int:
-    """The coefficients an ``n``-byte message uses: one per row of :data:`ROW_WORDS` words, one per tail byte."""
-    return -(-(n // 8) // ROW_WORDS) + n % 8
-
-
 def _partial_torch(buf: torch.Tensor, coef: Coefficients) -> torch.Tensor | int:
     n = buf.numel()
     nw = n // 8
@@ -220,6 +218,10 @@ class Ledger:
         self._posted: dict[int, list] = {}  # step position -> the receives posted for it
         self._hashing: dict[int, list] = {}  # step position -> (peer, index in sent[peer]) hashed in the thread
         self._round: tuple | None = None  # (messages digested, the posted row exchange): post_round
+        # step position -> in-place send index -> (peer, index in sent[peer], buffer): hashed later (_resolve)
+        self._later: dict[int, dict] = {}
+        # (address, bytes) of an in-place send -> (the local copies' hash of it, the views they did not read)
+        self._local: dict | None = None  # (None: the local copies have not run yet)
 
     def on_post(self, pos: int, sends, recvs) -> None:
         """Step ``pos`` was posted: digest its sends now (the transport reads them too). A send no fused copy
@@ -228,14 +230,73 @@ class Ledger:
         step's unpack); :meth:`on_land` of the same step takes its value (the buffer is not reused before)."""
         i = self.work.steps[pos][0]
         fused = self._fused.pop(("pack", pos), None)
-        values = self._finish(fused, [(b, b.numel()) for _p, b in sends]) if fused is not None else None
+        bufs = [(b, b.numel()) for _p, b in sends]
+        later = self._deferred(fused, bufs)
+        values = self._finish(fused, bufs, later) if fused is not None else None
         if values is None:
             values = self._sends([b for _p, b in sends])
-        for (peer, buf), v in zip(sends, values, strict=True):
+        for j, ((peer, buf), v) in enumerate(zip(sends, values, strict=True)):
             if not isinstance(v, (int, torch.Tensor)):  # a future of the digest's thread
                 self._hashing.setdefault(pos, []).append((peer, len(self.sent.get(peer, ()))))
+            if j in later:
+                self._later.setdefault(pos, {})[j] = (peer, len(self.sent.get(peer, ())), buf)
             self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
+        if self._local is not None:
+            self._resolve(pos)
+
+    def _deferred(self, fused, bufs) -> set[int]:
+        """The sends a fused pack did not touch (in place, read from the sources) whose hash waits for the local
+        copies (:meth:`local`: they read the same source bytes, and hash them in their pass), or takes it."""
+        if fused is None or isinstance(fused[0], torch.Tensor) or self._local == {}:
+            return set()
+        whole = {j for j, g in enumerate(fused[1]) if len(g) == 1 and g[0, 2] == bufs[j][1]}
+        if self._local is None:
+            return whole
+        return {j for j in whole if (bufs[j][0].data_ptr(), bufs[j][1]) in self._local}
+
+    def local(self, pairs, wire, key, backend: str) -> list:
+        """Run the rank's local copies ``pairs`` that read the bytes of in-place sends (``wire``: every step's
+        (sends, receives)) natively, hashing those bytes per send in the same pass (what a send's digest needs:
+        no read pass of its own); returns the pairs left for the caller to copy. Takes the deferred sends."""
+        rest, self._local = pairs, {}
+        if backend == "torch" and pairs and copy_native() is not None:
+            sends = {(b.data_ptr(), b.numel()): b for ss, _r in wire for _p, b in ss if not b.is_cuda}
+            sig = ("local", key, tuple(sends), len(pairs))
+            cut = self.views.get(sig)
+            if cut is None:
+                cut = self.views[sig] = cut_pairs(pairs, list(sends))
+            starts = sorted(sends)
+            hit = {starts[bisect.bisect_right(starts, (s.data_ptr(), 1 << 62)) - 1] for s, _d in cut[0]}
+            bufs = [(sends[h], h[1]) for h in sorted(hit)]
+            got = fused_copy(self.views, self.coef, cut[0], bufs, 0, key) if bufs else None
+            if got is not None:
+                rest = cut[1]
+                for (b, n), h, g in zip(bufs, got[0].tolist(), got[1], strict=True):
+                    self._local[b.data_ptr(), n] = (h, g)
+        self._resolve()
+        return rest
+
+    def _resolve(self, pos: int | None = None) -> None:
+        """The deferred sends of step ``pos`` (every step's: None): the local copies' hash of their bytes plus the
+        bytes those did not read, or the whole buffer, in one native call."""
+        steps = [pos] if pos is not None else list(self._later)
+        todo = [(p, j) for p in steps for j in self._later.get(p, ())]
+        if not todo:
+            return
+        got, rows, lens = [], [], []
+        for p, j in todo:
+            peer, k, buf = self._later[p].pop(j)
+            h, g = (self._local or {}).get((buf.data_ptr(), buf.numel()), (0, buffer_rows(buf)))
+            got.append((peer, k, h))
+            rows.append(g)
+            lens.append(buf.numel())
+        some = [m for m, g in enumerate(rows) if len(g)]
+        hashed = self._many([rows[m] for m in some], [lens[m] for m in some]) if some else []
+        extra = dict(zip(some, hashed, strict=True))
+        for m, (peer, k, h) in enumerate(got):
+            e = self.sent[peer][k]
+            self.sent[peer][k] = (e[0], e[1], (e[2] + h + extra.get(m, 0)) & ((1 << 64) - 1))
 
     def _sends(self, bufs: list[torch.Tensor]) -> list:
         """The hashes of sends no fused copy hashed (delta messages, in-place sends): on CPU with the native
@@ -262,7 +323,8 @@ class Ledger:
         return digest_many(rows, lens, self.coef.numpy(max(_entries(n) for n in lens)))
 
     def _joined(self, pos: int | None = None) -> None:
-        """The threaded hashes of step ``pos``'s sends (every step's: None) as values."""
+        """The threaded and the deferred hashes of step ``pos``'s sends (every step's: None) as values."""
+        self._resolve(pos)
         for p in [pos] if pos is not None else list(self._hashing):
             for peer, k in self._hashing.pop(p, ()):
                 e = self.sent[peer][k]
@@ -305,13 +367,14 @@ class Ledger:
         self._fused["unpack", pos] = got
         return True
 
-    def _finish(self, fused, bufs) -> list:
-        """A fused copy's per-message hashes plus the hash of the bytes it did not copy (read now)."""
+    def _finish(self, fused, bufs, later=()) -> list:
+        """A fused copy's per-message hashes plus the hash of the bytes it did not copy (read now; messages
+        ``later``: left out, :meth:`_resolve` adds it)."""
         hashes, gaps = fused
         if isinstance(hashes, torch.Tensor):  # the Triton kernels' sums (on the device, no sync)
             return [self._gaps_torch(hashes[j], g, b, n) for j, (g, (b, n)) in enumerate(zip(gaps, bufs, strict=True))]
         out = hashes.tolist()
-        gapped = [j for j, g in enumerate(gaps) if len(g)]
+        gapped = [j for j, g in enumerate(gaps) if len(g) and j not in later]
         if gapped:  # the bytes no copy took (in-place messages, padding), one native call for all
             for j, h in zip(gapped, self._many([gaps[j] for j in gapped], [bufs[j][1] for j in gapped]), strict=True):
                 out[j] = (out[j] + h) & ((1 << 64) - 1)
@@ -477,7 +540,7 @@ class Ledger:
                     first = (k, rq[base + 1], _name_of(rq[base + 2 : base + 2 + NAME_WORDS]))
                     break
             found.append((s, q, n_s, n_q, first))
-        raise _error(me, bad, found)
+        raise integrity_error(me, bad, found, MAX_MSGS)
 
     def _tensors(self, pos: int, j: int | tuple[int, ...]) -> str:
         """The destination tensor(s) of receive ``j`` (or receives, joined in one message) of step ``pos``."""
@@ -494,66 +557,6 @@ def post_gather(link, row: list[int], what: str) -> PostedRows:
     both ends, most of the round's CPU on a shared host (``perf/bench_integrity.py --rounds``); one more hop.
     The root forwards, it cannot forge: every rank checks every row's keyed tag itself."""
     return transport_post_gather(link, row, what, ROOTED_MIN_RANKS)
-
-
-def _error(me: int, bad: list, found: list) -> ReshardIntegrityError:
-    s, q, n_s, n_q, first = found[0]
-    if first is not None:
-        k, step, tensor = first
-        what = (
-            f"message {k + 1} from rank {s} to rank {q} (step {step + 1} on rank {q}, tensor {tensor!r}) differs: its "
-            f"digest on rank {q} over what it wrote is not rank {s}'s over what it sent"
-        )
-    elif n_s != n_q:
-        what = f"rank {s} sent {n_s} messages to rank {q}, which landed {n_q}"
-        step = tensor = None
-    else:
-        what = (
-            f"a message from rank {s} to rank {q} after the first {MAX_MSGS} of their {n_s} differs: its "
-            f"digest on rank {q} over what it wrote is not rank {s}'s over what it sent"
-        )
-        step = tensor = None
-    more = f"; {len(bad)} (sender, receiver) pairs differ: {bad}" if len(bad) > 1 else ""
-    return ReshardIntegrityError(
-        f"rank {me}: integrity check failed: {what}{more}; the destination holds bytes its sender did not send "
-        f"(it is torn until a refit succeeds; the next delta refit goes dense)",
-        tensor=tensor,
-        step=None if step is None else step + 1,
-        sender=s,
-        receiver=q,
-        pairs=tuple(bad),
-    )
-
-
-def fused_copy(views: dict, coef: Coefficients, pairs, bufs, side: int, key, backend: str = "torch"):
-    """Copy ``pairs`` natively (``backend`` torch: ``ops.digest.copy_plan``, its descriptors cached in
-    ``views`` under ``key``) or with the Triton copy kernel (triton: ``ops.copy.triton_copy_digest``, each
-    program hashing what it moves), hashing what they write per message of ``bufs``: ``(hashes, gaps)``, or
-    None (nothing copied)."""
-    if backend == "triton":
-        if not bufs or not pairs:
-            return None
-        from ..ops.copy import triton_copy_digest
-
-        entries = max(_entries(n) for _b, n in bufs)
-        return triton_copy_digest(pairs, bufs, side, coef.get(entries, bufs[0][0].device), key)
-    fn = copy_native()
-    if fn is None or not bufs or not pairs or bufs[0][0].device.type != "cpu":
-        return None
-    sig = ("copy", key, side, tuple((b.data_ptr(), n) for b, n in bufs), len(pairs))
-    got = views.get(sig) if key is not None else None
-    if got is None:
-        plan = copy_plan(pairs, bufs, side)
-        lens = np.array([n for _b, n in bufs], dtype=np.int64)
-        got = False if plan is None else (*plan, lens, max(_entries(n) for _b, n in bufs))
-        if key is not None:
-            if len(views) >= 512:
-                views.clear()
-            views[sig] = got
-    if got is False:
-        return None
-    desc, gaps, lens, entries = got
-    return copy_digest(fn, desc, lens, coef.numpy(entries)), gaps
 
 
 class Digests:

@@ -165,7 +165,11 @@ class StepLoop:
         t = clock()
         b = self.b
         self.touched.update(b.local_writes)
-        self.copy_or_compare(b.local, b.local_meta, (self.key, "local"))
+        if self.ledger is not None and self.tally is None and self.strategy.local_digest:
+            pairs = self.ledger.local(b.local, b.wire, (self.key, "local"), self.backend)
+            self.copy_or_compare(pairs, None, (self.key, "local" if pairs is b.local else "local-rest"))
+        else:
+            self.copy_or_compare(b.local, b.local_meta, (self.key, "local"))
         bq = b.quant
         if bq.local_stage:
             ops.copy_views(bq.local_stage, self.backend, key=(self.key, "local-stage"))

@@ -58,6 +58,9 @@ class Dense:
     flight (``steps.prepack``; its seconds). ``req`` / ``why``: the delta request the fence sent dense, and why
     (the report says so)."""
 
+    # with the digest on, the local copies hash the in-place sends whose bytes they read (``Ledger.local``)
+    local_digest = True
+
     def __init__(
         self, prepacked: float | None = None, req: DeltaRequest | None = None, why: str | None = None
     ):
@@ -177,6 +180,8 @@ class Delta(Dense):
     NVFP4 chunks); on NCCL (sizes must match) and with block deltas each step's are announced by a length
     round first, otherwise (gloo) they are received into buffers of their largest possible size (a message
     says its own length)."""
+
+    local_digest = False  # (its in-place sends mostly go as delta messages: nothing to take from the local copies)
 
     def __init__(self, side: DeltaSide, req: DeltaRequest, base: int, pre: Prediff | None = None) -> None:
         super().__init__(None, req, None)

@@ -19,6 +19,7 @@ import torch
 WIDTH = 12  # int64 per view: address, offset in the message, inner run bytes, outer dims, 4 sizes, 4 strides
 COPY_WIDTH = 18  # int64 per fused copy: 2 addresses, message, offset, run, outer dims, 4 sizes, 2x4 strides
 MAX_OUTER = 4
+ROW_WORDS = 128  # int64 words per first-level row of the hash (1 KiB; ``execute/integrity.py``)
 _fn: dict = {}  # (symbol, id of the loaded library) -> the typed ctypes function, or None
 
 
@@ -270,3 +271,67 @@ def _bytes_torch(buf: torch.Tensor, a: int, z: int, n: int, coef: torch.Tensor) 
     idx = torch.where(body, k >> 10, rows + k - lim)
     shift = torch.where(body, (k & 7) * 8, 0)
     return ((buf[a:z].to(torch.int64) << shift) * coef[idx]).sum()
+
+
+def cut_pairs(pairs, spans: list[tuple[int, int]]) -> tuple[list, list]:
+    """Split copies ``pairs`` ((source, destination) views, CPU) by where their sources lie: the pieces whose
+    source lies inside one of the byte ``spans`` ((address, bytes) of messages), each cut from a contiguous
+    source along its first dimension at the spans' edges, and the rest (``(inside, rest)``; together they copy
+    what ``pairs`` copy). A source an edge cuts off a row boundary is left whole in the rest."""
+    spans = sorted((a, a + n) for a, n in spans if n)
+    edges = sorted({e for s in spans for e in s})
+    inside, rest = [], []
+    for s, d in pairs:
+        nb = s.numel() * s.element_size()
+        p = s.data_ptr()
+        k = bisect.bisect_right(spans, (p, float("inf")))  # spans starting at or before p come before k
+        hit = (k and spans[k - 1][1] > p) or (k < len(spans) and spans[k][0] < p + nb)
+        if not nb or not hit or not s.is_contiguous() or s.dim() == 0 or s.device.type != "cpu":
+            rest.append((s, d))
+            continue
+        row = nb // s.shape[0]
+        cuts = [e - p for e in edges[bisect.bisect_right(edges, p) : bisect.bisect_left(edges, p + nb)]]
+        if any(c % row for c in cuts):
+            rest.append((s, d))
+            continue
+        for a, z in zip([0, *cuts], [*cuts, nb], strict=True):
+            piece = (s[a // row : z // row], d[a // row : z // row])
+            i = bisect.bisect_right(spans, (p + a, float("inf"))) - 1
+            (inside if i >= 0 and spans[i][0] <= p + a and p + z <= spans[i][1] else rest).append(piece)
+    return inside, rest
+
+
+def entries(n: int) -> int:
+    """The coefficients an ``n``-byte message uses: one per row of :data:`ROW_WORDS` words, one per tail byte."""
+    return -(-(n // 8) // ROW_WORDS) + n % 8
+
+
+def fused_copy(views: dict, coef, pairs, bufs, side: int, key, backend: str = "torch"):
+    """Copy ``pairs`` natively (``backend`` torch: ``ops.digest.copy_plan``, its descriptors cached in
+    ``views`` under ``key``) or with the Triton copy kernel (triton: ``ops.copy.triton_copy_digest``, each
+    program hashing what it moves), hashing what they write per message of ``bufs``: ``(hashes, gaps)``, or
+    None (nothing copied). ``coef``: the digest's keyed coefficients (``execute.integrity.Coefficients``)."""
+    if backend == "triton":
+        if not bufs or not pairs:
+            return None
+        from .copy import triton_copy_digest
+
+        need = max(entries(n) for _b, n in bufs)
+        return triton_copy_digest(pairs, bufs, side, coef.get(need, bufs[0][0].device), key)
+    fn = copy_native()
+    if fn is None or not bufs or not pairs or bufs[0][0].device.type != "cpu":
+        return None
+    sig = ("copy", key, side, tuple((b.data_ptr(), n) for b, n in bufs), len(pairs))
+    got = views.get(sig) if key is not None else None
+    if got is None:
+        plan = copy_plan(pairs, bufs, side)
+        lens = np.array([n for _b, n in bufs], dtype=np.int64)
+        got = False if plan is None else (*plan, lens, max(entries(n) for _b, n in bufs))
+        if key is not None:
+            if len(views) >= 512:
+                views.clear()
+            views[sig] = got
+    if got is False:
+        return None
+    desc, gaps, lens, need = got
+    return copy_digest(fn, desc, lens, coef.numpy(need)), gaps
