@@ -19,6 +19,7 @@ from triton_reshard.execute.delta_cost import (
     MEASURED,
     PROBE_DENSE,
     PROBE_WHY,
+    RUNS,
     DeltaCost,
     cost_choice,
     cost_row,
@@ -60,24 +61,26 @@ def test_measured_row_and_probe():
     assert cost_row(_elig(), cost, MEASURED) == [-1] * D.COST_FIELDS  # nothing measured
     cost = cost.after_dense(0.010)
     assert cost_row(_elig(), cost, MEASURED) == [-1] * D.COST_FIELDS  # no delta measured yet
+    cost = cost.after_delta(0.004, 0.003, 0.020, (5, 100), (0, 0))  # a cold first delta
+    assert (cost.send_ratio, cost.since_dense, cost.runs, cost.dense_runs) == (0.05, 1, (0.020,), (0.010,))
+    assert cost_row(_elig(), cost, MEASURED) == [-1] * D.COST_FIELDS  # one delta does not decide alone
     cost = cost.after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0))
-    assert (cost.send_ratio, cost.since_dense, cost.runs, cost.dense_runs) == (0.05, 1, (0.006,), (0.010,))
-    # (dense run, the rest of the delta run, diff, apply) in us: the columns add up to the delta run
-    assert cost_row(_elig(), cost, MEASURED) == [10000, 3000, 2000, 1000] and cost.asked == 1
-    assert cost_choice([[10000, 3000, 2000, 1000]]) is None  # 6 ms <= 10 ms: a delta
-    why = cost_choice([[10000, 3000, 2000, 1000], [4000, 0, 0, 0]])  # the slowest rank's of each column
-    assert why is None
-    why = cost_choice([[5000, 3000, 2000, 1000]])
-    assert why.startswith(D.COST_WHY + ": 5.00 ms dense"), why
-    # medians of the last three: one slow run does not decide alone
-    for run in (0.006, 0.500, 0.006):
-        cost = cost.after_delta(0.002, 0.001, run, (5, 100), (0, 0))
-    assert cost.runs == (0.006, 0.500, 0.006) and cost_row(_elig(), cost, MEASURED)[1] == 3000
-    # PROBE_EVERY deltas since the last dense run: measure dense again (a capture, not a cost fallback)
+    # (the fastest dense run, the fastest delta run, the diff and apply medians) in us, then the kind
+    assert cost_row(_elig(), cost, MEASURED) == [10000, 6000, 3000, 2000, RUNS] and cost.asked == 1
+    assert cost_choice([[10000, 6000, 3000, 2000, RUNS]]) is None  # 6 ms <= 10 ms: a delta
+    # whole runs, the slowest rank's each way (not the topology's sum of the slowest phases: a rank's run
+    # already waited for the others' diffs and applies)
+    assert cost_choice([[10000, 6000, 6000, 0, RUNS], [4000, 9000, 0, 6000, RUNS]]) is None
+    why = cost_choice([[5000, 6000, 3000, 2000, RUNS]])
+    assert why.startswith(D.COST_WHY + ": 5.00 ms dense against a delta's 6.00 ms"), why
+    # the fastest of the last three: a run slowed by a busy machine does not decide
+    cost = cost.after_delta(0.002, 0.001, 0.500, (5, 100), (0, 0))
+    assert cost.runs == (0.020, 0.006, 0.500) and cost_row(_elig(), cost, MEASURED)[1] == 6000
+    # dense_probe_after() deltas since the last dense run: measure dense again (a capture, not a cost fallback)
     for _ in range(D.PROBE_EVERY):
         cost = cost.after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0))
-    assert cost_row(_elig(), cost, MEASURED) == [PROBE_DENSE, -1, -1, -1]
-    why = cost_choice([[PROBE_DENSE, -1, -1, -1], [-1, -1, -1, -1]])
+    assert cost_row(_elig(), cost, MEASURED) == [PROBE_DENSE] + [-1] * (D.COST_FIELDS - 1)
+    why = cost_choice([[PROBE_DENSE, -1, -1, -1, -1], [-1] * D.COST_FIELDS])
     assert why.startswith(PROBE_WHY) and not why.startswith(D.COST_WHY)
     assert cost.after_dense(0.010).since_dense == 0
     assert cost.after_dense(0.010, why).dense_probed  # the next delta predicted faster confirms it: backoff
@@ -86,6 +89,7 @@ def test_measured_row_and_probe():
     assert confirmed.after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0)).dense_probe_after() == 2 * D.PROBE_EVERY
     # stale predictions: unknown after PROBE_EVERY asks, as with a topology
     cost = DeltaCost().after_dense(0.010).after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0))
+    cost = cost.after_delta(0.002, 0.001, 0.006, (5, 100), (0, 0))
     cost.asked = D.PROBE_EVERY
     assert cost_row(_elig(), cost, MEASURED) == [-1] * D.COST_FIELDS
 
@@ -117,20 +121,20 @@ def auto_world(rank: int, world: int, dense_s: float, delta_s: float, versions: 
 
 def test_auto_goes_dense_where_dense_measured_faster():
     p = D.PROBE_EVERY
-    res = run_world(auto_world, 2, 1e-6, 1.0, 3 * p + 7, backend="gloo", timeout=300)
+    res = run_world(auto_world, 2, 1e-6, 1.0, 3 * p + 8, backend="gloo", timeout=300)
     fb, cap = "dense-fallback", "dense-fallback"
     for rows in res:
         assert all(ok for _, _, ok, _ in rows), rows
         modes = [m for m, _, _, _ in rows]
-        # dense (no snapshot), a delta that measures, then dense predicted faster (no snapshot kept) until the
+        # dense (no snapshot), two deltas that measure, then dense predicted faster (no snapshot kept) until the
         # predictions go stale; dense with a capture (no snapshot), a probe delta that loses again: twice as
         # many cost fallbacks before the next capture and probe
-        assert modes == [cap, "delta"] + [fb] * p + [cap, "delta"] + [fb] * (2 * p) + [cap, "delta", fb], rows
+        assert modes == [cap, "delta", "delta"] + [fb] * p + [cap, "delta"] + [fb] * (2 * p) + [cap, "delta", fb], rows
         costs = [k for k, r in enumerate(rows) if r[1].startswith(D.COST_WHY)]
-        assert costs == [*range(2, p + 2), *range(p + 4, 3 * p + 4), 3 * p + 6], [r[1][:40] for r in rows]
-        assert all("no snapshot" in rows[k][1] for k in (p + 2, 3 * p + 4)), rows
+        assert costs == [*range(3, p + 3), *range(p + 5, 3 * p + 5), 3 * p + 7], [r[1][:40] for r in rows]
+        assert all("no snapshot" in rows[k][1] for k in (p + 3, 3 * p + 5)), rows
     sent = [s for _, _, _, s in res[0]]
-    assert sent[1] < sent[0] / 4 and sent[p + 3] < sent[0] / 4 and sent[2] == sent[0], sent  # deltas are small
+    assert sent[1] < sent[0] / 4 and sent[p + 4] < sent[0] / 4 and sent[3] == sent[0], sent  # deltas are small
 
 
 def test_auto_stays_delta_where_delta_measured_faster_and_probes_dense():

@@ -108,7 +108,7 @@ def test_cost_row_and_choice():
     cost = D.DeltaCost(pack_s=0.002, unpack_s=0.001, send_ratio=0.05, recv_ratio=0.1)
     # rank 0 sends 1 MB to rank 2 (other node: half of 1 GB/s) and 1 MB to rank 1 (same node: 10 GB/s)
     row = D.cost_row(_elig(0, [(2, 10**6), (1, 10**6)], []), cost, topo)
-    assert row == [2000, 100, 2000, 1000] and cost.asked == 1
+    assert row == [2000, 100, 2000, 1000, D.TOPOLOGY] and cost.asked == 1
     assert D.cost_row(_elig(0, [], []), D.DeltaCost(), topo) == [-1] * D.COST_FIELDS  # nothing measured
     assert D.cost_row(_elig(0, [], []), cost, None) == [-1] * D.COST_FIELDS  # no topology
     cost.asked = D.PROBE_EVERY

@@ -55,7 +55,7 @@ from ..ops.delta_cached import pack_deferred
 from ..ops.delta_cpu import undo_updates
 from ..ops.delta_native import REUSE
 from .bind import block_chunks, buffer_view, quant_buffers
-from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, DeltaCost, cost_choice, cost_row  # noqa: F401
+from .delta_cost import COST_FIELDS, COST_WHY, PROBE_EVERY, TOPOLOGY, DeltaCost, cost_choice, cost_row  # noqa: F401
 from .errors import ReshardError
 from .handshake import NO_FENCE, Fence
 from .steps import clock

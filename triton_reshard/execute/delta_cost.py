@@ -105,14 +105,15 @@ PROBE_WHY = "measuring dense again"  # how a probe's reason starts (a dense run 
 PROBE_EVERY = 8
 MAX_BACKOFF = 4  # the longest wait between probes: PROBE_EVERY << 4 = 128 refits
 COST_WHY = "predicted faster dense"  # how a cost fallback's reason starts (the run then captures no snapshot)
-COST_FIELDS = 4  # the cost columns of the fence row, in microseconds (-1: unknown)
+COST_FIELDS = 5  # the cost columns of the fence row: 4 in microseconds (-1: unknown), then the kind of prediction
+TOPOLOGY, RUNS = 0, 1  # the kind: from a Topology's link rates (phases add up), from MEASURED runs (whole runs)
 
 
 def cost_row(elig, cost: DeltaCost, topo) -> list[int]:
     """This rank's predicted times, microseconds: (its dense wire time, its delta wire time, its delta diff
-    time, its delta apply time) for its delta-able messages (``elig``: its ``execute.delta.Eligible``), from the ``topo`` (a
+    time, its delta apply time, then ``TOPOLOGY``) for its delta-able messages (``elig``: its ``execute.delta.Eligible``), from the ``topo`` (a
     :class:`~triton_reshard.tools.topology.Topology`) and what its last delta measured (:class:`DeltaCost`);
-    -1 each when there is no topology or no fresh measurement. A port's time is its bytes over its bandwidth:
+    -1 each when there is no topology or no fresh measurement (with :data:`MEASURED`: :func:`_measured_row`). A port's time is its bytes over its bandwidth:
     network bytes (peer on another node) over ``net_GBps`` (divided among the node's ranks with
     ``shared_nic``), NVLink bytes over ``nvlink_GBps``; the rank's wire time is its busiest port's."""
     if topo is None or cost.pack_s is None or cost.asked >= cost.probe_after():
@@ -130,41 +131,50 @@ def cost_row(elig, cost: DeltaCost, topo) -> list[int]:
 
     dense = max(*ports(elig.send_peers, 1.0), *ports(elig.recv_peers, 1.0))
     delta = max(*ports(elig.send_peers, cost.send_ratio), *ports(elig.recv_peers, cost.recv_ratio))
-    return [round(x * 1e6) for x in (dense, delta, cost.pack_s, cost.unpack_s)]
+    return [round(x * 1e6) for x in (dense, delta, cost.pack_s, cost.unpack_s)] + [TOPOLOGY]
 
 
 def _measured_row(cost: DeltaCost) -> list[int]:
-    """:func:`cost_row` with :data:`MEASURED`: (the median of this rank's last dense runs, the rest of its delta
-    run besides the diff and the apply, the diff, the apply), so the columns add up as the topology's do;
-    ``PROBE_DENSE`` first when ``PROBE_EVERY`` deltas ran since it last measured a dense run; unknown (-1) until
-    it has measured both."""
-    if not cost.dense_runs or not cost.runs:
+    """:func:`cost_row` with :data:`MEASURED`, microseconds: (this rank's fastest of its last three dense runs,
+    the fastest of its last three delta runs, that delta's diff and apply medians, ``RUNS``); ``PROBE_DENSE``
+    first when :meth:`DeltaCost.dense_probe_after` deltas ran since it last measured a dense run; unknown (-1)
+    until it has measured a dense run and two deltas (the first delta of a Resharder pays its first-call
+    allocations: it must not decide alone). The fastest, not the median: on a shared machine a run is only ever
+    slowed by its neighbours, and a cold first run must not decide either way."""
+    if not cost.dense_runs or len(cost.runs) < 2:
         return [-1] * COST_FIELDS
     if cost.since_dense >= cost.dense_probe_after():
         return [PROBE_DENSE] + [-1] * (COST_FIELDS - 1)
     cost.asked += 1
-    run = statistics.median(cost.runs)
-    rest = max(0.0, run - cost.pack_s - cost.unpack_s)
-    return [round(x * 1e6) for x in (statistics.median(cost.dense_runs), rest, cost.pack_s, cost.unpack_s)]
+    return [round(x * 1e6) for x in (min(cost.dense_runs), min(cost.runs), cost.pack_s, cost.unpack_s)] + [RUNS]
 
 
 def cost_choice(rows: list[list[int]]) -> str | None:
     """From every rank's :func:`cost_row` columns: why the refit goes dense (predicted faster, or a probe), or
-    None (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time (with
-    :data:`MEASURED`: its dense run); delta: the slowest diff, then the slowest delta wire, then the slowest
-    apply (each waits for the one before). A rank asking to measure dense again (``PROBE_DENSE``) makes the
+    None (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time;
+    delta: the slowest diff, then the slowest delta wire, then the slowest apply (each waits for the one
+    before). With :data:`MEASURED` (every row ``RUNS``): the slowest rank's delta run against the slowest
+    rank's dense run (a rank's run already holds its waits for the others' diffs and applies). A rank asking to measure dense again (``PROBE_DENSE``) makes the
     refit dense with a capture on every rank (the reason starts with ``PROBE_WHY``, not ``COST_WHY``)."""
     if any(r and r[0] == PROBE_DENSE for r in rows):
         return (f"{PROBE_WHY}: delta refits in a row since the last dense one (delta=\"auto\" compares measured "
                 f"runs); sent dense, capturing the snapshot, and the next refit is a delta again")
     if not rows or any(min(r) < 0 for r in rows):
         return None
-    cols = list(zip(*rows, strict=True))  # (dense wire, delta wire, diff, apply) columns, as cost_row makes them
+    if all(len(r) > 4 and r[4] == RUNS for r in rows):  # MEASURED: each rank's whole runs, which include the
+        dense, run, pack, unpack = (max(c) for c in list(zip(*rows, strict=True))[:4])  # waits for the others'
+        if run <= dense:
+            return None
+        return (f"{COST_WHY}: {dense / 1e3:.2f} ms dense against a delta's {run / 1e3:.2f} ms (the slowest rank's "
+                f"fastest of its last runs each way; diff {pack / 1e3:.2f} ms, apply {unpack / 1e3:.2f} ms); sent "
+                f"dense without a snapshot (after {PROBE_EVERY} such refits, twice as many each time a delta lost "
+                f"again, one captures it and the next delta measures again)")
+    cols = list(zip(*rows, strict=True))[:4]  # (dense wire, delta wire, diff, apply) columns, as cost_row makes them
     dense, wire, pack, unpack = (max(c) for c in cols)
     if pack + wire + unpack <= dense:
         return None
     return (f"{COST_WHY}: {dense / 1e3:.2f} ms dense against a delta's {pack / 1e3:.2f} ms diff + "
-            f"{wire / 1e3:.2f} ms wire + {unpack / 1e3:.2f} ms apply (the topology's link rates or the "
-            f"measured dense runs, and the last delta refits' measured costs and changed bytes); sent dense "
+            f"{wire / 1e3:.2f} ms wire + {unpack / 1e3:.2f} ms apply (the topology's link rates, the "
+            f"last delta refits' measured costs and changed bytes); sent dense "
             f"without a snapshot (after {PROBE_EVERY} such refits, twice as many each time a delta lost again, one "
             f"captures it and the next delta measures again)")
