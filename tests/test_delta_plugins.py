@@ -91,7 +91,7 @@ def test_bad_delta_options_are_refused_on_the_trainer_before_any_engine_call(rec
 
     with pytest.raises(TypeError, match="needs an int version="):
         kit.delta_options("step-0", True)
-    with pytest.raises(ValueError, match="delta must be False, True or 'strict'"):
+    with pytest.raises(ValueError, match="delta must be False, True, 'strict' or 'auto'"):
         kit.delta_options(3, "yes")
     with pytest.raises(TypeError, match="needs an int version="):
         vt.ReshardUpdateInfo(version="step-0", delta=True)

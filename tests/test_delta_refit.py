@@ -110,7 +110,7 @@ def test_delta_request_validation():
         refit(t, {"w": torch.zeros(4, 4)}, src, src, delta=True)
     with pytest.raises(TypeError, match="needs an int version"):
         refit(t, {"w": torch.zeros(4, 4)}, src, src, delta=True, version="step-3")
-    with pytest.raises(ValueError, match="delta must be False, True or 'strict'"):
+    with pytest.raises(ValueError, match="delta must be False, True, 'strict' or 'auto'"):
         refit(t, {"w": torch.zeros(4, 4)}, src, src, delta="yes", version=1)
 
 
