@@ -94,9 +94,10 @@ def test_measured_row_and_probe():
     assert cost_row(_elig(), cost, MEASURED) == [-1] * D.COST_FIELDS
 
 
-def auto_world(rank: int, world: int, dense_s: float, delta_s: float, versions: int) -> list:
+def auto_world(rank: int, world: int, dense_s: float, delta_s: float, versions: int, plain: int = -1) -> list:
     """Rank 0 holds the source (rows), rank 1 the destination (columns); ``delta="auto"`` refits through the
-    public ``refit``, with the runs' measured seconds fixed (dense ``dense_s``, delta ``delta_s``)."""
+    public ``refit``, with the runs' measured seconds fixed (dense ``dense_s``, delta ``delta_s``); version
+    ``plain`` goes as a plain dense refit (no ``delta``)."""
     strategies.run_seconds = lambda loop: delta_s if isinstance(loop.strategy, strategies.Delta) else dense_s
     src_l = Layout.from_placements(SHAPES, [0], [Shard(0)], torch.bfloat16)
     dst_l = Layout.from_placements(SHAPES, [1], [Shard(1)], torch.bfloat16)
@@ -110,7 +111,8 @@ def auto_world(rank: int, world: int, dense_s: float, delta_s: float, versions: 
             if rank == 0:
                 for n, t in src_l.shard(_pub(version), rank).items():
                     src[n].copy_(t)
-            rep = refit(src, dst, src_l, dst_l, delta="auto", version=version, timeout=60)
+            rep = refit(src, dst, src_l, dst_l, delta="auto" if version != plain else False, version=version,
+                        timeout=60)
             ok = all(torch.equal(dst[n].view(torch.int16), t.view(torch.int16))
                      for n, t in dst_l.shard(_pub(version), rank).items()) if rank == 1 else True
             out.append((rep.mode, rep.fallback or "", ok, rep.sent_bytes))
@@ -148,3 +150,17 @@ def test_auto_stays_delta_where_delta_measured_faster_and_probes_dense():
         assert modes == ["dense-fallback"] + ["delta"] * p + ["dense-fallback"] + ["delta"] * (2 * p) + [
             "dense-fallback", "delta"], rows
         assert rows[p + 1][1].startswith(PROBE_WHY) and rows[3 * p + 2][1].startswith(PROBE_WHY), rows
+
+
+def test_a_plain_refit_starts_the_measurements_afresh():
+    """A refit without ``delta`` drops the snapshot and what the cost model measured: the next ``"auto"``
+    sequence measures dense and two deltas again before it chooses (without the reset it would choose at once
+    from the earlier sequence's runs, e.g. another workload's on the same Resharder)."""
+    res = run_world(auto_world, 2, 1e-6, 1.0, 9, 4, backend="gloo", timeout=300)
+    for rows in res:
+        assert all(ok for _, _, ok, _ in rows), rows
+        modes = [m for m, _, _, _ in rows]
+        assert modes == ["dense-fallback", "delta", "delta", "dense-fallback", "dense", "dense-fallback", "delta",
+                         "delta", "dense-fallback"], rows
+        assert rows[3][1].startswith(D.COST_WHY) and rows[8][1].startswith(D.COST_WHY), rows
+        assert "no snapshot" in rows[5][1] and not rows[5][1].startswith(D.COST_WHY), rows[5]

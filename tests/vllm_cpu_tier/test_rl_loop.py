@@ -49,7 +49,7 @@ def test_rl_loop_delta_tp2(tmp_path):
 def test_bench_rl_loop_smoke(tmp_path):
     out = tmp_path / "bench.json"
     _run(["perf/bench_rl_loop.py", "--size", "tiny", "--tp", "1", "--iters", "2", "--methods",
-          "broadcast,reshard,delta,delta-groups,delta-auto,async", "--out", str(out)])
+          "broadcast,reshard,delta-auto,delta,delta-groups,async", "--out", str(out)])
     s = json.loads(out.read_text())["summary"]
     assert set(s) >= {"broadcast", "reshard", "delta", "delta-groups", "async", "speedup_refit", "delta_wire_cut"}
     assert s["delta-groups"]["sent_mb"] < s["reshard"]["sent_mb"]  # one delta refit per layer group
@@ -57,8 +57,12 @@ def test_bench_rl_loop_smoke(tmp_path):
     assert a["transfer_s"] > 0 and a["pause_s"] > 0 and a["probe"]["idle_rate"] > 0
     assert s["reshard"]["first_sent_mb"] == s["broadcast"]["first_sent_mb"]  # TP1: the whole model either way
     assert s["delta"]["sent_mb"] < s["reshard"]["sent_mb"]
-    # delta="auto" through the plug-in: the first refit dense (it measures dense), the second a delta (it measures
-    # the delta); the choice between them starts with the third (tests/test_delta_auto.py)
+    # delta="auto" through the plug-in (before the other delta methods: in reload mode the engine's reset between
+    # methods is a per-layer-group refit, which leaves the whole-model delta Resharder's measurements alone): the
+    # first refit dense (it measures dense), the second a delta (the first of two that measure themselves); the
+    # choice starts with the fourth (tests/test_delta_auto.py)
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["method"] == "delta-auto"]
+    assert [r["delta_mode"] for r in rows] == ["dense-fallback", "delta"], rows
     assert s["delta-auto"]["sent_mb"] < s["reshard"]["sent_mb"]
     assert all(s[m]["mismatch_max"] <= MISMATCH_TOL
                for m in ("broadcast", "reshard", "delta", "delta-groups", "delta-auto", "async"))
