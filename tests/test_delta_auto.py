@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_delta_cost import _pub as published
 from triton_reshard import Layout, Shard, clear_cache, refit
 from triton_reshard.execute import delta as D
 from triton_reshard.execute import strategies
@@ -31,15 +32,7 @@ SHAPES = {"a": (256, 384), "b": (128, 192)}
 
 
 def _pub(version: int) -> dict[str, torch.Tensor]:
-    """The global tensors of ``version``: seeded; each version flips the low bit of ~2 % of the elements."""
-    g = torch.Generator().manual_seed(0)
-    out = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in SHAPES.items()}
-    for v in range(1, version + 1):
-        g = torch.Generator().manual_seed(v)
-        for t in out.values():
-            m = torch.rand(t.shape, generator=g) < 0.02
-            t.view(torch.int16)[m] ^= 1
-    return out
+    return published(version, SHAPES)  # seeded; each version flips the low bit of ~2 % of the elements
 
 
 def _elig(rank=0):
