@@ -574,8 +574,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the training step's arithmetic (the weights sent are bf16 either way): auto = bf16 where "
                          "this CPU has a fast bf16 GEMM (AVX-512 or a GPU), else fp32 on the same bf16 weights")
     ap.add_argument("--method", default="reshard",
-                    choices=["reshard", "delta", "delta-serial", "delta-groups", "delta-auto", "broadcast", "reshard-prefetch", "async",
-                             "async-delta", "async-reload", "async-bg", "async-bg-delta"])
+                    choices=["reshard", "delta", "delta-serial", "delta-groups", "delta-auto", "broadcast",
+                             "reshard-prefetch", "async", "async-delta", "async-reload", "async-bg", "async-bg-delta"])
     ap.add_argument("--async", dest="async_", action="store_true",
                     help="one-step off-policy: the transfer overlaps generation, the engine pauses only to commit "
                          "(same as --method async)")

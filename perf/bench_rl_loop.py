@@ -34,8 +34,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "delta-auto", "async", "async-delta", "async-reload",
-           "async-bg", "async-bg-delta")
+METHODS = ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "delta-auto", "async",
+           "async-delta", "async-reload", "async-bg", "async-bg-delta")
 DEFAULT_METHODS = ("broadcast", "reshard", "delta", "async")  # reshard-prefetch, async-delta on request (--methods)
 
 

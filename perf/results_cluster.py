@@ -410,8 +410,8 @@ def _rl_loop(res: Results) -> Section | None:
         s, meta, a = d["summary"], d["meta"], d["args"]
         net = meta.get("network")
         where = net.split(" (")[0] + " link" if net else "loopback"
-        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "delta-auto", "async", "async-bg",
-                  "async-bg-delta"):
+        for m in ("broadcast", "reshard", "reshard-prefetch", "delta", "delta-serial", "delta-groups", "delta-auto",
+                  "async", "async-bg", "async-bg-delta"):
             if m not in s:
                 continue
             x = s[m]

@@ -495,8 +495,9 @@ class DeltaSide:
         """After the handshake, before any byte moves: may this run go as a delta? (base, None) or (None, why),
         from every rank's fence (``rows``, in ``ranks`` order); without ``req`` the snapshot is dropped (the
         destinations move past it), and what the cost model measured with it (the next delta request starts a
-        new sequence: what an earlier one measured, e.g. of another workload, must not decide it). A strict refusal raises :class:`DeltaRefusedError` on every rank, after
-        ``close()`` closed the receives posted with the handshake (if any rank posted them)."""
+        new sequence: what an earlier one measured, e.g. of another workload, must not decide it). A strict
+        refusal raises :class:`DeltaRefusedError` on every rank, after ``close()`` closed the receives posted
+        with the handshake (if any rank posted them)."""
         self.dense_next = False
         if req is None:
             self.snap.settle()

@@ -111,11 +111,12 @@ TOPOLOGY, RUNS = 0, 1  # the kind: from a Topology's link rates (phases add up),
 
 def cost_row(elig, cost: DeltaCost, topo) -> list[int]:
     """This rank's predicted times, microseconds: (its dense wire time, its delta wire time, its delta diff
-    time, its delta apply time, then ``TOPOLOGY``) for its delta-able messages (``elig``: its ``execute.delta.Eligible``), from the ``topo`` (a
-    :class:`~triton_reshard.tools.topology.Topology`) and what its last delta measured (:class:`DeltaCost`);
-    -1 each when there is no topology or no fresh measurement (with :data:`MEASURED`: :func:`_measured_row`). A port's time is its bytes over its bandwidth:
-    network bytes (peer on another node) over ``net_GBps`` (divided among the node's ranks with
-    ``shared_nic``), NVLink bytes over ``nvlink_GBps``; the rank's wire time is its busiest port's."""
+    time, its delta apply time, then ``TOPOLOGY``) for its delta-able messages (``elig``: its
+    ``execute.delta.Eligible``), from the ``topo`` (a :class:`~triton_reshard.tools.topology.Topology`) and what
+    its last delta measured (:class:`DeltaCost`); -1 each when there is no topology or no fresh measurement
+    (with :data:`MEASURED`: :func:`_measured_row`). A port's time is its bytes over its bandwidth: network bytes
+    (peer on another node) over ``net_GBps`` (divided among the node's ranks with ``shared_nic``), NVLink bytes
+    over ``nvlink_GBps``; the rank's wire time is its busiest port's."""
     if topo is None or cost.pack_s is None or cost.asked >= cost.probe_after():
         return [-1] * COST_FIELDS
     if topo is MEASURED:
@@ -154,8 +155,9 @@ def cost_choice(rows: list[list[int]]) -> str | None:
     None (a delta; also when any rank's prediction is unknown). Dense: the slowest rank's dense wire time;
     delta: the slowest diff, then the slowest delta wire, then the slowest apply (each waits for the one
     before). With :data:`MEASURED` (every row ``RUNS``): the slowest rank's delta run against the slowest
-    rank's dense run (a rank's run already holds its waits for the others' diffs and applies). A rank asking to measure dense again (``PROBE_DENSE``) makes the
-    refit dense with a capture on every rank (the reason starts with ``PROBE_WHY``, not ``COST_WHY``)."""
+    rank's dense run (a rank's run already holds its waits for the others' diffs and applies). A rank asking
+    to measure dense again (``PROBE_DENSE``) makes the refit dense with a capture on every rank (the reason
+    starts with ``PROBE_WHY``, not ``COST_WHY``)."""
     if any(r and r[0] == PROBE_DENSE for r in rows):
         return (f"{PROBE_WHY}: delta refits in a row since the last dense one (delta=\"auto\" compares measured "
                 f"runs); sent dense, capturing the snapshot, and the next refit is a delta again")

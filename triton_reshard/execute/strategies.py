@@ -168,7 +168,8 @@ class Capture(Dense):
         loop.timing.pack += clock() - t
 
     def end(self, loop) -> None:
-        self.snap.cost = self.snap.cost.after_dense(run_seconds(loop), self.why)  # (delta="auto" compares it with deltas')
+        # what the run took, for delta="auto" to compare with the deltas'
+        self.snap.cost = self.snap.cost.after_dense(run_seconds(loop), self.why)
 
     def report(self, loop, report: RunReport) -> RunReport:
         self.snap.version = self.req.version if self.capture else None

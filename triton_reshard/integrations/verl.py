@@ -209,7 +209,8 @@ class TritonReshardCheckpointEngine(_Base):
                  allow_cast: bool = False, fill: float | None = None, secret_env: str | None = SECRET_ENV,
                  secret_file: str | None = None, insecure: bool | None = None, delta: bool | str = False) -> None:
         if delta not in (False, True, "strict", "auto"):
-            raise ValueError(f"triton_reshard checkpoint engine: delta={delta!r} is not False, True, 'strict' or 'auto'")
+            raise ValueError(
+                f"triton_reshard checkpoint engine: delta={delta!r} is not False, True, 'strict' or 'auto'")
         if senders not in ("all", "master"):
             raise ValueError(f"triton_reshard checkpoint engine: senders={senders!r} is not 'all' or 'master'")
         self.bucket_size = int(bucket_size)
