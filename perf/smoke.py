@@ -50,6 +50,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
                                     "1", "--repeats", "1", "--out", "{out}/delta_gpu.json"], 300),
     "bench_integrity.py": ("main", ["--mb", "1", "--repeats", "1", "--out", "{out}/integrity.json"], 300),
     "bench_local_digest.py": ("main", ["--mb", "2", "--repeats", "1", "--out", "{out}/local_digest.json"], 300),
+    "bench_recv_digest.py": ("main", ["--mb", "1", "--pieces", "64", "--local-mb", "1", "--repeats", "1",
+                                      "--warmup", "1", "--out", "{out}/recv_digest.json"], 300),
     "bench_call.py": ("main", ["--calls", "4", "--ab", "--out", "{out}/call.json"], 300),
     "bench_kernels.py": ("main", ["--quick", "--model", "tiny-llama", "--repeats", "1", "--out", "{out}/kernels.json"], 300),
     "bench_planner.py": ("main", ["--models", "llama-3-8b", "--worlds", "8", "--out", "{out}/planner.json"], 300),
