@@ -141,14 +141,21 @@ def sub_view(base: torch.Tensor, start, off, size) -> torch.Tensor:
     """The sub-box ``off``+``size`` (logical dims) of the box starting at ``start`` in ``base``: one
     ``as_strided`` (a tuple of slices and a reshape cost twice as much, hundreds of times in a first call's
     binding); a box not inside ``base`` takes the slicing path, which raises or clamps as it always did."""
-    extra = base.dim() - len(size)
-    at = start_of(base, start, off, size)
-    full = (1,) * extra + tuple(size)
-    strides = base.stride()
-    if all(a >= 0 and a + n <= d for a, n, d in zip(at, full, base.shape, strict=True)):
-        return base.as_strided(tuple(size), strides[extra:],
-                               base.storage_offset() + sum(a * k for a, k in zip(at, strides, strict=True)))
-    return base[box_slices(at, full)].reshape(size)
+    shape, strides = base.shape, base.stride()
+    extra = len(shape) - len(size)
+    pos = base.storage_offset()
+    inside = len(start) == len(shape) and len(off) == len(size)
+    # lengths checked in ``inside`` (a mismatch takes the slicing path, which raises): strict=False
+    for a, d, k in zip(start[:extra], shape, strides, strict=False):  # the extra leading dims: size 1 at ``start``
+        inside = inside and 0 <= a < d
+        pos += a * k
+    for a, b, n, d, k in zip(start[extra:], off, size, shape[extra:], strides[extra:], strict=False):
+        a += b
+        inside = inside and a >= 0 and a + n <= d
+        pos += a * k
+    if inside:
+        return base.as_strided(tuple(size), strides[extra:], pos)
+    return base[box_slices(start_of(base, start, off, size), (1,) * extra + tuple(size))].reshape(size)
 
 
 def scale_box(t, off, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -177,11 +184,34 @@ def stored(box: tuple[int, ...], pack: int) -> tuple[int, ...]:
     return box if pack == 1 else box[:-1] + (box[-1] // pack,)
 
 
-def buffer_view(area: torch.Tensor, at: int, chunk, t) -> torch.Tensor:
-    """Chunk ``chunk`` of transfer ``t`` in a message at ``at`` of ``area``, in the wire dtype."""
-    n = math.prod(chunk.sizes)
+def buffer_view(area: torch.Tensor, at: int, chunk, t, typed: dict | None = None) -> torch.Tensor:
+    """Chunk ``chunk`` of transfer ``t`` in a message at ``at`` of ``area``, in the wire dtype. ``typed``: a dict
+    the caller keeps for one ``area`` (its views as each wire dtype, made on first use): a chunk is then one
+    ``as_strided`` of that view, where a slice and two views cost ~2.5x as much (a first call binds hundreds)."""
+    sizes = chunk.sizes
+    n = math.prod(sizes)
+    if not n:
+        return area[:0]
     start = at + chunk.buffer_offset
-    return area[start : start + chunk.nbytes].view(t.wire_dtype).view(chunk.sizes) if n else area[:0]
+    dt = t.wire_dtype
+    if typed is not None:
+        e = dt.itemsize
+        if start % e == 0 and chunk.nbytes == n * e and start + chunk.nbytes <= area.numel():
+            tv = typed.get(dt)
+            if tv is None and area.is_contiguous() and area.storage_offset() % e == 0:
+                tv = typed[dt] = area[: area.numel() // e * e].view(dt)
+            if tv is not None:
+                return tv.as_strided(sizes, contiguous_strides(sizes), tv.storage_offset() + start // e)
+    return area[start : start + chunk.nbytes].view(dt).view(sizes)
+
+
+def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``sizes`` (in elements)."""
+    out, k = [], 1
+    for n in reversed(sizes):
+        out.append(k)
+        k *= n
+    return tuple(reversed(out))
 
 
 def in_place(m, t, v: torch.Tensor, receiving: bool, verify: bool) -> torch.Tensor | None:
@@ -317,6 +347,8 @@ def bind_step(
     work = views.work
     pk, up, um, wire_s, wire_r, qp, su = [], [], [], [], [], {}, []
     sm, rm, ss, sq, rq = [], [], [], [], []
+    s_typed: dict = {}  # the send area's typed views (buffer_view)
+    r_typed: dict = {}
     for peer, at, m, vs, buf in sends:
         first = len(pk)
         qm = [] if buf is None and block_chunks(transfers, m) else None
@@ -327,10 +359,11 @@ def bind_step(
             t = transfers[m.chunks[0].transfer]
             sm.append([buf.view(t.wire_dtype).view(m.chunks[0].sizes)])
         else:
-            sm.append([buffer_view(send_area, at + s_base, c, transfers[c.transfer]) for c in m.chunks])
+            sm.append([buffer_view(send_area, at + s_base, c, transfers[c.transfer], s_typed) for c in m.chunks])
         if buf is None:
             at += s_base
-            for c, v in zip(m.chunks, vs, strict=True):
+            bvs = sm[-1]  # the chunks' buffers, made above (None: a quantized message's)
+            for j, (c, v) in enumerate(zip(m.chunks, vs, strict=True)):
                 t = transfers[c.transfer]
                 if t.quant == QUANT_SRC:  # the pack quantizes: fp8 values and scales into the buffer
                     qb, sb = quant_buffers(send_area, at, c, t)
@@ -340,7 +373,7 @@ def bind_step(
                         with_global((v, qb, sb), views, t.tensor)
                     )
                 else:
-                    pk.append((v, buffer_view(send_area, at, c, t)))
+                    pk.append((v, bvs[j] if bvs is not None else buffer_view(send_area, at, c, t, s_typed)))
             buf = send_area[at : at + m.payload]
         # a CPU source the native codec cannot read where it lies (not contiguous, not 2-D rows) is staged first:
         # diffed from the source it would fall back to the numpy codec (~5x)
@@ -364,9 +397,9 @@ def bind_step(
                     if verify:
                         um += [views.meta(t, c.offsets, c.sizes), views.scale_meta(t, c.offsets, c.sizes)]
                 elif t.quant == QUANT_DST:  # into the region's staging, in verify mode too
-                    su.append((buffer_view(recv_area, at, c, t), v))
+                    su.append((buffer_view(recv_area, at, c, t, r_typed), v))
                 else:
-                    up.append((buffer_view(recv_area, at, c, t), v))
+                    up.append((buffer_view(recv_area, at, c, t, r_typed), v))
                     if verify:
                         um.append(views.meta(t, c.offsets, c.sizes))
             buf = recv_area[at : at + m.payload]

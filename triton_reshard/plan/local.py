@@ -34,7 +34,14 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     own tensors: the destination boxes it holds and those overlapping the source boxes it holds, routed by the
     whole plan's router (``rows.route_tables``) and cut to the rank. Tensors in ``whole`` get every transfer of
     those boxes (the block-quantization post-pass cuts a destination fragment's transfers by the regions all of
-    them make)."""
+    them make). As objects: :func:`route_rank_tables` gives the same rows as tables."""
+    local, wire = route_rank_tables(src, dst, rank, gpn, relay, groups, whole)
+    return list(local), list(wire)
+
+
+def route_rank_tables(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool, groups: dict[int, int],
+                      whole: Container[str] = ()):
+    """:func:`route_rank` as ``(local copies, wire transfers)`` tables, unsorted (no object per transfer)."""
     todo: dict[tuple, None] = {}
     mine: dict[str, list[Fragment]] = {}
     for df in rank_fragments(dst, rank):
@@ -48,8 +55,7 @@ def route_rank(src: Layout, dst: Layout, rank: int, gpn: int | None, relay: bool
     boxes: dict[str, list[tuple]] = {}
     for name, box in todo:
         boxes.setdefault(name, []).append(box)
-    local, wire = route_tables(src, dst, gpn, relay, groups, dst.tensor_order(), boxes, rank, whole)
-    return list(local), list(wire)
+    return route_tables(src, dst, gpn, relay, groups, dst.tensor_order(), boxes, rank, whole)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -69,7 +75,10 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
                 return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
             local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
         else:  # a rank's share: its few transfers (the rows of every box it touches would cost it more)
-            local, wire = route_rank(src, routed, rank, gpus_per_node, relay, groups, targets)
+            local, wire = route_rank_tables(src, routed, rank, gpus_per_node, relay, groups, targets)
+            if not targets:  # sorted as columns (the order ``list.sort`` by WIRE_ORDER / LOCAL_ORDER gives)
+                return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), rank, options)
+            local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
         if targets:
             mine = targets if rank is None else {n: s for n, s in targets.items()
                                                  if any(t.tensor == n for t in local + wire)}
