@@ -161,17 +161,15 @@ static inline void add_offsets16(uint8_t *db, const uint8_t *idx, const uint8_t 
 /* The decoded changes of one chunk: element offset from the view's start (bit 63: a raw value) and value (raw
  * bits or the sign-extended difference); applied after the whole chunk is decoded. The destination's line of
  * each change is prefetched as it is decoded (the decode of a chunk takes about as long as the memory needs to
- * bring its lines: they are in cache by the apply) and again ahead of the apply (the writes are scattered:
- * without either the apply waits on each line in turn). */
+ * bring its lines: they are in cache by the apply; a second prefetch ahead of the apply, once here too, only
+ * cost instructions: ~3 % of a 1 % apply, measured). */
 typedef struct { int64_t *pos; uint64_t *val; } changes;
 
-#define PREFETCH 24
 #define DIRECT_ABOVE 32 /* changed fraction above 1/32: apply as decoded */
 #define RAWBIT ((uint64_t)1 << 63)
 
 INLINE void apply_changes(const changes *ch, int64_t k, uint8_t *d, int e) {
     for (int64_t j = 0; j < k; j++) {
-        if (j + PREFETCH < k) __builtin_prefetch(d + (ch->pos[j + PREFETCH] & INT64_MAX) * e, 1, 0);
         uint64_t pj = (uint64_t)ch->pos[j];
         int64_t i = (int64_t)(pj & ~RAWBIT);
         store(d, i, e, (pj & RAWBIT) ? ch->val[j] : load(d, i, e) + ch->val[j]);
