@@ -269,18 +269,13 @@ INLINE int narrow_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t n
                 k = stage_offsets16(vw->d, a + b * BLOCK, p, p + cnt, cnt, 1 << d0, neg, ch, k);
             continue;
         }
-        int code = d0 & 0x0F, dmode = d0 >> 4, mode = pos_mode(dmode), nexc = exceptions_of(dmode);
+        int code = d0 & 0x0F, mode = pos_mode(d0 >> 4), nexc = exceptions_of(d0 >> 4), w = width_of(code, e);
         if (code == 0) {
             if (d0 || desc[2 * b + 1]) return 1;
             continue;
         }
-        if (code > RAW || dmode > LAST_PATCHED || cnt > blen || (code != RAW && (1 << code) >= 8 * e)) return 1;
-        if (nexc && (code == RAW || nexc > (mode == MODE_ALL ? blen : cnt))) return 1;
-        int w = width_of(code, e);
-        int64_t vb = vbytes(cnt, w);
-        int64_t size = mode == MODE_OFFSETS ? cnt + vb : mode == MODE_BITMASK ? (blen + 7) / 8 + vb : vbytes(blen, w);
-        size += (int64_t)nexc * (1 + e);
-        if (at + size > nbytes) return 1;
+        int64_t size = block_bytes((int)d0, cnt, blen, e);
+        if (size < 0 || at + size > nbytes) return 1;
         const uint8_t *p = in + at;
         at += size;
         total += cnt;

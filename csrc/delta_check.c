@@ -46,17 +46,11 @@ INLINE unsigned not_ascending(const uint8_t *p, int n) {
 /* One block of a narrow chunk (its descriptor d, its payload from p with avail bytes readable, blen elements
  * of e bytes): its payload bytes when it agrees with its descriptor, else -1; *cnt its changes */
 __attribute__((noinline)) static int64_t check_block(const uint8_t *d, const uint8_t *p, int64_t avail, int blen, int e, int *cnt) {
-    int code = d[0] & 0x0F, dmode = d[0] >> 4, n = d[1] + 1;
-    int mode = pos_mode(dmode), nexc = exceptions_of(dmode);
+    int code = d[0] & 0x0F, n = d[1] + 1, mode = pos_mode(d[0] >> 4), nexc = exceptions_of(d[0] >> 4);
     *cnt = 0;
     if (code == 0) return d[0] || d[1] ? -1 : 0;
-    if (code > RAW || dmode > LAST_PATCHED || n > blen || (code != RAW && (1 << code) >= 8 * e)) return -1;
-    if (nexc && (code == RAW || nexc > (mode == MODE_ALL ? blen : n))) return -1;
-    int w = width_of(code, e);
-    int64_t vb = vbytes(n, w);
-    int64_t size = mode == MODE_OFFSETS ? n + vb : mode == MODE_BITMASK ? (blen + 7) / 8 + vb : vbytes(blen, w);
-    size += (int64_t)nexc * (1 + e);
-    if (size > avail) return -1;
+    int64_t size = block_bytes(d[0], n, blen, e);
+    if (size < 0 || size > avail) return -1;
     if (nexc) { /* the exceptions' slots ascending, inside the values */
         const uint8_t *xs = p + size - (int64_t)nexc * (1 + e);
         int nvb = mode == MODE_ALL ? blen : n;

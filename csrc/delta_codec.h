@@ -123,6 +123,18 @@ static inline int code_of(uint64_t orv, int e) {
     return (1 << c) >= 8 * e ? RAW : c;
 }
 
+/* The payload bytes of a changed block (descriptor byte d0 with a nonzero code, cnt changes, blen elements of
+ * e bytes), or -1 when the descriptor is not one the format allows */
+static inline int64_t block_bytes(int d0, int cnt, int blen, int e) {
+    int code = d0 & 0x0F, dmode = d0 >> 4, mode = pos_mode(dmode), nexc = exceptions_of(dmode);
+    if (code > RAW || dmode > LAST_PATCHED || cnt > blen || (code != RAW && (1 << code) >= 8 * e)) return -1;
+    if (nexc && (code == RAW || nexc > (mode == MODE_ALL ? blen : cnt))) return -1;
+    int w = width_of(code, e);
+    int64_t vb = vbytes(cnt, w);
+    int64_t size = mode == MODE_OFFSETS ? cnt + vb : mode == MODE_BITMASK ? (blen + 7) / 8 + vb : vbytes(blen, w);
+    return size + (int64_t)nexc * (1 + e);
+}
+
 static inline int64_t sext(uint64_t v, int e) {
     int sh = 64 - 8 * e;
     return sh ? (int64_t)(v << sh) >> sh : (int64_t)v;
