@@ -1,5 +1,6 @@
 /* The apply half of the native delta codec (csrc/delta_codec.c describes the codec; the format:
- * triton_reshard/ops/delta_v2.py): a check pass over a message's narrow bodies (no write), the apply pass into
+ * triton_reshard/ops/delta_v2.py): a check pass over a message's narrow bodies (no write: trd_check_narrow,
+ * csrc/delta_check.c, per chunk), the apply pass into
  * destinations that are contiguous or rows (a column block of a row-major tensor: rows of `cols` elements,
  * `rstride` apart, written where they lie), the commit and undo of a pack made with update 2, and the check
  * of a message's directory. */

@@ -1,6 +1,6 @@
-/* The delta codec of format v2 in one pass (issue 44; the format: triton_reshard/ops/delta_v2.py): the block
- * compare and the pack here, the check, the apply and the directory in csrc/delta_apply.c, what both share in
- * csrc/delta_codec.h.
+/* The delta codec of format v2 in one pass (issue 44; the format: triton_reshard/ops/delta_v2.py): the pack
+ * here, the block compares and the run-time SIMD choice in csrc/delta_simd.c, the check of the narrow bodies in
+ * csrc/delta_check.c, the apply and the directory in csrc/delta_apply.c, what they share in csrc/delta_codec.h.
  *
  * pack:   per 256-element block, compare source and snapshot (SIMD where the CPU has it), then per changed
  *         element only: its difference, the block's width, the positions and the bit-packed values, and the
