@@ -30,7 +30,13 @@ class OptionalBuildExt(build_ext):
 
 CODEC = Extension(
     "triton_reshard._delta_codec",
-    sources=["csrc/delta_codec.c", "csrc/delta_apply.c", "csrc/digest.c"],  # digest.c: the integrity digest's one-pass hash
+    sources=[
+        "csrc/delta_codec.c",
+        "csrc/delta_apply.c",
+        "csrc/delta_check.c",  # the check of a message's narrow bodies before the apply's first write
+        "csrc/delta_simd.c",  # the block compares and the run-time SIMD choice
+        "csrc/digest.c",  # the integrity digest's one-pass hash
+    ],
     # -g0: no debug paths in the binary (the wheel built from the sdist equals the one built from the tree);
     # no -march: the SIMD paths are chosen at run time (csrc/delta_codec.c), so the wheel runs on any x86-64
     extra_compile_args=["-O3", "-g0", "-std=c99", "-fno-strict-aliasing", "-pthread"],

@@ -1,5 +1,6 @@
-/* What the two halves of the native delta codec share (csrc/delta_codec.c: the block compare and the pack;
- * csrc/delta_apply.c: the check, the apply and the directory): the format's constants, element loads and
+/* What the parts of the native delta codec share (csrc/delta_codec.c: the pack; csrc/delta_simd.c: the block
+ * compare and the run-time SIMD choice; csrc/delta_check.c: the check of a narrow chunk;
+ * csrc/delta_apply.c: the apply and the directory): the format's constants, element loads and
  * stores, the widths of the narrow values, and the run-time choice of the SIMD paths. The format:
  * triton_reshard/ops/delta_v2.py. */
 #ifndef TRD_DELTA_CODEC_H
@@ -49,7 +50,7 @@ static inline void store(uint8_t *p, int64_t i, int e, uint64_t v) {
 }
 
 
-typedef void (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *);
+typedef int (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *); /* returns the bits set */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -59,15 +60,17 @@ typedef void (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *);
 #define HIDDEN __attribute__((visibility("hidden")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs) and which paths
- * of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand; FAST16_AVX2: AVX2 left-pack /
- * expand through the pshufb tables below; 0: portable C); set by trd_choose (csrc/delta_codec.c) on the first
- * call, or by trd_codec_use (the tests run each path this CPU has) */
+/* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs; returns their
+ * count) and which paths of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand;
+ * FAST16_AVX2: AVX2 left-pack / expand through the pshufb tables below; 0: portable C); set by trd_choose
+ * (csrc/delta_simd.c) on the first call, or by trd_codec_use (the tests run each path this CPU has) */
 #define FAST16_AVX512 512
 #define FAST16_AVX2 256
 extern HIDDEN mask_fn trd_block_mask;
 extern HIDDEN int trd_fast16;
 HIDDEN void trd_choose(void);
+/* 0 when a narrow chunk's body (at in) agrees with its header (csrc/delta_check.c; no write) */
+HIDDEN int trd_check_narrow(const uint8_t *in, int64_t len, int64_t count, int64_t nbytes, int e);
 /* Per 8-bit mask k of 8 16-bit lanes (built by trd_choose): trd_lp16[k] the pshufb control that left-packs the
  * lanes of k's set bits; trd_ex16[k] the one that expands the first popcount(k) lanes to those lanes (the
  * others 0) */
@@ -118,6 +121,18 @@ static inline int code_of(uint64_t orv, int e) {
     int c = 1;
     while (c < 6 && orv >= ((uint64_t)1 << ((1 << c) - 1))) c++;
     return (1 << c) >= 8 * e ? RAW : c;
+}
+
+/* The payload bytes of a changed block (descriptor byte d0 with a nonzero code, cnt changes, blen elements of
+ * e bytes), or -1 when the descriptor is not one the format allows */
+static inline int64_t block_bytes(int d0, int cnt, int blen, int e) {
+    int code = d0 & 0x0F, dmode = d0 >> 4, mode = pos_mode(dmode), nexc = exceptions_of(dmode);
+    if (code > RAW || dmode > LAST_PATCHED || cnt > blen || (code != RAW && (1 << code) >= 8 * e)) return -1;
+    if (nexc && (code == RAW || nexc > (mode == MODE_ALL ? blen : cnt))) return -1;
+    int w = width_of(code, e);
+    int64_t vb = vbytes(cnt, w);
+    int64_t size = mode == MODE_OFFSETS ? cnt + vb : mode == MODE_BITMASK ? (blen + 7) / 8 + vb : vbytes(blen, w);
+    return size + (int64_t)nexc * (1 + e);
 }
 
 static inline int64_t sext(uint64_t v, int e) {

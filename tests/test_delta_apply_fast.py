@@ -1,9 +1,10 @@
-"""The native apply's faster paths (issue 44 item 1, ``csrc/delta_apply.c``): the check of a block's offsets 16
-pairs per compare (an offset out of order anywhere in a block, in any block, up to the message's last bytes, is
-refused before any write), the 16-bit offsets blocks added as decoded, and the check and apply of a message of
->= 1 MiB in two parts on two threads (``delta_native.codec_threads(2)``): the same bits into poisoned
-destinations as one thread and as the numpy reference, the same refusals (the first bad chunk named, nothing
-written), the snapshot's commit and undo. Every SIMD level this CPU has."""
+"""The native apply's faster paths (issue 44 item 1, ``csrc/delta_apply.c``, ``csrc/delta_check.c``): the check
+of a block's offsets 16 pairs per compare (an offset out of order anywhere in a block, in any block, up to the
+message's last bytes, is refused before any write), a block's count that disagrees, the 16-bit offsets blocks
+added as decoded, every element size's sparse apply, and the check and apply of a message of >= 1 MiB in two
+parts on two threads (``delta_native.codec_threads(2)``): the same bits into poisoned destinations as one
+thread and as the numpy reference, the same refusals (the first bad chunk named, nothing written), the
+snapshot's commit and undo. Every SIMD level this CPU has."""
 
 from __future__ import annotations
 
@@ -212,3 +213,53 @@ def test_codec_threads_setting(codec):
             N.codec_threads(3)
     finally:
         N.codec_threads(prev)
+
+
+def descriptors(msg: torch.Tensor, chunk: int) -> list[tuple[int, int, int]]:
+    """(byte index of the descriptor, its first byte, its change count) of every block of a narrow chunk."""
+    c = D.describe(msg)[chunk]
+    at, nb = c["offset"] + 16, -(-c["numel"] // 256)
+    desc = msg[at : at + 2 * nb].tolist()
+    return [(at + 2 * b, desc[2 * b], desc[2 * b + 1] + 1) for b in range(nb)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("frac", [0.01, 0.1])
+def test_a_block_count_that_disagrees_is_refused(codec, dtype, frac):
+    """The check's inline run of common blocks (csrc/delta_check.c): a block's count one more or one less, an
+    empty block given a count, a block made empty with its count kept, in the first, a middle and the
+    second-last block of a chunk (inside the run) and the last (check_block): ValueError from both codecs,
+    nothing written; each element size (the narrow codes differ)."""
+    g = torch.Generator().manual_seed(16)
+    old = (torch.randn(8192, generator=g) * 0.02).to(dtype)
+    new = ulp_steps(old, frac, g, 8)
+    codec("numpy")
+    msg = D.pack_delta([(new, old.clone())], 8192, backend="torch")
+    blocks = descriptors(msg, 0)
+    full = [b for b in blocks if b[1]]
+    empty = [b for b in blocks[:-1] if not b[1]]
+    picks = {full[0], full[len(full) // 2], blocks[-2], blocks[-1], *empty[:1]}
+    for at, d0, cnt in picks:
+        for d, c in ((d0, cnt + 1), (d0, cnt - 1), (0, cnt)):
+            if not 1 <= c <= 256 or (d, c) == (d0, cnt):
+                continue
+            bad = msg.clone()
+            bad[at], bad[at + 1] = d, c - 1
+            refused_by_both_codecs(codec, bad, old)
+
+
+@pytest.mark.parametrize("frac", [0.01, 0.1])
+def test_sparse_apply_every_width_is_bit_exact(simd, threads, frac):  # noqa: F811
+    """1-, 2-, 4- and 8-byte elements moved by a few ulps (2-bit values), by up to 100 (8-bit) and, the wider
+    ones, by up to 2^20 (raw or 32-bit), into poisoned flat and row views: the bits of the new tensors."""
+    g = torch.Generator().manual_seed(17)
+    pairs = []
+    for dt in (torch.int8, torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for spread in (2, 100) + ((1 << 20,) if dt.itemsize >= 4 else ()):
+            old = (torch.randn(61, 257, generator=g) * 0.02).to(dt)
+            pairs.append((ulp_steps(old.reshape(-1), frac, g, spread).view(61, 257), old))
+    msg = D.pack_delta([(n, o.clone()) for n, o in pairs], 4096, backend="torch")
+    bufs = [poisoned_like(o, row_view=bool(i % 2)) for i, (_n, o) in enumerate(pairs)]
+    D.unpack_delta(msg, [d for _b, d in bufs], backend="torch")
+    for (n, _o), (big, d) in zip(pairs, bufs, strict=True):
+        check_poison(big, d, n)
