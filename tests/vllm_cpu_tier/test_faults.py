@@ -88,7 +88,14 @@ def test_trainer_killed_during_staged_update_engine_untouched_tp2(tmp_path):
     w = r["worker_killed"]
     err = w["error"]
     assert err and "staged update to version 7 failed" in err and "nothing was committed" in err, err
-    assert "lost: engine worker 1 (refit-group rank 2): its process died" in err, err  # first gone, named first
+    # the killed worker is named; first where its socket's close was seen first. vLLM stops the other worker
+    # within moments of losing one, and under load the rendezvous can see that close first (the tier's run of
+    # 2026-12-07 beside the main suite: "lost: engine worker 0 ... (then engine worker 1 ...)"), so the order
+    # of two closes milliseconds apart is not asserted, only that both are named and nobody else is
+    killed = "engine worker 1 (refit-group rank 2)"
+    assert (f"lost: {killed}: its process died" in err
+            or f"lost: engine worker 0 (refit-group rank 1): its process died or left the refit group (then "
+               f"{killed}, in the order they left)" in err), err
     assert "serves its weights as before" not in err and "restart it" in err, err
     assert w["raised_after_kill_s"] < 15, w["raised_after_kill_s"]
     assert "no complete staged update" in (w["commit_error"] or ""), w["commit_error"]
