@@ -134,6 +134,15 @@ def right_align(a: np.ndarray, nd: np.ndarray, width: int) -> np.ndarray:
     return np.where(col >= 0, np.take_along_axis(np.asarray(a, np.int64), np.clip(col, 0, a.shape[1] - 1), 1), 1)
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides (in elements) of a contiguous tensor of ``shape`` (a 0-length dim counts as 1, as torch's)."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def contiguous_boxes(shapes: np.ndarray, sizes: np.ndarray, nd: np.ndarray) -> np.ndarray:
     """:func:`is_contiguous_box` per row, on arrays (the schedule's many chunks at once): ``shapes`` ``[m, S]``
     right-aligned (padded with 1 on the left), ``sizes`` ``[m, D]`` the boxes' first ``nd`` columns (left-aligned):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..box import box_slices
+from ..box import box_slices, contiguous_strides
 from ..layout import QuantFormat
 from ..ops.delta_native import reads_in_place
 from ..plan import ALIGN
@@ -203,15 +203,6 @@ def buffer_view(area: torch.Tensor, at: int, chunk, t, typed: dict | None = None
             if tv is not None:
                 return tv.as_strided(sizes, contiguous_strides(sizes), tv.storage_offset() + start // e)
     return area[start : start + chunk.nbytes].view(dt).view(sizes)
-
-
-def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``sizes`` (in elements)."""
-    out, k = [], 1
-    for n in reversed(sizes):
-        out.append(k)
-        k *= n
-    return tuple(reversed(out))
 
 
 def in_place(m, t, v: torch.Tensor, receiving: bool, verify: bool) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..box import contiguous_strides
 from ..comm import wire
 from ..layout import BlockQuant, Fragment, Layout, LocalSpec, TensorSpec, dtype_name, scale_shape
 
@@ -118,18 +119,10 @@ def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return out[::-1]
-
-
 def _param_box(view: torch.Tensor, param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The box of ``param`` that ``view`` is (size-1 dims dropped allowed), or None if it is not one."""
     shape = tuple(param.shape)
-    strides = _contiguous_strides(shape)
+    strides = contiguous_strides(shape)
     rem = view.storage_offset() - param.storage_offset()
     if rem < 0:
         return None

@@ -71,21 +71,17 @@ def plan_local(src: Layout, dst: Layout, routed: Layout, targets: dict, gpus_per
     with gc_paused():
         if rank is None:  # as rows, never one object per transfer
             local, wire = route_tables(src, routed, gpus_per_node, relay, groups, routed.tensor_order())
-            if not targets:
-                return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), None, options)
-            local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
         else:  # a rank's share: its few transfers (the rows of every box it touches would cost it more)
             local, wire = route_rank_tables(src, routed, rank, gpus_per_node, relay, groups, targets)
-            if not targets:  # sorted as columns (the order ``list.sort`` by WIRE_ORDER / LOCAL_ORDER gives)
-                return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), rank, options)
-            local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
-        if targets:
-            mine = targets if rank is None else {n: s for n, s in targets.items()
-                                                 if any(t.tensor == n for t in local + wire)}
-            local, wire = quant.quantize_transfers(src, dst, mine, local, wire)
-            if rank is not None:
-                local = [t for t in local if t.dst_rank == rank]
-                wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
+        if not targets:  # sorted as columns (the order ``list.sort`` by WIRE_ORDER / LOCAL_ORDER gives)
+            return Plan(src, dst, wire.sorted("wire"), local.sorted("local"), rank, options)
+        local, wire = list(local), list(wire)  # the block-quantization post-pass reads objects
+        mine = targets if rank is None else {n: s for n, s in targets.items()
+                                             if any(t.tensor == n for t in local + wire)}
+        local, wire = quant.quantize_transfers(src, dst, mine, local, wire)
+        if rank is not None:
+            local = [t for t in local if t.dst_rank == rank]
+            wire = [t for t in wire if t.src_rank == rank or t.dst_rank == rank]
         wire.sort(key=WIRE_ORDER)
         local.sort(key=LOCAL_ORDER)
         return Plan(src, dst, tuple(wire), tuple(local), rank, options)
