@@ -75,6 +75,13 @@ HIDDEN int trd_check_narrow(const uint8_t *in, int64_t len, int64_t count, int64
  * lanes of k's set bits; trd_ex16[k] the one that expands the first popcount(k) lanes to those lanes (the
  * others 0) */
 extern HIDDEN uint8_t trd_lp16[256][16], trd_ex16[256][16];
+/* The sparse apply's place in a narrow chunk it stages (csrc/delta_stage.c): body bytes read, changes staged
+ * and counted, and its disagreements OR-ed */
+typedef struct { int64_t at, k, total; unsigned bad; } stage_run;
+#ifdef HAVE_X86
+HIDDEN int64_t trd_stage_run16(stage_run *r, const uint8_t *in, int64_t nbytes, const uint8_t *desc, int64_t b,
+                               int64_t nbk, int64_t a, int neg, uint8_t *d, int64_t *pos, uint64_t *val);
+#endif
 
 static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
     if (w == 2) {
