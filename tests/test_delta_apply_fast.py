@@ -354,3 +354,37 @@ def test_staged_run_refuses_an_empty_block_with_a_count(simd):  # noqa: F811
         bits(dst[4096 * chunk : 4096 * (chunk + 1)]), bits(old[4096 * chunk : 4096 * (chunk + 1)])
     )
     assert torch.equal(bits(dst[: 4096 * chunk]), bits(new[: 4096 * chunk]))
+
+
+@pytest.mark.parametrize("lane", range(8))
+def test_check_groups_refuse_a_bad_block_in_any_lane(codec, lane):
+    """The check's groups of 8 common blocks (csrc/delta_check.c, AVX-512): in the block at each place of a
+    group, an offset equal to the one before (the first and the last pair), a count one more or one less, an
+    empty block given a count: ValueError from both codecs, nothing written."""
+    g = torch.Generator().manual_seed(21 + lane)
+    old = (torch.randn(64 * 256, generator=g) * 0.02).to(torch.bfloat16)
+    new = ulp_steps(old, 0.015, g, 2)
+    codec("numpy")
+    msg = D.pack_delta([(new, old.clone())], 64 * 256, backend="torch")
+    blocks = descriptors(msg, 0)
+    offsets = dict(zip([b[0] for b in blocks if b[1]], offset_bytes(msg, 0), strict=True))
+    full = [b for b in blocks[8:-9] if b[1] and 3 <= b[2] <= 8 and (b[0] - blocks[0][0]) // 2 % 8 == lane]
+    empty = [b for b in blocks[8:-9] if not b[1] and (b[0] - blocks[0][0]) // 2 % 8 == lane]
+    assert full, "no block of 3..8 changes at this place"
+    at, d0, cnt = full[0]
+    first, _cnt = offsets[at]
+    cases = []
+    for k in (1, cnt - 1):  # an offset equal to the one before
+        bad = msg.clone()
+        bad[first + k] = bad[first + k - 1]
+        cases.append(bad)
+    for c in (cnt + 1, cnt - 1):
+        bad = msg.clone()
+        bad[at + 1] = c - 1
+        cases.append(bad)
+    for e_at, _d, _c in empty[:1]:
+        bad = msg.clone()
+        bad[e_at + 1] = 1
+        cases.append(bad)
+    for bad in cases:
+        refused_by_both_codecs(codec, bad, old)
