@@ -61,7 +61,8 @@ typedef int (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *); 
 #define INLINE static inline __attribute__((always_inline))
 
 /* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs; returns their
- * count) and which paths of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand;
+ * count) and which paths of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand, and
+ * the 8-lane runs of the sparse apply and of the check, csrc/delta_stage.c and csrc/delta_check.c;
  * FAST16_AVX2: AVX2 left-pack / expand through the pshufb tables below; 0: portable C); set by trd_choose
  * (csrc/delta_simd.c) on the first call, or by trd_codec_use (the tests run each path this CPU has) */
 #define FAST16_AVX512 512
