@@ -139,7 +139,7 @@ INLINE int check_chunk(const uint8_t *in, int64_t len, int64_t count, int64_t nb
         if (trd_fast16 == FAST16_AVX512) { /* groups of 8, then a few blocks one at a time */
             int64_t b0 = b;
             b = check_groups(in, nbytes, desc, b, nbk, maxc, &at, &total, &bad);
-            alone = b == b0 ? 2 * alone : 8;
+            alone = b > b0 ? 8 : alone < nbk ? 2 * alone : alone; /* (bounded: a chunk's uncommon blocks) */
             stop = b + alone < nbk - 1 ? b + alone : nbk - 1;
         }
 #endif

@@ -389,3 +389,23 @@ def test_check_groups_refuse_a_bad_block_in_any_lane(codec, lane, frac):
         cases.append(bad)
     for bad in cases:
         refused_by_both_codecs(codec, bad, old)
+
+
+@pytest.mark.parametrize("frac", [0.3, 1.0])
+def test_check_of_a_chunk_of_uncommon_blocks(codec, simd, frac):  # noqa: F811
+    """A chunk of 256 blocks none of which the check's groups take (bitmask positions at 30 %, every element
+    at 100 %: each block by the one-at-a-time path; the span the groups hand on grows and stays bounded):
+    checked and applied to the new bits, and a bad count in its last blocks refused."""
+    g = torch.Generator().manual_seed(22)
+    old = (torch.randn(256 * 256, generator=g) * 0.02).to(torch.bfloat16)
+    new = ulp_steps(old, frac, g, 2) if frac < 1 else old.clone()
+    if frac == 1:
+        bits(new).add_(1)
+    msg = D.pack_delta([(new, old.clone())], 256 * 256, backend="torch")
+    dst = old.clone()
+    D.unpack_delta(msg, [dst], backend="torch")
+    assert torch.equal(bits(dst), bits(new))
+    at, d0, cnt = descriptors(msg, 0)[-3]
+    bad = msg.clone()
+    bad[at + 1] = cnt - 2
+    refused_by_both_codecs(codec, bad, old)
