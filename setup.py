@@ -35,6 +35,7 @@ CODEC = Extension(
         "csrc/delta_apply.c",
         "csrc/delta_check.c",  # the check of a message's narrow bodies before the apply's first write
         "csrc/delta_simd.c",  # the block compares and the run-time SIMD choice
+        "csrc/delta_stage.c",  # the sparse apply's common blocks on AVX-512
         "csrc/digest.c",  # the integrity digest's one-pass hash
     ],
     # -g0: no debug paths in the binary (the wheel built from the sdist equals the one built from the tree);

@@ -61,7 +61,8 @@ typedef int (*mask_fn)(const uint8_t *, const uint8_t *, int, int, uint64_t *); 
 #define INLINE static inline __attribute__((always_inline))
 
 /* the block compare chosen for this CPU (bit i of m[] set iff element i of the block differs; returns their
- * count) and which paths of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand;
+ * count) and which paths of whole 16-bit blocks run (FAST16_AVX512: AVX-512 VBMI2 compress / expand, and
+ * the 8-lane runs of the sparse apply and of the check, csrc/delta_stage.c and csrc/delta_check.c;
  * FAST16_AVX2: AVX2 left-pack / expand through the pshufb tables below; 0: portable C); set by trd_choose
  * (csrc/delta_simd.c) on the first call, or by trd_codec_use (the tests run each path this CPU has) */
 #define FAST16_AVX512 512
@@ -75,6 +76,13 @@ HIDDEN int trd_check_narrow(const uint8_t *in, int64_t len, int64_t count, int64
  * lanes of k's set bits; trd_ex16[k] the one that expands the first popcount(k) lanes to those lanes (the
  * others 0) */
 extern HIDDEN uint8_t trd_lp16[256][16], trd_ex16[256][16];
+/* The sparse apply's place in a narrow chunk it stages (csrc/delta_stage.c): body bytes read, changes staged
+ * and counted, and its disagreements OR-ed */
+typedef struct { int64_t at, k, total; unsigned bad; } stage_run;
+#ifdef HAVE_X86
+HIDDEN int64_t trd_stage_run16(stage_run *r, const uint8_t *in, int64_t nbytes, const uint8_t *desc, int64_t b,
+                               int64_t nbk, int64_t a, int neg, uint8_t *d, int64_t *pos, uint64_t *val);
+#endif
 
 static inline const uint8_t *get_values(const uint8_t *p, uint64_t *v, int n, int w) {
     if (w == 2) {

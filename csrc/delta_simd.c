@@ -112,7 +112,9 @@ static void choose_upto(int cap) {
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
     if (cap >= 512 && __builtin_cpu_supports("avx512bw")) {
         m = mask_avx512;
-        if (__builtin_cpu_supports("avx512vbmi2")) fast = FAST16_AVX512;
+        if (__builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512dq")) /* (vl, dq: the sparse apply's run and the check's groups) */
+            fast = FAST16_AVX512;
         else if (avx2) fast = FAST16_AVX2;
     } else if (cap >= 256 && avx2) {
         m = mask_avx2;

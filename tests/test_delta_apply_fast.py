@@ -263,3 +263,149 @@ def test_sparse_apply_every_width_is_bit_exact(simd, threads, frac):  # noqa: F8
     D.unpack_delta(msg, [d for _b, d in bufs], backend="torch")
     for (n, _o), (big, d) in zip(pairs, bufs, strict=True):
         check_poison(big, d, n)
+
+
+def counted_blocks(dtype: torch.dtype, nblocks: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new, old) of 16-bit elements (the last block 100 short) whose block b holds exactly b % 13 changes (0 ..
+    12: the AVX-512 staged run takes 0 .. 8 and hands a block of more to the generic path), at random places,
+    each moved by up to +-1, 7, 120 or 3000 in its bit pattern (2-, 4-, 8-bit values, or raw: a block the run
+    hands on) by turns every 13 blocks, sign flips and +-0 among them."""
+    n = 256 * nblocks - 100
+    old = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    old[5] = 0.0
+    new = old.clone()
+    b16 = bits(new)
+    for b in range(nblocks):
+        blen = min(256, n - 256 * b)
+        k = min(b % 13, blen)
+        at = 256 * b + torch.randperm(blen, generator=g)[:k]
+        spread = (1, 7, 120, 3000)[b // 13 % 4]
+        step = torch.randint(1, spread + 1, (k,), generator=g) * (
+            torch.randint(0, 2, (k,), generator=g) * 2 - 1
+        )
+        b16[at] += step.to(torch.int16)
+    if nblocks > 3:
+        b16[256 * 3 + 7] ^= -(1 << 15)  # a sign flip (raw) in block 3
+        b16[5] = -(1 << 15)  # +0 -> -0 (raw) in block 0
+    return new, old
+
+
+def numpy_unpack(msg: torch.Tensor, olds: list[torch.Tensor]) -> list[torch.Tensor]:
+    prev = N.set_native(False)
+    try:
+        dsts = [o.clone() for o in olds]
+        D.unpack_delta(msg, dsts, backend="torch")
+        return dsts
+    finally:
+        N.set_native(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_staged_run_every_count_and_width(simd, threads, dtype):  # noqa: F811
+    """The sparse apply's AVX-512 run of common blocks (csrc/delta_stage.c) and the apply queued a chunk behind
+    its decode: blocks of 0 .. 12 changes of every width, raw blocks, a short last block, chunks of 1, 16 and
+    128 blocks, flat and row views (poisoned around), one message of several tensors (the queue's chunks apply
+    across them): the numpy reference's bits; every SIMD level, one and two threads."""
+    g = torch.Generator().manual_seed(18)
+    pairs = [counted_blocks(dtype, nb, g) for nb in (1, 52, 107, 301)]
+    pairs.append((pairs[2][0][: 61 * 257].view(61, 257), pairs[2][1][: 61 * 257].view(61, 257)))
+    for ce in (256, 4096, 32768):
+        msg = D.pack_delta([(n, o.clone()) for n, o in pairs], ce, backend="torch")
+        want = numpy_unpack(msg, [o for _n, o in pairs])
+        bufs = [poisoned_like(o, row_view=o.dim() == 2) for _n, o in pairs]
+        D.unpack_delta(msg, [d for _b, d in bufs], backend="torch")
+        for (n, _o), w, (big, d) in zip(pairs, want, bufs, strict=True):
+            assert torch.equal(bits(w), bits(n)), ce
+            check_poison(big, d, n)
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_staged_run_commit_and_undo(simd, threads, commit):  # noqa: F811
+    """The staged run's negated values (an undo subtracts the differences) and the queue on the snapshot of a
+    deferred pack: the new or the old bits exactly."""
+    g = torch.Generator().manual_seed(19)
+    pairs = [counted_blocks(dt, 211, g) for dt in (torch.bfloat16, torch.float16)]
+    snaps, updates = [o.clone() for _n, o in pairs], []
+    pack_deferred([(n, s) for (n, _o), s in zip(pairs, snaps, strict=True)], 4096, updates, cache={})
+    (delta_cpu.commit_updates if commit else delta_cpu.undo_updates)(updates)
+    for (n, o), s in zip(pairs, snaps, strict=True):
+        assert torch.equal(bits(s), bits(n if commit else o)), commit
+
+
+def test_staged_run_refuses_an_empty_block_with_a_count(simd):  # noqa: F811
+    """The run's own check (the apply of a message nobody checked first, as a commit's): an empty block given a
+    count inside a run makes trd_unpack_rows return that chunk, with its changes not applied."""
+    lib = N.native()
+    g = torch.Generator().manual_seed(20)
+    new, old = counted_blocks(torch.bfloat16, 64, g)
+    msg = D.pack_delta([(new, old.clone())], 4096, backend="torch")
+    chunk = 2
+    empty = [at for at, d0, _c in descriptors(msg, chunk)[:-1] if d0 == 0]
+    assert empty, "no empty block in the chunk"
+    bad = msg.clone()
+    bad[empty[0] + 1] = 2
+    dst = old.clone()
+    ptr, numel, esize = (N._ptrs([v]) for v in (dst.data_ptr(), dst.numel(), 2))
+    r = lib.trd_unpack_rows(
+        bad.data_ptr(), 1, N._arg(ptr), N._arg(numel), N._arg(esize), None, None, 4096, N.APPLY
+    )
+    assert r == chunk
+    assert torch.equal(
+        bits(dst[4096 * chunk : 4096 * (chunk + 1)]), bits(old[4096 * chunk : 4096 * (chunk + 1)])
+    )
+    assert torch.equal(bits(dst[: 4096 * chunk]), bits(new[: 4096 * chunk]))
+
+
+@pytest.mark.parametrize("frac", [0.015, 0.025])
+@pytest.mark.parametrize("lane", range(8))
+def test_check_groups_refuse_a_bad_block_in_any_lane(codec, lane, frac):
+    """The check's groups of 8 common blocks (csrc/delta_check.c, AVX-512; at 2.5 % many groups' payloads
+    near or past its 63 bytes): in the block at each place of a group, an offset equal to the one before (the first and the last pair), a count one more or one less, an
+    empty block given a count: ValueError from both codecs, nothing written."""
+    g = torch.Generator().manual_seed(21 + lane)
+    old = (torch.randn(64 * 256, generator=g) * 0.02).to(torch.bfloat16)
+    new = ulp_steps(old, frac, g, 2)
+    codec("numpy")
+    msg = D.pack_delta([(new, old.clone())], 64 * 256, backend="torch")
+    blocks = descriptors(msg, 0)
+    offsets = dict(zip([b[0] for b in blocks if b[1]], offset_bytes(msg, 0), strict=True))
+    full = [b for b in blocks[8:-9] if b[1] and 3 <= b[2] <= 8 and (b[0] - blocks[0][0]) // 2 % 8 == lane]
+    empty = [b for b in blocks[8:-9] if not b[1] and (b[0] - blocks[0][0]) // 2 % 8 == lane]
+    assert full, "no block of 3..8 changes at this place"
+    at, d0, cnt = full[0]
+    first, _cnt = offsets[at]
+    cases = []
+    for k in (1, cnt - 1):  # an offset equal to the one before
+        bad = msg.clone()
+        bad[first + k] = bad[first + k - 1]
+        cases.append(bad)
+    for c in (cnt + 1, cnt - 1):
+        bad = msg.clone()
+        bad[at + 1] = c - 1
+        cases.append(bad)
+    for e_at, _d, _c in empty[:1]:
+        bad = msg.clone()
+        bad[e_at + 1] = 1
+        cases.append(bad)
+    for bad in cases:
+        refused_by_both_codecs(codec, bad, old)
+
+
+@pytest.mark.parametrize("frac", [0.3, 1.0])
+def test_check_of_a_chunk_of_uncommon_blocks(codec, simd, frac):  # noqa: F811
+    """A chunk of 256 blocks none of which the check's groups take (bitmask positions at 30 %, every element
+    at 100 %: each block by the one-at-a-time path; the span the groups hand on grows and stays bounded):
+    checked and applied to the new bits, and a bad count in its last blocks refused."""
+    g = torch.Generator().manual_seed(22)
+    old = (torch.randn(256 * 256, generator=g) * 0.02).to(torch.bfloat16)
+    new = ulp_steps(old, frac, g, 2) if frac < 1 else old.clone()
+    if frac == 1:
+        bits(new).add_(1)
+    msg = D.pack_delta([(new, old.clone())], 256 * 256, backend="torch")
+    dst = old.clone()
+    D.unpack_delta(msg, [dst], backend="torch")
+    assert torch.equal(bits(dst), bits(new))
+    at, d0, cnt = descriptors(msg, 0)[-3]
+    bad = msg.clone()
+    bad[at + 1] = cnt - 2
+    refused_by_both_codecs(codec, bad, old)
