@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import weakref
 import socket
 import time
 from dataclasses import dataclass, field
@@ -28,11 +29,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import lanes as _lanes
 from . import wire
 from .auth import AuthError, AuthStore, AuthStoreServer
 from .secret import ResolvedSecret, group_key, resolve_secret
 
 CLOSE_LINGER_S = 2.0  # rank 0's destroy waits at most this long for the other members to hang up
+# a torch.distributed gloo group's same-host lanes (comm/lanes.py), while the group lives
+_TORCH_LANES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class RefitGroupError(RuntimeError):
@@ -80,10 +84,27 @@ class TorchGroup:
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor):
         return dist.all_gather(out, t, group=self.group, async_op=True)
 
+    @property
+    def lanes(self) -> _lanes.Lanes:
+        return _TORCH_LANES.get(self.key, _lanes.NONE) if self._peer is not None else _lanes.NONE
+
+    def ensure_lanes(self, timeout: timedelta) -> None:
+        """Set up this group's same-host lanes once (collective: every rank of the group, before its first
+        message; ``comm/lanes.py``). Only gloo groups have them."""
+        if self._peer is None or not self.wire:
+            return
+        if self.key not in _TORCH_LANES:
+            _TORCH_LANES[self.key] = _lanes.setup(self.key, self.rank, self.ranks, timeout)
+
     def post(self, sends, recvs) -> list:
         peer_of = self._peer
         if peer_of is not None:  # gloo: the receives first, then the sends, as batch_isend_irecv posts them
             pg = self.key
+            lanes = self.lanes
+            if lanes:
+                works = [lanes.recv(pg, peer, peer_of[peer], buf) for peer, buf in recvs]
+                works += [lanes.send(pg, peer, peer_of[peer], buf) for peer, buf in sends]
+                return works
             works = [pg.recv([buf], peer_of[peer], 0) for peer, buf in recvs]
             works += [pg.send([buf], peer_of[peer], 0) for peer, buf in sends]
             return works
@@ -108,6 +129,8 @@ class RefitGroup:
     _gen: int = field(default=0, repr=False)
     _server: object = field(default=None, repr=False)  # rank 0: the rendezvous it serves
     digest_key: bytes = field(default=b"", repr=False)  # integrity: the key digests are keyed with
+    lanes: _lanes.Lanes = field(default=_lanes.NONE, repr=False)  # same-host lanes (gloo), made by ensure_lanes
+    _lanes_done: bool = field(default=False, repr=False)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -151,9 +174,21 @@ class RefitGroup:
             for peer, buf in sends:
                 pg.send([buf], peer, 0)
             return [pg._end_coalescing(dev)]
+        lanes = self.lanes
+        if lanes:
+            works = [lanes.recv(pg, peer, peer, buf) for peer, buf in recvs]
+            works += [lanes.send(pg, peer, peer, buf) for peer, buf in sends]
+            return works
         works = [pg.recv([buf], peer, 0) for peer, buf in recvs]
         works += [pg.send([buf], peer, 0) for peer, buf in sends]
         return works
+
+    def ensure_lanes(self, timeout: timedelta) -> None:
+        """Set up the group's same-host lanes once (collective; ``comm/lanes.py``); gloo only."""
+        if self._lanes_done or self.backend != "gloo" or self.size < 2:
+            return
+        self.lanes = _lanes.setup(self._live(), self.rank, self.ranks, timeout)
+        self._lanes_done = True
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, through the group's authenticated rendezvous store (for small
@@ -198,6 +233,8 @@ class RefitGroup:
         inside :meth:`all_gather_object` after that fails, so let the ranks meet (:meth:`barrier`) before rank
         0 destroys a healthy group."""
         pg, self.pg = self.pg, None
+        lanes, self.lanes = self.lanes, _lanes.NONE
+        lanes.close()
         if pg is not None and hasattr(pg, "shutdown"):
             with contextlib.suppress(Exception):  # best effort: a broken group may refuse
                 pg.shutdown()

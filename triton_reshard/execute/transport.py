@@ -247,6 +247,13 @@ class Link:
         except Exception as e:
             raise self.error(what, peers, t0, e) from e
 
+    def ensure_lanes(self) -> None:
+        """The group's same-host lanes, set up once before its first message (collective: every rank's first
+        run or refusal; ``comm/lanes.py``)."""
+        fn = getattr(self.comm, "ensure_lanes", None)
+        if fn is not None:
+            self.call(fn, "the same-host lanes' setup", self.ranks, self.timeout)
+
     def post(self, sends, recvs) -> list:
         return self.comm.post(sends, recvs)  # never called with nothing to post: steps without ops are dropped
 
