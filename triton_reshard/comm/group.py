@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import random
-import weakref
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 

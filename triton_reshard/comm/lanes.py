@@ -38,6 +38,7 @@ its outgoing lanes (default 64 MiB, split over its same-host peers, at most 32 M
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -103,10 +104,8 @@ class Segment:
 
     def close(self) -> None:
         self.ctrl = self.data = None
-        try:
+        with contextlib.suppress(BufferError):  # a view still alive: the map goes when it does
             self.map.close()
-        except BufferError:  # a view still alive: the map goes when it does
-            pass
 
 
 def _name(token: int, sender: int, receiver: int) -> str:
@@ -151,10 +150,8 @@ def open_peer(token: int, sender: int, receiver: int, size: int) -> Segment | No
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 class OutLane:
