@@ -77,8 +77,10 @@ def budget_bytes() -> int:
 
 
 def host_id() -> int:
-    """A 63-bit identity of this machine's shared memory: the boot, the host name and ``/dev/shm``'s device
-    (two containers of one host with their own ``/dev/shm`` differ)."""
+    """A 63-bit identity of this machine's shared memory: the boot, the host name, ``/dev/shm``'s device (two
+    containers of one host with their own ``/dev/shm`` differ) and the network namespace (processes in two
+    namespaces are two nodes to us: ``testing/cluster.py`` emulates a cluster that way, and a lane would
+    bypass its links)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -88,7 +90,11 @@ def host_id() -> int:
         dev = os.stat(SHM_DIR).st_dev
     except OSError:
         return 0  # no /dev/shm: no lanes
-    raw = f"{boot}|{socket.gethostname()}|{dev}|{os.geteuid()}".encode()
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    raw = f"{boot}|{socket.gethostname()}|{dev}|{net}|{os.geteuid()}".encode()
     return int.from_bytes(hashlib.sha256(raw).digest()[:8], "little") >> 1 or 1
 
 
