@@ -43,8 +43,10 @@ import hashlib
 import mmap
 import os
 import secrets
+import select
 import socket
 import stat
+import struct
 import time
 from collections import deque
 from datetime import timedelta
@@ -52,7 +54,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-HEADER_WORDS = 4  # sequence, position, length, how
+HEADER_FMT = "<4q"  # sequence, position, length, how
+HEADER_BYTES = struct.calcsize(HEADER_FMT)  # 32: a pipe writes it whole (PIPE_BUF >= 512)
 IN_RING, OVER_GLOO = 0, 1  # a header's "how": the bytes are in the ring / follow over gloo (tag 1)
 MIN_LANE_BYTES = 1 << 20  # a lane smaller than this is not made (the budget split too thin)
 CTRL_BYTES = 64  # the segment's first cache line: the consumed position (int64), written by the receiver
@@ -103,7 +106,8 @@ class Segment:
 
     def __init__(self, fd: int, size: int, path: str) -> None:
         self.path, self.size = path, size
-        self.map = mmap.mmap(fd, size)
+        # mapped now, page by page (MAP_POPULATE), not at each page's first touch by a message: ~0.5 us a page
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=CTRL_BYTES // 8)
         self.data = torch.frombuffer(self.map, dtype=torch.uint8, offset=CTRL_BYTES)
         self.cap = size - CTRL_BYTES
@@ -160,19 +164,88 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-class OutLane:
-    """This rank's end of a lane to a peer: where the next message goes (absolute positions: ``% cap``)."""
+def make_fifo(token: int, sender: int, receiver: int) -> int | None:
+    """The receiver's doorbell of the lane ``sender -> receiver``: a FIFO it makes (mode 0600; a name taken
+    is not used) and opens for reading, not blocking; its descriptor."""
+    path = _name(token, sender, receiver) + ".fifo"
+    try:
+        os.mkfifo(path, 0o600)
+    except OSError:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        _unlink(path)
+        return None
 
-    def __init__(self, seg: Segment) -> None:
-        self.seg, self.head, self.seq = seg, 0, 0
+
+def open_fifo(token: int, sender: int, receiver: int) -> int | None:
+    """The sender's end of the receiver's doorbell: only a FIFO of its own user with mode 0600."""
+    path = _name(token, sender, receiver) + ".fifo"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        return None
+    return fd
+
+
+class OutLane:
+    """This rank's end of a lane to a peer: the ring (where the next message goes, absolute positions:
+    ``% cap``) and the peer's doorbell (``fd``)."""
+
+    def __init__(self, seg: Segment, fd: int, peer: int, timeout: timedelta) -> None:
+        self.seg, self.fd, self.peer, self.timeout = seg, fd, peer, timeout
+        self.head = self.seq = 0
+
+    def ring(self, hdr: bytes) -> None:
+        """Write a header into the peer's doorbell (a pipe: 32 bytes are written whole), waiting for room
+        within the timeout; a peer gone is a named error."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                os.write(self.fd, hdr)
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self.fd], [], left)[1]:
+                    raise TimeoutError(f"same-host lane to rank {self.peer}: its doorbell stayed full for "
+                                       f"{self.timeout.total_seconds():g}s (timed out)") from None
+            except BrokenPipeError:
+                raise ConnectionError(f"same-host lane to rank {self.peer}: the peer closed its end (connection "
+                                      f"closed: it died or left the group)") from None
 
 
 class InLane:
-    """This rank's end of a lane from a peer: the receives posted and not yet completed, in order."""
+    """This rank's end of a lane from a peer: the ring, the doorbell's read end (``fd``) and the receives
+    posted and not yet completed, in order."""
 
-    def __init__(self, seg: Segment) -> None:
-        self.seg, self.seq, self.consumed = seg, 0, 0
+    def __init__(self, seg: Segment, fd: int) -> None:
+        self.seg, self.fd = seg, fd
+        self.seq = self.consumed = 0
         self.pending: deque[LaneRecv] = deque()
+        self.partial = b""  # a header read in part
+
+    def header(self, peer: int, timeout: timedelta | None) -> tuple[int, int, int, int] | None:
+        """The next header from the doorbell, waiting up to ``timeout`` (None: the time ran out)."""
+        deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 1e9)
+        while len(self.partial) < HEADER_BYTES:
+            try:
+                got = os.read(self.fd, HEADER_BYTES - len(self.partial))
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                    return None
+                continue
+            if not got:
+                raise ConnectionError(f"same-host lane from rank {peer}: the peer closed its end before the message "
+                                      f"came (connection closed: it died or left the group)")
+            self.partial += got
+        hdr, self.partial = self.partial, b""
+        return struct.unpack(HEADER_FMT, hdr)
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:
@@ -189,31 +262,27 @@ def _left(timeout: timedelta | None, t0: float) -> timedelta | None:
     return timedelta(seconds=max(timeout.total_seconds() - (time.perf_counter() - t0), 0.001))
 
 
-def _wait(work, timeout: timedelta | None) -> bool:
-    return work.wait(timeout=timeout) if timeout is not None else work.wait()
-
-
 class LaneSend:
-    """A send through a lane (its bytes are in the ring already, or go over gloo too): :meth:`wait` waits for
-    gloo's sends (the header's; the message's where it went over gloo)."""
+    """A send through a lane: its bytes are in the ring and its header in the doorbell (nothing to wait for),
+    or its bytes go over gloo beside the header (:meth:`wait` waits for that send)."""
 
-    def __init__(self, hdr: torch.Tensor, works: list) -> None:
-        self.hdr, self.works = hdr, works
+    def __init__(self, work=None) -> None:
+        self.work = work
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        t0 = time.perf_counter()
-        return all(_wait(w, _left(timeout, t0)) is not False for w in self.works)
+        if self.work is None:
+            return True
+        return self.work.wait(timeout=timeout) if timeout is not None else self.work.wait()
 
 
 class LaneRecv:
-    """A receive through a lane: :meth:`wait` waits for the header (gloo), then copies the message out of the
-    ring into the buffer (or, where the header says so, receives it over gloo). A pair's receives complete in
-    posting order (an earlier one still pending completes first: the ring's space is freed in order)."""
+    """A receive through a lane: :meth:`wait` waits for the header (the doorbell), then copies the message out
+    of the ring into the buffer (or, where the header says so, receives it over gloo). A pair's receives
+    complete in posting order (an earlier one still pending completes first: the ring's space is freed in
+    order); False when the time runs out (a header that does not come)."""
 
-    def __init__(self, pg, peer: int, rank_peer: int, lane: InLane, buf: torch.Tensor, seq: int) -> None:
-        self.pg, self.peer, self.rank_peer, self.lane, self.buf, self.seq = pg, peer, rank_peer, lane, buf, seq
-        self.hdr = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        self.work = pg.recv([self.hdr], peer, 0)
+    def __init__(self, pg, gpeer: int, peer: int, lane: InLane, buf: torch.Tensor, seq: int) -> None:
+        self.pg, self.gpeer, self.peer, self.lane, self.buf, self.seq = pg, gpeer, peer, lane, buf, seq
         self.done = False
         lane.pending.append(self)
 
@@ -222,43 +291,47 @@ class LaneRecv:
         pending = self.lane.pending
         while not self.done:
             if not pending:
-                raise RuntimeError(f"same-host lane from rank {self.rank_peer}: receive {self.seq} is not pending")
+                raise RuntimeError(f"same-host lane from rank {self.peer}: receive {self.seq} is not pending")
             if pending[0]._complete(_left(timeout, t0)) is False:
                 return False
         return True
 
     def _complete(self, timeout: timedelta | None) -> bool:
         t0 = time.perf_counter()
-        if _wait(self.work, timeout) is False:
-            return False
-        seq, pos, n, how = self.hdr.tolist()
-        room = _nbytes(self.buf)
         lane, seg = self.lane, self.lane.seg
+        hdr = lane.header(self.peer, timeout)
+        if hdr is None:
+            return False
+        seq, pos, n, how = hdr
+        room = _nbytes(self.buf)
         if seq != self.seq or not 0 <= n <= room or how not in (IN_RING, OVER_GLOO):
-            raise RuntimeError(f"same-host lane from rank {self.rank_peer}: header {(seq, pos, n, how)} does not "
-                               f"match the receive posted (message {self.seq}, room for {room} bytes)")
+            raise RuntimeError(f"same-host lane from rank {self.peer}: header {hdr} does not match the receive "
+                               f"posted (message {self.seq}, room for {room} bytes)")
         if how == OVER_GLOO:
             dst = self.buf if n == room else _flat(self.buf)[:n]
-            if _wait(self.pg.recv([dst], self.peer, FALLBACK_TAG), _left(timeout, t0)) is False:
+            w = self.pg.recv([dst], self.gpeer, FALLBACK_TAG)
+            left = _left(timeout, t0)
+            if (w.wait(timeout=left) if left is not None else w.wait()) is False:
                 return False
         else:
-            off = pos % seg.cap if seg.cap else 0
+            off = pos % seg.cap
             if pos < lane.consumed or off + n > seg.cap:
-                raise RuntimeError(f"same-host lane from rank {self.rank_peer}: message {seq} at {pos} (+{n} bytes) "
-                                   f"lies outside the ring (consumed {lane.consumed}, capacity {seg.cap})")
-            _flat(self.buf)[:n].copy_(seg.data[off:off + n])
+                raise RuntimeError(f"same-host lane from rank {self.peer}: message {seq} at {pos} (+{n} bytes) lies "
+                                   f"outside the ring (consumed {lane.consumed}, capacity {seg.cap})")
+            if n:
+                _flat(self.buf)[:n].copy_(seg.data[off:off + n])
             lane.consumed = pos + n
             seg.ctrl[0] = lane.consumed  # the sender may write there again
         self.done = True
-        self.lane.pending.popleft()
+        lane.pending.popleft()
         return True
 
 
 class Lanes:
     """This rank's lanes in one gloo process group, by peer (plan ranks). Every message to or from a peer
-    with a lane goes this way (its header over gloo, its bytes in the ring or, too large or no room yet,
-    over gloo); the others go over gloo as before. ``counts``: messages sent in the ring / over gloo beside
-    it (too large or no room) / without a lane, and the ring's bytes."""
+    with a lane goes this way (its header through the doorbell, its bytes in the ring or, too large or no
+    room yet, over gloo); the others go over gloo as before. ``counts``: messages sent in the ring / over
+    gloo beside it (too large, or no room) / without a lane, and the ring's bytes."""
 
     def __init__(self, out: dict[int, OutLane], inn: dict[int, InLane]) -> None:
         self.out, self.inn = out, inn
@@ -281,16 +354,17 @@ class Lanes:
         seq = lane.seq
         lane.seq += 1
         if n > seg.cap // 2 or pos + n - int(seg.ctrl[0]) > seg.cap:  # too large, or not taken yet: over gloo
-            hdr = torch.tensor([seq, 0, n, OVER_GLOO], dtype=torch.int64)
             self.counts["beside"] += 1
-            return LaneSend(hdr, [pg.send([hdr], gpeer, 0), pg.send([buf], gpeer, FALLBACK_TAG)])
+            work = pg.send([buf], gpeer, FALLBACK_TAG)
+            lane.ring(struct.pack(HEADER_FMT, seq, 0, n, OVER_GLOO))
+            return LaneSend(work)
         if n:
             seg.data[off:off + n].copy_(_flat(buf))
         lane.head = pos + n
         self.counts["ring"] += 1
         self.counts["ring_bytes"] += n
-        hdr = torch.tensor([seq, pos, n, IN_RING], dtype=torch.int64)
-        return LaneSend(hdr, [pg.send([hdr], gpeer, 0)])
+        lane.ring(struct.pack(HEADER_FMT, seq, pos, n, IN_RING))
+        return LaneSend()
 
     def recv(self, pg, peer: int, gpeer: int, buf: torch.Tensor):
         lane = self.inn.get(peer)
@@ -303,6 +377,8 @@ class Lanes:
     def close(self) -> None:
         for lane in (*self.out.values(), *self.inn.values()):
             lane.seg.close()
+            with contextlib.suppress(OSError):
+                os.close(lane.fd)
         self.out, self.inn = {}, {}
 
 
@@ -311,7 +387,9 @@ NONE = Lanes({}, {})
 
 def setup(pg, rank: int, ranks: tuple[int, ...], timeout: timedelta) -> Lanes:
     """Collectively (every rank of the gloo group ``pg``, before its first message): this rank's lanes to and
-    from the ranks on its host. ``rank`` / ``ranks``: the group's ranks as the plan numbers them."""
+    from the ranks on its host. ``rank`` / ``ranks``: the group's ranks as the plan numbers them. Three
+    all-gathers: who is where (host, token, budget); which rings and doorbells each made; which each opened.
+    A lane is used where all four ends were made and opened; then the names are unlinked."""
     me = ranks.index(rank)
     on = enabled() and os.path.isdir(SHM_DIR)
     hid = host_id() if on else 0
@@ -321,48 +399,84 @@ def setup(pg, rank: int, ranks: tuple[int, ...], timeout: timedelta) -> Lanes:
     def gather(row: list[int]) -> list[list[int]]:
         t = torch.tensor(row, dtype=torch.int64)
         out = [torch.empty_like(t) for _ in ranks]
-        w = pg.allgather([out], [t])
-        if not w.wait(timeout=timeout):
+        if not pg.allgather([out], [t]).wait(timeout=timeout):
             raise RuntimeError(f"rank {rank}: the same-host lanes' setup timed out after {timeout.total_seconds():g}s")
         return [o.tolist() for o in out]
 
     rows = gather([hid, token, budget])
     peers = [r for k, r in enumerate(ranks) if k != me and hid and rows[k][0] == hid and rows[k][2] > 0]
-    n_peers = len(peers)
-    sizes = {}
-    made: dict[int, Segment] = {}
+    made: dict[int, Segment] = {}  # my rings, by receiver
+    bells: dict[int, int] = {}  # my doorbells (read ends), by sender
     if peers and budget:
-        cap = min(MAX_LANE_BYTES, budget // n_peers) & ~4095
-        try:
-            st = os.statvfs(SHM_DIR)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = 0
-        # every same-host rank makes as much: leave half of /dev/shm to others (a container's is often 64 MiB)
-        if (cap + CTRL_BYTES) * n_peers * (n_peers + 1) > free // 2:
-            cap = 0
-        if cap >= MIN_LANE_BYTES:
-            for q in peers:
-                seg = create(token, rank, q, cap + CTRL_BYTES)
-                if seg is not None:
-                    made[q] = seg
-                    sizes[q] = cap + CTRL_BYTES
-    # round 2: which lanes each rank made, as (receiver -> size) in a row over the group's ranks
-    made_rows = gather([sizes.get(r, 0) for r in ranks])
-    mapped: dict[int, Segment] = {}
-    for k, s in enumerate(ranks):
-        size = made_rows[k][me]
-        if s != rank and size:
-            seg = open_peer(rows[k][1], s, rank, size)
+        cap = _lane_cap(budget, len(peers))
+        for q in peers if cap else ():
+            seg = create(token, rank, q, cap + CTRL_BYTES)
             if seg is not None:
-                mapped[s] = seg
-    # round 3: which lanes each rank mapped
-    mapped_rows = gather([1 if r in mapped else 0 for r in ranks])
-    out = {}
+                made[q] = seg
+            fd = make_fifo(token, q, rank)
+            if fd is not None:
+                bells[q] = fd
+    # round 2, per rank: the size of my ring to it, and 1 << 62 where I made its doorbell
+    made_rows = gather([(made[r].size if r in made else 0) | ((1 << 62) if r in bells else 0) for r in ranks])
+    mapped: dict[int, Segment] = {}  # the peers' rings to me, by sender
+    rung: dict[int, int] = {}  # the peers' doorbells (write ends), by receiver
+    for k, q in enumerate(ranks):
+        if q == rank:
+            continue
+        word = made_rows[k][me]
+        size = word & ((1 << 62) - 1)
+        if size and q in bells:
+            seg = open_peer(rows[k][1], q, rank, size)
+            if seg is not None:
+                mapped[q] = seg
+        if word >> 62 and q in made:
+            fd = open_fifo(rows[k][1], rank, q)
+            if fd is not None:
+                rung[q] = fd
+    # round 3, per rank: 1 where I mapped its ring to me (and hold my doorbell), 2 where I opened its doorbell
+    done_rows = gather([(1 if r in mapped else 0) | (2 if r in rung else 0) for r in ranks])
+    out: dict[int, OutLane] = {}
+    inn: dict[int, InLane] = {}
+    for k, q in enumerate(ranks):
+        if q == rank:
+            continue
+        if q in made and q in rung and done_rows[k][me] & 1:
+            out[q] = OutLane(made[q], rung[q], q, timeout)
+        if q in mapped and done_rows[k][me] & 2:
+            inn[q] = InLane(mapped[q], bells[q])
+    _tidy(token, rank, rows, ranks, made, bells, mapped, rung, out, inn)
+    return Lanes(out, inn)
+
+
+def _lane_cap(budget: int, n_peers: int) -> int:
+    """Each lane's ring: the budget split over the peers, at most :data:`MAX_LANE_BYTES`; 0 (no lanes) below
+    :data:`MIN_LANE_BYTES` or where all same-host ranks' rings would take over half of ``/dev/shm`` free
+    (a container's is often 64 MiB)."""
+    cap = min(MAX_LANE_BYTES, budget // n_peers) & ~4095
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+    if (cap + CTRL_BYTES) * n_peers * (n_peers + 1) > free // 2:
+        return 0
+    return cap if cap >= MIN_LANE_BYTES else 0
+
+
+def _tidy(token, rank, rows, ranks, made, bells, mapped, rung, out, inn) -> None:
+    """Unlink every name this rank made (the lanes in use hold their ends open) and close the ends of lanes
+    not in use."""
     for q, seg in made.items():
         _unlink(seg.path)
-        if mapped_rows[ranks.index(q)][me]:
-            out[q] = OutLane(seg)
-        else:
+        if q not in out:
             seg.close()
-    return Lanes(out, {s: InLane(seg) for s, seg in mapped.items()})
+    for q, fd in bells.items():
+        _unlink(_name(token, q, rank) + ".fifo")
+        if q not in inn:
+            os.close(fd)
+    for q, seg in mapped.items():
+        if q not in inn:
+            seg.close()
+    for q, fd in rung.items():
+        if q not in out:
+            os.close(fd)
