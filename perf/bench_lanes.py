@@ -3,7 +3,8 @@
 A gloo world of ``--world`` ranks on this machine refits a Llama-shaped model of ``--mb`` MB (fp32,
 Megatron-style TP2 x DP2 -> TP1 x DP4 at 4 ranks: every rank sends and receives) through the public ``refit``,
 the digest on (the default). Per setting a fresh world (``TRITON_RESHARD_LANES=1`` / ``0``), settings
-alternating ``--rounds`` times (which goes first alternates too); in each world ``--warmup`` refits, then
+alternating ``--rounds`` times (which goes first alternates too); in each world ``--warmup`` refits (at least 3:
+the lanes are set up over a group's first handshakes and in use from its fourth refit), then
 ``--refits`` timed ones, each from a barrier to the slowest rank's return (max over ranks), and the CPU every
 rank's process spent (all threads, summed: on a shared machine the steadier of the two). Every refit is
 checked bit-exact against the sliced global tensors (poisoned destinations). Prints per size the medians and
@@ -39,7 +40,7 @@ def refit_world(rank: int, world: int, mb: float, warmup: int, refits: int) -> d
     import torch.distributed as dist
 
     from triton_reshard import refit
-    from triton_reshard.comm.group import _TORCH_LANES
+    from triton_reshard.comm.group import TorchGroup
     from triton_reshard.tools.parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
 
     cfg = llama_for_bytes(int(mb * (1 << 20)), torch.float32)
@@ -67,8 +68,7 @@ def refit_world(rank: int, world: int, mb: float, warmup: int, refits: int) -> d
         bad = [k for k in expect if not torch.equal(d[k], expect[k])]
         if bad:
             raise AssertionError(f"rank {rank}: refit {i} wrote {bad[:3]} wrong")
-    lanes = _TORCH_LANES.get(dist.group.WORLD)
-    return {"wall": wall, "cpu": cpu, "counts": dict(lanes.counts) if lanes is not None else {}}
+    return {"wall": wall, "cpu": cpu, "counts": dict(TorchGroup(None).lanes.counts)}
 
 
 def message_world(rank: int, world: int, sizes: list[int], repeats: int) -> dict:
@@ -79,7 +79,8 @@ def message_world(rank: int, world: int, sizes: list[int], repeats: int) -> dict
     comm = TorchGroup(None)
     from datetime import timedelta
 
-    comm.ensure_lanes(timedelta(seconds=60))
+    for _ in range(4):  # the setup's four steps (a refit's handshakes take them)
+        comm.advance_lanes(timedelta(seconds=60))
     out = {}
     for kib in sizes:
         buf = torch.full((kib << 10,), rank, dtype=torch.uint8)
@@ -147,7 +148,7 @@ def main() -> None:
     ap.add_argument("--mb", default="2,16,64,256")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)  # lanes are in use from the fourth refit
     ap.add_argument("--refits", type=int, default=5)
     ap.add_argument("--messages", action="store_true")
     ap.add_argument("--sizes", default="16,256,4096")

@@ -45,13 +45,9 @@ def _global(src, version: int) -> dict[str, torch.Tensor]:
 
 
 def _lanes_of(group=None):
-    from triton_reshard.comm.group import _TORCH_LANES, RefitGroup
+    from triton_reshard.comm.group import RefitGroup, TorchGroup
 
-    if isinstance(group, RefitGroup):
-        return group.lanes
-    import torch.distributed as dist
-
-    return _TORCH_LANES.get(dist.group.WORLD, L.NONE)
+    return group.lanes if isinstance(group, RefitGroup) else TorchGroup(group).lanes
 
 
 def _refits(rank: int, src, dst, versions, delta: bool = False, group=None) -> list[bool]:
@@ -74,7 +70,7 @@ def lanes_world(rank: int, world: int, mb: float, lane_mb: str, off_rank: int, d
     if rank == off_rank:
         os.environ["TRITON_RESHARD_LANES"] = "0"
     src, dst = _layouts(mb)
-    ok = _refits(rank, src, dst, range(3), delta=delta)
+    ok = _refits(rank, src, dst, range(6), delta=delta)
     lanes = _lanes_of()
     left = [f for f in os.listdir(L.SHM_DIR) if f.startswith("triton_reshard-")]
     return {"ok": ok, "counts": dict(lanes.counts), "out": sorted(lanes.out), "inn": sorted(lanes.inn),
@@ -87,7 +83,7 @@ def test_lanes_carry_refits_bit_exact(lane_mb, delta):
     lanes) the larger ones beside it over gloo and the ring wrapping; dense and delta refits bit-exact."""
     res = run_world(lanes_world, WORLD, 6.0, lane_mb, -1, delta, timeout=300)
     for r, out in enumerate(res):
-        assert out["ok"] == [True, True, True], (r, out["ok"])
+        assert out["ok"] == [True] * 6, (r, out["ok"])
         assert out["out"] == out["inn"] == [q for q in range(WORLD) if q != r]
         c = out["counts"]
         assert c["ring"] > 0 and c["gloo"] == 0, (r, c)
@@ -101,7 +97,7 @@ def test_lanes_off_on_one_rank():
     to it over gloo; every refit bit-exact."""
     res = run_world(lanes_world, WORLD, 2.0, "64", 2, False, timeout=300)
     for r, out in enumerate(res):
-        assert out["ok"] == [True, True, True], (r, out["ok"])
+        assert out["ok"] == [True] * 6, (r, out["ok"])
         want = [] if r == 2 else [q for q in range(WORLD) if q not in (r, 2)]
         assert out["out"] == out["inn"] == want, (r, out)
         if r != 2:
@@ -114,7 +110,7 @@ def refit_group_world(rank: int, world: int, port: int) -> dict:
     src, dst = _layouts(2.0)
     g = init_refit_group("127.0.0.1", port, rank, world, backend="gloo", timeout=60)
     try:
-        ok = _refits(rank, src, dst, range(2), group=g)
+        ok = _refits(rank, src, dst, range(5), group=g)
         counts = dict(g.lanes.counts)
         g.barrier()
     finally:
@@ -127,24 +123,26 @@ def test_lanes_on_a_refit_group():
 
     res = run_world(refit_group_world, WORLD, free_port(), timeout=300)
     for r, out in enumerate(res):
-        assert out["ok"] == [True, True], (r, out)
+        assert out["ok"] == [True] * 5, (r, out)
         assert out["counts"]["ring"] > 0 and out["counts"]["gloo"] == 0, (r, out)
         assert out["closed"]
 
 
 def corrupt_world(rank: int, world: int, what: str) -> dict:
-    """Rank 0 corrupts one message to rank 1 as it goes: ``ring``, one byte in the ring after its copy; ``header``,
-    the header's sequence number. Then a clean refit."""
+    """Three clean refits (the lanes are in use from the fourth), then rank 0 corrupts one message to rank 1 as
+    it goes: ``ring``, one byte in the ring after its copy; ``header``, the header's sequence number. Then (ring)
+    a clean refit, which repairs the destination."""
     from triton_reshard import ReshardError, refit
 
     src, dst = _layouts(2.0)
+    ok = _refits(rank, src, dst, range(3))
     hit = {"n": 0}
+    send = L.Lanes.send
     if rank == 0:
-        send = L.Lanes.send
 
         def bad_send(self, pg, peer, gpeer, buf):
             nbytes = buf.numel() * buf.element_size()
-            if peer != 1 or hit["n"] or nbytes < 4096:
+            if peer != 1 or hit["n"] or nbytes < 4096 or peer not in self.out:
                 return send(self, pg, peer, gpeer, buf)
             hit["n"] += 1
             lane = self.out[peer]
@@ -153,7 +151,7 @@ def corrupt_world(rank: int, world: int, what: str) -> dict:
                 return send(self, pg, peer, gpeer, buf)
             work = send(self, pg, peer, gpeer, buf)
             end = lane.head % lane.seg.cap or lane.seg.cap
-            lane.seg.data[end - 1] ^= 0x40  # the message's last byte, in the ring
+            lane.seg.data[end - 1] ^= 0x40  # the message's last byte, in the ring (its header already rung)
             return work
 
         L.Lanes.send = bad_send
@@ -165,9 +163,10 @@ def corrupt_world(rank: int, world: int, what: str) -> dict:
         refit(s, d, src, dst, timeout=20)
     except ReshardError as e:
         err = f"{type(e).__name__}: {e}"
-    if rank == 0:
-        L.Lanes.send = send
-    return {"err": err, "hit": hit["n"]}
+    L.Lanes.send = send
+    if what == "ring":
+        ok += _refits(rank, src, dst, range(1))
+    return {"err": err, "hit": hit["n"], "ok": ok}
 
 
 def test_lanes_ring_corruption_is_named_by_the_digest():
@@ -177,6 +176,7 @@ def test_lanes_ring_corruption_is_named_by_the_digest():
         assert isinstance(out, dict), (r, out)
         assert out["err"] and "ReshardIntegrityError" in out["err"], (r, out)
         assert "from rank 0 to rank 1" in out["err"], (r, out)
+        assert out["ok"] == [True] * 4, (r, out)  # and the next refit repairs it
 
 
 def test_lanes_bad_header_is_named_not_silent():

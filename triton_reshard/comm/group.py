@@ -86,15 +86,18 @@ class TorchGroup:
 
     @property
     def lanes(self) -> _lanes.Lanes:
-        return _TORCH_LANES.get(self.key, _lanes.NONE) if self._peer is not None else _lanes.NONE
+        setup = _TORCH_LANES.get(self.key) if self._peer is not None else None
+        return setup.lanes or _lanes.NONE if setup is not None else _lanes.NONE
 
-    def ensure_lanes(self, timeout: timedelta) -> None:
-        """Set up this group's same-host lanes once (collective: every rank of the group, before its first
-        message; ``comm/lanes.py``). Only gloo groups have them."""
+    def advance_lanes(self, timeout: timedelta) -> None:
+        """One step of this group's same-host lanes' setup (collective: every rank at each handshake, before
+        its messages; ``comm/lanes.Setup``). Only gloo groups have them."""
         if self._peer is None or not self.wire:
             return
-        if self.key not in _TORCH_LANES:
-            _TORCH_LANES[self.key] = _lanes.setup(self.key, self.rank, self.ranks, timeout)
+        setup = _TORCH_LANES.get(self.key)
+        if setup is None:
+            setup = _TORCH_LANES[self.key] = _lanes.Setup(self.key, self.rank, self.ranks, timeout)
+        setup.advance()
 
     def post(self, sends, recvs) -> list:
         peer_of = self._peer
@@ -129,8 +132,12 @@ class RefitGroup:
     _gen: int = field(default=0, repr=False)
     _server: object = field(default=None, repr=False)  # rank 0: the rendezvous it serves
     digest_key: bytes = field(default=b"", repr=False)  # integrity: the key digests are keyed with
-    lanes: _lanes.Lanes = field(default=_lanes.NONE, repr=False)  # same-host lanes (gloo), made by ensure_lanes
-    _lanes_done: bool = field(default=False, repr=False)
+    _lane_setup: object = field(default=None, repr=False)  # same-host lanes (gloo): comm/lanes.Setup
+
+    @property
+    def lanes(self) -> _lanes.Lanes:
+        setup = self._lane_setup
+        return setup.lanes or _lanes.NONE if setup is not None else _lanes.NONE
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -183,12 +190,14 @@ class RefitGroup:
         works += [pg.send([buf], peer, 0) for peer, buf in sends]
         return works
 
-    def ensure_lanes(self, timeout: timedelta) -> None:
-        """Set up the group's same-host lanes once (collective; ``comm/lanes.py``); gloo only."""
-        if self._lanes_done or self.backend != "gloo" or self.size < 2:
+    def advance_lanes(self, timeout: timedelta) -> None:
+        """One step of the group's same-host lanes' setup (collective, at each handshake; ``comm/lanes.Setup``);
+        gloo only."""
+        if self.backend != "gloo" or self.size < 2:
             return
-        self.lanes = _lanes.setup(self._live(), self.rank, self.ranks, timeout)
-        self._lanes_done = True
+        if self._lane_setup is None:
+            self._lane_setup = _lanes.Setup(self._live(), self.rank, self.ranks, timeout)
+        self._lane_setup.advance()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, through the group's authenticated rendezvous store (for small
@@ -233,8 +242,9 @@ class RefitGroup:
         inside :meth:`all_gather_object` after that fails, so let the ranks meet (:meth:`barrier`) before rank
         0 destroys a healthy group."""
         pg, self.pg = self.pg, None
-        lanes, self.lanes = self.lanes, _lanes.NONE
-        lanes.close()
+        setup, self._lane_setup = self._lane_setup, None
+        if setup is not None:
+            setup.close()
         if pg is not None and hasattr(pg, "shutdown"):
             with contextlib.suppress(Exception):  # best effort: a broken group may refuse
                 pg.shutdown()

@@ -1,39 +1,40 @@
 """Same-host lanes: gloo messages between two ranks on one machine through shared memory.
 
-gloo moves every message over TCP, also between two processes of one host (loopback): per message a few
-syscalls, the kernel's two copies and the wake-ups of gloo's threads at both ends. Measured here (2 cores,
-``perf/bench_lanes.py``): a 256 KiB message costs ~0.3 ms over loopback against ~0.01 ms for the two copies
-through memory; at 64 MiB the two are alike (memory-bound either way). A refit of small tensors (Megatron's
-small model: messages of 8-512 KiB) spends much of its CPU there.
+gloo moves every message over TCP, also between two processes of one host (loopback): per message the
+kernel's two copies, TCP's work, and hand-offs between gloo's threads and the caller's at both ends. A
+*lane* is one direction between two ranks of a gloo group on the same host: a ring in a shared-memory
+segment the sender made, and a doorbell, a FIFO the receiver made. Every message of a pair with a lane
+goes into the ring (one copy by the sender at post time) and its header (sequence, position, length, how:
+32 bytes, written whole into the pipe) into the doorbell; the receiver, when it waits for the message,
+reads the header in its own thread (``select`` with the run's timeout), copies the message out of the ring
+into its buffer and tells the sender the space is free again (the consumed position, in the segment's
+first cache line). A message larger than half the ring, or that finds no room yet (the receiver has not
+taken what came before), goes over gloo beside its header, which says so (tag 1: it never meets other
+messages). The header is what a receive waits for either way, so both ends agree without knowing each
+other's sizes (a receive buffer may be larger than the message: a delta's inbox). Measured
+(``perf/bench_lanes.py``): the same dense refits ~1.3-1.4x faster at 8-64 MB on 4 ranks.
 
-A *lane* is one direction between two ranks of a gloo group on the same host: a ring in a shared-memory
-segment the sender made. Every message of a pair with a lane goes into the ring (one copy by the sender
-at post time) and gloo carries only its header (4 int64: sequence, position, length, how); the receiver,
-when it waits for that header, copies the message out of the ring into its buffer and tells the sender
-the space is free again (the ring's consumed position, in the segment's first line). A message larger
-than half the ring, or that finds no room (the receiver has not yet taken what came before), goes over
-gloo beside its header, which says so (tag 1: it never meets the headers). The header is what a receive
-waits for either way, so both ends agree without knowing each other's sizes (a receive buffer may be
-larger than the message: a delta's inbox).
+Failure and order: a receive whose header does not come within the timeout returns False (the caller's
+named timeout); a peer that died closes its end of the pipe (the receiver reads EOF, the sender gets
+EPIPE): a named connection error, not a hang. A pair's messages complete in posting order (the ring's
+sequence numbers, which the receiver checks). Nothing read from the ring or the pipe is interpreted beyond
+the header's numbers, which are checked against the receive and the ring before a byte is copied.
 
-What stays as it was: every wait is gloo's (the header's), so a timeout and a peer's death are reported as
-before; the order of a pair's messages is the posting order (gloo's, and the ring's sequence numbers, which
-the receiver checks). Nothing read from the ring is interpreted beyond the header's numbers, which are
-bounds-checked against the ring before a byte is copied.
+Security: a ring is created by its sender and a doorbell by its receiver, each with ``O_EXCL`` (mkfifo) and
+mode 0600 under a name with the maker's random 63-bit token (a name someone else took is not used: that lane
+stays on gloo); the other end opens it only if it is of its own user, mode 0600 (a ring: a regular file of
+the announced size; a doorbell: a FIFO; no symlinks). Once both ends hold them, the names are unlinked:
+nothing stays in ``/dev/shm``. Trust boundary: the user the ranks run as (a process of that user can read
+and write the ring, as it could ptrace the ranks); the per-message digest (``execute/integrity.py``) covers
+the ring's bytes as it covers gloo's. ``/dev/shm`` is checked for room first and the ring's pages are
+reserved when made (``posix_fallocate``): a full ``/dev/shm`` means no lane, never a SIGBUS later.
 
-Security: a segment is created by its sender with ``O_CREAT | O_EXCL`` and mode 0600 (a name taken by
-someone else is not used: that lane stays on gloo), under a name with a random 64-bit token; the receiver
-maps it only if it is a regular file of its own user, mode 0600, of the announced size. Once both ends hold
-it, the sender unlinks it: nothing stays in ``/dev/shm`` (a process that dies before that leaves the file,
-which the next setup of that sender does not reuse). Trust boundary: the user the ranks run as (a process
-of that user can read and write the ring, as it could ptrace the ranks); the per-message digest
-(``execute/integrity.py``) covers the ring's bytes as it covers gloo's.
-
-Set up once per process group (:func:`ensure`), collectively, before its first message: every rank's host
-identity and token in one all-gather, the segments made, then two more all-gathers for "made" and "mapped".
-``TRITON_RESHARD_LANES=0`` turns lanes off (every rank must agree: the setup's first round carries it, and a
-pair uses a lane only where both ends have them on). ``TRITON_RESHARD_LANE_MB``: a rank's shared memory for
-its outgoing lanes (default 64 MiB, split over its same-host peers, at most 32 MiB a lane).
+Set up over a group's first handshakes (:class:`Setup`: one all-gather posted at each, waited for at the
+next), in use from its fourth refit on; a group's first call pays nothing for them. Two ranks are on the
+same host when boot, host name, ``/dev/shm`` and network namespace agree (``testing/cluster.py``'s emulated
+nodes are namespaces). ``TRITON_RESHARD_LANES=0`` turns a rank's lanes off (its peers then talk to it over
+gloo). ``TRITON_RESHARD_LANE_MB``: a rank's shared memory for its outgoing lanes (default 64 MiB, split over
+its same-host peers, at most 32 MiB a lane).
 """
 
 from __future__ import annotations
@@ -385,67 +386,128 @@ class Lanes:
 NONE = Lanes({}, {})
 
 
-def setup(pg, rank: int, ranks: tuple[int, ...], timeout: timedelta) -> Lanes:
-    """Collectively (every rank of the gloo group ``pg``, before its first message): this rank's lanes to and
-    from the ranks on its host. ``rank`` / ``ranks``: the group's ranks as the plan numbers them. Three
-    all-gathers: who is where (host, token, budget); which rings and doorbells each made; which each opened.
-    A lane is used where all four ends were made and opened; then the names are unlinked."""
-    me = ranks.index(rank)
-    on = enabled() and os.path.isdir(SHM_DIR)
-    hid = host_id() if on else 0
-    token = secrets.randbits(63)
-    budget = budget_bytes() if on else 0
+class Setup:
+    """A group's lanes, set up over its first handshakes: :meth:`advance` is called once per handshake (the
+    plan handshake of a run or verify, or a refusal in its place: every rank makes the same number, so the
+    same call on every rank takes the same step) and posts one all-gather that the next call waits for (it
+    completed meanwhile, beside the run): who is where (host, token, budget); which rings and doorbells each
+    made; which each opened. The fourth call makes the lanes, used from then on (a lane where all four ends
+    were made and opened; the names are unlinked then). So a group's first call pays nothing for them, its
+    second makes this rank's rings and doorbells, its third opens the peers'."""
 
-    def gather(row: list[int]) -> list[list[int]]:
+    def __init__(self, pg, rank: int, ranks: tuple[int, ...], timeout: timedelta) -> None:
+        self.pg, self.rank, self.ranks, self.timeout = pg, rank, ranks, timeout
+        self.me = ranks.index(rank)
+        self.stage = 0
+        self.lanes: Lanes | None = None  # made by the fourth call
+        self._posted: tuple | None = None
+        self.made: dict[int, Segment] = {}  # my rings, by receiver
+        self.bells: dict[int, int] = {}  # my doorbells (read ends), by sender
+        self.mapped: dict[int, Segment] = {}  # the peers' rings to me, by sender
+        self.rung: dict[int, int] = {}  # the peers' doorbells (write ends), by receiver
+
+    def _post(self, row: list[int]) -> None:
         t = torch.tensor(row, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in ranks]
-        if not pg.allgather([out], [t]).wait(timeout=timeout):
-            raise RuntimeError(f"rank {rank}: the same-host lanes' setup timed out after {timeout.total_seconds():g}s")
+        out = [torch.empty_like(t) for _ in self.ranks]
+        self._posted = (self.pg.allgather([out], [t]), out, t)
+
+    def _rows(self) -> list[list[int]]:
+        work, out, _t = self._posted
+        if not work.wait(timeout=self.timeout):
+            raise RuntimeError(f"rank {self.rank}: the same-host lanes' setup timed out after "
+                               f"{self.timeout.total_seconds():g}s")
         return [o.tolist() for o in out]
 
-    rows = gather([hid, token, budget])
-    peers = [r for k, r in enumerate(ranks) if k != me and hid and rows[k][0] == hid and rows[k][2] > 0]
-    made: dict[int, Segment] = {}  # my rings, by receiver
-    bells: dict[int, int] = {}  # my doorbells (read ends), by sender
-    if peers and budget:
-        cap = _lane_cap(budget, len(peers))
+    def advance(self) -> Lanes | None:
+        """One step (see the class); the lanes once made (None before)."""
+        if self.lanes is not None:
+            return self.lanes
+        step = (self._who, self._make, self._open, self._finish)[self.stage]
+        self.stage += 1
+        step()
+        return self.lanes
+
+    def _who(self) -> None:
+        on = enabled() and os.path.isdir(SHM_DIR)
+        self.hid = host_id() if on else 0
+        self.token = secrets.randbits(63)
+        self._post([self.hid, self.token, budget_bytes() if on else 0])
+
+    def _make(self) -> None:
+        rows = self.rows = self._rows()
+        me, rank = self.me, self.rank
+        peers = [r for k, r in enumerate(self.ranks) if k != me and self.hid and rows[k][0] == self.hid
+                 and rows[k][2] > 0]
+        cap = _lane_cap(rows[me][2], len(peers)) if peers else 0
         for q in peers if cap else ():
-            seg = create(token, rank, q, cap + CTRL_BYTES)
+            seg = create(self.token, rank, q, cap + CTRL_BYTES)
             if seg is not None:
-                made[q] = seg
-            fd = make_fifo(token, q, rank)
+                self.made[q] = seg
+            fd = make_fifo(self.token, q, rank)
             if fd is not None:
-                bells[q] = fd
-    # round 2, per rank: the size of my ring to it, and 1 << 62 where I made its doorbell
-    made_rows = gather([(made[r].size if r in made else 0) | ((1 << 62) if r in bells else 0) for r in ranks])
-    mapped: dict[int, Segment] = {}  # the peers' rings to me, by sender
-    rung: dict[int, int] = {}  # the peers' doorbells (write ends), by receiver
-    for k, q in enumerate(ranks):
-        if q == rank:
-            continue
-        word = made_rows[k][me]
-        size = word & ((1 << 62) - 1)
-        if size and q in bells:
-            seg = open_peer(rows[k][1], q, rank, size)
-            if seg is not None:
-                mapped[q] = seg
-        if word >> 62 and q in made:
-            fd = open_fifo(rows[k][1], rank, q)
-            if fd is not None:
-                rung[q] = fd
-    # round 3, per rank: 1 where I mapped its ring to me (and hold my doorbell), 2 where I opened its doorbell
-    done_rows = gather([(1 if r in mapped else 0) | (2 if r in rung else 0) for r in ranks])
-    out: dict[int, OutLane] = {}
-    inn: dict[int, InLane] = {}
-    for k, q in enumerate(ranks):
-        if q == rank:
-            continue
-        if q in made and q in rung and done_rows[k][me] & 1:
-            out[q] = OutLane(made[q], rung[q], q, timeout)
-        if q in mapped and done_rows[k][me] & 2:
-            inn[q] = InLane(mapped[q], bells[q])
-    _tidy(token, rank, rows, ranks, made, bells, mapped, rung, out, inn)
-    return Lanes(out, inn)
+                self.bells[q] = fd
+        # per rank: the size of my ring to it, and 1 << 62 where I made its doorbell
+        made, bells = self.made, self.bells
+        self._post([(made[r].size if r in made else 0) | ((1 << 62) if r in bells else 0) for r in self.ranks])
+
+    def _open(self) -> None:
+        made_rows = self._rows()
+        for k, q in enumerate(self.ranks):
+            if q == self.rank:
+                continue
+            word = made_rows[k][self.me]
+            size = word & ((1 << 62) - 1)
+            if size and q in self.bells:
+                seg = open_peer(self.rows[k][1], q, self.rank, size)
+                if seg is not None:
+                    self.mapped[q] = seg
+            if word >> 62 and q in self.made:
+                fd = open_fifo(self.rows[k][1], self.rank, q)
+                if fd is not None:
+                    self.rung[q] = fd
+        # per rank: 1 where I mapped its ring to me (and hold my doorbell), 2 where I opened its doorbell
+        self._post([(1 if r in self.mapped else 0) | (2 if r in self.rung else 0) for r in self.ranks])
+
+    def _finish(self) -> None:
+        done_rows = self._rows()
+        out: dict[int, OutLane] = {}
+        inn: dict[int, InLane] = {}
+        for k, q in enumerate(self.ranks):
+            if q == self.rank:
+                continue
+            if q in self.made and q in self.rung and done_rows[k][self.me] & 1:
+                out[q] = OutLane(self.made[q], self.rung[q], q, self.timeout)
+            if q in self.mapped and done_rows[k][self.me] & 2:
+                inn[q] = InLane(self.mapped[q], self.bells[q])
+        self._tidy(out, inn)
+        self.lanes = Lanes(out, inn)
+        self._posted = None
+
+    def _tidy(self, out: dict, inn: dict) -> None:
+        """Unlink every name this rank made (the lanes in use hold their ends open) and close the ends of
+        lanes not in use."""
+        for q, seg in self.made.items():
+            _unlink(seg.path)
+            if q not in out:
+                seg.close()
+        for q, fd in self.bells.items():
+            _unlink(_name(self.token, q, self.rank) + ".fifo")
+            if q not in inn:
+                os.close(fd)
+        for q, seg in self.mapped.items():
+            if q not in inn:
+                seg.close()
+        for q, fd in self.rung.items():
+            if q not in out:
+                os.close(fd)
+        self.made, self.bells, self.mapped, self.rung = {}, {}, {}, {}
+
+    def close(self) -> None:
+        """Close what the setup made so far (the group is going away)."""
+        if self.lanes is not None:
+            self.lanes.close()
+        else:
+            self._tidy({}, {})
 
 
 def _lane_cap(budget: int, n_peers: int) -> int:
@@ -461,22 +523,3 @@ def _lane_cap(budget: int, n_peers: int) -> int:
     if (cap + CTRL_BYTES) * n_peers * (n_peers + 1) > free // 2:
         return 0
     return cap if cap >= MIN_LANE_BYTES else 0
-
-
-def _tidy(token, rank, rows, ranks, made, bells, mapped, rung, out, inn) -> None:
-    """Unlink every name this rank made (the lanes in use hold their ends open) and close the ends of lanes
-    not in use."""
-    for q, seg in made.items():
-        _unlink(seg.path)
-        if q not in out:
-            seg.close()
-    for q, fd in bells.items():
-        _unlink(_name(token, q, rank) + ".fifo")
-        if q not in inn:
-            os.close(fd)
-    for q, seg in mapped.items():
-        if q not in inn:
-            seg.close()
-    for q, fd in rung.items():
-        if q not in out:
-            os.close(fd)

@@ -247,10 +247,10 @@ class Link:
         except Exception as e:
             raise self.error(what, peers, t0, e) from e
 
-    def ensure_lanes(self) -> None:
-        """The group's same-host lanes, set up once before its first message (collective: every rank's first
-        run or refusal; ``comm/lanes.py``)."""
-        fn = getattr(self.comm, "ensure_lanes", None)
+    def advance_lanes(self) -> None:
+        """One step of the group's same-host lanes' setup (collective: every rank's handshake, of a run or a
+        refusal, before its messages; ``comm/lanes.Setup``: in use from the fourth)."""
+        fn = getattr(self.comm, "advance_lanes", None)
         if fn is not None:
             self.call(fn, "the same-host lanes' setup", self.ranks, self.timeout)
 
