@@ -71,8 +71,13 @@ def lanes_world(rank: int, world: int, mb: float, lane_mb: str, off_rank: int, d
         os.environ["TRITON_RESHARD_LANES"] = "0"
     src, dst = _layouts(mb)
     ok = _refits(rank, src, dst, range(6), delta=delta)
+    import torch.distributed as dist
+
+    from triton_reshard.comm.group import _TORCH_LANES
+
     lanes = _lanes_of()
-    left = [f for f in os.listdir(L.SHM_DIR) if f.startswith("triton_reshard-")]
+    token = f"{_TORCH_LANES[dist.group.WORLD].token:016x}"
+    left = [f for f in os.listdir(L.SHM_DIR) if token in f]  # the names this rank made: none left
     return {"ok": ok, "counts": dict(lanes.counts), "out": sorted(lanes.out), "inn": sorted(lanes.inn),
             "left": left}
 
@@ -87,9 +92,10 @@ def test_lanes_carry_refits_bit_exact(lane_mb, delta):
         assert out["out"] == out["inn"] == [q for q in range(WORLD) if q != r]
         c = out["counts"]
         assert c["ring"] > 0 and c["gloo"] == 0, (r, c)
+        assert c["hashed"] > 0, (r, c)  # the digest took in-place receives' hashes from the lane's copy
         if lane_mb == "3":
             assert c["beside"] > 0, (r, c)
-        assert not [f for f in out["left"] if f.endswith(f"-{r}")], out["left"]
+        assert not out["left"], out["left"]
 
 
 def test_lanes_off_on_one_rank():
@@ -193,15 +199,23 @@ def test_segment_create_refuses_a_taken_name_and_open_checks_owner_mode_size(tmp
     assert seg is not None and stat.S_IMODE(os.stat(seg.path).st_mode) == 0o600
     assert L.create(123, 0, 1, 1 << 16) is None  # O_EXCL: a name someone holds is never used
     assert L.open_peer(123, 0, 1, 1 << 15) is None  # not the announced size
-    peer = L.open_peer(123, 0, 1, 1 << 16)
-    assert peer is not None and peer.cap == (1 << 16) - L.CTRL_BYTES
-    seg.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    assert peer.data[:4].tolist() == [1, 2, 3, 4]  # one memory
     os.chmod(seg.path, 0o644)
     assert L.open_peer(123, 0, 1, 1 << 16) is None  # readable by others: refused
+    os.chmod(seg.path, 0o600)
     other = tmp_path / "triton_reshard-000000000000007b-2-3"
     other.symlink_to(seg.path)
     assert L.open_peer(123, 2, 3, 1 << 16) is None  # a link: refused (O_NOFOLLOW)
+    peer = L.open_peer(123, 0, 1, 1 << 16)
+    assert peer is not None and peer.cap == (1 << 16) - L.CTRL_BYTES
+    assert not os.path.exists(seg.path)  # the second end unlinks the name once it holds the segment
+    seg.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert peer.data[:4].tolist() == [1, 2, 3, 4]  # one memory
+    fd = L.make_fifo(5, 1, 0)
+    assert fd is not None and L.make_fifo(5, 1, 0) is None  # mkfifo: a taken name is not used
+    wfd = L.open_fifo(5, 1, 0)
+    assert wfd is not None and not os.path.exists(L._name(5, 1, 0) + ".fifo")
+    for f in (fd, wfd):
+        os.close(f)
     seg.close()
     peer.close()
 

@@ -23,8 +23,8 @@ the header's numbers, which are checked against the receive and the ring before 
 Security: a ring is created by its sender and a doorbell by its receiver, each with ``O_EXCL`` (mkfifo) and
 mode 0600 under a name with the maker's random 63-bit token (a name someone else took is not used: that lane
 stays on gloo); the other end opens it only if it is of its own user, mode 0600 (a ring: a regular file of
-the announced size; a doorbell: a FIFO; no symlinks). Once both ends hold them, the names are unlinked:
-nothing stays in ``/dev/shm``. Trust boundary: the user the ranks run as (a process of that user can read
+the announced size; a doorbell: a FIFO; no symlinks), then unlinks the name (its maker does too, at the latest
+when its process exits): nothing stays in ``/dev/shm`` but what a killed process made. Trust boundary: the user the ranks run as (a process of that user can read
 and write the ring, as it could ptrace the ranks); the per-message digest (``execute/integrity.py``) covers
 the ring's bytes as it covers gloo's. ``/dev/shm`` is checked for room first and the ring's pages are
 reserved when made (``posix_fallocate``): a full ``/dev/shm`` means no lane, never a SIGBUS later.
@@ -39,6 +39,7 @@ its same-host peers, at most 32 MiB a lane).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import mmap
@@ -129,6 +130,7 @@ def create(token: int, sender: int, receiver: int, size: int) -> Segment | None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError:
         return None
+    _MADE.add(path)
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)  # the pages now, or ENOSPC now: never a SIGBUS on a full /dev/shm later
@@ -153,16 +155,28 @@ def open_peer(token: int, sender: int, receiver: int, size: int) -> Segment | No
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077
                 or st.st_size != size):
             return None
-        return Segment(fd, size, path)
+        seg = Segment(fd, size, path)
+        _unlink(path)  # both ends hold it now: the name goes (its maker unlinks too, at the latest at exit)
+        return seg
     except OSError:
         return None
     finally:
         os.close(fd)
 
 
+_MADE: set[str] = set()  # names this process made and has not unlinked yet (unlinked at exit at the latest)
+
+
 def _unlink(path: str) -> None:
+    _MADE.discard(path)
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+@atexit.register
+def _unlink_made() -> None:
+    for path in list(_MADE):
+        _unlink(path)
 
 
 def make_fifo(token: int, sender: int, receiver: int) -> int | None:
@@ -173,6 +187,7 @@ def make_fifo(token: int, sender: int, receiver: int) -> int | None:
         os.mkfifo(path, 0o600)
     except OSError:
         return None
+    _MADE.add(path)
     try:
         return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
@@ -191,6 +206,7 @@ def open_fifo(token: int, sender: int, receiver: int) -> int | None:
     if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(fd)
         return None
+    _unlink(path)  # both ends hold it now
     return fd
 
 
@@ -282,8 +298,9 @@ class LaneRecv:
     complete in posting order (an earlier one still pending completes first: the ring's space is freed in
     order); False when the time runs out (a header that does not come)."""
 
-    def __init__(self, pg, gpeer: int, peer: int, lane: InLane, buf: torch.Tensor, seq: int) -> None:
+    def __init__(self, pg, gpeer: int, peer: int, lane: InLane, buf: torch.Tensor, seq: int, owner: Lanes) -> None:
         self.pg, self.gpeer, self.peer, self.lane, self.buf, self.seq = pg, gpeer, peer, lane, buf, seq
+        self.owner = owner
         self.done = False
         lane.pending.append(self)
 
@@ -319,24 +336,39 @@ class LaneRecv:
             if pos < lane.consumed or off + n > seg.cap:
                 raise RuntimeError(f"same-host lane from rank {self.peer}: message {seq} at {pos} (+{n} bytes) lies "
                                    f"outside the ring (consumed {lane.consumed}, capacity {seg.cap})")
-            if n:
-                _flat(self.buf)[:n].copy_(seg.data[off:off + n])
+            self._copy_out(seg.data[off:off + n], n)
             lane.consumed = pos + n
             seg.ctrl[0] = lane.consumed  # the sender may write there again
         self.done = True
         lane.pending.popleft()
         return True
 
+    def _copy_out(self, src: torch.Tensor, n: int) -> None:
+        """The message's bytes out of the ring, hashed as written where the digest asked for this buffer."""
+        dst = _flat(self.buf)[:n]
+        owner, key = self.owner, (self.buf.data_ptr(), n)
+        if owner.copy_hash is not None and key[0] in owner.want:
+            owner.hashed[key] = owner.copy_hash(src, dst)
+            owner.counts["hashed"] += 1
+        elif n:
+            dst.copy_(src)
+
 
 class Lanes:
     """This rank's lanes in one gloo process group, by peer (plan ranks). Every message to or from a peer
     with a lane goes this way (its header through the doorbell, its bytes in the ring or, too large or no
     room yet, over gloo); the others go over gloo as before. ``counts``: messages sent in the ring / over
-    gloo beside it (too large, or no room) / without a lane, and the ring's bytes."""
+    gloo beside it (too large, or no room) / without a lane, the ring's bytes, and the receives hashed in their
+    copy out of the ring for the digest."""
 
     def __init__(self, out: dict[int, OutLane], inn: dict[int, InLane]) -> None:
         self.out, self.inn = out, inn
-        self.counts = {"ring": 0, "ring_bytes": 0, "beside": 0, "gloo": 0}
+        self.counts = {"ring": 0, "ring_bytes": 0, "beside": 0, "gloo": 0, "hashed": 0}
+        # the digest's hook (``execute/lane_hash.py``): receives into buffers at addresses ``want`` are
+        # copied out of the ring by ``copy_hash(src, dst) -> hash of what it wrote``, the value in ``hashed``
+        self.copy_hash = None
+        self.want: set[int] = set()
+        self.hashed: dict[tuple[int, int], int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.out or self.inn)
@@ -373,7 +405,7 @@ class Lanes:
             return pg.recv([buf], gpeer, 0)
         seq = lane.seq
         lane.seq += 1
-        return LaneRecv(pg, gpeer, peer, lane, buf, seq)
+        return LaneRecv(pg, gpeer, peer, lane, buf, seq, self)
 
     def close(self) -> None:
         for lane in (*self.out.values(), *self.inn.values()):
