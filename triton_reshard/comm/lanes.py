@@ -44,6 +44,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import platform
 import secrets
 import select
 import socket
@@ -67,6 +68,11 @@ SHM_DIR = "/dev/shm"
 
 
 def enabled() -> bool:
+    """Lanes on: ``TRITON_RESHARD_LANES`` (default on) on an x86-64 CPU, whose stores become visible in program
+    order (the ring's bytes before the consumed position that frees them, the header after the bytes);
+    elsewhere (ARM: Grace) the ring would need fences Python cannot issue, so gloo carries everything."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
     return os.environ.get("TRITON_RESHARD_LANES", "1") not in ("0", "false", "off", "")
 
 
