@@ -56,6 +56,8 @@ SMOKE: dict[str, tuple[str | None, list[str], float]] = {
     "bench_kernels.py": ("main", ["--quick", "--model", "tiny-llama", "--repeats", "1", "--out", "{out}/kernels.json"], 300),
     "bench_planner.py": ("main", ["--models", "llama-3-8b", "--worlds", "8", "--out", "{out}/planner.json"], 300),
     "bench_quant.py": ("main", ["--scale", "64", "--repeats", "1", "--out", "{out}/quant.json"], 300),
+    "bench_lanes.py": ("main", ["--mb", "1", "--rounds", "1", "--warmup", "3", "--refits", "1",
+                                "--out", "{out}/lanes.json"], 300),
     "bench_refit.py": ("main", ["--cases", "colocated", "--sizes-gb", "0.04", "--repeats", "1",
                                 "--out", "{out}"], 300),
     "bench_routing.py": ("main", ["--models", "qwen3-30b-a3b", "--pairs", "tp8", "--topologies", "h100",

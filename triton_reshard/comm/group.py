@@ -22,17 +22,21 @@ import contextlib
 import random
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from . import lanes as _lanes
 from . import wire
 from .auth import AuthError, AuthStore, AuthStoreServer
 from .secret import ResolvedSecret, group_key, resolve_secret
 
 CLOSE_LINGER_S = 2.0  # rank 0's destroy waits at most this long for the other members to hang up
+# a torch.distributed gloo group's same-host lanes (comm/lanes.py), while the group lives
+_TORCH_LANES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class RefitGroupError(RuntimeError):
@@ -80,10 +84,30 @@ class TorchGroup:
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor):
         return dist.all_gather(out, t, group=self.group, async_op=True)
 
+    @property
+    def lanes(self) -> _lanes.Lanes:
+        setup = _TORCH_LANES.get(self.key) if self._peer is not None else None
+        return setup.lanes or _lanes.NONE if setup is not None else _lanes.NONE
+
+    def advance_lanes(self, timeout: timedelta) -> None:
+        """One step of this group's same-host lanes' setup (collective: every rank at each handshake, before
+        its messages; ``comm/lanes.Setup``). Only gloo groups have them."""
+        if self._peer is None or not self.wire:
+            return
+        setup = _TORCH_LANES.get(self.key)
+        if setup is None:
+            setup = _TORCH_LANES[self.key] = _lanes.Setup(self.key, self.rank, self.ranks, timeout)
+        setup.advance()
+
     def post(self, sends, recvs) -> list:
         peer_of = self._peer
         if peer_of is not None:  # gloo: the receives first, then the sends, as batch_isend_irecv posts them
             pg = self.key
+            lanes = self.lanes
+            if lanes:
+                works = [lanes.recv(pg, peer, peer_of[peer], buf) for peer, buf in recvs]
+                works += [lanes.send(pg, peer, peer_of[peer], buf) for peer, buf in sends]
+                return works
             works = [pg.recv([buf], peer_of[peer], 0) for peer, buf in recvs]
             works += [pg.send([buf], peer_of[peer], 0) for peer, buf in sends]
             return works
@@ -108,6 +132,12 @@ class RefitGroup:
     _gen: int = field(default=0, repr=False)
     _server: object = field(default=None, repr=False)  # rank 0: the rendezvous it serves
     digest_key: bytes = field(default=b"", repr=False)  # integrity: the key digests are keyed with
+    _lane_setup: object = field(default=None, repr=False)  # same-host lanes (gloo): comm/lanes.Setup
+
+    @property
+    def lanes(self) -> _lanes.Lanes:
+        setup = self._lane_setup
+        return setup.lanes or _lanes.NONE if setup is not None else _lanes.NONE
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -151,9 +181,23 @@ class RefitGroup:
             for peer, buf in sends:
                 pg.send([buf], peer, 0)
             return [pg._end_coalescing(dev)]
+        lanes = self.lanes
+        if lanes:
+            works = [lanes.recv(pg, peer, peer, buf) for peer, buf in recvs]
+            works += [lanes.send(pg, peer, peer, buf) for peer, buf in sends]
+            return works
         works = [pg.recv([buf], peer, 0) for peer, buf in recvs]
         works += [pg.send([buf], peer, 0) for peer, buf in sends]
         return works
+
+    def advance_lanes(self, timeout: timedelta) -> None:
+        """One step of the group's same-host lanes' setup (collective, at each handshake; ``comm/lanes.Setup``);
+        gloo only."""
+        if self.backend != "gloo" or self.size < 2:
+            return
+        if self._lane_setup is None:
+            self._lane_setup = _lanes.Setup(self._live(), self.rank, self.ranks, timeout)
+        self._lane_setup.advance()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, through the group's authenticated rendezvous store (for small
@@ -198,6 +242,9 @@ class RefitGroup:
         inside :meth:`all_gather_object` after that fails, so let the ranks meet (:meth:`barrier`) before rank
         0 destroys a healthy group."""
         pg, self.pg = self.pg, None
+        setup, self._lane_setup = self._lane_setup, None
+        if setup is not None:
+            setup.close()
         if pg is not None and hasattr(pg, "shutdown"):
             with contextlib.suppress(Exception):  # best effort: a broken group may refuse
                 pg.shutdown()

@@ -165,6 +165,8 @@ def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(m
         mine = torch.tensor(encode(Row(verify=verify, status=REFUSED)), dtype=torch.int64, device=dev)
         try:
             td = to_timedelta(timeout)
+            if hasattr(comm, "advance_lanes"):  # the peers' handshake takes a step of it: take it too
+                comm.advance_lanes(td)
             out, works = post_rows(comm, mine)
             for w in works:
                 w.wait(timeout=td)
@@ -246,6 +248,7 @@ def handshake_post(
     fence = NO_FENCE if fence is None else fence
     if not link.wire:
         return PendingHandshake([], [], 0.0, fence)
+    link.advance_lanes()
     row = Row(
         plan.digest,
         options.bucket_bytes,

@@ -50,6 +50,7 @@ from ..ops.digest import (
 from ..ops.digest import entries as _entries
 from ..ops.digest import native as digest_native
 from ..ops.quant_digest import add_hashed
+from . import lane_hash
 from .errors import ReshardIntegrityError, integrity_error
 from .transport import PostedRows
 from .transport import post_gather as transport_post_gather
@@ -222,6 +223,7 @@ class Ledger:
         self._later: dict[int, dict] = {}
         # (address, bytes) of an in-place send -> (the local copies' hash of it, the views they did not read)
         self._local: dict | None = None  # (None: the local copies have not run yet)
+        self.lanes = None  # the group's same-host lanes, which hash what they copy in (execute/lane_hash.py)
 
     def on_post(self, pos: int, sends, recvs) -> None:
         """Step ``pos`` was posted: digest its sends now (the transport reads them too). A send no fused copy
@@ -242,6 +244,7 @@ class Ledger:
                 self._later.setdefault(pos, {})[j] = (peer, len(self.sent.get(peer, ())), buf)
             self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
+        lane_hash.want(self, recvs)
         if self._local is not None:
             self._resolve(pos)
 
@@ -367,14 +370,19 @@ class Ledger:
         self._fused["unpack", pos] = got
         return True
 
-    def _finish(self, fused, bufs, later=()) -> list:
+    def _finish(self, fused, bufs, later=(), laned=()) -> list:
         """A fused copy's per-message hashes plus the hash of the bytes it did not copy (read now; messages
-        ``later``: left out, :meth:`_resolve` adds it)."""
+        ``later``: left out, :meth:`_resolve` adds it; ``laned``: per message a lane's hash of all of it, or None)."""
         hashes, gaps = fused
         if isinstance(hashes, torch.Tensor):  # the Triton kernels' sums (on the device, no sync)
             return [self._gaps_torch(hashes[j], g, b, n) for j, (g, (b, n)) in enumerate(zip(gaps, bufs, strict=True))]
         out = hashes.tolist()
-        gapped = [j for j, g in enumerate(gaps) if len(g) and j not in later]
+        done = set(later)
+        for j, h in enumerate(laned):  # a message no pair copied (received in place), hashed by its lane
+            if h is not None and len(gaps[j]) == 1 and gaps[j][0, 2] == bufs[j][1] and not out[j]:
+                out[j] = h
+                done.add(j)
+        gapped = [j for j, g in enumerate(gaps) if len(g) and j not in done]
         if gapped:  # the bytes no copy took (in-place messages, padding), one native call for all
             for j, h in zip(gapped, self._many([gaps[j] for j in gapped], [bufs[j][1] for j in gapped]), strict=True):
                 out[j] = (out[j] + h) & ((1 << 64) - 1)
@@ -404,8 +412,11 @@ class Ledger:
             for j, (_p, buf) in enumerate(posted)
         ]
         fused = self._fused.pop(("unpack", pos), None)
+        laned = lane_hash.take(self, bufs)  # hashed in the lane's copy: no read pass (None: not by a lane)
         if fused is not None:
-            values = self._finish(fused, bufs)
+            values = self._finish(fused, bufs, laned=laned)
+        elif not rebuild and bufs and None not in laned:
+            values = laned
         elif bufs and bufs[0][0].device.type == "cpu":
             values = self._in_place(bufs, rebuild, key)
         else:

@@ -12,6 +12,7 @@ import torch
 from .. import ops
 from ..ops import quant_digest
 from ..ops import quantize as quant
+from . import lane_hash
 from .bind import Bound
 from .errors import ReshardAbortedError
 from .handshake import Preposted
@@ -77,6 +78,7 @@ class StepLoop:
         self.preposted = preposted
         # the run's message digests (execute/integrity.py: Ledger), or None (digest off, verify, no wire)
         self.ledger = ledger
+        lane_hash.attach(ledger, link.comm)  # same-host lanes hash the receives they copy in, for it
 
     def what(self, pos: int) -> str:
         return f"step {pos + 1}/{len(self.work.steps)}"

@@ -247,6 +247,13 @@ class Link:
         except Exception as e:
             raise self.error(what, peers, t0, e) from e
 
+    def advance_lanes(self) -> None:
+        """One step of the group's same-host lanes' setup (collective: every rank's handshake, of a run or a
+        refusal, before its messages; ``comm/lanes.Setup``: in use from the fourth)."""
+        fn = getattr(self.comm, "advance_lanes", None)
+        if fn is not None:
+            self.call(fn, "the same-host lanes' setup", self.ranks, self.timeout)
+
     def post(self, sends, recvs) -> list:
         return self.comm.post(sends, recvs)  # never called with nothing to post: steps without ops are dropped
 
