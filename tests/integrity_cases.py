@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 
 from triton_reshard import Layout, Shard, refit, refit_state
+from triton_reshard.comm.lanes import LaneRecv
 
 WORLD = 4
 TIMEOUT = 20.0  # seconds: every wait of the scenarios (a hang would be a failure, not a pass)
@@ -48,7 +49,8 @@ def same_bits(got: dict, want: dict) -> bool:
 class RecvFault:
     """Wrap this process's transport so that the first post with at least ``need`` payload receives (uint8
     buffers: messages, not the int64 control rows) runs ``action(buffers)`` once they arrived: what a link
-    that corrupts bytes in flight delivers (the sender's buffer, and so its digest, is untouched)."""
+    that corrupts bytes in flight delivers (the sender's buffer, and so its digest, is untouched); a message
+    through a same-host lane is corrupted in the ring, before the receiver copies (and hashes) it."""
 
     def __init__(self, action, need: int = 1, skip_peer: int | None = None) -> None:
         self.action, self.need, self.fired, self.skip_peer = action, need, 0, skip_peer
@@ -87,8 +89,23 @@ class RecvFault:
                 last = payload[fault.need - 1]
                 fault.peer = recvs[last][0]
                 works = list(works)
-                works[last] = Work(works[last], [recvs[k][1] for k in payload[: fault.need]])
+                if fault.need == 1 and isinstance(works[last], LaneRecv):
+                    works[last]._copy_out = in_ring(works[last]._copy_out)
+                else:
+                    works[last] = Work(works[last], [recvs[k][1] for k in payload[: fault.need]])
             return works
+
+        def in_ring(copy_out):
+            """A message through a same-host lane (comm/lanes.py) is corrupted where it travels: in the ring,
+            before the receiver copies it out (and hashes what it copies)."""
+
+            def corrupted(src, n):
+                if not fault.fired:
+                    fault.fired = 1
+                    fault.action([src])
+                return copy_out(src, n)
+
+            return corrupted
 
         return post
 
