@@ -41,12 +41,9 @@ def refit_world(rank: int, world: int, mb: float, warmup: int, refits: int) -> d
 
     from triton_reshard import refit
     from triton_reshard.comm.group import TorchGroup
-    from triton_reshard.tools.parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
+    from triton_reshard.tools.parallel import llama_pair
 
-    cfg = llama_for_bytes(int(mb * (1 << 20)), torch.float32)
-    tensors = llama_tensors(**cfg)
-    src = parallel_layout(tensors, Parallelism.parse("tp=2,dp=2"), cfg["layers"], torch.float32)
-    dst = parallel_layout(tensors, Parallelism.parse("tp=1,dp=4"), cfg["layers"], torch.float32)
+    src, dst = llama_pair(mb)
     g = torch.Generator().manual_seed(11)
     glob = {t.name: torch.randn(t.shape, generator=g) for t in src.tensors}
     s, expect = src.shard(glob, rank), dst.shard(glob, rank)

@@ -23,13 +23,9 @@ WORLD = 4
 
 
 def _layouts(mb: float):
-    from triton_reshard.tools.parallel import Parallelism, llama_for_bytes, llama_tensors, parallel_layout
+    from triton_reshard.tools.parallel import llama_pair
 
-    cfg = llama_for_bytes(int(mb * (1 << 20)), torch.float32)
-    tensors = llama_tensors(**cfg)
-    src = parallel_layout(tensors, Parallelism.parse("tp=2,dp=2"), cfg["layers"], torch.float32)
-    dst = parallel_layout(tensors, Parallelism.parse("tp=1,dp=4"), cfg["layers"], torch.float32)
-    return src, dst
+    return llama_pair(mb)
 
 
 def _global(src, version: int) -> dict[str, torch.Tensor]:

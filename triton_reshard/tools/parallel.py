@@ -110,3 +110,13 @@ def parallel_layout(
             placements[name] = [Replicate(), tp_pl]
         stages.append(Layout.from_placements(shapes, mesh, placements, dtype=dtype))
     return stages[0].merge(*stages[1:])
+
+
+def llama_pair(mb: float, src: str = "tp=2,dp=2", dst: str = "tp=1,dp=4", dtype: torch.dtype = torch.float32):
+    """The source and destination layouts of a Llama-shaped model of about ``mb`` MB: ``src`` and ``dst``
+    parallelisms (:meth:`Parallelism.parse`; by default Megatron-style TP2 x DP2 -> TP1 x DP4, where every one of 4
+    ranks sends and receives). What the integrity and lane benchmarks and their tests refit."""
+    cfg = llama_for_bytes(int(mb * (1 << 20)), dtype)
+    tensors = llama_tensors(**cfg)
+    return (parallel_layout(tensors, Parallelism.parse(src), cfg["layers"], dtype),
+            parallel_layout(tensors, Parallelism.parse(dst), cfg["layers"], dtype))
