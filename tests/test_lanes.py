@@ -67,12 +67,8 @@ def lanes_world(rank: int, world: int, mb: float, lane_mb: str, off_rank: int, d
         os.environ["TRITON_RESHARD_LANES"] = "0"
     src, dst = _layouts(mb)
     ok = _refits(rank, src, dst, range(6), delta=delta)
-    import torch.distributed as dist
-
-    from triton_reshard.comm.group import _TORCH_LANES
-
     lanes = _lanes_of()
-    token = f"{_TORCH_LANES[dist.group.WORLD].token:016x}"
+    token = f"{lanes.token:016x}"
     left = [f for f in os.listdir(L.SHM_DIR) if token in f]  # the names this rank made: none left
     return {"ok": ok, "counts": dict(lanes.counts), "out": sorted(lanes.out), "inn": sorted(lanes.inn),
             "left": left}

@@ -367,8 +367,9 @@ class Lanes:
     gloo beside it (too large, or no room) / without a lane, the ring's bytes, and the receives hashed in their
     copy out of the ring for the digest."""
 
-    def __init__(self, out: dict[int, OutLane], inn: dict[int, InLane]) -> None:
+    def __init__(self, out: dict[int, OutLane], inn: dict[int, InLane], token: int = 0) -> None:
         self.out, self.inn = out, inn
+        self.token = token  # in the names of the rings and doorbells this rank made
         self.counts = {"ring": 0, "ring_bytes": 0, "beside": 0, "gloo": 0, "hashed": 0}
         # the digest's hook (``execute/lane_hash.py``): receives into buffers at addresses ``want`` are
         # copied out of the ring by ``copy_hash(src, dst) -> hash of what it wrote``, the value in ``hashed``
@@ -518,7 +519,7 @@ class Setup:
             if q in self.mapped and done_rows[k][self.me] & 2:
                 inn[q] = InLane(self.mapped[q], self.bells[q])
         self._tidy(out, inn)
-        self.lanes = Lanes(out, inn)
+        self.lanes = Lanes(out, inn, self.token)
         self._posted = None
 
     def _tidy(self, out: dict, inn: dict) -> None:
