@@ -76,8 +76,10 @@ def message_world(rank: int, world: int, sizes: list[int], repeats: int) -> dict
     comm = TorchGroup(None)
     from datetime import timedelta
 
+    setup = comm.lane_setup(timedelta(seconds=60))
     for _ in range(4):  # the setup's four steps (a refit's handshakes take them)
-        comm.advance_lanes(timedelta(seconds=60))
+        setup.take()
+        setup.post()
     out = {}
     for kib in sizes:
         buf = torch.full((kib << 10,), rank, dtype=torch.uint8)

@@ -128,7 +128,7 @@ def test_lanes_on_a_refit_group():
 
 def corrupt_world(rank: int, world: int, what: str) -> dict:
     """Three clean refits (the lanes are in use from the fourth), then rank 0 corrupts one message to rank 1 as
-    it goes: ``ring``, one byte in the ring after its copy; ``header``, the header's sequence number. Then (ring)
+    it goes: ``ring``, one byte in the ring before its header is rung; ``header``, the header's sequence number. Then (ring)
     a clean refit, which repairs the destination."""
     from triton_reshard import ReshardError, refit
 
@@ -147,10 +147,16 @@ def corrupt_world(rank: int, world: int, what: str) -> dict:
             if what == "header":
                 lane.seq += 5  # this message's header carries a sequence number the receiver does not expect
                 return send(self, pg, peer, gpeer, buf)
-            work = send(self, pg, peer, gpeer, buf)
-            end = lane.head % lane.seg.cap or lane.seg.cap
-            lane.seg.data[end - 1] ^= 0x40  # the message's last byte, in the ring (its header already rung)
-            return work
+            real_ring = lane.ring
+
+            def ring(hdr):  # the message is in the ring, its header not yet rung: flip its last byte there
+                lane.ring = real_ring
+                end = lane.head % lane.seg.cap or lane.seg.cap
+                lane.seg.data[end - 1] ^= 0x40
+                return real_ring(hdr)
+
+            lane.ring = ring
+            return send(self, pg, peer, gpeer, buf)
 
         L.Lanes.send = bad_send
     glob = _global(src, 0)

@@ -89,15 +89,15 @@ class TorchGroup:
         setup = _TORCH_LANES.get(self.key) if self._peer is not None else None
         return setup.lanes or _lanes.NONE if setup is not None else _lanes.NONE
 
-    def advance_lanes(self, timeout: timedelta) -> None:
-        """One step of this group's same-host lanes' setup (collective: every rank at each handshake, before
-        its messages; ``comm/lanes.Setup``). Only gloo groups have them."""
+    def lane_setup(self, timeout: timedelta):
+        """This group's same-host lanes' setup (``comm/lanes.Setup``: a handshake takes a step of it before it
+        posts, and posts the next round once its rows came back); None where the group has none (not gloo)."""
         if self._peer is None or not self.wire:
-            return
+            return None
         setup = _TORCH_LANES.get(self.key)
         if setup is None:
             setup = _TORCH_LANES[self.key] = _lanes.Setup(self.key, self.rank, self.ranks, timeout)
-        setup.advance()
+        return setup
 
     def post(self, sends, recvs) -> list:
         peer_of = self._peer
@@ -190,14 +190,13 @@ class RefitGroup:
         works += [pg.send([buf], peer, 0) for peer, buf in sends]
         return works
 
-    def advance_lanes(self, timeout: timedelta) -> None:
-        """One step of the group's same-host lanes' setup (collective, at each handshake; ``comm/lanes.Setup``);
-        gloo only."""
+    def lane_setup(self, timeout: timedelta):
+        """The group's same-host lanes' setup (``comm/lanes.Setup``); None where it has none (not gloo)."""
         if self.backend != "gloo" or self.size < 2:
-            return
+            return None
         if self._lane_setup is None:
             self._lane_setup = _lanes.Setup(self._live(), self.rank, self.ranks, timeout)
-        self._lane_setup.advance()
+        return self._lane_setup
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, through the group's authenticated rendezvous store (for small

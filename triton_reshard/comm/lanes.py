@@ -426,54 +426,71 @@ NONE = Lanes({}, {})
 
 
 class Setup:
-    """A group's lanes, set up over its first handshakes: :meth:`advance` is called once per handshake (the
-    plan handshake of a run or verify, or a refusal in its place: every rank makes the same number, so the
-    same call on every rank takes the same step) and posts one all-gather that the next call waits for (it
-    completed meanwhile, beside the run): who is where (host, token, budget); which rings and doorbells each
-    made; which each opened. The fourth call makes the lanes, used from then on (a lane where all four ends
-    were made and opened; the names are unlinked then). So a group's first call pays nothing for them, its
-    second makes this rank's rings and doorbells, its third opens the peers'."""
+    """A group's lanes, set up over its first handshakes (the plan handshake of a run or verify, or a refusal
+    in its place: every rank makes the same number). Each handshake takes one step in two halves:
+    :meth:`take`, before the handshake posts anything, does this rank's part of the step with the rows the
+    last handshake's all-gather brought; :meth:`post`, once the handshake's rows came back (every rank alive
+    then), makes the next all-gather (a few int64 per rank: ~1 ms). The rounds: who is where
+    (host, token, budget); which rings and doorbells each made; which each opened. The fourth handshake's
+    ``take`` makes the lanes, used from then on (a lane where all four ends were made and opened). So a group's
+    first call pays one small all-gather for them, and a rank lost between two refits fails the next
+    handshake as before (no all-gather of the lanes is in flight then)."""
 
     def __init__(self, pg, rank: int, ranks: tuple[int, ...], timeout: timedelta) -> None:
         self.pg, self.rank, self.ranks, self.timeout = pg, rank, ranks, timeout
         self.me = ranks.index(rank)
         self.stage = 0
-        self.lanes: Lanes | None = None  # made by the fourth call
+        self.lanes: Lanes | None = None  # made by the fourth handshake
         self._posted: tuple | None = None
+        self._next: list[int] | None = None  # the row the next post sends
+        self._got: list[list[int]] | None = None  # every rank's row of the last post's all-gather
         self.made: dict[int, Segment] = {}  # my rings, by receiver
         self.bells: dict[int, int] = {}  # my doorbells (read ends), by sender
         self.mapped: dict[int, Segment] = {}  # the peers' rings to me, by sender
         self.rung: dict[int, int] = {}  # the peers' doorbells (write ends), by receiver
 
-    def _post(self, row: list[int]) -> None:
-        t = torch.tensor(row, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in self.ranks]
-        self._posted = (self.pg.allgather([out], [t]), out, t)
-
     def _rows(self) -> list[list[int]]:
         work, out, _t = self._posted
+        self._posted = None
         if not work.wait(timeout=self.timeout):
             raise RuntimeError(f"rank {self.rank}: the same-host lanes' setup timed out after "
                                f"{self.timeout.total_seconds():g}s")
         return [o.tolist() for o in out]
 
-    def advance(self) -> Lanes | None:
-        """One step (see the class); the lanes once made (None before)."""
+    def take(self) -> Lanes | None:
+        """The first half of a handshake's step (see the class); the lanes once made (None before)."""
         if self.lanes is not None:
             return self.lanes
-        step = (self._who, self._make, self._open, self._finish)[self.stage]
+        if self.stage == 0:
+            self._who()
+        elif self._got is not None:
+            got, self._got = self._got, None
+            (self._make, self._open, self._finish)[self.stage - 1](got)
+        else:
+            return None  # the last handshake failed before its post: the group is broken, nothing to take
         self.stage += 1
-        step()
         return self.lanes
+
+    def post(self) -> None:
+        """The second half: the next all-gather, once this handshake's rows came back, waited for here: one left
+        in flight while a rank exits between two refits would fail the next handshake's pairs unnamed (gloo
+        closes them), where the handshake names the rank whose row it lost."""
+        if self._next is None or self._posted is not None:
+            return
+        t = torch.tensor(self._next, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in self.ranks]
+        self._posted = (self.pg.allgather([out], [t]), out, t)
+        self._next = None
+        self._got = self._rows()
 
     def _who(self) -> None:
         on = enabled() and os.path.isdir(SHM_DIR)
         self.hid = host_id() if on else 0
         self.token = secrets.randbits(63)
-        self._post([self.hid, self.token, budget_bytes() if on else 0])
+        self._next = [self.hid, self.token, budget_bytes() if on else 0]
 
-    def _make(self) -> None:
-        rows = self.rows = self._rows()
+    def _make(self, rows: list[list[int]]) -> None:
+        self.rows = rows
         me, rank = self.me, self.rank
         peers = [r for k, r in enumerate(self.ranks) if k != me and self.hid and rows[k][0] == self.hid
                  and rows[k][2] > 0]
@@ -487,10 +504,9 @@ class Setup:
                 self.bells[q] = fd
         # per rank: the size of my ring to it, and 1 << 62 where I made its doorbell
         made, bells = self.made, self.bells
-        self._post([(made[r].size if r in made else 0) | ((1 << 62) if r in bells else 0) for r in self.ranks])
+        self._next = [(made[r].size if r in made else 0) | ((1 << 62) if r in bells else 0) for r in self.ranks]
 
-    def _open(self) -> None:
-        made_rows = self._rows()
+    def _open(self, made_rows: list[list[int]]) -> None:
         for k, q in enumerate(self.ranks):
             if q == self.rank:
                 continue
@@ -505,10 +521,9 @@ class Setup:
                 if fd is not None:
                     self.rung[q] = fd
         # per rank: 1 where I mapped its ring to me (and hold my doorbell), 2 where I opened its doorbell
-        self._post([(1 if r in self.mapped else 0) | (2 if r in self.rung else 0) for r in self.ranks])
+        self._next = [(1 if r in self.mapped else 0) | (2 if r in self.rung else 0) for r in self.ranks]
 
-    def _finish(self) -> None:
-        done_rows = self._rows()
+    def _finish(self, done_rows: list[list[int]]) -> None:
         out: dict[int, OutLane] = {}
         inn: dict[int, InLane] = {}
         for k, q in enumerate(self.ranks):
@@ -520,7 +535,6 @@ class Setup:
                 inn[q] = InLane(self.mapped[q], self.bells[q])
         self._tidy(out, inn)
         self.lanes = Lanes(out, inn, self.token)
-        self._posted = None
 
     def _tidy(self, out: dict, inn: dict) -> None:
         """Unlink every name this rank made (the lanes in use hold their ends open) and close the ends of

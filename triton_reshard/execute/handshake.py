@@ -165,11 +165,14 @@ def refuse(group, error: Exception, *, verify: bool = False, timeout=timedelta(m
         mine = torch.tensor(encode(Row(verify=verify, status=REFUSED)), dtype=torch.int64, device=dev)
         try:
             td = to_timedelta(timeout)
-            if hasattr(comm, "advance_lanes"):  # the peers' handshake takes a step of it: take it too
-                comm.advance_lanes(td)
+            setup = comm.lane_setup(td) if hasattr(comm, "lane_setup") else None
+            if setup is not None:  # the peers' handshake takes a step of the lanes' setup: take it too
+                setup.take()
             out, works = post_rows(comm, mine)
             for w in works:
                 w.wait(timeout=td)
+            if setup is not None:
+                setup.post()
             for w in drain(comm, comm.ranks, [decode(o.tolist()) for o in out], dev):
                 w.wait(timeout=td)
         except Exception:  # the peers' view of it is theirs to report; ours is the original error
@@ -248,7 +251,7 @@ def handshake_post(
     fence = NO_FENCE if fence is None else fence
     if not link.wire:
         return PendingHandshake([], [], 0.0, fence)
-    link.advance_lanes()
+    link.lanes_take()
     row = Row(
         plan.digest,
         options.bucket_bytes,
@@ -298,6 +301,7 @@ def handshake_finish(link: Link, pending: PendingHandshake, error: Exception | N
             raise error
         return [pending.fence]
     link.wait(pending.works, "the plan handshake", link.ranks, pending.started)
+    link.lanes_post()  # every rank's row came: the lanes' next round goes now
     pending.words = words = [o.tolist() for o in pending.out]
     if error is None and alike(words, pending.mine):  # the rows agree: nothing to decode but this rank's fence
         return [decode(pending.mine).fence] * len(words)

@@ -247,12 +247,20 @@ class Link:
         except Exception as e:
             raise self.error(what, peers, t0, e) from e
 
-    def advance_lanes(self) -> None:
-        """One step of the group's same-host lanes' setup (collective: every rank's handshake, of a run or a
-        refusal, before its messages; ``comm/lanes.Setup``: in use from the fourth)."""
-        fn = getattr(self.comm, "advance_lanes", None)
-        if fn is not None:
-            self.call(fn, "the same-host lanes' setup", self.ranks, self.timeout)
+    def lanes_take(self) -> None:
+        """A handshake's step of the group's same-host lanes' setup, before it posts anything (collective: every
+        rank's handshake, of a run or a refusal; ``comm/lanes.Setup``: in use from the fourth)."""
+        fn = getattr(self.comm, "lane_setup", None)
+        setup = fn(self.timeout) if fn is not None else None
+        if setup is not None:
+            self.call(setup.take, "the same-host lanes' setup", self.ranks)
+
+    def lanes_post(self) -> None:
+        """The step's next round, posted once the handshake's rows came back."""
+        fn = getattr(self.comm, "lane_setup", None)
+        setup = fn(self.timeout) if fn is not None else None
+        if setup is not None:
+            self.call(setup.post, "the same-host lanes' setup", self.ranks)
 
     def post(self, sends, recvs) -> list:
         return self.comm.post(sends, recvs)  # never called with nothing to post: steps without ops are dropped
