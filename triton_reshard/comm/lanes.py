@@ -441,21 +441,12 @@ class Setup:
         self.me = ranks.index(rank)
         self.stage = 0
         self.lanes: Lanes | None = None  # made by the fourth handshake
-        self._posted: tuple | None = None
         self._next: list[int] | None = None  # the row the next post sends
         self._got: list[list[int]] | None = None  # every rank's row of the last post's all-gather
         self.made: dict[int, Segment] = {}  # my rings, by receiver
         self.bells: dict[int, int] = {}  # my doorbells (read ends), by sender
         self.mapped: dict[int, Segment] = {}  # the peers' rings to me, by sender
         self.rung: dict[int, int] = {}  # the peers' doorbells (write ends), by receiver
-
-    def _rows(self) -> list[list[int]]:
-        work, out, _t = self._posted
-        self._posted = None
-        if not work.wait(timeout=self.timeout):
-            raise RuntimeError(f"rank {self.rank}: the same-host lanes' setup timed out after "
-                               f"{self.timeout.total_seconds():g}s")
-        return [o.tolist() for o in out]
 
     def take(self) -> Lanes | None:
         """The first half of a handshake's step (see the class); the lanes once made (None before)."""
@@ -472,16 +463,17 @@ class Setup:
         return self.lanes
 
     def post(self) -> None:
-        """The second half: the next all-gather, once this handshake's rows came back, waited for here: one left
-        in flight while a rank exits between two refits would fail the next handshake's pairs unnamed (gloo
-        closes them), where the handshake names the rank whose row it lost."""
-        if self._next is None or self._posted is not None:
+        """The second half: the next all-gather, once this handshake's rows came back, waited for here (none is
+        left in flight across a refit); its rows are what the next :meth:`take` works with."""
+        if self._next is None:
             return
         t = torch.tensor(self._next, dtype=torch.int64)
         out = [torch.empty_like(t) for _ in self.ranks]
-        self._posted = (self.pg.allgather([out], [t]), out, t)
         self._next = None
-        self._got = self._rows()
+        if not self.pg.allgather([out], [t]).wait(timeout=self.timeout):
+            raise RuntimeError(f"rank {self.rank}: the same-host lanes' setup timed out after "
+                               f"{self.timeout.total_seconds():g}s")
+        self._got = [o.tolist() for o in out]
 
     def _who(self) -> None:
         on = enabled() and os.path.isdir(SHM_DIR)
