@@ -99,11 +99,11 @@ class RecvFault:
             """A message through a same-host lane (comm/lanes.py) is corrupted where it travels: in the ring,
             before the receiver copies it out (and hashes what it copies)."""
 
-            def corrupted(src, n):
+            def corrupted(src, *at):
                 if not fault.fired:
                     fault.fired = 1
                     fault.action([src])
-                return copy_out(src, n)
+                return copy_out(src, *at)
 
             return corrupted
 

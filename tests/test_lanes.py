@@ -2,8 +2,8 @@
 
 Real gloo worlds on this machine, the public ``refit``: every destination poisoned (NaN) before each refit
 and compared bit for bit with the global tensors sliced by the destination layout. The lanes are checked to
-have carried the messages (their counts), in the ring and beside it (a lane too small for some messages, a
-ring that wraps and fills), for dense and delta refits (a delta's receive buffer is larger than its message),
+have carried the messages (their counts), in one piece or in several (a lane too small for some messages, a
+ring that wraps and fills: pieces wait for room), for dense and delta refits (a delta's receive buffer is larger than its message),
 with one rank that has lanes off, over a RefitGroup, and with the ring's bytes or a header corrupted in
 flight: the digest names the first, the receiver names the second; nothing is silent. No segment stays in
 ``/dev/shm``."""
@@ -16,6 +16,7 @@ import stat
 import pytest
 import torch
 
+from triton_reshard.comm import lane_ends as E
 from triton_reshard.comm import lanes as L
 from triton_reshard.testing.launch import run_world
 
@@ -69,7 +70,7 @@ def lanes_world(rank: int, world: int, mb: float, lane_mb: str, off_rank: int, d
     ok = _refits(rank, src, dst, range(6), delta=delta)
     lanes = _lanes_of()
     token = f"{lanes.token:016x}"
-    left = [f for f in os.listdir(L.SHM_DIR) if token in f]  # the names this rank made: none left
+    left = [f for f in os.listdir(E.SHM_DIR) if token in f]  # the names this rank made: none left
     return {"ok": ok, "counts": dict(lanes.counts), "out": sorted(lanes.out), "inn": sorted(lanes.inn),
             "left": left}
 
@@ -77,7 +78,7 @@ def lanes_world(rank: int, world: int, mb: float, lane_mb: str, off_rank: int, d
 @pytest.mark.parametrize("lane_mb,delta", [("64", False), ("3", False), ("64", True)])
 def test_lanes_carry_refits_bit_exact(lane_mb, delta):
     """Every message between the four ranks goes through a lane: in the ring, and with a 3 MiB budget (1 MiB
-    lanes) the larger ones beside it over gloo and the ring wrapping; dense and delta refits bit-exact."""
+    lanes) the larger ones in pieces, waiting for room, the ring wrapping; dense and delta refits bit-exact."""
     res = run_world(lanes_world, WORLD, 6.0, lane_mb, -1, delta, timeout=300)
     for r, out in enumerate(res):
         assert out["ok"] == [True] * 6, (r, out["ok"])
@@ -86,7 +87,7 @@ def test_lanes_carry_refits_bit_exact(lane_mb, delta):
         assert c["ring"] > 0 and c["gloo"] == 0, (r, c)
         assert c["hashed"] > 0, (r, c)  # the digest took in-place receives' hashes from the lane's copy
         if lane_mb == "3":
-            assert c["beside"] > 0, (r, c)
+            assert c["pieces"] > c["ring"] and c["waits"] > 0, (r, c)  # messages in several pieces, room waited for
         assert not out["left"], out["left"]
 
 
@@ -192,26 +193,26 @@ def test_lanes_bad_header_is_named_not_silent():
 
 
 def test_segment_create_refuses_a_taken_name_and_open_checks_owner_mode_size(tmp_path, monkeypatch):
-    monkeypatch.setattr(L, "SHM_DIR", str(tmp_path))
-    seg = L.create(123, 0, 1, 1 << 16)
+    monkeypatch.setattr(E, "SHM_DIR", str(tmp_path))
+    seg = E.create(123, 0, 1, 1 << 16)
     assert seg is not None and stat.S_IMODE(os.stat(seg.path).st_mode) == 0o600
-    assert L.create(123, 0, 1, 1 << 16) is None  # O_EXCL: a name someone holds is never used
-    assert L.open_peer(123, 0, 1, 1 << 15) is None  # not the announced size
+    assert E.create(123, 0, 1, 1 << 16) is None  # O_EXCL: a name someone holds is never used
+    assert E.open_peer(123, 0, 1, 1 << 15) is None  # not the announced size
     os.chmod(seg.path, 0o644)
-    assert L.open_peer(123, 0, 1, 1 << 16) is None  # readable by others: refused
+    assert E.open_peer(123, 0, 1, 1 << 16) is None  # readable by others: refused
     os.chmod(seg.path, 0o600)
     other = tmp_path / "triton_reshard-000000000000007b-2-3"
     other.symlink_to(seg.path)
-    assert L.open_peer(123, 2, 3, 1 << 16) is None  # a link: refused (O_NOFOLLOW)
-    peer = L.open_peer(123, 0, 1, 1 << 16)
-    assert peer is not None and peer.cap == (1 << 16) - L.CTRL_BYTES
+    assert E.open_peer(123, 2, 3, 1 << 16) is None  # a link: refused (O_NOFOLLOW)
+    peer = E.open_peer(123, 0, 1, 1 << 16)
+    assert peer is not None and peer.cap == (1 << 16) - E.CTRL_BYTES
     assert not os.path.exists(seg.path)  # the second end unlinks the name once it holds the segment
     seg.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     assert peer.data[:4].tolist() == [1, 2, 3, 4]  # one memory
-    fd = L.make_fifo(5, 1, 0)
-    assert fd is not None and L.make_fifo(5, 1, 0) is None  # mkfifo: a taken name is not used
-    wfd = L.open_fifo(5, 1, 0)
-    assert wfd is not None and not os.path.exists(L._name(5, 1, 0) + ".fifo")
+    fd = E.make_fifo(5, 1, 0)
+    assert fd is not None and E.make_fifo(5, 1, 0) is None  # mkfifo: a taken name is not used
+    wfd = E.open_fifo(5, 1, 0)
+    assert wfd is not None and not os.path.exists(E._name(5, 1, 0) + ".fifo")
     for f in (fd, wfd):
         os.close(f)
     seg.close()
@@ -221,6 +222,6 @@ def test_segment_create_refuses_a_taken_name_and_open_checks_owner_mode_size(tmp
 def test_budget_env_is_checked(monkeypatch):
     monkeypatch.setenv("TRITON_RESHARD_LANE_MB", "lots")
     with pytest.raises(ValueError, match="TRITON_RESHARD_LANE_MB"):
-        L.budget_bytes()
+        E.budget_bytes()
     monkeypatch.setenv("TRITON_RESHARD_LANE_MB", "0.5")
-    assert L.budget_bytes() == 1 << 19
+    assert E.budget_bytes() == 1 << 19

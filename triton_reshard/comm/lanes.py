@@ -3,229 +3,101 @@
 gloo moves every message over TCP, also between two processes of one host (loopback): per message the
 kernel's two copies, TCP's work, and hand-offs between gloo's threads and the caller's at both ends. A
 *lane* is one direction between two ranks of a gloo group on the same host: a ring in a shared-memory
-segment the sender made, and a doorbell, a FIFO the receiver made. Every message of a pair with a lane
-goes into the ring (one copy by the sender at post time) and its header (sequence, position, length, how:
-32 bytes, written whole into the pipe) into the doorbell; the receiver, when it waits for the message,
-reads the header in its own thread (``select`` with the run's timeout), copies the message out of the ring
-into its buffer and tells the sender the space is free again (the consumed position, in the segment's
-first cache line). A message larger than half the ring, or that finds no room yet (the receiver has not
-taken what came before), goes over gloo beside its header, which says so (tag 1: it never meets other
-messages). The header is what a receive waits for either way, so both ends agree without knowing each
-other's sizes (a receive buffer may be larger than the message: a delta's inbox). Measured
-(``perf/bench_lanes.py``): the same dense refits ~1.3-1.4x faster at 8-64 MB on 4 ranks.
+segment the sender made, and a doorbell, a FIFO the receiver made (``comm/lane_ends.py``: who shares a host,
+how the ends are made and opened safely). A message goes into the ring in pieces: each piece copied in by the
+sender and announced by a 40-byte header (sequence, ring position, length, the message's length, the piece's
+offset in it) written whole into the doorbell; the receiver copies each piece out into its buffer and
+publishes the consumed position (the segment's first cache line), which frees the room. A message that fits
+the room goes in one piece at post time (nothing left to do but ring); a larger one, or one that finds the
+ring full, is queued and its pieces go in as room frees (pieces of up to a quarter of the ring): so any
+message of any size takes the lane, and the receiver's copy out of the ring is where the digest hashes it
+(``execute/lane_hash.py``). Both ends decide by the header alone (a receive buffer may be larger than the
+message: a delta's inbox).
 
-Failure and order: a receive whose header does not come within the timeout returns False (the caller's
-named timeout); a peer that died closes its end of the pipe (the receiver reads EOF, the sender gets
-EPIPE): a named connection error, not a hang. A pair's messages complete in posting order (the ring's
-sequence numbers, which the receiver checks). Nothing read from the ring or the pipe is interpreted beyond
-the header's numbers, which are checked against the receive and the ring before a byte is copied.
+Progress: no thread of ours. Every wait on a lane's send or receive makes progress on all of this rank's lanes
+(pushes queued pieces where their rings have room, copies out what arrived for posted receives), then sleeps
+in ``select`` on the doorbells it waits on (a short poll while a queued piece waits for room: the freed room
+rings no bell). A step's receives are waited before its sends (``Link.wait``) and every rank waits for what
+it posted, so every queued piece is pushed and taken. Measured (``perf/bench_lanes.py``): dense refits on 4
+ranks ~1.2-1.5x faster at 8-64 MB than over gloo.
 
-Security: a ring is created by its sender and a doorbell by its receiver, each with ``O_EXCL`` (mkfifo) and
-mode 0600 under a name with the maker's random 63-bit token (a name someone else took is not used: that lane
-stays on gloo); the other end opens it only if it is of its own user, mode 0600 (a ring: a regular file of
-the announced size; a doorbell: a FIFO; no symlinks), then unlinks the name (its maker does too, at the latest
-when its process exits): nothing stays in ``/dev/shm`` but what a killed process made. Trust boundary: the user the ranks run as (a process of that user can read
-and write the ring, as it could ptrace the ranks); the per-message digest (``execute/integrity.py``) covers
-the ring's bytes as it covers gloo's. ``/dev/shm`` is checked for room first and the ring's pages are
-reserved when made (``posix_fallocate``): a full ``/dev/shm`` means no lane, never a SIGBUS later.
+Failure and order: a receive whose pieces do not come within the timeout returns False (the caller's named
+timeout); a peer that died closes its end of the pipe (the receiver reads EOF, the sender gets EPIPE): a named
+connection error, not a hang; a queued piece whose room never frees times out. A pair's messages and pieces
+arrive in posting order (sequence numbers, offsets and positions, checked by the receiver before a byte is
+copied). Nothing read from the ring or the pipe is interpreted beyond the header's numbers.
 
-Set up over a group's first handshakes (:class:`Setup`: one all-gather posted at each, waited for at the
-next), in use from its fourth refit on; a group's first call pays nothing for them. Two ranks are on the
-same host when boot, host name, ``/dev/shm`` and network namespace agree (``testing/cluster.py``'s emulated
-nodes are namespaces). ``TRITON_RESHARD_LANES=0`` turns a rank's lanes off (its peers then talk to it over
-gloo). ``TRITON_RESHARD_LANE_MB``: a rank's shared memory for its outgoing lanes (default 64 MiB, split over
-its same-host peers, at most 32 MiB a lane).
+Set up over a group's first handshakes (:class:`Setup`: one small all-gather at each), in use from its fourth
+refit on; a group's first call pays nothing for them. x86-64 only (``lane_ends.enabled``).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import hashlib
-import mmap
 import os
-import platform
 import secrets
 import select
-import socket
-import stat
 import struct
 import time
 from collections import deque
 from datetime import timedelta
 
-import numpy as np
 import torch
 
-HEADER_FMT = "<4q"  # sequence, position, length, how
-HEADER_BYTES = struct.calcsize(HEADER_FMT)  # 32: a pipe writes it whole (PIPE_BUF >= 512)
-IN_RING, OVER_GLOO = 0, 1  # a header's "how": the bytes are in the ring / follow over gloo (tag 1)
-MIN_LANE_BYTES = 1 << 20  # a lane smaller than this is not made (the budget split too thin)
-CTRL_BYTES = 64  # the segment's first cache line: the consumed position (int64), written by the receiver
-FALLBACK_TAG = 1
-MAX_LANE_BYTES = 32 << 20
-SHM_DIR = "/dev/shm"
+from . import lane_ends as E
+
+HEADER_FMT = "<5q"  # sequence, ring position, piece length, message length, the piece's offset in the message
+HEADER_BYTES = struct.calcsize(HEADER_FMT)  # 40: a pipe writes it whole (PIPE_BUF >= 512)
+MIN_PIECE = 64 << 10  # a queued message waits for this much room (or all it has left) before its next piece
+POLL_S = 0.0002  # a wait's sleep while a queued piece waits for room (the freed room rings no bell)
+MASK64 = (1 << 64) - 1
 
 
-def enabled() -> bool:
-    """Lanes on: ``TRITON_RESHARD_LANES`` (default on) on an x86-64 CPU, whose stores become visible in program
-    order (the ring's bytes before the consumed position that frees them, the header after the bytes);
-    elsewhere (ARM: Grace) the ring would need fences Python cannot issue, so gloo carries everything."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    return os.environ.get("TRITON_RESHARD_LANES", "1") not in ("0", "false", "off", "")
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    return buf.reshape(-1).view(torch.uint8)
 
 
-def budget_bytes() -> int:
-    raw = os.environ.get("TRITON_RESHARD_LANE_MB", "64")
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"TRITON_RESHARD_LANE_MB must be a number of MiB, got {raw!r}") from None
-    if mb < 0:
-        raise ValueError(f"TRITON_RESHARD_LANE_MB must be >= 0, got {raw!r}")
-    return int(mb * (1 << 20))
-
-
-def host_id() -> int:
-    """A 63-bit identity of this machine's shared memory: the boot, the host name, ``/dev/shm``'s device (two
-    containers of one host with their own ``/dev/shm`` differ) and the network namespace (processes in two
-    namespaces are two nodes to us: ``testing/cluster.py`` emulates a cluster that way, and a lane would
-    bypass its links)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        dev = os.stat(SHM_DIR).st_dev
-    except OSError:
-        return 0  # no /dev/shm: no lanes
-    try:
-        net = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        net = 0
-    raw = f"{boot}|{socket.gethostname()}|{dev}|{net}|{os.geteuid()}".encode()
-    return int.from_bytes(hashlib.sha256(raw).digest()[:8], "little") >> 1 or 1
-
-
-class Segment:
-    """A mapped segment: the control line and the ring's bytes (``data``: a uint8 tensor over the map)."""
-
-    def __init__(self, fd: int, size: int, path: str) -> None:
-        self.path, self.size = path, size
-        # mapped now, page by page (MAP_POPULATE), not at each page's first touch by a message: ~0.5 us a page
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=CTRL_BYTES // 8)
-        self.data = torch.frombuffer(self.map, dtype=torch.uint8, offset=CTRL_BYTES)
-        self.cap = size - CTRL_BYTES
-
-    def close(self) -> None:
-        self.ctrl = self.data = None
-        with contextlib.suppress(BufferError):  # a view still alive: the map goes when it does
-            self.map.close()
-
-
-def _name(token: int, sender: int, receiver: int) -> str:
-    return os.path.join(SHM_DIR, f"triton_reshard-{token:016x}-{sender}-{receiver}")
-
-
-def create(token: int, sender: int, receiver: int, size: int) -> Segment | None:
-    path = _name(token, sender, receiver)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except OSError:
-        return None
-    _MADE.add(path)
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)  # the pages now, or ENOSPC now: never a SIGBUS on a full /dev/shm later
-        seg = Segment(fd, size, path)
-    except OSError:
-        os.close(fd)
-        _unlink(path)
-        return None
-    os.close(fd)
-    seg.ctrl[0] = 0
-    return seg
-
-
-def open_peer(token: int, sender: int, receiver: int, size: int) -> Segment | None:
-    path = _name(token, sender, receiver)
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077
-                or st.st_size != size):
-            return None
-        seg = Segment(fd, size, path)
-        _unlink(path)  # both ends hold it now: the name goes (its maker unlinks too, at the latest at exit)
-        return seg
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-_MADE: set[str] = set()  # names this process made and has not unlinked yet (unlinked at exit at the latest)
-
-
-def _unlink(path: str) -> None:
-    _MADE.discard(path)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-@atexit.register
-def _unlink_made() -> None:
-    for path in list(_MADE):
-        _unlink(path)
-
-
-def make_fifo(token: int, sender: int, receiver: int) -> int | None:
-    """The receiver's doorbell of the lane ``sender -> receiver``: a FIFO it makes (mode 0600; a name taken
-    is not used) and opens for reading, not blocking; its descriptor."""
-    path = _name(token, sender, receiver) + ".fifo"
-    try:
-        os.mkfifo(path, 0o600)
-    except OSError:
-        return None
-    _MADE.add(path)
-    try:
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        _unlink(path)
-        return None
-
-
-def open_fifo(token: int, sender: int, receiver: int) -> int | None:
-    """The sender's end of the receiver's doorbell: only a FIFO of its own user with mode 0600."""
-    path = _name(token, sender, receiver) + ".fifo"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        os.close(fd)
-        return None
-    _unlink(path)  # both ends hold it now
-    return fd
+def _nbytes(buf: torch.Tensor) -> int:
+    return buf.numel() * buf.element_size()
 
 
 class OutLane:
-    """This rank's end of a lane to a peer: the ring (where the next message goes, absolute positions:
-    ``% cap``) and the peer's doorbell (``fd``)."""
+    """This rank's end of a lane to a peer: the ring (where the next piece goes, absolute positions: ``% cap``),
+    the peer's doorbell (``fd``) and the sends not yet all in the ring, in order."""
 
-    def __init__(self, seg: Segment, fd: int, peer: int, timeout: timedelta) -> None:
+    def __init__(self, seg: E.Segment, fd: int, peer: int, timeout: timedelta) -> None:
         self.seg, self.fd, self.peer, self.timeout = seg, fd, peer, timeout
         self.head = self.seq = 0
+        self.piece = max(seg.cap // 4 & ~4095, MIN_PIECE)
+        self.queue: deque[LaneSend] = deque()
+
+    def push(self, counts: dict) -> bool:
+        """Queued sends' pieces into the ring while it has room, each rung; True if any went."""
+        seg, moved = self.seg, False
+        while self.queue:
+            s = self.queue[0]
+            left = s.n - s.off
+            lim = min(left, self.piece, seg.cap - (self.head - int(seg.ctrl[0])))
+            if lim < left and lim < MIN_PIECE:  # too little room yet: the receiver has not taken enough
+                counts["waits"] += 1
+                break
+            at = self.head % seg.cap
+            k = min(lim, seg.cap - at)  # up to the ring's end; the next piece goes on from its start
+            if k:
+                seg.data[at:at + k].copy_(s.flat[s.off:s.off + k])
+            hdr = struct.pack(HEADER_FMT, s.seq, self.head, k, s.n, s.off)
+            self.head += k
+            s.off += k
+            counts["pieces"] += 1
+            self.ring(hdr)
+            moved = True
+            if s.off == s.n:
+                self.queue.popleft()
+                s.flat = None
+        return moved
 
     def ring(self, hdr: bytes) -> None:
-        """Write a header into the peer's doorbell (a pipe: 32 bytes are written whole), waiting for room
+        """Write a header into the peer's doorbell (a pipe: 40 bytes are written whole), waiting for room
         within the timeout; a peer gone is a named error."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
@@ -244,135 +116,119 @@ class OutLane:
 
 class InLane:
     """This rank's end of a lane from a peer: the ring, the doorbell's read end (``fd``) and the receives
-    posted and not yet completed, in order."""
+    posted and not yet complete, in order."""
 
-    def __init__(self, seg: Segment, fd: int) -> None:
-        self.seg, self.fd = seg, fd
+    def __init__(self, seg: E.Segment, fd: int, peer: int) -> None:
+        self.seg, self.fd, self.peer = seg, fd, peer
         self.seq = self.consumed = 0
         self.pending: deque[LaneRecv] = deque()
         self.partial = b""  # a header read in part
 
-    def header(self, peer: int, timeout: timedelta | None) -> tuple[int, int, int, int] | None:
-        """The next header from the doorbell, waiting up to ``timeout`` (None: the time ran out)."""
-        deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 1e9)
+    def header(self) -> tuple[int, int, int, int, int] | None:
+        """The next header if the doorbell has it whole now (None: not yet); EOF is the peer gone."""
         while len(self.partial) < HEADER_BYTES:
             try:
                 got = os.read(self.fd, HEADER_BYTES - len(self.partial))
             except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.fd], [], [], left)[0]:
-                    return None
-                continue
+                return None
             if not got:
-                raise ConnectionError(f"same-host lane from rank {peer}: the peer closed its end before the message "
-                                      f"came (connection closed: it died or left the group)")
+                raise ConnectionError(f"same-host lane from rank {self.peer}: the peer closed its end before the "
+                                      f"message came (connection closed: it died or left the group)")
             self.partial += got
         hdr, self.partial = self.partial, b""
         return struct.unpack(HEADER_FMT, hdr)
 
-
-def _flat(buf: torch.Tensor) -> torch.Tensor:
-    return buf.reshape(-1).view(torch.uint8)
-
-
-def _nbytes(buf: torch.Tensor) -> int:
-    return buf.numel() * buf.element_size()
-
-
-def _left(timeout: timedelta | None, t0: float) -> timedelta | None:
-    if timeout is None:
-        return None
-    return timedelta(seconds=max(timeout.total_seconds() - (time.perf_counter() - t0), 0.001))
+    def drain(self) -> bool:
+        """Every piece that arrived for the posted receives, copied out; True if any."""
+        moved = False
+        while self.pending:
+            hdr = self.header()
+            if hdr is None:
+                break
+            self.pending[0].land(hdr)
+            moved = True
+        return moved
 
 
 class LaneSend:
-    """A send through a lane: its bytes are in the ring and its header in the doorbell (nothing to wait for),
-    or its bytes go over gloo beside the header (:meth:`wait` waits for that send)."""
+    """A send through a lane: done once its last piece is in the ring (:meth:`wait` makes progress until then;
+    the buffer is the caller's again after)."""
 
-    def __init__(self, work=None) -> None:
-        self.work = work
+    def __init__(self, owner: Lanes | None = None, buf: torch.Tensor | None = None, seq: int = 0) -> None:
+        self.owner, self.seq = owner, seq
+        self.flat = _flat(buf) if buf is not None else None
+        self.n = _nbytes(buf) if buf is not None else 0
+        self.off = 0
+
+    @property
+    def done(self) -> bool:
+        return self.flat is None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if self.work is None:
-            return True
-        return self.work.wait(timeout=timeout) if timeout is not None else self.work.wait()
+        return self.owner is None or self.owner.wait_for(self, timeout)
 
 
 class LaneRecv:
-    """A receive through a lane: :meth:`wait` waits for the header (the doorbell), then copies the message out
-    of the ring into the buffer (or, where the header says so, receives it over gloo). A pair's receives
-    complete in posting order (an earlier one still pending completes first: the ring's space is freed in
-    order); False when the time runs out (a header that does not come)."""
+    """A receive through a lane: :meth:`wait` makes progress until its pieces all came, each copied out of the
+    ring into the buffer as its header is read (a pair's receives complete in posting order); False when the
+    time runs out."""
 
-    def __init__(self, pg, gpeer: int, peer: int, lane: InLane, buf: torch.Tensor, seq: int, owner: Lanes) -> None:
-        self.pg, self.gpeer, self.peer, self.lane, self.buf, self.seq = pg, gpeer, peer, lane, buf, seq
-        self.owner = owner
+    def __init__(self, peer: int, lane: InLane, buf: torch.Tensor, seq: int, owner: Lanes) -> None:
+        self.peer, self.lane, self.buf, self.seq, self.owner = peer, lane, buf, seq, owner
         self.done = False
+        self.got, self.total = 0, -1
         lane.pending.append(self)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        t0 = time.perf_counter()
-        pending = self.lane.pending
-        while not self.done:
-            if not pending:
-                raise RuntimeError(f"same-host lane from rank {self.peer}: receive {self.seq} is not pending")
-            if pending[0]._complete(_left(timeout, t0)) is False:
-                return False
-        return True
+        return self.owner.wait_for(self, timeout)
 
-    def _complete(self, timeout: timedelta | None) -> bool:
-        t0 = time.perf_counter()
+    def land(self, hdr: tuple[int, int, int, int, int]) -> None:
+        """One piece (its header read): checked against the receive and the ring, copied out, its room freed."""
         lane, seg = self.lane, self.lane.seg
-        hdr = lane.header(self.peer, timeout)
-        if hdr is None:
-            return False
-        seq, pos, n, how = hdr
+        seq, pos, n, total, off = hdr
         room = _nbytes(self.buf)
-        if seq != self.seq or not 0 <= n <= room or how not in (IN_RING, OVER_GLOO):
+        if (seq != self.seq or not 0 <= total <= room or off != self.got or not 0 <= n <= total - off
+                or (n == 0) != (total == 0) or self.total not in (-1, total)):
             raise RuntimeError(f"same-host lane from rank {self.peer}: header {hdr} does not match the receive "
-                               f"posted (message {self.seq}, room for {room} bytes)")
-        if how == OVER_GLOO:
-            dst = self.buf if n == room else _flat(self.buf)[:n]
-            w = self.pg.recv([dst], self.gpeer, FALLBACK_TAG)
-            left = _left(timeout, t0)
-            if (w.wait(timeout=left) if left is not None else w.wait()) is False:
-                return False
-        else:
-            off = pos % seg.cap
-            if pos < lane.consumed or off + n > seg.cap:
-                raise RuntimeError(f"same-host lane from rank {self.peer}: message {seq} at {pos} (+{n} bytes) lies "
-                                   f"outside the ring (consumed {lane.consumed}, capacity {seg.cap})")
-            self._copy_out(seg.data[off:off + n], n)
-            lane.consumed = pos + n
-            seg.ctrl[0] = lane.consumed  # the sender may write there again
-        self.done = True
-        lane.pending.popleft()
-        return True
+                               f"posted (message {self.seq}, {self.got} bytes in, room for {room} bytes)")
+        at = pos % seg.cap
+        if pos != lane.consumed or at + n > seg.cap:
+            raise RuntimeError(f"same-host lane from rank {self.peer}: message {seq} at {pos} (+{n} bytes) lies "
+                               f"outside the ring (consumed {lane.consumed}, capacity {seg.cap})")
+        self._copy_out(seg.data[at:at + n], off, total)
+        lane.consumed = pos + n
+        seg.ctrl[0] = lane.consumed  # the sender may write there again
+        self.got, self.total = off + n, total
+        if self.got == total:
+            self.done = True
+            lane.pending.popleft()
 
-    def _copy_out(self, src: torch.Tensor, n: int) -> None:
-        """The message's bytes out of the ring, hashed as written where the digest asked for this buffer."""
-        dst = _flat(self.buf)[:n]
-        owner, key = self.owner, (self.buf.data_ptr(), n)
+    def _copy_out(self, src: torch.Tensor, off: int, total: int) -> None:
+        """A piece's bytes out of the ring, hashed as written where the digest asked for this buffer (the
+        hash is linear: the pieces' values add up to the message's)."""
+        n = src.numel()
+        dst = _flat(self.buf)[off:off + n]
+        owner, key = self.owner, (self.buf.data_ptr(), total)
         if owner.copy_hash is not None and key[0] in owner.want:
-            owner.hashed[key] = owner.copy_hash(src, dst)
-            owner.counts["hashed"] += 1
+            owner.hashed[key] = (owner.hashed.get(key, 0) + owner.copy_hash(src, dst, off, total)) & MASK64
+            owner.counts["hashed"] += off + n == total
         elif n:
             dst.copy_(src)
 
 
 class Lanes:
     """This rank's lanes in one gloo process group, by peer (plan ranks). Every message to or from a peer
-    with a lane goes this way (its header through the doorbell, its bytes in the ring or, too large or no
-    room yet, over gloo); the others go over gloo as before. ``counts``: messages sent in the ring / over
-    gloo beside it (too large, or no room) / without a lane, the ring's bytes, and the receives hashed in their
-    copy out of the ring for the digest."""
+    with a lane goes this way (its pieces through the ring, announced in the doorbell); the others go over
+    gloo as before. ``counts``: messages sent through a lane and their bytes and pieces, pushes that waited for
+    room, messages without a lane, and the receives hashed in their copy out of the ring for the digest."""
 
     def __init__(self, out: dict[int, OutLane], inn: dict[int, InLane], token: int = 0) -> None:
         self.out, self.inn = out, inn
         self.token = token  # in the names of the rings and doorbells this rank made
-        self.counts = {"ring": 0, "ring_bytes": 0, "beside": 0, "gloo": 0, "hashed": 0}
+        self.counts = {"ring": 0, "ring_bytes": 0, "pieces": 0, "waits": 0, "gloo": 0, "hashed": 0}
         # the digest's hook (``execute/lane_hash.py``): receives into buffers at addresses ``want`` are
-        # copied out of the ring by ``copy_hash(src, dst) -> hash of what it wrote``, the value in ``hashed``
+        # copied out of the ring by ``copy_hash(src, dst, offset, length) -> hash of what it wrote`` (the
+        # piece at ``offset`` of a message of ``length`` bytes), the message's value summed in ``hashed``
         self.copy_hash = None
         self.want: set[int] = set()
         self.hashed: dict[tuple[int, int], int] = {}
@@ -385,26 +241,13 @@ class Lanes:
         if lane is None or buf.device.type != "cpu":
             self.counts["gloo"] += 1
             return pg.send([buf], gpeer, 0)
-        seg, n = lane.seg, _nbytes(buf)
-        pos = lane.head
-        off = pos % seg.cap
-        if off + n > seg.cap:  # to the ring's start
-            pos += seg.cap - off
-            off = 0
-        seq = lane.seq
+        s = LaneSend(self, buf, lane.seq)
         lane.seq += 1
-        if n > seg.cap // 2 or pos + n - int(seg.ctrl[0]) > seg.cap:  # too large, or not taken yet: over gloo
-            self.counts["beside"] += 1
-            work = pg.send([buf], gpeer, FALLBACK_TAG)
-            lane.ring(struct.pack(HEADER_FMT, seq, 0, n, OVER_GLOO))
-            return LaneSend(work)
-        if n:
-            seg.data[off:off + n].copy_(_flat(buf))
-        lane.head = pos + n
         self.counts["ring"] += 1
-        self.counts["ring_bytes"] += n
-        lane.ring(struct.pack(HEADER_FMT, seq, pos, n, IN_RING))
-        return LaneSend()
+        self.counts["ring_bytes"] += s.n
+        lane.queue.append(s)
+        lane.push(self.counts)  # into the ring now where it has room: usually nothing left to wait for
+        return s
 
     def recv(self, pg, peer: int, gpeer: int, buf: torch.Tensor):
         lane = self.inn.get(peer)
@@ -412,7 +255,36 @@ class Lanes:
             return pg.recv([buf], gpeer, 0)
         seq = lane.seq
         lane.seq += 1
-        return LaneRecv(pg, gpeer, peer, lane, buf, seq, self)
+        return LaneRecv(peer, lane, buf, seq, self)
+
+    def progress(self) -> bool:
+        """Push what is queued where there is room, copy out what arrived; True if anything moved."""
+        moved = False
+        for lane in self.out.values():
+            if lane.queue:
+                moved |= lane.push(self.counts)
+        for lane in self.inn.values():
+            if lane.pending:
+                moved |= lane.drain()
+        return moved
+
+    def wait_for(self, op: LaneSend | LaneRecv, timeout: timedelta | None) -> bool:
+        """Progress until ``op`` is done (True), or the timeout ran out (False)."""
+        deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 1e9)
+        while not op.done:
+            if self.progress():
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fds = [lane.fd for lane in self.inn.values() if lane.pending]
+            if any(lane.queue for lane in self.out.values()):
+                left = min(left, POLL_S)
+            if fds:
+                select.select(fds, [], [], left)
+            else:
+                time.sleep(left)
+        return True
 
     def close(self) -> None:
         for lane in (*self.out.values(), *self.inn.values()):
@@ -443,9 +315,9 @@ class Setup:
         self.lanes: Lanes | None = None  # made by the fourth handshake
         self._next: list[int] | None = None  # the row the next post sends
         self._got: list[list[int]] | None = None  # every rank's row of the last post's all-gather
-        self.made: dict[int, Segment] = {}  # my rings, by receiver
+        self.made: dict[int, E.Segment] = {}  # my rings, by receiver
         self.bells: dict[int, int] = {}  # my doorbells (read ends), by sender
-        self.mapped: dict[int, Segment] = {}  # the peers' rings to me, by sender
+        self.mapped: dict[int, E.Segment] = {}  # the peers' rings to me, by sender
         self.rung: dict[int, int] = {}  # the peers' doorbells (write ends), by receiver
 
     def take(self) -> Lanes | None:
@@ -476,22 +348,22 @@ class Setup:
         self._got = [o.tolist() for o in out]
 
     def _who(self) -> None:
-        on = enabled() and os.path.isdir(SHM_DIR)
-        self.hid = host_id() if on else 0
+        on = E.enabled() and os.path.isdir(E.SHM_DIR)
+        self.hid = E.host_id() if on else 0
         self.token = secrets.randbits(63)
-        self._next = [self.hid, self.token, budget_bytes() if on else 0]
+        self._next = [self.hid, self.token, E.budget_bytes() if on else 0]
 
     def _make(self, rows: list[list[int]]) -> None:
         self.rows = rows
         me, rank = self.me, self.rank
         peers = [r for k, r in enumerate(self.ranks) if k != me and self.hid and rows[k][0] == self.hid
                  and rows[k][2] > 0]
-        cap = _lane_cap(rows[me][2], len(peers)) if peers else 0
+        cap = E._lane_cap(rows[me][2], len(peers)) if peers else 0
         for q in peers if cap else ():
-            seg = create(self.token, rank, q, cap + CTRL_BYTES)
+            seg = E.create(self.token, rank, q, cap + E.CTRL_BYTES)
             if seg is not None:
                 self.made[q] = seg
-            fd = make_fifo(self.token, q, rank)
+            fd = E.make_fifo(self.token, q, rank)
             if fd is not None:
                 self.bells[q] = fd
         # per rank: the size of my ring to it, and 1 << 62 where I made its doorbell
@@ -505,11 +377,11 @@ class Setup:
             word = made_rows[k][self.me]
             size = word & ((1 << 62) - 1)
             if size and q in self.bells:
-                seg = open_peer(self.rows[k][1], q, self.rank, size)
+                seg = E.open_peer(self.rows[k][1], q, self.rank, size)
                 if seg is not None:
                     self.mapped[q] = seg
             if word >> 62 and q in self.made:
-                fd = open_fifo(self.rows[k][1], self.rank, q)
+                fd = E.open_fifo(self.rows[k][1], self.rank, q)
                 if fd is not None:
                     self.rung[q] = fd
         # per rank: 1 where I mapped its ring to me (and hold my doorbell), 2 where I opened its doorbell
@@ -524,7 +396,7 @@ class Setup:
             if q in self.made and q in self.rung and done_rows[k][self.me] & 1:
                 out[q] = OutLane(self.made[q], self.rung[q], q, self.timeout)
             if q in self.mapped and done_rows[k][self.me] & 2:
-                inn[q] = InLane(self.mapped[q], self.bells[q])
+                inn[q] = InLane(self.mapped[q], self.bells[q], q)
         self._tidy(out, inn)
         self.lanes = Lanes(out, inn, self.token)
 
@@ -532,11 +404,11 @@ class Setup:
         """Unlink every name this rank made (the lanes in use hold their ends open) and close the ends of
         lanes not in use."""
         for q, seg in self.made.items():
-            _unlink(seg.path)
+            E._unlink(seg.path)
             if q not in out:
                 seg.close()
         for q, fd in self.bells.items():
-            _unlink(_name(self.token, q, self.rank) + ".fifo")
+            E._unlink(E._name(self.token, q, self.rank) + ".fifo")
             if q not in inn:
                 os.close(fd)
         for q, seg in self.mapped.items():
@@ -553,18 +425,3 @@ class Setup:
             self.lanes.close()
         else:
             self._tidy({}, {})
-
-
-def _lane_cap(budget: int, n_peers: int) -> int:
-    """Each lane's ring: the budget split over the peers, at most :data:`MAX_LANE_BYTES`; 0 (no lanes) below
-    :data:`MIN_LANE_BYTES` or where all same-host ranks' rings would take over half of ``/dev/shm`` free
-    (a container's is often 64 MiB)."""
-    cap = min(MAX_LANE_BYTES, budget // n_peers) & ~4095
-    try:
-        st = os.statvfs(SHM_DIR)
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        return 0
-    if (cap + CTRL_BYTES) * n_peers * (n_peers + 1) > free // 2:
-        return 0
-    return cap if cap >= MIN_LANE_BYTES else 0

@@ -31,13 +31,14 @@ def attach(ledger, comm) -> None:
         return
     coef = ledger.coef
 
-    def copy_hash(src, dst) -> int:
+    def copy_hash(src, dst, off: int, total: int) -> int:
+        """Copy ``src`` to ``dst`` (bytes at ``off`` of a message of ``total`` bytes): their part of its hash."""
         n = dst.numel()
-        desc = np.array([[src.data_ptr(), dst.data_ptr(), 0, 0, n, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]],
+        desc = np.array([[src.data_ptr(), dst.data_ptr(), 0, off, n, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]],
                         dtype=np.int64)
-        lens = np.array([n], dtype=np.int64)
+        lens = np.array([total], dtype=np.int64)
         out = np.zeros(1, dtype=np.uint64)
-        c = coef.numpy(_entries(n))
+        c = coef.numpy(_entries(total))
         fn(1, desc.ctypes.data, lens.ctypes.data, c.ctypes.data, out.ctypes.data)
         return int(out[0])
 
