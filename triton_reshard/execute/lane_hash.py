@@ -5,7 +5,8 @@ into the destination) was then hashed by the digest in a read pass of its own af
 (``execute/integrity.py``: ~5-6 % of a dense CPU refit at 256 MB). With the lanes, the receive's copy out of
 the ring is the native copy that hashes what it writes (``csrc/digest.c``, ``trd_copy_digest``): the same
 value, as :func:`~triton_reshard.execute.integrity.partial` gives over the destination's bytes, with no pass
-of its own. The ledger registers the receives it will digest when their step is posted
+of its own; a message that came in pieces is hashed piece by piece (the hash is linear in the bytes: each
+piece's part at its offset, summed). The ledger registers the receives it will digest when their step is posted
 (:func:`want`); the lane hashes those as it copies them; :func:`take` hands the values to the ledger when the
 step lands."""
 
