@@ -8,7 +8,8 @@ the lanes are set up over a group's first handshakes and in use from its fourth 
 ``--refits`` timed ones, each from a barrier to the slowest rank's return (max over ranks), and the CPU every
 rank's process spent (all threads, summed: on a shared machine the steadier of the two). Every refit is
 checked bit-exact against the sliced global tensors (poisoned destinations). Prints per size the medians and
-the ratios off / on, and the lanes' counts (messages in the ring, beside it over gloo, without a lane)::
+the ratios off / on, and the lanes' counts (messages through a lane, their bytes and pieces, pushes that waited
+for room, messages without a lane)::
 
     python perf/bench_lanes.py --mb 2,16,64,256 --rounds 2 --out perf/results/bench_lanes.json
 
