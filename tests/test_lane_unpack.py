@@ -73,7 +73,7 @@ def _step(dtype: torch.dtype, g: torch.Generator):
         for v in m:
             nb = 8 if v is None else v.numel() * e
             if v is not None:
-                pairs.append((area[at:at + nb].view(dtype).view(v.shape), v))
+                pairs.append((area[at : at + nb].view(dtype).view(v.shape), v))
             at += nb
         sent.append(torch.randint(0, 256, (at - o,), dtype=torch.uint8, generator=g))
     msgs = [(o, n) for o, n in zip(offs, sizes, strict=True)]
@@ -84,13 +84,15 @@ def _unpacked(dests: dict, pairs, area: torch.Tensor, msgs, sent) -> dict:
     """The destinations a plain unpack of the messages as sent writes (poison outside the views)."""
     ref = area.clone()
     for (o, n), s in zip(msgs, sent, strict=True):
-        ref[o:o + n] = s
+        ref[o : o + n] = s
     out = {k: torch.empty_like(t).view(torch.uint8).fill_(POISON).view(t.dtype) for k, t in dests.items()}
     for r, d in pairs:
-        name = next(k for k, t in dests.items() if t.untyped_storage().data_ptr() == d.untyped_storage().data_ptr())
+        name = next(
+            k for k, t in dests.items() if t.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+        )
         at, nb = r.data_ptr() - area.data_ptr(), r.numel() * r.element_size()
         w = out[name].as_strided(d.shape, d.stride(), d.storage_offset())
-        w.copy_(ref[at:at + nb].view(r.dtype).view(r.shape))
+        w.copy_(ref[at : at + nb].view(r.dtype).view(r.shape))
     return out
 
 
@@ -105,7 +107,7 @@ def test_a_lane_unpacks_each_piece_from_the_ring_into_the_destination(dtype, cut
     ledger = ig.Ledger(b"k", coef, 0, "p", work, (), {})
     lanes = _Lanes()
     lane_hash.attach(ledger, type("C", (), {"lanes": lanes})())
-    bufs = [area[o:o + n] for o, n in msgs]
+    bufs = [area[o : o + n] for o, n in msgs]
     recvs = [(q, b) for q, b in enumerate(bufs)]
     lane_hash.want(ledger, recvs, (pairs, "step0"))
     assert len(ledger.lane_unpacks) == 3
@@ -131,10 +133,12 @@ def test_no_lane_landed_leaves_the_whole_unpack_to_the_step():
     _native()
     g = torch.Generator().manual_seed(5)
     area, msgs, pairs, _dests, sent = _step(torch.float32, g)
-    ledger = ig.Ledger(b"k", ig.Coefficients(b"k" * 32), 0, "p", type("W", (), {"steps": [(0, None)]})(), (), {})
+    ledger = ig.Ledger(
+        b"k", ig.Coefficients(b"k" * 32), 0, "p", type("W", (), {"steps": [(0, None)]})(), (), {}
+    )
     lanes = _Lanes()
     lane_hash.attach(ledger, type("C", (), {"lanes": lanes})())
-    bufs = [area[o:o + n] for o, n in msgs]
+    bufs = [area[o : o + n] for o, n in msgs]
     lane_hash.want(ledger, list(enumerate(bufs)), (pairs, "s"))
     for b, s in zip(bufs, sent, strict=True):
         b.copy_(s)

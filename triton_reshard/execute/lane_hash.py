@@ -55,11 +55,22 @@ class LaneUnpack:
         views (and hash the padding among them as it lies there); their part of the message's hash."""
         c = coef.numpy(self.need)
         out = np.zeros(1, dtype=np.uint64)
-        fn(len(self.desc), self.desc.ctypes.data, self.lens.ctypes.data, c.ctypes.data, out.ctypes.data, off,
-           off + n, piece)
+        fn(
+            len(self.desc),
+            self.desc.ctypes.data,
+            self.lens.ctypes.data,
+            c.ctypes.data,
+            out.ctypes.data,
+            off,
+            off + n,
+            piece,
+        )
         h = int(out[0])
-        rows = [[piece + a - off, a, z - a, 0, 1, 1, 1, 1, 0, 0, 0, 0]
-                for a, z in ((max(o, off), min(o + k, off + n)) for o, k in self.gaps) if a < z]
+        rows = [
+            [piece + a - off, a, z - a, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+            for a, z in ((max(o, off), min(o + k, off + n)) for o, k in self.gaps)
+            if a < z
+        ]
         if rows:
             h += digest_many([np.array(rows, dtype=np.int64)], [self.nbytes], c)[0]
         self.got += n
@@ -117,10 +128,18 @@ def want(ledger, recvs, unpack=None) -> None:
     if plan is None:
         return
     split = ledger.views.get(("lane", id(plan)))
-    if split is None or split[0] is not plan:  # per message with copies: its copies and gaps (cached with the plan)
+    if (
+        split is None or split[0] is not plan
+    ):  # per message with copies: its copies and gaps (cached with the plan)
         desc, gaps = plan[0], plan[1]
-        split = (plan, [(j, LaneUnpack(desc[desc[:, 2] == j], gaps[j], n))
-                        for j, (_b, n) in enumerate(bufs) if n and (desc[:, 2] == j).any()])
+        split = (
+            plan,
+            [
+                (j, LaneUnpack(desc[desc[:, 2] == j], gaps[j], n))
+                for j, (_b, n) in enumerate(bufs)
+                if n and (desc[:, 2] == j).any()
+            ],
+        )
         ledger.views["lane", id(plan)] = split
     for j, u in split[1]:
         u.got = u.hash = 0
