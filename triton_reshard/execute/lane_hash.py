@@ -39,7 +39,7 @@ class LaneUnpack:
     from the ring (:meth:`land`): its copies (message ``j`` renumbered 0) and the byte ranges no copy takes
     (padding: hashed as they arrived). ``got``: its bytes landed so far, ``hash``: their hash."""
 
-    __slots__ = ("nbytes", "desc", "gaps", "lens", "need", "got", "hash")
+    __slots__ = ("nbytes", "desc", "gaps", "lens", "need", "got", "hash", "out", "at")
 
     def __init__(self, desc: np.ndarray, gaps: np.ndarray, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -49,23 +49,17 @@ class LaneUnpack:
         self.lens = np.array([nbytes], dtype=np.int64)
         self.need = _entries(nbytes)
         self.got = self.hash = 0
+        self.out = np.zeros(1, dtype=np.uint64)
+        self.at = (len(self.desc), self.desc.ctypes.data, self.lens.ctypes.data, self.out.ctypes.data)
 
     def land(self, fn, piece: int, off: int, n: int, coef) -> int:
         """Copy the message's bytes ``[off, off + n)``, which lie at address ``piece``, into the destination
         views (and hash the padding among them as it lies there); their part of the message's hash."""
         c = coef.numpy(self.need)
-        out = np.zeros(1, dtype=np.uint64)
-        fn(
-            len(self.desc),
-            self.desc.ctypes.data,
-            self.lens.ctypes.data,
-            c.ctypes.data,
-            out.ctypes.data,
-            off,
-            off + n,
-            piece,
-        )
-        h = int(out[0])
+        nd, desc, lens, out = self.at
+        self.out[0] = 0
+        fn(nd, desc, lens, c.ctypes.data, out, off, off + n, piece)
+        h = int(self.out[0])
         rows = [
             [piece + a - off, a, z - a, 0, 1, 1, 1, 1, 0, 0, 0, 0]
             for a, z in ((max(o, off), min(o + k, off + n)) for o, k in self.gaps)
