@@ -144,3 +144,34 @@ def test_no_lane_landed_leaves_the_whole_unpack_to_the_step():
         b.copy_(s)
     assert lane_hash.rest(ledger, [(b, b.numel()) for b in bufs]) is None
     assert not ledger.lane_plans
+
+
+def test_a_message_whose_first_piece_came_before_it_was_registered_lands_in_its_buffer():
+    """A receive pre-posted with the handshake can take its first pieces in the handshake's waits, before the
+    step registers its unpack: the lane then copies the whole message into its buffer (not the rest into the
+    destination) and the step's unpack copies it from there, bit-exact, its digest the sender's."""
+    _native()
+    g = torch.Generator().manual_seed(9)
+    area, msgs, pairs, dests, sent = _step(torch.float32, g)
+    coef = ig.Coefficients(b"k" * 32)
+    ledger = ig.Ledger(b"k", coef, 0, "p", type("W", (), {"steps": [(0, None)]})(), (), {})
+    lanes = _Lanes()
+    lane_hash.attach(ledger, type("C", (), {"lanes": lanes})())
+    bufs = [area[o : o + n] for o, n in msgs]
+    first = 40
+    lanes.copy_out(sent[0][:first].clone(), bufs[0], [])  # (as the first piece of message 0, unregistered)
+    lane_hash.want(ledger, list(enumerate(bufs)), (pairs, "s"))
+    ring = sent[0].clone()
+    total, key = ring.numel(), bufs[0].data_ptr()
+    for a, z in ((first, 301), (301, total)):  # its next pieces, once registered
+        h = lanes.copy_hash(ring[a:z], bufs[0].view(-1)[a:z], a, total)
+        lanes.hashed[key, total] = (lanes.hashed.get((key, total), 0) + h) & ((1 << 64) - 1)
+    lanes.copy_out(sent[1].clone(), bufs[1], [17])
+    bufs[2].copy_(sent[2])
+    assert torch.equal(bufs[0], sent[0])  # all of message 0 in its buffer
+    got = lane_hash.rest(ledger, [(b, b.numel()) for b in bufs])
+    values = ledger._finish(got, [(b, b.numel()) for b in bufs])
+    assert values == [ig.partial(s, coef) for s in sent]
+    want = _unpacked(dests, pairs, area, msgs, sent)
+    for k, t in dests.items():
+        assert torch.equal(t.view(torch.uint8), want[k].view(torch.uint8)), k

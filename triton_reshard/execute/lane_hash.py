@@ -37,7 +37,9 @@ _NO_GAPS = np.zeros((0, WIDTH), dtype=np.int64)
 class LaneUnpack:
     """Message ``j`` of a step's fused unpack (``ops.digest.fused_plan``) as its lane lands it, piece by piece,
     from the ring (:meth:`land`): its copies (message ``j`` renumbered 0) and the byte ranges no copy takes
-    (padding: hashed as they arrived). ``got``: its bytes landed so far, ``hash``: their hash."""
+    (padding: hashed as they arrived). ``got``: its bytes landed so far, ``hash``: their hash. A message whose
+    first pieces came before it was registered (a receive pre-posted with the handshake lands as the waits
+    make progress) goes on into its buffer, all of it: the step's unpack copies it as before."""
 
     __slots__ = ("nbytes", "desc", "gaps", "lens", "need", "got", "hash", "out", "at")
 
@@ -97,7 +99,7 @@ def attach(ledger, comm) -> None:
         the destination views instead."""
         n = dst.numel()
         plan = into.get(dst.data_ptr() - off) if span is not None else None
-        if plan is not None and plan.nbytes == total:
+        if plan is not None and plan.nbytes == total and plan.got == off:  # (every piece before it landed so)
             return plan.land(span, src.data_ptr(), off, n, coef)
         one[0, 0], one[0, 1], one[0, 3], one[0, 4] = src.data_ptr(), dst.data_ptr(), off, n
         lens[0], out[0] = total, 0
@@ -152,8 +154,8 @@ def rest(ledger, bufs) -> tuple | None:
     done = {}
     for j, (b, _n) in enumerate(bufs):
         u = ledger.lane_unpacks.get(b.data_ptr())
-        if u is not None and u.got:  # (all of it: every piece of a registered message comes through the hook)
-            done[j] = u.hash
+        if u is not None and u.got == u.nbytes:  # every piece came once it was registered (not: a pre-posted
+            done[j] = u.hash  # receive's first pieces came in the handshake's waits, into its buffer)
     if not done:
         return None
     desc, gaps, lens, need = plan
