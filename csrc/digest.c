@@ -296,6 +296,43 @@ static uint64_t copy_run(uint8_t *dst, const uint8_t *src, int64_t o, int64_t le
     return h;
 }
 
+/* One copy of trd_copy_digest (its 18 int64 at d), of the bytes at message offsets [lo, hi) only; its hash.
+ * piece: NULL (the copy's own source), or where the message's byte lo lies (the message's piece [lo, hi) held
+ * elsewhere, e.g. in a same-host lane's ring): each byte is read from there instead. */
+static uint64_t copy_one(const int64_t *d, const int64_t *lens, const uint64_t *coef, int64_t lo, int64_t hi,
+                         const uint8_t *piece) {
+    const uint8_t *src = (const uint8_t *)(intptr_t)d[0];
+    uint8_t *dst = (uint8_t *)(intptr_t)d[1];
+    int64_t m = d[2], off = d[3], inner = d[4], outer = d[5];
+    int64_t n = lens[m], lim = n & ~(int64_t)7, rows = ((n >> 3) + 127) >> 7;
+    int64_t size[4] = {1, 1, 1, 1}, ss[4] = {0, 0, 0, 0}, ds[4] = {0, 0, 0, 0};
+    for (int i = 0; i < outer; i++) {
+        size[4 - outer + i] = d[6 + i];
+        ss[4 - outer + i] = d[10 + i];
+        ds[4 - outer + i] = d[14 + i];
+    }
+    if (inner <= 0 || size[0] <= 0 || size[1] <= 0 || size[2] <= 0 || size[3] <= 0) return 0;
+    uint64_t h = 0;
+    for (int64_t i0 = 0; i0 < size[0]; i0++)
+        for (int64_t i1 = 0; i1 < size[1]; i1++)
+            for (int64_t i2 = 0; i2 < size[2]; i2++) {
+                const uint8_t *s = src + i0 * ss[0] + i1 * ss[1] + i2 * ss[2];
+                uint8_t *t = dst + i0 * ds[0] + i1 * ds[1] + i2 * ds[2];
+                for (int64_t i3 = 0; i3 < size[3]; i3++) {
+                    if (off >= hi) return h; /* the message side is in message order: nothing more in the span */
+                    if (off + inner > lo) {
+                        int64_t a = off > lo ? off : lo, z = off + inner < hi ? off + inner : hi;
+                        const uint8_t *from = piece ? piece + (a - lo) : s + (a - off);
+                        h += copy_run(t + (a - off), from, a, z - a, lim, rows, coef);
+                    }
+                    s += ss[3];
+                    t += ds[3];
+                    off += inner;
+                }
+            }
+    return h;
+}
+
 /* trd_copy_digest(nd, desc, lens, coef, out): nd copies; a copy is 18 int64: source address, destination
  * address, its message's index m, the offset of its first byte in message m, the bytes of its contiguous
  * inner run (contiguous on both sides), the number of outer dimensions (0..4), then 4 sizes, 4 source byte
@@ -305,32 +342,15 @@ static uint64_t copy_run(uint8_t *dst, const uint8_t *src, int64_t o, int64_t le
 EXPORT void trd_copy_digest(int64_t nd, const int64_t *desc, const int64_t *lens, const uint64_t *coef,
                             uint64_t *out) {
     if (!words) choose_words(); /* the loops of this machine (copy_words with them) */
-    for (int64_t v = 0; v < nd; v++) {
-        const int64_t *d = desc + 18 * v;
-        const uint8_t *src = (const uint8_t *)(intptr_t)d[0];
-        uint8_t *dst = (uint8_t *)(intptr_t)d[1];
-        int64_t m = d[2], off = d[3], inner = d[4], outer = d[5];
-        int64_t n = lens[m], lim = n & ~(int64_t)7, rows = ((n >> 3) + 127) >> 7;
-        int64_t size[4] = {1, 1, 1, 1}, ss[4] = {0, 0, 0, 0}, ds[4] = {0, 0, 0, 0};
-        for (int i = 0; i < outer; i++) {
-            size[4 - outer + i] = d[6 + i];
-            ss[4 - outer + i] = d[10 + i];
-            ds[4 - outer + i] = d[14 + i];
-        }
-        if (inner <= 0 || size[0] <= 0 || size[1] <= 0 || size[2] <= 0 || size[3] <= 0) continue;
-        uint64_t h = 0;
-        for (int64_t i0 = 0; i0 < size[0]; i0++)
-            for (int64_t i1 = 0; i1 < size[1]; i1++)
-                for (int64_t i2 = 0; i2 < size[2]; i2++) {
-                    const uint8_t *s = src + i0 * ss[0] + i1 * ss[1] + i2 * ss[2];
-                    uint8_t *t = dst + i0 * ds[0] + i1 * ds[1] + i2 * ds[2];
-                    for (int64_t i3 = 0; i3 < size[3]; i3++) {
-                        h += copy_run(t, s, off, inner, lim, rows, coef);
-                        s += ss[3];
-                        t += ds[3];
-                        off += inner;
-                    }
-                }
-        out[m] += h;
-    }
+    for (int64_t v = 0; v < nd; v++) out[desc[18 * v + 2]] += copy_one(desc + 18 * v, lens, coef, 0, INT64_MAX, NULL);
+}
+
+/* trd_copy_digest_span(nd, desc, lens, coef, out, lo, hi, piece): trd_copy_digest of an unpack, of the bytes
+ * at message offsets [lo, hi) only, read from piece (where the message's byte lo lies) instead of each copy's
+ * source: a message unpacked piece by piece as the pieces arrive (the sum of the pieces' hashes is the
+ * message's). */
+EXPORT void trd_copy_digest_span(int64_t nd, const int64_t *desc, const int64_t *lens, const uint64_t *coef,
+                                 uint64_t *out, int64_t lo, int64_t hi, const uint8_t *piece) {
+    if (!words) choose_words();
+    for (int64_t v = 0; v < nd; v++) out[desc[18 * v + 2]] += copy_one(desc + 18 * v, lens, coef, lo, hi, piece);
 }

@@ -197,17 +197,8 @@ class Ledger:
     """One run's digests on this rank: per peer, the messages sent to it and received from it, in order
     (gloo and NCCL deliver a pair's messages in posting order: the k-th sent is the k-th received)."""
 
-    def __init__(
-        self,
-        key: bytes,
-        coef: Coefficients,
-        rank: int,
-        plan_digest: str,
-        work,
-        transfers,
-        views=None,
-        owner=None,
-    ) -> None:
+    def __init__(self, key: bytes, coef: Coefficients, rank: int, plan_digest: str, work, transfers, views=None,
+                 owner=None) -> None:
         self.key, self.coef, self.rank = key, coef, rank
         self.views = {} if views is None else views  # the native hash's view descriptors (Digests keeps them)
         self.owner = owner  # the Digests it came from (step 0's fused pack made during the handshake)
@@ -224,12 +215,15 @@ class Ledger:
         # (address, bytes) of an in-place send -> (the local copies' hash of it, the views they did not read)
         self._local: dict | None = None  # (None: the local copies have not run yet)
         self.lanes = None  # the group's same-host lanes, which hash what they copy in (execute/lane_hash.py)
+        self.lane_unpacks: dict = {}  # receive buffer address -> its lane_hash.LaneUnpack (landed by its lane)
+        self.lane_plans: dict = {}  # a step's first receive buffer address -> its fused unpack (lane_hash.rest)
 
-    def on_post(self, pos: int, sends, recvs) -> None:
+    def on_post(self, pos: int, sends, recvs, unpack=None) -> None:
         """Step ``pos`` was posted: digest its sends now (the transport reads them too). A send no fused copy
         hashed (in place, zero-copy) of at least :data:`THREAD_MIN_BYTES` on CPU is hashed in the digest's
         thread (the native hash releases the GIL) while this thread goes on (the next step's pack, the last
-        step's unpack); :meth:`on_land` of the same step takes its value (the buffer is not reused before)."""
+        step's unpack); :meth:`on_land` of the same step takes its value (the buffer is not reused before).
+        ``unpack``: the step's unpack ``(pairs, key)`` its same-host lanes may make (``lane_hash.want``)."""
         i = self.work.steps[pos][0]
         fused = self._fused.pop(("pack", pos), None)
         bufs = [(b, b.numel()) for _p, b in sends]
@@ -244,7 +238,7 @@ class Ledger:
                 self._later.setdefault(pos, {})[j] = (peer, len(self.sent.get(peer, ())), buf)
             self.sent.setdefault(peer, []).append((i, buf.numel(), v))
         self._posted[pos] = list(recvs)
-        lane_hash.want(self, recvs)
+        lane_hash.want(self, recvs, unpack)
         if self._local is not None:
             self._resolve(pos)
 
@@ -364,7 +358,10 @@ class Ledger:
         posted = self._posted.get(pos)
         if not posted:
             return False
-        got = fused_copy(self.views, self.coef, pairs, [(b, b.numel()) for _p, b in posted], 0, key, backend)
+        bufs = [(b, b.numel()) for _p, b in posted]
+        got = lane_hash.rest(self, bufs)  # the messages the lanes did not land straight from their ring
+        if got is None:
+            got = fused_copy(self.views, self.coef, pairs, bufs, 0, key, backend)
         if got is None:
             return False
         self._fused["unpack", pos] = got

@@ -213,7 +213,7 @@ class StepLoop:
         p = self.post(pos, sends, recvs)
         self.strategy.posted(self, pos)
         if self.ledger is not None:  # the sends digested while the transport reads them
-            self.ledger.on_post(pos, sends, recvs)
+            self.ledger.on_post(pos, sends, recvs, self.strategy.lane_unpack(self, pos))
         return p
 
     def post(self, pos: int, sends, recvs) -> Pending:

@@ -96,6 +96,15 @@ class Dense:
             return Landed(b.unpacks[pos])
         return Landed(b.unpacks[pos], staged=bool(staged))
 
+    def lane_unpack(self, loop, pos: int) -> tuple | None:
+        """Step ``pos``'s unpack as its same-host lanes may make it, each message straight from the ring into the
+        destination (``lane_hash.want``): ``(pairs, key)`` of the fused unpack :meth:`land` makes, or None where the
+        receive buffers must hold the messages (verify compares them; staged pieces of quantized destinations are
+        copied out of them) or the copies are not the native ones."""
+        if loop.verify or loop.backend != "torch" or loop.b.quant.stage_unpacks[pos]:
+            return None
+        return loop.b.unpacks[pos], (loop.key, "unpack", loop.work.steps[pos][0])
+
     def end(self, loop) -> None:
         pass
 
@@ -183,6 +192,9 @@ class Delta(Dense):
     says its own length)."""
 
     local_digest = False  # (its in-place sends mostly go as delta messages: nothing to take from the local copies)
+
+    def lane_unpack(self, loop, pos: int) -> None:
+        return None  # its messages land as deltas (``land``), not as the dense unpack
 
     def __init__(self, side: DeltaSide, req: DeltaRequest, base: int, pre: Prediff | None = None) -> None:
         super().__init__(None, req, None)

@@ -54,6 +54,12 @@ def copy_native():
     return _symbol("trd_copy_digest", None, [_I, _P, _P, _P, _P])
 
 
+def copy_span_native():
+    """``trd_copy_digest_span`` (ctypes): an unpack's fused copy of one piece of its messages' bytes, read from
+    where the piece lies (a same-host lane's ring), or None (as :func:`native`; an extension built before it)."""
+    return _symbol("trd_copy_digest_span", None, [_I, _P, _P, _P, _P, _I, _I, _P])
+
+
 def lanes(use: int | None = None) -> int | None:
     """The native hash loop's lanes: 256 (AVX2) or 0 (the portable loop), None without the extension. ``use``
     (0 or 256) picks the loop for this process first (the tests run both; the value is the same)."""
@@ -319,7 +325,18 @@ def fused_copy(views: dict, coef, pairs, bufs, side: int, key, backend: str = "t
         need = max(entries(n) for _b, n in bufs)
         return triton_copy_digest(pairs, bufs, side, coef.get(need, bufs[0][0].device), key)
     fn = copy_native()
-    if fn is None or not bufs or not pairs or bufs[0][0].device.type != "cpu":
+    got = fused_plan(views, pairs, bufs, side, key) if fn is not None else None
+    if got is None:
+        return None
+    desc, gaps, lens, need = got
+    return copy_digest(fn, desc, lens, coef.numpy(need)), gaps
+
+
+def fused_plan(views: dict, pairs, bufs, side: int, key):
+    """The native fused copy of ``pairs`` over the messages ``bufs`` (:func:`copy_plan`): ``(descriptors, gaps,
+    lens, coefficients needed)``, cached in ``views`` under ``key`` (None: not cached), or None where the native
+    copy cannot make it (the caller copies with torch)."""
+    if not bufs or not pairs or bufs[0][0].device.type != "cpu":
         return None
     sig = ("copy", key, side, tuple((b.data_ptr(), n) for b, n in bufs), len(pairs))
     got = views.get(sig) if key is not None else None
@@ -331,7 +348,4 @@ def fused_copy(views: dict, coef, pairs, bufs, side: int, key, backend: str = "t
             if len(views) >= 512:
                 views.clear()
             views[sig] = got
-    if got is False:
-        return None
-    desc, gaps, lens, need = got
-    return copy_digest(fn, desc, lens, coef.numpy(need)), gaps
+    return got or None
