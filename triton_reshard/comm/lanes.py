@@ -228,7 +228,9 @@ class Lanes:
         self.counts = {"ring": 0, "ring_bytes": 0, "pieces": 0, "waits": 0, "gloo": 0, "hashed": 0}
         # the digest's hook (``execute/lane_hash.py``): receives into buffers at addresses ``want`` are
         # copied out of the ring by ``copy_hash(src, dst, offset, length) -> hash of what it wrote`` (the
-        # piece at ``offset`` of a message of ``length`` bytes), the message's value summed in ``hashed``
+        # piece at ``offset`` of a message of ``length`` bytes), the message's value summed in ``hashed``;
+        # where the step's unpack was registered for the buffer (``lane_hash.LaneUnpack``), the hook writes
+        # the piece straight into the destination views instead and leaves ``dst`` as it was
         self.copy_hash = None
         self.want: set[int] = set()
         self.hashed: dict[tuple[int, int], int] = {}
