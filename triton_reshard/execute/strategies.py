@@ -193,9 +193,6 @@ class Delta(Dense):
 
     local_digest = False  # (its in-place sends mostly go as delta messages: nothing to take from the local copies)
 
-    def lane_unpack(self, loop, pos: int) -> None:
-        return None  # its messages land as deltas (``land``), not as the dense unpack
-
     def __init__(self, side: DeltaSide, req: DeltaRequest, base: int, pre: Prediff | None = None) -> None:
         super().__init__(None, req, None)
         self.base, self.elig, self.snap = base, side.elig, side.snap
@@ -213,6 +210,9 @@ class Delta(Dense):
         # measured for the cost model (DeltaCost): diff / apply seconds, delta and dense bytes each way
         self.diff_s = self.apply_s = 0.0
         self.bytes = [0, 0, 0, 0]  # delta sent, dense sent, delta received, dense received
+
+    def lane_unpack(self, loop, pos: int) -> None:
+        return None  # its messages land as deltas (``land``), not as the dense unpack
 
     def begin(self, loop) -> None:
         # gloo without block deltas: delta messages received into buffers of their largest size, no length
