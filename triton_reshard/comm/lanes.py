@@ -154,18 +154,17 @@ class LaneSend:
     """A send through a lane: done once its last piece is in the ring (:meth:`wait` makes progress until then;
     the buffer is the caller's again after)."""
 
-    def __init__(self, owner: Lanes | None = None, buf: torch.Tensor | None = None, seq: int = 0) -> None:
+    def __init__(self, owner: Lanes, buf: torch.Tensor, seq: int) -> None:
         self.owner, self.seq = owner, seq
-        self.flat = _flat(buf) if buf is not None else None
-        self.n = _nbytes(buf) if buf is not None else 0
-        self.off = 0
+        self.flat: torch.Tensor | None = _flat(buf)  # None once every piece is in the ring
+        self.n, self.off = _nbytes(buf), 0
 
     @property
     def done(self) -> bool:
         return self.flat is None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        return self.owner is None or self.owner.wait_for(self, timeout)
+        return self.owner.wait_for(self, timeout)
 
 
 class LaneRecv:
